@@ -1,0 +1,73 @@
+"""Every ``HPDL_*`` environment variable, typed and read lazily (one home, as vLLM's ``envs.py``).
+
+Configuration order everywhere in hpdl: function argument, then the variable below, then the default.
+``python -m hpdl.runtime.env`` prints the table that docs/configuration.md holds.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    parse: Callable[[str], Any]
+    default: Any
+    doc: str
+
+
+def _bool(value: str) -> bool:
+    v = value.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected a boolean (1/0/true/false), got {value!r}")
+
+
+REGISTRY: dict[str, EnvVar] = {}
+
+
+def _declare(name: str, parse: Callable[[str], Any], default: Any, doc: str) -> None:
+    REGISTRY[name] = EnvVar(name, parse, default, doc)
+
+
+_declare("HPDL_TIMEOUT", float, 300.0, "Seconds a collective or rendezvous waits for a peer before it raises.")
+_declare("HPDL_CHECK", _bool, True,
+         "Check before each collective that all ranks passed the same count, dtype, op and device "
+         "(one small metadata all-gather). Benchmarks turn it off for their timed loops.")
+_declare("HPDL_TUNING_FILE", str, "", "Path of a JSON tuning table written by `hpdl bench allreduce --tune`.")
+_declare("HPDL_DIRECT_WINDOW", int, 0, "Throttle window k of the direct algorithm (0 = use the tuned default).")
+_declare("HPDL_LOG_LEVEL", str, "WARNING", "Log level of the `hpdl` logger.")
+
+
+def get(name: str) -> Any:
+    """Value of ``name`` from the environment, parsed, or its default.
+
+    Raises:
+        KeyError: ``name`` is not a declared hpdl variable.
+        ValueError: the variable is set to a value its parser rejects; the message names the variable.
+    """
+    var = REGISTRY[name]
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return var.default
+    try:
+        return var.parse(raw)
+    except ValueError as exc:
+        raise ValueError(f"environment variable {name}={raw!r} is invalid: {exc}") from None
+
+
+def table() -> str:
+    """Markdown table of every variable, its default and meaning."""
+    rows = ["| variable | default | meaning |", "|---|---|---|"]
+    for var in REGISTRY.values():
+        rows.append(f"| `{var.name}` | `{var.default!r}` | {var.doc} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(table())

@@ -1,0 +1,23 @@
+"""Exceptions shared by every hpdl subsystem."""
+
+from __future__ import annotations
+
+
+class HpdlError(RuntimeError):
+    """Root of every error hpdl raises on purpose."""
+
+
+class CollectiveTimeoutError(HpdlError, TimeoutError):
+    """A distributed wait ran past its timeout; the message names the rank that did not answer."""
+
+    def __init__(self, message: str, *, missing_ranks: list[int] | None = None):
+        super().__init__(message)
+        self.missing_ranks = list(missing_ranks or [])
+
+
+class CollectiveMismatchError(HpdlError, ValueError):
+    """Ranks called the same collective with different counts, dtypes, ops or devices."""
+
+
+class WorkerFailedError(HpdlError):
+    """A spawned rank raised or died; the message carries its rank and traceback."""
