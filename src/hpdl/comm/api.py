@@ -1,0 +1,331 @@
+"""torch.distributed-shaped collectives: ``all_reduce``, ``reduce_scatter``, ``all_gather``.
+
+Each call validates its arguments, checks (``HPDL_CHECK``) that every rank passed the same count, dtype, op,
+device and algorithm, picks the algorithm (``"auto"`` asks :mod:`hpdl.comm.tuning`), and runs it over the
+group's transport. Results are in place, like ``torch.distributed``; non-contiguous tensors are handled through
+a contiguous copy written back into the caller's tensor.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from hpdl.comm import tuning
+from hpdl.comm.algorithms.base import Algorithm, canonical, get_class
+from hpdl.comm.ops import check_dtype, normalize_op, REDUCE_OPS, SUPPORTED_DTYPES
+from hpdl.comm.transport.torch_p2p import TorchTransport
+from hpdl.runtime import env
+from hpdl.runtime.errors import CollectiveMismatchError, CollectiveTimeoutError
+
+_DTYPE_CODE = {d: i for i, d in enumerate(SUPPORTED_DTYPES)}
+_ALGO_CODES: dict[str, int] = {}
+
+
+class Work:
+    """Handle of an ``async_op=True`` collective: ``wait()`` blocks (re-raising its error), ``is_completed()``."""
+
+    def __init__(self, future: Future):
+        self._future = future
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the collective finished; raises what the collective raised. Returns True."""
+        try:
+            self._future.result(timeout=timeout)
+        except TimeoutError:
+            raise CollectiveTimeoutError(f"async collective not finished after {timeout}s") from None
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+
+class _GroupState:
+    """Per-group cache: transports, algorithm instances, the ordered async executor."""
+
+    def __init__(self, group):
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.backend = str(dist.get_backend(group))
+        self._comm: TorchTransport | None = None
+        self._host: TorchTransport | None = None
+        self._algos: dict[tuple[str, int | None], Algorithm] = {}
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: list[Future] = []
+        self._lock = threading.Lock()
+
+    def comm(self, timeout: float) -> TorchTransport:
+        if self._comm is None:
+            self._comm = TorchTransport(self.group, timeout)
+        self._comm.timeout = timeout
+        return self._comm
+
+    def host(self, timeout: float) -> TorchTransport:
+        if self._host is None:
+            if self.backend == "gloo":
+                self._host = self.comm(timeout)
+            else:
+                ranks = (list(range(self.world_size)) if self.group is None
+                         else [dist.get_global_rank(self.group, r) for r in range(self.world_size)])
+                hg = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+                self._host = TorchTransport(hg, timeout, device=torch.device("cpu"))
+        self._host.timeout = timeout
+        return self._host
+
+    def algorithm(self, name: str, window: int | None, timeout: float) -> Algorithm:
+        key = (name, window)
+        if key not in self._algos:
+            cls = get_class(name)
+            self._algos[key] = cls(window, host_comm=self.host(timeout)) if name == "staged" else cls(window)
+        return self._algos[key]
+
+    def submit(self, fn: Callable[[], None], async_op: bool) -> Work | None:
+        """Run ``fn`` after every earlier async call on this group, in order."""
+        with self._lock:
+            self._pending = [f for f in self._pending if not f.done()]
+            if not async_op and not self._pending:
+                fn()
+                return None
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="hpdl-comm")
+            stream = torch.cuda.current_stream() if torch.cuda.is_available() and torch.cuda.is_initialized() \
+                else None
+            fut = self._executor.submit(_on_stream, fn, stream)
+            self._pending.append(fut)
+        if async_op:
+            return Work(fut)
+        fut.result()
+        return None
+
+
+def _on_stream(fn, stream):
+    if stream is None:
+        return fn()
+    with torch.cuda.stream(stream):
+        return fn()
+
+
+_STATES: dict[object, _GroupState] = {}
+
+
+def _state(group) -> _GroupState:
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised: call hpdl.runtime.init_from_env() or "
+                           "torch.distributed.init_process_group() first")
+    key = group if group is not None else "world"
+    st = _STATES.get(key)
+    if st is None:
+        st = _STATES[key] = _GroupState(group)
+    return st
+
+
+def reset() -> None:
+    """Drop cached transports and buffers (call after destroying process groups)."""
+    for st in _STATES.values():
+        if st._executor is not None:
+            st._executor.shutdown(wait=True)
+    _STATES.clear()
+
+
+def _check_tensor(name: str, t, st: _GroupState) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.is_sparse or t.is_complex():
+        raise ValueError(f"{name} must be a dense real tensor, got layout={t.layout} dtype={t.dtype}")
+    if t.device.type == "cuda" and st.backend == "gloo":
+        raise ValueError(f"{name} is on {t.device} but the group's backend is gloo; pass a CPU tensor or use an "
+                         "NCCL group")
+    if t.device.type == "cpu" and st.backend == "nccl":
+        raise ValueError(f"{name} is on the CPU but the group's backend is nccl; pass a CUDA tensor")
+
+
+def _verify_same(st: _GroupState, what: str, fields: dict[str, int], timeout: float) -> None:
+    """Exchange the call's signature with every peer; raise on any difference, naming the field and ranks."""
+    host = st.host(timeout)
+    p, me = host.world_size, host.rank
+    mine = torch.tensor(list(fields.values()), dtype=torch.int64)
+    theirs = [torch.empty_like(mine) for _ in range(p)]
+    theirs[me] = mine
+    sends, recvs = host.post([(mine, q) for q in range(p) if q != me],
+                             [(theirs[q], q) for q in range(p) if q != me], tag=99)
+    missing = []
+    for q, req in zip([q for q in range(p) if q != me], recvs):
+        try:
+            req.wait()
+        except CollectiveTimeoutError:
+            missing.append(q)
+            break  # the group is broken now; report the first silent rank
+    if missing:
+        raise CollectiveTimeoutError(f"{what}: rank {me} waited {timeout:.0f}s for rank {missing[0]}, which never "
+                                     f"called {what}", missing_ranks=missing)
+    for req in sends:
+        req.wait()
+    names = list(fields)
+    for i, name in enumerate(names):
+        values = [int(t[i]) for t in theirs]
+        if len(set(values)) > 1:
+            shown = ", ".join(f"rank {r}: {_decode(name, v)}" for r, v in enumerate(values))
+            raise CollectiveMismatchError(f"{what}: argument {name!r} differs across ranks ({shown}); every rank "
+                                          f"must pass the same value")
+
+
+def _decode(field: str, value: int) -> str:
+    if field == "dtype":
+        return str(SUPPORTED_DTYPES[value]) if 0 <= value < len(SUPPORTED_DTYPES) else str(value)
+    if field == "op":
+        return REDUCE_OPS[value]
+    if field == "algorithm":
+        return next((k for k, v in _ALGO_CODES.items() if v == value), str(value))
+    if field == "device":
+        return {0: "cpu", 1: "cuda"}.get(value, str(value))
+    return str(value)
+
+
+def _resolve(st: _GroupState, algorithm: str, nbytes: int, device_type: str, window: int | None):
+    name = canonical(algorithm)
+    if name == "auto":
+        name, tuned = tuning.select(nbytes, st.world_size, device_type)
+        window = window if window is not None else tuned
+    if window is None:
+        window = env.get("HPDL_DIRECT_WINDOW") or None
+    _ALGO_CODES.setdefault(name, len(_ALGO_CODES) + 1)
+    return name, window
+
+
+def _prepare(what: str, tensor: torch.Tensor, op, group, algorithm: str, window, timeout, check):
+    st = _state(group)
+    _check_tensor("tensor", tensor, st)
+    op = normalize_op(op)
+    check_dtype(tensor.dtype, op)
+    if window is not None and (not isinstance(window, int) or window < 0):
+        raise ValueError(f"window must be a positive int (or None for the tuned value), got {window!r}")
+    timeout = float(env.get("HPDL_TIMEOUT") if timeout is None else timeout)
+    nbytes = tensor.numel() * tensor.element_size()
+    name, window = _resolve(st, algorithm, nbytes, tensor.device.type, window)
+    if (env.get("HPDL_CHECK") if check is None else check) and st.world_size > 1:
+        _verify_same(st, what, {"count": tensor.numel(), "dtype": _DTYPE_CODE[tensor.dtype],
+                                "op": REDUCE_OPS.index(op), "device": int(tensor.device.type == "cuda"),
+                                "algorithm": _ALGO_CODES[name], "window": window or 0}, timeout)
+    return st, op, name, window, timeout
+
+
+def all_reduce(tensor: torch.Tensor, op="sum", group=None, algorithm: str = "auto", async_op: bool = False, *,
+               window: int | None = None, timeout: float | None = None, check: bool | None = None):
+    """Reduce ``tensor`` across all ranks of ``group``, in place; every rank gets the bitwise-identical result.
+
+    Args:
+        tensor: any shape, contiguous or not; dtype float32, float64, float16, bfloat16 (accumulated in
+            float32), int32, int64 or uint8 (integer sums wrap like C); CPU with gloo, CUDA with NCCL.
+        op: "sum", "avg" (floating dtypes only), "min", "max", "product", or a ``torch.distributed.ReduceOp``.
+        group: process group (None = world).
+        algorithm: "auto" (tuning table), "direct" (throttled Direct Sendrecv), "ring",
+            "recursive_doubling", "staged" (CPU staging) or "native" (torch.distributed).
+        async_op: return a :class:`Work` handle instead of waiting.
+        window: throttle of the direct algorithm (peers in flight); None = tuned default.
+        timeout: seconds any wait may block (default ``HPDL_TIMEOUT``).
+        check: verify that all ranks passed the same arguments (default ``HPDL_CHECK``, on).
+
+    Returns:
+        None, or a :class:`Work` when ``async_op`` is True.
+
+    Raises:
+        TypeError / ValueError: bad tensor, dtype, op, algorithm or window (nothing has been written).
+        CollectiveMismatchError: ranks passed different counts, dtypes, ops, devices or algorithms.
+        CollectiveTimeoutError: a peer did not answer within ``timeout``; the message names it.
+    """
+    st, op, name, window, timeout = _prepare("all_reduce", tensor, op, group, algorithm, window, timeout, check)
+
+    def run() -> None:
+        if tensor.numel() == 0 or st.world_size == 1:
+            return
+        algo = st.algorithm(name, window, timeout)
+        buf = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+        algo.all_reduce(buf, op, st.comm(timeout))
+        if not tensor.is_contiguous():
+            tensor.copy_(buf.view(tensor.shape))
+
+    return st.submit(run, async_op)
+
+
+def _blocks_of(flat: torch.Tensor, world_size: int) -> list[torch.Tensor]:
+    n = flat.numel() // world_size
+    return [flat[q * n:(q + 1) * n] for q in range(world_size)]
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op="sum", group=None, algorithm: str = "auto",
+                   async_op: bool = False, *, window: int | None = None, timeout: float | None = None,
+                   check: bool | None = None):
+    """``output = reduce over ranks of input[rank*m:(rank+1)*m]`` with ``m = output.numel()``.
+
+    Same contract as ``torch.distributed.reduce_scatter_tensor`` (``input.numel() == world_size * m``, same
+    dtype and device); ``input`` is not modified. Algorithms: "auto", "direct", "ring", "native".
+    Raises as :func:`all_reduce`, plus ValueError on mismatched sizes.
+    """
+    st = _state(group)
+    _check_tensor("output", output, st)
+    _check_tensor("input", input, st)
+    if input.numel() != st.world_size * output.numel():
+        raise ValueError(f"input.numel() must be world_size * output.numel() = {st.world_size} * "
+                         f"{output.numel()}, got {input.numel()}")
+    if input.dtype != output.dtype or input.device != output.device:
+        raise ValueError(f"input and output must share dtype and device, got {input.dtype}/{input.device} and "
+                         f"{output.dtype}/{output.device}")
+    st, op, name, window, timeout = _prepare("reduce_scatter", input, op, group, algorithm, window, timeout, check)
+    if name == "recursive_doubling" or name == "staged":
+        name = "direct"
+
+    def run() -> None:
+        if output.numel() == 0:
+            return
+        flat = input.contiguous().view(-1)
+        blocks = _blocks_of(flat, st.world_size)
+        out = output.view(-1) if output.is_contiguous() else torch.empty_like(blocks[0])
+        if st.world_size == 1:
+            out.copy_(flat)
+        else:
+            st.algorithm(name, window, timeout).reduce_scatter(blocks, out, op, st.comm(timeout))
+        if not output.is_contiguous():
+            output.copy_(out.view(output.shape))
+
+    return st.submit(run, async_op)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, algorithm: str = "auto",
+               async_op: bool = False, *, window: int | None = None, timeout: float | None = None,
+               check: bool | None = None):
+    """``output[q*m:(q+1)*m] = input of rank q`` with ``m = input.numel()``, like ``all_gather_into_tensor``.
+
+    Algorithms: "auto", "direct", "ring", "native". Raises as :func:`all_reduce`, plus ValueError on
+    mismatched sizes, dtypes or devices.
+    """
+    st = _state(group)
+    _check_tensor("output", output, st)
+    _check_tensor("input", input, st)
+    if output.numel() != st.world_size * input.numel():
+        raise ValueError(f"output.numel() must be world_size * input.numel() = {st.world_size} * "
+                         f"{input.numel()}, got {output.numel()}")
+    if input.dtype != output.dtype or input.device != output.device:
+        raise ValueError(f"input and output must share dtype and device, got {input.dtype}/{input.device} and "
+                         f"{output.dtype}/{output.device}")
+    st, _, name, window, timeout = _prepare("all_gather", input, "sum", group, algorithm, window, timeout, check)
+    if name == "recursive_doubling" or name == "staged":
+        name = "direct"
+
+    def run() -> None:
+        if input.numel() == 0:
+            return
+        flat = output.view(-1) if output.is_contiguous() else torch.empty(output.numel(), dtype=output.dtype,
+                                                                            device=output.device)
+        blocks = _blocks_of(flat, st.world_size)
+        blocks[st.rank].copy_(input.reshape(-1))
+        if st.world_size > 1:
+            st.algorithm(name, window, timeout).all_gather(blocks, st.comm(timeout))
+        if not output.is_contiguous():
+            output.copy_(flat.view(output.shape))
+
+    return st.submit(run, async_op)

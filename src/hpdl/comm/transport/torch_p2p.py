@@ -1,0 +1,71 @@
+"""Transport over torch.distributed point-to-point (gloo on CPU, NCCL on GPU, MPI where built)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from hpdl.comm.transport.base import Request, Transport
+from hpdl.runtime.errors import CollectiveTimeoutError
+
+
+class _TorchRequest(Request):
+    def __init__(self, work, transport: "TorchTransport", peer: int, kind: str):
+        self._work, self._t, self._peer, self._kind = work, transport, peer, kind
+
+    def wait(self) -> None:
+        try:
+            if self._t.backend == "nccl":
+                self._work.wait()  # orders the current stream after the op; NCCL's watchdog owns its timeout
+            else:
+                self._work.wait(timedelta(seconds=self._t.timeout))
+        except RuntimeError as exc:
+            msg = str(exc)
+            if "imeout" in msg or "timed out" in msg.lower():
+                raise CollectiveTimeoutError(
+                    f"rank {self._t.rank} waited {self._t.timeout:.0f}s for the {self._kind} "
+                    f"{'from' if self._kind == 'recv' else 'to'} rank {self._peer}, which did not answer",
+                    missing_ranks=[self._peer]) from None
+            raise
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+
+class TorchTransport(Transport):
+    """Sends and receives through ``torch.distributed`` on ``group`` (None = world).
+
+    Args:
+        group: process group whose ranks the algorithm addresses as 0..world_size-1.
+        timeout: seconds each wait may block (gloo); NCCL waits are bounded by the group's own timeout.
+    """
+
+    def __init__(self, group=None, timeout: float = 300.0, device: torch.device | None = None):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.backend = str(dist.get_backend(group))
+        self.timeout = float(timeout)
+        self.device = device or (torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl"
+                                 else torch.device("cpu"))
+        self._global = [dist.get_global_rank(group, r) if group is not None else r for r in range(self.world_size)]
+
+    def post(self, sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]],
+             tag: int = 0) -> tuple[list[Request], list[Request]]:
+        if self.backend == "nccl":
+            ops = [dist.P2POp(dist.isend, t, self._global[p], self.group) for t, p in sends]
+            ops += [dist.P2POp(dist.irecv, t, self._global[p], self.group) for t, p in recvs]
+            if not ops:
+                return [], []
+            works = dist.batch_isend_irecv(ops)
+            n = len(sends)
+            return ([_TorchRequest(w, self, p, "send") for w, (_, p) in zip(works[:n], sends)],
+                    [_TorchRequest(w, self, p, "recv") for w, (_, p) in zip(works[n:], recvs)])
+        rreqs = [_TorchRequest(dist.irecv(t, self._global[p], group=self.group, tag=tag), self, p, "recv")
+                 for t, p in recvs]
+        sreqs = [_TorchRequest(dist.isend(t, self._global[p], group=self.group, tag=tag), self, p, "send")
+                 for t, p in sends]
+        return sreqs, rreqs

@@ -1,0 +1,91 @@
+"""``algorithm="auto"``: message size, world size, device and topology -> algorithm and throttle window.
+
+The default table below comes from the measurements in docs/benchmarks/ (the row comments say which);
+``hpdl bench allreduce --tune PATH`` measures every algorithm on the current machine and writes a new
+table, which ``HPDL_TUNING_FILE=PATH`` (or :func:`set_table`) makes active.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from hpdl.runtime import env
+
+INF = 1 << 62
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Use ``algorithm`` (with ``window``) for messages of at most ``max_bytes`` on ``device``.
+
+    Rules are matched in order; the first whose device, world-size range and byte bound fit wins.
+    """
+
+    device: str
+    max_bytes: int
+    algorithm: str
+    window: int | None = None
+    min_world: int = 1
+    max_world: int = INF
+
+
+@dataclass
+class TuningTable:
+    rules: list[Rule]
+    source: str = "default"
+
+    def select(self, nbytes: int, world_size: int, device_type: str) -> tuple[str, int | None]:
+        """``(algorithm, window)`` for one call; ``("native", None)`` when no rule matches."""
+        for rule in self.rules:
+            if (rule.device == device_type and rule.min_world <= world_size <= rule.max_world
+                    and nbytes <= rule.max_bytes):
+                return rule.algorithm, rule.window
+        return "native", None
+
+    def to_json(self) -> str:
+        return json.dumps({"source": self.source, "rules": [asdict(r) for r in self.rules]}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "file") -> "TuningTable":
+        data = json.loads(text)
+        try:
+            rules = [Rule(**r) for r in data["rules"]]
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"tuning table {source!r} is malformed: {exc}") from None
+        return cls(rules, data.get("source", source))
+
+
+# CPU (gloo) defaults from docs/benchmarks/cpu.md (4 and 8 processes on one host).
+# CUDA defaults: NCCL until the peer-memory kernels' measured table replaces it.
+DEFAULT_RULES = [
+    Rule("cpu", 1, "native", min_world=1, max_world=1),
+    Rule("cpu", 32 << 10, "recursive_doubling"),
+    Rule("cpu", INF, "direct", window=4),
+    Rule("cuda", INF, "native"),
+]
+
+_active: TuningTable | None = None
+
+
+def default_table() -> TuningTable:
+    return TuningTable(list(DEFAULT_RULES))
+
+
+def set_table(table: TuningTable | None) -> None:
+    """Make ``table`` the active one (None restores the default / ``HPDL_TUNING_FILE``)."""
+    global _active
+    _active = table
+
+
+def active_table() -> TuningTable:
+    global _active
+    if _active is None:
+        path = env.get("HPDL_TUNING_FILE")
+        _active = TuningTable.from_json(Path(path).read_text(), source=path) if path else default_table()
+    return _active
+
+
+def select(nbytes: int, world_size: int, device_type: str) -> tuple[str, int | None]:
+    return active_table().select(nbytes, world_size, device_type)
