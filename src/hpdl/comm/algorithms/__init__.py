@@ -1,0 +1,1 @@
+"""One module per collective algorithm, all written over hpdl.comm.transport."""
