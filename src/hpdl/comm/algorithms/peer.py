@@ -1,0 +1,285 @@
+"""Direct all-reduce over peer GPU memory on one node: one-shot and two-shot, one kernel launch per call.
+
+Algorithm (Direct Sendrecv with throttling, Chen et al., ICPP 2025, read as in docs/comm_gpu.md; the kernel
+pattern follows vLLM's and TensorRT-LLM's custom all-reduce):
+
+* ``one_shot``: every rank stores its whole tensor into a slot of every peer's registered buffer, meets the peers
+  at a barrier, then reduces the W copies in rank order. One barrier, (W-1)·n bytes out per rank: best for small n.
+* ``two_shot``: the tensor is cut into W shards. Reduce-scatter: rank r stores shard p into peer p's buffer;
+  barrier; rank r reduces shard r in rank order, writes it and stores it into every peer's all-gather slot;
+  barrier; each rank copies the gathered shards out. 2·(W-1)/W·n bytes out per rank: best for large n.
+* Peers are visited in windows of ``window`` (k) starting at rank+1, so at most k links are loaded at once.
+* Pipelining: each of ``grid`` thread blocks works through rounds of ``chunk`` 16-byte vectors, with its own
+  barriers, so one block's copy-out overlaps another block's transfer; the registered buffer holds one round
+  per block, hence a fixed size (64 KiB + 8 MiB + 132 MiB at W=2) whatever the tensor size.
+
+:func:`reference_all_reduce` runs the same schedule (same :func:`schedule`, same slots, same rank order, same
+float32 accumulation) on CPU tensors; CI tests it against torch.distributed, the device benchmark tests the
+kernels against it bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+OPS = {"sum": 0, "avg": 1, "min": 2, "max": 3, "product": 4}
+DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int32: 3, torch.int64: 4}
+ALGORITHMS = {"one_shot": 0, "two_shot": 1}
+MAX_RANKS = 8
+ONE_SHOT_MAX_BLOCKS = 64
+ONE_SHOT_SLOT_BYTES = 32 * 1024
+HEADER_BYTES = 64 * 1024
+MIN_CHUNK_VECS = 512          # one 16-byte vector per thread of a 512-thread block
+# Benchmarks may cap the per-block chunk (in vectors) to study pipelining depth; None = the slot size.
+CHUNK_CAP_VECS: dict[str, int | None] = {"one_shot": None, "two_shot": None}
+BUFFER_BACKEND = "auto"       # "auto" | "symm" | "ipc", for buffers registered from now on (see transport.symm)
+
+
+def two_shot_slot_bytes(world: int) -> int:
+    """Per-block slot of the two-shot region: 512 KiB split over the ranks, at least 32 KiB."""
+    return max(32 * 1024, (512 * 1024) // max(world, 1))
+
+
+def schedule(n: int, itemsize: int, world: int, algorithm: str, max_blocks: int, slot_vecs: int,
+             chunk_cap: int | None = None) -> tuple[int, int]:
+    """Grid and per-block chunk (in 16-byte vectors) for ``n`` elements of ``itemsize`` bytes.
+
+    The span is the whole tensor (one-shot) or one shard of ceil(vectors / world) (two-shot). The chunk spreads
+    the span over up to ``max_blocks`` blocks, at least :data:`MIN_CHUNK_VECS`, at most ``slot_vecs``
+    (and ``chunk_cap``); larger spans take several rounds. Returns ``(grid, chunk)``, grid 0 when n == 0.
+    """
+    nv = -(-n // (16 // itemsize))
+    span = nv if algorithm == "one_shot" else -(-nv // world)
+    if span == 0:
+        return 0, 1
+    cap = min(slot_vecs, chunk_cap or slot_vecs)
+    chunk = max(1, min(cap, max(MIN_CHUNK_VECS, -(-span // max_blocks))))
+    return min(max_blocks, -(-span // chunk)), chunk
+
+
+class _Comm:
+    """Registered buffer + extension handle of one (group, device)."""
+
+    def __init__(self, group, device: torch.device):
+        from hpdl.comm.transport.kernels import load_peer_allreduce
+        from hpdl.comm.transport.symm import PeerBuffer
+        from hpdl.runtime import env
+
+        self.ext = load_peer_allreduce()
+        self.world = dist.get_world_size(group)
+        if self.world > MAX_RANKS:
+            raise ValueError(f"peer all-reduce supports groups of at most {MAX_RANKS} ranks, got {self.world}")
+        slot1, slot2 = ONE_SHOT_SLOT_BYTES, two_shot_slot_bytes(self.world)
+        # two-shot: one block per SM of the smallest GPU of the group (all blocks must be co-resident)
+        sms: list = [None] * self.world
+        with torch.cuda.device(device):
+            dist.all_gather_object(sms, torch.cuda.get_device_properties(device).multi_processor_count, group=group)
+        self.max_blocks = {"one_shot": ONE_SHOT_MAX_BLOCKS, "two_shot": min(min(sms), 256)}
+        size1 = ONE_SHOT_MAX_BLOCKS * 2 * self.world * slot1
+        size2 = self.max_blocks["two_shot"] * 2 * self.world * slot2
+        self.buffer = PeerBuffer(group, device, HEADER_BYTES + size1 + size2, header_bytes=HEADER_BYTES,
+                                 backend=BUFFER_BACKEND)
+        self.slot_vecs = {"one_shot": slot1 // 16, "two_shot": slot2 // 16}
+        self.window = int(env.get("HPDL_DIRECT_WINDOW")) or self.world - 1
+        timeout_ns = int(float(env.get("HPDL_TIMEOUT")) * 1e9)
+        self.handle = self.ext.create(self.buffer.ptrs, self.buffer.rank, self.world, device.index,
+                                      HEADER_BYTES, slot1 // 16, HEADER_BYTES + size1, slot2 // 16, timeout_ns)
+
+    def close(self) -> None:
+        self.ext.release(self.handle)
+        self.buffer.close()
+
+
+_COMMS: dict[tuple, _Comm] = {}
+
+
+def _comm(group, device: torch.device) -> _Comm:
+    key = (group, device.index)
+    comm = _COMMS.get(key)
+    if comm is None:
+        comm = _COMMS[key] = _Comm(group, device)
+    return comm
+
+
+def register(group=None, device: torch.device | None = None) -> None:
+    """Create the group's registered buffer now (collective). Call it before CUDA-graph capture."""
+    _comm(group, torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device))
+
+
+def release(group=None) -> None:
+    """Free the registered buffers of ``group`` (collective over the group; call before destroying it)."""
+    for key in [k for k in _COMMS if k[0] is group]:
+        _COMMS.pop(key).close()
+
+
+def peer_available(tensor: torch.Tensor, group) -> bool:
+    """True when :func:`peer_all_reduce` can take ``tensor`` over ``group`` (no communication, no build).
+
+    Needs a CUDA tensor of float32/float16/bfloat16/int32/int64, a CUDA build of torch and a group of at most
+    8 ranks. That the ranks share a host is checked at the first call (collective), which raises otherwise.
+    """
+    if not (isinstance(tensor, torch.Tensor) and tensor.is_cuda and tensor.dtype in DTYPES):
+        return False
+    if torch.version.cuda is None or not dist.is_initialized():
+        return False
+    return 1 <= dist.get_world_size(group) <= MAX_RANKS
+
+
+def peer_all_reduce(tensor: torch.Tensor, op: str, group, algorithm: str = "two_shot",
+                    window: int | None = None) -> None:
+    """All-reduce ``tensor`` in place over ``group`` through peer memory, with one kernel on the current stream.
+
+    Args:
+        tensor: CUDA tensor, any shape, float32/float16/bfloat16/int32/int64; non-contiguous or non-16-byte-
+            aligned views are reduced through a contiguous copy. Every rank passes the same numel and dtype.
+        op: "sum", "avg" (floats only), "min", "max" or "product". 16-bit floats accumulate in float32.
+        group: process group of ranks on one host (None = default group), at most 8 ranks.
+        algorithm: "one_shot" or "two_shot".
+        window: peers visited at once (k >= 1); None = ``HPDL_DIRECT_WINDOW`` or all peers.
+
+    Results are bit-identical on every rank. The first call per (group, device) registers the buffer and is
+    collective and must not be inside CUDA-graph capture (call :func:`register` first); later calls capture
+    and replay safely. Calls on one group must be ordered (one stream, or streams joined by events).
+
+    Raises:
+        ValueError: unsupported dtype, op, algorithm or window, or a CPU tensor.
+        RuntimeError: the kernel launch failed or the ranks are not on one host.
+    """
+    dt = DTYPES.get(tensor.dtype)
+    opc = OPS.get(op)
+    algo = ALGORITHMS.get(algorithm)
+    if dt is None or opc is None or algo is None or not tensor.is_cuda or (window is not None and window < 1):
+        _raise_bad_args(tensor, op, algorithm, window)
+    if opc == 1 and dt >= 3:
+        raise ValueError(f"op='avg' needs a floating-point tensor, got dtype {tensor.dtype}")
+    comm = _COMMS.get((group, tensor.device.index)) or _comm(group, tensor.device)
+    n = tensor.numel()
+    if n == 0 or comm.world == 1:
+        return
+    work = tensor
+    if not tensor.is_contiguous() or tensor.data_ptr() % 16:
+        work = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)   # fresh: 512-byte aligned
+        work.copy_(tensor)
+    grid, chunk = schedule(n, tensor.element_size(), comm.world, algorithm, comm.max_blocks[algorithm],
+                           comm.slot_vecs[algorithm], CHUNK_CAP_VECS.get(algorithm))
+    comm.ext.all_reduce(comm.handle, work.data_ptr(), n, dt, opc, algo, window or comm.window, grid, chunk)
+    if work is not tensor:
+        tensor.copy_(work)
+
+
+def _raise_bad_args(tensor, op, algorithm, window) -> None:
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_cuda:
+        raise ValueError(f"tensor must be a CUDA tensor, got {getattr(tensor, 'device', type(tensor))}")
+    if tensor.dtype not in DTYPES:
+        raise ValueError(f"tensor dtype must be one of {[str(d) for d in DTYPES]}, got {tensor.dtype}")
+    if op not in OPS:
+        raise ValueError(f"op must be one of {list(OPS)}, got {op!r}")
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {list(ALGORITHMS)}, got {algorithm!r}")
+    raise ValueError(f"window must be None or >= 1, got {window!r}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CPU reference of the kernels' schedule
+# ----------------------------------------------------------------------------------------------------------
+
+def _combine(acc: torch.Tensor, x: torch.Tensor, op: str) -> torch.Tensor:
+    if op in ("sum", "avg"):
+        return acc + x
+    if op == "product":
+        return acc * x
+    if op == "min":
+        return torch.where(x < acc, x, acc)
+    return torch.where(x > acc, x, acc)
+
+
+def _reduce_ranks(parts: list[torch.Tensor], op: str, dtype: torch.dtype, world: int) -> torch.Tensor:
+    """``parts[q]`` from rank q, combined in rank order in the accumulation type, as the kernel does."""
+    acc_t = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    acc = parts[0].to(acc_t)
+    for x in parts[1:]:
+        acc = _combine(acc, x.to(acc_t), op)
+    if op == "avg":
+        acc = acc / world
+    return acc.to(dtype)
+
+
+def reference_all_reduce(inputs: list[torch.Tensor], op: str, algorithm: str, window: int | None = None, *,
+                         max_blocks: int | None = None, slot_bytes: int | None = None) -> list[torch.Tensor]:
+    """Run the kernels' schedule on CPU tensors: ``inputs[r]`` is rank r's tensor; returns each rank's output.
+
+    Simulates every block's rounds with per-rank slot buffers: pushes in window order, reduction in rank order
+    with float32 accumulation for 16-bit floats, the two-shot owner-only reduction and gather. ``max_blocks``
+    and ``slot_bytes`` default to small values (4 blocks, 1 KiB slots) so that rounds, partial chunks and
+    several blocks occur on small tensors; pass the device's values to mirror a device run exactly.
+
+    Raises:
+        ValueError: empty list, more than 8 ranks, mismatched shapes/dtypes, or an unsupported op/dtype/algorithm.
+    """
+    world = len(inputs)
+    if not 1 <= world <= MAX_RANKS:
+        raise ValueError(f"inputs must hold 1..{MAX_RANKS} tensors, got {world}")
+    shape, dtype = inputs[0].shape, inputs[0].dtype
+    if any(x.shape != shape or x.dtype != dtype for x in inputs):
+        raise ValueError("every rank's tensor must have the same shape and dtype")
+    if dtype not in DTYPES or op not in OPS or algorithm not in ALGORITHMS:
+        raise ValueError(f"unsupported dtype/op/algorithm: {dtype}, {op!r}, {algorithm!r}")
+    if op == "avg" and not dtype.is_floating_point:
+        raise ValueError(f"op='avg' needs a floating-point tensor, got dtype {dtype}")
+    k = window or world - 1
+    if k < 1 and world > 1:
+        raise ValueError(f"window must be >= 1, got {window!r}")
+    n, vlen = inputs[0].numel(), 16 // inputs[0].element_size()
+    nv = math.ceil(n / vlen)
+    max_blocks = max_blocks or 4
+    slot_vecs = (slot_bytes or 1024) // 16
+    grid, chunk = schedule(n, inputs[0].element_size(), world, algorithm, max_blocks, slot_vecs,
+                           CHUNK_CAP_VECS.get(algorithm))
+    # data[r]: rank r's tensor as (vectors, lanes), zero-padded like the kernel's partial-vector loads
+    data = [torch.cat([x.detach().reshape(-1).cpu(), x.new_zeros(nv * vlen - n, device="cpu")]).view(nv, vlen)
+            for x in inputs]
+    if world == 1 or n == 0:
+        return [d.reshape(-1)[:n].clone().view(shape) for d in data]
+    # slots[q][block, kind, src] holds `chunk` vectors, as in rank q's registered buffer
+    slots = [torch.zeros(max(grid, 1), 2, world, chunk, vlen, dtype=dtype) for _ in range(world)]
+    order = [[(r + j) % world for j in range(1, world)] for r in range(world)]
+    windows = [[o[i:i + k] for i in range(0, world - 1, k)] for o in order]
+    span = nv if algorithm == "one_shot" else math.ceil(nv / world)
+    stride = 0 if algorithm == "one_shot" else span
+    epoch = [0] * grid
+    for b in range(grid):
+        for first in range(b * chunk, span, grid * chunk):
+            cnt = min(chunk, span - first)
+            epoch[b] += 1
+            kind = epoch[b] & 1 if algorithm == "one_shot" else 0
+            for r in range(world):   # push (reduce-scatter for two-shot)
+                for win in windows[r]:
+                    for p in win:
+                        lo, hi = first + p * stride, min(first + p * stride + cnt, nv)
+                        if hi > lo:
+                            slots[p][b, kind, r, : hi - lo] = data[r][lo:hi]
+            # --- barrier ---
+            if algorithm == "one_shot":
+                for r in range(world):
+                    parts = [data[q][first:first + cnt] if q == r else slots[r][b, kind, q, :cnt] for q in range(world)]
+                    data[r][first:first + cnt] = _reduce_ranks(parts, op, dtype, world)
+                continue
+            for r in range(world):   # reduce my shard, push it to every peer's all-gather slot
+                lo, hi = r * span + first, min(r * span + first + cnt, nv)
+                if hi <= lo:
+                    continue
+                parts = [data[q][lo:hi] if q == r else slots[r][b, 0, q, : hi - lo] for q in range(world)]
+                data[r][lo:hi] = _reduce_ranks(parts, op, dtype, world)
+                for win in windows[r]:
+                    for p in win:
+                        slots[p][b, 1, r, : hi - lo] = data[r][lo:hi]
+            # --- barrier ---
+            for r in range(world):   # gather
+                for p in order[r]:
+                    lo, hi = p * span + first, min(p * span + first + cnt, nv)
+                    if hi > lo:
+                        data[r][lo:hi] = slots[r][b, 1, p, : hi - lo]
+    return [d.reshape(-1)[:n].clone().view(shape) for d in data]

@@ -1,0 +1,96 @@
+// Python binding of the peer all-reduce: one registered communicator per (group, device), one launch per call.
+// Only integers cross the boundary (pointers as int), so no torch type casters are compiled and the per-call
+// cost is one pybind call plus one kernel launch on the current stream of the tensor's device.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "peer_args.h"
+
+namespace hpdl {
+cudaError_t launch_peer_all_reduce(const PeerArgs& a, int algo, int dtype, int grid, cudaStream_t stream);
+}
+
+namespace {
+
+struct Comm {
+  hpdl::PeerArgs args{};
+  long long region[2]{};
+  long long slot_vecs[2]{};
+  int device = 0;
+  bool live = false;
+};
+
+std::vector<Comm> g_comms;
+
+Comm& get(int handle) {
+  if (handle < 0 || handle >= static_cast<int>(g_comms.size()) || !g_comms[handle].live)
+    throw std::invalid_argument("peer all-reduce: unknown or released communicator handle " + std::to_string(handle));
+  return g_comms[handle];
+}
+
+int create(const std::vector<int64_t>& bufs, int rank, int world, int device, int64_t one_shot_region,
+           int64_t one_shot_slot_vecs, int64_t two_shot_region, int64_t two_shot_slot_vecs, int64_t timeout_ns) {
+  if (world < 1 || world > hpdl::kMaxRanks || static_cast<int>(bufs.size()) != world)
+    throw std::invalid_argument("peer all-reduce: world must be 1.." + std::to_string(hpdl::kMaxRanks) +
+                                " with one buffer per rank, got world=" + std::to_string(world));
+  if (rank < 0 || rank >= world) throw std::invalid_argument("peer all-reduce: rank out of range");
+  Comm c;
+  for (int q = 0; q < world; ++q) c.args.bufs[q] = reinterpret_cast<char*>(bufs[q]);
+  c.args.rank = rank;
+  c.args.world = world;
+  c.args.timeout_ns = static_cast<unsigned long long>(timeout_ns);
+  c.region[hpdl::kOneShot] = one_shot_region;
+  c.region[hpdl::kTwoShot] = two_shot_region;
+  c.slot_vecs[hpdl::kOneShot] = one_shot_slot_vecs;
+  c.slot_vecs[hpdl::kTwoShot] = two_shot_slot_vecs;
+  c.device = device;
+  c.live = true;
+  g_comms.push_back(c);
+  return static_cast<int>(g_comms.size()) - 1;
+}
+
+void release(int handle) { get(handle).live = false; }
+
+void all_reduce(int handle, int64_t data, int64_t n, int dtype, int op, int algo, int window, int grid,
+                int64_t chunk) {
+  Comm& c = get(handle);
+  if (algo != hpdl::kOneShot && algo != hpdl::kTwoShot) throw std::invalid_argument("peer all-reduce: bad algorithm");
+  if (chunk < 1 || chunk > c.slot_vecs[algo])
+    throw std::invalid_argument("peer all-reduce: chunk " + std::to_string(chunk) + " outside 1.." +
+                                std::to_string(c.slot_vecs[algo]) + " vectors");
+  if (data % 16 != 0) throw std::invalid_argument("peer all-reduce: data pointer must be 16-byte aligned");
+  hpdl::PeerArgs a = c.args;
+  a.data = reinterpret_cast<void*>(data);
+  a.n = n;
+  a.chunk = chunk;
+  a.slot_vecs = c.slot_vecs[algo];
+  a.region = c.region[algo];
+  a.window = window < 1 ? a.world - 1 : window;
+  a.op = op;
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(c.device));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(c.device)).stream();
+  const cudaError_t err = hpdl::launch_peer_all_reduce(a, algo, dtype, grid, stream);
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string("peer all-reduce: kernel launch failed: ") + cudaGetErrorString(err));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "hpdl direct all-reduce over peer memory (one-shot / two-shot)";
+  m.def("create", &create, "register a communicator; returns its handle");
+  m.def("release", &release, "forget a communicator (the buffer itself is freed by Python)");
+  m.def("all_reduce", &all_reduce, "in-place all-reduce of a 16-byte aligned device buffer on the current stream");
+  m.attr("MAX_RANKS") = hpdl::kMaxRanks;
+  m.attr("MAX_BLOCKS") = hpdl::kMaxBlocks;
+  m.attr("HEADER_BYTES") = hpdl::kHeaderBytes;
+}

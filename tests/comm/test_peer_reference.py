@@ -1,0 +1,178 @@
+"""CPU tests of the peer all-reduce schedule (hpdl.comm.algorithms.peer): the reference that mirrors the CUDA
+kernels is checked against torch.distributed (gloo) and against a float64 oracle; CI has no GPU."""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hpdl.comm.algorithms import peer
+
+ALGOS = ("one_shot", "two_shot")
+COUNTS = (0, 1, 3, 7, 8, 9, 63, 65, 255, 1031)
+INT_DTYPES = (torch.int32, torch.int64)
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _inputs(world: int, n: int, dtype: torch.dtype, seed: int, lo: int = -8, hi: int = 9) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(lo, hi, (n,), generator=g).to(dtype) for _ in range(world)]
+
+
+def _oracle(inputs: list[torch.Tensor], op: str) -> torch.Tensor:
+    st = torch.stack([x.double() for x in inputs])
+    if st.shape[1] == 0:
+        return inputs[0].clone()
+    out = {"sum": st.sum(0), "avg": st.sum(0) / len(inputs), "min": st.min(0).values, "max": st.max(0).values,
+           "product": st.prod(0)}[op]
+    return out.to(inputs[0].dtype)
+
+
+@pytest.mark.parametrize("algorithm", ALGOS)
+@pytest.mark.parametrize("world", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES + INT_DTYPES)
+def test_reference_exact_on_integer_inputs(algorithm, world, dtype):
+    for n in COUNTS:
+        for op in ("sum", "min", "max", "product") + (("avg",) if dtype.is_floating_point else ()):
+            hi = 3 if op == "product" else 9   # products of 8 ranks stay exact in bf16
+            xs = _inputs(world, n, dtype, seed=n * 31 + world, lo=-hi + 1, hi=hi)
+            exp = _oracle(xs, op)
+            outs = peer.reference_all_reduce(xs, op, algorithm, window=2)
+            for r, out in enumerate(outs):
+                assert out.dtype == dtype and out.shape == xs[0].shape
+                assert torch.equal(out, exp), f"rank {r}, n={n}, op={op}"
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 7, 8])
+def test_reference_rank_order_fp32_accumulation_and_identical_bits(world):
+    """Random bf16: every rank holds the same bits, equal to x0 + x1 + ... accumulated in float32, rounded once."""
+    n = 1000
+    g = torch.Generator().manual_seed(world)
+    xs = [torch.randn(n, generator=g).to(torch.bfloat16) for _ in range(world)]
+    acc = xs[0].float()
+    for x in xs[1:]:
+        acc = acc + x.float()
+    exp = acc.to(torch.bfloat16)
+    for algorithm in ALGOS:
+        for window in (1, 2, None):
+            outs = peer.reference_all_reduce(xs, "sum", algorithm, window, max_blocks=3, slot_bytes=256)
+            for out in outs:
+                assert torch.equal(out.view(torch.int16), exp.view(torch.int16))
+    if world == 2:   # one addition rounds once either way
+        return
+    # accumulating in bf16 instead would differ: the test can tell the two apart
+    acc16 = xs[0]
+    for x in xs[1:]:
+        acc16 = acc16 + x
+    assert not torch.equal(acc16, exp)
+
+
+def test_reference_keeps_shape_and_does_not_modify_inputs():
+    xs = [torch.arange(12, dtype=torch.float32).reshape(3, 4) * (r + 1) for r in range(3)]
+    before = [x.clone() for x in xs]
+    outs = peer.reference_all_reduce(xs, "sum", "two_shot")
+    assert all(torch.equal(a, b) for a, b in zip(xs, before))
+    assert outs[0].shape == (3, 4) and torch.equal(outs[0], sum(before))
+
+
+@pytest.mark.parametrize("algorithm", ALGOS)
+def test_schedule_covers_every_vector_once(algorithm):
+    for world in (1, 2, 3, 8):
+        for n in (1, 7, 8, 9, 4097, 100003, 2_000_001):
+            for itemsize in (2, 4, 8):
+                grid, chunk = peer.schedule(n, itemsize, world, algorithm, max_blocks=7, slot_vecs=600)
+                nv = math.ceil(n / (16 // itemsize))
+                span = nv if algorithm == "one_shot" else math.ceil(nv / world)
+                assert 1 <= grid <= 7 and 1 <= chunk <= 600
+                seen = torch.zeros(span, dtype=torch.int32)
+                for b in range(grid):
+                    for first in range(b * chunk, span, grid * chunk):
+                        seen[first:first + chunk] += 1
+                assert bool((seen == 1).all()), (world, n, itemsize)
+    assert peer.schedule(0, 2, 2, algorithm, 7, 600) == (0, 1)
+
+
+def test_reference_rejects_bad_input():
+    xs = _inputs(2, 5, torch.float32, 0)
+    with pytest.raises(ValueError, match="op"):
+        peer.reference_all_reduce(xs, "xor", "one_shot")
+    with pytest.raises(ValueError, match="avg"):
+        peer.reference_all_reduce(_inputs(2, 5, torch.int32, 0), "avg", "one_shot")
+    with pytest.raises(ValueError, match="same shape"):
+        peer.reference_all_reduce([xs[0], xs[1][:3]], "sum", "one_shot")
+    with pytest.raises(ValueError, match="1..8"):
+        peer.reference_all_reduce(xs * 5, "sum", "one_shot")
+
+
+def test_peer_path_refuses_cpu_tensors():
+    x = torch.ones(4)
+    assert not peer.peer_available(x, None)
+    assert not peer.peer_available(torch.ones(4, dtype=torch.float64), None)
+    with pytest.raises(ValueError, match="CUDA"):
+        peer.peer_all_reduce(x, "sum", None)
+
+
+# --- against torch.distributed: one gloo job of 8 ranks, subgroups of 2..8 ranks ---------------------------
+GLOO_CASES = [(n, dtype, op) for n in (1, 3, 17, 1031) for dtype in (torch.float32, torch.int64, torch.int32)
+              for op in ("sum", "min", "max", "product")] + [(129, torch.bfloat16, "sum"), (33, torch.float32, "avg")]
+_TORCH_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX,
+              "product": dist.ReduceOp.PRODUCT}
+
+
+def _gloo_worker(rank: int, world: int, port: int, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    out = {}
+    for w in range(2, world + 1):
+        group = dist.new_group(list(range(w)))   # every rank creates every group
+        if rank >= w:
+            continue
+        for i, (n, dtype, op) in enumerate(GLOO_CASES):
+            x = _inputs(w, n, dtype, seed=i, lo=-2 if op == "product" else -8, hi=3 if op == "product" else 9)[rank]
+            if op == "avg":   # gloo has no AVG: sum, then divide as the kernel does
+                x = x.clone()
+                dist.all_reduce(x, dist.ReduceOp.SUM, group=group)
+                x = x / w
+            else:
+                dist.all_reduce(x, _TORCH_OPS[op], group=group)
+            out[(w, i)] = x.tolist()   # plain lists: no shared-memory tensors outlive this process
+    queue.put((rank, out))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(150)
+def test_reference_matches_torch_distributed_world_2_to_8():
+    world = 8
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = mp.start_processes(_gloo_worker, args=(world, _free_port(), queue), nprocs=world, join=False,
+                               start_method="spawn")
+    results = {}
+    for _ in range(world):
+        rank, out = queue.get(timeout=140)
+        results[rank] = out
+    procs.join(timeout=30)
+    checked = 0
+    for w in range(2, world + 1):
+        for i, (n, dtype, op) in enumerate(GLOO_CASES):
+            xs = _inputs(w, n, dtype, seed=i, lo=-2 if op == "product" else -8, hi=3 if op == "product" else 9)
+            for algorithm in ALGOS:
+                refs = peer.reference_all_reduce(xs, op, algorithm, window=3)
+                for r in range(w):
+                    assert refs[r].tolist() == results[r][(w, i)], (w, n, dtype, op, algorithm, r)
+                    checked += 1
+    assert checked == sum(w for w in range(2, 9)) * len(GLOO_CASES) * 2
