@@ -60,7 +60,7 @@ class TuningTable:
 # CPU (gloo) defaults from docs/benchmarks/cpu.md (4 and 8 processes on one host).
 # CUDA defaults: NCCL until the peer-memory kernels' measured table replaces it.
 DEFAULT_RULES = [
-    Rule("cpu", 1, "native", min_world=1, max_world=1),
+    Rule("cpu", INF, "native", min_world=1, max_world=1),
     Rule("cpu", 32 << 10, "recursive_doubling"),
     Rule("cpu", INF, "direct", window=4),
     Rule("cuda", INF, "native"),

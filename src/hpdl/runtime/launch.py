@@ -222,6 +222,6 @@ def spawn(fn: Callable[..., Any], nprocs: int, *, args: tuple = (), device: str 
                 p.kill()
                 p.join()
     if errors:
-        first = min(errors)
+        first = next(iter(errors))  # the first failure reported is the cause; the others usually follow from it
         raise WorkerFailedError(f"rank {first} failed (failed ranks: {sorted(errors)}):\n{errors[first]}")
     return [outputs[r] for r in range(nprocs)]

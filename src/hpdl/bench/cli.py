@@ -1,0 +1,151 @@
+"""``hpdl bench``: collective benchmarks with nccl-tests / OSU columns, exact #wrong, plots and tuning."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from datetime import datetime, timezone
+
+import torch
+
+from hpdl.bench.harness import BenchConfig, run_sweep
+from hpdl.bench.specs import SPECS
+
+_COLLECTIVES = {"allreduce": "allreduce", "reduce_scatter": "reduce_scatter", "all_gather": "all_gather"}
+
+
+def parse_size(text: str) -> int:
+    """'8', '64K', '1M', '1G' (powers of 1024) or '1KiB' -> bytes."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
+    num = t[:-1] if t[-1:] in "KMG" else t
+    try:
+        value = int(float(num) * mult)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"size must look like 8, 64K, 1M or 1G, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"size must be >= 0, got {text!r}")
+    return value
+
+
+def sizes_between(lo: int, hi: int, factor: int = 2) -> list[int]:
+    if lo > hi:
+        raise ValueError(f"--min ({lo}) must not exceed --max ({hi})")
+    out, s = [], max(lo, 1)
+    while s <= hi:
+        out.append(s)
+        s *= factor
+    return out
+
+
+class BenchCommand:
+    name = "bench"
+    help = "benchmark collectives (nccl-tests / OSU columns, exact #wrong, speed-up over native)"
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        sub = parser.add_subparsers(dest="collective", metavar="{" + ",".join(_COLLECTIVES) + "}")
+        for name in _COLLECTIVES:
+            p = sub.add_parser(name, help=f"benchmark {name}")
+            p.add_argument("--np", type=int, default=4, help="ranks to spawn when not under torchrun/mpirun")
+            p.add_argument("--algorithms", default="native,auto,direct,ring,recursive_doubling",
+                           help="comma-separated algorithms (native is the baseline)")
+            p.add_argument("--min", dest="min_size", type=parse_size, default=8, help="smallest size (bytes)")
+            p.add_argument("--max", dest="max_size", type=parse_size, default=64 << 20, help="largest size (bytes)")
+            p.add_argument("--factor", type=int, default=2, help="size step factor")
+            p.add_argument("--dtype", default="float32")
+            p.add_argument("--op", default="sum", choices=["sum", "avg", "min", "max", "product"])
+            p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+            p.add_argument("--iters", type=int, default=50, help="most timed iterations per point")
+            p.add_argument("--warmup", type=int, default=2)
+            p.add_argument("--time-per-point", type=float, default=0.25,
+                           help="seconds of timing aimed at per point (iterations adapt down to 2)")
+            p.add_argument("--window", type=int, default=None, help="throttle window k of direct (default tuned)")
+            p.add_argument("--ranks-per-node", type=int, default=None, help="emulate nodes of this many ranks")
+            p.add_argument("--json", dest="json_path", default=None, help="write rows and metadata as JSON")
+            p.add_argument("--plot", dest="plot_path", default=None, help="write latency/busbw plot (PNG)")
+            p.add_argument("--tune", dest="tune_path", default=None,
+                           help="write a tuning table for algorithm='auto' from this sweep (JSON)")
+            p.add_argument("--format", choices=["table", "json"], default="table")
+            p.add_argument("--timeout", type=float, default=None, help="seconds before a stuck run fails")
+
+    def run(self, args) -> int:
+        from hpdl.cli import CLIUsageError
+
+        if args.collective is None:
+            raise CLIUsageError("choose a collective: " + ", ".join(_COLLECTIVES))
+        if args.np < 1:
+            raise CLIUsageError(f"--np must be >= 1, got {args.np}")
+        try:
+            cfg = BenchConfig(collective=_COLLECTIVES[args.collective],
+                              sizes=sizes_between(args.min_size, args.max_size, args.factor),
+                              algorithms=[a.strip() for a in args.algorithms.split(",") if a.strip()],
+                              dtype=args.dtype, op=args.op, iters=args.iters, warmup=args.warmup,
+                              window=args.window, time_per_point=args.time_per_point,
+                              progress=sys.stderr.isatty())
+        except ValueError as exc:
+            raise CLIUsageError(str(exc)) from None
+        if args.tune_path and "native" not in cfg.algorithms:
+            raise CLIUsageError("--tune needs 'native' among --algorithms (auto must never lose to it)")
+        rows, world = _launch(cfg, args)
+        meta = _meta(cfg, args, world)
+        _print(rows, meta, args)
+        if args.json_path:
+            from hpdl.bench.report import write_json
+
+            write_json(rows, args.json_path, meta)
+        if args.plot_path:
+            from hpdl.bench.report import plot
+
+            plot(rows, args.plot_path, f"{cfg.collective} {cfg.dtype} {cfg.op}, {world} ranks, {args.device}")
+        if args.tune_path:
+            from hpdl.bench.report import tuned_table
+
+            with open(args.tune_path, "w") as fh:
+                fh.write(tuned_table(rows, world, args.device).to_json())
+            print(f"# tuning table written to {args.tune_path}; use it with HPDL_TUNING_FILE={args.tune_path}")
+        return 1 if any(r.wrong for r in rows) else 0
+
+
+def _bench_worker(ctx, cfg):
+    rows = run_sweep(ctx, cfg)
+    return rows if ctx.rank == 0 else None
+
+
+def _launch(cfg: BenchConfig, args):
+    from hpdl.runtime import detect_launcher, init_from_env, spawn
+
+    if detect_launcher() is not None:
+        ctx = init_from_env(args.device, args.ranks_per_node, args.timeout)
+        rows = run_sweep(ctx, cfg)
+        if ctx.rank != 0:
+            sys.exit(1 if any(r.wrong for r in rows) else 0)
+        return rows, ctx.world_size
+    results = spawn(_bench_worker, args.np, args=(cfg,), device=args.device, ranks_per_node=args.ranks_per_node,
+                    timeout=args.timeout)
+    return results[0], args.np
+
+
+def _meta(cfg: BenchConfig, args, world: int) -> dict:
+    meta = {"collective": cfg.collective, "world_size": world, "device": args.device, "dtype": cfg.dtype,
+            "op": cfg.op, "torch": torch.__version__, "python": platform.python_version(),
+            "host": platform.node(), "cpu": platform.processor() or platform.machine(),
+            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "command": "hpdl " + " ".join(sys.argv[1:])}
+    if args.device == "cuda" and torch.cuda.is_available():
+        meta["gpu"] = torch.cuda.get_device_name(0)
+        meta["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    return meta
+
+
+def _print(rows, meta, args) -> None:
+    from hpdl.bench.report import format_table
+
+    if args.format == "json":
+        print(json.dumps({"meta": meta, "rows": [r.as_dict() for r in rows]}, indent=1))
+        return
+    print(f"# hpdl bench {meta['collective']}: {meta['world_size']} ranks, device {meta['device']}, "
+          f"torch {meta['torch']}, {meta['date']}")
+    print(format_table(rows))

@@ -1,0 +1,94 @@
+"""Tables (nccl-tests / OSU columns), JSON, plots and tuning tables from benchmark rows.
+
+Columns: size (B) and count of the largest buffer; algbw = size / time; busbw = algbw x the collective's
+factor (all-reduce 2(p-1)/p, reduce-scatter and all-gather (p-1)/p: NVIDIA/nccl-tests doc/PERFORMANCE.md), so
+busbw compares with link bandwidth whatever the rank count. ``#wrong`` counts elements that differ from the
+exact result, summed over ranks; ``vs native`` is native's time over this row's, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+from itertools import groupby
+from pathlib import Path
+from typing import Sequence
+
+from hpdl.bench.harness import Row
+from hpdl.comm.tuning import INF, Rule, TuningTable, default_table
+
+HEADER = (f"{'size(B)':>12} {'count':>11} {'type':>9} {'redop':>7} {'algorithm':>19} {'avg(us)':>10} "
+          f"{'min(us)':>10} {'max(us)':>10} {'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'#wrong':>7} {'vs native':>9}")
+
+
+def _algo_label(r: Row) -> str:
+    if r.algorithm == "auto":
+        return f"auto->{r.resolved}"[:19]
+    return r.algorithm[:19]
+
+
+def format_table(rows: Sequence[Row], title: str = "") -> str:
+    lines = [f"# {title}"] if title else []
+    lines.append("#" + HEADER[1:])
+    for r in rows:
+        speed = f"{r.speedup:8.2f}x" if r.speedup is not None else f"{'-':>9}"
+        lines.append(f"{r.size:>12} {r.count:>11} {r.dtype:>9} {r.op:>7} {_algo_label(r):>19} {r.avg_us:>10.1f} "
+                     f"{r.min_us:>10.1f} {r.max_us:>10.1f} {r.algbw:>11.3f} {r.busbw:>11.3f} {r.wrong:>7} {speed}")
+    lines.append(f"# Out of bounds values : {sum(r.wrong for r in rows)} {'OK' if not any(r.wrong for r in rows) else 'FAILED'}")
+    return "\n".join(lines)
+
+
+def write_json(rows: Sequence[Row], path: str | Path, meta: dict) -> None:
+    Path(path).write_text(json.dumps({"meta": meta, "rows": [r.as_dict() for r in rows]}, indent=1))
+
+
+def plot(rows: Sequence[Row], path: str | Path, title: str) -> None:
+    """Latency and busbw against size, one line per algorithm (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for algo, group in groupby(sorted(rows, key=lambda r: (r.algorithm, r.size)), key=lambda r: r.algorithm):
+        pts = [r for r in group if r.size > 0]
+        ax1.plot([r.size for r in pts], [r.avg_us for r in pts], marker="o", ms=3, label=algo)
+        ax2.plot([r.size for r in pts], [r.busbw for r in pts], marker="o", ms=3, label=algo)
+    for ax, ylabel in ((ax1, "latency (us)"), (ax2, "busbw (GB/s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("size (bytes)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+    ax1.set_yscale("log")
+    ax1.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def tuned_table(rows: Sequence[Row], world_size: int, device: str, noise: float = 0.05) -> TuningTable:
+    """Fastest correct algorithm per size, merged into byte ranges, for ``world_size`` on ``device``.
+
+    A non-native algorithm is chosen only when it beats native by more than ``noise`` (so that ``auto``
+    never loses to the baseline within measurement noise). Rows for other worlds/devices keep the defaults.
+    """
+    best: list[tuple[int, str, int | None]] = []
+    for size, group in groupby(sorted(rows, key=lambda r: r.size), key=lambda r: r.size):
+        cands = [r for r in group if r.wrong == 0 and r.algorithm != "auto"]
+        if not cands:
+            continue
+        native = next((r for r in cands if r.algorithm == "native"), None)
+        win = min(cands, key=lambda r: r.avg_us)
+        if native is not None and win.avg_us > native.avg_us * (1 - noise):
+            win = native
+        best.append((size, win.resolved, win.window))
+    rules: list[Rule] = []
+    for i, (size, algo, window) in enumerate(best):
+        last = i == len(best) - 1
+        nxt = best[i + 1] if not last else None
+        if nxt is not None and (nxt[1], nxt[2]) == (algo, window):
+            continue
+        # the boundary sits between this measured size and the next one
+        bound = INF if last else (size + nxt[0]) // 2
+        rules.append(Rule(device, bound, algo, window, min_world=world_size, max_world=world_size))
+    return TuningTable(rules + default_table().rules, source=f"hpdl bench --tune (world {world_size}, {device})")

@@ -1,0 +1,158 @@
+"""A pool of live ranks that runs one function on every rank per call, like PyTorch's MultiProcessTestCase
+but without paying process start-up and rendezvous for every test.
+
+Each call has a watchdog: ranks that do not answer within ``timeout`` are named in the error and the pool is
+torn down (a rank stuck in a collective cannot be trusted again); the next :func:`get_pool` starts a new one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+from hpdl.runtime.errors import CollectiveTimeoutError, WorkerFailedError
+
+
+def _serve(rank, world, port, device, ranks_per_node, timeout, tasks, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from hpdl.runtime.launch import _make_context, _resolve_device
+
+    torch.set_num_threads(1)
+    try:
+        dev, backend = _resolve_device(device, rank)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout))
+        ctx = _make_context(rank, world, rank, dev, backend, ranks_per_node)
+        results.put((-1, rank, "ok", None))
+    except BaseException:  # noqa: BLE001 - report start-up failure to the parent
+        results.put((-1, rank, "error", traceback.format_exc()))
+        return
+    while True:
+        item = tasks.get()
+        if item is None:
+            break
+        task_id, fn, args = item
+        try:
+            results.put((task_id, rank, "ok", fn(ctx, *args)))
+        except BaseException:  # noqa: BLE001 - every failure goes back to the parent with its traceback
+            results.put((task_id, rank, "error", traceback.format_exc()))
+    import hpdl.comm
+
+    hpdl.comm.reset()
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """``world_size`` spawned ranks in one gloo process group, waiting for work.
+
+    Args:
+        world_size: ranks to start.
+        ranks_per_node: emulated topology (see :class:`hpdl.runtime.Topology`).
+        timeout: default seconds a :meth:`run` may take; also the process group's timeout.
+    """
+
+    def __init__(self, world_size: int, ranks_per_node: int | Sequence[int] | None = None, timeout: float = 120.0,
+                 device: str = "cpu"):
+        from hpdl.runtime.launch import free_port
+
+        self.world_size, self.ranks_per_node, self.timeout = world_size, ranks_per_node, timeout
+        ctx = mp.get_context("spawn")
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._results = ctx.Queue()
+        port = free_port()
+        self._procs = [ctx.Process(target=_serve, args=(r, world_size, port, device, ranks_per_node, timeout,
+                                                        self._tasks[r], self._results), daemon=True)
+                       for r in range(world_size)]
+        for p in self._procs:
+            p.start()
+        self._ids = itertools.count()
+        self.broken = False
+        self._collect(-1, timeout)
+
+    def _collect(self, task_id: int, timeout: float) -> list[Any]:
+        out: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        while len(out) + len(errors) < self.world_size:
+            remaining = deadline - time.monotonic()
+            if errors:  # the others may be stuck waiting for the failed rank: give them a short grace
+                remaining = min(remaining, 3.0)
+            if remaining <= 0:
+                missing = [r for r in range(self.world_size) if r not in out and r not in errors]
+                self.close()
+                if errors:
+                    break
+                raise CollectiveTimeoutError(f"ranks {missing} did not finish within {timeout:.0f}s "
+                                             f"(world_size={self.world_size}); pool torn down", missing_ranks=missing)
+            try:
+                tid, rank, status, payload = self._results.get(timeout=min(remaining, 0.5))
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in out and r not in errors]
+                for r in dead:
+                    errors[r] = f"rank {r} died (exit code {self._procs[r].exitcode})"
+                continue
+            if tid != task_id:
+                continue  # a straggler from an earlier, failed call
+            (out if status == "ok" else errors)[rank] = payload
+        if errors:
+            self.broken = self.broken or len(out) + len(errors) < self.world_size
+            first = next(iter(errors))  # first reported = the cause
+            raise WorkerFailedError(f"rank {first} failed (failed ranks {sorted(errors)}):\n{errors[first]}")
+        return [out[r] for r in range(self.world_size)]
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> list[Any]:
+        """``[fn(ctx, *args) on rank r for r in range(world_size)]``; ``fn`` must be a module-level function.
+
+        Raises:
+            WorkerFailedError: a rank raised; the message holds its traceback.
+            CollectiveTimeoutError: ranks did not answer in time; they are named and the pool is torn down.
+        """
+        if self.broken:
+            raise RuntimeError("this RankPool was torn down after a failure; get a new one with get_pool()")
+        task_id = next(self._ids)
+        for q in self._tasks:
+            q.put((task_id, fn, args))
+        return self._collect(task_id, self.timeout if timeout is None else timeout)
+
+    def close(self) -> None:
+        self.broken = True
+        for q in self._tasks:
+            try:
+                q.put(None)
+            except (OSError, ValueError):
+                pass
+        for p in self._procs:
+            p.join(timeout=2)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+_POOLS: dict[tuple, RankPool] = {}
+_MAX_LIVE = int(os.environ.get("HPDL_TEST_MAX_POOLS", "1"))
+
+
+def get_pool(world_size: int, ranks_per_node: int | Sequence[int] | None = None, timeout: float = 120.0) -> RankPool:
+    """A live pool for this shape, reusing the last one when it is healthy; at most ``_MAX_LIVE`` stay alive."""
+    key = (world_size, tuple(ranks_per_node) if isinstance(ranks_per_node, (list, tuple)) else ranks_per_node)
+    pool = _POOLS.get(key)
+    if pool is not None and not pool.broken:
+        return pool
+    _POOLS.pop(key, None)
+    while len(_POOLS) >= _MAX_LIVE:
+        _POOLS.pop(next(iter(_POOLS))).close()
+    pool = _POOLS[key] = RankPool(world_size, ranks_per_node, timeout)
+    return pool
+
+
+def shutdown_pools() -> None:
+    while _POOLS:
+        _POOLS.popitem()[1].close()

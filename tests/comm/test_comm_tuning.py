@@ -1,0 +1,45 @@
+import pytest
+
+from hpdl.comm import tuning
+from hpdl.comm.ops import normalize_op, shard_bounds
+
+
+def test_default_table_picks_by_size_and_device():
+    t = tuning.default_table()
+    assert t.select(8, 4, "cpu")[0] == "recursive_doubling"
+    assert t.select(64 << 20, 4, "cpu")[0] == "direct"
+    assert t.select(8, 1, "cpu")[0] == "native"
+    assert t.select(8, 2, "cuda")[0] == "native"
+
+
+def test_table_roundtrip_and_env(tmp_path, monkeypatch):
+    t = tuning.TuningTable([tuning.Rule("cpu", 100, "ring"), tuning.Rule("cpu", tuning.INF, "direct", 2)], "x")
+    path = tmp_path / "t.json"
+    path.write_text(t.to_json())
+    monkeypatch.setenv("HPDL_TUNING_FILE", str(path))
+    tuning.set_table(None)
+    try:
+        assert tuning.select(50, 4, "cpu") == ("ring", None)
+        assert tuning.select(500, 4, "cpu") == ("direct", 2)
+    finally:
+        monkeypatch.delenv("HPDL_TUNING_FILE")
+        tuning.set_table(None)
+    with pytest.raises(ValueError, match="malformed"):
+        tuning.TuningTable.from_json('{"rules": [{"device": "cpu"}]}')
+
+
+def test_shard_bounds_cover_exactly():
+    for n in (0, 1, 7, 8, 97):
+        for p in (1, 3, 8):
+            b = shard_bounds(n, p)
+            assert b[0][0] == 0 and b[-1][1] == n and all(b[i][1] == b[i + 1][0] for i in range(p - 1))
+            sizes = [e - s for s, e in b]
+            assert max(sizes) - min(sizes) <= 1
+
+
+def test_normalize_op():
+    import torch.distributed as dist
+
+    assert normalize_op("SUM") == "sum" and normalize_op(dist.ReduceOp.MAX) == "max" and normalize_op("prod") == "product"
+    with pytest.raises(ValueError, match="op must be one of"):
+        normalize_op("xor")
