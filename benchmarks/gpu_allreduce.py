@@ -40,9 +40,11 @@ class Config:
     check: bool = True
     bench: bool = True
     back_to_back: int = 1000
+    budget_s: float = 240.0     # stop the size sweep (on every rank at once) past this many seconds
     port: int = 29533
 
 
+START = time.perf_counter()
 DT = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16, "int32": torch.int32,
       "int64": torch.int64}
 
@@ -171,22 +173,29 @@ def check_matrix(rank: int, world: int, cfg: Config) -> dict:
         wrong += (x.float() != exps[n] + world * (it % 32)).sum()
     torch.cuda.synchronize()
     record("back_to_back", int(wrong))
-    # the CUDA-IPC fallback buffer, on a second group over the same ranks
+    torch.cuda.synchronize()
+    return {k: (total(v) if isinstance(v, int) else v) for k, v in res.items()}
+
+
+def check_ipc(rank: int, world: int) -> dict:
+    """The CUDA-IPC fallback buffer, registered on a second group over the same ranks (run last)."""
+    dev = torch.device("cuda", rank)
+    res: dict = {}
+    peer.BUFFER_BACKEND = "ipc"
     try:
-        peer.BUFFER_BACKEND = "ipc"
         g2 = dist.new_group(list(range(world)))
         for algo in ("one_shot", "two_shot"):
+            wrong = 0
             for n in (3, 65537, (1 << 20) + 3):
                 x = pattern(n, rank, 4, torch.bfloat16, dev)
                 peer.peer_all_reduce(x, "sum", g2, algo)
-                record(f"ipc/{algo}", int((x != expected(n, world, 4, torch.bfloat16, dev)).sum()))
-        res["ipc_backend"] = 0 if peer._COMMS[(g2, rank)].buffer.backend == "ipc" else 1
-    except Exception as exc:  # noqa: BLE001 - reported, not fatal
-        res["ipc_error"] = repr(exc)[:300]
+                wrong += int((x != expected(n, world, 4, torch.bfloat16, dev)).sum())
+            res[f"ipc/{algo}"] = total(wrong)
+        res["ipc/backend_used"] = peer._COMMS[(g2, rank)].buffer.backend
+        peer.release(g2)
     finally:
         peer.BUFFER_BACKEND = "auto"
-    torch.cuda.synchronize()
-    return {k: (total(v) if isinstance(v, int) else v) for k, v in res.items()}
+    return res
 
 
 # ---------------------------------------------------------------------------------------------- benchmark
@@ -205,6 +214,12 @@ def bench_dtype(rank: int, world: int, cfg: Config, dname: str) -> list[dict]:
     rows = []
     nbytes = cfg.min_bytes
     while nbytes <= cfg.max_bytes:
+        late = torch.tensor([float(time.perf_counter() - START > cfg.budget_s)], device=dev)
+        dist.all_reduce(late, op=dist.ReduceOp.MAX)
+        if late.item() > 0:
+            if rank == 0:
+                print(f"  time budget reached: sweep of {dname} stops before {nbytes} B", flush=True)
+            break
         n = max(nbytes // dtype.itemsize, 1)
         iters, warm = (200, 20) if nbytes <= 1 << 20 else ((40, 5) if nbytes <= 64 << 20 else (8, 2))
         reps = 20 if nbytes <= 16 << 20 else 4
@@ -354,6 +369,19 @@ def report(cfg: Config, world: int, checks: dict, rows: list[dict], meta: dict) 
     return "\n".join(lines) + "\n"
 
 
+def write_outputs(cfg: Config, world: int, checks: dict, rows: list, meta: dict, show: bool = True) -> None:
+    os.makedirs(cfg.out, exist_ok=True)
+    with open(os.path.join(cfg.out, "gpu_allreduce.json"), "w") as f:
+        json.dump({"config": asdict(cfg), "meta": meta, "checks": checks, "rows": rows}, f, indent=1)
+    text = report(cfg, world, checks, rows, meta)
+    with open(os.path.join(cfg.out, "gpu_allreduce.md"), "w") as f:
+        f.write(text)
+    if rows:
+        plot(rows, os.path.join(cfg.out, "gpu_allreduce.png"))
+    if show:
+        print(text, flush=True)
+
+
 def worker(rank: int, world: int, cfg: Config, meta: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(cfg.port))
     torch.cuda.set_device(rank)
@@ -372,14 +400,12 @@ def worker(rank: int, world: int, cfg: Config, meta: dict) -> None:
             rows += bench_dtype(rank, world, cfg, d)
     if rank == 0:
         meta.update(nccl=".".join(map(str, torch.cuda.nccl.version())), gpu=torch.cuda.get_device_name(0))
-        os.makedirs(cfg.out, exist_ok=True)
-        with open(os.path.join(cfg.out, "gpu_allreduce.json"), "w") as f:
-            json.dump({"config": asdict(cfg), "meta": meta, "checks": checks, "rows": rows}, f, indent=1)
-        text = report(cfg, world, checks, rows, meta)
-        with open(os.path.join(cfg.out, "gpu_allreduce.md"), "w") as f:
-            f.write(text)
-        plot(rows, os.path.join(cfg.out, "gpu_allreduce.png"))
-        print(text)
+        write_outputs(cfg, world, checks, rows, meta)
+    if cfg.check:
+        checks.update(check_ipc(rank, world))
+        if rank == 0:
+            print("ipc:", json.dumps({k: v for k, v in checks.items() if k.startswith("ipc")}), flush=True)
+            write_outputs(cfg, world, checks, rows, meta, show=False)
     peer.release()
     dist.destroy_process_group()
 

@@ -6,9 +6,10 @@ Two ways to build it, tried in this order:
 
 * ``"symm"``: PyTorch symmetric memory (``torch.distributed._symmetric_memory.empty`` + ``rendezvous``, torch
   >= 2.5). NVLink multicast is never used: ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` is set before allocation.
-* ``"ipc"``: a plain CUDA allocation shared with CUDA IPC handles through
-  ``torch.multiprocessing.reductions.reduce_tensor`` / its rebuild function, exchanged with
-  ``all_gather_object`` (what vLLM's custom all-reduce does with cudaIpcGetMemHandle).
+* ``"ipc"``: a plain ``cudaMalloc`` allocation whose ``cudaIpcGetMemHandle`` is exchanged with
+  ``all_gather_object`` and opened by each peer in its own device's context (vLLM's custom all-reduce does
+  the same; torch's ``rebuild_cuda_tensor`` opens it under the owner's device instead, which the kernels on
+  this rank's device cannot use without separately enabled peer access).
 
 The first 64 KiB (``header_bytes``) are zeroed before the ranks exchange addresses, so barrier flags start at 0.
 Creation and :meth:`PeerBuffer.close` are collective over the group; nothing else is.
@@ -87,11 +88,6 @@ class PeerBuffer:
                 raise RuntimeError(f"GPU {self.device.index} (rank {self.rank}) cannot access GPU {dev} (rank {q})")
         self.min_sm_count = min(sm for _, _, sm in everyone)
 
-    def _fresh(self) -> torch.Tensor:
-        t = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
-        t[: self.header_bytes].zero_()
-        return t
-
     def _alloc_symm(self) -> list[int]:
         import torch.distributed._symmetric_memory as symm_mem
 
@@ -109,15 +105,23 @@ class PeerBuffer:
         return [b + offset for b in base]
 
     def _alloc_ipc(self) -> list[int]:
-        from torch.multiprocessing.reductions import reduce_tensor
+        from hpdl.comm.transport.kernels import load_peer_allreduce
 
-        t = self._fresh()
-        torch.cuda.synchronize(self.device)
+        ext = load_peer_allreduce()
+        dev = self.device.index
+        ptr, handle = ext.ipc_alloc(self.nbytes, dev)   # zeroed, synchronised
+        self._keep = [("free", ptr)]
         everyone: list = [None] * self.world
-        dist.all_gather_object(everyone, reduce_tensor(t), group=self.group)
-        views = [t if q == self.rank else rebuild(*args) for q, (rebuild, args) in enumerate(everyone)]
-        self._keep = [t, views]
-        return [v.data_ptr() for v in views]
+        dist.all_gather_object(everyone, handle, group=self.group)
+        ptrs = []
+        for q, h in enumerate(everyone):
+            if q == self.rank:
+                ptrs.append(ptr)
+            else:
+                ptrs.append(ext.ipc_open(h, dev))
+                self._keep.append(("close", ptrs[-1]))
+        self._ext = ext
+        return ptrs
 
     def close(self) -> None:
         """Free the buffer after every rank is done with it (collective: synchronises, then barriers)."""
@@ -126,5 +130,7 @@ class PeerBuffer:
         with torch.cuda.device(self.device):
             torch.cuda.synchronize(self.device)
             dist.barrier(group=self.group)
+            for kind, ptr in reversed([k for k in self._keep if isinstance(k, tuple)]):
+                (self._ext.ipc_close if kind == "close" else self._ext.ipc_free)(ptr, self.device.index)
         self._keep = []
         self.ptrs = []

@@ -9,11 +9,14 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "peer_args.h"
+
+namespace py = pybind11;
 
 namespace hpdl {
 cudaError_t launch_peer_all_reduce(const PeerArgs& a, int algo, int dtype, int grid, cudaStream_t stream);
@@ -83,6 +86,44 @@ void all_reduce(int handle, int64_t data, int64_t n, int dtype, int op, int algo
     throw std::runtime_error(std::string("peer all-reduce: kernel launch failed: ") + cudaGetErrorString(err));
 }
 
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(err));
+}
+
+// CUDA IPC fallback (as vLLM's custom all-reduce): a plain cudaMalloc allocation, so the handle names the
+// allocation's base and no offset is needed; peers open it in their own device's context.
+py::tuple ipc_alloc(int64_t nbytes, int device) {
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  void* ptr = nullptr;
+  check(cudaMalloc(&ptr, static_cast<size_t>(nbytes)), "cudaMalloc");
+  check(cudaMemset(ptr, 0, static_cast<size_t>(nbytes)), "cudaMemset");
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  cudaIpcMemHandle_t handle;
+  check(cudaIpcGetMemHandle(&handle, ptr), "cudaIpcGetMemHandle");
+  return py::make_tuple(reinterpret_cast<int64_t>(ptr),
+                        py::bytes(reinterpret_cast<const char*>(&handle), sizeof(handle)));
+}
+
+int64_t ipc_open(const std::string& handle_bytes, int device) {
+  if (handle_bytes.size() != sizeof(cudaIpcMemHandle_t)) throw std::invalid_argument("bad CUDA IPC handle size");
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  cudaIpcMemHandle_t handle;
+  std::memcpy(&handle, handle_bytes.data(), sizeof(handle));
+  void* ptr = nullptr;
+  check(cudaIpcOpenMemHandle(&ptr, handle, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle");
+  return reinterpret_cast<int64_t>(ptr);
+}
+
+void ipc_close(int64_t ptr, int device) {
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  check(cudaIpcCloseMemHandle(reinterpret_cast<void*>(ptr)), "cudaIpcCloseMemHandle");
+}
+
+void ipc_free(int64_t ptr, int device) {
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  check(cudaFree(reinterpret_cast<void*>(ptr)), "cudaFree");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -90,6 +131,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("create", &create, "register a communicator; returns its handle");
   m.def("release", &release, "forget a communicator (the buffer itself is freed by Python)");
   m.def("all_reduce", &all_reduce, "in-place all-reduce of a 16-byte aligned device buffer on the current stream");
+  m.def("ipc_alloc", &ipc_alloc, "cudaMalloc + zero + IPC handle: returns (ptr, handle bytes)");
+  m.def("ipc_open", &ipc_open, "open a peer's IPC handle in this device's context; returns the pointer");
+  m.def("ipc_close", &ipc_close, "close a pointer returned by ipc_open");
+  m.def("ipc_free", &ipc_free, "free a pointer returned by ipc_alloc");
   m.attr("MAX_RANKS") = hpdl::kMaxRanks;
   m.attr("MAX_BLOCKS") = hpdl::kMaxBlocks;
   m.attr("HEADER_BYTES") = hpdl::kHeaderBytes;
