@@ -70,4 +70,4 @@ def test_spawn_reports_dead_rank():
 @pytest.mark.timeout(120)
 def test_spawn_timeout_names_stuck_rank():
     with pytest.raises(CollectiveTimeoutError, match=r"ranks still running: \[1\]"):
-        spawn(R.hang_on_rank, 2, args=(1,), timeout=15)
+        spawn(R.hang_on_rank, 2, args=(1,), job_timeout=15)

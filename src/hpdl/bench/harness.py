@@ -25,15 +25,14 @@ class BenchConfig:
 
     collective: str = "allreduce"
     sizes: list[int] = field(default_factory=lambda: [8 << k for k in range(24)])
-    algorithms: list[str] = field(default_factory=lambda: ["native", "auto", "direct", "ring",
-                                                           "recursive_doubling"])
+    algorithms: list[str] = field(default_factory=lambda: ["native", "auto", "direct", "ring"])
     dtype: str = "float32"
     op: str = "sum"
     iters: int = 50
     warmup: int = 2
     window: int | None = None
     seed: int = 0
-    time_per_point: float = 0.25  # seconds of timed loop aimed at per (size, algorithm)
+    time_per_point: float = 0.1  # seconds of timed loop aimed at per (size, algorithm)
     progress: bool = True
 
     def __post_init__(self) -> None:

@@ -207,7 +207,8 @@ def _prepare(what: str, tensor: torch.Tensor, op, group, algorithm: str, window,
     timeout = float(env.get("HPDL_TIMEOUT") if timeout is None else timeout)
     nbytes = tensor.numel() * tensor.element_size()
     name, window = _resolve(st, algorithm, nbytes, tensor.device.type, window)
-    if (env.get("HPDL_CHECK") if check is None else check) and st.world_size > 1:
+    mode = env.get("HPDL_CHECK") if check is None else check
+    if (mode is True or (mode == "auto" and tensor.device.type == "cpu")) and st.world_size > 1:
         _verify_same(st, what, {"count": tensor.numel(), "dtype": _DTYPE_CODE[tensor.dtype],
                                 "op": REDUCE_OPS.index(op), "device": int(tensor.device.type == "cuda"),
                                 "algorithm": _ALGO_CODES[name], "window": window or 0}, timeout)
@@ -228,7 +229,7 @@ def all_reduce(tensor: torch.Tensor, op="sum", group=None, algorithm: str = "aut
         async_op: return a :class:`Work` handle instead of waiting.
         window: throttle of the direct algorithm (peers in flight); None = tuned default.
         timeout: seconds any wait may block (default ``HPDL_TIMEOUT``).
-        check: verify that all ranks passed the same arguments (default ``HPDL_CHECK``, on).
+        check: verify that all ranks passed the same arguments (default ``HPDL_CHECK``: on for CPU tensors).
 
     Returns:
         None, or a :class:`Work` when ``async_op`` is True.

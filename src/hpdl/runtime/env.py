@@ -36,9 +36,14 @@ def _declare(name: str, parse: Callable[[str], Any], default: Any, doc: str) -> 
 
 
 _declare("HPDL_TIMEOUT", float, 300.0, "Seconds a collective or rendezvous waits for a peer before it raises.")
-_declare("HPDL_CHECK", _bool, True,
-         "Check before each collective that all ranks passed the same count, dtype, op and device "
-         "(one small metadata all-gather). Benchmarks turn it off for their timed loops.")
+def _check_mode(value: str):
+    return "auto" if value.strip().lower() == "auto" else _bool(value)
+
+
+_declare("HPDL_CHECK", _check_mode, "auto",
+         "Check before each collective that all ranks passed the same count, dtype, op, device and algorithm "
+         "(a small direct exchange of the call's signature). `auto`: on for CPU tensors, off for CUDA tensors "
+         "(whose fast paths take a few microseconds); `1`/`0` force it. Benchmarks turn it off when timing.")
 _declare("HPDL_TUNING_FILE", str, "", "Path of a JSON tuning table written by `hpdl bench allreduce --tune`.")
 _declare("HPDL_DIRECT_WINDOW", int, 0, "Throttle window k of the direct algorithm (0 = use the tuned default).")
 _declare("HPDL_LOG_LEVEL", str, "WARNING", "Log level of the `hpdl` logger.")

@@ -156,7 +156,7 @@ def _worker(rank, nprocs, port, fn, args, device, ranks_per_node, timeout, resul
 
 def spawn(fn: Callable[..., Any], nprocs: int, *, args: tuple = (), device: str = "cpu",
           ranks_per_node: int | Sequence[int] | None = None, timeout: float | None = None,
-          grace: float = 5.0) -> list[Any]:
+          job_timeout: float | None = None, grace: float = 5.0) -> list[Any]:
     """Run ``fn(ctx, *args)`` on ``nprocs`` freshly spawned local ranks and return their results by rank.
 
     Args:
@@ -164,12 +164,13 @@ def spawn(fn: Callable[..., Any], nprocs: int, *, args: tuple = (), device: str 
         nprocs: number of ranks (>= 1).
         device: "cpu" (gloo) or "cuda" (NCCL, one GPU per rank).
         ranks_per_node: emulate nodes on this host (see :class:`Topology`).
-        timeout: seconds for the whole job and for each collective (default ``HPDL_TIMEOUT``).
+        timeout: seconds any one collective may wait (default ``HPDL_TIMEOUT``); a hung peer fails the job then.
+        job_timeout: seconds for the whole job (default: no limit beyond the per-collective timeouts).
         grace: seconds the other ranks get to finish after one rank fails, before they are killed.
 
     Raises:
         WorkerFailedError: a rank raised (its traceback is in the message) or died without a result.
-        CollectiveTimeoutError: the job ran past ``timeout``; the message names the ranks still running.
+        CollectiveTimeoutError: the job ran past ``job_timeout``; the message names the ranks still running.
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
@@ -183,7 +184,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, *, args: tuple = (), device: str 
         p.start()
     outputs: dict[int, Any] = {}
     errors: dict[int, str] = {}
-    deadline = time.monotonic() + limit
+    deadline = time.monotonic() + job_timeout if job_timeout is not None else float("inf")
     first_error_at: float | None = None
     try:
         while len(outputs) + len(errors) < nprocs:
@@ -192,7 +193,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, *, args: tuple = (), device: str 
                 break
             if now > deadline:
                 missing = [r for r in range(nprocs) if r not in outputs and r not in errors]
-                raise CollectiveTimeoutError(f"spawned job timed out after {limit:.0f}s; ranks still running: "
+                raise CollectiveTimeoutError(f"spawned job timed out after {job_timeout:.0f}s; ranks still running: "
                                              f"{missing}", missing_ranks=missing)
             try:
                 rank, status, payload = results.get(timeout=0.2)
