@@ -69,21 +69,25 @@ def total(x: int) -> int:
     return int(t.item())
 
 
-def time_calls(fn, iters: int, warm: int) -> float:
+def time_calls(fn, iters: int, warm: int, repeat: int = 1) -> float:
+    """Microseconds per call: events around ``iters`` back-to-back calls, max over ranks, median of ``repeat``."""
     for _ in range(warm):
         fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(iters):
-        fn()
-    e.record()
-    e.synchronize()
-    t = torch.tensor([s.elapsed_time(e) / iters * 1e3], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+    times = []
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        dist.barrier()
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(iters):
+            fn()
+        e.record()
+        e.synchronize()
+        t = torch.tensor([s.elapsed_time(e) / iters * 1e3], device="cuda")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        times.append(float(t.item()))
+    return sorted(times)[len(times) // 2]
 
 
 def capture(fn, reps: int) -> torch.cuda.CUDAGraph:
@@ -109,7 +113,7 @@ def check_matrix(rank: int, world: int, cfg: Config) -> dict:
         res[name] = res.get(name, 0) + wrong
 
     counts = [0, 1, 2, 3, 7, 8, 9, 15, 17, 255, 1023, 4097, 65537, (1 << 20) + 3, 3 * (1 << 20) + 5]
-    for algo in ("one_shot", "two_shot"):
+    for algo in ("one_shot", "one_shot_ll", "one_shot_barrier", "two_shot"):
         for dname, dtype in DT.items():
             for n in counts:
                 x = pattern(n, rank, n % 5, dtype, dev)
@@ -136,20 +140,21 @@ def check_matrix(rank: int, world: int, cfg: Config) -> dict:
                 wrong = int((strided[::2] != expected(n, world, 2, dtype, dev)).sum()) + int((strided[1::2] != 77).sum())
                 record(f"{algo}/strided", wrong)
         # bit-exact against the CPU reference of the same schedule, random (non-exact) data, several rounds
+        v = peer.variant(algo, 1 << 30)   # one_shot -> its barrier variant here; the LL one has its own pass
         for n, cap in ((1000003, None), (4 * (1 << 20) + 1, 512)):
-            peer.CHUNK_CAP_VECS[algo] = cap
+            peer.set_chunk_cap(v, cap)
             gens = [torch.Generator().manual_seed(1000 + q) for q in range(world)]
             inputs = [torch.randn(n, generator=gens[q]).to(torch.bfloat16) for q in range(world)]
             x = inputs[rank].to(dev)
-            peer.peer_all_reduce(x, "sum", None, algo)
+            peer.peer_all_reduce(x, "sum", None, v)
             comm = peer._COMMS[(None, rank)]
-            ref = peer.reference_all_reduce(inputs, "sum", algo, max_blocks=comm.max_blocks[algo],
-                                            slot_bytes=comm.slot_vecs[algo] * 16)[rank]
+            ref = peer.reference_all_reduce(inputs, "sum", v, max_blocks=comm.max_blocks[v],
+                                            slot_bytes=comm.slot_units[v] * 16)[rank]
             record(f"{algo}/bitwise_vs_reference", int((x.cpu().view(torch.int16) != ref.view(torch.int16)).sum()))
             everyone = torch.empty(world, n, dtype=torch.bfloat16, device=dev)
             dist.all_gather_into_tensor(everyone, x)
             record(f"{algo}/bitwise_across_ranks", int((everyone.view(torch.int16) != x.view(torch.int16)).sum()))
-        peer.CHUNK_CAP_VECS[algo] = None
+        peer.set_chunk_cap(v, None)
         # CUDA graph: capture once, replay after mutating the input in place
         for n in (4097, (1 << 20) + 3):
             x = torch.empty(n, dtype=torch.bfloat16, device=dev)
@@ -161,13 +166,13 @@ def check_matrix(rank: int, world: int, cfg: Config) -> dict:
                 torch.cuda.synchronize()
                 record(f"{algo}/graph_replay", int((x != expected(n, world, it + 1, torch.bfloat16, dev)).sum()))
     # back-to-back calls, changing data, algorithms and sizes interleaved (slot reuse across grids)
-    sizes = (1, 4097, 65537, (1 << 20) + 3, 9 * (1 << 20) + 1)
+    sizes = (1, 4097, 65537, 200001, (1 << 20) + 3, 9 * (1 << 20) + 1)
     bases = {n: pattern(n, rank, 0, torch.bfloat16, dev) for n in sizes}
     exps = {n: expected(n, world, 0, torch.float32, dev) for n in sizes}
     wrong = torch.zeros((), dtype=torch.int64, device=dev)
     for it in range(cfg.back_to_back):
         n = sizes[it % len(sizes)]
-        algo = ("one_shot", "two_shot")[(it // len(sizes)) % 2]
+        algo = ("one_shot", "two_shot", "one_shot_ll", "one_shot_barrier")[(it // len(sizes)) % 4]
         x = bases[n] + (it % 32)
         peer.peer_all_reduce(x, "sum", None, algo)
         wrong += (x.float() != exps[n] + world * (it % 32)).sum()
@@ -223,6 +228,7 @@ def bench_dtype(rank: int, world: int, cfg: Config, dname: str) -> list[dict]:
         n = max(nbytes // dtype.itemsize, 1)
         iters, warm = (200, 20) if nbytes <= 1 << 20 else ((40, 5) if nbytes <= 64 << 20 else (8, 2))
         reps = 20 if nbytes <= 16 << 20 else 4
+        repeat = 3 if nbytes <= 16 << 20 else 1   # median of 3 where a run is short enough to catch a hiccup
         x = torch.randn(n, device=dev).to(dtype)
         exp = expected(n, world, 7, dtype, dev)
         row = {"dtype": dname, "bytes": n * dtype.itemsize, "count": n, "eager": {}, "graph": {}, "wrong": {}}
@@ -236,11 +242,14 @@ def bench_dtype(rank: int, world: int, cfg: Config, dname: str) -> list[dict]:
         methods = {"nccl": lambda: dist.all_reduce(x),
                    "hpdl_one_shot": lambda: peer.peer_all_reduce(x, "sum", None, "one_shot"),
                    "hpdl_two_shot": lambda: peer.peer_all_reduce(x, "sum", None, "two_shot")}
+        if nbytes <= 4 << 20:   # both one-shot variants, to place LL_MAX_BYTES
+            methods["hpdl_one_shot_ll"] = lambda: peer.peer_all_reduce(x, "sum", None, "one_shot_ll")
+            methods["hpdl_one_shot_barrier"] = lambda: peer.peer_all_reduce(x, "sum", None, "one_shot_barrier")
         for name, fn in methods.items():
-            row["eager"][name] = time_calls(fn, iters, warm)
+            row["eager"][name] = time_calls(fn, iters, warm, repeat)
             fill(); fn(); row["wrong"][name] = wrong_of(x)
             g = capture(fn, reps)
-            row["graph"][name] = time_calls(g.replay, max(iters // reps, 3), 1) / reps
+            row["graph"][name] = time_calls(g.replay, max(iters // reps, 3), 1, repeat) / reps
             g1 = capture(fn, 1)   # one call per replay, so the result is checkable
             fill(); g1.replay(); torch.cuda.synchronize()
             row["wrong"][name + "_graph"] = wrong_of(x)
@@ -252,7 +261,7 @@ def bench_dtype(rank: int, world: int, cfg: Config, dname: str) -> list[dict]:
                 t.copy_(x)
                 for name, fn in (("symm_one_shot", lambda: torch.ops.symm_mem.one_shot_all_reduce(t, "sum", gname)),
                                  ("symm_two_shot", lambda: torch.ops.symm_mem.two_shot_all_reduce_(t, "sum", gname))):
-                    row["eager"][name] = time_calls(fn, iters, warm)
+                    row["eager"][name] = time_calls(fn, iters, warm, repeat)
                     t.copy_(pattern(n, rank, 7, dtype, dev)); dist.barrier()
                     out = fn()
                     row["wrong"][name] = wrong_of(t if out is None else out)
@@ -261,16 +270,16 @@ def bench_dtype(rank: int, world: int, cfg: Config, dname: str) -> list[dict]:
                 row["symm_error"] = repr(exc)[:200]
         # auto: the fastest measured path of this run per size and mode, NCCL on ties within 3 %
         for mode in ("eager", "graph"):
-            cands = {k: v for k, v in row[mode].items() if k in methods}
+            cands = {k: v for k, v in row[mode].items() if k in ("nccl", "hpdl_one_shot", "hpdl_two_shot")}
             best = min(cands, key=cands.get)
             row[f"auto_{mode}_choice"] = "nccl" if cands["nccl"] <= 1.03 * cands[best] else best
         choice = row["auto_eager_choice"]
-        row["eager"]["hpdl_auto"] = time_calls(methods[choice], iters, warm)
+        row["eager"]["hpdl_auto"] = time_calls(methods[choice], iters, warm, repeat)
         row["graph"]["hpdl_auto"] = row["graph"][row["auto_graph_choice"]]
         if hpdl_api is not None:
             try:
                 fn = lambda: hpdl_api.all_reduce(x, op="sum", algorithm="auto")  # noqa: E731
-                row["eager"]["api_auto"] = time_calls(fn, iters, warm)
+                row["eager"]["api_auto"] = time_calls(fn, iters, warm, repeat)
                 fill(); fn(); row["wrong"]["api_auto"] = wrong_of(x)
             except Exception as exc:  # noqa: BLE001 - the API may not be wired yet
                 row["api_error"] = repr(exc)[:200]
@@ -292,8 +301,9 @@ def bench_dtype(rank: int, world: int, cfg: Config, dname: str) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------------------ report
-EAGER_COLS = ["hpdl_auto", "hpdl_one_shot", "hpdl_two_shot", "nccl", "symm_one_shot", "symm_two_shot", "api_auto"]
-GRAPH_COLS = ["hpdl_auto", "hpdl_one_shot", "hpdl_two_shot", "nccl"]
+EAGER_COLS = ["hpdl_auto", "hpdl_one_shot", "hpdl_two_shot", "nccl", "symm_one_shot", "symm_two_shot", "api_auto",
+              "hpdl_one_shot_ll", "hpdl_one_shot_barrier"]
+GRAPH_COLS = ["hpdl_auto", "hpdl_one_shot", "hpdl_two_shot", "nccl", "hpdl_one_shot_ll", "hpdl_one_shot_barrier"]
 
 
 def fmt_size(b: int) -> str:
@@ -351,7 +361,8 @@ def report(cfg: Config, world: int, checks: dict, rows: list[dict], meta: dict) 
              f"NCCL {meta['nccl']}. Build of the extension: {meta['build_s']:.1f} s.", "",
              "Command: `NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONPATH=src python3 "
              "benchmarks/gpu_allreduce.py` (device tool, one process per GPU).", "",
-             "Microseconds per call, max over ranks, CUDA events around back-to-back calls; graph = calls captured "
+             "Microseconds per call, max over ranks, CUDA events around back-to-back calls (200 calls up to 1 MiB, "
+             "40 up to 64 MiB, 8 above; median of 3 such runs up to 16 MiB); graph = calls captured "
              "in a CUDA graph and replayed. `auto` = fastest of hpdl one-shot / two-shot / NCCL measured in this "
              "run (NCCL on ties within 3 %). symm_mem ops run on a tensor that already lives in symmetric "
              "memory (no copy-in), as in the issue's baseline; hpdl takes any tensor. #wrong: elements off the "

@@ -14,8 +14,8 @@ import torch.multiprocessing as mp
 
 from hpdl.comm.algorithms import peer
 
-ALGOS = ("one_shot", "two_shot")
-COUNTS = (0, 1, 3, 7, 8, 9, 63, 65, 255, 1031)
+ALGOS = ("one_shot_ll", "one_shot_barrier", "two_shot")   # the kernel variants
+COUNTS = (0, 1, 7, 9, 65, 1031)
 INT_DTYPES = (torch.int32, torch.int64)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -35,7 +35,7 @@ def _oracle(inputs: list[torch.Tensor], op: str) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("algorithm", ALGOS)
-@pytest.mark.parametrize("world", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES + INT_DTYPES)
 def test_reference_exact_on_integer_inputs(algorithm, world, dtype):
     for n in COUNTS:
@@ -81,21 +81,32 @@ def test_reference_keeps_shape_and_does_not_modify_inputs():
     assert outs[0].shape == (3, 4) and torch.equal(outs[0], sum(before))
 
 
-@pytest.mark.parametrize("algorithm", ALGOS)
-def test_schedule_covers_every_vector_once(algorithm):
+@pytest.mark.parametrize("variant", ALGOS)
+def test_schedule_covers_every_unit_once(variant):
     for world in (1, 2, 3, 8):
         for n in (1, 7, 8, 9, 4097, 100003, 2_000_001):
             for itemsize in (2, 4, 8):
-                grid, chunk = peer.schedule(n, itemsize, world, algorithm, max_blocks=7, slot_vecs=600)
-                nv = math.ceil(n / (16 // itemsize))
-                span = nv if algorithm == "one_shot" else math.ceil(nv / world)
+                grid, chunk = peer.schedule(n, itemsize, world, variant, max_blocks=7, slot_units=600)
+                units = math.ceil(n / (peer.UNIT_BYTES[variant] // itemsize))
+                span = math.ceil(units / world) if variant == "two_shot" else units
                 assert 1 <= grid <= 7 and 1 <= chunk <= 600
                 seen = torch.zeros(span, dtype=torch.int32)
                 for b in range(grid):
                     for first in range(b * chunk, span, grid * chunk):
                         seen[first:first + chunk] += 1
                 assert bool((seen == 1).all()), (world, n, itemsize)
-    assert peer.schedule(0, 2, 2, algorithm, 7, 600) == (0, 1)
+    assert peer.schedule(0, 2, 2, variant, 7, 600) == (0, 1)
+
+
+def test_one_shot_resolves_to_ll_for_small_messages():
+    assert peer.variant("one_shot", peer.LL_MAX_BYTES) == "one_shot_ll"
+    assert peer.variant("one_shot", peer.LL_MAX_BYTES + 1) == "one_shot_barrier"
+    assert peer.variant("two_shot", 1) == "two_shot"
+    with pytest.raises(ValueError, match="algorithm"):
+        peer.variant("three_shot", 1)
+    xs = _inputs(3, 101, torch.bfloat16, 5)
+    assert torch.equal(peer.reference_all_reduce(xs, "sum", "one_shot")[1],
+                       peer.reference_all_reduce(xs, "sum", "one_shot_ll")[1])
 
 
 def test_reference_rejects_bad_input():
@@ -116,6 +127,63 @@ def test_peer_path_refuses_cpu_tensors():
     assert not peer.peer_available(torch.ones(4, dtype=torch.float64), None)
     with pytest.raises(ValueError, match="CUDA"):
         peer.peer_all_reduce(x, "sum", None)
+
+
+class _FakeExt:
+    def __init__(self):
+        self.calls = []
+
+    def all_reduce(self, *args):
+        self.calls.append(args)
+
+
+class _FakeCudaTensor:
+    """Quacks like a CUDA tensor for the fast path only (no CUDA in CI)."""
+
+    def __init__(self, n, dtype, ptr, contiguous=True):
+        self.n, self.dtype, self.ptr, self.contiguous = n, dtype, ptr, contiguous
+
+    def get_device(self):
+        return 0
+
+    def numel(self):
+        return self.n
+
+    def is_contiguous(self):
+        return self.contiguous
+
+    def data_ptr(self):
+        return self.ptr
+
+
+def test_fast_path_launches_the_cached_plan_once_per_call(monkeypatch):
+    comm = peer._Comm.__new__(peer._Comm)   # a registered communicator without GPU or process group
+    comm.ext, comm.handle, comm.world, comm.window, comm.plans = _FakeExt(), 7, 2, 1, {}
+    comm.max_blocks = {"one_shot_ll": 64, "one_shot_barrier": 64, "two_shot": 132}
+    comm.slot_units = {"one_shot_ll": 1024, "one_shot_barrier": 2048, "two_shot": 16384}
+    monkeypatch.setitem(peer._COMMS, (None, 0), comm)
+    n = 3 * (1 << 20) + 5
+    plan = comm.plan(torch.empty(n, dtype=torch.bfloat16), "sum", "two_shot", None)
+    grid, chunk = peer.schedule(n, 2, 2, "two_shot", 132, 16384)
+    assert plan == (n, peer.DTYPES[torch.bfloat16], peer.OPS["sum"], peer.VARIANTS["two_shot"], 1, grid, chunk)
+    peer.peer_all_reduce(_FakeCudaTensor(n, torch.bfloat16, 4096), "sum", None, "two_shot")
+    assert comm.ext.calls == [(7, 4096) + plan]
+    small = comm.plan(torch.empty(100, dtype=torch.float32), "max", "one_shot", 1)
+    assert small[3] == peer.VARIANTS["one_shot_ll"] and small[4] == 1
+    peer.peer_all_reduce(_FakeCudaTensor(100, torch.float32, 512), "max", None, "one_shot", 1)
+    assert comm.ext.calls[-1] == (7, 512) + small
+    assert comm.plan(torch.empty(0), "sum", "one_shot", None) == ()
+    peer.peer_all_reduce(_FakeCudaTensor(0, torch.float32, 0), "sum", None, "one_shot")   # no launch
+    assert len(comm.ext.calls) == 2
+    # a misaligned or strided view, or an uncached call, leaves the fast path (and is checked there)
+    for t in (_FakeCudaTensor(n, torch.bfloat16, 4104), _FakeCudaTensor(n, torch.bfloat16, 4096, False),
+              _FakeCudaTensor(n, torch.float16, 4096)):
+        with pytest.raises(ValueError, match="CUDA tensor"):
+            peer.peer_all_reduce(t, "sum", None, "two_shot")
+    assert len(comm.ext.calls) == 2
+    peer.set_chunk_cap("two_shot", 512)
+    assert comm.plans == {}
+    peer.set_chunk_cap("two_shot", None)
 
 
 # --- against torch.distributed: one gloo job of 8 ranks, subgroups of 2..8 ranks ---------------------------
@@ -175,4 +243,4 @@ def test_reference_matches_torch_distributed_world_2_to_8():
                 for r in range(w):
                     assert refs[r].tolist() == results[r][(w, i)], (w, n, dtype, op, algorithm, r)
                     checked += 1
-    assert checked == sum(w for w in range(2, 9)) * len(GLOO_CASES) * 2
+    assert checked == sum(w for w in range(2, 9)) * len(GLOO_CASES) * len(ALGOS)

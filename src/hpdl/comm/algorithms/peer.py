@@ -27,14 +27,21 @@ import torch.distributed as dist
 
 OPS = {"sum": 0, "avg": 1, "min": 2, "max": 3, "product": 4}
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int32: 3, torch.int64: 4}
-ALGORITHMS = {"one_shot": 0, "two_shot": 1}
+ALGORITHMS = ("one_shot", "two_shot")
+# Kernel variants and their codes in the extension. "one_shot" resolves to the LL variant up to LL_MAX_BYTES
+# and to the barrier variant above; the variants can be asked for by name (benchmarks, tuning).
+VARIANTS = {"one_shot_barrier": 0, "two_shot": 1, "one_shot_ll": 2}
+UNIT_BYTES = {"one_shot_barrier": 16, "two_shot": 16, "one_shot_ll": 8}   # payload per 16-byte store
+LL_MAX_BYTES = 256 * 1024        # measured on 2 x H200: LL wins up to 256 KiB, the barrier variant above
 MAX_RANKS = 8
 ONE_SHOT_MAX_BLOCKS = 64
 ONE_SHOT_SLOT_BYTES = 32 * 1024
+LL_SLOT_BYTES = 16 * 1024          # 1024 packets of 16 bytes, 8 payload bytes each
 HEADER_BYTES = 64 * 1024
-MIN_CHUNK_VECS = 512          # one 16-byte vector per thread of a 512-thread block
-# Benchmarks may cap the per-block chunk (in vectors) to study pipelining depth; None = the slot size.
-CHUNK_CAP_VECS: dict[str, int | None] = {"one_shot": None, "two_shot": None}
+MIN_CHUNK_UNITS = 512              # one unit per thread of a 512-thread block
+# Per-variant cap of the per-block chunk (in units), to study pipelining depth; None = the slot size.
+# Change it through set_chunk_cap(), which also drops the cached schedules.
+CHUNK_CAP_VECS: dict[str, int | None] = {v: None for v in VARIANTS}
 BUFFER_BACKEND = "auto"       # "auto" | "symm" | "ipc", for buffers registered from now on (see transport.symm)
 
 
@@ -43,20 +50,33 @@ def two_shot_slot_bytes(world: int) -> int:
     return max(32 * 1024, (512 * 1024) // max(world, 1))
 
 
-def schedule(n: int, itemsize: int, world: int, algorithm: str, max_blocks: int, slot_vecs: int,
-             chunk_cap: int | None = None) -> tuple[int, int]:
-    """Grid and per-block chunk (in 16-byte vectors) for ``n`` elements of ``itemsize`` bytes.
+def variant(algorithm: str, nbytes: int) -> str:
+    """Kernel variant for ``algorithm`` ("one_shot", "two_shot" or a variant name) at ``nbytes``.
 
-    The span is the whole tensor (one-shot) or one shard of ceil(vectors / world) (two-shot). The chunk spreads
-    the span over up to ``max_blocks`` blocks, at least :data:`MIN_CHUNK_VECS`, at most ``slot_vecs``
+    Raises:
+        ValueError: unknown algorithm.
+    """
+    if algorithm == "one_shot":
+        return "one_shot_ll" if nbytes <= LL_MAX_BYTES else "one_shot_barrier"
+    if algorithm not in VARIANTS:
+        raise ValueError(f"algorithm must be one of {list(ALGORITHMS) + list(VARIANTS)}, got {algorithm!r}")
+    return algorithm
+
+
+def schedule(n: int, itemsize: int, world: int, variant_name: str, max_blocks: int, slot_units: int,
+             chunk_cap: int | None = None) -> tuple[int, int]:
+    """Grid and per-block chunk (in units: 16 bytes, 8 for one_shot_ll) for ``n`` elements of ``itemsize``.
+
+    The span is the whole tensor (one-shot) or one shard of ceil(units / world) (two-shot). The chunk spreads
+    the span over up to ``max_blocks`` blocks, at least :data:`MIN_CHUNK_UNITS`, at most ``slot_units``
     (and ``chunk_cap``); larger spans take several rounds. Returns ``(grid, chunk)``, grid 0 when n == 0.
     """
-    nv = -(-n // (16 // itemsize))
-    span = nv if algorithm == "one_shot" else -(-nv // world)
+    units = -(-n // (UNIT_BYTES[variant_name] // itemsize))
+    span = -(-units // world) if variant_name == "two_shot" else units
     if span == 0:
         return 0, 1
-    cap = min(slot_vecs, chunk_cap or slot_vecs)
-    chunk = max(1, min(cap, max(MIN_CHUNK_VECS, -(-span // max_blocks))))
+    cap = min(slot_units, chunk_cap or slot_units)
+    chunk = max(1, min(cap, max(MIN_CHUNK_UNITS, -(-span // max_blocks))))
     return min(max_blocks, -(-span // chunk)), chunk
 
 
@@ -72,21 +92,43 @@ class _Comm:
         self.world = dist.get_world_size(group)
         if self.world > MAX_RANKS:
             raise ValueError(f"peer all-reduce supports groups of at most {MAX_RANKS} ranks, got {self.world}")
-        slot1, slot2 = ONE_SHOT_SLOT_BYTES, two_shot_slot_bytes(self.world)
+        slots = {"one_shot_ll": LL_SLOT_BYTES, "one_shot_barrier": ONE_SHOT_SLOT_BYTES,
+                 "two_shot": two_shot_slot_bytes(self.world)}
         # two-shot: one block per SM of the smallest GPU of the group (all blocks must be co-resident)
         sms: list = [None] * self.world
         with torch.cuda.device(device):
             dist.all_gather_object(sms, torch.cuda.get_device_properties(device).multi_processor_count, group=group)
-        self.max_blocks = {"one_shot": ONE_SHOT_MAX_BLOCKS, "two_shot": min(min(sms), 256)}
-        size1 = ONE_SHOT_MAX_BLOCKS * 2 * self.world * slot1
-        size2 = self.max_blocks["two_shot"] * 2 * self.world * slot2
-        self.buffer = PeerBuffer(group, device, HEADER_BYTES + size1 + size2, header_bytes=HEADER_BYTES,
-                                 backend=BUFFER_BACKEND)
-        self.slot_vecs = {"one_shot": slot1 // 16, "two_shot": slot2 // 16}
+        self.max_blocks = {"one_shot_ll": ONE_SHOT_MAX_BLOCKS, "one_shot_barrier": ONE_SHOT_MAX_BLOCKS,
+                           "two_shot": min(min(sms), 256)}
+        # layout: header (flags, counters), then one region per variant of blocks x 2 x world slots
+        regions, offset = {}, HEADER_BYTES
+        for name in ("one_shot_ll", "one_shot_barrier", "two_shot"):
+            regions[name] = offset
+            offset += self.max_blocks[name] * 2 * self.world * slots[name]
+        self.buffer = PeerBuffer(group, device, offset, header_bytes=HEADER_BYTES, backend=BUFFER_BACKEND)
+        self.slot_units = {k: v // 16 for k, v in slots.items()}
         self.window = int(env.get("HPDL_DIRECT_WINDOW")) or self.world - 1
         timeout_ns = int(float(env.get("HPDL_TIMEOUT")) * 1e9)
+        order = sorted(VARIANTS, key=VARIANTS.get)
         self.handle = self.ext.create(self.buffer.ptrs, self.buffer.rank, self.world, device.index,
-                                      HEADER_BYTES, slot1 // 16, HEADER_BYTES + size1, slot2 // 16, timeout_ns)
+                                      [regions[k] for k in order], [self.slot_units[k] for k in order], timeout_ns)
+        self.plans: dict[tuple, tuple] = {}
+
+    def plan(self, tensor: torch.Tensor, op: str, algorithm: str, window: int | None) -> tuple:
+        """Launch arguments after the pointer, (n, dtype, op, variant, window, grid, chunk), or () for a no-op.
+
+        Cached per (numel, dtype, op, algorithm, window) in ``self.plans``, which the fast path reads.
+        """
+        n, dtype = tensor.numel(), tensor.dtype
+        if n == 0 or self.world == 1:
+            got: tuple = ()
+        else:
+            v = variant(algorithm, n * tensor.element_size())
+            grid, chunk = schedule(n, tensor.element_size(), self.world, v, self.max_blocks[v], self.slot_units[v],
+                                   CHUNK_CAP_VECS.get(v))
+            got = (n, DTYPES[dtype], OPS[op], VARIANTS[v], window or self.window, grid, chunk)
+        self.plans[(n, dtype, op, algorithm, window)] = got
+        return got
 
     def close(self) -> None:
         self.ext.release(self.handle)
@@ -102,6 +144,16 @@ def _comm(group, device: torch.device) -> _Comm:
     if comm is None:
         comm = _COMMS[key] = _Comm(group, device)
     return comm
+
+
+def set_chunk_cap(variant_name: str, units: int | None) -> None:
+    """Cap the per-block chunk of ``variant_name`` at ``units`` (None = slot size); for benchmarks and tests."""
+    if variant_name not in VARIANTS or (units is not None and units < 1):
+        raise ValueError(f"variant must be one of {list(VARIANTS)} and units None or >= 1, got "
+                         f"{variant_name!r}, {units!r}")
+    CHUNK_CAP_VECS[variant_name] = units
+    for comm in _COMMS.values():
+        comm.plans.clear()
 
 
 def register(group=None, device: torch.device | None = None) -> None:
@@ -148,24 +200,37 @@ def peer_all_reduce(tensor: torch.Tensor, op: str, group, algorithm: str = "two_
         ValueError: unsupported dtype, op, algorithm or window, or a CPU tensor.
         RuntimeError: the kernel launch failed or the ranks are not on one host.
     """
-    dt = DTYPES.get(tensor.dtype)
-    opc = OPS.get(op)
-    algo = ALGORITHMS.get(algorithm)
-    if dt is None or opc is None or algo is None or not tensor.is_cuda or (window is not None and window < 1):
+    comm = _COMMS.get((group, tensor.get_device()))
+    if comm is not None:   # fast path: a cached plan, a contiguous 16-byte aligned tensor -> one launch
+        plan = comm.plans.get((tensor.numel(), tensor.dtype, op, algorithm, window))
+        if plan is not None:
+            if not plan:
+                return
+            if tensor.is_contiguous():
+                ptr = tensor.data_ptr()
+                if not ptr % 16:
+                    comm.ext.all_reduce(comm.handle, ptr, *plan)
+                    return
+    _peer_all_reduce_checked(tensor, op, group, algorithm, window)
+
+
+def _peer_all_reduce_checked(tensor: torch.Tensor, op: str, group, algorithm: str, window: int | None) -> None:
+    """The first call of a (numel, dtype, op, algorithm, window), or a view that needs a contiguous copy."""
+    dt = DTYPES.get(tensor.dtype) if isinstance(tensor, torch.Tensor) else None
+    if dt is None or op not in OPS or not tensor.is_cuda or (window is not None and window < 1) or \
+            (algorithm not in VARIANTS and algorithm != "one_shot"):
         _raise_bad_args(tensor, op, algorithm, window)
-    if opc == 1 and dt >= 3:
+    if op == "avg" and not tensor.dtype.is_floating_point:
         raise ValueError(f"op='avg' needs a floating-point tensor, got dtype {tensor.dtype}")
-    comm = _COMMS.get((group, tensor.device.index)) or _comm(group, tensor.device)
-    n = tensor.numel()
-    if n == 0 or comm.world == 1:
+    comm = _comm(group, tensor.device)
+    plan = comm.plan(tensor, op, algorithm, window)
+    if not plan:
         return
     work = tensor
     if not tensor.is_contiguous() or tensor.data_ptr() % 16:
         work = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)   # fresh: 512-byte aligned
         work.copy_(tensor)
-    grid, chunk = schedule(n, tensor.element_size(), comm.world, algorithm, comm.max_blocks[algorithm],
-                           comm.slot_vecs[algorithm], CHUNK_CAP_VECS.get(algorithm))
-    comm.ext.all_reduce(comm.handle, work.data_ptr(), n, dt, opc, algo, window or comm.window, grid, chunk)
+    comm.ext.all_reduce(comm.handle, work.data_ptr(), *plan)
     if work is not tensor:
         tensor.copy_(work)
 
@@ -177,8 +242,7 @@ def _raise_bad_args(tensor, op, algorithm, window) -> None:
         raise ValueError(f"tensor dtype must be one of {[str(d) for d in DTYPES]}, got {tensor.dtype}")
     if op not in OPS:
         raise ValueError(f"op must be one of {list(OPS)}, got {op!r}")
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {list(ALGORITHMS)}, got {algorithm!r}")
+    variant(algorithm, 0)   # raises for an unknown algorithm
     raise ValueError(f"window must be None or >= 1, got {window!r}")
 
 
@@ -211,10 +275,12 @@ def reference_all_reduce(inputs: list[torch.Tensor], op: str, algorithm: str, wi
                          max_blocks: int | None = None, slot_bytes: int | None = None) -> list[torch.Tensor]:
     """Run the kernels' schedule on CPU tensors: ``inputs[r]`` is rank r's tensor; returns each rank's output.
 
-    Simulates every block's rounds with per-rank slot buffers: pushes in window order, reduction in rank order
-    with float32 accumulation for 16-bit floats, the two-shot owner-only reduction and gather. ``max_blocks``
-    and ``slot_bytes`` default to small values (4 blocks, 1 KiB slots) so that rounds, partial chunks and
-    several blocks occur on small tensors; pass the device's values to mirror a device run exactly.
+    ``algorithm`` is "one_shot", "two_shot" or a kernel variant name; "one_shot" resolves by size exactly as
+    :func:`peer_all_reduce` does (:func:`variant`). Simulates every block's rounds with per-rank slot buffers:
+    pushes in window order (with LL flags for one_shot_ll, checked on read), reduction in rank order with
+    float32 accumulation for 16-bit floats, the two-shot owner-only reduction and gather. ``max_blocks`` and
+    ``slot_bytes`` default to small values (4 blocks, 1 KiB slots) so that rounds, partial chunks and several
+    blocks occur on small tensors; pass the device's values to mirror a device run exactly.
 
     Raises:
         ValueError: empty list, more than 8 ranks, mismatched shapes/dtypes, or an unsupported op/dtype/algorithm.
@@ -225,50 +291,55 @@ def reference_all_reduce(inputs: list[torch.Tensor], op: str, algorithm: str, wi
     shape, dtype = inputs[0].shape, inputs[0].dtype
     if any(x.shape != shape or x.dtype != dtype for x in inputs):
         raise ValueError("every rank's tensor must have the same shape and dtype")
-    if dtype not in DTYPES or op not in OPS or algorithm not in ALGORITHMS:
-        raise ValueError(f"unsupported dtype/op/algorithm: {dtype}, {op!r}, {algorithm!r}")
+    if dtype not in DTYPES or op not in OPS:
+        raise ValueError(f"unsupported dtype/op: {dtype}, {op!r}")
     if op == "avg" and not dtype.is_floating_point:
         raise ValueError(f"op='avg' needs a floating-point tensor, got dtype {dtype}")
     k = window or world - 1
     if k < 1 and world > 1:
         raise ValueError(f"window must be >= 1, got {window!r}")
-    n, vlen = inputs[0].numel(), 16 // inputs[0].element_size()
-    nv = math.ceil(n / vlen)
-    max_blocks = max_blocks or 4
-    slot_vecs = (slot_bytes or 1024) // 16
-    grid, chunk = schedule(n, inputs[0].element_size(), world, algorithm, max_blocks, slot_vecs,
-                           CHUNK_CAP_VECS.get(algorithm))
-    # data[r]: rank r's tensor as (vectors, lanes), zero-padded like the kernel's partial-vector loads
-    data = [torch.cat([x.detach().reshape(-1).cpu(), x.new_zeros(nv * vlen - n, device="cpu")]).view(nv, vlen)
+    n, itemsize = inputs[0].numel(), inputs[0].element_size()
+    v = variant(algorithm, n * itemsize)
+    lanes = UNIT_BYTES[v] // itemsize
+    nu = math.ceil(n / lanes)
+    grid, chunk = schedule(n, itemsize, world, v, max_blocks or 4, (slot_bytes or 1024) // 16, CHUNK_CAP_VECS.get(v))
+    # data[r]: rank r's tensor as (units, lanes), zero-padded like the kernels' partial loads
+    data = [torch.cat([x.detach().reshape(-1).cpu(), x.new_zeros(nu * lanes - n, device="cpu")]).view(nu, lanes)
             for x in inputs]
     if world == 1 or n == 0:
         return [d.reshape(-1)[:n].clone().view(shape) for d in data]
-    # slots[q][block, kind, src] holds `chunk` vectors, as in rank q's registered buffer
-    slots = [torch.zeros(max(grid, 1), 2, world, chunk, vlen, dtype=dtype) for _ in range(world)]
+    # slots[q][block, kind, src] holds `chunk` units, as in rank q's registered buffer; flags: LL packet flags
+    slots = [torch.zeros(grid, 2, world, chunk, lanes, dtype=dtype) for _ in range(world)]
+    flags = [torch.zeros(grid, 2, world, chunk, dtype=torch.int64) for _ in range(world)]
     order = [[(r + j) % world for j in range(1, world)] for r in range(world)]
     windows = [[o[i:i + k] for i in range(0, world - 1, k)] for o in order]
-    span = nv if algorithm == "one_shot" else math.ceil(nv / world)
-    stride = 0 if algorithm == "one_shot" else span
+    one_shot = v != "two_shot"
+    span = nu if one_shot else math.ceil(nu / world)
+    stride = 0 if one_shot else span
     epoch = [0] * grid
     for b in range(grid):
         for first in range(b * chunk, span, grid * chunk):
             cnt = min(chunk, span - first)
             epoch[b] += 1
-            kind = epoch[b] & 1 if algorithm == "one_shot" else 0
+            kind = epoch[b] & 1 if one_shot else 0
             for r in range(world):   # push (reduce-scatter for two-shot)
                 for win in windows[r]:
                     for p in win:
-                        lo, hi = first + p * stride, min(first + p * stride + cnt, nv)
+                        lo, hi = first + p * stride, min(first + p * stride + cnt, nu)
                         if hi > lo:
                             slots[p][b, kind, r, : hi - lo] = data[r][lo:hi]
-            # --- barrier ---
-            if algorithm == "one_shot":
+                            flags[p][b, kind, r, : hi - lo] = epoch[b]
+            # --- barrier (one_shot_barrier, two_shot) or per-packet flag wait (one_shot_ll) ---
+            if one_shot:
                 for r in range(world):
+                    if v == "one_shot_ll" and not bool((flags[r][b, kind, :, :cnt][torch.arange(world) != r]
+                                                        == epoch[b]).all()):
+                        raise RuntimeError(f"LL packet with a stale flag: rank {r}, block {b}, epoch {epoch[b]}")
                     parts = [data[q][first:first + cnt] if q == r else slots[r][b, kind, q, :cnt] for q in range(world)]
                     data[r][first:first + cnt] = _reduce_ranks(parts, op, dtype, world)
                 continue
             for r in range(world):   # reduce my shard, push it to every peer's all-gather slot
-                lo, hi = r * span + first, min(r * span + first + cnt, nv)
+                lo, hi = r * span + first, min(r * span + first + cnt, nu)
                 if hi <= lo:
                     continue
                 parts = [data[q][lo:hi] if q == r else slots[r][b, 0, q, : hi - lo] for q in range(world)]
@@ -279,7 +350,7 @@ def reference_all_reduce(inputs: list[torch.Tensor], op: str, algorithm: str, wi
             # --- barrier ---
             for r in range(world):   # gather
                 for p in order[r]:
-                    lo, hi = p * span + first, min(p * span + first + cnt, nv)
+                    lo, hi = p * span + first, min(p * span + first + cnt, nu)
                     if hi > lo:
                         data[r][lo:hi] = slots[r][b, 1, p, : hi - lo]
     return [d.reshape(-1)[:n].clone().view(shape) for d in data]

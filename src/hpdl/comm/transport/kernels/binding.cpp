@@ -26,8 +26,8 @@ namespace {
 
 struct Comm {
   hpdl::PeerArgs args{};
-  long long region[2]{};
-  long long slot_vecs[2]{};
+  long long region[hpdl::kNumAlgos]{};
+  long long slot_vecs[hpdl::kNumAlgos]{};
   int device = 0;
   bool live = false;
 };
@@ -40,21 +40,24 @@ Comm& get(int handle) {
   return g_comms[handle];
 }
 
-int create(const std::vector<int64_t>& bufs, int rank, int world, int device, int64_t one_shot_region,
-           int64_t one_shot_slot_vecs, int64_t two_shot_region, int64_t two_shot_slot_vecs, int64_t timeout_ns) {
+int create(const std::vector<int64_t>& bufs, int rank, int world, int device, const std::vector<int64_t>& regions,
+           const std::vector<int64_t>& slot_vecs, int64_t timeout_ns) {
   if (world < 1 || world > hpdl::kMaxRanks || static_cast<int>(bufs.size()) != world)
     throw std::invalid_argument("peer all-reduce: world must be 1.." + std::to_string(hpdl::kMaxRanks) +
                                 " with one buffer per rank, got world=" + std::to_string(world));
   if (rank < 0 || rank >= world) throw std::invalid_argument("peer all-reduce: rank out of range");
+  if (regions.size() != hpdl::kNumAlgos || slot_vecs.size() != hpdl::kNumAlgos)
+    throw std::invalid_argument("peer all-reduce: need one region and slot size per algorithm (" +
+                                std::to_string(hpdl::kNumAlgos) + ")");
   Comm c;
   for (int q = 0; q < world; ++q) c.args.bufs[q] = reinterpret_cast<char*>(bufs[q]);
   c.args.rank = rank;
   c.args.world = world;
   c.args.timeout_ns = static_cast<unsigned long long>(timeout_ns);
-  c.region[hpdl::kOneShot] = one_shot_region;
-  c.region[hpdl::kTwoShot] = two_shot_region;
-  c.slot_vecs[hpdl::kOneShot] = one_shot_slot_vecs;
-  c.slot_vecs[hpdl::kTwoShot] = two_shot_slot_vecs;
+  for (int k = 0; k < hpdl::kNumAlgos; ++k) {
+    c.region[k] = regions[k];
+    c.slot_vecs[k] = slot_vecs[k];
+  }
   c.device = device;
   c.live = true;
   g_comms.push_back(c);
@@ -66,7 +69,7 @@ void release(int handle) { get(handle).live = false; }
 void all_reduce(int handle, int64_t data, int64_t n, int dtype, int op, int algo, int window, int grid,
                 int64_t chunk) {
   Comm& c = get(handle);
-  if (algo != hpdl::kOneShot && algo != hpdl::kTwoShot) throw std::invalid_argument("peer all-reduce: bad algorithm");
+  if (algo < 0 || algo >= hpdl::kNumAlgos) throw std::invalid_argument("peer all-reduce: bad algorithm");
   if (chunk < 1 || chunk > c.slot_vecs[algo])
     throw std::invalid_argument("peer all-reduce: chunk " + std::to_string(chunk) + " outside 1.." +
                                 std::to_string(c.slot_vecs[algo]) + " vectors");

@@ -9,6 +9,7 @@ cudaError_t launch_peer_all_reduce(const PeerArgs& a, int algo, int dtype, int g
 #define HPDL_CASE(code, T)                                                     \
   case code:                                                                   \
     if (algo == kOneShot) one_shot_kernel<T><<<g, b, 0, stream>>>(a);          \
+    else if (algo == kOneShotLL) one_shot_ll_kernel<T><<<g, b, 0, stream>>>(a); \
     else two_shot_kernel<T><<<g, b, 0, stream>>>(a);                           \
     break;
   switch (dtype) {

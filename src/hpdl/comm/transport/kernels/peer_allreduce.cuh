@@ -14,6 +14,12 @@
 //     gathered shards out. Only the owner reduces a shard, so every rank holds the same bits.
 //   16-bit floats accumulate in float32 and round once (round-to-nearest-even); avg divides the sum by W.
 //
+// one-shot, low-latency variant (one_shot_ll, for small messages; NCCL's LL protocol): the payload travels in
+//   16-byte packets {data[0:4], epoch, data[4:8], epoch} written with one st.volatile.v4 (8-byte halves are
+//   single-copy atomic), and the reader polls its own slot until both flag words equal the epoch. No fence and no
+//   barrier: one NVLink crossing per call. Halves alternate by epoch parity, so a peer can only overwrite a half
+//   two calls later, after this rank has taken part in the call in between.
+//
 // Synchronisation: a barrier is per block and per rank pair. Block b stores epoch e into flag[algo][b][rank]
 // of each peer with st.release.sys after __syncthreads, and spins with ld.acquire.sys on its own
 // flag[algo][b][peer] until it reaches e (TensorRT-LLM / vLLM custom all-reduce pattern). The epoch lives in
@@ -247,6 +253,98 @@ template <typename T> __global__ void __launch_bounds__(kThreads) two_shot_kerne
   }
   __syncthreads();
   if (threadIdx.x == 0) *counter_ptr(a.bufs[a.rank], kTwoShot, blockIdx.x) = epoch;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// one-shot, LL protocol: 8 payload bytes per 16-byte packet, flag = epoch in both halves.
+template <typename T> union Unit {
+  static constexpr int N = 8 / sizeof(T);
+  uint2 raw;
+  T e[N];
+};
+
+template <typename T> __device__ __forceinline__ Unit<T> load_unit(const PeerArgs& a, long long u) {
+  constexpr int N = Unit<T>::N;
+  const T* base = static_cast<const T*>(a.data) + u * N;
+  Unit<T> out;
+  if ((u + 1) * N <= a.n) {
+    out.raw = *reinterpret_cast<const uint2*>(base);
+  } else {
+    out.raw = make_uint2(0, 0);
+    for (int j = 0; j < N && u * N + j < a.n; ++j) out.e[j] = base[j];
+  }
+  return out;
+}
+
+__device__ __forceinline__ void st_volatile_v4(uint4* p, uint4 v) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+__device__ __forceinline__ uint4 ld_volatile_v4(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p)
+               : "memory");
+  return v;
+}
+
+__device__ __forceinline__ uint2 poll_packet(const PeerArgs& a, const uint4* p, uint32_t epoch, int src) {
+  unsigned long long t0 = 0;
+  while (true) {
+    const uint4 v = ld_volatile_v4(p);
+    if (v.y == epoch && v.w == epoch) return make_uint2(v.x, v.z);
+    const unsigned long long now = global_timer_ns();
+    if (t0 == 0) {
+      t0 = now;
+    } else if (now - t0 > a.timeout_ns) {
+      printf("hpdl peer all-reduce (one_shot_ll): rank %d block %d timed out waiting for rank %d (epoch %u)\n",
+             a.rank, blockIdx.x, src, epoch);
+      __trap();
+    }
+  }
+}
+
+template <typename T> __global__ void __launch_bounds__(kThreads) one_shot_ll_kernel(const __grid_constant__ PeerArgs a) {
+  using A = typename AccOf<T>::type;
+  constexpr int N = Unit<T>::N;
+  __shared__ uint32_t s_epoch;
+  const long long nu = (a.n + N - 1) / N;
+  if (threadIdx.x == 0) s_epoch = __ldcg(counter_ptr(a.bufs[a.rank], kOneShotLL, blockIdx.x));
+  __syncthreads();
+  uint32_t epoch = s_epoch;
+  for (long long first = blockIdx.x * a.chunk; first < nu; first += (long long)gridDim.x * a.chunk) {
+    const long long cnt = min(a.chunk, nu - first);
+    if (++epoch == 0) epoch = 1;   // 0 is the initial content of the slots
+    const int half = epoch & 1;
+    // push: each thread sends its units to every peer (windows of k peers at a time)
+    for (int j0 = 1; j0 < a.world; j0 += a.window) {
+      const int j1 = min(j0 + a.window, a.world);
+      for (long long i = threadIdx.x; i < cnt; i += kThreads) {
+        const Unit<T> x = load_unit<T>(a, first + i);
+        const uint4 pkt = make_uint4(x.raw.x, epoch, x.raw.y, epoch);
+        for (int j = j0; j < j1; ++j) st_volatile_v4(reinterpret_cast<uint4*>(slot_ptr(a, (a.rank + j) % a.world, half, a.rank)) + i, pkt);
+      }
+    }
+    // poll and reduce in rank order; a thread reads back only the units it pushed, so in place is safe
+    for (long long i = threadIdx.x; i < cnt; i += kThreads) {
+      const Unit<T> mine = load_unit<T>(a, first + i);
+      A acc[N];
+      for (int q = 0; q < a.world; ++q) {
+        Unit<T> x;
+        if (q == a.rank) x = mine; else x.raw = poll_packet(a, reinterpret_cast<const uint4*>(slot_ptr(a, a.rank, half, q)) + i, epoch, q);
+#pragma unroll
+        for (int j = 0; j < N; ++j) acc[j] = q == 0 ? to_acc<T>(x.e[j]) : combine<A>(acc[j], to_acc<T>(x.e[j]), a.op);
+      }
+      const long long u = first + i;
+      T* out = static_cast<T*>(a.data) + u * N;
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        if (a.op == kAvg) acc[j] = acc[j] / static_cast<A>(a.world);
+        if (u * N + j < a.n) out[j] = from_acc<T>(acc[j]);
+      }
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) *counter_ptr(a.bufs[a.rank], kOneShotLL, blockIdx.x) = epoch;
 }
 
 }  // namespace hpdl

@@ -8,11 +8,12 @@ constexpr int kMaxBlocks = 256;   // flag slots per algorithm
 constexpr int kThreads = 512;
 
 enum Op : int { kSum = 0, kAvg = 1, kMin = 2, kMax = 3, kProduct = 4 };
-enum Algo : int { kOneShot = 0, kTwoShot = 1 };
+enum Algo : int { kOneShot = 0, kTwoShot = 1, kOneShotLL = 2 };
+constexpr int kNumAlgos = 3;
 
 // Flag area at the start of every rank's buffer (offsets in bytes):
 //   flags   uint32[2][kMaxBlocks][kMaxRanks]  written by peers
-//   counter uint32[2][kMaxBlocks]             this rank's epoch per block
+//   counter uint32[kNumAlgos][kMaxBlocks]     this rank's epoch per block
 constexpr long long kFlagsBytes = 2LL * kMaxBlocks * kMaxRanks * 4;
 constexpr long long kHeaderBytes = 64 * 1024;
 
