@@ -203,6 +203,41 @@ def check_ipc(rank: int, world: int) -> dict:
     return res
 
 
+def probe_two_shot(rank: int, world: int) -> list[dict]:
+    """Two-shot grid/chunk probes (bf16, eager, us per call): minimum chunk at 1-8 MiB, chunk cap at 256 MiB-1 GiB."""
+    dev, out = torch.device("cuda", rank), []
+    default_min = peer.MIN_CHUNK_UNITS
+    try:
+        for nbytes in (1 << 20, 2 << 20, 4 << 20, 8 << 20):
+            for min_units in (128, 256, 512, 1024, 2048):
+                peer.MIN_CHUNK_UNITS = min_units
+                peer.set_chunk_cap("two_shot", None)   # drops cached plans
+                n = nbytes // 2
+                x = torch.randn(n, device=dev).to(torch.bfloat16)
+                us = time_calls(lambda: peer.peer_all_reduce(x, "sum", None, "two_shot"), 100, 10, 3)
+                x.copy_(pattern(n, rank, 3, torch.bfloat16, dev))
+                peer.peer_all_reduce(x, "sum", None, "two_shot")
+                wrong = total(int((x != expected(n, world, 3, torch.bfloat16, dev)).sum()))
+                grid, chunk = peer._COMMS[(None, rank)].plans[(n, torch.bfloat16, "sum", "two_shot", None)][-2:]
+                out.append({"bytes": nbytes, "min_chunk_units": min_units, "cap_units": None, "grid": grid,
+                            "chunk": chunk, "us": us, "wrong": wrong})
+        peer.MIN_CHUNK_UNITS = default_min
+        for nbytes in (256 << 20, 1 << 30):
+            for cap in (2048, 4096, 8192, None):
+                peer.set_chunk_cap("two_shot", cap)
+                n = nbytes // 2
+                x = torch.randn(n, device=dev).to(torch.bfloat16)
+                us = time_calls(lambda: peer.peer_all_reduce(x, "sum", None, "two_shot"), 8, 2)
+                grid, chunk = peer._COMMS[(None, rank)].plans[(n, torch.bfloat16, "sum", "two_shot", None)][-2:]
+                out.append({"bytes": nbytes, "min_chunk_units": default_min, "cap_units": cap, "grid": grid,
+                            "chunk": chunk, "us": us, "wrong": None})
+                del x
+    finally:
+        peer.MIN_CHUNK_UNITS = default_min
+        peer.set_chunk_cap("two_shot", None)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- benchmark
 def bench_dtype(rank: int, world: int, cfg: Config, dname: str) -> list[dict]:
     dtype, dev = DT[dname], torch.device("cuda", rank)
@@ -355,7 +390,7 @@ def plot(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def report(cfg: Config, world: int, checks: dict, rows: list[dict], meta: dict) -> str:
+def report(cfg: Config, world: int, checks: dict, rows: list[dict], meta: dict, probes: list | None = None) -> str:
     lines = ["# GPU all-reduce on one host: hpdl peer one-shot / two-shot vs NCCL and torch symm_mem", "",
              f"Date: {meta['date']}. Device: {world} x {meta['gpu']}. torch {meta['torch']}, CUDA {meta['cuda']}, "
              f"NCCL {meta['nccl']}. Build of the extension: {meta['build_s']:.1f} s.", "",
@@ -377,14 +412,21 @@ def report(cfg: Config, world: int, checks: dict, rows: list[dict], meta: dict) 
     if floors:
         lines += ["", "CPU staging floor (pinned D2H + H2D copy only, no exchange or reduction), us: "
                   + ", ".join(f"{fmt_size(b)}: {t:.1f}" for b, t in floors)]
+    if probes:
+        lines += ["", "## Two-shot probes (bf16, eager, us per call; chunk and cap in 16-byte units per block and round)",
+                  "", "| size | min chunk | chunk cap | grid | chunk | us | #wrong |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {fmt_size(p['bytes'])} | {p['min_chunk_units']} | {p['cap_units'] or 'slot'} | {p['grid']} | "
+                  f"{p['chunk']} | {p['us']:.1f} | {'-' if p['wrong'] is None else p['wrong']} |" for p in probes]
     return "\n".join(lines) + "\n"
 
 
-def write_outputs(cfg: Config, world: int, checks: dict, rows: list, meta: dict, show: bool = True) -> None:
+def write_outputs(cfg: Config, world: int, checks: dict, rows: list, meta: dict, show: bool = True,
+                  probes: list | None = None) -> None:
     os.makedirs(cfg.out, exist_ok=True)
     with open(os.path.join(cfg.out, "gpu_allreduce.json"), "w") as f:
-        json.dump({"config": asdict(cfg), "meta": meta, "checks": checks, "rows": rows}, f, indent=1)
-    text = report(cfg, world, checks, rows, meta)
+        json.dump({"config": asdict(cfg), "meta": meta, "checks": checks, "rows": rows, "probes": probes or []}, f,
+                  indent=1)
+    text = report(cfg, world, checks, rows, meta, probes)
     with open(os.path.join(cfg.out, "gpu_allreduce.md"), "w") as f:
         f.write(text)
     if rows:
@@ -417,6 +459,11 @@ def worker(rank: int, world: int, cfg: Config, meta: dict) -> None:
         if rank == 0:
             print("ipc:", json.dumps({k: v for k, v in checks.items() if k.startswith("ipc")}), flush=True)
             write_outputs(cfg, world, checks, rows, meta, show=False)
+    if cfg.bench:
+        probes = probe_two_shot(rank, world)
+        if rank == 0:
+            write_outputs(cfg, world, checks, rows, meta, show=False, probes=probes)
+            print("\n".join(report(cfg, world, {}, [], meta, probes).splitlines()[-30:]), flush=True)
     peer.release()
     dist.destroy_process_group()
 
