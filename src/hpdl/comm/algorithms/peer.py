@@ -3,15 +3,17 @@
 Algorithm (Direct Sendrecv with throttling, Chen et al., ICPP 2025, read as in docs/comm_gpu.md; the kernel
 pattern follows vLLM's and TensorRT-LLM's custom all-reduce):
 
-* ``one_shot``: every rank stores its whole tensor into a slot of every peer's registered buffer, meets the peers
-  at a barrier, then reduces the W copies in rank order. One barrier, (W-1)·n bytes out per rank: best for small n.
+* ``one_shot``: every rank stores its whole tensor into a slot of every peer's registered buffer and reduces
+  the W copies in rank order; (W-1)·n bytes out per rank, best for small n. Up to :data:`LL_MAX_BYTES` it runs
+  the LL variant (8-byte payload + epoch flag per 16-byte packet, the reader polls the flags: no barrier, one
+  NVLink crossing; NCCL's LL protocol), above it the barrier variant.
 * ``two_shot``: the tensor is cut into W shards. Reduce-scatter: rank r stores shard p into peer p's buffer;
   barrier; rank r reduces shard r in rank order, writes it and stores it into every peer's all-gather slot;
   barrier; each rank copies the gathered shards out. 2·(W-1)/W·n bytes out per rank: best for large n.
 * Peers are visited in windows of ``window`` (k) starting at rank+1, so at most k links are loaded at once.
-* Pipelining: each of ``grid`` thread blocks works through rounds of ``chunk`` 16-byte vectors, with its own
-  barriers, so one block's copy-out overlaps another block's transfer; the registered buffer holds one round
-  per block, hence a fixed size (64 KiB + 8 MiB + 132 MiB at W=2) whatever the tensor size.
+* Pipelining: each of ``grid`` thread blocks works through rounds of ``chunk`` units, with its own barriers, so
+  one block's copy-out overlaps another block's transfer; the registered buffer holds one round per block,
+  hence a fixed size (64 KiB + 4 MiB + 8 MiB + 132 MiB at W=2 on 132-SM GPUs) whatever the tensor size.
 
 :func:`reference_all_reduce` runs the same schedule (same :func:`schedule`, same slots, same rank order, same
 float32 accumulation) on CPU tensors; CI tests it against torch.distributed, the device benchmark tests the

@@ -42,6 +42,7 @@ class PeerBuffer:
     Attributes:
         ptrs: ``ptrs[q]`` is the address of rank q's buffer, valid in this process (``ptrs[rank]`` is local).
         rank, world: this rank and the group size. backend: the backend used.
+        min_sm_count: the smallest SM count among the group's GPUs.
 
     Raises:
         ValueError: bad ``nbytes`` or ``backend``.
