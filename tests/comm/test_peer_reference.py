@@ -186,6 +186,32 @@ def test_fast_path_launches_the_cached_plan_once_per_call(monkeypatch):
     peer.set_chunk_cap("two_shot", None)
 
 
+def test_default_algorithm_table():
+    assert peer.default_algorithm(8, 2) == "one_shot"
+    assert peer.default_algorithm(1 << 20, 2) == "one_shot"
+    assert peer.default_algorithm((1 << 20) + 1, 2) == "two_shot"
+    assert peer.default_algorithm(1 << 20, 8) == "two_shot" and peer.default_algorithm(256 << 10, 8) == "one_shot"
+    with pytest.raises(ValueError, match="world"):
+        peer.default_algorithm(8, 9)
+
+
+def test_release_frees_each_buffer_once_under_every_alias(monkeypatch):
+    closed = []
+
+    class _Closable:
+        def close(self):
+            closed.append(self)
+
+    shared, other = _Closable(), _Closable()
+    group = object()
+    monkeypatch.setattr(peer, "_COMMS", {(None, 0): shared, ("alias", 0): shared, (group, 1): other})
+    monkeypatch.setattr(peer, "_canonical", lambda g: None if g in (None, "alias") else g)
+    peer.release(None)
+    assert closed == [shared] and list(peer._COMMS) == [(group, 1)]
+    peer.release(group)
+    assert closed == [shared, other] and peer._COMMS == {}
+
+
 # --- against torch.distributed: one gloo job of 8 ranks, subgroups of 2..8 ranks ---------------------------
 GLOO_CASES = [(n, dtype, op) for n in (1, 3, 17, 1031) for dtype in (torch.float32, torch.int64, torch.int32)
               for op in ("sum", "min", "max", "product")] + [(129, torch.bfloat16, "sum"), (33, torch.float32, "avg")]

@@ -140,11 +140,18 @@ class _Comm:
 _COMMS: dict[tuple, _Comm] = {}
 
 
+def _canonical(group):
+    """None for the default group however it is spelled, so that None and dist.group.WORLD share a buffer."""
+    return None if group is None or (dist.is_initialized() and group is dist.group.WORLD) else group
+
+
 def _comm(group, device: torch.device) -> _Comm:
     key = (group, device.index)
     comm = _COMMS.get(key)
     if comm is None:
-        comm = _COMMS[key] = _Comm(group, device)
+        canon = (_canonical(group), device.index)
+        comm = _COMMS.get(canon) or _Comm(canon[0], device)
+        _COMMS[canon] = _COMMS[key] = comm   # both spellings hit the fast path
     return comm
 
 
@@ -165,8 +172,29 @@ def register(group=None, device: torch.device | None = None) -> None:
 
 def release(group=None) -> None:
     """Free the registered buffers of ``group`` (collective over the group; call before destroying it)."""
-    for key in [k for k in _COMMS if k[0] is group]:
-        _COMMS.pop(key).close()
+    canon = _canonical(group)
+    doomed = {id(c): c for k, c in _COMMS.items() if _canonical(k[0]) is canon}
+    for key in [k for k, c in _COMMS.items() if id(c) in doomed]:
+        del _COMMS[key]
+    for comm in doomed.values():
+        comm.close()
+
+
+def default_algorithm(nbytes: int, world: int) -> str:
+    """The peer algorithm to use for ``nbytes`` per rank on ``world`` GPUs of one node (auto's CUDA table).
+
+    Measured on 2 x H200 (docs/benchmarks/gpu_allreduce.md, eager and CUDA graph alike): one_shot up to
+    1 MiB, two_shot above, and NCCL was never faster at any size from 8 B to 1 GiB. One-shot traffic grows as
+    (W-1)·n against 2·(W-1)/W·n for two-shot, so for W > 2 the limit follows vLLM's custom all-reduce
+    (512 KiB up to 4 GPUs, 256 KiB up to 8), unmeasured here.
+
+    Raises:
+        ValueError: ``nbytes`` < 0 or ``world`` outside 1..8.
+    """
+    if nbytes < 0 or not 1 <= world <= MAX_RANKS:
+        raise ValueError(f"nbytes must be >= 0 and world in 1..{MAX_RANKS}, got {nbytes}, {world}")
+    limit = 1 << 20 if world <= 2 else (512 << 10 if world <= 4 else 256 << 10)
+    return "one_shot" if nbytes <= limit else "two_shot"
 
 
 def peer_available(tensor: torch.Tensor, group) -> bool:
