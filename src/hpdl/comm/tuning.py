@@ -57,12 +57,16 @@ class TuningTable:
         return cls(rules, data.get("source", source))
 
 
-# CPU (gloo) defaults from docs/benchmarks/cpu.md (4 and 8 processes on one host).
+# CPU (gloo) defaults from docs/benchmarks/cpu.md (4 and 8 processes, 32-core host, 2026-11-29):
+# recursive doubling 2-4.6x native up to 32 KiB; direct 1.2-1.8x native from 64 KiB to 512 KiB (4 ranks)
+# and 1 MiB (8 ranks); above that gloo's own chunked C++ all-reduce is faster, so auto uses it.
 # CUDA defaults: NCCL until the peer-memory kernels' measured table replaces it.
 DEFAULT_RULES = [
     Rule("cpu", INF, "native", min_world=1, max_world=1),
-    Rule("cpu", 32 << 10, "recursive_doubling"),
-    Rule("cpu", INF, "direct", window=4),
+    Rule("cpu", 48 << 10, "recursive_doubling"),
+    Rule("cpu", 768 << 10, "direct", window=4, max_world=4),
+    Rule("cpu", 1536 << 10, "direct", window=4, min_world=5),
+    Rule("cpu", INF, "native"),
     Rule("cuda", INF, "native"),
 ]
 

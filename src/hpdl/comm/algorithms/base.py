@@ -26,6 +26,29 @@ REGISTRY: dict[str, str] = {
 ALIASES = {"rd": "recursive_doubling", "nccl": "native", "torch": "native"}
 
 
+class Workspace:
+    """Persistent scratch buffers, grown on demand and reused across calls (no allocation or page faults on
+    the hot path). One per algorithm instance, i.e. per group: calls on a group run one at a time."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple, torch.Tensor] = {}
+
+    def get(self, key: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        k = (key, dtype, device)
+        buf = self._bufs.get(k)
+        if buf is None or buf.numel() < numel:
+            buf = self._bufs[k] = torch.empty(numel, dtype=dtype, device=device)
+        return buf[:numel]
+
+    def clear(self) -> None:
+        self._bufs.clear()
+
+
+def scratch(ws: "Workspace | None", key: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A buffer from ``ws``, or a fresh one when no workspace is given."""
+    return ws.get(key, numel, dtype, device) if ws is not None else torch.empty(numel, dtype=dtype, device=device)
+
+
 class Algorithm:
     """Base class: subclasses implement ``all_reduce`` and, where they can, the two phases."""
 
@@ -34,6 +57,7 @@ class Algorithm:
 
     def __init__(self, window: int | None = None):
         self.window = window
+        self.workspace = Workspace()
 
     def all_reduce(self, buf: torch.Tensor, op: str, comm: Transport) -> None:
         raise NotImplementedError(f"algorithm {self.name!r} has no all_reduce")

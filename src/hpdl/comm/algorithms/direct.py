@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from hpdl.comm.algorithms.base import Algorithm
+from hpdl.comm.algorithms.base import Algorithm, Workspace, scratch
 from hpdl.comm.ops import acc_dtype, combine_, finalize_, shard_bounds
 from hpdl.comm.transport.base import Transport
 
@@ -31,15 +31,19 @@ def window_size(window: int | None, world_size: int) -> int:
 
 
 def direct_reduce_scatter(blocks: Sequence[torch.Tensor], out: torch.Tensor, op: str, comm: Transport,
-                          window: int | None = None, tag: int = 1) -> None:
+                          window: int | None = None, tag: int = 1, workspace: Workspace | None = None) -> None:
     """``out = reduce_q blocks_q[rank]`` over all ranks q; ``blocks[q]`` is sent to rank q.
 
     ``out`` may alias ``blocks[rank]``. Accumulates in float32 for 16-bit dtypes; one rounding at the end.
+    Receive slots and the accumulator come from ``workspace`` when given (persistent across calls).
     """
     me, p = comm.rank, comm.world_size
-    acc = blocks[me].to(acc_dtype(out.dtype), copy=True)
+    n = blocks[me].numel()
+    acc = scratch(workspace, "acc", n, acc_dtype(out.dtype), out.device)
+    acc.copy_(blocks[me])
     k = window_size(window, p)
-    slots = [torch.empty_like(blocks[me]) for _ in range(min(k, p - 1))]
+    ring = scratch(workspace, "slots", n * min(k, p - 1), out.dtype, out.device)
+    slots = [ring[i * n:(i + 1) * n] for i in range(min(k, p - 1))]
     pending: deque = deque()
 
     def post(d: int) -> None:
@@ -89,11 +93,11 @@ class Direct(Algorithm):
 
     def all_reduce(self, buf: torch.Tensor, op: str, comm: Transport) -> None:
         blocks = [buf[a:b] for a, b in shard_bounds(buf.numel(), comm.world_size)]
-        direct_reduce_scatter(blocks, blocks[comm.rank], op, comm, self.window)
+        direct_reduce_scatter(blocks, blocks[comm.rank], op, comm, self.window, workspace=self.workspace)
         direct_all_gather(blocks, comm, self.window)
 
     def reduce_scatter(self, blocks, out, op, comm):
-        direct_reduce_scatter(blocks, out, op, comm, self.window)
+        direct_reduce_scatter(blocks, out, op, comm, self.window, workspace=self.workspace)
 
     def all_gather(self, blocks, comm):
         direct_all_gather(blocks, comm, self.window)

@@ -11,13 +11,13 @@ from typing import Sequence
 
 import torch
 
-from hpdl.comm.algorithms.base import Algorithm
+from hpdl.comm.algorithms.base import Algorithm, Workspace, scratch
 from hpdl.comm.ops import acc_dtype, combine_, finalize_, shard_bounds
 from hpdl.comm.transport.base import Transport
 
 
 def ring_reduce_scatter(blocks: Sequence[torch.Tensor], out: torch.Tensor, op: str, comm: Transport,
-                        tag: int = 3) -> None:
+                        tag: int = 3, workspace: Workspace | None = None) -> None:
     """After p-1 steps rank r holds the reduction of block r; ``blocks`` are not modified."""
     me, p = comm.rank, comm.world_size
     right, left = (me + 1) % p, (me - 1) % p
@@ -26,15 +26,17 @@ def ring_reduce_scatter(blocks: Sequence[torch.Tensor], out: torch.Tensor, op: s
         finalize_(acc, out, op, 1)
         return
     width = max(b.numel() for b in blocks)
-    send_buf = torch.empty(width, dtype=out.dtype, device=out.device)
-    recv_buf = torch.empty(width, dtype=out.dtype, device=out.device)
+    send_buf = scratch(workspace, "send", width, out.dtype, out.device)
+    recv_buf = scratch(workspace, "recv", width, out.dtype, out.device)
+    acc_buf = scratch(workspace, "acc", width, acc_dtype(out.dtype), out.device)
     outgoing = blocks[(me - 1) % p]
     for step in range(p - 1):
         idx = (me - step - 2) % p
         n = blocks[idx].numel()
         recv = recv_buf[:n]
         comm.exchange(outgoing, right, recv, left, tag)
-        acc = blocks[idx].to(acc_dtype(out.dtype), copy=True)
+        acc = acc_buf[:n]
+        acc.copy_(blocks[idx])
         combine_(acc, recv, op)
         if step == p - 2:
             finalize_(acc, out, op, p)
@@ -60,11 +62,11 @@ class Ring(Algorithm):
 
     def all_reduce(self, buf: torch.Tensor, op: str, comm: Transport) -> None:
         blocks = [buf[a:b] for a, b in shard_bounds(buf.numel(), comm.world_size)]
-        ring_reduce_scatter(blocks, blocks[comm.rank], op, comm)
+        ring_reduce_scatter(blocks, blocks[comm.rank], op, comm, workspace=self.workspace)
         ring_all_gather(blocks, comm)
 
     def reduce_scatter(self, blocks, out, op, comm):
-        ring_reduce_scatter(blocks, out, op, comm)
+        ring_reduce_scatter(blocks, out, op, comm, workspace=self.workspace)
 
     def all_gather(self, blocks, comm):
         ring_all_gather(blocks, comm)

@@ -61,6 +61,8 @@ class TorchTransport(Transport):
             if not ops:
                 return [], []
             works = dist.batch_isend_irecv(ops)
+            if len(works) != len(ops):  # NCCL coalesces the batch into one Work shared by every op
+                works = [works[0]] * len(ops)
             n = len(sends)
             return ([_TorchRequest(w, self, p, "send") for w, (_, p) in zip(works[:n], sends)],
                     [_TorchRequest(w, self, p, "recv") for w, (_, p) in zip(works[n:], recvs)])
