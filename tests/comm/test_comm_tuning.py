@@ -10,7 +10,9 @@ def test_default_table_picks_by_size_and_device():
     assert t.select(256 << 10, 4, "cpu")[0] == "direct"
     assert t.select(64 << 20, 4, "cpu")[0] == "native"
     assert t.select(8, 1, "cpu")[0] == "native"
-    assert t.select(8, 2, "cuda")[0] == "native"
+    assert t.select(8, 2, "cuda")[0] == "one_shot"
+    assert t.select(64 << 20, 2, "cuda")[0] == "two_shot"
+    assert t.select(8, 16, "cuda")[0] == "native"  # beyond one node's 8 GPUs
 
 
 def test_table_roundtrip_and_env(tmp_path, monkeypatch):

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from hpdl.comm import tuning
-from hpdl.comm.algorithms.base import Algorithm, canonical, get_class
+from hpdl.comm.algorithms.base import PEER, Algorithm, canonical, get_class
 from hpdl.comm.ops import check_dtype, normalize_op, REDUCE_OPS, SUPPORTED_DTYPES
 from hpdl.comm.transport.torch_p2p import TorchTransport
 from hpdl.runtime import env
@@ -44,6 +44,21 @@ class Work:
         return self._future.done()
 
 
+class CudaWork:
+    """Handle of an async peer-memory all-reduce on the group's side stream (like NCCL's Work):
+    ``wait()`` makes the caller's current stream wait for it; ``is_completed()`` polls its event."""
+
+    def __init__(self, event):
+        self._event = event
+
+    def wait(self, timeout: float | None = None) -> bool:
+        torch.cuda.current_stream().wait_event(self._event)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._event.query()
+
+
 class _GroupState:
     """Per-group cache: transports, algorithm instances, the ordered async executor."""
 
@@ -58,6 +73,8 @@ class _GroupState:
         self._executor: ThreadPoolExecutor | None = None
         self._pending: list[Future] = []
         self._lock = threading.Lock()
+        self.side_stream = None       # CUDA stream of async peer all-reduces
+        self.side_pending = None      # event of the last async peer call that no sync call has waited for yet
 
     def comm(self, timeout: float) -> TorchTransport:
         if self._comm is None:
@@ -126,6 +143,7 @@ def _state(group) -> _GroupState:
 
 def reset() -> None:
     """Drop cached transports and buffers (call after destroying process groups)."""
+    _FAST.clear()
     for st in _STATES.values():
         if st._executor is not None:
             st._executor.shutdown(wait=True)
@@ -186,11 +204,21 @@ def _decode(field: str, value: int) -> str:
     return str(value)
 
 
-def _resolve(st: _GroupState, algorithm: str, nbytes: int, device_type: str, window: int | None):
+def _peer_ok(tensor: torch.Tensor, st: _GroupState) -> bool:
+    from hpdl.comm.algorithms.peer import peer_available
+
+    # more ranks than this host has GPUs cannot all share its memory; the first call checks the rest
+    return peer_available(tensor, st.group) and st.world_size <= torch.cuda.device_count()
+
+
+def _resolve(st: _GroupState, algorithm: str, tensor: torch.Tensor, window: int | None):
     name = canonical(algorithm)
+    nbytes = tensor.numel() * tensor.element_size()
     if name == "auto":
-        name, tuned = tuning.select(nbytes, st.world_size, device_type)
+        name, tuned = tuning.select(nbytes, st.world_size, tensor.device.type)
         window = window if window is not None else tuned
+        if name in PEER and not _peer_ok(tensor, st):
+            name = "native"
     if window is None:
         window = env.get("HPDL_DIRECT_WINDOW") or None
     _ALGO_CODES.setdefault(name, len(_ALGO_CODES) + 1)
@@ -205,14 +233,43 @@ def _prepare(what: str, tensor: torch.Tensor, op, group, algorithm: str, window,
     if window is not None and (not isinstance(window, int) or window < 0):
         raise ValueError(f"window must be a positive int (or None for the tuned value), got {window!r}")
     timeout = float(env.get("HPDL_TIMEOUT") if timeout is None else timeout)
-    nbytes = tensor.numel() * tensor.element_size()
-    name, window = _resolve(st, algorithm, nbytes, tensor.device.type, window)
+    name, window = _resolve(st, algorithm, tensor, window)
     mode = env.get("HPDL_CHECK") if check is None else check
     if (mode is True or (mode == "auto" and tensor.device.type == "cpu")) and st.world_size > 1:
         _verify_same(st, what, {"count": tensor.numel(), "dtype": _DTYPE_CODE[tensor.dtype],
                                 "op": REDUCE_OPS.index(op), "device": int(tensor.device.type == "cuda"),
                                 "algorithm": _ALGO_CODES[name], "window": window or 0}, timeout)
     return st, op, name, window, timeout
+
+
+_FAST: dict[tuple, object] = {}
+
+
+def _peer_call(st: _GroupState, tensor: torch.Tensor, op: str, name: str, window, async_op: bool, fast_key):
+    """Peer-memory all-reduce on the current stream, or on the group's side stream when ``async_op``."""
+    from hpdl.comm.algorithms.peer import peer_all_reduce
+
+    current = torch.cuda.current_stream(tensor.device)
+    if st.side_pending is not None:  # keep calls on this group in order: after the last async one
+        current.wait_event(st.side_pending)
+        st.side_pending = None
+    if not async_op:
+        peer_all_reduce(tensor, op, st.group, name, window)
+        if fast_key is not None and str(env.get("HPDL_CHECK")) == "auto":
+            group = st.group
+            _FAST[fast_key] = (st, lambda t: peer_all_reduce(t, op, group, name, window))
+        return None
+    if st.side_stream is None:
+        st.side_stream = torch.cuda.Stream(tensor.device)
+    side = st.side_stream
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        peer_all_reduce(tensor, op, st.group, name, window)
+        done = torch.cuda.Event()
+        done.record(side)
+    tensor.record_stream(side)
+    st.side_pending = done
+    return CudaWork(done)
 
 
 def all_reduce(tensor: torch.Tensor, op="sum", group=None, algorithm: str = "auto", async_op: bool = False, *,
@@ -225,8 +282,10 @@ def all_reduce(tensor: torch.Tensor, op="sum", group=None, algorithm: str = "aut
         op: "sum", "avg" (floating dtypes only), "min", "max", "product", or a ``torch.distributed.ReduceOp``.
         group: process group (None = world).
         algorithm: "auto" (tuning table), "direct" (throttled Direct Sendrecv), "ring",
-            "recursive_doubling", "staged" (CPU staging) or "native" (torch.distributed).
-        async_op: return a :class:`Work` handle instead of waiting.
+            "recursive_doubling", "staged" (CPU staging), "native" (torch.distributed), or for CUDA tensors
+            of one node "one_shot" / "two_shot" (peer-memory kernels, one launch per call).
+        async_op: return a :class:`Work` handle instead of waiting (for the peer kernels a :class:`CudaWork`:
+            the call runs on a side stream and ``wait()`` orders the caller's current stream after it).
         window: throttle of the direct algorithm (peers in flight); None = tuned default.
         timeout: seconds any wait may block (default ``HPDL_TIMEOUT``).
         check: verify that all ranks passed the same arguments (default ``HPDL_CHECK``: on for CPU tensors).
@@ -239,7 +298,18 @@ def all_reduce(tensor: torch.Tensor, op="sum", group=None, algorithm: str = "aut
         CollectiveMismatchError: ranks passed different counts, dtypes, ops, devices or algorithms.
         CollectiveTimeoutError: a peer did not answer within ``timeout``; the message names it.
     """
+    op_arg = op
+    if tensor.__class__ is torch.Tensor and tensor.is_cuda and not async_op and check is None and timeout is None \
+            and isinstance(op, str):
+        fast = _FAST.get((group, op, algorithm, window, tensor.dtype, tensor.numel(), tensor.device.index))
+        if fast is not None and fast[0].side_pending is None:
+            fast[1](tensor)  # hot path: arguments validated by an earlier identical call; one kernel launch
+            return None
     st, op, name, window, timeout = _prepare("all_reduce", tensor, op, group, algorithm, window, timeout, check)
+    if name in PEER:
+        return _peer_call(st, tensor, op, name, window, async_op,
+                          (group, op_arg, algorithm, window, tensor.dtype, tensor.numel(), tensor.device.index)
+                          if check is None and timeout is None and isinstance(op_arg, str) else None)
 
     def run() -> None:
         if tensor.numel() == 0 or st.world_size == 1:

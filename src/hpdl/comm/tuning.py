@@ -60,8 +60,17 @@ class TuningTable:
 # CPU (gloo) defaults from docs/benchmarks/cpu.md (4 and 8 processes, 32-core host, 2026-11-29):
 # recursive doubling 2-4.6x native up to 32 KiB; direct 1.2-1.8x native from 64 KiB to 512 KiB (4 ranks)
 # and 1 MiB (8 ranks); above that gloo's own chunked C++ all-reduce is faster, so auto uses it.
-# CUDA defaults: NCCL until the peer-memory kernels' measured table replaces it.
+# CUDA, one node: peer-memory kernels (docs/benchmarks/gpu_allreduce.md, 2 x H200: one-shot up to 1 MiB, then
+# two-shot; NCCL never faster from 8 B to 1 GiB). Above 2 GPUs the one-shot limits follow vLLM's custom
+# all-reduce and are not yet measured here. Calls the kernels cannot take (float64, uint8, more ranks than
+# this host's GPUs) fall back to native.
 DEFAULT_RULES = [
+    Rule("cuda", 1 << 20, "one_shot", max_world=2),
+    Rule("cuda", INF, "two_shot", max_world=2),
+    Rule("cuda", 512 << 10, "one_shot", min_world=3, max_world=4),
+    Rule("cuda", INF, "two_shot", min_world=3, max_world=4),
+    Rule("cuda", 256 << 10, "one_shot", min_world=5, max_world=8),
+    Rule("cuda", INF, "two_shot", min_world=5, max_world=8),
     Rule("cpu", INF, "native", min_world=1, max_world=1),
     Rule("cpu", 48 << 10, "recursive_doubling"),
     Rule("cpu", 768 << 10, "direct", window=4, max_world=4),

@@ -22,7 +22,10 @@ REGISTRY: dict[str, str] = {
     "recursive_doubling": "hpdl.comm.algorithms.recursive_doubling:RecursiveDoubling",
     "staged": "hpdl.comm.algorithms.staged:Staged",
     "native": "hpdl.comm.algorithms.native:Native",
+    "one_shot": "hpdl.comm.algorithms.peer:OneShot",   # CUDA, one node: peer-memory kernels
+    "two_shot": "hpdl.comm.algorithms.peer:TwoShot",
 }
+PEER = ("one_shot", "two_shot")
 ALIASES = {"rd": "recursive_doubling", "nccl": "native", "torch": "native"}
 
 

@@ -384,3 +384,31 @@ def reference_all_reduce(inputs: list[torch.Tensor], op: str, algorithm: str, wi
                     if hi > lo:
                         data[r][lo:hi] = slots[r][b, 1, p, : hi - lo]
     return [d.reshape(-1)[:n].clone().view(shape) for d in data]
+
+
+class _PeerAlgorithm:
+    """Registry adapter: ``algorithm="one_shot"|"two_shot"`` in :func:`hpdl.comm.all_reduce` for CUDA tensors."""
+
+    name = "two_shot"
+    supports_phases = False
+
+    def __init__(self, window: int | None = None):
+        self.window = window
+
+    def all_reduce(self, buf: torch.Tensor, op: str, comm) -> None:
+        if not buf.is_cuda:
+            raise ValueError(f"algorithm={self.name!r} reduces CUDA tensors of one node; got a {buf.device} tensor")
+        peer_all_reduce(buf, op, getattr(comm, "group", None), self.name, self.window)
+
+    def reduce_scatter(self, blocks, out, op, comm):
+        raise ValueError(f"algorithm {self.name!r} implements all_reduce only")
+
+    all_gather = reduce_scatter
+
+
+class OneShot(_PeerAlgorithm):
+    name = "one_shot"
+
+
+class TwoShot(_PeerAlgorithm):
+    name = "two_shot"
