@@ -1,0 +1,320 @@
+"""Time-stepped simulation of the stimulator SoC driving a montage: DACs, compliance, CMVH, OCP, impedance.
+
+One step (``dt = 1 / fs``) is: DAC source currents (codes -> mismatch, trims, noise) -> network solve for pin
+voltages and electrode currents -> compliance (channels whose pin would pass +-V_c become voltage-limited,
+their current solved so the pin sits at the rail) -> OCP -> exact ZOH update of the double-layer voltages.
+Drift, faults and OCP trips rebuild the network matrices between steps. Impedance measurement and TI analysis
+run afterwards on the recorded waveforms (the ADC does not load the circuit).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hpdl.tes import impedance as im
+from hpdl.tes.channel import ChipClock, CurrentDac, DacParams, quantize
+from hpdl.tes.cmvh import Calibration, CmvhParams, calibrate, common_mode
+from hpdl.tes.load import Electrode, Tissue
+from hpdl.tes.network import Network
+from hpdl.tes.ocp import Ocp, OcpEvent, OcpParams
+from hpdl.tes.ti import measure_envelope
+from hpdl.tes.waveforms import Sine, Waveform
+
+G_LEAK_S = 1e-12  # pin leakage to ground of a disconnected terminal (keeps the nodal matrix regular)
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Output-stage failure: channel ``channel``'s pin tied to ``v_rail_v`` through ``r_ohm`` from
+    ``t_start_s`` until ``t_end_s`` (or until the OCP opens the channel's output switch)."""
+
+    channel: int
+    t_start_s: float
+    t_end_s: float = math.inf
+    v_rail_v: float = 15.0
+    r_ohm: float = 10.0
+
+
+@dataclass(frozen=True)
+class TiPair:
+    """Two balanced channel pairs: ``channels_1 = (source, sink)`` at ``f1_hz``, ``channels_2`` at ``f2_hz``."""
+
+    name: str
+    channels_1: tuple[int, int]
+    channels_2: tuple[int, int]
+    f1_hz: float
+    f2_hz: float
+    amplitude1_a: float
+    amplitude2_a: float
+
+
+@dataclass
+class Scenario:
+    """Everything one simulation needs (SI units; indices refer to ``electrodes`` and ``channels``)."""
+
+    electrodes: list[Electrode]
+    channels: list[str]
+    channel_terminal: list[int]
+    waveforms: list[Waveform]
+    duration_s: float
+    fs_hz: float
+    tissue: Tissue = field(default_factory=Tissue)
+    channel_chip: list[int] | None = None
+    clocks: list[ChipClock] = field(default_factory=lambda: [ChipClock()])
+    reference: int | None = None
+    dac: DacParams = field(default_factory=DacParams)
+    adc: im.AdcParams = field(default_factory=im.AdcParams)
+    cmvh: CmvhParams = field(default_factory=CmvhParams)
+    ocp: OcpParams = field(default_factory=OcpParams)
+    faults: tuple[Fault, ...] = ()
+    ti_pairs: tuple[TiPair, ...] = ()
+    im_window_s: float = 0.05
+    drift_update_s: float = 0.01
+    seed: int = 0
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field when the scenario is inconsistent."""
+        c = len(self.channels)
+        if not (len(self.channel_terminal) == len(self.waveforms) == c) or c == 0:
+            raise ValueError("Scenario: channels, channel_terminal and waveforms must be non-empty and equal length")
+        if not (self.duration_s > 0 and self.fs_hz > 0):
+            raise ValueError(f"Scenario: duration_s and fs_hz must be > 0, got {self.duration_s}, {self.fs_hz}")
+        if self.reference is not None:
+            if not 0 <= self.reference < len(self.electrodes):
+                raise ValueError(f"Scenario.reference must index electrodes, got {self.reference}")
+            if self.reference in self.channel_terminal:
+                raise ValueError("Scenario.reference: the CMVH reference electrode must not be driven by a channel")
+        elif self.cmvh.switch:
+            raise ValueError("Scenario.reference is required when cmvh.switch is on")
+        chips = self.channel_chip or [0] * c
+        if len(chips) != c or min(chips) < 0 or max(chips) >= len(self.clocks):
+            raise ValueError(f"Scenario.channel_chip must have {c} entries indexing clocks")
+        for f in self.faults:
+            if not 0 <= f.channel < c:
+                raise ValueError(f"Fault.channel must index channels, got {f.channel}")
+
+
+@dataclass
+class SimResult:
+    """Recorded waveforms and derived logs of one run. Shapes: K samples, C channels, N electrodes."""
+
+    scenario: Scenario
+    t_s: np.ndarray             # (K,)
+    codes: np.ndarray           # (K, C) int64, DAC codes
+    i_target_a: np.ndarray      # (K, C) requested current before quantisation
+    i_source_a: np.ndarray      # (K, C) source current actually delivered by each stage (after compliance)
+    i_electrode_a: np.ndarray   # (K, N) current into each electrode (pin current), at mid-step
+    v_terminal_v: np.ndarray    # (K, N) pin voltage against chip ground, at mid-step
+    clipped: np.ndarray         # (K, C) bool, stage in compliance limit
+    enabled: np.ndarray         # (K, C) bool, channel not latched off by the OCP
+    ocp_events: list[OcpEvent]
+    calibration: Calibration | None
+    dac: CurrentDac
+    impedance_log: list[dict] = field(default_factory=list)
+    ti: list[dict] = field(default_factory=list)
+    common_mode: dict = field(default_factory=dict)
+
+
+def _ground(sc: Scenario, enabled: np.ndarray, t: float) -> tuple[np.ndarray, np.ndarray]:
+    n = len(sc.electrodes)
+    g = np.full(n, G_LEAK_S)
+    inj = np.zeros(n)
+    for ch, term in enumerate(sc.channel_terminal):
+        if enabled[ch]:
+            g[term] += 1.0 / sc.dac.r_out_ohm
+    if sc.cmvh.switch and sc.reference is not None:
+        g[sc.reference] += 1.0 / sc.cmvh.r_switch_ohm
+    for f in sc.faults:
+        if enabled[f.channel] and f.t_start_s <= t < f.t_end_s:
+            term = sc.channel_terminal[f.channel]
+            g[term] += 1.0 / f.r_ohm
+            inj[term] += f.v_rail_v / f.r_ohm
+    return g, inj
+
+
+def _clip(i_req, rest, zc, vc, enabled):
+    """Active-set solve: channels whose pin would pass +-vc get the current that puts the pin at the rail,
+    limited to [min(0, request), max(0, request)]. Returns (currents, clipped mask)."""
+    i = i_req.copy()
+    fixed = np.zeros(i.size, dtype=bool)
+    rail = np.zeros(i.size)
+    for _ in range(2 * i.size + 2):
+        v = zc @ i + rest
+        over = enabled & ~fixed & (np.abs(v) > vc * (1 + 1e-12))
+        if not over.any():
+            break
+        fixed |= over
+        rail[over] = np.sign(v[over]) * vc
+        free = ~fixed
+        x = np.linalg.solve(zc[np.ix_(fixed, fixed)], rail[fixed] - zc[np.ix_(fixed, free)] @ i[free] - rest[fixed])
+        i[fixed] = np.clip(x, np.minimum(0, i_req[fixed]), np.maximum(0, i_req[fixed]))
+    return i, fixed
+
+
+def simulate(sc: Scenario, *, progress=None) -> SimResult:
+    """Run ``sc`` and return the recorded waveforms, OCP events, impedance log, TI and common-mode summaries.
+
+    Parameters
+    ----------
+    sc : Scenario (validated here).
+    progress : optional callable ``progress(done_fraction)`` called about 50 times.
+
+    Raises
+    ------
+    ValueError
+        The scenario is inconsistent (see :meth:`Scenario.validate`).
+    """
+    sc.validate()
+    ss_seed = np.random.SeedSequence(sc.seed)
+    rng_mis, rng_noise, rng_adc, rng_ocp = (np.random.default_rng(s) for s in ss_seed.spawn(4))
+    n, c = len(sc.electrodes), len(sc.channels)
+    ct = np.asarray(sc.channel_terminal, dtype=np.int64)
+    chips = sc.channel_chip or [0] * c
+    k_steps = int(round(sc.duration_s * sc.fs_hz))
+    dt = 1.0 / sc.fs_hz
+    t = np.arange(k_steps) * dt
+
+    dac = CurrentDac(c, sc.dac, rng_mis)
+    cal = calibrate(dac, sc.cmvh, sc.adc, rng_adc) if sc.cmvh.calibrate else None
+    dac.rng = rng_noise
+    t_chip = np.stack([sc.clocks[chips[ch]].chip_time(t) for ch in range(c)], axis=1)
+    i_target = np.stack([sc.waveforms[ch](t_chip[:, ch], sc.duration_s) for ch in range(c)], axis=1)
+    codes = quantize(i_target, sc.dac)
+    i_src = dac.output(codes)
+
+    net = Network(sc.electrodes, sc.tissue, ct)
+    rebuild = {0}
+    if any(e.drift is not None for e in sc.electrodes):
+        step = max(1, int(round(sc.drift_update_s * sc.fs_hz)))
+        rebuild.update(range(0, k_steps, step))
+    for f in sc.faults:
+        for te in (f.t_start_s, f.t_end_s):
+            if math.isfinite(te) and 0 <= te < sc.duration_s:
+                rebuild.add(int(math.ceil(te * sc.fs_hz - 1e-9)))
+    ocp = Ocp(c, sc.ocp, rng_ocp)
+    enabled = np.ones(c, dtype=bool)
+    rec_i = np.empty((k_steps, c))
+    rec_out = np.empty((k_steps, 2 * n))
+    rec_clip = np.zeros((k_steps, c), dtype=bool)
+    rec_en = np.empty((k_steps, c), dtype=bool)
+    vc = sc.dac.compliance_v
+    v = None
+    dirty = True
+    every = max(1, k_steps // 50)
+    for k in range(k_steps):
+        if dirty or k in rebuild:
+            g, inj = _ground(sc, enabled, t[k])
+            m = net.state_space(t[k], g, inj, dt)
+            ns = m.Ad.shape[0]
+            if v is None:
+                v = np.zeros(ns)
+            m_out = np.vstack([np.hstack([m.Z, m.V0[:, None], m.W]), np.hstack([m.Ji, m.J0[:, None], m.Jv])])
+            m_st = np.hstack([m.Bd, m.Ad])
+            zc, wc = m.Z[ct], np.hstack([m.V0[:, None], m.W])[ct]
+            u = np.empty(c + 1 + ns)
+            u[c] = 1.0
+            dirty = False
+        i = i_src[k] * enabled
+        u[:c] = i
+        u[c + 1:] = v
+        out = m_out @ u
+        if np.any(np.abs(out[ct]) > vc):
+            i, rec_clip[k] = _clip(i, wc @ u[c:], zc, vc, enabled)
+            u[:c] = i
+            out = m_out @ u
+        rec_i[k] = i
+        rec_en[k] = enabled
+        tripped = ocp.step(t[k], dt, out[n + ct])
+        if tripped.any():
+            enabled = enabled & ~tripped
+            dirty = True
+        v_next = m_st @ u
+        # record at mid-step (trapezoidal state), where a held current's fundamental is centred
+        u[c + 1:] = 0.5 * (v + v_next)
+        rec_out[k] = m_out @ u
+        v = v_next
+        if progress is not None and k % every == 0:
+            progress(k / k_steps)
+
+    res = SimResult(sc, t, codes, i_target, rec_i, rec_out[:, n:], rec_out[:, :n], rec_clip, rec_en,
+                    list(ocp.events), cal, dac)
+    res.impedance_log = measure_impedances(res, net, t_chip, rng_adc)
+    res.ti = analyse_ti(res)
+    res.common_mode = _cm_summary(res)
+    return res
+
+
+def _cm_summary(res: SimResult) -> dict:
+    sc = res.scenario
+    freqs = [f for w in sc.waveforms for f in w.carriers_hz]
+    win = max(1.0 / min(freqs), 0.01) if freqs else 0.01
+    cm = common_mode(res.v_terminal_v, sc.fs_hz, win)
+    return {k: v for k, v in cm.items() if k not in ("v_cm", "dc_windows")} | {"window_s": win}
+
+
+def measure_impedances(res: SimResult, net: Network, t_chip: np.ndarray, rng: np.random.Generator) -> list[dict]:
+    """Impedance log: I/Q demodulation per sinusoidal channel over consecutive whole-period windows.
+
+    The measured voltage is pin minus reference pin (chip ground without a reference); the current is the
+    commanded one (codes x LSB). Each row also carries the AC oracle ``z_true`` of the modelled circuit at
+    the window's middle (drift included) and the relative magnitude error, so the log checks itself.
+
+    Returns a list of dicts: t_s, electrode, channel, freq_hz, z_abs_ohm, phase_deg, z_true_abs_ohm,
+    z_true_phase_deg, error_pct, pga_gain.
+    """
+    sc = res.scenario
+    rows: list[dict] = []
+    all_freqs = tuple(sorted({f for w in sc.waveforms for f in w.carriers_hz}))
+    ref = sc.reference
+    i_cmd = res.codes * sc.dac.lsb_a
+    for ch, w in enumerate(sc.waveforms):
+        if not isinstance(w, Sine) or w.amplitude_a == 0:
+            continue
+        e = sc.channel_terminal[ch]
+        v_diff = res.v_terminal_v[:, e] - (res.v_terminal_v[:, ref] if ref is not None else 0.0)
+        nwin = im.window_samples(w.freq_hz, sc.fs_hz, sc.im_window_s, tuple(f for f in all_freqs if f != w.freq_hz))
+        phase = w.phase(t_chip[:, ch])
+        for start in range(0, res.t_s.size - nwin + 1, nwin):
+            sl = slice(start, start + nwin)
+            if not res.enabled[sl, ch].all() or np.all(res.codes[sl, ch] == 0):
+                continue
+            v_adc, gain = im.adc_convert(v_diff[sl], sc.fs_hz, sc.adc, rng)
+            z = im.measure(v_adc, i_cmd[sl, ch], phase[sl])
+            # oracle: phasors of every channel's commanded current at this carrier, AC-solved
+            pattern = np.array([im.demodulate(i_cmd[sl, k], phase[sl]) for k in range(len(sc.channels))])
+            t_mid = float(res.t_s[start + nwin // 2])
+            g, _ = _ground(sc, res.enabled[start], t_mid)
+            vt, jb = net.ac(w.freq_hz, pattern, g, t_mid)
+            z_true = (vt[e] - (vt[ref] if ref is not None else 0.0)) / jb[e]
+            rows.append({"t_s": t_mid, "electrode": sc.electrodes[e].name, "channel": sc.channels[ch],
+                         "freq_hz": w.freq_hz, "z_abs_ohm": abs(z), "phase_deg": float(np.degrees(np.angle(z))),
+                         "z_true_abs_ohm": abs(z_true), "z_true_phase_deg": float(np.degrees(np.angle(z_true))),
+                         "error_pct": 100.0 * (abs(z) - abs(z_true)) / abs(z_true), "pga_gain": gain})
+    return rows
+
+
+def analyse_ti(res: SimResult) -> list[dict]:
+    """Envelope of each TI pair's summed pair currents (Hilbert): measured vs expected difference frequency
+    and modulation depth. Pair current = (i_source_pin - i_sink_pin) / 2, in A."""
+    sc = res.scenario
+    out = []
+    chips = sc.channel_chip or [0] * len(sc.channels)
+    ramp = max([max(w.ramp_up_s, w.ramp_down_s) for w in sc.waveforms] + [0.0])
+    for p in sc.ti_pairs:
+        def pair(chs):
+            a, b = (sc.channel_terminal[x] for x in chs)
+            return 0.5 * (res.i_electrode_a[:, a] - res.i_electrode_a[:, b])
+        s = pair(p.channels_1) + pair(p.channels_2)
+        k0 = int(round(ramp * sc.fs_hz))
+        core = s[k0: s.size - k0] if s.size - 2 * k0 > 64 else s
+        env = measure_envelope(core, sc.fs_hz, trim_s=min(0.1 * core.size / sc.fs_hz, 0.02))
+        f1 = p.f1_hz * (1 + sc.clocks[chips[p.channels_1[0]]].ppm * 1e-6)
+        f2 = p.f2_hz * (1 + sc.clocks[chips[p.channels_2[0]]].ppm * 1e-6)
+        out.append({"name": p.name, "f1_hz": p.f1_hz, "f2_hz": p.f2_hz,
+                    "delta_f_expected_hz": abs(f2 - f1), "delta_f_measured_hz": env["delta_f_hz"],
+                    "depth_expected_a": float(2 * min(p.amplitude1_a, p.amplitude2_a)),
+                    "depth_measured_a": env["depth"], "env_max_a": env["env_max"], "env_min_a": env["env_min"]})
+    return out
