@@ -10,6 +10,7 @@ which latches off (its output switch opens) until reset. Worst-case response aft
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -75,6 +76,11 @@ class Ocp:
         self.latched = np.zeros(self.n_channels, dtype=bool)
         self._next_tick = 0  # index of the next comparator tick
         self._alpha = 1.0 - np.exp(-1.0 / (self.params.clock_hz * self.params.tau_sample_s))
+        # below half the lowest effective threshold the comparator cannot fire: skip the tick loop
+        self._quiet = 0.5 * float(np.min(self.params.threshold_a + self.offset_a))
+        self._vs_max = 0.0
+        self._counting = False
+        self._none = np.zeros(self.n_channels, dtype=bool)
 
     def step(self, t0_s: float, dt_s: float, i_pin_a: np.ndarray) -> np.ndarray:
         """Advance over ``[t0, t0 + dt)`` with pin currents ``i_pin_a`` (C,) A held constant.
@@ -83,19 +89,25 @@ class Ocp:
         """
         p = self.params
         period = 1.0 / p.clock_hz
-        end = int(np.ceil((t0_s + dt_s) * p.clock_hz - 1e-9))  # first tick index at or after the step end
-        first = max(self._next_tick, int(np.ceil(t0_s * p.clock_hz - 1e-9)))
+        end = math.ceil((t0_s + dt_s) * p.clock_hz - 1e-9)  # first tick index at or after the step end
+        first = max(self._next_tick, math.ceil(t0_s * p.clock_hz - 1e-9))
         m = end - first
         self._next_tick = max(self._next_tick, end)
         if m <= 0:
-            return np.zeros(self.n_channels, dtype=bool)
-        target = np.abs(np.asarray(i_pin_a, dtype=np.float64))
+            return self._none
+        target = np.abs(i_pin_a)
+        tmax = float(target.max())
+        # fast path: nothing near threshold, the sampler only tracks (no comparator can count)
+        if tmax < self._quiet and self._vs_max < self._quiet:
+            decay = (1 - self._alpha) ** m
+            self.v_s = target if decay < 1e-12 else target + (self.v_s - target) * decay
+            self._vs_max = float(self.v_s.max())
+            if self._counting:
+                self.count[:] = 0
+                self._counting = False
+            return self._none
+        self._counting = True
         th = p.threshold_a + self.offset_a
-        # fast path: nothing near threshold, the sampler only tracks
-        if np.all(target < 0.5 * th) and np.all(self.v_s < 0.5 * th):
-            self.v_s = target + (self.v_s - target) * (1 - self._alpha) ** m
-            self.count[:] = 0
-            return np.zeros(self.n_channels, dtype=bool)
         tripped = np.zeros(self.n_channels, dtype=bool)
         for tk in (first + np.arange(m)) * period:
             self.v_s = self.v_s + self._alpha * (target - self.v_s)
@@ -107,7 +119,18 @@ class Ocp:
                 tripped[c] = True
                 self.events.append(OcpEvent(int(c), float(tk), float(self.v_s[c])))
             self.count[new] = 0
+        self._vs_max = float(self.v_s.max())
         return tripped
+
+    def quiet(self, i_max_a: float) -> bool:
+        """True when a pin current up to ``i_max_a`` cannot make any comparator count (fast-path guard)."""
+        return i_max_a < self._quiet and self._vs_max < self._quiet and not self._counting
+
+    def skip(self, t_end_s: float, i_last_a: np.ndarray) -> None:
+        """Advance a quiet OCP to ``t_end_s``; the sampler ends tracking ``i_last_a`` (C,) A."""
+        self._next_tick = max(self._next_tick, math.ceil(t_end_s * self.params.clock_hz - 1e-9))
+        self.v_s = np.asarray(i_last_a, dtype=np.float64).copy()
+        self._vs_max = float(self.v_s.max())
 
     def reset(self, channel: int) -> None:
         """Clear the latch of ``channel`` (the host's explicit re-enable)."""

@@ -9,6 +9,7 @@ has shape ``(..., 3)`` (V/m or any consistent unit) and results have shape ``(..
 from __future__ import annotations
 
 import numpy as np
+from scipy.optimize import curve_fit
 from scipy.signal import hilbert
 
 
@@ -101,7 +102,7 @@ def measure_envelope(signal, fs_hz: float, trim_s: float = 0.0) -> dict:
     Returns
     -------
     dict with ``envelope`` (K,), ``env_max``, ``env_min``, ``depth`` (= max - min) and ``delta_f_hz``
-    (dominant frequency of the envelope from its spectrum; 0 if the envelope is flat).
+    (envelope frequency: spectral peak refined by a least-squares sinusoid fit of envelope^2; 0 if flat).
     """
     x = np.asarray(signal, dtype=np.float64)
     if x.ndim != 1 or x.size < 16:
@@ -121,6 +122,18 @@ def measure_envelope(signal, fs_hz: float, trim_s: float = 0.0) -> dict:
     else:
         shift = 0.0
     flat = core.max() - core.min() <= 1e-9 * max(core.max(), 1e-300)
+    f0 = float((peak + shift) * df)
+    if not flat and f0 > 0:
+        # refine: env^2 = a^2 + b^2 + 2ab cos(2 pi dF t + p) exactly, so fit that sinusoid (least squares)
+        tt = np.arange(core.size) / fs_hz
+        y = core ** 2
+        guess = (y.mean(), 0.5 * (y.max() - y.min()), f0, 0.0)
+        try:
+            popt, _ = curve_fit(lambda t, c, a, f, p: c + a * np.cos(2 * np.pi * f * t + p), tt, y, p0=guess,
+                                maxfev=2000)
+            if abs(popt[2] - f0) < 2 * df + 1e-12:
+                f0 = abs(float(popt[2]))
+        except RuntimeError:  # no convergence: keep the interpolated spectral peak
+            pass
     return {"envelope": env, "env_max": float(core.max()), "env_min": float(core.min()),
-            "depth": float(core.max() - core.min()),
-            "delta_f_hz": 0.0 if flat else float((peak + shift) * df)}
+            "depth": float(core.max() - core.min()), "delta_f_hz": 0.0 if flat else f0}
