@@ -1,0 +1,117 @@
+"""Outputs of a simulation: JSON summary, waveform archive (NPZ) and plots (PNG, matplotlib Agg)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from hpdl.tes.simulate import SimResult
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (np.floating, np.integer)):
+        return x.item()
+    if isinstance(x, float) and not np.isfinite(x):
+        return None
+    return x
+
+
+def summary(res: SimResult, safety: dict) -> dict:
+    """JSON-ready summary: protocol facts, safety report, TI analysis, impedance log, calibration."""
+    sc = res.scenario
+    cal = res.calibration
+    return _jsonable({
+        "duration_s": sc.duration_s, "sample_rate_hz": sc.fs_hz, "seed": sc.seed,
+        "electrodes": [e.name for e in sc.electrodes], "channels": sc.channels,
+        "reference": sc.electrodes[sc.reference].name if sc.reference is not None else None,
+        "cmvh": {"calibrate": sc.cmvh.calibrate, "switch": sc.cmvh.switch},
+        "calibration": None if cal is None else {
+            "gain_est_pct": (100 * cal.gain_est).tolist(), "offset_est_ua": (1e6 * cal.offset_est_a).tolist(),
+            "residual_gain_err_pct": (100 * ((1 + res.dac.gain_err) * (1 + res.dac.gain_trim) - 1)).tolist(),
+            "residual_offset_ua": (1e6 * (res.dac.offset_a + res.dac.offset_trim_a)).tolist()},
+        "safety": safety, "ti": res.ti, "impedance_log": res.impedance_log,
+    })
+
+
+def write_outputs(res: SimResult, safety: dict, out_dir: str | Path) -> dict[str, str]:
+    """Write ``summary.json``, ``waveforms.npz`` and PNG plots under ``out_dir``; returns {kind: path}."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"summary": out / "summary.json", "waveforms": out / "waveforms.npz"}
+    paths["summary"].write_text(json.dumps(summary(res, safety), indent=2))
+    sc = res.scenario
+    np.savez_compressed(paths["waveforms"], t_s=res.t_s, i_electrode_a=res.i_electrode_a,
+                        v_terminal_v=res.v_terminal_v, codes=res.codes, i_target_a=res.i_target_a,
+                        clipped=res.clipped, enabled=res.enabled, electrodes=np.array([e.name for e in sc.electrodes]),
+                        channels=np.array(sc.channels))
+    paths.update(plot(res, out))
+    return {k: str(v) for k, v in paths.items()}
+
+
+def plot(res: SimResult, out_dir: Path) -> dict[str, Path]:
+    """Waveforms (current, voltage, common mode), TI envelope and impedance log as PNG files."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sc = res.scenario
+    names = [e.name for e in sc.electrodes]
+    paths = {}
+    fig, ax = plt.subplots(3, 1, figsize=(10, 8), sharex=True)
+    for e, nm in enumerate(names):
+        ax[0].plot(res.t_s, 1e3 * res.i_electrode_a[:, e], lw=0.5, label=nm)
+        ax[1].plot(res.t_s, res.v_terminal_v[:, e], lw=0.5, label=nm)
+    ax[2].plot(res.t_s, 1e3 * res.v_terminal_v.mean(axis=1), lw=0.5, color="k")
+    ax[0].set_ylabel("electrode current (mA)")
+    ax[1].set_ylabel("pin voltage (V)")
+    ax[2].set_ylabel("common mode (mV)")
+    ax[2].set_xlabel("time (s)")
+    ax[0].legend(loc="upper right", fontsize=7, ncol=min(len(names), 6))
+    fig.tight_layout()
+    paths["waveforms_png"] = out_dir / "waveforms.png"
+    fig.savefig(paths["waveforms_png"], dpi=110)
+    plt.close(fig)
+    if sc.ti_pairs:
+        from hpdl.tes.ti import measure_envelope
+
+        fig, ax = plt.subplots(len(sc.ti_pairs), 1, figsize=(10, 3 * len(sc.ti_pairs)), squeeze=False)
+        for a, p, info in zip(ax[:, 0], sc.ti_pairs, res.ti):
+            def pair(chs):
+                x, y = (sc.channel_terminal[c] for c in chs)
+                return 0.5 * (res.i_electrode_a[:, x] - res.i_electrode_a[:, y])
+            s = pair(p.channels_1) + pair(p.channels_2)
+            a.plot(res.t_s, 1e3 * s, lw=0.3, color="0.6", label="sum of pair currents")
+            a.plot(res.t_s, 1e3 * measure_envelope(s, sc.fs_hz)["envelope"], color="C3", label="envelope (Hilbert)")
+            a.set_title(f"TI {p.name}: dF = {info['delta_f_measured_hz']:.3f} Hz, depth = "
+                        f"{1e3 * info['depth_measured_a']:.3f} mA (expected {1e3 * info['depth_expected_a']:.3f})")
+            a.set_ylabel("mA")
+            a.legend(loc="upper right", fontsize=7)
+        ax[-1, 0].set_xlabel("time (s)")
+        fig.tight_layout()
+        paths["ti_png"] = out_dir / "ti_envelope.png"
+        fig.savefig(paths["ti_png"], dpi=110)
+        plt.close(fig)
+    if res.impedance_log:
+        fig, ax = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+        for el in sorted({r["electrode"] for r in res.impedance_log}):
+            rows = [r for r in res.impedance_log if r["electrode"] == el]
+            tt = [r["t_s"] for r in rows]
+            ax[0].plot(tt, [r["z_abs_ohm"] for r in rows], "o-", label=f"{el} measured")
+            ax[0].plot(tt, [r["z_true_abs_ohm"] for r in rows], "k:", lw=0.8)
+            ax[1].plot(tt, [r["phase_deg"] for r in rows], "o-", label=el)
+        ax[0].set_ylabel("|Z| (Ohm); dotted: model truth")
+        ax[1].set_ylabel("phase (deg)")
+        ax[1].set_xlabel("time (s)")
+        ax[0].legend(fontsize=7)
+        fig.tight_layout()
+        paths["impedance_png"] = out_dir / "impedance_log.png"
+        fig.savefig(paths["impedance_png"], dpi=110)
+        plt.close(fig)
+    return paths
