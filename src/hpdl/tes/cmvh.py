@@ -108,11 +108,13 @@ def calibrate(dac: CurrentDac, params: CmvhParams, adc: AdcParams, rng: np.rando
     return Calibration(gain_est, offset_est, dac.gain_trim.copy(), dac.offset_trim_a.copy(), r_actual)
 
 
-def common_mode(v_terminal: np.ndarray, fs_hz: float, window_s: float) -> dict:
+def common_mode(v_terminal: np.ndarray, fs_hz: float, window_s: float, settle_s: float = 0.0) -> dict:
     """Common-mode statistics of the electrode voltages, in V.
 
     The common mode is the mean over electrodes of the pin voltages, ``v_cm(t)`` (K,). Its slow part (what
     "held near 0 V" is about) is the mean over consecutive windows of ``window_s`` (whole carrier periods).
+    Windows that start before ``settle_s`` (ramp-up and the double layers' start-up transient) are reported
+    separately as ``startup_max_abs_dc_v`` and left out of ``max_abs_dc_v``.
 
     Parameters
     ----------
@@ -120,8 +122,8 @@ def common_mode(v_terminal: np.ndarray, fs_hz: float, window_s: float) -> dict:
 
     Returns
     -------
-    dict: ``v_cm`` (K,), ``dc_windows`` (W,), ``max_abs_dc_v`` (largest |window mean|), ``mean_dc_v``,
-    ``ac_rms_v`` (rms of v_cm minus its window means).
+    dict: ``v_cm`` (K,), ``dc_windows`` (W,), ``max_abs_dc_v`` (largest |window mean| after settling),
+    ``startup_max_abs_dc_v``, ``mean_dc_v``, ``ac_rms_v`` (rms of v_cm minus its window means).
     """
     v = np.asarray(v_terminal, dtype=np.float64)
     if v.ndim != 2:
@@ -132,5 +134,9 @@ def common_mode(v_terminal: np.ndarray, fs_hz: float, window_s: float) -> dict:
     blocks = vcm[: nw * w].reshape(nw, -1) if vcm.size >= w else vcm[None, :]
     dc = blocks.mean(axis=1)
     ac = blocks - dc[:, None]
-    return {"v_cm": vcm, "dc_windows": dc, "max_abs_dc_v": float(np.max(np.abs(dc))),
-            "mean_dc_v": float(dc.mean()), "ac_rms_v": float(np.sqrt(np.mean(ac ** 2)))}
+    settled = np.arange(dc.size) * w >= settle_s * fs_hz - 1e-9
+    if not settled.any():
+        settled[-1] = True
+    return {"v_cm": vcm, "dc_windows": dc, "max_abs_dc_v": float(np.max(np.abs(dc[settled]))),
+            "startup_max_abs_dc_v": float(np.max(np.abs(dc[~settled]))) if (~settled).any() else 0.0,
+            "mean_dc_v": float(dc[settled].mean()), "ac_rms_v": float(np.sqrt(np.mean(ac ** 2)))}

@@ -76,8 +76,8 @@ class Ocp:
         self.latched = np.zeros(self.n_channels, dtype=bool)
         self._next_tick = 0  # index of the next comparator tick
         self._alpha = 1.0 - np.exp(-1.0 / (self.params.clock_hz * self.params.tau_sample_s))
-        # below half the lowest effective threshold the comparator cannot fire: skip the tick loop
-        self._quiet = 0.5 * float(np.min(self.params.threshold_a + self.offset_a))
+        # the sampler never exceeds the largest current it saw, so below every threshold no comparator can count
+        self._quiet = 0.999 * float(np.min(self.params.threshold_a + self.offset_a))
         self._vs_max = 0.0
         self._counting = False
         self._none = np.zeros(self.n_channels, dtype=bool)
@@ -108,17 +108,21 @@ class Ocp:
             return self._none
         self._counting = True
         th = p.threshold_a + self.offset_a
-        tripped = np.zeros(self.n_channels, dtype=bool)
-        for tk in (first + np.arange(m)) * period:
-            self.v_s = self.v_s + self._alpha * (target - self.v_s)
-            above = (self.v_s > th) & ~self.latched
-            self.count = np.where(above, self.count + 1, 0)
-            new = self.count >= p.n_consecutive
-            for c in np.flatnonzero(new):
-                self.latched[c] = True
-                tripped[c] = True
-                self.events.append(OcpEvent(int(c), float(tk), float(self.v_s[c])))
-            self.count[new] = 0
+        # all m ticks at once: the sampler relaxes geometrically towards the (held) target
+        decay = (1 - self._alpha) ** np.arange(1, m + 1)[:, None]  # (m, 1)
+        v_all = target + (self.v_s - target) * decay  # (m, C)
+        above = (v_all > th) & ~self.latched
+        j = np.arange(m)[:, None]
+        last_false = np.maximum.accumulate(np.where(~above, j, -1), axis=0)
+        run = np.where(last_false >= 0, j - last_false, j + 1 + self.count)  # consecutive ticks above, per tick
+        hit = run >= p.n_consecutive
+        tripped = hit.any(axis=0)
+        for ch in np.flatnonzero(tripped):
+            jt = int(np.argmax(hit[:, ch]))
+            self.latched[ch] = True
+            self.events.append(OcpEvent(int(ch), float((first + jt) * period), float(v_all[jt, ch])))
+        self.v_s = v_all[-1].copy()
+        self.count = np.where(tripped, 0, run[-1])
         self._vs_max = float(self.v_s.max())
         return tripped
 

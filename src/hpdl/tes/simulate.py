@@ -325,8 +325,9 @@ def _cm_summary(res: SimResult) -> dict:
     sc = res.scenario
     freqs = [f for w in sc.waveforms for f in w.carriers_hz]
     win = max(1.0 / min(freqs), 0.01) if freqs else 0.01
-    cm = common_mode(res.v_terminal_v, sc.fs_hz, win)
-    return {k: v for k, v in cm.items() if k not in ("v_cm", "dc_windows")} | {"window_s": win}
+    settle = max([w.ramp_up_s for w in sc.waveforms] + [0.0]) + win
+    cm = common_mode(res.v_terminal_v, sc.fs_hz, win, settle_s=settle)
+    return {k: v for k, v in cm.items() if k not in ("v_cm", "dc_windows")} | {"window_s": win, "settle_s": settle}
 
 
 def measure_impedances(res: SimResult, net: Network, t_chip: np.ndarray, rng: np.random.Generator) -> list[dict]:
