@@ -129,22 +129,24 @@ def check_cmvh(seeds=(0, 1, 2, 3, 4), duration_s: float = 0.3) -> list[SpecRow]:
     return rows
 
 
-def measure_load(load: Electrode, freq_hz: float, seed: int = 0, headroom: float = 0.8) -> dict:
+def measure_load(load: Electrode, freq_hz: float, seed: int = 0, headroom: float = 0.8, **kw) -> dict:
     """Auto-ranged impedance measurement of ``load`` at ``freq_hz`` during tACS, as the chip would do it.
 
     A one-code (10 uA) probe gives a coarse |Z|; the stimulation amplitude is then the largest 10 uA multiple
     (max 1 mA) with ``|Z| I <= headroom x 13 V``, lowered one step at a time while the compliance flag is
     raised. The reported value is the last of three whole-period windows (the first absorbs the double
-    layer's start-up transient). Returns the measured and true |Z| and phase.
+    layer's start-up transient). ``kw`` overrides Scenario fields (e.g. ``dac=DacParams(...)``).
+    Returns the measured and true |Z| and phase.
     """
     fs = max(20e3, 50 * freq_hz)
     win = max(0.05, 5.0 / freq_hz)
     lsb = DacParams().lsb_a
-    probe = simulate(bench(load, Sine(amplitude_a=lsb, freq_hz=freq_hz), 2 * win, fs, im_window_s=win, seed=seed))
+    probe = simulate(bench(load, Sine(amplitude_a=lsb, freq_hz=freq_hz), 2 * win, fs, im_window_s=win, seed=seed, **kw))
     z0 = probe.impedance_log[-1]["z_abs_ohm"]
     amp = max(lsb, math.floor(min(1e-3, headroom * 13.0 / z0) / lsb + 1e-9) * lsb)
     while True:
-        res = simulate(bench(load, Sine(amplitude_a=amp, freq_hz=freq_hz), 3 * win, fs, im_window_s=win, seed=seed))
+        res = simulate(bench(load, Sine(amplitude_a=amp, freq_hz=freq_hz), 3 * win, fs, im_window_s=win, seed=seed,
+                                 **kw))
         if not res.clipped.any() or amp <= lsb:
             break
         amp -= lsb
