@@ -1,0 +1,96 @@
+import math
+
+import numpy as np
+import pytest
+
+from hpdl.tes import spec
+from hpdl.tes.channel import DacParams
+from hpdl.tes.cmvh import CmvhParams
+from hpdl.tes.load import Electrode
+from hpdl.tes.safety import period_charges
+from hpdl.tes.simulate import Scenario, simulate
+from hpdl.tes.waveforms import Arbitrary, Dc, Sine
+
+R500K = Electrode("R500k", 500e3, 0.0, 0.0)
+
+
+@pytest.mark.parametrize("amp", [2.5e-3, -2.5e-3])
+def test_compliance_clip_at_13v(amp):
+    """Spec: a 2.5 mA request into 500 kOhm delivers no more than 26 uA and is flagged."""
+    res = simulate(spec.bench(R500K, Dc(amplitude_a=amp), 1e-3, 100e3))
+    i = res.i_electrode_a[:, 0]
+    assert np.abs(i).max() <= 26e-6
+    assert np.abs(i).min() > 25e-6 and np.sign(i).min() == np.sign(amp) == np.sign(i).max()
+    assert np.abs(res.v_terminal_v[:, 0]).max() == pytest.approx(13.0, abs=1e-9)
+    assert res.clipped[:, 0].all()
+
+
+def test_no_clip_within_compliance_and_full_range():
+    res = simulate(spec.bench(Electrode("R1k", 998.0, 0, 0), Dc(amplitude_a=-2.5e-3), 1e-3, 100e3,
+                              dac=DacParams.ideal(), cmvh=CmvhParams(calibrate=False)))
+    assert not res.clipped.any()
+    # ideal DAC: only the 50 MOhm output resistance shunts (1.1 kOhm incl. switch vs 50 MOhm)
+    assert res.i_electrode_a[:, 0].mean() == pytest.approx(-2.5e-3, rel=1e-4)
+
+
+def test_kirchhoff_currents_sum_to_zero_in_a_montage():
+    res = simulate(spec.hd_montage("ti", CmvhParams(), 0, 0.02))
+    # floating body: the currents into all electrodes (reference included) cancel
+    assert np.abs(res.i_electrode_a.sum(axis=1)).max() < 1e-12
+    # the sources' output resistance carries the rest: pins vs sources differ by V / R_out only
+    ct = res.scenario.channel_terminal
+    leak = res.v_terminal_v[:, ct] / res.scenario.dac.r_out_ohm
+    assert np.allclose(res.i_electrode_a[:, ct], res.i_source_a - leak, atol=1e-12)
+
+
+def test_symmetric_waveforms_are_charge_balanced():
+    fs = 100e3
+    load = Electrode("R1k", 1000.0, 0, 0)
+    ideal = dict(dac=DacParams.ideal(), cmvh=CmvhParams(calibrate=False))
+    sine = simulate(spec.bench(load, Sine(amplitude_a=1.234e-3, freq_hz=1000.0), 0.02, fs, **ideal))
+    q = period_charges(sine.i_electrode_a[:, 0], fs, 1e-3)
+    assert q.size == 20 and np.abs(q).max() < 1e-15  # vs 0.39 uC per phase
+    pulse = Arbitrary(samples_a=(1e-3, 1e-3, 0, -1e-3, -1e-3, 0), sample_rate_hz=10e3)
+    bi = simulate(spec.bench(load, pulse, 0.012, fs, **ideal))
+    assert np.abs(period_charges(bi.i_electrode_a[:, 0], fs, 6e-4)).max() < 1e-15
+    # an offset is caught: 10 uA DC is 10 nC per 1 ms period
+    off = simulate(spec.bench(load, Sine(amplitude_a=1e-3, freq_hz=1000.0, offset_a=10e-6), 0.01, fs, **ideal))
+    assert period_charges(off.i_electrode_a[:, 0], fs, 1e-3) == pytest.approx(np.full(10, 10e-9), rel=1e-3)
+
+
+def test_time_domain_matches_ac_oracle_on_randles_load():
+    load = Electrode("randles", 1000.0, 9000.0, 1e-7)
+    res = simulate(spec.bench(load, Sine(amplitude_a=0.5e-3, freq_hz=1000.0), 0.2, 100e3))
+    rows = res.impedance_log
+    assert len(rows) == 4
+    for r in rows[1:]:  # first window holds the start-up transient
+        assert abs(r["error_pct"]) < 0.5
+        assert abs(r["phase_deg"] - r["z_true_phase_deg"]) < 0.2
+
+
+def test_ti_envelope_from_two_chips():
+    rows = spec.check_ti(duration_s=0.3)
+    assert all(r.ok for r in rows), [r.modelled for r in rows]
+
+
+def test_impedance_log_tracks_drift():
+    from hpdl.tes import protocol
+
+    p = protocol.load(None)
+    res = simulate(protocol.to_scenario(p))
+    f3 = [r for r in res.impedance_log if r["electrode"] == "F3"]
+    assert f3[-1]["z_abs_ohm"] < 0.95 * f3[0]["z_abs_ohm"]  # skin impedance falls
+    assert max(abs(r["error_pct"]) for r in res.impedance_log) < 5.0
+    assert {"t_s", "electrode", "z_abs_ohm", "phase_deg"} <= set(f3[0])
+
+
+def test_scenario_validation_names_field():
+    base = dict(electrodes=[Electrode("a"), Electrode("b")], channels=["c"], channel_terminal=[0],
+                waveforms=[Dc(amplitude_a=1e-3)], duration_s=0.01, fs_hz=10e3)
+    with pytest.raises(ValueError, match="reference is required"):
+        simulate(Scenario(**base))
+    with pytest.raises(ValueError, match="must not be driven"):
+        simulate(Scenario(**base, reference=0))
+    with pytest.raises(ValueError, match="duration_s and fs_hz"):
+        simulate(Scenario(**(base | {"duration_s": 0.0}), reference=1))
+    assert math.isfinite(simulate(Scenario(**base, reference=1)).v_terminal_v.max())
