@@ -139,7 +139,9 @@ def _ground(sc: Scenario, enabled: np.ndarray, t: float) -> tuple[np.ndarray, np
 
 def _clip(i_req, rest, zc, vc, enabled):
     """Active-set solve: channels whose pin would pass +-vc get the current that puts the pin at the rail,
-    limited to [min(0, request), max(0, request)]. Returns (currents, clipped mask)."""
+    limited to [min(0, request), max(0, request)] (a limited stage only delivers less). Returns (currents,
+    clipped mask). Not modelled: clamp diodes to the supply, so when the floating body's common mode pushes
+    every pin (CMVH off) a pin can sit beyond the rail; the report then shows |V_cm| above compliance."""
     i = i_req.copy()
     fixed = np.zeros(i.size, dtype=bool)
     rail = np.zeros(i.size)
