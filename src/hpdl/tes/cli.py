@@ -138,9 +138,13 @@ class TesCommand:
                              indent=2))
         else:
             _table("HD-TES SoC: specification vs model", ["item", "spec", "modelled", "result"],
-                   [[r.item, r.spec, r.modelled, "PASS" if r.ok else "FAIL"] for r in rows], args.format)
+                   [[r.item, r.spec, r.modelled, _verdict(r)] for r in rows], args.format)
             print(f"wrote {out / 'tes_spec.md'}, {png}, {out / 'tes_spec.json'} ({elapsed:.1f} s)")
-        return 0 if all(r.ok for r in rows) else 1
+        return 0 if all(r.ok is not False for r in rows) else 1
+
+
+def _verdict(row) -> str:
+    return "info" if row.ok is None else ("PASS" if row.ok else "FAIL")
 
 
 def _markdown(rows, png_name: str, elapsed: float, quick: bool) -> str:
@@ -159,7 +163,10 @@ def _markdown(rows, png_name: str, elapsed: float, quick: bool) -> str:
         "| item | spec (abstract) | modelled | result |",
         "|---|---|---|---|",
     ]
+    def cell(x: str) -> str:
+        return x.replace("|", "\\|")
+
     for r in rows:
-        lines.append(f"| {r.item} | {r.spec} | {r.modelled} | {'PASS' if r.ok else 'FAIL'} |")
+        lines.append(f"| {cell(r.item)} | {cell(r.spec)} | {cell(r.modelled)} | {_verdict(r)} |")
     lines += ["", f"![impedance error vs |Z|]({png_name})", ""]
     return "\n".join(lines)

@@ -32,7 +32,7 @@ class SpecRow:
     item: str
     spec: str
     modelled: str
-    ok: bool
+    ok: bool | None  # None: informational row
     detail: dict = field(default_factory=dict)
 
 
@@ -123,9 +123,14 @@ def check_cmvh(seeds=(0, 1, 2, 3, 4), duration_s: float = 0.3) -> list[SpecRow]:
     ok = worst["calibration + switch"] <= CM_BOUND_MV
     rows.append(SpecRow("common mode, HD-TES (4x1 tACS and TI), CMVH on", f"near 0 V (<= {CM_BOUND_MV:g} mV)",
                         f"max |V_cm| = {worst['calibration + switch']:.3f} mV over {2 * len(seeds)} runs", ok))
-    rows.append(SpecRow("  same, CMVH variants (contrast)", "-",
-                        ", ".join(f"{m}: {v:.3g} mV" for m, v in worst.items() if m != "calibration + switch"),
-                        True, {"max_abs_mv": worst}))
+    def fmt(v_mv: float) -> str:  # beyond the rails only because clamp diodes are not modelled
+        if v_mv < 1e3:
+            return f"{v_mv:.3g} mV"
+        return f"{v_mv / 1e3:.3g} V" + (" (beyond compliance)" if v_mv > 13e3 else "")
+
+    rows.append(SpecRow("same montages, CMVH variants (contrast)", "-",
+                        ", ".join(f"{m}: {fmt(v)}" for m, v in worst.items() if m != "calibration + switch"),
+                        None, {"max_abs_mv": worst}))
     return rows
 
 
