@@ -4,7 +4,6 @@ import pytest
 from hpdl.tes import impedance as im
 from hpdl.tes import spec
 from hpdl.tes.channel import DacParams
-from hpdl.tes.load import Electrode
 
 
 def test_demodulate_recovers_complex_amplitude_and_rejects_dc_and_second_carrier():

@@ -94,3 +94,15 @@ def test_scenario_validation_names_field():
     with pytest.raises(ValueError, match="duration_s and fs_hz"):
         simulate(Scenario(**(base | {"duration_s": 0.0}), reference=1))
     assert math.isfinite(simulate(Scenario(**base, reference=1)).v_terminal_v.max())
+
+
+def test_vectorised_chunks_equal_step_by_step(monkeypatch):
+    """The modal/lfilter fast path and the per-sample path give the same waveforms."""
+    from hpdl.tes import simulate as sim
+
+    sc = spec.hd_montage("4x1", CmvhParams(), 2, 0.05)
+    fast = simulate(sc)
+    monkeypatch.setattr(sim._Stepper, "fast_chunk", lambda self, *a: False)
+    slow = simulate(sc)
+    assert np.allclose(fast.v_terminal_v, slow.v_terminal_v, rtol=0, atol=1e-9)
+    assert np.allclose(fast.i_electrode_a, slow.i_electrode_a, rtol=0, atol=1e-13)

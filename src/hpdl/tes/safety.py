@@ -108,13 +108,15 @@ def check_protocol(p: ProtocolSpec) -> dict:
         if peak_req > sc.dac.full_scale_a * (1 + 1e-9):
             warnings.append(f"channel {name}: {1e3 * peak_req:.3f} mA exceeds the DAC range and will saturate")
         step = np.abs(target[:, ch] - i[:, ch]).max()
-        if isinstance(w, Sine) and w.amplitude_a and abs(w.amplitude_a / sc.dac.lsb_a - round(w.amplitude_a / sc.dac.lsb_a)) > 1e-6:
+        steps = w.amplitude_a / sc.dac.lsb_a if isinstance(w, Sine) else 0.0
+        if steps and abs(steps - round(steps)) > 1e-6:
             warnings.append(f"channel {name}: amplitude is not a multiple of 10 uA (max rounding {1e6 * step:.1f} uA)")
     peak_ch = max(r["peak_ma"] for r in rows)
     checks.append(_check("max channel current", peak_ch, lim.max_channel_current_ma, "mA",
                          peak_ch <= lim.max_channel_current_ma + 1e-9))
     total = float(np.clip(i, 0, None).sum(axis=1).max()) * 1e3
-    checks.append(_check("total current", total, lim.max_total_current_ma, "mA", total <= lim.max_total_current_ma + 1e-9))
+    checks.append(_check("total current", total, lim.max_total_current_ma, "mA",
+                         total <= lim.max_total_current_ma + 1e-9))
     qmax = max([r["max_period_charge_nc"] or 0.0 for r in rows])
     checks.append(_check("charge imbalance per period", qmax, lim.max_charge_imbalance_nc, "nC",
                          qmax <= lim.max_charge_imbalance_nc))
@@ -124,9 +126,11 @@ def check_protocol(p: ProtocolSpec) -> dict:
     residual = np.abs(i.sum(axis=1)).max()
     if residual > 0.5 * sc.dac.lsb_a:
         where = f"the reference {sc.electrodes[sc.reference].name}" if sc.reference is not None else "nowhere"
-        warnings.append(f"channel currents do not sum to zero (up to {1e3 * residual:.3f} mA); the rest flows to {where}")
+        warnings.append(f"channel currents do not sum to zero (up to {1e3 * residual:.3f} mA); "
+                        f"the rest flows to {where}")
         if sc.reference is None:
-            checks.append(_check("Kirchhoff residual without reference", 1e3 * residual, 1e3 * sc.dac.lsb_a, "mA", False))
+            checks.append(_check("Kirchhoff residual without reference", 1e3 * residual, 1e3 * sc.dac.lsb_a,
+                                 "mA", False))
     erows = _electrode_rows(sc, i)
     dens = max(r["peak_density_ma_cm2"] for r in erows)
     checks.append(_check("current density", dens, lim.max_current_density_ma_cm2, "mA/cm^2",
@@ -178,7 +182,8 @@ def safety_report(res: SimResult, lim: LimitsSpec | None = None) -> dict:
     checks.append(_check("max channel current", peak, lim.max_channel_current_ma, "mA",
                          peak <= lim.max_channel_current_ma * (1 + 1e-3)))
     total = 1e3 * float(np.clip(ipin[:, ct], 0, None).sum(axis=1).max())
-    checks.append(_check("total current", total, lim.max_total_current_ma, "mA", total <= lim.max_total_current_ma * (1 + 1e-3)))
+    checks.append(_check("total current", total, lim.max_total_current_ma, "mA",
+                         total <= lim.max_total_current_ma * (1 + 1e-3)))
     qmax = max([r["max_period_charge_nc"] or 0.0 for r in rows])
     checks.append(_check("charge imbalance per period", qmax, lim.max_charge_imbalance_nc, "nC",
                          qmax <= lim.max_charge_imbalance_nc))

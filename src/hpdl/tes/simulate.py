@@ -200,7 +200,7 @@ class _Stepper:
         self.dirty = False
 
     def fast_chunk(self, k0: int, k1: int, t, i_src, rec: _Recorder) -> bool:
-        ns, c = self.v.size, self.c
+        ns = self.v.size
         i = i_src[k0:k1] * self.enabled
         u = np.hstack([i, np.ones((k1 - k0, 1))])
         if ns:
