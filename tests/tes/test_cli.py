@@ -66,3 +66,15 @@ def test_missing_subcommand_is_a_usage_error():
 
     with pytest.raises(CLIUsageError):
         run([])
+
+
+def test_through_the_hpdl_entry_point(monkeypatch, capsys, tmp_path):
+    import hpdl.cli as cli
+
+    monkeypatch.setattr(cli, "GROUPS", {"tes": cli.GROUPS["tes"]})  # other groups live on other branches
+    assert cli.main(["tes", "check", "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["protocol"] == "ti-hd-demo"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\n")
+    assert cli.main(["tes", "check", str(bad)]) == 1
+    assert "duration_s" in capsys.readouterr().err
