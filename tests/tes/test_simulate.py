@@ -108,3 +108,28 @@ def test_vectorised_chunks_equal_step_by_step(monkeypatch):
     slow = simulate(sc)
     assert np.allclose(fast.v_terminal_v, slow.v_terminal_v, rtol=0, atol=1e-9)
     assert np.allclose(fast.i_electrode_a, slow.i_electrode_a, rtol=0, atol=1e-13)
+
+
+def test_compliance_solve_matches_convex_problem():
+    """_clip solves min 1/2 x'Zx - V_req'x + vc |x|_1; compare with a direct minimisation."""
+    from scipy.optimize import minimize
+
+    from hpdl.tes.simulate import _clip
+
+    rng = np.random.default_rng(3)
+    for trial in range(20):
+        a = rng.normal(size=(5, 5)) * 1e3
+        z = a @ a.T + np.eye(5) * 5e3
+        i_req = rng.uniform(-2.5e-3, 2.5e-3, 5)
+        rest = rng.normal(size=5) * 5
+        i, held = _clip(i_req, rest, z, 13.0, np.ones(5, bool))
+        v = z @ i + rest
+        assert np.all(np.abs(v) <= 13.0 + 1e-9)
+        assert np.allclose(np.abs(v[held]), 13.0)
+        # at +13 V the stage delivers at most its request, at -13 V at least (it may clamp any excess)
+        assert np.all(np.where(v[held] > 0, i[held] <= i_req[held] + 1e-15, i[held] >= i_req[held] - 1e-15))
+        assert np.allclose(i[~held], i_req[~held])
+        v_req = z @ i_req + rest
+        f = lambda x: 0.5 * x @ z @ x - v_req @ x + 13.0 * np.abs(x).sum()  # noqa: E731
+        best = minimize(f, np.zeros(5), method="Powell", options={"xtol": 1e-12, "ftol": 1e-15, "maxiter": 20000})
+        assert f(i_req - i) <= best.fun + 1e-9

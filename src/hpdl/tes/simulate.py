@@ -138,24 +138,31 @@ def _ground(sc: Scenario, enabled: np.ndarray, t: float) -> tuple[np.ndarray, np
 
 
 def _clip(i_req, rest, zc, vc, enabled):
-    """Active-set solve: channels whose pin would pass +-vc get the current that puts the pin at the rail,
-    limited to [min(0, request), max(0, request)] (a limited stage only delivers less). Returns (currents,
-    clipped mask). Not modelled: clamp diodes to the supply, so when the floating body's common mode pushes
-    every pin (CMVH off) a pin can sit beyond the rail; the report then shows |V_cm| above compliance."""
-    i = i_req.copy()
-    fixed = np.zeros(i.size, dtype=bool)
-    rail = np.zeros(i.size)
-    for _ in range(2 * i.size + 2):
-        v = zc @ i + rest
-        over = enabled & ~fixed & (np.abs(v) > vc * (1 + 1e-12))
-        if not over.any():
+    """Compliance: currents when some pins would pass the rails +-vc. Returns (currents, limited mask).
+
+    A limited stage holds its pin at the rail: at +vc it sources at most its request but can sink any
+    current (output device and clamp to the supply), mirrored at -vc; a stage latched off by the OCP is
+    disconnected. With the deficit ``x = i_req - i`` and the pin voltages ``V = V_req - Z x`` these are the
+    optimality conditions of the convex problem ``min 1/2 x'Zx - V_req'x + vc |x|_1`` (Z, the pins' transfer
+    impedance, is symmetric positive definite), solved by an active set: add pins over a rail, drop pins
+    whose deficit has the wrong sign, re-solve, until both conditions hold.
+    """
+    v_req = zc @ i_req + rest
+    side = np.zeros(i_req.size)  # +1 / -1: pin held at +vc / -vc; 0: free
+    x = np.zeros(i_req.size)
+    for _ in range(4 * i_req.size + 4):
+        v = v_req - zc @ x
+        over = enabled & (side == 0) & (np.abs(v) > vc * (1 + 1e-12))
+        wrong = (side != 0) & (side * x < 0)
+        if not (over.any() or wrong.any()):
             break
-        fixed |= over
-        rail[over] = np.sign(v[over]) * vc
-        free = ~fixed
-        x = np.linalg.solve(zc[np.ix_(fixed, fixed)], rail[fixed] - zc[np.ix_(fixed, free)] @ i[free] - rest[fixed])
-        i[fixed] = np.clip(x, np.minimum(0, i_req[fixed]), np.maximum(0, i_req[fixed]))
-    return i, fixed
+        side[over] = np.sign(v[over])
+        side[wrong] = 0.0
+        held = side != 0
+        x[:] = 0.0
+        if held.any():
+            x[held] = np.linalg.solve(zc[np.ix_(held, held)], v_req[held] - vc * side[held])
+    return i_req - x, side != 0
 
 
 _CHUNK = 4096  # samples per vectorised chunk

@@ -123,7 +123,7 @@ def check_cmvh(seeds=(0, 1, 2, 3, 4), duration_s: float = 0.3) -> list[SpecRow]:
     ok = worst["calibration + switch"] <= CM_BOUND_MV
     rows.append(SpecRow("common mode, HD-TES (4x1 tACS and TI), CMVH on", f"near 0 V (<= {CM_BOUND_MV:g} mV)",
                         f"max |V_cm| = {worst['calibration + switch']:.3f} mV over {2 * len(seeds)} runs", ok))
-    def fmt(v_mv: float) -> str:  # beyond the rails only because clamp diodes are not modelled
+    def fmt(v_mv: float) -> str:
         if v_mv < 1e3:
             return f"{v_mv:.3g} mV"
         return f"{v_mv / 1e3:.3g} V" + (" (beyond compliance)" if v_mv > 13e3 else "")
