@@ -133,3 +133,20 @@ def test_compliance_solve_matches_convex_problem():
         f = lambda x: 0.5 * x @ z @ x - v_req @ x + 13.0 * np.abs(x).sum()  # noqa: E731
         best = minimize(f, np.zeros(5), method="Powell", options={"xtol": 1e-12, "ftol": 1e-15, "maxiter": 20000})
         assert f(i_req - i) <= best.fun + 1e-9
+
+
+def test_ti_fields_at_points_use_delivered_amplitudes():
+    from hpdl.tes import protocol, ti
+
+    p = protocol.load(None)
+    res = simulate(protocol.to_scenario(p))
+    info = res.ti[0]
+    assert info["amplitude1_a"] == pytest.approx(1e-3, rel=5e-3)
+    assert info["amplitude2_a"] == pytest.approx(1e-3, rel=5e-3)
+    spec_fields = p.ti_pairs[0].fields
+    for row, fs in zip(info["fields"], spec_fields):
+        e1 = np.array(fs.e1_v_per_m_per_ma) * 1e3 * info["amplitude1_a"]
+        e2 = np.array(fs.e2_v_per_m_per_ma) * 1e3 * info["amplitude2_a"]
+        assert row["point"] == fs.point
+        assert row["ti_max_v_per_m"] == pytest.approx(float(ti.max_modulation(e1, e2)))
+    assert info["fields"][0]["ti_along_v_per_m"] == pytest.approx(2 * min(0.12, 0.10), rel=5e-3)

@@ -103,6 +103,11 @@ class TesCommand:
                                              "depth measured (mA)"],
                    [[t["name"], t["delta_f_expected_hz"], t["delta_f_measured_hz"], 1e3 * t["depth_expected_a"],
                      1e3 * t["depth_measured_a"]] for t in res.ti], args.format)
+        pts = [[t["name"], f["point"], f["ti_max_v_per_m"], f.get("ti_along_v_per_m", "-")]
+               for t in res.ti for f in t["fields"]]
+        if pts:
+            _table("TI modulation at field points (delivered amplitudes)",
+                   ["pair", "point", "max over directions (V/m)", "along direction (V/m)"], pts, args.format)
         if res.impedance_log:
             last = {}
             for r in res.impedance_log:

@@ -98,6 +98,15 @@ class RampSpec(_Ramps):
 WaveformSpec = Annotated[Union[DcSpec, SineSpec, ArbitrarySpec, RampSpec], Field(discriminator="type")]
 
 
+class TiFieldSpec(_Strict):
+    """E-field of each pair at one point per 1 mA of pair current (V/m per mA), e.g. from a leadfield."""
+
+    point: str = Field(min_length=1)
+    e1_v_per_m_per_ma: tuple[float, float, float]
+    e2_v_per_m_per_ma: tuple[float, float, float]
+    direction: tuple[float, float, float] | None = None
+
+
 class TiPairSpec(_Strict):
     name: str = Field(min_length=1)
     f1_hz: float = Field(gt=0)
@@ -108,6 +117,7 @@ class TiPairSpec(_Strict):
     pair2: tuple[str, str]
     ramp_up_s: float = Field(default=0.0, ge=0)
     ramp_down_s: float = Field(default=0.0, ge=0)
+    fields: list[TiFieldSpec] = Field(default_factory=list)
 
 
 class TissueSpec(_Strict):
@@ -207,6 +217,9 @@ def _cross_check(p: ProtocolSpec) -> None:
                 in_ti[ch] = i
         if len(set(t.pair1) | set(t.pair2)) != 4:
             raise ValueError(f"ti_pairs.{i}: pair1 and pair2 need four distinct channels")
+        for j, fs in enumerate(t.fields):
+            if fs.direction is not None and not any(fs.direction):
+                raise ValueError(f"ti_pairs.{i}.fields.{j}.direction: must be non-zero")
     for i, w in enumerate(p.waveforms.values()):
         if isinstance(w, RampSpec) and not w.t1_s > w.t0_s:
             raise ValueError(f"waveforms.{list(p.waveforms)[i]}.t1_s: must be > t0_s")
@@ -307,7 +320,9 @@ def to_scenario(p: ProtocolSpec) -> Scenario:
             waves[ch_index[snk]] = wf.Sine(amplitude_a=a * 1e-3, freq_hz=f, phase_rad=math.pi, **ramps)
         pairs.append(TiPair(t.name, (ch_index[t.pair1[0]], ch_index[t.pair1[1]]),
                             (ch_index[t.pair2[0]], ch_index[t.pair2[1]]), t.f1_hz, t.f2_hz,
-                            t.amplitude1_ma * 1e-3, t.amplitude2_ma * 1e-3))
+                            t.amplitude1_ma * 1e-3, t.amplitude2_ma * 1e-3,
+                            tuple((fs.point, tuple(1e3 * x for x in fs.e1_v_per_m_per_ma),
+                                   tuple(1e3 * x for x in fs.e2_v_per_m_per_ma), fs.direction) for fs in t.fields)))
     adc_over = {k: (tuple(v) if isinstance(v, list) else v) for k, v in p.model.adc.items()}
     if "bits" in adc_over:
         adc_over["bits"] = int(adc_over["bits"])

@@ -22,7 +22,6 @@ from hpdl.tes.cmvh import Calibration, CmvhParams, calibrate, common_mode
 from hpdl.tes.load import Electrode, Tissue
 from hpdl.tes.network import Network
 from hpdl.tes.ocp import Ocp, OcpEvent, OcpParams
-from hpdl.tes.ti import measure_envelope
 from hpdl.tes.waveforms import Sine, Waveform
 
 G_LEAK_S = 1e-12  # pin leakage to ground of a disconnected terminal (keeps the nodal matrix regular)
@@ -51,6 +50,8 @@ class TiPair:
     f2_hz: float
     amplitude1_a: float
     amplitude2_a: float
+    # optional fields per pair at named points: (name, E1 (3,), E2 (3,), direction (3,) or None), V/m per A
+    fields: tuple = ()
 
 
 @dataclass
@@ -325,7 +326,9 @@ def simulate(sc: Scenario, *, progress=None) -> SimResult:
     res = SimResult(sc, t, codes, i_target, rec.i, rec.out[:, n:], rec.out[:, :n], rec.clip, rec.en,
                     list(ocp.events), cal, dac)
     res.impedance_log = measure_impedances(res, net, t_chip, rng_adc)
-    res.ti = analyse_ti(res)
+    from hpdl.tes.analysis import analyse_ti  # analysis reads SimResult; imported here to avoid a cycle
+
+    res.ti = analyse_ti(res, t_chip)
     res.common_mode = _cm_summary(res)
     return res
 
@@ -378,27 +381,3 @@ def measure_impedances(res: SimResult, net: Network, t_chip: np.ndarray, rng: np
                          "z_true_abs_ohm": abs(z_true), "z_true_phase_deg": float(np.degrees(np.angle(z_true))),
                          "error_pct": 100.0 * (abs(z) - abs(z_true)) / abs(z_true), "pga_gain": gain})
     return rows
-
-
-def analyse_ti(res: SimResult) -> list[dict]:
-    """Envelope of each TI pair's summed pair currents (Hilbert): measured vs expected difference frequency
-    and modulation depth. Pair current = (i_source_pin - i_sink_pin) / 2, in A."""
-    sc = res.scenario
-    out = []
-    chips = sc.channel_chip or [0] * len(sc.channels)
-    ramp = max([max(w.ramp_up_s, w.ramp_down_s) for w in sc.waveforms] + [0.0])
-    for p in sc.ti_pairs:
-        def pair(chs):
-            a, b = (sc.channel_terminal[x] for x in chs)
-            return 0.5 * (res.i_electrode_a[:, a] - res.i_electrode_a[:, b])
-        s = pair(p.channels_1) + pair(p.channels_2)
-        k0 = int(round(ramp * sc.fs_hz))
-        core = s[k0: s.size - k0] if s.size - 2 * k0 > 64 else s
-        env = measure_envelope(core, sc.fs_hz, trim_s=min(0.1 * core.size / sc.fs_hz, 0.02))
-        f1 = p.f1_hz * (1 + sc.clocks[chips[p.channels_1[0]]].ppm * 1e-6)
-        f2 = p.f2_hz * (1 + sc.clocks[chips[p.channels_2[0]]].ppm * 1e-6)
-        out.append({"name": p.name, "f1_hz": p.f1_hz, "f2_hz": p.f2_hz,
-                    "delta_f_expected_hz": abs(f2 - f1), "delta_f_measured_hz": env["delta_f_hz"],
-                    "depth_expected_a": float(2 * min(p.amplitude1_a, p.amplitude2_a)),
-                    "depth_measured_a": env["depth"], "env_max_a": env["env_max"], "env_min_a": env["env_min"]})
-    return out
