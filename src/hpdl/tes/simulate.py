@@ -192,6 +192,12 @@ class _Stepper:
     def build(self, t_s: float) -> None:
         g, inj = _ground(self.sc, self.enabled, t_s)
         m = self.net.state_space(t_s, g, inj, self.dt)
+        # stages that regulate (compliance applies): enabled and not failed (a fault bypasses the stage)
+        failed = np.zeros(self.c, dtype=bool)
+        for f in self.sc.faults:
+            failed[f.channel] |= f.t_start_s <= t_s < f.t_end_s
+        self.regulated = self.enabled & ~failed
+        self.ct_reg = self.ct[self.regulated]
         ns = m.Ad.shape[0]
         if self.v is None:
             self.v = np.zeros(ns)
@@ -226,7 +232,7 @@ class _Stepper:
             v_next = v_prev = np.zeros((k1 - k0, 0))
         out0 = np.hstack([u, v_prev]) @ self.m_out.T
         vc = self.sc.dac.compliance_v
-        if np.abs(out0[:, self.ct]).max() > vc:
+        if np.abs(out0[:, self.ct_reg]).max(initial=0.0) > vc:
             return False
         if not self.ocp.quiet(np.abs(out0[:, self.n + self.ct]).max()):
             return False
@@ -248,8 +254,8 @@ class _Stepper:
             u[:c] = i
             u[c + 1:] = self.v
             out = self.m_out @ u
-            if np.abs(out[self.ct]).max() > vc:
-                i, rec.clip[k] = _clip(i, self.wc @ u[c:], self.zc, vc, self.enabled)
+            if np.abs(out[self.ct_reg]).max(initial=0.0) > vc:
+                i, rec.clip[k] = _clip(i, self.wc @ u[c:], self.zc, vc, self.regulated)
                 u[:c] = i
                 out = self.m_out @ u
             rec.i[k] = i
@@ -335,8 +341,9 @@ def simulate(sc: Scenario, *, progress=None) -> SimResult:
 
 def _cm_summary(res: SimResult) -> dict:
     sc = res.scenario
-    freqs = [f for w in sc.waveforms for f in w.carriers_hz]
-    win = max(1.0 / min(freqs), 0.01) if freqs else 0.01
+    freqs = sorted({f for w in sc.waveforms for f in w.carriers_hz})
+    # whole common periods of all carriers (e.g. 0.1 s for 2000/2010 Hz), so AC common mode averages out
+    win = im.window_samples(freqs[0], sc.fs_hz, 0.01, tuple(freqs[1:])) / sc.fs_hz if freqs else 0.01
     settle = max([w.ramp_up_s for w in sc.waveforms] + [0.0]) + win
     cm = common_mode(res.v_terminal_v, sc.fs_hz, win, settle_s=settle)
     return {k: v for k, v in cm.items() if k not in ("v_cm", "dc_windows")} | {"window_s": win, "settle_s": settle}
@@ -350,7 +357,8 @@ def measure_impedances(res: SimResult, net: Network, t_chip: np.ndarray, rng: np
     the window's middle (drift included) and the relative magnitude error, so the log checks itself.
 
     Returns a list of dicts: t_s, electrode, channel, freq_hz, z_abs_ohm, phase_deg, z_true_abs_ohm,
-    z_true_phase_deg, error_pct, pga_gain.
+    z_true_phase_deg, error_pct, pga_gain, clipped (the compliance flag was up in the window: the commanded
+    current was not delivered, so the value is invalid, as the chip would know).
     """
     sc = res.scenario
     rows: list[dict] = []
@@ -379,5 +387,6 @@ def measure_impedances(res: SimResult, net: Network, t_chip: np.ndarray, rng: np
             rows.append({"t_s": t_mid, "electrode": sc.electrodes[e].name, "channel": sc.channels[ch],
                          "freq_hz": w.freq_hz, "z_abs_ohm": abs(z), "phase_deg": float(np.degrees(np.angle(z))),
                          "z_true_abs_ohm": abs(z_true), "z_true_phase_deg": float(np.degrees(np.angle(z_true))),
-                         "error_pct": 100.0 * (abs(z) - abs(z_true)) / abs(z_true), "pga_gain": gain})
+                         "error_pct": 100.0 * (abs(z) - abs(z_true)) / abs(z_true), "pga_gain": gain,
+                         "clipped": bool(res.clipped[sl, ch].any())})
     return rows
