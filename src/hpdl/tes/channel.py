@@ -78,6 +78,9 @@ class DacParams:
 def quantize(current_a: np.ndarray, params: DacParams) -> np.ndarray:
     """Map requested currents to DAC codes: round half away from zero, then saturate at the full scale.
 
+    >>> quantize(np.array([14.9e-6, -15e-6, 3e-3]), DacParams()).tolist()
+    [1, -2, 250]
+
     Rounding half away from zero is odd-symmetric (``code(-x) == -code(x)``), so a symmetric waveform stays
     charge balanced after quantisation.
 

@@ -75,6 +75,10 @@ def adc_convert(v: np.ndarray, fs_hz: float, params: AdcParams, rng: np.random.G
 def demodulate(signal: np.ndarray, phase_rad: np.ndarray) -> complex:
     """Complex amplitude of ``signal`` at the carrier whose phase at each sample is ``phase_rad``.
 
+    >>> ph = 2 * np.pi * np.arange(100) / 100
+    >>> round(abs(demodulate(3 * np.cos(ph + 0.5) + 7.0, ph)), 9)  # the DC offset is rejected
+    3.0
+
     ``2/K sum(signal exp(-j phase))``: for ``A cos(phase + p)`` over whole periods it returns ``A exp(j p)``.
     Both arrays are (K,) float.
     """

@@ -16,7 +16,11 @@ import numpy as np
 
 
 def randles_impedance(freq_hz, r_s_ohm: float, r_ct_ohm: float, c_dl_f: float) -> np.ndarray:
-    """Complex impedance in Ohm of a Randles circuit at ``freq_hz`` (scalar or array, Hz); same shape, complex128."""
+    """Complex impedance in Ohm of a Randles circuit at ``freq_hz`` (scalar or array, Hz); same shape, complex128.
+
+    >>> complex(randles_impedance(0.0, 1000.0, 5000.0, 1e-6))
+    (6000+0j)
+    """
     w = 2 * np.pi * np.asarray(freq_hz, dtype=np.float64)
     return r_s_ohm + r_ct_ohm / (1 + 1j * w * r_ct_ohm * c_dl_f)
 

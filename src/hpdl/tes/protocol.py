@@ -267,6 +267,10 @@ def parse(data: dict, source: str = "<protocol>") -> ProtocolSpec:
 def load(path: str | Path | None = None) -> ProtocolSpec:
     """Read and validate a YAML protocol; ``None`` loads the packaged example (``examples/ti_hd.yaml``).
 
+    >>> p = load(None)
+    >>> p.name, [c.name for c in p.channels], p.reference
+    ('ti-hd-demo', ['A1', 'A2', 'B1', 'B2'], 'Cz')
+
     Raises ProtocolError (bad YAML or content) or FileNotFoundError.
     """
     if path is None:

@@ -276,6 +276,15 @@ class _Stepper:
 def simulate(sc: Scenario, *, progress=None) -> SimResult:
     """Run ``sc`` and return the recorded waveforms, OCP events, impedance log, TI and common-mode summaries.
 
+    >>> from hpdl.tes import Electrode, Tissue
+    >>> from hpdl.tes.waveforms import Sine
+    >>> sc = Scenario([Electrode("E1"), Electrode("REF")], ["ch"], [0], [Sine(amplitude_a=1e-3, freq_hz=100.0)],
+    ...               duration_s=0.2, fs_hz=20e3, reference=1)
+    >>> res = simulate(sc)
+    >>> row = res.impedance_log[-1]
+    >>> bool(abs(row["error_pct"]) < 1.0), bool(res.clipped.any())
+    (True, False)
+
     Parameters
     ----------
     sc : Scenario (validated here).

@@ -16,6 +16,10 @@ from scipy.signal import hilbert
 def envelope(t_s, a1, a2, f1_hz: float, f2_hz: float, phase_rad: float = 0.0) -> np.ndarray:
     """Envelope of ``a1 cos(2 pi f1 t) + a2 cos(2 pi f2 t + phase)``.
 
+    >>> import numpy as np
+    >>> envelope(np.array([0.0, 0.05]), 1.0, 0.5, 2000.0, 2010.0).round(6).tolist()  # max, then min
+    [1.5, 0.5]
+
     ``sqrt(a1^2 + a2^2 + 2 a1 a2 cos(2 pi (f2 - f1) t + phase))``, which ranges over ``[|a1 - a2|, a1 + a2]``.
     ``t_s`` in s (any shape); ``a1, a2`` >= 0 in any unit; result has the broadcast shape, same unit.
     """
@@ -43,6 +47,9 @@ def _check_fields(e1, e2):
 def modulation_along(e1, e2, direction) -> np.ndarray:
     """TI modulation amplitude along ``direction``: ``| |(E1 + E2).n| - |(E1 - E2).n| |``.
 
+    >>> float(modulation_along([1.0, 0, 0], [0.5, 0.5, 0], [1, 0, 0]))
+    1.0
+
     Equals ``2 min(|E1.n|, |E2.n|)`` (Grossman 2017). ``direction`` (..., 3) is normalised here; a zero
     direction raises ValueError.
     """
@@ -57,6 +64,10 @@ def modulation_along(e1, e2, direction) -> np.ndarray:
 
 def max_modulation(e1, e2) -> np.ndarray:
     """Maximum over directions of the TI modulation amplitude, per point.
+
+    >>> import numpy as np
+    >>> max_modulation(np.array([[1.0, 0, 0], [1.0, 0, 0]]), np.array([[-2.0, 0, 0], [0, 1.0, 0]])).round(4)
+    array([2.    , 1.4142])
 
     Rule (Grossman 2017; SimNIBS ``get_maxTI``): order the pair so ``|E1| >= |E2|``; flip ``E2`` if
     ``E1.E2 < 0`` (the envelope depends on the sign only through the phase). With ``cos a = E1.E2/(|E1||E2|)``:
