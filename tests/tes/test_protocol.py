@@ -55,6 +55,7 @@ _DEL = object()
     (["model"], {"dac": {"gain_sgima": 0.01}}, "model.dac.gain_sgima"),
     (["model"], {"dac": {"lsb_a": -1}}, "lsb_a"),
     (["chips", 1, "name"], "chip0", "chips.1.name"),
+    (["sample_rate_hz"], 5000, "sample_rate_hz"),
 ])
 def test_bad_protocols_are_rejected_with_the_field_named(example, path, value, field):
     bad = copy.deepcopy(example)

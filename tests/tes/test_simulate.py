@@ -93,6 +93,8 @@ def test_scenario_validation_names_field():
         simulate(Scenario(**base, reference=0))
     with pytest.raises(ValueError, match="duration_s and fs_hz"):
         simulate(Scenario(**(base | {"duration_s": 0.0}), reference=1))
+    with pytest.raises(ValueError, match="GiB"):
+        simulate(Scenario(**(base | {"duration_s": 3600.0, "fs_hz": 1e6}), reference=1))
     assert math.isfinite(simulate(Scenario(**base, reference=1)).v_terminal_v.max())
 
 

@@ -220,6 +220,12 @@ def _cross_check(p: ProtocolSpec) -> None:
         for j, fs in enumerate(t.fields):
             if fs.direction is not None and not any(fs.direction):
                 raise ValueError(f"ti_pairs.{i}.fields.{j}.direction: must be non-zero")
+    if p.sample_rate_hz is not None:
+        top = max([w.freq_hz for w in p.waveforms.values() if isinstance(w, SineSpec)]
+                  + [f for t in p.ti_pairs for f in (t.f1_hz, t.f2_hz)], default=0.0)
+        if p.sample_rate_hz < 10 * top:
+            raise ValueError(f"sample_rate_hz: {p.sample_rate_hz:g} Hz is below 10 x the highest carrier "
+                             f"({top:g} Hz); the model needs the carriers well resolved")
     for i, w in enumerate(p.waveforms.values()):
         if isinstance(w, RampSpec) and not w.t1_s > w.t0_s:
             raise ValueError(f"waveforms.{list(p.waveforms)[i]}.t1_s: must be > t0_s")

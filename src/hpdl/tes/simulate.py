@@ -24,6 +24,7 @@ from hpdl.tes.network import Network
 from hpdl.tes.ocp import Ocp, OcpEvent, OcpParams
 from hpdl.tes.waveforms import Sine, Waveform
 
+MAX_RECORD_BYTES = 4 * 2**30  # recorded waveforms kept in memory
 G_LEAK_S = 1e-12  # pin leakage to ground of a disconnected terminal (keeps the nodal matrix regular)
 
 
@@ -85,6 +86,11 @@ class Scenario:
             raise ValueError("Scenario: channels, channel_terminal and waveforms must be non-empty and equal length")
         if not (self.duration_s > 0 and self.fs_hz > 0):
             raise ValueError(f"Scenario: duration_s and fs_hz must be > 0, got {self.duration_s}, {self.fs_hz}")
+        n_bytes = self.duration_s * self.fs_hz * 8 * (2 * len(self.electrodes) + 6 * c)
+        if n_bytes > MAX_RECORD_BYTES:
+            raise ValueError(f"Scenario: duration_s x fs_hz = {self.duration_s * self.fs_hz:.3g} samples needs "
+                             f"{n_bytes / 2**30:.1f} GiB of waveforms (limit {MAX_RECORD_BYTES / 2**30:.0f} GiB); "
+                             "simulate shorter stretches")
         if self.reference is not None:
             if not 0 <= self.reference < len(self.electrodes):
                 raise ValueError(f"Scenario.reference must index electrodes, got {self.reference}")
