@@ -64,16 +64,31 @@ def plot(res: SimResult, out_dir: Path) -> dict[str, Path]:
     sc = res.scenario
     names = [e.name for e in sc.electrodes]
     paths = {}
-    fig, ax = plt.subplots(3, 1, figsize=(10, 8), sharex=True)
+    from hpdl.tes.cmvh import common_mode
+
+    # zoom: 10 ms from the middle of the record (full records of kHz carriers are a solid band)
+    k_mid = res.t_s.size // 2
+    zoom = slice(k_mid, min(res.t_s.size, k_mid + max(16, int(0.01 * sc.fs_hz))))
+    fig, ax = plt.subplots(4, 1, figsize=(10, 10))
     for e, nm in enumerate(names):
-        ax[0].plot(res.t_s, 1e3 * res.i_electrode_a[:, e], lw=0.5, label=nm)
-        ax[1].plot(res.t_s, res.v_terminal_v[:, e], lw=0.5, label=nm)
-    ax[2].plot(res.t_s, 1e3 * res.v_terminal_v.mean(axis=1), lw=0.5, color="k")
+        ax[0].plot(1e3 * res.t_s[zoom], 1e3 * res.i_electrode_a[zoom, e], lw=0.8, label=nm)
+        ax[1].plot(1e3 * res.t_s[zoom], res.v_terminal_v[zoom, e], lw=0.8, label=nm)
+        ax[2].plot(res.t_s, res.v_terminal_v[:, e], lw=0.3)
+    cm = common_mode(res.v_terminal_v, sc.fs_hz, res.common_mode.get("window_s", 0.01))
+    win = res.common_mode.get("window_s", 0.01)
+    ax[3].plot(res.t_s, 1e3 * cm["v_cm"], lw=0.3, color="0.6", label="mean pin voltage")
+    ax[3].step(np.arange(cm["dc_windows"].size) * win, 1e3 * cm["dc_windows"], where="post", color="C3",
+               label=f"DC (window {1e3 * win:g} ms)")
     ax[0].set_ylabel("electrode current (mA)")
     ax[1].set_ylabel("pin voltage (V)")
-    ax[2].set_ylabel("common mode (mV)")
+    ax[0].set_xlabel("time (ms), zoom")
+    ax[1].set_xlabel("time (ms), zoom")
+    ax[2].set_ylabel("pin voltage (V)")
     ax[2].set_xlabel("time (s)")
+    ax[3].set_ylabel("common mode (mV)")
+    ax[3].set_xlabel("time (s)")
     ax[0].legend(loc="upper right", fontsize=7, ncol=min(len(names), 6))
+    ax[3].legend(loc="upper right", fontsize=7)
     fig.tight_layout()
     paths["waveforms_png"] = out_dir / "waveforms.png"
     fig.savefig(paths["waveforms_png"], dpi=110)

@@ -358,7 +358,7 @@ def _cm_summary(res: SimResult) -> dict:
     sc = res.scenario
     freqs = sorted({f for w in sc.waveforms for f in w.carriers_hz})
     # whole common periods of all carriers (e.g. 0.1 s for 2000/2010 Hz), so AC common mode averages out
-    win = im.window_samples(freqs[0], sc.fs_hz, 0.01, tuple(freqs[1:])) / sc.fs_hz if freqs else 0.01
+    win = im.window_samples(freqs[0], sc.fs_hz, 0.05, tuple(freqs[1:])) / sc.fs_hz if freqs else 0.05
     settle = max([w.ramp_up_s for w in sc.waveforms] + [0.0]) + win
     cm = common_mode(res.v_terminal_v, sc.fs_hz, win, settle_s=settle)
     return {k: v for k, v in cm.items() if k not in ("v_cm", "dc_windows")} | {"window_s": win, "settle_s": settle}
