@@ -27,3 +27,8 @@ def test_markdown_escapes_pipes_and_marks_info_rows():
             spec.SpecRow("c", "-", "y", False)]
     md = _markdown(rows, "x.png", 1.0, quick=True)
     assert "\\|V\\| <= 13 V" in md and "| info |" in md and "| FAIL |" in md and "--quick" in md
+
+
+def test_impedance_in_ti_montage_row():
+    rows = spec.check_impedance_in_montage(seeds=(1,), duration_s=0.3)
+    assert rows[0].ok, rows[0].modelled
