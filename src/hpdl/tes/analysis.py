@@ -1,12 +1,17 @@
-"""TI analysis of a simulation: envelope of each pair's delivered currents and, when the protocol gives
-field vectors per pair at named points (e.g. from a leadfield), the TI modulation there."""
+"""Analyses of a recorded simulation: impedance log (I/Q against the AC oracle), common mode, and TI (envelope
+of each pair's delivered currents and, when the protocol gives field vectors per pair at named points, e.g.
+from a leadfield, the TI modulation there)."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from hpdl.tes import impedance as im
+from hpdl.tes.cmvh import common_mode
+from hpdl.tes.network import Network
+from hpdl.tes.simulate import SimResult, ground_paths
 from hpdl.tes.ti import max_modulation, measure_envelope, modulation_along
+from hpdl.tes.waveforms import Sine
 
 
 def _pair_current(res, chs) -> np.ndarray:
@@ -69,3 +74,58 @@ def analyse_ti(res, t_chip: np.ndarray) -> list[dict]:
                     "depth_measured_a": env["depth"], "env_max_a": env["env_max"], "env_min_a": env["env_min"],
                     "amplitude1_a": a1, "amplitude2_a": a2, "fields": points})
     return out
+
+
+def common_mode_summary(res: SimResult) -> dict:
+    """Common-mode statistics of a run (see :func:`hpdl.tes.cmvh.common_mode`), windows of whole common
+    carrier periods, settling = longest ramp-up + one window."""
+    sc = res.scenario
+    freqs = sorted({f for w in sc.waveforms for f in w.carriers_hz})
+    # whole common periods of all carriers (e.g. 0.1 s for 2000/2010 Hz), so AC common mode averages out
+    win = im.window_samples(freqs[0], sc.fs_hz, 0.05, tuple(freqs[1:])) / sc.fs_hz if freqs else 0.05
+    settle = max([w.ramp_up_s for w in sc.waveforms] + [0.0]) + win
+    cm = common_mode(res.v_terminal_v, sc.fs_hz, win, settle_s=settle)
+    return {k: v for k, v in cm.items() if k not in ("v_cm", "dc_windows")} | {"window_s": win, "settle_s": settle}
+
+
+def measure_impedances(res: SimResult, net: Network, t_chip: np.ndarray, rng: np.random.Generator) -> list[dict]:
+    """Impedance log: I/Q demodulation per sinusoidal channel over consecutive whole-period windows.
+
+    The measured voltage is pin minus reference pin (chip ground without a reference); the current is the
+    commanded one (codes x LSB). Each row also carries the AC oracle ``z_true`` of the modelled circuit at
+    the window's middle (drift included) and the relative magnitude error, so the log checks itself.
+
+    Returns a list of dicts: t_s, electrode, channel, freq_hz, z_abs_ohm, phase_deg, z_true_abs_ohm,
+    z_true_phase_deg, error_pct, pga_gain, clipped (the compliance flag was up in the window: the commanded
+    current was not delivered, so the value is invalid, as the chip would know).
+    """
+    sc = res.scenario
+    rows: list[dict] = []
+    all_freqs = tuple(sorted({f for w in sc.waveforms for f in w.carriers_hz}))
+    ref = sc.reference
+    i_cmd = res.codes * sc.dac.lsb_a
+    for ch, w in enumerate(sc.waveforms):
+        if not isinstance(w, Sine) or w.amplitude_a == 0:
+            continue
+        e = sc.channel_terminal[ch]
+        v_diff = res.v_terminal_v[:, e] - (res.v_terminal_v[:, ref] if ref is not None else 0.0)
+        nwin = im.window_samples(w.freq_hz, sc.fs_hz, sc.im_window_s, tuple(f for f in all_freqs if f != w.freq_hz))
+        phase = w.phase(t_chip[:, ch])
+        for start in range(0, res.t_s.size - nwin + 1, nwin):
+            sl = slice(start, start + nwin)
+            if not res.enabled[sl, ch].all() or np.all(res.codes[sl, ch] == 0):
+                continue
+            v_adc, gain = im.adc_convert(v_diff[sl], sc.fs_hz, sc.adc, rng)
+            z = im.measure(v_adc, i_cmd[sl, ch], phase[sl])
+            # oracle: phasors of every channel's commanded current at this carrier, AC-solved
+            pattern = np.array([im.demodulate(i_cmd[sl, k], phase[sl]) for k in range(len(sc.channels))])
+            t_mid = float(res.t_s[start + nwin // 2])
+            g, _ = ground_paths(sc, res.enabled[start], t_mid)
+            vt, jb = net.ac(w.freq_hz, pattern, g, t_mid)
+            z_true = (vt[e] - (vt[ref] if ref is not None else 0.0)) / jb[e]
+            rows.append({"t_s": t_mid, "electrode": sc.electrodes[e].name, "channel": sc.channels[ch],
+                         "freq_hz": w.freq_hz, "z_abs_ohm": abs(z), "phase_deg": float(np.degrees(np.angle(z))),
+                         "z_true_abs_ohm": abs(z_true), "z_true_phase_deg": float(np.degrees(np.angle(z_true))),
+                         "error_pct": 100.0 * (abs(z) - abs(z_true)) / abs(z_true), "pga_gain": gain,
+                         "clipped": bool(res.clipped[sl, ch].any())})
+    return rows

@@ -18,11 +18,11 @@ from scipy.signal import lfilter
 
 from hpdl.tes import impedance as im
 from hpdl.tes.channel import ChipClock, CurrentDac, DacParams, quantize
-from hpdl.tes.cmvh import Calibration, CmvhParams, calibrate, common_mode
+from hpdl.tes.cmvh import Calibration, CmvhParams, calibrate
 from hpdl.tes.load import Electrode, Tissue
 from hpdl.tes.network import Network
 from hpdl.tes.ocp import Ocp, OcpEvent, OcpParams
-from hpdl.tes.waveforms import Sine, Waveform
+from hpdl.tes.waveforms import Waveform
 
 MAX_RECORD_BYTES = 4 * 2**30  # recorded waveforms kept in memory
 G_LEAK_S = 1e-12  # pin leakage to ground of a disconnected terminal (keeps the nodal matrix regular)
@@ -127,7 +127,9 @@ class SimResult:
     common_mode: dict = field(default_factory=dict)
 
 
-def _ground(sc: Scenario, enabled: np.ndarray, t: float) -> tuple[np.ndarray, np.ndarray]:
+def ground_paths(sc: Scenario, enabled: np.ndarray, t: float) -> tuple[np.ndarray, np.ndarray]:
+    """Per-pin conductance to chip ground (S) and injected current (A) at time ``t``: output resistance of
+    enabled channels, the CMVH switch on the reference, active faults, and a 1 pS leak everywhere."""
     n = len(sc.electrodes)
     g = np.full(n, G_LEAK_S)
     inj = np.zeros(n)
@@ -196,7 +198,7 @@ class _Stepper:
         self.dirty = True
 
     def build(self, t_s: float) -> None:
-        g, inj = _ground(self.sc, self.enabled, t_s)
+        g, inj = ground_paths(self.sc, self.enabled, t_s)
         m = self.net.state_space(t_s, g, inj, self.dt)
         # stages that regulate (compliance applies): enabled and not failed (a fault bypasses the stage)
         failed = np.zeros(self.c, dtype=bool)
@@ -346,62 +348,9 @@ def simulate(sc: Scenario, *, progress=None) -> SimResult:
 
     res = SimResult(sc, t, codes, i_target, rec.i, rec.out[:, n:], rec.out[:, :n], rec.clip, rec.en,
                     list(ocp.events), cal, dac)
+    from hpdl.tes.analysis import analyse_ti, common_mode_summary, measure_impedances  # (imports this module)
+
     res.impedance_log = measure_impedances(res, net, t_chip, rng_adc)
-    from hpdl.tes.analysis import analyse_ti  # analysis reads SimResult; imported here to avoid a cycle
-
     res.ti = analyse_ti(res, t_chip)
-    res.common_mode = _cm_summary(res)
+    res.common_mode = common_mode_summary(res)
     return res
-
-
-def _cm_summary(res: SimResult) -> dict:
-    sc = res.scenario
-    freqs = sorted({f for w in sc.waveforms for f in w.carriers_hz})
-    # whole common periods of all carriers (e.g. 0.1 s for 2000/2010 Hz), so AC common mode averages out
-    win = im.window_samples(freqs[0], sc.fs_hz, 0.05, tuple(freqs[1:])) / sc.fs_hz if freqs else 0.05
-    settle = max([w.ramp_up_s for w in sc.waveforms] + [0.0]) + win
-    cm = common_mode(res.v_terminal_v, sc.fs_hz, win, settle_s=settle)
-    return {k: v for k, v in cm.items() if k not in ("v_cm", "dc_windows")} | {"window_s": win, "settle_s": settle}
-
-
-def measure_impedances(res: SimResult, net: Network, t_chip: np.ndarray, rng: np.random.Generator) -> list[dict]:
-    """Impedance log: I/Q demodulation per sinusoidal channel over consecutive whole-period windows.
-
-    The measured voltage is pin minus reference pin (chip ground without a reference); the current is the
-    commanded one (codes x LSB). Each row also carries the AC oracle ``z_true`` of the modelled circuit at
-    the window's middle (drift included) and the relative magnitude error, so the log checks itself.
-
-    Returns a list of dicts: t_s, electrode, channel, freq_hz, z_abs_ohm, phase_deg, z_true_abs_ohm,
-    z_true_phase_deg, error_pct, pga_gain, clipped (the compliance flag was up in the window: the commanded
-    current was not delivered, so the value is invalid, as the chip would know).
-    """
-    sc = res.scenario
-    rows: list[dict] = []
-    all_freqs = tuple(sorted({f for w in sc.waveforms for f in w.carriers_hz}))
-    ref = sc.reference
-    i_cmd = res.codes * sc.dac.lsb_a
-    for ch, w in enumerate(sc.waveforms):
-        if not isinstance(w, Sine) or w.amplitude_a == 0:
-            continue
-        e = sc.channel_terminal[ch]
-        v_diff = res.v_terminal_v[:, e] - (res.v_terminal_v[:, ref] if ref is not None else 0.0)
-        nwin = im.window_samples(w.freq_hz, sc.fs_hz, sc.im_window_s, tuple(f for f in all_freqs if f != w.freq_hz))
-        phase = w.phase(t_chip[:, ch])
-        for start in range(0, res.t_s.size - nwin + 1, nwin):
-            sl = slice(start, start + nwin)
-            if not res.enabled[sl, ch].all() or np.all(res.codes[sl, ch] == 0):
-                continue
-            v_adc, gain = im.adc_convert(v_diff[sl], sc.fs_hz, sc.adc, rng)
-            z = im.measure(v_adc, i_cmd[sl, ch], phase[sl])
-            # oracle: phasors of every channel's commanded current at this carrier, AC-solved
-            pattern = np.array([im.demodulate(i_cmd[sl, k], phase[sl]) for k in range(len(sc.channels))])
-            t_mid = float(res.t_s[start + nwin // 2])
-            g, _ = _ground(sc, res.enabled[start], t_mid)
-            vt, jb = net.ac(w.freq_hz, pattern, g, t_mid)
-            z_true = (vt[e] - (vt[ref] if ref is not None else 0.0)) / jb[e]
-            rows.append({"t_s": t_mid, "electrode": sc.electrodes[e].name, "channel": sc.channels[ch],
-                         "freq_hz": w.freq_hz, "z_abs_ohm": abs(z), "phase_deg": float(np.degrees(np.angle(z))),
-                         "z_true_abs_ohm": abs(z_true), "z_true_phase_deg": float(np.degrees(np.angle(z_true))),
-                         "error_pct": 100.0 * (abs(z) - abs(z_true)) / abs(z_true), "pga_gain": gain,
-                         "clipped": bool(res.clipped[sl, ch].any())})
-    return rows
