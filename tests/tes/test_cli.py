@@ -51,7 +51,7 @@ def test_simulate_writes_outputs(tmp_path, capsys):
     assert run(["simulate", str(f), "--out", str(out), "--format", "json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["safety"]["ok"] and data["impedance_log"]
-    for name in ("summary.json", "waveforms.npz", "waveforms.png", "impedance_log.png"):
+    for name in ("summary.json", "waveforms.npz", "waveforms.png", "impedance_log.png", "safety.png"):
         assert (out / name).stat().st_size > 0
 
 

@@ -51,7 +51,43 @@ def write_outputs(res: SimResult, safety: dict, out_dir: str | Path) -> dict[str
                         clipped=res.clipped, enabled=res.enabled, electrodes=np.array([e.name for e in sc.electrodes]),
                         channels=np.array(sc.channels))
     paths.update(plot(res, out))
+    paths["safety_png"] = plot_safety(safety, out / "safety.png")
     return {k: str(v) for k, v in paths.items()}
+
+
+def plot_safety(safety: dict, path: Path) -> Path:
+    """Bar charts of the safety report against its limits (red bars fail): per-channel peak current,
+    compliance headroom and per-period charge imbalance, per-electrode current density."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    limit = {c["name"]: c["limit"] for c in safety["checks"]}
+    ch = safety["channels"]
+    names = [r["channel"] for r in ch]
+    panels = [
+        ("peak current (mA)", names, [r["peak_delivered_ma"] for r in ch], limit["max channel current"], "max"),
+        ("compliance headroom (V)", names, [r["headroom_v"] for r in ch], limit["compliance headroom"], "min"),
+        ("max charge per period (nC)", names, [r["max_period_charge_nc"] or 0.0 for r in ch],
+         limit["charge imbalance per period"], "max"),
+        ("peak current density (mA/cm^2)", [r["electrode"] for r in safety["electrodes"]],
+         [r["peak_density_ma_cm2"] for r in safety["electrodes"]], limit["current density"], "max"),
+    ]
+    fig, axes = plt.subplots(1, 4, figsize=(14, 3.5))
+    for ax, (title, labels, values, lim, kind) in zip(axes, panels):
+        ok = [(v <= lim) if kind == "max" else (v >= lim) for v in values]
+        ax.bar(labels, values, color=["C2" if o else "C3" for o in ok])
+        ax.axhline(lim, color="k", ls="--", lw=1, label=f"{kind} {lim:g}")
+        ax.set_title(title, fontsize=9)
+        ax.tick_params(axis="x", labelrotation=45, labelsize=7)
+        ax.legend(fontsize=7)
+    verdict = "PASS" if safety["ok"] else "FAIL: " + ", ".join(c["name"] for c in safety["checks"] if not c["ok"])
+    fig.suptitle(f"safety report: {verdict}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def plot(res: SimResult, out_dir: Path) -> dict[str, Path]:
