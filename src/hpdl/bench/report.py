@@ -92,3 +92,25 @@ def tuned_table(rows: Sequence[Row], world_size: int, device: str, noise: float 
         bound = INF if last else (size + nxt[0]) // 2
         rules.append(Rule(device, bound, algo, window, min_world=world_size, max_world=world_size))
     return TuningTable(rules + default_table().rules, source=f"hpdl bench --tune (world {world_size}, {device})")
+
+
+def markdown(rows: Sequence[Row], meta: dict) -> str:
+    """One table per run: latency (us) of each algorithm per size, with its speed-up over native."""
+    algos = list(dict.fromkeys(r.algorithm for r in rows))
+    head = "| size (B) | " + " | ".join(f"{a} (us)" for a in algos) + " | #wrong |"
+    lines = [f"{meta.get('collective', '')} {meta.get('dtype', '')} {meta.get('op', '')}, "
+             f"{meta.get('world_size')} ranks, device {meta.get('device')}, torch {meta.get('torch')}, "
+             f"{meta.get('date')}", "", f"Command: `{meta.get('command', '')}`", "", head,
+             "|" + "---|" * (len(algos) + 2)]
+    for size, group in groupby(sorted(rows, key=lambda r: r.size), key=lambda r: r.size):
+        by = {r.algorithm: r for r in group}
+        cells = []
+        for a in algos:
+            r = by.get(a)
+            if r is None:
+                cells.append("-")
+                continue
+            label = f" ({r.resolved})" if a == "auto" else ""
+            cells.append(f"{r.avg_us:.1f}{label}" + (f" {r.speedup:.2f}x" if a != "native" and r.speedup else ""))
+        lines.append(f"| {size} | " + " | ".join(cells) + f" | {sum(r.wrong for r in by.values())} |")
+    return "\n".join(lines)

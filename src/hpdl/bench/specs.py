@@ -27,13 +27,19 @@ class Spec:
     run: Callable
 
 
+def _check(t: torch.Tensor):
+    """Timed calls skip the argument check: off explicitly on CPU, and on CUDA the default (off), so that the
+    API's cached fast path is what gets measured, as users run it."""
+    return None if t.is_cuda else False
+
+
 def _ar_setup(rank, p, count, dtype, op, device, seed):
     x = make_input(rank, count, op, dtype, seed, device)
     return (x,), (lambda: x), expected(p, count, op, dtype, seed)
 
 
 def _ar_run(args, op, algorithm, window):
-    hc.all_reduce(args[0], op=op, algorithm=algorithm, window=window, check=False)
+    hc.all_reduce(args[0], op=op, algorithm=algorithm, window=window, check=_check(args[0]))
 
 
 def _rs_setup(rank, p, count, dtype, op, device, seed):
@@ -44,7 +50,7 @@ def _rs_setup(rank, p, count, dtype, op, device, seed):
 
 
 def _rs_run(args, op, algorithm, window):
-    hc.reduce_scatter(args[0], args[1], op=op, algorithm=algorithm, window=window, check=False)
+    hc.reduce_scatter(args[0], args[1], op=op, algorithm=algorithm, window=window, check=_check(args[0]))
 
 
 def _ag_setup(rank, p, count, dtype, op, device, seed):
@@ -56,7 +62,7 @@ def _ag_setup(rank, p, count, dtype, op, device, seed):
 
 
 def _ag_run(args, op, algorithm, window):
-    hc.all_gather(args[0], args[1], algorithm=algorithm, window=window, check=False)
+    hc.all_gather(args[0], args[1], algorithm=algorithm, window=window, check=_check(args[0]))
 
 
 SPECS: dict[str, Spec] = {

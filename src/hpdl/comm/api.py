@@ -298,18 +298,18 @@ def all_reduce(tensor: torch.Tensor, op="sum", group=None, algorithm: str = "aut
         CollectiveMismatchError: ranks passed different counts, dtypes, ops, devices or algorithms.
         CollectiveTimeoutError: a peer did not answer within ``timeout``; the message names it.
     """
-    op_arg = op
+    # key of the hot path, from the arguments as given (_prepare normalises op, window and timeout)
+    fast_key = (group, op, algorithm, window, tensor.dtype, tensor.numel(), tensor.device.index) \
+        if isinstance(tensor, torch.Tensor) and check is None and timeout is None and isinstance(op, str) else None
     if tensor.__class__ is torch.Tensor and tensor.is_cuda and not async_op and check is None and timeout is None \
             and isinstance(op, str):
-        fast = _FAST.get((group, op, algorithm, window, tensor.dtype, tensor.numel(), tensor.device.index))
+        fast = _FAST.get(fast_key)
         if fast is not None and fast[0].side_pending is None:
             fast[1](tensor)  # hot path: arguments validated by an earlier identical call; one kernel launch
             return None
     st, op, name, window, timeout = _prepare("all_reduce", tensor, op, group, algorithm, window, timeout, check)
     if name in PEER:
-        return _peer_call(st, tensor, op, name, window, async_op,
-                          (group, op_arg, algorithm, window, tensor.dtype, tensor.numel(), tensor.device.index)
-                          if check is None and timeout is None and isinstance(op_arg, str) else None)
+        return _peer_call(st, tensor, op, name, window, async_op, fast_key)
 
     def run() -> None:
         if tensor.numel() == 0 or st.world_size == 1:
