@@ -42,6 +42,8 @@ def local_errors(ctx):
     out["bad_window"] = _catch(lambda: hc.all_reduce(torch.ones(3), algorithm="direct", window=-2))
     out["rs_size"] = _catch(lambda: hc.reduce_scatter(torch.empty(3), torch.empty(3 * ctx.world_size + 1)))
     out["ag_dtype"] = _catch(lambda: hc.all_gather(torch.empty(3 * ctx.world_size), torch.empty(3, dtype=torch.int64)))
+    out["rs_rd"] = _catch(lambda: hc.reduce_scatter(torch.empty(2), torch.ones(2 * ctx.world_size),
+                                                     algorithm="recursive_doubling"))
     x = torch.ones(4)
     hc.all_reduce(x)  # the group still works after all of the above
     out["after"] = x.tolist()

@@ -323,6 +323,22 @@ def all_reduce(tensor: torch.Tensor, op="sum", group=None, algorithm: str = "aut
     return st.submit(run, async_op)
 
 
+def _phase_algorithm(algorithm: str) -> str:
+    """Reject, before any communication, an explicit algorithm that has no reduce-scatter / all-gather."""
+    name = canonical(algorithm)
+    if name != "auto" and not get_class(name).supports_phases:
+        from hpdl.comm.algorithms.base import phase_algorithms
+
+        raise ValueError(f"algorithm={algorithm!r} has no reduce_scatter/all_gather; use 'auto' or one of "
+                         f"{phase_algorithms()}")
+    return algorithm
+
+
+def _phase_resolved(name: str) -> str:
+    """What ``auto`` picked for an all-reduce of this size, mapped to a schedule that has the two phases."""
+    return name if get_class(name).supports_phases else "direct"
+
+
 def _blocks_of(flat: torch.Tensor, world_size: int) -> list[torch.Tensor]:
     n = flat.numel() // world_size
     return [flat[q * n:(q + 1) * n] for q in range(world_size)]
@@ -346,9 +362,9 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op="sum", group=No
     if input.dtype != output.dtype or input.device != output.device:
         raise ValueError(f"input and output must share dtype and device, got {input.dtype}/{input.device} and "
                          f"{output.dtype}/{output.device}")
-    st, op, name, window, timeout = _prepare("reduce_scatter", input, op, group, algorithm, window, timeout, check)
-    if name == "recursive_doubling" or name == "staged":
-        name = "direct"
+    st, op, name, window, timeout = _prepare("reduce_scatter", input, op, group, _phase_algorithm(algorithm),
+                                             window, timeout, check)
+    name = _phase_resolved(name)
 
     def run() -> None:
         if output.numel() == 0:
@@ -383,9 +399,9 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, algorithm:
     if input.dtype != output.dtype or input.device != output.device:
         raise ValueError(f"input and output must share dtype and device, got {input.dtype}/{input.device} and "
                          f"{output.dtype}/{output.device}")
-    st, _, name, window, timeout = _prepare("all_gather", input, "sum", group, algorithm, window, timeout, check)
-    if name == "recursive_doubling" or name == "staged":
-        name = "direct"
+    st, _, name, window, timeout = _prepare("all_gather", input, "sum", group, _phase_algorithm(algorithm), window,
+                                            timeout, check)
+    name = _phase_resolved(name)
 
     def run() -> None:
         if input.numel() == 0:
