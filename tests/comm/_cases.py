@@ -90,9 +90,9 @@ def async_ops(ctx, algorithm):
 def reduce_scatter_all_gather(ctx, algorithm):
     p, r = ctx.world_size, ctx.rank
     failures = []
-    for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.uint8):
+    for dtype in (torch.float32, torch.bfloat16, torch.uint8):
         for op in ("sum", "max", "product"):
-            for m in (0, 1, 3, 17):
+            for m in (0, 1, 17):
                 inp = make_input(r, m * p, op, dtype, seed=m)
                 out = torch.empty(m, dtype=dtype)
                 hc.reduce_scatter(out, inp, op=op, algorithm=algorithm)
