@@ -1,7 +1,7 @@
 """The ``hpdl`` command: one sub-command group per subsystem; each group parses, calls its API and prints.
 
-A group is a class with ``name``, ``help``, ``add_arguments(parser)`` and ``run(args) -> int``, registered
-in ``GROUPS`` by import path so that a group's heavy imports happen only when it runs.
+A group is a class with ``add_arguments(parser)`` and ``run(args) -> int``, registered in ``GROUPS`` by import
+path so that a group's imports (and optional dependencies) are needed only when that group runs.
 """
 
 from __future__ import annotations
@@ -13,10 +13,13 @@ import sys
 
 from hpdl import __version__
 
-# name -> "module:Class"; the class is imported lazily.
-GROUPS: dict[str, str] = {
-    "bench": "hpdl.bench.cli:BenchCommand",
-    "tes": "hpdl.tes.cli:TesCommand",
+# name -> ("module:Class", one-line help, the extra that installs its dependencies). Only the group being run
+# is imported, so a missing optional dependency breaks that group alone, with an install hint.
+GROUPS: dict[str, tuple[str, str, str | None]] = {
+    "bench": ("hpdl.bench.cli:BenchCommand",
+              "benchmark collectives (nccl-tests / OSU columns, exact #wrong, speed-up over native)", None),
+    "tes": ("hpdl.tes.cli:TesCommand",
+            "HD-TES stimulator SoC model: simulate protocols, check safety, reproduce the chip spec", "tes"),
 }
 
 
@@ -29,27 +32,46 @@ def _load(path: str):
     return getattr(importlib.import_module(module), cls)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The ``hpdl`` parser; with ``only``, just that group's arguments are loaded (the others list their help)."""
     parser = argparse.ArgumentParser(prog="hpdl", description="hpdl: fast collectives, scheduling and serving "
                                      "for deep learning and HPC jobs on GPU clusters.")
     parser.add_argument("--version", action="version", version=f"hpdl {__version__}")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
     sub = parser.add_subparsers(dest="group", metavar="{" + ",".join(GROUPS) + "}")
-    for name, path in GROUPS.items():
-        cls = _load(path)
-        p = sub.add_parser(name, help=cls.help, description=cls.help)
+    for name, (path, text, extra) in GROUPS.items():
+        p = sub.add_parser(name, help=text, description=text)
+        p.set_defaults(_parser=p)
+        if only not in (None, name):
+            continue
+        try:
+            cls = _load(path)
+        except ModuleNotFoundError as exc:
+            hint = f"pip install 'hpdl[{extra}]'" if extra else "reinstall hpdl"
+            p.set_defaults(_missing=f"hpdl {name} needs the module {exc.name!r}: {hint}")
+            p.add_argument("rest", nargs=argparse.REMAINDER)
+            continue
         cls.add_arguments(p)
-        p.set_defaults(_cls=cls, _parser=p)
+        p.set_defaults(_cls=cls)
     return parser
 
 
+def _group_of(argv: list[str]) -> str | None:
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    group = _group_of(argv)
+    parser = build_parser(group if group in GROUPS else None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     if args.group is None:
         parser.print_help()
+        return 1
+    if getattr(args, "_missing", None):
+        print(args._missing, file=sys.stderr)
         return 1
     try:
         return int(args._cls().run(args) or 0)

@@ -31,6 +31,11 @@ def mismatched_op(ctx, algorithm):
     return _catch(lambda: hc.all_reduce(x, op="sum" if ctx.rank else "max", algorithm=algorithm))
 
 
+def mismatched_algorithm(ctx):
+    x = torch.ones(10)
+    return _catch(lambda: hc.all_reduce(x, algorithm="direct" if ctx.rank == 0 else "ring", timeout=20))
+
+
 def local_errors(ctx):
     """Errors raised before any communication, identically on every rank."""
     out = {}
@@ -42,6 +47,8 @@ def local_errors(ctx):
     out["bad_window"] = _catch(lambda: hc.all_reduce(torch.ones(3), algorithm="direct", window=-2))
     out["rs_size"] = _catch(lambda: hc.reduce_scatter(torch.empty(3), torch.empty(3 * ctx.world_size + 1)))
     out["ag_dtype"] = _catch(lambda: hc.all_gather(torch.empty(3 * ctx.world_size), torch.empty(3, dtype=torch.int64)))
+    out["one_shot_cpu"] = _catch(lambda: hc.all_reduce(torch.ones(3), algorithm="one_shot"))
+    out["window0"] = _catch(lambda: hc.all_reduce(torch.ones(3), algorithm="direct", window=0))
     out["rs_rd"] = _catch(lambda: hc.reduce_scatter(torch.empty(2), torch.ones(2 * ctx.world_size),
                                                      algorithm="recursive_doubling"))
     x = torch.ones(4)

@@ -18,6 +18,8 @@ def test_mismatches_raise_everywhere(algorithm):
         assert name == "CollectiveMismatchError" and "'dtype'" in msg and "torch.float64" in msg
     for name, msg in pool.run(E.mismatched_op, algorithm):
         assert name == "CollectiveMismatchError" and "'op'" in msg
+    for name, msg in pool.run(E.mismatched_algorithm):
+        assert name == "CollectiveMismatchError" and "'algorithm'" in msg and "rank 0: direct" in msg
 
 
 @pytest.mark.timeout(120)
@@ -31,6 +33,8 @@ def test_local_errors_name_the_argument():
     assert out["bad_window"][0] == "ValueError" and "window" in out["bad_window"][1]
     assert out["rs_size"][0] == "ValueError" and "input.numel()" in out["rs_size"][1]
     assert out["ag_dtype"][0] == "ValueError" and "dtype" in out["ag_dtype"][1]
+    assert out["one_shot_cpu"][0] == "ValueError" and "CUDA" in out["one_shot_cpu"][1]
+    assert out["window0"][0] == "ValueError" and "window" in out["window0"][1]
     assert out["rs_rd"][0] == "ValueError" and "reduce_scatter" in out["rs_rd"][1] and "direct" in out["rs_rd"][1]
     assert out["after"] == [3.0] * 4
 

@@ -10,20 +10,21 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from hpdl.comm import tuning
-from hpdl.comm.algorithms.base import PEER, Algorithm, canonical, get_class
+from hpdl.comm.algorithms.base import PEER, REGISTRY, Algorithm, canonical, get_class
+from hpdl.comm.algorithms.direct import window_size
 from hpdl.comm.ops import check_dtype, normalize_op, REDUCE_OPS, SUPPORTED_DTYPES
 from hpdl.comm.transport.torch_p2p import TorchTransport
 from hpdl.runtime import env
 from hpdl.runtime.errors import CollectiveMismatchError, CollectiveTimeoutError
 
 _DTYPE_CODE = {d: i for i, d in enumerate(SUPPORTED_DTYPES)}
-_ALGO_CODES: dict[str, int] = {}
 
 
 class Work:
@@ -36,7 +37,7 @@ class Work:
         """Block until the collective finished; raises what the collective raised. Returns True."""
         try:
             self._future.result(timeout=timeout)
-        except TimeoutError:
+        except FutureTimeout:  # a distinct class from TimeoutError on Python 3.10
             raise CollectiveTimeoutError(f"async collective not finished after {timeout}s") from None
         return True
 
@@ -198,7 +199,8 @@ def _decode(field: str, value: int) -> str:
     if field == "op":
         return REDUCE_OPS[value]
     if field == "algorithm":
-        return next((k for k, v in _ALGO_CODES.items() if v == value), str(value))
+        names = list(REGISTRY)
+        return names[value] if 0 <= value < len(names) else str(value)
     if field == "device":
         return {0: "cpu", 1: "cuda"}.get(value, str(value))
     return str(value)
@@ -219,9 +221,12 @@ def _resolve(st: _GroupState, algorithm: str, tensor: torch.Tensor, window: int 
         window = window if window is not None else tuned
         if name in PEER and not _peer_ok(tensor, st):
             name = "native"
+    elif name in PEER and not (tensor.is_cuda and _peer_ok(tensor, st)):
+        raise ValueError(f"algorithm={algorithm!r} reduces CUDA tensors of float32/float16/bfloat16/int32/int64 on "
+                         f"one node of at most 8 GPUs; got a {tensor.dtype} tensor on {tensor.device} in a group "
+                         f"of {st.world_size}")
     if window is None:
         window = env.get("HPDL_DIRECT_WINDOW") or None
-    _ALGO_CODES.setdefault(name, len(_ALGO_CODES) + 1)
     return name, window
 
 
@@ -230,16 +235,21 @@ def _prepare(what: str, tensor: torch.Tensor, op, group, algorithm: str, window,
     _check_tensor("tensor", tensor, st)
     op = normalize_op(op)
     check_dtype(tensor.dtype, op)
-    if window is not None and (not isinstance(window, int) or window < 0):
-        raise ValueError(f"window must be a positive int (or None for the tuned value), got {window!r}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be an int >= 1 (or None for the tuned value), got {window!r}")
     timeout = float(env.get("HPDL_TIMEOUT") if timeout is None else timeout)
     name, window = _resolve(st, algorithm, tensor, window)
     mode = env.get("HPDL_CHECK") if check is None else check
+    verify = None
     if (mode is True or (mode == "auto" and tensor.device.type == "cpu")) and st.world_size > 1:
-        _verify_same(st, what, {"count": tensor.numel(), "dtype": _DTYPE_CODE[tensor.dtype],
-                                "op": REDUCE_OPS.index(op), "device": int(tensor.device.type == "cuda"),
-                                "algorithm": _ALGO_CODES[name], "window": window or 0}, timeout)
-    return st, op, name, window, timeout
+        effective = window_size(window, st.world_size) if name == "direct" else 0  # None and 4 are the same k
+        fields = {"count": tensor.numel(), "dtype": _DTYPE_CODE[tensor.dtype], "op": REDUCE_OPS.index(op),
+                  "device": int(tensor.device.type == "cuda"), "algorithm": list(REGISTRY).index(name),
+                  "window": effective}
+
+        def verify() -> None:  # runs in order with the group's other calls (inside async work too)
+            _verify_same(st, what, fields, timeout)
+    return st, op, name, window, timeout, verify
 
 
 _FAST: dict[tuple, object] = {}
@@ -307,11 +317,16 @@ def all_reduce(tensor: torch.Tensor, op="sum", group=None, algorithm: str = "aut
         if fast is not None and fast[0].side_pending is None:
             fast[1](tensor)  # hot path: arguments validated by an earlier identical call; one kernel launch
             return None
-    st, op, name, window, timeout = _prepare("all_reduce", tensor, op, group, algorithm, window, timeout, check)
+    st, op, name, window, timeout, verify = _prepare("all_reduce", tensor, op, group, algorithm, window, timeout,
+                                                     check)
     if name in PEER:
+        if verify is not None:
+            verify()
         return _peer_call(st, tensor, op, name, window, async_op, fast_key)
 
     def run() -> None:
+        if verify is not None:
+            verify()
         if tensor.numel() == 0 or st.world_size == 1:
             return
         algo = st.algorithm(name, window, timeout)
@@ -321,6 +336,20 @@ def all_reduce(tensor: torch.Tensor, op="sum", group=None, algorithm: str = "aut
             tensor.copy_(buf.view(tensor.shape))
 
     return st.submit(run, async_op)
+
+
+def _check_pair(group, output: torch.Tensor, input: torch.Tensor, big: str, small: str) -> None:
+    """Validate the two tensors of reduce_scatter / all_gather: ``big`` holds world_size times ``small``."""
+    st = _state(group)
+    _check_tensor("output", output, st)
+    _check_tensor("input", input, st)
+    t = {"output": output, "input": input}
+    if t[big].numel() != st.world_size * t[small].numel():
+        raise ValueError(f"{big}.numel() must be world_size * {small}.numel() = {st.world_size} * "
+                         f"{t[small].numel()}, got {t[big].numel()}")
+    if input.dtype != output.dtype or input.device != output.device:
+        raise ValueError(f"input and output must share dtype and device, got {input.dtype}/{input.device} and "
+                         f"{output.dtype}/{output.device}")
 
 
 def _phase_algorithm(algorithm: str) -> str:
@@ -353,20 +382,14 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op="sum", group=No
     dtype and device); ``input`` is not modified. Algorithms: "auto", "direct", "ring", "native".
     Raises as :func:`all_reduce`, plus ValueError on mismatched sizes.
     """
-    st = _state(group)
-    _check_tensor("output", output, st)
-    _check_tensor("input", input, st)
-    if input.numel() != st.world_size * output.numel():
-        raise ValueError(f"input.numel() must be world_size * output.numel() = {st.world_size} * "
-                         f"{output.numel()}, got {input.numel()}")
-    if input.dtype != output.dtype or input.device != output.device:
-        raise ValueError(f"input and output must share dtype and device, got {input.dtype}/{input.device} and "
-                         f"{output.dtype}/{output.device}")
-    st, op, name, window, timeout = _prepare("reduce_scatter", input, op, group, _phase_algorithm(algorithm),
-                                             window, timeout, check)
+    _check_pair(group, output, input, big="input", small="output")
+    st, op, name, window, timeout, verify = _prepare("reduce_scatter", input, op, group,
+                                                     _phase_algorithm(algorithm), window, timeout, check)
     name = _phase_resolved(name)
 
     def run() -> None:
+        if verify is not None:
+            verify()
         if output.numel() == 0:
             return
         flat = input.contiguous().view(-1)
@@ -390,20 +413,14 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, algorithm:
     Algorithms: "auto", "direct", "ring", "native". Raises as :func:`all_reduce`, plus ValueError on
     mismatched sizes, dtypes or devices.
     """
-    st = _state(group)
-    _check_tensor("output", output, st)
-    _check_tensor("input", input, st)
-    if output.numel() != st.world_size * input.numel():
-        raise ValueError(f"output.numel() must be world_size * input.numel() = {st.world_size} * "
-                         f"{input.numel()}, got {output.numel()}")
-    if input.dtype != output.dtype or input.device != output.device:
-        raise ValueError(f"input and output must share dtype and device, got {input.dtype}/{input.device} and "
-                         f"{output.dtype}/{output.device}")
-    st, _, name, window, timeout = _prepare("all_gather", input, "sum", group, _phase_algorithm(algorithm), window,
-                                            timeout, check)
+    _check_pair(group, output, input, big="output", small="input")
+    st, _, name, window, timeout, verify = _prepare("all_gather", input, "sum", group, _phase_algorithm(algorithm),
+                                                    window, timeout, check)
     name = _phase_resolved(name)
 
     def run() -> None:
+        if verify is not None:
+            verify()
         if input.numel() == 0:
             return
         flat = output.view(-1) if output.is_contiguous() else torch.empty(output.numel(), dtype=output.dtype,

@@ -2,12 +2,30 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
 from hpdl.comm.algorithms.base import Algorithm
 from hpdl.comm.ops import to_torch_op
 from hpdl.comm.transport.base import Transport
+from hpdl.runtime.errors import CollectiveTimeoutError
+
+
+def _wait(work, comm: Transport, what: str) -> None:
+    """Wait for a torch.distributed Work within the call's timeout (gloo honours it; NCCL has its watchdog)."""
+    if getattr(comm, "backend", "") == "nccl":
+        work.wait()
+        return
+    try:
+        work.wait(timedelta(seconds=comm.timeout))
+    except RuntimeError as exc:
+        if "imeout" in str(exc) or "timed out" in str(exc).lower():
+            raise CollectiveTimeoutError(f"native {what} did not complete within {comm.timeout:.0f}s on rank "
+                                         f"{comm.rank}: a peer did not answer (torch.distributed does not say "
+                                         f"which; algorithm='direct' or HPDL_CHECK names it)") from None
+        raise
 
 
 class Native(Algorithm):
@@ -21,7 +39,7 @@ class Native(Algorithm):
         if op == "avg" and getattr(comm, "backend", "") == "nccl":
             dist.all_reduce(buf, op=dist.ReduceOp.AVG, group=group)
             return
-        dist.all_reduce(buf, op=to_torch_op(op), group=group)
+        _wait(dist.all_reduce(buf, op=to_torch_op(op), group=group, async_op=True), comm, "all_reduce")
         if op == "avg":
             if buf.dtype in (torch.float16, torch.bfloat16):
                 buf.copy_(buf.float().div_(comm.world_size))
