@@ -23,7 +23,7 @@ def parse_size(text: str) -> int:
     num = t[:-1] if t[-1:] in "KMG" else t
     try:
         value = int(float(num) * mult)
-    except ValueError:
+    except (ValueError, OverflowError):
         raise argparse.ArgumentTypeError(f"size must look like 8, 64K, 1M or 1G, got {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"size must be >= 0, got {text!r}")
@@ -31,8 +31,11 @@ def parse_size(text: str) -> int:
 
 
 def sizes_between(lo: int, hi: int, factor: int = 2) -> list[int]:
+    """Sizes lo, lo*factor, ... up to hi (bytes). Raises ValueError on lo > hi or factor < 2."""
     if lo > hi:
         raise ValueError(f"--min ({lo}) must not exceed --max ({hi})")
+    if factor < 2:
+        raise ValueError(f"--factor must be >= 2, got {factor}")
     out, s = [], max(lo, 1)
     while s <= hi:
         out.append(s)
@@ -48,18 +51,24 @@ class BenchCommand:
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         sub = parser.add_subparsers(dest="collective", metavar="{" + ",".join(_COLLECTIVES) + "}")
         for name in _COLLECTIVES:
-            p = sub.add_parser(name, help=f"benchmark {name}")
+            p = sub.add_parser(name, help=f"benchmark {name}",
+                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+            p.set_defaults(_parser=p)
             p.add_argument("--np", type=int, default=4, help="ranks to spawn when not under torchrun/mpirun")
             p.add_argument("--algorithms", default="native,auto,direct,ring",
-                           help="comma-separated algorithms (native is the baseline)")
-            p.add_argument("--min", dest="min_size", type=parse_size, default=8, help="smallest size (bytes)")
-            p.add_argument("--max", dest="max_size", type=parse_size, default=64 << 20, help="largest size (bytes)")
-            p.add_argument("--factor", type=int, default=2, help="size step factor")
-            p.add_argument("--dtype", default="float32")
+                           help="comma-separated, from: auto, direct, ring, recursive_doubling, staged, native, "
+                                "one_shot, two_shot (CUDA); native is the baseline")
+            p.add_argument("--min", dest="min_size", type=parse_size, default=8,
+                           help="smallest size in bytes (suffixes K, M, G)")
+            p.add_argument("--max", dest="max_size", type=parse_size, default=64 << 20,
+                           help="largest size in bytes (suffixes K, M, G)")
+            p.add_argument("--factor", type=int, default=2, help="size step factor (>= 2)")
+            p.add_argument("--dtype", default="float32",
+                           choices=["float32", "float64", "float16", "bfloat16", "int32", "int64", "uint8"])
             p.add_argument("--op", default="sum", choices=["sum", "avg", "min", "max", "product"])
             p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
             p.add_argument("--iters", type=int, default=50, help="most timed iterations per point")
-            p.add_argument("--warmup", type=int, default=2)
+            p.add_argument("--warmup", type=int, default=2, help="untimed calls per point (after the checked one)")
             p.add_argument("--time-per-point", type=float, default=0.1,
                            help="seconds of timing aimed at per point (iterations adapt down to 2)")
             p.add_argument("--window", type=int, default=None, help="throttle window k of direct (default tuned)")
@@ -68,7 +77,7 @@ class BenchCommand:
             p.add_argument("--plot", dest="plot_path", default=None, help="write latency/busbw plot (PNG)")
             p.add_argument("--tune", dest="tune_path", default=None,
                            help="write a tuning table for algorithm='auto' from this sweep (JSON)")
-            p.add_argument("--format", choices=["table", "json"], default="table")
+            p.add_argument("--format", choices=["table", "json"], default="table", help="output on stdout")
             p.add_argument("--timeout", type=float, default=None,
                            help="seconds a collective may wait for a peer before the run fails (HPDL_TIMEOUT)")
 
@@ -90,6 +99,7 @@ class BenchCommand:
             raise CLIUsageError(str(exc)) from None
         if args.tune_path and "native" not in cfg.algorithms:
             raise CLIUsageError("--tune needs 'native' among --algorithms (auto must never lose to it)")
+        _validate(cfg, args)
         rows, world = _launch(cfg, args)
         meta = _meta(cfg, args, world)
         _print(rows, meta, args)
@@ -108,6 +118,29 @@ class BenchCommand:
                 fh.write(tuned_table(rows, world, args.device).to_json())
             print(f"# tuning table written to {args.tune_path}; use it with HPDL_TUNING_FILE={args.tune_path}")
         return 1 if any(r.wrong for r in rows) else 0
+
+
+def _validate(cfg: BenchConfig, args) -> None:
+    """Everything the ranks would reject, checked before any process starts (one-line errors)."""
+    from hpdl.cli import CLIUsageError
+    from hpdl.comm.algorithms.base import PEER, canonical
+    from hpdl.comm.ops import check_dtype
+
+    try:
+        check_dtype(cfg.torch_dtype, cfg.op)
+    except ValueError as exc:
+        raise CLIUsageError(str(exc)) from None
+    if args.window is not None and args.window < 1:
+        raise CLIUsageError(f"--window must be >= 1, got {args.window}")
+    if args.iters < 1 or args.warmup < 0:
+        raise CLIUsageError(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise CLIUsageError("--device cuda needs a CUDA build of torch and a visible GPU")
+    peer = [a for a in cfg.algorithms if canonical(a) in PEER]
+    if peer and args.device != "cuda":
+        raise CLIUsageError(f"algorithms {peer} need --device cuda")
+    if peer and cfg.collective != "allreduce":
+        raise CLIUsageError(f"algorithms {peer} implement allreduce only")
 
 
 def _bench_worker(ctx, cfg):

@@ -113,10 +113,14 @@ def run_sweep(ctx: Context, cfg: BenchConfig) -> list[Row]:
         count = size // esize
         if spec.count_multiple_of_world:
             count = count // p * p
+        if count == 0 and size > 0:  # too small for this dtype (and world): nothing would be timed
+            for _ in cfg.algorithms:
+                progress.advance(f"{cfg.collective} {size} B skipped")
+            continue
         size_rows = []
         for algorithm in cfg.algorithms:
             args, result, want = spec.setup(ctx.rank, p, count, dtype, cfg.op, ctx.device, cfg.seed)
-            spec.run(args, cfg.op, algorithm, cfg.window)  # checked call on fresh exact data
+            spec.run(args, cfg.op, algorithm, cfg.window)  # verified call: fresh exact data, #wrong below
             _sync(ctx.device)
             wrong = _reduce_scalar(float((result().reshape(-1).cpu() != want).sum()), dist.ReduceOp.SUM, ctx)
             for _ in range(max(cfg.warmup - 1, 0)):
@@ -126,7 +130,7 @@ def run_sweep(ctx: Context, cfg: BenchConfig) -> list[Row]:
             spec.run(args, cfg.op, algorithm, cfg.window)
             _sync(ctx.device)
             one = _reduce_scalar(time.perf_counter() - t0, dist.ReduceOp.MAX, ctx)
-            iters = int(max(2, min(cfg.iters, cfg.time_per_point / max(one, 1e-9))))
+            iters = int(max(REPEATS, min(cfg.iters, cfg.time_per_point / max(one, 1e-9))))
             _barrier(ctx)
             mean = _time_loop(ctx, spec, args, cfg, algorithm, iters)
             avg = _reduce_scalar(mean, dist.ReduceOp.SUM, ctx) / p
@@ -147,20 +151,29 @@ def run_sweep(ctx: Context, cfg: BenchConfig) -> list[Row]:
     return rows
 
 
+REPEATS = 3  # the timed iterations run in this many back-to-back batches; the median batch is reported
+
+
 def _time_loop(ctx: Context, spec, args, cfg: BenchConfig, algorithm: str, iters: int) -> float:
-    """Mean microseconds per call on this rank."""
-    if ctx.device.type == "cuda":
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            spec.run(args, cfg.op, algorithm, cfg.window)
-        stop.record()
-        torch.cuda.synchronize(ctx.device)
-        return start.elapsed_time(stop) * 1e3 / iters
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        spec.run(args, cfg.op, algorithm, cfg.window)
-    return (time.perf_counter() - t0) * 1e6 / iters
+    """Mean microseconds per call on this rank: the median over :data:`REPEATS` batches (robust to a
+    descheduled batch on a shared host)."""
+    per = max(1, iters // REPEATS)
+    means = []
+    for _ in range(REPEATS):
+        if ctx.device.type == "cuda":
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(per):
+                spec.run(args, cfg.op, algorithm, cfg.window)
+            stop.record()
+            torch.cuda.synchronize(ctx.device)
+            means.append(start.elapsed_time(stop) * 1e3 / per)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(per):
+                spec.run(args, cfg.op, algorithm, cfg.window)
+            means.append((time.perf_counter() - t0) * 1e6 / per)
+    return sorted(means)[len(means) // 2]
 
 
 class _progress:
