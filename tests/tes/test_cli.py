@@ -58,7 +58,7 @@ def test_simulate_writes_outputs(tmp_path, capsys):
 def test_group_is_registered_in_hpdl_cli():
     from hpdl.cli import GROUPS
 
-    assert GROUPS["tes"] == "hpdl.tes.cli:TesCommand"
+    assert GROUPS["tes"][0] == "hpdl.tes.cli:TesCommand" and GROUPS["tes"][2] == "tes"
 
 
 def test_missing_subcommand_is_a_usage_error():

@@ -40,8 +40,14 @@ def test_static_check_catches_overcurrent_density_and_compliance(example):
     d["ti_pairs"][0]["amplitude1_ma"] = 3.0
     rep = safety.check_protocol(protocol.parse(d))
     failed = {c["name"] for c in rep["checks"] if not c["ok"]}
-    assert failed == {"max channel current"}  # the DAC saturates at 2.5 mA, so density/total stay in limits
+    assert {"max channel current", "requested current within the chip's DAC range"} <= failed
     assert any("DAC range" in w for w in rep["warnings"])
+    d["limits"]["max_channel_current_ma"] = 25.0  # a protocol cannot lift the chip's own range
+    d["limits"]["max_total_current_ma"] = 25.0
+    d["limits"]["max_current_density_ma_cm2"] = 25.0
+    rep = safety.check_protocol(protocol.parse(d))
+    assert not rep["ok"]
+    assert {c["name"] for c in rep["checks"] if not c["ok"]} == {"requested current within the chip's DAC range"}
     d = copy.deepcopy(example)
     d["electrodes"][2]["area_cm2"] = 0.3  # 1 mA on 0.3 cm^2
     d["limits"]["max_total_current_ma"] = 1.5

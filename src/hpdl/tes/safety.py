@@ -106,15 +106,19 @@ def check_protocol(p: ProtocolSpec) -> dict:
                      "max_period_charge_nc": 1e9 * float(np.abs(q).max()) if q.size else None,
                      "predicted_peak_v": float(vpk[e]), "headroom_v": sc.dac.compliance_v - float(vpk[e])})
         if peak_req > sc.dac.full_scale_a * (1 + 1e-9):
-            warnings.append(f"channel {name}: {1e3 * peak_req:.3f} mA exceeds the DAC range and will saturate")
+            warnings.append(f"channel {name}: {1e3 * peak_req:.3f} mA exceeds the DAC range and would saturate")
         step = np.abs(target[:, ch] - i[:, ch]).max()
         steps = w.amplitude_a / sc.dac.lsb_a if isinstance(w, Sine) else 0.0
         if steps and abs(steps - round(steps)) > 1e-6:
             warnings.append(f"channel {name}: amplitude is not a multiple of 10 uA (max rounding {1e6 * step:.1f} uA)")
     peak_ch = max(r["peak_ma"] for r in rows)
+    # the chip's own range is a hard limit that a protocol's `limits` cannot raise
+    full_ma = 1e3 * sc.dac.full_scale_a
+    checks.append(_check("requested current within the chip's DAC range", peak_ch, full_ma, "mA",
+                         peak_ch <= full_ma * (1 + 1e-9)))
     checks.append(_check("max channel current", peak_ch, lim.max_channel_current_ma, "mA",
                          peak_ch <= lim.max_channel_current_ma + 1e-9))
-    total = float(np.clip(i, 0, None).sum(axis=1).max()) * 1e3
+    total = float(np.clip(target, 0, None).sum(axis=1).max()) * 1e3  # as requested, like the channel peaks
     checks.append(_check("total current", total, lim.max_total_current_ma, "mA",
                          total <= lim.max_total_current_ma + 1e-9))
     qmax = max([r["max_period_charge_nc"] or 0.0 for r in rows])
