@@ -298,7 +298,8 @@ class DecoderLM(nn.Module):
 
     def init_random(self, seed: int = 0, std: float = 0.02) -> "DecoderLM":
         """Random weights (normal(0, std) matrices, unit norms, zero biases), identical on every TP rank."""
-        g = torch.Generator().manual_seed(seed)
+        dev = next(self.parameters()).device
+        g = torch.Generator(device=dev).manual_seed(seed)
         rank, ws = _tp(self.group)
         with torch.no_grad():
             for name, p in self.named_parameters():
@@ -309,7 +310,7 @@ class DecoderLM(nn.Module):
                 else:  # draw the full tensor, keep this rank's shard, so any TP world gives the same model
                     mod = self.get_submodule(name.rsplit(".", 1)[0])
                     full = _full_shape(mod, p, ws)
-                    _copy_shard(p, torch.randn(full, generator=g) * std, getattr(mod, "tp_dim", None), rank)
+                    _copy_shard(p, torch.randn(full, generator=g, device=dev) * std, getattr(mod, "tp_dim", None), rank)
         return self
 
 
