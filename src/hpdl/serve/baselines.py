@@ -134,3 +134,46 @@ def simulate_static(workload: list[WorkloadRequest], calib: dict[int, tuple[floa
             recs[id(w)] = RequestRecord(w.arrival, len(w.prompt), times, finish=end)
         now = end
     return [recs[id(w)] for w in workload]
+
+
+def compare(engine, hf_model, workload: list[WorkloadRequest], systems: list[str], static_batch_size: int = 16,
+            slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None, progress=None) -> dict[str, dict]:
+    """Run ``workload`` on each system and summarise: ``flover`` (the engine), ``sequential``, ``static``, ``cb``.
+
+    Offline workloads (all arrivals 0) run every baseline for real; online ones replay ``sequential`` and
+    ``static`` through ``simulate_static`` with step times calibrated on ``hf_model`` now, and skip ``cb``.
+    Raises ValueError for an unknown system name.
+    """
+    from hpdl.serve.bench import run_engine, summarize
+
+    known = ("flover", "sequential", "static", "cb")
+    bad = [s for s in systems if s not in known]
+    if bad:
+        raise ValueError(f"systems must be among {known}, got {bad}")
+    offline = all(w.arrival == 0 for w in workload)
+    out: dict[str, dict] = {}
+    calib = None
+    if not offline and hf_model is not None and {"sequential", "static"} & set(systems):
+        plen = max(len(w.prompt) for w in workload)
+        calib = calibrate(hf_model, plen, sorted({1, 2, 4, 8, static_batch_size}))
+    for s in systems:
+        if s == "flover":
+            recs = run_engine(engine, workload, progress=progress)
+        elif s == "cb":
+            if not offline:
+                continue
+            res = continuous(hf_model, workload)
+            if res is None:
+                continue
+            recs, tokens = res
+            out[s] = summarize(recs) | {"output_throughput": tokens / recs[0].finish, "note": "all to max output"}
+            continue
+        elif offline:
+            recs = sequential(hf_model, workload) if s == "sequential" else \
+                static_batches(hf_model, workload, static_batch_size)
+        else:
+            recs = simulate_static(workload, calib, 1 if s == "sequential" else static_batch_size)
+        out[s] = summarize(recs, slo_ttft_ms, slo_tpot_ms)
+        if not offline and s != "flover":
+            out[s]["note"] = "simulated from calibrated step times"
+    return out
