@@ -47,7 +47,12 @@ class EngineConfig:
 
 @dataclass
 class RequestOutput:
-    """What one step produced for one request; ``delta`` is text not sent before, ``text`` all sent so far."""
+    """What one step produced for one request.
+
+    ``new_token_ids``: tokens of this step; ``token_ids``: all output tokens, filled on the final output only (a
+    copy per step would cost O(length) per token). ``delta``: text not sent before; ``text``: all sent so far.
+    Times are ``time.perf_counter()`` seconds.
+    """
 
     request_id: str
     prompt_tokens: int
@@ -157,7 +162,7 @@ class LLMEngine:
             self._requests.pop(req.request_id, None)
             self._detok.pop(req.request_id, None)
             self.sampler.release(req.request_id)
-        return RequestOutput(req.request_id, len(req.prompt_ids), list(req.output_ids), new,
+        return RequestOutput(req.request_id, len(req.prompt_ids), list(req.output_ids) if done else [], new,
                              det.text[:det.sent] if det is not None else "", (prev.delta if prev else "") + delta,
                              done, req.finish_reason, req.arrival, req.first_token_time, req.finish_time)
 
@@ -180,7 +185,7 @@ class LLMEngine:
         s = self.scheduler
         running = len(s.running)
         return {"waiting": len(s.waiting), "running": running, "kv_slots_used": running,
-                "kv_slots_total": s.num_slots, "reorder_moves": s.num_moves, "decode_rows": s.computed_rows}
+                "kv_slots_total": s.num_slots, "reorder_moves": s.num_moves, "decode_rows": s.computed_rows, "live_rows": s.live_rows}
 
     def shutdown(self) -> None:
         self.executor.shutdown()

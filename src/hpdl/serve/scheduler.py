@@ -115,6 +115,7 @@ class Scheduler:
         self.start = 0
         self.num_moves = 0
         self.computed_rows = 0  # decode rows run (holes included), for the reordering comparison
+        self.live_rows = 0  # decode rows that belonged to a running request
         self._pending_moves: list[tuple[int, int, int]] = []
 
     # --- queue ------------------------------------------------------------------------------------
@@ -212,6 +213,7 @@ class Scheduler:
             plan.decode_tokens.append(req.output_ids[-1] if req else 0)
             plan.decode_positions.append(req.num_cached if req else 0)
         self.computed_rows += plan.n
+        self.live_rows += len(idx)
         return plan
 
     def update(self, plan: StepPlan, tokens: list[int], eos_token_id: int | None) -> list[Request]:
