@@ -85,7 +85,7 @@ def continuous(model, workload: list[WorkloadRequest]) -> tuple[list[RequestReco
     if not hasattr(model, "generate_batch"):
         return None
     m = max(w.output_len for w in workload)
-    gc = GenerationConfig(max_new_tokens=m, min_new_tokens=m, do_sample=False, eos_token_id=None, pad_token_id=0)
+    gc = GenerationConfig(max_new_tokens=m, do_sample=False, eos_token_id=None, pad_token_id=0)  # no EOS
     t0 = time.perf_counter()
     out = model.generate_batch(inputs=[w.prompt for w in workload], generation_config=gc)
     end = time.perf_counter() - t0

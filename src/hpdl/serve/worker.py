@@ -121,11 +121,11 @@ class ModelRunner:
         toks = torch.zeros(nb, 1, dtype=torch.long, device=self.device)
         pos = torch.zeros(nb, 1, dtype=torch.long, device=self.device)
         b = Batch(positions=pos, start=0, kv_len=kb)
+        # warm-up outside the graph (allocator, cuBLAS handles); it writes position 0 of slots [0, nb), which
+        # may be live, so save those entries first (on this stream, before the side stream starts) and restore.
+        saved = (self.cache.k[:, :nb, :, 0].clone(), self.cache.v[:, :nb, :, 0].clone())
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
-        # warm-up outside the graph (allocator, cuBLAS handles); it writes position 0 of slots [0, nb), which
-        # may be live, so save and restore those entries.
-        saved = (self.cache.k[:, :nb, :, 0].clone(), self.cache.v[:, :nb, :, 0].clone())
         with torch.cuda.stream(s):
             for _ in range(2):
                 self.model(toks, self.cache, b)
