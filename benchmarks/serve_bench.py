@@ -55,12 +55,13 @@ def _workload(n, rate=math.inf, seed=0):
                          seed=seed)
 
 
-def _engine(device, cuda_graph=True, reorder="prefix", tp=1, dtype=None, slots=None):
+def _engine(device, cuda_graph=True, reorder="prefix", tp=1, dtype=None, slots=None, all_reduce="nccl"):
     from hpdl.serve import EngineConfig, LLMEngine, ModelSpec
 
     return LLMEngine(ModelSpec(config=MODEL, dtype=dtype or DTYPE),
                      EngineConfig(num_slots=slots or NUM_SLOTS, max_seq_len=MAX_SEQ_LEN, device=device,
-                                  cuda_graph=cuda_graph, reorder=reorder, tensor_parallel_size=tp))
+                                  cuda_graph=cuda_graph, reorder=reorder, tensor_parallel_size=tp,
+                                  tp_all_reduce=all_reduce))
 
 
 def phase_flover(out: Path, device: str) -> None:
@@ -171,7 +172,8 @@ def phase_hf(out: Path, device: str) -> None:
 
 
 def phase_tp(out: Path, device: str) -> None:
-    """TP=2 vs TP=1: same greedy tokens (float32) and TPOT at batch 1 (bfloat16, CUDA graphs)."""
+    """TP=2 vs TP=1: same greedy tokens (float32) and TPOT at batch 1 (bfloat16, CUDA graphs), with NCCL and
+    with the symmetric-memory one-shot all-reduce."""
     from hpdl.serve import SamplingParams
     from hpdl.serve.bench import run_engine, summarize
 
@@ -180,21 +182,25 @@ def phase_tp(out: Path, device: str) -> None:
     p = SamplingParams(max_tokens=64 if MODEL != "llama-tiny" else 8, ignore_eos=True, detokenize=False)
     one = _workload(1)
     one[0].output_len = min(256, OUTPUT_LEN[1])
-    for tp in (1, 2):
-        e = _engine(device, tp=tp, dtype="float32", cuda_graph=False, reorder="window", slots=8)
+    for tp, ar in ((1, "nccl"), (2, "symm")):  # float32 token check (the TP run also checks the symm path)
+        e = _engine(device, tp=tp, dtype="float32", cuda_graph=False, reorder="window", slots=8, all_reduce=ar)
         res[f"tokens_tp{tp}"] = [o.token_ids for o in e.generate(prompts, p)]
+        res[f"all_reduce_fp32_tp{tp}"] = e.executor.runner.all_reduce
         e.shutdown()
         del e
-        e = _engine(device, tp=tp)
+    res["tp_tokens_identical"] = res["tokens_tp1"] == res["tokens_tp2"]
+    _save(out, "tp", res)
+    for tp, ar in ((1, "nccl"), (2, "nccl"), (2, "symm")):
+        key = f"tp{tp}" + ("" if tp == 1 else f"_{ar}")
+        e = _engine(device, tp=tp, all_reduce=ar)
+        res[f"all_reduce_{key}"] = e.executor.runner.all_reduce
         run_engine(e, one)
-        res[f"batch1_tp{tp}"] = summarize(run_engine(e, one))
+        res[f"batch1_{key}"] = summarize(run_engine(e, one))
         run_engine(e, _workload(N_OFFLINE))  # warm-up (graph capture)
-        res[f"offline_tp{tp}"] = summarize(run_engine(e, _workload(N_OFFLINE)))
+        res[f"offline_{key}"] = summarize(run_engine(e, _workload(N_OFFLINE)))
         e.shutdown()
         del e
         _save(out, "tp", res)
-    res["tp_tokens_identical"] = res["tokens_tp1"] == res["tokens_tp2"]
-    _save(out, "tp", res)
 
 
 def phase_device(out: Path, smoke: bool) -> None:
@@ -204,12 +210,12 @@ def phase_device(out: Path, smoke: bool) -> None:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     a = subprocess.Popen(me + ["--phase", "flover", "--device", f"{dev}:0" if not smoke else dev], env=env)
     b = subprocess.Popen(me + ["--phase", "hf", "--device", f"{dev}:1" if not smoke else dev], env=env)
-    for proc, limit in ((a, 250), (b, 250)):
+    for proc, limit in ((a, 220), (b, 220)):
         try:
             proc.wait(timeout=limit)
         except subprocess.TimeoutExpired:
             proc.kill()
-    subprocess.run(me + ["--phase", "tp", "--device", dev], env=env, timeout=150, check=False)
+    subprocess.run(me + ["--phase", "tp", "--device", dev], env=env, timeout=165, check=False)
 
 
 def main() -> None:

@@ -119,6 +119,13 @@ def report(src: Path, docs: Path, cfg: dict) -> None:
                          f"{_f(r.get('median_tpot_ms'), 1)} / {_f(r.get('p99_tpot_ms'), 1)} | "
                          f"{_f(r['median_e2el_ms'] / 1e3, 2)} / {_f(r['p99_e2el_ms'] / 1e3, 2)} | "
                          f"{_f(r['output_throughput'])} | {_f(r.get('goodput'), 2)} | {_f(r['makespan_s'], 1)} |")
+        seq = plot.get("one at a time (sim)")
+        if seq:
+            L += ["", "Makespan (first arrival to last finish), Flover vs one request at a time on the same trace:", "",
+                  "| rate (req/s) | requests | Flover (s) | one at a time (s) | ratio |", "|---|---:|---:|---:|---:|"]
+            for (rate, f), (_, q) in zip(plot["Flover"], seq):
+                L.append(f"| {rate:g} | {f['requests']} | {f['makespan_s']:.1f} | {q['makespan_s']:.1f} | "
+                         f"{q['makespan_s'] / f['makespan_s']:.1f}x |")
         _online_plot(docs / "serve_online.png", plot)
         L += ["", "![online latency and throughput](serve_online.png)", ""]
         if calib:
@@ -130,11 +137,15 @@ def report(src: Path, docs: Path, cfg: dict) -> None:
     # ---- tensor parallel ----
     if tp:
         L += ["## Tensor parallelism (2 GPUs)", "",
-              f"Greedy tokens, float32, 8 requests x 64 tokens: TP=2 identical to TP=1: **{tp.get('tp_tokens_identical')}**.", "",
-              f"| | TPOT at batch 1 (ms) | offline output tok/s ({cfg['N_OFFLINE']} requests) |", "|---|---:|---:|"]
-        for k in (1, 2):
-            b, o = tp.get(f"batch1_tp{k}", {}), tp.get(f"offline_tp{k}", {})
-            L.append(f"| TP={k} | {_f(b.get('mean_tpot_ms'), 3)} | {_f(o.get('output_throughput'))} |")
+              f"Greedy tokens, float32, 8 requests x 64 tokens: TP=2 ({tp.get('all_reduce_fp32_tp2')} all-reduce) "
+              f"identical to TP=1: **{tp.get('tp_tokens_identical')}**.", "",
+              f"| | all-reduce | TPOT at batch 1 (ms) | offline output tok/s ({cfg['N_OFFLINE']} requests) |",
+              "|---|---|---:|---:|"]
+        for key in ("tp1", "tp2_nccl", "tp2_symm"):
+            b, o = tp.get(f"batch1_{key}", {}), tp.get(f"offline_{key}", {})
+            if b:
+                L.append(f"| {key} | {tp.get(f'all_reduce_{key}')} | {_f(b.get('mean_tpot_ms'), 3)} | "
+                         f"{_f(o.get('output_throughput'))} |")
         L.append("")
     (docs / "serve.md").write_text("\n".join(L) + "\n")
 

@@ -103,12 +103,32 @@ def _tp(group) -> tuple[int, int]:
 
 
 class ColumnParallelLinear(nn.Linear):
-    """y[..., out/ws] = x W_shard^T: each rank holds ``out_features / world`` output rows (``tp_dim = 0``)."""
+    """y = x W_shard^T over ``parts``: fused matrices (q|k|v, gate|up), each split by output rows (``tp_dim = 0``).
 
-    def __init__(self, in_f: int, out_f: int, bias: bool, group=None, gather: bool = False):
+    Rank r holds rows ``[r*ceil(P/ws), ...)`` of every part P, concatenated; one GEMM serves them all.
+    """
+
+    def __init__(self, in_f: int, parts: list[int], bias: bool, group=None, gather: bool = False):
         rank, ws = _tp(group)
-        self.out_full, self.group, self.gather, self.tp_dim = out_f, group, gather, 0
-        super().__init__(in_f, math.ceil(out_f / ws), bias=bias)
+        self.parts, self.local = list(parts), [math.ceil(p / ws) for p in parts]
+        self.out_full, self.group, self.gather, self.tp_dim = sum(parts), group, gather, 0
+        super().__init__(in_f, sum(self.local), bias=bias)
+
+    def load_parts(self, name: str, fulls: list[torch.Tensor], rank: int) -> None:
+        """Copy this rank's rows of each full part into parameter ``name`` ("weight" or "bias")."""
+        p = getattr(self, name)
+        if len(fulls) != len(self.parts):
+            raise ValueError(f"expected {len(self.parts)} parts for {name}, got {len(fulls)}")
+        with torch.no_grad():
+            p.zero_()  # vocab padding rows stay zero
+            off = 0
+            for full, P, n in zip(fulls, self.parts, self.local):
+                if full.shape[0] != P or (p.ndim == 2 and full.shape[1] != p.shape[1]):
+                    raise ValueError(f"shape mismatch: checkpoint {tuple(full.shape)} vs part of {P} rows x "
+                                     f"{p.shape[1] if p.ndim == 2 else ''}")
+                lo, hi = min(rank * n, P), min((rank + 1) * n, P)
+                p[off:off + hi - lo].copy_(full[lo:hi])
+                off += n
 
     def forward(self, x):
         y = super().forward(x)
@@ -125,12 +145,17 @@ class RowParallelLinear(nn.Linear):
     def __init__(self, in_f: int, out_f: int, bias: bool, group=None):
         rank, ws = _tp(group)
         self.group, self.tp_dim = group, 1
+        self.fast_all_reduce = None  # optional callable(y) -> reduced y or None (too big): see hpdl.serve.worker
         super().__init__(in_f // ws, out_f, bias=bias)
 
     def forward(self, x):
         y = F.linear(x, self.weight)
         if self.group is not None:
-            dist.all_reduce(y, group=self.group)
+            out = self.fast_all_reduce(y) if self.fast_all_reduce is not None else None
+            if out is None:
+                dist.all_reduce(y, group=self.group)
+                out = y
+            y = out
         return y + self.bias if self.bias is not None else y
 
 
@@ -140,6 +165,8 @@ class RMSNorm(nn.Module):
         self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
 
     def forward(self, x):  # normalise in float32 as HF Llama does
+        if x.dtype != torch.float32:  # half precision: torch's fused kernel (float32 inside), far fewer launches
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -166,6 +193,7 @@ class Batch:
     last: torch.Tensor | None = None
     start: int = 0
     kv_len: int = 0
+    mask: torch.Tensor | None = None  # decode: set once per forward by DecoderLM
 
 
 class Attention(nn.Module):
@@ -177,19 +205,20 @@ class Attention(nn.Module):
         self.layer, self.d = layer, cfg.head_dim
         self.h, self.hkv = cfg.n_heads // ws, cfg.n_kv_heads // ws
         bias = cfg.arch == "gpt2"
-        self.q_proj = ColumnParallelLinear(cfg.hidden_size, cfg.n_heads * self.d, bias, group)
-        self.k_proj = ColumnParallelLinear(cfg.hidden_size, cfg.n_kv_heads * self.d, bias, group)
-        self.v_proj = ColumnParallelLinear(cfg.hidden_size, cfg.n_kv_heads * self.d, bias, group)
+        kvd = cfg.n_kv_heads * self.d
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.n_heads * self.d, kvd, kvd], bias, group)
         self.o_proj = RowParallelLinear(cfg.n_heads * self.d, cfg.hidden_size, bias, group)
 
     def forward(self, x, rope, cache, b: Batch):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.h, self.d).transpose(1, 2)  # (B, h, T, d)
-        k = self.k_proj(x).view(B, T, self.hkv, self.d).transpose(1, 2)  # (B, hkv, T, d)
-        v = self.v_proj(x).view(B, T, self.hkv, self.d).transpose(1, 2)
-        if rope is not None:
-            cos, sin = rope  # (B, 1, T, d)
-            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        qkv = self.qkv_proj(x).view(B, T, self.h + 2 * self.hkv, self.d)  # one GEMM for q, k and v
+        qk, v = qkv[:, :, : self.h + self.hkv], qkv[:, :, self.h + self.hkv:]
+        if rope is not None:  # rotate q and k together: (B, T, h + hkv, d)
+            cos, sin = rope  # (B, T, 1, d)
+            qk = qk * cos + _rotate_half(qk) * sin
+        q = qk[:, :, : self.h].transpose(1, 2)  # (B, h, T, d)
+        k = qk[:, :, self.h:].transpose(1, 2)  # (B, hkv, T, d)
+        v = v.transpose(1, 2)
         kc, vc = cache.k[self.layer], cache.v[self.layer]  # (S, hkv, L, d)
         if b.slots is not None:  # prefill: attend within the prompt, then store K/V into the slots
             kc[b.slots, :, :T] = k
@@ -206,8 +235,7 @@ class Attention(nn.Module):
             V = vc[b.start:b.start + n, :, :b.kv_len]
             qg = q.view(n, self.hkv, self.h // self.hkv, self.d)  # GQA without repeating K/V: (n, hkv, g, d)
             s = torch.matmul(qg, K.transpose(-1, -2)) * (self.d ** -0.5)  # (n, hkv, g, kv_len)
-            mask = torch.arange(b.kv_len, device=x.device)[None, :] <= pos[:, None]  # (n, kv_len)
-            s = s.masked_fill(~mask[:, None, None, :], float("-inf"))
+            s = s.masked_fill(b.mask, float("-inf"))  # b.mask (n, 1, 1, kv_len): True = not yet written
             p = torch.softmax(s, dim=-1, dtype=torch.float32).to(V.dtype)
             y = torch.matmul(p, V).view(n, self.h, 1, self.d)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.h * self.d))
@@ -218,14 +246,14 @@ class MLP(nn.Module):
         super().__init__()
         self.llama = cfg.arch == "llama"
         bias = not self.llama
-        if self.llama:
-            self.gate_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, False, group)
-        self.up_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, bias, group)
+        n_up = 2 if self.llama else 1  # LLaMA: gate|up fused in one GEMM
+        self.up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * n_up, bias, group)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias, group)
 
     def forward(self, x):
         if self.llama:  # SwiGLU
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            gate, up = self.up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))  # GPT-2's gelu_new
 
 
@@ -274,7 +302,7 @@ class DecoderLM(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i, group) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps) if cfg.arch == "llama" else \
             nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
-        self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, False, group, gather=True)
+        self.lm_head = ColumnParallelLinear(cfg.hidden_size, [cfg.vocab_size], False, group, gather=True)
         if cfg.arch == "llama":
             cos, sin = _rope_tables(cfg)
             self.register_buffer("cos", cos, persistent=False)
@@ -290,7 +318,9 @@ class DecoderLM(nn.Module):
         if self.cfg.arch == "gpt2":
             x = x + self.wpe(b.positions)
         else:
-            rope = (self.cos[b.positions].to(x.dtype)[:, None], self.sin[b.positions].to(x.dtype)[:, None])
+            rope = (self.cos[b.positions].to(x.dtype)[:, :, None], self.sin[b.positions].to(x.dtype)[:, :, None])
+        if b.slots is None:  # decode: one mask for every layer; position p attends to 0..p
+            b.mask = (torch.arange(b.kv_len, device=x.device)[None, :] > b.positions[:, :1])[:, None, None, :]
         for layer in self.layers:
             x = layer(x, rope, cache, b)
         x = x[torch.arange(x.shape[0], device=x.device), b.last] if b.last is not None else x[:, -1]
@@ -307,10 +337,15 @@ class DecoderLM(nn.Module):
                     p.zero_()
                 elif p.ndim == 1:
                     p.fill_(1.0)
-                else:  # draw the full tensor, keep this rank's shard, so any TP world gives the same model
+                else:  # draw the full tensors, keep this rank's shard, so any TP world gives the same model
                     mod = self.get_submodule(name.rsplit(".", 1)[0])
-                    full = _full_shape(mod, p, ws)
-                    _copy_shard(p, torch.randn(full, generator=g, device=dev) * std, getattr(mod, "tp_dim", None), rank)
+                    if isinstance(mod, ColumnParallelLinear):
+                        mod.load_parts("weight", [torch.randn(P, p.shape[1], generator=g, device=dev) * std
+                                                  for P in mod.parts], rank)
+                    else:
+                        shape = [p.shape[0], p.shape[1] * ws] if isinstance(mod, RowParallelLinear) else p.shape
+                        _copy_shard(p, torch.randn(shape, generator=g, device=dev) * std,
+                                    getattr(mod, "tp_dim", None), rank)
         return self
 
 
@@ -320,16 +355,6 @@ def _rope_tables(cfg: DecoderConfig) -> tuple[torch.Tensor, torch.Tensor]:
     freqs = torch.outer(torch.arange(cfg.max_position).float(), inv)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
-
-
-def _full_shape(mod, p, ws):
-    dim = getattr(mod, "tp_dim", None)
-    shape = list(p.shape)
-    if dim == 0:
-        shape[0] = mod.out_full
-    elif dim == 1:
-        shape[1] *= ws
-    return shape
 
 
 def _copy_shard(p: torch.Tensor, full: torch.Tensor, tp_dim, rank: int) -> None:
@@ -344,26 +369,28 @@ def _copy_shard(p: torch.Tensor, full: torch.Tensor, tp_dim, rank: int) -> None:
     p.narrow(tp_dim, 0, shard.shape[tp_dim]).copy_(shard)
 
 
-def _hf_names(cfg: DecoderConfig, i: int) -> dict[str, str]:
-    """Our parameter name -> Hugging Face name for layer i (GPT-2 q/k/v come from the fused c_attn)."""
+def _hf_names(cfg: DecoderConfig, i: int) -> dict[str, list[str]]:
+    """Our parameter -> the Hugging Face tensors it is made of, in fused order (q|k|v, gate|up)."""
     if cfg.arch == "llama":
         p = f"model.layers.{i}."
-        return {"ln_1.weight": p + "input_layernorm.weight", "ln_2.weight": p + "post_attention_layernorm.weight",
-                **{f"attn.{n}.weight": p + f"self_attn.{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "o_proj")},
-                **{f"mlp.{n}.weight": p + f"mlp.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")}}
+        return {"ln_1.weight": [p + "input_layernorm.weight"], "ln_2.weight": [p + "post_attention_layernorm.weight"],
+                "attn.qkv_proj.weight": [p + f"self_attn.{n}_proj.weight" for n in "qkv"],
+                "attn.o_proj.weight": [p + "self_attn.o_proj.weight"],
+                "mlp.up_proj.weight": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+                "mlp.down_proj.weight": [p + "mlp.down_proj.weight"]}
     p = f"transformer.h.{i}."
-    m = {f"{ln}.{w}": p + f"{ln}.{w}" for ln in ("ln_1", "ln_2") for w in ("weight", "bias")}
-    for w in ("weight", "bias"):
-        m |= {f"attn.o_proj.{w}": p + f"attn.c_proj.{w}", f"mlp.up_proj.{w}": p + f"mlp.c_fc.{w}",
-              f"mlp.down_proj.{w}": p + f"mlp.c_proj.{w}"}
+    m = {f"{ln}.{w}": [p + f"{ln}.{w}"] for ln in ("ln_1", "ln_2") for w in ("weight", "bias")}
+    for w in ("weight", "bias"):  # c_attn is one [in, 3C] Conv1D: split into q, k, v by the loader
+        m |= {f"attn.qkv_proj.{w}": [p + f"attn.c_attn.{w}"], f"attn.o_proj.{w}": [p + f"attn.c_proj.{w}"],
+              f"mlp.up_proj.{w}": [p + f"mlp.c_fc.{w}"], f"mlp.down_proj.{w}": [p + f"mlp.c_proj.{w}"]}
     return m
 
 
 def load_pretrained(path: str | Path, group=None, dtype=torch.float32, device="cpu") -> DecoderLM:
     """Load a Hugging Face format GPT-2 or Llama directory (``config.json`` + ``*.safetensors``), TP-sharded.
 
-    Every checkpoint tensor is checked by name and shape; GPT-2's Conv1D weights are transposed and its fused
-    ``c_attn`` is split into q/k/v. Raises FileNotFoundError (no config or no safetensors), ValueError (missing
+    Every checkpoint tensor is checked by name and shape; GPT-2's Conv1D weights are transposed; q/k/v and
+    gate/up are fused into one matrix each (one GEMM instead of three or two per layer). Raises FileNotFoundError (no config or no safetensors), ValueError (missing
     key, unexpected architecture or shape mismatch).
     """
     from safetensors import safe_open
@@ -404,20 +431,20 @@ def load_pretrained(path: str | Path, group=None, dtype=torch.float32, device="c
             params["norm.weight"].copy_(get("model.norm.weight"))
         head = get("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight") if not gpt2 \
             else get("transformer.wte.weight")
-        _copy_shard(params["lm_head.weight"], head, 0, rank)
+        model.lm_head.load_parts("weight", [head], rank)
         for i, layer in enumerate(model.layers):
             for ours, theirs in _hf_names(cfg, i).items():
-                t = get(theirs)
-                if gpt2 and t.ndim == 2:
-                    t = t.t()  # Conv1D stores [in, out]
-                mod = layer.get_submodule(ours.rsplit(".", 1)[0])
-                _copy_shard(layer.get_parameter(ours), t, getattr(mod, "tp_dim", None), rank)
-            if gpt2:  # fused c_attn [in, 3C] -> q, k, v
-                w = get(f"transformer.h.{i}.attn.c_attn.weight").t().chunk(3, 0)
-                bias = get(f"transformer.h.{i}.attn.c_attn.bias").chunk(3, 0)
-                for j, n in enumerate(("q_proj", "k_proj", "v_proj")):
-                    _copy_shard(getattr(layer.attn, n).weight, w[j], 0, rank)
-                    _copy_shard(getattr(layer.attn, n).bias, bias[j], 0, rank)
+                fulls = [get(t) for t in theirs]
+                if gpt2:
+                    fulls = [t.t() if t.ndim == 2 else t for t in fulls]  # Conv1D stores [in, out]
+                    if "qkv_proj" in ours:
+                        fulls = list(fulls[0].chunk(3, 0))
+                mod_name, pname = ours.rsplit(".", 1)
+                mod = layer.get_submodule(mod_name)
+                if isinstance(mod, ColumnParallelLinear):
+                    mod.load_parts(pname, fulls, rank)
+                else:
+                    _copy_shard(getattr(mod, pname), fulls[0], getattr(mod, "tp_dim", None), rank)
     return model.to(device=device, dtype=dtype)
 
 

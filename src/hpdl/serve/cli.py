@@ -27,6 +27,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-seq-len", type=int, default=1024, help="prompt + output positions per slot")
     g.add_argument("--tensor-parallel-size", type=int, default=1)
     g.add_argument("--reorder", default="window", choices=["window", "prefix", "none"])
+    g.add_argument("--tp-all-reduce", default="nccl", choices=["nccl", "symm"],
+                   help="symm: one-shot symmetric-memory all-reduce for decode steps (CUDA), NCCL otherwise")
     g.add_argument("--cuda-graph", action="store_true", help="replay decode steps from CUDA graphs")
     g.add_argument("--seed", type=int, default=0, help="random-weight seed (and workload seed for bench)")
 
@@ -40,7 +42,7 @@ def _engine(args):
     spec = ModelSpec(model=args.model, config=args.config, seed=args.seed, dtype=args.dtype)
     cfg = EngineConfig(num_slots=args.num_slots, max_seq_len=args.max_seq_len, device=args.device,
                        tensor_parallel_size=args.tensor_parallel_size, reorder=args.reorder,
-                       cuda_graph=args.cuda_graph)
+                       cuda_graph=args.cuda_graph, tp_all_reduce=args.tp_all_reduce)
     return spec, LLMEngine(spec, cfg)
 
 

@@ -28,6 +28,7 @@ class EngineConfig:
     max_seq_len: positions per slot, prompt + output [max_model_len].
     max_prefill_tokens: padded tokens per batched prefill [max_num_batched_tokens].
     reorder: "window" (Flover), "prefix" (anchored at slot 0; forced with CUDA graphs) or "none".
+    tp_all_reduce: "nccl" or "symm" (one-shot symmetric-memory all-reduce for decode on CUDA, else NCCL).
     """
 
     num_slots: int = 64
@@ -37,8 +38,11 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     device: str = "cpu"
     cuda_graph: bool = False
+    tp_all_reduce: str = "nccl"
 
     def __post_init__(self):
+        if self.tp_all_reduce not in ("nccl", "symm"):
+            raise ValueError(f"tp_all_reduce must be 'nccl' or 'symm', got {self.tp_all_reduce!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.cuda_graph:
@@ -79,7 +83,7 @@ class LLMEngine:
 
     def __init__(self, spec: ModelSpec, config: EngineConfig | None = None, tokenizer=None):
         self.config = config = config or EngineConfig()
-        args = RunnerArgs(config.num_slots, config.max_seq_len, config.device, config.cuda_graph)
+        args = RunnerArgs(config.num_slots, config.max_seq_len, config.device, config.cuda_graph, config.tp_all_reduce)
         self.executor = UniprocExecutor(spec, args) if config.tensor_parallel_size == 1 else \
             TPExecutor(spec, args, config.tensor_parallel_size)
         self.model_config = self.executor.config

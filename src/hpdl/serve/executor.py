@@ -31,6 +31,7 @@ class RunnerArgs:
     max_seq_len: int
     device: str = "cpu"
     cuda_graph: bool = False
+    tp_all_reduce: str = "nccl"
 
 
 class UniprocExecutor:
@@ -69,7 +70,7 @@ def _worker_main(rank: int, world: int, port: int, spec: ModelSpec, args: Runner
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         device = _init_rank(rank, world, port, args.device)
         model = build_model(spec, device, dist.group.WORLD)
-        runner = ModelRunner(model, args.num_slots, args.max_seq_len, world, args.cuda_graph)
+        runner = ModelRunner(model, args.num_slots, args.max_seq_len, world, args.cuda_graph, args.tp_all_reduce)
         errors.put((rank, None))  # ready
         while True:
             try:
@@ -106,7 +107,7 @@ class TPExecutor:
             p.start()
         device = _init_rank(0, world, port, args.device)
         model = build_model(spec, device, dist.group.WORLD)
-        self.runner = ModelRunner(model, args.num_slots, args.max_seq_len, world, args.cuda_graph)
+        self.runner = ModelRunner(model, args.num_slots, args.max_seq_len, world, args.cuda_graph, args.tp_all_reduce)
         self.config = model.cfg
         ready = set()
         while len(ready) < world - 1:
