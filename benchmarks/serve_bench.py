@@ -153,7 +153,9 @@ def phase_hf(out: Path, device: str) -> None:
     hf = _hf_model(ModelSpec(config=MODEL, dtype=DTYPE), NAMED_CONFIGS[MODEL], device)
     wl = _workload(N_OFFLINE)
     res = {"versions": _versions(), "device": device, "attn": hf.config._attn_implementation}
-    B.static_batches(hf, wl[:2], 2)  # warm-up
+    from hpdl.serve.bench import WorkloadRequest
+
+    B.static_batches(hf, [WorkloadRequest(0.0, w.prompt, 8) for w in wl[:2]], 2)  # warm-up
     res["sequential"] = summarize(B.sequential(hf, wl[:SEQ_SUBSET])) | {"subset": SEQ_SUBSET}
     _save(out, "hf", res)
     res["static"] = summarize(B.static_batches(hf, wl[:STATIC_SUBSET], STATIC_BS)) | {"subset": STATIC_SUBSET}
@@ -182,25 +184,31 @@ def phase_tp(out: Path, device: str) -> None:
     p = SamplingParams(max_tokens=64 if MODEL != "llama-tiny" else 8, ignore_eos=True, detokenize=False)
     one = _workload(1)
     one[0].output_len = min(256, OUTPUT_LEN[1])
-    for tp, ar in ((1, "nccl"), (2, "symm")):  # float32 token check (the TP run also checks the symm path)
-        e = _engine(device, tp=tp, dtype="float32", cuda_graph=False, reorder="window", slots=8, all_reduce=ar)
+    for tp in (1, 2):  # float32 token check
+        e = _engine(device, tp=tp, dtype="float32", cuda_graph=False, reorder="window", slots=8)
         res[f"tokens_tp{tp}"] = [o.token_ids for o in e.generate(prompts, p)]
         res[f"all_reduce_fp32_tp{tp}"] = e.executor.runner.all_reduce
         e.shutdown()
         del e
     res["tp_tokens_identical"] = res["tokens_tp1"] == res["tokens_tp2"]
     _save(out, "tp", res)
+    # symm last: its registry is per process, and this process re-creates its process group per engine
     for tp, ar in ((1, "nccl"), (2, "nccl"), (2, "symm")):
         key = f"tp{tp}" + ("" if tp == 1 else f"_{ar}")
         e = _engine(device, tp=tp, all_reduce=ar)
         res[f"all_reduce_{key}"] = e.executor.runner.all_reduce
-        run_engine(e, one)
+        res[f"tokens_bf16_{key}"] = e.generate([one[0].prompt], SamplingParams(
+            max_tokens=one[0].output_len, ignore_eos=True, detokenize=False))[0].token_ids
         res[f"batch1_{key}"] = summarize(run_engine(e, one))
         run_engine(e, _workload(N_OFFLINE))  # warm-up (graph capture)
         res[f"offline_{key}"] = summarize(run_engine(e, _workload(N_OFFLINE)))
         e.shutdown()
         del e
         _save(out, "tp", res)
+    t = {k: res.get(f"tokens_bf16_{k}") for k in ("tp1", "tp2_nccl", "tp2_symm")}
+    res["bf16_tokens_tp2_nccl_eq_symm"] = t["tp2_nccl"] == t["tp2_symm"] if t["tp2_symm"] else None
+    res["bf16_tokens_tp1_eq_tp2"] = t["tp1"] == t["tp2_nccl"] if t["tp2_nccl"] else None
+    _save(out, "tp", res)
 
 
 def phase_device(out: Path, smoke: bool) -> None:

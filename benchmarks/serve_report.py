@@ -146,7 +146,9 @@ def report(src: Path, docs: Path, cfg: dict) -> None:
             if b:
                 L.append(f"| {key} | {tp.get(f'all_reduce_{key}')} | {_f(b.get('mean_tpot_ms'), 3)} | "
                          f"{_f(o.get('output_throughput'))} |")
-        L.append("")
+        L += ["", f"bfloat16 batch-1 tokens ({cfg['OUTPUT_LEN'][1] if cfg['OUTPUT_LEN'][1] < 256 else 256} greedy): "
+              f"TP=2 NCCL == TP=2 symm: {tp.get('bf16_tokens_tp2_nccl_eq_symm')}; TP=1 == TP=2: "
+              f"{tp.get('bf16_tokens_tp1_eq_tp2')} (bfloat16 sums in a different order may flip near-ties).", ""]
     (docs / "serve.md").write_text("\n".join(L) + "\n")
 
 
