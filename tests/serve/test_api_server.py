@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from conftest import LiveServer, hf_greedy, make_hf_model
+from serve_testutil import LiveServer, hf_greedy, make_hf_model
 from hpdl.serve import EngineConfig, LLMEngine, ModelSpec
 from hpdl.serve.api_server import build_app
 from hpdl.serve.async_engine import AsyncEngine

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from conftest import hf_greedy
+from serve_testutil import hf_greedy
 from hpdl.serve import EngineConfig, LLMEngine, ModelSpec, SamplingParams
 
 

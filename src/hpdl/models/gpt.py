@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -446,7 +446,3 @@ def load_pretrained(path: str | Path, group=None, dtype=torch.float32, device="c
                 else:
                     _copy_shard(getattr(mod, pname), fulls[0], getattr(mod, "tp_dim", None), rank)
     return model.to(device=device, dtype=dtype)
-
-
-def config_dict(cfg: DecoderConfig) -> dict:
-    return asdict(cfg)
