@@ -118,3 +118,14 @@ def test_models_health_metrics(server):
         assert name in text
     count = [ln for ln in text.splitlines() if ln.startswith("hpdl_e2e_request_latency_seconds_count")]
     assert float(count[0].split()[-1]) >= 1
+
+
+def test_benchmark_client_over_http(server):
+    from hpdl.serve.bench import make_workload, run_http, summarize
+
+    url, _ = server
+    wl = make_workload(6, (3, 8), (2, 6), request_rate=50.0, vocab_size=256, seed=2)
+    recs = asyncio.run(run_http(url, "tiny", wl, max_concurrency=3))
+    assert all(r.finish is not None and r.token_times and r.ttft >= 0 for r in recs)
+    s = summarize(recs, slo_ttft_ms=10_000)
+    assert s["requests"] == 6 and s["goodput"] > 0 and s["p99_e2el_ms"] >= s["median_e2el_ms"]
