@@ -32,8 +32,12 @@ SMOKE = dict(MODEL="llama-tiny", DTYPE="float32", N_OFFLINE=8, OUTPUT_LEN=(4, 24
              RATES=[(20.0, 8), (math.inf, 8)])
 
 
+_T0 = time.perf_counter()
+
+
 def _save(out: Path, name: str, data: dict) -> None:
     (out / f"{name}.json").write_text(json.dumps(data, indent=1, default=str))
+    print(f"[{time.perf_counter() - _T0:6.1f}s] {name}: saved {', '.join(data)}", flush=True)
 
 
 def _versions() -> dict:
@@ -216,14 +220,24 @@ def phase_device(out: Path, smoke: bool) -> None:
     dev = "cpu" if smoke else "cuda"
     me = [sys.executable, __file__, "--out", str(out)] + (["--smoke"] if smoke else [])
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    a = subprocess.Popen(me + ["--phase", "flover", "--device", f"{dev}:0" if not smoke else dev], env=env)
-    b = subprocess.Popen(me + ["--phase", "hf", "--device", f"{dev}:1" if not smoke else dev], env=env)
+    logs = {k: open(out / f"{k}.log", "w") for k in ("flover", "hf", "tp")}
+    a = subprocess.Popen(me + ["--phase", "flover", "--device", f"{dev}:0" if not smoke else dev], env=env,
+                         stdout=logs["flover"], stderr=subprocess.STDOUT)
+    b = subprocess.Popen(me + ["--phase", "hf", "--device", f"{dev}:1" if not smoke else dev], env=env,
+                         stdout=logs["hf"], stderr=subprocess.STDOUT)
     for proc, limit in ((a, 220), (b, 220)):
         try:
             proc.wait(timeout=limit)
         except subprocess.TimeoutExpired:
             proc.kill()
-    subprocess.run(me + ["--phase", "tp", "--device", dev], env=env, timeout=165, check=False)
+    try:
+        subprocess.run(me + ["--phase", "tp", "--device", dev], env=env, timeout=165, check=False,
+                       stdout=logs["tp"], stderr=subprocess.STDOUT)
+    except subprocess.TimeoutExpired:
+        print("tp phase timed out", flush=True)
+    for k, f in logs.items():  # the tails land in the device tool's output
+        f.close()
+        print(f"==== {k}.log (tail)\n" + "\n".join((out / f"{k}.log").read_text().splitlines()[-15:]), flush=True)
 
 
 def main() -> None:
