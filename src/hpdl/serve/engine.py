@@ -49,7 +49,7 @@ class EngineConfig:
             self.reorder = "prefix"
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """What one step produced for one request.
 

@@ -117,6 +117,7 @@ class Scheduler:
         self.computed_rows = 0  # decode rows run (holes included), for the reordering comparison
         self.live_rows = 0  # decode rows that belonged to a running request
         self._pending_moves: list[tuple[int, int, int]] = []
+        self._holes = False  # a slot was freed since the last compaction
 
     # --- queue ------------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -141,12 +142,15 @@ class Scheduler:
         req.finish_reason, req.finish_time = reason, time.perf_counter()
         if req.slot is not None:
             self.slots[req.slot] = None
-            req.slot = None
+            req.slot, self._holes = None, True
         elif req in self.waiting:
             self.waiting.remove(req)
 
     # --- planning ---------------------------------------------------------------------------------
     def _compact(self) -> list[tuple[int, int, int]]:
+        if not self._holes:  # admissions keep the range contiguous; only finishes make holes
+            return []
+        self._holes = False
         live = [r is not None for r in self.slots]
         n = sum(live)
         if self.reorder == "none" or n == 0:
