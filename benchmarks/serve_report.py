@@ -167,13 +167,14 @@ def _bar(path: Path, rows) -> None:
 
 
 def _online_plot(path: Path, plot: dict) -> None:
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    fig, axes = plt.subplots(1, 4, figsize=(17, 3.6))
     for name, pts in plot.items():
         xs = [r if math.isfinite(r) else 2 * max(p[0] for p in pts if math.isfinite(p[0])) for r, _ in pts]
         axes[0].plot(xs, [p["median_ttft_ms"] for _, p in pts], "o-", label=name)
-        axes[1].plot(xs, [p["p99_e2el_ms"] / 1e3 for _, p in pts], "o-", label=name)
-        axes[2].plot(xs, [p["output_throughput"] for _, p in pts], "o-", label=name)
-    for ax, t in zip(axes, ["TTFT p50 (ms)", "E2E p99 (s)", "output tokens/s"]):
+        axes[1].plot(xs, [p.get("median_tpot_ms", float("nan")) for _, p in pts], "o-", label=name)
+        axes[2].plot(xs, [p["p99_e2el_ms"] / 1e3 for _, p in pts], "o-", label=name)
+        axes[3].plot(xs, [p["output_throughput"] for _, p in pts], "o-", label=name)
+    for ax, t in zip(axes, ["TTFT p50 (ms)", "TPOT p50 (ms)", "E2E p99 (s)", "output tokens/s"]):
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("request rate (req/s; rightmost = all at t=0)")
