@@ -85,6 +85,8 @@ def phase_flover(out: Path, device: str) -> None:
         torch.cuda.reset_peak_memory_stats()
     recs = run_engine(eng, wl)
     res["offline"] = summarize(recs, SLO_TTFT_MS, SLO_TPOT_MS) | {"stats": eng.stats(), "steps": eng.num_steps}
+    res["cuda_graph"] = {"enabled": eng.executor.runner.cuda_graph, "error": eng.executor.runner.graph_error,
+                         "graphs": len(eng.executor.runner._graphs)}
     cache = eng.executor.runner.cache
     res["memory"] = {"kv_bytes_per_slot": cache.bytes_per_slot, "num_slots": cache.num_slots,
                      "weights_bytes": sum(p.numel() * p.element_size() for p in eng.executor.runner.model.parameters()),

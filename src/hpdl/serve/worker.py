@@ -8,6 +8,7 @@ of its ~300 kernels, so eager mode would be launch-bound.
 from __future__ import annotations
 
 import bisect
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,8 @@ NAMED_CONFIGS: dict[str, DecoderConfig] = {
     "llama-1b": DecoderConfig(arch="llama", vocab_size=32000, hidden_size=2048, n_layers=22, n_heads=32, n_kv_heads=4,
                               intermediate_size=5632, max_position=2048, bos_token_id=1, eos_token_id=2),
 }
+
+log = logging.getLogger("hpdl.serve")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -81,6 +84,7 @@ class ModelRunner:
         self.cuda_graph = cuda_graph and self.device.type == "cuda"
         self._graphs: dict[tuple[int, int], tuple] = {}
         self._pool = None
+        self.graph_error: str | None = None
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor:
@@ -98,7 +102,12 @@ class ModelRunner:
             return self.model(toks.to(dev, non_blocking=True), self.cache, b)
         kv_len = max(plan.decode_positions) + 1
         if self.cuda_graph:
-            return self._replay(plan, kv_len)
+            try:
+                return self._replay(plan, kv_len)
+            except RuntimeError as exc:  # capture unsupported here: keep serving, eagerly, and say so
+                log.warning("CUDA graph decode failed (%s); falling back to eager decode", exc)
+                self.cuda_graph, self.graph_error = False, repr(exc)[:300]
+                torch.cuda.synchronize()
         toks = torch.tensor(plan.decode_tokens, device=dev)[:, None]
         pos = torch.tensor(plan.decode_positions, device=dev)[:, None]
         return self.model(toks, self.cache, Batch(positions=pos, start=plan.start, kv_len=kv_len))
