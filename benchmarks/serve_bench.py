@@ -27,9 +27,10 @@ NUM_SLOTS, MAX_SEQ_LEN = 128, 640
 STATIC_BS, SEQ_SUBSET, STATIC_SUBSET = 16, 4, 32  # baselines run on subsets (one request takes ~7 s)
 RATES = [(2.0, 64), (8.0, 128), (32.0, 256), (128.0, 256), (math.inf, 256)]  # (req/s, requests)
 SLO_TTFT_MS, SLO_TPOT_MS = 1000.0, 50.0
+BIG_MODEL = "llama-7b"  # tensor-parallel batch-1 check on a larger model (None to skip)
 SMOKE = dict(MODEL="llama-tiny", DTYPE="float32", N_OFFLINE=8, OUTPUT_LEN=(4, 24), PROMPT_LEN=16, NUM_SLOTS=8,
              MAX_SEQ_LEN=64, STATIC_BS=4, SEQ_SUBSET=2, STATIC_SUBSET=4,
-             RATES=[(20.0, 8), (math.inf, 8)])
+             RATES=[(20.0, 8), (math.inf, 8)], BIG_MODEL="gpt2-tiny")
 
 
 _T0 = time.perf_counter()
@@ -59,10 +60,10 @@ def _workload(n, rate=math.inf, seed=0):
                          seed=seed)
 
 
-def _engine(device, cuda_graph=True, reorder="prefix", tp=1, dtype=None, slots=None, all_reduce="nccl"):
+def _engine(device, cuda_graph=True, reorder="prefix", tp=1, dtype=None, slots=None, all_reduce="nccl", model=None):
     from hpdl.serve import EngineConfig, LLMEngine, ModelSpec
 
-    return LLMEngine(ModelSpec(config=MODEL, dtype=dtype or DTYPE),
+    return LLMEngine(ModelSpec(config=model or MODEL, dtype=dtype or DTYPE),
                      EngineConfig(num_slots=slots or NUM_SLOTS, max_seq_len=MAX_SEQ_LEN, device=device,
                                   cuda_graph=cuda_graph, reorder=reorder, tensor_parallel_size=tp,
                                   tp_all_reduce=all_reduce))
@@ -199,8 +200,19 @@ def phase_tp(out: Path, device: str) -> None:
     res["tp_tokens_identical"] = res["tokens_tp1"] == res["tokens_tp2"]
     _save(out, "tp", res)
     # symm last: its registry is per process, and this process re-creates its process group per engine
-    for tp, ar in ((1, "nccl"), (2, "nccl"), (2, "symm")):
+    for tp, ar, big in ((1, "nccl", False), (2, "nccl", False), (1, "nccl", True), (2, "nccl", True),
+                        (2, "symm", False)):
         key = f"tp{tp}" + ("" if tp == 1 else f"_{ar}")
+        if big:  # batch 1 only, on a model where weight reads dominate the step
+            if BIG_MODEL is None:
+                continue
+            e = _engine(device, tp=tp, model=BIG_MODEL, slots=8)
+            run_engine(e, one)
+            res[f"batch1_{BIG_MODEL}_{key}"] = summarize(run_engine(e, one))
+            e.shutdown()
+            del e
+            _save(out, "tp", res)
+            continue
         e = _engine(device, tp=tp, all_reduce=ar)
         res[f"all_reduce_{key}"] = e.executor.runner.all_reduce
         res[f"tokens_bf16_{key}"] = e.generate([one[0].prompt], SamplingParams(
@@ -227,13 +239,13 @@ def phase_device(out: Path, smoke: bool) -> None:
                          stdout=logs["flover"], stderr=subprocess.STDOUT)
     b = subprocess.Popen(me + ["--phase", "hf", "--device", f"{dev}:1" if not smoke else dev], env=env,
                          stdout=logs["hf"], stderr=subprocess.STDOUT)
-    for proc, limit in ((a, 220), (b, 220)):
+    for proc, limit in ((a, 210), (b, 210)):
         try:
             proc.wait(timeout=limit)
         except subprocess.TimeoutExpired:
             proc.kill()
     try:
-        subprocess.run(me + ["--phase", "tp", "--device", dev], env=env, timeout=165, check=False,
+        subprocess.run(me + ["--phase", "tp", "--device", dev], env=env, timeout=180, check=False,
                        stdout=logs["tp"], stderr=subprocess.STDOUT)
     except subprocess.TimeoutExpired:
         print("tp phase timed out", flush=True)

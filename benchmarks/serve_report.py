@@ -146,6 +146,11 @@ def report(src: Path, docs: Path, cfg: dict) -> None:
             if b:
                 L.append(f"| {key} | {tp.get(f'all_reduce_{key}')} | {_f(b.get('mean_tpot_ms'), 3)} | "
                          f"{_f(o.get('output_throughput'))} |")
+        big = cfg.get("BIG_MODEL")
+        if big and tp.get(f"batch1_{big}_tp1"):
+            t1, t2 = tp[f"batch1_{big}_tp1"]["mean_tpot_ms"], tp.get(f"batch1_{big}_tp2_nccl", {}).get("mean_tpot_ms")
+            L += ["", f"`{big}` (random weights, bfloat16, CUDA graphs), TPOT at batch 1: TP=1 {_f(t1, 3)} ms, "
+                  f"TP=2 (NCCL) {_f(t2, 3)} ms" + (f" ({t1 / t2:.2f}x)." if t2 else ".")]
         L += ["", f"bfloat16 batch-1 tokens ({cfg['OUTPUT_LEN'][1] if cfg['OUTPUT_LEN'][1] < 256 else 256} greedy): "
               f"TP=2 NCCL == TP=2 symm: {tp.get('bf16_tokens_tp2_nccl_eq_symm')}; TP=1 == TP=2: "
               f"{tp.get('bf16_tokens_tp1_eq_tp2')} (bfloat16 sums in a different order may flip near-ties).", ""]
