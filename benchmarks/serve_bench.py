@@ -239,9 +239,10 @@ def phase_device(out: Path, smoke: bool) -> None:
                          stdout=logs["flover"], stderr=subprocess.STDOUT)
     b = subprocess.Popen(me + ["--phase", "hf", "--device", f"{dev}:1" if not smoke else dev], env=env,
                          stdout=logs["hf"], stderr=subprocess.STDOUT)
-    for proc, limit in ((a, 210), (b, 210)):
+    deadline = time.perf_counter() + 210  # both parallel phases share one deadline
+    for proc in (a, b):
         try:
-            proc.wait(timeout=limit)
+            proc.wait(timeout=max(1.0, deadline - time.perf_counter()))
         except subprocess.TimeoutExpired:
             proc.kill()
     try:
