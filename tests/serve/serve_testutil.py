@@ -33,7 +33,8 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """Hugging Face generate for this request alone (greedy; stops at EOS like the engine)."""
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=257)
+                             max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=model.config.eos_token_id)
     return out[0, len(prompt):].tolist()
 
 
