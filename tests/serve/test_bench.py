@@ -61,3 +61,18 @@ def test_cli_bench_json(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["flover"]["requests"] == 6 and out["static"]["requests"] == 6
     assert math.isfinite(out["flover"]["output_throughput"])
+
+
+def test_cli_requires_exactly_one_model_source():
+    import argparse
+
+    from hpdl.cli import CLIUsageError
+    from hpdl.serve.cli import ServeCommand
+
+    p = argparse.ArgumentParser()
+    ServeCommand.add_arguments(p)
+    for argv in ([], ["--model", "x", "--config", "llama-tiny"]):
+        with pytest.raises(CLIUsageError, match="exactly one"):
+            ServeCommand().run(p.parse_args(argv))
+    with pytest.raises(ValueError, match="config must be one of"):
+        ServeCommand().run(p.parse_args(["--config", "nope"]))
