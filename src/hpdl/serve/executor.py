@@ -1,8 +1,10 @@
 """Executors hide process topology from the engine: one process, or tensor-parallel over torch.distributed.
 
 ``TPExecutor`` makes the engine's process rank 0 and spawns ranks 1..world-1 (spawn start method). Every
-step, rank 0 sends the plan (a small picklable object) to each worker over a multiprocessing queue, then all
-ranks run the same forward, whose collectives (NCCL on GPU, gloo on CPU) join them. Only rank 0 samples;
+step, rank 0 sends the plan (a small picklable object) to each worker over a pipe, then all
+ranks run the same forward, whose collectives (NCCL on GPU, gloo on CPU) join them. Plans travel over
+pipes written synchronously by the caller (a ``multiprocessing.Queue`` would hand them to a feeder thread
+that must win the GIL first, adding up to a switch interval of latency to every step). Only rank 0 samples;
 the next plan carries the sampled tokens, so every rank sees the same inputs (vLLM v0's driver-worker shape).
 """
 
@@ -73,12 +75,11 @@ def _worker_main(rank: int, world: int, port: int, spec: ModelSpec, args: Runner
         runner = ModelRunner(model, args.num_slots, args.max_seq_len, world, args.cuda_graph, args.tp_all_reduce)
         errors.put((rank, None))  # ready
         while True:
-            try:
-                plan = inbox.get(timeout=5.0)
-            except queue.Empty:
+            if not inbox.poll(5.0):
                 if os.getppid() == 1:  # the driver died: do not linger
                     return
                 continue
+            plan = inbox.recv()
             if plan is None:
                 break
             runner.execute(plan)
@@ -98,9 +99,10 @@ class TPExecutor:
             raise ValueError(f"tensor_parallel_size must be >= 2 for TPExecutor, got {world}")
         ctx = mp.get_context("spawn")
         port = _free_port()
-        self.inboxes = [ctx.Queue() for _ in range(world - 1)]
+        pipes = [ctx.Pipe(duplex=False) for _ in range(world - 1)]  # (receive end, send end)
+        self.inboxes = [send for _, send in pipes]
         self.errors = ctx.Queue()
-        self.procs = [ctx.Process(target=_worker_main, args=(r, world, port, spec, args, self.inboxes[r - 1],
+        self.procs = [ctx.Process(target=_worker_main, args=(r, world, port, spec, args, pipes[r - 1][0],
                                                               self.errors), daemon=True)
                       for r in range(1, world)]
         for p in self.procs:
@@ -121,8 +123,8 @@ class TPExecutor:
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
         wire = dataclasses.replace(plan, requests=[])  # workers need tensors' inputs only
-        for q in self.inboxes:
-            q.put(wire)
+        for conn in self.inboxes:
+            conn.send(wire)
         try:  # a worker that failed since the last step is reported instead of hanging in a collective
             rank, err = self.errors.get_nowait()
             raise WorkerFailedError(f"TP rank {rank} failed:\n{err}")
@@ -131,8 +133,11 @@ class TPExecutor:
         return self.runner.execute(plan)
 
     def shutdown(self) -> None:
-        for q in self.inboxes:
-            q.put(None)
+        for conn in self.inboxes:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):  # that worker is gone already
+                pass
         for p in self.procs:
             p.join(timeout=30)
             if p.is_alive():
