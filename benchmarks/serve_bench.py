@@ -85,7 +85,7 @@ def phase_flover(out: Path, device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     recs = run_engine(eng, wl)
-    res["offline"] = summarize(recs, SLO_TTFT_MS, SLO_TPOT_MS) | {"stats": eng.stats(), "steps": eng.num_steps}
+    res["offline"] = summarize(recs, SLO_TTFT_MS, SLO_TPOT_MS) | {"stats": eng.stats(), "steps": dict(eng.num_steps)}
     res["cuda_graph"] = {"enabled": eng.executor.runner.cuda_graph, "error": eng.executor.runner.graph_error,
                          "graphs": len(eng.executor.runner._graphs)}
     cache = eng.executor.runner.cache
@@ -229,6 +229,60 @@ def phase_tp(out: Path, device: str) -> None:
     _save(out, "tp", res)
 
 
+TP_CASES = {  # name: (model, tp, all_reduce, cuda_graph, limit_s); each runs in a fresh process, in this order
+    "1b_tp2_graph_nccl": (None, 2, "nccl", True, 45),
+    "7b_tp1_graph": ("BIG", 1, "nccl", True, 45),
+    "7b_tp2_graph_nccl": ("BIG", 2, "nccl", True, 60),
+    "1b_tp1_eager": (None, 1, "nccl", False, 30),
+    "1b_tp2_eager_nccl": (None, 2, "nccl", False, 40),
+    "7b_tp2_eager_nccl": ("BIG", 2, "nccl", False, 50),
+    "1b_tp2_graph_symm": (None, 2, "symm", True, 45),
+}
+
+
+def phase_tpcase(out: Path, device: str, case: str) -> None:
+    """One tensor-parallel configuration: batch-1 TPOT (and its greedy tokens), bfloat16."""
+    import faulthandler
+
+    from hpdl.serve import SamplingParams
+    from hpdl.serve.bench import run_engine, summarize
+
+    model, tp, ar, graph, limit = TP_CASES[case]
+    faulthandler.dump_traceback_later(limit - 8, exit=False)  # a hang prints where it is stuck
+    os.environ["HPDL_SERVE_FAULTHANDLER"] = str(limit - 10)
+    one = _workload(1)
+    one[0].output_len = min(256, OUTPUT_LEN[1])
+    e = _engine(device, tp=tp, all_reduce=ar, cuda_graph=graph, reorder="prefix" if graph else "window",
+                model=BIG_MODEL if model == "BIG" else None, slots=8)
+    res = {"case": case, "all_reduce": e.executor.runner.all_reduce, "versions": _versions()}
+    res["tokens"] = e.generate([one[0].prompt], SamplingParams(max_tokens=one[0].output_len, ignore_eos=True,
+                                                               detokenize=False))[0].token_ids
+    res["batch1"] = summarize(run_engine(e, one))
+    res["graph_error"] = e.executor.runner.graph_error
+    _save(out, f"tp_{case}", res)
+    e.shutdown()
+
+
+def phase_tp2(out: Path, smoke: bool) -> None:
+    """Every TP_CASES entry in its own process with its own time limit (a hang costs only that case)."""
+    me = [sys.executable, __file__, "--out", str(out)] + (["--smoke"] if smoke else [])
+    graph_tp_hangs = False
+    for case, (_, tp, _, graph, limit) in TP_CASES.items():
+        if graph and tp > 1 and graph_tp_hangs:
+            print(f"{case}: skipped (an earlier graph-mode TP case timed out)", flush=True)
+            continue
+        with open(out / f"tp_{case}.log", "w") as log:
+            try:
+                subprocess.run(me + ["--phase", "tpcase", "--case", case, "--device", "cpu" if smoke else "cuda"],
+                               timeout=limit, stdout=log, stderr=subprocess.STDOUT, check=False,
+                               env=dict(os.environ, PYTHONUNBUFFERED="1"))
+            except subprocess.TimeoutExpired:
+                print(f"{case}: timed out after {limit} s", flush=True)
+                graph_tp_hangs |= graph and tp > 1
+        print(f"==== tp_{case}.log (tail)\n" + "\n".join((out / f"tp_{case}.log").read_text().splitlines()[-12:]),
+              flush=True)
+
+
 def phase_device(out: Path, smoke: bool) -> None:
     """flover on GPU 0 and hf on GPU 1 in parallel, then tp on both; each phase in its own process."""
     dev = "cpu" if smoke else "cuda"
@@ -257,7 +311,8 @@ def phase_device(out: Path, smoke: bool) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--phase", required=True, choices=["device", "flover", "hf", "tp", "report"])
+    ap.add_argument("--phase", required=True, choices=["device", "flover", "hf", "tp", "tp2", "tpcase", "report"])
+    ap.add_argument("--case", choices=sorted(TP_CASES), help="--phase tpcase: which configuration")
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks every phase runs")
@@ -269,6 +324,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     if args.phase == "device":
         phase_device(out, args.smoke)
+    elif args.phase == "tp2":
+        phase_tp2(out, args.smoke)
+    elif args.phase == "tpcase":
+        phase_tpcase(out, args.device, args.case)
     elif args.phase == "report":
         sys.path.insert(0, str(Path(__file__).parent))
         from serve_report import report

@@ -61,8 +61,9 @@ def _init_rank(rank: int, world: int, port: int, device: str) -> str:
     if device.startswith("cuda"):
         torch.cuda.set_device(rank)
         device = f"cuda:{rank}"
+    kw = {"device_id": torch.device(device)} if device.startswith("cuda") else {}  # eager NCCL communicator
     dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=world, timeout=timedelta(seconds=env.get("HPDL_TIMEOUT")))
+                            rank=rank, world_size=world, timeout=timedelta(seconds=env.get("HPDL_TIMEOUT")), **kw)
     return device
 
 
@@ -70,6 +71,10 @@ def _worker_main(rank: int, world: int, port: int, spec: ModelSpec, args: Runner
     """Rank >= 1: build its shard, then run every plan rank 0 sends until it sends None."""
     try:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+        if os.environ.get("HPDL_SERVE_FAULTHANDLER"):  # debugging hangs: dump every thread's stack later
+            import faulthandler
+
+            faulthandler.dump_traceback_later(float(os.environ["HPDL_SERVE_FAULTHANDLER"]), exit=False)
         device = _init_rank(rank, world, port, args.device)
         model = build_model(spec, device, dist.group.WORLD)
         runner = ModelRunner(model, args.num_slots, args.max_seq_len, world, args.cuda_graph, args.tp_all_reduce)
