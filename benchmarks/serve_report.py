@@ -57,7 +57,8 @@ def report(src: Path, docs: Path, cfg: dict) -> None:
                      f"first {hf['static']['subset']} requests; useful tokens only"))
     if "output_throughput" in hf.get("cb", {}):
         rows.append(("transformers continuous batching (generate_batch)", hf["cb"]["output_throughput"],
-                     f"{hf['cb']['requests']} requests, every one to {cfg['OUTPUT_LEN'][1]} tokens"))
+                     f"{hf['cb']['requests']} requests, every one to the longest output "
+                     f"({hf['cb']['tokens'] // hf['cb']['requests']} tokens)"))
     L += ["## Offline: all requests at t = 0", "", "| system | output tokens/s | Flover speed-up | measured on |",
           "|---|---:|---:|---|"]
     base = off.get("output_throughput")
@@ -65,8 +66,7 @@ def report(src: Path, docs: Path, cfg: dict) -> None:
         L.append(f"| {name} | {_f(thr)} | {_f(base / thr, 1) + 'x' if base and thr else '-'} | {note} |")
     if off:
         L += ["", f"Flover offline: TTFT p50 {_f(off['median_ttft_ms'])} ms, TPOT mean {_f(off['mean_tpot_ms'], 2)} ms, "
-              f"makespan {_f(off['makespan_s'], 2)} s, decode steps {off['steps']['decode']}, prefill batches "
-              f"{off['steps']['prefill']}."]
+              f"makespan {_f(off['makespan_s'], 2)} s."]
     _bar(docs / "serve_offline.png", rows)
     L += ["", "![offline throughput](serve_offline.png)", ""]
     # ---- memory and reordering ----
@@ -151,9 +151,22 @@ def report(src: Path, docs: Path, cfg: dict) -> None:
             t1, t2 = tp[f"batch1_{big}_tp1"]["mean_tpot_ms"], tp.get(f"batch1_{big}_tp2_nccl", {}).get("mean_tpot_ms")
             L += ["", f"`{big}` (random weights, bfloat16, CUDA graphs), TPOT at batch 1: TP=1 {_f(t1, 3)} ms, "
                   f"TP=2 (NCCL) {_f(t2, 3)} ms" + (f" ({t1 / t2:.2f}x)." if t2 else ".")]
-        L += ["", f"bfloat16 batch-1 tokens ({cfg['OUTPUT_LEN'][1] if cfg['OUTPUT_LEN'][1] < 256 else 256} greedy): "
+        cases = {c: _load(src, f"tp_{c}") for c in ("1b_tp1_eager", "1b_tp2_eager_nccl", "1b_tp2_graph_nccl",
+                                                  "7b_tp1_graph", "7b_tp2_graph_nccl", "1b_tp2_graph_symm")}
+        cases = {c: d for c, d in cases.items() if d}
+        if cases:
+            L += ["", "Second device run, one fresh process per configuration (bfloat16, 8 slots, one request of "
+                  f"{cfg['PROMPT_LEN']} + 256 tokens):", "", "| configuration | all-reduce | TPOT at batch 1 (ms) |",
+                  "|---|---|---:|"]
+            if "batch1_tp1" in tp:
+                L.append(f"| 1b_tp1_graph (first run) | none | {tp['batch1_tp1']['mean_tpot_ms']:.3f} |")
+            for c, d in cases.items():
+                L.append(f"| {c} | {d['all_reduce']} | {d['batch1']['mean_tpot_ms']:.3f} |")
+        if tp.get("bf16_tokens_tp1_eq_tp2") is not None:
+            L += ["", f"bfloat16 batch-1 tokens ({cfg['OUTPUT_LEN'][1] if cfg['OUTPUT_LEN'][1] < 256 else 256} greedy): "
               f"TP=2 NCCL == TP=2 symm: {tp.get('bf16_tokens_tp2_nccl_eq_symm')}; TP=1 == TP=2: "
-              f"{tp.get('bf16_tokens_tp1_eq_tp2')} (bfloat16 sums in a different order may flip near-ties).", ""]
+              f"{tp.get('bf16_tokens_tp1_eq_tp2')} (bfloat16 sums in a different order may flip near-ties)."]
+        L.append("")
     (docs / "serve.md").write_text("\n".join(L) + "\n")
 
 

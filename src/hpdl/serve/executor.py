@@ -14,6 +14,7 @@ import dataclasses
 import os
 import queue
 import socket
+import threading
 import traceback
 from datetime import timedelta
 
@@ -138,14 +139,18 @@ class TPExecutor:
         return self.runner.execute(plan)
 
     def shutdown(self) -> None:
+        """Stop the workers. Every rank tears its NCCL communicator down at the same time: a worker destroying
+        its process group waits for rank 0 to do the same (measured: joining first deadlocks on the H200s)."""
         for conn in self.inboxes:
             try:
                 conn.send(None)
             except (BrokenPipeError, OSError):  # that worker is gone already
                 pass
+        if dist.is_initialized():
+            t = threading.Thread(target=dist.destroy_process_group, daemon=True)
+            t.start()
+            t.join(timeout=30)
         for p in self.procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.terminate()
-        if dist.is_initialized():
-            dist.destroy_process_group()
