@@ -20,6 +20,8 @@ GROUPS: dict[str, tuple[str, str, str | None]] = {
               "benchmark collectives (nccl-tests / OSU columns, exact #wrong, speed-up over native)", None),
     "tes": ("hpdl.tes.cli:TesCommand",
             "HD-TES stimulator SoC model: simulate protocols, check safety, reproduce the chip spec", "tes"),
+    "serve": ("hpdl.serve.cli:ServeCommand",
+              "OpenAI-compatible LLM server with Flover temporal fusion; `hpdl serve bench` benchmarks it", "serve"),
 }
 
 

@@ -49,7 +49,7 @@ class BenchCommand:
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
-        sub = parser.add_subparsers(dest="collective", metavar="{" + ",".join(_COLLECTIVES) + "}")
+        sub = parser.add_subparsers(dest="collective", metavar="{" + ",".join([*_COLLECTIVES, "serve"]) + "}")
         for name in _COLLECTIVES:
             p = sub.add_parser(name, help=f"benchmark {name}",
                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -80,12 +80,17 @@ class BenchCommand:
             p.add_argument("--format", choices=["table", "json"], default="table", help="output on stdout")
             p.add_argument("--timeout", type=float, default=None,
                            help="seconds a collective may wait for a peer before the run fails (HPDL_TIMEOUT)")
+        _add_serve(sub)
 
     def run(self, args) -> int:
         from hpdl.cli import CLIUsageError
 
         if args.collective is None:
-            raise CLIUsageError("choose a collective: " + ", ".join(_COLLECTIVES))
+            raise CLIUsageError("choose a collective: " + ", ".join(_COLLECTIVES) + " (or serve)")
+        if args.collective == "serve":
+            if getattr(args, "_serve_missing", None):
+                raise CLIUsageError(args._serve_missing)
+            return args._serve_cls().run(args)
         if args.np < 1:
             raise CLIUsageError(f"--np must be >= 1, got {args.np}")
         try:
@@ -118,6 +123,21 @@ class BenchCommand:
                 fh.write(tuned_table(rows, world, args.device).to_json())
             print(f"# tuning table written to {args.tune_path}; use it with HPDL_TUNING_FILE={args.tune_path}")
         return 1 if any(r.wrong for r in rows) else 0
+
+
+def _add_serve(sub) -> None:
+    """``hpdl bench serve``: the serving benchmark client of hpdl.serve, under the bench group too."""
+    help_ = "serving benchmark (alias of `hpdl serve bench`): TTFT, TPOT, ITL, throughput vs baselines"
+    p = sub.add_parser("serve", help=help_, description=help_)
+    p.set_defaults(_parser=p)
+    try:
+        from hpdl.serve.cli import ServeBenchCommand
+    except ModuleNotFoundError as exc:
+        p.set_defaults(_serve_missing=f"hpdl bench serve needs the module {exc.name!r}: pip install 'hpdl[serve]'")
+        p.add_argument("rest", nargs=argparse.REMAINDER)
+        return
+    ServeBenchCommand.add_arguments(p)
+    p.set_defaults(_serve_cls=ServeBenchCommand)
 
 
 def _validate(cfg: BenchConfig, args) -> None:

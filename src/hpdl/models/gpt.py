@@ -1,0 +1,448 @@
+"""Decoder-only language models (GPT-2 and LLaMA) with a slot KV cache and tensor parallelism.
+
+One readable file in the nanoGPT manner: config, tensor-parallel linear layers, norms, attention, MLP,
+block, model, then loading of Hugging Face format checkpoints (``config.json`` + ``*.safetensors``).
+
+KV-cache layout (Flover, arXiv 2305.13484, section 3): the cache is pre-allocated as ``num_slots``
+fixed-size slots, ``k, v: [n_layers, num_slots, n_kv_heads_local, max_seq_len, head_dim]``. A request owns one
+slot for its lifetime. The fused decode step reads the contiguous slot range ``[start, start + n)`` as a
+view (no gather), which is why the engine keeps live slots contiguous by buffer reordering.
+
+Tensor parallelism (Megatron-LM, arXiv 1909.08053): q/k/v and the MLP's first matrices are split by
+output columns (heads), the attention output and MLP down projections by input rows followed by one
+all-reduce, and the LM head by vocabulary rows followed by an all-gather of the logits.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class DecoderConfig:
+    """Architecture of a decoder-only model; ``arch`` is ``"gpt2"`` or ``"llama"``."""
+
+    arch: str = "llama"
+    vocab_size: int = 32000
+    hidden_size: int = 2048
+    n_layers: int = 22
+    n_heads: int = 32
+    n_kv_heads: int = 4
+    intermediate_size: int = 5632
+    max_position: int = 2048
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = 1
+    eos_token_id: int | None = 2
+    head_dim_: int | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if self.arch not in ("gpt2", "llama"):
+            raise ValueError(f"arch must be 'gpt2' or 'llama', got {self.arch!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.head_dim_ or self.hidden_size // self.n_heads
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "DecoderConfig":
+        """Translate a Hugging Face ``config.json`` dict (GPT2 or Llama model_type)."""
+        mt = cfg.get("model_type")
+        eos = cfg.get("eos_token_id")
+        eos = eos[0] if isinstance(eos, list) else eos
+        if mt == "gpt2":
+            return cls(arch="gpt2", vocab_size=cfg["vocab_size"], hidden_size=cfg["n_embd"], n_layers=cfg["n_layer"],
+                       n_heads=cfg["n_head"], n_kv_heads=cfg["n_head"],
+                       intermediate_size=cfg.get("n_inner") or 4 * cfg["n_embd"], max_position=cfg["n_positions"],
+                       norm_eps=cfg.get("layer_norm_epsilon", 1e-5), tie_word_embeddings=True,
+                       bos_token_id=cfg.get("bos_token_id"), eos_token_id=eos)
+        if mt == "llama":
+            rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+            if rope.get("rope_type", rope.get("type", "default")) != "default":
+                raise ValueError(f"only default RoPE is supported, config has rope_type={rope.get('rope_type')!r}")
+            return cls(arch="llama", vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+                       n_layers=cfg["num_hidden_layers"], n_heads=cfg["num_attention_heads"],
+                       n_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+                       intermediate_size=cfg["intermediate_size"], max_position=cfg["max_position_embeddings"],
+                       norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 1e4)),
+                       tie_word_embeddings=cfg.get("tie_word_embeddings", False), bos_token_id=cfg.get("bos_token_id"),
+                       eos_token_id=eos, head_dim_=cfg.get("head_dim"))
+        raise ValueError(f"config.json model_type must be 'gpt2' or 'llama', got {mt!r}")
+
+    def to_hf(self):
+        """The equivalent ``transformers`` config object (for baselines and tests)."""
+        import transformers
+        if self.arch == "gpt2":
+            return transformers.GPT2Config(vocab_size=self.vocab_size, n_embd=self.hidden_size, n_layer=self.n_layers,
+                                           n_head=self.n_heads, n_inner=self.intermediate_size,
+                                           n_positions=self.max_position, layer_norm_epsilon=self.norm_eps,
+                                           bos_token_id=self.bos_token_id, eos_token_id=self.eos_token_id)
+        return transformers.LlamaConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                                        num_hidden_layers=self.n_layers, num_attention_heads=self.n_heads,
+                                        num_key_value_heads=self.n_kv_heads, intermediate_size=self.intermediate_size,
+                                        max_position_embeddings=self.max_position, rms_norm_eps=self.norm_eps,
+                                        rope_theta=self.rope_theta, tie_word_embeddings=self.tie_word_embeddings,
+                                        bos_token_id=self.bos_token_id, eos_token_id=self.eos_token_id,
+                                        head_dim=self.head_dim)
+
+
+# --- tensor-parallel linear layers -------------------------------------------------------------------
+def _tp(group) -> tuple[int, int]:
+    return (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+
+
+class ColumnParallelLinear(nn.Linear):
+    """y = x W_shard^T over ``parts``: fused matrices (q|k|v, gate|up), each split by output rows (``tp_dim = 0``).
+
+    Rank r holds rows ``[r*ceil(P/ws), ...)`` of every part P, concatenated; one GEMM serves them all.
+    """
+
+    def __init__(self, in_f: int, parts: list[int], bias: bool, group=None, gather: bool = False):
+        rank, ws = _tp(group)
+        self.parts, self.local = list(parts), [math.ceil(p / ws) for p in parts]
+        self.out_full, self.group, self.gather, self.tp_dim = sum(parts), group, gather, 0
+        super().__init__(in_f, sum(self.local), bias=bias)
+
+    def load_parts(self, name: str, fulls: list[torch.Tensor], rank: int) -> None:
+        """Copy this rank's rows of each full part into parameter ``name`` ("weight" or "bias")."""
+        p = getattr(self, name)
+        if len(fulls) != len(self.parts):
+            raise ValueError(f"expected {len(self.parts)} parts for {name}, got {len(fulls)}")
+        with torch.no_grad():
+            p.zero_()  # vocab padding rows stay zero
+            off = 0
+            for full, P, n in zip(fulls, self.parts, self.local):
+                if full.shape[0] != P or (p.ndim == 2 and full.shape[1] != p.shape[1]):
+                    raise ValueError(f"shape mismatch: checkpoint {tuple(full.shape)} vs part of {P} rows x "
+                                     f"{p.shape[1] if p.ndim == 2 else ''}")
+                lo, hi = min(rank * n, P), min((rank + 1) * n, P)
+                p[off:off + hi - lo].copy_(full[lo:hi])
+                off += n
+
+    def forward(self, x):
+        y = super().forward(x)
+        if self.gather and self.group is not None:  # vocab-parallel logits: all-gather the shards
+            parts = [torch.empty_like(y) for _ in range(dist.get_world_size(self.group))]
+            dist.all_gather(parts, y.contiguous(), group=self.group)
+            y = torch.cat(parts, dim=-1)
+        return y[..., : self.out_full] if self.gather else y
+
+
+class RowParallelLinear(nn.Linear):
+    """y = all_reduce(x_shard W_shard^T) + b: each rank holds ``in_features / world`` input columns (``tp_dim = 1``)."""
+
+    def __init__(self, in_f: int, out_f: int, bias: bool, group=None):
+        rank, ws = _tp(group)
+        self.group, self.tp_dim = group, 1
+        self.fast_all_reduce = None  # optional callable(y) -> reduced y or None (too big): see hpdl.serve.worker
+        super().__init__(in_f // ws, out_f, bias=bias)
+
+    def forward(self, x):
+        y = F.linear(x, self.weight)
+        if self.group is not None:
+            out = self.fast_all_reduce(y) if self.fast_all_reduce is not None else None
+            if out is None:
+                dist.all_reduce(y, group=self.group)
+                out = y
+            y = out
+        return y + self.bias if self.bias is not None else y
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
+
+    def forward(self, x):  # normalise in float32 as HF Llama does
+        if x.dtype != torch.float32:  # half precision: torch's fused kernel (float32 inside), far fewer launches
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+# --- attention with the slot KV cache ----------------------------------------------------------------
+@dataclass
+class Batch:
+    """How a forward call maps rows to KV slots.
+
+    prefill (``slots`` set): ``tokens [B, T]`` right-padded prompts, row b writes slot ``slots[b]`` positions
+    ``0..T-1``; ``last [B]`` is the index of each row's last real token.
+    decode (``slots`` None): ``tokens [n, 1]``, row i is slot ``start + i`` at position ``positions[i, 0]`` and
+    attends to cache positions ``0..positions[i, 0]`` within the first ``kv_len``.
+    """
+
+    positions: torch.Tensor
+    slots: torch.Tensor | None = None
+    last: torch.Tensor | None = None
+    start: int = 0
+    kv_len: int = 0
+    mask: torch.Tensor | None = None  # decode: set once per forward by DecoderLM
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer: int, group=None):
+        super().__init__()
+        rank, ws = _tp(group)
+        if cfg.n_heads % ws or cfg.n_kv_heads % ws:
+            raise ValueError(f"n_heads={cfg.n_heads} and n_kv_heads={cfg.n_kv_heads} must divide by tp world {ws}")
+        self.layer, self.d = layer, cfg.head_dim
+        self.h, self.hkv = cfg.n_heads // ws, cfg.n_kv_heads // ws
+        bias = cfg.arch == "gpt2"
+        kvd = cfg.n_kv_heads * self.d
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.n_heads * self.d, kvd, kvd], bias, group)
+        self.o_proj = RowParallelLinear(cfg.n_heads * self.d, cfg.hidden_size, bias, group)
+
+    def forward(self, x, rope, cache, b: Batch):
+        B, T, _ = x.shape
+        qkv = self.qkv_proj(x).view(B, T, self.h + 2 * self.hkv, self.d)  # one GEMM for q, k and v
+        qk, v = qkv[:, :, : self.h + self.hkv], qkv[:, :, self.h + self.hkv:]
+        if rope is not None:  # rotate q and k together: (B, T, h + hkv, d)
+            cos, sin = rope  # (B, T, 1, d)
+            qk = qk * cos + _rotate_half(qk) * sin
+        q = qk[:, :, : self.h].transpose(1, 2)  # (B, h, T, d)
+        k = qk[:, :, self.h:].transpose(1, 2)  # (B, hkv, T, d)
+        v = v.transpose(1, 2)
+        kc, vc = cache.k[self.layer], cache.v[self.layer]  # (S, hkv, L, d)
+        if b.slots is not None:  # prefill: attend within the prompt, then store K/V into the slots
+            kc[b.slots, :, :T] = k
+            vc[b.slots, :, :T] = v
+            rep = self.h // self.hkv
+            y = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                               is_causal=True)  # right padding + causal = no pad mask needed
+        else:  # decode: write one position per row, read the contiguous slot range as a view
+            n, pos = B, b.positions[:, 0]
+            rows = torch.arange(b.start, b.start + n, device=x.device)
+            kc[rows, :, pos] = k[:, :, 0]
+            vc[rows, :, pos] = v[:, :, 0]
+            K = kc[b.start:b.start + n, :, :b.kv_len]  # (n, hkv, kv_len, d)
+            V = vc[b.start:b.start + n, :, :b.kv_len]
+            qg = q.view(n, self.hkv, self.h // self.hkv, self.d)  # GQA without repeating K/V: (n, hkv, g, d)
+            s = torch.matmul(qg, K.transpose(-1, -2)) * (self.d ** -0.5)  # (n, hkv, g, kv_len)
+            s = s.masked_fill(b.mask, float("-inf"))  # b.mask (n, 1, 1, kv_len): True = not yet written
+            p = torch.softmax(s, dim=-1, dtype=torch.float32).to(V.dtype)
+            y = torch.matmul(p, V).view(n, self.h, 1, self.d)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.h * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DecoderConfig, group=None):
+        super().__init__()
+        self.llama = cfg.arch == "llama"
+        bias = not self.llama
+        n_up = 2 if self.llama else 1  # LLaMA: gate|up fused in one GEMM
+        self.up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * n_up, bias, group)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias, group)
+
+    def forward(self, x):
+        if self.llama:  # SwiGLU
+            gate, up = self.up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))  # GPT-2's gelu_new
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer: int, group=None):
+        super().__init__()
+        norm = (lambda: RMSNorm(cfg.hidden_size, cfg.norm_eps)) if cfg.arch == "llama" else \
+            (lambda: nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps))
+        self.ln_1, self.attn, self.ln_2, self.mlp = norm(), Attention(cfg, layer, group), norm(), MLP(cfg, group)
+
+    def forward(self, x, rope, cache, b):
+        x = x + self.attn(self.ln_1(x), rope, cache, b)
+        return x + self.mlp(self.ln_2(x))
+
+
+class KVCache:
+    """Pre-allocated slot KV cache: ``k, v: [n_layers, num_slots, n_kv_heads_local, max_seq_len, head_dim]``."""
+
+    def __init__(self, cfg: DecoderConfig, num_slots: int, max_seq_len: int, dtype, device, tp_world: int = 1):
+        if max_seq_len > cfg.max_position:
+            raise ValueError(f"max_seq_len={max_seq_len} exceeds the model's max_position={cfg.max_position}")
+        shape = (cfg.n_layers, num_slots, cfg.n_kv_heads // tp_world, max_seq_len, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_slots, self.max_seq_len = num_slots, max_seq_len
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return 2 * self.k[:, 0].numel() * self.k.element_size()
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Copy the first ``length`` positions of slot ``src`` into slot ``dst`` (buffer reordering)."""
+        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+
+
+class DecoderLM(nn.Module):
+    """GPT-2 or LLaMA decoder; ``forward`` returns logits ``[B, vocab]`` of each row's last token."""
+
+    def __init__(self, cfg: DecoderConfig, group=None):
+        super().__init__()
+        self.cfg, self.group = cfg, group
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)  # replicated on every rank
+        if cfg.arch == "gpt2":
+            self.wpe = nn.Embedding(cfg.max_position, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i, group) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps) if cfg.arch == "llama" else \
+            nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.lm_head = ColumnParallelLinear(cfg.hidden_size, [cfg.vocab_size], False, group, gather=True)
+        if cfg.arch == "llama":
+            cos, sin = _rope_tables(cfg)
+            self.register_buffer("cos", cos, persistent=False)
+            self.register_buffer("sin", sin, persistent=False)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache, b: Batch) -> torch.Tensor:
+        """tokens ``[B, T]`` int64 -> logits ``[B, vocab]`` (float of the model dtype) at ``b.last`` (or T-1)."""
+        x = self.embed_tokens(tokens)  # (B, T, C)
+        rope = None
+        if self.cfg.arch == "gpt2":
+            x = x + self.wpe(b.positions)
+        else:
+            rope = (self.cos[b.positions].to(x.dtype)[:, :, None], self.sin[b.positions].to(x.dtype)[:, :, None])
+        if b.slots is None:  # decode: one mask for every layer; position p attends to 0..p
+            b.mask = (torch.arange(b.kv_len, device=x.device)[None, :] > b.positions[:, :1])[:, None, None, :]
+        for layer in self.layers:
+            x = layer(x, rope, cache, b)
+        x = x[torch.arange(x.shape[0], device=x.device), b.last] if b.last is not None else x[:, -1]
+        return self.lm_head(self.norm(x))
+
+    def init_random(self, seed: int = 0, std: float = 0.02) -> "DecoderLM":
+        """Random weights (normal(0, std) matrices, unit norms, zero biases), identical on every TP rank."""
+        dev = next(self.parameters()).device
+        g = torch.Generator(device=dev).manual_seed(seed)
+        rank, ws = _tp(self.group)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("bias"):
+                    p.zero_()
+                elif p.ndim == 1:
+                    p.fill_(1.0)
+                else:  # draw the full tensors, keep this rank's shard, so any TP world gives the same model
+                    mod = self.get_submodule(name.rsplit(".", 1)[0])
+                    if isinstance(mod, ColumnParallelLinear):
+                        mod.load_parts("weight", [torch.randn(P, p.shape[1], generator=g, device=dev) * std
+                                                  for P in mod.parts], rank)
+                    else:
+                        shape = [p.shape[0], p.shape[1] * ws] if isinstance(mod, RowParallelLinear) else p.shape
+                        _copy_shard(p, torch.randn(shape, generator=g, device=dev) * std,
+                                    getattr(mod, "tp_dim", None), rank)
+        return self
+
+
+def _rope_tables(cfg: DecoderConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``[max_position, head_dim]`` float32 in HF's rotate_half convention (RoFormer, arXiv 2104.09864)."""
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
+    freqs = torch.outer(torch.arange(cfg.max_position).float(), inv)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _copy_shard(p: torch.Tensor, full: torch.Tensor, tp_dim, rank: int) -> None:
+    if tp_dim is None or p.ndim == 0 or (tp_dim == 1 and p.ndim == 1):
+        if tuple(full.shape) != tuple(p.shape):
+            raise ValueError(f"shape mismatch: checkpoint {tuple(full.shape)} vs model {tuple(p.shape)}")
+        p.copy_(full)
+        return
+    n = p.shape[tp_dim]
+    shard = full.narrow(tp_dim, min(rank * n, full.shape[tp_dim]), max(0, min(n, full.shape[tp_dim] - rank * n)))
+    p.zero_()  # vocab padding rows stay zero
+    p.narrow(tp_dim, 0, shard.shape[tp_dim]).copy_(shard)
+
+
+def _hf_names(cfg: DecoderConfig, i: int) -> dict[str, list[str]]:
+    """Our parameter -> the Hugging Face tensors it is made of, in fused order (q|k|v, gate|up)."""
+    if cfg.arch == "llama":
+        p = f"model.layers.{i}."
+        return {"ln_1.weight": [p + "input_layernorm.weight"], "ln_2.weight": [p + "post_attention_layernorm.weight"],
+                "attn.qkv_proj.weight": [p + f"self_attn.{n}_proj.weight" for n in "qkv"],
+                "attn.o_proj.weight": [p + "self_attn.o_proj.weight"],
+                "mlp.up_proj.weight": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+                "mlp.down_proj.weight": [p + "mlp.down_proj.weight"]}
+    p = f"transformer.h.{i}."
+    m = {f"{ln}.{w}": [p + f"{ln}.{w}"] for ln in ("ln_1", "ln_2") for w in ("weight", "bias")}
+    for w in ("weight", "bias"):  # c_attn is one [in, 3C] Conv1D: split into q, k, v by the loader
+        m |= {f"attn.qkv_proj.{w}": [p + f"attn.c_attn.{w}"], f"attn.o_proj.{w}": [p + f"attn.c_proj.{w}"],
+              f"mlp.up_proj.{w}": [p + f"mlp.c_fc.{w}"], f"mlp.down_proj.{w}": [p + f"mlp.c_proj.{w}"]}
+    return m
+
+
+def load_pretrained(path: str | Path, group=None, dtype=torch.float32, device="cpu") -> DecoderLM:
+    """Load a Hugging Face format GPT-2 or Llama directory (``config.json`` + ``*.safetensors``), TP-sharded.
+
+    Every checkpoint tensor is checked by name and shape; GPT-2's Conv1D weights are transposed; q/k/v and
+    gate/up are fused into one matrix each (one GEMM instead of three or two per layer). Raises FileNotFoundError (no config or no safetensors), ValueError (missing
+    key, unexpected architecture or shape mismatch).
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model directory {path} has no config.json")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"model directory {path} has no *.safetensors weights")
+    cfg = DecoderConfig.from_hf(json.loads((path / "config.json").read_text()))
+    tensors = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            tensors.update({k: fh.get_tensor(k) for k in fh.keys()})
+    gpt2 = cfg.arch == "gpt2"
+
+    def get(name):
+        for cand in (name, name.removeprefix("transformer.")):
+            if cand in tensors:
+                return tensors[cand].float()
+        raise ValueError(f"checkpoint {path} lacks tensor {name!r}")
+
+    with torch.device("meta"):
+        model = DecoderLM(cfg, group)
+    model = model.to_empty(device="cpu").to(torch.float32)
+    if cfg.arch == "llama":  # to_empty left the RoPE tables uninitialised
+        model.cos, model.sin = _rope_tables(cfg)
+    rank, _ = _tp(group)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        params["embed_tokens.weight"].copy_(get("transformer.wte.weight" if gpt2 else "model.embed_tokens.weight"))
+        if gpt2:
+            params["wpe.weight"].copy_(get("transformer.wpe.weight"))
+            params["norm.weight"].copy_(get("transformer.ln_f.weight"))
+            params["norm.bias"].copy_(get("transformer.ln_f.bias"))
+        else:
+            params["norm.weight"].copy_(get("model.norm.weight"))
+        head = get("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight") if not gpt2 \
+            else get("transformer.wte.weight")
+        model.lm_head.load_parts("weight", [head], rank)
+        for i, layer in enumerate(model.layers):
+            for ours, theirs in _hf_names(cfg, i).items():
+                fulls = [get(t) for t in theirs]
+                if gpt2:
+                    fulls = [t.t() if t.ndim == 2 else t for t in fulls]  # Conv1D stores [in, out]
+                    if "qkv_proj" in ours:
+                        fulls = list(fulls[0].chunk(3, 0))
+                mod_name, pname = ours.rsplit(".", 1)
+                mod = layer.get_submodule(mod_name)
+                if isinstance(mod, ColumnParallelLinear):
+                    mod.load_parts(pname, fulls, rank)
+                else:
+                    _copy_shard(getattr(mod, pname), fulls[0], getattr(mod, "tp_dim", None), rank)
+    return model.to(device=device, dtype=dtype)

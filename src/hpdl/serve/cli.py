@@ -1,0 +1,170 @@
+"""`hpdl serve`: start the OpenAI-compatible server; `hpdl serve bench`: the serving benchmark client."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    try:
+        return int(lo), int(hi or lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO[:HI] integers, got {text!r}") from None
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and engine")
+    g.add_argument("--model", help="Hugging Face format directory (config.json + *.safetensors), GPT-2 or Llama")
+    g.add_argument("--config", help="named random-weight model: gpt2-tiny, llama-tiny, llama-1b")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    g.add_argument("--num-slots", type=int, default=64, help="pre-allocated KV slots = max concurrent requests")
+    g.add_argument("--max-seq-len", type=int, default=1024, help="prompt + output positions per slot")
+    g.add_argument("--tensor-parallel-size", type=int, default=1)
+    g.add_argument("--reorder", default="window", choices=["window", "prefix", "none"])
+    g.add_argument("--tp-all-reduce", default="nccl", choices=["nccl", "symm"],
+                   help="symm: one-shot symmetric-memory all-reduce for decode steps (CUDA), NCCL otherwise")
+    g.add_argument("--cuda-graph", action="store_true", help="replay decode steps from CUDA graphs")
+    g.add_argument("--seed", type=int, default=0, help="random-weight seed (and workload seed for bench)")
+
+
+def _engine(args):
+    from hpdl.cli import CLIUsageError
+    from hpdl.serve import EngineConfig, LLMEngine, ModelSpec
+
+    if (args.model is None) == (args.config is None):
+        raise CLIUsageError("give exactly one of --model DIR or --config NAME")
+    spec = ModelSpec(model=args.model, config=args.config, seed=args.seed, dtype=args.dtype)
+    cfg = EngineConfig(num_slots=args.num_slots, max_seq_len=args.max_seq_len, device=args.device,
+                       tensor_parallel_size=args.tensor_parallel_size, reorder=args.reorder,
+                       cuda_graph=args.cuda_graph, tp_all_reduce=args.tp_all_reduce)
+    return spec, LLMEngine(spec, cfg)
+
+
+class ServeBenchCommand:
+    """`hpdl serve bench` (alias `hpdl bench serve`): Flover against HF baselines, or an HTTP server."""
+
+    name = "bench"
+    help = "serving benchmark: TTFT/TPOT/ITL/E2EL, throughput, goodput; vs HF generate/static/continuous batching"
+
+    @staticmethod
+    def add_arguments(p: argparse.ArgumentParser) -> None:
+        _model_args(p)
+        p.add_argument("--url", help="benchmark a running server at this base URL instead of in-process")
+        p.add_argument("--served-model", default=None, help="model name to send with --url")
+        p.add_argument("--num-requests", type=int, default=64)
+        p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (inf = all at t=0)")
+        p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson, < 1 burstier")
+        p.add_argument("--prompt-len", type=_range, default=(128, 128), help="LO[:HI] tokens, uniform")
+        p.add_argument("--output-len", type=_range, default=(32, 512), help="LO[:HI] tokens, uniform")
+        p.add_argument("--corpus", help="local text file: prompts are slices of it instead of random ids")
+        p.add_argument("--systems", default="flover,sequential,static,cb",
+                       help="comma list of flover, sequential, static, cb (in-process only)")
+        p.add_argument("--static-batch-size", type=int, default=16)
+        p.add_argument("--max-concurrency", type=int, default=None, help="--url only: cap on in-flight requests")
+        p.add_argument("--slo-ttft-ms", type=float, default=None)
+        p.add_argument("--slo-tpot-ms", type=float, default=None)
+        p.add_argument("--format", default="table", choices=["table", "json"])
+
+    def run(self, args) -> int:
+        from hpdl.serve import bench
+
+        corpus = None
+        if args.corpus:
+            from hpdl.serve.tokenizer import load_tokenizer
+
+            with open(args.corpus, encoding="utf-8", errors="replace") as fh:
+                corpus = load_tokenizer(args.model).encode(fh.read())
+        if args.url:
+            wl = bench.make_workload(args.num_requests, args.prompt_len, args.output_len, args.request_rate,
+                                     args.burstiness, vocab_size=256, corpus_ids=corpus, seed=args.seed)
+            recs = asyncio.run(bench.run_http(args.url.rstrip("/"), args.served_model, wl, args.max_concurrency))
+            results = {"server": bench.summarize(recs, args.slo_ttft_ms, args.slo_tpot_ms)}
+        else:
+            from hpdl.serve.baselines import compare
+
+            spec, engine = _engine(args)
+            try:
+                wl = bench.make_workload(args.num_requests, args.prompt_len, args.output_len, args.request_rate,
+                                         args.burstiness, engine.model_config.vocab_size, corpus, args.seed)
+                systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+                hf = _hf_model(spec, engine.model_config, args.device) if set(systems) - {"flover"} else None
+                results = compare(engine, hf, wl, systems, args.static_batch_size, args.slo_ttft_ms, args.slo_tpot_ms)
+            finally:
+                engine.shutdown()
+        _print(results, args.format)
+        return 0
+
+
+def _hf_model(spec, cfg, device):
+    import torch
+    import transformers
+
+    from hpdl.serve.worker import DTYPES
+
+    dtype = DTYPES[spec.dtype]
+    if spec.model is not None:
+        return transformers.AutoModelForCausalLM.from_pretrained(spec.model, dtype=dtype).to(device).eval()
+    torch.manual_seed(spec.seed)  # same architecture, HF's own random init: throughput does not depend on values
+    with torch.device(device):
+        return transformers.AutoModelForCausalLM.from_config(cfg.to_hf(), dtype=dtype).eval()
+
+
+def _print(results: dict[str, dict], fmt: str) -> None:
+    if fmt == "json":
+        print(json.dumps(results, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    cols = ["requests", "output_throughput", "request_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
+            "p99_tpot_ms", "p99_itl_ms", "median_e2el_ms", "p99_e2el_ms", "goodput", "makespan_s"]
+    t = Table(title="hpdl serve bench")  # one column per system: narrow enough for a terminal
+    t.add_column("metric")
+    for name, r in results.items():
+        t.add_column(name + (" *" if "note" in r else ""), justify="right")
+    for c in cols:
+        t.add_row(c, *[(f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, "-")))
+                       for r in results.values()])
+    Console().print(t)
+    for name, r in results.items():
+        if "note" in r:
+            print(f"* {name}: {r['note']}")
+
+
+class ServeCommand:
+    """`hpdl serve --model DIR | --config NAME`: OpenAI-compatible server (Flover engine)."""
+
+    name = "serve"
+    help = "OpenAI-compatible LLM server with Flover temporal fusion (see docs/serve.md); `serve bench` benchmarks"
+
+    @staticmethod
+    def add_arguments(p: argparse.ArgumentParser) -> None:
+        _model_args(p)
+        p.add_argument("--host", default="127.0.0.1")
+        p.add_argument("--port", type=int, default=8000)
+        p.add_argument("--served-model-name", default=None, help="name in /v1/models (default: dir or config)")
+        p.add_argument("--default-max-tokens", type=int, default=16)
+        sub = p.add_subparsers(dest="serve_cmd", metavar="{bench}")
+        b = sub.add_parser("bench", help=ServeBenchCommand.help, description=ServeBenchCommand.help)
+        ServeBenchCommand.add_arguments(b)
+
+    def run(self, args) -> int:
+        if getattr(args, "serve_cmd", None) == "bench":
+            return ServeBenchCommand().run(args)
+        from hpdl.serve.api_server import run_server
+        from hpdl.serve.async_engine import AsyncEngine
+        from hpdl.serve.metrics import ServeMetrics
+
+        spec, engine = _engine(args)
+        name = args.served_model_name or args.config or os.path.basename(os.path.normpath(args.model))
+        metrics = ServeMetrics()
+        print(f"hpdl serve: {name} on http://{args.host}:{args.port} (slots={args.num_slots}, "
+              f"tp={args.tensor_parallel_size}, device={args.device})", flush=True)
+        run_server(AsyncEngine(engine, metrics), name, metrics, args.host, args.port, args.default_max_tokens)
+        return 0

@@ -1,0 +1,66 @@
+"""Test helpers for hpdl.serve (a uniquely named module, so it never clashes with other folders' conftest)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
+
+transformers = pytest.importorskip("transformers")
+
+
+def make_hf_model(arch: str, seed: int = 0):
+    """A tiny HF GPT2 or Llama with random weights (vocab 258: bytes + <bos> 256 + <eos> 257), float32."""
+    torch.manual_seed(seed)
+    if arch == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=258, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                                      bos_token_id=256, eos_token_id=257)
+    else:
+        cfg = transformers.LlamaConfig(vocab_size=258, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
+                                       bos_token_id=256, eos_token_id=257)
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Hugging Face generate for this request alone (greedy; stops at EOS like the engine)."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=model.config.eos_token_id)
+    return out[0, len(prompt):].tolist()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """uvicorn serving the app in a background thread on a free port; ``url`` is its base URL."""
+
+    def __init__(self, app):
+        import uvicorn
+
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            if time.time() > deadline:
+                raise TimeoutError("uvicorn did not start in 30 s")
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)

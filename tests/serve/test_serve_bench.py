@@ -1,0 +1,78 @@
+"""Benchmark workloads, metrics (checked on hand-made records), queue simulation, and the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from hpdl.serve.baselines import simulate_static
+from hpdl.serve.bench import RequestRecord, WorkloadRequest, make_workload, summarize
+
+
+def test_workload_rates_and_lengths():
+    wl = make_workload(4000, (4, 8), (32, 512), request_rate=10.0, seed=1, vocab_size=100)
+    gaps = np.diff([w.arrival for w in wl])
+    assert wl[0].arrival == 0 and abs(gaps.mean() - 0.1) < 0.01 and abs(gaps.std() / gaps.mean() - 1) < 0.1
+    bursty = np.diff([w.arrival for w in make_workload(4000, request_rate=10.0, burstiness=0.25, seed=1)])
+    assert bursty.std() / bursty.mean() > 1.5  # gamma shape 0.25: coefficient of variation 2
+    assert all(4 <= len(w.prompt) <= 8 and 32 <= w.output_len <= 512 and max(w.prompt) < 100 for w in wl)
+    assert all(w.arrival == 0 for w in make_workload(5))
+    corpus = list(range(1000))
+    w = make_workload(3, (10, 10), corpus_ids=corpus)[0]
+    assert w.prompt == list(range(w.prompt[0], w.prompt[0] + 10))
+    with pytest.raises(ValueError, match="output_len"):
+        make_workload(3, output_len=(5, 2))
+    with pytest.raises(ValueError, match="request_rate"):
+        make_workload(3, request_rate=0)
+
+
+def test_summarize_exact_values():
+    recs = [RequestRecord(0.0, 4, [1.0, 1.5, 2.0]), RequestRecord(1.0, 4, [2.0, 4.0], finish=5.0)]
+    s = summarize(recs, slo_ttft_ms=1000, slo_tpot_ms=600)
+    assert s["makespan_s"] == 5.0 and s["request_throughput"] == 0.4 and s["output_throughput"] == 1.0
+    assert s["mean_ttft_ms"] == 1000 and s["median_e2el_ms"] == 3000
+    assert s["mean_tpot_ms"] == pytest.approx((500 + 3000) / 2)  # (E2EL - TTFT)/(n - 1)
+    assert s["mean_itl_ms"] == pytest.approx((500 + 500 + 2000) / 3)
+    assert s["goodput"] == pytest.approx(1 / 5)  # only the first meets TPOT <= 600 ms
+
+
+def test_simulate_static_fifo():
+    calib = {1: (1.0, 0.1), 2: (2.0, 0.2)}
+    wl = [WorkloadRequest(0.0, [1], 3), WorkloadRequest(0.5, [1], 2), WorkloadRequest(0.6, [1], 4)]
+    seq = simulate_static(wl, calib, 1)
+    assert seq[0].token_times == pytest.approx([1.0, 1.1, 1.2]) and seq[1].token_times[0] == pytest.approx(2.2)
+    st = simulate_static(wl, calib, 2)  # request 0 alone, then 1 and 2 together, run to the longer (4)
+    assert st[1].finish == pytest.approx(1.2 + 2.0 + 3 * 0.2) and st[1].output_len == 2
+
+
+def test_cli_bench_json(capsys):
+    from hpdl.serve.cli import ServeCommand
+    import argparse
+
+    p = argparse.ArgumentParser()
+    ServeCommand.add_arguments(p)
+    args = p.parse_args(["bench", "--config", "llama-tiny", "--num-requests", "6", "--prompt-len", "4:8",
+                         "--output-len", "2:6", "--max-seq-len", "32", "--num-slots", "4",
+                         "--systems", "flover,static", "--static-batch-size", "2", "--format", "json"])
+    assert ServeCommand().run(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["flover"]["requests"] == 6 and out["static"]["requests"] == 6
+    assert math.isfinite(out["flover"]["output_throughput"])
+
+
+def test_cli_requires_exactly_one_model_source():
+    import argparse
+
+    from hpdl.cli import CLIUsageError
+    from hpdl.serve.cli import ServeCommand
+
+    p = argparse.ArgumentParser()
+    ServeCommand.add_arguments(p)
+    for argv in ([], ["--model", "x", "--config", "llama-tiny"]):
+        with pytest.raises(CLIUsageError, match="exactly one"):
+            ServeCommand().run(p.parse_args(argv))
+    with pytest.raises(ValueError, match="config must be one of"):
+        ServeCommand().run(p.parse_args(["--config", "nope"]))
