@@ -16,6 +16,7 @@ from hpdl import __version__
 # name -> "module:Class"; the class is imported lazily.
 GROUPS: dict[str, str] = {
     "bench": "hpdl.bench.cli:BenchCommand",
+    "hpo": "hpdl.hpo.cli:HpoCommand",
 }
 
 

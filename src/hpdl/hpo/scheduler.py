@@ -150,7 +150,8 @@ class FixedFraction(SchedulingPolicy):
 
 class Pack(SchedulingPolicy):
     """Resource-aware packing: place a trial where its memory fits under the device limit (hard) and the
-    summed compute share stays under ``max_compute`` (soft: co-locate only where it gains).
+    device's summed compute share is still under ``max_compute`` (soft: co-locate only where idle GPU time
+    is left to gain; the last trial may push the sum past the cap, which only time-slices).
 
     Pending trials are tried largest memory first (first-fit decreasing); each goes to the fitting device
     with the lowest resulting speed-weighted load, which spreads work over idle GPUs before stacking.
@@ -158,7 +159,7 @@ class Pack(SchedulingPolicy):
     nothing else is started there until it fits.
 
     Args:
-        max_compute: largest summed busy fraction per device (1.0 = no expected slowdown).
+        max_compute: a device whose summed busy fraction reached this takes no more trials.
         max_trials_per_device: cap on co-located processes (context memory, CPU threads).
         unprofiled_compute: share assumed for a trial not yet profiled.
         starve_after_s: waiting time after which a trial reserves a device.
@@ -185,7 +186,7 @@ class Pack(SchedulingPolicy):
     def _order(self, pending: Sequence[TrialDemand]) -> list[TrialDemand]:
         return sorted(pending, key=lambda t: (-t.memory_bytes, t.key))
 
-    def _score(self, t: TrialDemand, dev: Device, mem: int, comp: float) -> float:
+    def _score(self, t: TrialDemand, dev: Device, comp: float, work: float) -> float:
         """Lower is better: resulting compute load relative to the device's speed."""
         return (comp + self._compute(t)) / (dev.compute * dev.speed)
 
@@ -193,6 +194,7 @@ class Pack(SchedulingPolicy):
         mem = {d.device.id: d.memory_used for d in devices}
         comp = {d.device.id: sum(self._compute(t) for t in d.running) for d in devices}
         count = {d.device.id: len(d.running) for d in devices}
+        work = {d.device.id: sum(t.work_s for t in d.running) for d in devices}
         by_id = {d.device.id: d.device for d in devices}
         reserved: set[str] = set()
         # Starvation control: the longest-waiting starving trial reserves the device with most memory.
@@ -209,8 +211,9 @@ class Pack(SchedulingPolicy):
             fits = [d for d in by_id.values() if d.id not in reserved and self._fits(t, d, mem, comp, count)]
             if not fits:
                 continue
-            dev = min(fits, key=lambda d: (self._score(t, d, mem[d.id], comp[d.id]), d.id))
+            dev = min(fits, key=lambda d: (self._score(t, d, comp[d.id], work[d.id]), d.id))
             c = self._compute(t)
+            work[dev.id] += t.work_s
             mem[dev.id] += t.memory_bytes
             comp[dev.id] += c
             count[dev.id] += 1
@@ -223,8 +226,9 @@ class Pack(SchedulingPolicy):
             return False
         if count[dev.id] >= self.max_trials_per_device:
             return False
-        # An empty device always takes a trial that fits in memory (a heavy trial must run somewhere).
-        return count[dev.id] == 0 or comp[dev.id] + self._compute(t) <= self.max_compute * dev.compute + 1e-9
+        # Gain test: co-locate only while the device still has idle compute (its load is under the cap);
+        # an empty device always takes a trial that fits in memory.
+        return count[dev.id] == 0 or comp[dev.id] < self.max_compute * dev.compute - 1e-9
 
 
 class PackHetero(Pack):
@@ -232,8 +236,9 @@ class PackHetero(Pack):
     longest first, and each goes where its estimated finish time is earliest, so long and promising trials
     land on fast GPUs and short ones fill slow GPUs.
 
-    Estimated finish time on device ``g`` (seconds): ``work_s / speed_g * max(1, load_g + b)``, the
-    time-slicing model of the module docstring.
+    Cost on device ``g`` (seconds, time-slicing model of the module docstring): the trial's own estimated
+    run time ``work_s / speed_g * max(1, load_g + b)`` plus the delay it adds to the trials already there,
+    ``W_g / speed_g * (max(1, load_g + b) - max(1, load_g))`` with ``W_g`` their summed remaining work.
     """
 
     name = "pack_hetero"
@@ -241,9 +246,10 @@ class PackHetero(Pack):
     def _order(self, pending):
         return sorted(pending, key=lambda t: (-t.priority, -t.work_s, -t.memory_bytes, t.key))
 
-    def _score(self, t, dev, mem, comp):
-        load = (comp + self._compute(t)) / dev.compute
-        return t.work_s / dev.speed * max(1.0, load)
+    def _score(self, t, dev, comp, work):
+        old = max(1.0, comp / dev.compute)
+        new = max(1.0, (comp + self._compute(t)) / dev.compute)
+        return t.work_s / dev.speed * new + work / dev.speed * (new - old)
 
 
 POLICIES = {cls.name: cls for cls in (OnePerGpu, FixedFraction, Pack, PackHetero)}
