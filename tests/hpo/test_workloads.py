@@ -81,6 +81,7 @@ def test_step_profiler_on_cpu_and_cache(tmp_path: Path):
     w = get_workload("cnn")
     st = static_profile(w, CNN, "cpu", context_bytes=0)
     prof = StepProfiler(torch.device("cpu"), "cpu", st, warmup=1, window=3, peak_flops=1e9)
+    prof.interrupt()
     parts = w.build(w.resolve(CNN), torch.device("cpu"))
     for s in range(5, 10):
         prof.before(s)

@@ -185,8 +185,7 @@ class Driver:
     # ------------------------------------------------------------------ demands and placement
     def _demand(self, t: _Trial, kinds: set[str]) -> TrialDemand:
         measured = [p for k in kinds if (p := self.profiles.get(t.skey, k)) is not None and p.measured]
-        p = self.workload.resolve({**self.spec.fixed, **t.params})
-        steps = int(p.get("steps", 1))
+        steps = self.workload.schedule(self.workload.resolve({**self.spec.fixed, **t.params}))[0]
         if measured:
             ref = max(measured, key=lambda q: q.step_time_s)
             mem = max(q.memory_bytes for q in measured)

@@ -76,77 +76,85 @@ def static_profile(workload, params: dict, kind: str, context_bytes: int = CONTE
 
 class StepProfiler:
     """Measures a trial's first steps in place (see module docstring). Call ``before(step)`` and
-    ``after(step)`` around every training step; ``result`` is set once the windows are done.
+    ``after(step)`` around every training step and ``interrupt()`` when the loop synchronises between
+    steps (evaluation, checkpoint): a window that saw a synchronisation is restarted at the next step.
+    ``result`` is set once both windows are done.
 
     Args:
         device: the torch device the trial trains on.
         kind: device kind name for the profile.
         static: the static profile (memory bound and FLOPs used on CPU).
-        warmup, window: steps skipped, then steps measured in each window (>= 1).
+        warmup, window: steps skipped, then consecutive steps measured in each window (>= 1).
         peak_flops: declared peak of a fake CPU device (FLOP/s) for the compute share on CPU.
         context_bytes: CUDA context bytes added to the allocator's peak.
     """
 
     def __init__(self, device: torch.device, kind: str, static: TrialProfile,
-                 warmup: int = 3, window: int = 5, peak_flops: float = 5e10, context_bytes: int = CONTEXT_BYTES):
+                 warmup: int = 3, window: int = 4, peak_flops: float = 5e10, context_bytes: int = CONTEXT_BYTES):
         if warmup < 0 or window < 1:
             raise ValueError(f"warmup={warmup}, window={window}: expected warmup >= 0 and window >= 1")
         self.device, self.kind, self.static = device, kind, static
         self.peak_flops, self.context_bytes = peak_flops, context_bytes
         self.warmup, self.window = warmup, window
-        self.a0 = self.b0 = -1  # set at the first step seen (a resumed trial does not start at 0)
+        self.cuda = device.type == "cuda"
+        self.phase = "warm"   # warm -> gpu (CUDA only) -> wall -> done
+        self.seen = 0         # steps seen in the current phase
         self.result: TrialProfile | None = None
-        self._t = 0.0
 
     @property
     def done(self) -> bool:
         return self.result is not None
 
+    def interrupt(self) -> None:
+        """The loop synchronised the device outside a step: restart the current window."""
+        if self.phase in ("gpu", "wall"):
+            self.seen = 0
+
     def before(self, step: int) -> None:
         if self.done:
             return
-        cuda = self.device.type == "cuda"
-        if self.a0 < 0:
-            self.a0 = step + self.warmup  # GPU window (behind a sleep kernel) starts here
-            self.b0 = self.a0 + (self.window if cuda else 0)  # then the wall-clock window
-        if cuda and step == self.a0:
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            torch.cuda._sleep(int(0.25 * 1.9e9))  # ~0.25 s of GPU clock cycles: the host enqueues meanwhile
-            self._ev0 = torch.cuda.Event(enable_timing=True)
-            self._ev0.record()
-            self._t = time.perf_counter()
-        if step == self.b0:
-            if cuda:
+        if self.phase == "warm" and self.seen >= self.warmup:
+            self.phase, self.seen = ("gpu" if self.cuda else "wall"), 0
+            if self.cuda:
+                torch.cuda.reset_peak_memory_stats(self.device)
+        if self.phase in ("gpu", "wall") and self.seen == 0:
+            if self.cuda:
                 torch.cuda.synchronize(self.device)
+            if self.phase == "gpu":
+                torch.cuda._sleep(int(0.25 * 1.9e9))  # ~0.25 s of GPU clock: the host enqueues meanwhile
+                self._ev0 = torch.cuda.Event(enable_timing=True)
+                self._ev0.record()
             self._t = time.perf_counter()
 
     def after(self, step: int) -> None:
         if self.done:
             return
-        cuda = self.device.type == "cuda"
-        if cuda and step == self.a0 + self.window - 1:
+        self.seen += 1
+        if self.phase == "warm" or self.seen < self.window:
+            return
+        if self.phase == "gpu":
             self._cpu = (time.perf_counter() - self._t) / self.window
             ev1 = torch.cuda.Event(enable_timing=True)
             ev1.record()
             ev1.synchronize()
             self._gpu = self._ev0.elapsed_time(ev1) / 1e3 / self.window
-        if step == self.b0 + self.window - 1:
-            if cuda:
-                torch.cuda.synchronize(self.device)
-            wall = (time.perf_counter() - self._t) / self.window
-            if cuda:
-                solo = max(self._cpu, self._gpu)
-                self.result = TrialProfile(
-                    kind=self.kind, memory_bytes=int(torch.cuda.max_memory_reserved(self.device)) + self.context_bytes,
-                    step_time_s=solo, compute=min(1.0, max(self._gpu / solo, 1e-3)), flops=self.static.flops,
-                    source="cuda")
-                self.wall_step_s = wall
-            else:
-                self.result = TrialProfile(
-                    kind=self.kind, memory_bytes=self.static.memory_bytes, step_time_s=wall,
-                    compute=min(1.0, max(self.static.flops / (wall * self.peak_flops), 1e-3)),
-                    flops=self.static.flops, source="cpu")
+            self.phase, self.seen = "wall", 0
+            return
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        self.wall_step_s = (time.perf_counter() - self._t) / self.window
+        if self.cuda:
+            solo = max(self._cpu, self._gpu)
+            self.result = TrialProfile(
+                kind=self.kind, memory_bytes=int(torch.cuda.max_memory_reserved(self.device)) + self.context_bytes,
+                step_time_s=solo, compute=min(1.0, max(self._gpu / solo, 1e-3)), flops=self.static.flops,
+                source="cuda")
+        else:
+            self.result = TrialProfile(
+                kind=self.kind, memory_bytes=self.static.memory_bytes, step_time_s=self.wall_step_s,
+                compute=min(1.0, max(self.static.flops / (self.wall_step_s * self.peak_flops), 1e-3)),
+                flops=self.static.flops, source="cpu")
+        self.phase = "done"
 
 
 class ProfileCache:

@@ -59,6 +59,8 @@ class TrialContext:
 
     def report(self, value: float, step: int) -> None:
         """Record an intermediate ``value`` at ``step`` (Optuna's order: value, then step)."""
+        if self._profiler is not None:
+            self._profiler.interrupt()  # evaluation synchronised the device
         self._trial.report(float(value), int(step))
 
     def should_prune(self) -> bool:
@@ -117,9 +119,9 @@ def worker_main(conn, device: dict, spec: dict, parent_pid: int, sm_percent: int
     from hpdl.hpo.spec import make_pruner, make_storage
     from hpdl.hpo.workloads import get_workload
 
-    if torch_device == "cpu":
-        torch.set_num_threads(int(os.environ.get("HPDL_HPO_CPU_THREADS", "1")))
-    else:
+    # One intra-op thread: co-located trials each need a core for Python and kernel launches.
+    torch.set_num_threads(int(os.environ.get("HPDL_HPO_CPU_THREADS", "1")))
+    if torch_device != "cpu":
         torch.backends.cudnn.benchmark = True
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True

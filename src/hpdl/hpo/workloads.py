@@ -84,7 +84,7 @@ class Workload(ABC):
             parts.model.load_state_dict(state["model"])
             parts.optimizer.load_state_dict(state["optimizer"])
             start, value = int(state["step"]), float(state["value"])
-        steps, every = int(p["steps"]), int(p["eval_every"])
+        steps, every = self.schedule(p)
         parts.model.train()
         for step in range(start, steps):
             with ctx.step(step):
@@ -103,6 +103,17 @@ class Workload(ABC):
                     ctx.save_checkpoint({"model": parts.model.state_dict(), "step": done, "value": value,
                                          "optimizer": parts.optimizer.state_dict()})
         return value
+
+    @staticmethod
+    def schedule(p: dict[str, Any]) -> tuple[int, int]:
+        """(steps, eval_every) of resolved parameters. With ``samples > 0`` the trial trains on a fixed
+        number of samples (equal epochs whatever the batch size): ``steps = max(min_steps, samples //
+        batch_size)``; with ``evals > 0`` it evaluates ``evals`` times, else every ``eval_every`` steps."""
+        steps = int(p["steps"])
+        if int(p.get("samples", 0)) > 0:
+            steps = max(int(p.get("min_steps", 20)), int(p["samples"]) // int(p["batch_size"]))
+        every = max(1, steps // int(p["evals"])) if int(p.get("evals", 0)) > 0 else int(p["eval_every"])
+        return steps, every
 
     def estimate(self, params: dict[str, Any]) -> dict[str, float]:
         """Static cost of one training step, measured on the meta device.
@@ -184,7 +195,7 @@ class VisionCNN(Workload):
     direction = "maximize"
     defaults = {"width": 32, "depth": 2, "batch_size": 128, "image_size": 32, "lr": 0.05, "momentum": 0.9,
                 "weight_decay": 5e-4, "steps": 100, "eval_every": 25, "seed": 0, "data_seed": 7,
-                "noise": 1.0, "val_size": 512}
+                "noise": 1.0, "val_size": 512, "samples": 0, "min_steps": 20, "evals": 0}
     structural = ("width", "depth", "batch_size", "image_size")
 
     def build(self, p, device):
@@ -259,7 +270,8 @@ class LanguageGPT(Workload):
     name = "gpt"
     direction = "minimize"
     defaults = {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 64, "batch_size": 32, "lr": 3e-3,
-                "weight_decay": 0.0, "steps": 100, "eval_every": 25, "seed": 0, "val_batches": 8}
+                "weight_decay": 0.0, "steps": 100, "eval_every": 25, "seed": 0, "val_batches": 8, "samples": 0,
+                "min_steps": 20, "evals": 0}
     structural = ("n_layer", "n_head", "n_embd", "block_size", "batch_size")
 
     def build(self, p, device):
