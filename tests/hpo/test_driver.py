@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import optuna
@@ -44,21 +45,57 @@ def trials_of(spec):
     return optuna.load_study(study_name=spec.study, storage=make_storage(spec.storage)).get_trials(deepcopy=False)
 
 
-@pytest.mark.timeout(150)
-def test_end_to_end_two_workers_matches_serial_training(tmp_path):
-    spec = StudySpec.from_dict(spec_dict(tmp_path))
+def write_pool(path, ids):
+    path.write_text(yaml.safe_dump({"devices": [{"id": i, "kind": "cpu", "memory_gb": 2} for i in ids]}))
+
+
+@pytest.mark.timeout(180)
+def test_end_to_end_two_workers_elastic_pool_matches_serial_training(tmp_path):
+    """A real study: one device at first, a second one added, then the first removed while it trains."""
+    pool_file = tmp_path / "pool.yaml"
+    write_pool(pool_file, ["fake:0"])
+    spec = StudySpec.from_dict(spec_dict(tmp_path, pool={"file": str(pool_file)},
+                                         fixed={**FIXED, "steps": 400, "eval_every": 50}))
+    make_storage(spec.storage)  # create the schema before two processes race to do it
+    events = []
+
+    def elastic():
+        deadline = time.monotonic() + 150
+        stage = 0
+        while time.monotonic() < deadline and stage < 2:
+            time.sleep(0.2)
+            try:
+                trials = trials_of(spec)
+            except Exception:  # noqa: BLE001 - study not created yet
+                continue
+            run = [t for t in trials if t.state.name == "RUNNING"]
+            on = {t.user_attrs.get("hpdl_device") for t in run if t.last_step}
+            if stage == 0 and "fake:0" in on:
+                write_pool(pool_file, ["fake:0", "fake:1"])
+                events.append("added")
+                stage = 1
+            elif stage == 1 and "fake:0" in on and "fake:1" in {t.user_attrs.get("hpdl_device") for t in run}:
+                write_pool(pool_file, ["fake:1"])
+                events.append("removed")
+                stage = 2
+
+    th = threading.Thread(target=elastic, daemon=True)
+    th.start()
     res = run_study(spec)
-    assert res.complete == 4 and not res.failures and res.history
+    th.join(5)
+    assert events == ["added", "removed"]
+    assert res.complete == 4 and not res.failures and res.history and res.preempted >= 1
     trials = trials_of(spec)
     assert sorted(t.state.name for t in trials) == ["COMPLETE"] * 4
-    assert {t.user_attrs["hpdl_device"] for t in trials} <= {"fake:0", "fake:1"}
+    assert "fake:1" in {t.user_attrs["hpdl_device"] for t in trials}  # the added device ran trials
     assert not any(alive(t.user_attrs["hpdl_pid"]) for t in trials)
-    # placement-invariance oracle: the same configuration trained in this process gives the same value
+    # placement-invariance oracle: each configuration trained serially in this process gives the same value,
+    # including the one preempted on the removed device and continued from its checkpoint on the other
     from test_workloads import Ctx
     torch.set_num_threads(1)
-    t0 = trials[0]
-    direct = get_workload("cnn").train(Ctx({**FIXED, **t0.params}))
-    assert t0.value == pytest.approx(direct, abs=1e-6)
+    for t in trials:
+        direct = get_workload("cnn").train(Ctx({**FIXED, "steps": 400, "eval_every": 50, **t.params}))
+        assert t.value == pytest.approx(direct, abs=1e-6)
     assert (tmp_path / "run" / "profiles.json").exists()
     with pytest.raises(HpoError, match="already exists"):
         run_study(spec)
@@ -93,6 +130,7 @@ def test_scheduler_killed_then_resumed_loses_nothing_and_leaves_nothing_running(
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump(d))
     spec = StudySpec.from_dict(d)
+    make_storage(spec.storage)  # create the schema before two processes race to do it
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__)] + sys.path)}
     code = f"from hpdl.hpo.driver import run_study; from hpdl.hpo.spec import StudySpec; " \

@@ -118,3 +118,13 @@ def test_mps_share_and_errors():
         FixedFraction(0)
     with pytest.raises(HpoConfigError, match="memory_bytes"):
         Device("x", "k", 0)
+
+
+def test_unprofiled_bound_over_every_device_tries_largest_empty_device_alone():
+    devices = [Device("small", "A", 10 * GIB), Device("big", "H", 20 * GIB)]
+    states = [DeviceState(d) for d in devices]
+    over = TrialDemand(0, 30 * GIB, profiled=False)
+    assert [(a.key, a.device_id) for a in Pack().place([over], states)] == [(0, "big")]
+    states[1].running.append(TrialDemand(9, GIB, 0.1, profiled=True))
+    assert Pack().place([over], states) == []  # never next to another trial
+    assert Pack().place([TrialDemand(1, 30 * GIB, 0.5, profiled=True)], [DeviceState(d) for d in devices]) == []

@@ -63,7 +63,8 @@ class _Worker:
 @dataclass
 class StudyResult:
     """Outcome of :func:`run_study`. ``history`` is ``[(elapsed_s, best_value)]`` at each improvement;
-    ``failures`` counts failed attempts by kind (``oom``, ``error``, ``died``, ``driver_died``)."""
+    ``failures`` counts failed attempts by kind (``oom``, ``error``, ``died``, ``driver_died``, ``too_big``);
+    ``preempted`` counts trials moved off a removed device (checkpointed, then continued elsewhere)."""
 
     study: str
     policy: str
@@ -75,6 +76,7 @@ class StudyResult:
     best_value: float | None
     best_params: dict | None
     history: list[tuple[float, float]]
+    preempted: int = 0
 
 
 class Driver:
@@ -118,6 +120,7 @@ class Driver:
         self.pending: list[_Trial] = []
         self.running: dict[int, _Trial] = {}
         self.failures: dict[str, int] = {}
+        self.preempted = 0
         self.history: list[tuple[float, float]] = []
         self._t0 = time.monotonic()
         self._dirty = True
@@ -160,7 +163,9 @@ class Driver:
             if t.state in (TrialState.COMPLETE, TrialState.PRUNED):
                 finished.add(lin)
             elif t.state == TrialState.FAIL:
-                if not str(t.user_attrs.get("hpdl_failure", "")).startswith("not_started"):
+                if t.user_attrs.get("hpdl_gave_up"):
+                    finished.add(lin)
+                elif not str(t.user_attrs.get("hpdl_failure", "")).startswith("not_started"):
                     fails[lin] = fails.get(lin, 0) + 1
             else:
                 active.add(lin)
@@ -168,7 +173,7 @@ class Driver:
         self._lineage_cache = (finished, active - finished)
         return self._lineage_cache
 
-    def _fail(self, number: int, params: dict, attrs: dict, kind: str, message: str) -> None:
+    def _fail(self, number: int, params: dict, attrs: dict, kind: str, message: str, retry: bool = True) -> None:
         from optuna.trial import TrialState
 
         self._dirty = True
@@ -176,9 +181,11 @@ class Driver:
             self.failures[kind] = self.failures.get(kind, 0) + 1
         tid = self.study._storage.get_trial_id_from_study_id_trial_number(self.study._study_id, number)
         self.study._storage.set_trial_user_attr(tid, "hpdl_failure", f"{kind}: {message[-500:]}")
-        self.study.tell(number, state=TrialState.FAIL)
         attempt = int(attrs.get("hpdl_attempt", 0)) + 1
-        if attempt <= self.spec.max_retries:
+        if not retry or attempt > self.spec.max_retries:
+            self.study._storage.set_trial_user_attr(tid, "hpdl_gave_up", True)
+        self.study.tell(number, state=TrialState.FAIL)
+        if retry and attempt <= self.spec.max_retries:
             self.study.enqueue_trial(params, user_attrs={"hpdl_lineage": int(attrs.get("hpdl_lineage", number)),
                                                          "hpdl_attempt": attempt}, skip_if_exists=False)
 
@@ -277,6 +284,7 @@ class Driver:
         elif kind == "pruned":
             self.study.tell(t.number, state=TrialState.PRUNED)
         elif kind == "preempted":
+            self.preempted += 1
             t.since, t.device_id, t.worker, t.preempt_at = time.monotonic(), "", None, 0.0
             self.pending.insert(0, t)
         elif kind == "failed":
@@ -359,6 +367,13 @@ class Driver:
                     states = self._device_states(devices)
                     by_id = {d.id: d for d in devices}
                     demands = {t.number: self._demand(t, {d.kind for d in devices}) for t in self.pending}
+                    biggest = max(d.memory_bytes for d in devices)
+                    for t in [t for t in self.pending if demands[t.number].profiled
+                              and demands[t.number].memory_bytes > biggest]:
+                        self.pending.remove(t)  # measured, and larger than any device: it can never run
+                        need = demands.pop(t.number).memory_bytes
+                        self._fail(t.number, t.params, {"hpdl_lineage": t.lineage}, "too_big",
+                                   f"needs {need} B, largest device has {biggest} B", retry=False)
                     for a in self.policy.place(list(demands.values()), states):
                         t = next(x for x in self.pending if x.number == a.key)
                         self.pending.remove(t)
@@ -398,7 +413,8 @@ class Driver:
             best = (max if self.spec.direction == "maximize" else min)(done, key=lambda t: t.value)
         return StudyResult(self.spec.study, self.policy.name, self.spec.n_trials, time.monotonic() - self._t0,
                            len(done), sum(t.state == TrialState.PRUNED for t in trials), dict(self.failures),
-                           best.value if best else None, dict(best.params) if best else None, list(self.history))
+                           best.value if best else None, dict(best.params) if best else None, list(self.history),
+                           self.preempted)
 
 
 def _is_our_worker(pid: int) -> bool:

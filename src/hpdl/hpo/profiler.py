@@ -4,8 +4,9 @@ Two sources, both real measurements:
 
 - ``static_profile``: before a configuration has run, its step is traced on the meta device
   (:meth:`Workload.estimate`: parameter bytes, module-output bytes, FLOPs). Memory is bounded as
-  ``1.25 * (4 * params + 3 * activations) + context`` bytes, deliberately generous so that placement
-  before profiling does not run out of memory. Compute share is unknown (the policy assumes a default).
+  ``1.25 * (4 * params + 2 * activations) + context`` bytes: weights, gradients and two optimizer/
+  allocator copies, the module outputs autograd keeps plus as much again for gradients, cuDNN workspace and
+  fragmentation. Deliberately generous so that placement before profiling does not run out of memory. Compute share is unknown (the policy assumes a default).
 - ``StepProfiler``: the first steps of every new configuration (in the trial's own process, on the GPU it
   was placed on) are measured: after ``warmup`` steps, ``window`` steps are enqueued behind a
   ``torch.cuda._sleep`` kernel, so the CUDA-event time between the first and last step is pure GPU time
@@ -70,7 +71,7 @@ def static_profile(workload, params: dict, kind: str, context_bytes: int = CONTE
         HpoConfigError: ``params`` name parameters the workload does not have.
     """
     est = workload.estimate(params)
-    mem = int(1.25 * (4 * est["param_bytes"] + 3 * est["activation_bytes"])) + int(context_bytes)
+    mem = int(1.25 * (4 * est["param_bytes"] + 2 * est["activation_bytes"])) + int(context_bytes)
     return TrialProfile(kind=kind, memory_bytes=mem, flops=est["flops"], source="static")
 
 

@@ -196,6 +196,7 @@ class Pack(SchedulingPolicy):
         count = {d.device.id: len(d.running) for d in devices}
         work = {d.device.id: sum(t.work_s for t in d.running) for d in devices}
         by_id = {d.device.id: d.device for d in devices}
+        biggest = max((d.memory_bytes for d in by_id.values()), default=0)
         reserved: set[str] = set()
         # Starvation control: the longest-waiting starving trial reserves the device with most memory.
         starving = [t for t in pending if t.waited_s >= self.starve_after_s]
@@ -204,11 +205,11 @@ class Pack(SchedulingPolicy):
             cands = [d for d in by_id.values() if d.memory_bytes >= t.memory_bytes]
             if cands:
                 dev = min(cands, key=lambda d: (mem[d.id] - (d.memory_bytes - t.memory_bytes), d.id))
-                if not self._fits(t, dev, mem, comp, count):
+                if not self._fits(t, dev, mem, comp, count, biggest):
                     reserved.add(dev.id)
         out = []
         for t in self._order(pending):
-            fits = [d for d in by_id.values() if d.id not in reserved and self._fits(t, d, mem, comp, count)]
+            fits = [d for d in by_id.values() if d.id not in reserved and self._fits(t, d, mem, comp, count, biggest)]
             if not fits:
                 continue
             dev = min(fits, key=lambda d: (self._score(t, d, comp[d.id], work[d.id]), d.id))
@@ -221,9 +222,12 @@ class Pack(SchedulingPolicy):
             out.append(Assignment(t.key, dev.id, sm))
         return out
 
-    def _fits(self, t, dev: Device, mem, comp, count) -> bool:
+    def _fits(self, t, dev: Device, mem, comp, count, biggest: int = 0) -> bool:
         if mem[dev.id] + t.memory_bytes > dev.memory_bytes:
-            return False
+            # The static bound of an unprofiled trial is generous: if it exceeds every device, try it alone
+            # on the largest one (its profile will tell); a profiled trial that fits nowhere never runs.
+            return (not t.profiled and count[dev.id] == 0 and t.memory_bytes > biggest
+                    and dev.memory_bytes == biggest)
         if count[dev.id] >= self.max_trials_per_device:
             return False
         # Gain test: co-locate only while the device still has idle compute (its load is under the cap);
@@ -275,6 +279,9 @@ def get_policy(name: str | SchedulingPolicy, **kwargs) -> SchedulingPolicy:
 def check_placement(devices: Sequence[DeviceState], respect_memory: bool = True) -> None:
     """Assert the invariants every placement must keep; used by tests and the simulator.
 
+    A device running a single unprofiled trial is exempt from the memory check (that trial's static bound
+    exceeded every device, so it was tried alone on the largest).
+
     Raises:
         AssertionError: a trial is placed twice, or (with ``respect_memory``) a device's memory is exceeded.
     """
@@ -283,6 +290,7 @@ def check_placement(devices: Sequence[DeviceState], respect_memory: bool = True)
         for t in d.running:
             assert t.key not in seen, f"trial {t.key} placed twice"
             seen.add(t.key)
-        if respect_memory:
+        alone_unprofiled = len(d.running) == 1 and not d.running[0].profiled
+        if respect_memory and not alone_unprofiled:
             assert d.memory_used <= d.device.memory_bytes, (
                 f"device {d.device.id}: {d.memory_used} B placed > {d.device.memory_bytes} B capacity")

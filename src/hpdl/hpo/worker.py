@@ -162,8 +162,10 @@ def worker_main(conn, device: dict, spec: dict, parent_pid: int, sm_percent: int
         except torch.cuda.OutOfMemoryError as exc:
             conn.send(("failed", tid, "oom", str(exc).splitlines()[0][:300]))
             return
-        except Exception:  # noqa: BLE001 - any error of user code fails this trial, reported with its traceback
-            conn.send(("failed", tid, "error", traceback.format_exc()[-2000:]))
+        except Exception as exc:  # noqa: BLE001 - any error of user code fails this trial, with its traceback
+            # cuDNN/cuBLAS workspace failures are out-of-memory errors that are not OutOfMemoryError
+            oom = any(m in str(exc) for m in ("out of memory", "ALLOC_FAILED"))
+            conn.send(("failed", tid, "oom" if oom else "error", traceback.format_exc()[-2000:]))
             return
         finally:
             if dev.type == "cuda":
