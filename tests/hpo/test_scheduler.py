@@ -128,3 +128,12 @@ def test_unprofiled_bound_over_every_device_tries_largest_empty_device_alone():
     states[1].running.append(TrialDemand(9, GIB, 0.1, profiled=True))
     assert Pack().place([over], states) == []  # never next to another trial
     assert Pack().place([TrialDemand(1, 30 * GIB, 0.5, profiled=True)], [DeviceState(d) for d in devices]) == []
+
+
+def test_idle_worker_entries_hold_memory_but_are_not_trials():
+    states = [DeviceState(d) for d in pool(1, mem_gb=10)]
+    states[0].running += [TrialDemand(-1 - i, GIB, 0.0, profiled=True) for i in range(16)][:4]
+    assert [a.key for a in OnePerGpu().place([TrialDemand(0, GIB)], states)] == [0]
+    assert [a.key for a in Pack(max_trials_per_device=1).place([TrialDemand(0, GIB, 0.2, profiled=True)],
+                                                             states)] == [0]
+    assert Pack().place([TrialDemand(1, 7 * GIB, 0.2, profiled=True)], states) == []  # 4 GiB held by idle workers

@@ -59,7 +59,8 @@ class TrialDemand:
     """What a trial needs, as the scheduler sees it.
 
     Attributes:
-        key: trial number (unique within the study).
+        key: trial number (unique within the study); negative keys are idle worker processes that hold
+            memory (their CUDA context) but run nothing.
         memory_bytes: peak device memory of the trial's process (bytes), measured or estimated.
         compute: busy fraction in (0, 1] when alone on a speed-1 device; 1.0 when unknown.
         work_s: remaining solo run time on a speed-1 device (seconds); a rough estimate is fine.
@@ -119,7 +120,7 @@ class OnePerGpu(SchedulingPolicy):
     name = "one_per_gpu"
 
     def place(self, pending, devices):
-        free = [d.device.id for d in devices if not d.running]
+        free = [d.device.id for d in devices if not any(t.key >= 0 for t in d.running)]
         return [Assignment(t.key, dev) for t, dev in zip(pending, free)]
 
 
@@ -138,7 +139,7 @@ class FixedFraction(SchedulingPolicy):
     def place(self, pending, devices):
         out, queue = [], list(pending)
         # Ray fills the least-loaded node/GPU first; mirror that with round-robin over free slots.
-        load = {d.device.id: len(d.running) for d in devices}
+        load = {d.device.id: sum(t.key >= 0 for t in d.running) for d in devices}
         while queue:
             dev = min(load, key=lambda k: load[k], default=None)
             if dev is None or load[dev] >= self.slots:
@@ -193,7 +194,8 @@ class Pack(SchedulingPolicy):
     def place(self, pending, devices):
         mem = {d.device.id: d.memory_used for d in devices}
         comp = {d.device.id: sum(self._compute(t) for t in d.running) for d in devices}
-        count = {d.device.id: len(d.running) for d in devices}
+        # entries with a negative key are idle worker processes (memory only): not trials
+        count = {d.device.id: sum(t.key >= 0 for t in d.running) for d in devices}
         work = {d.device.id: sum(t.work_s for t in d.running) for d in devices}
         by_id = {d.device.id: d.device for d in devices}
         biggest = max((d.memory_bytes for d in by_id.values()), default=0)
