@@ -32,7 +32,8 @@ SPACE = {
     "batch_size": {"type": "categorical", "choices": [64, 256, 1024, 4096]},
     "image_size": {"type": "categorical", "choices": [32, 64]},
 }
-FIXED = {"samples": 51200, "min_steps": 20, "evals": 4, "val_size": 1024}
+FIXED = {"samples": 16384, "min_steps": 16, "evals": 4, "val_size": 1024}
+RUN_TIMEOUT_S = 100.0                # cap per run; a run that hits it reports what finished
 
 
 SMOKE_SPACE = {**SPACE, **{k: {"type": "categorical", "choices": [v]} for k, v in
@@ -75,6 +76,7 @@ def main() -> None:
     ap.add_argument("--policies", default=POLICIES)
     ap.add_argument("--pools", default=POOLS)
     ap.add_argument("--budget-s", type=float, default=BUDGET_S)
+    ap.add_argument("--run-timeout-s", type=float, default=RUN_TIMEOUT_S)
     ap.add_argument("--out", default=os.environ.get("OUT", "out") + "/hpo_device")
     ap.add_argument("--smoke", action="store_true", help="tiny configurations on fake CPU devices (no GPU)")
     args = ap.parse_args()
@@ -88,16 +90,20 @@ def main() -> None:
             "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())], "smoke": args.smoke,
             "cpus": os.cpu_count(), "n_trials": args.n_trials, "space": SPACE, "fixed": FIXED}
     runs = []
-    for pool in args.pools.split(";"):
+    for i, pool in enumerate(args.pools.split(";")):
         gpus = [int(g) for g in pool.split(",")]
-        for policy in args.policies.split(","):
+        order = args.policies.split(",")
+        if i > 0:  # later pools run the baseline first, so a spent budget drops a policy, not the baseline
+            order.sort(key=lambda p: p != "one_per_gpu")
+        for policy in order:
             left = args.budget_s - (time.monotonic() - t0)
             if left < 25:
                 runs.append({"tag": f"{policy}-{len(gpus)}gpu", "skipped": f"device budget spent ({left:.0f} s left)"})
                 continue
-            print(f"[{time.monotonic() - t0:6.1f} s] {policy} on GPUs {gpus} (timeout {left - 10:.0f} s)", flush=True)
+            timeout = min(left - 10, args.run_timeout_s)
+            print(f"[{time.monotonic() - t0:6.1f} s] {policy} on GPUs {gpus} (timeout {timeout:.0f} s)", flush=True)
             try:
-                r = run_one(policy, gpus, args.n_trials, args.out, left - 10, args.smoke)
+                r = run_one(policy, gpus, args.n_trials, args.out, timeout, args.smoke)
             except Exception as exc:  # noqa: BLE001 - record and go on to the next run
                 r = {"tag": f"{policy}-{len(gpus)}gpu", "error": f"{type(exc).__name__}: {exc}"}
             runs.append(r)

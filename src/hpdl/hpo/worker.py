@@ -122,7 +122,7 @@ def worker_main(conn, device: dict, spec: dict, parent_pid: int, sm_percent: int
     # One intra-op thread: co-located trials each need a core for Python and kernel launches.
     torch.set_num_threads(int(os.environ.get("HPDL_HPO_CPU_THREADS", "1")))
     if torch_device != "cpu":
-        torch.backends.cudnn.benchmark = True
+        # no cudnn.benchmark: its autotuning allocates transient workspaces a profile cannot bound
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     optuna.logging.set_verbosity(optuna.logging.WARNING)
