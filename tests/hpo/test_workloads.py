@@ -74,7 +74,7 @@ def test_estimate_and_static_profile_scale_with_size():
     # one conv output of (B, width, S, S) fp32 is among the module outputs
     assert small["activation_bytes"] >= 32 * 8 * 16 * 16 * 4
     p = static_profile(w, CNN, "cpu", context_bytes=0)
-    assert p.memory_bytes > 3 * small["activation_bytes"] and not p.measured
+    assert p.memory_bytes > 2 * small["activation_bytes"] and not p.measured
 
 
 def test_step_profiler_on_cpu_and_cache(tmp_path: Path):
