@@ -40,7 +40,7 @@ SMOKE_SPACE = {**SPACE, **{k: {"type": "categorical", "choices": [v]} for k, v i
                            (("width", 8), ("depth", 1), ("batch_size", 32), ("image_size", 16))}}
 
 
-def run_one(policy: str, gpus: list[int], n_trials: int, out: str, timeout_s: float, smoke: bool = False) -> dict:
+def run_one(policy: str, gpus: list[int], n_trials: int, scratch: str, timeout_s: float, smoke: bool = False) -> dict:
     from hpdl.hpo.driver import Driver
     from hpdl.hpo.errors import HpoError
     from hpdl.hpo.spec import StudySpec
@@ -48,7 +48,7 @@ def run_one(policy: str, gpus: list[int], n_trials: int, out: str, timeout_s: fl
     tag = f"{policy}-{len(gpus)}gpu"
     pol = {"name": policy, **({"fraction": 0.125} if policy == "fixed_fraction" else {})}
     spec = StudySpec.from_dict({
-        "study": tag, "workload": "cnn", "n_trials": n_trials, "run_dir": os.path.join(out, tag),
+        "study": tag, "workload": "cnn", "n_trials": n_trials, "run_dir": os.path.join(scratch, tag),
         "sampler": {"name": "random", "seed": 0}, "pruner": {"name": "none"},
         "space": SMOKE_SPACE if smoke else SPACE, "fixed": {**FIXED, "samples": 960} if smoke else FIXED,
         "pool": {"fake": len(gpus)} if smoke else {"cuda": gpus}, "policy": pol, "max_retries": 2,
@@ -78,6 +78,7 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=BUDGET_S)
     ap.add_argument("--run-timeout-s", type=float, default=RUN_TIMEOUT_S)
     ap.add_argument("--out", default=os.environ.get("OUT", "out") + "/hpo_device")
+    ap.add_argument("--scratch", default="/tmp/hpo_bench", help="run dirs (checkpoints, SQLite stores)")
     ap.add_argument("--smoke", action="store_true", help="tiny configurations on fake CPU devices (no GPU)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -103,7 +104,7 @@ def main() -> None:
             timeout = min(left - 10, args.run_timeout_s)
             print(f"[{time.monotonic() - t0:6.1f} s] {policy} on GPUs {gpus} (timeout {timeout:.0f} s)", flush=True)
             try:
-                r = run_one(policy, gpus, args.n_trials, args.out, timeout, args.smoke)
+                r = run_one(policy, gpus, args.n_trials, args.scratch, timeout, args.smoke)
             except Exception as exc:  # noqa: BLE001 - record and go on to the next run
                 r = {"tag": f"{policy}-{len(gpus)}gpu", "error": f"{type(exc).__name__}: {exc}"}
             runs.append(r)

@@ -221,8 +221,17 @@ class Driver:
                                                                profiled=True))
         return list(states.values())
 
+    @staticmethod
+    def _send(w: _Worker, msg: tuple) -> bool:
+        try:
+            w.conn.send(msg)
+            return True
+        except (OSError, ValueError):  # the worker died; _reap handles it
+            return False
+
     def _start(self, t: _Trial, device, sm_percent: int) -> None:
-        w = next((w for w in self.workers if w.trial is None and not w.stopping and w.device_id == device.id), None)
+        w = next((w for w in self.workers if w.trial is None and not w.stopping and w.device_id == device.id
+                  and w.proc.is_alive()), None)
         if w is None:
             parent, child = self.ctx.Pipe()
             from hpdl.hpo.worker import worker_main
@@ -236,8 +245,8 @@ class Driver:
         task = {"trial_id": t.trial_id, "number": t.number, "lineage": t.lineage, "params": t.params,
                 "profile": need_profile, "static": self._static(t, device.kind).__dict__,
                 "context_bytes": CONTEXT_BYTES if device.torch_device.startswith("cuda") else 0}
-        w.conn.send(("run", task))
-        w.trial, t.worker, t.device_id = t, w, device.id
+        w.trial, t.worker, t.device_id = t, w, device.id  # if the send fails, _reap fails and retries it
+        self._send(w, ("run", task))
         self.running[t.number] = t
         st = self.study._storage
         st.set_trial_user_attr(t.trial_id, "hpdl_device", device.id)
@@ -310,7 +319,7 @@ class Driver:
             if w.proc.is_alive():
                 if w.trial is None and not w.stopping and time.monotonic() - w.idle_since > _IDLE_WORKER_S:
                     w.stopping = True
-                    w.conn.send(("stop",))
+                    self._send(w, ("stop",))
                 continue
             self.workers.remove(w)
             t = w.trial
@@ -332,10 +341,10 @@ class Driver:
             if t is None:
                 if not w.stopping:
                     w.stopping = True
-                    w.conn.send(("stop",))
+                    self._send(w, ("stop",))
             elif not t.preempt_at:
                 t.preempt_at = time.monotonic()
-                w.conn.send(("preempt", t.trial_id))
+                self._send(w, ("preempt", t.trial_id))
             elif time.monotonic() - t.preempt_at > _PREEMPT_TIMEOUT_S:
                 w.proc.kill()
 
@@ -392,10 +401,7 @@ class Driver:
     def shutdown(self) -> None:
         """Stop every worker (stop message, 5 s join, then kill); idempotent."""
         for w in self.workers:
-            try:
-                w.conn.send(("stop",))
-            except (OSError, BrokenPipeError):
-                pass
+            self._send(w, ("stop",))
         for w in self.workers:
             w.proc.join(5)
             if w.proc.is_alive():

@@ -169,4 +169,5 @@ def worker_main(conn, device: dict, spec: dict, parent_pid: int, sm_percent: int
             return
         finally:
             if dev.type == "cuda":
-                torch.cuda.empty_cache()
+                with contextlib.suppress(Exception):  # a broken CUDA state must not hide the report above
+                    torch.cuda.empty_cache()
