@@ -137,3 +137,16 @@ def test_idle_worker_entries_hold_memory_but_are_not_trials():
     assert [a.key for a in Pack(max_trials_per_device=1).place([TrialDemand(0, GIB, 0.2, profiled=True)],
                                                              states)] == [0]
     assert Pack().place([TrialDemand(1, 7 * GIB, 0.2, profiled=True)], states) == []  # 4 GiB held by idle workers
+
+
+def test_pack_hetero_migrates_promising_trial_to_free_fast_gpu_only():
+    slow, fast = pool(2, mem_gb=40, speeds=[0.5, 2.0])
+    hot = TrialDemand(0, GIB, 0.5, work_s=100, priority=1.0, profiled=True)
+    cold = TrialDemand(1, GIB, 0.5, work_s=100, priority=0.0, profiled=True)
+    short = TrialDemand(2, GIB, 0.2, work_s=1, priority=1.0, profiled=True)
+    states = [DeviceState(slow, [hot, cold, short]), DeviceState(fast)]
+    assert PackHetero().migrations(states) == [0]      # one per target GPU per call, the promising long one
+    busy = DeviceState(fast, [TrialDemand(9, GIB, 1.0, profiled=True)])
+    assert PackHetero().migrations([states[0], busy]) == []  # no idle compute on the fast GPU
+    full = DeviceState(Device("f", "H", 2 * GIB, 2.0), [TrialDemand(9, int(1.5 * GIB), 0.1, profiled=True)])
+    assert PackHetero().migrations([states[0], full]) == []  # does not fit in memory

@@ -48,6 +48,7 @@ class _Trial:
     worker: Any = None
     demand: TrialDemand | None = None
     preempt_at: float = 0.0
+    priority: float = 0.0
 
 
 @dataclass
@@ -64,7 +65,8 @@ class _Worker:
 class StudyResult:
     """Outcome of :func:`run_study`. ``history`` is ``[(elapsed_s, best_value)]`` at each improvement;
     ``failures`` counts failed attempts by kind (``oom``, ``error``, ``died``, ``driver_died``, ``too_big``);
-    ``preempted`` counts trials moved off a removed device (checkpointed, then continued elsewhere)."""
+    ``preempted`` counts trials stopped with a checkpoint and continued elsewhere (device removed, or
+    migrated by ``pack_hetero`` to a faster GPU)."""
 
     study: str
     policy: str
@@ -121,6 +123,8 @@ class Driver:
         self.running: dict[int, _Trial] = {}
         self.failures: dict[str, int] = {}
         self.preempted = 0
+        self.migrated = 0
+        self._last_migrate = 0.0
         self.history: list[tuple[float, float]] = []
         self._t0 = time.monotonic()
         self._dirty = True
@@ -196,10 +200,10 @@ class Driver:
         if measured:
             ref = max(measured, key=lambda q: q.step_time_s)
             mem = max(q.memory_bytes for q in measured)
-            return TrialDemand(t.number, mem, ref.compute, steps * ref.step_time_s, waited_s=time.monotonic() - t.since,
-                               profiled=True)
+            return TrialDemand(t.number, mem, ref.compute, steps * ref.step_time_s, t.priority,
+                               waited_s=time.monotonic() - t.since, profiled=True)
         static = self._static(t, next(iter(kinds)) if kinds else "cpu")
-        return TrialDemand(t.number, static.memory_bytes, 1.0, float(steps) * 0.01,
+        return TrialDemand(t.number, static.memory_bytes, 1.0, float(steps) * 0.01, t.priority,
                            waited_s=time.monotonic() - t.since, profiled=False)
 
     def _static(self, t: _Trial, kind: str) -> TrialProfile:
@@ -316,6 +320,9 @@ class Driver:
 
     def _reap(self) -> None:
         for w in list(self.workers):
+            if w.trial is not None and w.trial.preempt_at and time.monotonic() - w.trial.preempt_at > _PREEMPT_TIMEOUT_S:
+                w.proc.kill()  # did not stop after a preempt request: it continues elsewhere from its checkpoint
+                w.proc.join(5)
             if w.proc.is_alive():
                 if w.trial is None and not w.stopping and time.monotonic() - w.idle_since > _IDLE_WORKER_S:
                     w.stopping = True
@@ -332,6 +339,31 @@ class Driver:
                     self._fail(t.number, t.params, {"hpdl_lineage": t.lineage, "hpdl_attempt": self._attempt(t)},
                                "died", f"worker exited with code {w.proc.exitcode}")
 
+    def _migrate(self, devices) -> None:
+        """pack_hetero: mark running trials better than the median at their last report as promising and
+        move those the policy picks to faster GPUs (preempt with a checkpoint; they are re-placed first)."""
+        if not hasattr(self.policy, "migrations") or time.monotonic() - self._last_migrate < 2.0:
+            return
+        self._last_migrate = time.monotonic()
+        by_step: dict[int, list[float]] = {}
+        for fz in self.study.get_trials(deepcopy=False):
+            for step, v in fz.intermediate_values.items():
+                by_step.setdefault(step, []).append(v)
+        sign = 1.0 if self.spec.direction == "maximize" else -1.0
+        for t in self.running.values():
+            iv = self.study._storage.get_trial(t.trial_id).intermediate_values
+            if iv and t.demand is not None:
+                step = max(iv)
+                peers = sorted(by_step.get(step, []))
+                t.priority = float(len(peers) >= 3 and sign * (iv[step] - peers[len(peers) // 2]) > 0)
+                t.demand.priority = t.priority
+        for key in self.policy.migrations(self._device_states(devices)):
+            t = self.running[key]
+            if not t.preempt_at:
+                t.preempt_at = time.monotonic()
+                self.migrated += 1
+                self._send(t.worker, ("preempt", t.trial_id))
+
     def _elastic(self, devices) -> None:
         ids = {d.id for d in devices}
         for w in self.workers:
@@ -345,8 +377,6 @@ class Driver:
             elif not t.preempt_at:
                 t.preempt_at = time.monotonic()
                 self._send(w, ("preempt", t.trial_id))
-            elif time.monotonic() - t.preempt_at > _PREEMPT_TIMEOUT_S:
-                w.proc.kill()
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> StudyResult:
@@ -358,6 +388,7 @@ class Driver:
             while True:
                 devices = self.pool.devices()
                 self._elastic(devices)
+                self._migrate(devices)
                 for conn in mp_wait([w.conn for w in self.workers], timeout=0.05) if self.workers else []:
                     w = next(x for x in self.workers if x.conn is conn)
                     try:

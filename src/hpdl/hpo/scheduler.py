@@ -249,8 +249,33 @@ class PackHetero(Pack):
 
     name = "pack_hetero"
 
+    def __init__(self, *args, migrate_min_s: float = 10.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.migrate_min_s = migrate_min_s
+
     def _order(self, pending):
         return sorted(pending, key=lambda t: (-t.priority, -t.work_s, -t.memory_bytes, t.key))
+
+    def migrations(self, devices: Sequence[DeviceState]) -> list[int]:
+        """Running trials to move (checkpoint, stop, start again) to a faster GPU: those with
+        ``priority > 0`` (promising, e.g. better than the median at their last report) whose remaining work
+        on their GPU exceeds ``migrate_min_s`` and which would fit now, memory and compute, on a GPU at least
+        1.5 times faster. At most one trial per target GPU per call, most promising first."""
+        out, taken = [], set()
+        cands = [(t, d) for d in devices for t in d.running if t.key >= 0 and t.priority > 0]
+        for t, src in sorted(cands, key=lambda x: (-x[0].priority, -x[0].work_s, x[0].key)):
+            if t.work_s / src.device.speed < self.migrate_min_s:
+                continue
+            for dst in sorted(devices, key=lambda d: -d.device.speed):
+                dv = dst.device
+                if dv.id in taken or dv.speed < 1.5 * src.device.speed:
+                    continue
+                load = sum(self._compute(x) for x in dst.running)
+                if dst.memory_used + t.memory_bytes <= dv.memory_bytes and load < self.max_compute * dv.compute:
+                    out.append(t.key)
+                    taken.add(dv.id)
+                    break
+        return out
 
     def _score(self, t, dev, comp, work):
         old = max(1.0, comp / dev.compute)

@@ -56,6 +56,7 @@ class TrialContext:
         self._ckpt = run_dir / "checkpoints" / f"lineage-{self.lineage}.pt"
         self._profiler = profiler
         self._parent = parent_pid
+        self.state_fn = None  # set by the training loop: step -> checkpoint state, used on preemption
 
     def report(self, value: float, step: int) -> None:
         """Record an intermediate ``value`` at ``step`` (Optuna's order: value, then step)."""
@@ -75,6 +76,8 @@ class TrialContext:
         if self._conn is not None and self._conn.poll():
             msg = self._conn.recv()
             if msg[0] in ("preempt", "stop"):
+                if self.state_fn is not None and self.checkpoint_every:
+                    self.save_checkpoint(self.state_fn(step))  # nothing is lost: continue from this step
                 raise Preempted(f"trial {self.number} preempted at step {step}")
         if self._profiler is not None:
             self._profiler.before(step)

@@ -85,6 +85,9 @@ class Workload(ABC):
             parts.optimizer.load_state_dict(state["optimizer"])
             start, value = int(state["step"]), float(state["value"])
         steps, every = self.schedule(p)
+        # what to save if the driver preempts the trial between steps (device removed, migration)
+        ctx.state_fn = lambda step: {"model": parts.model.state_dict(), "optimizer": parts.optimizer.state_dict(),
+                                     "step": step, "value": value}
         parts.model.train()
         for step in range(start, steps):
             with ctx.step(step):
