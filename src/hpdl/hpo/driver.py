@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 import multiprocessing as mp
 import os
-import signal
 import socket
 import time
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from hpdl.hpo.errors import HpoError
+from hpdl.hpo.ledger import Ledger
 from hpdl.hpo.pool import PoolSource
 from hpdl.hpo.profiler import CONTEXT_BYTES, ProfileCache, TrialProfile, static_profile
 from hpdl.hpo.scheduler import DeviceState, TrialDemand, get_policy
@@ -121,77 +121,16 @@ class Driver:
         self.workers: list[_Worker] = []
         self.pending: list[_Trial] = []
         self.running: dict[int, _Trial] = {}
-        self.failures: dict[str, int] = {}
         self.preempted = 0
         self.migrated = 0
         self._last_migrate = 0.0
         self.history: list[tuple[float, float]] = []
         self._t0 = time.monotonic()
-        self._dirty = True
         self._cuda = any(d.torch_device.startswith("cuda") for d in self.pool.devices())
         self._spec_dict = {**spec.to_dict(), "storage": spec.storage, "run_dir": str(self.run_dir.resolve())}
+        self.ledger = Ledger(self.study, spec.max_retries, self.host)
         if resume:
-            self._recover()
-
-    # ------------------------------------------------------------------ storage bookkeeping
-    def _recover(self) -> None:
-        """Trials left RUNNING by a dead driver of this host: kill leftovers, mark FAIL, retry."""
-        from optuna.trial import TrialState
-
-        for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            if t.user_attrs.get("hpdl_host", self.host) != self.host:
-                continue  # another node's driver owns it
-            pid = t.user_attrs.get("hpdl_pid")
-            if pid and _is_our_worker(int(pid)):
-                os.kill(int(pid), signal.SIGKILL)
-            if pid:
-                self._fail(t.number, t.params, t.user_attrs, "driver_died", "driver was killed while it ran")
-            else:  # sampled but never started: not an attempt, re-queue it as it was
-                self._fail(t.number, t.params, {**t.user_attrs, "hpdl_attempt": t.user_attrs.get("hpdl_attempt", 0) - 1},
-                           "not_started", "driver was killed before it started")
-
-    def _lineages(self) -> tuple[set[int], set[int]]:
-        """(finished, active) lineages according to the storage; re-read only after a change."""
-        from optuna.trial import TrialState
-
-        if not self._dirty:
-            return self._lineage_cache
-        self._dirty = False
-
-        fails: dict[int, int] = {}
-        finished, active = set(), set()
-        self._waiting = 0
-        for t in self.study.get_trials(deepcopy=False):
-            self._waiting += t.state == TrialState.WAITING
-            lin = int(t.user_attrs.get("hpdl_lineage", t.number))
-            if t.state in (TrialState.COMPLETE, TrialState.PRUNED):
-                finished.add(lin)
-            elif t.state == TrialState.FAIL:
-                if t.user_attrs.get("hpdl_gave_up"):
-                    finished.add(lin)
-                elif not str(t.user_attrs.get("hpdl_failure", "")).startswith("not_started"):
-                    fails[lin] = fails.get(lin, 0) + 1
-            else:
-                active.add(lin)
-        finished |= {lin for lin, n in fails.items() if n > self.spec.max_retries}
-        self._lineage_cache = (finished, active - finished)
-        return self._lineage_cache
-
-    def _fail(self, number: int, params: dict, attrs: dict, kind: str, message: str, retry: bool = True) -> None:
-        from optuna.trial import TrialState
-
-        self._dirty = True
-        if kind != "not_started":
-            self.failures[kind] = self.failures.get(kind, 0) + 1
-        tid = self.study._storage.get_trial_id_from_study_id_trial_number(self.study._study_id, number)
-        self.study._storage.set_trial_user_attr(tid, "hpdl_failure", f"{kind}: {message[-500:]}")
-        attempt = int(attrs.get("hpdl_attempt", 0)) + 1
-        if not retry or attempt > self.spec.max_retries:
-            self.study._storage.set_trial_user_attr(tid, "hpdl_gave_up", True)
-        self.study.tell(number, state=TrialState.FAIL)
-        if retry and attempt <= self.spec.max_retries:
-            self.study.enqueue_trial(params, user_attrs={"hpdl_lineage": int(attrs.get("hpdl_lineage", number)),
-                                                         "hpdl_attempt": attempt}, skip_if_exists=False)
+            self.ledger.recover()
 
     # ------------------------------------------------------------------ demands and placement
     def _demand(self, t: _Trial, kinds: set[str]) -> TrialDemand:
@@ -262,10 +201,10 @@ class Driver:
         if len(self.pending) >= want:
             return
         budget = self.spec.n_trials - len(finished) - len(active)
-        waiting = self._waiting
+        waiting = self.ledger.waiting
         while len(self.pending) < want and (budget > 0 or waiting > 0):
             trial = self.study.ask(self.dists)
-            self._dirty = True
+            self.ledger.dirty = True
             lin = int(trial.user_attrs.get("hpdl_lineage", trial.number))
             if lin == trial.number:
                 trial.set_user_attr("hpdl_lineage", lin)
@@ -281,7 +220,7 @@ class Driver:
 
         kind, t = msg[0], w.trial
         if kind in ("done", "pruned", "failed"):
-            self._dirty = True
+            self.ledger.dirty = True
         if kind == "ready" or t is None or (len(msg) > 1 and msg[1] != t.trial_id):
             return
         if kind == "profile":
@@ -306,7 +245,7 @@ class Driver:
                     if k.endswith("|" + t.skey):
                         p.memory_bytes = int(p.memory_bytes * 1.5)
                         self.profiles.put(t.skey, p)
-            self._fail(t.number, t.params, {"hpdl_lineage": t.lineage, "hpdl_attempt": self._attempt(t)},
+            self.ledger.fail(t.number, t.params, {"hpdl_lineage": t.lineage, "hpdl_attempt": self._attempt(t)},
                        msg[2], msg[3])
 
     def _attempt(self, t: _Trial) -> int:
@@ -336,7 +275,7 @@ class Driver:
                     t.since, t.device_id, t.worker, t.preempt_at = time.monotonic(), "", None, 0.0
                     self.pending.insert(0, t)
                 else:
-                    self._fail(t.number, t.params, {"hpdl_lineage": t.lineage, "hpdl_attempt": self._attempt(t)},
+                    self.ledger.fail(t.number, t.params, {"hpdl_lineage": t.lineage, "hpdl_attempt": self._attempt(t)},
                                "died", f"worker exited with code {w.proc.exitcode}")
 
     def _migrate(self, devices) -> None:
@@ -397,7 +336,7 @@ class Driver:
                     except (EOFError, OSError):
                         w.proc.join(1)
                 self._reap()
-                finished, active = self._lineages()
+                finished, active = self.ledger.lineages()
                 if len(finished) >= self.spec.n_trials and not self.running and not self.pending:
                     break
                 if self.spec.timeout_s and time.monotonic() - self._t0 > self.spec.timeout_s:
@@ -412,7 +351,7 @@ class Driver:
                               and demands[t.number].memory_bytes > biggest]:
                         self.pending.remove(t)  # measured, and larger than any device: it can never run
                         need = demands.pop(t.number).memory_bytes
-                        self._fail(t.number, t.params, {"hpdl_lineage": t.lineage}, "too_big",
+                        self.ledger.fail(t.number, t.params, {"hpdl_lineage": t.lineage}, "too_big",
                                    f"needs {need} B, largest device has {biggest} B", retry=False)
                     for a in self.policy.place(list(demands.values()), states):
                         t = next(x for x in self.pending if x.number == a.key)
@@ -449,18 +388,9 @@ class Driver:
         if done:
             best = (max if self.spec.direction == "maximize" else min)(done, key=lambda t: t.value)
         return StudyResult(self.spec.study, self.policy.name, self.spec.n_trials, time.monotonic() - self._t0,
-                           len(done), sum(t.state == TrialState.PRUNED for t in trials), dict(self.failures),
+                           len(done), sum(t.state == TrialState.PRUNED for t in trials), dict(self.ledger.failures),
                            best.value if best else None, dict(best.params) if best else None, list(self.history),
                            self.preempted)
-
-
-def _is_our_worker(pid: int) -> bool:
-    """True when ``pid`` is alive and is a Python process (guards against a recycled pid)."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"python" in f.read()
-    except OSError:
-        return False
 
 
 def run_study(spec: StudySpec, *, resume: bool = False, progress: bool = False) -> StudyResult:

@@ -22,7 +22,7 @@ class Progress:
 
     def _table(self) -> Table:
         d = self.d
-        finished, _ = d._lineages()
+        finished, _ = d.ledger.lineages()
         best = d.history[-1][1] if d.history else None
         title = (f"{d.spec.study} [{d.policy.name}]  finished {len(finished)}/{d.spec.n_trials}  "
                  f"queued {len(d.pending)}  best {best if best is None else f'{best:.4g}'}  "
