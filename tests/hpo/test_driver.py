@@ -173,4 +173,5 @@ def test_scheduler_killed_then_resumed_loses_nothing_and_leaves_nothing_running(
     # the trial that had reported (and checkpointed) before the kill continued from its checkpoint
     killed = {t.number: t for t in running}
     retry = [t for t in trials if t.state.name == "COMPLETE" and t.user_attrs["hpdl_lineage"] in killed]
-    assert retry and min(retry[0].intermediate_values) > 10
+    # (no new reports at all when the checkpoint was already the last step)
+    assert retry and all(min(t.intermediate_values, default=120) > 10 for t in retry)

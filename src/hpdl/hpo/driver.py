@@ -184,7 +184,8 @@ class Driver:
             child.close()
             w = _Worker(proc, parent, device.id)
             self.workers.append(w)
-        need_profile = not (p := self.profiles.get(t.skey, device.kind)) or not p.measured
+        need_profile = self.policy.uses_profiles and (not (p := self.profiles.get(t.skey, device.kind))
+                                                      or not p.measured)
         task = {"trial_id": t.trial_id, "number": t.number, "lineage": t.lineage, "params": t.params,
                 "profile": need_profile, "static": self._static(t, device.kind).__dict__,
                 "context_bytes": CONTEXT_BYTES if device.torch_device.startswith("cuda") else 0}

@@ -6,11 +6,12 @@ Two sources, both real measurements:
   (:meth:`Workload.estimate`: parameter bytes, module-output bytes, FLOPs). Memory is bounded as
   ``1.25 * (4 * params + 2 * activations) + context`` bytes: weights, gradients and two optimizer/
   allocator copies, the module outputs autograd keeps plus as much again for gradients, cuDNN workspace and
-  fragmentation. Deliberately generous so that placement before profiling does not run out of memory. Compute share is unknown (the policy assumes a default).
+  fragmentation. Deliberately generous so that placement before profiling does not run out of memory.
+  Compute share is unknown (the policy assumes a default).
 - ``StepProfiler``: the first steps of every new configuration (in the trial's own process, on the GPU it
   was placed on) are measured: after ``warmup`` steps, ``window`` steps are enqueued behind a
-  ``torch.cuda._sleep`` kernel, so the CUDA-event time between the first and last step is pure GPU time
-  with no launch gaps, while the host time to enqueue them is pure CPU time. Then:
+  ``torch.cuda._sleep`` kernel (~0.1 s), so the CUDA-event time between the first and last step is pure
+  GPU time with no launch gaps, while the host time to enqueue them is pure CPU time. Then:
 
   * ``step_time_s = max(cpu, gpu)`` per step (the solo step time; launch-bound trials have cpu > gpu),
   * ``compute = gpu / step_time_s``, the fraction of time the GPU is busy when the trial runs alone
@@ -122,7 +123,7 @@ class StepProfiler:
             if self.cuda:
                 torch.cuda.synchronize(self.device)
             if self.phase == "gpu":
-                torch.cuda._sleep(int(0.25 * 1.9e9))  # ~0.25 s of GPU clock: the host enqueues meanwhile
+                torch.cuda._sleep(int(0.1 * 1.9e9))  # ~0.1 s of GPU clock: the host enqueues meanwhile
                 self._ev0 = torch.cuda.Event(enable_timing=True)
                 self._ev0.record()
             self._t = time.perf_counter()

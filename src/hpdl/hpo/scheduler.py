@@ -108,6 +108,7 @@ class SchedulingPolicy(ABC):
     pending key at most once, and names only devices it was given. It is called from one thread only."""
 
     name = "base"
+    uses_profiles = True  # False: the driver skips in-place profiling (the policy would ignore it)
 
     @abstractmethod
     def place(self, pending: Sequence[TrialDemand], devices: Sequence[DeviceState]) -> list[Assignment]:
@@ -118,6 +119,7 @@ class OnePerGpu(SchedulingPolicy):
     """Standard HPO parallelisation: one trial per GPU, FIFO (Optuna/Ray Tune default with 1 GPU a trial)."""
 
     name = "one_per_gpu"
+    uses_profiles = False
 
     def place(self, pending, devices):
         free = [d.device.id for d in devices if not any(t.key >= 0 for t in d.running)]
@@ -129,6 +131,7 @@ class FixedFraction(SchedulingPolicy):
     ``floor(1/fraction)`` trials per GPU, FIFO, blind to memory and compute (it can run out of memory)."""
 
     name = "fixed_fraction"
+    uses_profiles = False
 
     def __init__(self, fraction: float = 0.125):
         if not 0 < fraction <= 1:
