@@ -1,5 +1,7 @@
 """Real end-to-end studies on 2 fake CPU devices: training, packing, trial crash, scheduler crash + resume."""
 
+import argparse
+import json
 import os
 import signal
 import subprocess
@@ -12,6 +14,7 @@ import pytest
 import torch
 import yaml
 
+from hpdl.hpo.cli import HpoCommand
 from hpdl.hpo.driver import run_study
 from hpdl.hpo.errors import HpoError
 from hpdl.hpo.report import study_status
@@ -50,7 +53,7 @@ def write_pool(path, ids):
 
 
 @pytest.mark.timeout(180)
-def test_end_to_end_two_workers_elastic_pool_matches_serial_training(tmp_path):
+def test_end_to_end_two_workers_elastic_pool_matches_serial_training(tmp_path, capsys):
     """A real study: one device at first, a second one added, then the first removed while it trains."""
     pool_file = tmp_path / "pool.yaml"
     write_pool(pool_file, ["fake:0"])
@@ -101,6 +104,11 @@ def test_end_to_end_two_workers_elastic_pool_matches_serial_training(tmp_path):
         run_study(spec)
     st = study_status(spec.storage, spec.study)
     assert st["finished_configs"] == 4 and st["states"] == {"COMPLETE": 4}
+    parser = argparse.ArgumentParser()
+    HpoCommand.add_arguments(parser)
+    args = parser.parse_args(["status", "--storage", spec.storage, "--study", spec.study, "--format", "json"])
+    assert HpoCommand().run(args) == 0
+    assert json.loads(capsys.readouterr().out)["best_value"] == res.best_value
 
 
 @pytest.mark.timeout(150)
