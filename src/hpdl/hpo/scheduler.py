@@ -173,7 +173,7 @@ class Pack(SchedulingPolicy):
     name = "pack"
 
     def __init__(self, max_compute: float = 1.0, max_trials_per_device: int = 16,
-                 unprofiled_compute: float = 0.5, starve_after_s: float = 30.0, mps: bool = False):
+                 unprofiled_compute: float = 0.25, starve_after_s: float = 30.0, mps: bool = False):
         if max_compute <= 0:
             raise HpoConfigError(f"max_compute={max_compute}, expected > 0")
         if max_trials_per_device < 1:
