@@ -247,7 +247,7 @@ class Driver:
                         p.memory_bytes = int(p.memory_bytes * 1.5)
                         self.profiles.put(t.skey, p)
             self.ledger.fail(t.number, t.params, {"hpdl_lineage": t.lineage, "hpdl_attempt": self._attempt(t)},
-                       msg[2], msg[3])
+                             msg[2], msg[3])
 
     def _attempt(self, t: _Trial) -> int:
         return int(self.study._storage.get_trial(t.trial_id).user_attrs.get("hpdl_attempt", 0))
@@ -277,7 +277,7 @@ class Driver:
                     self.pending.insert(0, t)
                 else:
                     self.ledger.fail(t.number, t.params, {"hpdl_lineage": t.lineage, "hpdl_attempt": self._attempt(t)},
-                               "died", f"worker exited with code {w.proc.exitcode}")
+                                     "died", f"worker exited with code {w.proc.exitcode}")
 
     def _migrate(self, devices) -> None:
         """pack_hetero: mark running trials better than the median at their last report as promising and
