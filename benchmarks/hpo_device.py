@@ -64,7 +64,7 @@ def run_one(policy: str, gpus: list[int], n_trials: int, scratch: str, timeout_s
         trials.append({"number": t.number, "state": t.state.name, "value": t.value, "params": t.params,
                        "device": t.user_attrs.get("hpdl_device"), "failure": t.user_attrs.get("hpdl_failure"),
                        "lineage": t.user_attrs.get("hpdl_lineage"),
-                       "start": t.datetime_start.timestamp() if t.datetime_start else None,
+                       "start": t.user_attrs.get("hpdl_started_at"),
                        "end": t.datetime_complete.timestamp() if t.datetime_complete else None})
     return {"tag": tag, "policy": policy, "gpus": gpus, "error": error, "result": asdict(res),
             "trials": trials, "profiles": {k: asdict(v) for k, v in drv.profiles.items()}}

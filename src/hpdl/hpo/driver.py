@@ -196,6 +196,7 @@ class Driver:
         st.set_trial_user_attr(t.trial_id, "hpdl_device", device.id)
         st.set_trial_user_attr(t.trial_id, "hpdl_host", self.host)
         st.set_trial_user_attr(t.trial_id, "hpdl_pid", w.proc.pid)
+        st.set_trial_user_attr(t.trial_id, "hpdl_started_at", time.time())  # placement time (ask is earlier)
 
     def _sample(self, finished: set[int], active: set[int]) -> None:
         want = self.spec.lookahead or 2 * max(1, len(self.pool.devices()))
