@@ -103,3 +103,19 @@ def test_bad_workload_names():
         get_workload("no_such_module:X")
     with pytest.raises(HpoConfigError, match="unknown parameters"):
         get_workload("cnn").resolve({"widht": 3})
+
+
+def test_step_profiler_restarts_a_window_broken_by_an_evaluation():
+    st = static_profile(get_workload("cnn"), CNN, "cpu", context_bytes=0)
+    prof = StepProfiler(torch.device("cpu"), "cpu", st, warmup=1, window=3, peak_flops=1e9)
+    for s in range(3):  # warm-up step, then 2 steps of the window
+        prof.before(s)
+        prof.after(s)
+    prof.interrupt()    # an evaluation synchronised here
+    for s in range(3, 5):
+        prof.before(s)
+        prof.after(s)
+    assert not prof.done  # only 2 clean steps since the interruption
+    prof.before(5)
+    prof.after(5)
+    assert prof.done and prof.result.source == "cpu"
