@@ -52,3 +52,11 @@ def test_cli_simulate_json(capsys, tmp_path):
     out = json.loads(capsys.readouterr().out)
     assert out["simulation"] is True and {r["policy"] for r in out["rows"]} >= {"pack", "one_per_gpu"}
     assert (tmp_path / "s.png").stat().st_size > 1000
+
+
+def test_colocation_overhead_slows_packed_runs_only():
+    trials = [SimTrial(k, 0.01, 0.001, GIB, 100, skey="a") for k in range(8)]
+    pool = pool_from_spec("1xH100")
+    assert simulate(trials, pool, "one_per_gpu", overhead=0.3).makespan_s == pytest.approx(
+        simulate(trials, pool, "one_per_gpu").makespan_s)
+    assert simulate(trials, pool, "pack", overhead=0.3).makespan_s > 1.5 * simulate(trials, pool, "pack").makespan_s
