@@ -150,3 +150,13 @@ def test_pack_hetero_migrates_promising_trial_to_free_fast_gpu_only():
     assert PackHetero().migrations([states[0], busy]) == []  # no idle compute on the fast GPU
     full = DeviceState(Device("f", "H", 2 * GIB, 2.0), [TrialDemand(9, int(1.5 * GIB), 0.1, profiled=True)])
     assert PackHetero().migrations([states[0], full]) == []  # does not fit in memory
+
+
+def test_unprofiled_share_follows_the_measured_median():
+    states = [DeviceState(d) for d in pool(1, mem_gb=80)]
+    new = [TrialDemand(k, GIB, profiled=False) for k in range(8)]
+    p = Pack()
+    assert len(p.place(new, states)) == 4  # 0.25 each before any profile
+    for c in (1.0, 1.0, 0.9):
+        p.observe(c)                          # a GPU-bound study: unknown trials now count as a full GPU
+    assert len(p.place(new, states)) == 1

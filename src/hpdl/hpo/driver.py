@@ -228,6 +228,8 @@ class Driver:
         if kind == "profile":
             prof = TrialProfile(**msg[2])
             self.profiles.put(t.skey, prof)
+            if hasattr(self.policy, "observe"):
+                self.policy.observe(prof.compute)
             t.demand = self._demand(t, {prof.kind})
             return
         self.running.pop(t.number, None)

@@ -165,7 +165,8 @@ class Pack(SchedulingPolicy):
     Args:
         max_compute: a device whose summed busy fraction reached this takes no more trials.
         max_trials_per_device: cap on co-located processes (context memory, CPU threads).
-        unprofiled_compute: share assumed for a trial not yet profiled.
+        unprofiled_compute: share assumed for a trial not yet profiled, until profiles arrive; after that
+            the median of the shares measured in this study (``observe``) is assumed instead.
         starve_after_s: waiting time after which a trial reserves a device.
         mps: when True, each assignment carries an SM cap (``ceil(100 * compute / max_compute)``).
     """
@@ -181,11 +182,23 @@ class Pack(SchedulingPolicy):
         self.max_compute = max_compute
         self.max_trials_per_device = max_trials_per_device
         self.unprofiled_compute = unprofiled_compute
+        self._observed: list[float] = []
         self.starve_after_s = starve_after_s
         self.mps = mps
 
+    def observe(self, compute: float) -> None:
+        """Record a measured compute share; unprofiled trials are then assumed to need the median share
+        (on a GPU-bound study this stops co-locating trials before their profile says they fit)."""
+        self._observed.append(float(compute))
+
+    def _prior(self) -> float:
+        if not self._observed:
+            return self.unprofiled_compute
+        xs = sorted(self._observed)
+        return xs[len(xs) // 2]
+
     def _compute(self, t: TrialDemand) -> float:
-        return t.compute if t.profiled else max(t.compute if t.compute < 1.0 else 0.0, self.unprofiled_compute)
+        return t.compute if t.profiled else max(t.compute if t.compute < 1.0 else 0.0, self._prior())
 
     def _order(self, pending: Sequence[TrialDemand]) -> list[TrialDemand]:
         return sorted(pending, key=lambda t: (-t.memory_bytes, t.key))

@@ -151,6 +151,8 @@ def simulate(trials: Sequence[SimTrial], devices: Sequence[Device], policy: str 
                     r["started"] = now
                     profiled.add(r["t"].skey or r["t"].key)
                     st, busy = step_time(r["t"], devices[0])  # its profile replaces the static demand
+                    if hasattr(pol, "observe"):
+                        pol.observe(busy)
                     r["demand"] = TrialDemand(r["t"].key, r["t"].memory_bytes, busy, r["t"].steps * st, profiled=True)
                     if sum(x["t"].memory_bytes for x in rs) > d.memory_bytes:  # out of memory: newest fails
                         rs.remove(r)
