@@ -22,6 +22,8 @@ GROUPS: dict[str, tuple[str, str, str | None]] = {
             "HD-TES stimulator SoC model: simulate protocols, check safety, reproduce the chip spec", "tes"),
     "serve": ("hpdl.serve.cli:ServeCommand",
               "OpenAI-compatible LLM server with Flover temporal fusion; `hpdl serve bench` benchmarks it", "serve"),
+    "hpo": ("hpdl.hpo.cli:HpoCommand",
+            "resource-aware HPO (HyperSack): Optuna studies packed onto GPUs, elastic and fault tolerant", "hpo"),
 }
 
 

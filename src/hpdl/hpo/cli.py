@@ -1,0 +1,144 @@
+"""``hpdl hpo``: run, resume and inspect studies; simulate policies on pools we cannot run.
+
+    hpdl hpo run [study.yaml] [--policy pack] [--no-progress]   # default: the shipped CPU example
+    hpdl hpo resume study.yaml
+    hpdl hpo status study.yaml | --storage URL --study NAME [--format json]
+    hpdl hpo simulate --pool 12xA100,4xH100 [--trials trace.json] [--plot out.png]
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+
+
+def _example() -> str:
+    return str(resources.files("hpdl.hpo").joinpath("examples/quick.yaml"))
+
+
+class HpoCommand:
+    name = "hpo"
+    help = "resource-aware hyperparameter optimisation (HyperSack): pack trials onto GPUs"
+
+    @staticmethod
+    def add_arguments(parser) -> None:
+        sub = parser.add_subparsers(dest="hpo_cmd", metavar="{run,resume,status,simulate}")
+        for name, h in (("run", "start a study from a YAML study file"),
+                        ("resume", "continue a study after the driver stopped or was killed")):
+            p = sub.add_parser(name, help=h, description=h)
+            p.add_argument("study_file", nargs="?" if name == "run" else None, default=None,
+                           help="YAML study file (run: default is the shipped CPU example)")
+            p.add_argument("--policy", help="override the placement policy (one_per_gpu, fixed_fraction, pack, "
+                                            "pack_hetero)")
+            p.add_argument("--run-dir", help="override run_dir (and the default SQLite storage inside it)")
+            p.add_argument("--no-progress", action="store_true", help="no live table")
+            p.add_argument("--out", help="write the result as JSON to this file")
+            p.add_argument("--format", choices=("table", "json"), default="table")
+        p = sub.add_parser("status", help="trial counts, best value and running trials of a study")
+        p.add_argument("study_file", nargs="?", help="YAML study file (or give --storage and --study)")
+        p.add_argument("--storage", help="SQLAlchemy URL of the study store")
+        p.add_argument("--study", help="study name")
+        p.add_argument("--format", choices=("table", "json"), default="table")
+        p = sub.add_parser("simulate", help="replay profiled trial costs on a simulated pool (simulation)")
+        p.add_argument("--pool", default="12xA100,4xH100", help="e.g. 12xA100,4xH100 or 2xH200")
+        p.add_argument("--trials", help="JSON trace of profiled trials (default: built-in synthetic trace)")
+        p.add_argument("--policies", default="one_per_gpu,fixed_fraction,pack,pack_hetero")
+        p.add_argument("--fraction", type=float, default=0.125, help="GPU fraction of fixed_fraction")
+        p.add_argument("--plot", help="PNG path for best value against simulated wall time")
+        p.add_argument("--format", choices=("table", "json"), default="table")
+
+    def run(self, args) -> int:
+        from hpdl.cli import CLIUsageError
+
+        cmd = getattr(args, "hpo_cmd", None)
+        if cmd is None:
+            raise CLIUsageError("choose one of run, resume, status, simulate")
+        return getattr(self, "_" + cmd)(args)
+
+    def _spec(self, args):
+        from hpdl.hpo.spec import StudySpec
+        import yaml
+
+        path = args.study_file or _example()
+        with open(path) as f:
+            d = yaml.safe_load(f) or {}
+        if getattr(args, "policy", None):
+            d["policy"] = {"name": args.policy}
+        if getattr(args, "run_dir", None):
+            d["run_dir"], d["storage"] = args.run_dir, ""
+        return StudySpec.from_dict(d)
+
+    def _run(self, args, resume: bool = False) -> int:
+        from dataclasses import asdict
+
+        from hpdl.hpo.driver import run_study
+
+        spec = self._spec(args)
+        res = run_study(spec, resume=resume, progress=not args.no_progress)
+        out = asdict(res)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(out, f, indent=1)
+        if args.format == "json":
+            print(json.dumps(out, indent=1))
+        else:
+            print(f"study {res.study} [{res.policy}]: {res.complete} complete, {res.pruned} pruned, "
+                  f"failures {res.failures or 'none'}, wall {res.wall_s:.1f} s")
+            print(f"best value {res.best_value} with {res.best_params}")
+            print(f"storage {spec.storage} (optuna-dashboard {spec.storage})")
+        return 0
+
+    def _resume(self, args) -> int:
+        return self._run(args, resume=True)
+
+    def _status(self, args) -> int:
+        from hpdl.cli import CLIUsageError
+        from hpdl.hpo.report import study_status
+
+        if args.study_file:
+            spec = self._spec(args)
+            storage, study = spec.storage, spec.study
+        elif args.storage and args.study:
+            storage, study = args.storage, args.study
+        else:
+            raise CLIUsageError("give a study file, or both --storage and --study")
+        s = study_status(storage, study)
+        if args.format == "json":
+            print(json.dumps(s, indent=1))
+            return 0
+        print(f"study {s['study']} ({s['direction']}): {s['finished_configs']}/{s['n_trials']} configurations "
+              f"finished; states {s['states']}")
+        print(f"best value {s['best_value']} with {s['best_params']}")
+        for r in s["running"]:
+            print(f"  running trial {r['number']} on {r['host']}/{r['device']} at step {r['last_step']}")
+        for r in s["failures"]:
+            print(f"  failed trial {r['number']}: {r['reason']}")
+        return 0
+
+    def _simulate(self, args) -> int:
+        from hpdl.hpo.report import plot_best_vs_time
+        from hpdl.hpo.simulator import load_trials, pool_from_spec, simulate, synthetic_trials
+
+        trials = load_trials(args.trials) if args.trials else synthetic_trials()
+        pool = pool_from_spec(args.pool)
+        rows, curves = [], {}
+        for name in args.policies.split(","):
+            kw = {"fraction": args.fraction} if name == "fixed_fraction" else {}
+            r = simulate(trials, pool, name, **kw)
+            rows.append({"policy": name, "makespan_s": r.makespan_s, "oom": r.oom, "max_colocated": r.max_colocated})
+            curves[name] = r.history
+        base = next((r["makespan_s"] for r in rows if r["policy"] == "one_per_gpu"), None)
+        for r in rows:
+            r["speedup_vs_one_per_gpu"] = base / r["makespan_s"] if base else None
+        if args.plot:
+            plot_best_vs_time(curves, args.plot, f"SIMULATION: {len(trials)} trials on {args.pool}")
+        if args.format == "json":
+            print(json.dumps({"simulation": True, "pool": args.pool, "rows": rows}, indent=1))
+            return 0
+        print(f"SIMULATION on {args.pool} ({len(trials)} trials, "
+              f"{'trace ' + args.trials if args.trials else 'synthetic trace'})")
+        print(f"{'policy':<16}{'makespan s':>12}{'speed-up':>10}{'OOM':>6}{'max/GPU':>9}")
+        for r in rows:
+            sp = f"{r['speedup_vs_one_per_gpu']:.2f}x" if r["speedup_vs_one_per_gpu"] else "-"
+            print(f"{r['policy']:<16}{r['makespan_s']:>12.1f}{sp:>10}{r['oom']:>6}{r['max_colocated']:>9}")
+        return 0

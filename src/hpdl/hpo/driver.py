@@ -1,0 +1,409 @@
+"""The study driver: samples trials with Optuna, places them with a policy, runs them in worker processes,
+and recovers from every failure it can see.
+
+Loop (one thread; every wait has a timeout): read the pool (elasticity) -> drain worker messages ->
+reap dead workers -> sample trials while the budget allows -> ``policy.place`` -> start assignments ->
+render progress. The Optuna storage is the source of truth: a driver that was killed is restarted with
+``resume=True`` and finishes the same budget (trials it left RUNNING are marked FAIL and retried from
+their configuration's last checkpoint; their processes died with it).
+
+Budget: ``n_trials`` configurations ("lineages"). A configuration is finished when one attempt completes
+or is pruned, or after ``max_retries`` failed retries. Retries are ``study.enqueue_trial`` with the same
+parameters and ``user_attrs`` ``hpdl_lineage`` / ``hpdl_attempt``, so the sampler never sees a duplicate.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait as mp_wait
+from pathlib import Path
+from typing import Any
+
+from hpdl.hpo.errors import HpoError
+from hpdl.hpo.ledger import Ledger
+from hpdl.hpo.pool import PoolSource
+from hpdl.hpo.profiler import CONTEXT_BYTES, ProfileCache, TrialProfile, static_profile
+from hpdl.hpo.scheduler import DeviceState, TrialDemand, get_policy
+from hpdl.hpo.spec import StudySpec, make_pruner, make_sampler, make_storage
+from hpdl.hpo.workloads import get_workload
+
+_PREEMPT_TIMEOUT_S = 30.0
+_IDLE_WORKER_S = 10.0
+
+
+@dataclass
+class _Trial:
+    number: int
+    trial_id: int
+    lineage: int
+    params: dict
+    skey: str
+    since: float
+    device_id: str = ""
+    worker: Any = None
+    demand: TrialDemand | None = None
+    preempt_at: float = 0.0
+    priority: float = 0.0
+
+
+@dataclass
+class _Worker:
+    proc: Any
+    conn: Any
+    device_id: str
+    trial: _Trial | None = None
+    stopping: bool = False
+    idle_since: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class StudyResult:
+    """Outcome of :func:`run_study`. ``history`` is ``[(elapsed_s, best_value)]`` at each improvement;
+    ``failures`` counts failed attempts by kind (``oom``, ``error``, ``died``, ``driver_died``, ``too_big``);
+    ``preempted`` counts trials stopped with a checkpoint and continued elsewhere (device removed, or
+    migrated by ``pack_hetero`` to a faster GPU)."""
+
+    study: str
+    policy: str
+    n_trials: int
+    wall_s: float
+    complete: int
+    pruned: int
+    failures: dict[str, int]
+    best_value: float | None
+    best_params: dict | None
+    history: list[tuple[float, float]]
+    preempted: int = 0
+
+
+class Driver:
+    """Runs one study (see module docstring). Not thread-safe; use from one thread.
+
+    Args:
+        spec: the study (:class:`StudySpec`).
+        resume: load the existing study and recover it; without it an existing study is an error.
+        progress: show a live table in the terminal (rich).
+    Raises:
+        HpoError: the study exists and ``resume`` is False, or does not exist and ``resume`` is True.
+    """
+
+    def __init__(self, spec: StudySpec, *, resume: bool = False, progress: bool = False):
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        self.spec = spec
+        self.run_dir = Path(spec.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.workload = get_workload(spec.workload)
+        self.dists = spec.distributions()
+        self.policy = get_policy(spec.policy.get("name", "pack"),
+                                 **{k: v for k, v in spec.policy.items() if k != "name"})
+        self.pool = PoolSource(spec.pool)
+        self.profiles = ProfileCache(self.run_dir / "profiles.json")
+        storage = make_storage(spec.storage)
+        names = [s.study_name for s in optuna.get_all_study_summaries(storage)]
+        if resume and spec.study not in names:
+            raise HpoError(f"study {spec.study!r} not found in {spec.storage}; use `hpdl hpo run` to start it")
+        if not resume and spec.study in names:
+            raise HpoError(f"study {spec.study!r} already exists in {spec.storage}; use `hpdl hpo resume`")
+        self.study = optuna.create_study(study_name=spec.study, storage=storage, load_if_exists=resume,
+                                         sampler=make_sampler(spec.sampler, spec.space),
+                                         pruner=make_pruner(spec.pruner), direction=spec.direction)
+        self.study.set_user_attr("hpdl_spec", spec.to_dict())
+        self.progress = progress
+        self.ctx = mp.get_context("spawn")
+        self.host = socket.gethostname()
+        self.workers: list[_Worker] = []
+        self.pending: list[_Trial] = []
+        self.running: dict[int, _Trial] = {}
+        self.preempted = 0
+        self.migrated = 0
+        self._last_migrate = 0.0
+        self.history: list[tuple[float, float]] = []
+        self._t0 = time.monotonic()
+        self._cuda = any(d.torch_device.startswith("cuda") for d in self.pool.devices())
+        self._spec_dict = {**spec.to_dict(), "storage": spec.storage, "run_dir": str(self.run_dir.resolve())}
+        self.ledger = Ledger(self.study, spec.max_retries, self.host)
+        if resume:
+            self.ledger.recover()
+
+    # ------------------------------------------------------------------ demands and placement
+    def _demand(self, t: _Trial, kinds: set[str]) -> TrialDemand:
+        measured = [p for k in kinds if (p := self.profiles.get(t.skey, k)) is not None and p.measured]
+        steps = self.workload.schedule(self.workload.resolve({**self.spec.fixed, **t.params}))[0]
+        if measured:
+            ref = max(measured, key=lambda q: q.step_time_s)
+            mem = max(q.memory_bytes for q in measured)
+            return TrialDemand(t.number, mem, ref.compute, steps * ref.step_time_s, t.priority,
+                               waited_s=time.monotonic() - t.since, profiled=True)
+        static = self._static(t, next(iter(kinds)) if kinds else "cpu")
+        return TrialDemand(t.number, static.memory_bytes, 1.0, float(steps) * 0.01, t.priority,
+                           waited_s=time.monotonic() - t.since, profiled=False)
+
+    def _static(self, t: _Trial, kind: str) -> TrialProfile:
+        st = self.profiles.get(t.skey, "static")
+        if st is None:
+            st = static_profile(self.workload, {**self.spec.fixed, **t.params}, "static",
+                                CONTEXT_BYTES if self._cuda else 0)
+            self.profiles.put(t.skey, st)
+        return st
+
+    def _device_states(self, devices) -> list[DeviceState]:
+        states = {d.id: DeviceState(d) for d in devices}
+        for t in self.running.values():
+            if t.device_id in states and t.demand is not None:
+                states[t.device_id].running.append(t.demand)
+        for w in self.workers:  # an idle worker still holds its CUDA context
+            if w.trial is None and w.device_id in states and states[w.device_id].device.torch_device != "cpu":
+                states[w.device_id].running.append(TrialDemand(-1 - id(w) % 10**9, CONTEXT_BYTES, 0.0, 0.0,
+                                                               profiled=True))
+        return list(states.values())
+
+    @staticmethod
+    def _send(w: _Worker, msg: tuple) -> bool:
+        try:
+            w.conn.send(msg)
+            return True
+        except (OSError, ValueError):  # the worker died; _reap handles it
+            return False
+
+    def _start(self, t: _Trial, device, sm_percent: int) -> None:
+        w = next((w for w in self.workers if w.trial is None and not w.stopping and w.device_id == device.id
+                  and w.proc.is_alive()), None)
+        if w is None:
+            parent, child = self.ctx.Pipe()
+            from hpdl.hpo.worker import worker_main
+            proc = self.ctx.Process(target=worker_main, daemon=True, name=f"hpdl-hpo-worker-{device.id}",
+                                    args=(child, device.__dict__, self._spec_dict, os.getpid(), sm_percent))
+            proc.start()
+            child.close()
+            w = _Worker(proc, parent, device.id)
+            self.workers.append(w)
+        need_profile = self.policy.uses_profiles and (not (p := self.profiles.get(t.skey, device.kind))
+                                                      or not p.measured)
+        task = {"trial_id": t.trial_id, "number": t.number, "lineage": t.lineage, "params": t.params,
+                "profile": need_profile, "static": self._static(t, device.kind).__dict__,
+                "context_bytes": CONTEXT_BYTES if device.torch_device.startswith("cuda") else 0}
+        w.trial, t.worker, t.device_id = t, w, device.id  # if the send fails, _reap fails and retries it
+        self._send(w, ("run", task))
+        self.running[t.number] = t
+        st = self.study._storage
+        st.set_trial_user_attr(t.trial_id, "hpdl_device", device.id)
+        st.set_trial_user_attr(t.trial_id, "hpdl_host", self.host)
+        st.set_trial_user_attr(t.trial_id, "hpdl_pid", w.proc.pid)
+        st.set_trial_user_attr(t.trial_id, "hpdl_started_at", time.time())  # placement time (ask is earlier)
+
+    def _sample(self, finished: set[int], active: set[int]) -> None:
+        want = self.spec.lookahead or 2 * max(1, len(self.pool.devices()))
+        if len(self.pending) >= want:
+            return
+        budget = self.spec.n_trials - len(finished) - len(active)
+        waiting = self.ledger.waiting
+        while len(self.pending) < want and (budget > 0 or waiting > 0):
+            trial = self.study.ask(self.dists)
+            self.ledger.dirty = True
+            lin = int(trial.user_attrs.get("hpdl_lineage", trial.number))
+            if lin == trial.number:
+                trial.set_user_attr("hpdl_lineage", lin)
+                budget -= 1
+            else:
+                waiting -= 1
+            skey = self.workload.structural_key({**self.spec.fixed, **trial.params})
+            self.pending.append(_Trial(trial.number, trial._trial_id, lin, dict(trial.params), skey, time.monotonic()))
+
+    # ------------------------------------------------------------------ messages and failures
+    def _on_message(self, w: _Worker, msg: tuple) -> None:
+        from optuna.trial import TrialState
+
+        kind, t = msg[0], w.trial
+        if kind in ("done", "pruned", "failed"):
+            self.ledger.dirty = True
+        if kind == "ready" or t is None or (len(msg) > 1 and msg[1] != t.trial_id):
+            return
+        if kind == "profile":
+            prof = TrialProfile(**msg[2])
+            self.profiles.put(t.skey, prof)
+            if hasattr(self.policy, "observe"):
+                self.policy.observe(prof.compute)
+            t.demand = self._demand(t, {prof.kind})
+            return
+        self.running.pop(t.number, None)
+        w.trial, w.idle_since = None, time.monotonic()
+        if kind == "done":
+            self.study.tell(t.number, msg[2])
+            self._improve(msg[2])
+        elif kind == "pruned":
+            self.study.tell(t.number, state=TrialState.PRUNED)
+        elif kind == "preempted":
+            self.preempted += 1
+            t.since, t.device_id, t.worker, t.preempt_at = time.monotonic(), "", None, 0.0
+            self.pending.insert(0, t)
+        elif kind == "failed":
+            if msg[2] == "oom":  # the profile under-estimated: never place this configuration so tightly again
+                for k, p in self.profiles.items():
+                    if k.endswith("|" + t.skey):
+                        p.memory_bytes = int(p.memory_bytes * 1.5)
+                        self.profiles.put(t.skey, p)
+            self.ledger.fail(t.number, t.params, {"hpdl_lineage": t.lineage, "hpdl_attempt": self._attempt(t)},
+                             msg[2], msg[3])
+
+    def _attempt(self, t: _Trial) -> int:
+        return int(self.study._storage.get_trial(t.trial_id).user_attrs.get("hpdl_attempt", 0))
+
+    def _improve(self, value: float) -> None:
+        best = self.history[-1][1] if self.history else None
+        better = best is None or (value > best if self.spec.direction == "maximize" else value < best)
+        if better and not math.isnan(value):
+            self.history.append((time.monotonic() - self._t0, float(value)))
+
+    def _reap(self) -> None:
+        for w in list(self.workers):
+            if w.trial is not None and w.trial.preempt_at and time.monotonic() - w.trial.preempt_at > _PREEMPT_TIMEOUT_S:
+                w.proc.kill()  # did not stop after a preempt request: it continues elsewhere from its checkpoint
+                w.proc.join(5)
+            if w.proc.is_alive():
+                if w.trial is None and not w.stopping and time.monotonic() - w.idle_since > _IDLE_WORKER_S:
+                    w.stopping = True
+                    self._send(w, ("stop",))
+                continue
+            self.workers.remove(w)
+            t = w.trial
+            if t is not None:
+                self.running.pop(t.number, None)
+                if t.preempt_at:  # killed on purpose after a preempt timeout: run it elsewhere
+                    t.since, t.device_id, t.worker, t.preempt_at = time.monotonic(), "", None, 0.0
+                    self.pending.insert(0, t)
+                else:
+                    self.ledger.fail(t.number, t.params, {"hpdl_lineage": t.lineage, "hpdl_attempt": self._attempt(t)},
+                                     "died", f"worker exited with code {w.proc.exitcode}")
+
+    def _migrate(self, devices) -> None:
+        """pack_hetero: mark running trials better than the median at their last report as promising and
+        move those the policy picks to faster GPUs (preempt with a checkpoint; they are re-placed first)."""
+        if not hasattr(self.policy, "migrations") or time.monotonic() - self._last_migrate < 2.0:
+            return
+        self._last_migrate = time.monotonic()
+        by_step: dict[int, list[float]] = {}
+        for fz in self.study.get_trials(deepcopy=False):
+            for step, v in fz.intermediate_values.items():
+                by_step.setdefault(step, []).append(v)
+        sign = 1.0 if self.spec.direction == "maximize" else -1.0
+        for t in self.running.values():
+            iv = self.study._storage.get_trial(t.trial_id).intermediate_values
+            if iv and t.demand is not None:
+                step = max(iv)
+                peers = sorted(by_step.get(step, []))
+                t.priority = float(len(peers) >= 3 and sign * (iv[step] - peers[len(peers) // 2]) > 0)
+                t.demand.priority = t.priority
+        for key in self.policy.migrations(self._device_states(devices)):
+            t = self.running[key]
+            if not t.preempt_at:
+                t.preempt_at = time.monotonic()
+                self.migrated += 1
+                self._send(t.worker, ("preempt", t.trial_id))
+
+    def _elastic(self, devices) -> None:
+        ids = {d.id for d in devices}
+        for w in self.workers:
+            if w.device_id in ids:
+                continue
+            t = w.trial
+            if t is None:
+                if not w.stopping:
+                    w.stopping = True
+                    self._send(w, ("stop",))
+            elif not t.preempt_at:
+                t.preempt_at = time.monotonic()
+                self._send(w, ("preempt", t.trial_id))
+
+    # ------------------------------------------------------------------ main loop
+    def run(self) -> StudyResult:
+        """Run until the budget is finished (or ``spec.timeout_s`` passes); return the summary."""
+        from hpdl.hpo.progress import Progress
+
+        view = Progress(self) if self.progress else None
+        try:
+            while True:
+                devices = self.pool.devices()
+                self._elastic(devices)
+                self._migrate(devices)
+                for conn in mp_wait([w.conn for w in self.workers], timeout=0.05) if self.workers else []:
+                    w = next(x for x in self.workers if x.conn is conn)
+                    try:
+                        while w.conn.poll():
+                            self._on_message(w, w.conn.recv())
+                    except (EOFError, OSError):
+                        w.proc.join(1)
+                self._reap()
+                finished, active = self.ledger.lineages()
+                if len(finished) >= self.spec.n_trials and not self.running and not self.pending:
+                    break
+                if self.spec.timeout_s and time.monotonic() - self._t0 > self.spec.timeout_s:
+                    raise HpoError(f"study {self.spec.study!r} ran past timeout_s={self.spec.timeout_s}")
+                self._sample(finished, active)
+                if self.pending and devices:
+                    states = self._device_states(devices)
+                    by_id = {d.id: d for d in devices}
+                    demands = {t.number: self._demand(t, {d.kind for d in devices}) for t in self.pending}
+                    biggest = max(d.memory_bytes for d in devices)
+                    for t in [t for t in self.pending if demands[t.number].profiled
+                              and demands[t.number].memory_bytes > biggest]:
+                        self.pending.remove(t)  # measured, and larger than any device: it can never run
+                        need = demands.pop(t.number).memory_bytes
+                        self.ledger.fail(t.number, t.params, {"hpdl_lineage": t.lineage}, "too_big",
+                                   f"needs {need} B, largest device has {biggest} B", retry=False)
+                    for a in self.policy.place(list(demands.values()), states):
+                        t = next(x for x in self.pending if x.number == a.key)
+                        self.pending.remove(t)
+                        t.demand = demands[a.key]
+                        self._start(t, by_id[a.device_id], a.sm_percent)
+                else:
+                    time.sleep(0.02)
+                if view:
+                    view.update()
+        finally:
+            if view:
+                view.close()
+            self.shutdown()
+        return self.result()
+
+    def shutdown(self) -> None:
+        """Stop every worker (stop message, 5 s join, then kill); idempotent."""
+        for w in self.workers:
+            self._send(w, ("stop",))
+        for w in self.workers:
+            w.proc.join(5)
+            if w.proc.is_alive():
+                w.proc.kill()
+                w.proc.join(5)
+        self.workers.clear()
+
+    def result(self) -> StudyResult:
+        from optuna.trial import TrialState
+
+        trials = self.study.get_trials(deepcopy=False)
+        done = [t for t in trials if t.state == TrialState.COMPLETE]
+        best = None
+        if done:
+            best = (max if self.spec.direction == "maximize" else min)(done, key=lambda t: t.value)
+        return StudyResult(self.spec.study, self.policy.name, self.spec.n_trials, time.monotonic() - self._t0,
+                           len(done), sum(t.state == TrialState.PRUNED for t in trials), dict(self.ledger.failures),
+                           best.value if best else None, dict(best.params) if best else None, list(self.history),
+                           self.preempted)
+
+
+def run_study(spec: StudySpec, *, resume: bool = False, progress: bool = False) -> StudyResult:
+    """Run (or, with ``resume``, continue) the study described by ``spec`` to its budget.
+
+    Returns:
+        StudyResult with wall time (s), counts, best value/params and best-so-far history.
+    Raises:
+        HpoError: study exists (without ``resume``) or is missing (with it), or ``timeout_s`` passed.
+        HpoConfigError: invalid spec, pool or policy.
+    """
+    return Driver(spec, resume=resume, progress=progress).run()

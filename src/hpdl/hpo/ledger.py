@@ -1,0 +1,99 @@
+"""The study's bookkeeping in the Optuna storage: configurations (lineages), failures, retries, recovery.
+
+A configuration's first trial is its lineage; a retry is ``study.enqueue_trial`` with the same parameters
+and ``user_attrs`` ``hpdl_lineage`` and ``hpdl_attempt``. A lineage is finished when one attempt completes
+or is pruned, when it failed more than ``max_retries`` times, or when a failure gave up on it
+(``hpdl_gave_up``: too big for any device). Reading the storage is the truth after any restart.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+
+class Ledger:
+    """Lineage accounting and failure handling for one driver (not thread-safe).
+
+    Args:
+        study: the ``optuna.Study`` (RDB storage).
+        max_retries: retries after a configuration's first failed attempt.
+        host: this driver's host name; recovery only touches trials started from this host.
+    """
+
+    def __init__(self, study, max_retries: int, host: str):
+        self.study, self.max_retries, self.host = study, max_retries, host
+        self.failures: dict[str, int] = {}
+        self.dirty = True  # set after every ask/tell/enqueue so lineages() re-reads the storage
+        self.waiting = 0
+        self._cache: tuple[set[int], set[int]] = (set(), set())
+
+    def recover(self) -> None:
+        """Trials left RUNNING by a dead driver of this host: kill leftovers, mark FAIL, retry."""
+        from optuna.trial import TrialState
+
+        for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            if t.user_attrs.get("hpdl_host", self.host) != self.host:
+                continue  # another node's driver owns it
+            pid = t.user_attrs.get("hpdl_pid")
+            if pid and _is_our_worker(int(pid)):
+                os.kill(int(pid), signal.SIGKILL)
+            if pid:
+                self.fail(t.number, t.params, t.user_attrs, "driver_died", "driver was killed while it ran")
+            else:  # sampled but never started: not an attempt, re-queue it as it was
+                attrs = {**t.user_attrs, "hpdl_attempt": t.user_attrs.get("hpdl_attempt", 0) - 1}
+                self.fail(t.number, t.params, attrs, "not_started", "driver was killed before it started")
+
+    def lineages(self) -> tuple[set[int], set[int]]:
+        """(finished, active) lineages according to the storage; re-read only after a change."""
+        from optuna.trial import TrialState
+
+        if not self.dirty:
+            return self._cache
+        self.dirty = False
+        fails: dict[int, int] = {}
+        finished, active = set(), set()
+        self.waiting = 0
+        for t in self.study.get_trials(deepcopy=False):
+            self.waiting += t.state == TrialState.WAITING
+            lin = int(t.user_attrs.get("hpdl_lineage", t.number))
+            if t.state in (TrialState.COMPLETE, TrialState.PRUNED):
+                finished.add(lin)
+            elif t.state == TrialState.FAIL:
+                if t.user_attrs.get("hpdl_gave_up"):
+                    finished.add(lin)
+                elif not str(t.user_attrs.get("hpdl_failure", "")).startswith("not_started"):
+                    fails[lin] = fails.get(lin, 0) + 1
+            else:
+                active.add(lin)
+        finished |= {lin for lin, n in fails.items() if n > self.max_retries}
+        self._cache = (finished, active - finished)
+        return self._cache
+
+    def fail(self, number: int, params: dict, attrs: dict, kind: str, message: str, retry: bool = True) -> None:
+        """Tell trial ``number`` FAIL with ``hpdl_failure = "<kind>: <message>"`` and, while attempts are left
+        and ``retry``, enqueue the configuration again (``attrs`` carry its lineage and attempt).
+        Kinds: oom, error, died, driver_died, too_big, not_started (the last is not counted as an attempt)."""
+        from optuna.trial import TrialState
+
+        self.dirty = True
+        if kind != "not_started":
+            self.failures[kind] = self.failures.get(kind, 0) + 1
+        tid = self.study._storage.get_trial_id_from_study_id_trial_number(self.study._study_id, number)
+        self.study._storage.set_trial_user_attr(tid, "hpdl_failure", f"{kind}: {message[-500:]}")
+        attempt = int(attrs.get("hpdl_attempt", 0)) + 1
+        if not retry or attempt > self.max_retries:
+            self.study._storage.set_trial_user_attr(tid, "hpdl_gave_up", True)
+        self.study.tell(number, state=TrialState.FAIL)
+        if retry and attempt <= self.max_retries:
+            self.study.enqueue_trial(params, user_attrs={"hpdl_lineage": int(attrs.get("hpdl_lineage", number)),
+                                                         "hpdl_attempt": attempt}, skip_if_exists=False)
+
+
+def _is_our_worker(pid: int) -> bool:
+    """True when ``pid`` is alive and is a Python process (guards against a recycled pid)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"python" in f.read()
+    except OSError:
+        return False

@@ -1,0 +1,198 @@
+"""Trial profiles: peak device memory, step time and compute share of a configuration on a GPU type.
+
+Two sources, both real measurements:
+
+- ``static_profile``: before a configuration has run, its step is traced on the meta device
+  (:meth:`Workload.estimate`: parameter bytes, module-output bytes, FLOPs). Memory is bounded as
+  ``1.25 * (4 * params + 2 * activations) + context`` bytes: weights, gradients and two optimizer/
+  allocator copies, the module outputs autograd keeps plus as much again for gradients, cuDNN workspace and
+  fragmentation. Deliberately generous so that placement before profiling does not run out of memory.
+  Compute share is unknown (the policy assumes a default).
+- ``StepProfiler``: the first steps of every new configuration (in the trial's own process, on the GPU it
+  was placed on) are measured: after ``warmup`` steps, ``window`` steps are enqueued behind a
+  ``torch.cuda._sleep`` kernel (~0.1 s), so the CUDA-event time between the first and last step is pure
+  GPU time with no launch gaps, while the host time to enqueue them is pure CPU time. Then:
+
+  * ``step_time_s = max(cpu, gpu)`` per step (the solo step time; launch-bound trials have cpu > gpu),
+  * ``compute = gpu / step_time_s``, the fraction of time the GPU is busy when the trial runs alone
+    (what SM-use sampling with NVML approximates); co-located processes time-slice, so trials whose
+    shares sum to <= 1 can share a GPU with little slowdown,
+  * ``memory_bytes = torch.cuda.max_memory_reserved() + context_bytes`` (the CUDA context of a process,
+    about 0.5 GiB with cuBLAS/cuDNN, is not seen by the caching allocator).
+
+  On a CPU (fake) device, the step time is measured; memory is the static bound and
+  ``compute = flops / (step_time_s * peak_flops)`` against the fake device's declared peak.
+
+Profiles are cached per (structural key, device kind) in :class:`ProfileCache` (JSON on disk).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+CONTEXT_BYTES = 600 << 20  # per-process CUDA context (bytes); override with the pool's context_bytes
+
+
+@dataclass
+class TrialProfile:
+    """Cost of one configuration on one device kind.
+
+    Attributes:
+        kind: device kind, e.g. "H200".
+        memory_bytes: peak device memory of the trial's process (bytes).
+        step_time_s: solo time of one training step (seconds); ``nan`` when only static.
+        compute: busy fraction in (0, 1] when alone; ``nan`` when only static.
+        flops: FLOPs per step (forward + backward).
+        source: "cuda", "cpu" (measured) or "static" (meta-device estimate).
+    """
+
+    kind: str
+    memory_bytes: int
+    step_time_s: float = float("nan")
+    compute: float = float("nan")
+    flops: float = 0.0
+    source: str = "static"
+
+    @property
+    def measured(self) -> bool:
+        return self.source != "static"
+
+
+def static_profile(workload, params: dict, kind: str, context_bytes: int = CONTEXT_BYTES) -> TrialProfile:
+    """Meta-device estimate (see module docstring); no device memory is touched.
+
+    Raises:
+        HpoConfigError: ``params`` name parameters the workload does not have.
+    """
+    est = workload.estimate(params)
+    mem = int(1.25 * (4 * est["param_bytes"] + 2 * est["activation_bytes"])) + int(context_bytes)
+    return TrialProfile(kind=kind, memory_bytes=mem, flops=est["flops"], source="static")
+
+
+class StepProfiler:
+    """Measures a trial's first steps in place (see module docstring). Call ``before(step)`` and
+    ``after(step)`` around every training step and ``interrupt()`` when the loop synchronises between
+    steps (evaluation, checkpoint): a window that saw a synchronisation is restarted at the next step.
+    ``result`` is set once both windows are done.
+
+    Args:
+        device: the torch device the trial trains on.
+        kind: device kind name for the profile.
+        static: the static profile (memory bound and FLOPs used on CPU).
+        warmup, window: steps skipped, then consecutive steps measured in each window (>= 1).
+        peak_flops: declared peak of a fake CPU device (FLOP/s) for the compute share on CPU.
+        context_bytes: CUDA context bytes added to the allocator's peak.
+    """
+
+    def __init__(self, device: torch.device, kind: str, static: TrialProfile,
+                 warmup: int = 3, window: int = 4, peak_flops: float = 5e10, context_bytes: int = CONTEXT_BYTES):
+        if warmup < 0 or window < 1:
+            raise ValueError(f"warmup={warmup}, window={window}: expected warmup >= 0 and window >= 1")
+        self.device, self.kind, self.static = device, kind, static
+        self.peak_flops, self.context_bytes = peak_flops, context_bytes
+        self.warmup, self.window = warmup, window
+        self.cuda = device.type == "cuda"
+        self.phase = "warm"   # warm -> gpu (CUDA only) -> wall -> done
+        self.seen = 0         # steps seen in the current phase
+        self.result: TrialProfile | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None
+
+    def interrupt(self) -> None:
+        """The loop synchronised the device outside a step: restart the current window."""
+        if self.phase in ("gpu", "wall"):
+            self.seen = 0
+
+    def before(self, step: int) -> None:
+        if self.done:
+            return
+        if self.phase == "warm" and self.seen >= self.warmup:
+            self.phase, self.seen = ("gpu" if self.cuda else "wall"), 0
+            if self.cuda:
+                torch.cuda.reset_peak_memory_stats(self.device)
+        if self.phase in ("gpu", "wall") and self.seen == 0:
+            if self.cuda:
+                torch.cuda.synchronize(self.device)
+            if self.phase == "gpu":
+                torch.cuda._sleep(int(0.1 * 1.9e9))  # ~0.1 s of GPU clock: the host enqueues meanwhile
+                self._ev0 = torch.cuda.Event(enable_timing=True)
+                self._ev0.record()
+            self._t = time.perf_counter()
+
+    def after(self, step: int) -> None:
+        if self.done:
+            return
+        self.seen += 1
+        if self.phase == "warm" or self.seen < self.window:
+            return
+        if self.phase == "gpu":
+            self._cpu = (time.perf_counter() - self._t) / self.window
+            ev1 = torch.cuda.Event(enable_timing=True)
+            ev1.record()
+            ev1.synchronize()
+            self._gpu = self._ev0.elapsed_time(ev1) / 1e3 / self.window
+            self.phase, self.seen = "wall", 0
+            return
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        self.wall_step_s = (time.perf_counter() - self._t) / self.window
+        if self.cuda:
+            solo = max(self._cpu, self._gpu)
+            self.result = TrialProfile(
+                kind=self.kind, memory_bytes=int(torch.cuda.max_memory_reserved(self.device)) + self.context_bytes,
+                step_time_s=solo, compute=min(1.0, max(self._gpu / solo, 1e-3)), flops=self.static.flops,
+                source="cuda")
+        else:
+            self.result = TrialProfile(
+                kind=self.kind, memory_bytes=self.static.memory_bytes, step_time_s=self.wall_step_s,
+                compute=min(1.0, max(self.static.flops / (self.wall_step_s * self.peak_flops), 1e-3)),
+                flops=self.static.flops, source="cpu")
+        self.phase = "done"
+
+
+class ProfileCache:
+    """Profiles by (structural key, device kind), saved as JSON at ``path`` (None: memory only).
+
+    Thread-safe; a later measured profile replaces an earlier one, a static one never replaces a measured one.
+    """
+
+    def __init__(self, path: str | os.PathLike | None = None):
+        self.path = Path(path) if path else None
+        self._lock = threading.Lock()
+        self._data: dict[str, TrialProfile] = {}
+        if self.path and self.path.exists():
+            for k, v in json.loads(self.path.read_text()).items():
+                self._data[k] = TrialProfile(**v)
+
+    @staticmethod
+    def _key(structural_key: str, kind: str) -> str:
+        return f"{kind}|{structural_key}"
+
+    def get(self, structural_key: str, kind: str) -> TrialProfile | None:
+        with self._lock:
+            return self._data.get(self._key(structural_key, kind))
+
+    def put(self, structural_key: str, profile: TrialProfile) -> None:
+        with self._lock:
+            key = self._key(structural_key, profile.kind)
+            old = self._data.get(key)
+            if old is not None and old.measured and not profile.measured:
+                return
+            self._data[key] = profile
+            if self.path:
+                tmp = self.path.with_suffix(".tmp")
+                tmp.write_text(json.dumps({k: asdict(v) for k, v in self._data.items()}, indent=1))
+                os.replace(tmp, self.path)
+
+    def items(self) -> list[tuple[str, TrialProfile]]:
+        with self._lock:
+            return list(self._data.items())

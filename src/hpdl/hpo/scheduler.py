@@ -1,0 +1,339 @@
+"""Placement policies: which queued trial starts on which GPU (pure CPU bookkeeping, no processes).
+
+The packing problem (HyperSack, seed abstract 4; design reading in docs/hpo.md): items are trials with a
+peak memory ``m_i`` (bytes) and a compute share ``b_i`` (the fraction of time the GPU is busy when the trial
+runs alone, measured by :mod:`hpdl.hpo.profiler`); bins are GPUs with memory ``M_g`` and a speed factor
+``s_g``. Without MPS, processes on one GPU time-slice, so co-located trials progress at full speed while
+``sum(b_i) <= 1`` and slow down by ``sum(b_i)`` beyond it; memory is a hard limit (an overflow is an
+out-of-memory failure). Each policy answers one question, ``place(pending, devices)``, and the driver and
+the simulator both call the same objects.
+
+Policies: ``one_per_gpu`` (standard HPO parallelisation, the baseline), ``fixed_fraction`` (Ray Tune style
+``{"gpu": f}``: ``floor(1/f)`` trials per GPU, memory ignored), ``pack`` (two-dimensional fit, memory hard,
+compute soft), ``pack_hetero`` (``pack`` plus speed-aware choice: long or promising trials to fast GPUs).
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from hpdl.hpo.errors import HpoConfigError
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Device:
+    """One GPU (or fake CPU device) of the pool.
+
+    Attributes:
+        id: stable name, e.g. ``"cuda:0"``, ``"node3/cuda:1"`` or ``"fake:0"``.
+        kind: device type, e.g. ``"H200"``, ``"A100-40GB"``; profiles are cached per kind.
+        memory_bytes: memory trials may use (bytes), after the driver's headroom.
+        speed: relative throughput of this kind for compute-bound work (reference kind = 1.0).
+        compute: compute capacity in busy-fraction units (1.0 = one fully busy GPU).
+        torch_device: where a trial process trains, e.g. ``"cuda:0"`` or ``"cpu"`` for a fake device.
+        peak_flops: declared peak (FLOP/s) of a fake CPU device, for its compute shares; 0 for GPUs.
+    """
+
+    id: str
+    kind: str
+    memory_bytes: int
+    speed: float = 1.0
+    compute: float = 1.0
+    torch_device: str = "cpu"
+    peak_flops: float = 0.0
+
+    def __post_init__(self):
+        if self.memory_bytes <= 0:
+            raise HpoConfigError(f"Device {self.id}: memory_bytes={self.memory_bytes}, expected > 0")
+        if self.speed <= 0 or self.compute <= 0:
+            raise HpoConfigError(f"Device {self.id}: speed={self.speed}, compute={self.compute}, expected > 0")
+
+
+@dataclass
+class TrialDemand:
+    """What a trial needs, as the scheduler sees it.
+
+    Attributes:
+        key: trial number (unique within the study); negative keys are idle worker processes that hold
+            memory (their CUDA context) but run nothing.
+        memory_bytes: peak device memory of the trial's process (bytes), measured or estimated.
+        compute: busy fraction in (0, 1] when alone on a speed-1 device; 1.0 when unknown.
+        work_s: remaining solo run time on a speed-1 device (seconds); a rough estimate is fine.
+        priority: larger is more promising (e.g. best intermediate rank); used by ``pack_hetero``.
+        waited_s: seconds since the trial became ready to run (for starvation control).
+        profiled: ``True`` once ``memory_bytes`` and ``compute`` come from a measurement.
+    """
+
+    key: int
+    memory_bytes: int
+    compute: float = 1.0
+    work_s: float = 1.0
+    priority: float = 0.0
+    waited_s: float = 0.0
+    profiled: bool = False
+
+
+@dataclass
+class DeviceState:
+    """A device and the demands of the trials now placed on it."""
+
+    device: Device
+    running: list[TrialDemand] = field(default_factory=list)
+
+    @property
+    def memory_used(self) -> int:
+        return sum(t.memory_bytes for t in self.running)
+
+    @property
+    def compute_used(self) -> float:
+        return sum(t.compute for t in self.running)
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """Start trial ``key`` on device ``device_id``; ``sm_percent`` is the MPS SM cap (100 = none)."""
+
+    key: int
+    device_id: str
+    sm_percent: int = 100
+
+
+class SchedulingPolicy(ABC):
+    """Decides placements. Contract: ``place`` is pure (it does not mutate its arguments), returns each
+    pending key at most once, and names only devices it was given. It is called from one thread only."""
+
+    name = "base"
+    uses_profiles = True  # False: the driver skips in-place profiling (the policy would ignore it)
+
+    @abstractmethod
+    def place(self, pending: Sequence[TrialDemand], devices: Sequence[DeviceState]) -> list[Assignment]:
+        """Return the trials to start now, chosen from ``pending`` (oldest first), onto ``devices``."""
+
+
+class OnePerGpu(SchedulingPolicy):
+    """Standard HPO parallelisation: one trial per GPU, FIFO (Optuna/Ray Tune default with 1 GPU a trial)."""
+
+    name = "one_per_gpu"
+    uses_profiles = False
+
+    def place(self, pending, devices):
+        free = [d.device.id for d in devices if not any(t.key >= 0 for t in d.running)]
+        return [Assignment(t.key, dev) for t, dev in zip(pending, free)]
+
+
+class FixedFraction(SchedulingPolicy):
+    """Naive sharing, as Ray Tune's ``tune.with_resources(fn, {"gpu": fraction})``: at most
+    ``floor(1/fraction)`` trials per GPU, FIFO, blind to memory and compute (it can run out of memory)."""
+
+    name = "fixed_fraction"
+    uses_profiles = False
+
+    def __init__(self, fraction: float = 0.125):
+        if not 0 < fraction <= 1:
+            raise HpoConfigError(f"fraction={fraction}, expected 0 < fraction <= 1")
+        self.fraction = fraction
+        self.slots = int(math.floor(1.0 / fraction + 1e-9))
+
+    def place(self, pending, devices):
+        out, queue = [], list(pending)
+        # Ray fills the least-loaded node/GPU first; mirror that with round-robin over free slots.
+        load = {d.device.id: sum(t.key >= 0 for t in d.running) for d in devices}
+        while queue:
+            dev = min(load, key=lambda k: load[k], default=None)
+            if dev is None or load[dev] >= self.slots:
+                break
+            out.append(Assignment(queue.pop(0).key, dev))
+            load[dev] += 1
+        return out
+
+
+class Pack(SchedulingPolicy):
+    """Resource-aware packing: place a trial where its memory fits under the device limit (hard) and the
+    device's summed compute share is still under ``max_compute`` (soft: co-locate only where idle GPU time
+    is left to gain; the last trial may push the sum past the cap, which only time-slices).
+
+    Pending trials are tried largest memory first (first-fit decreasing); each goes to the fitting device
+    with the lowest resulting speed-weighted load, which spreads work over idle GPUs before stacking.
+    A trial that waited longer than ``starve_after_s`` reserves the device where it would fit soonest:
+    nothing else is started there until it fits.
+
+    Args:
+        max_compute: a device whose summed busy fraction reached this takes no more trials.
+        max_trials_per_device: cap on co-located processes (context memory, CPU threads).
+        unprofiled_compute: share assumed for a trial not yet profiled, until profiles arrive; after that
+            the median of the shares measured in this study (``observe``) is assumed instead.
+        starve_after_s: waiting time after which a trial reserves a device.
+        mps: when True, each assignment carries an SM cap (``ceil(100 * compute / max_compute)``).
+    """
+
+    name = "pack"
+
+    def __init__(self, max_compute: float = 1.0, max_trials_per_device: int = 16,
+                 unprofiled_compute: float = 0.25, starve_after_s: float = 30.0, mps: bool = False):
+        if max_compute <= 0:
+            raise HpoConfigError(f"max_compute={max_compute}, expected > 0")
+        if max_trials_per_device < 1:
+            raise HpoConfigError(f"max_trials_per_device={max_trials_per_device}, expected >= 1")
+        self.max_compute = max_compute
+        self.max_trials_per_device = max_trials_per_device
+        self.unprofiled_compute = unprofiled_compute
+        self._observed: list[float] = []
+        self.starve_after_s = starve_after_s
+        self.mps = mps
+
+    def observe(self, compute: float) -> None:
+        """Record a measured compute share; unprofiled trials are then assumed to need the median share
+        (on a GPU-bound study this stops co-locating trials before their profile says they fit)."""
+        self._observed.append(float(compute))
+
+    def _prior(self) -> float:
+        if not self._observed:
+            return self.unprofiled_compute
+        xs = sorted(self._observed)
+        return xs[len(xs) // 2]
+
+    def _compute(self, t: TrialDemand) -> float:
+        return t.compute if t.profiled else max(t.compute if t.compute < 1.0 else 0.0, self._prior())
+
+    def _order(self, pending: Sequence[TrialDemand]) -> list[TrialDemand]:
+        return sorted(pending, key=lambda t: (-t.memory_bytes, t.key))
+
+    def _score(self, t: TrialDemand, dev: Device, comp: float, work: float) -> float:
+        """Lower is better: resulting compute load relative to the device's speed."""
+        return (comp + self._compute(t)) / (dev.compute * dev.speed)
+
+    def place(self, pending, devices):
+        mem = {d.device.id: d.memory_used for d in devices}
+        comp = {d.device.id: sum(self._compute(t) for t in d.running) for d in devices}
+        # entries with a negative key are idle worker processes (memory only): not trials
+        count = {d.device.id: sum(t.key >= 0 for t in d.running) for d in devices}
+        work = {d.device.id: sum(t.work_s for t in d.running) for d in devices}
+        by_id = {d.device.id: d.device for d in devices}
+        biggest = max((d.memory_bytes for d in by_id.values()), default=0)
+        reserved: set[str] = set()
+        # Starvation control: the longest-waiting starving trial reserves the device with most memory.
+        starving = [t for t in pending if t.waited_s >= self.starve_after_s]
+        if starving:
+            t = max(starving, key=lambda x: x.waited_s)
+            cands = [d for d in by_id.values() if d.memory_bytes >= t.memory_bytes]
+            if cands:
+                dev = min(cands, key=lambda d: (mem[d.id] - (d.memory_bytes - t.memory_bytes), d.id))
+                if not self._fits(t, dev, mem, comp, count, biggest):
+                    reserved.add(dev.id)
+        out = []
+        for t in self._order(pending):
+            fits = [d for d in by_id.values() if d.id not in reserved and self._fits(t, d, mem, comp, count, biggest)]
+            if not fits:
+                continue
+            dev = min(fits, key=lambda d: (self._score(t, d, comp[d.id], work[d.id]), d.id))
+            c = self._compute(t)
+            work[dev.id] += t.work_s
+            mem[dev.id] += t.memory_bytes
+            comp[dev.id] += c
+            count[dev.id] += 1
+            sm = min(100, int(math.ceil(100 * c / self.max_compute))) if self.mps else 100
+            out.append(Assignment(t.key, dev.id, sm))
+        return out
+
+    def _fits(self, t, dev: Device, mem, comp, count, biggest: int = 0) -> bool:
+        if mem[dev.id] + t.memory_bytes > dev.memory_bytes:
+            # The static bound of an unprofiled trial is generous: if it exceeds every device, try it alone
+            # on the largest one (its profile will tell); a profiled trial that fits nowhere never runs.
+            return (not t.profiled and count[dev.id] == 0 and t.memory_bytes > biggest
+                    and dev.memory_bytes == biggest)
+        if count[dev.id] >= self.max_trials_per_device:
+            return False
+        # Gain test: co-locate only while the device still has idle compute (its load is under the cap);
+        # an empty device always takes a trial that fits in memory.
+        return count[dev.id] == 0 or comp[dev.id] < self.max_compute * dev.compute - 1e-9
+
+
+class PackHetero(Pack):
+    """``pack`` for pools with GPUs of different speeds: trials are taken most promising first, then
+    longest first, and each goes where its estimated finish time is earliest, so long and promising trials
+    land on fast GPUs and short ones fill slow GPUs.
+
+    Cost on device ``g`` (seconds, time-slicing model of the module docstring): the trial's own estimated
+    run time ``work_s / speed_g * max(1, load_g + b)`` plus the delay it adds to the trials already there,
+    ``W_g / speed_g * (max(1, load_g + b) - max(1, load_g))`` with ``W_g`` their summed remaining work.
+    """
+
+    name = "pack_hetero"
+
+    def __init__(self, *args, migrate_min_s: float = 10.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.migrate_min_s = migrate_min_s
+
+    def _order(self, pending):
+        return sorted(pending, key=lambda t: (-t.priority, -t.work_s, -t.memory_bytes, t.key))
+
+    def migrations(self, devices: Sequence[DeviceState]) -> list[int]:
+        """Running trials to move (checkpoint, stop, start again) to a faster GPU: those with
+        ``priority > 0`` (promising, e.g. better than the median at their last report) whose remaining work
+        on their GPU exceeds ``migrate_min_s`` and which would fit now, memory and compute, on a GPU at least
+        1.5 times faster. At most one trial per target GPU per call, most promising first."""
+        out, taken = [], set()
+        cands = [(t, d) for d in devices for t in d.running if t.key >= 0 and t.priority > 0]
+        for t, src in sorted(cands, key=lambda x: (-x[0].priority, -x[0].work_s, x[0].key)):
+            if t.work_s / src.device.speed < self.migrate_min_s:
+                continue
+            for dst in sorted(devices, key=lambda d: -d.device.speed):
+                dv = dst.device
+                if dv.id in taken or dv.speed < 1.5 * src.device.speed:
+                    continue
+                load = sum(self._compute(x) for x in dst.running)
+                if dst.memory_used + t.memory_bytes <= dv.memory_bytes and load < self.max_compute * dv.compute:
+                    out.append(t.key)
+                    taken.add(dv.id)
+                    break
+        return out
+
+    def _score(self, t, dev, comp, work):
+        old = max(1.0, comp / dev.compute)
+        new = max(1.0, (comp + self._compute(t)) / dev.compute)
+        return t.work_s / dev.speed * new + work / dev.speed * (new - old)
+
+
+POLICIES = {cls.name: cls for cls in (OnePerGpu, FixedFraction, Pack, PackHetero)}
+
+
+def get_policy(name: str | SchedulingPolicy, **kwargs) -> SchedulingPolicy:
+    """Build a policy from its name (``one_per_gpu``, ``fixed_fraction``, ``pack``, ``pack_hetero``)
+    and keyword options, or pass an instance through.
+
+    Raises:
+        HpoConfigError: unknown name (the message lists the valid ones) or a bad option.
+    """
+    if isinstance(name, SchedulingPolicy):
+        return name
+    if name not in POLICIES:
+        raise HpoConfigError(f"policy={name!r}, expected one of {sorted(POLICIES)}")
+    try:
+        return POLICIES[name](**kwargs)
+    except TypeError as exc:
+        raise HpoConfigError(f"policy {name!r}: bad options {kwargs}: {exc}") from None
+
+
+def check_placement(devices: Sequence[DeviceState], respect_memory: bool = True) -> None:
+    """Assert the invariants every placement must keep; used by tests and the simulator.
+
+    A device running a single unprofiled trial is exempt from the memory check (that trial's static bound
+    exceeded every device, so it was tried alone on the largest).
+
+    Raises:
+        AssertionError: a trial is placed twice, or (with ``respect_memory``) a device's memory is exceeded.
+    """
+    seen: set[int] = set()
+    for d in devices:
+        for t in d.running:
+            assert t.key not in seen, f"trial {t.key} placed twice"
+            seen.add(t.key)
+        alone_unprofiled = len(d.running) == 1 and not d.running[0].profiled
+        if respect_memory and not alone_unprofiled:
+            assert d.memory_used <= d.device.memory_bytes, (
+                f"device {d.device.id}: {d.memory_used} B placed > {d.device.memory_bytes} B capacity")

@@ -1,0 +1,203 @@
+"""Event-driven simulation of a study on a GPU pool we cannot run (e.g. 12 A100 + 4 H100). SIMULATION.
+
+Each trial is replayed from its profiled costs (:class:`SimTrial`): host time per step ``cpu_s``, GPU time
+per step on a speed-1 GPU ``gpu_s``, peak memory, steps and final metric. On a device of speed ``s``:
+
+    step_time = max(cpu_s, gpu_s / s)        busy = (gpu_s / s) / step_time
+
+and co-located processes time-slice, so a running trial advances at ``1 / (step_time * max(1, sum busy))``
+steps per second. A trial first spends ``startup_s`` (model build and warm-up in a reused worker process) holding its
+memory; if the true memory on the device then exceeds its capacity the newest trial fails with an
+out-of-memory error at the end of its start-up and is retried later. Until one trial of a configuration
+has started, the scheduler sees its static memory bound and no compute share (as the real driver does).
+The same :mod:`hpdl.hpo.scheduler` policy objects as the driver make every placement.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from hpdl.hpo.errors import HpoConfigError
+from hpdl.hpo.scheduler import GIB, Device, DeviceState, SchedulingPolicy, TrialDemand, get_policy
+
+
+@dataclass
+class SimTrial:
+    """Profiled cost of one trial. Times in seconds, memory in bytes; ``skey`` groups configurations with
+    the same structure (one profile serves them all); ``static_memory_bytes`` is the pre-profile bound."""
+
+    key: int
+    cpu_s: float
+    gpu_s: float
+    memory_bytes: int
+    steps: int
+    value: float = 0.0
+    skey: str = ""
+    static_memory_bytes: int = 0
+
+
+@dataclass
+class SimResult:
+    """Makespan (s), OOM failures, per-trial finish times and best-so-far ``history`` [(t, best)]."""
+
+    policy: str
+    makespan_s: float
+    oom: int
+    finished: int
+    history: list[tuple[float, float]] = field(default_factory=list)
+    max_colocated: int = 0
+
+
+def pool_from_spec(spec: str, memory_gb: dict[str, float] | None = None,
+                   speed: dict[str, float] | None = None) -> list[Device]:
+    """``"12xA100,4xH100"`` -> devices. Defaults: A100 80 GiB speed 0.5, H100 80 GiB speed 1.0,
+    H200 141 GiB speed 1.0 (speed of compute-bound work relative to H100; an assumption, documented).
+
+    Raises:
+        HpoConfigError: malformed spec or unknown kind without ``memory_gb``/``speed`` entries.
+    """
+    mem = {"A100": 80.0, "H100": 80.0, "H200": 141.0, **(memory_gb or {})}
+    spd = {"A100": 0.5, "H100": 1.0, "H200": 1.0, **(speed or {})}
+    devices = []
+    for part in spec.split(","):
+        n, _, kind = part.strip().partition("x")
+        if not n.isdigit() or kind not in mem or kind not in spd:
+            raise HpoConfigError(f"pool spec part {part!r}: expected '<count>x<kind>' with kind in {sorted(mem)}")
+        for _ in range(int(n)):
+            devices.append(Device(f"{kind}-{len(devices)}", kind, int(mem[kind] * GIB), spd[kind]))
+    return devices
+
+
+def simulate(trials: Sequence[SimTrial], devices: Sequence[Device], policy: str | SchedulingPolicy,
+             startup_s: float = 1.0, max_retries: int = 2, lookahead: int = 0, direction: str = "maximize",
+             overhead: float = 0.0, **policy_kwargs) -> SimResult:
+    """Replay ``trials`` (in sampling order) on ``devices`` under ``policy``; see the module docstring.
+
+    ``overhead`` is a co-location cost calibrated on measured runs: with ``n`` trials running on a GPU each
+    advances ``1 + overhead * (n - 1)`` times slower on top of time-slicing (context switches, host
+    contention). 0 is the ideal time-slicing model.
+
+    Returns:
+        SimResult. Raises AssertionError if a policy that respects memory over-fills a device's
+        profiled memory, or a trial does not reach exactly one terminal state.
+    """
+    pol = get_policy(policy, **policy_kwargs)
+    queue = list(trials)
+    by_key = {t.key: t for t in trials}
+    attempts = {t.key: 0 for t in trials}
+    profiled: set[str] = set()
+    look = lookahead or 2 * len(devices)
+    pending: list[tuple[SimTrial, float]] = []
+    run: dict[str, list[dict]] = {d.id: [] for d in devices}
+    dev_by_id = {d.id: d for d in devices}
+    now, oom, done, history, max_co = 0.0, 0, set(), [], 0
+    best = None
+
+    def step_time(t: SimTrial, d: Device) -> tuple[float, float]:
+        g = t.gpu_s / d.speed
+        st = max(t.cpu_s, g, 1e-9)
+        return st, g / st
+
+    while queue or pending or any(run.values()):
+        placed = True
+        while placed:  # sample and place until the policy starts nothing more at this instant
+            while queue and len(pending) < look:
+                pending.append((queue.pop(0), now))
+            demands = []
+            for t, since in pending:
+                known = (t.skey or t.key) in profiled
+                st, busy = step_time(t, devices[0])
+                demands.append(TrialDemand(t.key, t.memory_bytes if known else (t.static_memory_bytes or t.memory_bytes),
+                                           busy if known else 1.0, t.steps * st, waited_s=now - since, profiled=known))
+            states = [DeviceState(d, [r["demand"] for r in run[d.id]]) for d in devices]
+            assignments = pol.place(demands, states)
+            placed = bool(assignments)
+            for a in assignments:
+                idx = next(i for i, (t, _) in enumerate(pending) if t.key == a.key)
+                t, _ = pending.pop(idx)
+                dem = next(x for x in demands if x.key == a.key)
+                d = dev_by_id[a.device_id]
+                run[d.id].append({"t": t, "demand": dem, "left": float(t.steps), "ready": now + startup_s})
+                max_co = max(max_co, len(run[d.id]))
+        # Next event: a start-up ends, or a running trial finishes at the current rates.
+        nxt, rates = math.inf, {}
+        for did, rs in run.items():
+            d = dev_by_id[did]
+            load = sum(step_time(r["t"], d)[1] for r in rs if r["ready"] <= now)
+            slow = 1.0 + overhead * max(0, sum(r["ready"] <= now for r in rs) - 1)
+            for r in rs:
+                if r["ready"] > now:
+                    nxt = min(nxt, r["ready"])
+                else:
+                    rate = 1.0 / (step_time(r["t"], d)[0] * max(1.0, load) * slow)
+                    rates[id(r)] = rate
+                    nxt = min(nxt, now + r["left"] / rate)
+        if nxt is math.inf:
+            if pending and not any(run.values()):
+                raise HpoConfigError(f"trial {pending[0][0].key} fits on no device of the pool")
+            continue
+        dt = nxt - now
+        now = nxt
+        for did, rs in run.items():
+            d = dev_by_id[did]
+            for r in list(rs):
+                if id(r) in rates:
+                    r["left"] -= rates[id(r)] * dt
+                if r["ready"] <= now + 1e-12 and r.get("started") is None:
+                    r["started"] = now
+                    profiled.add(r["t"].skey or r["t"].key)
+                    st, busy = step_time(r["t"], devices[0])  # its profile replaces the static demand
+                    if hasattr(pol, "observe"):
+                        pol.observe(busy)
+                    r["demand"] = TrialDemand(r["t"].key, r["t"].memory_bytes, busy, r["t"].steps * st, profiled=True)
+                    if sum(x["t"].memory_bytes for x in rs) > d.memory_bytes:  # out of memory: newest fails
+                        rs.remove(r)
+                        oom += 1
+                        attempts[r["t"].key] += 1
+                        if attempts[r["t"].key] <= max_retries:
+                            queue.append(r["t"])
+                        else:
+                            done.add(r["t"].key)
+                        continue
+                if r["left"] <= 1e-9 and id(r) in rates:
+                    rs.remove(r)
+                    assert r["t"].key not in done, f"trial {r['t'].key} finished twice"
+                    done.add(r["t"].key)
+                    v = r["t"].value
+                    if best is None or (v > best if direction == "maximize" else v < best):
+                        best = v
+                        history.append((now, v))
+    assert done == set(by_key), "every trial must reach exactly one terminal state"
+    return SimResult(pol.name, now, oom, len(done), history, max_co)
+
+
+def synthetic_trials(n: int = 64, seed: int = 0) -> list[SimTrial]:
+    """A stand-in trace when no profiled trace is given (labelled as such): 70 % light launch-bound trials
+    (busy ~0.1, < 2 GiB), 20 % medium, 10 % heavy (busy ~0.9, 20-60 GiB)."""
+    rng = random.Random(seed)
+    classes = []  # 12 structures; configurations of one structure share a profile
+    for c in range(12):
+        u = c / 12
+        if u < 0.7:
+            classes.append((0.010, rng.uniform(0.0005, 0.002), rng.uniform(0.8, 2.0)))
+        elif u < 0.9:
+            classes.append((0.010, rng.uniform(0.004, 0.01), rng.uniform(2, 12)))
+        else:
+            classes.append((0.010, rng.uniform(0.05, 0.12), rng.uniform(20, 60)))
+    out = []
+    for k in range(n):
+        c = rng.randrange(12)
+        cpu, gpu, mem = classes[c]
+        out.append(SimTrial(k, cpu, gpu, int(mem * GIB), 200, rng.random(), f"s{c}", int(mem * 1.3 * GIB)))
+    return out
+
+
+def load_trials(path: str) -> list[SimTrial]:
+    """Trials from a JSON list of :class:`SimTrial` fields (as written by benchmarks/hpo_device.py)."""
+    with open(path) as f:
+        rows = json.load(f)
+    return [SimTrial(**{k: r[k] for k in SimTrial.__dataclass_fields__ if k in r}) for r in rows]

@@ -1,0 +1,186 @@
+"""The study file (YAML) and the factories it names: search space, Optuna sampler, pruner, storage.
+
+A study file (``hpdl hpo run study.yaml``; example in ``hpdl/hpo/examples/quick.yaml``)::
+
+    study: quick            # Optuna study name
+    workload: cnn           # cnn | gpt | package.module:WorkloadClass
+    n_trials: 8             # budget: configurations that finish (complete or pruned)
+    run_dir: hpo-runs/quick # checkpoints, profiles, worker logs; default hpo-runs/<study>
+    storage: null           # SQLAlchemy URL; default sqlite:///<run_dir>/study.db (postgresql://... for many nodes)
+    sampler: {name: tpe, seed: 0}          # tpe | random | grid | cmaes | qmc, plus keyword options
+    pruner: {name: median, n_warmup_steps: 50}  # none | median | percentile | asha | hyperband
+    space:                  # Optuna distributions
+      lr: {type: float, low: 0.001, high: 0.3, log: true}
+      width: {type: categorical, choices: [8, 16, 32]}
+      depth: {type: int, low: 1, high: 3}
+    fixed: {steps: 60, eval_every: 20}     # workload parameters that are not searched
+    policy: {name: pack}    # one_per_gpu | fixed_fraction | pack | pack_hetero, plus options
+    pool: {fake: 2}         # see hpdl.hpo.pool.build_pool
+    max_retries: 2          # attempts after the first for a configuration whose process failed
+    checkpoint_every: 1     # evaluations between checkpoints (0 = never)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hpdl.hpo.errors import HpoConfigError
+
+_SPEC_KEYS = {"study", "workload", "n_trials", "run_dir", "storage", "sampler", "pruner", "space", "fixed",
+              "policy", "pool", "max_retries", "checkpoint_every", "direction", "lookahead", "timeout_s"}
+
+
+@dataclass
+class StudySpec:
+    """A parsed, validated study file; every field documented in the module docstring."""
+
+    study: str
+    workload: str = "cnn"
+    n_trials: int = 8
+    run_dir: str = ""
+    storage: str = ""
+    direction: str = ""
+    sampler: dict = field(default_factory=lambda: {"name": "tpe", "seed": 0})
+    pruner: dict = field(default_factory=lambda: {"name": "none"})
+    space: dict = field(default_factory=dict)
+    fixed: dict = field(default_factory=dict)
+    policy: dict = field(default_factory=lambda: {"name": "pack"})
+    pool: dict = field(default_factory=lambda: {"fake": 2})
+    max_retries: int = 2
+    checkpoint_every: int = 1
+    lookahead: int = 0
+    timeout_s: float = 0.0
+
+    def __post_init__(self):
+        if not self.study or not isinstance(self.study, str):
+            raise HpoConfigError(f"study={self.study!r}, expected a non-empty name")
+        if int(self.n_trials) < 1:
+            raise HpoConfigError(f"n_trials={self.n_trials}, expected >= 1")
+        if int(self.max_retries) < 0 or int(self.checkpoint_every) < 0:
+            raise HpoConfigError("max_retries and checkpoint_every must be >= 0")
+        self.run_dir = self.run_dir or os.path.join("hpo-runs", self.study)
+        self.storage = self.storage or f"sqlite:///{Path(self.run_dir).resolve() / 'study.db'}"
+        from hpdl.hpo.workloads import get_workload
+        w = get_workload(self.workload)
+        self.direction = self.direction or w.direction
+        if self.direction not in ("minimize", "maximize"):
+            raise HpoConfigError(f"direction={self.direction!r}, expected 'minimize' or 'maximize'")
+        overlap = set(self.space) & set(self.fixed)
+        if overlap:
+            raise HpoConfigError(f"parameters {sorted(overlap)} are both in space and fixed")
+        w.resolve({**{k: None for k in self.space}, **self.fixed})  # unknown names raise here
+        self.distributions()
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "StudySpec":
+        unknown = set(d) - _SPEC_KEYS
+        if unknown:
+            raise HpoConfigError(f"unknown study file keys {sorted(unknown)}, expected some of {sorted(_SPEC_KEYS)}")
+        if "study" not in d:
+            raise HpoConfigError("study file: missing 'study' (the study name)")
+        return cls(**d)
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike) -> "StudySpec":
+        p = Path(path)
+        if not p.is_file():
+            raise HpoConfigError(f"study file {str(p)!r} does not exist")
+        d = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(d, dict):
+            raise HpoConfigError(f"study file {str(p)!r}: expected a mapping at the top level")
+        return cls.from_dict(d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in _SPEC_KEYS}
+
+    def distributions(self) -> dict[str, Any]:
+        """The search space as ``{name: optuna.distributions.BaseDistribution}``."""
+        return {name: _distribution(name, d) for name, d in self.space.items()}
+
+
+def _distribution(name: str, d: Any):
+    import optuna.distributions as od
+
+    if not isinstance(d, dict) or "type" not in d:
+        raise HpoConfigError(f"space.{name}: expected a mapping with 'type' (float, int or categorical)")
+    t = d["type"]
+    try:
+        if t == "float":
+            return od.FloatDistribution(float(d["low"]), float(d["high"]), log=bool(d.get("log", False)),
+                                        step=d.get("step"))
+        if t == "int":
+            return od.IntDistribution(int(d["low"]), int(d["high"]), log=bool(d.get("log", False)),
+                                      step=int(d.get("step", 1)))
+        if t == "categorical":
+            return od.CategoricalDistribution(list(d["choices"]))
+    except (KeyError, ValueError, TypeError) as exc:
+        raise HpoConfigError(f"space.{name}: {type(exc).__name__}: {exc}") from None
+    raise HpoConfigError(f"space.{name}.type={t!r}, expected 'float', 'int' or 'categorical'")
+
+
+def make_sampler(cfg: dict, space: dict[str, Any]):
+    """Optuna sampler from ``{"name": ..., **options}``; parallel-safe defaults (TPE uses constant_liar).
+
+    Raises:
+        HpoConfigError: unknown name, or grid over a non-categorical parameter.
+    """
+    import optuna
+
+    cfg = dict(cfg or {"name": "tpe"})
+    name = cfg.pop("name", "tpe")
+    if name == "tpe":
+        cfg.setdefault("constant_liar", True)
+        return optuna.samplers.TPESampler(**cfg)
+    if name == "random":
+        return optuna.samplers.RandomSampler(**cfg)
+    if name == "cmaes":
+        return optuna.samplers.CmaEsSampler(**cfg)
+    if name == "qmc":
+        return optuna.samplers.QMCSampler(**cfg)
+    if name == "grid":
+        grid = {}
+        for k, d in space.items():
+            if d.get("type") != "categorical":
+                raise HpoConfigError(f"sampler grid: space.{k} must be categorical (grid needs a finite list)")
+            grid[k] = list(d["choices"])
+        return optuna.samplers.GridSampler(grid, **cfg)
+    raise HpoConfigError(f"sampler.name={name!r}, expected one of tpe, random, grid, cmaes, qmc")
+
+
+def make_pruner(cfg: dict):
+    """Optuna pruner from ``{"name": ..., **options}``: none, median, percentile, asha
+    (SuccessiveHalvingPruner), hyperband.
+
+    Raises:
+        HpoConfigError: unknown name.
+    """
+    import optuna
+
+    cfg = dict(cfg or {"name": "none"})
+    name = cfg.pop("name", "none")
+    table = {"none": optuna.pruners.NopPruner, "median": optuna.pruners.MedianPruner,
+             "percentile": optuna.pruners.PercentilePruner, "asha": optuna.pruners.SuccessiveHalvingPruner,
+             "successive_halving": optuna.pruners.SuccessiveHalvingPruner,
+             "hyperband": optuna.pruners.HyperbandPruner}
+    if name not in table:
+        raise HpoConfigError(f"pruner.name={name!r}, expected one of {sorted(table)}")
+    return table[name](**cfg)
+
+
+def make_storage(url: str):
+    """An Optuna RDB storage for ``url`` (SQLite gets a 60 s lock timeout; the parent folder is created).
+
+    Any SQLAlchemy URL works (``postgresql://user@host/db`` for many nodes).
+    """
+    import optuna
+
+    kwargs: dict[str, Any] = {}
+    if url.startswith("sqlite:///"):
+        Path(url[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+        kwargs["engine_kwargs"] = {"connect_args": {"timeout": 60}}
+    return optuna.storages.RDBStorage(url, **kwargs)

@@ -1,0 +1,176 @@
+"""Trial worker processes: one per running trial, pinned to one device, reused for later trials there.
+
+Protocol (``multiprocessing`` pipe, driver <-> worker, all messages are tuples):
+
+- driver -> worker: ``("run", task)`` with task keys ``trial_id, number, lineage, params, profile``;
+  ``("preempt", trial_id)`` (checkpoint is the last one written; the trial stops with ``preempted``);
+  ``("stop",)``.
+- worker -> driver: ``("ready", pid)``, ``("profile", trial_id, dict)``, ``("done", trial_id, value)``,
+  ``("pruned", trial_id)``, ``("preempted", trial_id)``, ``("failed", trial_id, kind, message)`` with kind
+  ``oom`` or ``error``. After a failure the worker exits (its CUDA state may be unusable).
+
+The driver owns every state transition of the Optuna trial (``tell``); the worker writes only
+intermediate values (``trial.report``) and reads the pruner's decision (``trial.should_prune``).
+A worker dies with its driver (``PR_SET_PDEATHSIG`` on Linux, plus a parent check every step), so a
+killed scheduler never leaves trials running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+from hpdl.hpo.errors import Preempted
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+class TrialContext:
+    """What a workload's training loop sees of its trial (Optuna-like).
+
+    Attributes:
+        params: resolved parameters (search space sample + fixed values).
+        device: ``torch.device`` to train on.
+        number: Optuna trial number; ``lineage`` is the number of the configuration's first attempt.
+        checkpoint_every: evaluations between checkpoints (0 = never).
+    """
+
+    def __init__(self, trial, params: dict, device, conn, task: dict, run_dir: Path, checkpoint_every: int,
+                 profiler=None, parent_pid: int | None = None):
+        self._trial, self._conn, self._task = trial, conn, task
+        self.params, self.device = params, device
+        self.number, self.lineage = task["number"], task["lineage"]
+        self.checkpoint_every = checkpoint_every
+        self._ckpt = run_dir / "checkpoints" / f"lineage-{self.lineage}.pt"
+        self._profiler = profiler
+        self._parent = parent_pid
+        self.state_fn = None  # set by the training loop: step -> checkpoint state, used on preemption
+
+    def report(self, value: float, step: int) -> None:
+        """Record an intermediate ``value`` at ``step`` (Optuna's order: value, then step)."""
+        if self._profiler is not None:
+            self._profiler.interrupt()  # evaluation synchronised the device
+        self._trial.report(float(value), int(step))
+
+    def should_prune(self) -> bool:
+        """The study's pruner decision for the latest reported value."""
+        return self._trial.should_prune()
+
+    @contextlib.contextmanager
+    def step(self, step: int):
+        """Wrap one training step: profiling windows, preemption and parent-death checks."""
+        if self._parent is not None and os.getppid() != self._parent:
+            os._exit(3)  # the driver died: never leave a trial running
+        if self._conn is not None and self._conn.poll():
+            msg = self._conn.recv()
+            if msg[0] in ("preempt", "stop"):
+                if self.state_fn is not None and self.checkpoint_every:
+                    self.save_checkpoint(self.state_fn(step))  # nothing is lost: continue from this step
+                raise Preempted(f"trial {self.number} preempted at step {step}")
+        if self._profiler is not None:
+            self._profiler.before(step)
+        yield
+        if self._profiler is not None:
+            self._profiler.after(step)
+            if self._profiler.done:
+                from dataclasses import asdict
+                self._conn.send(("profile", self._task["trial_id"], asdict(self._profiler.result)))
+                self._profiler = None
+
+    def load_checkpoint(self) -> dict | None:
+        """The configuration's latest checkpoint (any earlier attempt), or None."""
+        import torch
+        if not self._ckpt.exists():
+            return None
+        return torch.load(self._ckpt, map_location=self.device, weights_only=False)
+
+    def save_checkpoint(self, state: dict) -> None:
+        """Write ``state`` atomically (temporary file, then rename)."""
+        import torch
+        self._ckpt.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self._ckpt.with_suffix(f".tmp{os.getpid()}")
+        torch.save(state, tmp)
+        os.replace(tmp, self._ckpt)
+
+
+def worker_main(conn, device: dict, spec: dict, parent_pid: int, sm_percent: int = 100) -> None:
+    """Entry point of a worker process (``multiprocessing`` spawn target). Runs tasks until told to stop
+    or the driver disappears; exits after a failed trial."""
+    _die_with_parent()
+    torch_device = device["torch_device"]
+    if torch_device.startswith("cuda"):
+        os.environ["CUDA_VISIBLE_DEVICES"] = torch_device.partition(":")[2] or "0"
+        if sm_percent < 100:
+            os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(sm_percent)
+        torch_device = "cuda:0"
+    import optuna
+    import torch
+
+    from hpdl.hpo.profiler import CONTEXT_BYTES, StepProfiler, TrialProfile
+    from hpdl.hpo.spec import make_pruner, make_storage
+    from hpdl.hpo.workloads import get_workload
+
+    # One intra-op thread: co-located trials each need a core for Python and kernel launches.
+    torch.set_num_threads(int(os.environ.get("HPDL_HPO_CPU_THREADS", "1")))
+    if torch_device != "cpu":
+        # no cudnn.benchmark: its autotuning allocates transient workspaces a profile cannot bound
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    dev = torch.device(torch_device)
+    workload = get_workload(spec["workload"])
+    study = optuna.load_study(study_name=spec["study"], storage=make_storage(spec["storage"]),
+                              sampler=optuna.samplers.RandomSampler(), pruner=make_pruner(spec["pruner"]))
+    run_dir = Path(spec["run_dir"])
+    conn.send(("ready", os.getpid()))
+    while True:
+        if not conn.poll(1.0):
+            if os.getppid() != parent_pid:
+                return
+            continue
+        msg = conn.recv()
+        if msg[0] == "stop":
+            return
+        if msg[0] != "run":
+            continue  # a late preempt for a trial that already ended
+        task: dict[str, Any] = msg[1]
+        tid = task["trial_id"]
+        try:
+            params = workload.resolve({**spec.get("fixed", {}), **task["params"]})
+            prof = None
+            if task.get("profile"):
+                prof = StepProfiler(dev, device["kind"], TrialProfile(**task["static"]),
+                                    peak_flops=device.get("peak_flops") or 5e10,
+                                    context_bytes=int(task.get("context_bytes", CONTEXT_BYTES)))
+            ctx = TrialContext(optuna.trial.Trial(study, tid), params, dev, conn, task, run_dir,
+                               int(spec.get("checkpoint_every", 1)), prof, parent_pid)
+            value = workload.train(ctx)
+            conn.send(("done", tid, float(value)))
+        except optuna.TrialPruned:
+            conn.send(("pruned", tid))
+        except Preempted:
+            conn.send(("preempted", tid))
+        except torch.cuda.OutOfMemoryError as exc:
+            conn.send(("failed", tid, "oom", str(exc).splitlines()[0][:300]))
+            return
+        except Exception as exc:  # noqa: BLE001 - any error of user code fails this trial, with its traceback
+            # cuDNN/cuBLAS workspace failures are out-of-memory errors that are not OutOfMemoryError
+            oom = any(m in str(exc) for m in ("out of memory", "ALLOC_FAILED"))
+            conn.send(("failed", tid, "oom" if oom else "error", traceback.format_exc()[-2000:]))
+            return
+        finally:
+            if dev.type == "cuda":
+                with contextlib.suppress(Exception):  # a broken CUDA state must not hide the report above
+                    torch.cuda.empty_cache()

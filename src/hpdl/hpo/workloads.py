@@ -1,0 +1,340 @@
+"""Trial workloads: real training with real metrics, no downloads.
+
+- ``cnn``: a small CNN (``depth`` conv-BN-ReLU blocks of ``width`` channels at full resolution, global
+  average pool, linear head) on a deterministic synthetic 10-class image task with learnable structure
+  (class templates, random shifts, Gaussian noise). Metric: validation accuracy (maximize).
+- ``gpt``: a tiny byte-level GPT (nanoGPT layout: pre-LN blocks, causal SDPA, tied embeddings) on the
+  corpus shipped in ``hpdl/hpo/data/corpus.txt``. Metric: validation loss in nats per byte (minimize).
+
+A workload is an object with ``build(params, device) -> Parts`` and the shared training loop ``train(ctx)``;
+the loop reports every ``eval_every`` steps, honours pruning, checkpoints every ``ctx.checkpoint_every`` evaluations
+and resumes exactly (data is a pure function of (seed, step)). ``estimate(params)`` measures parameter
+bytes, activation bytes and FLOPs per step on the meta device (no memory is allocated), which the driver
+uses before a trial is profiled. Any ``"module:Class"`` path naming a :class:`Workload` subclass works too.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+import random
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from hpdl.hpo.errors import HpoConfigError
+
+
+@dataclass
+class Parts:
+    """What the training loop needs: ``batch(step) -> (x, y)`` is deterministic in (seed, step)."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    evaluate: Callable[[], float]
+
+
+class Workload(ABC):
+    """A trainable objective. Subclasses set ``name``, ``direction``, ``defaults`` and implement ``build``.
+
+    ``defaults`` holds every parameter the workload reads; the study's search space and fixed arguments
+    override them. ``structural`` names the parameters that change memory and compute (profiles are
+    cached per structural key; learning rates do not need a new profile).
+    """
+
+    name = "base"
+    direction = "maximize"
+    defaults: dict[str, Any] = {}
+    structural: tuple[str, ...] = ()
+
+    def resolve(self, params: dict[str, Any]) -> dict[str, Any]:
+        unknown = set(params) - set(self.defaults)
+        if unknown:
+            raise HpoConfigError(f"workload {self.name!r}: unknown parameters {sorted(unknown)}, "
+                                 f"expected a subset of {sorted(self.defaults)}")
+        return {**self.defaults, **params}
+
+    def structural_key(self, params: dict[str, Any]) -> str:
+        p = self.resolve(params)
+        return self.name + ":" + ",".join(f"{k}={p[k]}" for k in self.structural)
+
+    @abstractmethod
+    def build(self, params: dict[str, Any], device: torch.device) -> Parts:
+        """Model, optimizer, data and evaluation for resolved ``params`` on ``device``."""
+
+    def train(self, ctx) -> float:
+        """Run the trial to its last step; return the final metric. ``ctx`` is a
+        :class:`hpdl.hpo.trial.TrialContext`. Raises ``optuna.TrialPruned`` when the pruner says so."""
+        import optuna
+
+        p = self.resolve(ctx.params)
+        torch.manual_seed(int(p["seed"]))
+        parts = self.build(p, ctx.device)
+        start, value = 0, float("nan")
+        state = ctx.load_checkpoint()
+        if state is not None:
+            parts.model.load_state_dict(state["model"])
+            parts.optimizer.load_state_dict(state["optimizer"])
+            start, value = int(state["step"]), float(state["value"])
+        steps, every = self.schedule(p)
+        # what to save if the driver preempts the trial between steps (device removed, migration)
+        ctx.state_fn = lambda step: {"model": parts.model.state_dict(), "optimizer": parts.optimizer.state_dict(),
+                                     "step": step, "value": value}
+        parts.model.train()
+        for step in range(start, steps):
+            with ctx.step(step):
+                x, y = parts.batch(step)
+                loss = parts.loss(parts.model(x), y)
+                parts.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                parts.optimizer.step()
+            done = step + 1
+            if done % every == 0 or done == steps:
+                value = parts.evaluate()
+                ctx.report(value, done)
+                if ctx.should_prune():
+                    raise optuna.TrialPruned(f"pruned at step {done} with value {value:.4g}")
+                if ctx.checkpoint_every and (done // every) % ctx.checkpoint_every == 0:
+                    ctx.save_checkpoint({"model": parts.model.state_dict(), "step": done, "value": value,
+                                         "optimizer": parts.optimizer.state_dict()})
+        return value
+
+    @staticmethod
+    def schedule(p: dict[str, Any]) -> tuple[int, int]:
+        """(steps, eval_every) of resolved parameters. With ``samples > 0`` the trial trains on a fixed
+        number of samples (equal epochs whatever the batch size): ``steps = max(min_steps, samples //
+        batch_size)``; with ``evals > 0`` it evaluates ``evals`` times, else every ``eval_every`` steps."""
+        steps = int(p["steps"])
+        if int(p.get("samples", 0)) > 0:
+            steps = max(int(p.get("min_steps", 20)), int(p["samples"]) // int(p["batch_size"]))
+        every = max(1, steps // int(p["evals"])) if int(p.get("evals", 0)) > 0 else int(p["eval_every"])
+        return steps, every
+
+    def estimate(self, params: dict[str, Any]) -> dict[str, float]:
+        """Static cost of one training step, measured on the meta device.
+
+        Returns:
+            ``param_bytes`` (weights), ``activation_bytes`` (sum of module outputs of one forward, bytes),
+            ``flops`` (forward + backward FLOPs of one step, ``torch.utils.flop_counter``).
+        """
+        from torch.utils.flop_counter import FlopCounterMode
+
+        p = self.resolve(params)
+        parts = self.build(p, torch.device("meta"))
+        act = [0]
+
+        def hook(_m, _i, out):
+            if isinstance(out, torch.Tensor):
+                act[0] += out.numel() * out.element_size()
+
+        leaves = [m for m in parts.model.modules() if not list(m.children())]
+        handles = [m.register_forward_hook(hook) for m in leaves]
+        x, y = parts.batch(0)
+        with FlopCounterMode(display=False) as fc:
+            parts.loss(parts.model(x), y).backward()
+        for h in handles:
+            h.remove()
+        pbytes = sum(q.numel() * q.element_size() for q in parts.model.parameters())
+        return {"param_bytes": float(pbytes), "activation_bytes": float(act[0]), "flops": float(fc.get_total_flops())}
+
+
+# ---------------------------------------------------------------- vision: small CNN on synthetic images
+class SmallCNN(nn.Module):
+    """``depth`` x (conv3x3 -> BatchNorm -> ReLU) at full resolution, then global pool and a linear head.
+    Input (B, 3, S, S) float32, output (B, classes) logits."""
+
+    def __init__(self, width: int, depth: int, classes: int = 10):
+        super().__init__()
+        layers, c = [], 3
+        for _ in range(depth):
+            layers += [nn.Conv2d(c, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU()]
+            c = width
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x):
+        h = self.features(x)              # (B, width, S, S)
+        return self.head(h.mean((2, 3)))  # (B, classes)
+
+
+def synthetic_images(seed: int, step: int, batch: int, size: int, device: torch.device, noise: float = 1.0,
+                     classes: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch ``step`` of the synthetic task: x (batch, 3, size, size) float32, y (batch,) int64, on ``device``.
+
+    Each class has a smooth template (seeded by ``seed`` only); a sample is its class template rolled by a
+    per-batch shift of up to size/8 pixels plus N(0, noise^2) pixel noise. Deterministic in (seed, step) for
+    a given device type; generated on the device with no host synchronisation (profiling relies on that).
+    """
+    if device.type == "meta":
+        return (torch.empty(batch, 3, size, size, device=device),
+                torch.empty(batch, dtype=torch.long, device=device))
+    templates = _templates(seed, size, classes, str(device))
+    g = torch.Generator(device=device).manual_seed(seed * 1_000_003 + step + 1)
+    y = torch.randint(0, classes, (batch,), generator=g, device=device)
+    shift = random.Random(seed * 7_919 + step).randint(-(size // 8), size // 8)
+    x = templates[y].roll(shift, dims=3) + noise * torch.randn(batch, 3, size, size, generator=g, device=device)
+    return x, y
+
+
+@functools.lru_cache(maxsize=8)
+def _templates(seed: int, size: int, classes: int, device: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(classes, 3, 4, 4, generator=g)
+    return (F.interpolate(base, size=(size, size), mode="bilinear", align_corners=False) * 1.5).to(device)
+
+
+class VisionCNN(Workload):
+    """Small CNN on the synthetic image task; metric is validation accuracy (fraction in [0, 1])."""
+
+    name = "cnn"
+    direction = "maximize"
+    defaults = {"width": 32, "depth": 2, "batch_size": 128, "image_size": 32, "lr": 0.05, "momentum": 0.9,
+                "weight_decay": 5e-4, "steps": 100, "eval_every": 25, "seed": 0, "data_seed": 7,
+                "noise": 1.0, "val_size": 512, "samples": 0, "min_steps": 20, "evals": 0}
+    structural = ("width", "depth", "batch_size", "image_size")
+
+    def build(self, p, device):
+        model = SmallCNN(int(p["width"]), int(p["depth"])).to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=float(p["lr"]), momentum=float(p["momentum"]),
+                              weight_decay=float(p["weight_decay"]))
+        size, ds, noise = int(p["image_size"]), int(p["data_seed"]), float(p["noise"])
+        val = synthetic_images(ds, -1, int(p["val_size"]), size, device, noise) if device.type != "meta" else None
+
+        def evaluate() -> float:
+            model.eval()
+            with torch.no_grad():
+                acc = float((model(val[0]).argmax(1) == val[1]).float().mean())
+            model.train()
+            return acc
+
+        return Parts(model, opt, lambda s: synthetic_images(ds, s, int(p["batch_size"]), size, device, noise),
+                     F.cross_entropy, evaluate)
+
+
+# ---------------------------------------------------------------- language: tiny GPT on the shipped corpus
+class Block(nn.Module):
+    def __init__(self, n_embd: int, n_head: int):
+        super().__init__()
+        self.n_head = n_head
+        self.ln1, self.ln2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
+        self.qkv, self.proj = nn.Linear(n_embd, 3 * n_embd), nn.Linear(n_embd, n_embd)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd))
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
+        x = x + self.proj(a)
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    """Byte-level GPT: tokens (B, T) int64 -> logits (B, T, 256)."""
+
+    def __init__(self, n_layer: int, n_head: int, n_embd: int, block_size: int, vocab: int = 256):
+        super().__init__()
+        if n_embd % n_head:
+            raise HpoConfigError(f"n_embd={n_embd} must be a multiple of n_head={n_head}")
+        self.tok, self.pos = nn.Embedding(vocab, n_embd), nn.Embedding(block_size, n_embd)
+        self.blocks = nn.Sequential(*[Block(n_embd, n_head) for _ in range(n_layer)])
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.head = nn.Linear(n_embd, vocab, bias=False)
+        self.head.weight = self.tok.weight  # weight tying, as GPT-2
+        for m in self.modules():  # GPT-2 initialisation: N(0, 0.02), zero biases
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+    def forward(self, idx):
+        T = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(T, device=idx.device))  # (B, T, C)
+        return self.head(self.ln_f(self.blocks(x)))                       # (B, T, vocab)
+
+
+def load_corpus() -> torch.Tensor:
+    """The shipped corpus as a uint8 tensor (bytes)."""
+    data = resources.files("hpdl.hpo").joinpath("data/corpus.txt").read_bytes()
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+class LanguageGPT(Workload):
+    """Tiny GPT on the shipped corpus (90 % train, 10 % validation); metric is validation loss (nats/byte)."""
+
+    name = "gpt"
+    direction = "minimize"
+    defaults = {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 64, "batch_size": 32, "lr": 3e-3,
+                "weight_decay": 0.0, "steps": 100, "eval_every": 25, "seed": 0, "val_batches": 8, "samples": 0,
+                "min_steps": 20, "evals": 0}
+    structural = ("n_layer", "n_head", "n_embd", "block_size", "batch_size")
+
+    def build(self, p, device):
+        T, B = int(p["block_size"]), int(p["batch_size"])
+        model = TinyGPT(int(p["n_layer"]), int(p["n_head"]), int(p["n_embd"]), T).to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=float(p["lr"]), weight_decay=float(p["weight_decay"]))
+        if device.type == "meta":
+            def batch(_s):
+                t = torch.empty(B, T, dtype=torch.long, device=device)
+                return t, t
+            return Parts(model, opt, batch, _lm_loss, lambda: math.nan)
+        data = load_corpus().long()
+        split = int(0.9 * len(data))
+        if split <= T + 1 or len(data) - split <= T + 1:
+            raise HpoConfigError(f"block_size={T} too long for the corpus ({len(data)} bytes)")
+        train, val = data[:split].to(device), data[split:].to(device)
+        offs = torch.arange(T, device=device)
+
+        def windows(src, gen, n):  # n random windows, gathered on the device (no host sync)
+            ix = torch.randint(0, len(src) - T - 1, (n, 1), generator=gen, device=device) + offs  # (n, T)
+            return src[ix], src[ix + 1]
+
+        def batch(step):
+            g = torch.Generator(device=device).manual_seed(int(p["seed"]) * 1_000_003 + step + 1)
+            return windows(train, g, B)
+
+        vx, vy = windows(val, torch.Generator(device=device).manual_seed(12345), int(p["val_batches"]) * 8)
+
+        def evaluate() -> float:
+            model.eval()
+            with torch.no_grad():
+                loss = float(_lm_loss(model(vx), vy))
+            model.train()
+            return loss
+
+        return Parts(model, opt, batch, _lm_loss, evaluate)
+
+
+def _lm_loss(logits, y):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+WORKLOADS: dict[str, type[Workload]] = {"cnn": VisionCNN, "gpt": LanguageGPT}
+
+
+def get_workload(name: str) -> Workload:
+    """``"cnn"``, ``"gpt"`` or ``"package.module:Class"`` (a :class:`Workload` subclass) -> instance.
+
+    Raises:
+        HpoConfigError: unknown name, unimportable path, or a class that is not a Workload.
+    """
+    if name in WORKLOADS:
+        return WORKLOADS[name]()
+    if ":" not in name:
+        raise HpoConfigError(f"workload={name!r}, expected one of {sorted(WORKLOADS)} or 'module:Class'")
+    mod, _, cls = name.partition(":")
+    try:
+        obj = getattr(importlib.import_module(mod), cls)
+    except (ImportError, AttributeError) as exc:
+        raise HpoConfigError(f"workload={name!r} cannot be imported: {exc}") from None
+    if not (isinstance(obj, type) and issubclass(obj, Workload)):
+        raise HpoConfigError(f"workload={name!r} is not a hpdl.hpo.workloads.Workload subclass")
+    return obj()

@@ -1,0 +1,28 @@
+"""Workloads for the fault tests (importable by spawned workers: this folder is on sys.path)."""
+
+import os
+import signal
+
+from hpdl.hpo.workloads import VisionCNN
+
+
+class CrashOnceCNN(VisionCNN):
+    """The small CNN whose process kills itself (SIGKILL) at step ``crash_at`` of the first attempt of
+    the configuration with ``width == crash_width``; a marker file in ``crash_dir`` records the crash."""
+
+    name = "crash_once_cnn"
+    defaults = {**VisionCNN.defaults, "crash_dir": "", "crash_at": 25, "crash_width": 8}
+
+    def train(self, ctx):
+        marker = os.path.join(ctx.params["crash_dir"], f"crashed-{ctx.lineage}")
+        if int(ctx.params["width"]) == int(ctx.params["crash_width"]) and not os.path.exists(marker):
+            inner = ctx.step
+
+            def step(s):
+                if s == int(ctx.params["crash_at"]):
+                    open(marker, "w").close()
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return inner(s)
+
+            ctx.step = step
+        return super().train(ctx)

@@ -1,0 +1,188 @@
+"""Real end-to-end studies on 2 fake CPU devices: training, packing, trial crash, scheduler crash + resume."""
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import optuna
+import pytest
+import torch
+import yaml
+
+from hpdl.hpo.cli import HpoCommand
+from hpdl.hpo.driver import run_study
+from hpdl.hpo.errors import HpoError
+from hpdl.hpo.report import study_status
+from hpdl.hpo.spec import StudySpec, make_storage
+from hpdl.hpo.workloads import get_workload
+
+FIXED = {"depth": 1, "batch_size": 16, "image_size": 8, "steps": 30, "eval_every": 10}
+
+
+def spec_dict(tmp_path, **over):
+    d = {"study": "t", "workload": "cnn", "n_trials": 4, "run_dir": str(tmp_path / "run"),
+         "sampler": {"name": "random", "seed": 3},
+         "space": {"lr": {"type": "float", "low": 0.02, "high": 0.2, "log": True},
+                   "width": {"type": "categorical", "choices": [4, 8]}},
+         "fixed": dict(FIXED), "pool": {"fake": 2, "memory_gb": 2},
+         "policy": {"name": "pack", "max_trials_per_device": 1}}  # 2 worker processes: CI has 2 cores
+    d.update(over)
+    return d
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+def trials_of(spec):
+    return optuna.load_study(study_name=spec.study, storage=make_storage(spec.storage)).get_trials(deepcopy=False)
+
+
+def write_pool(path, ids):
+    path.write_text(yaml.safe_dump({"devices": [{"id": i, "kind": "cpu", "memory_gb": 2} for i in ids]}))
+
+
+@pytest.mark.timeout(180)
+def test_end_to_end_two_workers_elastic_pool_matches_serial_training(tmp_path, capsys):
+    """A real study: one device at first, a second one added, then the first removed while it trains."""
+    pool_file = tmp_path / "pool.yaml"
+    write_pool(pool_file, ["fake:0"])
+    spec = StudySpec.from_dict(spec_dict(tmp_path, pool={"file": str(pool_file)},
+                                         fixed={**FIXED, "steps": 400, "eval_every": 50}))
+    make_storage(spec.storage)  # create the schema before two processes race to do it
+    events = []
+
+    def elastic():
+        deadline = time.monotonic() + 150
+        stage = 0
+        while time.monotonic() < deadline and stage < 2:
+            time.sleep(0.2)
+            try:
+                trials = trials_of(spec)
+            except Exception:  # noqa: BLE001 - study not created yet
+                continue
+            run = [t for t in trials if t.state.name == "RUNNING"]
+            on = {t.user_attrs.get("hpdl_device") for t in run if t.last_step}
+            if stage == 0 and "fake:0" in on:
+                write_pool(pool_file, ["fake:0", "fake:1"])
+                events.append("added")
+                stage = 1
+            elif stage == 1 and "fake:0" in on and "fake:1" in {t.user_attrs.get("hpdl_device") for t in run}:
+                write_pool(pool_file, ["fake:1"])
+                events.append("removed")
+                stage = 2
+
+    th = threading.Thread(target=elastic, daemon=True)
+    th.start()
+    res = run_study(spec)
+    th.join(5)
+    assert events == ["added", "removed"]
+    assert res.complete == 4 and not res.failures and res.history and res.preempted >= 1
+    trials = trials_of(spec)
+    assert sorted(t.state.name for t in trials) == ["COMPLETE"] * 4
+    assert "fake:1" in {t.user_attrs["hpdl_device"] for t in trials}  # the added device ran trials
+    assert not any(alive(t.user_attrs["hpdl_pid"]) for t in trials)
+    # placement-invariance oracle: each configuration trained serially in this process gives the same value,
+    # including the one preempted on the removed device and continued from its checkpoint on the other
+    from test_workloads import Ctx
+    torch.set_num_threads(1)
+    for t in trials:
+        direct = get_workload("cnn").train(Ctx({**FIXED, "steps": 400, "eval_every": 50, **t.params}))
+        assert t.value == pytest.approx(direct, abs=1e-6)
+    assert (tmp_path / "run" / "profiles.json").exists()
+    with pytest.raises(HpoError, match="already exists"):
+        run_study(spec)
+    st = study_status(spec.storage, spec.study)
+    assert st["finished_configs"] == 4 and st["states"] == {"COMPLETE": 4}
+    parser = argparse.ArgumentParser()
+    HpoCommand.add_arguments(parser)
+    args = parser.parse_args(["status", "--storage", spec.storage, "--study", spec.study, "--format", "json"])
+    assert HpoCommand().run(args) == 0
+    assert json.loads(capsys.readouterr().out)["best_value"] == res.best_value
+
+
+@pytest.mark.timeout(150)
+def test_killed_trial_process_is_failed_retried_and_resumes_from_checkpoint(tmp_path):
+    d = spec_dict(tmp_path, workload="hpo_fixture_workloads:CrashOnceCNN", n_trials=2,
+                  policy={"name": "one_per_gpu"},
+                  space={"lr": {"type": "float", "low": 0.02, "high": 0.2, "log": True}},
+                  fixed={**FIXED, "width": 8, "crash_dir": str(tmp_path), "crash_at": 25})
+    spec = StudySpec.from_dict(d)
+    res = run_study(spec)
+    assert res.failures == {"died": 2} and res.complete == 2
+    trials = trials_of(spec)
+    failed = [t for t in trials if t.state.name == "FAIL"]
+    done = [t for t in trials if t.state.name == "COMPLETE"]
+    assert len(failed) == 2 and len(done) == 2
+    assert all(t.user_attrs["hpdl_failure"].startswith("died") for t in failed)
+    for t in done:  # the retry resumed from the step-20 checkpoint: it reported only step 30
+        assert t.user_attrs["hpdl_attempt"] == 1
+        assert sorted(t.intermediate_values) == [30]
+    assert {t.user_attrs["hpdl_lineage"] for t in done} == {t.number for t in failed}
+    assert not any(alive(t.user_attrs["hpdl_pid"]) for t in trials)
+
+
+@pytest.mark.timeout(200)
+def test_scheduler_killed_then_resumed_loses_nothing_and_leaves_nothing_running(tmp_path):
+    d = spec_dict(tmp_path, n_trials=3, fixed={**FIXED, "steps": 120, "eval_every": 10})
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(d))
+    spec = StudySpec.from_dict(d)
+    make_storage(spec.storage)  # create the schema before two processes race to do it
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__)] + sys.path)}
+    code = f"from hpdl.hpo.driver import run_study; from hpdl.hpo.spec import StudySpec; " \
+           f"run_study(StudySpec.from_yaml({str(path)!r}))"
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env)
+    try:
+        deadline = time.monotonic() + 120
+        running = []
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            try:
+                trials = trials_of(spec)
+            except Exception:  # noqa: BLE001 - the study may not exist yet
+                continue
+            running = [t for t in trials if t.state.name == "RUNNING" and t.last_step and "hpdl_pid" in t.user_attrs]
+            if running:
+                break
+        assert running, "no trial started within 120 s"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    pids = {t.user_attrs["hpdl_pid"] for t in trials_of(spec) if "hpdl_pid" in t.user_attrs}
+    deadline = time.monotonic() + 15
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(p) for p in pids), "worker processes outlived the killed driver"
+    res = run_study(spec, resume=True)
+    trials = trials_of(spec)
+    assert not [t for t in trials if t.state.name in ("RUNNING", "WAITING")]
+    lineages = {}
+    for t in trials:
+        if t.state.name == "COMPLETE":
+            lin = t.user_attrs["hpdl_lineage"]
+            assert lin not in lineages, "a configuration completed twice"
+            lineages[lin] = t
+    assert len(lineages) == 3
+    assert res.failures.get("driver_died", 0) >= 1
+    # trials killed with the driver after two reports continue from a checkpoint (step >= 10): the retry
+    # reports no step 10 (and nothing at all when the checkpoint was already the last step)
+    died = [t for t in trials if t.state.name == "FAIL" and t.user_attrs["hpdl_failure"].startswith("driver_died")]
+    assert died
+    for f in died:
+        if (f.last_step or 0) >= 20:
+            retry = lineages[f.user_attrs.get("hpdl_lineage", f.number)]
+            assert retry.user_attrs["hpdl_attempt"] >= 1 and min(retry.intermediate_values, default=120) > 10

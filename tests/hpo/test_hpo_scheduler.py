@@ -1,0 +1,162 @@
+"""Placement policies against fake GPU pools (pure CPU, no processes)."""
+
+import random
+
+import pytest
+
+from hpdl.hpo.errors import HpoConfigError
+from hpdl.hpo.scheduler import (GIB, Device, DeviceState, FixedFraction, OnePerGpu, Pack, PackHetero,
+                                TrialDemand, check_placement, get_policy)
+
+
+def pool(n=2, mem_gb=10, speeds=None):
+    speeds = speeds or [1.0] * n
+    return [Device(f"g{i}", "A" if s < 1 else "H", int(mem_gb * GIB), s) for i, s in enumerate(speeds)]
+
+
+def apply(policy, pending, states):
+    """Place, then move the placed demands onto the device states (as the driver does)."""
+    by_key = {t.key: t for t in pending}
+    out = policy.place(pending, states)
+    by_dev = {s.device.id: s for s in states}
+    for a in out:
+        by_dev[a.device_id].running.append(by_key[a.key])
+    keys = [a.key for a in out]
+    assert len(keys) == len(set(keys)), "a trial placed twice in one call"
+    return out
+
+
+@pytest.mark.parametrize("name", ["pack", "pack_hetero"])
+def test_memory_never_exceeded_random_pools(name):
+    rng = random.Random(0)
+    for _ in range(300):
+        devices = [Device(f"g{i}", "k", int(rng.uniform(1, 40) * GIB), rng.choice([0.5, 1.0, 2.0]))
+                   for i in range(rng.randint(1, 5))]
+        states = [DeviceState(d) for d in devices]
+        policy = get_policy(name)
+        next_key = 0
+        for _round in range(6):
+            pending = [TrialDemand(next_key + j, int(rng.uniform(0.05, 45) * GIB), rng.uniform(0.02, 1.0),
+                                   rng.uniform(1, 100), profiled=rng.random() < 0.7) for j in range(rng.randint(0, 8))]
+            next_key += len(pending)
+            apply(policy, pending, states)
+            check_placement(states)
+            for s in states:  # some trials end or are pruned between rounds
+                s.running = [t for t in s.running if rng.random() < 0.6]
+
+
+def test_one_per_gpu_places_one_per_free_device_fifo():
+    states = [DeviceState(d) for d in pool(3)]
+    states[1].running.append(TrialDemand(99, GIB))
+    out = OnePerGpu().place([TrialDemand(k, GIB) for k in range(5)], states)
+    assert [(a.key, a.device_id) for a in out] == [(0, "g0"), (1, "g2")]
+
+
+def test_fixed_fraction_ignores_memory_and_caps_slots():
+    states = [DeviceState(d) for d in pool(1, mem_gb=10)]
+    out = FixedFraction(0.25).place([TrialDemand(k, 6 * GIB) for k in range(6)], states)
+    assert len(out) == 4  # floor(1/0.25) slots, 24 GiB on a 10 GiB device: the naive policy over-commits
+    for a in out:
+        states[0].running.append(TrialDemand(a.key, 6 * GIB))
+    with pytest.raises(AssertionError, match="capacity"):
+        check_placement(states)
+
+
+def test_pack_colocates_light_trials_and_respects_compute_gain():
+    states = [DeviceState(d) for d in pool(1, mem_gb=80)]
+    light = [TrialDemand(k, GIB, compute=0.15, profiled=True) for k in range(10)]
+    out = apply(Pack(), light, states)
+    # co-locate while the device still has idle compute: 7 x 0.15 = 1.05 >= 1 stops it
+    assert len(out) == 7
+    heavy = TrialDemand(50, GIB, compute=0.95, profiled=True)
+    assert Pack().place([heavy], states) == []
+
+
+def test_pack_heavy_memory_goes_alone_and_light_fill_elsewhere():
+    states = [DeviceState(d) for d in pool(2, mem_gb=20)]
+    pending = [TrialDemand(0, 18 * GIB, 0.5, profiled=True)] + [TrialDemand(k, 3 * GIB, 0.1, profiled=True)
+                                                               for k in range(1, 6)]
+    apply(Pack(), pending, states)
+    check_placement(states)
+    heavy_dev = next(s for s in states if any(t.key == 0 for t in s.running))
+    assert heavy_dev.memory_used <= 20 * GIB and len(heavy_dev.running) == 1
+
+
+def test_repack_after_prune_starts_waiting_trial():
+    states = [DeviceState(d) for d in pool(1, mem_gb=10)]
+    apply(Pack(), [TrialDemand(0, 6 * GIB, 0.3, profiled=True)], states)
+    waiting = [TrialDemand(1, 6 * GIB, 0.3, profiled=True)]
+    assert Pack().place(waiting, states) == []  # does not fit next to trial 0
+    states[0].running.clear()                    # trial 0 pruned
+    assert [a.key for a in Pack().place(waiting, states)] == [1]
+
+
+def test_pack_hetero_sends_long_trial_to_fast_gpu_and_short_to_slow():
+    states = [DeviceState(d) for d in pool(2, mem_gb=40, speeds=[0.5, 2.0])]
+    pending = [TrialDemand(0, GIB, 0.9, work_s=5, profiled=True), TrialDemand(1, GIB, 0.9, work_s=500, profiled=True)]
+    out = {a.key: a.device_id for a in PackHetero().place(pending, states)}
+    assert out[1] == "g1"  # the fast GPU
+    assert out[0] == "g0"
+
+
+def test_starving_trial_reserves_a_device():
+    states = [DeviceState(d) for d in pool(1, mem_gb=10)]
+    states[0].running.append(TrialDemand(0, 5 * GIB, 0.2, profiled=True))
+    big = TrialDemand(1, 8 * GIB, 0.5, waited_s=100, profiled=True)
+    small = TrialDemand(2, 1 * GIB, 0.1, profiled=True)
+    assert Pack(starve_after_s=30).place([big, small], states) == []  # small must not jump the starving trial
+    assert [a.key for a in Pack(starve_after_s=1000).place([big, small], states)] == [2]
+
+
+def test_mps_share_and_errors():
+    states = [DeviceState(d) for d in pool(1)]
+    a = Pack(mps=True).place([TrialDemand(0, GIB, 0.3, profiled=True)], states)[0]
+    assert a.sm_percent == 30
+    with pytest.raises(HpoConfigError, match="expected one of"):
+        get_policy("nope")
+    with pytest.raises(HpoConfigError, match="fraction"):
+        FixedFraction(0)
+    with pytest.raises(HpoConfigError, match="memory_bytes"):
+        Device("x", "k", 0)
+
+
+def test_unprofiled_bound_over_every_device_tries_largest_empty_device_alone():
+    devices = [Device("small", "A", 10 * GIB), Device("big", "H", 20 * GIB)]
+    states = [DeviceState(d) for d in devices]
+    over = TrialDemand(0, 30 * GIB, profiled=False)
+    assert [(a.key, a.device_id) for a in Pack().place([over], states)] == [(0, "big")]
+    states[1].running.append(TrialDemand(9, GIB, 0.1, profiled=True))
+    assert Pack().place([over], states) == []  # never next to another trial
+    assert Pack().place([TrialDemand(1, 30 * GIB, 0.5, profiled=True)], [DeviceState(d) for d in devices]) == []
+
+
+def test_idle_worker_entries_hold_memory_but_are_not_trials():
+    states = [DeviceState(d) for d in pool(1, mem_gb=10)]
+    states[0].running += [TrialDemand(-1 - i, GIB, 0.0, profiled=True) for i in range(16)][:4]
+    assert [a.key for a in OnePerGpu().place([TrialDemand(0, GIB)], states)] == [0]
+    assert [a.key for a in Pack(max_trials_per_device=1).place([TrialDemand(0, GIB, 0.2, profiled=True)],
+                                                             states)] == [0]
+    assert Pack().place([TrialDemand(1, 7 * GIB, 0.2, profiled=True)], states) == []  # 4 GiB held by idle workers
+
+
+def test_pack_hetero_migrates_promising_trial_to_free_fast_gpu_only():
+    slow, fast = pool(2, mem_gb=40, speeds=[0.5, 2.0])
+    hot = TrialDemand(0, GIB, 0.5, work_s=100, priority=1.0, profiled=True)
+    cold = TrialDemand(1, GIB, 0.5, work_s=100, priority=0.0, profiled=True)
+    short = TrialDemand(2, GIB, 0.2, work_s=1, priority=1.0, profiled=True)
+    states = [DeviceState(slow, [hot, cold, short]), DeviceState(fast)]
+    assert PackHetero().migrations(states) == [0]      # one per target GPU per call, the promising long one
+    busy = DeviceState(fast, [TrialDemand(9, GIB, 1.0, profiled=True)])
+    assert PackHetero().migrations([states[0], busy]) == []  # no idle compute on the fast GPU
+    full = DeviceState(Device("f", "H", 2 * GIB, 2.0), [TrialDemand(9, int(1.5 * GIB), 0.1, profiled=True)])
+    assert PackHetero().migrations([states[0], full]) == []  # does not fit in memory
+
+
+def test_unprofiled_share_follows_the_measured_median():
+    states = [DeviceState(d) for d in pool(1, mem_gb=80)]
+    new = [TrialDemand(k, GIB, profiled=False) for k in range(8)]
+    p = Pack()
+    assert len(p.place(new, states)) == 4  # 0.25 each before any profile
+    for c in (1.0, 1.0, 0.9):
+        p.observe(c)                          # a GPU-bound study: unknown trials now count as a full GPU
+    assert len(p.place(new, states)) == 1

@@ -1,0 +1,87 @@
+"""Study file, factories and pool configuration: bad input gives a clear error naming the field."""
+
+import optuna
+import pytest
+import yaml
+
+from hpdl.hpo.errors import HpoConfigError
+from hpdl.hpo.pool import PoolSource, build_pool, gpu_kind
+from hpdl.hpo.spec import StudySpec, make_pruner, make_sampler
+
+BASE = {"study": "s", "space": {"lr": {"type": "float", "low": 0.01, "high": 0.1, "log": True},
+                                "width": {"type": "categorical", "choices": [8, 16]},
+                                "depth": {"type": "int", "low": 1, "high": 3}}}
+
+
+def test_defaults_and_distributions(tmp_path):
+    s = StudySpec.from_dict({**BASE, "run_dir": str(tmp_path)})
+    assert s.direction == "maximize" and s.storage == f"sqlite:///{tmp_path.resolve() / 'study.db'}"
+    d = s.distributions()
+    assert isinstance(d["lr"], optuna.distributions.FloatDistribution) and d["lr"].log
+    assert d["width"].choices == (8, 16) and d["depth"].high == 3
+    assert StudySpec.from_dict({**BASE, "workload": "gpt", "space": {}}).direction == "minimize"
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"n_trials": 0}, "n_trials"),
+    ({"direction": "up"}, "direction"),
+    ({"space": {"lr": {"type": "beta"}}}, "space.lr.type"),
+    ({"space": {"lr": {"type": "float", "low": 1}}}, "space.lr"),
+    ({"space": {"nope": {"type": "int", "low": 1, "high": 2}}}, "unknown parameters"),
+    ({"fixed": {"lr": 0.1}}, "both in space and fixed"),
+    ({"colour": 1}, "unknown study file keys"),
+    ({"workload": "resnet"}, "workload"),
+])
+def test_bad_spec_fields(bad, match):
+    with pytest.raises(HpoConfigError, match=match):
+        StudySpec.from_dict({**BASE, **bad})
+
+
+def test_yaml_roundtrip_and_missing_file(tmp_path):
+    p = tmp_path / "s.yaml"
+    p.write_text(yaml.safe_dump({**BASE, "n_trials": 3}))
+    assert StudySpec.from_yaml(p).n_trials == 3
+    with pytest.raises(HpoConfigError, match="does not exist"):
+        StudySpec.from_yaml(tmp_path / "missing.yaml")
+
+
+def test_sampler_and_pruner_factories():
+    assert isinstance(make_sampler({"name": "tpe", "seed": 1}, {}), optuna.samplers.TPESampler)
+    assert isinstance(make_sampler({"name": "random"}, {}), optuna.samplers.RandomSampler)
+    assert isinstance(make_sampler({"name": "grid"}, {"w": {"type": "categorical", "choices": [1, 2]}}),
+                      optuna.samplers.GridSampler)
+    assert isinstance(make_pruner({"name": "asha", "min_resource": 2}), optuna.pruners.SuccessiveHalvingPruner)
+    assert isinstance(make_pruner({"name": "hyperband"}), optuna.pruners.HyperbandPruner)
+    assert isinstance(make_pruner({"name": "median"}), optuna.pruners.MedianPruner)
+    with pytest.raises(HpoConfigError, match="grid"):
+        make_sampler({"name": "grid"}, {"lr": {"type": "float", "low": 0, "high": 1}})
+    with pytest.raises(HpoConfigError, match="sampler.name"):
+        make_sampler({"name": "bayes"}, {})
+    with pytest.raises(HpoConfigError, match="pruner.name"):
+        make_pruner({"name": "early"})
+
+
+def test_pool_forms_and_elastic_file(tmp_path):
+    fake = build_pool({"fake": 3, "memory_gb": 2})
+    assert [d.id for d in fake] == ["fake:0", "fake:1", "fake:2"] and fake[0].memory_bytes == 2 << 30
+    devs = build_pool({"devices": [{"id": "a", "kind": "A100", "memory_gb": 40},
+                                   {"id": "h", "kind": "H100", "memory_gb": 80}], "speeds": {"H100": 2.0}})
+    assert [d.speed for d in devs] == [1.0, 2.0]
+    assert gpu_kind("NVIDIA H200") == "H200" and gpu_kind("NVIDIA A100-SXM4-80GB") == "A100"
+    with pytest.raises(HpoConfigError, match="duplicate"):
+        build_pool({"devices": [{"id": "a", "memory_gb": 1}, {"id": "a", "memory_gb": 1}]})
+    with pytest.raises(HpoConfigError, match="missing"):
+        build_pool({"devices": [{"id": "a"}]})
+    with pytest.raises(HpoConfigError, match="expected one of the keys"):
+        build_pool({"tpu": 4})
+    f = tmp_path / "pool.yaml"
+    f.write_text(yaml.safe_dump({"fake": 1}))
+    src = PoolSource({"file": str(f)})
+    assert len(src.devices()) == 1
+    import os
+    f.write_text(yaml.safe_dump({"fake": 2}))
+    os.utime(f, ns=(1, 10**18))  # a new mtime even within the clock's resolution
+    assert len(src.devices()) == 2
+    f.write_text("fake: [unclosed")  # mid-edit garbage keeps the last good pool
+    os.utime(f, ns=(1, 2 * 10**18))
+    assert len(src.devices()) == 2

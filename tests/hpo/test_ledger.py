@@ -1,0 +1,45 @@
+"""Lineage accounting, retries and give-ups in the Optuna storage (in-memory study, no processes)."""
+
+import optuna
+
+from hpdl.hpo.ledger import Ledger
+
+
+def study():
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+
+
+def ask(s, ledger):
+    t = s.ask({"x": optuna.distributions.FloatDistribution(0, 1)})
+    t.set_user_attr("hpdl_lineage", t.user_attrs.get("hpdl_lineage", t.number))
+    ledger.dirty = True
+    return t
+
+
+def test_failure_is_retried_with_same_params_until_max_retries_then_finished():
+    s = study()
+    lg = Ledger(s, max_retries=1, host="h")
+    t0 = ask(s, lg)
+    lg.fail(t0.number, t0.params, t0.user_attrs, "died", "boom")
+    assert lg.lineages() == (set(), {0}) and lg.waiting == 1
+    t1 = ask(s, lg)  # the enqueued retry
+    assert t1.params == t0.params and t1.user_attrs["hpdl_attempt"] == 1 and t1.user_attrs["hpdl_lineage"] == 0
+    lg.fail(t1.number, t1.params, t1.user_attrs, "oom", "boom")
+    assert lg.lineages() == ({0}, set()) and lg.waiting == 0
+    assert lg.failures == {"died": 1, "oom": 1}
+    assert s.trials[1].user_attrs["hpdl_gave_up"] is True
+
+
+def test_not_started_is_requeued_without_using_an_attempt_and_too_big_gives_up():
+    s = study()
+    lg = Ledger(s, max_retries=0, host="h")
+    t0 = ask(s, lg)
+    lg.fail(t0.number, t0.params, {**t0.user_attrs, "hpdl_attempt": -1}, "not_started", "driver died first")
+    assert lg.lineages() == (set(), {0}) and lg.failures == {}
+    t1 = ask(s, lg)
+    s.tell(t1, 0.5)
+    lg.dirty = True
+    t2 = ask(s, lg)
+    lg.fail(t2.number, t2.params, t2.user_attrs, "too_big", "80 GiB", retry=False)
+    assert lg.lineages() == ({0, 2}, set())

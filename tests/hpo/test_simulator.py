@@ -1,0 +1,62 @@
+"""Simulator: invariants, OOM behaviour of the naive policy, heterogeneity, CLI output (SIMULATION)."""
+
+import argparse
+import json
+
+import pytest
+
+from hpdl.hpo.cli import HpoCommand
+from hpdl.hpo.errors import HpoConfigError
+from hpdl.hpo.scheduler import GIB
+from hpdl.hpo.simulator import SimTrial, pool_from_spec, simulate, synthetic_trials
+
+
+def test_one_per_gpu_makespan_is_exact_for_serial_trials():
+    trials = [SimTrial(k, 0.01, 0.005, GIB, 100, skey="a") for k in range(4)]
+    r = simulate(trials, pool_from_spec("1xH100"), "one_per_gpu", startup_s=1.0)
+    assert r.makespan_s == pytest.approx(4 * (1.0 + 100 * 0.01))
+    r2 = simulate(trials, pool_from_spec("2xH100"), "one_per_gpu", startup_s=1.0)
+    assert r2.makespan_s == pytest.approx(2 * (1.0 + 100 * 0.01))
+
+
+def test_pack_colocates_launch_bound_trials_without_slowdown():
+    trials = [SimTrial(k, 0.01, 0.001, GIB, 100, skey="a") for k in range(8)]
+    one = simulate(trials, pool_from_spec("1xH100"), "one_per_gpu", startup_s=0.5)
+    pack = simulate(trials, pool_from_spec("1xH100"), "pack", startup_s=0.5)
+    assert pack.max_colocated >= 4 and one.makespan_s / pack.makespan_s > 3
+
+
+def test_naive_fraction_runs_out_of_memory_where_pack_does_not():
+    trials = [SimTrial(k, 0.01, 0.02, 30 * GIB, 50, skey=f"s{k % 2}", static_memory_bytes=40 * GIB)
+              for k in range(8)]
+    naive = simulate(trials, pool_from_spec("1xH100"), "fixed_fraction", fraction=0.125)
+    pack = simulate(trials, pool_from_spec("1xH100"), "pack")
+    assert naive.oom > 0 and pack.oom == 0 and pack.finished == naive.finished == 8
+
+
+def test_hetero_pool_pack_hetero_not_slower_than_one_per_gpu():
+    trials = synthetic_trials(48, seed=1)
+    pool = pool_from_spec("3xA100,1xH100")
+    base = simulate(trials, pool, "one_per_gpu").makespan_s
+    assert simulate(trials, pool, "pack_hetero").makespan_s < base
+    with pytest.raises(HpoConfigError, match="count"):
+        pool_from_spec("twoxA100")
+
+
+def test_cli_simulate_json(capsys, tmp_path):
+    p = argparse.ArgumentParser()
+    HpoCommand.add_arguments(p)
+    args = p.parse_args(["simulate", "--pool", "2xA100,1xH100", "--format", "json", "--plot",
+                         str(tmp_path / "s.png")])
+    assert HpoCommand().run(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["simulation"] is True and {r["policy"] for r in out["rows"]} >= {"pack", "one_per_gpu"}
+    assert (tmp_path / "s.png").stat().st_size > 1000
+
+
+def test_colocation_overhead_slows_packed_runs_only():
+    trials = [SimTrial(k, 0.01, 0.001, GIB, 100, skey="a") for k in range(8)]
+    pool = pool_from_spec("1xH100")
+    assert simulate(trials, pool, "one_per_gpu", overhead=0.3).makespan_s == pytest.approx(
+        simulate(trials, pool, "one_per_gpu").makespan_s)
+    assert simulate(trials, pool, "pack", overhead=0.3).makespan_s > 1.3 * simulate(trials, pool, "pack").makespan_s

@@ -1,0 +1,121 @@
+"""Workloads train for real, estimate their cost, and resume exactly from a checkpoint (CPU)."""
+
+import contextlib
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpdl.hpo.errors import HpoConfigError
+from hpdl.hpo.profiler import ProfileCache, StepProfiler, static_profile
+from hpdl.hpo.workloads import get_workload
+
+
+class Ctx:
+    """A TrialContext stand-in that keeps reports and checkpoints in memory; optionally stops at a step."""
+
+    def __init__(self, params, stop_at=None, store=None):
+        self.params, self.device, self.lineage = params, torch.device("cpu"), 0
+        self.checkpoint_every, self.reports, self.stop_at = 1, [], stop_at
+        self.store = store if store is not None else {}
+
+    def report(self, value, step):
+        self.reports.append((step, value))
+
+    def should_prune(self):
+        return False
+
+    @contextlib.contextmanager
+    def step(self, s):
+        if s == self.stop_at:
+            raise KeyboardInterrupt  # simulate the process dying here
+        yield
+
+    def load_checkpoint(self):
+        return self.store.get("ckpt")
+
+    def save_checkpoint(self, state):
+        self.store["ckpt"] = {k: (v if not isinstance(v, dict) else __import__("copy").deepcopy(v))
+                              for k, v in state.items()}
+
+
+CNN = {"width": 8, "depth": 1, "batch_size": 32, "image_size": 16, "steps": 40, "eval_every": 10, "lr": 0.1}
+GPT = {"n_embd": 32, "n_layer": 1, "n_head": 2, "block_size": 16, "batch_size": 8, "steps": 40, "eval_every": 10}
+
+
+@pytest.mark.parametrize("name,params", [("cnn", CNN), ("gpt", GPT)])
+def test_resume_from_checkpoint_matches_uninterrupted(name, params):
+    torch.set_num_threads(1)
+    w = get_workload(name)
+    full = w.train(Ctx(params))
+    store = {}
+    with pytest.raises(KeyboardInterrupt):
+        w.train(Ctx(params, stop_at=25, store=store))
+    assert store["ckpt"]["step"] == 20
+    resumed = Ctx(params, store=store)
+    assert w.train(resumed) == pytest.approx(full, rel=1e-5, abs=1e-6)
+    assert [s for s, _ in resumed.reports] == [30, 40]
+
+
+def test_training_learns():
+    torch.set_num_threads(1)
+    acc = get_workload("cnn").train(Ctx({**CNN, "steps": 60, "width": 16}))
+    assert acc > 0.3  # chance is 0.1
+    ctx = Ctx({**GPT, "steps": 60, "lr": 1e-2})
+    get_workload("gpt").train(ctx)
+    assert ctx.reports[-1][1] < ctx.reports[0][1] < math.log(256) + 0.5
+
+
+def test_estimate_and_static_profile_scale_with_size():
+    w = get_workload("cnn")
+    small, big = w.estimate({**CNN}), w.estimate({**CNN, "batch_size": 64, "width": 16})
+    assert big["activation_bytes"] > 3 * small["activation_bytes"] and big["flops"] > 3 * small["flops"]
+    # one conv output of (B, width, S, S) fp32 is among the module outputs
+    assert small["activation_bytes"] >= 32 * 8 * 16 * 16 * 4
+    p = static_profile(w, CNN, "cpu", context_bytes=0)
+    assert p.memory_bytes > 2 * small["activation_bytes"] and not p.measured
+
+
+def test_step_profiler_on_cpu_and_cache(tmp_path: Path):
+    w = get_workload("cnn")
+    st = static_profile(w, CNN, "cpu", context_bytes=0)
+    prof = StepProfiler(torch.device("cpu"), "cpu", st, warmup=1, window=3, peak_flops=1e9)
+    prof.interrupt()
+    parts = w.build(w.resolve(CNN), torch.device("cpu"))
+    for s in range(5, 10):
+        prof.before(s)
+        x, y = parts.batch(s)
+        parts.loss(parts.model(x), y).backward()
+        prof.after(s)
+    r = prof.result
+    assert r is not None and r.source == "cpu" and r.step_time_s > 0 and 0 < r.compute <= 1
+    cache = ProfileCache(tmp_path / "p.json")
+    cache.put("k", r)
+    cache.put("k", st.__class__(**{**st.__dict__, "kind": "cpu"}))  # static never replaces measured
+    assert ProfileCache(tmp_path / "p.json").get("k", "cpu").source == "cpu"
+
+
+def test_bad_workload_names():
+    with pytest.raises(HpoConfigError, match="expected one of"):
+        get_workload("resnet")
+    with pytest.raises(HpoConfigError, match="cannot be imported"):
+        get_workload("no_such_module:X")
+    with pytest.raises(HpoConfigError, match="unknown parameters"):
+        get_workload("cnn").resolve({"widht": 3})
+
+
+def test_step_profiler_restarts_a_window_broken_by_an_evaluation():
+    st = static_profile(get_workload("cnn"), CNN, "cpu", context_bytes=0)
+    prof = StepProfiler(torch.device("cpu"), "cpu", st, warmup=1, window=3, peak_flops=1e9)
+    for s in range(3):  # warm-up step, then 2 steps of the window
+        prof.before(s)
+        prof.after(s)
+    prof.interrupt()    # an evaluation synchronised here
+    for s in range(3, 5):
+        prof.before(s)
+        prof.after(s)
+    assert not prof.done  # only 2 clean steps since the interruption
+    prof.before(5)
+    prof.after(5)
+    assert prof.done and prof.result.source == "cpu"
