@@ -8,6 +8,7 @@ a contiguous copy written back into the caller's tensor.
 
 from __future__ import annotations
 
+import math
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
@@ -58,6 +59,7 @@ class _GroupState:
         self._executor: ThreadPoolExecutor | None = None
         self._pending: list[Future] = []
         self._lock = threading.Lock()
+        self.topology = None
 
     def comm(self, timeout: float) -> TorchTransport:
         if self._comm is None:
@@ -81,8 +83,25 @@ class _GroupState:
         key = (name, window)
         if key not in self._algos:
             cls = get_class(name)
-            self._algos[key] = cls(window, host_comm=self.host(timeout)) if name == "staged" else cls(window)
+            if getattr(cls, "needs_topology", False):  # two-level algorithms (docs/comm_two_level.md)
+                host = self.host(timeout) if self.backend != "gloo" else None
+                self._algos[key] = cls(window, topology=self.get_topology(timeout), host_comm=host)
+            else:
+                self._algos[key] = cls(window, host_comm=self.host(timeout)) if name == "staged" else cls(window)
         return self._algos[key]
+
+    def get_topology(self, timeout: float):
+        """The topology set with :func:`set_topology`, else ``HPDL_RANKS_PER_NODE``, else hostnames."""
+        if self.topology is None:
+            from hpdl.runtime.topology import Topology, discover
+
+            rpn = env.get("HPDL_RANKS_PER_NODE")
+            if rpn:
+                parts = [int(x) for x in rpn.split(",")]
+                self.topology = Topology.emulate(self.world_size, parts[0] if len(parts) == 1 else parts)
+            else:
+                self.topology = discover(self.host(timeout).group)
+        return self.topology
 
     def submit(self, fn: Callable[[], None], async_op: bool) -> Work | None:
         """Run ``fn`` after every earlier async call on this group, in order."""
@@ -129,7 +148,37 @@ def reset() -> None:
     for st in _STATES.values():
         if st._executor is not None:
             st._executor.shutdown(wait=True)
+        for algo in st._algos.values():
+            if hasattr(algo, "close"):  # shared-memory buffers of the two-level algorithms
+                algo.close()
     _STATES.clear()
+
+
+def set_topology(topology, group=None) -> None:
+    """Tell the two-level algorithms where the ranks of ``group`` live (nodes, local ranks, rails).
+
+    Args:
+        topology: a :class:`hpdl.runtime.Topology` of the group's ranks (``ctx.topology`` from
+            :func:`hpdl.runtime.spawn` / ``init_from_env``), or ``ranks_per_node`` as an int (equal nodes of
+            consecutive ranks) or a list such as ``[3, 2]`` (emulated uneven nodes).
+        group: process group (None = world).
+
+    Without it, ``HPDL_RANKS_PER_NODE`` is used, else the hostnames (one all-gather at first use). Local call;
+    every rank must set the same topology before its first two-level call on ``group``.
+
+    Raises:
+        ValueError: the topology's world size is not the group's size.
+    """
+    from hpdl.runtime.topology import Topology
+
+    st = _state(group)
+    topo = topology if isinstance(topology, Topology) else Topology.emulate(st.world_size, topology)
+    if topo.world_size != st.world_size:
+        raise ValueError(f"topology has world_size={topo.world_size}, but the group has {st.world_size} ranks")
+    if st.topology != topo:
+        for key in [k for k, a in st._algos.items() if getattr(a, "needs_topology", False)]:
+            st._algos.pop(key).close()
+    st.topology = topo
 
 
 def _check_tensor(name: str, t, st: _GroupState) -> None:
@@ -327,5 +376,82 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, algorithm:
             st.algorithm(name, window, timeout).all_gather(blocks, st.comm(timeout))
         if not output.is_contiguous():
             output.copy_(flat.view(output.shape))
+
+    return st.submit(run, async_op)
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes=None, input_split_sizes=None,
+                      group=None, algorithm: str = "auto", async_op: bool = False, *, window: int | None = None,
+                      timeout: float | None = None, check: bool | None = None):
+    """Split ``input`` along dim 0, send block ``q`` to rank ``q``; ``output`` receives block ``q`` from rank q.
+
+    Exactly ``torch.distributed.all_to_all_single``: with split sizes None the rows are split equally
+    (``size(0)`` divisible by the world size); otherwise ``input_split_sizes[q]`` rows go to rank ``q`` and
+    ``output_split_sizes[q]`` rows come from it (zero allowed), and rank i's ``output_split_sizes[j]`` must
+    equal rank j's ``input_split_sizes[i]``. Any dtype, any trailing shape (same for both tensors);
+    non-contiguous tensors are copied. ``input`` is not modified.
+
+    Args:
+        algorithm: "auto", "pairwise", "direct" (throttled, ``window`` peers in flight), "push" or "pull"
+            (two-level over the node's shared buffer; need :func:`set_topology`), or "native".
+        window, timeout, check, async_op, group: as :func:`all_reduce`; ``check`` also verifies that the split
+            sizes of all ranks agree.
+
+    Returns:
+        None, or a :class:`Work` when ``async_op`` is True.
+
+    Raises:
+        TypeError / ValueError: bad tensors, splits or algorithm (before any communication).
+        CollectiveMismatchError: ranks disagree on dtype, row shape, algorithm or split sizes.
+        CollectiveTimeoutError: a peer did not answer (or died) within ``timeout``; the message names it.
+    """
+    from hpdl.comm.algorithms import alltoall as a2a
+
+    st = _state(group)
+    _check_tensor("output", output, st)
+    _check_tensor("input", input, st)
+    lay, osp, isp = a2a.make_layout(output, input, output_split_sizes, input_split_sizes, st.world_size)
+    name = canonical(algorithm)
+    if name not in a2a.ALGORITHMS + ("auto",):
+        raise ValueError(f"algorithm for all_to_all_single must be 'auto' or one of {a2a.ALGORITHMS}, got "
+                         f"{algorithm!r}")
+    if window is not None and (not isinstance(window, int) or window < 0):
+        raise ValueError(f"window must be a positive int (or None for all peers), got {window!r}")
+    timeout = float(env.get("HPDL_TIMEOUT") if timeout is None else timeout)
+    if name == "auto":
+        multi = st.topology is not None and not st.topology.single_node
+        name = a2a.select(input.numel() * input.element_size(), st.world_size, input.device.type, multi)
+    _ALGO_CODES.setdefault(name, len(_ALGO_CODES) + 1)
+    if (env.get("HPDL_CHECK") if check is None else check) and st.world_size > 1:
+        row = math.prod(input.shape[1:])
+        _verify_same(st, "all_to_all_single", {"dtype": _DTYPE_CODE.get(input.dtype, 100 + input.element_size()), "row": row,
+                                               "device": int(input.device.type == "cuda"),
+                                               "algorithm": _ALGO_CODES[name], "window": window or 0}, timeout)
+        a2a.verify_splits(st.host(timeout), osp, isp)
+
+    def run() -> None:
+        src = input.contiguous().view(-1).view(torch.uint8) if input.numel() else torch.empty(0, dtype=torch.uint8)
+        if output.is_contiguous() and output.numel():
+            dst = output.view(-1).view(torch.uint8)
+        else:
+            dst = torch.empty(output.numel() * output.element_size(), dtype=torch.uint8, device=output.device)
+        if dst.numel() and src.numel() and src.data_ptr() < dst.data_ptr() + dst.numel() \
+                and dst.data_ptr() < src.data_ptr() + src.numel():
+            src = src.clone()  # output overlaps input: read from a copy
+        comm = st.comm(timeout)
+        if name in ("push", "pull") and src.device.type == "cuda":  # the CPU shared buffer: stage on the host
+            host_dst = torch.empty(dst.numel(), dtype=torch.uint8)
+            st.algorithm(name, window, timeout).all_to_all(host_dst, src.cpu(), lay, st.host(timeout))
+            dst.copy_(host_dst)
+        elif st.world_size == 1:
+            dst.copy_(src)
+        elif name == "native":
+            a2a.native(dst, src, lay, comm)
+        elif name == "direct":
+            a2a.throttled_direct(dst, src, lay, comm, window)
+        else:
+            st.algorithm(name, window, timeout).all_to_all(dst, src, lay, comm)
+        if dst.numel() and (not output.is_contiguous()):
+            output.copy_(dst.view(output.dtype).view(output.shape))
 
     return st.submit(run, async_op)

@@ -41,6 +41,12 @@ _declare("HPDL_CHECK", _bool, True,
          "(one small metadata all-gather). Benchmarks turn it off for their timed loops.")
 _declare("HPDL_TUNING_FILE", str, "", "Path of a JSON tuning table written by `hpdl bench allreduce --tune`.")
 _declare("HPDL_DIRECT_WINDOW", int, 0, "Throttle window k of the direct algorithm (0 = use the tuned default).")
+_declare("HPDL_RANKS_PER_NODE", str, "",
+         "Emulated ranks per node for two-level algorithms when no topology was set (e.g. `4` or `3,2`); "
+         "empty = nodes from hostnames.")
+_declare("HPDL_PIPELINE_DEPTH", int, 4, "Chunks per shard of the two-level all-reduce's early-trigger pipeline.")
+_declare("HPDL_TWO_LEVEL_INTER", str, "ring",
+         "Flat algorithm of the two-level all-reduce among one rail's ranks: ring, direct or recursive_doubling.")
 _declare("HPDL_LOG_LEVEL", str, "WARNING", "Log level of the `hpdl` logger.")
 
 

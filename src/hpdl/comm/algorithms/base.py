@@ -22,8 +22,14 @@ REGISTRY: dict[str, str] = {
     "recursive_doubling": "hpdl.comm.algorithms.recursive_doubling:RecursiveDoubling",
     "staged": "hpdl.comm.algorithms.staged:Staged",
     "native": "hpdl.comm.algorithms.native:Native",
+    "two_level": "hpdl.comm.algorithms.two_level:TwoLevel",
+    # all_to_all only (hpdl.comm.all_to_all_single); "direct" and "native" serve both
+    "pairwise": "hpdl.comm.algorithms.alltoall:Pairwise",
+    "push": "hpdl.comm.algorithms.alltoall:TwoLevelPush",
+    "pull": "hpdl.comm.algorithms.alltoall:TwoLevelPull",
 }
-ALIASES = {"rd": "recursive_doubling", "nccl": "native", "torch": "native"}
+ALIASES = {"rd": "recursive_doubling", "nccl": "native", "torch": "native", "two_level_push": "push",
+           "two_level_pull": "pull"}
 
 
 class Algorithm:
