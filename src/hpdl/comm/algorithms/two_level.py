@@ -139,10 +139,12 @@ class TwoLevel(Algorithm):
         self._shm: NodeSharedBuffer | None = None
         self._worker: _InterWorker | None = None
         self._pinned: torch.Tensor | None = None
+        self._last_result = 0   # bytes of the previous call's result (see _host_all_reduce)
 
     def _buffer(self, comm: Transport) -> NodeSharedBuffer:
         if self._shm is None or self._shm.broken:
             self._shm = open_node_buffer(comm, self.topology)
+            self._last_result = 0
         self._shm.timeout = comm.timeout
         return self._shm
 
@@ -169,12 +171,17 @@ class TwoLevel(Algorithm):
         local = topo.node_ranks(topo.node_of[me])
         g, lr = len(local), local.index(me)
         n, es = buf.numel(), buf.element_size()
-        data = shm.ensure((g + 1) * n * es)
+        # Result at the front, input slots at the back: a fast rank writes the next call's input before the
+        # first barrier, while slow ranks may still copy this call's result out, so the two must not overlap.
+        nb = n * es
+        data = shm.ensure(max(self._last_result, nb) + g * nb)
+        self._last_result = nb
+        top = data.numel() - g * nb
 
         def slot(i: int) -> torch.Tensor:
-            return data[i * n * es:(i + 1) * n * es].view(buf.dtype)
+            return data[top + i * nb:top + (i + 1) * nb].view(buf.dtype)
 
-        result = slot(g)
+        result = data[:nb].view(buf.dtype)
         slot(lr).copy_(buf)
         shm.barrier("two_level: inputs in the shared buffer")
         multi = topo.num_nodes > 1

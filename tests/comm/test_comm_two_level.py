@@ -1,0 +1,135 @@
+"""Two-level multi-rail all-reduce (and the two-level all-to-all on 6 and 5 ranks) over emulated nodes: exact
+(#wrong == 0), bitwise identical on all ranks, pipelined, buffer reuse with changing sizes, and no shared
+memory left behind, even after a rank dies mid-call.
+
+Tests are grouped by world size (8, then 6, then 5) so that each rank pool is started once (CI budget)."""
+
+import json
+import os
+import time
+
+import pytest
+
+from hpdl.testing import get_pool
+
+import _two_level_cases as T
+
+
+def _shm_names():
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith("hpdl_")) if os.path.isdir("/dev/shm") else []
+
+
+def _exact_and_identical(results):
+    assert [f for fails, _ in results for f in fails] == []
+    digests = [d for _, d in results]
+    assert all(d == digests[0] for d in digests), "ranks disagree bitwise"
+
+
+def _alltoall_exact(results):
+    assert [f for fails, _ in results for f in fails] == []
+
+
+def _pipelined(world, rpn, depth):
+    count = 1 << 20  # 4 MiB of float32: every shard is at least `depth` chunks of 64 KiB
+    results = get_pool(world).run(T.all_reduce_pipelined, rpn, depth, count)
+    assert [w for w, _, _, _ in results] == [0] * world
+    assert {(d, c) for _, d, c, _ in results} == {(depth, depth)}
+    assert len({h for *_, h in results}) == 1
+
+
+# ------------------------------------------------------------------ 8 ranks: 2 nodes x 4, 4 nodes x 2
+@pytest.mark.parametrize("rpn", [4, 2], ids=["2x4", "4x2"])
+@pytest.mark.timeout(240)
+def test_all_reduce_8_ranks(rpn):
+    _exact_and_identical(get_pool(8).run(T.all_reduce_matrix, rpn))
+
+
+@pytest.mark.timeout(240)
+def test_pipeline_chunks_exact_8_ranks():
+    _pipelined(8, 4, 4)
+    _pipelined(8, 2, 1)  # depth 1: no early trigger, same result
+
+
+@pytest.mark.timeout(240)
+def test_buffer_reused_and_grown_across_back_to_back_calls():
+    results = get_pool(8).run(T.back_to_back, 4)
+    assert [w for w, _ in results] == [0] * 8
+    caps = results[0][1]
+    assert caps[-1] > caps[0] > 0, caps  # grew on demand, never re-created smaller
+    assert all(b >= a for a, b in zip(caps, caps[1:]))
+    assert _shm_names() == []  # names are unlinked as soon as every local rank has mapped a segment
+
+
+# ------------------------------------------------------------------ 6 ranks: 2 x 3, 3 x 2
+@pytest.mark.parametrize("rpn", [3, 2], ids=["2x3", "3x2"])
+@pytest.mark.timeout(240)
+def test_all_reduce_6_ranks(rpn):
+    _exact_and_identical(get_pool(6).run(T.all_reduce_matrix, rpn))
+
+
+@pytest.mark.parametrize("rpn", [3, 2], ids=["2x3", "3x2"])
+@pytest.mark.timeout(240)
+def test_alltoall_6_ranks(rpn):
+    for algo in ("push", "pull") + (("pairwise", "direct", "native") if rpn == 3 else ()):
+        _alltoall_exact(get_pool(6).run(T.alltoall_matrix, rpn, algo))
+
+
+# ------------------------------------------------------------------ 5 ranks: uneven nodes 3 + 2, one node
+@pytest.mark.parametrize("rpn", [[3, 2], 5], ids=["3+2", "1x5"])
+@pytest.mark.timeout(240)
+def test_all_reduce_5_ranks(rpn):
+    _exact_and_identical(get_pool(5).run(T.all_reduce_matrix, rpn))
+
+
+@pytest.mark.timeout(240)
+def test_alltoall_uneven_nodes_and_pipeline_5_ranks():
+    for algo in ("push", "pull", "pairwise", "direct"):
+        _alltoall_exact(get_pool(5).run(T.alltoall_matrix, [3, 2], algo))
+    _pipelined(5, [3, 2], 3)
+
+
+@pytest.mark.timeout(120)
+def test_rank_dying_mid_call_errors_others_within_timeout_and_leaks_no_segment(tmp_path):
+    from hpdl.runtime.errors import WorkerFailedError
+
+    world, rpn, victim, timeout = 5, [3, 2], 1, 6.0
+    pool = get_pool(world)
+    pids = {str(p.pid) for p in pool._procs}
+    try:
+        with pytest.raises(WorkerFailedError, match="rank 1 died"):
+            pool.run(T.dies_mid_call_to_file, rpn, victim, timeout, str(tmp_path), timeout=60)
+        deadline = time.monotonic() + 3 * timeout + 10
+        while len(list(tmp_path.iterdir())) < world - 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        pool.close()  # its group is broken now
+    got = {int(f.stem): json.loads(f.read_text())["result"] for f in tmp_path.iterdir()}
+    assert sorted(got) == [0, 2, 3, 4]
+    for rank, (name, msg, elapsed, names) in got.items():
+        assert name is not None, f"rank {rank} returned normally"  # never a silent wrong result
+        assert elapsed < timeout + 5, (rank, elapsed)
+        assert [n for n in names if n.split("_")[1] in pids] == []  # mid-run: no name of ours exists
+    for rank in (0, 2):  # the victim's node-mates see it die at once, by pid
+        assert got[rank][0] == "CollectiveTimeoutError" and "[1]" in got[rank][1] and "died" in got[rank][1]
+        assert got[rank][2] < timeout
+    assert [n for n in _shm_names() if n.split("_")[1] in pids] == []
+
+
+def test_sweep_removes_segments_of_dead_creators():
+    from multiprocessing import shared_memory
+
+    from hpdl.comm.transport import shm
+
+    dead = 2 ** 22 + 12345  # above the default pid_max: no such process
+    while shm._alive(dead):
+        dead += 1
+    seg = shared_memory.SharedMemory(name=f"hpdl_{dead}_test_n0_c", create=True, size=64)
+    seg.close()
+    live = shared_memory.SharedMemory(name=f"hpdl_{os.getpid()}_test_n0_c", create=True, size=64)
+    try:
+        removed = shm.sweep_stale()
+        assert f"hpdl_{dead}_test_n0_c" in removed
+        assert f"hpdl_{os.getpid()}_test_n0_c" not in removed
+    finally:
+        live.close()
+        live.unlink()
