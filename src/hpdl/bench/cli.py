@@ -13,7 +13,9 @@ import torch
 from hpdl.bench.harness import BenchConfig, run_sweep
 from hpdl.bench.specs import SPECS
 
-_COLLECTIVES = {"allreduce": "allreduce", "reduce_scatter": "reduce_scatter", "all_gather": "all_gather"}
+_COLLECTIVES = {"allreduce": "allreduce", "reduce_scatter": "reduce_scatter", "all_gather": "all_gather",
+                "alltoall": "alltoall"}
+_DEFAULT_ALGORITHMS = {"alltoall": "native,pairwise,direct,push,pull"}
 
 
 def parse_size(text: str) -> int:
@@ -46,12 +48,14 @@ class BenchCommand:
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
-        sub = parser.add_subparsers(dest="collective", metavar="{" + ",".join(_COLLECTIVES) + "}")
+        sub = parser.add_subparsers(dest="collective", metavar="{" + ",".join(_COLLECTIVES) + ",model}")
         for name in _COLLECTIVES:
             p = sub.add_parser(name, help=f"benchmark {name}")
             p.add_argument("--np", type=int, default=4, help="ranks to spawn when not under torchrun/mpirun")
-            p.add_argument("--algorithms", default="native,auto,direct,ring,recursive_doubling",
-                           help="comma-separated algorithms (native is the baseline)")
+            p.add_argument("--algorithms", default=_DEFAULT_ALGORITHMS.get(name, "native,auto,direct,ring,"
+                                                                            "recursive_doubling"),
+                           help="comma-separated algorithms (native is the baseline; two_level for allreduce, "
+                           "pairwise/direct/push/pull for alltoall)")
             p.add_argument("--min", dest="min_size", type=parse_size, default=8, help="smallest size (bytes)")
             p.add_argument("--max", dest="max_size", type=parse_size, default=64 << 20, help="largest size (bytes)")
             p.add_argument("--factor", type=int, default=2, help="size step factor")
@@ -70,10 +74,18 @@ class BenchCommand:
                            help="write a tuning table for algorithm='auto' from this sweep (JSON)")
             p.add_argument("--format", choices=["table", "json"], default="table")
             p.add_argument("--timeout", type=float, default=None, help="seconds before a stuck run fails")
+        from hpdl.comm.model import add_model_arguments
+
+        add_model_arguments(sub.add_parser("model", help="alpha-beta-gamma cost model: calibrate on bench JSON, "
+                                           "predict 2..4096 ranks (labelled predictions)"))
 
     def run(self, args) -> int:
         from hpdl.cli import CLIUsageError
 
+        if args.collective == "model":
+            from hpdl.comm.model import run_model_command
+
+            return run_model_command(args)
         if args.collective is None:
             raise CLIUsageError("choose a collective: " + ", ".join(_COLLECTIVES))
         if args.np < 1:
@@ -110,6 +122,9 @@ class BenchCommand:
 
 
 def _bench_worker(ctx, cfg):
+    import hpdl.comm as hc
+
+    hc.set_topology(ctx.topology)  # nodes for the two-level algorithms (emulated with --ranks-per-node)
     rows = run_sweep(ctx, cfg)
     return rows if ctx.rank == 0 else None
 
@@ -119,6 +134,9 @@ def _launch(cfg: BenchConfig, args):
 
     if detect_launcher() is not None:
         ctx = init_from_env(args.device, args.ranks_per_node, args.timeout)
+        import hpdl.comm as hc
+
+        hc.set_topology(ctx.topology)
         rows = run_sweep(ctx, cfg)
         if ctx.rank != 0:
             sys.exit(1 if any(r.wrong for r in rows) else 0)
@@ -130,6 +148,7 @@ def _launch(cfg: BenchConfig, args):
 
 def _meta(cfg: BenchConfig, args, world: int) -> dict:
     meta = {"collective": cfg.collective, "world_size": world, "device": args.device, "dtype": cfg.dtype,
+            "ranks_per_node": args.ranks_per_node,
             "op": cfg.op, "torch": torch.__version__, "python": platform.python_version(),
             "host": platform.node(), "cpu": platform.processor() or platform.machine(),
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
