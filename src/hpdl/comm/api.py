@@ -419,8 +419,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
         raise ValueError(f"window must be a positive int (or None for all peers), got {window!r}")
     timeout = float(env.get("HPDL_TIMEOUT") if timeout is None else timeout)
     if name == "auto":
-        multi = st.topology is not None and not st.topology.single_node
-        name = a2a.select(input.numel() * input.element_size(), st.world_size, input.device.type, multi)
+        name = a2a.select(input.numel() * input.element_size(), st.world_size, input.device.type)
     _ALGO_CODES.setdefault(name, len(_ALGO_CODES) + 1)
     if (env.get("HPDL_CHECK") if check is None else check) and st.world_size > 1:
         row = math.prod(input.shape[1:])

@@ -296,9 +296,17 @@ class Pairwise(Algorithm):
         pairwise(dst, src, lay, comm)
 
 
-def select(nbytes_per_rank: int, world_size: int, device_type: str, multi_node: bool) -> str:
-    """``algorithm="auto"`` for all_to_all_single: measured CPU choice (docs/benchmarks/cpu_two_level.md);
-    NCCL on CUDA (the intra-node GPU PUSH/PULL kernels live in benchmarks/gpu_alltoall.py, not in the API)."""
-    if device_type != "cpu" or world_size == 1:
+# ``algorithm="auto"``: (device, largest bytes per rank, algorithm), first match wins. CPU: native gloo was the
+# fastest at every size from 1 KiB to 16 MiB on 8 ranks (docs/benchmarks/cpu_two_level.md); CUDA: NCCL, since
+# the API's push/pull stage CUDA tensors through host shared memory (the GPU IPC path is benchmarks/gpu_alltoall.py).
+AUTO_RULES: list[tuple[str, int, str]] = [("cpu", 1 << 62, "native"), ("cuda", 1 << 62, "native")]
+
+
+def select(nbytes_per_rank: int, world_size: int, device_type: str) -> str:
+    """Algorithm for ``all_to_all_single(algorithm="auto")`` from :data:`AUTO_RULES` (native if none matches)."""
+    if world_size == 1:
         return "native"
-    return "push" if world_size >= 4 else "pairwise"
+    for device, max_bytes, algorithm in AUTO_RULES:
+        if device == device_type and nbytes_per_rank <= max_bytes:
+            return algorithm
+    return "native"
