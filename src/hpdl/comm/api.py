@@ -423,34 +423,13 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     _ALGO_CODES.setdefault(name, len(_ALGO_CODES) + 1)
     if (env.get("HPDL_CHECK") if check is None else check) and st.world_size > 1:
         row = math.prod(input.shape[1:])
-        _verify_same(st, "all_to_all_single", {"dtype": _DTYPE_CODE.get(input.dtype, 100 + input.element_size()), "row": row,
+        dtype_code = _DTYPE_CODE.get(input.dtype, 100 + input.element_size())
+        _verify_same(st, "all_to_all_single", {"dtype": dtype_code, "row": row,
                                                "device": int(input.device.type == "cuda"),
                                                "algorithm": _ALGO_CODES[name], "window": window or 0}, timeout)
         a2a.verify_splits(st.host(timeout), osp, isp)
 
     def run() -> None:
-        src = input.contiguous().view(-1).view(torch.uint8) if input.numel() else torch.empty(0, dtype=torch.uint8)
-        if output.is_contiguous() and output.numel():
-            dst = output.view(-1).view(torch.uint8)
-        else:
-            dst = torch.empty(output.numel() * output.element_size(), dtype=torch.uint8, device=output.device)
-        if dst.numel() and src.numel() and src.data_ptr() < dst.data_ptr() + dst.numel() \
-                and dst.data_ptr() < src.data_ptr() + src.numel():
-            src = src.clone()  # output overlaps input: read from a copy
-        comm = st.comm(timeout)
-        if name in ("push", "pull") and src.device.type == "cuda":  # the CPU shared buffer: stage on the host
-            host_dst = torch.empty(dst.numel(), dtype=torch.uint8)
-            st.algorithm(name, window, timeout).all_to_all(host_dst, src.cpu(), lay, st.host(timeout))
-            dst.copy_(host_dst)
-        elif st.world_size == 1:
-            dst.copy_(src)
-        elif name == "native":
-            a2a.native(dst, src, lay, comm)
-        elif name == "direct":
-            a2a.throttled_direct(dst, src, lay, comm, window)
-        else:
-            st.algorithm(name, window, timeout).all_to_all(dst, src, lay, comm)
-        if dst.numel() and (not output.is_contiguous()):
-            output.copy_(dst.view(output.dtype).view(output.shape))
+        a2a.execute(name, st, output, input, lay, timeout, window)
 
     return st.submit(run, async_op)

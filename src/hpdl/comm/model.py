@@ -253,7 +253,8 @@ def predict_table(m: Machine, worlds: Sequence[int]) -> list[dict]:
                      "two_level_beats_ring_1_rail": rng("allreduce", "two_level", "ring", p),
                      "two_level_beats_ring_all_rails": rng("allreduce", "two_level", "ring_all_rails", p),
                      "push_beats_pairwise": rng("alltoall", "push", "pairwise", p),
-                     "push_speedup_4MiB": alltoall_time(m, "pairwise", p, 4 << 20) / alltoall_time(m, "push", p, 4 << 20)})
+                     "push_speedup_4MiB": (alltoall_time(m, "pairwise", p, 4 << 20)
+                                           / alltoall_time(m, "push", p, 4 << 20))})
     return rows
 
 

@@ -310,3 +310,31 @@ def select(nbytes_per_rank: int, world_size: int, device_type: str) -> str:
         if device == device_type and nbytes_per_rank <= max_bytes:
             return algorithm
     return "native"
+
+
+def execute(name: str, st, output: torch.Tensor, input: torch.Tensor, lay: Layout, timeout: float,
+            window: int | None) -> None:
+    """Run one validated ``all_to_all_single`` with algorithm ``name`` on group state ``st`` (hpdl.comm.api)."""
+    src = input.contiguous().view(-1).view(torch.uint8) if input.numel() else torch.empty(0, dtype=torch.uint8)
+    if output.is_contiguous() and output.numel():
+        dst = output.view(-1).view(torch.uint8)
+    else:
+        dst = torch.empty(output.numel() * output.element_size(), dtype=torch.uint8, device=output.device)
+    if dst.numel() and src.numel() and src.data_ptr() < dst.data_ptr() + dst.numel() \
+            and dst.data_ptr() < src.data_ptr() + src.numel():
+        src = src.clone()  # output overlaps input: read from a copy
+    comm = st.comm(timeout)
+    if name in ("push", "pull") and src.device.type == "cuda":  # the CPU shared buffer: stage on the host
+        host_dst = torch.empty(dst.numel(), dtype=torch.uint8)
+        st.algorithm(name, window, timeout).all_to_all(host_dst, src.cpu(), lay, st.host(timeout))
+        dst.copy_(host_dst)
+    elif st.world_size == 1:
+        dst.copy_(src)
+    elif name == "native":
+        native(dst, src, lay, comm)
+    elif name == "direct":
+        throttled_direct(dst, src, lay, comm, window)
+    else:
+        st.algorithm(name, window, timeout).all_to_all(dst, src, lay, comm)
+    if dst.numel() and not output.is_contiguous():
+        output.copy_(dst.view(output.dtype).view(output.shape))
