@@ -12,15 +12,35 @@ from hpdl.bench.verify import expected, make_input
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8]
 
 
+_SUBGROUPS: dict = {}
+
+
+def _sub(ctx, world):
+    """``(group, p, r)`` for the first ``world`` ranks of the pool (a gloo subgroup, created once, collectively by
+    every pool rank), or None on ranks outside it. Lets one 8-rank pool also test 6- and 5-rank topologies."""
+    import torch.distributed as dist
+
+    if world is None or world == ctx.world_size:
+        return None, ctx.world_size, ctx.rank
+    if world not in _SUBGROUPS:
+        _SUBGROUPS[world] = dist.new_group(list(range(world)))
+    if ctx.rank >= world:
+        return None
+    return _SUBGROUPS[world], world, ctx.rank
+
+
 def digest(t: torch.Tensor) -> str:
     return hashlib.sha1(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def all_reduce_matrix(ctx, ranks_per_node, algorithm="two_level"):
+def all_reduce_matrix(ctx, ranks_per_node, world=None, algorithm="two_level"):
     """Every dtype with sum and max, floats with avg, a few with min/product; counts around the shard edges."""
-    hc.set_topology(ranks_per_node)
-    p, r = ctx.world_size, ctx.rank
-    rails = max(hc.api._state(None).topology.ranks_per_node())
+    sub = _sub(ctx, world)
+    if sub is None:
+        return [], ""
+    group, p, r = sub
+    hc.set_topology(ranks_per_node, group)
+    rails = max(hc.api._state(group).topology.ranks_per_node())
     failures, digests = [], []
     cases = [(d, op) for d in DTYPES for op in ("sum", "max")]
     cases += [(d, "avg") for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16)]
@@ -28,7 +48,7 @@ def all_reduce_matrix(ctx, ranks_per_node, algorithm="two_level"):
     for dtype, op in cases:
         for count in sorted({0, 1, rails - 1, rails + 1, 97, 1031}):
             x = make_input(r, count, op, dtype, seed=count)
-            hc.all_reduce(x, op=op, algorithm=algorithm, check=count == 97)
+            hc.all_reduce(x, op=op, group=group, algorithm=algorithm, check=count == 97)
             wrong = int((x != expected(p, count, op, dtype, seed=count)).sum())
             if wrong:
                 failures.append(f"{dtype} {op} count={count}: {wrong} wrong")
@@ -36,18 +56,24 @@ def all_reduce_matrix(ctx, ranks_per_node, algorithm="two_level"):
     return failures, digests
 
 
-def all_reduce_pipelined(ctx, ranks_per_node, depth, count):
+def all_reduce_pipelined(ctx, ranks_per_node, depth, count, world=None):
     """A tensor large enough that every shard is cut into ``depth`` chunks (early trigger on)."""
     from hpdl.comm.algorithms.two_level import TwoLevel, chunk_bounds
 
+    sub = _sub(ctx, world)
+    if sub is None:
+        return 0, depth, depth, ""
+    group, p, r = sub
     os.environ["HPDL_PIPELINE_DEPTH"] = str(depth)
-    hc.set_topology(ranks_per_node)  # a new topology drops cached two-level instances: depth is re-read
-    st = hc.api._state(None)
+    hc.set_topology(ranks_per_node, group)
+    st = hc.api._state(group)
+    for key in [k for k, a in st._algos.items() if getattr(a, "needs_topology", False)]:
+        st._algos.pop(key).close()  # the next call builds a fresh instance, which reads the depth
     wrong = 0
     for dtype, op in ((torch.float32, "sum"), (torch.bfloat16, "avg")):
-        x = make_input(ctx.rank, count, op, dtype, seed=5)
-        hc.all_reduce(x, op=op, algorithm="two_level")
-        wrong += int((x != expected(ctx.world_size, count, op, dtype, seed=5)).sum())
+        x = make_input(r, count, op, dtype, seed=5)
+        hc.all_reduce(x, op=op, group=group, algorithm="two_level")
+        wrong += int((x != expected(p, count, op, dtype, seed=5)).sum())
     algo = next(a for a in st._algos.values() if isinstance(a, TwoLevel))
     rails = st.topology.num_rails
     chunks = len(chunk_bounds(0, count // rails, algo.depth, 4))
@@ -105,10 +131,13 @@ def _a2a_once(p, r, rows, dtype, algorithm, seed) -> int:
     return int((out != want).sum())
 
 
-def alltoall_matrix(ctx, ranks_per_node, algorithm):
+def alltoall_matrix(ctx, ranks_per_node, algorithm, world=None):
     """Equal / uneven / zero-heavy splits x every dtype (and bool) x 1-D and 2-D rows; exact compare."""
-    hc.set_topology(ranks_per_node)
-    p, r = ctx.world_size, ctx.rank
+    sub = _sub(ctx, world)
+    if sub is None:
+        return [], []
+    group, p, r = sub
+    hc.set_topology(ranks_per_node, group)
     failures, digests = [], []
     seed = 0
     for kind in ("equal", "uneven", "zeros"):
@@ -122,10 +151,10 @@ def alltoall_matrix(ctx, ranks_per_node, algorithm):
                 inp, want = inp.view(-1), want.view(-1)
             out = torch.empty_like(want)
             if kind == "equal":
-                hc.all_to_all_single(out, inp, algorithm=algorithm, check=dtype == torch.float32)
+                hc.all_to_all_single(out, inp, group=group, algorithm=algorithm, check=dtype == torch.float32)
             else:
                 hc.all_to_all_single(out, inp, [m[q][r] for q in range(p)], [m[r][q] for q in range(p)],
-                                     algorithm=algorithm, check=dtype == torch.float32)
+                                     group=group, algorithm=algorithm, check=dtype == torch.float32)
             if not torch.equal(out, want):
                 failures.append(f"{algorithm} {kind} {dtype}: {int((out != want).sum())} wrong")
             digests.append(digest(out))
