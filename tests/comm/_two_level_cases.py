@@ -259,3 +259,32 @@ def dies_mid_call_to_file(ctx, ranks_per_node, victim, timeout, path):
     with open(os.path.join(path, f"{ctx.rank}.json"), "w") as fh:
         json.dump({"pid": os.getpid(), "result": list(res)}, fh)
     return res
+
+
+def inter_native(ctx, ranks_per_node):
+    """inter='native' (one dist.new_group per rail) on the world group: exact; on a subgroup: a clear error."""
+    from hpdl.comm.algorithms.two_level import TwoLevel
+
+    hc.set_topology(ranks_per_node)
+    p, r = ctx.world_size, ctx.rank
+    algo = TwoLevel(topology=hc.api._state(None).topology, inter="native", depth=2)
+    comm = hc.api._state(None).comm(60.0)
+    wrong = 0
+    for dtype, op, count in ((torch.float32, "sum", 300_001), (torch.bfloat16, "avg", 1031),
+                             (torch.int64, "product", 97), (torch.uint8, "max", 5)):
+        x = make_input(r, count, op, dtype, seed=count)
+        algo.all_reduce(x, op, comm)
+        wrong += int((x != expected(p, count, op, dtype, seed=count)).sum())
+    algo.close()
+    sub = _sub(ctx, 6)
+    err = None
+    if sub is not None:
+        group, _, _ = sub
+        hc.set_topology(3, group)
+        bad = TwoLevel(topology=hc.api._state(group).topology, inter="native")
+        try:
+            bad.all_reduce(torch.ones(8), "sum", hc.api._state(group).comm(60.0))
+        except ValueError as exc:
+            err = str(exc)
+        bad.close()
+    return wrong, err

@@ -60,6 +60,13 @@ def test_pipeline_chunks_are_exact():
 
 
 @pytest.mark.timeout(240)
+def test_inter_node_phase_on_per_rail_process_groups():
+    results = get_pool(8).run(T.inter_native, 4)
+    assert [w for w, _ in results] == [0] * 8
+    assert all("whole world" in e for _, e in results[:6]) and [e for _, e in results[6:]] == [None, None]
+
+
+@pytest.mark.timeout(240)
 def test_buffer_reused_and_grown_across_back_to_back_calls():
     results = get_pool(8).run(T.back_to_back, 4)
     assert [w for w, _ in results] == [0] * 8

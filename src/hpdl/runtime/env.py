@@ -46,7 +46,8 @@ _declare("HPDL_RANKS_PER_NODE", str, "",
          "empty = nodes from hostnames.")
 _declare("HPDL_PIPELINE_DEPTH", int, 4, "Chunks per shard of the two-level all-reduce's early-trigger pipeline.")
 _declare("HPDL_TWO_LEVEL_INTER", str, "ring",
-         "Flat algorithm of the two-level all-reduce among one rail's ranks: ring, direct or recursive_doubling.")
+         "Algorithm of the two-level all-reduce among one rail's ranks: ring, direct, recursive_doubling (hpdl, "
+         "over the group's transport) or native (torch.distributed on one new_group per rail).")
 _declare("HPDL_LOG_LEVEL", str, "WARNING", "Log level of the `hpdl` logger.")
 
 

@@ -40,6 +40,7 @@ from hpdl.runtime.topology import Topology
 MIN_CHUNK_BYTES = 64 << 10   # below this a pipeline chunk costs more in latency than it hides
 INTER_ALGORITHMS = ("ring", "direct", "recursive_doubling", "native")
 _TAG_BASE = 1000
+_ALIGN = 64
 
 
 def shard_owners(topology: Topology, shard: int) -> list[int]:
@@ -110,8 +111,10 @@ class TwoLevel(Algorithm):
         window: throttle of the inter-node ``direct`` algorithm (unused by ring).
         topology: the group's :class:`~hpdl.runtime.Topology` (required; ``hpdl.comm.set_topology``).
         depth: pipeline depth, chunks per shard (default ``HPDL_PIPELINE_DEPTH``); 1 disables the early trigger.
-        inter: flat algorithm among a rail's ranks, one of :data:`INTER_ALGORITHMS` except native
-            (default ``HPDL_TWO_LEVEL_INTER``).
+        inter: algorithm among a shard's owners (one per node, a rail), one of :data:`INTER_ALGORITHMS`
+            (default ``HPDL_TWO_LEVEL_INTER``): hpdl's ring / direct / recursive doubling over a view of the group's
+            transport, or ``native``: ``torch.distributed.all_reduce`` on one ``dist.new_group`` per rail (gloo,
+            created at the first call by every rank; the group must be the whole world).
         host_comm: gloo transport used to stage CUDA tensors through host memory.
 
     Raises:
@@ -132,10 +135,11 @@ class TwoLevel(Algorithm):
         if self.depth < 1:
             raise ValueError(f"depth (pipeline chunks per shard) must be >= 1, got {self.depth}")
         self.inter = env.get("HPDL_TWO_LEVEL_INTER") if inter is None else inter
-        if self.inter not in INTER_ALGORITHMS or self.inter == "native":
-            raise ValueError(f"inter must be one of {INTER_ALGORITHMS[:-1]}, got {self.inter!r}")
+        if self.inter not in INTER_ALGORITHMS:
+            raise ValueError(f"inter must be one of {INTER_ALGORITHMS}, got {self.inter!r}")
         self.host_comm = host_comm
-        self._inter_algo = get_class(self.inter)(window)
+        self._inter_algo = get_class(self.inter)(window) if self.inter != "native" else None
+        self._rail_groups: dict[int, object] = {}
         self._shm: NodeSharedBuffer | None = None
         self._worker: _InterWorker | None = None
         self._pinned: torch.Tensor | None = None
@@ -174,14 +178,17 @@ class TwoLevel(Algorithm):
         # Result at the front, input slots at the back: a fast rank writes the next call's input before the
         # first barrier, while slow ranks may still copy this call's result out, so the two must not overlap.
         nb = n * es
-        data = shm.ensure(max(self._last_result, nb) + g * nb)
+        stride = -(-nb // _ALIGN) * _ALIGN  # every slot starts 64-byte aligned (a dtype view needs alignment)
+        data = shm.ensure(max(self._last_result, nb) + g * stride + _ALIGN)
         self._last_result = nb
-        top = data.numel() - g * nb
+        top = (data.numel() - g * stride) // _ALIGN * _ALIGN
 
         def slot(i: int) -> torch.Tensor:
-            return data[top + i * nb:top + (i + 1) * nb].view(buf.dtype)
+            return data[top + i * stride:top + i * stride + nb].view(buf.dtype)
 
         result = data[:nb].view(buf.dtype)
+        if self.inter == "native" and topo.num_nodes > 1:
+            self._make_rail_groups(comm)
         slot(lr).copy_(buf)
         shm.barrier("two_level: inputs in the shared buffer")
         multi = topo.num_nodes > 1
@@ -202,7 +209,10 @@ class TwoLevel(Algorithm):
                         _finish(acc, out, op, p)
                     else:
                         out.copy_(acc)
-                        self._worker.submit(_inter_job(self._inter_algo, out, inter_op, op, sub, p))
+                        if self.inter == "native":
+                            self._worker.submit(self._native_job(comm, s, out, inter_op, op, p))
+                        else:
+                            self._worker.submit(_inter_job(self._inter_algo, out, inter_op, op, sub, p))
             if multi:
                 self._worker.drain(comm.timeout * 4)
         except BaseException:
@@ -210,6 +220,36 @@ class TwoLevel(Algorithm):
             raise
         shm.barrier("two_level: reduced shards in the shared buffer")
         buf.copy_(result)
+
+    def _make_rail_groups(self, comm: Transport) -> None:
+        """One gloo group per shard (its owners: one rank per node, a rail), made once by every rank of the world
+        in shard order (``dist.new_group`` is collective over the default group)."""
+        import torch.distributed as dist
+
+        if self._rail_groups:
+            return
+        parent = getattr(comm, "group", None)
+        if parent is not None and dist.get_world_size(parent) != dist.get_world_size():
+            raise ValueError("inter='native' needs the group to be the whole world (dist.new_group is collective "
+                             "over it); use inter='ring' on subgroups")
+        for s in range(self.topology.num_rails):
+            members = [dist.get_global_rank(parent, m) if parent is not None else m
+                       for m in shard_owners(self.topology, s)]
+            self._rail_groups[s] = dist.new_group(members, backend="gloo")
+
+    def _native_job(self, comm: Transport, shard: int, out: torch.Tensor, inter_op: str, op: str, world: int):
+        """Inter-node phase of one chunk on the shard's rail process group (see :meth:`_make_rail_groups`)."""
+        import torch.distributed as dist
+
+        from hpdl.comm.ops import to_torch_op
+
+        group = self._rail_groups[shard]
+
+        def job() -> None:
+            dist.all_reduce(out, op=to_torch_op(inter_op), group=group)
+            if op == "avg":
+                _finish(out.clone(), out, op, world)
+        return job
 
     def close(self) -> None:
         if self._worker is not None:

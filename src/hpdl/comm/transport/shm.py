@@ -214,7 +214,7 @@ class NodeSharedBuffer:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         if self._data is not None and nbytes <= self.capacity:
             return self._data.tensor
-        cap = max(nbytes, 2 * self.capacity, MIN_DATA_BYTES)
+        cap = -(-max(nbytes, 2 * self.capacity, MIN_DATA_BYTES) // 4096) * 4096  # whole pages
         self._gen += 1
         old = self._data
         self._data = _Segment(f"{self._base}_d{self._gen}", cap, self.local_rank == 0,
