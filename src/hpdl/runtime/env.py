@@ -45,9 +45,10 @@ _declare("HPDL_RANKS_PER_NODE", str, "",
          "Emulated ranks per node for two-level algorithms when no topology was set (e.g. `4` or `3,2`); "
          "empty = nodes from hostnames.")
 _declare("HPDL_PIPELINE_DEPTH", int, 4, "Chunks per shard of the two-level all-reduce's early-trigger pipeline.")
-_declare("HPDL_TWO_LEVEL_INTER", str, "ring",
+_declare("HPDL_TWO_LEVEL_INTER", str, "auto",
          "Algorithm of the two-level all-reduce among one rail's ranks: ring, direct, recursive_doubling (hpdl, "
-         "over the group's transport) or native (torch.distributed on one new_group per rail).")
+         "over the group's transport), native (torch.distributed on one new_group per rail; world group only) or "
+         "auto (native on the world group, ring otherwise).")
 _declare("HPDL_LOG_LEVEL", str, "WARNING", "Log level of the `hpdl` logger.")
 
 

@@ -112,8 +112,8 @@ class TwoLevel(Algorithm):
         topology: the group's :class:`~hpdl.runtime.Topology` (required; ``hpdl.comm.set_topology``).
         depth: pipeline depth, chunks per shard (default ``HPDL_PIPELINE_DEPTH``); 1 disables the early trigger.
         inter: algorithm among a shard's owners (one per node, a rail), one of :data:`INTER_ALGORITHMS`
-            (default ``HPDL_TWO_LEVEL_INTER``): hpdl's ring / direct / recursive doubling over a view of the group's
-            transport, or ``native``: ``torch.distributed.all_reduce`` on one ``dist.new_group`` per rail (gloo,
+            or "auto" (default ``HPDL_TWO_LEVEL_INTER``: native on the world group, ring otherwise): hpdl's ring /
+            direct / recursive doubling over a view of the group's transport, or ``native``: ``torch.distributed.all_reduce`` on one ``dist.new_group`` per rail (gloo,
             created at the first call by every rank; the group must be the whole world).
         host_comm: gloo transport used to stage CUDA tensors through host memory.
 
@@ -135,10 +135,11 @@ class TwoLevel(Algorithm):
         if self.depth < 1:
             raise ValueError(f"depth (pipeline chunks per shard) must be >= 1, got {self.depth}")
         self.inter = env.get("HPDL_TWO_LEVEL_INTER") if inter is None else inter
-        if self.inter not in INTER_ALGORITHMS:
-            raise ValueError(f"inter must be one of {INTER_ALGORITHMS}, got {self.inter!r}")
+        if self.inter not in INTER_ALGORITHMS + ("auto",):
+            raise ValueError(f"inter must be 'auto' or one of {INTER_ALGORITHMS}, got {self.inter!r}")
         self.host_comm = host_comm
-        self._inter_algo = get_class(self.inter)(window) if self.inter != "native" else None
+        self._window = window
+        self._inter_algo = get_class(self.inter)(window) if self.inter not in ("native", "auto") else None
         self._rail_groups: dict[int, object] = {}
         self._shm: NodeSharedBuffer | None = None
         self._worker: _InterWorker | None = None
@@ -187,6 +188,13 @@ class TwoLevel(Algorithm):
             return data[top + i * stride:top + i * stride + nb].view(buf.dtype)
 
         result = data[:nb].view(buf.dtype)
+        if self.inter == "auto":  # per-rail process groups when they can be made (world group), else ring
+            import torch.distributed as dist
+
+            parent = getattr(comm, "group", None)
+            whole = parent is None or dist.get_world_size(parent) == dist.get_world_size()
+            self.inter = "native" if whole and hasattr(comm, "group") else "ring"
+            self._inter_algo = None if self.inter == "native" else get_class("ring")(self._window)
         if self.inter == "native" and topo.num_nodes > 1:
             self._make_rail_groups(comm)
         slot(lr).copy_(buf)
