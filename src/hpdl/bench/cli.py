@@ -99,6 +99,9 @@ class BenchCommand:
                               progress=sys.stderr.isatty())
         except ValueError as exc:
             raise CLIUsageError(str(exc)) from None
+        if args.tune_path and cfg.collective == "alltoall":
+            raise CLIUsageError("--tune writes the all_reduce tuning table; all_to_all_single's auto rules live in "
+                                "hpdl.comm.algorithms.alltoall.AUTO_RULES")
         if args.tune_path and "native" not in cfg.algorithms:
             raise CLIUsageError("--tune needs 'native' among --algorithms (auto must never lose to it)")
         rows, world = _launch(cfg, args)
