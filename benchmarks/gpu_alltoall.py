@@ -62,7 +62,12 @@ class SharedBuffer:
 
             self.local = symm_mem.empty(2 * nbytes, dtype=torch.uint8, device=device)
             self.handle = symm_mem.rendezvous(self.local, dist.group.WORLD.group_name)
-            self.peers = [self.local if q == rank else self.handle.get_buffer(q, (2 * nbytes,), torch.uint8)
+            # the tensor may sit inside a larger symmetric allocation: same offset on every rank
+            offset = self.local.data_ptr() - int(self.handle.buffer_ptrs[rank])
+            if offset < 0 or offset + 2 * nbytes > int(self.handle.buffer_size):
+                raise RuntimeError(f"symmetric tensor at offset {offset} outside its allocation")
+            self.peers = [self.local if q == rank else
+                          self.handle.get_buffer(q, (2 * nbytes,), torch.uint8, storage_offset=offset)
                           for q in range(world)]
             self.backend = "symm_mem"
         except Exception as exc:  # noqa: BLE001 - fall back to plain CUDA IPC
