@@ -189,7 +189,7 @@ class _TwoLevelAlltoall(Algorithm):
         shm.timeout = comm.timeout
         node = topo.node_of[me]
         local = topo.node_ranks(node)
-        g, lr = len(local), local.index(me)
+        lr = local.index(me)
         shm.meta[lr].copy_(torch.tensor(lay.send_len, dtype=torch.int64))
         shm.barrier(f"{self.name}: split sizes")
         m = shm.meta.numpy().copy()  # m[l, q] = bytes local rank l sends to rank q
@@ -200,7 +200,7 @@ class _TwoLevelAlltoall(Algorithm):
             raise
 
     def _exchange(self, dst, src, lay, comm, shm, m, local, lr) -> None:
-        topo, me, p = self.topology, comm.rank, comm.world_size
+        me, p = comm.rank, comm.world_size
         g = len(local)
         data = shm.ensure(int(m.sum()))
         if self.layout_by_destination:   # PUSH: [q][l] blocks, writers scatter
@@ -233,7 +233,7 @@ class _TwoLevelAlltoall(Algorithm):
             req.wait()
 
     def _post_inter(self, dst, lay, comm, data, m, pos, local, lr):
-        topo, me, p = self.topology, comm.rank, comm.world_size
+        topo, me = self.topology, comm.rank
         g, my_node = len(local), topo.node_of[me]
         sends, recv_list, staged = [], [], []
         for n in range(topo.num_nodes):

@@ -111,10 +111,11 @@ class TwoLevel(Algorithm):
         window: throttle of the inter-node ``direct`` algorithm (unused by ring).
         topology: the group's :class:`~hpdl.runtime.Topology` (required; ``hpdl.comm.set_topology``).
         depth: pipeline depth, chunks per shard (default ``HPDL_PIPELINE_DEPTH``); 1 disables the early trigger.
-        inter: algorithm among a shard's owners (one per node, a rail), one of :data:`INTER_ALGORITHMS`
-            or "auto" (default ``HPDL_TWO_LEVEL_INTER``: native on the world group, ring otherwise): hpdl's ring /
-            direct / recursive doubling over a view of the group's transport, or ``native``: ``torch.distributed.all_reduce`` on one ``dist.new_group`` per rail (gloo,
-            created at the first call by every rank; the group must be the whole world).
+        inter: algorithm among a shard's owners (one per node, a rail), one of :data:`INTER_ALGORITHMS` or
+            "auto" (default ``HPDL_TWO_LEVEL_INTER``: native on the world group, ring otherwise). ring / direct /
+            recursive_doubling run hpdl's algorithm over a view of the group's transport; ``native`` runs
+            ``torch.distributed.all_reduce`` on one ``dist.new_group`` per rail (gloo, made at the first call by
+            every rank, so the group must be the whole world).
         host_comm: gloo transport used to stage CUDA tensors through host memory.
 
     Raises:
