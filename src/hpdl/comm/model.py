@@ -19,7 +19,8 @@ Alltoall (block b = n/p)
   pairwise          (g-1)(a_i + b b_i) + (p-g)(a_e + b b_e s)
   direct (window k) ceil((p-1)/k) a_e + max((p-g) b b_e s, (g-1) b b_i)
   push              2 a_i + n b_i (store into the buffer) + max((N-1) a_e + (p-g) b b_e s, g b b_i)
-  pull              as push, plus the rail rank's gather of (p-g) b bytes (b_i); no store on GPU (IPC)
+  pull              as push, plus the rail rank's gather of (p-g) b bytes (b_i); with copy_in False
+                    (a zero-copy exposure of the input) no store
 
 Every prediction for a configuration that was not measured is a *prediction*: :func:`predict_table` and the
 ``hpdl bench model`` command label it so. :func:`calibrate` fits a :class:`Machine` to ``hpdl bench --json``

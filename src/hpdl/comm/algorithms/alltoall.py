@@ -16,8 +16,8 @@ blocks are never sent. So every dtype works, with equal or uneven splits.
   ``q``, contiguous in the buffer, as one aggregated message straight to ``q`` (same rail on both ends).
 * ``pull``: each local rank exposes its whole input in the shared buffer, unchanged; destinations on the node
   read their blocks from it, and the rail rank reads (gathers) the ``g`` blocks for each remote ``q`` and sends
-  them as one message. On GPU the exposure is an IPC handle of the input itself (no copy; see
-  benchmarks/gpu_alltoall.py); on CPU it costs one contiguous copy.
+  them as one message. Exposing costs one contiguous copy into the shared buffer (a local HBM copy on GPU in
+  benchmarks/gpu_alltoall.py); a zero-copy variant would register the caller's input itself for IPC.
 
 Inter-node messages are posted before the intra-node copies, so the two overlap. Receivers take the message
 from node ``n`` straight into the output when node ``n``'s blocks are contiguous there (consecutive ranks).
