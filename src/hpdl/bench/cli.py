@@ -13,7 +13,9 @@ import torch
 from hpdl.bench.harness import BenchConfig, run_sweep
 from hpdl.bench.specs import SPECS
 
-_COLLECTIVES = {"allreduce": "allreduce", "reduce_scatter": "reduce_scatter", "all_gather": "all_gather"}
+_COLLECTIVES = {"allreduce": "allreduce", "reduce_scatter": "reduce_scatter", "all_gather": "all_gather",
+                "alltoall": "alltoall"}
+_DEFAULT_ALGORITHMS = {"alltoall": "native,pairwise,direct,push,pull"}
 
 
 def parse_size(text: str) -> int:
@@ -49,15 +51,16 @@ class BenchCommand:
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
-        sub = parser.add_subparsers(dest="collective", metavar="{" + ",".join([*_COLLECTIVES, "serve"]) + "}")
+        sub = parser.add_subparsers(dest="collective", metavar="{" + ",".join([*_COLLECTIVES, "model", "serve"]) + "}")
         for name in _COLLECTIVES:
             p = sub.add_parser(name, help=f"benchmark {name}",
                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
             p.set_defaults(_parser=p)
             p.add_argument("--np", type=int, default=4, help="ranks to spawn when not under torchrun/mpirun")
-            p.add_argument("--algorithms", default="native,auto,direct,ring",
+            p.add_argument("--algorithms", default=_DEFAULT_ALGORITHMS.get(name, "native,auto,direct,ring"),
                            help="comma-separated, from: auto, direct, ring, recursive_doubling, staged, native, "
-                                "one_shot, two_shot (CUDA); native is the baseline")
+                                "one_shot, two_shot (CUDA), two_level (allreduce); pairwise, direct, push, pull "
+                                "(alltoall); native is the baseline")
             p.add_argument("--min", dest="min_size", type=parse_size, default=8,
                            help="smallest size in bytes (suffixes K, M, G)")
             p.add_argument("--max", dest="max_size", type=parse_size, default=64 << 20,
@@ -80,11 +83,19 @@ class BenchCommand:
             p.add_argument("--format", choices=["table", "json"], default="table", help="output on stdout")
             p.add_argument("--timeout", type=float, default=None,
                            help="seconds a collective may wait for a peer before the run fails (HPDL_TIMEOUT)")
+        from hpdl.comm.model import add_model_arguments
+
+        add_model_arguments(sub.add_parser("model", help="alpha-beta-gamma cost model: calibrate on bench JSON, "
+                                           "predict 2..4096 ranks (labelled predictions)"))
         _add_serve(sub)
 
     def run(self, args) -> int:
         from hpdl.cli import CLIUsageError
 
+        if args.collective == "model":
+            from hpdl.comm.model import run_model_command
+
+            return run_model_command(args)
         if args.collective is None:
             raise CLIUsageError("choose a collective: " + ", ".join(_COLLECTIVES) + " (or serve)")
         if args.collective == "serve":
@@ -102,6 +113,9 @@ class BenchCommand:
                               progress=sys.stderr.isatty())
         except ValueError as exc:
             raise CLIUsageError(str(exc)) from None
+        if args.tune_path and cfg.collective == "alltoall":
+            raise CLIUsageError("--tune writes the all_reduce tuning table; all_to_all_single's auto rules live in "
+                                "hpdl.comm.algorithms.alltoall.AUTO_RULES")
         if args.tune_path and "native" not in cfg.algorithms:
             raise CLIUsageError("--tune needs 'native' among --algorithms (auto must never lose to it)")
         _validate(cfg, args)
@@ -147,7 +161,8 @@ def _validate(cfg: BenchConfig, args) -> None:
     from hpdl.comm.ops import check_dtype
 
     try:
-        check_dtype(cfg.torch_dtype, cfg.op)
+        if cfg.collective in ("allreduce", "reduce_scatter"):
+            check_dtype(cfg.torch_dtype, cfg.op)
     except ValueError as exc:
         raise CLIUsageError(str(exc)) from None
     if args.window is not None and args.window < 1:
@@ -164,6 +179,9 @@ def _validate(cfg: BenchConfig, args) -> None:
 
 
 def _bench_worker(ctx, cfg):
+    import hpdl.comm as hc
+
+    hc.set_topology(ctx.topology)  # nodes for the two-level algorithms (emulated with --ranks-per-node)
     rows = run_sweep(ctx, cfg)
     return rows if ctx.rank == 0 else None
 
@@ -173,6 +191,9 @@ def _launch(cfg: BenchConfig, args):
 
     if detect_launcher() is not None:
         ctx = init_from_env(args.device, args.ranks_per_node, args.timeout)
+        import hpdl.comm as hc
+
+        hc.set_topology(ctx.topology)
         rows = run_sweep(ctx, cfg)
         if ctx.rank != 0:
             sys.exit(1 if any(r.wrong for r in rows) else 0)
@@ -184,6 +205,7 @@ def _launch(cfg: BenchConfig, args):
 
 def _meta(cfg: BenchConfig, args, world: int) -> dict:
     meta = {"collective": cfg.collective, "world_size": world, "device": args.device, "dtype": cfg.dtype,
+            "ranks_per_node": args.ranks_per_node,
             "op": cfg.op, "torch": torch.__version__, "python": platform.python_version(),
             "host": platform.node(), "cpu": platform.processor() or platform.machine(),
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

@@ -65,8 +65,27 @@ def _ag_run(args, op, algorithm, window):
     hc.all_gather(args[0], args[1], algorithm=algorithm, window=window, check=_check(args[0]))
 
 
+def _a2a_block(src: int, dst: int, n: int, dtype) -> torch.Tensor:
+    """Elements rank ``src`` sends to ``dst``: small integers, exact in every dtype."""
+    i = torch.arange(n, dtype=torch.int64)
+    return ((i * 5 + src * 11 + dst * 3) % 97).to(dtype)
+
+
+def _a2a_setup(rank, p, count, dtype, op, device, seed):
+    m = count // p
+    inp = torch.cat([_a2a_block(rank, q, m, dtype) for q in range(p)]).to(device)
+    out = torch.empty(count, dtype=dtype, device=device)
+    return (out, inp), (lambda: out), torch.cat([_a2a_block(q, rank, m, dtype) for q in range(p)])
+
+
+def _a2a_run(args, op, algorithm, window):
+    hc.all_to_all_single(args[0], args[1], algorithm=algorithm, window=window, check=False)
+
+
 SPECS: dict[str, Spec] = {
     "allreduce": Spec("allreduce", lambda p: 2 * (p - 1) / p, False, _ar_setup, _ar_run),
     "reduce_scatter": Spec("reduce_scatter", lambda p: (p - 1) / p, True, _rs_setup, _rs_run),
     "all_gather": Spec("all_gather", lambda p: (p - 1) / p, True, _ag_setup, _ag_run),
+    # size = bytes each rank sends in total (nccl-tests alltoall_perf); busbw factor (p-1)/p
+    "alltoall": Spec("alltoall", lambda p: (p - 1) / p, True, _a2a_setup, _a2a_run),
 }

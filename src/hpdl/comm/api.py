@@ -8,6 +8,7 @@ a contiguous copy written back into the caller's tensor.
 
 from __future__ import annotations
 
+import math
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -76,6 +77,7 @@ class _GroupState:
         self._lock = threading.Lock()
         self.side_stream = None       # CUDA stream of async peer all-reduces
         self.side_pending = None      # event of the last async peer call that no sync call has waited for yet
+        self.topology = None
 
     def comm(self, timeout: float) -> TorchTransport:
         if self._comm is None:
@@ -99,8 +101,25 @@ class _GroupState:
         key = (name, window)
         if key not in self._algos:
             cls = get_class(name)
-            self._algos[key] = cls(window, host_comm=self.host(timeout)) if name == "staged" else cls(window)
+            if getattr(cls, "needs_topology", False):  # two-level algorithms (docs/comm_two_level.md)
+                host = self.host(timeout) if self.backend != "gloo" else None
+                self._algos[key] = cls(window, topology=self.get_topology(timeout), host_comm=host)
+            else:
+                self._algos[key] = cls(window, host_comm=self.host(timeout)) if name == "staged" else cls(window)
         return self._algos[key]
+
+    def get_topology(self, timeout: float):
+        """The topology set with :func:`set_topology`, else ``HPDL_RANKS_PER_NODE``, else hostnames."""
+        if self.topology is None:
+            from hpdl.runtime.topology import Topology, discover
+
+            rpn = env.get("HPDL_RANKS_PER_NODE")
+            if rpn:
+                parts = [int(x) for x in rpn.split(",")]
+                self.topology = Topology.emulate(self.world_size, parts[0] if len(parts) == 1 else parts)
+            else:
+                self.topology = discover(self.host(timeout).group)
+        return self.topology
 
     def submit(self, fn: Callable[[], None], async_op: bool) -> Work | None:
         """Run ``fn`` after every earlier async call on this group, in order."""
@@ -148,7 +167,37 @@ def reset() -> None:
     for st in _STATES.values():
         if st._executor is not None:
             st._executor.shutdown(wait=True)
+        for algo in st._algos.values():
+            if hasattr(algo, "close"):  # shared-memory buffers of the two-level algorithms
+                algo.close()
     _STATES.clear()
+
+
+def set_topology(topology, group=None) -> None:
+    """Tell the two-level algorithms where the ranks of ``group`` live (nodes, local ranks, rails).
+
+    Args:
+        topology: a :class:`hpdl.runtime.Topology` of the group's ranks (``ctx.topology`` from
+            :func:`hpdl.runtime.spawn` / ``init_from_env``), or ``ranks_per_node`` as an int (equal nodes of
+            consecutive ranks) or a list such as ``[3, 2]`` (emulated uneven nodes).
+        group: process group (None = world).
+
+    Without it, ``HPDL_RANKS_PER_NODE`` is used, else the hostnames (one all-gather at first use). Local call;
+    every rank must set the same topology before its first two-level call on ``group``.
+
+    Raises:
+        ValueError: the topology's world size is not the group's size.
+    """
+    from hpdl.runtime.topology import Topology
+
+    st = _state(group)
+    topo = topology if isinstance(topology, Topology) else Topology.emulate(st.world_size, topology)
+    if topo.world_size != st.world_size:
+        raise ValueError(f"topology has world_size={topo.world_size}, but the group has {st.world_size} ranks")
+    if st.topology != topo:
+        for key in [k for k, a in st._algos.items() if getattr(a, "needs_topology", False)]:
+            st._algos.pop(key).close()
+    st.topology = topo
 
 
 def _check_tensor(name: str, t, st: _GroupState) -> None:
@@ -431,5 +480,64 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, algorithm:
             st.algorithm(name, window, timeout).all_gather(blocks, st.comm(timeout))
         if not output.is_contiguous():
             output.copy_(flat.view(output.shape))
+
+    return st.submit(run, async_op)
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes=None, input_split_sizes=None,
+                      group=None, algorithm: str = "auto", async_op: bool = False, *, window: int | None = None,
+                      timeout: float | None = None, check: bool | None = None):
+    """Split ``input`` along dim 0, send block ``q`` to rank ``q``; ``output`` receives block ``q`` from rank q.
+
+    Exactly ``torch.distributed.all_to_all_single``: with split sizes None the rows are split equally
+    (``size(0)`` divisible by the world size); otherwise ``input_split_sizes[q]`` rows go to rank ``q`` and
+    ``output_split_sizes[q]`` rows come from it (zero allowed), and rank i's ``output_split_sizes[j]`` must
+    equal rank j's ``input_split_sizes[i]``. Any dtype, any trailing shape (same for both tensors);
+    non-contiguous tensors are copied. ``input`` is not modified.
+
+    Args:
+        algorithm: "auto", "pairwise", "direct" (throttled, ``window`` peers in flight), "push" or "pull"
+            (two-level over the node's shared buffer; need :func:`set_topology`), or "native".
+        window, timeout, check, async_op, group: as :func:`all_reduce`; ``check`` also verifies that the split
+            sizes of all ranks agree.
+
+    Returns:
+        None, or a :class:`Work` when ``async_op`` is True.
+
+    Raises:
+        TypeError / ValueError: bad tensors, splits or algorithm (before any communication).
+        CollectiveMismatchError: ranks disagree on dtype, row shape, algorithm or split sizes.
+        CollectiveTimeoutError: a peer did not answer (or died) within ``timeout``; the message names it.
+    """
+    from hpdl.comm.algorithms import alltoall as a2a
+
+    st = _state(group)
+    _check_tensor("output", output, st)
+    _check_tensor("input", input, st)
+    lay, osp, isp = a2a.make_layout(output, input, output_split_sizes, input_split_sizes, st.world_size)
+    name = canonical(algorithm)
+    if name not in a2a.ALGORITHMS + ("auto",):
+        raise ValueError(f"algorithm for all_to_all_single must be 'auto' or one of {a2a.ALGORITHMS}, got "
+                         f"{algorithm!r}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be an int >= 1 (or None for all peers), got {window!r}")
+    timeout = float(env.get("HPDL_TIMEOUT") if timeout is None else timeout)
+    if name == "auto":
+        name = a2a.select(input.numel() * input.element_size(), st.world_size, input.device.type)
+    mode = env.get("HPDL_CHECK") if check is None else check
+    verify = None
+    if (mode is True or (mode == "auto" and input.device.type == "cpu")) and st.world_size > 1:
+        fields = {"dtype": _DTYPE_CODE.get(input.dtype, 100 + input.element_size()),
+                  "row": math.prod(input.shape[1:]), "device": int(input.device.type == "cuda"),
+                  "algorithm": list(REGISTRY).index(name), "window": window or 0}
+
+        def verify() -> None:
+            _verify_same(st, "all_to_all_single", fields, timeout)
+            a2a.verify_splits(st.host(timeout), osp, isp)
+
+    def run() -> None:
+        if verify is not None:
+            verify()
+        a2a.execute(name, st, output, input, lay, timeout, window)
 
     return st.submit(run, async_op)

@@ -46,6 +46,14 @@ _declare("HPDL_CHECK", _check_mode, "auto",
          "(whose fast paths take a few microseconds); `1`/`0` force it. Benchmarks turn it off when timing.")
 _declare("HPDL_TUNING_FILE", str, "", "Path of a JSON tuning table written by `hpdl bench allreduce --tune`.")
 _declare("HPDL_DIRECT_WINDOW", int, 0, "Throttle window k of the direct algorithm (0 = use the tuned default).")
+_declare("HPDL_RANKS_PER_NODE", str, "",
+         "Emulated ranks per node for two-level algorithms when no topology was set (e.g. `4` or `3,2`); "
+         "empty = nodes from hostnames.")
+_declare("HPDL_PIPELINE_DEPTH", int, 4, "Chunks per shard of the two-level all-reduce's early-trigger pipeline.")
+_declare("HPDL_TWO_LEVEL_INTER", str, "auto",
+         "Algorithm of the two-level all-reduce among one rail's ranks: ring, direct, recursive_doubling (hpdl, "
+         "over the group's transport), native (torch.distributed on one new_group per rail; world group only) or "
+         "auto (native on the world group, ring otherwise).")
 _declare("HPDL_LOG_LEVEL", str, "WARNING", "Log level of the `hpdl` logger.")
 
 

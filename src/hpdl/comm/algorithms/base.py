@@ -24,9 +24,15 @@ REGISTRY: dict[str, str] = {
     "native": "hpdl.comm.algorithms.native:Native",
     "one_shot": "hpdl.comm.algorithms.peer:OneShot",   # CUDA, one node: peer-memory kernels
     "two_shot": "hpdl.comm.algorithms.peer:TwoShot",
+    "two_level": "hpdl.comm.algorithms.two_level:TwoLevel",
+    # all_to_all only (hpdl.comm.all_to_all_single); "direct" and "native" serve both
+    "pairwise": "hpdl.comm.algorithms.alltoall:Pairwise",
+    "push": "hpdl.comm.algorithms.alltoall:TwoLevelPush",
+    "pull": "hpdl.comm.algorithms.alltoall:TwoLevelPull",
 }
 PEER = ("one_shot", "two_shot")
-ALIASES = {"rd": "recursive_doubling", "nccl": "native", "torch": "native"}
+ALIASES = {"rd": "recursive_doubling", "nccl": "native", "torch": "native", "two_level_push": "push",
+           "two_level_pull": "pull"}
 
 
 class Workspace:

@@ -1,0 +1,47 @@
+"""A transport restricted to a subset of a group's ranks (a rail group, a node), without a new process group.
+
+Two-level algorithms run an ordinary flat algorithm (ring, direct, ...) among, say, the ranks of one rail;
+``SubTransport(parent, members)`` presents those ranks as 0..len(members)-1 and forwards to ``parent``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from hpdl.comm.transport.base import Request, Transport
+
+
+class SubTransport(Transport):
+    """View of ``parent`` limited to ``members`` (ranks of the parent, in the order that defines sub-ranks).
+
+    Args:
+        parent: the group's transport.
+        members: distinct parent ranks, including ``parent.rank``.
+        tag_offset: added to every tag, so that several sub-groups sharing a pair of ranks never match each
+            other's messages.
+
+    Raises:
+        ValueError: ``members`` has duplicates, ranks out of range, or does not contain this rank.
+    """
+
+    def __init__(self, parent: Transport, members: Sequence[int], tag_offset: int = 0):
+        members = [int(m) for m in members]
+        if len(set(members)) != len(members) or any(not 0 <= m < parent.world_size for m in members):
+            raise ValueError(f"members must be distinct ranks in [0, {parent.world_size}), got {members}")
+        if parent.rank not in members:
+            raise ValueError(f"members {members} must include this rank ({parent.rank})")
+        self.parent, self.members, self.tag_offset = parent, members, int(tag_offset)
+        self.rank = members.index(parent.rank)
+        self.world_size = len(members)
+        self.device = parent.device
+
+    @property
+    def timeout(self) -> float:  # type: ignore[override]
+        return self.parent.timeout
+
+    def post(self, sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]],
+             tag: int = 0) -> tuple[list[Request], list[Request]]:
+        m = self.members
+        return self.parent.post([(t, m[q]) for t, q in sends], [(t, m[q]) for t, q in recvs], tag + self.tag_offset)
