@@ -48,6 +48,7 @@ def local_errors(ctx):
     out["rs_size"] = _catch(lambda: hc.reduce_scatter(torch.empty(3), torch.empty(3 * ctx.world_size + 1)))
     out["ag_dtype"] = _catch(lambda: hc.all_gather(torch.empty(3 * ctx.world_size), torch.empty(3, dtype=torch.int64)))
     out["one_shot_cpu"] = _catch(lambda: hc.all_reduce(torch.ones(3), algorithm="one_shot"))
+    out["push_ar"] = _catch(lambda: hc.all_reduce(torch.ones(3), algorithm="push"))
     out["window0"] = _catch(lambda: hc.all_reduce(torch.ones(3), algorithm="direct", window=0))
     out["rs_rd"] = _catch(lambda: hc.reduce_scatter(torch.empty(2), torch.ones(2 * ctx.world_size),
                                                      algorithm="recursive_doubling"))

@@ -34,6 +34,7 @@ def test_local_errors_name_the_argument():
     assert out["rs_size"][0] == "ValueError" and "input.numel()" in out["rs_size"][1]
     assert out["ag_dtype"][0] == "ValueError" and "dtype" in out["ag_dtype"][1]
     assert out["one_shot_cpu"][0] == "ValueError" and "CUDA" in out["one_shot_cpu"][1]
+    assert out["push_ar"][0] == "ValueError" and "all_to_all algorithm" in out["push_ar"][1]
     assert out["window0"][0] == "ValueError" and "window" in out["window0"][1]
     assert out["rs_rd"][0] == "ValueError" and "reduce_scatter" in out["rs_rd"][1] and "direct" in out["rs_rd"][1]
     assert out["after"] == [3.0] * 4
