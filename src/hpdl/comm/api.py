@@ -215,24 +215,12 @@ def _check_tensor(name: str, t, st: _GroupState) -> None:
 def _verify_same(st: _GroupState, what: str, fields: dict[str, int], timeout: float) -> None:
     """Exchange the call's signature with every peer; raise on any difference, naming the field and ranks."""
     host = st.host(timeout)
-    p, me = host.world_size, host.rank
-    mine = torch.tensor(list(fields.values()), dtype=torch.int64)
-    theirs = [torch.empty_like(mine) for _ in range(p)]
-    theirs[me] = mine
-    sends, recvs = host.post([(mine, q) for q in range(p) if q != me],
-                             [(theirs[q], q) for q in range(p) if q != me], tag=99)
-    missing = []
-    for q, req in zip([q for q in range(p) if q != me], recvs):
-        try:
-            req.wait()
-        except CollectiveTimeoutError:
-            missing.append(q)
-            break  # the group is broken now; report the first silent rank
-    if missing:
-        raise CollectiveTimeoutError(f"{what}: rank {me} waited {timeout:.0f}s for rank {missing[0]}, which never "
-                                     f"called {what}", missing_ranks=missing)
-    for req in sends:
-        req.wait()
+    try:
+        theirs = host.exchange_all(torch.tensor(list(fields.values()), dtype=torch.int64), tag=99)
+    except CollectiveTimeoutError as exc:
+        missing = exc.missing_ranks[:1]
+        raise CollectiveTimeoutError(f"{what}: rank {host.rank} waited {timeout:.0f}s for rank {missing[0]}, which "
+                                     f"never called {what}", missing_ranks=missing) from None
     names = list(fields)
     for i, name in enumerate(names):
         values = [int(t[i]) for t in theirs]

@@ -100,14 +100,9 @@ def verify_splits(comm: Transport, osp: Sequence[int], isp: Sequence[int]) -> No
     Raises:
         CollectiveMismatchError: on every rank, naming the first inconsistent pair.
     """
-    p, me = comm.world_size, comm.rank
+    p = comm.world_size
     mine = torch.tensor(list(isp) + list(osp), dtype=torch.int64)
-    rows = [torch.empty_like(mine) for _ in range(p)]
-    rows[me] = mine
-    peers = [q for q in range(p) if q != me]
-    sends, recvs = comm.post([(mine, q) for q in peers], [(rows[q], q) for q in peers], tag=98)
-    for req in recvs + sends:
-        req.wait()
+    rows = comm.exchange_all(mine, tag=98)
     m = torch.stack(rows)  # m[i, :p] = input splits of rank i, m[i, p:] = output splits of rank i
     bad = (m[:, p:] != m[:, :p].t()).nonzero()
     if len(bad):

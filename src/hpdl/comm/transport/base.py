@@ -56,3 +56,17 @@ class Transport(ABC):
         s, r = self.post(sends, recvs, tag)
         for req in r + s:
             req.wait()
+
+    def exchange_all(self, mine: torch.Tensor, tag: int = 0) -> list[torch.Tensor]:
+        """Every rank's copy of a small tensor (same shape and dtype everywhere), sent directly peer to peer.
+
+        Used for metadata (argument signatures, split sizes, segment names). A peer that does not answer
+        raises :class:`hpdl.runtime.CollectiveTimeoutError` naming it.
+        """
+        rows = [torch.empty_like(mine) for _ in range(self.world_size)]
+        rows[self.rank] = mine
+        peers = [q for q in range(self.world_size) if q != self.rank]
+        sends, recvs = self.post([(mine, q) for q in peers], [(rows[q], q) for q in peers], tag)
+        for req in recvs + sends:
+            req.wait()
+        return rows

@@ -253,12 +253,7 @@ def open_node_buffer(comm, topology, meta_words: int = 0) -> NodeSharedBuffer:
     mine = torch.tensor([int(new_token(), 16), os.getpid()], dtype=torch.int64)
     if comm.device.type != "cpu":
         mine = mine.to(comm.device)
-    theirs = [torch.empty_like(mine) for _ in range(p)]
-    theirs[me] = mine
-    peers = [q for q in range(p) if q != me]
-    sends, recvs = comm.post([(mine, q) for q in peers], [(theirs[q], q) for q in peers], tag=97)
-    for req in recvs + sends:
-        req.wait()
+    theirs = comm.exchange_all(mine, tag=97)
     node = topology.node_of[me]
     local = topology.node_ranks(node)
     token = f"{int(theirs[0][0]):08x}"
