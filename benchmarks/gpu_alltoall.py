@@ -5,20 +5,16 @@ Run with the device tool from the repository root (one process per GPU is spawne
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONPATH=src python3 benchmarks/gpu_alltoall.py
 Writes gpu_alltoall.json, gpu_alltoall.md and gpu_alltoall.png to $OUT (or --out) and prints the table.
 
-Design (docs/comm_two_level.md): every rank allocates one persistent buffer of 2 x max-bytes, mapped into every
-peer (torch symmetric memory: ``symm_mem.empty`` + ``rendezvous``; fallback CUDA IPC handles with an NCCL
-1-element all-reduce as barrier). Calls alternate between the two halves, so one barrier per call suffices
-(a peer reuses a half only after the next call's barrier, which every rank reaches after reading it).
-* PUSH: rank r copies its block for q straight into q's buffer (slot r) over NVLink; barrier; each rank copies
-  the blocks that arrived into its output (local HBM copy).
-* PULL: rank r copies (exposes) its input into its own buffer; barrier; each rank reads its block from every
-  peer's buffer into its output over NVLink.
-Copies are cudaMemcpyAsync on UVA peer pointers (copy engines); the barrier is symm_mem's device barrier.
+Methods, all in one run on the same tensors: ``nccl`` = torch.distributed.all_to_all_single; ``push`` and
+``pull`` = ``hpdl.comm.all_to_all_single(algorithm="push"|"pull")``, which on one node runs the peer-memory kernel
+(hpdl.comm.algorithms.peer_alltoall: persistent buffer mapped into every GPU, one launch per call);
+``push_kernel`` = that kernel called directly (the API's overhead is push - push_kernel); ``auto`` =
+``hpdl.comm.all_to_all_single()`` with the auto table derived from pass 1 (at each size the fastest of push/pull
+if it beats NCCL by more than 3 %, else NCCL), which pass 2 measures through the API.
 Times: CUDA events around back-to-back calls, max over ranks, median of ``--repeat`` runs.
-``auto`` = the rule chosen from a first pass (NCCL below the smallest size from which the best of push/pull beats
-NCCL at every larger size, that method above), then measured in the second pass with the others.
 busbw = size / time * (W-1)/W (nccl-tests alltoall). #wrong counts elements off the exact expected output,
-summed over ranks, checked for every method at every size before timing.
+summed over ranks, checked for every method at every size before timing. Before the sweep, uneven splits
+(zero-length blocks included) are checked for push and pull over float32, bfloat16, int64 and uint8.
 """
 
 from __future__ import annotations
@@ -47,83 +43,6 @@ class Config:
     repeat: int = 3
     point_seconds: float = 0.05
     port: int = 29541
-
-
-# ----------------------------------------------------------------------------------------------- buffers
-class SharedBuffer:
-    """2 x ``nbytes`` per rank, visible to every rank of the (one-node) world: ``peer(q, half)`` views."""
-
-    def __init__(self, nbytes: int, rank: int, world: int, device: torch.device):
-        self.nbytes, self.rank, self.world = nbytes, rank, world
-        self.backend = None
-        errors = []
-        try:
-            import torch.distributed._symmetric_memory as symm_mem
-
-            self.local = symm_mem.empty(2 * nbytes, dtype=torch.uint8, device=device)
-            self.handle = symm_mem.rendezvous(self.local, dist.group.WORLD.group_name)
-            # the tensor may sit inside a larger symmetric allocation: same offset on every rank
-            offset = self.local.data_ptr() - int(self.handle.buffer_ptrs[rank])
-            if offset < 0 or offset + 2 * nbytes > int(self.handle.buffer_size):
-                raise RuntimeError(f"symmetric tensor at offset {offset} outside its allocation")
-            self.peers = [self.local if q == rank else
-                          self.handle.get_buffer(q, (2 * nbytes,), torch.uint8, storage_offset=offset)
-                          for q in range(world)]
-            self.backend = "symm_mem"
-        except Exception as exc:  # noqa: BLE001 - fall back to plain CUDA IPC
-            errors.append(f"symm_mem: {exc!r}")
-            from torch.multiprocessing.reductions import reduce_tensor
-
-            self.local = torch.empty(2 * nbytes, dtype=torch.uint8, device=device)
-            torch.cuda.synchronize()
-            handles: list = [None] * world
-            dist.all_gather_object(handles, reduce_tensor(self.local))
-            self.peers = [self.local if q == rank else fn(*args) for q, (fn, args) in enumerate(handles)]
-            self.handle = None
-            self._flag = torch.zeros(1, device=device)
-            self.backend = "cuda_ipc"
-        self.errors = errors
-
-    def view(self, q: int, half: int) -> torch.Tensor:
-        return self.peers[q][half * self.nbytes:(half + 1) * self.nbytes]
-
-    def barrier(self) -> None:
-        """Stream-ordered barrier: work queued before it on every rank is done before work queued after it."""
-        if self.handle is not None:
-            self.handle.barrier(channel=0)
-        else:
-            dist.all_reduce(self._flag)
-
-
-class Alltoall:
-    """Equal-split all_to_all_single through :class:`SharedBuffer`, ``push`` or ``pull``."""
-
-    def __init__(self, buf: SharedBuffer):
-        self.buf, self.calls = buf, 0
-
-    def __call__(self, out: torch.Tensor, inp: torch.Tensor, mode: str) -> None:
-        r, w, buf = self.buf.rank, self.buf.world, self.buf
-        src, dst = inp.view(torch.uint8), out.view(torch.uint8)
-        b = src.numel() // w
-        half = self.calls % 2
-        self.calls += 1
-        dst[r * b:(r + 1) * b].copy_(src[r * b:(r + 1) * b])
-        if mode == "push":
-            for d in range(1, w):
-                q = (r + d) % w  # start at a different peer on every rank: spread the NVLink load
-                buf.view(q, half)[r * b:(r + 1) * b].copy_(src[q * b:(q + 1) * b])
-            buf.barrier()
-            for d in range(1, w):
-                q = (r - d) % w
-                dst[q * b:(q + 1) * b].copy_(buf.view(r, half)[q * b:(q + 1) * b])
-        elif mode == "pull":
-            buf.view(r, half)[: src.numel()].copy_(src)
-            buf.barrier()
-            for d in range(1, w):
-                q = (r - d) % w
-                dst[q * b:(q + 1) * b].copy_(buf.view(q, half)[r * b:(r + 1) * b])
-        else:
-            raise ValueError(f"mode must be 'push' or 'pull', got {mode!r}")
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -169,37 +88,75 @@ def sizes(cfg: Config) -> list[int]:
     return out
 
 
-def auto_rule(rows: list[dict]) -> tuple[int | None, str]:
-    """(threshold, method): NCCL below the threshold, ``method`` (push or pull) from it on."""
-    best = {}
-    for method in ("push", "pull"):
-        wins = [r["size"] for r in rows if r[f"{method}_us"] < r["nccl_us"]]
-        start = next((s for s in wins if all(r[f"{method}_us"] < r["nccl_us"] for r in rows if r["size"] >= s)),
-                     None)
-        best[method] = start
-    cands = [(s, m) for m, s in best.items() if s is not None]
-    return min(cands) if cands else (None, "nccl")
+def auto_rules(rows: list[dict], margin: float = 1.03) -> list[tuple[int, str]]:
+    """(largest bytes per rank, method) ranges for auto: at each measured size the fastest of push/pull if it
+    beats NCCL by more than ``margin`` (noise), else NCCL; adjacent sizes with one winner merge. Sizes between
+    two measured points take the larger point's winner."""
+    rules: list[tuple[int, str]] = []
+    for r in rows:
+        best = min(("push", "pull"), key=lambda m: r[f"{m}_us"])
+        win = best if r["nccl_us"] > margin * r[f"{best}_us"] else "native"
+        if rules and rules[-1][1] == win:
+            rules[-1] = (r["size"], win)
+        else:
+            rules.append((r["size"], win))
+    if rules:
+        rules[-1] = (1 << 62, rules[-1][1])
+    return rules
 
 
 # ----------------------------------------------------------------------------------------------- worker
+def uneven_check(rank: int, world: int, dev) -> int:
+    """#wrong of push and pull against NCCL over uneven splits with zero-length blocks, four dtypes."""
+    import hpdl.comm as hc
+
+    wrong = 0
+    for seed in range(4):
+        g = torch.Generator().manual_seed(seed)
+        split = torch.randint(0, 3000, (world, world), generator=g)
+        split[seed % world, (seed + 1) % world] = 0
+        isp, osp = split[rank].tolist(), split[:, rank].tolist()
+        for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.uint8):
+            inp = torch.randint(0, 100, (sum(isp), 3), generator=g).to(dtype).to(dev)
+            want = torch.empty(sum(osp), 3, dtype=dtype, device=dev)
+            dist.all_to_all_single(want, inp, osp, isp)
+            for algo in ("push", "pull"):
+                for _ in range(2):
+                    out = torch.full_like(want, 7)
+                    hc.all_to_all_single(out, inp, osp, isp, algorithm=algo)
+                    torch.cuda.synchronize()
+                    wrong += int((out != want).sum())
+    return int(total(wrong))
+
+
 def worker(rank: int, world: int, cfg: Config, meta: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(cfg.port))
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
-    buf = SharedBuffer(cfg.max_bytes, rank, world, dev)
-    a2a = Alltoall(buf)
     import hpdl.comm as hc
+    from hpdl.comm.algorithms import alltoall as a2a
+    from hpdl.comm.algorithms.peer_alltoall import peer_all_to_all
+
+    uneven_wrong = uneven_check(rank, world, dev)
+    if rank == 0:
+        print(f"uneven splits, push+pull, 4 dtypes: #wrong {uneven_wrong}", flush=True)
+    layouts = {}
+
+    def kernel(o, i):
+        key = (o.numel(), i.numel())
+        if key not in layouts:
+            layouts[key] = a2a.make_layout(o, i, None, None, world)[0]
+        peer_all_to_all(o.view(torch.uint8), i.view(torch.uint8), layouts[key], None, "push")
 
     methods = {
         "nccl": lambda o, i: dist.all_to_all_single(o, i),
-        "push": lambda o, i: a2a(o, i, "push"),
-        "pull": lambda o, i: a2a(o, i, "pull"),
-        # the public API as wired now (auto -> NCCL on CUDA): its overhead over the raw call
-        "api_auto": lambda o, i: hc.all_to_all_single(o, i, check=False),
+        "push": lambda o, i: hc.all_to_all_single(o, i, algorithm="push"),
+        "pull": lambda o, i: hc.all_to_all_single(o, i, algorithm="pull"),
+        "push_kernel": kernel,
     }
     passes = []
-    rule = (None, "nccl")
+    rule: list[tuple[int, str]] = []
     for pass_no in (1, 2):
         rows = []
         for size in sizes(cfg):
@@ -212,8 +169,7 @@ def worker(rank: int, world: int, cfg: Config, meta: dict) -> None:
             row = {"size": n * 4, "count": n}
             todo = dict(methods)
             if pass_no == 2:
-                thr, meth = rule
-                todo["auto"] = methods[meth] if thr is not None and n * 4 >= thr else methods["nccl"]
+                todo["auto"] = lambda o, i: hc.all_to_all_single(o, i)
             wrong = 0
             for name, fn in todo.items():
                 try:
@@ -235,10 +191,16 @@ def worker(rank: int, world: int, cfg: Config, meta: dict) -> None:
                       flush=True)
         passes.append(rows)
         if pass_no == 1:
-            rule = auto_rule(rows)
+            rule = auto_rules(rows)
+            # the library's auto table for this run, as it would be committed
+            a2a.AUTO_RULES[:] = [("cpu", 1 << 62, "native")] + [("cuda", b, m) for b, m in rule]
+            hc.reset()
     if rank == 0:
-        meta.update(backend=buf.backend, backend_errors=buf.errors, auto_rule={"threshold": rule[0],
-                                                                               "method": rule[1]},
+        from hpdl.comm.algorithms.peer_alltoall import _COMMS
+
+        comm = next(iter(_COMMS.values()))
+        meta.update(backend=comm.buffer.backend, grid=comm.grid, slot_bytes=comm.slot, uneven_wrong=uneven_wrong,
+                    auto_rules=rule,
                     gpu=torch.cuda.get_device_name(dev), nccl=".".join(map(str, torch.cuda.nccl.version())),
                     torch=torch.__version__)
         report(passes[1], passes[0], world, cfg, meta)
@@ -263,15 +225,16 @@ def report(rows, first, world, cfg, meta) -> None:
              "Command: `NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONPATH=src python3 "
              "benchmarks/gpu_alltoall.py` (device tool).", "",
              f"Microseconds per call (median of {cfg.repeat} runs, max over ranks); size = bytes each rank sends "
-             f"(float32); busbw = size/time x (W-1)/W. auto rule from pass 1: {meta['auto_rule']}. #wrong: elements "
+             f"(float32); busbw = size/time x (W-1)/W. auto rules from pass 1 (bytes per rank, method): {meta['auto_rules']}. #wrong: elements "
              "off the exact expected output, all methods of the row, summed over ranks.", "",
-             "`api_auto` = `hpdl.comm.all_to_all_single(algorithm=\"auto\")` as wired at the time of the run.", "",
-             "| size | nccl us | push us | pull us | auto us | api_auto us | auto busbw GB/s | push vs nccl | "
+             f"Peer buffer: backend {meta['backend']}, grid {meta['grid']} blocks, slot {meta['slot_bytes']} B; "
+             f"uneven splits (push and pull, 4 dtypes, zero-length blocks): #wrong {meta['uneven_wrong']}.", "",
+             "| size | nccl us | push us | pull us | push_kernel us | auto us | auto busbw GB/s | push vs nccl | "
              "pull vs nccl | auto vs nccl | #wrong |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         bw = r["size"] / (r["auto_us"] * 1e-6) / 1e9 * factor if r["auto_us"] > 0 else 0.0
         lines.append(f"| {fmt_size(r['size'])} | {r['nccl_us']:.1f} | {r['push_us']:.1f} | {r['pull_us']:.1f} | "
-                     f"{r['auto_us']:.1f} | {r['api_auto_us']:.1f} | {bw:.1f} | {r['nccl_us'] / r['push_us']:.2f}x | "
+                     f"{r['push_kernel_us']:.1f} | {r['auto_us']:.1f} | {bw:.1f} | {r['nccl_us'] / r['push_us']:.2f}x | "
                      f"{r['nccl_us'] / r['pull_us']:.2f}x | {r['nccl_us'] / r['auto_us']:.2f}x | {r['wrong']} |")
     errs = [e for r in rows + first for e in r.get("errors", [])]
     if errs:

@@ -499,6 +499,15 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     """
     from hpdl.comm.algorithms import alltoall as a2a
 
+    fast_key = None
+    if output.__class__ is torch.Tensor and input.__class__ is torch.Tensor and input.is_cuda and not async_op \
+            and check is None and timeout is None:
+        fast_key = ("a2a", group, algorithm, window, output.shape, input.shape, input.dtype, input.device.index,
+                    None if output_split_sizes is None else tuple(output_split_sizes),
+                    None if input_split_sizes is None else tuple(input_split_sizes))
+        fast = _FAST.get(fast_key)
+        if fast is not None and fast[0].side_pending is None and fast[1](output, input):
+            return None  # hot path: arguments validated by an earlier identical call; one kernel launch
     st = _state(group)
     _check_tensor("output", output, st)
     _check_tensor("input", input, st)
@@ -528,4 +537,8 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
             verify()
         a2a.execute(name, st, output, input, lay, timeout, window)
 
-    return st.submit(run, async_op)
+    work = st.submit(run, async_op)
+    if fast_key is not None and verify is None and not st._pending and str(env.get("HPDL_CHECK")) == "auto" \
+            and a2a.peer_route(name, st, input, timeout):
+        _FAST[fast_key] = (st, a2a.peer_fast(lay, st.group, name, window))
+    return work

@@ -307,6 +307,35 @@ def select(nbytes_per_rank: int, world_size: int, device_type: str) -> str:
     return "native"
 
 
+def peer_route(name: str, st, tensor: torch.Tensor, timeout: float) -> bool:
+    """True when ``push``/``pull`` of this CUDA tensor runs on the one-node peer-memory kernel
+    (:mod:`hpdl.comm.algorithms.peer_alltoall`) rather than through host memory."""
+    if name not in ("push", "pull") or not tensor.is_cuda or st.world_size == 1:
+        return False
+    from hpdl.comm.algorithms.peer_alltoall import available  # that module imports Layout from here
+
+    return available(tensor, st.world_size) and st.get_topology(timeout).single_node
+
+
+def peer_fast(lay: Layout, group, name: str, window: int | None):
+    """The API's hot path for a validated layout: ``fn(output, input) -> bool``, False (nothing done) when
+    the tensors need the general path (non-contiguous, empty or overlapping)."""
+    from hpdl.comm.algorithms.peer_alltoall import peer_all_to_all
+
+    def fn(output: torch.Tensor, input: torch.Tensor) -> bool:
+        if not (output.is_contiguous() and input.is_contiguous()) or not output.numel() or not input.numel():
+            return False
+        o, i = output.data_ptr(), input.data_ptr()
+        no, ni = output.numel() * output.element_size(), input.numel() * input.element_size()
+        if i < o + no and o < i + ni:
+            return False
+        peer_all_to_all(output.view(-1).view(torch.uint8), input.view(-1).view(torch.uint8), lay, group, name,
+                        window)
+        return True
+
+    return fn
+
+
 def execute(name: str, st, output: torch.Tensor, input: torch.Tensor, lay: Layout, timeout: float,
             window: int | None) -> None:
     """Run one validated ``all_to_all_single`` with algorithm ``name`` on group state ``st`` (hpdl.comm.api)."""
@@ -319,7 +348,11 @@ def execute(name: str, st, output: torch.Tensor, input: torch.Tensor, lay: Layou
             and dst.data_ptr() < src.data_ptr() + src.numel():
         src = src.clone()  # output overlaps input: read from a copy
     comm = st.comm(timeout)
-    if name in ("push", "pull") and src.device.type == "cuda":  # the CPU shared buffer: stage on the host
+    if peer_route(name, st, src, timeout):
+        from hpdl.comm.algorithms.peer_alltoall import peer_all_to_all
+
+        peer_all_to_all(dst, src, lay, st.group, name, window)
+    elif name in ("push", "pull") and src.device.type == "cuda":  # across nodes: stage through host memory
         host_dst = torch.empty(dst.numel(), dtype=torch.uint8)
         st.algorithm(name, window, timeout).all_to_all(host_dst, src.cpu(), lay, st.host(timeout))
         dst.copy_(host_dst)

@@ -52,7 +52,7 @@ def load_peer_allreduce(verbose: bool = False) -> ModuleType:
         out.mkdir(parents=True, exist_ok=True)
         _MODULE = load(
             name="hpdl_peer_allreduce",
-            sources=[str(_HERE / "binding.cpp"), str(_HERE / "peer_allreduce.cu")],
+            sources=[str(_HERE / "binding.cpp"), str(_HERE / "peer_allreduce.cu"), str(_HERE / "peer_alltoall.cu")],
             extra_cflags=["-O3", "-std=c++17"],
             extra_cuda_cflags=["-O3", "-std=c++17", arch],
             extra_include_paths=[str(_HERE)],

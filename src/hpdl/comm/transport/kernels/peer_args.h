@@ -31,4 +31,22 @@ struct PeerArgs {
 
 enum DType : int { kF32 = 0, kF16 = 1, kBF16 = 2, kI32 = 3, kI64 = 4 };
 
+// ---- all-to-all (peer_alltoall.cuh) ----
+enum A2AAlgo : int { kPush = 0, kPull = 1 };
+constexpr int kNumA2AAlgos = 2;
+// Header of the all-to-all buffer: flags u32[algo][block][src], then epochs u32[algo][block][peer].
+constexpr long long kA2AFlagsBytes = (long long)kNumA2AAlgos * kMaxBlocks * kMaxRanks * 4;
+
+struct A2AArgs {
+  char* bufs[kMaxRanks];
+  const char* src;
+  char* dst;
+  long long send_off[kMaxRanks], send_len[kMaxRanks], recv_off[kMaxRanks], recv_len[kMaxRanks];
+  long long chunk[kMaxRanks];   // bytes per block per round of pair (me, p); multiple of 16
+  long long slot_bytes;         // capacity of one slot (>= every chunk)
+  long long region;             // byte offset of the slots in each buffer
+  unsigned long long timeout_ns;
+  int rank, world, window;
+};
+
 }  // namespace hpdl
