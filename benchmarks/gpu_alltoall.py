@@ -129,6 +129,35 @@ def uneven_check(rank: int, world: int, dev) -> int:
     return int(total(wrong))
 
 
+def graph_check(rank: int, world: int, dev, methods: dict) -> list[dict]:
+    """Each method captured 10 times in a CUDA graph (after a warm-up call registered it), replayed: #wrong
+    after replay and microseconds per call inside the graph."""
+    rows = []
+    for size in (4 << 10, 4 << 20):
+        n = size // 4
+        m = n // world
+        inp = torch.cat([block(rank, q, m, dev) for q in range(world)])
+        want = torch.cat([block(q, rank, m, dev) for q in range(world)])
+        row = {"size": size}
+        wrong = 0
+        for name in ("nccl", "push", "pull"):
+            out = torch.empty_like(inp)
+            methods[name](out, inp)   # registers buffers / plans outside capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(10):
+                    methods[name](out, inp)
+            out.fill_(-1)
+            graph.replay()
+            torch.cuda.synchronize()
+            wrong += int((out != want).sum())
+            row[f"{name}_us"] = time_us(graph.replay, 20, 3) / 10
+        row["wrong"] = int(total(wrong))
+        rows.append(row)
+    return rows
+
+
 def worker(rank: int, world: int, cfg: Config, meta: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(cfg.port))
     torch.cuda.set_device(rank)
@@ -195,8 +224,12 @@ def worker(rank: int, world: int, cfg: Config, meta: dict) -> None:
             # the library's auto table for this run, as it would be committed
             a2a.AUTO_RULES[:] = [("cpu", 1 << 62, "native")] + [("cuda", b, m) for b, m in rule]
             hc.reset()
+    graph_rows = graph_check(rank, world, dev, methods)
     if rank == 0:
         from hpdl.comm.algorithms.peer_alltoall import _COMMS
+
+        meta["graph"] = graph_rows
+        print("CUDA graph:", graph_rows, flush=True)
 
         comm = next(iter(_COMMS.values()))
         meta.update(backend=comm.buffer.backend, grid=comm.grid, slot_bytes=comm.slot, uneven_wrong=uneven_wrong,
@@ -236,6 +269,10 @@ def report(rows, first, world, cfg, meta) -> None:
         lines.append(f"| {fmt_size(r['size'])} | {r['nccl_us']:.1f} | {r['push_us']:.1f} | {r['pull_us']:.1f} | "
                      f"{r['push_kernel_us']:.1f} | {r['auto_us']:.1f} | {bw:.1f} | {r['nccl_us'] / r['push_us']:.2f}x | "
                      f"{r['nccl_us'] / r['pull_us']:.2f}x | {r['nccl_us'] / r['auto_us']:.2f}x | {r['wrong']} |")
+    lines += ["", "In a CUDA graph (10 calls captured, replayed; us per call, #wrong after replay):", "",
+              "| size | nccl us | push us | pull us | #wrong |", "|---|---|---|---|---|"]
+    lines += [f"| {fmt_size(g['size'])} | {g['nccl_us']:.1f} | {g['push_us']:.1f} | {g['pull_us']:.1f} | {g['wrong']} |"
+              for g in meta.get("graph", [])]
     errs = [e for r in rows + first for e in r.get("errors", [])]
     if errs:
         lines += ["", "Errors:", *[f"- {e}" for e in errs]]

@@ -503,6 +503,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     if output.__class__ is torch.Tensor and input.__class__ is torch.Tensor and input.is_cuda and not async_op \
             and check is None and timeout is None:
         fast_key = ("a2a", group, algorithm, window, output.shape, input.shape, input.dtype, input.device.index,
+                    output.device.index, output.dtype,
                     None if output_split_sizes is None else tuple(output_split_sizes),
                     None if input_split_sizes is None else tuple(input_split_sizes))
         fast = _FAST.get(fast_key)
@@ -540,5 +541,5 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     work = st.submit(run, async_op)
     if fast_key is not None and verify is None and not st._pending and str(env.get("HPDL_CHECK")) == "auto" \
             and a2a.peer_route(name, st, input, timeout):
-        _FAST[fast_key] = (st, a2a.peer_fast(lay, st.group, name, window))
+        _FAST[fast_key] = (st, a2a.peer_fast(lay, st, name, window, input.device))
     return work

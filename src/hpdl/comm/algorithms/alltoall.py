@@ -147,8 +147,11 @@ def throttled_direct(dst: torch.Tensor, src: torch.Tensor, lay: Layout, comm: Tr
 
 
 def native(dst: torch.Tensor, src: torch.Tensor, lay: Layout, comm: Transport) -> None:
-    """``torch.distributed.all_to_all_single`` on byte views (the oracle and baseline)."""
-    dist.all_to_all_single(dst, src, list(lay.recv_len), list(lay.send_len), group=getattr(comm, "group", None))
+    """``torch.distributed.all_to_all_single`` on byte views (the oracle and baseline); equal splits are passed
+    as None, so NCCL takes the same path as a plain equal-split call."""
+    equal = len(set(lay.recv_len)) == 1 and len(set(lay.send_len)) == 1
+    dist.all_to_all_single(dst, src, None if equal else list(lay.recv_len), None if equal else list(lay.send_len),
+                           group=getattr(comm, "group", None))
 
 
 class _TwoLevelAlltoall(Algorithm):
@@ -317,20 +320,21 @@ def peer_route(name: str, st, tensor: torch.Tensor, timeout: float) -> bool:
     return available(tensor, st.world_size) and st.get_topology(timeout).single_node
 
 
-def peer_fast(lay: Layout, group, name: str, window: int | None):
+def peer_fast(lay: Layout, st, name: str, window: int | None, device: torch.device):
     """The API's hot path for a validated layout: ``fn(output, input) -> bool``, False (nothing done) when
     the tensors need the general path (non-contiguous, empty or overlapping)."""
-    from hpdl.comm.algorithms.peer_alltoall import peer_all_to_all
+    from hpdl.comm.algorithms.peer_alltoall import launcher
+
+    launch = launcher(lay, st.group, device, name, window)
 
     def fn(output: torch.Tensor, input: torch.Tensor) -> bool:
-        if not (output.is_contiguous() and input.is_contiguous()) or not output.numel() or not input.numel():
+        if not (output.is_contiguous() and input.is_contiguous()):
             return False
         o, i = output.data_ptr(), input.data_ptr()
         no, ni = output.numel() * output.element_size(), input.numel() * input.element_size()
-        if i < o + no and o < i + ni:
+        if not no or not ni or (i < o + no and o < i + ni):
             return False
-        peer_all_to_all(output.view(-1).view(torch.uint8), input.view(-1).view(torch.uint8), lay, group, name,
-                        window)
+        launch(i, o)
         return True
 
     return fn

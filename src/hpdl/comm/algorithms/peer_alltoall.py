@@ -59,18 +59,15 @@ def unit_bytes(*values: int) -> int:
 
 def plan(lay: Layout, rank: int, grid: int, slot: int) -> tuple[list[int], list[int]]:
     """``(layout, chunks)`` as the kernel takes them: send_off + send_len + recv_off + recv_len, and the
-    per-pair chunk (0 for the rank itself)."""
-    chunks = [0 if p == rank else pair_chunk(max(lay.send_len[p], lay.recv_len[p]), grid, slot)
-              for p in range(len(lay.send_len))]
+    per-pair chunk (for the rank itself: the chunk of its own block's local copy)."""
+    chunks = [pair_chunk(max(lay.send_len[p], lay.recv_len[p]), grid, slot) for p in range(len(lay.send_len))]
     return [*lay.send_off, *lay.send_len, *lay.recv_off, *lay.recv_len], chunks
 
 
 def block_rounds(lay: Layout, rank: int, block: int, grid: int, chunks: Sequence[int]) -> int:
     """Rounds block ``block`` runs on ``rank``: the most any of its pairs needs (the kernel's loop bound)."""
     best = 0
-    for p in range(len(chunks)):
-        if p == rank:
-            continue
+    for p in range(len(chunks)):   # p == rank: the local copy of its own block takes rounds too
         units = -(-max(lay.send_len[p], lay.recv_len[p]) // chunks[p])
         if units > block:
             best = max(best, -(-(units - block) // grid))
@@ -168,10 +165,20 @@ def peer_all_to_all(dst: torch.Tensor, src: torch.Tensor, lay: Layout, group, al
     if not (dst.is_cuda and src.is_cuda and dst.dtype == torch.uint8 and src.dtype == torch.uint8):
         raise ValueError(f"dst and src must be uint8 CUDA tensors, got {dst.dtype}/{dst.device} and "
                          f"{src.dtype}/{src.device}")
-    comm = _comm(group, dst.device)
+    launcher(lay, group, dst.device, algorithm, window)(src.data_ptr(), dst.data_ptr())
+
+
+def launcher(lay: Layout, group, device: torch.device, algorithm: str, window: int | None = None):
+    """``launch(src_ptr, dst_ptr)``: one kernel launch of a registered layout on the current stream (the API's
+    hot path: no tensor is touched). The first call per (group, device) registers the buffer (collective)."""
+    comm = _comm(group, device)
     pid, unit = comm.plan_id(lay, window)
-    sp, dp = src.data_ptr(), dst.data_ptr()
-    comm.ext.all_to_all(comm.handle, pid, sp, dp, ALGORITHMS[algorithm], math.gcd(unit, sp, dp))
+    ext, handle, code = comm.ext, comm.handle, ALGORITHMS[algorithm]
+
+    def launch(sp: int, dp: int) -> None:
+        ext.all_to_all(handle, pid, sp, dp, code, math.gcd(unit, sp, dp))
+
+    return launch
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -207,9 +214,6 @@ def reference_all_to_all(srcs: Sequence[torch.Tensor], lays: Sequence[Layout], a
     outs: list[torch.Tensor] = []
     for _ in range(calls):
         outs = [torch.zeros(sum(lay.recv_len), dtype=torch.uint8) for lay in lays]
-        for r, lay in enumerate(lays):
-            outs[r][lay.recv_off[r]:lay.recv_off[r] + lay.recv_len[r]] = \
-                srcs[r][lay.send_off[r]:lay.send_off[r] + lay.send_len[r]]
         for b in range(grid):
             rounds = max(block_rounds(lays[r], r, b, grid, plans[r]) for r in range(world))
             for i in range(rounds):
@@ -232,6 +236,10 @@ def reference_all_to_all(srcs: Sequence[torch.Tensor], lays: Sequence[Layout], a
                         q, idx = (p, r) if push else (r, p)
                         slots[q][b, half, idx, :n] = srcs[r][lay.send_off[p] + pos:lay.send_off[p] + pos + n]
                         tags[q][b][half][idx] = (r, p, epoch[r][b][p])
+                    pos = (i * grid + b) * ch[r]   # own block: its chunk of this round, locally
+                    n = max(0, min(ch[r], lay.send_len[r] - pos))
+                    outs[r][lay.recv_off[r] + pos:lay.recv_off[r] + pos + n] = \
+                        srcs[r][lay.send_off[r] + pos:lay.send_off[r] + pos + n]
                 for r in range(world):   # pair barriers passed: incoming
                     lay, ch = lays[r], plans[r]
                     for p in [(r - j) % world for j in range(1, world)]:

@@ -147,7 +147,7 @@ int a2a_plan(int handle, const std::vector<int64_t>& layout, const std::vector<i
     a.recv_off[p] = layout[2 * W + p];
     a.recv_len[p] = layout[3 * W + p];
     a.chunk[p] = chunks[p];
-    if (p != c.args.rank && (chunks[p] < 16 || chunks[p] % 16 || chunks[p] > c.args.slot_bytes))
+    if (chunks[p] < 16 || chunks[p] % 16 || chunks[p] > c.args.slot_bytes)
       throw std::invalid_argument("peer all_to_all: chunk " + std::to_string(chunks[p]) +
                                   " must be a multiple of 16 in 16.." + std::to_string(c.args.slot_bytes));
     if (a.send_off[p] < 0 || a.send_len[p] < 0 || a.recv_off[p] < 0 || a.recv_len[p] < 0)

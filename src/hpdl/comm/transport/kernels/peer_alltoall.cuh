@@ -12,7 +12,8 @@
 //     pair barrier with p; copy slot[block][half][src = p] of my buffer into dst (local).
 //   PULL, per round: copy my bytes for p into slot[block][half][dst = p] of my own buffer (local);
 //     pair barrier with p; read slot[block][half][dst = me] of p's buffer into dst (NVLink load).
-// My own block (p = me) is copied src -> dst by all blocks, without the buffer.
+// My own block (p = me) is copied src -> dst in the same rounds (its own chunk), between the outgoing stores and
+// the barrier, so the local copy overlaps the NVLink traffic; it needs no buffer and no barrier.
 //
 // Synchronisation is per (block, pair): the block's thread p stores the pair's epoch into flag[algo][block][me]
 // of p's buffer (st.release.sys after __syncthreads) and spins with ld.acquire.sys on flag[algo][block][p] of
@@ -103,16 +104,8 @@ __global__ void __launch_bounds__(kThreads) peer_all_to_all_kernel(const __grid_
   __shared__ uint32_t s_epoch[kMaxRanks];
   const int me = a.rank, W = a.world, G = gridDim.x, b = blockIdx.x;
   if (threadIdx.x < W) s_epoch[threadIdx.x] = __ldcg(a2a_epoch(a.bufs[me], ALGO, b, threadIdx.x));
-  // my own block: every block takes a stripe
-  {
-    const long long n = a.send_len[me] / U;
-    const V* s = reinterpret_cast<const V*>(a.src + a.send_off[me]);
-    V* d = reinterpret_cast<V*>(a.dst + a.recv_off[me]);
-    for (long long i = (long long)b * kThreads + threadIdx.x; i < n; i += (long long)G * kThreads) d[i] = s[i];
-  }
   long long rounds = 0;   // rounds this block takes part in, over all its pairs
-  for (int p = 0; p < W; ++p) {
-    if (p == me) continue;
+  for (int p = 0; p < W; ++p) {   // p == me: my own block, copied in the same rounds (no buffer, no barrier)
     const long long P = a.send_len[p] > a.recv_len[p] ? a.send_len[p] : a.recv_len[p];
     const long long units = (P + a.chunk[p] - 1) / a.chunk[p];   // block-rounds of the pair
     const long long mine = units > b ? (units - b + G - 1) / G : 0;
@@ -138,6 +131,12 @@ __global__ void __launch_bounds__(kThreads) peer_all_to_all_kernel(const __grid_
       char* slot = ALGO == kPush ? a2a_slot(a, p, half, me) : a2a_slot(a, me, half, p);
       copy_units<V, false>(reinterpret_cast<V*>(slot), reinterpret_cast<const V*>(a.src + a.send_off[p] + pos), n);
       if (a.window < W - 1 && j % a.window == 0) __syncthreads();   // finish this window before the next
+    }
+    {   // my own block's chunk of this round, while the stores above drain over NVLink
+      const long long pos = (i * G + b) * a.chunk[me];
+      const long long n = clamp_len(a.send_len[me], pos, a.chunk[me]) / U;
+      copy_units<V, false>(reinterpret_cast<V*>(a.dst + a.recv_off[me] + pos),
+                           reinterpret_cast<const V*>(a.src + a.send_off[me] + pos), n);
     }
     pair_barrier(a, ALGO, mask, s_epoch);
     // incoming
