@@ -115,3 +115,13 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="uint8 CUDA tensors"):
         pa.peer_all_to_all(torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8), lays[0], None,
                            "push")
+
+
+def test_auto_picks_the_peer_kernel_on_cuda_only():
+    from hpdl.comm.algorithms.alltoall import select
+
+    assert select(4 << 20, 2, "cuda") == "push"          # measured: push beat NCCL at every size on 2 x H200
+    assert select(1 << 30, 8, "cuda") == "push"
+    assert select(4 << 20, 16, "cuda") == "native"       # beyond one node's 8 GPUs
+    assert select(4 << 20, 8, "cpu") == "native"
+    assert select(4 << 20, 1, "cuda") == "native"

@@ -485,7 +485,9 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
 
     Args:
         algorithm: "auto", "pairwise", "direct" (throttled, ``window`` peers in flight), "push" or "pull"
-            (two-level over the node's shared buffer; need :func:`set_topology`), or "native".
+            (two-level over the node's shared buffer; CPU tensors need :func:`set_topology`; CUDA tensors of
+            ranks on one host run the one-kernel peer-memory Alltoall, :mod:`hpdl.comm.algorithms.peer_alltoall`),
+            or "native". "auto": NCCL/gloo, except CUDA on one node (2-8 GPUs): the peer push kernel.
         window, timeout, check, async_op, group: as :func:`all_reduce`; ``check`` also verifies that the split
             sizes of all ranks agree.
 
@@ -522,6 +524,8 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     timeout = float(env.get("HPDL_TIMEOUT") if timeout is None else timeout)
     if name == "auto":
         name = a2a.select(input.numel() * input.element_size(), st.world_size, input.device.type)
+        if name in ("push", "pull") and input.is_cuda and not a2a.peer_route(name, st, input, timeout):
+            name = "native"  # across nodes the CUDA push/pull would stage through host memory
     mode = env.get("HPDL_CHECK") if check is None else check
     verify = None
     if (mode is True or (mode == "auto" and input.device.type == "cpu")) and st.world_size > 1:

@@ -295,14 +295,16 @@ class Pairwise(Algorithm):
 
 
 # ``algorithm="auto"``: (device, largest bytes per rank, algorithm), first match wins. CPU: native gloo was the
-# fastest at every size from 1 KiB to 16 MiB on 8 ranks (docs/benchmarks/cpu_two_level.md); CUDA: NCCL, since
-# the API's push/pull stage CUDA tensors through host shared memory (the GPU IPC path is benchmarks/gpu_alltoall.py).
-AUTO_RULES: list[tuple[str, int, str]] = [("cpu", 1 << 62, "native"), ("cuda", 1 << 62, "native")]
+# fastest at every size from 1 KiB to 16 MiB on 8 ranks (docs/benchmarks/cpu_two_level.md). CUDA on one node:
+# the peer-memory push kernel beat NCCL at every size from 1 KiB to 1 GiB on 2 x H200 (1.05-3.8x eager,
+# docs/benchmarks/gpu_alltoall.md) and push >= pull beyond noise; the API falls back to native where the peer
+# kernel cannot run (several nodes, more than 8 ranks). Unmeasured for 3-8 GPUs (issue: 4/8-GPU runs).
+AUTO_RULES: list[tuple[str, int, str]] = [("cpu", 1 << 62, "native"), ("cuda", 1 << 62, "push")]
 
 
 def select(nbytes_per_rank: int, world_size: int, device_type: str) -> str:
     """Algorithm for ``all_to_all_single(algorithm="auto")`` from :data:`AUTO_RULES` (native if none matches)."""
-    if world_size == 1:
+    if world_size == 1 or (device_type == "cuda" and world_size > 8):
         return "native"
     for device, max_bytes, algorithm in AUTO_RULES:
         if device == device_type and nbytes_per_rank <= max_bytes:
