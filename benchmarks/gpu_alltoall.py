@@ -43,6 +43,8 @@ class Config:
     repeat: int = 3
     point_seconds: float = 0.05
     port: int = 29541
+    window: int = 0          # peers a block serves before it syncs its threads (0 = all): the throttle sweep
+    direct: bool = False     # also time hpdl's NCCL-p2p throttled "direct" algorithm (Python-driven)
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -171,19 +173,22 @@ def worker(rank: int, world: int, cfg: Config, meta: dict) -> None:
     if rank == 0:
         print(f"uneven splits, push+pull, 4 dtypes: #wrong {uneven_wrong}", flush=True)
     layouts = {}
+    win = cfg.window or None
 
     def kernel(o, i):
         key = (o.numel(), i.numel())
         if key not in layouts:
             layouts[key] = a2a.make_layout(o, i, None, None, world)[0]
-        peer_all_to_all(o.view(torch.uint8), i.view(torch.uint8), layouts[key], None, "push")
+        peer_all_to_all(o.view(torch.uint8), i.view(torch.uint8), layouts[key], None, "push", win)
 
     methods = {
         "nccl": lambda o, i: dist.all_to_all_single(o, i),
-        "push": lambda o, i: hc.all_to_all_single(o, i, algorithm="push"),
-        "pull": lambda o, i: hc.all_to_all_single(o, i, algorithm="pull"),
+        "push": lambda o, i: hc.all_to_all_single(o, i, algorithm="push", window=win),
+        "pull": lambda o, i: hc.all_to_all_single(o, i, algorithm="pull", window=win),
         "push_kernel": kernel,
     }
+    if cfg.direct:
+        methods["direct"] = lambda o, i: hc.all_to_all_single(o, i, algorithm="direct", window=win)
     passes = []
     rule: list[tuple[int, str]] = []
     for pass_no in (1, 2):
@@ -313,7 +318,8 @@ def main(argv=None) -> int:
     cfg = Config()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     for k, v in asdict(cfg).items():
-        ap.add_argument("--" + k.replace("_", "-"), type=type(v), default=v)
+        kind = (lambda x: x.lower() in ("1", "true", "yes")) if isinstance(v, bool) else type(v)
+        ap.add_argument("--" + k.replace("_", "-"), type=kind, default=v)
     cfg = Config(**vars(ap.parse_args(argv)))
     world = torch.cuda.device_count()
     if world < 2:
