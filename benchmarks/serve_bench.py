@@ -237,6 +237,9 @@ TP_CASES = {  # name: (model, tp, all_reduce, cuda_graph, limit_s); each runs in
     "1b_tp2_eager_nccl": (None, 2, "nccl", False, 40),
     "7b_tp2_eager_nccl": ("BIG", 2, "nccl", False, 50),
     "1b_tp2_graph_symm": (None, 2, "symm", True, 45),
+    "1b_tp1_graph": (None, 1, "nccl", True, 45),
+    "1b_tp2_graph_hpdl": (None, 2, "hpdl", True, 45),
+    "7b_tp2_graph_hpdl": ("BIG", 2, "hpdl", True, 60),
 }
 
 
@@ -267,7 +270,9 @@ def phase_tp2(out: Path, smoke: bool) -> None:
     """Every TP_CASES entry in its own process with its own time limit (a hang costs only that case)."""
     me = [sys.executable, __file__, "--out", str(out)] + (["--smoke"] if smoke else [])
     graph_tp_hangs = False
-    for case, (_, tp, _, graph, limit) in TP_CASES.items():
+    only = [c for c in os.environ.get("HPDL_TP_CASES", "").split(",") if c]  # a subset, in the given order
+    for case in only or list(TP_CASES):
+        _, tp, _, graph, limit = TP_CASES[case]
         if graph and tp > 1 and graph_tp_hangs:
             print(f"{case}: skipped (an earlier graph-mode TP case timed out)", flush=True)
             continue

@@ -27,8 +27,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-seq-len", type=int, default=1024, help="prompt + output positions per slot")
     g.add_argument("--tensor-parallel-size", type=int, default=1)
     g.add_argument("--reorder", default="window", choices=["window", "prefix", "none"])
-    g.add_argument("--tp-all-reduce", default="nccl", choices=["nccl", "symm"],
-                   help="symm: one-shot symmetric-memory all-reduce for decode steps (CUDA), NCCL otherwise")
+    g.add_argument("--tp-all-reduce", default="nccl", choices=["nccl", "symm", "hpdl"],
+                   help="symm: torch's one-shot symmetric-memory all-reduce for decode steps; hpdl: hpdl.comm's "
+                        "peer-memory all-reduce at every size (CUDA, one node); NCCL otherwise")
     g.add_argument("--cuda-graph", action="store_true", help="replay decode steps from CUDA graphs")
     g.add_argument("--seed", type=int, default=0, help="random-weight seed (and workload seed for bench)")
 

@@ -28,7 +28,8 @@ class EngineConfig:
     max_seq_len: positions per slot, prompt + output [max_model_len].
     max_prefill_tokens: padded tokens per batched prefill [max_num_batched_tokens].
     reorder: "window" (Flover), "prefix" (anchored at slot 0; forced with CUDA graphs) or "none".
-    tp_all_reduce: "nccl" or "symm" (one-shot symmetric-memory all-reduce for decode on CUDA, else NCCL).
+    tp_all_reduce: "nccl", "symm" (torch's one-shot symmetric-memory all-reduce for decode on CUDA) or "hpdl"
+        (hpdl.comm's peer-memory all-reduce on CUDA, every size); NCCL where the fast one is unavailable.
     """
 
     num_slots: int = 64
@@ -41,8 +42,8 @@ class EngineConfig:
     tp_all_reduce: str = "nccl"
 
     def __post_init__(self):
-        if self.tp_all_reduce not in ("nccl", "symm"):
-            raise ValueError(f"tp_all_reduce must be 'nccl' or 'symm', got {self.tp_all_reduce!r}")
+        if self.tp_all_reduce not in ("nccl", "symm", "hpdl"):
+            raise ValueError(f"tp_all_reduce must be 'nccl', 'symm' or 'hpdl', got {self.tp_all_reduce!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.cuda_graph:

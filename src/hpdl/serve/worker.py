@@ -68,8 +68,10 @@ class ModelRunner:
 
     Args:
         cuda_graph: replay decode steps from CUDA graphs; needs slots anchored at 0 (``reorder='prefix'``).
-        tp_all_reduce: "nccl", or "symm" (symmetric-memory one-shot all-reduce for decode; falls back to NCCL
-            when unavailable, ``self.all_reduce`` says which one runs).
+        tp_all_reduce: "nccl"; "symm" (torch symmetric-memory one-shot all-reduce for decode); or "hpdl"
+            (hpdl.comm's all-reduce: on CUDA the peer-memory kernels, one launch per call at every size; on CPU
+            hpdl's tuned algorithms over gloo). "symm" and "hpdl" fall back to the process group's own
+            all-reduce when unavailable; ``self.all_reduce`` says which one runs.
     """
 
     BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -81,8 +83,8 @@ class ModelRunner:
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.all_reduce = "none" if tp_world == 1 else "nccl"
-        if tp_world > 1 and tp_all_reduce == "symm" and self.device.type == "cuda":
-            self.all_reduce = enable_symm_all_reduce(model, num_slots)
+        if tp_world > 1 and (tp_all_reduce == "hpdl" or (tp_all_reduce == "symm" and self.device.type == "cuda")):
+            self.all_reduce = enable_fast_all_reduce(model, num_slots, tp_all_reduce)
         self.cache = KVCache(model.cfg, num_slots, max_seq_len, self.dtype, self.device, tp_world)
         self.cuda_graph = cuda_graph and self.device.type == "cuda"
         self._graphs: dict[tuple[int, int], tuple] = {}
@@ -185,22 +187,40 @@ class SymmAllReduce:
         return torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", self.group_name).view_as(y)
 
 
-def enable_symm_all_reduce(model: DecoderLM, max_tokens: int) -> str:
-    """Attach ``SymmAllReduce`` to every row-parallel layer if it works here on every rank (checked against
-    NCCL and agreed on by all ranks, so they never diverge); returns "symm" or "nccl: <reason>"."""
+class HpdlAllReduce:
+    """hpdl.comm's all-reduce (``auto``: the peer-memory one-shot / two-shot kernels on one node, one launch per
+    call, graph-capturable, bit-identical on every rank; docs/comm_gpu.md), in place, at every size."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def __call__(self, y: torch.Tensor) -> torch.Tensor:
+        import hpdl.comm as hc
+
+        hc.all_reduce(y, group=self.group)
+        return y
+
+
+def enable_fast_all_reduce(model: DecoderLM, max_tokens: int, kind: str = "symm") -> str:
+    """Attach ``SymmAllReduce`` (kind "symm") or ``HpdlAllReduce`` (kind "hpdl") to every row-parallel layer if
+    it works here on every rank (checked against NCCL, which also registers its buffers before any graph
+    capture, and agreed on by all ranks, so they never diverge); returns ``kind`` or "nccl: <reason>"."""
     import torch.distributed as dist
 
     from hpdl.models.gpt import RowParallelLinear
 
+    if kind not in ("symm", "hpdl"):
+        raise ValueError(f"kind must be 'symm' or 'hpdl', got {kind!r}")
     p = next(model.parameters())
     ok, why = 1, ""
     try:
-        sar = SymmAllReduce(model.group, max_tokens * model.cfg.hidden_size, p.dtype, p.device)
+        sar = (SymmAllReduce(model.group, max_tokens * model.cfg.hidden_size, p.dtype, p.device) if kind == "symm"
+               else HpdlAllReduce(model.group))
         x = torch.full((4, model.cfg.hidden_size), float(dist.get_rank(model.group) + 1), dtype=p.dtype,
                        device=p.device)
-        got = sar(x)
-        ref = x.clone()
+        ref = x.clone()   # before sar: the hpdl all-reduce works in place
         dist.all_reduce(ref, group=model.group)
+        got = sar(x)
         if not torch.equal(got, ref):
             ok, why = 0, "result differs from NCCL"
     except Exception as exc:  # noqa: BLE001 - any failure means: keep NCCL
@@ -209,8 +229,9 @@ def enable_symm_all_reduce(model: DecoderLM, max_tokens: int) -> str:
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=model.group)
     if not flag.item():
         return f"nccl: {why or 'a peer could not use symmetric memory'}"
-    sar.i = 0
+    if kind == "symm":
+        sar.i = 0
     for m in model.modules():
         if isinstance(m, RowParallelLinear):
             m.fast_all_reduce = sar
-    return "symm"
+    return kind
