@@ -89,9 +89,19 @@ def _worker_main(rank: int, world: int, port: int, spec: ModelSpec, args: Runner
             if plan is None:
                 break
             runner.execute(plan)
-        dist.destroy_process_group()
+        runner.close()
+        _destroy_bounded(10.0)
     except BaseException:  # noqa: BLE001 - report any failure to rank 0 with its traceback
         errors.put((rank, traceback.format_exc()))
+
+
+def _destroy_bounded(timeout: float) -> bool:
+    """destroy_process_group, given up after ``timeout`` seconds (the process then exits with the communicator
+    still open, which the driver tolerates); True when it finished."""
+    t = threading.Thread(target=dist.destroy_process_group, daemon=True)
+    t.start()
+    t.join(timeout=timeout)
+    return not t.is_alive()
 
 
 class TPExecutor:
@@ -139,18 +149,19 @@ class TPExecutor:
         return self.runner.execute(plan)
 
     def shutdown(self) -> None:
-        """Stop the workers. Every rank tears its NCCL communicator down at the same time: a worker destroying
-        its process group waits for rank 0 to do the same (measured: joining first deadlocks on the H200s)."""
+        """Stop the workers. Every rank drops its CUDA graphs, then tears its communicator down at the same time
+        (a worker destroying its process group waits for rank 0 to do the same: joining first deadlocked on the
+        H200s); a teardown that still hangs is abandoned after 10 s and the worker terminated."""
         for conn in self.inboxes:
             try:
                 conn.send(None)
             except (BrokenPipeError, OSError):  # that worker is gone already
                 pass
+        self.runner.close()
         if dist.is_initialized():
-            t = threading.Thread(target=dist.destroy_process_group, daemon=True)
-            t.start()
-            t.join(timeout=30)
+            _destroy_bounded(10.0)
         for p in self.procs:
-            p.join(timeout=30)
+            p.join(timeout=15)
             if p.is_alive():
                 p.terminate()
+                p.join(timeout=5)

@@ -117,6 +117,14 @@ class ModelRunner:
         pos = torch.tensor(plan.decode_positions, device=dev)[:, None]
         return self.model(toks, self.cache, Batch(positions=pos, start=plan.start, kv_len=kv_len))
 
+    def close(self) -> None:
+        """Drop the captured CUDA graphs and wait for the device: a graph that holds NCCL kernels keeps its
+        communicator busy, and destroying the process group then waits for it (seen on the H200 pair)."""
+        self._graphs.clear()
+        self._pool = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def _replay(self, plan: StepPlan, kv_len: int) -> torch.Tensor:
         if plan.start != 0:
             raise ValueError("CUDA-graph decode needs the slot range anchored at 0: use reorder='prefix'")
