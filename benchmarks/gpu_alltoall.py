@@ -227,7 +227,7 @@ def worker(rank: int, world: int, cfg: Config, meta: dict) -> None:
         if pass_no == 1:
             rule = auto_rules(rows)
             # the library's auto table for this run, as it would be committed
-            a2a.AUTO_RULES[:] = [("cpu", 1 << 62, "native")] + [("cuda", b, m) for b, m in rule]
+            a2a.AUTO_RULES[:] = [("cpu", 1 << 30, 1 << 62, "native")] + [("cuda", world, b, m) for b, m in rule]
             hc.reset()
     graph_rows = graph_check(rank, world, dev, methods)
     if rank == 0:

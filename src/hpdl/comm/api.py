@@ -9,6 +9,7 @@ a contiguous copy written back into the caller's tensor.
 from __future__ import annotations
 
 import math
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -163,7 +164,10 @@ def _state(group) -> _GroupState:
 
 def reset() -> None:
     """Drop cached transports and buffers (call after destroying process groups)."""
+    from hpdl.comm.algorithms import peer_alltoall
+
     _FAST.clear()
+    peer_alltoall.forget()
     for st in _STATES.values():
         if st._executor is not None:
             st._executor.shutdown(wait=True)
@@ -197,6 +201,7 @@ def set_topology(topology, group=None) -> None:
     if st.topology != topo:
         for key in [k for k, a in st._algos.items() if getattr(a, "needs_topology", False)]:
             st._algos.pop(key).close()
+        _FAST.clear()  # cached calls chose their path (one-node peer kernel or not) under the old topology
     st.topology = topo
 
 
@@ -290,6 +295,7 @@ def _prepare(what: str, tensor: torch.Tensor, op, group, algorithm: str, window,
 
 
 _FAST: dict[tuple, object] = {}
+_FAST_MAX = 4096
 
 
 def _peer_call(st: _GroupState, tensor: torch.Tensor, op: str, name: str, window, async_op: bool, fast_key):
@@ -487,7 +493,8 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
         algorithm: "auto", "pairwise", "direct" (throttled, ``window`` peers in flight), "push" or "pull"
             (two-level over the node's shared buffer; CPU tensors need :func:`set_topology`; CUDA tensors of
             ranks on one host run the one-kernel peer-memory Alltoall, :mod:`hpdl.comm.algorithms.peer_alltoall`),
-            or "native". "auto": NCCL/gloo, except CUDA on one node (2-8 GPUs): the peer push kernel.
+            or "native". "auto": NCCL/gloo, except CUDA tensors of 2 ranks on one host (the measured case):
+            the peer push kernel.
         window, timeout, check, async_op, group: as :func:`all_reduce`; ``check`` also verifies that the split
             sizes of all ranks agree.
 
@@ -505,16 +512,15 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     if output.__class__ is torch.Tensor and input.__class__ is torch.Tensor and input.is_cuda and not async_op \
             and check is None and timeout is None:
         fast_key = ("a2a", group, algorithm, window, output.shape, input.shape, input.dtype, input.device.index,
-                    output.device.index, output.dtype,
-                    None if output_split_sizes is None else tuple(output_split_sizes),
-                    None if input_split_sizes is None else tuple(input_split_sizes))
+                    output.device.index, output.dtype, _split_key(output_split_sizes),
+                    _split_key(input_split_sizes), os.environ.get("HPDL_CHECK"))
         fast = _FAST.get(fast_key)
-        if fast is not None and fast[0].side_pending is None and fast[1](output, input):
+        if fast is not None and fast[0].side_pending is None and not fast[0]._pending and fast[1](output, input):
             return None  # hot path: arguments validated by an earlier identical call; one kernel launch
     st = _state(group)
     _check_tensor("output", output, st)
     _check_tensor("input", input, st)
-    lay, osp, isp = a2a.make_layout(output, input, output_split_sizes, input_split_sizes, st.world_size)
+    lay, osp, isp = a2a.make_layout(output, input, output_split_sizes, input_split_sizes, st.world_size, st.rank)
     name = canonical(algorithm)
     if name not in a2a.ALGORITHMS + ("auto",):
         raise ValueError(f"algorithm for all_to_all_single must be 'auto' or one of {a2a.ALGORITHMS}, got "
@@ -542,8 +548,40 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
             verify()
         a2a.execute(name, st, output, input, lay, timeout, window)
 
+    peer = input.is_cuda and a2a.peer_route(name, st, input, timeout)
+    if input.is_cuda and st.side_pending is not None:  # after the last async peer call on this group
+        torch.cuda.current_stream(input.device).wait_event(st.side_pending)
+        st.side_pending = None
+    if peer and async_op and verify is None and not any(not f.done() for f in st._pending):
+        return _on_side_stream(st, run, input.device, (output, input))
     work = st.submit(run, async_op)
-    if fast_key is not None and verify is None and not st._pending and str(env.get("HPDL_CHECK")) == "auto" \
-            and a2a.peer_route(name, st, input, timeout):
+    if fast_key is not None and peer and verify is None and not st._pending and str(env.get("HPDL_CHECK")) == "auto":
+        if len(_FAST) > _FAST_MAX:  # uneven splits that change every call would grow it without bound
+            _FAST.clear()
         _FAST[fast_key] = (st, a2a.peer_fast(lay, st, name, window, input.device))
     return work
+
+
+def _split_key(splits):
+    """Hashable form of a split-size argument (None, a sequence of ints, or a tensor)."""
+    if splits is None:
+        return None
+    return tuple(splits.tolist()) if isinstance(splits, torch.Tensor) else tuple(int(x) for x in splits)
+
+
+def _on_side_stream(st: _GroupState, fn: Callable[[], None], device: torch.device, tensors) -> CudaWork:
+    """Run ``fn`` (kernel launches only) on the group's side stream after the caller's current stream; the
+    returned :class:`CudaWork` orders a later stream after it, like NCCL's async work."""
+    current = torch.cuda.current_stream(device)
+    if st.side_stream is None:
+        st.side_stream = torch.cuda.Stream(device)
+    side = st.side_stream
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        fn()
+        done = torch.cuda.Event()
+        done.record(side)
+    for t in tensors:
+        t.record_stream(side)
+    st.side_pending = done
+    return CudaWork(done)

@@ -69,23 +69,32 @@ def _splits(name: str, t: torch.Tensor, splits, p: int) -> list[int]:
 
 
 def make_layout(output: torch.Tensor, input: torch.Tensor, output_split_sizes, input_split_sizes,
-                world_size: int) -> tuple[Layout, list[int], list[int]]:
+                world_size: int, rank: int | None = None) -> tuple[Layout, list[int], list[int]]:
     """Validate torch's ``all_to_all_single`` arguments; return the byte layout and both split lists (rows).
 
+    ``rank`` (this rank in the group), when given, also checks the one pair a rank can check alone: the rows
+    it keeps, ``input_split_sizes[rank]``, must equal ``output_split_sizes[rank]``.
+
     Raises:
-        ValueError: a 0-d tensor, different dtypes or row shapes, splits of the wrong length, negative, or not
-            summing to ``size(0)``, or equal splits requested for a size not divisible by ``world_size``.
+        ValueError: a 0-d tensor, different dtypes, devices or row shapes, splits of the wrong length, negative,
+            or not summing to ``size(0)``, equal splits requested for a size not divisible by ``world_size``,
+            or different own-block sizes.
     """
     for name, t in (("output", output), ("input", input)):
         if t.dim() == 0:
             raise ValueError(f"{name} must have at least one dimension (rows are split along dim 0)")
     if output.dtype != input.dtype:
         raise ValueError(f"output and input must have the same dtype, got {output.dtype} and {input.dtype}")
+    if output.device != input.device:
+        raise ValueError(f"output and input must be on the same device, got {output.device} and {input.device}")
     if tuple(output.shape[1:]) != tuple(input.shape[1:]):
         raise ValueError(f"output and input must have the same shape after dim 0, got {tuple(output.shape)} and "
                          f"{tuple(input.shape)}")
     osp = _splits("output", output, output_split_sizes, world_size)
     isp = _splits("input", input, input_split_sizes, world_size)
+    if rank is not None and osp[rank] != isp[rank]:
+        raise ValueError(f"rank {rank} keeps input_split_sizes[{rank}]={isp[rank]} rows of its own input but "
+                         f"expects output_split_sizes[{rank}]={osp[rank]}: they must be equal")
     row = math.prod(input.shape[1:]) * input.element_size()
     soff = np.concatenate([[0], np.cumsum(isp)[:-1]]) * row
     roff = np.concatenate([[0], np.cumsum(osp)[:-1]]) * row
@@ -294,20 +303,21 @@ class Pairwise(Algorithm):
         pairwise(dst, src, lay, comm)
 
 
-# ``algorithm="auto"``: (device, largest bytes per rank, algorithm), first match wins. CPU: native gloo was the
-# fastest at every size from 1 KiB to 16 MiB on 8 ranks (docs/benchmarks/cpu_two_level.md). CUDA on one node:
-# the peer-memory push kernel beat NCCL at every size from 1 KiB to 1 GiB on 2 x H200 (1.05-3.8x eager,
-# docs/benchmarks/gpu_alltoall.md) and push >= pull beyond noise; the API falls back to native where the peer
-# kernel cannot run (several nodes, more than 8 ranks). Unmeasured for 3-8 GPUs (issue: 4/8-GPU runs).
-AUTO_RULES: list[tuple[str, int, str]] = [("cpu", 1 << 62, "native"), ("cuda", 1 << 62, "push")]
+# ``algorithm="auto"``: (device, largest world size, largest bytes per rank, algorithm), first match wins.
+# CPU: native gloo was the fastest at every size from 1 KiB to 16 MiB on 8 ranks (docs/benchmarks/cpu_two_level.md).
+# CUDA on one node: the peer-memory push kernel beat NCCL at every size from 1 KiB to 1 GiB on 2 x H200
+# (1.05-3.8x eager, docs/benchmarks/gpu_alltoall.md). Only 2 GPUs are measured, so larger groups keep NCCL
+# until the 4/8-GPU runs (benchmarks/multi_gpu.sh) rewrite this table. The API falls back to native where the
+# peer kernel cannot run (several nodes, fewer visible GPUs than ranks).
+AUTO_RULES: list[tuple[str, int, int, str]] = [("cpu", 1 << 30, 1 << 62, "native"), ("cuda", 2, 1 << 62, "push")]
 
 
 def select(nbytes_per_rank: int, world_size: int, device_type: str) -> str:
     """Algorithm for ``all_to_all_single(algorithm="auto")`` from :data:`AUTO_RULES` (native if none matches)."""
-    if world_size == 1 or (device_type == "cuda" and world_size > 8):
+    if world_size == 1:
         return "native"
-    for device, max_bytes, algorithm in AUTO_RULES:
-        if device == device_type and nbytes_per_rank <= max_bytes:
+    for device, max_world, max_bytes, algorithm in AUTO_RULES:
+        if device == device_type and world_size <= max_world and nbytes_per_rank <= max_bytes:
             return algorithm
     return "native"
 
@@ -324,7 +334,7 @@ def peer_route(name: str, st, tensor: torch.Tensor, timeout: float) -> bool:
 
 def peer_fast(lay: Layout, st, name: str, window: int | None, device: torch.device):
     """The API's hot path for a validated layout: ``fn(output, input) -> bool``, False (nothing done) when
-    the tensors need the general path (non-contiguous, empty or overlapping)."""
+    the tensors need the general path (non-contiguous, empty or overlapping) or the plan was forgotten."""
     from hpdl.comm.algorithms.peer_alltoall import launcher
 
     launch = launcher(lay, st.group, device, name, window)
@@ -336,8 +346,7 @@ def peer_fast(lay: Layout, st, name: str, window: int | None, device: torch.devi
         no, ni = output.numel() * output.element_size(), input.numel() * input.element_size()
         if not no or not ni or (i < o + no and o < i + ni):
             return False
-        launch(i, o)
-        return True
+        return launch(i, o)
 
     return fn
 
@@ -345,7 +354,8 @@ def peer_fast(lay: Layout, st, name: str, window: int | None, device: torch.devi
 def execute(name: str, st, output: torch.Tensor, input: torch.Tensor, lay: Layout, timeout: float,
             window: int | None) -> None:
     """Run one validated ``all_to_all_single`` with algorithm ``name`` on group state ``st`` (hpdl.comm.api)."""
-    src = input.contiguous().view(-1).view(torch.uint8) if input.numel() else torch.empty(0, dtype=torch.uint8)
+    src = input.contiguous().view(-1).view(torch.uint8) if input.numel() else \
+        torch.empty(0, dtype=torch.uint8, device=input.device)
     if output.is_contiguous() and output.numel():
         dst = output.view(-1).view(torch.uint8)
     else:
@@ -357,7 +367,7 @@ def execute(name: str, st, output: torch.Tensor, input: torch.Tensor, lay: Layou
     if peer_route(name, st, src, timeout):
         from hpdl.comm.algorithms.peer_alltoall import peer_all_to_all
 
-        peer_all_to_all(dst, src, lay, st.group, name, window)
+        peer_all_to_all(dst, src, lay, st.group, name, window, timeout)
     elif name in ("push", "pull") and src.device.type == "cuda":  # across nodes: stage through host memory
         host_dst = torch.empty(dst.numel(), dtype=torch.uint8)
         st.algorithm(name, window, timeout).all_to_all(host_dst, src.cpu(), lay, st.host(timeout))

@@ -64,18 +64,43 @@ def plan(lay: Layout, rank: int, grid: int, slot: int) -> tuple[list[int], list[
     return [*lay.send_off, *lay.send_len, *lay.recv_off, *lay.recv_len], chunks
 
 
+def pair_lane(rank: int, peer: int, block: int, grid: int) -> int:
+    """Position of ``block`` in pair (rank, peer)'s sequence of chunks: chunk c runs on block
+    ``(c + rank + peer) % grid`` (the same on both ends; spreads small messages of different pairs)."""
+    return (block - (rank + peer) % grid) % grid
+
+
+def pair_active(lay: Layout, rank: int, peer: int, block: int, round_: int, grid: int, chunk: int) -> int | None:
+    """Byte position of (rank, peer)'s chunk in ``block``'s round ``round_``, or None when it has none."""
+    pos = (round_ * grid + pair_lane(rank, peer, block, grid)) * chunk
+    return pos if pos < max(lay.send_len[peer], lay.recv_len[peer]) else None
+
+
 def block_rounds(lay: Layout, rank: int, block: int, grid: int, chunks: Sequence[int]) -> int:
     """Rounds block ``block`` runs on ``rank``: the most any of its pairs needs (the kernel's loop bound)."""
     best = 0
     for p in range(len(chunks)):   # p == rank: the local copy of its own block takes rounds too
         units = -(-max(lay.send_len[p], lay.recv_len[p]) // chunks[p])
-        if units > block:
-            best = max(best, -(-(units - block) // grid))
+        lane = pair_lane(rank, p, block, grid)
+        if units > lane:
+            best = max(best, -(-(units - lane) // grid))
     return best
 
 
+MAX_PLANS = 1024   # registered layouts per communicator before they are all forgotten (uneven splits vary)
+
+
+def timeout_ns(seconds: float) -> int:
+    """``seconds`` as the kernel's wait limit in nanoseconds, saturated (``inf`` waits practically forever)."""
+    return int(min(float(seconds) * 1e9, 2.0 ** 63 - 1))
+
+
 class _A2AComm:
-    """Registered buffer + extension handle of one (group, device), and the registered launch plans."""
+    """Registered buffer + extension handle of one (group, device), and the registered launch plans.
+
+    ``generation`` changes whenever registered plans are forgotten (more than :data:`MAX_PLANS` layouts, or
+    :func:`release`); launchers made before check it and step aside, so a stale plan id is never launched.
+    """
 
     def __init__(self, group, device: torch.device):
         from hpdl.comm.transport.kernels import load_peer_allreduce
@@ -95,51 +120,74 @@ class _A2AComm:
         self.grid = min(min(sms), MAX_BLOCKS)
         nbytes = HEADER_BYTES + self.grid * 2 * self.world * self.slot
         self.buffer = PeerBuffer(group, device, nbytes, header_bytes=HEADER_BYTES)
-        timeout_ns = int(float(env.get("HPDL_TIMEOUT")) * 1e9)
         self.handle = self.ext.a2a_create(self.buffer.ptrs, self.rank, self.world, device.index, HEADER_BYTES,
-                                          self.slot, self.grid, timeout_ns)
+                                          self.slot, self.grid, timeout_ns(env.get("HPDL_TIMEOUT")))
         self.plans: dict[tuple, tuple[int, int]] = {}
+        self.generation = 0
 
     def plan_id(self, lay: Layout, window: int | None) -> tuple[int, int]:
         """(plan id in the extension, widest unit the layout allows), registered once per layout."""
         key = (lay, window)
         got = self.plans.get(key)
         if got is None:
+            if len(self.plans) >= MAX_PLANS:
+                self.ext.a2a_clear_plans(self.handle)
+                self.plans.clear()
+                self.generation += 1
             layout, chunks = plan(lay, self.rank, self.grid, self.slot)
             got = self.plans[key] = (self.ext.a2a_plan(self.handle, layout, chunks, window or 0),
                                      unit_bytes(*layout))
         return got
 
-    def close(self) -> None:
+    def close(self, collective: bool = True) -> None:
+        """Forget the plans and free the buffer; ``collective=False`` only forgets (the group is gone)."""
+        self.generation = -1
         self.ext.a2a_release(self.handle)
-        self.buffer.close()
+        if collective:
+            self.buffer.close()
 
 
 _COMMS: dict[tuple, _A2AComm] = {}
 
 
+def _canonical(group):
+    """None for the default group however it is spelled, so that None and dist.group.WORLD share a buffer."""
+    return None if group is None or (dist.is_initialized() and group is dist.group.WORLD) else group
+
+
 def _comm(group, device: torch.device) -> _A2AComm:
-    key = (group, device.index)
+    key = (_canonical(group), device.index)
     comm = _COMMS.get(key)
     if comm is None:
-        comm = _COMMS[key] = _A2AComm(group, device)
+        comm = _COMMS[key] = _A2AComm(key[0], device)
     return comm
 
 
 def release(group=None) -> None:
-    """Free the all-to-all buffers registered for ``group`` (collective over the group)."""
-    for key in [k for k in _COMMS if k[0] is group]:
+    """Free the all-to-all buffers registered for ``group`` (collective over the group; call before
+    destroying it). Cached API calls on it step aside and register afresh if the group is used again."""
+    canon = _canonical(group)
+    for key in [k for k in _COMMS if k[0] is canon]:
         _COMMS.pop(key).close()
 
 
+def forget() -> None:
+    """Drop every communicator without communicating (after the process groups were destroyed)."""
+    for comm in _COMMS.values():
+        comm.close(collective=False)
+    _COMMS.clear()
+
+
 def available(tensor: torch.Tensor, world_size: int) -> bool:
-    """True when :func:`peer_all_to_all` can take ``tensor`` (CUDA, a CUDA build, 2..8 ranks); that the ranks
-    share a host is checked, collectively, at the first call."""
-    return tensor.is_cuda and torch.version.cuda is not None and 2 <= world_size <= MAX_RANKS
+    """True when :func:`peer_all_to_all` can take ``tensor``: CUDA, a CUDA build, 2..8 ranks and at least as many
+    visible GPUs (one GPU per process, as with per-rank ``CUDA_VISIBLE_DEVICES``, cannot map peers' memory);
+    that the ranks share a host is checked, collectively, at the first call."""
+    return (tensor.is_cuda and torch.version.cuda is not None and 2 <= world_size <= MAX_RANKS
+            and world_size <= torch.cuda.device_count())
 
 
 def peer_all_to_all(dst: torch.Tensor, src: torch.Tensor, lay: Layout, group, algorithm: str,
-                    window: int | None = None) -> None:
+                    window: int | None = None, timeout: float | None = None) -> None:
     """All-to-all of byte tensors over peer memory with one kernel on the current stream.
 
     Args:
@@ -150,11 +198,15 @@ def peer_all_to_all(dst: torch.Tensor, src: torch.Tensor, lay: Layout, group, al
             the kernel times out after ``HPDL_TIMEOUT``, printing the rank it waited for).
         group: process group of ranks on one host (None = default group), 2..8 ranks.
         algorithm: "push" or "pull".
-        window: peers a block serves before synchronising its threads (the throttle); None = all.
+        window: a block synchronises its threads after every ``window`` peers it stored to (a light
+            throttle: it bounds how far a block's threads run ahead, not the stores in flight); None = never.
+        timeout: seconds a block waits for a peer before it prints the peer's rank and traps (None =
+            ``HPDL_TIMEOUT`` when the buffer was registered).
 
     The first call per (group, device) registers the buffer (collective, not inside CUDA-graph capture);
-    later calls are one launch and replay safely in graphs. Copies use the widest unit (16 to 1 bytes)
-    that divides both pointers and every offset and length.
+    later calls are one launch and replay safely in graphs. Calls on one group must be ordered on each rank
+    (one stream, or streams joined by events): they share the buffer's slots and epochs. Copies use the
+    widest unit (16 to 1 bytes) that divides both pointers and every offset and length.
 
     Raises:
         ValueError: unknown algorithm, non-uint8 or CPU tensors, more than 8 ranks.
@@ -165,18 +217,25 @@ def peer_all_to_all(dst: torch.Tensor, src: torch.Tensor, lay: Layout, group, al
     if not (dst.is_cuda and src.is_cuda and dst.dtype == torch.uint8 and src.dtype == torch.uint8):
         raise ValueError(f"dst and src must be uint8 CUDA tensors, got {dst.dtype}/{dst.device} and "
                          f"{src.dtype}/{src.device}")
-    launcher(lay, group, dst.device, algorithm, window)(src.data_ptr(), dst.data_ptr())
+    launcher(lay, group, dst.device, algorithm, window, timeout)(src.data_ptr(), dst.data_ptr())
 
 
-def launcher(lay: Layout, group, device: torch.device, algorithm: str, window: int | None = None):
-    """``launch(src_ptr, dst_ptr)``: one kernel launch of a registered layout on the current stream (the API's
-    hot path: no tensor is touched). The first call per (group, device) registers the buffer (collective)."""
+def launcher(lay: Layout, group, device: torch.device, algorithm: str, window: int | None = None,
+             timeout: float | None = None):
+    """``launch(src_ptr, dst_ptr) -> bool``: one kernel launch of a registered layout on the current stream
+    (the API's hot path: no tensor is touched); False, launching nothing, once the plan was forgotten
+    (:data:`MAX_PLANS`, :func:`release`). The first call per (group, device) registers the buffer (collective).
+    ``timeout``: seconds a block may wait for a peer (None = the communicator's ``HPDL_TIMEOUT``)."""
     comm = _comm(group, device)
     pid, unit = comm.plan_id(lay, window)
-    ext, handle, code = comm.ext, comm.handle, ALGORITHMS[algorithm]
+    ext, handle, code, gen = comm.ext, comm.handle, ALGORITHMS[algorithm], comm.generation
+    limit = 0 if timeout is None else timeout_ns(timeout)
 
-    def launch(sp: int, dp: int) -> None:
-        ext.all_to_all(handle, pid, sp, dp, code, math.gcd(unit, sp, dp))
+    def launch(sp: int, dp: int) -> bool:
+        if comm.generation != gen:
+            return False
+        ext.all_to_all(handle, pid, sp, dp, code, math.gcd(unit, sp, dp), limit)
+        return True
 
     return launch
 
@@ -186,71 +245,99 @@ def launcher(lay: Layout, group, device: torch.device, algorithm: str, window: i
 # ----------------------------------------------------------------------------------------------------------
 
 def reference_all_to_all(srcs: Sequence[torch.Tensor], lays: Sequence[Layout], algorithm: str, *, grid: int = 4,
-                         slot: int = 1024, calls: int = 1) -> list[torch.Tensor]:
-    """Run the kernel's schedule on CPU byte tensors: ``srcs[r]``/``lays[r]`` are rank r's input and layout.
+                         slot: int = 1024, calls: int = 1, seed: int = 0) -> list[torch.Tensor]:
+    """Run the kernel's schedule on CPU byte tensors: ``srcs[r]``/``lays[r]`` are rank r's input and layout,
+    ``calls`` back-to-back calls; returns each rank's output of the last call. See :func:`simulate`."""
+    return simulate([(srcs, lays, algorithm)] * calls, grid=grid, slot=slot, seed=seed)[-1]
 
-    Simulates every block's rounds with per-rank slot buffers (``grid x 2 x world`` slots of ``slot`` bytes),
-    per-pair epochs carried over ``calls`` back-to-back calls (as the device counters are), the halves chosen by
-    epoch parity and the pair masks; each slot records who wrote it at which epoch, and every read checks that
-    it sees the pair's current round (so ends that disagree on chunks or rounds fail loudly). Small defaults
-    (4 blocks, 1 KiB slots) make rounds, partial chunks and idle blocks occur on small inputs.
+
+def simulate(calls: Sequence[tuple[Sequence[torch.Tensor], Sequence[Layout], str]], *, grid: int = 4,
+             slot: int = 1024, seed: int = 0, halves: int = 2) -> list[list[torch.Tensor]]:
+    """The kernel's schedule on CPU, with ranks and blocks interleaved at random, for a sequence of calls.
+
+    Each call is ``(srcs, lays, algorithm)`` (rank r's input bytes and layout, "push" or "pull"). Every
+    (rank, block) is a coroutine that runs its calls in order, exactly as the kernel's block does: per round,
+    pair epochs, the half by epoch parity, outgoing stores into the slots (``grid x halves x world`` slots of
+    ``slot`` bytes per rank, shared by PUSH and PULL), its own block's chunk, the flag stores and the pair
+    barrier (it blocks until the peer's flag reaches the epoch), then the incoming copies. A seeded scheduler
+    advances one coroutine a step at a time, so ranks run ahead of each other as far as the barriers allow.
+    Each slot records who wrote it for which call and epoch; every read checks it. ``halves=1`` disables the
+    double buffering (tests show the check then fails).
 
     Returns:
-        Each rank's output bytes (``sum(recv_len)`` long; with ``calls > 1`` the last call's).
+        ``outs[c][r]``: rank r's output bytes of call c.
 
     Raises:
-        ValueError: unknown algorithm, fewer than 1 or more than 8 ranks, ``slot`` not a multiple of 16.
-        RuntimeError: a read saw a slot written for another round or by another rank (a schedule bug).
+        ValueError: bad algorithm, rank count, slot size or layouts.
+        RuntimeError: a read saw a slot written for another round, call or rank, or the schedule deadlocked.
     """
-    world = len(srcs)
-    if algorithm not in ALGORITHMS or not 1 <= world <= MAX_RANKS or slot % 16 or len(lays) != world:
-        raise ValueError(f"algorithm in {list(ALGORITHMS)}, 1..{MAX_RANKS} ranks with one layout each and slot a "
-                         f"multiple of 16 expected; got {algorithm!r}, {world} ranks, {len(lays)} layouts, {slot}")
-    push = algorithm == "push"
-    slots = [torch.zeros(grid, 2, world, slot, dtype=torch.uint8) for _ in range(world)]
-    tags = [[[[None] * world for _ in range(2)] for _ in range(grid)] for _ in range(world)]
-    epoch = [[[0] * world for _ in range(grid)] for _ in range(world)]   # [rank][block][peer]
-    plans = [plan(lays[r], r, grid, slot)[1] for r in range(world)]
-    outs: list[torch.Tensor] = []
-    for _ in range(calls):
-        outs = [torch.zeros(sum(lay.recv_len), dtype=torch.uint8) for lay in lays]
-        for b in range(grid):
-            rounds = max(block_rounds(lays[r], r, b, grid, plans[r]) for r in range(world))
-            for i in range(rounds):
-                active = []
-                for r in range(world):
-                    lay, ch = lays[r], plans[r]
-                    mask = [p != r and (i * grid + b) * ch[p] < max(lay.send_len[p], lay.recv_len[p])
-                            for p in range(world)]
-                    for p in range(world):
-                        epoch[r][b][p] += mask[p]
-                    active.append(mask)
-                for r in range(world):   # outgoing
-                    lay, ch = lays[r], plans[r]
-                    for p in [(r + j) % world for j in range(1, world)]:
-                        if not active[r][p]:
-                            continue
-                        pos = (i * grid + b) * ch[p]
-                        n = max(0, min(ch[p], lay.send_len[p] - pos))
-                        half = epoch[r][b][p] & 1
-                        q, idx = (p, r) if push else (r, p)
-                        slots[q][b, half, idx, :n] = srcs[r][lay.send_off[p] + pos:lay.send_off[p] + pos + n]
-                        tags[q][b][half][idx] = (r, p, epoch[r][b][p])
-                    pos = (i * grid + b) * ch[r]   # own block: its chunk of this round, locally
-                    n = max(0, min(ch[r], lay.send_len[r] - pos))
-                    outs[r][lay.recv_off[r] + pos:lay.recv_off[r] + pos + n] = \
-                        srcs[r][lay.send_off[r] + pos:lay.send_off[r] + pos + n]
-                for r in range(world):   # pair barriers passed: incoming
-                    lay, ch = lays[r], plans[r]
-                    for p in [(r - j) % world for j in range(1, world)]:
-                        if not active[r][p]:
-                            continue
-                        pos = (i * grid + b) * ch[p]
-                        n = max(0, min(ch[p], lay.recv_len[p] - pos))
-                        half = epoch[r][b][p] & 1
-                        q, idx = (r, p) if push else (p, r)
-                        if tags[q][b][half][idx] != (p, r, epoch[r][b][p]):
-                            raise RuntimeError(f"rank {r} block {b} round {i}: slot from rank {p} holds "
-                                               f"{tags[q][b][half][idx]}, expected {(p, r, epoch[r][b][p])}")
-                        outs[r][lay.recv_off[p] + pos:lay.recv_off[p] + pos + n] = slots[q][b, half, idx, :n]
+    import random
+
+    world = len(calls[0][0]) if calls else 0
+    for srcs, lays, algorithm in calls:
+        if algorithm not in ALGORITHMS or not 1 <= len(srcs) <= MAX_RANKS or len(lays) != len(srcs) \
+                or len(srcs) != world or slot % 16:
+            raise ValueError(f"algorithm in {list(ALGORITHMS)}, 1..{MAX_RANKS} ranks with one layout each and slot "
+                             f"a multiple of 16 expected; got {algorithm!r}, {len(srcs)} ranks, {len(lays)} layouts, "
+                             f"{slot}")
+    rng = random.Random(seed)
+    slots = [torch.zeros(grid, halves, world, slot, dtype=torch.uint8) for _ in range(world)]
+    tags: dict[tuple, tuple] = {}
+    flag: dict[tuple, int] = {}    # (algo, owner, block, src) -> epoch
+    epoch: dict[tuple, int] = {}   # (algo, rank, block, peer) -> epoch
+    outs = [[torch.zeros(sum(lay.recv_len), dtype=torch.uint8) for lay in lays] for _, lays, _ in calls]
+
+    def run(r: int, b: int):
+        for c, (srcs, lays, algorithm) in enumerate(calls):
+            lay, src, out = lays[r], srcs[r], outs[c][r]
+            ch = plan(lay, r, grid, slot)[1]
+            push = algorithm == "push"
+            for i in range(block_rounds(lay, r, b, grid, ch)):
+                pos = {p: pair_active(lay, r, p, b, i, grid, ch[p]) for p in range(world)}
+                act = [p for p in range(world) if p != r and pos[p] is not None]
+                for p in act:
+                    epoch[algorithm, r, b, p] = epoch.get((algorithm, r, b, p), 0) + 1
+                for p in [(r + j) % world for j in range(1, world)]:   # outgoing
+                    if p not in act:
+                        continue
+                    e = epoch[algorithm, r, b, p]
+                    n = max(0, min(ch[p], lay.send_len[p] - pos[p]))
+                    q, idx = (p, r) if push else (r, p)
+                    slots[q][b, e % halves, idx, :n] = src[lay.send_off[p] + pos[p]:lay.send_off[p] + pos[p] + n]
+                    tags[q, b, e % halves, idx] = (r, p, c, e)
+                    yield
+                if pos[r] is not None:   # own block
+                    n = max(0, min(ch[r], lay.send_len[r] - pos[r]))
+                    out[lay.recv_off[r] + pos[r]:lay.recv_off[r] + pos[r] + n] = \
+                        src[lay.send_off[r] + pos[r]:lay.send_off[r] + pos[r] + n]
+                for p in act:
+                    flag[algorithm, p, b, r] = epoch[algorithm, r, b, p]
+                yield
+                for p in act:            # pair barrier
+                    while flag.get((algorithm, r, b, p), 0) < epoch[algorithm, r, b, p]:
+                        yield "wait"
+                for p in [(r - j) % world for j in range(1, world)]:   # incoming
+                    if p not in act:
+                        continue
+                    e = epoch[algorithm, r, b, p]
+                    q, idx = (r, p) if push else (p, r)
+                    if tags.get((q, b, e % halves, idx)) != (p, r, c, e):
+                        raise RuntimeError(f"rank {r} block {b} call {c} round {i}: slot from rank {p} holds "
+                                           f"{tags.get((q, b, e % halves, idx))}, expected (writer, reader, call, "
+                                           f"epoch) {(p, r, c, e)}")
+                    n = max(0, min(ch[p], lay.recv_len[p] - pos[p]))
+                    out[lay.recv_off[p] + pos[p]:lay.recv_off[p] + pos[p] + n] = slots[q][b, e % halves, idx, :n]
+                    yield
+
+    live = {(r, b): run(r, b) for r in range(world) for b in range(grid)}
+    stalled = 0
+    while live:
+        key = rng.choice(list(live))
+        try:
+            stalled = stalled + 1 if next(live[key]) == "wait" else 0
+        except StopIteration:
+            del live[key]
+            stalled = 0
+        if stalled > 200 * (len(live) + 1):
+            raise RuntimeError(f"schedule deadlocked: (rank, block) {sorted(live)} wait at pair barriers forever")
     return outs

@@ -128,6 +128,8 @@ int a2a_create(const std::vector<int64_t>& bufs, int rank, int world, int device
   return static_cast<int>(g_a2a.size()) - 1;
 }
 
+void a2a_clear_plans(int handle) { get_a2a(handle).plans.clear(); }
+
 void a2a_release(int handle) {
   A2AComm& c = get_a2a(handle);
   c.live = false;
@@ -158,7 +160,7 @@ int a2a_plan(int handle, const std::vector<int64_t>& layout, const std::vector<i
   return static_cast<int>(c.plans.size()) - 1;
 }
 
-void all_to_all(int handle, int plan, int64_t src, int64_t dst, int algo, int unit) {
+void all_to_all(int handle, int plan, int64_t src, int64_t dst, int algo, int unit, int64_t timeout_ns) {
   A2AComm& c = get_a2a(handle);
   if (plan < 0 || plan >= static_cast<int>(c.plans.size()))
     throw std::invalid_argument("peer all_to_all: unknown plan " + std::to_string(plan));
@@ -169,6 +171,7 @@ void all_to_all(int handle, int plan, int64_t src, int64_t dst, int algo, int un
   hpdl::A2AArgs a = c.plans[plan];
   a.src = reinterpret_cast<const char*>(src);
   a.dst = reinterpret_cast<char*>(dst);
+  if (timeout_ns > 0) a.timeout_ns = static_cast<unsigned long long>(timeout_ns);
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(c.device));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(c.device)).stream();
   const cudaError_t err = hpdl::launch_peer_all_to_all(a, algo, unit, c.grid, stream);
@@ -223,8 +226,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("all_reduce", &all_reduce, "in-place all-reduce of a 16-byte aligned device buffer on the current stream");
   m.def("a2a_create", &a2a_create, "register an all-to-all communicator; returns its handle");
   m.def("a2a_release", &a2a_release, "forget an all-to-all communicator and its plans");
+  m.def("a2a_clear_plans", &a2a_clear_plans, "forget every registered plan of a communicator");
   m.def("a2a_plan", &a2a_plan, "register a layout (offsets, lengths, chunks); returns the plan id");
-  m.def("all_to_all", &all_to_all, "push (0) / pull (1) all-to-all of one plan on the current stream");
+  m.def("all_to_all", &all_to_all, "push (0) / pull (1) all-to-all of one plan on the current stream (timeout_ns > 0 "
+        "overrides the communicator's)");
   m.def("ipc_alloc", &ipc_alloc, "cudaMalloc + zero + IPC handle: returns (ptr, handle bytes)");
   m.def("ipc_open", &ipc_open, "open a peer's IPC handle in this device's context; returns the pointer");
   m.def("ipc_close", &ipc_close, "close a pointer returned by ipc_open");

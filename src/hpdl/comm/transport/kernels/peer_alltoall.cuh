@@ -5,9 +5,11 @@
 //
 // Layout: per peer p, this rank sends send_len[p] bytes from src + send_off[p] and receives recv_len[p] bytes
 // into dst + recv_off[p] (torch's all_to_all_single, uneven splits allowed). The pair (r, p) moves
-// P = max(send_len, recv_len) in rounds: block b of the grid handles bytes [(i * grid + b) * chunk_p, + chunk_p)
-// of the pair in its round i. chunk_p depends only on P, which both ends of the pair know, so the two ends
-// run the same rounds without exchanging anything; a zero-length pair never synchronises at all.
+// P = max(send_len, recv_len) in rounds: in round i, block b handles bytes [(i * grid + l) * chunk_p, + chunk_p)
+// of the pair, where l = (b - me - p) mod grid is the block's lane in that pair (pair_lane). chunk_p depends
+// only on P, which both ends of the pair know, so the two ends run the same rounds without exchanging
+// anything; a zero-length pair never synchronises at all. PUSH and PULL share the slots (their epochs and
+// flags are separate); calls on one communicator must be stream-ordered on each rank.
 //   PUSH, per round: copy my bytes for p into slot[block][half][src = me] of p's buffer (NVLink store);
 //     pair barrier with p; copy slot[block][half][src = p] of my buffer into dst (local).
 //   PULL, per round: copy my bytes for p into slot[block][half][dst = p] of my own buffer (local);
@@ -93,6 +95,12 @@ __device__ __forceinline__ void pair_barrier(const A2AArgs& a, int algo, unsigne
   __syncthreads();
 }
 
+// Pair (me, p)'s chunk index c runs on block (c + me + p) % G: both ends compute the same block, and small
+// messages of different pairs land on different blocks. Returns this block's slot in the pair's sequence.
+__device__ __forceinline__ long long pair_lane(int me, int p, int b, int G) {
+  return ((b - (me + p) % G) % G + G) % G;
+}
+
 __device__ __forceinline__ long long clamp_len(long long len, long long pos, long long chunk) {
   const long long left = len - pos;
   return left <= 0 ? 0 : (left < chunk ? left : chunk);
@@ -108,7 +116,8 @@ __global__ void __launch_bounds__(kThreads) peer_all_to_all_kernel(const __grid_
   for (int p = 0; p < W; ++p) {   // p == me: my own block, copied in the same rounds (no buffer, no barrier)
     const long long P = a.send_len[p] > a.recv_len[p] ? a.send_len[p] : a.recv_len[p];
     const long long units = (P + a.chunk[p] - 1) / a.chunk[p];   // block-rounds of the pair
-    const long long mine = units > b ? (units - b + G - 1) / G : 0;
+    const long long lane = pair_lane(me, p, b, G);
+    const long long mine = units > lane ? (units - lane + G - 1) / G : 0;
     rounds = mine > rounds ? mine : rounds;
   }
   __syncthreads();
@@ -117,7 +126,7 @@ __global__ void __launch_bounds__(kThreads) peer_all_to_all_kernel(const __grid_
     unsigned mask = 0;
     for (int p = 0; p < W; ++p) {
       const long long P = a.send_len[p] > a.recv_len[p] ? a.send_len[p] : a.recv_len[p];
-      if (p != me && (i * G + b) * a.chunk[p] < P) mask |= 1u << p;
+      if (p != me && (i * G + pair_lane(me, p, b, G)) * a.chunk[p] < P) mask |= 1u << p;
     }
     if (threadIdx.x < W && ((mask >> threadIdx.x) & 1u)) ++s_epoch[threadIdx.x];
     __syncthreads();
@@ -125,7 +134,7 @@ __global__ void __launch_bounds__(kThreads) peer_all_to_all_kernel(const __grid_
     for (int j = 1; j < W; ++j) {
       const int p = (me + j) % W;
       if (!((mask >> p) & 1u)) continue;
-      const long long pos = (i * G + b) * a.chunk[p];
+      const long long pos = (i * G + pair_lane(me, p, b, G)) * a.chunk[p];
       const long long n = clamp_len(a.send_len[p], pos, a.chunk[p]) / U;
       const int half = s_epoch[p] & 1;
       char* slot = ALGO == kPush ? a2a_slot(a, p, half, me) : a2a_slot(a, me, half, p);
@@ -133,7 +142,7 @@ __global__ void __launch_bounds__(kThreads) peer_all_to_all_kernel(const __grid_
       if (a.window < W - 1 && j % a.window == 0) __syncthreads();   // finish this window before the next
     }
     {   // my own block's chunk of this round, while the stores above drain over NVLink
-      const long long pos = (i * G + b) * a.chunk[me];
+      const long long pos = (i * G + pair_lane(me, me, b, G)) * a.chunk[me];
       const long long n = clamp_len(a.send_len[me], pos, a.chunk[me]) / U;
       copy_units<V, false>(reinterpret_cast<V*>(a.dst + a.recv_off[me] + pos),
                            reinterpret_cast<const V*>(a.src + a.send_off[me] + pos), n);
@@ -143,7 +152,7 @@ __global__ void __launch_bounds__(kThreads) peer_all_to_all_kernel(const __grid_
     for (int j = 1; j < W; ++j) {
       const int p = (me - j + W) % W;
       if (!((mask >> p) & 1u)) continue;
-      const long long pos = (i * G + b) * a.chunk[p];
+      const long long pos = (i * G + pair_lane(me, p, b, G)) * a.chunk[p];
       const long long n = clamp_len(a.recv_len[p], pos, a.chunk[p]) / U;
       const int half = s_epoch[p] & 1;
       const char* slot = ALGO == kPush ? a2a_slot(a, me, half, p) : a2a_slot(a, p, half, me);
