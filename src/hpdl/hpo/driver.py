@@ -10,6 +10,11 @@ their configuration's last checkpoint; their processes died with it).
 Budget: ``n_trials`` configurations ("lineages"). A configuration is finished when one attempt completes
 or is pruned, or after ``max_retries`` failed retries. Retries are ``study.enqueue_trial`` with the same
 parameters and ``user_attrs`` ``hpdl_lineage`` / ``hpdl_attempt``, so the sampler never sees a duplicate.
+
+Warm workers: before the clock starts, ``warm_workers`` processes per GPU are started and wait until each has
+imported torch, loaded the study and created its CUDA context (``auto``: as many as the policy ever runs on
+one GPU, at most 32; every policy gets the same machinery). The pool is kept at that size (a worker that
+failed is replaced in the background); extra workers are started on demand and stopped after 10 s idle.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from hpdl.hpo.workloads import get_workload
 
 _PREEMPT_TIMEOUT_S = 30.0
 _IDLE_WORKER_S = 10.0
+_WARM_MAX = 32           # auto warm pool per GPU is capped here (each worker holds a CUDA context)
+_WARM_TIMEOUT_S = 180.0  # the warm pool must be ready within this
 
 
 @dataclass
@@ -56,8 +63,10 @@ class _Worker:
     proc: Any
     conn: Any
     device_id: str
+    sm_percent: int = 100
     trial: _Trial | None = None
     stopping: bool = False
+    ready: bool = False
     idle_since: float = field(default_factory=time.monotonic)
 
 
@@ -66,7 +75,8 @@ class StudyResult:
     """Outcome of :func:`run_study`. ``history`` is ``[(elapsed_s, best_value)]`` at each improvement;
     ``failures`` counts failed attempts by kind (``oom``, ``error``, ``died``, ``driver_died``, ``too_big``);
     ``preempted`` counts trials stopped with a checkpoint and continued elsewhere (device removed, or
-    migrated by ``pack_hetero`` to a faster GPU)."""
+    migrated by ``pack_hetero`` to a faster GPU). ``wall_s`` runs from the moment the warm worker pool was
+    ready; ``warmup_s`` is the time the pool took before that."""
 
     study: str
     policy: str
@@ -79,6 +89,7 @@ class StudyResult:
     best_params: dict | None
     history: list[tuple[float, float]]
     preempted: int = 0
+    warmup_s: float = 0.0
 
 
 class Driver:
@@ -127,6 +138,12 @@ class Driver:
         self.history: list[tuple[float, float]] = []
         self._t0 = time.monotonic()
         self._cuda = any(d.torch_device.startswith("cuda") for d in self.pool.devices())
+        n_gpus = sum(d.torch_device.startswith("cuda") for d in self.pool.devices())
+        if getattr(self.policy, "max_trials_per_device", 0) is None and n_gpus:
+            # each co-located trial needs a core to launch kernels; one core stays with the driver
+            self.policy.max_trials_per_device = max(1, ((os.cpu_count() or 2) - 1) // n_gpus)
+        self.warmup_s = 0.0
+        self._by_id: dict[str, Any] = {}
         self._spec_dict = {**spec.to_dict(), "storage": spec.storage, "run_dir": str(self.run_dir.resolve())}
         self.ledger = Ledger(self.study, spec.max_retries, self.host)
         if resume:
@@ -172,34 +189,73 @@ class Driver:
         except (OSError, ValueError):  # the worker died; _reap handles it
             return False
 
+    def _warm_target(self, device) -> int:
+        """Warm workers kept on ``device``: ``warm_workers`` (an int), or for ``auto`` the policy's
+        concurrency per device (at most 32) on a GPU and none on a fake CPU device."""
+        n = self.spec.warm_workers
+        if n == "auto":
+            return min(_WARM_MAX, self.policy.max_concurrency()) if device.torch_device.startswith("cuda") else 0
+        return int(n)
+
+    def _spawn(self, device, sm_percent: int = 100) -> _Worker:
+        from hpdl.hpo.worker import worker_main
+
+        parent, child = self.ctx.Pipe()
+        proc = self.ctx.Process(target=worker_main, daemon=True, name=f"hpdl-hpo-worker-{device.id}",
+                                args=(child, device.__dict__, self._spec_dict, os.getpid(), sm_percent))
+        proc.start()
+        child.close()
+        w = _Worker(proc, parent, device.id, sm_percent)
+        self.workers.append(w)
+        return w
+
+    def _replenish(self, devices) -> None:
+        """Keep each device's warm pool at its target (a failed trial's worker exits; replace it)."""
+        for d in devices:
+            have = sum(w.device_id == d.id and not w.stopping for w in self.workers)
+            for _ in range(self._warm_target(d) - have):
+                self._spawn(d)
+
+    def warm_up(self) -> float:
+        """Start the warm pool on every device and wait until each worker is ready; return the seconds taken.
+
+        Raises:
+            HpoError: a worker died during start-up, or the pool was not ready within 180 s.
+        """
+        t0 = time.monotonic()
+        self._replenish(self.pool.devices())
+        while not all(w.ready for w in self.workers):
+            for conn in mp_wait([w.conn for w in self.workers if not w.ready], timeout=1.0):
+                w = next(x for x in self.workers if x.conn is conn)
+                try:
+                    w.ready = w.conn.recv()[0] == "ready"
+                except (EOFError, OSError):
+                    raise HpoError(f"warm worker on {w.device_id} died during start-up "
+                                   f"(exit code {w.proc.exitcode})") from None
+            if time.monotonic() - t0 > _WARM_TIMEOUT_S:
+                raise HpoError(f"warm worker pool not ready after {_WARM_TIMEOUT_S:.0f} s "
+                               f"({sum(w.ready for w in self.workers)}/{len(self.workers)} ready)")
+        return time.monotonic() - t0
+
     def _start(self, t: _Trial, device, sm_percent: int) -> None:
-        w = next((w for w in self.workers if w.trial is None and not w.stopping and w.device_id == device.id
-                  and w.proc.is_alive()), None)
-        if w is None:
-            parent, child = self.ctx.Pipe()
-            from hpdl.hpo.worker import worker_main
-            proc = self.ctx.Process(target=worker_main, daemon=True, name=f"hpdl-hpo-worker-{device.id}",
-                                    args=(child, device.__dict__, self._spec_dict, os.getpid(), sm_percent))
-            proc.start()
-            child.close()
-            w = _Worker(proc, parent, device.id)
-            self.workers.append(w)
+        idle = [w for w in self.workers if w.trial is None and not w.stopping and w.device_id == device.id
+                and w.sm_percent == sm_percent and w.proc.is_alive()]
+        # a ready worker first; else one still starting (the task waits in its pipe); else a new one
+        w = max(idle, key=lambda x: x.ready, default=None) or self._spawn(device, sm_percent)
         need_profile = self.policy.uses_profiles and (not (p := self.profiles.get(t.skey, device.kind))
                                                       or not p.measured)
         task = {"trial_id": t.trial_id, "number": t.number, "lineage": t.lineage, "params": t.params,
-                "profile": need_profile, "static": self._static(t, device.kind).__dict__,
+                "profile": need_profile, "static": self._static(t, device.kind).__dict__, "host": self.host,
                 "context_bytes": CONTEXT_BYTES if device.torch_device.startswith("cuda") else 0}
         w.trial, t.worker, t.device_id = t, w, device.id  # if the send fails, _reap fails and retries it
-        self._send(w, ("run", task))
+        self._send(w, ("run", task))  # the worker records host, pid and start time on the trial
         self.running[t.number] = t
-        st = self.study._storage
-        st.set_trial_user_attr(t.trial_id, "hpdl_device", device.id)
-        st.set_trial_user_attr(t.trial_id, "hpdl_host", self.host)
-        st.set_trial_user_attr(t.trial_id, "hpdl_pid", w.proc.pid)
-        st.set_trial_user_attr(t.trial_id, "hpdl_started_at", time.time())  # placement time (ask is earlier)
+        self.study._storage.set_trial_user_attr(t.trial_id, "hpdl_device", device.id)
 
     def _sample(self, finished: set[int], active: set[int]) -> None:
-        want = self.spec.lookahead or 2 * max(1, len(self.pool.devices()))
+        # enough sampled trials to fill every device up to the policy's concurrency (packing looks ahead)
+        want = self.spec.lookahead or max(2, min(_WARM_MAX, self.policy.max_concurrency())) * max(
+            1, len(self.pool.devices()))
         if len(self.pending) >= want:
             return
         budget = self.spec.n_trials - len(finished) - len(active)
@@ -223,7 +279,10 @@ class Driver:
         kind, t = msg[0], w.trial
         if kind in ("done", "pruned", "failed"):
             self.ledger.dirty = True
-        if kind == "ready" or t is None or (len(msg) > 1 and msg[1] != t.trial_id):
+        if kind == "ready":
+            w.ready = True
+            return
+        if t is None or (len(msg) > 1 and msg[1] != t.trial_id):
             return
         if kind == "profile":
             prof = TrialProfile(**msg[2])
@@ -267,7 +326,9 @@ class Driver:
                 w.proc.kill()  # did not stop after a preempt request: it continues elsewhere from its checkpoint
                 w.proc.join(5)
             if w.proc.is_alive():
-                if w.trial is None and not w.stopping and time.monotonic() - w.idle_since > _IDLE_WORKER_S:
+                spare = sum(x.device_id == w.device_id and not x.stopping for x in self.workers) > (
+                    self._warm_target(dev) if (dev := self._by_id.get(w.device_id)) else 0)
+                if spare and w.trial is None and not w.stopping and time.monotonic() - w.idle_since > _IDLE_WORKER_S:
                     w.stopping = True
                     self._send(w, ("stop",))
                 continue
@@ -326,11 +387,17 @@ class Driver:
         """Run until the budget is finished (or ``spec.timeout_s`` passes); return the summary."""
         from hpdl.hpo.progress import Progress
 
-        view = Progress(self) if self.progress else None
+        view = None
         try:
+            self._by_id = {d.id: d for d in self.pool.devices()}
+            self.warmup_s = self.warm_up()
+            self._t0 = time.monotonic()  # wall time counts from a ready pool, for every policy alike
+            view = Progress(self) if self.progress else None
             while True:
                 devices = self.pool.devices()
+                self._by_id = {d.id: d for d in devices}
                 self._elastic(devices)
+                self._replenish(devices)
                 self._migrate(devices)
                 for conn in mp_wait([w.conn for w in self.workers], timeout=0.05) if self.workers else []:
                     w = next(x for x in self.workers if x.conn is conn)
@@ -394,7 +461,7 @@ class Driver:
         return StudyResult(self.spec.study, self.policy.name, self.spec.n_trials, time.monotonic() - self._t0,
                            len(done), sum(t.state == TrialState.PRUNED for t in trials), dict(self.ledger.failures),
                            best.value if best else None, dict(best.params) if best else None, list(self.history),
-                           self.preempted)
+                           self.preempted, self.warmup_s)
 
 
 def run_study(spec: StudySpec, *, resume: bool = False, progress: bool = False) -> StudyResult:

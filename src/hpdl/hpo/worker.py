@@ -1,8 +1,14 @@
 """Trial worker processes: one per running trial, pinned to one device, reused for later trials there.
 
+A worker imports torch, loads the study and (on a GPU) creates its CUDA context with cuBLAS and cuDNN
+handles before it says ``ready``, so the driver can start a pool of warm workers per GPU ahead of the
+study and no trial pays that start-up (:func:`warm_cuda`).
+
 Protocol (``multiprocessing`` pipe, driver <-> worker, all messages are tuples):
 
-- driver -> worker: ``("run", task)`` with task keys ``trial_id, number, lineage, params, profile``;
+- driver -> worker: ``("run", task)`` with task keys ``trial_id, number, lineage, params, profile``,
+  ``static``, ``context_bytes``, ``host`` (the worker records ``hpdl_host``, ``hpdl_pid`` and
+  ``hpdl_started_at`` on the trial before it trains, off the driver's critical path);
   ``("preempt", trial_id)`` (checkpoint is the last one written; the trial stops with ``preempted``);
   ``("stop",)``.
 - worker -> driver: ``("ready", pid)``, ``("profile", trial_id, dict)``, ``("done", trial_id, value)``,
@@ -22,6 +28,7 @@ import ctypes
 import os
 import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -105,6 +112,21 @@ class TrialContext:
         os.replace(tmp, self._ckpt)
 
 
+def warm_cuda(device) -> None:
+    """Create the CUDA context and the cuBLAS and cuDNN handles on ``device`` (a conv, a matmul and their
+    backward on tiny tensors), then return the cached blocks: what the first trial of a cold process would
+    otherwise pay (about 1-2 s with the torch import)."""
+    import torch
+    import torch.nn.functional as F
+
+    x = torch.randn(2, 3, 8, 8, device=device, requires_grad=True)
+    w = torch.randn(4, 3, 3, 3, device=device, requires_grad=True)
+    y = F.conv2d(x, w, padding=1).flatten(1)
+    (y @ torch.randn(y.shape[1], 4, device=device)).sum().backward()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+
+
 def worker_main(conn, device: dict, spec: dict, parent_pid: int, sm_percent: int = 100) -> None:
     """Entry point of a worker process (``multiprocessing`` spawn target). Runs tasks until told to stop
     or the driver disappears; exits after a failed trial."""
@@ -130,6 +152,8 @@ def worker_main(conn, device: dict, spec: dict, parent_pid: int, sm_percent: int
         torch.backends.cudnn.allow_tf32 = True
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     dev = torch.device(torch_device)
+    if dev.type == "cuda":
+        warm_cuda(dev)
     workload = get_workload(spec["workload"])
     study = optuna.load_study(study_name=spec["study"], storage=make_storage(spec["storage"]),
                               sampler=optuna.samplers.RandomSampler(), pruner=make_pruner(spec["pruner"]))
@@ -148,6 +172,10 @@ def worker_main(conn, device: dict, spec: dict, parent_pid: int, sm_percent: int
         task: dict[str, Any] = msg[1]
         tid = task["trial_id"]
         try:
+            st = study._storage
+            for key, val in (("hpdl_host", task.get("host", "")), ("hpdl_pid", os.getpid()),
+                             ("hpdl_started_at", time.time())):
+                st.set_trial_user_attr(tid, key, val)
             params = workload.resolve({**spec.get("fixed", {}), **task["params"]})
             prof = None
             if task.get("profile"):
