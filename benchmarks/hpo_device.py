@@ -4,7 +4,7 @@ no pruner) of the small CNN, run under ``pack``, ``fixed_fraction`` (0.125 GPU p
 per-configuration profiles for the simulator.
 
 The space is an ordinary small-CNN search on 32x32 images: most configurations are lightweight (width 8-64,
-batch 32-512, 50 to 800 SGD steps: launch-bound, the GPU mostly idle), and a large-batch tail (batch 16384,
+batch 32-512, 37 to 600 SGD steps: launch-bound, the GPU mostly idle), and a large-batch tail (batch 16384,
 one configuration in six, a minimum of 10 steps) needs up to tens of GB of activations. Every policy runs with the same
 warm worker pool machinery (``warm_workers: auto``: as many pre-started workers per GPU as the policy runs
 at once, at most 32); wall time starts once the pool is ready, and the pool's start-up is reported apart.
@@ -28,9 +28,9 @@ from dataclasses import asdict
 
 # ---- defaults (one visible block) ----
 N_TRIALS = 64
-POLICIES = "one_per_gpu,fixed_fraction,pack"
+POLICIES = "one_per_gpu,pack,fixed_fraction"
 POOLS = "0,1;0"                      # ';' separates pools, ',' GPU ids
-BUDGET_S = 400.0
+BUDGET_S = 235.0
 SPACE = {
     "lr": {"type": "float", "low": 0.003, "high": 0.3, "log": True},
     "momentum": {"type": "float", "low": 0.5, "high": 0.95},
@@ -38,9 +38,9 @@ SPACE = {
     "depth": {"type": "categorical", "choices": [1, 2, 3]},
     "batch_size": {"type": "categorical", "choices": [32, 64, 128, 256, 512, 16384]},
 }
-# 25,600 samples per trial (800 steps at batch 32, 50 at 512); batch 16384 gets the minimum of 10 steps
-FIXED = {"image_size": 32, "samples": 25600, "min_steps": 10, "evals": 4, "val_size": 2048, "noise": 4.0}
-RUN_TIMEOUT_S = 150.0                # cap per run; a run that hits it reports what finished
+# 19,200 samples per trial (600 steps at batch 32, 37 at 512); batch 16384 gets the minimum of 10 steps
+FIXED = {"image_size": 32, "samples": 19200, "min_steps": 10, "evals": 4, "val_size": 2048, "noise": 4.0}
+RUN_TIMEOUT_S = 80.0                 # cap per run; a run that hits it reports what finished
 
 
 SMOKE_SPACE = {**SPACE, **{k: {"type": "categorical", "choices": [v]} for k, v in

@@ -220,9 +220,11 @@ class Driver:
         """Start the warm pool on every device and wait until each worker is ready; return the seconds taken.
 
         Raises:
-            HpoError: a worker died during start-up, or the pool was not ready within 180 s.
+            HpoError: a worker died during start-up, or the pool was not ready within 180 s (or
+                ``timeout_s``, if shorter).
         """
         t0 = time.monotonic()
+        limit = min(_WARM_TIMEOUT_S, self.spec.timeout_s or _WARM_TIMEOUT_S)
         self._replenish(self.pool.devices())
         while not all(w.ready for w in self.workers):
             for conn in mp_wait([w.conn for w in self.workers if not w.ready], timeout=1.0):
@@ -232,8 +234,8 @@ class Driver:
                 except (EOFError, OSError):
                     raise HpoError(f"warm worker on {w.device_id} died during start-up "
                                    f"(exit code {w.proc.exitcode})") from None
-            if time.monotonic() - t0 > _WARM_TIMEOUT_S:
-                raise HpoError(f"warm worker pool not ready after {_WARM_TIMEOUT_S:.0f} s "
+            if time.monotonic() - t0 > limit:
+                raise HpoError(f"warm worker pool not ready after {limit:.0f} s "
                                f"({sum(w.ready for w in self.workers)}/{len(self.workers)} ready)")
         return time.monotonic() - t0
 
