@@ -153,6 +153,9 @@ class Driver:
     def _demand(self, t: _Trial, kinds: set[str]) -> TrialDemand:
         measured = [p for k in kinds if (p := self.profiles.get(t.skey, k)) is not None and p.measured]
         steps = self.workload.schedule(self.workload.resolve({**self.spec.fixed, **t.params}))[0]
+        if not self.policy.uses_profiles:  # the baselines place blind: no static trace on their critical path
+            return TrialDemand(t.number, 0, 1.0, float(steps) * 0.01, t.priority,
+                               waited_s=time.monotonic() - t.since, profiled=False)
         if measured:
             ref = max(measured, key=lambda q: q.step_time_s)
             mem = max(q.memory_bytes for q in measured)
@@ -160,7 +163,7 @@ class Driver:
                                waited_s=time.monotonic() - t.since, profiled=True)
         static = self._static(t, next(iter(kinds)) if kinds else "cpu")
         return TrialDemand(t.number, static.memory_bytes, 1.0, float(steps) * 0.01, t.priority,
-                           waited_s=time.monotonic() - t.since, profiled=False)
+                           waited_s=time.monotonic() - t.since, profiled=False, flops=static.flops)
 
     def _static(self, t: _Trial, kind: str) -> TrialProfile:
         st = self.profiles.get(t.skey, "static")
@@ -247,7 +250,8 @@ class Driver:
         need_profile = self.policy.uses_profiles and (not (p := self.profiles.get(t.skey, device.kind))
                                                       or not p.measured)
         task = {"trial_id": t.trial_id, "number": t.number, "lineage": t.lineage, "params": t.params,
-                "profile": need_profile, "static": self._static(t, device.kind).__dict__, "host": self.host,
+                "profile": need_profile, "static": self._static(t, device.kind).__dict__ if need_profile else None,
+                "host": self.host,
                 "context_bytes": CONTEXT_BYTES if device.torch_device.startswith("cuda") else 0}
         w.trial, t.worker, t.device_id = t, w, device.id  # if the send fails, _reap fails and retries it
         self._send(w, ("run", task))  # the worker records host, pid and start time on the trial
@@ -290,7 +294,7 @@ class Driver:
             prof = TrialProfile(**msg[2])
             self.profiles.put(t.skey, prof)
             if hasattr(self.policy, "observe"):
-                self.policy.observe(prof.compute)
+                self.policy.observe(prof.compute, prof.flops)
             t.demand = self._demand(t, {prof.kind})
             return
         self.running.pop(t.number, None)
@@ -305,6 +309,7 @@ class Driver:
             t.since, t.device_id, t.worker, t.preempt_at = time.monotonic(), "", None, 0.0
             self.pending.insert(0, t)
         elif kind == "failed":
+            w.stopping = True  # a worker exits after a failure: never give it another trial
             if msg[2] == "oom":  # the profile under-estimated: never place this configuration so tightly again
                 for k, p in self.profiles.items():
                     if k.endswith("|" + t.skey):

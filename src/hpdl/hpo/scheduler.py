@@ -67,6 +67,8 @@ class TrialDemand:
         priority: larger is more promising (e.g. best intermediate rank); used by ``pack_hetero``.
         waited_s: seconds since the trial became ready to run (for starvation control).
         profiled: ``True`` once ``memory_bytes`` and ``compute`` come from a measurement.
+        flops: FLOPs of one training step (static estimate; 0 = unknown), used to guess the compute share
+            of a trial not yet profiled from the profiled trial nearest in FLOPs.
     """
 
     key: int
@@ -76,6 +78,7 @@ class TrialDemand:
     priority: float = 0.0
     waited_s: float = 0.0
     profiled: bool = False
+    flops: float = 0.0
 
 
 @dataclass
@@ -175,7 +178,8 @@ class Pack(SchedulingPolicy):
             a CUDA context); ``None``: the driver sets it from the host's cores per GPU
             (``(cores - 1) // gpus``), 16 elsewhere (simulator).
         unprofiled_compute: share assumed for a trial not yet profiled, until profiles arrive; after that
-            the median of the shares measured in this study (``observe``) is assumed instead.
+            the share measured in this study (``observe``) for the configuration nearest in FLOPs per step
+            (log scale) is assumed, or the median share when FLOPs are unknown.
         starve_after_s: waiting time after which a trial reserves a device.
         mps: when True, each assignment carries an SM cap (``ceil(100 * compute / max_compute)``).
     """
@@ -205,19 +209,23 @@ class Pack(SchedulingPolicy):
     def max_concurrency(self) -> int:
         return self.cap
 
-    def observe(self, compute: float) -> None:
-        """Record a measured compute share; unprofiled trials are then assumed to need the median share
-        (on a GPU-bound study this stops co-locating trials before their profile says they fit)."""
-        self._observed.append(float(compute))
+    def observe(self, compute: float, flops: float = 0.0) -> None:
+        """Record a measured compute share and the FLOPs per step of its configuration. A trial not yet
+        profiled is then assumed to need the share of the profiled configuration nearest in FLOPs (GPU time
+        grows with FLOPs; host time much less), or the median share when FLOPs are unknown."""
+        self._observed.append((float(compute), float(flops)))
 
-    def _prior(self) -> float:
+    def _prior(self, flops: float = 0.0) -> float:
         if not self._observed:
             return self.unprofiled_compute
-        xs = sorted(self._observed)
+        near = [(abs(math.log(f / flops)), c) for c, f in self._observed if f > 0] if flops > 0 else []
+        if near:
+            return min(near)[1]
+        xs = sorted(c for c, _ in self._observed)
         return xs[len(xs) // 2]
 
     def _compute(self, t: TrialDemand) -> float:
-        return t.compute if t.profiled else max(t.compute if t.compute < 1.0 else 0.0, self._prior())
+        return t.compute if t.profiled else max(t.compute if t.compute < 1.0 else 0.0, self._prior(t.flops))
 
     def _order(self, pending: Sequence[TrialDemand]) -> list[TrialDemand]:
         return sorted(pending, key=lambda t: (-t.memory_bytes, t.key))
