@@ -67,6 +67,8 @@ class _Worker:
     trial: _Trial | None = None
     stopping: bool = False
     ready: bool = False
+    token: int = 0        # Ray backend: the token its connection announces (conn is None until then)
+    closed: bool = False  # its connection reached end of file
     idle_since: float = field(default_factory=time.monotonic)
 
 
@@ -114,7 +116,12 @@ class Driver:
         self.dists = spec.distributions()
         self.policy = get_policy(spec.policy.get("name", "pack"),
                                  **{k: v for k, v in spec.policy.items() if k != "name"})
-        self.pool = PoolSource(spec.pool)
+        self.backend = None
+        if spec.backend.get("name", "local") == "ray":
+            from hpdl.hpo.ray_backend import RayBackend
+            self.backend = self.pool = RayBackend(spec.backend, spec.pool)
+        else:
+            self.pool = PoolSource(spec.pool)
         self.profiles = ProfileCache(self.run_dir / "profiles.json")
         storage = make_storage(spec.storage)
         names = [s.study_name for s in optuna.get_all_study_summaries(storage)]
@@ -139,7 +146,7 @@ class Driver:
         self._t0 = time.monotonic()
         self._cuda = any(d.torch_device.startswith("cuda") for d in self.pool.devices())
         n_gpus = sum(d.torch_device.startswith("cuda") for d in self.pool.devices())
-        if getattr(self.policy, "max_trials_per_device", 0) is None and n_gpus:
+        if getattr(self.policy, "max_trials_per_device", 0) is None and n_gpus and self.backend is None:
             # each co-located trial needs a core to launch kernels; one core stays with the driver
             self.policy.max_trials_per_device = max(1, ((os.cpu_count() or 2) - 1) // n_gpus)
         self.warmup_s = 0.0
@@ -186,6 +193,8 @@ class Driver:
 
     @staticmethod
     def _send(w: _Worker, msg: tuple) -> bool:
+        if w.conn is None:  # a Ray task not connected yet: it will see the request at the next tick
+            return False
         try:
             w.conn.send(msg)
             return True
@@ -196,6 +205,8 @@ class Driver:
         """Warm workers kept on ``device``: ``warm_workers`` (an int), or for ``auto`` the policy's
         concurrency per device (at most 32) on a GPU and none on a fake CPU device."""
         n = self.spec.warm_workers
+        if self.backend is not None:
+            return 0  # Ray keeps its own worker processes
         if n == "auto":
             return min(_WARM_MAX, self.policy.max_concurrency()) if device.torch_device.startswith("cuda") else 0
         return int(n)
@@ -243,20 +254,43 @@ class Driver:
         return time.monotonic() - t0
 
     def _start(self, t: _Trial, device, sm_percent: int) -> None:
+        if self.backend is not None:
+            return self._start_ray(t, device)
         idle = [w for w in self.workers if w.trial is None and not w.stopping and w.device_id == device.id
                 and w.sm_percent == sm_percent and w.proc.is_alive()]
         # a ready worker first; else one still starting (the task waits in its pipe); else a new one
         w = max(idle, key=lambda x: x.ready, default=None) or self._spawn(device, sm_percent)
-        need_profile = self.policy.uses_profiles and (not (p := self.profiles.get(t.skey, device.kind))
-                                                      or not p.measured)
-        task = {"trial_id": t.trial_id, "number": t.number, "lineage": t.lineage, "params": t.params,
-                "profile": need_profile, "static": self._static(t, device.kind).__dict__ if need_profile else None,
-                "host": self.host,
-                "context_bytes": CONTEXT_BYTES if device.torch_device.startswith("cuda") else 0}
+        task = self._task(t, device)
         w.trial, t.worker, t.device_id = t, w, device.id  # if the send fails, _reap fails and retries it
         self._send(w, ("run", task))  # the worker records host, pid and start time on the trial
         self.running[t.number] = t
         self.study._storage.set_trial_user_attr(t.trial_id, "hpdl_device", device.id)
+
+    def _task(self, t: _Trial, device) -> dict:
+        need_profile = self.policy.uses_profiles and (not (p := self.profiles.get(t.skey, device.kind))
+                                                      or not p.measured)
+        return {"trial_id": t.trial_id, "number": t.number, "lineage": t.lineage, "params": t.params,
+                "profile": need_profile, "static": self._static(t, device.kind).__dict__ if need_profile else None,
+                "host": self.host, "context_bytes": CONTEXT_BYTES if device.torch_device.startswith("cuda") else 0}
+
+    def _start_ray(self, t: _Trial, device) -> None:
+        """Ray backend: one Ray task per trial in the device's bundle, ``num_gpus`` from the policy."""
+        frac = self.policy.gpu_fraction(t.demand, device)
+        proc, token = self.backend.launch(device, self._spec_dict, self._task(t, device), frac)
+        w = _Worker(proc, None, device.id, token=token)
+        self.workers.append(w)
+        w.trial, t.worker, t.device_id = t, w, device.id
+        self.running[t.number] = t
+        st = self.study._storage
+        st.set_trial_user_attr(t.trial_id, "hpdl_device", device.id)
+        st.set_trial_user_attr(t.trial_id, "hpdl_gpu_fraction", frac)
+
+    def _connect(self) -> None:
+        """Ray backend: attach the connections of tasks that called back since the last tick."""
+        for w in self.workers:
+            if w.conn is None and (got := self.backend.take_conn(w.token)) is not None:
+                w.conn, w.proc.pid = got
+                w.ready = True
 
     def _sample(self, finished: set[int], active: set[int]) -> None:
         # enough sampled trials to fill every device up to the policy's concurrency (packing looks ahead)
@@ -406,12 +440,16 @@ class Driver:
                 self._elastic(devices)
                 self._replenish(devices)
                 self._migrate(devices)
-                for conn in mp_wait([w.conn for w in self.workers], timeout=0.05) if self.workers else []:
+                if self.backend is not None:
+                    self._connect()
+                conns = [w.conn for w in self.workers if w.conn is not None and not w.closed]
+                for conn in mp_wait(conns, timeout=0.05) if conns else []:
                     w = next(x for x in self.workers if x.conn is conn)
                     try:
                         while w.conn.poll():
                             self._on_message(w, w.conn.recv())
                     except (EOFError, OSError):
+                        w.closed = True
                         w.proc.join(1)
                 self._reap()
                 finished, active = self.ledger.lineages()
@@ -436,7 +474,7 @@ class Driver:
                         self.pending.remove(t)
                         t.demand = demands[a.key]
                         self._start(t, by_id[a.device_id], a.sm_percent)
-                else:
+                elif not conns:
                     time.sleep(0.02)
                 if view:
                     view.update()
@@ -447,7 +485,7 @@ class Driver:
         return self.result()
 
     def shutdown(self) -> None:
-        """Stop every worker (stop message, 5 s join, then kill); idempotent."""
+        """Stop every worker (stop message, 5 s join, then kill) and the Ray backend; idempotent."""
         for w in self.workers:
             self._send(w, ("stop",))
         for w in self.workers:
@@ -456,6 +494,8 @@ class Driver:
                 w.proc.kill()
                 w.proc.join(5)
         self.workers.clear()
+        if self.backend is not None:
+            self.backend.shutdown()
 
     def result(self) -> StudyResult:
         from optuna.trial import TrialState

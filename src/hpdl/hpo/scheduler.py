@@ -121,6 +121,11 @@ class SchedulingPolicy(ABC):
         """The most trials this policy ever runs at once on one device (sizes the warm worker pool)."""
         return 1
 
+    def gpu_fraction(self, demand: TrialDemand, device: Device) -> float:
+        """The share of ``device`` this policy gives ``demand``, for resource managers that account GPUs in
+        fractions (Ray's ``num_gpus``): 1.0 here (a whole GPU per trial)."""
+        return 1.0
+
 
 class OnePerGpu(SchedulingPolicy):
     """Standard HPO parallelisation: one trial per GPU, FIFO (Optuna/Ray Tune default with 1 GPU a trial)."""
@@ -148,6 +153,9 @@ class FixedFraction(SchedulingPolicy):
 
     def max_concurrency(self) -> int:
         return self.slots
+
+    def gpu_fraction(self, demand, device):
+        return self.fraction
 
     def place(self, pending, devices):
         out, queue = [], list(pending)
@@ -208,6 +216,11 @@ class Pack(SchedulingPolicy):
 
     def max_concurrency(self) -> int:
         return self.cap
+
+    def gpu_fraction(self, demand, device):
+        """The trial's share of the device's memory, rounded down to Ray's 1e-4 granularity (at least
+        1e-4): memory is the hard limit the packing keeps, so the shares on one GPU sum to at most 1."""
+        return min(1.0, max(1e-4, math.floor(demand.memory_bytes / device.memory_bytes * 1e4) / 1e4))
 
     def observe(self, compute: float, flops: float = 0.0) -> None:
         """Record a measured compute share and the FLOPs per step of its configuration. A trial not yet

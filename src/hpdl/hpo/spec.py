@@ -81,6 +81,10 @@ class StudySpec:
             raise HpoConfigError(f"warm_workers={self.warm_workers!r}, expected 'auto' or an int >= 0")
         if not isinstance(self.backend, dict) or self.backend.get("name", "local") not in ("local", "ray"):
             raise HpoConfigError(f"backend={self.backend!r}, expected {{name: local}} or {{name: ray, address: ...}}")
+        ray_pool = isinstance(self.pool, dict) and "ray" in self.pool
+        if ray_pool != (self.backend.get("name", "local") == "ray"):
+            raise HpoConfigError(f"pool={self.pool!r} with backend={self.backend!r}: a {{ray: all | N}} pool "
+                                 "goes with backend {name: ray}, and backend ray needs a ray pool")
         overlap = set(self.space) & set(self.fixed)
         if overlap:
             raise HpoConfigError(f"parameters {sorted(overlap)} are both in space and fixed")
