@@ -121,7 +121,8 @@ def main() -> None:
                 r = {"tag": f"{policy}-{len(gpus)}gpu", "error": f"{type(exc).__name__}: {exc}"}
             runs.append(r)
             res = r.get("result", {})
-            print(f"    wall {res.get('wall_s', float('nan')):.1f} s (pool warm-up {res.get('warmup_s', 0):.1f} s) complete {res.get('complete')} "
+            print(f"    wall {res.get('wall_s', float('nan')):.1f} s (pool warm-up {res.get('warmup_s', 0):.1f} s) "
+                  f"complete {res.get('complete')} "
                   f"failures {res.get('failures')} best {res.get('best_value')} error {r.get('error')}", flush=True)
             with open(os.path.join(args.out, "results.json"), "w") as f:
                 json.dump({"meta": meta, "runs": runs}, f, indent=1)

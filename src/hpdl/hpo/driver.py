@@ -11,25 +11,23 @@ Budget: ``n_trials`` configurations ("lineages"). A configuration is finished wh
 or is pruned, or after ``max_retries`` failed retries. Retries are ``study.enqueue_trial`` with the same
 parameters and ``user_attrs`` ``hpdl_lineage`` / ``hpdl_attempt``, so the sampler never sees a duplicate.
 
-Warm workers: before the clock starts, ``warm_workers`` processes per GPU are started and wait until each has
-imported torch, loaded the study and created its CUDA context (``auto``: as many as the policy ever runs on
-one GPU, at most 32; every policy gets the same machinery). The pool is kept at that size (a worker that
-failed is replaced in the background); extra workers are started on demand and stopped after 10 s idle.
+Processes come from a launcher (:mod:`hpdl.hpo.launch`): local worker processes with a warm pool per GPU,
+or Ray tasks (:mod:`hpdl.hpo.ray_backend`). Wall time counts from the moment the warm pool is ready.
 """
 
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
 import os
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import wait as mp_wait
 from pathlib import Path
 from typing import Any
 
 from hpdl.hpo.errors import HpoError
+from hpdl.hpo.launch import WARM_MAX, WARM_TIMEOUT_S, LocalLauncher, WorkerHandle, send
 from hpdl.hpo.ledger import Ledger
 from hpdl.hpo.pool import PoolSource
 from hpdl.hpo.profiler import CONTEXT_BYTES, ProfileCache, TrialProfile, static_profile
@@ -38,9 +36,6 @@ from hpdl.hpo.spec import StudySpec, make_pruner, make_sampler, make_storage
 from hpdl.hpo.workloads import get_workload
 
 _PREEMPT_TIMEOUT_S = 30.0
-_IDLE_WORKER_S = 10.0
-_WARM_MAX = 32           # auto warm pool per GPU is capped here (each worker holds a CUDA context)
-_WARM_TIMEOUT_S = 180.0  # the warm pool must be ready within this
 
 
 @dataclass
@@ -56,20 +51,6 @@ class _Trial:
     demand: TrialDemand | None = None
     preempt_at: float = 0.0
     priority: float = 0.0
-
-
-@dataclass
-class _Worker:
-    proc: Any
-    conn: Any
-    device_id: str
-    sm_percent: int = 100
-    trial: _Trial | None = None
-    stopping: bool = False
-    ready: bool = False
-    token: int = 0        # Ray backend: the token its connection announces (conn is None until then)
-    closed: bool = False  # its connection reached end of file
-    idle_since: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -112,16 +93,14 @@ class Driver:
         self.spec = spec
         self.run_dir = Path(spec.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._spec_dict = {**spec.to_dict(), "storage": spec.storage, "run_dir": str(self.run_dir.resolve())}
         self.workload = get_workload(spec.workload)
         self.dists = spec.distributions()
         self.policy = get_policy(spec.policy.get("name", "pack"),
                                  **{k: v for k, v in spec.policy.items() if k != "name"})
         self.backend = None
-        if spec.backend.get("name", "local") == "ray":
-            from hpdl.hpo.ray_backend import RayBackend
-            self.backend = self.pool = RayBackend(spec.backend, spec.pool)
-        else:
-            self.pool = PoolSource(spec.pool)
+        if spec.backend.get("name", "local") != "ray":
+            self.pool = PoolSource(spec.pool)  # a bad pool fails before the study is created
         self.profiles = ProfileCache(self.run_dir / "profiles.json")
         storage = make_storage(spec.storage)
         names = [s.study_name for s in optuna.get_all_study_summaries(storage)]
@@ -129,14 +108,15 @@ class Driver:
             raise HpoError(f"study {spec.study!r} not found in {spec.storage}; use `hpdl hpo run` to start it")
         if not resume and spec.study in names:
             raise HpoError(f"study {spec.study!r} already exists in {spec.storage}; use `hpdl hpo resume`")
+        if spec.backend.get("name", "local") == "ray":  # joins or starts Ray: only once the study checks passed
+            from hpdl.hpo.ray_backend import RayBackend
+            self.backend = self.pool = RayBackend(spec.backend, spec.pool, self._spec_dict)
         self.study = optuna.create_study(study_name=spec.study, storage=storage, load_if_exists=resume,
                                          sampler=make_sampler(spec.sampler, spec.space),
                                          pruner=make_pruner(spec.pruner), direction=spec.direction)
         self.study.set_user_attr("hpdl_spec", spec.to_dict())
         self.progress = progress
-        self.ctx = mp.get_context("spawn")
         self.host = socket.gethostname()
-        self.workers: list[_Worker] = []
         self.pending: list[_Trial] = []
         self.running: dict[int, _Trial] = {}
         self.preempted = 0
@@ -151,7 +131,8 @@ class Driver:
             self.policy.max_trials_per_device = max(1, ((os.cpu_count() or 2) - 1) // n_gpus)
         self.warmup_s = 0.0
         self._by_id: dict[str, Any] = {}
-        self._spec_dict = {**spec.to_dict(), "storage": spec.storage, "run_dir": str(self.run_dir.resolve())}
+        self.launcher = self.backend or LocalLauncher(self._spec_dict, spec.warm_workers,
+                                                      self.policy.max_concurrency())
         self.ledger = Ledger(self.study, spec.max_retries, self.host)
         if resume:
             self.ledger.recover()
@@ -191,81 +172,6 @@ class Driver:
                                                                profiled=True))
         return list(states.values())
 
-    @staticmethod
-    def _send(w: _Worker, msg: tuple) -> bool:
-        if w.conn is None:  # a Ray task not connected yet: it will see the request at the next tick
-            return False
-        try:
-            w.conn.send(msg)
-            return True
-        except (OSError, ValueError):  # the worker died; _reap handles it
-            return False
-
-    def _warm_target(self, device) -> int:
-        """Warm workers kept on ``device``: ``warm_workers`` (an int), or for ``auto`` the policy's
-        concurrency per device (at most 32) on a GPU and none on a fake CPU device."""
-        n = self.spec.warm_workers
-        if self.backend is not None:
-            return 0  # Ray keeps its own worker processes
-        if n == "auto":
-            return min(_WARM_MAX, self.policy.max_concurrency()) if device.torch_device.startswith("cuda") else 0
-        return int(n)
-
-    def _spawn(self, device, sm_percent: int = 100) -> _Worker:
-        from hpdl.hpo.worker import worker_main
-
-        parent, child = self.ctx.Pipe()
-        proc = self.ctx.Process(target=worker_main, daemon=True, name=f"hpdl-hpo-worker-{device.id}",
-                                args=(child, device.__dict__, self._spec_dict, os.getpid(), sm_percent))
-        proc.start()
-        child.close()
-        w = _Worker(proc, parent, device.id, sm_percent)
-        self.workers.append(w)
-        return w
-
-    def _replenish(self, devices) -> None:
-        """Keep each device's warm pool at its target (a failed trial's worker exits; replace it)."""
-        for d in devices:
-            have = sum(w.device_id == d.id and not w.stopping for w in self.workers)
-            for _ in range(self._warm_target(d) - have):
-                self._spawn(d)
-
-    def warm_up(self) -> float:
-        """Start the warm pool on every device and wait until each worker is ready; return the seconds taken.
-
-        Raises:
-            HpoError: a worker died during start-up, or the pool was not ready within 180 s (or
-                ``timeout_s``, if shorter).
-        """
-        t0 = time.monotonic()
-        limit = min(_WARM_TIMEOUT_S, self.spec.timeout_s or _WARM_TIMEOUT_S)
-        self._replenish(self.pool.devices())
-        while not all(w.ready for w in self.workers):
-            for conn in mp_wait([w.conn for w in self.workers if not w.ready], timeout=1.0):
-                w = next(x for x in self.workers if x.conn is conn)
-                try:
-                    w.ready = w.conn.recv()[0] == "ready"
-                except (EOFError, OSError):
-                    raise HpoError(f"warm worker on {w.device_id} died during start-up "
-                                   f"(exit code {w.proc.exitcode})") from None
-            if time.monotonic() - t0 > limit:
-                raise HpoError(f"warm worker pool not ready after {limit:.0f} s "
-                               f"({sum(w.ready for w in self.workers)}/{len(self.workers)} ready)")
-        return time.monotonic() - t0
-
-    def _start(self, t: _Trial, device, sm_percent: int) -> None:
-        if self.backend is not None:
-            return self._start_ray(t, device)
-        idle = [w for w in self.workers if w.trial is None and not w.stopping and w.device_id == device.id
-                and w.sm_percent == sm_percent and w.proc.is_alive()]
-        # a ready worker first; else one still starting (the task waits in its pipe); else a new one
-        w = max(idle, key=lambda x: x.ready, default=None) or self._spawn(device, sm_percent)
-        task = self._task(t, device)
-        w.trial, t.worker, t.device_id = t, w, device.id  # if the send fails, _reap fails and retries it
-        self._send(w, ("run", task))  # the worker records host, pid and start time on the trial
-        self.running[t.number] = t
-        self.study._storage.set_trial_user_attr(t.trial_id, "hpdl_device", device.id)
-
     def _task(self, t: _Trial, device) -> dict:
         need_profile = self.policy.uses_profiles and (not (p := self.profiles.get(t.skey, device.kind))
                                                       or not p.measured)
@@ -273,28 +179,24 @@ class Driver:
                 "profile": need_profile, "static": self._static(t, device.kind).__dict__ if need_profile else None,
                 "host": self.host, "context_bytes": CONTEXT_BYTES if device.torch_device.startswith("cuda") else 0}
 
-    def _start_ray(self, t: _Trial, device) -> None:
-        """Ray backend: one Ray task per trial in the device's bundle, ``num_gpus`` from the policy."""
+    @property
+    def workers(self) -> list[WorkerHandle]:
+        return self.launcher.workers
+
+    def _start(self, t: _Trial, device, sm_percent: int) -> None:
+        """Start ``t`` on ``device``: a warm local worker, or a Ray task with ``num_gpus`` from the policy."""
         frac = self.policy.gpu_fraction(t.demand, device)
-        proc, token = self.backend.launch(device, self._spec_dict, self._task(t, device), frac)
-        w = _Worker(proc, None, device.id, token=token)
-        self.workers.append(w)
-        w.trial, t.worker, t.device_id = t, w, device.id
+        w = self.launcher.start(device, self._task(t, device), sm_percent, frac)
+        w.trial, t.worker, t.device_id = t, w, device.id  # the worker records host, pid and start time
         self.running[t.number] = t
         st = self.study._storage
         st.set_trial_user_attr(t.trial_id, "hpdl_device", device.id)
-        st.set_trial_user_attr(t.trial_id, "hpdl_gpu_fraction", frac)
-
-    def _connect(self) -> None:
-        """Ray backend: attach the connections of tasks that called back since the last tick."""
-        for w in self.workers:
-            if w.conn is None and (got := self.backend.take_conn(w.token)) is not None:
-                w.conn, w.proc.pid = got
-                w.ready = True
+        if self.backend is not None:
+            st.set_trial_user_attr(t.trial_id, "hpdl_gpu_fraction", frac)
 
     def _sample(self, finished: set[int], active: set[int]) -> None:
         # enough sampled trials to fill every device up to the policy's concurrency (packing looks ahead)
-        want = self.spec.lookahead or max(2, min(_WARM_MAX, self.policy.max_concurrency())) * max(
+        want = self.spec.lookahead or max(2, min(WARM_MAX, self.policy.max_concurrency())) * max(
             1, len(self.pool.devices()))
         if len(self.pending) >= want:
             return
@@ -313,7 +215,7 @@ class Driver:
             self.pending.append(_Trial(trial.number, trial._trial_id, lin, dict(trial.params), skey, time.monotonic()))
 
     # ------------------------------------------------------------------ messages and failures
-    def _on_message(self, w: _Worker, msg: tuple) -> None:
+    def _on_message(self, w: WorkerHandle, msg: tuple) -> None:
         from optuna.trial import TrialState
 
         kind, t = msg[0], w.trial
@@ -362,19 +264,17 @@ class Driver:
             self.history.append((time.monotonic() - self._t0, float(value)))
 
     def _reap(self) -> None:
+        """Dead workers: a trial they ran failed (``died``) and is retried, or, if it was being preempted,
+        goes back to the queue; idle workers beyond the warm pool are stopped."""
+        self.launcher.stop_idle(self._by_id)
         for w in list(self.workers):
-            if w.trial is not None and w.trial.preempt_at and time.monotonic() - w.trial.preempt_at > _PREEMPT_TIMEOUT_S:
+            t = w.trial
+            if t is not None and t.preempt_at and time.monotonic() - t.preempt_at > _PREEMPT_TIMEOUT_S:
                 w.proc.kill()  # did not stop after a preempt request: it continues elsewhere from its checkpoint
                 w.proc.join(5)
             if w.proc.is_alive():
-                spare = sum(x.device_id == w.device_id and not x.stopping for x in self.workers) > (
-                    self._warm_target(dev) if (dev := self._by_id.get(w.device_id)) else 0)
-                if spare and w.trial is None and not w.stopping and time.monotonic() - w.idle_since > _IDLE_WORKER_S:
-                    w.stopping = True
-                    self._send(w, ("stop",))
                 continue
             self.workers.remove(w)
-            t = w.trial
             if t is not None:
                 self.running.pop(t.number, None)
                 if t.preempt_at:  # killed on purpose after a preempt timeout: run it elsewhere
@@ -407,7 +307,7 @@ class Driver:
             if not t.preempt_at:
                 t.preempt_at = time.monotonic()
                 self.migrated += 1
-                self._send(t.worker, ("preempt", t.trial_id))
+                send(t.worker, ("preempt", t.trial_id))
 
     def _elastic(self, devices) -> None:
         ids = {d.id for d in devices}
@@ -418,10 +318,10 @@ class Driver:
             if t is None:
                 if not w.stopping:
                     w.stopping = True
-                    self._send(w, ("stop",))
+                    send(w, ("stop",))
             elif not t.preempt_at:
                 t.preempt_at = time.monotonic()
-                self._send(w, ("preempt", t.trial_id))
+                send(w, ("preempt", t.trial_id))
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> StudyResult:
@@ -431,17 +331,17 @@ class Driver:
         view = None
         try:
             self._by_id = {d.id: d for d in self.pool.devices()}
-            self.warmup_s = self.warm_up()
+            self.warmup_s = self.launcher.warm_up(self.pool.devices(),
+                                                  min(WARM_TIMEOUT_S, self.spec.timeout_s or WARM_TIMEOUT_S))
             self._t0 = time.monotonic()  # wall time counts from a ready pool, for every policy alike
             view = Progress(self) if self.progress else None
             while True:
                 devices = self.pool.devices()
                 self._by_id = {d.id: d for d in devices}
                 self._elastic(devices)
-                self._replenish(devices)
+                self.launcher.replenish(devices)
                 self._migrate(devices)
-                if self.backend is not None:
-                    self._connect()
+                self.launcher.connect()
                 conns = [w.conn for w in self.workers if w.conn is not None and not w.closed]
                 for conn in mp_wait(conns, timeout=0.05) if conns else []:
                     w = next(x for x in self.workers if x.conn is conn)
@@ -486,16 +386,7 @@ class Driver:
 
     def shutdown(self) -> None:
         """Stop every worker (stop message, 5 s join, then kill) and the Ray backend; idempotent."""
-        for w in self.workers:
-            self._send(w, ("stop",))
-        for w in self.workers:
-            w.proc.join(5)
-            if w.proc.is_alive():
-                w.proc.kill()
-                w.proc.join(5)
-        self.workers.clear()
-        if self.backend is not None:
-            self.backend.shutdown()
+        self.launcher.shutdown()
 
     def result(self) -> StudyResult:
         from optuna.trial import TrialState

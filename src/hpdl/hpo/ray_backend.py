@@ -36,6 +36,7 @@ from multiprocessing.connection import Listener
 from typing import Any
 
 from hpdl.hpo.errors import HpoConfigError, HpoError
+from hpdl.hpo.launch import Launcher, WorkerHandle
 from hpdl.hpo.scheduler import GIB, Device
 
 _READY_TIMEOUT_S = 120.0  # placement group and probes must be ready within this
@@ -86,8 +87,8 @@ class RayProc:
         ray.cancel(self.ref, force=True)
 
 
-class RayBackend:
-    """Devices of a Ray cluster and the launching of trials on them (see module docstring).
+class RayBackend(Launcher):
+    """Devices of a Ray cluster and the launcher of trials on them (see module docstring).
 
     Args:
         cfg: the study's ``backend`` mapping: ``address`` (``None``/``"auto"``/``"ray://host:10001"``; None
@@ -95,12 +96,16 @@ class RayBackend:
             arguments, e.g. ``{num_cpus: 2, num_gpus: 2}``), ``strategy`` (placement group strategy,
             default ``SPREAD``), ``driver_host`` (address the tasks connect back to; default this node's IP).
         pool_cfg: the study's ``pool``: ``{ray: all | N, memory_gb: 4, kind: cpu, speeds: {...}}``.
+        spec: the study as a plain dict (absolute ``storage`` and ``run_dir``), sent with every trial.
     Raises:
         HpoConfigError: ray is not installed, the pool is not a ``ray`` pool, or the cluster has no GPU.
         HpoError: the placement group or the probes were not ready within 120 s.
     """
 
-    def __init__(self, cfg: dict, pool_cfg: dict):
+    def __init__(self, cfg: dict, pool_cfg: dict, spec: dict | None = None):
+        super().__init__()
+        self.spec = spec or {}
+        self._started, self.pg, self._listener = False, None, None
         try:
             import ray
             from ray.util.placement_group import placement_group
@@ -173,9 +178,9 @@ class RayBackend:
         """The pool (fixed for the study: one bundle per GPU)."""
         return list(self._devices)
 
-    def launch(self, device: Device, spec: dict, task: dict, fraction: float) -> tuple[RayProc, int]:
-        """Start ``task`` as a Ray task in ``device``'s bundle with ``num_gpus=fraction``; return its
-        handle and the token its connection will announce.
+    def start(self, device: Device, task: dict, sm_percent: int = 100, fraction: float = 1.0) -> WorkerHandle:
+        """Start ``task`` as a Ray task in ``device``'s bundle with ``num_gpus=fraction`` (``sm_percent`` is
+        not used: Ray starts the process). Its channel is attached by :meth:`connect` once it calls back.
 
         Raises:
             HpoConfigError: ``fraction`` outside (0, 1].
@@ -186,24 +191,30 @@ class RayBackend:
         ref = self._remote.options(num_cpus=0, num_gpus=fraction, max_retries=0,
                                    scheduling_strategy=self._in(self._index[device.id]),
                                    name=f"hpdl-trial-{task['number']}").remote(
-            self.address, self._authkey, self._token, device.__dict__, spec, task)
-        return RayProc(ref), self._token
+            self.address, self._authkey, self._token, device.__dict__, self.spec, task)
+        w = WorkerHandle(RayProc(ref), None, device.id, token=self._token)
+        self.workers.append(w)
+        return w
 
-    def take_conn(self, token: int) -> tuple[Any, int] | None:
-        """The (connection, pid) of the task that announced ``token``, once it connected."""
+    def connect(self) -> None:
+        """Attach the connections of tasks that called back since the last tick."""
         with self._lock:
-            if token in self._conns:
-                return self._conns.pop(token), self._pids.pop(token)
-        return None
+            for w in self.workers:
+                if w.conn is None and w.token in self._conns:
+                    w.conn, w.proc.pid = self._conns.pop(w.token), self._pids.pop(w.token)
+                    w.ready = True
 
     def shutdown(self) -> None:
-        """Close the listener, remove the placement group and stop Ray if this backend started it."""
+        """Stop the trials, close the listener, remove the placement group and stop Ray if this backend
+        started it; idempotent."""
         import ray
 
+        super().shutdown()
         self._closed = True
-        if getattr(self, "_listener", None) is not None:
+        if self._listener is not None:
             self._listener.close()
-        if getattr(self, "pg", None) is not None and ray.is_initialized():
+            self._listener = None
+        if self.pg is not None and ray.is_initialized():
             from ray.util.placement_group import remove_placement_group
             remove_placement_group(self.pg)
             self.pg = None
