@@ -113,9 +113,9 @@ def simulate(trials: Sequence[SimTrial], devices: Sequence[Device], policy: str 
             for t, since in pending:
                 known = (t.skey or t.key) in profiled
                 st, busy = step_time(t, devices[0])
-                demands.append(TrialDemand(t.key, t.memory_bytes if known else (t.static_memory_bytes or t.memory_bytes),
-                                           busy if known else 1.0, t.steps * st, waited_s=now - since, profiled=known,
-                                           flops=t.flops))
+                mem = t.memory_bytes if known else (t.static_memory_bytes or t.memory_bytes)
+                demands.append(TrialDemand(t.key, mem, busy if known else 1.0, t.steps * st, waited_s=now - since,
+                                           profiled=known, flops=t.flops))
             states = [DeviceState(d, [r["demand"] for r in run[d.id]]) for d in devices]
             assignments = pol.place(demands, states)
             placed = bool(assignments)
