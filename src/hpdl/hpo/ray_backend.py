@@ -32,6 +32,7 @@ import os
 import socket
 import threading
 import time
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Listener
 from typing import Any
 
@@ -161,15 +162,16 @@ class RayBackend(Launcher):
         return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i)
 
     def _accept(self) -> None:
+        listener = self._listener
         while not self._closed:
             try:
-                conn = self._listener.accept()
+                conn = listener.accept()
                 if not conn.poll(30):
                     conn.close()
                     continue
                 kind, token, pid = conn.recv()
-            except (OSError, EOFError, ValueError):
-                continue  # a refused handshake, or the listener closed
+            except (OSError, EOFError, ValueError, TypeError, AuthenticationError):
+                continue  # a refused handshake, a stray message, or the listener closed
             if kind == "hello":
                 with self._lock:
                     self._conns[token], self._pids[token] = conn, pid
