@@ -94,7 +94,7 @@ def device_table(doc: dict, docs: str) -> list[str]:
         for pol in ("one_per_gpu", "fixed_fraction", "pack"):
             r = runs.get(pol)
             if r is None or "result" not in r:
-                note = (r or {}).get("skipped") or (r or {}).get("error") or "not run: device time ran out"
+                note = (r or {}).get("skipped") or (r or {}).get("error") or "no result: device time ran out"
                 lines.append(f"| {ngpu} | {pol} | - | - | - | - | - | - | {note} | - |")
                 continue
             res = r["result"]
