@@ -126,12 +126,12 @@ def test_warm_pool_is_ready_before_the_clock_and_runs_every_trial(tmp_path):
 def test_a_failed_worker_gets_no_new_trial(tmp_path):
     """After a trial raises, its worker exits; the driver must not hand it the next trial (on the device an
     OOM was followed by a spurious 'died' failure of the trial given to the exiting worker)."""
-    d = spec_dict(tmp_path, workload="hpo_fixture_workloads:RaiseOnceCNN", n_trials=3, warm_workers=1,
+    d = spec_dict(tmp_path, workload="hpo_fixture_workloads:RaiseOnceCNN", n_trials=2, warm_workers=1,
                   pool={"fake": 1, "memory_gb": 2}, policy={"name": "one_per_gpu"},
                   space={"lr": {"type": "float", "low": 0.02, "high": 0.2, "log": True}},
                   fixed={**FIXED, "width": 8, "crash_dir": str(tmp_path)})
     res = run_study(StudySpec.from_dict(d))
-    assert res.complete == 3 and res.failures == {"error": 3}  # one per configuration, no 'died'
+    assert res.complete == 2 and res.failures == {"error": 2}  # one per configuration, no 'died'
 
 
 @pytest.mark.timeout(150)
