@@ -1,13 +1,20 @@
 """Device benchmark of hpdl.hpo placement policies: the same 64 configurations (Optuna RandomSampler, seed 0,
-no pruner) of the small CNN trained to a fixed number of samples, run under ``pack``, ``fixed_fraction``
-(0.125 GPU per trial, Ray Tune style) and ``one_per_gpu`` on 2 x H200, then on 1 x H200. Wall time to finish
-the budget, OOM failures, best value; per-configuration profiles for the simulator.
+no pruner) of the small CNN, run under ``pack``, ``fixed_fraction`` (0.125 GPU per trial, Ray Tune style) and
+``one_per_gpu`` on 2 x H200, then on 1 x H200. Wall time to finish the budget, OOM failures, best value;
+per-configuration profiles for the simulator.
+
+The space is an ordinary small-CNN search on 32x32 images: most configurations are lightweight (width 8-64,
+batch 32-512, 37 to 600 SGD steps: launch-bound, the GPU mostly idle), and a large-batch tail (batch 16384,
+one configuration in six, a minimum of 10 steps) needs up to tens of GB of activations. Every policy runs with the same
+warm worker pool machinery (``warm_workers: auto``: as many pre-started workers per GPU as the policy runs
+at once, at most 32); wall time starts once the pool is ready, and the pool's start-up is reported apart.
 
 Launch (repository root; results land in $OUT, default ./out/hpo_device):
     PYTHONPATH=src python3 benchmarks/hpo_device.py
     PYTHONPATH=src python3 benchmarks/hpo_device.py --n-trials 16 --pools 0 --policies pack,one_per_gpu
+    PYTHONPATH=src python3 benchmarks/hpo_device.py --smoke --n-trials 6   # CPU, fake devices
 The runs stop being started once ``--budget-s`` is nearly spent (each run also has a timeout), so a
-partial result is still written.
+partial result is still written after every run.
 """
 
 from __future__ import annotations
@@ -21,26 +28,27 @@ from dataclasses import asdict
 
 # ---- defaults (one visible block) ----
 N_TRIALS = 64
-POLICIES = "pack,fixed_fraction,one_per_gpu"
+POLICIES = "one_per_gpu,pack,fixed_fraction"
 POOLS = "0,1;0"                      # ';' separates pools, ',' GPU ids
-BUDGET_S = 330.0
+BUDGET_S = 235.0
 SPACE = {
-    "lr": {"type": "float", "low": 0.01, "high": 0.3, "log": True},
+    "lr": {"type": "float", "low": 0.003, "high": 0.3, "log": True},
     "momentum": {"type": "float", "low": 0.5, "high": 0.95},
-    "width": {"type": "categorical", "choices": [16, 32, 64]},
+    "width": {"type": "categorical", "choices": [8, 16, 32, 64]},
     "depth": {"type": "categorical", "choices": [1, 2, 3]},
-    "batch_size": {"type": "categorical", "choices": [64, 256, 1024, 4096]},
-    "image_size": {"type": "categorical", "choices": [32, 64]},
+    "batch_size": {"type": "categorical", "choices": [32, 64, 128, 256, 512, 16384]},
 }
-FIXED = {"samples": 16384, "min_steps": 16, "evals": 4, "val_size": 1024}
-RUN_TIMEOUT_S = 100.0                # cap per run; a run that hits it reports what finished
+# 19,200 samples per trial (600 steps at batch 32, 37 at 512); batch 16384 gets the minimum of 10 steps
+FIXED = {"image_size": 32, "samples": 19200, "min_steps": 10, "evals": 4, "val_size": 2048, "noise": 4.0}
+RUN_TIMEOUT_S = 80.0                 # cap per run; a run that hits it reports what finished
 
 
 SMOKE_SPACE = {**SPACE, **{k: {"type": "categorical", "choices": [v]} for k, v in
-                           (("width", 8), ("depth", 1), ("batch_size", 32), ("image_size", 16))}}
+                           (("width", 8), ("depth", 1), ("batch_size", 32))}}
 
 
-def run_one(policy: str, gpus: list[int], n_trials: int, scratch: str, timeout_s: float, smoke: bool = False) -> dict:
+def run_one(policy: str, gpus: list[int], n_trials: int, scratch: str, timeout_s: float, smoke: bool = False,
+            warm: str = "auto") -> dict:
     from hpdl.hpo.driver import Driver
     from hpdl.hpo.errors import HpoError
     from hpdl.hpo.spec import StudySpec
@@ -50,15 +58,17 @@ def run_one(policy: str, gpus: list[int], n_trials: int, scratch: str, timeout_s
     spec = StudySpec.from_dict({
         "study": tag, "workload": "cnn", "n_trials": n_trials, "run_dir": os.path.join(scratch, tag),
         "sampler": {"name": "random", "seed": 0}, "pruner": {"name": "none"},
-        "space": SMOKE_SPACE if smoke else SPACE, "fixed": {**FIXED, "samples": 960} if smoke else FIXED,
+        "space": SMOKE_SPACE if smoke else SPACE,
+        "fixed": {**FIXED, "samples": 960, "image_size": 16, "val_size": 256} if smoke else FIXED,
         "pool": {"fake": len(gpus)} if smoke else {"cuda": gpus}, "policy": pol, "max_retries": 2,
-        "timeout_s": timeout_s})
+        "timeout_s": timeout_s, "warm_workers": warm if warm == "auto" else int(warm)})
     drv = Driver(spec)
     error = None
     try:
         res = drv.run()
     except HpoError as exc:  # timeout: keep what finished
         error, res = str(exc), drv.result()
+    cap = getattr(drv.policy, "cap", None)
     trials = []
     for t in drv.study.get_trials(deepcopy=False):
         trials.append({"number": t.number, "state": t.state.name, "value": t.value, "params": t.params,
@@ -66,7 +76,7 @@ def run_one(policy: str, gpus: list[int], n_trials: int, scratch: str, timeout_s
                        "lineage": t.user_attrs.get("hpdl_lineage"),
                        "start": t.user_attrs.get("hpdl_started_at"),
                        "end": t.datetime_complete.timestamp() if t.datetime_complete else None})
-    return {"tag": tag, "policy": policy, "gpus": gpus, "error": error, "result": asdict(res),
+    return {"tag": tag, "policy": policy, "gpus": gpus, "error": error, "result": asdict(res), "cap": cap,
             "trials": trials, "profiles": {k: asdict(v) for k, v in drv.profiles.items()}}
 
 
@@ -80,22 +90,24 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "out") + "/hpo_device")
     ap.add_argument("--scratch", default="/tmp/hpo_bench", help="run dirs (checkpoints, SQLite stores)")
     ap.add_argument("--smoke", action="store_true", help="tiny configurations on fake CPU devices (no GPU)")
+    ap.add_argument("--warm", default="auto", help="warm workers per device: auto or an int")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     import optuna
     import torch
 
+    from hpdl.hpo.scheduler import mps_active
+
     t0 = time.monotonic()
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
             "optuna": optuna.__version__, "python": platform.python_version(),
             "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())], "smoke": args.smoke,
-            "cpus": os.cpu_count(), "n_trials": args.n_trials, "space": SPACE, "fixed": FIXED}
+            "cpus": os.cpu_count(), "n_trials": args.n_trials, "space": SPACE, "fixed": FIXED,
+            "mps": mps_active(), "command": " ".join(["benchmarks/hpo_device.py"] + __import__("sys").argv[1:])}
     runs = []
     for i, pool in enumerate(args.pools.split(";")):
         gpus = [int(g) for g in pool.split(",")]
         order = args.policies.split(",")
-        if i > 0:  # later pools run the baseline first, so a spent budget drops a policy, not the baseline
-            order.sort(key=lambda p: p != "one_per_gpu")
         for policy in order:
             left = args.budget_s - (time.monotonic() - t0)
             if left < 25:
@@ -104,12 +116,13 @@ def main() -> None:
             timeout = min(left - 10, args.run_timeout_s)
             print(f"[{time.monotonic() - t0:6.1f} s] {policy} on GPUs {gpus} (timeout {timeout:.0f} s)", flush=True)
             try:
-                r = run_one(policy, gpus, args.n_trials, args.scratch, timeout, args.smoke)
+                r = run_one(policy, gpus, args.n_trials, args.scratch, timeout, args.smoke, args.warm)
             except Exception as exc:  # noqa: BLE001 - record and go on to the next run
                 r = {"tag": f"{policy}-{len(gpus)}gpu", "error": f"{type(exc).__name__}: {exc}"}
             runs.append(r)
             res = r.get("result", {})
-            print(f"    wall {res.get('wall_s', float('nan')):.1f} s complete {res.get('complete')} "
+            print(f"    wall {res.get('wall_s', float('nan')):.1f} s (pool warm-up {res.get('warmup_s', 0):.1f} s) "
+                  f"complete {res.get('complete')} "
                   f"failures {res.get('failures')} best {res.get('best_value')} error {r.get('error')}", flush=True)
             with open(os.path.join(args.out, "results.json"), "w") as f:
                 json.dump({"meta": meta, "runs": runs}, f, indent=1)

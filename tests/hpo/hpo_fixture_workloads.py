@@ -26,3 +26,18 @@ class CrashOnceCNN(VisionCNN):
 
             ctx.step = step
         return super().train(ctx)
+
+
+class RaiseOnceCNN(VisionCNN):
+    """The small CNN whose first attempt of every configuration raises ``ValueError`` before training
+    (a marker file in ``crash_dir`` per lineage): the trial fails with ``error`` and its worker exits."""
+
+    name = "raise_once_cnn"
+    defaults = {**VisionCNN.defaults, "crash_dir": ""}
+
+    def train(self, ctx):
+        marker = os.path.join(ctx.params["crash_dir"], f"raised-{ctx.lineage}")
+        if not os.path.exists(marker):
+            open(marker, "w").close()
+            raise ValueError("first attempt fails on purpose")
+        return super().train(ctx)

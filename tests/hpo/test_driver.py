@@ -111,6 +111,29 @@ def test_end_to_end_two_workers_elastic_pool_matches_serial_training(tmp_path, c
     assert json.loads(capsys.readouterr().out)["best_value"] == res.best_value
 
 
+@pytest.mark.timeout(120)
+def test_warm_pool_is_ready_before_the_clock_and_runs_every_trial(tmp_path):
+    """warm_workers: 1 per device -> two processes, started and ready before wall time counts, run all trials."""
+    spec = StudySpec.from_dict(spec_dict(tmp_path, n_trials=3, warm_workers=1, policy={"name": "one_per_gpu"}))
+    res = run_study(spec)
+    assert res.complete == 3 and not res.failures and res.warmup_s > 0.5  # torch import + study load
+    trials = trials_of(spec)
+    assert len({t.user_attrs["hpdl_pid"] for t in trials}) == 2
+    assert all(t.user_attrs["hpdl_host"] and t.user_attrs["hpdl_started_at"] for t in trials)
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_worker_gets_no_new_trial(tmp_path):
+    """After a trial raises, its worker exits; the driver must not hand it the next trial (on the device an
+    OOM was followed by a spurious 'died' failure of the trial given to the exiting worker)."""
+    d = spec_dict(tmp_path, workload="hpo_fixture_workloads:RaiseOnceCNN", n_trials=2, warm_workers=1,
+                  pool={"fake": 1, "memory_gb": 2}, policy={"name": "one_per_gpu"},
+                  space={"lr": {"type": "float", "low": 0.02, "high": 0.2, "log": True}},
+                  fixed={**FIXED, "width": 8, "crash_dir": str(tmp_path)})
+    res = run_study(StudySpec.from_dict(d))
+    assert res.complete == 2 and res.failures == {"error": 2}  # one per configuration, no 'died'
+
+
 @pytest.mark.timeout(150)
 def test_killed_trial_process_is_failed_retried_and_resumes_from_checkpoint(tmp_path):
     d = spec_dict(tmp_path, workload="hpo_fixture_workloads:CrashOnceCNN", n_trials=2,

@@ -160,3 +160,27 @@ def test_unprofiled_share_follows_the_measured_median():
     for c in (1.0, 1.0, 0.9):
         p.observe(c)                          # a GPU-bound study: unknown trials now count as a full GPU
     assert len(p.place(new, states)) == 1
+
+
+def test_unprofiled_share_follows_the_profiled_configuration_nearest_in_flops():
+    """Launch-bound small trials and a GPU-bound large one in one study: an unprofiled trial borrows the
+    share measured for the configuration of similar FLOPs, not the study median."""
+    states = [DeviceState(d) for d in pool(1, mem_gb=80)]
+    p = Pack(max_trials_per_device=32)
+    p.observe(0.1, flops=1e9)
+    p.observe(0.12, flops=2e9)
+    p.observe(1.0, flops=1e12)
+    small = [TrialDemand(k, GIB, profiled=False, flops=1.5e9) for k in range(20)]
+    assert len(p.place(small, states)) == 9     # 0.12 each: nine fit under a summed share of 1
+    big = [TrialDemand(k, GIB, profiled=False, flops=3e12) for k in range(4)]
+    assert len(p.place(big, states)) == 1       # counted as a full GPU
+    assert p.max_concurrency() == 32 and Pack().max_concurrency() == 16
+
+
+def test_mps_detection_reads_the_control_pipe_directory(tmp_path):
+    from hpdl.hpo.scheduler import mps_active
+    assert not mps_active(str(tmp_path))
+    (tmp_path / "control").touch()
+    assert mps_active(str(tmp_path))
+    with pytest.raises(HpoConfigError, match="mps"):
+        Pack(mps="yes")

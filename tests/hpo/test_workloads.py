@@ -2,6 +2,7 @@
 
 import contextlib
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -105,17 +106,18 @@ def test_bad_workload_names():
         get_workload("cnn").resolve({"widht": 3})
 
 
-def test_step_profiler_restarts_a_window_broken_by_an_evaluation():
+def test_step_profiler_excludes_evaluations_between_steps_and_finishes_in_window_steps():
+    """Short trials evaluate often: an evaluation between timed steps must neither restart the window
+    (the profile would never finish) nor count as step time."""
     st = static_profile(get_workload("cnn"), CNN, "cpu", context_bytes=0)
     prof = StepProfiler(torch.device("cpu"), "cpu", st, warmup=1, window=3, peak_flops=1e9)
-    for s in range(3):  # warm-up step, then 2 steps of the window
+    for s in range(4):  # 1 warm-up step, then 3 timed steps of ~10 ms with a 0.3 s "evaluation" between
         prof.before(s)
+        time.sleep(0.01)
         prof.after(s)
-    prof.interrupt()    # an evaluation synchronised here
-    for s in range(3, 5):
-        prof.before(s)
-        prof.after(s)
-    assert not prof.done  # only 2 clean steps since the interruption
-    prof.before(5)
-    prof.after(5)
+        if s < 3:
+            assert not prof.done
+            time.sleep(0.3)
+            prof.interrupt()
     assert prof.done and prof.result.source == "cpu"
+    assert 0.009 < prof.result.step_time_s < 0.1  # the median step, not the evaluation gaps

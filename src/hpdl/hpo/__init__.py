@@ -1,8 +1,8 @@
 """hpdl.hpo: resource-aware distributed hyperparameter optimisation (HyperSack, seed abstract 4).
 
 Optuna samplers and pruners choose and stop trials; a packing scheduler places several trials per GPU
-where their profiled memory and compute shares fit; worker processes train, checkpoint and report;
-the Optuna RDB storage lets a killed study resume. See docs/hpo.md.
+where their profiled memory and compute shares fit; warm worker processes (or Ray tasks across nodes)
+train, checkpoint and report; the Optuna RDB storage lets a killed study resume. See docs/hpo.md.
 
     >>> from hpdl.hpo import StudySpec, run_study          # doctest: +SKIP
     >>> run_study(StudySpec.from_yaml("study.yaml"))        # doctest: +SKIP

@@ -83,7 +83,8 @@ class HpoCommand:
             print(json.dumps(out, indent=1))
         else:
             print(f"study {res.study} [{res.policy}]: {res.complete} complete, {res.pruned} pruned, "
-                  f"failures {res.failures or 'none'}, wall {res.wall_s:.1f} s")
+                  f"failures {res.failures or 'none'}, wall {res.wall_s:.1f} s "
+                  f"(+ {res.warmup_s:.1f} s warm pool start-up)")
             print(f"best value {res.best_value} with {res.best_params}")
             print(f"storage {spec.storage} (optuna-dashboard {spec.storage})")
         return 0

@@ -10,21 +10,24 @@ their configuration's last checkpoint; their processes died with it).
 Budget: ``n_trials`` configurations ("lineages"). A configuration is finished when one attempt completes
 or is pruned, or after ``max_retries`` failed retries. Retries are ``study.enqueue_trial`` with the same
 parameters and ``user_attrs`` ``hpdl_lineage`` / ``hpdl_attempt``, so the sampler never sees a duplicate.
+
+Processes come from a launcher (:mod:`hpdl.hpo.launch`): local worker processes with a warm pool per GPU,
+or Ray tasks (:mod:`hpdl.hpo.ray_backend`). Wall time counts from the moment the warm pool is ready.
 """
 
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
 import os
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import wait as mp_wait
 from pathlib import Path
 from typing import Any
 
 from hpdl.hpo.errors import HpoError
+from hpdl.hpo.launch import WARM_MAX, WARM_TIMEOUT_S, LocalLauncher, WorkerHandle, send
 from hpdl.hpo.ledger import Ledger
 from hpdl.hpo.pool import PoolSource
 from hpdl.hpo.profiler import CONTEXT_BYTES, ProfileCache, TrialProfile, static_profile
@@ -33,7 +36,6 @@ from hpdl.hpo.spec import StudySpec, make_pruner, make_sampler, make_storage
 from hpdl.hpo.workloads import get_workload
 
 _PREEMPT_TIMEOUT_S = 30.0
-_IDLE_WORKER_S = 10.0
 
 
 @dataclass
@@ -52,21 +54,12 @@ class _Trial:
 
 
 @dataclass
-class _Worker:
-    proc: Any
-    conn: Any
-    device_id: str
-    trial: _Trial | None = None
-    stopping: bool = False
-    idle_since: float = field(default_factory=time.monotonic)
-
-
-@dataclass
 class StudyResult:
     """Outcome of :func:`run_study`. ``history`` is ``[(elapsed_s, best_value)]`` at each improvement;
     ``failures`` counts failed attempts by kind (``oom``, ``error``, ``died``, ``driver_died``, ``too_big``);
     ``preempted`` counts trials stopped with a checkpoint and continued elsewhere (device removed, or
-    migrated by ``pack_hetero`` to a faster GPU)."""
+    migrated by ``pack_hetero`` to a faster GPU). ``wall_s`` runs from the moment the warm worker pool was
+    ready; ``warmup_s`` is the time the pool took before that."""
 
     study: str
     policy: str
@@ -79,6 +72,7 @@ class StudyResult:
     best_params: dict | None
     history: list[tuple[float, float]]
     preempted: int = 0
+    warmup_s: float = 0.0
 
 
 class Driver:
@@ -99,11 +93,14 @@ class Driver:
         self.spec = spec
         self.run_dir = Path(spec.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._spec_dict = {**spec.to_dict(), "storage": spec.storage, "run_dir": str(self.run_dir.resolve())}
         self.workload = get_workload(spec.workload)
         self.dists = spec.distributions()
         self.policy = get_policy(spec.policy.get("name", "pack"),
                                  **{k: v for k, v in spec.policy.items() if k != "name"})
-        self.pool = PoolSource(spec.pool)
+        self.backend = None
+        if spec.backend.get("name", "local") != "ray":
+            self.pool = PoolSource(spec.pool)  # a bad pool fails before the study is created
         self.profiles = ProfileCache(self.run_dir / "profiles.json")
         storage = make_storage(spec.storage)
         names = [s.study_name for s in optuna.get_all_study_summaries(storage)]
@@ -111,14 +108,15 @@ class Driver:
             raise HpoError(f"study {spec.study!r} not found in {spec.storage}; use `hpdl hpo run` to start it")
         if not resume and spec.study in names:
             raise HpoError(f"study {spec.study!r} already exists in {spec.storage}; use `hpdl hpo resume`")
+        if spec.backend.get("name", "local") == "ray":  # joins or starts Ray: only once the study checks passed
+            from hpdl.hpo.ray_backend import RayBackend
+            self.backend = self.pool = RayBackend(spec.backend, spec.pool, self._spec_dict)
         self.study = optuna.create_study(study_name=spec.study, storage=storage, load_if_exists=resume,
                                          sampler=make_sampler(spec.sampler, spec.space),
                                          pruner=make_pruner(spec.pruner), direction=spec.direction)
         self.study.set_user_attr("hpdl_spec", spec.to_dict())
         self.progress = progress
-        self.ctx = mp.get_context("spawn")
         self.host = socket.gethostname()
-        self.workers: list[_Worker] = []
         self.pending: list[_Trial] = []
         self.running: dict[int, _Trial] = {}
         self.preempted = 0
@@ -127,7 +125,14 @@ class Driver:
         self.history: list[tuple[float, float]] = []
         self._t0 = time.monotonic()
         self._cuda = any(d.torch_device.startswith("cuda") for d in self.pool.devices())
-        self._spec_dict = {**spec.to_dict(), "storage": spec.storage, "run_dir": str(self.run_dir.resolve())}
+        n_gpus = sum(d.torch_device.startswith("cuda") for d in self.pool.devices())
+        if getattr(self.policy, "max_trials_per_device", 0) is None and n_gpus and self.backend is None:
+            # each co-located trial needs a core to launch kernels; one core stays with the driver
+            self.policy.max_trials_per_device = max(1, ((os.cpu_count() or 2) - 1) // n_gpus)
+        self.warmup_s = 0.0
+        self._by_id: dict[str, Any] = {}
+        self.launcher = self.backend or LocalLauncher(self._spec_dict, spec.warm_workers,
+                                                      self.policy.max_concurrency())
         self.ledger = Ledger(self.study, spec.max_retries, self.host)
         if resume:
             self.ledger.recover()
@@ -136,6 +141,9 @@ class Driver:
     def _demand(self, t: _Trial, kinds: set[str]) -> TrialDemand:
         measured = [p for k in kinds if (p := self.profiles.get(t.skey, k)) is not None and p.measured]
         steps = self.workload.schedule(self.workload.resolve({**self.spec.fixed, **t.params}))[0]
+        if not self.policy.uses_profiles:  # the baselines place blind: no static trace on their critical path
+            return TrialDemand(t.number, 0, 1.0, float(steps) * 0.01, t.priority,
+                               waited_s=time.monotonic() - t.since, profiled=False)
         if measured:
             ref = max(measured, key=lambda q: q.step_time_s)
             mem = max(q.memory_bytes for q in measured)
@@ -143,7 +151,7 @@ class Driver:
                                waited_s=time.monotonic() - t.since, profiled=True)
         static = self._static(t, next(iter(kinds)) if kinds else "cpu")
         return TrialDemand(t.number, static.memory_bytes, 1.0, float(steps) * 0.01, t.priority,
-                           waited_s=time.monotonic() - t.since, profiled=False)
+                           waited_s=time.monotonic() - t.since, profiled=False, flops=static.flops)
 
     def _static(self, t: _Trial, kind: str) -> TrialProfile:
         st = self.profiles.get(t.skey, "static")
@@ -164,42 +172,32 @@ class Driver:
                                                                profiled=True))
         return list(states.values())
 
-    @staticmethod
-    def _send(w: _Worker, msg: tuple) -> bool:
-        try:
-            w.conn.send(msg)
-            return True
-        except (OSError, ValueError):  # the worker died; _reap handles it
-            return False
-
-    def _start(self, t: _Trial, device, sm_percent: int) -> None:
-        w = next((w for w in self.workers if w.trial is None and not w.stopping and w.device_id == device.id
-                  and w.proc.is_alive()), None)
-        if w is None:
-            parent, child = self.ctx.Pipe()
-            from hpdl.hpo.worker import worker_main
-            proc = self.ctx.Process(target=worker_main, daemon=True, name=f"hpdl-hpo-worker-{device.id}",
-                                    args=(child, device.__dict__, self._spec_dict, os.getpid(), sm_percent))
-            proc.start()
-            child.close()
-            w = _Worker(proc, parent, device.id)
-            self.workers.append(w)
+    def _task(self, t: _Trial, device) -> dict:
         need_profile = self.policy.uses_profiles and (not (p := self.profiles.get(t.skey, device.kind))
                                                       or not p.measured)
-        task = {"trial_id": t.trial_id, "number": t.number, "lineage": t.lineage, "params": t.params,
-                "profile": need_profile, "static": self._static(t, device.kind).__dict__,
-                "context_bytes": CONTEXT_BYTES if device.torch_device.startswith("cuda") else 0}
-        w.trial, t.worker, t.device_id = t, w, device.id  # if the send fails, _reap fails and retries it
-        self._send(w, ("run", task))
+        return {"trial_id": t.trial_id, "number": t.number, "lineage": t.lineage, "params": t.params,
+                "profile": need_profile, "static": self._static(t, device.kind).__dict__ if need_profile else None,
+                "host": self.host, "context_bytes": CONTEXT_BYTES if device.torch_device.startswith("cuda") else 0}
+
+    @property
+    def workers(self) -> list[WorkerHandle]:
+        return self.launcher.workers
+
+    def _start(self, t: _Trial, device, sm_percent: int) -> None:
+        """Start ``t`` on ``device``: a warm local worker, or a Ray task with ``num_gpus`` from the policy."""
+        frac = self.policy.gpu_fraction(t.demand, device)
+        w = self.launcher.start(device, self._task(t, device), sm_percent, frac)
+        w.trial, t.worker, t.device_id = t, w, device.id  # the worker records host, pid and start time
         self.running[t.number] = t
         st = self.study._storage
         st.set_trial_user_attr(t.trial_id, "hpdl_device", device.id)
-        st.set_trial_user_attr(t.trial_id, "hpdl_host", self.host)
-        st.set_trial_user_attr(t.trial_id, "hpdl_pid", w.proc.pid)
-        st.set_trial_user_attr(t.trial_id, "hpdl_started_at", time.time())  # placement time (ask is earlier)
+        if self.backend is not None:
+            st.set_trial_user_attr(t.trial_id, "hpdl_gpu_fraction", frac)
 
     def _sample(self, finished: set[int], active: set[int]) -> None:
-        want = self.spec.lookahead or 2 * max(1, len(self.pool.devices()))
+        # enough sampled trials to fill every device up to the policy's concurrency (packing looks ahead)
+        want = self.spec.lookahead or max(2, min(WARM_MAX, self.policy.max_concurrency())) * max(
+            1, len(self.pool.devices()))
         if len(self.pending) >= want:
             return
         budget = self.spec.n_trials - len(finished) - len(active)
@@ -217,19 +215,22 @@ class Driver:
             self.pending.append(_Trial(trial.number, trial._trial_id, lin, dict(trial.params), skey, time.monotonic()))
 
     # ------------------------------------------------------------------ messages and failures
-    def _on_message(self, w: _Worker, msg: tuple) -> None:
+    def _on_message(self, w: WorkerHandle, msg: tuple) -> None:
         from optuna.trial import TrialState
 
         kind, t = msg[0], w.trial
         if kind in ("done", "pruned", "failed"):
             self.ledger.dirty = True
-        if kind == "ready" or t is None or (len(msg) > 1 and msg[1] != t.trial_id):
+        if kind == "ready":
+            w.ready = True
+            return
+        if t is None or (len(msg) > 1 and msg[1] != t.trial_id):
             return
         if kind == "profile":
             prof = TrialProfile(**msg[2])
             self.profiles.put(t.skey, prof)
             if hasattr(self.policy, "observe"):
-                self.policy.observe(prof.compute)
+                self.policy.observe(prof.compute, prof.flops)
             t.demand = self._demand(t, {prof.kind})
             return
         self.running.pop(t.number, None)
@@ -244,6 +245,7 @@ class Driver:
             t.since, t.device_id, t.worker, t.preempt_at = time.monotonic(), "", None, 0.0
             self.pending.insert(0, t)
         elif kind == "failed":
+            w.stopping = True  # a worker exits after a failure: never give it another trial
             if msg[2] == "oom":  # the profile under-estimated: never place this configuration so tightly again
                 for k, p in self.profiles.items():
                     if k.endswith("|" + t.skey):
@@ -262,17 +264,17 @@ class Driver:
             self.history.append((time.monotonic() - self._t0, float(value)))
 
     def _reap(self) -> None:
+        """Dead workers: a trial they ran failed (``died``) and is retried, or, if it was being preempted,
+        goes back to the queue; idle workers beyond the warm pool are stopped."""
+        self.launcher.stop_idle(self._by_id)
         for w in list(self.workers):
-            if w.trial is not None and w.trial.preempt_at and time.monotonic() - w.trial.preempt_at > _PREEMPT_TIMEOUT_S:
+            t = w.trial
+            if t is not None and t.preempt_at and time.monotonic() - t.preempt_at > _PREEMPT_TIMEOUT_S:
                 w.proc.kill()  # did not stop after a preempt request: it continues elsewhere from its checkpoint
                 w.proc.join(5)
             if w.proc.is_alive():
-                if w.trial is None and not w.stopping and time.monotonic() - w.idle_since > _IDLE_WORKER_S:
-                    w.stopping = True
-                    self._send(w, ("stop",))
                 continue
             self.workers.remove(w)
-            t = w.trial
             if t is not None:
                 self.running.pop(t.number, None)
                 if t.preempt_at:  # killed on purpose after a preempt timeout: run it elsewhere
@@ -305,7 +307,7 @@ class Driver:
             if not t.preempt_at:
                 t.preempt_at = time.monotonic()
                 self.migrated += 1
-                self._send(t.worker, ("preempt", t.trial_id))
+                send(t.worker, ("preempt", t.trial_id))
 
     def _elastic(self, devices) -> None:
         ids = {d.id for d in devices}
@@ -316,28 +318,38 @@ class Driver:
             if t is None:
                 if not w.stopping:
                     w.stopping = True
-                    self._send(w, ("stop",))
+                    send(w, ("stop",))
             elif not t.preempt_at:
                 t.preempt_at = time.monotonic()
-                self._send(w, ("preempt", t.trial_id))
+                send(w, ("preempt", t.trial_id))
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> StudyResult:
         """Run until the budget is finished (or ``spec.timeout_s`` passes); return the summary."""
         from hpdl.hpo.progress import Progress
 
-        view = Progress(self) if self.progress else None
+        view = None
         try:
+            self._by_id = {d.id: d for d in self.pool.devices()}
+            self.warmup_s = self.launcher.warm_up(self.pool.devices(),
+                                                  min(WARM_TIMEOUT_S, self.spec.timeout_s or WARM_TIMEOUT_S))
+            self._t0 = time.monotonic()  # wall time counts from a ready pool, for every policy alike
+            view = Progress(self) if self.progress else None
             while True:
                 devices = self.pool.devices()
+                self._by_id = {d.id: d for d in devices}
                 self._elastic(devices)
+                self.launcher.replenish(devices)
                 self._migrate(devices)
-                for conn in mp_wait([w.conn for w in self.workers], timeout=0.05) if self.workers else []:
+                self.launcher.connect()
+                conns = [w.conn for w in self.workers if w.conn is not None and not w.closed]
+                for conn in mp_wait(conns, timeout=0.05) if conns else []:
                     w = next(x for x in self.workers if x.conn is conn)
                     try:
                         while w.conn.poll():
                             self._on_message(w, w.conn.recv())
                     except (EOFError, OSError):
+                        w.closed = True
                         w.proc.join(1)
                 self._reap()
                 finished, active = self.ledger.lineages()
@@ -362,7 +374,7 @@ class Driver:
                         self.pending.remove(t)
                         t.demand = demands[a.key]
                         self._start(t, by_id[a.device_id], a.sm_percent)
-                else:
+                elif not conns:
                     time.sleep(0.02)
                 if view:
                     view.update()
@@ -373,15 +385,8 @@ class Driver:
         return self.result()
 
     def shutdown(self) -> None:
-        """Stop every worker (stop message, 5 s join, then kill); idempotent."""
-        for w in self.workers:
-            self._send(w, ("stop",))
-        for w in self.workers:
-            w.proc.join(5)
-            if w.proc.is_alive():
-                w.proc.kill()
-                w.proc.join(5)
-        self.workers.clear()
+        """Stop every worker (stop message, 5 s join, then kill) and the Ray backend; idempotent."""
+        self.launcher.shutdown()
 
     def result(self) -> StudyResult:
         from optuna.trial import TrialState
@@ -394,7 +399,7 @@ class Driver:
         return StudyResult(self.spec.study, self.policy.name, self.spec.n_trials, time.monotonic() - self._t0,
                            len(done), sum(t.state == TrialState.PRUNED for t in trials), dict(self.ledger.failures),
                            best.value if best else None, dict(best.params) if best else None, list(self.history),
-                           self.preempted)
+                           self.preempted, self.warmup_s)
 
 
 def run_study(spec: StudySpec, *, resume: bool = False, progress: bool = False) -> StudyResult:

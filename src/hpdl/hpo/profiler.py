@@ -9,16 +9,26 @@ Two sources, both real measurements:
   fragmentation. Deliberately generous so that placement before profiling does not run out of memory.
   Compute share is unknown (the policy assumes a default).
 - ``StepProfiler``: the first steps of every new configuration (in the trial's own process, on the GPU it
-  was placed on) are measured: after ``warmup`` steps, ``window`` steps are enqueued behind a
-  ``torch.cuda._sleep`` kernel (~0.1 s), so the CUDA-event time between the first and last step is pure
-  GPU time with no launch gaps, while the host time to enqueue them is pure CPU time. Then:
+  was placed on) are measured. After ``warmup`` steps, ``window`` steps are timed one by one: the host time
+  of each step (from its start to the return of its last launch) and, on a GPU, a CUDA event after each
+  step. The window's steps are enqueued behind a ``torch.cuda._sleep`` kernel long enough to cover their
+  launch (1.5 x the warm-up host time, 2 to 100 ms), so an interval between two events is the GPU time of
+  one step with no launch gap. An evaluation between two steps (``interrupt``) drains the queue: the
+  interval across it is dropped and the sleep is issued again before the next step, so short trials that
+  evaluate often still get a profile. Then:
 
+  * ``cpu`` = the median host time of a step; ``gpu`` = the shortest event interval. Without MPS,
+    co-located processes time-slice the GPU, so an interval that another process's time slice fell into is
+    longer than the trial's own GPU work; the shortest interval is the one least disturbed (all steps of a
+    configuration do the same work),
   * ``step_time_s = max(cpu, gpu)`` per step (the solo step time; launch-bound trials have cpu > gpu),
   * ``compute = gpu / step_time_s``, the fraction of time the GPU is busy when the trial runs alone
     (what SM-use sampling with NVML approximates); co-located processes time-slice, so trials whose
     shares sum to <= 1 can share a GPU with little slowdown,
   * ``memory_bytes = torch.cuda.max_memory_reserved() + context_bytes`` (the CUDA context of a process,
     about 0.5 GiB with cuBLAS/cuDNN, is not seen by the caching allocator).
+
+  The measurement costs one or two short sleeps and synchronisations per new configuration.
 
   On a CPU (fake) device, the step time is measured; memory is the static bound and
   ``compute = flops / (step_time_s * peak_flops)`` against the fake device's declared peak.
@@ -79,28 +89,35 @@ def static_profile(workload, params: dict, kind: str, context_bytes: int = CONTE
 class StepProfiler:
     """Measures a trial's first steps in place (see module docstring). Call ``before(step)`` and
     ``after(step)`` around every training step and ``interrupt()`` when the loop synchronises between
-    steps (evaluation, checkpoint): a window that saw a synchronisation is restarted at the next step.
-    ``result`` is set once both windows are done.
+    steps (evaluation, checkpoint). ``result`` is set once ``window`` steps were timed.
 
     Args:
         device: the torch device the trial trains on.
         kind: device kind name for the profile.
         static: the static profile (memory bound and FLOPs used on CPU).
-        warmup, window: steps skipped, then consecutive steps measured in each window (>= 1).
+        warmup, window: steps skipped, then steps timed (warmup >= 1, window >= 1).
         peak_flops: declared peak of a fake CPU device (FLOP/s) for the compute share on CPU.
         context_bytes: CUDA context bytes added to the allocator's peak.
+    Raises:
+        ValueError: ``warmup < 1`` or ``window < 1``.
     """
 
+    SLEEP_MIN_S, SLEEP_MAX_S, CLOCK_HZ = 0.002, 0.1, 1.9e9  # sleep kernel bounds; ~H100/H200 SM clock
+
     def __init__(self, device: torch.device, kind: str, static: TrialProfile,
-                 warmup: int = 3, window: int = 4, peak_flops: float = 5e10, context_bytes: int = CONTEXT_BYTES):
-        if warmup < 0 or window < 1:
-            raise ValueError(f"warmup={warmup}, window={window}: expected warmup >= 0 and window >= 1")
+                 warmup: int = 2, window: int = 5, peak_flops: float = 5e10, context_bytes: int = CONTEXT_BYTES):
+        if warmup < 1 or window < 1:
+            raise ValueError(f"warmup={warmup}, window={window}: expected warmup >= 1 and window >= 1")
         self.device, self.kind, self.static = device, kind, static
         self.peak_flops, self.context_bytes = peak_flops, context_bytes
         self.warmup, self.window = warmup, window
         self.cuda = device.type == "cuda"
-        self.phase = "warm"   # warm -> gpu (CUDA only) -> wall -> done
-        self.seen = 0         # steps seen in the current phase
+        self.phase = "warm"     # warm -> measure -> done
+        self.seen = 0           # warm-up steps seen
+        self._host_warm: list[float] = []   # host seconds of warm-up steps after the first (sizes the sleep)
+        self._host: list[float] = []        # host seconds of each timed step
+        self._pairs: list = []              # (event before, event after) of each timed step in a clean segment
+        self._arm = True                    # issue the sleep before the next timed step
         self.result: TrialProfile | None = None
 
     @property
@@ -108,55 +125,65 @@ class StepProfiler:
         return self.result is not None
 
     def interrupt(self) -> None:
-        """The loop synchronised the device outside a step: restart the current window."""
-        if self.phase in ("gpu", "wall"):
-            self.seen = 0
+        """The loop synchronised the device between steps: drop that gap and re-arm the sleep."""
+        self._arm = True
 
     def before(self, step: int) -> None:
         if self.done:
             return
         if self.phase == "warm" and self.seen >= self.warmup:
-            self.phase, self.seen = ("gpu" if self.cuda else "wall"), 0
+            self.phase = "measure"
+            self._arm = True
             if self.cuda:
                 torch.cuda.reset_peak_memory_stats(self.device)
-        if self.phase in ("gpu", "wall") and self.seen == 0:
-            if self.cuda:
-                torch.cuda.synchronize(self.device)
-            if self.phase == "gpu":
-                torch.cuda._sleep(int(0.1 * 1.9e9))  # ~0.1 s of GPU clock: the host enqueues meanwhile
-                self._ev0 = torch.cuda.Event(enable_timing=True)
-                self._ev0.record()
-            self._t = time.perf_counter()
+        if self.phase == "measure" and self.cuda and self._arm:
+            torch.cuda.synchronize(self.device)
+            per_step = _median(self._host_warm) if self._host_warm else 0.0
+            left = self.window - len(self._host)
+            sleep_s = min(self.SLEEP_MAX_S, max(self.SLEEP_MIN_S, 1.5 * per_step * left))
+            torch.cuda._sleep(int(sleep_s * self.CLOCK_HZ))  # the host enqueues the next steps meanwhile
+            self._last = torch.cuda.Event(enable_timing=True)
+            self._last.record()
+        self._arm = False
+        self._t = time.perf_counter()
 
     def after(self, step: int) -> None:
         if self.done:
             return
-        self.seen += 1
-        if self.phase == "warm" or self.seen < self.window:
+        host = time.perf_counter() - self._t
+        if self.phase == "warm":
+            self.seen += 1
+            if self.seen > 1:  # the first step pays one-off costs (cuDNN plans, allocator growth)
+                self._host_warm.append(host)
             return
-        if self.phase == "gpu":
-            self._cpu = (time.perf_counter() - self._t) / self.window
-            ev1 = torch.cuda.Event(enable_timing=True)
-            ev1.record()
-            ev1.synchronize()
-            self._gpu = self._ev0.elapsed_time(ev1) / 1e3 / self.window
-            self.phase, self.seen = "wall", 0
+        self._host.append(host)
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._pairs.append((self._last, ev))
+            self._last = ev
+        if len(self._host) < self.window:
             return
+        cpu = _median(self._host)
         if self.cuda:
-            torch.cuda.synchronize(self.device)
-        self.wall_step_s = (time.perf_counter() - self._t) / self.window
-        if self.cuda:
-            solo = max(self._cpu, self._gpu)
+            self._pairs[-1][1].synchronize()
+            gpu = min(a.elapsed_time(b) for a, b in self._pairs) / 1e3
+            solo = max(cpu, gpu)
             self.result = TrialProfile(
                 kind=self.kind, memory_bytes=int(torch.cuda.max_memory_reserved(self.device)) + self.context_bytes,
-                step_time_s=solo, compute=min(1.0, max(self._gpu / solo, 1e-3)), flops=self.static.flops,
+                step_time_s=solo, compute=min(1.0, max(gpu / solo, 1e-3)), flops=self.static.flops,
                 source="cuda")
         else:
             self.result = TrialProfile(
-                kind=self.kind, memory_bytes=self.static.memory_bytes, step_time_s=self.wall_step_s,
-                compute=min(1.0, max(self.static.flops / (self.wall_step_s * self.peak_flops), 1e-3)),
+                kind=self.kind, memory_bytes=self.static.memory_bytes, step_time_s=cpu,
+                compute=min(1.0, max(self.static.flops / (cpu * self.peak_flops), 1e-3)),
                 flops=self.static.flops, source="cpu")
         self.phase = "done"
+
+
+def _median(xs: list[float]) -> float:
+    ys = sorted(xs)
+    return ys[len(ys) // 2]
 
 
 class ProfileCache:

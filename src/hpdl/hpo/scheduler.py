@@ -67,6 +67,8 @@ class TrialDemand:
         priority: larger is more promising (e.g. best intermediate rank); used by ``pack_hetero``.
         waited_s: seconds since the trial became ready to run (for starvation control).
         profiled: ``True`` once ``memory_bytes`` and ``compute`` come from a measurement.
+        flops: FLOPs of one training step (static estimate; 0 = unknown), used to guess the compute share
+            of a trial not yet profiled from the profiled trial nearest in FLOPs.
     """
 
     key: int
@@ -76,6 +78,7 @@ class TrialDemand:
     priority: float = 0.0
     waited_s: float = 0.0
     profiled: bool = False
+    flops: float = 0.0
 
 
 @dataclass
@@ -114,6 +117,15 @@ class SchedulingPolicy(ABC):
     def place(self, pending: Sequence[TrialDemand], devices: Sequence[DeviceState]) -> list[Assignment]:
         """Return the trials to start now, chosen from ``pending`` (oldest first), onto ``devices``."""
 
+    def max_concurrency(self) -> int:
+        """The most trials this policy ever runs at once on one device (sizes the warm worker pool)."""
+        return 1
+
+    def gpu_fraction(self, demand: TrialDemand, device: Device) -> float:
+        """The share of ``device`` this policy gives ``demand``, for resource managers that account GPUs in
+        fractions (Ray's ``num_gpus``): 1.0 here (a whole GPU per trial)."""
+        return 1.0
+
 
 class OnePerGpu(SchedulingPolicy):
     """Standard HPO parallelisation: one trial per GPU, FIFO (Optuna/Ray Tune default with 1 GPU a trial)."""
@@ -138,6 +150,12 @@ class FixedFraction(SchedulingPolicy):
             raise HpoConfigError(f"fraction={fraction}, expected 0 < fraction <= 1")
         self.fraction = fraction
         self.slots = int(math.floor(1.0 / fraction + 1e-9))
+
+    def max_concurrency(self) -> int:
+        return self.slots
+
+    def gpu_fraction(self, demand, device):
+        return self.fraction
 
     def place(self, pending, devices):
         out, queue = [], list(pending)
@@ -164,41 +182,63 @@ class Pack(SchedulingPolicy):
 
     Args:
         max_compute: a device whose summed busy fraction reached this takes no more trials.
-        max_trials_per_device: cap on co-located processes (context memory, CPU threads).
+        max_trials_per_device: cap on co-located processes (each needs a CPU core to launch its kernels and
+            a CUDA context); ``None``: the driver sets it from the host's cores per GPU
+            (``(cores - 1) // gpus``), 16 elsewhere (simulator).
         unprofiled_compute: share assumed for a trial not yet profiled, until profiles arrive; after that
-            the median of the shares measured in this study (``observe``) is assumed instead.
+            the share measured in this study (``observe``) for the configuration nearest in FLOPs per step
+            (log scale) is assumed, or the median share when FLOPs are unknown.
         starve_after_s: waiting time after which a trial reserves a device.
         mps: when True, each assignment carries an SM cap (``ceil(100 * compute / max_compute)``).
     """
 
     name = "pack"
 
-    def __init__(self, max_compute: float = 1.0, max_trials_per_device: int = 16,
-                 unprofiled_compute: float = 0.25, starve_after_s: float = 30.0, mps: bool = False):
+    def __init__(self, max_compute: float = 1.0, max_trials_per_device: int | None = None,
+                 unprofiled_compute: float = 0.25, starve_after_s: float = 30.0, mps: bool | str = False):
         if max_compute <= 0:
             raise HpoConfigError(f"max_compute={max_compute}, expected > 0")
-        if max_trials_per_device < 1:
+        if max_trials_per_device is not None and max_trials_per_device < 1:
             raise HpoConfigError(f"max_trials_per_device={max_trials_per_device}, expected >= 1")
         self.max_compute = max_compute
         self.max_trials_per_device = max_trials_per_device
         self.unprofiled_compute = unprofiled_compute
         self._observed: list[float] = []
         self.starve_after_s = starve_after_s
-        self.mps = mps
+        if mps not in (True, False, "auto"):
+            raise HpoConfigError(f"mps={mps!r}, expected true, false or 'auto'")
+        self.mps = mps_active() if mps == "auto" else bool(mps)
 
-    def observe(self, compute: float) -> None:
-        """Record a measured compute share; unprofiled trials are then assumed to need the median share
-        (on a GPU-bound study this stops co-locating trials before their profile says they fit)."""
-        self._observed.append(float(compute))
+    @property
+    def cap(self) -> int:
+        """Effective ``max_trials_per_device`` (16 when unset and no driver set it)."""
+        return self.max_trials_per_device or 16
 
-    def _prior(self) -> float:
+    def max_concurrency(self) -> int:
+        return self.cap
+
+    def gpu_fraction(self, demand, device):
+        """The trial's share of the device's memory, rounded down to Ray's 1e-4 granularity (at least
+        1e-4): memory is the hard limit the packing keeps, so the shares on one GPU sum to at most 1."""
+        return min(1.0, max(1e-4, math.floor(demand.memory_bytes / device.memory_bytes * 1e4) / 1e4))
+
+    def observe(self, compute: float, flops: float = 0.0) -> None:
+        """Record a measured compute share and the FLOPs per step of its configuration. A trial not yet
+        profiled is then assumed to need the share of the profiled configuration nearest in FLOPs (GPU time
+        grows with FLOPs; host time much less), or the median share when FLOPs are unknown."""
+        self._observed.append((float(compute), float(flops)))
+
+    def _prior(self, flops: float = 0.0) -> float:
         if not self._observed:
             return self.unprofiled_compute
-        xs = sorted(self._observed)
+        near = [(abs(math.log(f / flops)), c) for c, f in self._observed if f > 0] if flops > 0 else []
+        if near:
+            return min(near)[1]
+        xs = sorted(c for c, _ in self._observed)
         return xs[len(xs) // 2]
 
     def _compute(self, t: TrialDemand) -> float:
-        return t.compute if t.profiled else max(t.compute if t.compute < 1.0 else 0.0, self._prior())
+        return t.compute if t.profiled else max(t.compute if t.compute < 1.0 else 0.0, self._prior(t.flops))
 
     def _order(self, pending: Sequence[TrialDemand]) -> list[TrialDemand]:
         return sorted(pending, key=lambda t: (-t.memory_bytes, t.key))
@@ -246,7 +286,7 @@ class Pack(SchedulingPolicy):
             # on the largest one (its profile will tell); a profiled trial that fits nowhere never runs.
             return (not t.profiled and count[dev.id] == 0 and t.memory_bytes > biggest
                     and dev.memory_bytes == biggest)
-        if count[dev.id] >= self.max_trials_per_device:
+        if count[dev.id] >= self.cap:
             return False
         # Gain test: co-locate only while the device still has idle compute (its load is under the cap);
         # an empty device always takes a trial that fits in memory.
@@ -297,6 +337,15 @@ class PackHetero(Pack):
         old = max(1.0, comp / dev.compute)
         new = max(1.0, (comp + self._compute(t)) / dev.compute)
         return t.work_s / dev.speed * new + work / dev.speed * (new - old)
+
+
+def mps_active(pipe_dir: str | None = None) -> bool:
+    """True when an NVIDIA MPS control daemon is reachable: its pipe directory (``CUDA_MPS_PIPE_DIRECTORY``,
+    default ``/tmp/nvidia-mps``) holds a ``control`` pipe. Detection only; hpdl never starts MPS."""
+    import os
+
+    d = pipe_dir or os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
+    return os.path.exists(os.path.join(d, "control"))
 
 
 POLICIES = {cls.name: cls for cls in (OnePerGpu, FixedFraction, Pack, PackHetero)}

@@ -28,7 +28,8 @@ from hpdl.hpo.scheduler import GIB, Device, DeviceState, SchedulingPolicy, Trial
 @dataclass
 class SimTrial:
     """Profiled cost of one trial. Times in seconds, memory in bytes; ``skey`` groups configurations with
-    the same structure (one profile serves them all); ``static_memory_bytes`` is the pre-profile bound."""
+    the same structure (one profile serves them all); ``static_memory_bytes`` is the pre-profile bound;
+    ``flops`` the static FLOPs per step (0 = unknown), which ``pack`` uses to guess an unprofiled share."""
 
     key: int
     cpu_s: float
@@ -38,6 +39,7 @@ class SimTrial:
     value: float = 0.0
     skey: str = ""
     static_memory_bytes: int = 0
+    flops: float = 0.0
 
 
 @dataclass
@@ -111,8 +113,9 @@ def simulate(trials: Sequence[SimTrial], devices: Sequence[Device], policy: str 
             for t, since in pending:
                 known = (t.skey or t.key) in profiled
                 st, busy = step_time(t, devices[0])
-                demands.append(TrialDemand(t.key, t.memory_bytes if known else (t.static_memory_bytes or t.memory_bytes),
-                                           busy if known else 1.0, t.steps * st, waited_s=now - since, profiled=known))
+                mem = t.memory_bytes if known else (t.static_memory_bytes or t.memory_bytes)
+                demands.append(TrialDemand(t.key, mem, busy if known else 1.0, t.steps * st, waited_s=now - since,
+                                           profiled=known, flops=t.flops))
             states = [DeviceState(d, [r["demand"] for r in run[d.id]]) for d in devices]
             assignments = pol.place(demands, states)
             placed = bool(assignments)
@@ -152,7 +155,7 @@ def simulate(trials: Sequence[SimTrial], devices: Sequence[Device], policy: str 
                     profiled.add(r["t"].skey or r["t"].key)
                     st, busy = step_time(r["t"], devices[0])  # its profile replaces the static demand
                     if hasattr(pol, "observe"):
-                        pol.observe(busy)
+                        pol.observe(busy, r["t"].flops)
                     r["demand"] = TrialDemand(r["t"].key, r["t"].memory_bytes, busy, r["t"].steps * st, profiled=True)
                     if sum(x["t"].memory_bytes for x in rs) > d.memory_bytes:  # out of memory: newest fails
                         rs.remove(r)

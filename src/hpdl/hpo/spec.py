@@ -18,10 +18,14 @@ A study file (``hpdl hpo run study.yaml``; example in ``hpdl/hpo/examples/quick.
     pool: {fake: 2}         # see hpdl.hpo.pool.build_pool
     max_retries: 2          # attempts after the first for a configuration whose process failed
     checkpoint_every: 1     # evaluations between checkpoints (0 = never)
+    warm_workers: auto      # worker processes started per GPU before the clock starts (auto: the policy's
+                            # concurrency per GPU, at most 32; none on fake CPU devices), or an int
+    backend: {name: local}  # local (worker processes on this host) | ray (Ray tasks; address, init options)
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +36,8 @@ import yaml
 from hpdl.hpo.errors import HpoConfigError
 
 _SPEC_KEYS = {"study", "workload", "n_trials", "run_dir", "storage", "sampler", "pruner", "space", "fixed",
-              "policy", "pool", "max_retries", "checkpoint_every", "direction", "lookahead", "timeout_s"}
+              "policy", "pool", "max_retries", "checkpoint_every", "direction", "lookahead", "timeout_s",
+              "warm_workers", "backend"}
 
 
 @dataclass
@@ -55,6 +60,8 @@ class StudySpec:
     checkpoint_every: int = 1
     lookahead: int = 0
     timeout_s: float = 0.0
+    warm_workers: int | str = "auto"
+    backend: dict = field(default_factory=lambda: {"name": "local"})
 
     def __post_init__(self):
         if not self.study or not isinstance(self.study, str):
@@ -70,6 +77,14 @@ class StudySpec:
         self.direction = self.direction or w.direction
         if self.direction not in ("minimize", "maximize"):
             raise HpoConfigError(f"direction={self.direction!r}, expected 'minimize' or 'maximize'")
+        if self.warm_workers != "auto" and not (isinstance(self.warm_workers, int) and self.warm_workers >= 0):
+            raise HpoConfigError(f"warm_workers={self.warm_workers!r}, expected 'auto' or an int >= 0")
+        if not isinstance(self.backend, dict) or self.backend.get("name", "local") not in ("local", "ray"):
+            raise HpoConfigError(f"backend={self.backend!r}, expected {{name: local}} or {{name: ray, address: ...}}")
+        ray_pool = isinstance(self.pool, dict) and "ray" in self.pool
+        if ray_pool != (self.backend.get("name", "local") == "ray"):
+            raise HpoConfigError(f"pool={self.pool!r} with backend={self.backend!r}: a {{ray: all | N}} pool "
+                                 "goes with backend {name: ray}, and backend ray needs a ray pool")
         overlap = set(self.space) & set(self.fixed)
         if overlap:
             raise HpoConfigError(f"parameters {sorted(overlap)} are both in space and fixed")
@@ -181,6 +196,11 @@ def make_storage(url: str):
 
     kwargs: dict[str, Any] = {}
     if url.startswith("sqlite:///"):
-        Path(url[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+        path = Path(url[len("sqlite:///"):])
+        path.parent.mkdir(parents=True, exist_ok=True)
         kwargs["engine_kwargs"] = {"connect_args": {"timeout": 60}}
+        # write-ahead log: many trial processes report while the driver writes, readers never block a writer
+        import sqlite3
+        with contextlib.closing(sqlite3.connect(path, timeout=60)) as con:
+            con.execute("PRAGMA journal_mode=WAL")
     return optuna.storages.RDBStorage(url, **kwargs)

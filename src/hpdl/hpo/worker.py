@@ -1,8 +1,14 @@
 """Trial worker processes: one per running trial, pinned to one device, reused for later trials there.
 
+A worker imports torch, loads the study and (on a GPU) creates its CUDA context with cuBLAS and cuDNN
+handles before it says ``ready``, so the driver can start a pool of warm workers per GPU ahead of the
+study and no trial pays that start-up (:func:`warm_cuda`).
+
 Protocol (``multiprocessing`` pipe, driver <-> worker, all messages are tuples):
 
-- driver -> worker: ``("run", task)`` with task keys ``trial_id, number, lineage, params, profile``;
+- driver -> worker: ``("run", task)`` with task keys ``trial_id, number, lineage, params, profile``,
+  ``static``, ``context_bytes``, ``host`` (the worker records ``hpdl_host``, ``hpdl_pid`` and
+  ``hpdl_started_at`` on the trial before it trains, off the driver's critical path);
   ``("preempt", trial_id)`` (checkpoint is the last one written; the trial stops with ``preempted``);
   ``("stop",)``.
 - worker -> driver: ``("ready", pid)``, ``("profile", trial_id, dict)``, ``("done", trial_id, value)``,
@@ -22,6 +28,7 @@ import ctypes
 import os
 import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -105,9 +112,94 @@ class TrialContext:
         os.replace(tmp, self._ckpt)
 
 
+def warm_cuda(device) -> None:
+    """Create the CUDA context and the cuBLAS and cuDNN handles on ``device`` (a conv, a matmul and their
+    backward on tiny tensors), then return the cached blocks: what the first trial of a cold process would
+    otherwise pay (about 1-2 s with the torch import)."""
+    import torch
+    import torch.nn.functional as F
+
+    x = torch.randn(2, 3, 8, 8, device=device, requires_grad=True)
+    w = torch.randn(4, 3, 3, 3, device=device, requires_grad=True)
+    y = F.conv2d(x, w, padding=1).flatten(1)
+    (y @ torch.randn(y.shape[1], 4, device=device)).sum().backward()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+
+
+class _Env:
+    """What a worker process loads once and reuses for every trial: device, workload, study, run folder."""
+
+    def __init__(self, device: dict, spec: dict, torch_device: str):
+        import optuna
+        import torch
+
+        from hpdl.hpo.spec import make_pruner, make_storage
+        from hpdl.hpo.workloads import get_workload
+
+        # One intra-op thread: co-located trials each need a core for Python and kernel launches.
+        torch.set_num_threads(int(os.environ.get("HPDL_HPO_CPU_THREADS", "1")))
+        if torch_device != "cpu":
+            # no cudnn.benchmark: its autotuning allocates transient workspaces a profile cannot bound
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        self.device, self.spec = device, spec
+        self.dev = torch.device(torch_device)
+        if self.dev.type == "cuda":
+            warm_cuda(self.dev)
+        self.workload = get_workload(spec["workload"])
+        self.study = optuna.load_study(study_name=spec["study"], storage=make_storage(spec["storage"]),
+                                       sampler=optuna.samplers.RandomSampler(), pruner=make_pruner(spec["pruner"]))
+        self.run_dir = Path(spec["run_dir"])
+
+
+def run_task(env: _Env, conn, task: dict[str, Any], parent_pid: int | None) -> bool:
+    """Train one trial and send its outcome on ``conn``; return False when the process should exit (after a
+    failure its CUDA state may be unusable)."""
+    import optuna
+    import torch
+
+    from hpdl.hpo.profiler import CONTEXT_BYTES, StepProfiler, TrialProfile
+
+    tid, dev = task["trial_id"], env.dev
+    try:
+        st = env.study._storage
+        for key, val in (("hpdl_host", task.get("host", "")), ("hpdl_pid", os.getpid()),
+                         ("hpdl_started_at", time.time())):
+            st.set_trial_user_attr(tid, key, val)
+        params = env.workload.resolve({**env.spec.get("fixed", {}), **task["params"]})
+        prof = None
+        if task.get("profile"):
+            prof = StepProfiler(dev, env.device["kind"], TrialProfile(**task["static"]),
+                                peak_flops=env.device.get("peak_flops") or 5e10,
+                                context_bytes=int(task.get("context_bytes", CONTEXT_BYTES)))
+        ctx = TrialContext(optuna.trial.Trial(env.study, tid), params, dev, conn, task, env.run_dir,
+                           int(env.spec.get("checkpoint_every", 1)), prof, parent_pid)
+        value = env.workload.train(ctx)
+        conn.send(("done", tid, float(value)))
+    except optuna.TrialPruned:
+        conn.send(("pruned", tid))
+    except Preempted:
+        conn.send(("preempted", tid))
+    except torch.cuda.OutOfMemoryError as exc:
+        conn.send(("failed", tid, "oom", str(exc).splitlines()[0][:300]))
+        return False
+    except Exception as exc:  # noqa: BLE001 - any error of user code fails this trial, with its traceback
+        # cuDNN/cuBLAS workspace failures are out-of-memory errors that are not OutOfMemoryError
+        oom = any(m in str(exc) for m in ("out of memory", "ALLOC_FAILED"))
+        conn.send(("failed", tid, "oom" if oom else "error", traceback.format_exc()[-2000:]))
+        return False
+    finally:
+        if dev.type == "cuda":
+            with contextlib.suppress(Exception):  # a broken CUDA state must not hide the report above
+                torch.cuda.empty_cache()
+    return True
+
+
 def worker_main(conn, device: dict, spec: dict, parent_pid: int, sm_percent: int = 100) -> None:
-    """Entry point of a worker process (``multiprocessing`` spawn target). Runs tasks until told to stop
-    or the driver disappears; exits after a failed trial."""
+    """Entry point of a local worker process (``multiprocessing`` spawn target). Runs tasks until told to
+    stop or the driver disappears; exits after a failed trial."""
     _die_with_parent()
     torch_device = device["torch_device"]
     if torch_device.startswith("cuda"):
@@ -115,25 +207,7 @@ def worker_main(conn, device: dict, spec: dict, parent_pid: int, sm_percent: int
         if sm_percent < 100:
             os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(sm_percent)
         torch_device = "cuda:0"
-    import optuna
-    import torch
-
-    from hpdl.hpo.profiler import CONTEXT_BYTES, StepProfiler, TrialProfile
-    from hpdl.hpo.spec import make_pruner, make_storage
-    from hpdl.hpo.workloads import get_workload
-
-    # One intra-op thread: co-located trials each need a core for Python and kernel launches.
-    torch.set_num_threads(int(os.environ.get("HPDL_HPO_CPU_THREADS", "1")))
-    if torch_device != "cpu":
-        # no cudnn.benchmark: its autotuning allocates transient workspaces a profile cannot bound
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    dev = torch.device(torch_device)
-    workload = get_workload(spec["workload"])
-    study = optuna.load_study(study_name=spec["study"], storage=make_storage(spec["storage"]),
-                              sampler=optuna.samplers.RandomSampler(), pruner=make_pruner(spec["pruner"]))
-    run_dir = Path(spec["run_dir"])
+    env = _Env(device, spec, torch_device)
     conn.send(("ready", os.getpid()))
     while True:
         if not conn.poll(1.0):
@@ -145,32 +219,65 @@ def worker_main(conn, device: dict, spec: dict, parent_pid: int, sm_percent: int
             return
         if msg[0] != "run":
             continue  # a late preempt for a trial that already ended
-        task: dict[str, Any] = msg[1]
-        tid = task["trial_id"]
+        if not run_task(env, conn, msg[1], parent_pid):
+            return
+
+
+_RAY_ENVS: dict[tuple, _Env] = {}  # per Ray worker process: reused by later trials of the same study
+
+
+def ray_trial(address: tuple[str, int], authkey: bytes, token: int, device: dict, spec: dict,
+              task: dict[str, Any]) -> str:
+    """Body of one trial as a Ray task (see :mod:`hpdl.hpo.ray_backend`): connect back to the driver
+    (``multiprocessing.connection`` over TCP, the same message protocol as a local worker), say
+    ``("hello", token, pid)``, train the trial on the GPU Ray assigned to this task (or the CPU for a
+    logical GPU without a CUDA device), and return. Ray keeps its worker processes, so the imports, the
+    CUDA context and the loaded study are reused by later trials that land in the same process.
+
+    Returns:
+        ``"ok"``, or ``"exit"`` after a failure (the driver has already been told).
+    """
+    from multiprocessing.connection import Client
+
+    import torch
+
+    torch_device = "cuda:0" if torch.cuda.is_available() and device["torch_device"] != "cpu" else "cpu"
+    key = (spec["study"], spec["storage"], device["id"], torch_device)
+    if key not in _RAY_ENVS:
+        _RAY_ENVS[key] = _Env(device, spec, torch_device)
+    conn = Client(address, authkey=authkey)
+    try:
+        conn.send(("hello", token, os.getpid()))
+        return "ok" if run_task(_RAY_ENVS[key], _EofSafe(conn), task, None) else "exit"
+    finally:
+        conn.close()
+
+
+class _EofSafe:
+    """A connection whose ``poll`` turns a vanished driver into a stop request, so a Ray trial ends
+    (with its last checkpoint) instead of raising inside the training loop."""
+
+    def __init__(self, conn):
+        self._conn = conn
+        self._gone = False
+
+    def send(self, msg) -> None:
+        if not self._gone:
+            with contextlib.suppress(OSError, EOFError):
+                self._conn.send(msg)
+
+    def poll(self, timeout: float = 0.0) -> bool:
         try:
-            params = workload.resolve({**spec.get("fixed", {}), **task["params"]})
-            prof = None
-            if task.get("profile"):
-                prof = StepProfiler(dev, device["kind"], TrialProfile(**task["static"]),
-                                    peak_flops=device.get("peak_flops") or 5e10,
-                                    context_bytes=int(task.get("context_bytes", CONTEXT_BYTES)))
-            ctx = TrialContext(optuna.trial.Trial(study, tid), params, dev, conn, task, run_dir,
-                               int(spec.get("checkpoint_every", 1)), prof, parent_pid)
-            value = workload.train(ctx)
-            conn.send(("done", tid, float(value)))
-        except optuna.TrialPruned:
-            conn.send(("pruned", tid))
-        except Preempted:
-            conn.send(("preempted", tid))
-        except torch.cuda.OutOfMemoryError as exc:
-            conn.send(("failed", tid, "oom", str(exc).splitlines()[0][:300]))
-            return
-        except Exception as exc:  # noqa: BLE001 - any error of user code fails this trial, with its traceback
-            # cuDNN/cuBLAS workspace failures are out-of-memory errors that are not OutOfMemoryError
-            oom = any(m in str(exc) for m in ("out of memory", "ALLOC_FAILED"))
-            conn.send(("failed", tid, "oom" if oom else "error", traceback.format_exc()[-2000:]))
-            return
-        finally:
-            if dev.type == "cuda":
-                with contextlib.suppress(Exception):  # a broken CUDA state must not hide the report above
-                    torch.cuda.empty_cache()
+            return self._gone or self._conn.poll(timeout)
+        except (OSError, EOFError):
+            self._gone = True
+            return True
+
+    def recv(self):
+        if self._gone:
+            return ("stop",)
+        try:
+            return self._conn.recv()
+        except (OSError, EOFError):
+            self._gone = True
+            return ("stop",)

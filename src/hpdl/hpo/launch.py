@@ -1,0 +1,170 @@
+"""Where trial processes come from: a launcher owns the worker handles and hides the process topology from
+the driver (as vLLM's executors do). Two launchers share one interface:
+
+- :class:`LocalLauncher`: ``multiprocessing`` worker processes on this host, one pipe each, with a **warm
+  pool** per GPU: before the clock starts, ``warm_workers`` processes per GPU are started and waited for
+  until each has imported torch, loaded the study and created its CUDA context with cuBLAS and cuDNN
+  handles (``auto``: as many as the policy ever runs on one GPU, at most 32, so every policy gets the same
+  machinery; none on fake CPU devices). The pool is kept at that size (a worker exits after a failed trial
+  and is replaced in the background); extra workers start on demand and stop after 10 s idle.
+- :class:`hpdl.hpo.ray_backend.RayBackend`: one Ray task per trial on a Ray cluster.
+
+The driver owns trial states; a launcher only starts, feeds and stops processes.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait as mp_wait
+from typing import Any
+
+from hpdl.hpo.errors import HpoError
+
+IDLE_WORKER_S = 10.0   # a worker beyond the warm pool stops after this long idle
+WARM_MAX = 32          # auto warm pool per GPU is capped here (each worker holds a CUDA context)
+WARM_TIMEOUT_S = 180.0  # the warm pool must be ready within this
+
+
+@dataclass
+class WorkerHandle:
+    """One trial process as the driver sees it: ``proc`` (is_alive/join/kill/pid/exitcode), ``conn`` (the
+    message channel; None until a remote task connected), the device, and the trial it runs (or None)."""
+
+    proc: Any
+    conn: Any
+    device_id: str
+    sm_percent: int = 100
+    trial: Any = None
+    stopping: bool = False
+    ready: bool = False
+    token: int = 0        # Ray: the token its connection announces
+    closed: bool = False  # its connection reached end of file
+    idle_since: float = field(default_factory=time.monotonic)
+
+
+def send(w: WorkerHandle, msg: tuple) -> bool:
+    """Send ``msg`` to ``w``; False when it cannot be delivered (not connected yet, or died)."""
+    if w.conn is None:
+        return False
+    try:
+        w.conn.send(msg)
+        return True
+    except (OSError, ValueError):  # the worker died; the driver's reaping handles it
+        return False
+
+
+class Launcher:
+    """Common worker bookkeeping. Subclasses implement ``start`` and may override the pool hooks."""
+
+    def __init__(self):
+        self.workers: list[WorkerHandle] = []
+
+    def warm_target(self, device) -> int:
+        """Workers kept alive on ``device`` while idle (0: none)."""
+        return 0
+
+    def warm_up(self, devices, limit_s: float) -> float:
+        """Prepare workers before the clock starts; return the seconds it took."""
+        return 0.0
+
+    def replenish(self, devices) -> None:
+        """Called every tick: keep the warm pools at their size."""
+
+    def connect(self) -> None:
+        """Called every tick: attach channels of workers that connected since."""
+
+    def start(self, device, task: dict, sm_percent: int, fraction: float) -> WorkerHandle:
+        """Run ``task`` on ``device``; ``sm_percent`` is the MPS cap, ``fraction`` the policy's GPU share."""
+        raise NotImplementedError
+
+    def stop_idle(self, devices_by_id: dict) -> None:
+        """Stop workers beyond their device's warm pool that have been idle for 10 s."""
+        for w in self.workers:
+            if w.trial is not None or w.stopping or time.monotonic() - w.idle_since <= IDLE_WORKER_S:
+                continue
+            dev = devices_by_id.get(w.device_id)
+            have = sum(x.device_id == w.device_id and not x.stopping for x in self.workers)
+            if have > (self.warm_target(dev) if dev is not None else 0):
+                w.stopping = True
+                send(w, ("stop",))
+
+    def shutdown(self) -> None:
+        """Stop every worker (stop message, 5 s join, then kill); idempotent."""
+        for w in self.workers:
+            send(w, ("stop",))
+        for w in self.workers:
+            w.proc.join(5)
+            if w.proc.is_alive():
+                w.proc.kill()
+                w.proc.join(5)
+        self.workers.clear()
+
+
+class LocalLauncher(Launcher):
+    """Worker processes on this host (``spawn``), reused across trials, with a warm pool per GPU.
+
+    Args:
+        spec: the study as a plain dict (with absolute ``storage`` and ``run_dir``), sent to workers.
+        warm_workers: ``"auto"`` or an int per device (see module docstring).
+        concurrency: the policy's most trials per device (``max_concurrency()``), for ``auto``.
+    """
+
+    def __init__(self, spec: dict, warm_workers: int | str, concurrency: int):
+        super().__init__()
+        self.spec, self.warm_workers, self.concurrency = spec, warm_workers, concurrency
+        self.ctx = mp.get_context("spawn")
+
+    def warm_target(self, device) -> int:
+        if self.warm_workers == "auto":
+            return min(WARM_MAX, self.concurrency) if device.torch_device.startswith("cuda") else 0
+        return int(self.warm_workers)
+
+    def _spawn(self, device, sm_percent: int = 100) -> WorkerHandle:
+        from hpdl.hpo.worker import worker_main
+
+        parent, child = self.ctx.Pipe()
+        proc = self.ctx.Process(target=worker_main, daemon=True, name=f"hpdl-hpo-worker-{device.id}",
+                                args=(child, device.__dict__, self.spec, os.getpid(), sm_percent))
+        proc.start()
+        child.close()
+        w = WorkerHandle(proc, parent, device.id, sm_percent)
+        self.workers.append(w)
+        return w
+
+    def replenish(self, devices) -> None:
+        for d in devices:
+            have = sum(w.device_id == d.id and not w.stopping for w in self.workers)
+            for _ in range(self.warm_target(d) - have):
+                self._spawn(d)
+
+    def warm_up(self, devices, limit_s: float) -> float:
+        """Start the warm pool on every device and wait until each worker said ``ready``.
+
+        Raises:
+            HpoError: a worker died during start-up, or the pool was not ready within ``limit_s``.
+        """
+        t0 = time.monotonic()
+        self.replenish(devices)
+        while not all(w.ready for w in self.workers):
+            for conn in mp_wait([w.conn for w in self.workers if not w.ready], timeout=1.0):
+                w = next(x for x in self.workers if x.conn is conn)
+                try:
+                    w.ready = w.conn.recv()[0] == "ready"
+                except (EOFError, OSError):
+                    raise HpoError(f"warm worker on {w.device_id} died during start-up "
+                                   f"(exit code {w.proc.exitcode})") from None
+            if time.monotonic() - t0 > limit_s:
+                raise HpoError(f"warm worker pool not ready after {limit_s:.0f} s "
+                               f"({sum(w.ready for w in self.workers)}/{len(self.workers)} ready)")
+        return time.monotonic() - t0
+
+    def start(self, device, task: dict, sm_percent: int = 100, fraction: float = 1.0) -> WorkerHandle:
+        idle = [w for w in self.workers if w.trial is None and not w.stopping and w.device_id == device.id
+                and w.sm_percent == sm_percent and w.proc.is_alive()]
+        # a ready worker first; else one still starting (the task waits in its pipe); else a new one
+        w = max(idle, key=lambda x: x.ready, default=None) or self._spawn(device, sm_percent)
+        send(w, ("run", task))  # if this fails the worker is dead: the driver's reaping retries the trial
+        return w
