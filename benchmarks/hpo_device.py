@@ -43,12 +43,19 @@ FIXED = {"image_size": 32, "samples": 19200, "min_steps": 10, "evals": 4, "val_s
 RUN_TIMEOUT_S = 80.0                 # cap per run; a run that hits it reports what finished
 
 
+# "launch": a lighter head (width <= 32, batch 32-64: a GPU busy fraction of about 0.1-0.3 alone, the
+# regime of the issue's 8-trial measurement) with the same batch-16384 tail, one configuration in six
+SPACE_LAUNCH = {**SPACE, "width": {"type": "categorical", "choices": [8, 16, 32]},
+                "batch_size": {"type": "categorical", "choices": [32, 40, 48, 56, 64, 16384]}}
+FIXED_LAUNCH = {**FIXED, "samples": 40000}   # 625-1250 steps for the head, 10 for the tail
+SPACES = {"mixed": (SPACE, FIXED), "launch": (SPACE_LAUNCH, FIXED_LAUNCH)}
+
 SMOKE_SPACE = {**SPACE, **{k: {"type": "categorical", "choices": [v]} for k, v in
                            (("width", 8), ("depth", 1), ("batch_size", 32))}}
 
 
 def run_one(policy: str, gpus: list[int], n_trials: int, scratch: str, timeout_s: float, smoke: bool = False,
-            warm: str = "auto") -> dict:
+            warm: str = "auto", space: str = "mixed") -> dict:
     from hpdl.hpo.driver import Driver
     from hpdl.hpo.errors import HpoError
     from hpdl.hpo.spec import StudySpec
@@ -58,8 +65,8 @@ def run_one(policy: str, gpus: list[int], n_trials: int, scratch: str, timeout_s
     spec = StudySpec.from_dict({
         "study": tag, "workload": "cnn", "n_trials": n_trials, "run_dir": os.path.join(scratch, tag),
         "sampler": {"name": "random", "seed": 0}, "pruner": {"name": "none"},
-        "space": SMOKE_SPACE if smoke else SPACE,
-        "fixed": {**FIXED, "samples": 960, "image_size": 16, "val_size": 256} if smoke else FIXED,
+        "space": SMOKE_SPACE if smoke else SPACES[space][0],
+        "fixed": {**FIXED, "samples": 960, "image_size": 16, "val_size": 256} if smoke else SPACES[space][1],
         "pool": {"fake": len(gpus)} if smoke else {"cuda": gpus}, "policy": pol, "max_retries": 2,
         "timeout_s": timeout_s, "warm_workers": warm if warm == "auto" else int(warm)})
     drv = Driver(spec)
@@ -91,6 +98,8 @@ def main() -> None:
     ap.add_argument("--scratch", default="/tmp/hpo_bench", help="run dirs (checkpoints, SQLite stores)")
     ap.add_argument("--smoke", action="store_true", help="tiny configurations on fake CPU devices (no GPU)")
     ap.add_argument("--warm", default="auto", help="warm workers per device: auto or an int")
+    ap.add_argument("--space", default="mixed", choices=sorted(SPACES),
+                    help="mixed: the 01:35 UTC run's space; launch: a launch-bound head with the same heavy tail")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     import optuna
@@ -102,7 +111,8 @@ def main() -> None:
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
             "optuna": optuna.__version__, "python": platform.python_version(),
             "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())], "smoke": args.smoke,
-            "cpus": os.cpu_count(), "n_trials": args.n_trials, "space": SPACE, "fixed": FIXED,
+            "cpus": os.cpu_count(), "n_trials": args.n_trials, "space": SPACES[args.space][0],
+            "fixed": SPACES[args.space][1], "space_name": args.space,
             "mps": mps_active(), "command": " ".join(["benchmarks/hpo_device.py"] + __import__("sys").argv[1:])}
     runs = []
     for i, pool in enumerate(args.pools.split(";")):
@@ -116,7 +126,7 @@ def main() -> None:
             timeout = min(left - 10, args.run_timeout_s)
             print(f"[{time.monotonic() - t0:6.1f} s] {policy} on GPUs {gpus} (timeout {timeout:.0f} s)", flush=True)
             try:
-                r = run_one(policy, gpus, args.n_trials, args.scratch, timeout, args.smoke, args.warm)
+                r = run_one(policy, gpus, args.n_trials, args.scratch, timeout, args.smoke, args.warm, args.space)
             except Exception as exc:  # noqa: BLE001 - record and go on to the next run
                 r = {"tag": f"{policy}-{len(gpus)}gpu", "error": f"{type(exc).__name__}: {exc}"}
             runs.append(r)
