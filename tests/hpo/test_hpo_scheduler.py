@@ -64,12 +64,20 @@ def test_fixed_fraction_ignores_memory_and_caps_slots():
 
 def test_pack_colocates_light_trials_and_respects_compute_gain():
     states = [DeviceState(d) for d in pool(1, mem_gb=80)]
-    light = [TrialDemand(k, GIB, compute=0.15, profiled=True) for k in range(10)]
-    out = apply(Pack(), light, states)
+    light = [TrialDemand(k, GIB, compute=0.15, profiled=True) for k in range(20)]
+    out = apply(Pack(max_compute=1.0), light, states)
     # co-locate while the device still has idle compute: 7 x 0.15 = 1.05 >= 1 stops it
     assert len(out) == 7
     heavy = TrialDemand(50, GIB, compute=0.95, profiled=True)
-    assert Pack().place([heavy], states) == []
+    assert Pack(max_compute=1.0).place([heavy], states) == []
+
+
+def test_pack_default_oversubscribes_light_trials_to_the_calibrated_cap():
+    states = [DeviceState(d) for d in pool(1, mem_gb=80)]
+    light = [TrialDemand(k, GIB, compute=0.15, profiled=True) for k in range(20)]
+    out = apply(Pack(max_trials_per_device=32), light, states)
+    assert len(out) == 14   # 14 x 0.15 = 2.1 >= 2.0 (the default max_compute) stops it
+    assert Pack(max_trials_per_device=32).place([TrialDemand(50, GIB, compute=0.3, profiled=True)], states) == []
 
 
 def test_pack_heavy_memory_goes_alone_and_light_fill_elsewhere():
@@ -110,8 +118,10 @@ def test_starving_trial_reserves_a_device():
 
 def test_mps_share_and_errors():
     states = [DeviceState(d) for d in pool(1)]
-    a = Pack(mps=True).place([TrialDemand(0, GIB, 0.3, profiled=True)], states)[0]
+    a = Pack(mps=True, max_compute=1.0).place([TrialDemand(0, GIB, 0.3, profiled=True)], states)[0]
     assert a.sm_percent == 30
+    a = Pack(mps=True).place([TrialDemand(0, GIB, 0.3, profiled=True)], states)[0]
+    assert a.sm_percent == 15   # SM shares split the GPU in proportion to max_compute: they sum to <= 100
     with pytest.raises(HpoConfigError, match="expected one of"):
         get_policy("nope")
     with pytest.raises(HpoConfigError, match="fraction"):
@@ -146,7 +156,7 @@ def test_pack_hetero_migrates_promising_trial_to_free_fast_gpu_only():
     short = TrialDemand(2, GIB, 0.2, work_s=1, priority=1.0, profiled=True)
     states = [DeviceState(slow, [hot, cold, short]), DeviceState(fast)]
     assert PackHetero().migrations(states) == [0]      # one per target GPU per call, the promising long one
-    busy = DeviceState(fast, [TrialDemand(9, GIB, 1.0, profiled=True)])
+    busy = DeviceState(fast, [TrialDemand(9, GIB, 1.0, profiled=True), TrialDemand(8, GIB, 1.0, profiled=True)])
     assert PackHetero().migrations([states[0], busy]) == []  # no idle compute on the fast GPU
     full = DeviceState(Device("f", "H", 2 * GIB, 2.0), [TrialDemand(9, int(1.5 * GIB), 0.1, profiled=True)])
     assert PackHetero().migrations([states[0], full]) == []  # does not fit in memory
@@ -155,7 +165,7 @@ def test_pack_hetero_migrates_promising_trial_to_free_fast_gpu_only():
 def test_unprofiled_share_follows_the_measured_median():
     states = [DeviceState(d) for d in pool(1, mem_gb=80)]
     new = [TrialDemand(k, GIB, profiled=False) for k in range(8)]
-    p = Pack()
+    p = Pack(max_compute=1.0)   # the rule, at a cap of one GPU
     assert len(p.place(new, states)) == 4  # 0.25 each before any profile
     for c in (1.0, 1.0, 0.9):
         p.observe(c)                          # a GPU-bound study: unknown trials now count as a full GPU
@@ -166,7 +176,7 @@ def test_unprofiled_share_follows_the_profiled_configuration_nearest_in_flops():
     """Launch-bound small trials and a GPU-bound large one in one study: an unprofiled trial borrows the
     share measured for the configuration of similar FLOPs, not the study median."""
     states = [DeviceState(d) for d in pool(1, mem_gb=80)]
-    p = Pack(max_trials_per_device=32)
+    p = Pack(max_trials_per_device=32, max_compute=1.0)
     p.observe(0.1, flops=1e9)
     p.observe(0.12, flops=2e9)
     p.observe(1.0, flops=1e12)

@@ -181,7 +181,11 @@ class Pack(SchedulingPolicy):
     nothing else is started there until it fits.
 
     Args:
-        max_compute: a device whose summed busy fraction reached this takes no more trials.
+        max_compute: a device whose summed busy fraction reached this takes no more trials. 2.0 by default,
+            calibrated on an H200: the busy fraction covers training steps only (a trial's start-up and
+            evaluations leave the GPU idle), and light trials time-sliced near the ideal well past a summed
+            fraction of 1 (7 trials of busy fraction <= 0.2 ran 1.49x slower each, docs/benchmarks/hpo.md),
+            while 8 trials of >= 0.5 (a sum near 4) ran 10-12x slower.
         max_trials_per_device: cap on co-located processes (each needs a CPU core to launch its kernels and
             a CUDA context); ``None``: the driver sets it from the host's cores per GPU
             (``(cores - 1) // gpus``), 16 elsewhere (simulator).
@@ -194,7 +198,7 @@ class Pack(SchedulingPolicy):
 
     name = "pack"
 
-    def __init__(self, max_compute: float = 1.0, max_trials_per_device: int | None = None,
+    def __init__(self, max_compute: float = 2.0, max_trials_per_device: int | None = None,
                  unprofiled_compute: float = 0.25, starve_after_s: float = 30.0, mps: bool | str = False):
         if max_compute <= 0:
             raise HpoConfigError(f"max_compute={max_compute}, expected > 0")
