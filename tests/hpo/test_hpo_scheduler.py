@@ -80,6 +80,22 @@ def test_pack_default_oversubscribes_light_trials_to_the_calibrated_cap():
     assert Pack(max_trials_per_device=32).place([TrialDemand(50, GIB, compute=0.3, profiled=True)], states) == []
 
 
+def test_pack_heavy_trials_keep_the_one_gpu_cap():
+    """A GPU-bound trial never joins a device past a summed busy fraction of 1, and a device running one
+    takes light trials only up to 1 (heavy trials thrash when stacked: 10-12x slower on the H200)."""
+    states = [DeviceState(d) for d in pool(1, mem_gb=80)]
+    p = Pack(max_trials_per_device=32)
+    light = [TrialDemand(k, GIB, compute=0.15, profiled=True) for k in range(7)]
+    apply(p, light, states)                                                   # sum 1.05
+    assert p.place([TrialDemand(50, GIB, compute=0.6, profiled=True)], states) == []
+    states = [DeviceState(d) for d in pool(1, mem_gb=80)]
+    apply(p, [TrialDemand(60, GIB, compute=0.6, profiled=True)], states)     # a heavy trial alone
+    more = [TrialDemand(k, GIB, compute=0.15, profiled=True) for k in range(10)]
+    assert len(p.place(more, states)) == 3                                    # 0.6 + 3 x 0.15 = 1.05
+    with pytest.raises(HpoConfigError, match="light_below"):
+        Pack(light_below=0)
+
+
 def test_pack_heavy_memory_goes_alone_and_light_fill_elsewhere():
     states = [DeviceState(d) for d in pool(2, mem_gb=20)]
     pending = [TrialDemand(0, 18 * GIB, 0.5, profiled=True)] + [TrialDemand(k, 3 * GIB, 0.1, profiled=True)

@@ -181,11 +181,13 @@ class Pack(SchedulingPolicy):
     nothing else is started there until it fits.
 
     Args:
-        max_compute: a device whose summed busy fraction reached this takes no more trials. 2.0 by default,
-            calibrated on an H200: the busy fraction covers training steps only (a trial's start-up and
-            evaluations leave the GPU idle), and light trials time-sliced near the ideal well past a summed
-            fraction of 1 (7 trials of busy fraction <= 0.2 ran 1.49x slower each, docs/benchmarks/hpo.md),
-            while 8 trials of >= 0.5 (a sum near 4) ran 10-12x slower.
+        max_compute: a device whose summed busy fraction reached this takes no more light trials. 2.0 by
+            default, calibrated on an H200: the busy fraction covers training steps only (a trial's start-up
+            and evaluations leave the GPU idle), and light trials time-sliced near the ideal well past a
+            summed fraction of 1 (7 trials of busy fraction <= 0.2 ran 1.49x slower each,
+            docs/benchmarks/hpo.md), while trials of >= 0.5 next to 7 others ran 10-12x slower.
+        light_below: trials with a busy fraction under this are light; a device that runs a heavier trial,
+            or is offered one, stays under a summed fraction of ``min(1, max_compute)``.
         max_trials_per_device: cap on co-located processes (each needs a CPU core to launch its kernels and
             a CUDA context); ``None``: the driver sets it from the host's cores per GPU
             (``(cores - 1) // gpus``), 16 elsewhere (simulator).
@@ -199,9 +201,13 @@ class Pack(SchedulingPolicy):
     name = "pack"
 
     def __init__(self, max_compute: float = 2.0, max_trials_per_device: int | None = None,
-                 unprofiled_compute: float = 0.25, starve_after_s: float = 30.0, mps: bool | str = False):
+                 unprofiled_compute: float = 0.25, starve_after_s: float = 30.0, mps: bool | str = False,
+                 light_below: float = 0.5):
         if max_compute <= 0:
             raise HpoConfigError(f"max_compute={max_compute}, expected > 0")
+        if not 0 < light_below <= 1:
+            raise HpoConfigError(f"light_below={light_below}, expected in (0, 1]")
+        self.light_below = light_below
         if max_trials_per_device is not None and max_trials_per_device < 1:
             raise HpoConfigError(f"max_trials_per_device={max_trials_per_device}, expected >= 1")
         self.max_compute = max_compute
@@ -257,6 +263,8 @@ class Pack(SchedulingPolicy):
         # entries with a negative key are idle worker processes (memory only): not trials
         count = {d.device.id: sum(t.key >= 0 for t in d.running) for d in devices}
         work = {d.device.id: sum(t.work_s for t in d.running) for d in devices}
+        heavy = {d.device.id: any(t.key >= 0 and self._compute(t) >= self.light_below for t in d.running)
+                 for d in devices}
         by_id = {d.device.id: d.device for d in devices}
         biggest = max((d.memory_bytes for d in by_id.values()), default=0)
         reserved: set[str] = set()
@@ -267,11 +275,12 @@ class Pack(SchedulingPolicy):
             cands = [d for d in by_id.values() if d.memory_bytes >= t.memory_bytes]
             if cands:
                 dev = min(cands, key=lambda d: (mem[d.id] - (d.memory_bytes - t.memory_bytes), d.id))
-                if not self._fits(t, dev, mem, comp, count, biggest):
+                if not self._fits(t, dev, mem, comp, count, biggest, heavy):
                     reserved.add(dev.id)
         out = []
         for t in self._order(pending):
-            fits = [d for d in by_id.values() if d.id not in reserved and self._fits(t, d, mem, comp, count, biggest)]
+            fits = [d for d in by_id.values()
+                    if d.id not in reserved and self._fits(t, d, mem, comp, count, biggest, heavy)]
             if not fits:
                 continue
             dev = min(fits, key=lambda d: (self._score(t, d, comp[d.id], work[d.id]), d.id))
@@ -280,11 +289,17 @@ class Pack(SchedulingPolicy):
             mem[dev.id] += t.memory_bytes
             comp[dev.id] += c
             count[dev.id] += 1
+            heavy[dev.id] = heavy[dev.id] or c >= self.light_below
             sm = min(100, int(math.ceil(100 * c / self.max_compute))) if self.mps else 100
             out.append(Assignment(t.key, dev.id, sm))
         return out
 
-    def _fits(self, t, dev: Device, mem, comp, count, biggest: int = 0) -> bool:
+    def _limit(self, t, heavy_here: bool) -> float:
+        """Summed busy fraction under which ``t`` may join a device (see ``light_below``)."""
+        light = not heavy_here and self._compute(t) < self.light_below
+        return self.max_compute if light else min(1.0, self.max_compute)
+
+    def _fits(self, t, dev: Device, mem, comp, count, biggest: int = 0, heavy=None) -> bool:
         if mem[dev.id] + t.memory_bytes > dev.memory_bytes:
             # The static bound of an unprofiled trial is generous: if it exceeds every device, try it alone
             # on the largest one (its profile will tell); a profiled trial that fits nowhere never runs.
@@ -294,7 +309,8 @@ class Pack(SchedulingPolicy):
             return False
         # Gain test: co-locate only while the device still has idle compute (its load is under the cap);
         # an empty device always takes a trial that fits in memory.
-        return count[dev.id] == 0 or comp[dev.id] < self.max_compute * dev.compute - 1e-9
+        limit = self._limit(t, bool(heavy and heavy.get(dev.id)))
+        return count[dev.id] == 0 or comp[dev.id] < limit * dev.compute - 1e-9
 
 
 class PackHetero(Pack):
@@ -331,7 +347,9 @@ class PackHetero(Pack):
                 if dv.id in taken or dv.speed < 1.5 * src.device.speed:
                     continue
                 load = sum(self._compute(x) for x in dst.running)
-                if dst.memory_used + t.memory_bytes <= dv.memory_bytes and load < self.max_compute * dv.compute:
+                heavy_there = any(x.key >= 0 and self._compute(x) >= self.light_below for x in dst.running)
+                if dst.memory_used + t.memory_bytes <= dv.memory_bytes and \
+                        load < self._limit(t, heavy_there) * dv.compute:
                     out.append(t.key)
                     taken.add(dv.id)
                     break
