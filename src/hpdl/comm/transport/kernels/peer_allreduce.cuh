@@ -36,6 +36,7 @@
 #include <stdio.h>
 
 #include "peer_args.h"
+#include "peer_sync.cuh"
 
 namespace hpdl {
 
@@ -47,20 +48,6 @@ __device__ __forceinline__ uint32_t* flag_ptr(char* buf, int algo, int block, in
 __device__ __forceinline__ uint32_t* counter_ptr(char* buf, int algo, int block) {
   return reinterpret_cast<uint32_t*>(buf + kFlagsBytes) + (long long)algo * kMaxBlocks + block;
 }
-__device__ __forceinline__ void st_release_sys(uint32_t* p, uint32_t v) {
-  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ unsigned long long global_timer_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
 // Every rank's block b meets here; see the header comment.
 __device__ __forceinline__ void peer_barrier(const PeerArgs& a, int algo, uint32_t epoch) {
   __syncthreads();

@@ -30,6 +30,7 @@
 #include <stdio.h>
 
 #include "peer_args.h"
+#include "peer_sync.cuh"
 
 namespace hpdl {
 
@@ -44,20 +45,6 @@ __device__ __forceinline__ uint32_t* a2a_epoch(char* buf, int algo, int block, i
 __device__ __forceinline__ char* a2a_slot(const A2AArgs& a, int q, int half, int idx) {
   return a.bufs[q] + a.region + (((long long)blockIdx.x * 2 + half) * a.world + idx) * a.slot_bytes;
 }
-__device__ __forceinline__ void a2a_st_release(uint32_t* p, uint32_t v) {
-  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ uint32_t a2a_ld_acquire(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ unsigned long long a2a_now_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
 // Copy n units of V; `cg` loads bypass L1 (slots written by another GPU).
 template <typename V, bool CG>
 __device__ __forceinline__ void copy_units(V* __restrict__ dst, const V* __restrict__ src, long long n) {
@@ -81,11 +68,11 @@ __device__ __forceinline__ void pair_barrier(const A2AArgs& a, int algo, unsigne
   __syncthreads();
   const int t = threadIdx.x;
   if (t < a.world && ((mask >> t) & 1u)) {
-    a2a_st_release(a2a_flag(a.bufs[t], algo, blockIdx.x, a.rank), epoch[t]);
+    st_release_sys(a2a_flag(a.bufs[t], algo, blockIdx.x, a.rank), epoch[t]);
     const uint32_t* mine = a2a_flag(a.bufs[a.rank], algo, blockIdx.x, t);
-    const unsigned long long t0 = a2a_now_ns();
-    while (static_cast<int>(a2a_ld_acquire(mine) - epoch[t]) < 0) {
-      if (a2a_now_ns() - t0 > a.timeout_ns) {
+    const unsigned long long t0 = global_timer_ns();
+    while (static_cast<int>(ld_acquire_sys(mine) - epoch[t]) < 0) {
+      if (global_timer_ns() - t0 > a.timeout_ns) {
         printf("hpdl peer all_to_all: rank %d block %d timed out waiting for rank %d (epoch %u)\n", a.rank,
                blockIdx.x, t, epoch[t]);
         __trap();
