@@ -80,11 +80,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args._cls().run(args) or 0)
     except CLIUsageError as exc:
-        args._parser.print_help(sys.stderr)
-        print(f"\nhpdl {args.group}: error: {exc}", file=sys.stderr)
+        args._parser.print_usage(sys.stderr)
+        print(f"hpdl {args.group}: error: {exc} (see hpdl {args.group} --help)", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
+    except ModuleNotFoundError as exc:  # an optional dependency imported late, inside the command
+        if args.debug:
+            raise
+        extra = GROUPS[args.group][2]
+        hint = f"pip install 'hpdl[{extra}]'" if extra else f"pip install {exc.name}"
+        print(f"hpdl {args.group} needs the module {exc.name!r}: {hint}", file=sys.stderr)
+        return 1
     except Exception as exc:  # noqa: BLE001 - the CLI's job is to report, --debug shows the traceback
         if args.debug:
             raise

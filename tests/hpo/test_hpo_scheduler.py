@@ -91,9 +91,19 @@ def test_pack_heavy_trials_keep_the_one_gpu_cap():
     states = [DeviceState(d) for d in pool(1, mem_gb=80)]
     apply(p, [TrialDemand(60, GIB, compute=0.6, profiled=True)], states)     # a heavy trial alone
     more = [TrialDemand(k, GIB, compute=0.15, profiled=True) for k in range(10)]
-    assert len(p.place(more, states)) == 3                                    # 0.6 + 3 x 0.15 = 1.05
+    assert len(p.place(more, states)) == 2                                    # 0.6 + 2 x 0.15 = 0.9 <= 1
+    states = [DeviceState(d) for d in pool(1, mem_gb=80)]
+    two = [TrialDemand(70, GIB, compute=0.95, profiled=True), TrialDemand(71, GIB, compute=0.95, profiled=True)]
+    assert len(p.place(two, states)) == 1                                     # 1.9 would exceed one GPU
     with pytest.raises(HpoConfigError, match="light_below"):
         Pack(light_below=0)
+
+
+def test_pack_first_wave_before_any_profile_keeps_the_one_gpu_cap():
+    """Unprofiled trials (0.25 guessed) may be heavy: until a profile exists they fill one GPU's worth only."""
+    states = [DeviceState(d) for d in pool(1, mem_gb=80)]
+    new = [TrialDemand(k, GIB, profiled=False) for k in range(10)]
+    assert len(Pack(max_trials_per_device=32).place(new, states)) == 4
 
 
 def test_pack_heavy_memory_goes_alone_and_light_fill_elsewhere():

@@ -96,9 +96,17 @@ def _barrier(ctx: Context) -> None:
     _reduce_scalar(0.0, dist.ReduceOp.SUM, ctx)
 
 
-def _resolved_name(algorithm: str, nbytes: int, world: int, device: str) -> tuple[str, int | None]:
+def _resolved_name(algorithm: str, nbytes: int, world: int, device: str,
+                   collective: str = "allreduce") -> tuple[str, int | None]:
+    """What ``auto`` resolves to for this row (all_to_all_single has its own table)."""
     name = canonical(algorithm)
-    return tuning.select(nbytes, world, device) if name == "auto" else (name, None)
+    if name != "auto":
+        return name, None
+    if collective == "alltoall":
+        from hpdl.comm.algorithms.alltoall import select
+
+        return select(nbytes, world, device), None
+    return tuning.select(nbytes, world, device)
 
 
 def run_sweep(ctx: Context, cfg: BenchConfig) -> list[Row]:
@@ -138,7 +146,7 @@ def run_sweep(ctx: Context, cfg: BenchConfig) -> list[Row]:
             hi = _reduce_scalar(mean, dist.ReduceOp.MAX, ctx)
             nbytes = count * esize
             algbw = nbytes / (avg * 1e-6) / 1e9 if avg > 0 else 0.0
-            resolved, window = _resolved_name(algorithm, nbytes, p, ctx.device.type)
+            resolved, window = _resolved_name(algorithm, nbytes, p, ctx.device.type, cfg.collective)
             size_rows.append(Row(nbytes, count, cfg.dtype, cfg.op, algorithm, resolved,
                                  cfg.window if cfg.window is not None else window, avg, lo, hi, algbw,
                                  algbw * spec.busbw_factor(p), int(wrong), iters))

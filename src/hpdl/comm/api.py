@@ -162,6 +162,23 @@ def _state(group) -> _GroupState:
     return st
 
 
+def forget_group(group) -> None:
+    """Drop everything hpdl.comm caches for ``group`` (transports, algorithms, hot-path entries, peer-memory
+    registrations) without communicating, so that a destroyed group can be freed with its sockets. Call it on
+    every rank after the group's last collective; peer-memory buffers are unmapped at process exit."""
+    from hpdl.comm.algorithms import peer, peer_alltoall
+
+    key = group if group is not None else "world"
+    st = _STATES.pop(key, None)
+    for k in [k for k, v in _FAST.items() if st is not None and v[0] is st]:
+        del _FAST[k]
+    if st is not None and st._executor is not None:
+        st._executor.shutdown(wait=True)
+    for registry in (peer._COMMS, peer_alltoall._COMMS):
+        for k in [k for k in registry if k[0] is group or (group is None and k[0] is None)]:
+            del registry[k]
+
+
 def reset() -> None:
     """Drop cached transports and buffers (call after destroying process groups)."""
     from hpdl.comm.algorithms import peer_alltoall

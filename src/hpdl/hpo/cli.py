@@ -35,7 +35,8 @@ class HpoCommand:
             p.add_argument("--out", help="write the result as JSON to this file")
             p.add_argument("--format", choices=("table", "json"), default="table")
         p = sub.add_parser("status", help="trial counts, best value and running trials of a study")
-        p.add_argument("study_file", nargs="?", help="YAML study file (or give --storage and --study)")
+        p.add_argument("study_file", nargs="?", help="YAML study file (or give --storage and --study; default: the "
+                                                     "shipped CPU example that `hpdl hpo run` runs)")
         p.add_argument("--storage", help="SQLAlchemy URL of the study store")
         p.add_argument("--study", help="study name")
         p.add_argument("--format", choices=("table", "json"), default="table")
@@ -101,8 +102,12 @@ class HpoCommand:
             storage, study = spec.storage, spec.study
         elif args.storage and args.study:
             storage, study = args.storage, args.study
-        else:
-            raise CLIUsageError("give a study file, or both --storage and --study")
+        elif args.storage or args.study:
+            raise CLIUsageError("give both --storage and --study, or a study file")
+        else:  # the shipped example, as `hpdl hpo run` without a file
+            args.study_file = _example()
+            spec = self._spec(args)
+            storage, study = spec.storage, spec.study
         s = study_status(storage, study)
         if args.format == "json":
             print(json.dumps(s, indent=1))

@@ -108,12 +108,17 @@ class Driver:
             raise HpoError(f"study {spec.study!r} not found in {spec.storage}; use `hpdl hpo run` to start it")
         if not resume and spec.study in names:
             raise HpoError(f"study {spec.study!r} already exists in {spec.storage}; use `hpdl hpo resume`")
+        sampler, pruner = make_sampler(spec.sampler, spec.space), make_pruner(spec.pruner)  # fail before Ray
         if spec.backend.get("name", "local") == "ray":  # joins or starts Ray: only once the study checks passed
             from hpdl.hpo.ray_backend import RayBackend
             self.backend = self.pool = RayBackend(spec.backend, spec.pool, self._spec_dict)
-        self.study = optuna.create_study(study_name=spec.study, storage=storage, load_if_exists=resume,
-                                         sampler=make_sampler(spec.sampler, spec.space),
-                                         pruner=make_pruner(spec.pruner), direction=spec.direction)
+        try:
+            self.study = optuna.create_study(study_name=spec.study, storage=storage, load_if_exists=resume,
+                                             sampler=sampler, pruner=pruner, direction=spec.direction)
+        except BaseException:
+            if self.backend is not None:  # do not leave Ray holding the GPUs' placement group
+                self.backend.shutdown()
+            raise
         self.study.set_user_attr("hpdl_spec", spec.to_dict())
         self.progress = progress
         self.host = socket.gethostname()

@@ -33,7 +33,7 @@ import socket
 import threading
 import time
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Listener
+from multiprocessing.connection import Listener, answer_challenge, deliver_challenge
 from typing import Any
 
 from hpdl.hpo.errors import HpoConfigError, HpoError
@@ -145,8 +145,10 @@ class RayBackend(Launcher):
             self._devices.append(d)
             self._index[d.id] = i
         self._authkey = os.urandom(16)
-        self._listener = Listener(("0.0.0.0", 0), authkey=self._authkey)
         host = cfg.get("driver_host") or ray.util.get_node_ip_address() or socket.gethostname()
+        # no authkey on the listener: each connection's challenge runs in its own thread with a deadline, so a
+        # silent connection cannot stall the trials behind it
+        self._listener = Listener((host, 0))
         self.address = (host, self._listener.address[1])
         self._conns: dict[int, Any] = {}
         self._pids: dict[int, int] = {}
@@ -166,15 +168,30 @@ class RayBackend(Launcher):
         while not self._closed:
             try:
                 conn = listener.accept()
-                if not conn.poll(30):
-                    conn.close()
-                    continue
-                kind, token, pid = conn.recv()
-            except (OSError, EOFError, ValueError, TypeError, AuthenticationError):
-                continue  # a refused handshake, a stray message, or the listener closed
-            if kind == "hello":
-                with self._lock:
-                    self._conns[token], self._pids[token] = conn, pid
+            except OSError:
+                continue  # the listener closed (the loop then ends) or a connection failed
+            threading.Thread(target=self._handshake, args=(conn,), daemon=True, name="hpdl-hpo-ray-hello").start()
+
+    def _handshake(self, conn, deadline_s: float = 30.0) -> None:
+        """Authenticate one connection and read its hello; closed if it does not finish within the deadline."""
+        timer = threading.Timer(deadline_s, conn.close)
+        timer.start()
+        try:
+            deliver_challenge(conn, self._authkey)
+            answer_challenge(conn, self._authkey)
+            if not conn.poll(deadline_s):
+                raise EOFError("no hello")
+            kind, token, pid = conn.recv()
+        except (OSError, EOFError, ValueError, TypeError, AuthenticationError):
+            conn.close()  # a refused handshake, a stray message, a silent peer, or the listener closed
+            return
+        finally:
+            timer.cancel()
+        if kind == "hello":
+            with self._lock:
+                self._conns[token], self._pids[token] = conn, pid
+        else:
+            conn.close()
 
     def devices(self) -> list[Device]:
         """The pool (fixed for the study: one bundle per GPU)."""

@@ -186,8 +186,9 @@ class Pack(SchedulingPolicy):
             and evaluations leave the GPU idle), and light trials time-sliced near the ideal well past a
             summed fraction of 1 (7 trials of busy fraction <= 0.2 ran 1.49x slower each,
             docs/benchmarks/hpo.md), while trials of >= 0.5 next to 7 others ran 10-12x slower.
-        light_below: trials with a busy fraction under this are light; a device that runs a heavier trial,
-            or is offered one, stays under a summed fraction of ``min(1, max_compute)``.
+        light_below: trials with a measured (or measured-neighbour) busy fraction under this are light; a
+            heavier trial joins a device only if the sum after it stays within ``min(1, max_compute)``, and a
+            device running one takes more trials only on the same terms.
         max_trials_per_device: cap on co-located processes (each needs a CPU core to launch its kernels and
             a CUDA context); ``None``: the driver sets it from the host's cores per GPU
             (``(cores - 1) // gpus``), 16 elsewhere (simulator).
@@ -263,8 +264,7 @@ class Pack(SchedulingPolicy):
         # entries with a negative key are idle worker processes (memory only): not trials
         count = {d.device.id: sum(t.key >= 0 for t in d.running) for d in devices}
         work = {d.device.id: sum(t.work_s for t in d.running) for d in devices}
-        heavy = {d.device.id: any(t.key >= 0 and self._compute(t) >= self.light_below for t in d.running)
-                 for d in devices}
+        heavy = {d.device.id: any(t.key >= 0 and not self._light(t) for t in d.running) for d in devices}
         by_id = {d.device.id: d.device for d in devices}
         biggest = max((d.memory_bytes for d in by_id.values()), default=0)
         reserved: set[str] = set()
@@ -289,15 +289,30 @@ class Pack(SchedulingPolicy):
             mem[dev.id] += t.memory_bytes
             comp[dev.id] += c
             count[dev.id] += 1
-            heavy[dev.id] = heavy[dev.id] or c >= self.light_below
+            heavy[dev.id] = heavy[dev.id] or not self._light(t)
             sm = min(100, int(math.ceil(100 * c / self.max_compute))) if self.mps else 100
             out.append(Assignment(t.key, dev.id, sm))
         return out
 
+    def _light(self, t) -> bool:
+        """Light: a busy fraction under ``light_below`` that was measured, or guessed from measured ones; a trial
+        guessed before any profile exists is not (it may be a heavy one)."""
+        return self._compute(t) < self.light_below and (t.profiled or bool(self._observed))
+
     def _limit(self, t, heavy_here: bool) -> float:
         """Summed busy fraction under which ``t`` may join a device (see ``light_below``)."""
-        light = not heavy_here and self._compute(t) < self.light_below
-        return self.max_compute if light else min(1.0, self.max_compute)
+        return self.max_compute if not heavy_here and self._light(t) else min(1.0, self.max_compute)
+
+    def _joins(self, t, load: float, count: int, capacity: float, heavy_here: bool) -> bool:
+        """Gain test. An empty device takes any trial; a light trial joins while the load is under the cap
+        (the last one may push the sum past it, which only time-slices); a heavy one only if the sum after it
+        stays within the one-GPU cap (stacked heavy trials thrash)."""
+        if count == 0:
+            return True
+        limit = self._limit(t, heavy_here) * capacity
+        if self._light(t) and not heavy_here:
+            return load < limit - 1e-9
+        return load + self._compute(t) <= limit + 1e-9
 
     def _fits(self, t, dev: Device, mem, comp, count, biggest: int = 0, heavy=None) -> bool:
         if mem[dev.id] + t.memory_bytes > dev.memory_bytes:
@@ -309,8 +324,7 @@ class Pack(SchedulingPolicy):
             return False
         # Gain test: co-locate only while the device still has idle compute (its load is under the cap);
         # an empty device always takes a trial that fits in memory.
-        limit = self._limit(t, bool(heavy and heavy.get(dev.id)))
-        return count[dev.id] == 0 or comp[dev.id] < limit * dev.compute - 1e-9
+        return self._joins(t, comp[dev.id], count[dev.id], dev.compute, bool(heavy and heavy.get(dev.id)))
 
 
 class PackHetero(Pack):
@@ -347,9 +361,10 @@ class PackHetero(Pack):
                 if dv.id in taken or dv.speed < 1.5 * src.device.speed:
                     continue
                 load = sum(self._compute(x) for x in dst.running)
-                heavy_there = any(x.key >= 0 and self._compute(x) >= self.light_below for x in dst.running)
+                heavy_there = any(x.key >= 0 and not self._light(x) for x in dst.running)
+                n_there = sum(x.key >= 0 for x in dst.running)
                 if dst.memory_used + t.memory_bytes <= dv.memory_bytes and \
-                        load < self._limit(t, heavy_there) * dv.compute:
+                        self._joins(t, load, n_there, dv.compute, heavy_there):
                     out.append(t.key)
                     taken.add(dv.id)
                     break

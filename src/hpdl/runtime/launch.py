@@ -135,6 +135,7 @@ def init_from_env(device: str = "cpu", ranks_per_node: int | Sequence[int] | Non
 
 def _worker(rank, nprocs, port, fn, args, device, ranks_per_node, timeout, results) -> None:
     try:
+        os.environ["HPDL_TIMEOUT"] = str(timeout)  # hpdl.comm's collectives default to the job's timeout
         threads = max(1, (os.cpu_count() or 1) // nprocs)
         torch.set_num_threads(threads)
         dev, backend = _resolve_device(device, rank)

@@ -139,8 +139,11 @@ class TPExecutor:
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
         wire = dataclasses.replace(plan, requests=[])  # workers need tensors' inputs only
-        for conn in self.inboxes:
-            conn.send(wire)
+        for rank, conn in enumerate(self.inboxes, start=1):
+            try:
+                conn.send(wire)
+            except (BrokenPipeError, ConnectionError, OSError) as exc:
+                raise WorkerFailedError(f"TP rank {rank} is gone (its pipe: {exc!r})") from None
         try:  # a worker that failed since the last step is reported instead of hanging in a collective
             rank, err = self.errors.get_nowait()
             raise WorkerFailedError(f"TP rank {rank} failed:\n{err}")

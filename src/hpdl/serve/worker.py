@@ -124,6 +124,10 @@ class ModelRunner:
         self._pool = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        if self.all_reduce == "hpdl":  # hpdl.comm's cache would keep the destroyed group (and its sockets) alive
+            import hpdl.comm as hc
+
+            hc.forget_group(self.model.group)
 
     def _replay(self, plan: StepPlan, kv_len: int) -> torch.Tensor:
         if plan.start != 0:
