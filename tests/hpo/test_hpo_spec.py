@@ -85,3 +85,17 @@ def test_pool_forms_and_elastic_file(tmp_path):
     f.write_text("fake: [unclosed")  # mid-edit garbage keeps the last good pool
     os.utime(f, ns=(1, 2 * 10**18))
     assert len(src.devices()) == 2
+
+
+@pytest.mark.parametrize("over, match", [
+    ({"warm_workers": True}, "warm_workers"),
+    ({"policy": {"name": "pack", "max_trials_per_device": 1.5}}, "max_trials_per_device"),
+    ({"policy": {"name": "pack", "max_compute": "2"}}, "max_compute"),
+    ({"backend": {"name": "local", "adress": "x"}}, "unknown keys"),
+])
+def test_new_keys_are_type_checked(over, match):
+    d = {"study": "s", "workload": "cnn", "n_trials": 2, "space": {"lr": {"type": "float", "low": 0.01, "high": 0.1}},
+         "pool": {"fake": 1}}
+    d.update(over)
+    with pytest.raises(HpoConfigError, match=match):
+        StudySpec.from_dict(d)

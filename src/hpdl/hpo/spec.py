@@ -77,10 +77,22 @@ class StudySpec:
         self.direction = self.direction or w.direction
         if self.direction not in ("minimize", "maximize"):
             raise HpoConfigError(f"direction={self.direction!r}, expected 'minimize' or 'maximize'")
-        if self.warm_workers != "auto" and not (isinstance(self.warm_workers, int) and self.warm_workers >= 0):
+        if self.warm_workers != "auto" and not (type(self.warm_workers) is int and self.warm_workers >= 0):
             raise HpoConfigError(f"warm_workers={self.warm_workers!r}, expected 'auto' or an int >= 0")
         if not isinstance(self.backend, dict) or self.backend.get("name", "local") not in ("local", "ray"):
             raise HpoConfigError(f"backend={self.backend!r}, expected {{name: local}} or {{name: ray, address: ...}}")
+        allowed = {"local": {"name"}, "ray": {"name", "address", "init", "strategy", "driver_host"}}
+        unknown = set(self.backend) - allowed[self.backend.get("name", "local")]
+        if unknown:
+            raise HpoConfigError(f"backend has unknown keys {sorted(unknown)}; allowed for "
+                                 f"{self.backend.get('name', 'local')!r}: {sorted(allowed[self.backend.get('name', 'local')])}")
+        for key in ("max_compute", "fraction", "unprofiled_compute", "starve_after_s", "light_below"):
+            v = self.policy.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise HpoConfigError(f"policy {key}={v!r}, expected a number")
+        v = self.policy.get("max_trials_per_device")
+        if v is not None and (type(v) is not int or v < 1):
+            raise HpoConfigError(f"policy max_trials_per_device={v!r}, expected an int >= 1")
         ray_pool = isinstance(self.pool, dict) and "ray" in self.pool
         if ray_pool != (self.backend.get("name", "local") == "ray"):
             raise HpoConfigError(f"pool={self.pool!r} with backend={self.backend!r}: a {{ray: all | N}} pool "
