@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import os
 import sys
 from datetime import datetime, timezone
 
@@ -171,6 +172,26 @@ def _validate(cfg: BenchConfig, args) -> None:
         raise CLIUsageError(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise CLIUsageError("--device cuda needs a CUDA build of torch and a visible GPU")
+    from hpdl.comm.algorithms import alltoall as a2a
+    from hpdl.comm.algorithms.base import phase_algorithms
+
+    names = [canonical(a) for a in cfg.algorithms]
+    if cfg.collective == "alltoall":
+        fits = set(a2a.ALGORITHMS) | {"auto"}
+    elif cfg.collective == "allreduce":
+        fits = {n for n in names if n not in set(a2a.ALGORITHMS) - {"direct", "native"}}
+    else:
+        fits = set(phase_algorithms()) | {"auto"}
+    bad = [a for a, n in zip(cfg.algorithms, names) if n not in fits]
+    if bad:
+        raise CLIUsageError(f"algorithms {bad} do not implement {cfg.collective}")
+    if os.environ.get("HPDL_TUNING_FILE") and "auto" in names:
+        try:
+            from hpdl.comm import tuning
+
+            tuning.active_table()
+        except ValueError as exc:
+            raise CLIUsageError(str(exc)) from None
     peer = [a for a in cfg.algorithms if canonical(a) in PEER]
     if peer and args.device != "cuda":
         raise CLIUsageError(f"algorithms {peer} need --device cuda")

@@ -96,7 +96,13 @@ def active_table() -> TuningTable:
     global _active
     if _active is None:
         path = env.get("HPDL_TUNING_FILE")
-        _active = TuningTable.from_json(Path(path).read_text(), source=path) if path else default_table()
+        if path:
+            try:
+                text = Path(path).read_text()
+            except OSError as exc:
+                raise ValueError(f"HPDL_TUNING_FILE={path!r} cannot be read ({exc.strerror}); write a table with "
+                                 "`hpdl bench allreduce --tune FILE` or unset the variable") from None
+        _active = TuningTable.from_json(text, source=path) if path else default_table()
     return _active
 
 

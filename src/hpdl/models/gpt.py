@@ -274,7 +274,8 @@ class KVCache:
 
     def __init__(self, cfg: DecoderConfig, num_slots: int, max_seq_len: int, dtype, device, tp_world: int = 1):
         if max_seq_len > cfg.max_position:
-            raise ValueError(f"max_seq_len={max_seq_len} exceeds the model's max_position={cfg.max_position}")
+            raise ValueError(f"max_seq_len={max_seq_len} exceeds the model's max_position={cfg.max_position}: pass a "
+                             f"max_seq_len <= {cfg.max_position} (hpdl serve: --max-seq-len)")
         shape = (cfg.n_layers, num_slots, cfg.n_kv_heads // tp_world, max_seq_len, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
