@@ -13,6 +13,9 @@ Launch (repository root; results land in $OUT, default ./out/hpo_device):
     PYTHONPATH=src python3 benchmarks/hpo_device.py
     PYTHONPATH=src python3 benchmarks/hpo_device.py --n-trials 16 --pools 0 --policies pack,one_per_gpu
     PYTHONPATH=src python3 benchmarks/hpo_device.py --smoke --n-trials 6   # CPU, fake devices
+    PYTHONPATH=src python3 benchmarks/hpo_device.py --space launch --policies pack@mps,pack,fixed_fraction
+``<policy>@mps`` runs that policy with a private MPS daemon (the study's ``mps: start``); the others run
+without MPS (processes time-slice each GPU).
 The runs stop being started once ``--budget-s`` is nearly spent (each run also has a timeout), so a
 partial result is still written after every run.
 """
@@ -61,6 +64,9 @@ def run_one(policy: str, gpus: list[int], n_trials: int, scratch: str, timeout_s
     from hpdl.hpo.spec import StudySpec
 
     tag = f"{policy}-{len(gpus)}gpu"
+    policy, _, sharing = policy.partition("@")  # "pack@mps": the same policy with a private MPS daemon
+    if sharing not in ("", "mps"):
+        raise SystemExit(f"--policies: {policy}@{sharing}: expected <policy> or <policy>@mps")
     pol = {"name": policy, **({"fraction": 0.125} if policy == "fixed_fraction" else {})}
     spec = StudySpec.from_dict({
         "study": tag, "workload": "cnn", "n_trials": n_trials, "run_dir": os.path.join(scratch, tag),
@@ -68,7 +74,8 @@ def run_one(policy: str, gpus: list[int], n_trials: int, scratch: str, timeout_s
         "space": SMOKE_SPACE if smoke else SPACES[space][0],
         "fixed": {**FIXED, "samples": 960, "image_size": 16, "val_size": 256} if smoke else SPACES[space][1],
         "pool": {"fake": len(gpus)} if smoke else {"cuda": gpus}, "policy": pol, "max_retries": 2,
-        "timeout_s": timeout_s, "warm_workers": warm if warm == "auto" else int(warm)})
+        "timeout_s": timeout_s, "warm_workers": warm if warm == "auto" else int(warm),
+        "mps": "start" if sharing == "mps" else False})
     drv = Driver(spec)
     error = None
     try:
@@ -83,7 +90,7 @@ def run_one(policy: str, gpus: list[int], n_trials: int, scratch: str, timeout_s
                        "lineage": t.user_attrs.get("hpdl_lineage"),
                        "start": t.user_attrs.get("hpdl_started_at"),
                        "end": t.datetime_complete.timestamp() if t.datetime_complete else None})
-    return {"tag": tag, "policy": policy, "gpus": gpus, "error": error, "result": asdict(res), "cap": cap,
+    return {"tag": tag, "policy": policy, "mps": sharing == "mps", "gpus": gpus, "error": error, "result": asdict(res), "cap": cap,
             "trials": trials, "profiles": {k: asdict(v) for k, v in drv.profiles.items()}}
 
 

@@ -209,3 +209,50 @@ def test_scheduler_killed_then_resumed_loses_nothing_and_leaves_nothing_running(
         if (f.last_step or 0) >= 20:
             retry = lineages[f.user_attrs.get("hpdl_lineage", f.number)]
             assert retry.user_attrs["hpdl_attempt"] >= 1 and min(retry.intermediate_values, default=120) > 10
+
+
+@pytest.mark.timeout(60)
+def test_mps_start_runs_a_private_daemon_for_the_workers_and_stops_it(tmp_path, monkeypatch):
+    """``mps: start`` wiring without a GPU: a stand-in control program; the workers' environment gets the
+    daemon's pipe folder, the policy switches to its MPS rule, shutdown quits the daemon."""
+    from test_mps import FAKE
+
+    exe = tmp_path / "bin" / "nvidia-cuda-mps-control"
+    exe.parent.mkdir()
+    exe.write_text(FAKE)
+    exe.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{exe.parent}{os.pathsep}{os.environ['PATH']}")
+    from hpdl.hpo.driver import Driver
+
+    drv = Driver(StudySpec.from_dict(spec_dict(tmp_path, mps="start")))
+    assert drv.policy.mps is False and drv.mps_daemon is None
+    drv._start_mps()
+    assert drv.mps_daemon is None   # fake CPU devices: nothing to start
+    drv._cuda = True                # as on a GPU pool
+    drv._start_mps()
+    pipe = drv.mps_daemon.pipe_dir
+    assert (pipe / "control").exists() and drv.policy.mps is True
+    assert drv.launcher.spec["mps_env"]["CUDA_MPS_PIPE_DIRECTORY"] == str(pipe)
+    drv.shutdown()
+    assert not (pipe / "control").exists()
+
+
+@pytest.mark.timeout(60)
+def test_first_trials_start_before_every_static_estimate_is_done(tmp_path, monkeypatch):
+    """A deep lookahead of new structures must not delay the first dispatch: estimates beyond the per-tick
+    budget wait for the next tick."""
+    import hpdl.hpo.driver as drv_mod
+    from hpdl.hpo.driver import Driver
+
+    space = {"width": {"type": "categorical", "choices": [4, 5, 6, 7, 8, 9, 10, 11]}}
+    drv = Driver(StudySpec.from_dict(spec_dict(tmp_path, n_trials=8, space=space, lookahead=8)))
+    drv._sample(set(), set())
+    assert len(drv.pending) == 8
+    monkeypatch.setattr(drv_mod, "_ESTIMATE_BUDGET_S", 0.0)   # one estimate per tick at most
+    structures = lambda demands: {t.skey for t in drv.pending if t.number in demands}  # noqa: E731
+    assert len({t.skey for t in drv.pending}) >= 3
+    assert len(structures(drv._demands(drv.pool.devices()))) == 1
+    assert len(structures(drv._demands(drv.pool.devices()))) == 2   # the cached one plus one new
+    monkeypatch.setattr(drv_mod, "_ESTIMATE_BUDGET_S", 60.0)
+    assert len(drv._demands(drv.pool.devices())) == 8
+    drv.shutdown()

@@ -144,10 +144,12 @@ def test_starving_trial_reserves_a_device():
 
 def test_mps_share_and_errors():
     states = [DeviceState(d) for d in pool(1)]
-    a = Pack(mps=True, max_compute=1.0).place([TrialDemand(0, GIB, 0.3, profiled=True)], states)[0]
+    assert Pack(mps=True).place([TrialDemand(0, GIB, 0.3, profiled=True)], states)[0].sm_percent == 100
+    a = Pack(mps=True, sm_caps=True, max_compute=1.0).place([TrialDemand(0, GIB, 0.3, profiled=True)], states)[0]
     assert a.sm_percent == 30
-    a = Pack(mps=True).place([TrialDemand(0, GIB, 0.3, profiled=True)], states)[0]
+    a = Pack(mps=True, sm_caps=True).place([TrialDemand(0, GIB, 0.3, profiled=True)], states)[0]
     assert a.sm_percent == 15   # SM shares split the GPU in proportion to max_compute: they sum to <= 100
+    assert Pack(sm_caps=True).place([TrialDemand(0, GIB, 0.3, profiled=True)], states)[0].sm_percent == 100
     with pytest.raises(HpoConfigError, match="expected one of"):
         get_policy("nope")
     with pytest.raises(HpoConfigError, match="fraction"):
@@ -220,3 +222,17 @@ def test_mps_detection_reads_the_control_pipe_directory(tmp_path):
     assert mps_active(str(tmp_path))
     with pytest.raises(HpoConfigError, match="mps"):
         Pack(mps="yes")
+
+
+@pytest.mark.parametrize("mps", [False, True])
+def test_heavy_trials_share_with_light_ones_only_under_mps(mps):
+    """Time-slicing: a GPU-bound trial next to light ones thrashes, so it runs alone. MPS: kernels of the
+    processes run side by side, so it joins them up to ``max_compute``."""
+    states = [DeviceState(d) for d in pool(1, mem_gb=80)]
+    states[0].running += [TrialDemand(k, GIB, 0.15, profiled=True) for k in range(4)]   # load 0.6
+    heavy = TrialDemand(9, GIB, 1.0, profiled=True)
+    p = Pack(mps=mps, max_trials_per_device=15)
+    assert [a.key for a in p.place([heavy], states)] == ([9] if mps else [])
+    states = [DeviceState(d, [TrialDemand(9, GIB, 1.0, profiled=True)]) for d in pool(1, mem_gb=80)]
+    light = [TrialDemand(k, GIB, 0.15, profiled=True) for k in range(10)]
+    assert len(p.place(light, states)) == (7 if mps else 0)  # load 1.0 + 7 x 0.15 passes 2.0 with the 7th

@@ -92,6 +92,9 @@ def test_pool_forms_and_elastic_file(tmp_path):
     ({"policy": {"name": "pack", "max_trials_per_device": 1.5}}, "max_trials_per_device"),
     ({"policy": {"name": "pack", "max_compute": "2"}}, "max_compute"),
     ({"backend": {"name": "local", "adress": "x"}}, "unknown keys"),
+    ({"mps": "yes"}, "mps='yes', expected false, true, auto or start"),
+    ({"mps": "start", "backend": {"name": "ray"}, "pool": {"ray": "all"}}, "mps: start .* backend"),
+    ({"policy": {"name": "pack", "mps": True}}, "top-level key"),
 ])
 def test_new_keys_are_type_checked(over, match):
     d = {"study": "s", "workload": "cnn", "n_trials": 2, "space": {"lr": {"type": "float", "low": 0.01, "high": 0.1}},

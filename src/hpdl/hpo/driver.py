@@ -31,11 +31,12 @@ from hpdl.hpo.launch import WARM_MAX, WARM_TIMEOUT_S, LocalLauncher, WorkerHandl
 from hpdl.hpo.ledger import Ledger
 from hpdl.hpo.pool import PoolSource
 from hpdl.hpo.profiler import CONTEXT_BYTES, ProfileCache, TrialProfile, static_profile
-from hpdl.hpo.scheduler import DeviceState, TrialDemand, get_policy
+from hpdl.hpo.scheduler import DeviceState, TrialDemand, get_policy, mps_active
 from hpdl.hpo.spec import StudySpec, make_pruner, make_sampler, make_storage
 from hpdl.hpo.workloads import get_workload
 
 _PREEMPT_TIMEOUT_S = 30.0
+_ESTIMATE_BUDGET_S = 0.05  # static estimates per loop tick: dispatch what is known instead of waiting for all
 
 
 @dataclass
@@ -136,8 +137,15 @@ class Driver:
             self.policy.max_trials_per_device = max(1, ((os.cpu_count() or 2) - 1) // n_gpus)
         self.warmup_s = 0.0
         self._by_id: dict[str, Any] = {}
+        if hasattr(self.policy, "mps") and spec.mps in (True, "auto"):
+            self.policy.mps = spec.mps is True or mps_active()
+        self.mps_daemon = None  # mps: start -> hpdl.hpo.mps.MpsDaemon, started in run()
         self.launcher = self.backend or LocalLauncher(self._spec_dict, spec.warm_workers,
                                                       self.policy.max_concurrency())
+        try:  # the first meta-device trace imports much of torch (seconds): pay it here, not in the first tick
+            self.workload.estimate(dict(spec.fixed))
+        except Exception:  # noqa: BLE001 - warm-up only; a workload that cannot build fails in its trials
+            pass
         self.ledger = Ledger(self.study, spec.max_retries, self.host)
         if resume:
             self.ledger.recover()
@@ -336,6 +344,7 @@ class Driver:
         view = None
         try:
             self._by_id = {d.id: d for d in self.pool.devices()}
+            self._start_mps()
             self.warmup_s = self.launcher.warm_up(self.pool.devices(),
                                                   min(WARM_TIMEOUT_S, self.spec.timeout_s or WARM_TIMEOUT_S))
             self._t0 = time.monotonic()  # wall time counts from a ready pool, for every policy alike
@@ -366,7 +375,7 @@ class Driver:
                 if self.pending and devices:
                     states = self._device_states(devices)
                     by_id = {d.id: d for d in devices}
-                    demands = {t.number: self._demand(t, {d.kind for d in devices}) for t in self.pending}
+                    demands = self._demands(devices)
                     biggest = max(d.memory_bytes for d in devices)
                     for t in [t for t in self.pending if demands[t.number].profiled
                               and demands[t.number].memory_bytes > biggest]:
@@ -389,9 +398,39 @@ class Driver:
             self.shutdown()
         return self.result()
 
+    def _demands(self, devices) -> dict[int, TrialDemand]:
+        """Demands of the pending trials, oldest first. A trial whose structure has neither a profile nor a
+        static estimate yet needs a meta-device trace (about 0.1 s); after ``_ESTIMATE_BUDGET_S`` of those in
+        one tick the rest wait for the next tick, so the first trials start without waiting for every
+        estimate of a deep lookahead."""
+        kinds = {d.kind for d in devices}
+        deadline = time.monotonic() + _ESTIMATE_BUDGET_S
+        out, traced = {}, 0
+        for t in self.pending:
+            known = (not self.policy.uses_profiles or self.profiles.get(t.skey, "static") is not None
+                     or any((p := self.profiles.get(t.skey, k)) is not None and p.measured for k in kinds))
+            if known or not traced or time.monotonic() < deadline:  # at least one new estimate a tick
+                traced += not known
+                out[t.number] = self._demand(t, kinds)
+        return out
+
+    def _start_mps(self) -> None:
+        """``mps: start``: a private MPS daemon for this study's worker processes (local GPUs only)."""
+        if self.spec.mps != "start" or self.backend is not None or not self._cuda or self.mps_daemon:
+            return
+        from hpdl.hpo.mps import MpsDaemon
+
+        self.mps_daemon = MpsDaemon(self.run_dir / "mps").start()
+        self._spec_dict["mps_env"] = self.mps_daemon.env  # workers set it before creating a CUDA context
+        if hasattr(self.policy, "mps"):
+            self.policy.mps = True
+
     def shutdown(self) -> None:
-        """Stop every worker (stop message, 5 s join, then kill) and the Ray backend; idempotent."""
+        """Stop every worker (stop message, 5 s join, then kill), the Ray backend and a daemon started by
+        ``mps: start``; idempotent."""
         self.launcher.shutdown()
+        if self.mps_daemon is not None:
+            self.mps_daemon.stop()
 
     def result(self) -> StudyResult:
         from optuna.trial import TrialState

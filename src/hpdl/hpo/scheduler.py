@@ -196,14 +196,21 @@ class Pack(SchedulingPolicy):
             the share measured in this study (``observe``) for the configuration nearest in FLOPs per step
             (log scale) is assumed, or the median share when FLOPs are unknown.
         starve_after_s: waiting time after which a trial reserves a device.
-        mps: when True, each assignment carries an SM cap (``ceil(100 * compute / max_compute)``).
+        mps: the GPUs run an MPS server for the trial processes (``True``; ``"auto"``: detect a daemon;
+            the study file's ``mps`` key sets it, see :mod:`hpdl.hpo.mps`). Co-located kernels then run
+            concurrently instead of time-slicing, so a heavy trial (busy fraction >= ``light_below``) may
+            share a GPU with light ones up to ``max_compute`` too, not only up to one GPU.
+        sm_caps: under MPS, give each trial ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE = ceil(100 * compute /
+            max_compute)``. Off by default: the busy fraction is a share of time, not of SMs (a trial busy 15 %
+            of the time may still need every SM while it is busy), and a capped trial needs a worker started
+            with that cap, so it cannot use the warm pool.
     """
 
     name = "pack"
 
     def __init__(self, max_compute: float = 2.0, max_trials_per_device: int | None = None,
                  unprofiled_compute: float = 0.25, starve_after_s: float = 30.0, mps: bool | str = False,
-                 light_below: float = 0.5):
+                 light_below: float = 0.5, sm_caps: bool = False):
         if max_compute <= 0:
             raise HpoConfigError(f"max_compute={max_compute}, expected > 0")
         if not 0 < light_below <= 1:
@@ -219,6 +226,7 @@ class Pack(SchedulingPolicy):
         if mps not in (True, False, "auto"):
             raise HpoConfigError(f"mps={mps!r}, expected true, false or 'auto'")
         self.mps = mps_active() if mps == "auto" else bool(mps)
+        self.sm_caps = bool(sm_caps)
 
     @property
     def cap(self) -> int:
@@ -290,7 +298,7 @@ class Pack(SchedulingPolicy):
             comp[dev.id] += c
             count[dev.id] += 1
             heavy[dev.id] = heavy[dev.id] or not self._light(t)
-            sm = min(100, int(math.ceil(100 * c / self.max_compute))) if self.mps else 100
+            sm = min(100, int(math.ceil(100 * c / self.max_compute))) if self.mps and self.sm_caps else 100
             out.append(Assignment(t.key, dev.id, sm))
         return out
 
@@ -300,8 +308,11 @@ class Pack(SchedulingPolicy):
         return self._compute(t) < self.light_below and (t.profiled or bool(self._observed))
 
     def _limit(self, t, heavy_here: bool) -> float:
-        """Summed busy fraction under which ``t`` may join a device (see ``light_below``)."""
-        return self.max_compute if not heavy_here and self._light(t) else min(1.0, self.max_compute)
+        """Summed busy fraction under which ``t`` may join a device (see ``light_below``; under MPS every
+        trial may go up to ``max_compute``: kernels of co-located processes run side by side)."""
+        if self.mps or (not heavy_here and self._light(t)):
+            return self.max_compute
+        return min(1.0, self.max_compute)
 
     def _joins(self, t, load: float, count: int, capacity: float, heavy_here: bool) -> bool:
         """Gain test. An empty device takes any trial; a light trial joins while the load is under the cap
@@ -310,7 +321,7 @@ class Pack(SchedulingPolicy):
         if count == 0:
             return True
         limit = self._limit(t, heavy_here) * capacity
-        if self._light(t) and not heavy_here:
+        if self._light(t) and (self.mps or not heavy_here):
             return load < limit - 1e-9
         return load + self._compute(t) <= limit + 1e-9
 
@@ -378,7 +389,8 @@ class PackHetero(Pack):
 
 def mps_active(pipe_dir: str | None = None) -> bool:
     """True when an NVIDIA MPS control daemon is reachable: its pipe directory (``CUDA_MPS_PIPE_DIRECTORY``,
-    default ``/tmp/nvidia-mps``) holds a ``control`` pipe. Detection only; hpdl never starts MPS."""
+    default ``/tmp/nvidia-mps``) holds a ``control`` pipe. Detection only (the study file's ``mps: start`` runs a
+    private daemon, :mod:`hpdl.hpo.mps`)."""
     import os
 
     d = pipe_dir or os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")

@@ -21,6 +21,9 @@ A study file (``hpdl hpo run study.yaml``; example in ``hpdl/hpo/examples/quick.
     warm_workers: auto      # worker processes started per GPU before the clock starts (auto: the policy's
                             # concurrency per GPU, at most 32; none on fake CPU devices), or an int
     backend: {name: local}  # local (worker processes on this host) | ray (Ray tasks; address, init options)
+    mps: auto               # NVIDIA MPS for co-located trials: auto (use a running daemon if one is found),
+                            # start (a private daemon for this study, stopped at its end; local backend),
+                            # true (a daemon runs: trust it), false (processes time-slice the GPU)
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from hpdl.hpo.errors import HpoConfigError
 
 _SPEC_KEYS = {"study", "workload", "n_trials", "run_dir", "storage", "sampler", "pruner", "space", "fixed",
               "policy", "pool", "max_retries", "checkpoint_every", "direction", "lookahead", "timeout_s",
-              "warm_workers", "backend"}
+              "warm_workers", "backend", "mps"}
 
 
 @dataclass
@@ -62,6 +65,7 @@ class StudySpec:
     timeout_s: float = 0.0
     warm_workers: int | str = "auto"
     backend: dict = field(default_factory=lambda: {"name": "local"})
+    mps: bool | str = "auto"
 
     def __post_init__(self):
         if not self.study or not isinstance(self.study, str):
@@ -86,6 +90,14 @@ class StudySpec:
         if unknown:
             raise HpoConfigError(f"backend has unknown keys {sorted(unknown)}; allowed for "
                                  f"{self.backend.get('name', 'local')!r}: {sorted(allowed[self.backend.get('name', 'local')])}")
+        if self.mps not in (True, False, "auto", "start"):
+            raise HpoConfigError(f"mps={self.mps!r}, expected false, true, auto or start")
+        if self.mps == "start" and self.backend.get("name", "local") != "local":
+            raise HpoConfigError("mps: start runs a daemon on this host; it needs backend {name: local} "
+                                 "(on Ray, start MPS on each node and use mps: true)")
+        if "mps" in self.policy:
+            raise HpoConfigError("policy.mps: MPS is set for the whole study: use the top-level key "
+                                 "mps: false | true | auto | start")
         for key in ("max_compute", "fraction", "unprofiled_compute", "starve_after_s", "light_below"):
             v = self.policy.get(key)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):

@@ -202,6 +202,7 @@ def worker_main(conn, device: dict, spec: dict, parent_pid: int, sm_percent: int
     stop or the driver disappears; exits after a failed trial."""
     _die_with_parent()
     torch_device = device["torch_device"]
+    os.environ.update(spec.get("mps_env") or {})  # mps: start -> this study's MPS daemon (before any CUDA call)
     if torch_device.startswith("cuda"):
         os.environ["CUDA_VISIBLE_DEVICES"] = torch_device.partition(":")[2] or "0"
         if sm_percent < 100:
