@@ -135,7 +135,10 @@ def main() -> None:
             try:
                 r = run_one(policy, gpus, args.n_trials, args.scratch, timeout, args.smoke, args.warm, args.space)
             except Exception as exc:  # noqa: BLE001 - record and go on to the next run
-                r = {"tag": f"{policy}-{len(gpus)}gpu", "error": f"{type(exc).__name__}: {exc}"}
+                import traceback
+                r = {"tag": f"{policy}-{len(gpus)}gpu", "error": f"{type(exc).__name__}: {exc}",
+                     "traceback": traceback.format_exc()[-1500:]}
+                print(r["traceback"], flush=True)
             runs.append(r)
             res = r.get("result", {})
             print(f"    wall {res.get('wall_s', float('nan')):.1f} s (pool warm-up {res.get('warmup_s', 0):.1f} s) "

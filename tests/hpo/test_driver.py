@@ -256,3 +256,14 @@ def test_first_trials_start_before_every_static_estimate_is_done(tmp_path, monke
     monkeypatch.setattr(drv_mod, "_ESTIMATE_BUDGET_S", 60.0)
     assert len(drv._demands(drv.pool.devices())) == 8
     drv.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_study_finishes_when_estimates_trickle_in_one_per_tick(tmp_path, monkeypatch):
+    """The loop places trials whose demand is known while others still wait for their estimate."""
+    import hpdl.hpo.driver as drv_mod
+
+    monkeypatch.setattr(drv_mod, "_ESTIMATE_BUDGET_S", 0.0)
+    space = {"width": {"type": "categorical", "choices": [4, 5, 6, 7]}}
+    res = run_study(StudySpec.from_dict(spec_dict(tmp_path, n_trials=4, space=space, lookahead=4)))
+    assert res.complete == 4 and not res.failures

@@ -377,7 +377,7 @@ class Driver:
                     by_id = {d.id: d for d in devices}
                     demands = self._demands(devices)
                     biggest = max(d.memory_bytes for d in devices)
-                    for t in [t for t in self.pending if demands[t.number].profiled
+                    for t in [t for t in self.pending if t.number in demands and demands[t.number].profiled
                               and demands[t.number].memory_bytes > biggest]:
                         self.pending.remove(t)  # measured, and larger than any device: it can never run
                         need = demands.pop(t.number).memory_bytes
