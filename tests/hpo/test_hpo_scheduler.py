@@ -148,7 +148,7 @@ def test_mps_share_and_errors():
     a = Pack(mps=True, sm_caps=True, max_compute=1.0).place([TrialDemand(0, GIB, 0.3, profiled=True)], states)[0]
     assert a.sm_percent == 30
     a = Pack(mps=True, sm_caps=True).place([TrialDemand(0, GIB, 0.3, profiled=True)], states)[0]
-    assert a.sm_percent == 15   # SM shares split the GPU in proportion to max_compute: they sum to <= 100
+    assert a.sm_percent == 8    # SM shares split the GPU in proportion to max_compute (4 under MPS): sum <= 100
     assert Pack(sm_caps=True).place([TrialDemand(0, GIB, 0.3, profiled=True)], states)[0].sm_percent == 100
     with pytest.raises(HpoConfigError, match="expected one of"):
         get_policy("nope")
@@ -231,7 +231,8 @@ def test_heavy_trials_share_with_light_ones_only_under_mps(mps):
     states = [DeviceState(d) for d in pool(1, mem_gb=80)]
     states[0].running += [TrialDemand(k, GIB, 0.15, profiled=True) for k in range(4)]   # load 0.6
     heavy = TrialDemand(9, GIB, 1.0, profiled=True)
-    p = Pack(mps=mps, max_trials_per_device=15)
+    assert Pack(mps=mps).max_compute == (4.0 if mps else 2.0)
+    p = Pack(mps=mps, max_trials_per_device=15, max_compute=2.0)
     assert [a.key for a in p.place([heavy], states)] == ([9] if mps else [])
     states = [DeviceState(d, [TrialDemand(9, GIB, 1.0, profiled=True)]) for d in pool(1, mem_gb=80)]
     light = [TrialDemand(k, GIB, 0.15, profiled=True) for k in range(10)]

@@ -60,7 +60,8 @@ class StudyResult:
     ``failures`` counts failed attempts by kind (``oom``, ``error``, ``died``, ``driver_died``, ``too_big``);
     ``preempted`` counts trials stopped with a checkpoint and continued elsewhere (device removed, or
     migrated by ``pack_hetero`` to a faster GPU). ``wall_s`` runs from the moment the warm worker pool was
-    ready; ``warmup_s`` is the time the pool took before that."""
+    ready (``started_at``, Unix time) until the budget finished; ``warmup_s`` is the time the pool took before
+    that and ``teardown_s`` the time to stop the workers (and an MPS daemon) after it."""
 
     study: str
     policy: str
@@ -74,6 +75,8 @@ class StudyResult:
     history: list[tuple[float, float]]
     preempted: int = 0
     warmup_s: float = 0.0
+    teardown_s: float = 0.0
+    started_at: float = 0.0
 
 
 class Driver:
@@ -130,6 +133,7 @@ class Driver:
         self._last_migrate = 0.0
         self.history: list[tuple[float, float]] = []
         self._t0 = time.monotonic()
+        self._t_done, self._teardown_s, self._started_at = 0.0, 0.0, time.time()
         self._cuda = any(d.torch_device.startswith("cuda") for d in self.pool.devices())
         n_gpus = sum(d.torch_device.startswith("cuda") for d in self.pool.devices())
         if getattr(self.policy, "max_trials_per_device", 0) is None and n_gpus and self.backend is None:
@@ -348,6 +352,7 @@ class Driver:
             self.warmup_s = self.launcher.warm_up(self.pool.devices(),
                                                   min(WARM_TIMEOUT_S, self.spec.timeout_s or WARM_TIMEOUT_S))
             self._t0 = time.monotonic()  # wall time counts from a ready pool, for every policy alike
+            self._started_at = time.time()
             view = Progress(self) if self.progress else None
             while True:
                 devices = self.pool.devices()
@@ -368,6 +373,7 @@ class Driver:
                 self._reap()
                 finished, active = self.ledger.lineages()
                 if len(finished) >= self.spec.n_trials and not self.running and not self.pending:
+                    self._t_done = time.monotonic()
                     break
                 if self.spec.timeout_s and time.monotonic() - self._t0 > self.spec.timeout_s:
                     raise HpoError(f"study {self.spec.study!r} ran past timeout_s={self.spec.timeout_s}")
@@ -395,7 +401,9 @@ class Driver:
         finally:
             if view:
                 view.close()
+            t = time.monotonic()
             self.shutdown()
+            self._teardown_s = time.monotonic() - t
         return self.result()
 
     def _demands(self, devices) -> dict[int, TrialDemand]:
@@ -440,10 +448,11 @@ class Driver:
         best = None
         if done:
             best = (max if self.spec.direction == "maximize" else min)(done, key=lambda t: t.value)
-        return StudyResult(self.spec.study, self.policy.name, self.spec.n_trials, time.monotonic() - self._t0,
+        return StudyResult(self.spec.study, self.policy.name, self.spec.n_trials,
+                           (self._t_done or time.monotonic()) - self._t0,
                            len(done), sum(t.state == TrialState.PRUNED for t in trials), dict(self.ledger.failures),
                            best.value if best else None, dict(best.params) if best else None, list(self.history),
-                           self.preempted, self.warmup_s)
+                           self.preempted, self.warmup_s, self._teardown_s, self._started_at)
 
 
 def run_study(spec: StudySpec, *, resume: bool = False, progress: bool = False) -> StudyResult:

@@ -181,11 +181,12 @@ class Pack(SchedulingPolicy):
     nothing else is started there until it fits.
 
     Args:
-        max_compute: a device whose summed busy fraction reached this takes no more light trials. 2.0 by
-            default, calibrated on an H200: the busy fraction covers training steps only (a trial's start-up
-            and evaluations leave the GPU idle), and light trials time-sliced near the ideal well past a
-            summed fraction of 1 (7 trials of busy fraction <= 0.2 ran 1.49x slower each,
-            docs/benchmarks/hpo.md), while trials of >= 0.5 next to 7 others ran 10-12x slower.
+        max_compute: a device whose summed busy fraction reached this takes no more light trials. Default
+            (``None``): 2.0, or 4.0 under MPS, calibrated on an H200 (docs/benchmarks/hpo.md): the busy
+            fraction covers training steps only (start-up and evaluations leave the GPU idle); time-sliced,
+            7 light trials (busy fraction <= 0.2) ran 1.49x slower each, trials of >= 0.5 next to 7 others
+            10-12x slower; under MPS 8 light trials (summed fraction about 1.6) ran at 0.97-1.09 of their
+            solo time, so the sum may go higher there.
         light_below: trials with a measured (or measured-neighbour) busy fraction under this are light; a
             heavier trial joins a device only if the sum after it stays within ``min(1, max_compute)``, and a
             device running one takes more trials only on the same terms.
@@ -208,17 +209,17 @@ class Pack(SchedulingPolicy):
 
     name = "pack"
 
-    def __init__(self, max_compute: float = 2.0, max_trials_per_device: int | None = None,
+    def __init__(self, max_compute: float | None = None, max_trials_per_device: int | None = None,
                  unprofiled_compute: float = 0.25, starve_after_s: float = 30.0, mps: bool | str = False,
                  light_below: float = 0.5, sm_caps: bool = False):
-        if max_compute <= 0:
+        if max_compute is not None and max_compute <= 0:
             raise HpoConfigError(f"max_compute={max_compute}, expected > 0")
         if not 0 < light_below <= 1:
             raise HpoConfigError(f"light_below={light_below}, expected in (0, 1]")
         self.light_below = light_below
         if max_trials_per_device is not None and max_trials_per_device < 1:
             raise HpoConfigError(f"max_trials_per_device={max_trials_per_device}, expected >= 1")
-        self.max_compute = max_compute
+        self._max_compute = max_compute
         self.max_trials_per_device = max_trials_per_device
         self.unprofiled_compute = unprofiled_compute
         self._observed: list[float] = []
@@ -227,6 +228,13 @@ class Pack(SchedulingPolicy):
             raise HpoConfigError(f"mps={mps!r}, expected true, false or 'auto'")
         self.mps = mps_active() if mps == "auto" else bool(mps)
         self.sm_caps = bool(sm_caps)
+
+    @property
+    def max_compute(self) -> float:
+        """The summed busy fraction a device may reach: as given, else 2.0 (time-slicing) or 4.0 (MPS)."""
+        if self._max_compute is not None:
+            return float(self._max_compute)
+        return 4.0 if self.mps else 2.0
 
     @property
     def cap(self) -> int:
