@@ -10,14 +10,21 @@ from hpdl.hpo.errors import HpoConfigError, HpoError
 from hpdl.hpo.mps import MpsDaemon
 
 FAKE = """#!/bin/sh
-# stand-in for nvidia-cuda-mps-control: -d creates the control pipe, "quit" on stdin removes it
+# stand-in for nvidia-cuda-mps-control: -d creates the control pipe and a pid file of a background process
+# (the "daemon"); "quit" on stdin ends that process and, unless KEEP_PIPE is set, removes the pipe
 if [ "$1" = "-d" ]; then
   [ -n "$FAIL_START" ] && { echo "cannot start" >&2; exit 1; }
-  mkfifo "$CUDA_MPS_PIPE_DIRECTORY/control"; echo start >> "$CUDA_MPS_LOG_DIRECTORY/control.log"; exit 0
+  mkfifo "$CUDA_MPS_PIPE_DIRECTORY/control"; echo start >> "$CUDA_MPS_LOG_DIRECTORY/control.log"
+  sleep 600 >/dev/null 2>&1 &
+  echo $! > "$CUDA_MPS_PIPE_DIRECTORY/nvidia-cuda-mps-control.pid"
+  exit 0
 fi
 read cmd
 echo "$cmd" >> "$CUDA_MPS_LOG_DIRECTORY/control.log"
-[ "$cmd" = quit ] && rm -f "$CUDA_MPS_PIPE_DIRECTORY/control"
+if [ "$cmd" = quit ]; then
+  kill "$(cat "$CUDA_MPS_PIPE_DIRECTORY/nvidia-cuda-mps-control.pid")"
+  [ -z "$KEEP_PIPE" ] && rm -f "$CUDA_MPS_PIPE_DIRECTORY/control"
+fi
 exit 0
 """
 
@@ -63,3 +70,13 @@ def test_errors_name_the_cause(tmp_path, fake_control, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
     with pytest.raises(HpoConfigError, match="nvidia-cuda-mps-control on PATH"):
         MpsDaemon(tmp_path / "mps2").start()
+
+
+def test_stop_does_not_wait_for_a_pipe_the_exited_daemon_left(tmp_path, fake_control, monkeypatch):
+    import time
+
+    monkeypatch.setenv("KEEP_PIPE", "1")
+    d = MpsDaemon(tmp_path / "mps", timeout_s=5.0).start()
+    t = time.monotonic()
+    d.stop()
+    assert time.monotonic() - t < 2.0 and not (d.pipe_dir / "control").exists()

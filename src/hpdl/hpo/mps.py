@@ -82,20 +82,49 @@ class MpsDaemon:
         return self
 
     def stop(self) -> None:
-        """Ask the daemon to quit (it stops its server once the clients are gone); never raises."""
+        """Ask the daemon to quit (it stops its server once the clients are gone) and wait until it exited:
+        its pid file names a dead process, or its control pipe is gone; never raises."""
         if not self.started:
             return
         self.started = False
+        pid = self._pid()
         try:
             self._run([], stdin="quit\n")
         except (OSError, subprocess.SubprocessError, HpoError):
             return
         deadline = time.monotonic() + self.timeout_s
         while (self.pipe_dir / "control").exists() and time.monotonic() < deadline:
+            if pid is not None and not _alive(pid):
+                break
             time.sleep(0.05)
+        if pid is not None and not _alive(pid):  # the daemon may leave its pipe behind
+            (self.pipe_dir / "control").unlink(missing_ok=True)
+
+    def _pid(self) -> int | None:
+        """The control daemon's pid from the pid file it writes in its pipe folder, if any."""
+        for f in self.pipe_dir.glob("*.pid"):
+            try:
+                return int(f.read_text().split()[0])
+            except (OSError, ValueError, IndexError):
+                continue
+        return None
 
     def __enter__(self) -> "MpsDaemon":
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (exited, not yet reaped by its parent) is not alive
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
