@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 
@@ -103,16 +104,81 @@ def plot(label: str, rs: list[dict], path: str) -> None:
     plt.close(fig)
 
 
+def simulate_pools(docs: list[dict], png: str) -> list[str]:
+    """SIMULATION. Replays the launch-bound trace (solo times of the 1 x H200 ``one_per_gpu`` run, profiles of
+    every run) under both sharing models of :mod:`hpdl.hpo.simulator`: the time-slicing overhead is fitted to
+    the measured rows without MPS, the MPS capacity and overhead to the ``@mps`` rows, each by least squares
+    on log ratios over the 1 and 2 x H200 runs given; then 512 trials (32 per GPU) on 12 A100 + 4 H100."""
+    from hpo_report import STARTUP_S, build_trace, scaled
+
+    from hpdl.hpo.simulator import pool_from_spec, simulate
+
+    trace = build_trace(docs[0])
+    conc = {"one_per_gpu": 2, "fixed_fraction": 8, "pack": 16, "pack_hetero": 16}
+
+    def run(tr, pool, policy, mps, ov, cap):
+        devs = pool_from_spec(pool)
+        return simulate(tr, devs, policy, startup_s=STARTUP_S, overhead=ov, mps=mps, mps_capacity=cap,
+                        lookahead=conc[policy] * len(devs),
+                        **({"fraction": 0.125} if policy == "fixed_fraction" else {}))
+
+    meas = {}
+    for doc in docs:
+        for r in doc["runs"]:
+            if "result" in r and not r.get("error") and doc["meta"]["space_name"] == "launch":
+                name = r["tag"].rsplit("-", 1)[0]
+                meas[(f"{len(r['gpus'])}xH200", name)] = r["result"]["wall_s"]
+
+    def fit(rows, grid):
+        best = (math.inf, None)
+        for ov, cap in grid:
+            err = sum(math.log(run(trace, pool, name.partition("@")[0], "@mps" in name, ov, cap).makespan_s / w) ** 2
+                      for (pool, name), w in rows.items())
+            best = min(best, (err, (ov, cap)), key=lambda x: x[0])
+        return best[1]
+
+    sliced = {k: v for k, v in meas.items() if "@mps" not in k[1] and k[1] != "one_per_gpu"}
+    on_mps = {k: v for k, v in meas.items() if "@mps" in k[1]}
+    ov_ts, _ = fit(sliced, [(o, 1.0) for o in (0.0, 0.05, 0.1, 0.2, 0.3, 0.5)])
+    ov_mps, cap = fit(on_mps, [(o, c) for o in (0.0, 0.02, 0.05, 0.1) for c in (1.0, 1.5, 2.0, 3.0, 4.0, 6.0)])
+    lines = [f"Fitted: time-slicing overhead {ov_ts} per extra co-located trial; MPS capacity {cap} (summed busy "
+             f"fraction served at full speed), MPS overhead {ov_mps}.", "",
+             "| pool | policy | measured wall s | simulated s |", "|---|---|---|---|"]
+    for (pool, name), w in sorted(meas.items()):
+        mps = "@mps" in name
+        sim_s = run(trace, pool, name.partition("@")[0], mps, ov_mps if mps else ov_ts, cap).makespan_s
+        lines.append(f"| {pool} | {name} | {w:.1f} | {sim_s:.1f} |")
+    big = scaled(trace, 32 * 16)
+    lines += ["", "| pool | trials | policy | makespan s | speed-up vs one_per_gpu | OOM | max trials/GPU |",
+              "|---|---|---|---|---|---|---|"]
+    curves = {}
+    base = run(big, "12xA100,4xH100", "one_per_gpu", False, ov_ts, 1.0).makespan_s
+    for name in ("one_per_gpu", "fixed_fraction", "pack", "pack_hetero", "fixed_fraction@mps", "pack@mps",
+                 "pack_hetero@mps"):
+        mps = "@mps" in name
+        r = run(big, "12xA100,4xH100", name.partition("@")[0], mps, ov_mps if mps else ov_ts, cap)
+        curves[name] = r.history + [(r.makespan_s, r.history[-1][1])] if r.history else []
+        lines.append(f"| 12xA100,4xH100 | {len(big)} | {name} | {r.makespan_s:.1f} | {base / r.makespan_s:.2f}x | "
+                     f"{r.oom} | {r.max_colocated} |")
+    plot_best_vs_time(curves, png, "SIMULATION: 512 launch-bound CNN trials\non 12 A100 + 4 H100",
+                      "best validation accuracy")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+", help="'label=path/to/results.json'")
     ap.add_argument("--png-dir", default="out")
+    ap.add_argument("--simulate", action="store_true",
+                    help="also fit the simulator to the launch-bound runs and replay 12 A100 + 4 H100 (SIMULATION)")
     args = ap.parse_args()
+    docs = []
     os.makedirs(args.png_dir, exist_ok=True)
     for spec in args.runs:
         label, _, path = spec.rpartition("=")
         with open(path) as f:
             doc = json.load(f)
+        docs.append(doc)
         rs = rows(doc)
         m = doc["meta"]
         label = f"{label} ({m['cpus']} cores, {m['date']}, {m['n_trials']} configurations, space {m['space_name']})"
@@ -122,6 +188,11 @@ def main() -> None:
         # each line runs on to the moment its budget finished (history holds improvements only)
         curves = {r["policy"]: r["history"] + [(r["wall"], r["history"][-1][1])] for r in rs if r["history"]}
         plot_best_vs_time(curves, stem + "_best.png", label.replace(" (", "\n(", 1), "best validation accuracy")
+
+    if args.simulate:
+        launch = sorted((d for d in docs if d["meta"]["space_name"] == "launch"), key=lambda d: len(d["meta"]["gpus"]))
+        png = os.path.join(args.png_dir, "hpo_mps_simulation.png")
+        print("SIMULATION\n\n" + "\n".join(simulate_pools(launch, png)))
 
 
 if __name__ == "__main__":

@@ -41,3 +41,16 @@ class RaiseOnceCNN(VisionCNN):
             open(marker, "w").close()
             raise ValueError("first attempt fails on purpose")
         return super().train(ctx)
+
+
+class EnvRecordingCNN(VisionCNN):
+    """The small CNN that writes the ``CUDA_MPS_PIPE_DIRECTORY`` its worker process saw into
+    ``crash_dir/env-<lineage>`` (checks that ``mps: start`` reaches the workers)."""
+
+    name = "env_recording_cnn"
+    defaults = {**VisionCNN.defaults, "crash_dir": ""}
+
+    def train(self, ctx):
+        with open(os.path.join(ctx.params["crash_dir"], f"env-{ctx.lineage}"), "w") as f:
+            f.write(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", ""))
+        return super().train(ctx)

@@ -211,10 +211,8 @@ def test_scheduler_killed_then_resumed_loses_nothing_and_leaves_nothing_running(
             assert retry.user_attrs["hpdl_attempt"] >= 1 and min(retry.intermediate_values, default=120) > 10
 
 
-@pytest.mark.timeout(60)
-def test_mps_start_runs_a_private_daemon_for_the_workers_and_stops_it(tmp_path, monkeypatch):
-    """``mps: start`` wiring without a GPU: a stand-in control program; the workers' environment gets the
-    daemon's pipe folder, the policy switches to its MPS rule, shutdown quits the daemon."""
+@pytest.fixture
+def fake_mps(tmp_path, monkeypatch):
     from test_mps import FAKE
 
     exe = tmp_path / "bin" / "nvidia-cuda-mps-control"
@@ -222,19 +220,61 @@ def test_mps_start_runs_a_private_daemon_for_the_workers_and_stops_it(tmp_path, 
     exe.write_text(FAKE)
     exe.chmod(0o755)
     monkeypatch.setenv("PATH", f"{exe.parent}{os.pathsep}{os.environ['PATH']}")
+
+
+@pytest.mark.timeout(120)
+def test_mps_start_gives_workers_the_daemon_and_stops_it(tmp_path, fake_mps):
+    """``mps: start`` end to end without a GPU (a stand-in control program; the pool is marked as CUDA so
+    the driver starts the daemon): every worker sees the daemon's pipe folder, the policy uses its MPS rule,
+    the daemon is gone after the study, and wall time ends before the teardown."""
     from hpdl.hpo.driver import Driver
+    from hpdl.hpo.mps import _alive, daemon_pid
+
+    d = spec_dict(tmp_path, n_trials=2, mps="start", workload="hpo_fixture_workloads:EnvRecordingCNN",
+                  fixed={**FIXED, "crash_dir": str(tmp_path)})
+    drv = Driver(StudySpec.from_dict(d))
+    drv._cuda = True  # as on a GPU pool
+    seen = {}
+    orig = Driver._start_mps
+
+    def spy(self):
+        orig(self)
+        seen["pid"] = daemon_pid(self.mps_daemon.pipe_dir)
+        seen["pipe"] = str(self.mps_daemon.pipe_dir)
+
+    Driver._start_mps = spy
+    try:
+        t0 = time.monotonic()
+        res = drv.run()
+        total = time.monotonic() - t0
+    finally:
+        Driver._start_mps = orig
+    assert res.complete == 2 and drv.policy.mps is True
+    assert {open(tmp_path / f"env-{k}").read() for k in range(2)} == {seen["pipe"]}
+    assert not _alive(seen["pid"])
+    assert res.teardown_s > 0 and res.wall_s + res.warmup_s + res.teardown_s <= total + 0.01
+
+
+@pytest.mark.timeout(60)
+def test_mps_daemon_is_stopped_when_the_warm_pool_fails(tmp_path, fake_mps):
+    from hpdl.hpo.driver import Driver
+    from hpdl.hpo.mps import _alive, daemon_pid
 
     drv = Driver(StudySpec.from_dict(spec_dict(tmp_path, mps="start")))
     assert drv.policy.mps is False and drv.mps_daemon is None
     drv._start_mps()
     assert drv.mps_daemon is None   # fake CPU devices: nothing to start
-    drv._cuda = True                # as on a GPU pool
-    drv._start_mps()
-    pipe = drv.mps_daemon.pipe_dir
-    assert (pipe / "control").exists() and drv.policy.mps is True
-    assert drv.launcher.spec["mps_env"]["CUDA_MPS_PIPE_DIRECTORY"] == str(pipe)
-    drv.shutdown()
-    assert not (pipe / "control").exists()
+    drv._cuda = True
+    pids = []
+
+    def broken(devices, limit_s):
+        pids.append(daemon_pid(drv.mps_daemon.pipe_dir))
+        raise HpoError("warm worker on fake:0 died during start-up (exit code 1)")
+
+    drv.launcher.warm_up = broken
+    with pytest.raises(HpoError, match="warm worker"):
+        drv.run()
+    assert pids[0] is not None and not _alive(pids[0]) and drv.policy.mps is True
 
 
 @pytest.mark.timeout(60)

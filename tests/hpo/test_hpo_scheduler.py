@@ -215,11 +215,20 @@ def test_unprofiled_share_follows_the_profiled_configuration_nearest_in_flops():
     assert p.max_concurrency() == 32 and Pack().max_concurrency() == 16
 
 
-def test_mps_detection_reads_the_control_pipe_directory(tmp_path):
+def test_mps_detection_needs_a_live_daemon_not_just_its_pipe(tmp_path):
+    import os
+    import subprocess
+    import sys
+
     from hpdl.hpo.scheduler import mps_active
     assert not mps_active(str(tmp_path))
     (tmp_path / "control").touch()
+    assert not mps_active(str(tmp_path))        # a pipe left by a killed daemon
+    (tmp_path / "nvidia-cuda-mps-control.pid").write_text(f"{os.getpid()}\n")
     assert mps_active(str(tmp_path))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (tmp_path / "nvidia-cuda-mps-control.pid").write_text(dead.stdout)
+    assert not mps_active(str(tmp_path))
     with pytest.raises(HpoConfigError, match="mps"):
         Pack(mps="yes")
 
@@ -232,6 +241,9 @@ def test_heavy_trials_share_with_light_ones_only_under_mps(mps):
     states[0].running += [TrialDemand(k, GIB, 0.15, profiled=True) for k in range(4)]   # load 0.6
     heavy = TrialDemand(9, GIB, 1.0, profiled=True)
     assert Pack(mps=mps).max_compute == (4.0 if mps else 2.0)
+    unknown = [TrialDemand(k, GIB, 1.0, profiled=False) for k in range(8)]
+    fresh = [DeviceState(d) for d in pool(1, mem_gb=80)]
+    assert len(Pack(mps=mps).place(unknown, fresh)) == 4   # before any profile: one GPU's worth (0.25 each)
     p = Pack(mps=mps, max_trials_per_device=15, max_compute=2.0)
     assert [a.key for a in p.place([heavy], states)] == ([9] if mps else [])
     states = [DeviceState(d, [TrialDemand(9, GIB, 1.0, profiled=True)]) for d in pool(1, mem_gb=80)]

@@ -93,8 +93,10 @@ def test_pool_forms_and_elastic_file(tmp_path):
     ({"policy": {"name": "pack", "max_compute": "2"}}, "max_compute"),
     ({"backend": {"name": "local", "adress": "x"}}, "unknown keys"),
     ({"mps": "yes"}, "mps='yes', expected false, true, auto or start"),
+    ({"mps": "false"}, "unquoted"),
+    ({"mps": 1}, "mps=1"),
     ({"mps": "start", "backend": {"name": "ray"}, "pool": {"ray": "all"}}, "mps: start .* backend"),
-    ({"policy": {"name": "pack", "mps": True}}, "top-level key"),
+    ({"policy": {"name": "pack", "sm_caps": "no"}}, "sm_caps"),
 ])
 def test_new_keys_are_type_checked(over, match):
     d = {"study": "s", "workload": "cnn", "n_trials": 2, "space": {"lr": {"type": "float", "low": 0.01, "high": 0.1}},
@@ -102,3 +104,10 @@ def test_new_keys_are_type_checked(over, match):
     d.update(over)
     with pytest.raises(HpoConfigError, match=match):
         StudySpec.from_dict(d)
+
+
+def test_policy_mps_of_older_study_files_moves_to_the_top_level():
+    d = {"study": "s", "workload": "cnn", "n_trials": 2, "pool": {"fake": 1},
+         "space": {"lr": {"type": "float", "low": 0.01, "high": 0.1}}, "policy": {"name": "pack", "mps": True}}
+    spec = StudySpec.from_dict(d)
+    assert spec.mps is True and "mps" not in spec.policy and d["policy"]["mps"] is True

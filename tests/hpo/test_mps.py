@@ -7,7 +7,7 @@ import stat
 import pytest
 
 from hpdl.hpo.errors import HpoConfigError, HpoError
-from hpdl.hpo.mps import MpsDaemon
+from hpdl.hpo.mps import MpsDaemon, daemon_pid
 
 FAKE = """#!/bin/sh
 # stand-in for nvidia-cuda-mps-control: -d creates the control pipe and a pid file of a background process
@@ -51,16 +51,54 @@ def test_start_waits_for_the_pipe_and_stop_quits(tmp_path, fake_control):
     d.stop()  # idempotent
 
 
-def test_leftover_daemon_of_an_earlier_run_is_quit_first(tmp_path, fake_control):
+def test_a_live_daemon_on_the_folder_is_refused_a_dead_one_cleaned_up(tmp_path, fake_control):
+    import signal
+
     first = MpsDaemon(tmp_path / "mps").start()
-    first.started = False  # as if the earlier driver had been killed
-    MpsDaemon(tmp_path / "mps").start().stop()
-    assert (first.log_dir / "control.log").read_text().split() == ["start", "quit", "start", "quit"]
+    with pytest.raises(HpoError, match="already serves"):   # another driver of the same study
+        MpsDaemon(tmp_path / "mps").start()
+    pid = daemon_pid(first.pipe_dir)
+    os.kill(pid, signal.SIGKILL)                             # killed: its pipe and pid file stay behind
+    first._reaper.kill()
+    wait_dead(pid)
+    assert daemon_pid(first.pipe_dir) is None and (first.pipe_dir / "control").exists()
+    second = MpsDaemon(tmp_path / "mps").start()
+    assert daemon_pid(second.pipe_dir) not in (None, pid)
+    second.stop()
 
 
-def test_long_root_gets_a_short_pipe_folder(tmp_path, fake_control):
-    d = MpsDaemon(tmp_path / ("x" * 80))
-    assert len(str(d.pipe_dir)) < 100
+def test_a_killed_driver_leaves_no_daemon(tmp_path, fake_control):
+    """SIGKILL of the process that started the daemon: its reaper quits the daemon."""
+    import signal
+    import subprocess
+    import sys
+
+    code = ("import sys, time; from hpdl.hpo.mps import MpsDaemon, daemon_pid; "
+            "d = MpsDaemon(sys.argv[1]).start(); print(daemon_pid(d.pipe_dir), flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "mps")], stdout=subprocess.PIPE, text=True)
+    pid = int(proc.stdout.readline())
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+    wait_dead(pid)
+    assert "quit" in (tmp_path / "mps" / "log" / "control.log").read_text().split()
+
+
+def wait_dead(pid: int, timeout_s: float = 10.0) -> None:
+    import time
+
+    from hpdl.hpo.mps import _alive
+
+    deadline = time.monotonic() + timeout_s
+    while _alive(pid):
+        assert time.monotonic() < deadline, f"pid {pid} still alive after {timeout_s} s"
+        time.sleep(0.05)
+
+
+def test_long_root_gets_a_short_pipe_folder_removed_at_stop(tmp_path, fake_control):
+    d = MpsDaemon(tmp_path / ("x" * 80)).start()
+    assert len(str(d.pipe_dir)) < 100 and d.pipe_dir.exists()
+    d.stop()
+    assert not d.pipe_dir.parent.exists()
 
 
 def test_errors_name_the_cause(tmp_path, fake_control, monkeypatch):

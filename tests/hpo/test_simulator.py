@@ -60,3 +60,17 @@ def test_colocation_overhead_slows_packed_runs_only():
     assert simulate(trials, pool, "one_per_gpu", overhead=0.3).makespan_s == pytest.approx(
         simulate(trials, pool, "one_per_gpu").makespan_s)
     assert simulate(trials, pool, "pack", overhead=0.3).makespan_s > 1.3 * simulate(trials, pool, "pack").makespan_s
+
+
+def test_mps_model_serves_busy_work_side_by_side_up_to_its_capacity():
+    """Four trials of busy fraction 0.5 on one GPU: time-sliced they share 2 GPUs' worth of busy time on
+    one (2x slower each); under MPS with capacity 2 they run at solo speed, with capacity 1 as time-sliced."""
+    dev = pool_from_spec("1xH100")
+    trials = [SimTrial(k, cpu_s=0.01, gpu_s=0.005, memory_bytes=GIB, steps=100) for k in range(4)]
+    kw = dict(startup_s=0.0, lookahead=4, max_trials_per_device=4)
+    sliced = simulate(trials, dev, "pack", max_compute=2.0, **kw).makespan_s
+    mps = simulate(trials, dev, "pack", mps=True, mps_capacity=2.0, max_compute=2.0, **kw).makespan_s
+    mps1 = simulate(trials, dev, "pack", mps=True, mps_capacity=1.0, max_compute=2.0, **kw).makespan_s
+    assert mps == pytest.approx(1.0) and sliced == pytest.approx(2.0) and mps1 == pytest.approx(sliced)
+    with pytest.raises(HpoConfigError, match="mps_capacity"):
+        simulate(trials, dev, "pack", mps=True, mps_capacity=0)

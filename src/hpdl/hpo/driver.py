@@ -348,9 +348,10 @@ class Driver:
         view = None
         try:
             self._by_id = {d.id: d for d in self.pool.devices()}
-            self._start_mps()
-            self.warmup_s = self.launcher.warm_up(self.pool.devices(),
-                                                  min(WARM_TIMEOUT_S, self.spec.timeout_s or WARM_TIMEOUT_S))
+            t = time.monotonic()
+            self._start_mps()  # its start-up counts as the pool's
+            self.launcher.warm_up(self.pool.devices(), min(WARM_TIMEOUT_S, self.spec.timeout_s or WARM_TIMEOUT_S))
+            self.warmup_s = time.monotonic() - t
             self._t0 = time.monotonic()  # wall time counts from a ready pool, for every policy alike
             self._started_at = time.time()
             view = Progress(self) if self.progress else None
@@ -428,7 +429,8 @@ class Driver:
             return
         from hpdl.hpo.mps import MpsDaemon
 
-        self.mps_daemon = MpsDaemon(self.run_dir / "mps").start()
+        self.mps_daemon = MpsDaemon(self.run_dir / "mps")  # set first: shutdown() stops a half-started one
+        self.mps_daemon.start()
         self._spec_dict["mps_env"] = self.mps_daemon.env  # workers set it before creating a CUDA context
         if hasattr(self.policy, "mps"):
             self.policy.mps = True

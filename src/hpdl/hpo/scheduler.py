@@ -185,8 +185,9 @@ class Pack(SchedulingPolicy):
             (``None``): 2.0, or 4.0 under MPS, calibrated on an H200 (docs/benchmarks/hpo.md): the busy
             fraction covers training steps only (start-up and evaluations leave the GPU idle); time-sliced,
             7 light trials (busy fraction <= 0.2) ran 1.49x slower each, trials of >= 0.5 next to 7 others
-            10-12x slower; under MPS 8 light trials (summed fraction about 1.6) ran at 0.97-1.09 of their
-            solo time, so the sum may go higher there.
+            10-12x slower; under MPS light trials ran at 0.97-1.09 (about 7 per GPU, 04:05 run) and 1.16
+            (8 per GPU, 04:15 run) of their solo time, so the sum may go higher there (4.0 is an estimate
+            from those runs, not a measured optimum).
         light_below: trials with a measured (or measured-neighbour) busy fraction under this are light; a
             heavier trial joins a device only if the sum after it stays within ``min(1, max_compute)``, and a
             device running one takes more trials only on the same terms.
@@ -310,6 +311,10 @@ class Pack(SchedulingPolicy):
             out.append(Assignment(t.key, dev.id, sm))
         return out
 
+    def _known(self, t) -> bool:
+        """Its share was measured, or can be guessed from measured ones."""
+        return t.profiled or bool(self._observed)
+
     def _light(self, t) -> bool:
         """Light: a busy fraction under ``light_below`` that was measured, or guessed from measured ones; a trial
         guessed before any profile exists is not (it may be a heavy one)."""
@@ -317,8 +322,9 @@ class Pack(SchedulingPolicy):
 
     def _limit(self, t, heavy_here: bool) -> float:
         """Summed busy fraction under which ``t`` may join a device (see ``light_below``; under MPS every
-        trial may go up to ``max_compute``: kernels of co-located processes run side by side)."""
-        if self.mps or (not heavy_here and self._light(t)):
+        trial with a measured or guessed share may go up to ``max_compute``: kernels of co-located processes
+        run side by side; before any profile exists nothing is known, so one GPU's worth)."""
+        if (self.mps and self._known(t)) or (not heavy_here and self._light(t)):
             return self.max_compute
         return min(1.0, self.max_compute)
 
@@ -329,7 +335,7 @@ class Pack(SchedulingPolicy):
         if count == 0:
             return True
         limit = self._limit(t, heavy_here) * capacity
-        if self._light(t) and (self.mps or not heavy_here):
+        if self._light(t) and ((self.mps and self._known(t)) or not heavy_here):
             return load < limit - 1e-9
         return load + self._compute(t) <= limit + 1e-9
 
@@ -396,13 +402,15 @@ class PackHetero(Pack):
 
 
 def mps_active(pipe_dir: str | None = None) -> bool:
-    """True when an NVIDIA MPS control daemon is reachable: its pipe directory (``CUDA_MPS_PIPE_DIRECTORY``,
-    default ``/tmp/nvidia-mps``) holds a ``control`` pipe. Detection only (the study file's ``mps: start`` runs a
+    """True when an NVIDIA MPS control daemon is running: its pipe directory (``CUDA_MPS_PIPE_DIRECTORY``,
+    default ``/tmp/nvidia-mps``) holds a ``control`` pipe and a pid file naming a live process (a pipe left
+    by a killed daemon does not count). Detection only (the study file's ``mps: start`` runs a
     private daemon, :mod:`hpdl.hpo.mps`)."""
     import os
 
-    d = pipe_dir or os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
-    return os.path.exists(os.path.join(d, "control"))
+    from hpdl.hpo.mps import daemon_pid
+
+    return daemon_pid(pipe_dir or os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")) is not None
 
 
 POLICIES = {cls.name: cls for cls in (OnePerGpu, FixedFraction, Pack, PackHetero)}

@@ -6,7 +6,9 @@ per step on a speed-1 GPU ``gpu_s``, peak memory, steps and final metric. On a d
     step_time = max(cpu_s, gpu_s / s)        busy = (gpu_s / s) / step_time
 
 and co-located processes time-slice, so a running trial advances at ``1 / (step_time * max(1, sum busy))``
-steps per second. A trial first spends ``startup_s`` (model build and warm-up in a reused worker process) holding its
+steps per second. Under MPS (``mps=True``) the kernels of co-located processes run side by side, modelled as
+a GPU that serves a summed busy fraction of ``mps_capacity`` before anyone slows down:
+``1 / (step_time * max(1, sum busy / mps_capacity))``; the capacity is fitted to measured MPS runs. A trial first spends ``startup_s`` (model build and warm-up in a reused worker process) holding its
 memory; if the true memory on the device then exceeds its capacity the newest trial fails with an
 out-of-memory error at the end of its start-up and is retried later. Until one trial of a configuration
 has started, the scheduler sees its static memory bound and no compute share (as the real driver does).
@@ -76,18 +78,24 @@ def pool_from_spec(spec: str, memory_gb: dict[str, float] | None = None,
 
 def simulate(trials: Sequence[SimTrial], devices: Sequence[Device], policy: str | SchedulingPolicy,
              startup_s: float = 1.0, max_retries: int = 2, lookahead: int = 0, direction: str = "maximize",
-             overhead: float = 0.0, **policy_kwargs) -> SimResult:
+             overhead: float = 0.0, mps: bool = False, mps_capacity: float = 2.0, **policy_kwargs) -> SimResult:
     """Replay ``trials`` (in sampling order) on ``devices`` under ``policy``; see the module docstring.
 
     ``overhead`` is a co-location cost calibrated on measured runs: with ``n`` trials running on a GPU each
     advances ``1 + overhead * (n - 1)`` times slower on top of time-slicing (context switches, host
-    contention). 0 is the ideal time-slicing model.
+    contention). 0 is the ideal time-slicing model. ``mps`` switches to the MPS model (module docstring) and
+    tells a policy that has an ``mps`` attribute (``pack``) that MPS is on.
 
     Returns:
         SimResult. Raises AssertionError if a policy that respects memory over-fills a device's
         profiled memory, or a trial does not reach exactly one terminal state.
     """
+    if mps_capacity <= 0:
+        raise HpoConfigError(f"mps_capacity={mps_capacity}, expected > 0")
     pol = get_policy(policy, **policy_kwargs)
+    if mps and hasattr(pol, "mps"):
+        pol.mps = True
+    capacity = mps_capacity if mps else 1.0
     queue = list(trials)
     by_key = {t.key: t for t in trials}
     attempts = {t.key: 0 for t in trials}
@@ -136,7 +144,7 @@ def simulate(trials: Sequence[SimTrial], devices: Sequence[Device], policy: str 
                 if r["ready"] > now:
                     nxt = min(nxt, r["ready"])
                 else:
-                    rate = 1.0 / (step_time(r["t"], d)[0] * max(1.0, load) * slow)
+                    rate = 1.0 / (step_time(r["t"], d)[0] * max(1.0, load / capacity) * slow)
                     rates[id(r)] = rate
                     nxt = min(nxt, now + r["left"] / rate)
         if nxt is math.inf:

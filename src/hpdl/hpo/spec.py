@@ -90,14 +90,20 @@ class StudySpec:
         if unknown:
             raise HpoConfigError(f"backend has unknown keys {sorted(unknown)}; allowed for "
                                  f"{self.backend.get('name', 'local')!r}: {sorted(allowed[self.backend.get('name', 'local')])}")
-        if self.mps not in (True, False, "auto", "start"):
-            raise HpoConfigError(f"mps={self.mps!r}, expected false, true, auto or start")
+        if isinstance(self.policy, dict) and "mps" in self.policy:  # where it lived before: move it up
+            old = self.policy["mps"]
+            self.policy = {k: v for k, v in self.policy.items() if k != "mps"}
+            if self.mps == "auto":
+                self.mps = old
+        if not (type(self.mps) is bool or self.mps in ("auto", "start")):
+            raise HpoConfigError(f"mps={self.mps!r}, expected false, true, auto or start "
+                                 "(YAML booleans unquoted: mps: false)")
+        v = self.policy.get("sm_caps")
+        if v is not None and type(v) is not bool:
+            raise HpoConfigError(f"policy sm_caps={v!r}, expected true or false (unquoted)")
         if self.mps == "start" and self.backend.get("name", "local") != "local":
             raise HpoConfigError("mps: start runs a daemon on this host; it needs backend {name: local} "
                                  "(on Ray, start MPS on each node and use mps: true)")
-        if "mps" in self.policy:
-            raise HpoConfigError("policy.mps: MPS is set for the whole study: use the top-level key "
-                                 "mps: false | true | auto | start")
         for key in ("max_compute", "fraction", "unprofiled_compute", "starve_after_s", "light_below"):
             v = self.policy.get(key)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
