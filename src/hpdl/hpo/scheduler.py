@@ -185,7 +185,7 @@ class Pack(SchedulingPolicy):
             (``None``): 2.0, or 4.0 under MPS, calibrated on an H200 (docs/benchmarks/hpo.md): the busy
             fraction covers training steps only (start-up and evaluations leave the GPU idle); time-sliced,
             7 light trials (busy fraction <= 0.2) ran 1.49x slower each, trials of >= 0.5 next to 7 others
-            10-12x slower; under MPS light trials ran at 0.97-1.09 (about 7 per GPU, 04:05 run) and 1.16
+            10-12x slower; under MPS light trials ran at 0.97-1.09 (about 7 per GPU, 04:06 run) and 1.16
             (8 per GPU, 04:15 run) of their solo time, so the sum may go higher there (4.0 is an estimate
             from those runs, not a measured optimum).
         light_below: trials with a measured (or measured-neighbour) busy fraction under this are light; a

@@ -160,9 +160,10 @@ def simulate(trials: Sequence[SimTrial], devices: Sequence[Device], policy: str 
                     r["left"] -= rates[id(r)] * dt
                 if r["ready"] <= now + 1e-12 and r.get("started") is None:
                     r["started"] = now
+                    first = (r["t"].skey or r["t"].key) not in profiled
                     profiled.add(r["t"].skey or r["t"].key)
                     st, busy = step_time(r["t"], devices[0])  # its profile replaces the static demand
-                    if hasattr(pol, "observe"):
+                    if first and hasattr(pol, "observe"):  # as the driver: one profile per structure
                         pol.observe(busy, r["t"].flops)
                     r["demand"] = TrialDemand(r["t"].key, r["t"].memory_bytes, busy, r["t"].steps * st, profiled=True)
                     if sum(x["t"].memory_bytes for x in rs) > d.memory_bytes:  # out of memory: newest fails
