@@ -36,15 +36,19 @@ def main() -> None:
     d.start()
     print(f"start {time.monotonic() - t:.2f} s, pipe folder: {sorted(os.listdir(d.pipe_dir))}")
     ctx, q = mp.get_context("spawn"), mp.get_context("spawn").Queue()
-    t = time.monotonic()
-    procs = [ctx.Process(target=client, args=(d.env, q)) for _ in range(args.clients)]
-    for p in procs:
-        p.start()
-    vals = [q.get(timeout=120) for _ in procs]
-    for p in procs:
-        p.join(30)
-    print(f"{args.clients} clients ran in {time.monotonic() - t:.2f} s, exit codes {[p.exitcode for p in procs]}, "
-          f"results finite: {all(v == v for v in vals)}")
+    try:  # a failing client must not leave the daemon running on the device
+        t = time.monotonic()
+        procs = [ctx.Process(target=client, args=(d.env, q)) for _ in range(args.clients)]
+        for p in procs:
+            p.start()
+        vals = [q.get(timeout=120) for _ in procs]
+        for p in procs:
+            p.join(30)
+        print(f"{args.clients} clients ran in {time.monotonic() - t:.2f} s, exit codes {[p.exitcode for p in procs]}, "
+              f"results finite: {all(v == v for v in vals)}")
+    except BaseException:
+        d.stop()
+        raise
     t = time.monotonic()
     d.stop()
     print(f"stop {time.monotonic() - t:.2f} s, pipe folder after: {sorted(os.listdir(d.pipe_dir))}")
