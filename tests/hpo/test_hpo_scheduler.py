@@ -249,3 +249,17 @@ def test_heavy_trials_share_with_light_ones_only_under_mps(mps):
     states = [DeviceState(d, [TrialDemand(9, GIB, 1.0, profiled=True)]) for d in pool(1, mem_gb=80)]
     light = [TrialDemand(k, GIB, 0.15, profiled=True) for k in range(10)]
     assert len(p.place(light, states)) == (7 if mps else 0)  # load 1.0 + 7 x 0.15 passes 2.0 with the 7th
+
+
+def test_static_bounds_grow_by_the_largest_measured_over_static_ratio():
+    """Measured peaks of large-batch CNNs exceeded their static bound by up to 1.7x: once a profile shows
+    that, unprofiled bounds are scaled by it (profiled demands are not)."""
+    states = [DeviceState(d, [TrialDemand(9, 40 * GIB, 0.2, profiled=True)]) for d in pool(1, mem_gb=80)]
+    unknown = TrialDemand(1, 30 * GIB, profiled=False)
+    p = Pack()
+    assert [a.key for a in p.place([unknown], states)] == [1]      # 40 + 30 <= 80
+    p.observe(0.9, 1e12, memory_ratio=1.7)
+    assert p.place([unknown], states) == []                         # 40 + 51 > 80
+    assert [a.key for a in p.place([TrialDemand(2, 30 * GIB, 0.2, profiled=True)], states)] == [2]
+    p.observe(0.1, 1e9, memory_ratio=1.2)                           # the largest ratio is kept
+    assert p.place([unknown], states) == []

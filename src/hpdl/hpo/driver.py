@@ -31,7 +31,7 @@ from hpdl.hpo.launch import WARM_MAX, WARM_TIMEOUT_S, LocalLauncher, WorkerHandl
 from hpdl.hpo.ledger import Ledger
 from hpdl.hpo.pool import PoolSource
 from hpdl.hpo.profiler import CONTEXT_BYTES, ProfileCache, TrialProfile, static_profile
-from hpdl.hpo.scheduler import DeviceState, TrialDemand, get_policy, mps_active
+from hpdl.hpo.scheduler import GIB, DeviceState, TrialDemand, get_policy, mps_active
 from hpdl.hpo.spec import StudySpec, make_pruner, make_sampler, make_storage
 from hpdl.hpo.workloads import get_workload
 
@@ -247,7 +247,9 @@ class Driver:
             prof = TrialProfile(**msg[2])
             self.profiles.put(t.skey, prof)
             if hasattr(self.policy, "observe"):
-                self.policy.observe(prof.compute, prof.flops)
+                st = self.profiles.get(t.skey, "static")
+                ratio = prof.memory_bytes / st.memory_bytes if st is not None and st.memory_bytes > 2 * GIB else 0.0
+                self.policy.observe(prof.compute, prof.flops, ratio)
             t.demand = self._demand(t, {prof.kind})
             return
         self.running.pop(t.number, None)

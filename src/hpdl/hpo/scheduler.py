@@ -224,6 +224,7 @@ class Pack(SchedulingPolicy):
         self.max_trials_per_device = max_trials_per_device
         self.unprofiled_compute = unprofiled_compute
         self._observed: list[float] = []
+        self._mem_ratio = 1.0  # largest measured/static peak-memory ratio seen (scales unprofiled bounds)
         self.starve_after_s = starve_after_s
         if mps not in (True, False, "auto"):
             raise HpoConfigError(f"mps={mps!r}, expected true, false or 'auto'")
@@ -250,11 +251,23 @@ class Pack(SchedulingPolicy):
         1e-4): memory is the hard limit the packing keeps, so the shares on one GPU sum to at most 1."""
         return min(1.0, max(1e-4, math.floor(demand.memory_bytes / device.memory_bytes * 1e4) / 1e4))
 
-    def observe(self, compute: float, flops: float = 0.0) -> None:
+    def observe(self, compute: float, flops: float = 0.0, memory_ratio: float = 0.0) -> None:
         """Record a measured compute share and the FLOPs per step of its configuration. A trial not yet
         profiled is then assumed to need the share of the profiled configuration nearest in FLOPs (GPU time
-        grows with FLOPs; host time much less), or the median share when FLOPs are unknown."""
+        grows with FLOPs; host time much less), or the median share when FLOPs are unknown.
+
+        ``memory_ratio`` is the measured peak over the static bound of that configuration (0: not given; the
+        driver gives it for bounds over 2 GiB, where activations dominate). Static bounds of unprofiled
+        trials are scaled by the largest ratio seen (at least 1): measured on an H200, batch-16384 CNNs peaked
+        at up to 1.7x their static bound (cuDNN workspaces, gradient buffers), which on an 80 GB GPU
+        would be an out-of-memory failure."""
         self._observed.append((float(compute), float(flops)))
+        if memory_ratio > self._mem_ratio:
+            self._mem_ratio = float(memory_ratio)
+
+    def _mem(self, t: TrialDemand) -> int:
+        """Memory placement counts for ``t``: measured, or the static bound scaled by the ratio learned."""
+        return t.memory_bytes if t.profiled or t.key < 0 else int(t.memory_bytes * self._mem_ratio)
 
     def _prior(self, flops: float = 0.0) -> float:
         if not self._observed:
@@ -276,7 +289,7 @@ class Pack(SchedulingPolicy):
         return (comp + self._compute(t)) / (dev.compute * dev.speed)
 
     def place(self, pending, devices):
-        mem = {d.device.id: d.memory_used for d in devices}
+        mem = {d.device.id: sum(self._mem(t) for t in d.running) for d in devices}
         comp = {d.device.id: sum(self._compute(t) for t in d.running) for d in devices}
         # entries with a negative key are idle worker processes (memory only): not trials
         count = {d.device.id: sum(t.key >= 0 for t in d.running) for d in devices}
@@ -289,9 +302,9 @@ class Pack(SchedulingPolicy):
         starving = [t for t in pending if t.waited_s >= self.starve_after_s]
         if starving:
             t = max(starving, key=lambda x: x.waited_s)
-            cands = [d for d in by_id.values() if d.memory_bytes >= t.memory_bytes]
+            cands = [d for d in by_id.values() if d.memory_bytes >= self._mem(t)]
             if cands:
-                dev = min(cands, key=lambda d: (mem[d.id] - (d.memory_bytes - t.memory_bytes), d.id))
+                dev = min(cands, key=lambda d: (mem[d.id] - (d.memory_bytes - self._mem(t)), d.id))
                 if not self._fits(t, dev, mem, comp, count, biggest, heavy):
                     reserved.add(dev.id)
         out = []
@@ -303,7 +316,7 @@ class Pack(SchedulingPolicy):
             dev = min(fits, key=lambda d: (self._score(t, d, comp[d.id], work[d.id]), d.id))
             c = self._compute(t)
             work[dev.id] += t.work_s
-            mem[dev.id] += t.memory_bytes
+            mem[dev.id] += self._mem(t)
             comp[dev.id] += c
             count[dev.id] += 1
             heavy[dev.id] = heavy[dev.id] or not self._light(t)
@@ -340,10 +353,10 @@ class Pack(SchedulingPolicy):
         return load + self._compute(t) <= limit + 1e-9
 
     def _fits(self, t, dev: Device, mem, comp, count, biggest: int = 0, heavy=None) -> bool:
-        if mem[dev.id] + t.memory_bytes > dev.memory_bytes:
+        if mem[dev.id] + self._mem(t) > dev.memory_bytes:
             # The static bound of an unprofiled trial is generous: if it exceeds every device, try it alone
             # on the largest one (its profile will tell); a profiled trial that fits nowhere never runs.
-            return (not t.profiled and count[dev.id] == 0 and t.memory_bytes > biggest
+            return (not t.profiled and count[dev.id] == 0 and self._mem(t) > biggest
                     and dev.memory_bytes == biggest)
         if count[dev.id] >= self.cap:
             return False

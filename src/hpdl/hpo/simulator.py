@@ -164,7 +164,8 @@ def simulate(trials: Sequence[SimTrial], devices: Sequence[Device], policy: str 
                     profiled.add(r["t"].skey or r["t"].key)
                     st, busy = step_time(r["t"], devices[0])  # its profile replaces the static demand
                     if first and hasattr(pol, "observe"):  # as the driver: one profile per structure
-                        pol.observe(busy, r["t"].flops)
+                        stat = r["t"].static_memory_bytes
+                        pol.observe(busy, r["t"].flops, r["t"].memory_bytes / stat if stat > 2 * GIB else 0.0)
                     r["demand"] = TrialDemand(r["t"].key, r["t"].memory_bytes, busy, r["t"].steps * st, profiled=True)
                     if sum(x["t"].memory_bytes for x in rs) > d.memory_bytes:  # out of memory: newest fails
                         rs.remove(r)
