@@ -228,7 +228,8 @@ def test_mps_start_gives_workers_the_daemon_and_stops_it(tmp_path, fake_mps):
     the driver starts the daemon): every worker sees the daemon's pipe folder, the policy uses its MPS rule,
     the daemon is gone after the study, and wall time ends before the teardown."""
     from hpdl.hpo.driver import Driver
-    from hpdl.hpo.mps import _alive, daemon_pid
+    from hpdl.hpo.mps import daemon_pid
+    from hpdl.runtime.procs import pid_alive as _alive
 
     d = spec_dict(tmp_path, n_trials=2, mps="start", workload="hpo_fixture_workloads:EnvRecordingCNN",
                   fixed={**FIXED, "crash_dir": str(tmp_path)})
@@ -258,7 +259,8 @@ def test_mps_start_gives_workers_the_daemon_and_stops_it(tmp_path, fake_mps):
 @pytest.mark.timeout(60)
 def test_mps_daemon_is_stopped_when_the_warm_pool_fails(tmp_path, fake_mps):
     from hpdl.hpo.driver import Driver
-    from hpdl.hpo.mps import _alive, daemon_pid
+    from hpdl.hpo.mps import daemon_pid
+    from hpdl.runtime.procs import pid_alive as _alive
 
     drv = Driver(StudySpec.from_dict(spec_dict(tmp_path, mps="start")))
     assert drv.policy.mps is False and drv.mps_daemon is None

@@ -86,7 +86,7 @@ def test_a_killed_driver_leaves_no_daemon(tmp_path, fake_control):
 def wait_dead(pid: int, timeout_s: float = 10.0) -> None:
     import time
 
-    from hpdl.hpo.mps import _alive
+    from hpdl.runtime.procs import pid_alive as _alive
 
     deadline = time.monotonic() + timeout_s
     while _alive(pid):

@@ -27,6 +27,7 @@ import warnings
 from pathlib import Path
 
 from hpdl.hpo.errors import HpoConfigError, HpoError
+from hpdl.runtime.procs import pid_alive
 
 CONTROL = "nvidia-cuda-mps-control"
 PID_FILE = "nvidia-cuda-mps-control.pid"  # written by the daemon into its pipe folder
@@ -153,9 +154,9 @@ class MpsDaemon:
         except (OSError, subprocess.SubprocessError, HpoError) as exc:
             warnings.warn(f"MPS daemon in {self.pipe_dir}: quit failed ({exc}); killing it", stacklevel=2)
         deadline = time.monotonic() + self.timeout_s
-        while pid is not None and _alive(pid) and time.monotonic() < deadline:
+        while pid is not None and pid_alive(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
-        if pid is not None and _alive(pid):
+        if pid is not None and pid_alive(pid):
             warnings.warn(f"MPS daemon pid {pid} did not quit within {self.timeout_s:.0f} s; killing it", stacklevel=2)
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
@@ -182,18 +183,5 @@ def daemon_pid(pipe_dir: str | os.PathLike) -> int | None:
         pid = int((pipe_dir / PID_FILE).read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return None
-    return pid if _alive(pid) else None
+    return pid if pid > 0 and pid_alive(pid) else None
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process (e.g. a system daemon run by root): alive
-        return True
-    try:  # a zombie (exited, not yet reaped by its parent) is not alive
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True

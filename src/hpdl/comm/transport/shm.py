@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from hpdl.runtime.errors import CollectiveTimeoutError
+from hpdl.runtime.procs import pid_alive
 
 PREFIX = "hpdl"
 _SHM_DIR = "/dev/shm"
@@ -44,19 +45,7 @@ def new_token() -> str:
 
 
 def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return True  # not registered yet: cannot tell
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (exited, not yet reaped by its parent) still answers kill(pid, 0)
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
+    return pid <= 0 or pid_alive(pid)  # pid 0: not registered yet, cannot tell
 
 
 def sweep_stale() -> list[str]:
