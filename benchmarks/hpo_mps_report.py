@@ -114,6 +114,8 @@ def simulate_pools(docs: list[dict], png: str) -> list[str]:
     from hpdl.hpo.simulator import pool_from_spec, simulate
 
     trace = build_trace(docs[0])
+    with open(os.path.join(os.path.dirname(png), "hpo_mps_trace.json"), "w") as f:  # for `hpdl hpo simulate`
+        json.dump([t.__dict__ for t in trace], f, indent=0)
     conc = {"one_per_gpu": 2, "fixed_fraction": 8, "pack": 16, "pack_hetero": 16}
 
     def run(tr, pool, policy, mps, ov, cap):

@@ -14,13 +14,12 @@ import argparse
 import json
 import math
 import os
-import random
 from dataclasses import asdict
 
 from hpdl.hpo.profiler import static_profile
 from hpdl.hpo.report import plot_best_vs_time
 from hpdl.hpo.scheduler import GIB
-from hpdl.hpo.simulator import SimTrial, pool_from_spec, simulate
+from hpdl.hpo.simulator import SimTrial, pool_from_spec, resample, simulate
 from hpdl.hpo.workloads import get_workload
 
 POLICIES = ("one_per_gpu", "fixed_fraction", "pack", "pack_hetero")
@@ -160,8 +159,7 @@ def colocation_table(doc: dict) -> list[str]:
 
 def scaled(trace: list[SimTrial], n: int, seed: int = 0) -> list[SimTrial]:
     """``n`` trials drawn with replacement (seeded) from the profiled configurations, new keys."""
-    rng = random.Random(seed)
-    return [SimTrial(**{**rng.choice(trace).__dict__, "key": k}) for k in range(n)]
+    return resample(trace, n, seed)
 
 
 def measured(doc: dict) -> dict[tuple[str, str], float]:

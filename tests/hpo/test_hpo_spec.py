@@ -72,8 +72,10 @@ def test_pool_forms_and_elastic_file(tmp_path):
         build_pool({"devices": [{"id": "a", "memory_gb": 1}, {"id": "a", "memory_gb": 1}]})
     with pytest.raises(HpoConfigError, match="missing"):
         build_pool({"devices": [{"id": "a"}]})
-    with pytest.raises(HpoConfigError, match="expected one of the keys"):
+    with pytest.raises(HpoConfigError, match=r"unknown keys \['tpu'\]"):
         build_pool({"tpu": 4})
+    with pytest.raises(HpoConfigError, match=r"unknown keys \['memroy_gb'\]"):   # a typo is not ignored
+        build_pool({"fake": 2, "memroy_gb": 4})
     f = tmp_path / "pool.yaml"
     f.write_text(yaml.safe_dump({"fake": 1}))
     src = PoolSource({"file": str(f)})
@@ -97,6 +99,12 @@ def test_pool_forms_and_elastic_file(tmp_path):
     ({"mps": 1}, "mps=1"),
     ({"mps": "start", "backend": {"name": "ray"}, "pool": {"ray": "all"}}, "mps: start .* backend"),
     ({"policy": {"name": "pack", "sm_caps": "no"}}, "sm_caps"),
+    ({"policy": {"name": "pakc"}}, "policy='pakc'"),
+    ({"policy": {"name": "pack", "max_compte": 2.0}}, "bad options"),
+    ({"policy": {"name": "pack", "max_compute": -1}}, "max_compute=-1"),
+    ({"sampler": {"name": "random", "sed": 1}}, "sampler 'random': bad options"),
+    ({"pruner": {"name": "median", "n_warmup": 1}}, "pruner 'median': bad options"),
+    ({"space": {"lr": {"type": "float", "low": 0.01, "high": 0.1, "lg": True}}}, r"space.lr has unknown keys \['lg'\]"),
 ])
 def test_new_keys_are_type_checked(over, match):
     d = {"study": "s", "workload": "cnn", "n_trials": 2, "space": {"lr": {"type": "float", "low": 0.01, "high": 0.1}},

@@ -3,7 +3,7 @@
     hpdl hpo run [study.yaml] [--policy pack] [--no-progress]   # default: the shipped CPU example
     hpdl hpo resume study.yaml
     hpdl hpo status study.yaml | --storage URL --study NAME [--format json]
-    hpdl hpo simulate --pool 12xA100,4xH100 [--trials trace.json] [--plot out.png]
+    hpdl hpo simulate --pool 12xA100,4xH100 [--trials trace.json] [--mps] [--plot out.png]
 """
 
 from __future__ import annotations
@@ -46,6 +46,16 @@ class HpoCommand:
         p.add_argument("--policies", default="one_per_gpu,fixed_fraction,pack,pack_hetero")
         p.add_argument("--fraction", type=float, default=0.125, help="GPU fraction of fixed_fraction")
         p.add_argument("--plot", help="PNG path for best value against simulated wall time")
+        p.add_argument("--trials-per-gpu", type=int, default=0,
+                       help="replay this many trials per GPU, drawn with replacement (seed 0) from the trace "
+                            "(default: the trace as it is)")
+        p.add_argument("--mps", action="store_true", help="MPS sharing model (kernels side by side) instead of "
+                                                          "time-slicing; pack uses its MPS rule")
+        p.add_argument("--mps-capacity", type=float, default=4.0,
+                       help="summed busy fraction a GPU serves at full speed under MPS (4.0: fitted to the H200 runs)")
+        p.add_argument("--overhead", type=float, default=0.0,
+                       help="slowdown per extra co-located trial (fitted on the H200 runs: 0.05 time-sliced, 0.1 MPS)")
+        p.add_argument("--startup-s", type=float, default=0.05, help="dispatch of a trial to a warm worker (s)")
         p.add_argument("--format", choices=("table", "json"), default="table")
 
     def run(self, args) -> int:
@@ -60,9 +70,16 @@ class HpoCommand:
         from hpdl.hpo.spec import StudySpec
         import yaml
 
+        from hpdl.hpo.errors import HpoConfigError
+
         path = args.study_file or _example()
-        with open(path) as f:
-            d = yaml.safe_load(f) or {}
+        try:
+            with open(path) as f:
+                d = yaml.safe_load(f) or {}
+        except OSError as exc:
+            raise HpoConfigError(f"study file {path!r}: {exc.strerror}") from None
+        if not isinstance(d, dict):
+            raise HpoConfigError(f"study file {path!r}: expected a mapping at the top level")
         if getattr(args, "policy", None):
             d["policy"] = {"name": args.policy}
         if getattr(args, "run_dir", None):
@@ -123,14 +140,17 @@ class HpoCommand:
 
     def _simulate(self, args) -> int:
         from hpdl.hpo.report import plot_best_vs_time
-        from hpdl.hpo.simulator import load_trials, pool_from_spec, simulate, synthetic_trials
+        from hpdl.hpo.simulator import load_trials, pool_from_spec, resample, simulate, synthetic_trials
 
         trials = load_trials(args.trials) if args.trials else synthetic_trials()
         pool = pool_from_spec(args.pool)
+        if args.trials_per_gpu:
+            trials = resample(trials, args.trials_per_gpu * len(pool))
         rows, curves = [], {}
         for name in args.policies.split(","):
             kw = {"fraction": args.fraction} if name == "fixed_fraction" else {}
-            r = simulate(trials, pool, name, **kw)
+            r = simulate(trials, pool, name, startup_s=args.startup_s, overhead=args.overhead, mps=args.mps,
+                         mps_capacity=args.mps_capacity, **kw)
             rows.append({"policy": name, "makespan_s": r.makespan_s, "oom": r.oom, "max_colocated": r.max_colocated})
             curves[name] = r.history
         base = next((r["makespan_s"] for r in rows if r["policy"] == "one_per_gpu"), None)
@@ -142,7 +162,8 @@ class HpoCommand:
             print(json.dumps({"simulation": True, "pool": args.pool, "rows": rows}, indent=1))
             return 0
         print(f"SIMULATION on {args.pool} ({len(trials)} trials, "
-              f"{'trace ' + args.trials if args.trials else 'synthetic trace'})")
+              f"{'trace ' + args.trials if args.trials else 'synthetic trace'}, "
+              f"{'MPS, capacity ' + str(args.mps_capacity) if args.mps else 'time-sliced'}, overhead {args.overhead})")
         print(f"{'policy':<16}{'makespan s':>12}{'speed-up':>10}{'OOM':>6}{'max/GPU':>9}")
         for r in rows:
             sp = f"{r['speedup_vs_one_per_gpu']:.2f}x" if r["speedup_vs_one_per_gpu"] else "-"

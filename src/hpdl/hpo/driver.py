@@ -427,7 +427,11 @@ class Driver:
 
     def _start_mps(self) -> None:
         """``mps: start``: a private MPS daemon for this study's worker processes (local GPUs only)."""
-        if self.spec.mps != "start" or self.backend is not None or not self._cuda or self.mps_daemon:
+        if self.spec.mps != "start" or self.backend is not None or self.mps_daemon:
+            return
+        if not self._cuda:
+            import logging
+            logging.getLogger("hpdl.hpo").warning("mps: start ignored: the pool has no CUDA device")
             return
         from hpdl.hpo.mps import MpsDaemon
 

@@ -31,6 +31,9 @@ def gpu_kind(name: str) -> str:
     return (words[0].split("-")[0] if words else name) or "gpu"
 
 
+_POOL_KEYS = {"fake", "cuda", "devices", "file", "ray", "headroom", "speeds", "memory_gb", "kind", "peak_flops"}
+
+
 def build_pool(cfg: dict) -> list[Device]:
     """Devices described by ``cfg`` (see module docstring).
 
@@ -41,6 +44,9 @@ def build_pool(cfg: dict) -> list[Device]:
         raise HpoConfigError(f"pool={cfg!r}, expected a mapping with 'fake', 'cuda', 'devices' or 'file'")
     if "file" in cfg:
         return build_pool(_read(cfg["file"]))
+    unknown = set(cfg) - _POOL_KEYS
+    if unknown:
+        raise HpoConfigError(f"pool has unknown keys {sorted(unknown)}, expected some of {sorted(_POOL_KEYS)}")
     headroom = float(cfg.get("headroom", 0.05))
     speeds = dict(cfg.get("speeds", {}))
     if "fake" in cfg:

@@ -100,7 +100,7 @@ def simulate(trials: Sequence[SimTrial], devices: Sequence[Device], policy: str 
     by_key = {t.key: t for t in trials}
     attempts = {t.key: 0 for t in trials}
     profiled: set[str] = set()
-    look = lookahead or 2 * len(devices)
+    look = lookahead or max(2, min(32, pol.max_concurrency())) * len(devices)  # as the driver samples ahead
     pending: list[tuple[SimTrial, float]] = []
     run: dict[str, list[dict]] = {d.id: [] for d in devices}
     dev_by_id = {d.id: d for d in devices}
@@ -186,6 +186,18 @@ def simulate(trials: Sequence[SimTrial], devices: Sequence[Device], policy: str 
                         history.append((now, v))
     assert done == set(by_key), "every trial must reach exactly one terminal state"
     return SimResult(pol.name, now, oom, len(done), history, max_co)
+
+
+def resample(trials: Sequence[SimTrial], n: int, seed: int = 0) -> list[SimTrial]:
+    """``n`` trials drawn with replacement (seeded) from ``trials``, keyed 0..n-1 in draw order.
+
+    Raises:
+        HpoConfigError: ``n < 1`` or no trials to draw from.
+    """
+    if n < 1 or not trials:
+        raise HpoConfigError(f"resample: n={n} from {len(trials)} trials, expected n >= 1 and a non-empty trace")
+    rng = random.Random(seed)
+    return [SimTrial(**{**rng.choice(list(trials)).__dict__, "key": k}) for k in range(n)]
 
 
 def synthetic_trials(n: int = 64, seed: int = 0) -> list[SimTrial]:

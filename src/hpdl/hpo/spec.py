@@ -120,6 +120,16 @@ class StudySpec:
             raise HpoConfigError(f"parameters {sorted(overlap)} are both in space and fixed")
         w.resolve({**{k: None for k in self.space}, **self.fixed})  # unknown names raise here
         self.distributions()
+        # build what the driver will build, so a typo fails when the file is read, not mid-run
+        from hpdl.hpo.scheduler import get_policy
+        if not isinstance(self.policy, dict) or "name" not in self.policy:
+            raise HpoConfigError(f"policy={self.policy!r}, expected a mapping with 'name'")
+        get_policy(self.policy["name"], **{k: v for k, v in self.policy.items() if k != "name"})
+        import warnings
+        with warnings.catch_warnings():  # the driver builds them again; warn there, once
+            warnings.simplefilter("ignore")
+            make_sampler(self.sampler, self.space)
+            make_pruner(self.pruner)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "StudySpec":
@@ -154,6 +164,9 @@ def _distribution(name: str, d: Any):
     if not isinstance(d, dict) or "type" not in d:
         raise HpoConfigError(f"space.{name}: expected a mapping with 'type' (float, int or categorical)")
     t = d["type"]
+    allowed = {"type", "choices"} if t == "categorical" else {"type", "low", "high", "log", "step"}
+    if set(d) - allowed:
+        raise HpoConfigError(f"space.{name} has unknown keys {sorted(set(d) - allowed)}, expected some of {sorted(allowed)}")
     try:
         if t == "float":
             return od.FloatDistribution(float(d["low"]), float(d["high"]), log=bool(d.get("log", False)),
@@ -178,6 +191,13 @@ def make_sampler(cfg: dict, space: dict[str, Any]):
 
     cfg = dict(cfg or {"name": "tpe"})
     name = cfg.pop("name", "tpe")
+    try:
+        return _sampler(optuna, name, cfg, space)
+    except TypeError as exc:
+        raise HpoConfigError(f"sampler {name!r}: bad options {cfg}: {exc}") from None
+
+
+def _sampler(optuna, name: str, cfg: dict, space: dict):
     if name == "tpe":
         cfg.setdefault("constant_liar", True)
         return optuna.samplers.TPESampler(**cfg)
@@ -214,7 +234,10 @@ def make_pruner(cfg: dict):
              "hyperband": optuna.pruners.HyperbandPruner}
     if name not in table:
         raise HpoConfigError(f"pruner.name={name!r}, expected one of {sorted(table)}")
-    return table[name](**cfg)
+    try:
+        return table[name](**cfg)
+    except TypeError as exc:
+        raise HpoConfigError(f"pruner {name!r}: bad options {cfg}: {exc}") from None
 
 
 def make_storage(url: str):
