@@ -116,12 +116,10 @@ def simulate_pools(docs: list[dict], png: str) -> list[str]:
     trace = build_trace(docs[0])
     with open(os.path.join(os.path.dirname(png), "hpo_mps_trace.json"), "w") as f:  # for `hpdl hpo simulate`
         json.dump([t.__dict__ for t in trace], f, indent=0)
-    conc = {"one_per_gpu": 2, "fixed_fraction": 8, "pack": 16, "pack_hetero": 16}
 
-    def run(tr, pool, policy, mps, ov, cap):
+    def run(tr, pool, policy, mps, ov, cap):  # the simulator samples ahead as the driver does
         devs = pool_from_spec(pool)
         return simulate(tr, devs, policy, startup_s=STARTUP_S, overhead=ov, mps=mps, mps_capacity=cap,
-                        lookahead=conc[policy] * len(devs),
                         **({"fraction": 0.125} if policy == "fixed_fraction" else {}))
 
     meas = {}

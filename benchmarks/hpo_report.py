@@ -23,14 +23,12 @@ from hpdl.hpo.simulator import SimTrial, pool_from_spec, resample, simulate
 from hpdl.hpo.workloads import get_workload
 
 POLICIES = ("one_per_gpu", "fixed_fraction", "pack", "pack_hetero")
-CONCURRENCY = {"one_per_gpu": 2, "fixed_fraction": 8, "pack": 16, "pack_hetero": 16}  # driver's look-ahead per GPU
 STARTUP_S = 0.05  # dispatch to a warm worker; model build and evaluation are inside the measured solo time
 
 
 def sim(trace, pool: str, policy: str, overhead: float):
     devs = pool_from_spec(pool)
     return simulate(trace, devs, policy, startup_s=STARTUP_S, overhead=overhead,
-                    lookahead=CONCURRENCY[policy] * len(devs),
                     **({"fraction": 0.125} if policy == "fixed_fraction" else {}))
 
 
