@@ -241,14 +241,20 @@ def test_heavy_trials_share_with_light_ones_only_under_mps(mps):
     states[0].running += [TrialDemand(k, GIB, 0.15, profiled=True) for k in range(4)]   # load 0.6
     heavy = TrialDemand(9, GIB, 1.0, profiled=True)
     assert Pack(mps=mps).max_compute == (4.0 if mps else 2.0)
-    unknown = [TrialDemand(k, GIB, 1.0, profiled=False) for k in range(8)]
     fresh = [DeviceState(d) for d in pool(1, mem_gb=80)]
-    assert len(Pack(mps=mps).place(unknown, fresh)) == 4   # before any profile: one GPU's worth (0.25 each)
+    # before any profile, large unknown trials get one GPU's worth (0.25 each); small ones fill a GPU under MPS
+    big = [TrialDemand(k, 3 * GIB, 1.0, profiled=False) for k in range(8)]
+    assert len(Pack(mps=mps, max_trials_per_device=15).place(big, fresh)) == 4
+    many = [TrialDemand(k, GIB, 1.0, profiled=False) for k in range(20)]
+    assert len(Pack(mps=mps, max_trials_per_device=15).place(many, fresh)) == (15 if mps else 4)
     p = Pack(mps=mps, max_trials_per_device=15, max_compute=2.0)
     assert [a.key for a in p.place([heavy], states)] == ([9] if mps else [])
     states = [DeviceState(d, [TrialDemand(9, GIB, 1.0, profiled=True)]) for d in pool(1, mem_gb=80)]
     light = [TrialDemand(k, GIB, 0.15, profiled=True) for k in range(10)]
     assert len(p.place(light, states)) == (7 if mps else 0)  # load 1.0 + 7 x 0.15 passes 2.0 with the 7th
+    # under MPS a heavy trial is not held back until light ones drain: it joins while the load is under the cap
+    busy = [DeviceState(d, [TrialDemand(k, GIB, 0.35, profiled=True) for k in range(10)]) for d in pool(1, mem_gb=80)]
+    assert [a.key for a in Pack(mps=mps).place([heavy], busy)] == ([9] if mps else [])   # 3.5 + 1.0 > 4.0
 
 
 def test_static_bounds_grow_by_the_largest_measured_over_static_ratio():
