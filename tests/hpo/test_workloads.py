@@ -121,3 +121,25 @@ def test_step_profiler_excludes_evaluations_between_steps_and_finishes_in_window
             prof.interrupt()
     assert prof.done and prof.result.source == "cpu"
     assert 0.009 < prof.result.step_time_s < 0.1  # the median step, not the evaluation gaps
+
+
+@pytest.mark.parametrize("name", ["cnn", "gpt"])
+def test_warm_worker_has_paid_the_first_optimizer_import(name):
+    """The first optimizer a process builds imports torch._dynamo (2-3 s): a warm worker pays it before it
+    says ready, not in its first trial. Checked in a fresh interpreter (this one may have imported it)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\n"
+            "from hpdl.hpo.worker import warm_workload\n"
+            "from hpdl.hpo.workloads import get_workload\n"
+            "before = 'torch._dynamo' in sys.modules\n"
+            f"warm_workload(get_workload({name!r}), {{}})\n"
+            "warm_workload(get_workload('cnn'), {'width': -1})  # a bad default only fails later, in trials\n"
+            "print(before, 'torch._dynamo' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    before, after = out.stdout.split()
+    if before == "True":
+        pytest.skip("this torch imports torch._dynamo eagerly: nothing to warm")
+    assert after == "True"

@@ -127,6 +127,20 @@ def warm_cuda(device) -> None:
     torch.cuda.empty_cache()
 
 
+def warm_workload(workload, fixed: dict) -> None:
+    """Build the workload's model and optimizer once on the meta device (no memory, no data): the first
+    optimizer a process constructs imports ``torch._dynamo`` (``Optimizer.__init__`` is wrapped by
+    ``torch._disable_dynamo``), which took 2-3 s of every warm worker's first trial (measured on CPU with
+    cProfile; 3.5-6 s first-trial overhead on an H200, docs/benchmarks/hpo.md). A workload that cannot
+    build at its defaults fails in its trials instead, with the real error."""
+    import torch
+
+    try:
+        workload.build(workload.resolve(dict(fixed)), torch.device("meta"))
+    except Exception:  # noqa: BLE001 - warm-up only
+        pass
+
+
 class _Env:
     """What a worker process loads once and reuses for every trial: device, workload, study, run folder."""
 
@@ -149,6 +163,7 @@ class _Env:
         if self.dev.type == "cuda":
             warm_cuda(self.dev)
         self.workload = get_workload(spec["workload"])
+        warm_workload(self.workload, spec.get("fixed", {}))
         self.study = optuna.load_study(study_name=spec["study"], storage=make_storage(spec["storage"]),
                                        sampler=optuna.samplers.RandomSampler(), pruner=make_pruner(spec["pruner"]))
         self.run_dir = Path(spec["run_dir"])
