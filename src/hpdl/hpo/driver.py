@@ -31,7 +31,7 @@ from hpdl.hpo.launch import WARM_MAX, WARM_TIMEOUT_S, LocalLauncher, WorkerHandl
 from hpdl.hpo.ledger import Ledger
 from hpdl.hpo.pool import PoolSource
 from hpdl.hpo.profiler import CONTEXT_BYTES, ProfileCache, TrialProfile, static_profile
-from hpdl.hpo.scheduler import GIB, DeviceState, TrialDemand, get_policy, mps_active
+from hpdl.hpo.scheduler import SMALL_BYTES, DeviceState, TrialDemand, get_policy, mps_active
 from hpdl.hpo.spec import StudySpec, make_pruner, make_sampler, make_storage
 from hpdl.hpo.workloads import get_workload
 
@@ -248,7 +248,7 @@ class Driver:
             self.profiles.put(t.skey, prof)
             if hasattr(self.policy, "observe"):
                 st = self.profiles.get(t.skey, "static")
-                ratio = prof.memory_bytes / st.memory_bytes if st is not None and st.memory_bytes > 2 * GIB else 0.0
+                ratio = prof.memory_bytes / st.memory_bytes if st is not None and st.memory_bytes > SMALL_BYTES else 0.0
                 self.policy.observe(prof.compute, prof.flops, ratio)
             t.demand = self._demand(t, {prof.kind})
             return

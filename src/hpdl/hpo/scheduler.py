@@ -23,6 +23,9 @@ from typing import Sequence
 from hpdl.hpo.errors import HpoConfigError
 
 GIB = 1 << 30
+# Static memory bounds at most this size: activations do not dominate them, so they held in every profile
+# (the measured/static ratio is learned only from larger ones) and a wrong guess cannot exhaust a GPU.
+SMALL_BYTES = 2 * GIB
 
 
 @dataclass(frozen=True)
@@ -188,9 +191,10 @@ class Pack(SchedulingPolicy):
             10-12x slower; under MPS light trials ran at 0.97-1.09 (about 7 per GPU, 04:06 run) and 1.16
             (8 per GPU, 04:15 run) of their solo time, so the sum may go higher there (4.0 is an estimate
             from those runs, not a measured optimum).
-        light_below: trials with a measured (or measured-neighbour) busy fraction under this are light; a
-            heavier trial joins a device only if the sum after it stays within ``min(1, max_compute)``, and a
-            device running one takes more trials only on the same terms.
+        light_below: trials with a measured (or measured-neighbour) busy fraction under this are light;
+            time-sliced, a heavier trial joins a device only if the sum after it stays within
+            ``min(1, max_compute)``, and a device running one takes more trials only on the same terms (under
+            MPS: within ``max_compute``, see ``mps``).
         max_trials_per_device: cap on co-located processes (each needs a CPU core to launch its kernels and
             a CUDA context); ``None``: the driver sets it from the host's cores per GPU
             (``(cores - 1) // gpus``), 16 elsewhere (simulator).
@@ -200,12 +204,12 @@ class Pack(SchedulingPolicy):
         starve_after_s: waiting time after which a trial reserves a device.
         mps: the GPUs run an MPS server for the trial processes (``True``; ``"auto"``: detect a daemon;
             the study file's ``mps`` key sets it, see :mod:`hpdl.hpo.mps`). Co-located kernels then run
-            concurrently instead of time-slicing, so every trial with a known or guessed share, heavy
-            (busy fraction >= ``light_below``) or light, joins a GPU while its summed share is under
-            ``max_compute``, and before the first profile small trials (static bound under 2 GiB) may
-            fill a GPU too. Measured on an H200 (benchmarks/mps_colocation.py): under MPS four GPU-bound
-            trials together ran 2.05x slower each (1.95x the throughput of one; 4.4x slower time-sliced),
-            fourteen light ones 1.36x, one GPU-bound trial next to fourteen light ones 1.17x.
+            concurrently instead of time-slicing, so a heavy trial (busy fraction >= ``light_below``) may
+            share a GPU with light ones up to ``max_compute`` too, not only up to one GPU, and before the
+            first profile small trials (static bound at most ``SMALL_BYTES``) may fill a GPU. Measured on an
+            H200 (benchmarks/mps_colocation.py): under MPS four GPU-bound trials together ran 2.05x slower
+            each (4.36x time-sliced), fourteen light ones 1.36x (3.54x); one GPU-bound trial next to
+            fourteen light ones 1.17x, while those light ones ran 1.63x slower.
         sm_caps: under MPS, give each trial ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE = ceil(100 * compute /
             max_compute)``. Off by default: the busy fraction is a share of time, not of SMs (a trial busy 15 %
             of the time may still need every SM while it is busy), and a capped trial needs a worker started
@@ -213,7 +217,6 @@ class Pack(SchedulingPolicy):
     """
 
     name = "pack"
-    SMALL_BYTES = 2 * GIB  # see _small
 
     def __init__(self, max_compute: float | None = None, max_trials_per_device: int | None = None,
                  unprofiled_compute: float = 0.25, starve_after_s: float = 30.0, mps: bool | str = False,
@@ -339,11 +342,11 @@ class Pack(SchedulingPolicy):
         return self._compute(t) < self.light_below and (t.profiled or bool(self._observed))
 
     def _small(self, t) -> bool:
-        """Nothing is measured yet and the static bound is small (under ``SMALL_BYTES``, where activations
-        do not dominate and the bound held in every profile so far): a wrong guess cannot run a GPU out of
-        memory, and under MPS even GPU-bound trials stacked four deep still gained throughput (measured:
-        benchmarks/mps_colocation.py), so under MPS such a trial need not wait for the first profile."""
-        return not self._known(t) and self._mem(t) <= self.SMALL_BYTES
+        """Nothing is measured yet and the static bound is at most ``SMALL_BYTES``: a wrong guess cannot run
+        a GPU out of memory, and under MPS even GPU-bound trials stacked four deep still gained throughput
+        (measured: benchmarks/mps_colocation.py), so under MPS such a trial need not wait for the first
+        profile (on 2 x H200 the wait left 22 of 30 warm workers idle for 5 s)."""
+        return not self._known(t) and self._mem(t) <= SMALL_BYTES
 
     def _limit(self, t, heavy_here: bool) -> float:
         """Summed busy fraction under which ``t`` may join a device (see ``light_below``; under MPS every
@@ -357,18 +360,16 @@ class Pack(SchedulingPolicy):
     def _joins(self, t, load: float, count: int, capacity: float, heavy_here: bool) -> bool:
         """Gain test. An empty device takes any trial; a light trial joins while the load is under the cap
         (the last one may push the sum past it, which only time-slices); a heavy one only if the sum after it
-        stays within the one-GPU cap (time-sliced, stacked heavy trials thrash: four ran 4.4x slower each).
-        Under MPS every trial with a known or guessed share, and every small one, joins while the load is
-        under ``max_compute``."""
+        stays within the one-GPU cap (time-sliced, stacked heavy trials thrash: four ran 4.4x slower each;
+        under MPS, within ``max_compute``). Under MPS a small trial not yet profiled joins as a light one.
+
+        Letting heavy trials join under MPS while the load is under the cap, as light ones do, was measured
+        on 2 x H200 and not kept: 15.9 s against 14.5 s (launch-bound) and 16.0 s against 14.9 s (mixed),
+        light trials slowed more (median 3.4x against 2.1x their solo time), docs/benchmarks/hpo.md."""
         if count == 0:
             return True
         limit = self._limit(t, heavy_here) * capacity
-        if self.mps and (self._known(t) or self._small(t)):
-            # MPS: a heavy trial joins on the same terms as light ones, so GPU-bound work is not held back
-            # until light trials drain (it was, and made the tail); four GPU-bound trials together still
-            # had 1.95x the throughput of one (benchmarks/mps_colocation.py)
-            return load < limit - 1e-9
-        if self._light(t) and not heavy_here:
+        if (self._light(t) and ((self.mps and self._known(t)) or not heavy_here)) or (self.mps and self._small(t)):
             return load < limit - 1e-9
         return load + self._compute(t) <= limit + 1e-9
 
@@ -421,7 +422,8 @@ class PackHetero(Pack):
                 load = sum(self._compute(x) for x in dst.running)
                 heavy_there = any(x.key >= 0 and not self._light(x) for x in dst.running)
                 n_there = sum(x.key >= 0 for x in dst.running)
-                if dst.memory_used + t.memory_bytes <= dv.memory_bytes and \
+                mem_there = sum(self._mem(x) for x in dst.running)  # as place() counts it (scaled bounds)
+                if mem_there + self._mem(t) <= dv.memory_bytes and n_there < self.cap and \
                         self._joins(t, load, n_there, dv.compute, heavy_there):
                     out.append(t.key)
                     taken.add(dv.id)

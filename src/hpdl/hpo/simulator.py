@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from hpdl.hpo.errors import HpoConfigError
-from hpdl.hpo.scheduler import GIB, Device, DeviceState, SchedulingPolicy, TrialDemand, get_policy
+from hpdl.hpo.scheduler import GIB, SMALL_BYTES, Device, DeviceState, SchedulingPolicy, TrialDemand, get_policy
 
 
 @dataclass
@@ -165,7 +165,7 @@ def simulate(trials: Sequence[SimTrial], devices: Sequence[Device], policy: str 
                     st, busy = step_time(r["t"], devices[0])  # its profile replaces the static demand
                     if first and hasattr(pol, "observe"):  # as the driver: one profile per structure
                         stat = r["t"].static_memory_bytes
-                        pol.observe(busy, r["t"].flops, r["t"].memory_bytes / stat if stat > 2 * GIB else 0.0)
+                        pol.observe(busy, r["t"].flops, r["t"].memory_bytes / stat if stat > SMALL_BYTES else 0.0)
                     r["demand"] = TrialDemand(r["t"].key, r["t"].memory_bytes, busy, r["t"].steps * st, profiled=True)
                     if sum(x["t"].memory_bytes for x in rs) > d.memory_bytes:  # out of memory: newest fails
                         rs.remove(r)
