@@ -127,18 +127,18 @@ def warm_cuda(device) -> None:
     torch.cuda.empty_cache()
 
 
-def warm_workload(workload, fixed: dict) -> None:
-    """Build the workload's model and optimizer once on the meta device (no memory, no data): the first
-    optimizer a process constructs imports ``torch._dynamo`` (``Optimizer.__init__`` is wrapped by
-    ``torch._disable_dynamo``), which took 2-3 s of every warm worker's first trial (measured on CPU with
-    cProfile; 3.5-6 s first-trial overhead on an H200, docs/benchmarks/hpo.md). A workload that cannot
-    build at its defaults fails in its trials instead, with the real error."""
+def warm_imports() -> None:
+    """Build and step one optimizer on a one-element CPU tensor: the first ``torch.optim.Optimizer`` a process
+    constructs imports ``torch._dynamo`` (``Optimizer.__init__`` is wrapped by ``torch._disable_dynamo``),
+    which took 3.1 s of a warm CPU worker's 3.5 s first trial (cProfile) and left every warm worker's first
+    trial on an H200 3.5-6 s longer than later ones (docs/benchmarks/hpo.md). Touches no device, runs no
+    workload code and leaves the global random state alone."""
     import torch
 
-    try:
-        workload.build(workload.resolve(dict(fixed)), torch.device("meta"))
-    except Exception:  # noqa: BLE001 - warm-up only
-        pass
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    p.grad = torch.ones(1)
+    opt.step()
 
 
 class _Env:
@@ -162,8 +162,8 @@ class _Env:
         self.dev = torch.device(torch_device)
         if self.dev.type == "cuda":
             warm_cuda(self.dev)
+        warm_imports()
         self.workload = get_workload(spec["workload"])
-        warm_workload(self.workload, spec.get("fixed", {}))
         self.study = optuna.load_study(study_name=spec["study"], storage=make_storage(spec["storage"]),
                                        sampler=optuna.samplers.RandomSampler(), pruner=make_pruner(spec["pruner"]))
         self.run_dir = Path(spec["run_dir"])
