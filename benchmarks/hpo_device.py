@@ -94,6 +94,22 @@ def run_one(policy: str, gpus: list[int], n_trials: int, scratch: str, timeout_s
             "trials": trials, "profiles": {k: asdict(v) for k, v in drv.profiles.items()}}
 
 
+def _commit() -> str:
+    """The checkout's commit (with ``+dirty`` when tracked files differ), or ``unknown`` without git (the
+    device copy of a working tree has no .git: pass HPDL_COMMIT then)."""
+    import subprocess
+
+    if os.environ.get("HPDL_COMMIT"):
+        return os.environ["HPDL_COMMIT"]
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], capture_output=True, text=True,
+                               timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return (sha + ("+dirty" if dirty else "")) if sha else "unknown"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n-trials", type=int, default=N_TRIALS)
@@ -120,7 +136,8 @@ def main() -> None:
             "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())], "smoke": args.smoke,
             "cpus": os.cpu_count(), "n_trials": args.n_trials, "space": SPACES[args.space][0],
             "fixed": SPACES[args.space][1], "space_name": args.space,
-            "mps": mps_active(), "command": " ".join(["benchmarks/hpo_device.py"] + __import__("sys").argv[1:])}
+            "mps": mps_active(), "command": " ".join(["benchmarks/hpo_device.py"] + __import__("sys").argv[1:]),
+            "commit": _commit()}
     runs = []
     for i, pool in enumerate(args.pools.split(";")):
         gpus = [int(g) for g in pool.split(",")]

@@ -1,11 +1,17 @@
 """How co-located training processes slow each other on one GPU, with and without MPS: the measurement
-behind ``pack``'s rule that under MPS heavy (GPU-bound) trials share a GPU as if time-sliced while light
-(launch-bound) ones run beside them (hpdl.hpo.scheduler.Pack, hpdl.hpo.simulator's MPS model).
+behind ``pack``'s co-location rules under MPS (hpdl.hpo.scheduler.Pack) and a check of the simulator's
+MPS model (hpdl.hpo.simulator).
 
 Each mix starts its processes (small CNNs of hpdl.hpo.workloads on synthetic 32x32 images), builds and
-warms each model, releases all of them at once, and counts the training steps (synchronised) each one
-completes in a fixed window. Slowdown = solo step time / step time in the mix, per class (heavy: batch
+warms each model, releases all of them at once, and counts the training steps each one completes in a
+fixed window. Slowdown = step time in the mix / step time alone (same mode), per class (heavy: batch
 16384; light: batch 48), median over the class's processes.
+
+Limits (as committed, 2026-11-30): one window per mix, no repeats (a time-sliced heavy process completes
+about 7 steps); the device is synchronised after every step, which the trial loop does not do; torch's
+intra-op threads are left at their default (hpo workers use 1) and up to 15 processes share the host's
+cores, so light numbers include CPU contention; a process that finishes its window early leaves the
+others less contended for the rest of theirs.
 
     PYTHONPATH=src python3 benchmarks/mps_colocation.py --out out/mps_colocation.json [--window-s 3]
 
