@@ -62,7 +62,7 @@ def worker(env: dict, params: dict, barrier, window_s: float, q) -> None:
     while time.perf_counter() - t0 < window_s:
         step(n)
         n += 1
-    q.put((params["batch_size"], (time.perf_counter() - t0) / n, torch.cuda.max_memory_allocated()))
+    q.put((params["batch_size"], (time.perf_counter() - t0) / n))
 
 
 def run_mix(heavy: int, light: int, env: dict, window_s: float) -> list[tuple]:
@@ -99,8 +99,8 @@ def main() -> None:
             for heavy, light in MIXES:
                 t = time.monotonic()
                 res = run_mix(heavy, light, daemon.env if daemon else {}, args.window_s)
-                cls = {"heavy": [s for b, s, _ in res if b == HEAVY["batch_size"]],
-                       "light": [s for b, s, _ in res if b == LIGHT["batch_size"]]}
+                cls = {"heavy": [s for b, s in res if b == HEAVY["batch_size"]],
+                       "light": [s for b, s in res if b == LIGHT["batch_size"]]}
                 if heavy + light == 1:
                     solo[(mode, "heavy" if heavy else "light")] = (cls["heavy"] or cls["light"])[0]
                 row = {"mode": mode, "heavy": heavy, "light": light, "wall_s": round(time.monotonic() - t, 1)}
