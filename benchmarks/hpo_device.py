@@ -161,6 +161,9 @@ def main() -> None:
             print(f"    wall {res.get('wall_s', float('nan')):.1f} s (pool warm-up {res.get('warmup_s', 0):.1f} s) "
                   f"complete {res.get('complete')} "
                   f"failures {res.get('failures')} best {res.get('best_value')} error {r.get('error')}", flush=True)
+            if res.get("warmup_phases"):
+                print("    worker start-up s (median/max): " + ", ".join(
+                    f"{k} {v['median']:.1f}/{v['max']:.1f}" for k, v in res["warmup_phases"].items()), flush=True)
             with open(os.path.join(args.out, "results.json"), "w") as f:
                 json.dump({"meta": meta, "runs": runs}, f, indent=1)
     print(f"done in {time.monotonic() - t0:.1f} s", flush=True)

@@ -117,6 +117,8 @@ def test_warm_pool_is_ready_before_the_clock_and_runs_every_trial(tmp_path):
     spec = StudySpec.from_dict(spec_dict(tmp_path, n_trials=3, warm_workers=1, policy={"name": "one_per_gpu"}))
     res = run_study(spec)
     assert res.complete == 3 and not res.failures and res.warmup_s > 0.5  # torch import + study load
+    assert list(res.warmup_phases) == ["spawn", "import", "optimizer", "study"]  # no "cuda" on CPU
+    assert all(0 < p["median"] <= p["max"] < res.warmup_s for p in res.warmup_phases.values())
     trials = trials_of(spec)
     assert len({t.user_attrs["hpdl_pid"] for t in trials}) == 2
     assert all(t.user_attrs["hpdl_host"] and t.user_attrs["hpdl_started_at"] for t in trials)

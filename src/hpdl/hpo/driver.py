@@ -20,8 +20,9 @@ from __future__ import annotations
 import math
 import os
 import socket
+import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import wait as mp_wait
 from pathlib import Path
 from typing import Any
@@ -61,7 +62,9 @@ class StudyResult:
     ``preempted`` counts trials stopped with a checkpoint and continued elsewhere (device removed, or
     migrated by ``pack_hetero`` to a faster GPU). ``wall_s`` runs from the moment the warm worker pool was
     ready (``started_at``, Unix time) until the budget finished; ``warmup_s`` is the time the pool took before
-    that and ``teardown_s`` the time to stop the workers (and an MPS daemon) after it."""
+    that and ``teardown_s`` the time to stop the workers (and an MPS daemon) after it. ``warmup_phases`` gives,
+    per start-up phase of the warm workers (``spawn``, ``import``, ``cuda``, ``optimizer``, ``study``; see
+    :class:`hpdl.hpo.worker._Env`), the median and the largest seconds over workers."""
 
     study: str
     policy: str
@@ -77,6 +80,7 @@ class StudyResult:
     warmup_s: float = 0.0
     teardown_s: float = 0.0
     started_at: float = 0.0
+    warmup_phases: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 class Driver:
@@ -140,6 +144,7 @@ class Driver:
             # each co-located trial needs a core to launch kernels; one core stays with the driver
             self.policy.max_trials_per_device = max(1, ((os.cpu_count() or 2) - 1) // n_gpus)
         self.warmup_s = 0.0
+        self.warmup_phases: dict[str, dict[str, float]] = {}
         self._by_id: dict[str, Any] = {}
         if hasattr(self.policy, "mps") and spec.mps in (True, "auto"):
             self.policy.mps = spec.mps is True or mps_active()
@@ -354,6 +359,7 @@ class Driver:
             self._start_mps()  # its start-up counts as the pool's
             self.launcher.warm_up(self.pool.devices(), min(WARM_TIMEOUT_S, self.spec.timeout_s or WARM_TIMEOUT_S))
             self.warmup_s = time.monotonic() - t
+            self.warmup_phases = _phases([w.startup for w in self.launcher.workers])
             self._t0 = time.monotonic()  # wall time counts from a ready pool, for every policy alike
             self._started_at = time.time()
             view = Progress(self) if self.progress else None
@@ -460,7 +466,15 @@ class Driver:
                            (self._t_done or time.monotonic()) - self._t0,
                            len(done), sum(t.state == TrialState.PRUNED for t in trials), dict(self.ledger.failures),
                            best.value if best else None, dict(best.params) if best else None, list(self.history),
-                           self.preempted, self.warmup_s, self._teardown_s, self._started_at)
+                           self.preempted, self.warmup_s, self._teardown_s, self._started_at,
+                           self.warmup_phases)
+
+
+def _phases(startups: list[dict]) -> dict[str, dict[str, float]]:
+    """Median and largest seconds per phase over the workers' start-up times."""
+    names = dict.fromkeys(k for s in startups for k in s)
+    return {k: {"median": statistics.median(v), "max": max(v)}
+            for k in names if (v := [s[k] for s in startups if k in s])}
 
 
 def run_study(spec: StudySpec, *, resume: bool = False, progress: bool = False) -> StudyResult:

@@ -40,6 +40,7 @@ class WorkerHandle:
     trial: Any = None
     stopping: bool = False
     ready: bool = False
+    startup: dict = field(default_factory=dict)  # seconds per start-up phase, from the ready message
     token: int = 0        # Ray: the token its connection announces
     closed: bool = False  # its connection reached end of file
     idle_since: float = field(default_factory=time.monotonic)
@@ -127,7 +128,7 @@ class LocalLauncher(Launcher):
 
         parent, child = self.ctx.Pipe()
         proc = self.ctx.Process(target=worker_main, daemon=True, name=f"hpdl-hpo-worker-{device.id}",
-                                args=(child, device.__dict__, self.spec, os.getpid(), sm_percent))
+                                args=(child, device.__dict__, self.spec, os.getpid(), sm_percent, time.time()))
         proc.start()
         child.close()
         w = WorkerHandle(proc, parent, device.id, sm_percent)
@@ -152,7 +153,9 @@ class LocalLauncher(Launcher):
             for conn in mp_wait([w.conn for w in self.workers if not w.ready], timeout=1.0):
                 w = next(x for x in self.workers if x.conn is conn)
                 try:
-                    w.ready = w.conn.recv()[0] == "ready"
+                    msg = w.conn.recv()
+                    w.ready = msg[0] == "ready"
+                    w.startup = dict(msg[2]) if w.ready and len(msg) > 2 else {}
                 except (EOFError, OSError):
                     raise HpoError(f"warm worker on {w.device_id} died during start-up "
                                    f"(exit code {w.proc.exitcode})") from None

@@ -11,7 +11,7 @@ Protocol (``multiprocessing`` pipe, driver <-> worker, all messages are tuples):
   ``hpdl_started_at`` on the trial before it trains, off the driver's critical path);
   ``("preempt", trial_id)`` (checkpoint is the last one written; the trial stops with ``preempted``);
   ``("stop",)``.
-- worker -> driver: ``("ready", pid)``, ``("profile", trial_id, dict)``, ``("done", trial_id, value)``,
+- worker -> driver: ``("ready", pid, startup)`` (seconds per start-up phase), ``("profile", trial_id, dict)``, ``("done", trial_id, value)``,
   ``("pruned", trial_id)``, ``("preempted", trial_id)``, ``("failed", trial_id, kind, message)`` with kind
   ``oom`` or ``error``. After a failure the worker exits (its CUDA state may be unusable).
 
@@ -142,9 +142,13 @@ def warm_imports() -> None:
 
 
 class _Env:
-    """What a worker process loads once and reuses for every trial: device, workload, study, run folder."""
+    """What a worker process loads once and reuses for every trial: device, workload, study, run folder.
+
+    ``startup`` holds the seconds each start-up phase took: ``import`` (torch, optuna), ``cuda``
+    (:func:`warm_cuda`), ``optimizer`` (:func:`warm_imports`), ``study`` (workload and study load)."""
 
     def __init__(self, device: dict, spec: dict, torch_device: str):
+        t = time.monotonic()
         import optuna
         import torch
 
@@ -160,13 +164,24 @@ class _Env:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         self.device, self.spec = device, spec
         self.dev = torch.device(torch_device)
+        self.startup: dict[str, float] = {}
+
+        def lap(phase: str) -> None:
+            nonlocal t
+            now = time.monotonic()
+            self.startup[phase], t = now - t, now
+
+        lap("import")
         if self.dev.type == "cuda":
             warm_cuda(self.dev)
+            lap("cuda")
         warm_imports()
+        lap("optimizer")
         self.workload = get_workload(spec["workload"])
         self.study = optuna.load_study(study_name=spec["study"], storage=make_storage(spec["storage"]),
                                        sampler=optuna.samplers.RandomSampler(), pruner=make_pruner(spec["pruner"]))
         self.run_dir = Path(spec["run_dir"])
+        lap("study")
 
 
 def run_task(env: _Env, conn, task: dict[str, Any], parent_pid: int | None) -> bool:
@@ -212,9 +227,12 @@ def run_task(env: _Env, conn, task: dict[str, Any], parent_pid: int | None) -> b
     return True
 
 
-def worker_main(conn, device: dict, spec: dict, parent_pid: int, sm_percent: int = 100) -> None:
+def worker_main(conn, device: dict, spec: dict, parent_pid: int, sm_percent: int = 100,
+                spawned_at: float | None = None) -> None:
     """Entry point of a local worker process (``multiprocessing`` spawn target). Runs tasks until told to
-    stop or the driver disappears; exits after a failed trial."""
+    stop or the driver disappears; exits after a failed trial. ``spawned_at`` (Unix time the driver started
+    the process) adds the interpreter's start as phase ``spawn`` to the ready message's start-up times."""
+    boot = time.time() - spawned_at if spawned_at else None
     _die_with_parent()
     torch_device = device["torch_device"]
     os.environ.update(spec.get("mps_env") or {})  # mps: start -> this study's MPS daemon (before any CUDA call)
@@ -224,7 +242,7 @@ def worker_main(conn, device: dict, spec: dict, parent_pid: int, sm_percent: int
             os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(sm_percent)
         torch_device = "cuda:0"
     env = _Env(device, spec, torch_device)
-    conn.send(("ready", os.getpid()))
+    conn.send(("ready", os.getpid(), {**({"spawn": boot} if boot is not None else {}), **env.startup}))
     while True:
         if not conn.poll(1.0):
             if os.getppid() != parent_pid:
