@@ -1,0 +1,130 @@
+"""How much GPU memory a trial of the hpdl.hpo CNN workload needs, as the profiler sees it and as it is used.
+
+The profiler (:mod:`hpdl.hpo.profiler`) records ``max_memory_reserved`` (what the caching allocator holds),
+which includes blocks that are cached but free. This script measures, per configuration and allocator
+setting (``PYTORCH_CUDA_ALLOC_CONF``), each in a fresh process on one GPU: the peak allocated and reserved
+bytes over the profiler's window (2 warm-up steps, then 5 steps) and over the whole run (10 steps and one
+evaluation), and the mean step time. Then, per setting, it starts ``--stack`` processes of the largest
+configuration at once on the same GPU and counts those that ran out of memory: whether trials whose
+reserved peaks sum to more than the GPU still fit when their allocated peaks do not.
+
+    PYTHONPATH=src python3 benchmarks/hpo_memory.py --out $OUT/memory.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import time
+
+CONFIGS = [  # (width, depth, batch_size): the mixed space's batch-16384 tail and two light ones
+    (32, 3, 16384), (64, 3, 16384), (32, 2, 16384), (16, 2, 16384), (64, 1, 16384), (8, 1, 16384),
+    (64, 3, 512), (32, 1, 64),
+]
+SETTINGS = ["", "expandable_segments:True"]
+GIB = 1 << 30
+
+
+def _measure(cfg, alloc_conf: str, barrier, q) -> None:
+    if alloc_conf:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
+    import torch
+
+    from hpdl.hpo.workloads import get_workload
+
+    dev = torch.device("cuda:0")
+    w, d, b = cfg
+    wl = get_workload("cnn")
+    p = wl.resolve({"width": w, "depth": d, "batch_size": b, "image_size": 32, "val_size": 2048, "noise": 4.0})
+    out = {"width": w, "depth": d, "batch_size": b, "alloc_conf": alloc_conf, "oom": False}
+    try:
+        parts = wl.build(p, dev)
+        if barrier is not None:
+            barrier.wait(120)
+
+        def step(s):
+            x, y = parts.batch(s)
+            loss = parts.loss(parts.model(x), y)
+            parts.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            parts.optimizer.step()
+
+        for s in range(2):
+            step(s)
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        t = time.perf_counter()
+        for s in range(2, 7):
+            step(s)
+        torch.cuda.synchronize(dev)
+        out["step_s"] = (time.perf_counter() - t) / 5
+        out["window_allocated"] = torch.cuda.max_memory_allocated(dev)
+        out["window_reserved"] = torch.cuda.max_memory_reserved(dev)
+        for s in range(7, 10):
+            step(s)
+        parts.evaluate()
+        torch.cuda.synchronize(dev)
+        out["run_allocated"] = torch.cuda.max_memory_allocated(dev)
+        out["run_reserved"] = torch.cuda.max_memory_reserved(dev)
+    except torch.cuda.OutOfMemoryError as exc:
+        out["oom"], out["error"] = True, str(exc).splitlines()[0][:200]
+    q.put(out)
+
+
+def _run(cfgs, alloc_conf: str, together: bool) -> list[dict]:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    barrier = ctx.Barrier(len(cfgs)) if together else None
+    procs = [ctx.Process(target=_measure, args=(c, alloc_conf, barrier, q)) for c in cfgs]
+    res = []
+    if together:
+        for p in procs:
+            p.start()
+        res = [q.get(timeout=300) for _ in procs]
+        for p in procs:
+            p.join(60)
+    else:
+        for p in procs:
+            p.start()
+            res.append(q.get(timeout=300))
+            p.join(60)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="hpo_memory.json")
+    ap.add_argument("--stack", type=int, default=3, help="processes of the largest configuration at once")
+    args = ap.parse_args()
+    import torch
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    doc = {"device": torch.cuda.get_device_name(0), "total_bytes": total, "torch": torch.__version__,
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "solo": [], "stacked": []}
+    for conf in SETTINGS:
+        for r in _run(CONFIGS, conf, together=False):
+            doc["solo"].append(r)
+            if r["oom"]:
+                print(f"{conf or 'default':28s} w{r['width']} d{r['depth']} b{r['batch_size']}: OOM", flush=True)
+                continue
+            print(f"{conf or 'default':28s} w{r['width']:2d} d{r['depth']} b{r['batch_size']:5d}: "
+                  f"window alloc {r['window_allocated'] / GIB:6.2f} reserved {r['window_reserved'] / GIB:6.2f} GiB, "
+                  f"run alloc {r['run_allocated'] / GIB:6.2f} reserved {r['run_reserved'] / GIB:6.2f} GiB, "
+                  f"step {r['step_s'] * 1e3:7.1f} ms", flush=True)
+    big = max((r for r in doc["solo"] if not r["oom"] and not r["alloc_conf"]), key=lambda r: r["run_reserved"])
+    cfg = (big["width"], big["depth"], big["batch_size"])
+    for conf in SETTINGS:
+        rs = _run([cfg] * args.stack, conf, together=True)
+        doc["stacked"].append({"config": cfg, "alloc_conf": conf, "n": args.stack, "results": rs})
+        print(f"stacked {args.stack} x w{cfg[0]} d{cfg[1]} b{cfg[2]} ({conf or 'default'}): "
+              f"{sum(r['oom'] for r in rs)} OOM, run reserved "
+              f"{[round(r.get('run_reserved', 0) / GIB, 1) for r in rs]} GiB of {total / GIB:.0f}", flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
