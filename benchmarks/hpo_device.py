@@ -137,7 +137,7 @@ def main() -> None:
             "cpus": os.cpu_count(), "n_trials": args.n_trials, "space": SPACES[args.space][0],
             "fixed": SPACES[args.space][1], "space_name": args.space,
             "mps": mps_active(), "command": " ".join(["benchmarks/hpo_device.py"] + __import__("sys").argv[1:]),
-            "commit": _commit()}
+            "commit": _commit(), "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
     runs = []
     for i, pool in enumerate(args.pools.split(";")):
         gpus = [int(g) for g in pool.split(",")]

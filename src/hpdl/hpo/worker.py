@@ -130,9 +130,10 @@ def warm_cuda(device) -> None:
 def warm_imports() -> None:
     """Build and step one optimizer on a one-element CPU tensor: the first ``torch.optim.Optimizer`` a process
     constructs imports ``torch._dynamo`` (``Optimizer.__init__`` is wrapped by ``torch._disable_dynamo``),
-    which took 3.1 s of a warm CPU worker's 3.5 s first trial (cProfile). On an H200 every warm worker's first
-    trial ran 3.5-6 s longer than later ones (docs/benchmarks/hpo.md); how much of that this import was is not
-    yet measured there. Touches no device, runs no workload code and leaves the global random state alone."""
+    which took 3.1 s of a warm CPU worker's 3.5 s first trial (cProfile). On an H200 host it takes 3.6-5.4 s
+    per worker; paying it here took ``pack`` with MPS on 2 x H200 from 14.5-19.7 s to 9.4-12.3 s for the same
+    64 configurations (docs/benchmarks/hpo.md). Touches no device, runs no workload code and leaves the global
+    random state alone."""
     import torch
 
     p = torch.nn.Parameter(torch.zeros(1))
