@@ -67,7 +67,12 @@ def run_one(policy: str, gpus: list[int], n_trials: int, scratch: str, timeout_s
     policy, _, sharing = policy.partition("@")  # "pack@mps": the same policy with a private MPS daemon
     if sharing not in ("", "mps"):
         raise SystemExit(f"--policies: {policy}@{sharing}: expected <policy> or <policy>@mps")
-    pol = {"name": policy, **({"fraction": 0.125} if policy == "fixed_fraction" else {})}
+    policy, *opts = policy.split(":")  # "pack:max_compute=8@mps": a policy option (numbers only)
+    try:
+        extra = {k: float(v) for k, _, v in (o.partition("=") for o in opts)}
+    except ValueError:
+        raise SystemExit(f"--policies: {tag}: expected <policy>[:<option>=<number>...][@mps]") from None
+    pol = {"name": policy, **({"fraction": 0.125} if policy == "fixed_fraction" else {}), **extra}
     spec = StudySpec.from_dict({
         "study": tag, "workload": "cnn", "n_trials": n_trials, "run_dir": os.path.join(scratch, tag),
         "sampler": {"name": "random", "seed": 0}, "pruner": {"name": "none"},
@@ -91,6 +96,7 @@ def run_one(policy: str, gpus: list[int], n_trials: int, scratch: str, timeout_s
                        "start": t.user_attrs.get("hpdl_started_at"),
                        "end": t.datetime_complete.timestamp() if t.datetime_complete else None})
     return {"tag": tag, "policy": policy, "mps": sharing == "mps", "gpus": gpus, "error": error, "result": asdict(res), "cap": cap,
+            "max_compute": getattr(drv.policy, "max_compute", None),
             "trials": trials, "profiles": {k: asdict(v) for k, v in drv.profiles.items()}}
 
 

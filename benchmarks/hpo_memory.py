@@ -70,6 +70,8 @@ def _measure(cfg, alloc_conf: str, barrier, q) -> None:
         out["run_reserved"] = torch.cuda.max_memory_reserved(dev)
     except torch.cuda.OutOfMemoryError as exc:
         out["oom"], out["error"] = True, str(exc).splitlines()[0][:200]
+    except Exception as exc:  # noqa: BLE001 - reported, so the parent never waits on a dead child
+        out["error"] = f"{type(exc).__name__}: {exc}"[:300]
     q.put(out)
 
 
@@ -106,14 +108,15 @@ def main() -> None:
     for conf in SETTINGS:
         for r in _run(CONFIGS, conf, together=False):
             doc["solo"].append(r)
-            if r["oom"]:
-                print(f"{conf or 'default':28s} w{r['width']} d{r['depth']} b{r['batch_size']}: OOM", flush=True)
+            if r["oom"] or r.get("error"):
+                print(f"{conf or 'default':28s} w{r['width']} d{r['depth']} b{r['batch_size']}: "
+                      f"{'OOM' if r['oom'] else r['error']}", flush=True)
                 continue
             print(f"{conf or 'default':28s} w{r['width']:2d} d{r['depth']} b{r['batch_size']:5d}: "
                   f"window alloc {r['window_allocated'] / GIB:6.2f} reserved {r['window_reserved'] / GIB:6.2f} GiB, "
                   f"run alloc {r['run_allocated'] / GIB:6.2f} reserved {r['run_reserved'] / GIB:6.2f} GiB, "
                   f"step {r['step_s'] * 1e3:7.1f} ms", flush=True)
-    big = max((r for r in doc["solo"] if not r["oom"] and not r["alloc_conf"]), key=lambda r: r["run_reserved"])
+    big = max((r for r in doc["solo"] if "run_reserved" in r and not r["alloc_conf"]), key=lambda r: r["run_reserved"])
     cfg = (big["width"], big["depth"], big["batch_size"])
     for conf in SETTINGS:
         rs = _run([cfg] * args.stack, conf, together=True)
