@@ -5,8 +5,9 @@ which includes blocks that are cached but free. This script measures, per config
 setting (``PYTORCH_CUDA_ALLOC_CONF``), each in a fresh process on one GPU: the peak allocated and reserved
 bytes over the profiler's window (2 warm-up steps, then 5 steps) and over the whole run (10 steps and one
 evaluation), and the mean step time. Then, per setting, it starts ``--stack`` processes of the largest
-configuration at once on the same GPU and counts those that ran out of memory: whether trials whose
-reserved peaks sum to more than the GPU still fit when their allocated peaks do not.
+configuration at once on the same GPU and records whether each ran out of memory and the peaks it
+reached: whether trials whose peaks alone sum to more than the GPU still run together (cuDNN's workspace
+is elastic). Which convolution algorithms ran is not recorded.
 
     PYTHONPATH=src python3 benchmarks/hpo_memory.py --out $OUT/memory.json
 """
@@ -103,7 +104,12 @@ def main() -> None:
     import torch
 
     total = torch.cuda.get_device_properties(0).total_memory
+    import subprocess
+
+    git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+    commit = os.environ.get("HPDL_COMMIT") or (git.stdout.strip() if git.returncode == 0 else "unknown")
     doc = {"device": torch.cuda.get_device_name(0), "total_bytes": total, "torch": torch.__version__,
+           "commit": commit,
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "solo": [], "stacked": []}
     for conf in SETTINGS:
         for r in _run(CONFIGS, conf, together=False):

@@ -64,7 +64,8 @@ class StudyResult:
     ready (``started_at``, Unix time) until the budget finished; ``warmup_s`` is the time the pool took before
     that and ``teardown_s`` the time to stop the workers (and an MPS daemon) after it. ``warmup_phases`` gives,
     per start-up phase of the warm workers (``spawn``, ``import``, ``cuda``, ``optimizer``, ``study``; see
-    :class:`hpdl.hpo.worker._Env`), the median and the largest seconds over workers."""
+    :class:`hpdl.hpo.worker._Env`), the median and the largest seconds over the warm pool's workers (empty
+    without a warm pool, e.g. on fake CPU devices with ``warm_workers: auto`` or with the Ray backend)."""
 
     study: str
     policy: str

@@ -130,10 +130,11 @@ def warm_cuda(device) -> None:
 def warm_imports() -> None:
     """Build and step one optimizer on a one-element CPU tensor: the first ``torch.optim.Optimizer`` a process
     constructs imports ``torch._dynamo`` (``Optimizer.__init__`` is wrapped by ``torch._disable_dynamo``),
-    which took 3.1 s of a warm CPU worker's 3.5 s first trial (cProfile). On an H200 host it takes 3.6-5.4 s
-    per worker; paying it here took ``pack`` with MPS on 2 x H200 from 14.5-19.7 s to 9.4-12.3 s for the same
-    64 configurations (docs/benchmarks/hpo.md). Touches no device, runs no workload code and leaves the global
-    random state alone."""
+    which took 3.1 s of a warm CPU worker's 3.5 s first trial (cProfile). On an H200 host it takes 3.6-6.2 s
+    per worker. Paid here, it leaves the trials (``pack`` with MPS on 2 x H200, same scheduler: 14.5 s to
+    9.4-12.3 s from a ready pool) but not the study: the pool's start-up grew by as much
+    (docs/benchmarks/hpo.md). Touches no device, runs no workload code and leaves the global random state
+    alone."""
     import torch
 
     p = torch.nn.Parameter(torch.zeros(1))
@@ -145,8 +146,9 @@ def warm_imports() -> None:
 class _Env:
     """What a worker process loads once and reuses for every trial: device, workload, study, run folder.
 
-    ``startup`` holds the seconds each start-up phase took: ``import`` (torch, optuna), ``cuda``
-    (:func:`warm_cuda`), ``optimizer`` (:func:`warm_imports`), ``study`` (workload and study load)."""
+    ``startup`` holds the seconds each start-up phase took: ``import`` (what of torch and optuna the spawned
+    process had not imported yet: under ``spawn`` torch comes with the ``hpdl`` package, in phase ``spawn``),
+    ``cuda`` (:func:`warm_cuda`), ``optimizer`` (:func:`warm_imports`), ``study`` (workload and study load)."""
 
     def __init__(self, device: dict, spec: dict, torch_device: str):
         t = time.monotonic()
@@ -232,7 +234,8 @@ def worker_main(conn, device: dict, spec: dict, parent_pid: int, sm_percent: int
                 spawned_at: float | None = None) -> None:
     """Entry point of a local worker process (``multiprocessing`` spawn target). Runs tasks until told to
     stop or the driver disappears; exits after a failed trial. ``spawned_at`` (Unix time the driver started
-    the process) adds the interpreter's start as phase ``spawn`` to the ready message's start-up times."""
+    the process) adds phase ``spawn`` to the ready message's start-up times: the interpreter's start, the
+    unpickling of this call and the imports it triggers (``hpdl``, which imports torch)."""
     boot = time.time() - spawned_at if spawned_at else None
     _die_with_parent()
     torch_device = device["torch_device"]
