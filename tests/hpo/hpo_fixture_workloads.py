@@ -44,13 +44,14 @@ class RaiseOnceCNN(VisionCNN):
 
 
 class EnvRecordingCNN(VisionCNN):
-    """The small CNN that writes the ``CUDA_MPS_PIPE_DIRECTORY`` its worker process saw into
-    ``crash_dir/env-<lineage>`` (checks that ``mps: start`` reaches the workers)."""
+    """The small CNN that writes the value of environment variable ``env_var`` (default
+    ``CUDA_MPS_PIPE_DIRECTORY``) its worker process saw into ``crash_dir/env-<lineage>`` (checks that
+    ``mps: start`` and the driver's environment reach the workers)."""
 
     name = "env_recording_cnn"
-    defaults = {**VisionCNN.defaults, "crash_dir": ""}
+    defaults = {**VisionCNN.defaults, "crash_dir": "", "env_var": "CUDA_MPS_PIPE_DIRECTORY"}
 
     def train(self, ctx):
         with open(os.path.join(ctx.params["crash_dir"], f"env-{ctx.lineage}"), "w") as f:
-            f.write(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", ""))
+            f.write(os.environ.get(ctx.params["env_var"], ""))
         return super().train(ctx)

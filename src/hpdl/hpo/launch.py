@@ -23,9 +23,34 @@ from typing import Any
 
 from hpdl.hpo.errors import HpoError
 
+START_METHOD_ENV = "HPDL_HPO_START_METHOD"  # forkserver (default where available) or spawn
 IDLE_WORKER_S = 10.0   # a worker beyond the warm pool stops after this long idle
 WARM_MAX = 32          # auto warm pool per GPU is capped here (each worker holds a CUDA context)
 WARM_TIMEOUT_S = 180.0  # the warm pool must be ready within this
+
+
+def worker_context():
+    """The ``multiprocessing`` context that starts local trial workers.
+
+    ``forkserver`` (Linux; the default): one server process imports :mod:`hpdl.hpo._preload` (torch,
+    ``torch._dynamo``, optuna) once and forks every worker from it, so a warm pool of N workers pays those
+    imports once instead of N times at once. The server never initialises CUDA; each worker does, after the
+    fork. It is started with the environment of its first use; workers take the driver's environment at
+    their own start (see :func:`hpdl.hpo.worker.worker_main`), except what torch reads at import. ``spawn``:
+    every worker a fresh interpreter (where forkserver is not available, or with
+    ``HPDL_HPO_START_METHOD=spawn``).
+
+    Raises:
+        HpoError: ``HPDL_HPO_START_METHOD`` is neither ``forkserver`` nor ``spawn``.
+    """
+    method = os.environ.get(START_METHOD_ENV, "forkserver")
+    if method not in ("forkserver", "spawn"):
+        raise HpoError(f"{START_METHOD_ENV}={method!r}, expected 'forkserver' or 'spawn'")
+    if method == "forkserver" and "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["hpdl.hpo._preload"])  # only read when the server starts
+        return ctx
+    return mp.get_context("spawn")
 
 
 @dataclass
@@ -105,7 +130,7 @@ class Launcher:
 
 
 class LocalLauncher(Launcher):
-    """Worker processes on this host (``spawn``), reused across trials, with a warm pool per GPU.
+    """Worker processes on this host (:func:`worker_context`), reused across trials, with a warm pool per GPU.
 
     Args:
         spec: the study as a plain dict (with absolute ``storage`` and ``run_dir``), sent to workers.
@@ -116,7 +141,7 @@ class LocalLauncher(Launcher):
     def __init__(self, spec: dict, warm_workers: int | str, concurrency: int):
         super().__init__()
         self.spec, self.warm_workers, self.concurrency = spec, warm_workers, concurrency
-        self.ctx = mp.get_context("spawn")
+        self.ctx = worker_context()
 
     def warm_target(self, device) -> int:
         if self.warm_workers == "auto":
@@ -128,7 +153,7 @@ class LocalLauncher(Launcher):
 
         parent, child = self.ctx.Pipe()
         proc = self.ctx.Process(target=worker_main, daemon=True, name=f"hpdl-hpo-worker-{device.id}",
-                                args=(child, device.__dict__, self.spec, os.getpid(), sm_percent, time.time()))
+                                args=(child, device.__dict__, self.spec, sm_percent, time.time(), dict(os.environ)))
         proc.start()
         child.close()
         w = WorkerHandle(proc, parent, device.id, sm_percent)

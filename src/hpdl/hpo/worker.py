@@ -230,14 +230,23 @@ def run_task(env: _Env, conn, task: dict[str, Any], parent_pid: int | None) -> b
     return True
 
 
-def worker_main(conn, device: dict, spec: dict, parent_pid: int, sm_percent: int = 100,
-                spawned_at: float | None = None) -> None:
+def worker_main(conn, device: dict, spec: dict, sm_percent: int = 100, spawned_at: float | None = None,
+                environ: dict[str, str] | None = None) -> None:
     """Entry point of a local worker process (``multiprocessing`` spawn target). Runs tasks until told to
     stop or the driver disappears; exits after a failed trial. ``spawned_at`` (Unix time the driver started
     the process) adds phase ``spawn`` to the ready message's start-up times: the interpreter's start, the
-    unpickling of this call and the imports it triggers (``hpdl``, which imports torch)."""
+    unpickling of this call and the imports it triggers (``hpdl``, which imports torch; nothing new in a
+    worker forked from the preloaded forkserver). ``environ``: the driver's environment, applied before
+    anything reads it (a forkserver's children inherit the server's, from its start).
+
+    The worker exits when its parent process goes away: the driver (``spawn``), or the forkserver, which
+    exits when the driver does (``forkserver``)."""
     boot = time.time() - spawned_at if spawned_at else None
     _die_with_parent()
+    if environ is not None:
+        os.environ.clear()
+        os.environ.update(environ)
+    parent_pid = os.getppid()  # the driver, or the forkserver that forked this worker; see the docstring
     torch_device = device["torch_device"]
     os.environ.update(spec.get("mps_env") or {})  # mps: start -> this study's MPS daemon (before any CUDA call)
     if torch_device.startswith("cuda"):
