@@ -55,3 +55,22 @@ class EnvRecordingCNN(VisionCNN):
         with open(os.path.join(ctx.params["crash_dir"], f"env-{ctx.lineage}"), "w") as f:
             f.write(os.environ.get(ctx.params["env_var"], ""))
         return super().train(ctx)
+
+
+class BlockingCNN(VisionCNN):
+    """A trial that writes its pid to ``crash_dir/pid-<lineage>`` and then blocks for ``block_s`` seconds
+    without reaching a training step (a long step, evaluation or data load): only a watchdog, not the
+    per-step parent check, can end it when the driver dies."""
+
+    name = "blocking_cnn"
+    defaults = {**VisionCNN.defaults, "crash_dir": "", "block_s": 120.0}
+
+    def train(self, ctx):
+        import time
+
+        path = os.path.join(ctx.params["crash_dir"], f"pid-{ctx.lineage}")
+        with open(path + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(path + ".tmp", path)
+        time.sleep(float(ctx.params["block_s"]))
+        return super().train(ctx)

@@ -1,6 +1,11 @@
 """Local worker processes: start method (forkserver with preloaded imports, or spawn) and environment."""
 
 import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -19,7 +24,7 @@ def test_worker_context_defaults_to_a_preloading_forkserver(monkeypatch):
     monkeypatch.setenv(START_METHOD_ENV, "spawn")
     assert worker_context().get_start_method() == "spawn"
     monkeypatch.setenv(START_METHOD_ENV, "fork")
-    with pytest.raises(HpoError, match="HPDL_HPO_START_METHOD='fork', expected 'forkserver' or 'spawn'"):
+    with pytest.raises(HpoError, match="HPDL_HPO_START_METHOD='fork' is invalid: expected 'forkserver' or 'spawn'"):
         worker_context()
 
 
@@ -42,3 +47,69 @@ def test_workers_see_the_drivers_environment_at_their_own_start(tmp_path, monkey
         res = run_study(spec)
         assert res.complete == 1 and not res.failures
         assert (out / "env-0").read_text() == mark
+
+
+def _descendants(root: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = set(), [root]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            if c not in out:
+                out.add(c)
+                todo.append(c)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_a_killed_driver_leaves_no_process_even_when_trials_never_step(tmp_path, method):
+    """SIGKILL the driver while both trials block outside a training step: every process it started
+    (workers, a forkserver, the resource tracker) is gone within 20 s."""
+    spec = {"study": "b", "workload": "hpo_fixture_workloads:BlockingCNN", "n_trials": 2,
+            "run_dir": str(tmp_path / "run"), "warm_workers": 2,
+            "space": {"lr": {"type": "float", "low": 0.02, "high": 0.2}},
+            "fixed": {**FIXED, "crash_dir": str(tmp_path)},
+            "pool": {"fake": 1, "memory_gb": 2}, "policy": {"name": "fixed_fraction", "fraction": 0.5}}
+    env = {**os.environ, START_METHOD_ENV: method, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__)] + sys.path)}
+    code = f"from hpdl.hpo.driver import run_study; from hpdl.hpo.spec import StudySpec; " \
+           f"run_study(StudySpec.from_dict({spec!r}))"
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env)
+    try:
+        deadline = time.monotonic() + 150
+        while len(list(tmp_path.glob("pid-*[0-9]"))) < 2 and time.monotonic() < deadline:
+            assert proc.poll() is None, "the driver exited before its trials started"
+            time.sleep(0.3)
+        trial_pids = {int(p.read_text()) for p in tmp_path.glob("pid-*[0-9]")}
+        assert len(trial_pids) == 2, "the two trials did not start within 150 s"
+        started = _descendants(proc.pid)
+        assert trial_pids <= started
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 20
+    while any(_alive(p) for p in started) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = {p for p in started if _alive(p)}
+    for p in left:  # do not leak them into the rest of the test session
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"processes outlived the killed driver ({method}): {sorted(left)}"

@@ -8,17 +8,15 @@ must be initialised only in the forked workers.
 
 from __future__ import annotations
 
-import contextlib
+import importlib
+import warnings
 
-import optuna  # noqa: F401
-import torch  # noqa: F401
-import torch._dynamo  # noqa: F401
+MODULES = ("torch", "torch._dynamo", "optuna", "sqlalchemy", "alembic.migration", "hpdl.hpo.profiler",
+           "hpdl.hpo.spec", "hpdl.hpo.worker", "hpdl.hpo.workloads")
 
-import hpdl.hpo.profiler  # noqa: F401
-import hpdl.hpo.spec  # noqa: F401
-import hpdl.hpo.worker  # noqa: F401
-import hpdl.hpo.workloads  # noqa: F401
-
-with contextlib.suppress(ImportError):  # optuna's RDB storage imports these on first use
-    import alembic.migration  # noqa: F401
-    import sqlalchemy  # noqa: F401
+for _name in MODULES:
+    try:
+        importlib.import_module(_name)
+    except Exception as _exc:  # noqa: BLE001 - a failed preload must not take the server down
+        warnings.warn(f"hpdl.hpo forkserver: {_name} not preloaded ({_exc!r}); workers import it themselves",
+                      RuntimeWarning, stacklevel=1)

@@ -23,29 +23,36 @@ from typing import Any
 
 from hpdl.hpo.errors import HpoError
 
-START_METHOD_ENV = "HPDL_HPO_START_METHOD"  # forkserver (default where available) or spawn
+START_METHOD_ENV = "HPDL_HPO_START_METHOD"  # declared in hpdl.runtime.env
 IDLE_WORKER_S = 10.0   # a worker beyond the warm pool stops after this long idle
 WARM_MAX = 32          # auto warm pool per GPU is capped here (each worker holds a CUDA context)
 WARM_TIMEOUT_S = 180.0  # the warm pool must be ready within this
 
 
 def worker_context():
-    """The ``multiprocessing`` context that starts local trial workers.
+    """The ``multiprocessing`` context that starts local trial workers (``HPDL_HPO_START_METHOD``).
 
-    ``forkserver`` (Linux; the default): one server process imports :mod:`hpdl.hpo._preload` (torch,
-    ``torch._dynamo``, optuna) once and forks every worker from it, so a warm pool of N workers pays those
-    imports once instead of N times at once. The server never initialises CUDA; each worker does, after the
-    fork. It is started with the environment of its first use; workers take the driver's environment at
-    their own start (see :func:`hpdl.hpo.worker.worker_main`), except what torch reads at import. ``spawn``:
-    every worker a fresh interpreter (where forkserver is not available, or with
-    ``HPDL_HPO_START_METHOD=spawn``).
+    ``forkserver`` (the default where available): one server process imports :mod:`hpdl.hpo._preload`
+    (torch, ``torch._dynamo``, optuna) once and forks every worker from it, so a warm pool of N workers pays
+    those imports once instead of N times at once. The server never initialises CUDA; each worker does,
+    after the fork. Python keeps one forkserver per process, started by its first use and living until
+    every process it forked and the process itself are gone; it keeps torch in memory meanwhile. Caveats:
+    settings torch reads when it is imported (``OMP_NUM_THREADS``, ``MKL_NUM_THREADS``, ``TORCH_*``,
+    ``TORCHDYNAMO_*``, ``TORCHINDUCTOR_*``) come from the environment at the server's start, while
+    everything read later sees the driver's current environment (:func:`hpdl.hpo.worker.worker_main`);
+    a forkserver started earlier by other code has no preload (workers then import for themselves); a
+    process forked (``fork``) from one that already used the forkserver cannot start workers through it.
+    Use ``spawn`` in those cases: every worker a fresh interpreter.
 
     Raises:
         HpoError: ``HPDL_HPO_START_METHOD`` is neither ``forkserver`` nor ``spawn``.
     """
-    method = os.environ.get(START_METHOD_ENV, "forkserver")
-    if method not in ("forkserver", "spawn"):
-        raise HpoError(f"{START_METHOD_ENV}={method!r}, expected 'forkserver' or 'spawn'")
+    from hpdl.runtime import env
+
+    try:
+        method = env.get(START_METHOD_ENV)
+    except ValueError as exc:
+        raise HpoError(str(exc)) from None
     if method == "forkserver" and "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["hpdl.hpo._preload"])  # only read when the server starts

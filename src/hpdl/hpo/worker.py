@@ -44,6 +44,27 @@ def _die_with_parent() -> None:
             pass
 
 
+def _exit_with_driver() -> None:
+    """Exit (code 3) as soon as the process that started this one is gone, whatever the trial is doing.
+
+    Watches ``multiprocessing.parent_process().sentinel`` (a pipe the starting process holds open) from a
+    daemon thread. Needed under ``forkserver``: the worker's OS parent is the server, which itself stays
+    alive while any worker does, so ``PR_SET_PDEATHSIG`` and parent-pid checks would never fire."""
+    import multiprocessing
+    import threading
+    from multiprocessing.connection import wait
+
+    parent = multiprocessing.parent_process()
+    if parent is None or parent.sentinel is None:
+        return
+
+    def watch() -> None:
+        wait([parent.sentinel])
+        os._exit(3)
+
+    threading.Thread(target=watch, name="hpdl-driver-watch", daemon=True).start()
+
+
 class TrialContext:
     """What a workload's training loop sees of its trial (Optuna-like).
 
@@ -159,7 +180,9 @@ class _Env:
         from hpdl.hpo.workloads import get_workload
 
         # One intra-op thread: co-located trials each need a core for Python and kernel launches.
-        torch.set_num_threads(int(os.environ.get("HPDL_HPO_CPU_THREADS", "1")))
+        from hpdl.runtime import env as hpdl_env
+
+        torch.set_num_threads(hpdl_env.get("HPDL_HPO_CPU_THREADS"))
         if torch_device != "cpu":
             # no cudnn.benchmark: its autotuning allocates transient workspaces a profile cannot bound
             torch.backends.cuda.matmul.allow_tf32 = True
@@ -239,10 +262,11 @@ def worker_main(conn, device: dict, spec: dict, sm_percent: int = 100, spawned_a
     worker forked from the preloaded forkserver). ``environ``: the driver's environment, applied before
     anything reads it (a forkserver's children inherit the server's, from its start).
 
-    The worker exits when its parent process goes away: the driver (``spawn``), or the forkserver, which
-    exits when the driver does (``forkserver``)."""
+    The worker exits when the driver goes away, within a second whatever the trial is doing
+    (:func:`_exit_with_driver`; plus ``PR_SET_PDEATHSIG`` and a parent check between steps)."""
     boot = time.time() - spawned_at if spawned_at else None
     _die_with_parent()
+    _exit_with_driver()
     if environ is not None:
         os.environ.clear()
         os.environ.update(environ)

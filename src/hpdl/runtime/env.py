@@ -57,6 +57,19 @@ _declare("HPDL_TWO_LEVEL_INTER", str, "auto",
 _declare("HPDL_LOG_LEVEL", str, "WARNING", "Log level of the `hpdl` logger.")
 
 
+def _start_method(value: str) -> str:
+    v = value.strip().lower()
+    if v not in ("forkserver", "spawn"):
+        raise ValueError("expected 'forkserver' or 'spawn'")
+    return v
+
+
+_declare("HPDL_HPO_START_METHOD", _start_method, "forkserver",
+         "How hpdl.hpo starts local trial workers: `forkserver` (fork from one server that imported torch, "
+         "`torch._dynamo` and optuna once; Linux and macOS) or `spawn` (a fresh interpreter each).")
+_declare("HPDL_HPO_CPU_THREADS", int, 1, "Intra-op CPU threads of each hpdl.hpo trial worker.")
+
+
 def get(name: str) -> Any:
     """Value of ``name`` from the environment, parsed, or its default.
 
