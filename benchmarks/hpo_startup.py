@@ -68,7 +68,7 @@ def main() -> None:
         if out.returncode != 0:
             raise SystemExit(f"{m}: exit {out.returncode}\n{out.stderr[-3000:]}")
         doc["runs"][m] = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    print(f"| start method | study | pool start-up s | wall s | phases (median s) |\n|---|---|---|---|---|")
+    print("| start method | study | pool start-up s | wall s | phases (median s) |\n|---|---|---|---|---|")
     for m, rows in doc["runs"].items():
         for r in rows:
             ph = ", ".join(f"{k} {v:.2f}" for k, v in r["phases"].items())

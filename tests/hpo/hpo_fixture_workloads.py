@@ -1,9 +1,20 @@
-"""Workloads for the fault tests (importable by spawned workers: this folder is on sys.path)."""
+"""Workloads and helpers for the fault tests (importable by spawned workers: this folder is on sys.path)."""
 
 import os
 import signal
+import subprocess
+import sys
 
 from hpdl.hpo.workloads import VisionCNN
+
+
+def start_driver(spec_expr: str, **env: str) -> subprocess.Popen:
+    """A driver process running ``run_study(<spec_expr>)`` (a Python expression building the StudySpec),
+    with one intra-op thread, this folder importable, and ``env`` added to the environment."""
+    full = {**os.environ, "OMP_NUM_THREADS": "1", **env,
+            "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.abspath(__file__))] + sys.path)}
+    code = f"from hpdl.hpo.driver import run_study; from hpdl.hpo.spec import StudySpec; run_study({spec_expr})"
+    return subprocess.Popen([sys.executable, "-c", code], env=full)
 
 
 class CrashOnceCNN(VisionCNN):

@@ -4,8 +4,6 @@ import argparse
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -20,6 +18,7 @@ from hpdl.hpo.errors import HpoError
 from hpdl.hpo.report import study_status
 from hpdl.hpo.spec import StudySpec, make_storage
 from hpdl.hpo.workloads import get_workload
+from hpo_fixture_workloads import start_driver
 
 FIXED = {"depth": 1, "batch_size": 16, "image_size": 8, "steps": 30, "eval_every": 10}
 
@@ -164,11 +163,7 @@ def test_scheduler_killed_then_resumed_loses_nothing_and_leaves_nothing_running(
     path.write_text(yaml.safe_dump(d))
     spec = StudySpec.from_dict(d)
     make_storage(spec.storage)  # create the schema before two processes race to do it
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__)] + sys.path)}
-    code = f"from hpdl.hpo.driver import run_study; from hpdl.hpo.spec import StudySpec; " \
-           f"run_study(StudySpec.from_yaml({str(path)!r}))"
-    proc = subprocess.Popen([sys.executable, "-c", code], env=env)
+    proc = start_driver(f"StudySpec.from_yaml({str(path)!r})")
     try:
         deadline = time.monotonic() + 120
         running = []

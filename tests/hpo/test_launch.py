@@ -3,7 +3,6 @@
 import multiprocessing as mp
 import os
 import signal
-import subprocess
 import sys
 import time
 
@@ -13,6 +12,8 @@ from hpdl.hpo.driver import run_study
 from hpdl.hpo.errors import HpoError
 from hpdl.hpo.launch import START_METHOD_ENV, worker_context
 from hpdl.hpo.spec import StudySpec
+from hpdl.runtime.procs import pid_alive
+from hpo_fixture_workloads import start_driver
 
 FIXED = {"depth": 1, "batch_size": 16, "image_size": 8, "steps": 10, "eval_every": 10, "width": 4}
 
@@ -68,14 +69,6 @@ def _descendants(root: int) -> set[int]:
     return out
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("method", ["forkserver", "spawn"])
@@ -87,11 +80,7 @@ def test_a_killed_driver_leaves_no_process_even_when_trials_never_step(tmp_path,
             "space": {"lr": {"type": "float", "low": 0.02, "high": 0.2}},
             "fixed": {**FIXED, "crash_dir": str(tmp_path)},
             "pool": {"fake": 1, "memory_gb": 2}, "policy": {"name": "fixed_fraction", "fraction": 0.5}}
-    env = {**os.environ, START_METHOD_ENV: method, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__)] + sys.path)}
-    code = f"from hpdl.hpo.driver import run_study; from hpdl.hpo.spec import StudySpec; " \
-           f"run_study(StudySpec.from_dict({spec!r}))"
-    proc = subprocess.Popen([sys.executable, "-c", code], env=env)
+    proc = start_driver(f"StudySpec.from_dict({spec!r})", **{START_METHOD_ENV: method})
     try:
         deadline = time.monotonic() + 150
         while len(list(tmp_path.glob("pid-*[0-9]"))) < 2 and time.monotonic() < deadline:
@@ -107,9 +96,9 @@ def test_a_killed_driver_leaves_no_process_even_when_trials_never_step(tmp_path,
         if proc.poll() is None:
             proc.kill()
     deadline = time.monotonic() + 20
-    while any(_alive(p) for p in started) and time.monotonic() < deadline:
+    while any(pid_alive(p) for p in started) and time.monotonic() < deadline:
         time.sleep(0.2)
-    left = {p for p in started if _alive(p)}
+    left = {p for p in started if pid_alive(p)}
     for p in left:  # do not leak them into the rest of the test session
         os.kill(p, signal.SIGKILL)
     assert not left, f"processes outlived the killed driver ({method}): {sorted(left)}"
