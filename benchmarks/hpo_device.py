@@ -69,7 +69,8 @@ def run_one(policy: str, gpus: list[int], n_trials: int, scratch: str, timeout_s
         raise SystemExit(f"--policies: {policy}@{sharing}: expected <policy> or <policy>@mps")
     policy, *opts = policy.split(":")  # "pack:max_compute=8@mps": a policy option (numbers only)
     try:
-        extra = {k: float(v) for k, _, v in (o.partition("=") for o in opts)}
+        extra = {k: bool(float(v)) if k in ("memory_caps", "sm_caps") else float(v)
+                 for k, _, v in (o.partition("=") for o in opts)}
     except ValueError:
         raise SystemExit(f"--policies: {tag}: expected <policy>[:<option>=<number>...][@mps]") from None
     pol = {"name": policy, **({"fraction": 0.125} if policy == "fixed_fraction" else {}), **extra}
@@ -97,6 +98,7 @@ def run_one(policy: str, gpus: list[int], n_trials: int, scratch: str, timeout_s
                        "end": t.datetime_complete.timestamp() if t.datetime_complete else None})
     return {"tag": tag, "policy": policy, "mps": sharing == "mps", "gpus": gpus, "error": error, "result": asdict(res), "cap": cap,
             "max_compute": getattr(drv.policy, "max_compute", None),
+            "memory_caps": getattr(drv.policy, "memory_caps", None),
             "trials": trials, "profiles": {k: asdict(v) for k, v in drv.profiles.items()}}
 
 

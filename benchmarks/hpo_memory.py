@@ -9,7 +9,12 @@ configuration at once on the same GPU and records whether each ran out of memory
 reached: whether trials whose peaks alone sum to more than the GPU still run together (cuDNN's workspace
 is elastic). Which convolution algorithms ran is not recorded.
 
+``--capped``: instead, each configuration of the batch-16384 tail runs alone under the cap ``pack`` gives an
+unprofiled trial (its static bound, :func:`hpdl.hpo.worker.cap_memory`), next to a run without the cap:
+does it finish within the cap, at what peak and step time.
+
     PYTHONPATH=src python3 benchmarks/hpo_memory.py --out $OUT/memory.json
+    PYTHONPATH=src python3 benchmarks/hpo_memory.py --capped --out $OUT/memory_capped.json
 """
 
 from __future__ import annotations
@@ -28,11 +33,13 @@ SETTINGS = ["", "expandable_segments:True"]
 GIB = 1 << 30
 
 
-def _measure(cfg, alloc_conf: str, barrier, q) -> None:
+def _measure(cfg, alloc_conf: str, barrier, q, capped: bool = False) -> None:
     if alloc_conf:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
     import torch
 
+    from hpdl.hpo.profiler import CONTEXT_BYTES, static_profile
+    from hpdl.hpo.worker import cap_memory
     from hpdl.hpo.workloads import get_workload
 
     dev = torch.device("cuda:0")
@@ -40,6 +47,9 @@ def _measure(cfg, alloc_conf: str, barrier, q) -> None:
     wl = get_workload("cnn")
     p = wl.resolve({"width": w, "depth": d, "batch_size": b, "image_size": 32, "val_size": 2048, "noise": 4.0})
     out = {"width": w, "depth": d, "batch_size": b, "alloc_conf": alloc_conf, "oom": False}
+    if capped:  # what pack holds an unprofiled trial to: its static bound, CUDA context included
+        out["cap_bytes"] = static_profile(wl, p, "static", CONTEXT_BYTES).memory_bytes
+        cap_memory(dev, out["cap_bytes"], CONTEXT_BYTES)
     try:
         parts = wl.build(p, dev)
         if barrier is not None:
@@ -76,11 +86,11 @@ def _measure(cfg, alloc_conf: str, barrier, q) -> None:
     q.put(out)
 
 
-def _run(cfgs, alloc_conf: str, together: bool) -> list[dict]:
+def _run(cfgs, alloc_conf: str, together: bool, capped: bool = False) -> list[dict]:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     barrier = ctx.Barrier(len(cfgs)) if together else None
-    procs = [ctx.Process(target=_measure, args=(c, alloc_conf, barrier, q)) for c in cfgs]
+    procs = [ctx.Process(target=_measure, args=(c, alloc_conf, barrier, q, capped)) for c in cfgs]
     res = []
     if together:
         for p in procs:
@@ -100,6 +110,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="hpo_memory.json")
     ap.add_argument("--stack", type=int, default=3, help="processes of the largest configuration at once")
+    ap.add_argument("--capped", action="store_true", help="the batch-16384 tail alone, with and without the cap")
     args = ap.parse_args()
     import torch
 
@@ -111,7 +122,18 @@ def main() -> None:
     doc = {"device": torch.cuda.get_device_name(0), "total_bytes": total, "torch": torch.__version__,
            "commit": commit,
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "solo": [], "stacked": []}
-    for conf in SETTINGS:
+    if args.capped:
+        doc["capped"] = []
+        for cfg in [c for c in CONFIGS if c[2] == 16384]:
+            for capped in (True, False):
+                r = _run([cfg], "", together=False, capped=capped)[0]
+                doc["capped"].append(r)
+                print(f"w{cfg[0]:2d} d{cfg[1]} b{cfg[2]} cap {r.get('cap_bytes', 0) / GIB:6.2f} GiB: "
+                      f"{'OOM' if r['oom'] else r.get('error') or 'ok'}, run reserved "
+                      f"{r.get('run_reserved', 0) / GIB:6.2f} GiB, step {r.get('step_s', float('nan')) * 1e3:7.1f} ms",
+                      flush=True)
+    settings = [] if args.capped else SETTINGS
+    for conf in settings:
         for r in _run(CONFIGS, conf, together=False):
             doc["solo"].append(r)
             if r["oom"] or r.get("error"):
@@ -122,9 +144,10 @@ def main() -> None:
                   f"window alloc {r['window_allocated'] / GIB:6.2f} reserved {r['window_reserved'] / GIB:6.2f} GiB, "
                   f"run alloc {r['run_allocated'] / GIB:6.2f} reserved {r['run_reserved'] / GIB:6.2f} GiB, "
                   f"step {r['step_s'] * 1e3:7.1f} ms", flush=True)
-    big = max((r for r in doc["solo"] if "run_reserved" in r and not r["alloc_conf"]), key=lambda r: r["run_reserved"])
-    cfg = (big["width"], big["depth"], big["batch_size"])
-    for conf in SETTINGS:
+    for conf in settings:
+        big = max((r for r in doc["solo"] if "run_reserved" in r and not r["alloc_conf"]),
+                  key=lambda r: r["run_reserved"])
+        cfg = (big["width"], big["depth"], big["batch_size"])
         rs = _run([cfg] * args.stack, conf, together=True)
         doc["stacked"].append({"config": cfg, "alloc_conf": conf, "n": args.stack, "results": rs})
         print(f"stacked {args.stack} x w{cfg[0]} d{cfg[1]} b{cfg[2]} ({conf or 'default'}): "

@@ -306,3 +306,33 @@ def test_study_finishes_when_estimates_trickle_in_one_per_tick(tmp_path, monkeyp
     space = {"width": {"type": "categorical", "choices": [4, 5, 6, 7]}}
     res = run_study(StudySpec.from_dict(spec_dict(tmp_path, n_trials=4, space=space, lookahead=4)))
     assert res.complete == 4 and not res.failures
+
+
+@pytest.mark.timeout(60)
+def test_tasks_carry_the_memory_cap_and_whole_run_peaks_raise_profiles(tmp_path):
+    """The driver hands the policy's cap to the worker, and a trial's whole-run peak (an evaluation may
+    need more than the profiled training steps) replaces its configuration's profile only upwards."""
+    from types import SimpleNamespace
+
+    from hpdl.hpo.driver import Driver
+    from hpdl.hpo.profiler import TrialProfile
+    from hpdl.hpo.scheduler import GIB, TrialDemand
+
+    drv = Driver(StudySpec.from_dict(spec_dict(tmp_path, n_trials=2, pool={"fake": 1, "memory_gb": 40})))
+    try:
+        drv._sample(set(), set())
+        t, dev = drv.pending[0], drv.pool.devices()[0]
+        t.demand = TrialDemand(t.number, 5 * GIB, 0.5, 1.0, profiled=True)
+        assert drv._task(t, dev)["memory_cap"] == 5 * GIB
+        t.demand = TrialDemand(t.number, GIB, 0.5, 1.0, profiled=True)
+        assert drv._task(t, dev)["memory_cap"] is None  # small trials stay uncapped
+        drv.profiles.put(t.skey, TrialProfile("cpu", GIB, 0.01, 0.5, source="cpu"))
+        w = SimpleNamespace(trial=t)
+        drv._on_message(w, ("memory", t.trial_id, "cpu", 3 * GIB))
+        assert drv.profiles.get(t.skey, "cpu").memory_bytes == 3 * GIB
+        drv._on_message(w, ("memory", t.trial_id, "cpu", 2 * GIB))
+        assert drv.profiles.get(t.skey, "cpu").memory_bytes == 3 * GIB
+        drv._on_message(w, ("memory", t.trial_id + 1, "cpu", 9 * GIB))  # another trial's late message
+        assert drv.profiles.get(t.skey, "cpu").memory_bytes == 3 * GIB
+    finally:
+        drv.shutdown()

@@ -303,3 +303,16 @@ def test_static_bounds_grow_by_the_largest_measured_over_static_ratio():
     assert [a.key for a in p.place([TrialDemand(2, 30 * GIB, 0.2, profiled=True)], states)] == [2]
     p.observe(0.1, 1e9, memory_ratio=1.2)                           # the largest ratio is kept
     assert p.place([unknown], states) == []
+
+
+def test_pack_caps_planned_memory_of_large_trials_only():
+    dev = pool(1, mem_gb=40)[0]
+    pol = Pack()
+    assert pol.memory_cap(TrialDemand(0, GIB, 0.5, 1.0, profiled=True), dev) is None
+    assert pol.memory_cap(TrialDemand(1, 6 * GIB, 0.5, 1.0, profiled=True), dev) == 6 * GIB
+    pol.observe(0.5, memory_ratio=1.5)  # unprofiled bounds are planned scaled: the cap is that plan
+    assert pol.memory_cap(TrialDemand(2, 6 * GIB, 1.0, 1.0), dev) == 9 * GIB
+    assert pol.memory_cap(TrialDemand(3, 60 * GIB, 1.0, 1.0), dev) == dev.memory_bytes  # tried alone
+    assert Pack(memory_caps=False).memory_cap(TrialDemand(1, 6 * GIB, 0.5, 1.0, profiled=True), dev) is None
+    for baseline in (OnePerGpu(), FixedFraction(0.125)):
+        assert baseline.memory_cap(TrialDemand(1, 6 * GIB, 0.5, 1.0, profiled=True), dev) is None

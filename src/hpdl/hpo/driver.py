@@ -200,7 +200,8 @@ class Driver:
                                                       or not p.measured)
         return {"trial_id": t.trial_id, "number": t.number, "lineage": t.lineage, "params": t.params,
                 "profile": need_profile, "static": self._static(t, device.kind).__dict__ if need_profile else None,
-                "host": self.host, "context_bytes": CONTEXT_BYTES if device.torch_device.startswith("cuda") else 0}
+                "host": self.host, "context_bytes": CONTEXT_BYTES if device.torch_device.startswith("cuda") else 0,
+                "memory_cap": self.policy.memory_cap(t.demand, device) if t.demand is not None else None}
 
     @property
     def workers(self) -> list[WorkerHandle]:
@@ -248,6 +249,12 @@ class Driver:
             w.ready = True
             return
         if t is None or (len(msg) > 1 and msg[1] != t.trial_id):
+            return
+        if kind == "memory":  # the whole run's peak (evaluations included): plan the next ones with it
+            prof = self.profiles.get(t.skey, msg[2])
+            if prof is not None and prof.measured and msg[3] > prof.memory_bytes:
+                prof.memory_bytes = int(msg[3])
+                self.profiles.put(t.skey, prof)
             return
         if kind == "profile":
             prof = TrialProfile(**msg[2])

@@ -129,6 +129,11 @@ class SchedulingPolicy(ABC):
         fractions (Ray's ``num_gpus``): 1.0 here (a whole GPU per trial)."""
         return 1.0
 
+    def memory_cap(self, demand: TrialDemand, device: Device) -> int | None:
+        """Bytes the trial's process may hold on ``device`` (CUDA context included), enforced by the worker
+        through the caching allocator; ``None``: no cap (here: the baselines place blind)."""
+        return None
+
 
 class OnePerGpu(SchedulingPolicy):
     """Standard HPO parallelisation: one trial per GPU, FIFO (Optuna/Ray Tune default with 1 GPU a trial)."""
@@ -214,13 +219,17 @@ class Pack(SchedulingPolicy):
             max_compute)``. Off by default: the busy fraction is a share of time, not of SMs (a trial busy 15 %
             of the time may still need every SM while it is busy), and a capped trial needs a worker started
             with that cap, so it cannot use the warm pool.
+        memory_caps: cap each trial whose planned memory exceeds ``SMALL_BYTES`` at that plan
+            (:meth:`memory_cap`), so it can never take memory the packing gave a neighbour. Measured on an
+            H200: an unprofiled batch-16384 CNN placed on its 15.6 GiB static bound grew to 26.8 GiB (cuDNN
+            picks workspace-hungry algorithms when memory is free) and a neighbour ran out of memory.
     """
 
     name = "pack"
 
     def __init__(self, max_compute: float | None = None, max_trials_per_device: int | None = None,
                  unprofiled_compute: float = 0.25, starve_after_s: float = 30.0, mps: bool | str = False,
-                 light_below: float = 0.5, sm_caps: bool = False):
+                 light_below: float = 0.5, sm_caps: bool = False, memory_caps: bool = True):
         if max_compute is not None and max_compute <= 0:
             raise HpoConfigError(f"max_compute={max_compute}, expected > 0")
         if not 0 < light_below <= 1:
@@ -238,6 +247,7 @@ class Pack(SchedulingPolicy):
             raise HpoConfigError(f"mps={mps!r}, expected true, false or 'auto'")
         self.mps = mps_active() if mps == "auto" else bool(mps)
         self.sm_caps = bool(sm_caps)
+        self.memory_caps = bool(memory_caps)
 
     @property
     def max_compute(self) -> float:
@@ -258,6 +268,20 @@ class Pack(SchedulingPolicy):
         """The trial's share of the device's memory, rounded down to Ray's 1e-4 granularity (at least
         1e-4): memory is the hard limit the packing keeps, so the shares on one GPU sum to at most 1."""
         return min(1.0, max(1e-4, math.floor(demand.memory_bytes / device.memory_bytes * 1e4) / 1e4))
+
+    def memory_cap(self, demand, device):
+        """The memory the packing counts for ``demand`` on ``device`` (bytes, context included; at most the
+        device's), for trials planned above ``SMALL_BYTES``; ``None`` for smaller ones and with
+        ``memory_caps=False``. With the cap the sum of what co-located trials can hold stays within what the
+        placement allowed: cuDNN then picks algorithms whose workspace fits (PyTorch tries the next one when
+        a workspace allocation fails), and a trial that cannot run within its plan fails alone, is retried
+        and planned 1.5x larger. Small trials stay uncapped: their plan comes from a few training steps,
+        and an evaluation on a batch larger than the training batch may need more (their overshoot is at
+        most a few hundred MiB each; the trial's whole-run peak then replaces its profile's)."""
+        mem = self._mem(demand)
+        if not self.memory_caps or mem <= SMALL_BYTES:
+            return None
+        return min(mem, device.memory_bytes)
 
     def observe(self, compute: float, flops: float = 0.0, memory_ratio: float = 0.0) -> None:
         """Record a measured compute share and the FLOPs per step of its configuration. A trial not yet

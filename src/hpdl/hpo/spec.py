@@ -98,9 +98,10 @@ class StudySpec:
         if not (type(self.mps) is bool or self.mps in ("auto", "start")):
             raise HpoConfigError(f"mps={self.mps!r}, expected false, true, auto or start "
                                  "(YAML booleans unquoted: mps: false)")
-        v = self.policy.get("sm_caps")
-        if v is not None and type(v) is not bool:
-            raise HpoConfigError(f"policy sm_caps={v!r}, expected true or false (unquoted)")
+        for key in ("sm_caps", "memory_caps"):
+            v = self.policy.get(key)
+            if v is not None and type(v) is not bool:
+                raise HpoConfigError(f"policy {key}={v!r}, expected true or false (unquoted)")
         if self.mps == "start" and self.backend.get("name", "local") != "local":
             raise HpoConfigError("mps: start runs a daemon on this host; it needs backend {name: local} "
                                  "(on Ray, start MPS on each node and use mps: true)")

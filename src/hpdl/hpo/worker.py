@@ -8,11 +8,14 @@ Protocol (``multiprocessing`` pipe, driver <-> worker, all messages are tuples):
 
 - driver -> worker: ``("run", task)`` with task keys ``trial_id, number, lineage, params, profile``,
   ``static``, ``context_bytes``, ``host`` (the worker records ``hpdl_host``, ``hpdl_pid`` and
-  ``hpdl_started_at`` on the trial before it trains, off the driver's critical path);
+  ``hpdl_started_at`` on the trial before it trains, off the driver's critical path), ``memory_cap``
+  (bytes with the context, or None: :func:`cap_memory`);
   ``("preempt", trial_id)`` (checkpoint is the last one written; the trial stops with ``preempted``);
   ``("stop",)``.
-- worker -> driver: ``("ready", pid, startup)`` (seconds per start-up phase), ``("profile", trial_id, dict)``, ``("done", trial_id, value)``,
-  ``("pruned", trial_id)``, ``("preempted", trial_id)``, ``("failed", trial_id, kind, message)`` with kind
+- worker -> driver: ``("ready", pid, startup)`` (seconds per start-up phase), ``("profile", trial_id, dict)``,
+  ``("memory", trial_id, kind, bytes)`` (a CUDA trial's peak reserved bytes plus its context over the whole
+  run, sent before its outcome), ``("done", trial_id, value)``, ``("pruned", trial_id)``,
+  ``("preempted", trial_id)``, ``("failed", trial_id, kind, message)`` with kind
   ``oom`` or ``error``. After a failure the worker exits (its CUDA state may be unusable).
 
 The driver owns every state transition of the Optuna trial (``tell``); the worker writes only
@@ -114,7 +117,12 @@ class TrialContext:
             self._profiler.after(step)
             if self._profiler.done:
                 from dataclasses import asdict
-                self._conn.send(("profile", self._task["trial_id"], asdict(self._profiler.result)))
+                res = self._profiler.result
+                self._conn.send(("profile", self._task["trial_id"], asdict(res)))
+                if self._task.get("memory_cap") and self.device.type == "cuda":
+                    # the driver plans with the measured peak from now on: hold the trial to it
+                    cap_memory(self.device, min(int(self._task["memory_cap"]), res.memory_bytes),
+                               int(self._task.get("context_bytes", 0)))
                 self._profiler = None
 
     def load_checkpoint(self) -> dict | None:
@@ -131,6 +139,18 @@ class TrialContext:
         tmp = self._ckpt.with_suffix(f".tmp{os.getpid()}")
         torch.save(state, tmp)
         os.replace(tmp, self._ckpt)
+
+
+def cap_memory(device, cap_bytes: int | None, context_bytes: int = 0) -> None:
+    """Hold this process's caching allocator on ``device`` to ``cap_bytes - context_bytes`` (bytes;
+    ``None``: the whole device), with ``torch.cuda.set_per_process_memory_fraction``. An allocation over
+    the cap first frees cached blocks, then raises ``torch.cuda.OutOfMemoryError``, which cuDNN takes as
+    "try an algorithm with a smaller workspace". The cap counts reserved bytes, as profiles do."""
+    import torch
+
+    total = torch.cuda.get_device_properties(device).total_memory
+    frac = 1.0 if not cap_bytes else min(1.0, max(cap_bytes - context_bytes, 64 << 20) / total)
+    torch.cuda.set_per_process_memory_fraction(frac, device)
 
 
 def warm_cuda(device) -> None:
@@ -230,11 +250,16 @@ def run_task(env: _Env, conn, task: dict[str, Any], parent_pid: int | None) -> b
             prof = StepProfiler(dev, env.device["kind"], TrialProfile(**task["static"]),
                                 peak_flops=env.device.get("peak_flops") or 5e10,
                                 context_bytes=int(task.get("context_bytes", CONTEXT_BYTES)))
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+            cap_memory(dev, task.get("memory_cap"), int(task.get("context_bytes", 0)))
         ctx = TrialContext(optuna.trial.Trial(env.study, tid), params, dev, conn, task, env.run_dir,
                            int(env.spec.get("checkpoint_every", 1)), prof, parent_pid)
         value = env.workload.train(ctx)
+        _send_peak(env, conn, task)
         conn.send(("done", tid, float(value)))
     except optuna.TrialPruned:
+        _send_peak(env, conn, task)
         conn.send(("pruned", tid))
     except Preempted:
         conn.send(("preempted", tid))
@@ -251,6 +276,15 @@ def run_task(env: _Env, conn, task: dict[str, Any], parent_pid: int | None) -> b
             with contextlib.suppress(Exception):  # a broken CUDA state must not hide the report above
                 torch.cuda.empty_cache()
     return True
+
+
+def _send_peak(env: _Env, conn, task: dict) -> None:
+    """Tell the driver the trial's peak reserved bytes plus its context since the task started (CUDA only)."""
+    if env.dev.type == "cuda":
+        import torch
+
+        peak = int(torch.cuda.max_memory_reserved(env.dev)) + int(task.get("context_bytes", 0))
+        conn.send(("memory", task["trial_id"], env.device["kind"], peak))
 
 
 def worker_main(conn, device: dict, spec: dict, sm_percent: int = 100, spawned_at: float | None = None,
