@@ -148,7 +148,7 @@ def test_mps_share_and_errors():
     a = Pack(mps=True, sm_caps=True, max_compute=1.0).place([TrialDemand(0, GIB, 0.3, profiled=True)], states)[0]
     assert a.sm_percent == 30
     a = Pack(mps=True, sm_caps=True).place([TrialDemand(0, GIB, 0.3, profiled=True)], states)[0]
-    assert a.sm_percent == 8    # SM shares split the GPU in proportion to max_compute (4 under MPS): sum <= 100
+    assert a.sm_percent == 4    # SM shares split the GPU in proportion to max_compute (8 under MPS): sum <= 100
     assert Pack(sm_caps=True).place([TrialDemand(0, GIB, 0.3, profiled=True)], states)[0].sm_percent == 100
     with pytest.raises(HpoConfigError, match="expected one of"):
         get_policy("nope")
@@ -240,7 +240,7 @@ def test_heavy_trials_share_with_light_ones_only_under_mps(mps):
     states = [DeviceState(d) for d in pool(1, mem_gb=80)]
     states[0].running += [TrialDemand(k, GIB, 0.15, profiled=True) for k in range(4)]   # load 0.6
     heavy = TrialDemand(9, GIB, 1.0, profiled=True)
-    assert Pack(mps=mps).max_compute == (4.0 if mps else 2.0)
+    assert Pack(mps=mps).max_compute == (8.0 if mps else 2.0)
     fresh = [DeviceState(d) for d in pool(1, mem_gb=80)]
     # before any profile, large unknown trials get one GPU's worth (0.25 each); small ones fill a GPU under MPS
     big = [TrialDemand(k, 3 * GIB, 1.0, profiled=False) for k in range(8)]
@@ -255,7 +255,7 @@ def test_heavy_trials_share_with_light_ones_only_under_mps(mps):
     # a heavy trial joins only within the cap, MPS or not (joining while the load is under it, as light
     # trials do, was measured and not kept: docs/benchmarks/hpo.md)
     busy = [DeviceState(d, [TrialDemand(k, GIB, 0.35, profiled=True) for k in range(10)]) for d in pool(1, mem_gb=80)]
-    assert Pack(mps=mps).place([heavy], busy) == []                                       # 3.5 + 1.0 > 4.0
+    assert Pack(mps=mps, max_compute=4.0).place([heavy], busy) == []                     # 3.5 + 1.0 > 4.0
 
 
 @pytest.mark.parametrize("mps", [False, True])

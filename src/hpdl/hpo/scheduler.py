@@ -190,12 +190,12 @@ class Pack(SchedulingPolicy):
 
     Args:
         max_compute: a device whose summed busy fraction reached this takes no more light trials. Default
-            (``None``): 2.0, or 4.0 under MPS, calibrated on an H200 (docs/benchmarks/hpo.md): the busy
+            (``None``): 2.0, or 8.0 under MPS, calibrated on an H200 (docs/benchmarks/hpo.md): the busy
             fraction covers training steps only (start-up and evaluations leave the GPU idle); time-sliced,
             7 light trials (busy fraction <= 0.2) ran 1.49x slower each, trials of >= 0.5 next to 7 others
-            10-12x slower; under MPS light trials ran at 0.97-1.09 (about 7 per GPU, 04:06 run) and 1.16
-            (8 per GPU, 04:15 run) of their solo time, so the sum may go higher there (4.0 is an estimate
-            from those runs, not a measured optimum).
+            10-12x slower. Under MPS a busy fraction is a share of time, not of SMs (small kernels leave
+            most SMs idle while "busy"), and 8.0 beat 4.0 in each of four runs (64 trials, 1 and 2 x H200,
+            both benchmark spaces: 6-13 % less wall time), single runs each.
         light_below: trials with a measured (or measured-neighbour) busy fraction under this are light;
             time-sliced, a heavier trial joins a device only if the sum after it stays within
             ``min(1, max_compute)``, and a device running one takes more trials only on the same terms (under
@@ -251,10 +251,10 @@ class Pack(SchedulingPolicy):
 
     @property
     def max_compute(self) -> float:
-        """The summed busy fraction a device may reach: as given, else 2.0 (time-slicing) or 4.0 (MPS)."""
+        """The summed busy fraction a device may reach: as given, else 2.0 (time-slicing) or 8.0 (MPS)."""
         if self._max_compute is not None:
             return float(self._max_compute)
-        return 4.0 if self.mps else 2.0
+        return 8.0 if self.mps else 2.0
 
     @property
     def cap(self) -> int:
