@@ -7,8 +7,7 @@ The space is an ordinary small-CNN search on 32x32 images: most configurations a
 batch 32-512, 37 to 600 SGD steps: launch-bound, the GPU mostly idle), and a large-batch tail (batch 16384,
 one configuration in six, a minimum of 10 steps) needs up to tens of GB of activations. Every policy runs with the same
 warm worker pool machinery (``warm_workers: auto``: as many pre-started workers per GPU as the policy runs
-at once, at most 32); wall time starts once the pool is ready (``--warm-wait first``, the default: one worker
-per GPU; ``all``: every one), and the pool's start-up is reported apart.
+at once, at most 32); wall time starts once the pool is ready, and the pool's start-up is reported apart.
 
 Launch (repository root; results land in $OUT, default ./out/hpo_device):
     PYTHONPATH=src python3 benchmarks/hpo_device.py
@@ -59,7 +58,7 @@ SMOKE_SPACE = {**SPACE, **{k: {"type": "categorical", "choices": [v]} for k, v i
 
 
 def run_one(policy: str, gpus: list[int], n_trials: int, scratch: str, timeout_s: float, smoke: bool = False,
-            warm: str = "auto", space: str = "mixed", warm_wait: str = "first") -> dict:
+            warm: str = "auto", space: str = "mixed") -> dict:
     from hpdl.hpo.driver import Driver
     from hpdl.hpo.errors import HpoError
     from hpdl.hpo.spec import StudySpec
@@ -81,7 +80,7 @@ def run_one(policy: str, gpus: list[int], n_trials: int, scratch: str, timeout_s
         "space": SMOKE_SPACE if smoke else SPACES[space][0],
         "fixed": {**FIXED, "samples": 960, "image_size": 16, "val_size": 256} if smoke else SPACES[space][1],
         "pool": {"fake": len(gpus)} if smoke else {"cuda": gpus}, "policy": pol, "max_retries": 2,
-        "timeout_s": timeout_s, "warm_workers": warm if warm == "auto" else int(warm), "warm_wait": warm_wait,
+        "timeout_s": timeout_s, "warm_workers": warm if warm == "auto" else int(warm),
         "mps": "start" if sharing == "mps" else False})
     drv = Driver(spec)
     error = None
@@ -144,8 +143,6 @@ def main() -> None:
     ap.add_argument("--scratch", default="/tmp/hpo_bench", help="run dirs (checkpoints, SQLite stores)")
     ap.add_argument("--smoke", action="store_true", help="tiny configurations on fake CPU devices (no GPU)")
     ap.add_argument("--warm", default="auto", help="warm workers per device: auto or an int")
-    ap.add_argument("--warm-wait", default="first", choices=["first", "all"],
-                    help="start the clock once one warm worker per GPU is ready (first) or every one (all)")
     ap.add_argument("--space", default="mixed", choices=sorted(SPACES),
                     help="mixed: the 01:35 UTC run's space; launch: a launch-bound head with the same heavy tail")
     args = ap.parse_args()
@@ -162,8 +159,7 @@ def main() -> None:
             "cpus": os.cpu_count(), "n_trials": args.n_trials, "space": SPACES[args.space][0],
             "fixed": SPACES[args.space][1], "space_name": args.space,
             "mps": mps_active(), "command": " ".join(["benchmarks/hpo_device.py"] + __import__("sys").argv[1:]),
-            "commit": _commit(), "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
-            "warm_wait": args.warm_wait}
+            "commit": _commit(), "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
     meta["worker_server_start_s"] = _start_worker_server()
     print(f"worker forkserver started in {meta['worker_server_start_s']:.1f} s", flush=True)
     runs = []
@@ -178,8 +174,7 @@ def main() -> None:
             timeout = min(left - 10, args.run_timeout_s)
             print(f"[{time.monotonic() - t0:6.1f} s] {policy} on GPUs {gpus} (timeout {timeout:.0f} s)", flush=True)
             try:
-                r = run_one(policy, gpus, args.n_trials, args.scratch, timeout, args.smoke, args.warm, args.space,
-                            args.warm_wait)
+                r = run_one(policy, gpus, args.n_trials, args.scratch, timeout, args.smoke, args.warm, args.space)
             except Exception as exc:  # noqa: BLE001 - record and go on to the next run
                 import traceback
                 r = {"tag": f"{policy}-{len(gpus)}gpu", "error": f"{type(exc).__name__}: {exc}",

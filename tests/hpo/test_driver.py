@@ -113,8 +113,7 @@ def test_end_to_end_two_workers_elastic_pool_matches_serial_training(tmp_path, c
 @pytest.mark.timeout(120)
 def test_warm_pool_is_ready_before_the_clock_and_runs_every_trial(tmp_path):
     """warm_workers: 1 per device -> two processes, started and ready before wall time counts, run all trials."""
-    spec = StudySpec.from_dict(spec_dict(tmp_path, n_trials=3, warm_workers=1, warm_wait="all",
-                                         policy={"name": "one_per_gpu"}))
+    spec = StudySpec.from_dict(spec_dict(tmp_path, n_trials=3, warm_workers=1, policy={"name": "one_per_gpu"}))
     res = run_study(spec)
     assert res.complete == 3 and not res.failures and res.warmup_s > 0.5  # torch import + study load
     assert list(res.warmup_phases) == ["spawn", "import", "optimizer", "study"]  # no "cuda" on CPU
@@ -267,7 +266,7 @@ def test_mps_daemon_is_stopped_when_the_warm_pool_fails(tmp_path, fake_mps):
     drv._cuda = True
     pids = []
 
-    def broken(devices, limit_s, wait="all"):
+    def broken(devices, limit_s):
         pids.append(daemon_pid(drv.mps_daemon.pipe_dir))
         raise HpoError("warm worker on fake:0 died during start-up (exit code 1)")
 

@@ -102,32 +102,3 @@ def test_a_killed_driver_leaves_no_process_even_when_trials_never_step(tmp_path,
     for p in left:  # do not leak them into the rest of the test session
         os.kill(p, signal.SIGKILL)
     assert not left, f"processes outlived the killed driver ({method}): {sorted(left)}"
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("wait", ["first", "all"])
-def test_warm_up_waits_for_one_ready_worker_per_device_or_for_all(wait):
-    """``first``: the clock may start once every device has a ready worker; ``all``: not before each is."""
-    from types import SimpleNamespace
-
-    from hpdl.hpo.launch import LocalLauncher, WorkerHandle
-
-    launcher = LocalLauncher({}, warm_workers=2, concurrency=2)
-    devices = [SimpleNamespace(id=f"d{i}", torch_device="cpu") for i in range(2)]
-    ends = []
-    for d in devices:
-        for _ in range(2):  # the pool is already at its size: warm_up starts no process
-            parent, child = mp.Pipe()
-            launcher.workers.append(WorkerHandle(SimpleNamespace(exitcode=None), parent, d.id))
-            ends.append(child)
-    ends[0].send(("ready", 1, {"cuda": 0.5}))
-    ends[2].send(("ready", 2, {"cuda": 0.7}))
-    if wait == "first":
-        assert launcher.warm_up(devices, limit_s=5.0, wait=wait) < 5.0
-        assert [w.ready for w in launcher.workers] == [True, False, True, False]
-        assert launcher.workers[2].startup == {"cuda": 0.7}
-    else:
-        with pytest.raises(HpoError, match="2/4 ready"):
-            launcher.warm_up(devices, limit_s=1.5, wait=wait)
-    with pytest.raises(HpoError, match="wait='some'"):
-        launcher.warm_up(devices, limit_s=1.0, wait="some")

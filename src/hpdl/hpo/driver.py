@@ -61,12 +61,11 @@ class StudyResult:
     ``failures`` counts failed attempts by kind (``oom``, ``error``, ``died``, ``driver_died``, ``too_big``);
     ``preempted`` counts trials stopped with a checkpoint and continued elsewhere (device removed, or
     migrated by ``pack_hetero`` to a faster GPU). ``wall_s`` runs from the moment the warm worker pool was
-    ready (``started_at``, Unix time; with ``warm_wait: first``, one worker per GPU) until the budget finished;
-    ``warmup_s`` is the time the pool took before that and ``teardown_s`` the time to stop the workers (and
-    an MPS daemon) after it: ``warmup_s + wall_s + teardown_s`` is the study's run end to end. ``warmup_phases``
-    gives, per start-up phase of the workers (``spawn``, ``import``, ``cuda``, ``optimizer``, ``study``; see
-    :class:`hpdl.hpo.worker._Env`), the median and the largest seconds over every worker that said ready
-    (empty without local workers that report them, e.g. with the Ray backend)."""
+    ready (``started_at``, Unix time) until the budget finished; ``warmup_s`` is the time the pool took before
+    that and ``teardown_s`` the time to stop the workers (and an MPS daemon) after it. ``warmup_phases`` gives,
+    per start-up phase of the warm workers (``spawn``, ``import``, ``cuda``, ``optimizer``, ``study``; see
+    :class:`hpdl.hpo.worker._Env`), the median and the largest seconds over the warm pool's workers (empty
+    without a warm pool, e.g. on fake CPU devices with ``warm_workers: auto`` or with the Ray backend)."""
 
     study: str
     policy: str
@@ -146,7 +145,7 @@ class Driver:
             # each co-located trial needs a core to launch kernels; one core stays with the driver
             self.policy.max_trials_per_device = max(1, ((os.cpu_count() or 2) - 1) // n_gpus)
         self.warmup_s = 0.0
-        self._startups: list[dict] = []  # start-up seconds per phase of every worker that said ready
+        self.warmup_phases: dict[str, dict[str, float]] = {}
         self._by_id: dict[str, Any] = {}
         if hasattr(self.policy, "mps") and spec.mps in (True, "auto"):
             self.policy.mps = spec.mps is True or mps_active()
@@ -246,10 +245,8 @@ class Driver:
         kind, t = msg[0], w.trial
         if kind in ("done", "pruned", "failed"):
             self.ledger.dirty = True
-        if kind == "ready":  # a worker of the warm pool (warm_wait: first) or one started on demand
+        if kind == "ready":
             w.ready = True
-            w.startup = dict(msg[2]) if len(msg) > 2 else {}
-            self._startups.append(w.startup)
             return
         if t is None or (len(msg) > 1 and msg[1] != t.trial_id):
             return
@@ -368,10 +365,9 @@ class Driver:
             self._by_id = {d.id: d for d in self.pool.devices()}
             t = time.monotonic()
             self._start_mps()  # its start-up counts as the pool's
-            self.launcher.warm_up(self.pool.devices(), min(WARM_TIMEOUT_S, self.spec.timeout_s or WARM_TIMEOUT_S),
-                                  self.spec.warm_wait)
+            self.launcher.warm_up(self.pool.devices(), min(WARM_TIMEOUT_S, self.spec.timeout_s or WARM_TIMEOUT_S))
             self.warmup_s = time.monotonic() - t
-            self._startups = [w.startup for w in self.launcher.workers if w.ready]
+            self.warmup_phases = _phases([w.startup for w in self.launcher.workers])
             self._t0 = time.monotonic()  # wall time counts from a ready pool, for every policy alike
             self._started_at = time.time()
             view = Progress(self) if self.progress else None
@@ -479,7 +475,7 @@ class Driver:
                            len(done), sum(t.state == TrialState.PRUNED for t in trials), dict(self.ledger.failures),
                            best.value if best else None, dict(best.params) if best else None, list(self.history),
                            self.preempted, self.warmup_s, self._teardown_s, self._started_at,
-                           _phases(self._startups))
+                           self.warmup_phases)
 
 
 def _phases(startups: list[dict]) -> dict[str, dict[str, float]]:

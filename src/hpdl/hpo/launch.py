@@ -3,9 +3,9 @@ the driver (as vLLM's executors do). Two launchers share one interface:
 
 - :class:`LocalLauncher`: ``multiprocessing`` worker processes on this host, one pipe each, with a **warm
   pool** per GPU: before the clock starts, ``warm_workers`` processes per GPU are started and waited for
-  until one (``warm_wait: first``) or each (``all``) has imported torch, loaded the study and created its
-  CUDA context with cuBLAS and cuDNN handles (``auto``: as many as the policy ever runs on one GPU, at most
-  32, so every policy gets the same machinery; none on fake CPU devices). The pool is kept at that size (a worker exits after a failed trial
+  until each has imported torch, loaded the study and created its CUDA context with cuBLAS and cuDNN
+  handles (``auto``: as many as the policy ever runs on one GPU, at most 32, so every policy gets the same
+  machinery; none on fake CPU devices). The pool is kept at that size (a worker exits after a failed trial
   and is replaced in the background); extra workers start on demand and stop after 10 s idle.
 - :class:`hpdl.hpo.ray_backend.RayBackend`: one Ray task per trial on a Ray cluster.
 
@@ -99,9 +99,8 @@ class Launcher:
         """Workers kept alive on ``device`` while idle (0: none)."""
         return 0
 
-    def warm_up(self, devices, limit_s: float, wait: str = "all") -> float:
-        """Prepare workers before the clock starts; return the seconds it took (``wait``: see
-        :meth:`LocalLauncher.warm_up`)."""
+    def warm_up(self, devices, limit_s: float) -> float:
+        """Prepare workers before the clock starts; return the seconds it took."""
         return 0.0
 
     def replenish(self, devices) -> None:
@@ -174,26 +173,15 @@ class LocalLauncher(Launcher):
             for _ in range(self.warm_target(d) - have):
                 self._spawn(d)
 
-    def warm_up(self, devices, limit_s: float, wait: str = "all") -> float:
-        """Start the warm pool on every device and wait until each worker said ``ready`` (``wait="all"``), or
-        until every device with a warm pool has one ready worker (``"first"``: the others finish their
-        start-up while the first trials run; their ``ready`` reaches the driver's loop).
+    def warm_up(self, devices, limit_s: float) -> float:
+        """Start the warm pool on every device and wait until each worker said ``ready``.
 
         Raises:
             HpoError: a worker died during start-up, or the pool was not ready within ``limit_s``.
         """
-        if wait not in ("all", "first"):
-            raise HpoError(f"wait={wait!r}, expected 'all' or 'first'")
         t0 = time.monotonic()
         self.replenish(devices)
-
-        def done() -> bool:
-            if wait == "all":
-                return all(w.ready for w in self.workers)
-            pooled = {w.device_id for w in self.workers}
-            return all(any(w.ready for w in self.workers if w.device_id == d) for d in pooled)
-
-        while not done():
+        while not all(w.ready for w in self.workers):
             for conn in mp_wait([w.conn for w in self.workers if not w.ready], timeout=1.0):
                 w = next(x for x in self.workers if x.conn is conn)
                 try:

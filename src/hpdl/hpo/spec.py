@@ -20,7 +20,6 @@ A study file (``hpdl hpo run study.yaml``; example in ``hpdl/hpo/examples/quick.
     checkpoint_every: 1     # evaluations between checkpoints (0 = never)
     warm_workers: auto      # worker processes started per GPU before the clock starts (auto: the policy's
                             # concurrency per GPU, at most 32; none on fake CPU devices), or an int
-    warm_wait: first        # start trials once one warm worker per GPU is ready (first) or all are (all)
     backend: {name: local}  # local (worker processes on this host) | ray (Ray tasks; address, init options)
     mps: auto               # NVIDIA MPS for co-located trials: auto (use a running daemon if one is found),
                             # start (a private daemon for this study, stopped at its end; local backend),
@@ -41,7 +40,7 @@ from hpdl.hpo.errors import HpoConfigError
 
 _SPEC_KEYS = {"study", "workload", "n_trials", "run_dir", "storage", "sampler", "pruner", "space", "fixed",
               "policy", "pool", "max_retries", "checkpoint_every", "direction", "lookahead", "timeout_s",
-              "warm_workers", "warm_wait", "backend", "mps"}
+              "warm_workers", "backend", "mps"}
 
 
 @dataclass
@@ -65,7 +64,6 @@ class StudySpec:
     lookahead: int = 0
     timeout_s: float = 0.0
     warm_workers: int | str = "auto"
-    warm_wait: str = "first"
     backend: dict = field(default_factory=lambda: {"name": "local"})
     mps: bool | str = "auto"
 
@@ -85,8 +83,6 @@ class StudySpec:
             raise HpoConfigError(f"direction={self.direction!r}, expected 'minimize' or 'maximize'")
         if self.warm_workers != "auto" and not (type(self.warm_workers) is int and self.warm_workers >= 0):
             raise HpoConfigError(f"warm_workers={self.warm_workers!r}, expected 'auto' or an int >= 0")
-        if self.warm_wait not in ("first", "all"):
-            raise HpoConfigError(f"warm_wait={self.warm_wait!r}, expected 'first' or 'all'")
         if not isinstance(self.backend, dict) or self.backend.get("name", "local") not in ("local", "ray"):
             raise HpoConfigError(f"backend={self.backend!r}, expected {{name: local}} or {{name: ray, address: ...}}")
         allowed = {"local": {"name"}, "ray": {"name", "address", "init", "strategy", "driver_host"}}
