@@ -7,7 +7,7 @@ The space is an ordinary small-CNN search on 32x32 images: most configurations a
 batch 32-512, 37 to 600 SGD steps: launch-bound, the GPU mostly idle), and a large-batch tail (batch 16384,
 one configuration in six, a minimum of 10 steps) needs up to tens of GB of activations. Every policy runs with the same
 warm worker pool machinery (``warm_workers: auto``: as many pre-started workers per GPU as the policy runs
-at once, at most 32); wall time starts once the pool is ready, and the pool's start-up is reported apart.
+at once, at most 8); wall time starts once the pool is ready, and the pool's start-up is reported apart.
 
 Launch (repository root; results land in $OUT, default ./out/hpo_device):
     PYTHONPATH=src python3 benchmarks/hpo_device.py

@@ -19,7 +19,7 @@ A study file (``hpdl hpo run study.yaml``; example in ``hpdl/hpo/examples/quick.
     max_retries: 2          # attempts after the first for a configuration whose process failed
     checkpoint_every: 1     # evaluations between checkpoints (0 = never)
     warm_workers: auto      # worker processes started per GPU before the clock starts (auto: the policy's
-                            # concurrency per GPU, at most 32; none on fake CPU devices), or an int
+                            # concurrency per GPU, at most 8; none on fake CPU devices), or an int
     backend: {name: local}  # local (worker processes on this host) | ray (Ray tasks; address, init options)
     mps: auto               # NVIDIA MPS for co-located trials: auto (use a running daemon if one is found),
                             # start (a private daemon for this study, stopped at its end; local backend),
