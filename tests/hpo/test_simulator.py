@@ -52,6 +52,14 @@ def test_cli_simulate_json(capsys, tmp_path):
     out = json.loads(capsys.readouterr().out)
     assert out["simulation"] is True and {r["policy"] for r in out["rows"]} >= {"pack", "one_per_gpu"}
     assert (tmp_path / "s.png").stat().st_size > 1000
+    # --max-compute reaches the packing policies: a cap of one GPU's busy time packs no tighter than 8
+    rows = {}
+    for cap in ("1", "8"):
+        args = p.parse_args(["simulate", "--pool", "1xH100", "--format", "json", "--mps", "--max-compute", cap,
+                             "--policies", "pack"])
+        assert HpoCommand().run(args) == 0
+        rows[cap] = json.loads(capsys.readouterr().out)["rows"][0]
+    assert rows["1"]["max_colocated"] < rows["8"]["max_colocated"]
 
 
 def test_colocation_overhead_slows_packed_runs_only():

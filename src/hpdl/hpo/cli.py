@@ -56,6 +56,8 @@ class HpoCommand:
         p.add_argument("--overhead", type=float, default=0.0,
                        help="slowdown per extra co-located trial (fitted on the H200 runs: 0.05 time-sliced, 0.1 MPS)")
         p.add_argument("--startup-s", type=float, default=0.05, help="dispatch of a trial to a warm worker (s)")
+        p.add_argument("--max-compute", type=float, default=None,
+                       help="pack/pack_hetero's summed busy fraction cap (default: the policy's, 2.0 or 8.0 with --mps)")
         p.add_argument("--format", choices=("table", "json"), default="table")
 
     def run(self, args) -> int:
@@ -149,6 +151,8 @@ class HpoCommand:
         rows, curves = [], {}
         for name in args.policies.split(","):
             kw = {"fraction": args.fraction} if name == "fixed_fraction" else {}
+            if name.startswith("pack") and args.max_compute is not None:
+                kw["max_compute"] = args.max_compute
             r = simulate(trials, pool, name, startup_s=args.startup_s, overhead=args.overhead, mps=args.mps,
                          mps_capacity=args.mps_capacity, **kw)
             rows.append({"policy": name, "makespan_s": r.makespan_s, "oom": r.oom, "max_colocated": r.max_colocated})
