@@ -326,13 +326,21 @@ def test_tasks_carry_the_memory_cap_and_whole_run_peaks_raise_profiles(tmp_path)
         assert drv._task(t, dev)["memory_cap"] == 5 * GIB
         t.demand = TrialDemand(t.number, GIB, 0.5, 1.0, profiled=True)
         assert drv._task(t, dev)["memory_cap"] is None  # small trials stay uncapped
-        drv.profiles.put(t.skey, TrialProfile("cpu", GIB, 0.01, 0.5, source="cpu"))
         w = SimpleNamespace(trial=t)
+        drv.profiles.put(t.skey, TrialProfile("H200", GIB))  # static only: not a measurement to raise
+        drv._on_message(w, ("memory", t.trial_id, "H200", 3 * GIB))
+        assert drv.profiles.get(t.skey, "H200").memory_bytes == GIB
+        drv.profiles.put(t.skey, TrialProfile("cpu", GIB, 0.01, 0.5, source="cpu"))
         drv._on_message(w, ("memory", t.trial_id, "cpu", 3 * GIB))
         assert drv.profiles.get(t.skey, "cpu").memory_bytes == 3 * GIB
+        assert w.trial is t and drv.running.get(t.number, t) is t  # not an outcome: the trial runs on
         drv._on_message(w, ("memory", t.trial_id, "cpu", 2 * GIB))
         assert drv.profiles.get(t.skey, "cpu").memory_bytes == 3 * GIB
         drv._on_message(w, ("memory", t.trial_id + 1, "cpu", 9 * GIB))  # another trial's late message
         assert drv.profiles.get(t.skey, "cpu").memory_bytes == 3 * GIB
+        # a sibling's profile of the training steps alone must not undo the whole-run peak
+        drv._on_message(w, ("profile", t.trial_id, {"kind": "cpu", "memory_bytes": GIB, "step_time_s": 0.01,
+                                                    "compute": 0.5, "source": "cpu"}))
+        assert drv.profiles.get(t.skey, "cpu").memory_bytes == 3 * GIB and t.demand.memory_bytes == 3 * GIB
     finally:
         drv.shutdown()

@@ -312,7 +312,7 @@ def test_pack_caps_planned_memory_of_large_trials_only():
     assert pol.memory_cap(TrialDemand(1, 6 * GIB, 0.5, 1.0, profiled=True), dev) == 6 * GIB
     pol.observe(0.5, memory_ratio=1.5)  # unprofiled bounds are planned scaled: the cap is that plan
     assert pol.memory_cap(TrialDemand(2, 6 * GIB, 1.0, 1.0), dev) == 9 * GIB
-    assert pol.memory_cap(TrialDemand(3, 60 * GIB, 1.0, 1.0), dev) == dev.memory_bytes  # tried alone
+    assert pol.memory_cap(TrialDemand(3, 60 * GIB, 1.0, 1.0), dev) is None  # over the device: tried alone
     assert Pack(memory_caps=False).memory_cap(TrialDemand(1, 6 * GIB, 0.5, 1.0, profiled=True), dev) is None
     for baseline in (OnePerGpu(), FixedFraction(0.125)):
         assert baseline.memory_cap(TrialDemand(1, 6 * GIB, 0.5, 1.0, profiled=True), dev) is None

@@ -258,6 +258,9 @@ class Driver:
             return
         if kind == "profile":
             prof = TrialProfile(**msg[2])
+            old = self.profiles.get(t.skey, prof.kind)
+            if old is not None and old.measured and old.memory_bytes > prof.memory_bytes:
+                prof.memory_bytes = old.memory_bytes  # a sibling's whole-run peak or an OOM's 1.5x stays
             self.profiles.put(t.skey, prof)
             if hasattr(self.policy, "observe"):
                 st = self.profiles.get(t.skey, "static")

@@ -26,9 +26,9 @@ from hpdl.hpo.errors import HpoError
 START_METHOD_ENV = "HPDL_HPO_START_METHOD"  # declared in hpdl.runtime.env
 IDLE_WORKER_S = 10.0   # a worker beyond the warm pool stops after this long idle
 WARM_MAX = 32          # trials per GPU the driver samples ahead for (packing looks ahead) are capped here
-# The auto warm pool per GPU is capped here: CUDA start-up of N workers at once on one GPU grows faster
-# than N (H200, MPS: 8 per GPU 1.3-2.7 s each, 15 per GPU 5.5-6.1 s); pack runs 7-9 trials per GPU on
-# average and starts workers beyond the pool on demand, while trials run.
+# The auto warm pool per GPU is capped here: workers starting at once slow each other's CUDA start-up
+# (H200s, MPS, medians per run: 8 per GPU 1.3-1.5 s on one GPU and 2.0-3.0 s on two, 15 per GPU 3.9-5.9 s);
+# pack runs 5.5-11.5 trials per GPU on average and starts workers beyond the pool on demand, while trials run.
 WARM_AUTO_MAX = 8
 WARM_TIMEOUT_S = 180.0  # the warm pool must be ready within this
 

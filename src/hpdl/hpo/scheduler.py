@@ -195,7 +195,7 @@ class Pack(SchedulingPolicy):
             7 light trials (busy fraction <= 0.2) ran 1.49x slower each, trials of >= 0.5 next to 7 others
             10-12x slower. Under MPS a busy fraction is a share of time, not of SMs (small kernels leave
             most SMs idle while "busy"), and 8.0 beat 4.0 in each of four runs (64 trials, 1 and 2 x H200,
-            both benchmark spaces: 6-13 % less wall time), single runs each.
+            both benchmark spaces: 5.8-13.7 % less wall time), single runs each.
         light_below: trials with a measured (or measured-neighbour) busy fraction under this are light;
             time-sliced, a heavier trial joins a device only if the sum after it stays within
             ``min(1, max_compute)``, and a device running one takes more trials only on the same terms (under
@@ -270,18 +270,21 @@ class Pack(SchedulingPolicy):
         return min(1.0, max(1e-4, math.floor(demand.memory_bytes / device.memory_bytes * 1e4) / 1e4))
 
     def memory_cap(self, demand, device):
-        """The memory the packing counts for ``demand`` on ``device`` (bytes, context included; at most the
-        device's), for trials planned above ``SMALL_BYTES``; ``None`` for smaller ones and with
-        ``memory_caps=False``. With the cap the sum of what co-located trials can hold stays within what the
-        placement allowed: cuDNN then picks algorithms whose workspace fits (PyTorch tries the next one when
-        a workspace allocation fails), and a trial that cannot run within its plan fails alone, is retried
-        and planned 1.5x larger. Small trials stay uncapped: their plan comes from a few training steps,
-        and an evaluation on a batch larger than the training batch may need more (their overshoot is at
-        most a few hundred MiB each; the trial's whole-run peak then replaces its profile's)."""
+        """The memory the packing counts for ``demand`` on ``device`` (bytes, context included), for trials
+        planned above ``SMALL_BYTES``; ``None`` for smaller ones, for an unprofiled trial whose plan exceeds
+        the device (it runs alone to be profiled) and with ``memory_caps=False``.
+
+        A capped trial cannot hold more than the packing counted for it: cuDNN then picks algorithms whose
+        workspace fits (PyTorch tries the next one when a workspace allocation fails), and a trial that
+        cannot run within its plan fails alone, is retried and planned 1.5x larger. The cap is lowered to
+        the measured peak when the profile arrives (the plan from then on). Small trials stay uncapped, so
+        the bound does not cover them: a plan from a few training steps misses an evaluation on a larger
+        batch (measured: up to about 2 GiB more in a configuration's first run; its whole-run peak then
+        replaces the profile's)."""
         mem = self._mem(demand)
-        if not self.memory_caps or mem <= SMALL_BYTES:
+        if not self.memory_caps or mem <= SMALL_BYTES or mem > device.memory_bytes:
             return None
-        return min(mem, device.memory_bytes)
+        return mem
 
     def observe(self, compute: float, flops: float = 0.0, memory_ratio: float = 0.0) -> None:
         """Record a measured compute share and the FLOPs per step of its configuration. A trial not yet
