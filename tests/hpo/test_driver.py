@@ -344,3 +344,30 @@ def test_tasks_carry_the_memory_cap_and_whole_run_peaks_raise_profiles(tmp_path)
         assert drv.profiles.get(t.skey, "cpu").memory_bytes == 3 * GIB and t.demand.memory_bytes == 3 * GIB
     finally:
         drv.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_outcome_sent_just_before_the_worker_exits_is_not_a_death(tmp_path):
+    """A worker (or Ray task) may send ``done`` and exit between the tick that read its channel and the
+    reaping: the outcome in its channel wins over "died" (the Ray packing test flaked on this under load)."""
+    from types import SimpleNamespace
+
+    from hpdl.hpo.driver import Driver
+    from hpdl.hpo.launch import WorkerHandle
+
+    drv = Driver(StudySpec.from_dict(spec_dict(tmp_path, n_trials=1)))
+    try:
+        drv._sample(set(), set())
+        t = drv.pending.pop(0)
+        parent, child = __import__("multiprocessing").Pipe()
+        child.send(("done", t.trial_id, 0.75))
+        child.close()  # the worker is gone
+        w = WorkerHandle(SimpleNamespace(is_alive=lambda: False, exitcode=0, join=lambda *a: None), parent, "fake:0")
+        w.trial, t.worker, t.device_id = t, w, "fake:0"
+        drv.running[t.number] = t
+        drv.launcher.workers.append(w)
+        drv._reap()
+        assert not drv.running and not drv.ledger.failures and w not in drv.workers
+        assert drv.study.trials[t.number].value == 0.75
+    finally:
+        drv.shutdown()

@@ -309,6 +309,8 @@ class Driver:
                 w.proc.join(5)
             if w.proc.is_alive():
                 continue
+            self._drain(w)  # it may have sent its outcome ("done", ...) after this tick read its channel
+            t = w.trial
             self.workers.remove(w)
             if t is not None:
                 self.running.pop(t.number, None)
@@ -318,6 +320,20 @@ class Driver:
                 else:
                     self.ledger.fail(t.number, t.params, {"hpdl_lineage": t.lineage, "hpdl_attempt": self._attempt(t)},
                                      "died", f"worker exited with code {w.proc.exitcode}")
+
+    def _drain(self, w: WorkerHandle) -> None:
+        """Handle what a worker whose process ended left in its channel, up to end of file. A Ray task's
+        channel may not be attached yet (its hello arrived after this tick's ``connect``): attach it first."""
+        if w.conn is None:
+            self.launcher.connect()
+        if w.conn is None or w.closed:
+            return
+        try:
+            while w.conn.poll(0.5):  # the peer is gone: EOF follows its last message at once
+                self._on_message(w, w.conn.recv())
+        except (EOFError, OSError):
+            pass
+        w.closed = True
 
     def _migrate(self, devices) -> None:
         """pack_hetero: mark running trials better than the median at their last report as promising and
