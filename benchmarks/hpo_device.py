@@ -116,22 +116,6 @@ def _start_worker_server() -> float:
     return time.monotonic() - t
 
 
-def _commit() -> str:
-    """The checkout's commit (with ``+dirty`` when tracked files differ), or ``unknown`` without git (the
-    device copy of a working tree has no .git: pass HPDL_COMMIT then)."""
-    import subprocess
-
-    if os.environ.get("HPDL_COMMIT"):
-        return os.environ["HPDL_COMMIT"]
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], capture_output=True, text=True,
-                               timeout=10).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    return (sha + ("+dirty" if dirty else "")) if sha else "unknown"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n-trials", type=int, default=N_TRIALS)
@@ -150,6 +134,7 @@ def main() -> None:
     import optuna
     import torch
 
+    from hpdl.bench.report import source_commit
     from hpdl.hpo.scheduler import mps_active
 
     t0 = time.monotonic()
@@ -159,7 +144,7 @@ def main() -> None:
             "cpus": os.cpu_count(), "n_trials": args.n_trials, "space": SPACES[args.space][0],
             "fixed": SPACES[args.space][1], "space_name": args.space,
             "mps": mps_active(), "command": " ".join(["benchmarks/hpo_device.py"] + __import__("sys").argv[1:]),
-            "commit": _commit(), "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
+            "commit": source_commit(), "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
     meta["worker_server_start_s"] = _start_worker_server()
     print(f"worker forkserver started in {meta['worker_server_start_s']:.1f} s", flush=True)
     runs = []

@@ -114,13 +114,11 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    total = torch.cuda.get_device_properties(0).total_memory
-    import subprocess
+    from hpdl.bench.report import source_commit
 
-    git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
-    commit = os.environ.get("HPDL_COMMIT") or (git.stdout.strip() if git.returncode == 0 else "unknown")
+    total = torch.cuda.get_device_properties(0).total_memory
     doc = {"device": torch.cuda.get_device_name(0), "total_bytes": total, "torch": torch.__version__,
-           "commit": commit,
+           "commit": source_commit(),
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "solo": [], "stacked": []}
     if args.capped:
         doc["capped"] = []

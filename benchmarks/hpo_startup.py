@@ -55,9 +55,10 @@ def main() -> None:
         return _one(args)
     import torch
 
-    git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
-    commit = os.environ.get("HPDL_COMMIT") or (git.stdout.strip() if git.returncode == 0 else "unknown")
-    doc = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__, "commit": commit,
+    from hpdl.bench.report import source_commit
+
+    doc = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
+           "commit": source_commit(),
            "python": sys.version.split()[0], "cpus": os.cpu_count(), "workers": args.workers,
            "pool": args.cuda or "fake cpu", "command": " ".join(sys.argv), "runs": {}}
     for m in METHODS:

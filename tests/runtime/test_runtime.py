@@ -71,3 +71,15 @@ def test_spawn_reports_dead_rank():
 def test_spawn_timeout_names_stuck_rank():
     with pytest.raises(CollectiveTimeoutError, match=r"ranks still running: \[1\]"):
         spawn(R.hang_on_rank, 2, args=(1,), job_timeout=15)
+
+
+def test_source_commit_prefers_hpdl_commit_then_the_checkout(monkeypatch):
+    from hpdl.bench.report import source_commit
+
+    monkeypatch.setenv("HPDL_COMMIT", "abc1234")
+    assert source_commit() == "abc1234"
+    monkeypatch.delenv("HPDL_COMMIT")
+    sha = source_commit().removesuffix("+dirty")  # the tests run from a git checkout (CI clones the repository)
+    assert len(sha) == 40 and int(sha, 16) >= 0
+    monkeypatch.chdir("/")
+    assert source_commit() == "unknown"

@@ -9,12 +9,29 @@ exact result, summed over ranks; ``vs native`` is native's time over this row's,
 from __future__ import annotations
 
 import json
+import subprocess
 from itertools import groupby
 from pathlib import Path
 from typing import Sequence
 
 from hpdl.bench.harness import Row
 from hpdl.comm.tuning import INF, Rule, TuningTable, default_table
+
+def source_commit() -> str:
+    """The commit benchmark results record: ``HPDL_COMMIT`` when set, else the checkout's ``HEAD`` (with
+    ``+dirty`` when tracked files differ), else ``"unknown"`` (no git, or not a checkout)."""
+    from hpdl.runtime import env
+
+    if env.get("HPDL_COMMIT"):
+        return env.get("HPDL_COMMIT")
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], capture_output=True, text=True,
+                               timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return (sha + ("+dirty" if dirty else "")) if sha else "unknown"
+
 
 HEADER = (f"{'size(B)':>12} {'count':>11} {'type':>9} {'redop':>7} {'algorithm':>19} {'avg(us)':>10} "
           f"{'min(us)':>10} {'max(us)':>10} {'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'#wrong':>7} {'vs native':>9}")
