@@ -67,12 +67,12 @@ def run_one(policy: str, gpus: list[int], n_trials: int, scratch: str, timeout_s
     policy, _, sharing = policy.partition("@")  # "pack@mps": the same policy with a private MPS daemon
     if sharing not in ("", "mps"):
         raise SystemExit(f"--policies: {policy}@{sharing}: expected <policy> or <policy>@mps")
-    policy, *opts = policy.split(":")  # "pack:max_compute=8@mps": a policy option (numbers only)
+    policy, *opts = policy.split(":")  # "pack:max_compute=8:order=longest@mps": policy options
     try:
-        extra = {k: bool(float(v)) if k in ("memory_caps", "sm_caps") else float(v)
+        extra = {k: v if k == "order" else bool(float(v)) if k in ("memory_caps", "sm_caps") else float(v)
                  for k, _, v in (o.partition("=") for o in opts)}
     except ValueError:
-        raise SystemExit(f"--policies: {tag}: expected <policy>[:<option>=<number>...][@mps]") from None
+        raise SystemExit(f"--policies: {tag}: expected <policy>[:<option>=<value>...][@mps]") from None
     pol = {"name": policy, **({"fraction": 0.125} if policy == "fixed_fraction" else {}), **extra}
     spec = StudySpec.from_dict({
         "study": tag, "workload": "cnn", "n_trials": n_trials, "run_dir": os.path.join(scratch, tag),
@@ -99,6 +99,7 @@ def run_one(policy: str, gpus: list[int], n_trials: int, scratch: str, timeout_s
     return {"tag": tag, "policy": policy, "mps": sharing == "mps", "gpus": gpus, "error": error, "result": asdict(res), "cap": cap,
             "max_compute": getattr(drv.policy, "max_compute", None),
             "memory_caps": getattr(drv.policy, "memory_caps", None),
+            "order": getattr(drv.policy, "order", None),
             "trials": trials, "profiles": {k: asdict(v) for k, v in drv.profiles.items()}}
 
 

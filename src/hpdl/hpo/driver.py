@@ -171,10 +171,10 @@ class Driver:
             ref = max(measured, key=lambda q: q.step_time_s)
             mem = max(q.memory_bytes for q in measured)
             return TrialDemand(t.number, mem, ref.compute, steps * ref.step_time_s, t.priority,
-                               waited_s=time.monotonic() - t.since, profiled=True)
+                               waited_s=time.monotonic() - t.since, profiled=True, steps=steps)
         static = self._static(t, next(iter(kinds)) if kinds else "cpu")
         return TrialDemand(t.number, static.memory_bytes, 1.0, float(steps) * 0.01, t.priority,
-                           waited_s=time.monotonic() - t.since, profiled=False, flops=static.flops)
+                           waited_s=time.monotonic() - t.since, profiled=False, flops=static.flops, steps=steps)
 
     def _static(self, t: _Trial, kind: str) -> TrialProfile:
         st = self.profiles.get(t.skey, "static")
@@ -265,7 +265,7 @@ class Driver:
             if hasattr(self.policy, "observe"):
                 st = self.profiles.get(t.skey, "static")
                 ratio = prof.memory_bytes / st.memory_bytes if st is not None and st.memory_bytes > SMALL_BYTES else 0.0
-                self.policy.observe(prof.compute, prof.flops, ratio)
+                self.policy.observe(prof.compute, prof.flops, ratio, prof.step_time_s)
             t.demand = self._demand(t, {prof.kind})
             return
         self.running.pop(t.number, None)

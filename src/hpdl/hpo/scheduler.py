@@ -71,7 +71,9 @@ class TrialDemand:
         waited_s: seconds since the trial became ready to run (for starvation control).
         profiled: ``True`` once ``memory_bytes`` and ``compute`` come from a measurement.
         flops: FLOPs of one training step (static estimate; 0 = unknown), used to guess the compute share
-            of a trial not yet profiled from the profiled trial nearest in FLOPs.
+            and step time of a trial not yet profiled from the profiled trial nearest in FLOPs.
+        steps: training steps the trial runs (0 = unknown); with a guessed step time it estimates the
+            solo run time of a trial not yet profiled (``Pack(order="longest")``).
     """
 
     key: int
@@ -82,6 +84,7 @@ class TrialDemand:
     waited_s: float = 0.0
     profiled: bool = False
     flops: float = 0.0
+    steps: int = 0
 
 
 @dataclass
@@ -183,8 +186,8 @@ class Pack(SchedulingPolicy):
     device's summed compute share is still under ``max_compute`` (soft: co-locate only where idle GPU time
     is left to gain; the last trial may push the sum past the cap, which only time-slices).
 
-    Pending trials are tried largest memory first (first-fit decreasing); each goes to the fitting device
-    with the lowest resulting speed-weighted load, which spreads work over idle GPUs before stacking.
+    Pending trials are tried in ``order``; each goes to the fitting device with the lowest resulting
+    speed-weighted load, which spreads work over idle GPUs before stacking.
     A trial that waited longer than ``starve_after_s`` reserves the device where it would fit soonest:
     nothing else is started there until it fits.
 
@@ -219,6 +222,11 @@ class Pack(SchedulingPolicy):
             max_compute)``. Off by default: the busy fraction is a share of time, not of SMs (a trial busy 15 %
             of the time may still need every SM while it is busy), and a capped trial needs a worker started
             with that cap, so it cannot use the warm pool.
+        order: which pending trials are tried first. ``"memory"``: largest planned memory first (first-fit
+            decreasing, the classic bin-packing order). ``"longest"``: longest estimated solo run time first
+            (LPT, the classic makespan order; ties by memory), so that long launch-bound trials, small in
+            memory, do not trail at the end of a study; a trial not yet profiled is estimated from its steps
+            and the step time of the profiled configuration nearest in FLOPs per step.
         memory_caps: cap each trial whose planned memory exceeds ``SMALL_BYTES`` at that plan
             (:meth:`memory_cap`), so it can never take memory the packing gave a neighbour. Measured on an
             H200: an unprofiled batch-16384 CNN placed on its 15.6 GiB static bound grew to 26.8 GiB (cuDNN
@@ -229,7 +237,11 @@ class Pack(SchedulingPolicy):
 
     def __init__(self, max_compute: float | None = None, max_trials_per_device: int | None = None,
                  unprofiled_compute: float = 0.25, starve_after_s: float = 30.0, mps: bool | str = False,
-                 light_below: float = 0.5, sm_caps: bool = False, memory_caps: bool = True):
+                 light_below: float = 0.5, sm_caps: bool = False, memory_caps: bool = True,
+                 order: str = "memory"):
+        if order not in ("memory", "longest"):
+            raise HpoConfigError(f"order={order!r}, expected 'memory' or 'longest'")
+        self.order = order
         if max_compute is not None and max_compute <= 0:
             raise HpoConfigError(f"max_compute={max_compute}, expected > 0")
         if not 0 < light_below <= 1:
@@ -240,7 +252,8 @@ class Pack(SchedulingPolicy):
         self._max_compute = max_compute
         self.max_trials_per_device = max_trials_per_device
         self.unprofiled_compute = unprofiled_compute
-        self._observed: list[float] = []
+        self._observed: list[tuple[float, float]] = []      # (compute share, FLOPs per step)
+        self._step_times: list[tuple[float, float]] = []    # (solo step time s, FLOPs per step)
         self._mem_ratio = 1.0  # largest measured/static peak-memory ratio seen (scales unprofiled bounds)
         self.starve_after_s = starve_after_s
         if mps not in (True, False, "auto"):
@@ -286,10 +299,12 @@ class Pack(SchedulingPolicy):
             return None
         return mem
 
-    def observe(self, compute: float, flops: float = 0.0, memory_ratio: float = 0.0) -> None:
-        """Record a measured compute share and the FLOPs per step of its configuration. A trial not yet
-        profiled is then assumed to need the share of the profiled configuration nearest in FLOPs (GPU time
-        grows with FLOPs; host time much less), or the median share when FLOPs are unknown.
+    def observe(self, compute: float, flops: float = 0.0, memory_ratio: float = 0.0,
+                step_time_s: float = 0.0) -> None:
+        """Record a measured compute share, the FLOPs per step and the solo step time (seconds; 0: not
+        given) of its configuration. A trial not yet profiled is then assumed to need the share and step
+        time of the profiled configuration nearest in FLOPs (GPU time grows with FLOPs; host time much
+        less), or the median share when FLOPs are unknown.
 
         ``memory_ratio`` is the measured peak over the static bound of that configuration (0: not given; the
         driver gives it for bounds over 2 GiB, where activations dominate). Static bounds of unprofiled
@@ -297,6 +312,8 @@ class Pack(SchedulingPolicy):
         at up to 1.7x their static bound (cuDNN workspaces, gradient buffers), which on an 80 GB GPU
         would be an out-of-memory failure."""
         self._observed.append((float(compute), float(flops)))
+        if step_time_s > 0 and flops > 0:
+            self._step_times.append((float(step_time_s), float(flops)))
         if memory_ratio > self._mem_ratio:
             self._mem_ratio = float(memory_ratio)
 
@@ -316,7 +333,16 @@ class Pack(SchedulingPolicy):
     def _compute(self, t: TrialDemand) -> float:
         return t.compute if t.profiled else max(t.compute if t.compute < 1.0 else 0.0, self._prior(t.flops))
 
+    def _work(self, t: TrialDemand) -> float:
+        """Estimated solo run time (s): measured for a profiled trial, else its steps times the step time of
+        the profiled configuration nearest in FLOPs per step, else ``t.work_s``."""
+        if t.profiled or t.steps <= 0 or t.flops <= 0 or not self._step_times:
+            return t.work_s
+        return t.steps * min((abs(math.log(f / t.flops)), st) for st, f in self._step_times)[1]
+
     def _order(self, pending: Sequence[TrialDemand]) -> list[TrialDemand]:
+        if self.order == "longest":
+            return sorted(pending, key=lambda t: (-self._work(t), -t.memory_bytes, t.key))
         return sorted(pending, key=lambda t: (-t.memory_bytes, t.key))
 
     def _score(self, t: TrialDemand, dev: Device, comp: float, work: float) -> float:
@@ -430,7 +456,7 @@ class PackHetero(Pack):
         self.migrate_min_s = migrate_min_s
 
     def _order(self, pending):
-        return sorted(pending, key=lambda t: (-t.priority, -t.work_s, -t.memory_bytes, t.key))
+        return sorted(pending, key=lambda t: (-t.priority, -self._work(t), -t.memory_bytes, t.key))
 
     def migrations(self, devices: Sequence[DeviceState]) -> list[int]:
         """Running trials to move (checkpoint, stop, start again) to a faster GPU: those with

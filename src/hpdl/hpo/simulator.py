@@ -122,8 +122,9 @@ def simulate(trials: Sequence[SimTrial], devices: Sequence[Device], policy: str 
                 known = (t.skey or t.key) in profiled
                 st, busy = step_time(t, devices[0])
                 mem = t.memory_bytes if known else (t.static_memory_bytes or t.memory_bytes)
-                demands.append(TrialDemand(t.key, mem, busy if known else 1.0, t.steps * st, waited_s=now - since,
-                                           profiled=known, flops=t.flops))
+                # as the driver: an unprofiled trial's run time is unknown (the policy may estimate it)
+                demands.append(TrialDemand(t.key, mem, busy if known else 1.0, t.steps * (st if known else 0.01),
+                                           waited_s=now - since, profiled=known, flops=t.flops, steps=t.steps))
             states = [DeviceState(d, [r["demand"] for r in run[d.id]]) for d in devices]
             assignments = pol.place(demands, states)
             placed = bool(assignments)
@@ -165,8 +166,9 @@ def simulate(trials: Sequence[SimTrial], devices: Sequence[Device], policy: str 
                     st, busy = step_time(r["t"], devices[0])  # its profile replaces the static demand
                     if first and hasattr(pol, "observe"):  # as the driver: one profile per structure
                         stat = r["t"].static_memory_bytes
-                        pol.observe(busy, r["t"].flops, r["t"].memory_bytes / stat if stat > SMALL_BYTES else 0.0)
-                    r["demand"] = TrialDemand(r["t"].key, r["t"].memory_bytes, busy, r["t"].steps * st, profiled=True)
+                        pol.observe(busy, r["t"].flops, r["t"].memory_bytes / stat if stat > SMALL_BYTES else 0.0, st)
+                    r["demand"] = TrialDemand(r["t"].key, r["t"].memory_bytes, busy, r["t"].steps * st, profiled=True,
+                                              flops=r["t"].flops, steps=r["t"].steps)
                     if sum(x["t"].memory_bytes for x in rs) > d.memory_bytes:  # out of memory: newest fails
                         rs.remove(r)
                         oom += 1
