@@ -316,3 +316,26 @@ def test_pack_caps_planned_memory_of_large_trials_only():
     assert Pack(memory_caps=False).memory_cap(TrialDemand(1, 6 * GIB, 0.5, 1.0, profiled=True), dev) is None
     for baseline in (OnePerGpu(), FixedFraction(0.125)):
         assert baseline.memory_cap(TrialDemand(1, 6 * GIB, 0.5, 1.0, profiled=True), dev) is None
+
+
+def test_pack_order_longest_starts_the_longest_estimated_trial_first():
+    """``order="longest"`` (LPT): with room for one trial, the longest estimated solo run goes first, not the
+    largest in memory; an unprofiled trial is estimated from its steps and the nearest profiled step time,
+    scaled by the FLOPs ratio (a 32x larger batch of 10 steps outlasts 600 launch-bound steps)."""
+    dev = pool(1, mem_gb=80)
+    big_short = TrialDemand(0, 8 * GIB, 1.0, work_s=0.5, profiled=True)
+    small_long = TrialDemand(1, GIB, 1.0, work_s=3.0, profiled=True)
+    for order, first in (("memory", 0), ("longest", 1)):
+        p = Pack(max_trials_per_device=1, order=order)
+        assert [a.key for a in p.place([big_short, small_long], [DeviceState(d) for d in dev])] == [first]
+    p = Pack(max_trials_per_device=1, order="longest")
+    p.observe(1.0, flops=1e9, step_time_s=0.002)     # launch-bound: 2 ms a step
+    p.observe(1.0, flops=1e12, step_time_s=0.006)    # the large-batch neighbour: 6 ms a step
+    light = TrialDemand(2, GIB, work_s=6.0, flops=1e9, steps=600)       # 600 x 2 ms = 1.2 s
+    heavy = TrialDemand(3, GIB, work_s=0.1, flops=32e12, steps=10)      # 10 x 6 ms x 32 = 1.92 s
+    tiny = TrialDemand(4, GIB, work_s=9.0, flops=1e8, steps=100)        # floor: 100 x 2 ms = 0.2 s
+    assert p._work(light) == pytest.approx(1.2) and p._work(heavy) == pytest.approx(1.92)
+    assert p._work(tiny) == pytest.approx(0.2)
+    assert [a.key for a in p.place([light, heavy, tiny], [DeviceState(d) for d in dev])] == [3]
+    with pytest.raises(HpoConfigError, match="order"):
+        Pack(order="fifo")

@@ -226,7 +226,7 @@ class Pack(SchedulingPolicy):
             decreasing, the classic bin-packing order). ``"longest"``: longest estimated solo run time first
             (LPT, the classic makespan order; ties by memory), so that long launch-bound trials, small in
             memory, do not trail at the end of a study; a trial not yet profiled is estimated from its steps
-            and the step time of the profiled configuration nearest in FLOPs per step.
+            and the step time of the profiled configuration nearest in FLOPs per step (:meth:`_work`).
         memory_caps: cap each trial whose planned memory exceeds ``SMALL_BYTES`` at that plan
             (:meth:`memory_cap`), so it can never take memory the packing gave a neighbour. Measured on an
             H200: an unprofiled batch-16384 CNN placed on its 15.6 GiB static bound grew to 26.8 GiB (cuDNN
@@ -334,11 +334,14 @@ class Pack(SchedulingPolicy):
         return t.compute if t.profiled else max(t.compute if t.compute < 1.0 else 0.0, self._prior(t.flops))
 
     def _work(self, t: TrialDemand) -> float:
-        """Estimated solo run time (s): measured for a profiled trial, else its steps times the step time of
-        the profiled configuration nearest in FLOPs per step, else ``t.work_s``."""
+        """Estimated solo run time (s): measured for a profiled trial, else its steps times a step time
+        guessed from the profiled configuration nearest in FLOPs per step, scaled up by the FLOPs ratio when
+        ``t`` has more (a step never takes less than the launch-bound floor measured there), else
+        ``t.work_s``."""
         if t.profiled or t.steps <= 0 or t.flops <= 0 or not self._step_times:
             return t.work_s
-        return t.steps * min((abs(math.log(f / t.flops)), st) for st, f in self._step_times)[1]
+        _, st, f = min((abs(math.log(f / t.flops)), st, f) for st, f in self._step_times)
+        return t.steps * st * max(1.0, t.flops / f)
 
     def _order(self, pending: Sequence[TrialDemand]) -> list[TrialDemand]:
         if self.order == "longest":
