@@ -222,11 +222,13 @@ class Pack(SchedulingPolicy):
             max_compute)``. Off by default: the busy fraction is a share of time, not of SMs (a trial busy 15 %
             of the time may still need every SM while it is busy), and a capped trial needs a worker started
             with that cap, so it cannot use the warm pool.
-        order: which pending trials are tried first. ``"memory"``: largest planned memory first (first-fit
-            decreasing, the classic bin-packing order). ``"longest"``: longest estimated solo run time first
-            (LPT, the classic makespan order; ties by memory), so that long launch-bound trials, small in
-            memory, do not trail at the end of a study; a trial not yet profiled is estimated from its steps
-            and the step time of the profiled configuration nearest in FLOPs per step (:meth:`_work`).
+        order: which pending trials are tried first. ``"longest"`` (default): longest estimated solo run
+            time first (LPT, the classic makespan order; ties by memory), so that long launch-bound trials,
+            small in memory, do not trail at the end of a study; a trial not yet profiled is estimated from
+            its steps and the step time of the profiled configuration nearest in FLOPs per step
+            (:meth:`_work`). ``"memory"``: largest planned memory first (first-fit decreasing, the classic
+            bin-packing order; the default before 2026-11-30, slower in three of three device runs, see
+            docs/benchmarks/hpo.md).
         memory_caps: cap each trial whose planned memory exceeds ``SMALL_BYTES`` at that plan
             (:meth:`memory_cap`), so it can never take memory the packing gave a neighbour. Measured on an
             H200: an unprofiled batch-16384 CNN placed on its 15.6 GiB static bound grew to 26.8 GiB (cuDNN
@@ -238,7 +240,7 @@ class Pack(SchedulingPolicy):
     def __init__(self, max_compute: float | None = None, max_trials_per_device: int | None = None,
                  unprofiled_compute: float = 0.25, starve_after_s: float = 30.0, mps: bool | str = False,
                  light_below: float = 0.5, sm_caps: bool = False, memory_caps: bool = True,
-                 order: str = "memory"):
+                 order: str = "longest"):
         if order not in ("memory", "longest"):
             raise HpoConfigError(f"order={order!r}, expected 'memory' or 'longest'")
         self.order = order
