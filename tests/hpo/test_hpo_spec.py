@@ -100,6 +100,7 @@ def test_pool_forms_and_elastic_file(tmp_path):
     ({"mps": "start", "backend": {"name": "ray"}, "pool": {"ray": "all"}}, "mps: start .* backend"),
     ({"policy": {"name": "pack", "sm_caps": "no"}}, "sm_caps"),
     ({"policy": {"name": "pack", "memory_caps": "false"}}, "memory_caps"),
+    ({"policy": {"name": "pack", "order": "fifo"}}, "order=.fifo., expected .memory. or .longest."),
     ({"policy": {"name": "pakc"}}, "policy='pakc'"),
     ({"policy": {"name": "pack", "max_compte": 2.0}}, "bad options"),
     ({"policy": {"name": "pack", "max_compute": -1}}, "max_compute=-1"),
