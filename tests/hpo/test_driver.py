@@ -342,6 +342,11 @@ def test_tasks_carry_the_memory_cap_and_whole_run_peaks_raise_profiles(tmp_path)
         drv._on_message(w, ("profile", t.trial_id, {"kind": "cpu", "memory_bytes": GIB, "step_time_s": 0.01,
                                                     "compute": 0.5, "source": "cpu"}))
         assert drv.profiles.get(t.skey, "cpu").memory_bytes == 3 * GIB and t.demand.memory_bytes == 3 * GIB
+        # the policy learns step times (its run-time estimates) and demands carry the steps to scale them
+        drv._on_message(w, ("profile", t.trial_id, {"kind": "cpu", "memory_bytes": GIB, "step_time_s": 0.02,
+                                                    "compute": 0.5, "source": "cpu", "flops": 1e9}))
+        assert (0.02, 1e9) in drv.policy._step_times and t.demand.steps > 0
+        assert all(d.steps > 0 for d in drv._demands(drv.pool.devices()).values())
     finally:
         drv.shutdown()
 

@@ -339,3 +339,31 @@ def test_pack_order_longest_starts_the_longest_estimated_trial_first():
     assert [a.key for a in p.place([light, heavy, tiny], [DeviceState(d) for d in dev])] == [3]
     with pytest.raises(HpoConfigError, match="order"):
         Pack(order="fifo")
+
+
+@pytest.mark.parametrize("order", ["memory", "longest"])
+def test_starving_trial_goes_first_once_its_reserved_device_drained(order):
+    """A starving large trial reserves a GPU; once enough has finished there it starts before the long light
+    trials that come earlier in the order (under LPT they would take the drained GPU again, forever)."""
+    dev = pool(1, mem_gb=80)[0]
+    p = Pack(max_trials_per_device=16, order=order)
+    big = TrialDemand(0, 60 * GIB, 0.5, work_s=0.5, profiled=True, waited_s=p.starve_after_s + 1)
+    lights = [TrialDemand(k, 4 * GIB, 0.01, work_s=5.0, profiled=True) for k in range(1, 40)]
+    full = DeviceState(dev, lights[:16])                 # 64 GiB used: the big trial does not fit
+    assert p.place([big] + lights[16:], [full]) == []    # reserved: nothing else starts there
+    drained = DeviceState(dev, lights[:4])               # 16 GiB used: it fits now
+    out = p.place(lights[16:] + [big], [drained])
+    assert out[0].key == 0 and Pack().order == "longest"
+
+
+def test_pack_hetero_scores_an_unprofiled_trial_by_its_estimated_run_time():
+    """``pack_hetero`` sends a trial to the GPU where it finishes first using the same estimate it orders by:
+    an unprofiled large-batch trial (placeholder 0.1 s, estimated 1.92 s) goes to the busy fast GPU, not to
+    the idle one at 0.4x speed."""
+    fast, slow = Device("fast", "H100", 80 * GIB, 1.0), Device("slow", "A100", 80 * GIB, 0.4)
+    p = PackHetero(mps=True)
+    p.observe(1.0, flops=1e12, step_time_s=0.006)
+    heavy = TrialDemand(3, GIB, work_s=0.1, flops=32e12, steps=10)
+    busy = TrialDemand(9, GIB, compute=0.5, work_s=1.0, profiled=True)
+    assert p._work(heavy) == pytest.approx(1.92)
+    assert [a.device_id for a in p.place([heavy], [DeviceState(fast, [busy]), DeviceState(slow)])] == ["fast"]

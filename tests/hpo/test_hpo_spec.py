@@ -121,3 +121,21 @@ def test_policy_mps_of_older_study_files_moves_to_the_top_level():
          "space": {"lr": {"type": "float", "low": 0.01, "high": 0.1}}, "policy": {"name": "pack", "mps": True}}
     spec = StudySpec.from_dict(d)
     assert spec.mps is True and "mps" not in spec.policy and d["policy"]["mps"] is True
+
+
+def test_attach_storage_opens_the_drivers_store_and_creates_nothing(tmp_path):
+    """Trial processes open the store with ``attach=True``: they see the driver's study and trials, and on a
+    path the driver never created they create no tables (the study load fails instead)."""
+    import optuna
+
+    from hpdl.hpo.spec import make_storage
+
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    study = optuna.create_study(study_name="s", storage=make_storage(url))
+    study.enqueue_trial({"x": 1.0})
+    attached = optuna.load_study(study_name="s", storage=make_storage(url, attach=True))
+    assert [t.params for t in attached.get_trials()] == [{}] and len(attached.trials) == 1
+    fresh = f"sqlite:///{tmp_path / 'fresh.db'}"
+    with pytest.raises(Exception) as err:  # optuna wraps the SQL error in a StorageInternalError
+        optuna.load_study(study_name="s", storage=make_storage(fresh, attach=True))
+    assert "no such table" in f"{err.value} {err.value.__cause__}"

@@ -82,3 +82,26 @@ def test_mps_model_serves_busy_work_side_by_side_up_to_its_capacity():
     assert mps == pytest.approx(1.0) and sliced == pytest.approx(2.0) and mps1 == pytest.approx(sliced)
     with pytest.raises(HpoConfigError, match="mps_capacity"):
         simulate(trials, dev, "pack", mps=True, mps_capacity=0)
+
+
+def test_simulator_gives_policies_what_the_driver_gives():
+    """Unprofiled trials reach the policy with their steps and the driver's placeholder run time (10 ms a
+    step), not their true run time; each first profile reports its step time to ``observe``."""
+    from hpdl.hpo.scheduler import Pack
+
+    seen, observed = [], []
+
+    class Recording(Pack):
+        def place(self, pending, devices):
+            seen.extend(pending)
+            return super().place(pending, devices)
+
+        def observe(self, compute, flops=0.0, memory_ratio=0.0, step_time_s=0.0):
+            observed.append(step_time_s)
+            super().observe(compute, flops, memory_ratio, step_time_s)
+
+    trials = [SimTrial(k, 0.02, 0.004, GIB, 100 * (k + 1), skey=f"s{k}", flops=1e9 * (k + 1)) for k in range(3)]
+    simulate(trials, pool_from_spec("1xH200"), Recording(max_trials_per_device=1))
+    first = {t.key: t for t in reversed(seen) if not t.profiled}
+    assert {k: (t.steps, t.work_s) for k, t in first.items()} == {k: (100 * (k + 1), (k + 1) * 1.0) for k in range(3)}
+    assert observed == [pytest.approx(0.02)] * 3   # 20 ms a step: the placeholder is not the truth

@@ -188,8 +188,8 @@ class Pack(SchedulingPolicy):
 
     Pending trials are tried in ``order``; each goes to the fitting device with the lowest resulting
     speed-weighted load, which spreads work over idle GPUs before stacking.
-    A trial that waited longer than ``starve_after_s`` reserves the device where it would fit soonest:
-    nothing else is started there until it fits.
+    A trial that waited longer than ``starve_after_s`` is tried first and reserves the device where it would
+    fit soonest: nothing else is started there until it fits.
 
     Args:
         max_compute: a device whose summed busy fraction reached this takes no more light trials. Default
@@ -227,8 +227,8 @@ class Pack(SchedulingPolicy):
             small in memory, do not trail at the end of a study; a trial not yet profiled is estimated from
             its steps and the step time of the profiled configuration nearest in FLOPs per step
             (:meth:`_work`). ``"memory"``: largest planned memory first (first-fit decreasing, the classic
-            bin-packing order; the default before 2026-11-30, slower in three of three device runs, see
-            docs/benchmarks/hpo.md).
+            bin-packing order; the default before 2026-11-30, slower than ``"longest"`` in six of six paired
+            runs on 1 and 2 x H200 by 0-20 %, docs/benchmarks/hpo.md).
         memory_caps: cap each trial whose planned memory exceeds ``SMALL_BYTES`` at that plan
             (:meth:`memory_cap`), so it can never take memory the packing gave a neighbour. Measured on an
             H200: an unprofiled batch-16384 CNN placed on its 15.6 GiB static bound grew to 26.8 GiB (cuDNN
@@ -339,8 +339,10 @@ class Pack(SchedulingPolicy):
         """Estimated solo run time (s): measured for a profiled trial, else its steps times a step time
         guessed from the profiled configuration nearest in FLOPs per step, scaled up by the FLOPs ratio when
         ``t`` has more (a step never takes less than the launch-bound floor measured there), else
-        ``t.work_s``."""
-        if t.profiled or t.steps <= 0 or t.flops <= 0 or not self._step_times:
+        ``t.work_s``. Profiles are measured in place, beside other trials, so "solo" is approximate (a
+        batch-16384 configuration's profiled steps summed to 1.7x its measured solo run); a retried trial
+        is estimated at its full steps, not what is left after its checkpoint."""
+        if t.profiled or t.steps <= 0 or not 0 < t.flops < math.inf or not self._step_times:
             return t.work_s
         _, st, f = min((abs(math.log(f / t.flops)), st, f) for st, f in self._step_times)
         return t.steps * st * max(1.0, t.flops / f)
@@ -359,29 +361,33 @@ class Pack(SchedulingPolicy):
         comp = {d.device.id: sum(self._compute(t) for t in d.running) for d in devices}
         # entries with a negative key are idle worker processes (memory only): not trials
         count = {d.device.id: sum(t.key >= 0 for t in d.running) for d in devices}
-        work = {d.device.id: sum(t.work_s for t in d.running) for d in devices}
+        work = {d.device.id: sum(self._work(t) for t in d.running if t.key >= 0) for d in devices}
         heavy = {d.device.id: any(t.key >= 0 and not self._light(t) for t in d.running) for d in devices}
         by_id = {d.device.id: d.device for d in devices}
         biggest = max((d.memory_bytes for d in by_id.values()), default=0)
         reserved: set[str] = set()
-        # Starvation control: the longest-waiting starving trial reserves the device with most memory.
+        order = self._order(pending)
+        # Starvation control: the longest-waiting starving trial is tried first and, while it does not fit,
+        # reserves the device where it would fit soonest (tried first: once that device has drained, trials
+        # earlier in the order would otherwise take it again).
         starving = [t for t in pending if t.waited_s >= self.starve_after_s]
         if starving:
             t = max(starving, key=lambda x: x.waited_s)
+            order = [t] + [x for x in order if x is not t]
             cands = [d for d in by_id.values() if d.memory_bytes >= self._mem(t)]
             if cands:
                 dev = min(cands, key=lambda d: (mem[d.id] - (d.memory_bytes - self._mem(t)), d.id))
                 if not self._fits(t, dev, mem, comp, count, biggest, heavy):
                     reserved.add(dev.id)
         out = []
-        for t in self._order(pending):
+        for t in order:
             fits = [d for d in by_id.values()
                     if d.id not in reserved and self._fits(t, d, mem, comp, count, biggest, heavy)]
             if not fits:
                 continue
             dev = min(fits, key=lambda d: (self._score(t, d, comp[d.id], work[d.id]), d.id))
             c = self._compute(t)
-            work[dev.id] += t.work_s
+            work[dev.id] += self._work(t)
             mem[dev.id] += self._mem(t)
             comp[dev.id] += c
             count[dev.id] += 1
@@ -449,7 +455,8 @@ class PackHetero(Pack):
     longest first, and each goes where its estimated finish time is earliest, so long and promising trials
     land on fast GPUs and short ones fill slow GPUs.
 
-    Cost on device ``g`` (seconds, time-slicing model of the module docstring): the trial's own estimated
+    Its own order (``order`` is ignored); run times are :meth:`Pack._work` estimates. Cost on device ``g``
+    (seconds, time-slicing model of the module docstring): the trial's own estimated
     run time ``work_s / speed_g * max(1, load_g + b)`` plus the delay it adds to the trials already there,
     ``W_g / speed_g * (max(1, load_g + b) - max(1, load_g))`` with ``W_g`` their summed remaining work.
     """
@@ -491,7 +498,7 @@ class PackHetero(Pack):
     def _score(self, t, dev, comp, work):
         old = max(1.0, comp / dev.compute)
         new = max(1.0, (comp + self._compute(t)) / dev.compute)
-        return t.work_s / dev.speed * new + work / dev.speed * (new - old)
+        return self._work(t) / dev.speed * new + work / dev.speed * (new - old)
 
 
 def mps_active(pipe_dir: str | None = None) -> bool:

@@ -224,7 +224,7 @@ class _Env:
         warm_imports()
         lap("optimizer")
         self.workload = get_workload(spec["workload"])
-        self.study = optuna.load_study(study_name=spec["study"], storage=make_storage(spec["storage"]),
+        self.study = optuna.load_study(study_name=spec["study"], storage=make_storage(spec["storage"], attach=True),
                                        sampler=optuna.samplers.RandomSampler(), pruner=make_pruner(spec["pruner"]))
         self.run_dir = Path(spec["run_dir"])
         lap("study")
