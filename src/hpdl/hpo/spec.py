@@ -246,7 +246,8 @@ def make_storage(url: str, attach: bool = False):
 
     Any SQLAlchemy URL works (``postgresql://user@host/db`` for many nodes). ``attach=True`` opens a store
     the driver already created (trial processes): no table creation, no schema-version check and no
-    journal-mode switch, which cost 8 warm workers per GPU starting at once about 1 s each on an H200 host.
+    journal-mode switch. Measured on an H200 host, 8 warm workers per GPU: a worker's study load took
+    0.64-0.74 s (median per run, 3 runs) against 0.65-1.47 s (40 runs, median 0.95 s) without.
     """
     import optuna
 
