@@ -242,7 +242,8 @@ def make_pruner(cfg: dict):
 
 
 def make_storage(url: str, attach: bool = False):
-    """An Optuna RDB storage for ``url`` (SQLite gets a 60 s lock timeout; the parent folder is created).
+    """An Optuna RDB storage for ``url`` (SQLite gets a 60 s lock timeout, write-ahead logging and its parent
+    folder).
 
     Any SQLAlchemy URL works (``postgresql://user@host/db`` for many nodes). ``attach=True`` opens a store
     the driver already created (trial processes): no table creation, no schema-version check and no
@@ -251,15 +252,12 @@ def make_storage(url: str, attach: bool = False):
     """
     import optuna
 
-    kwargs: dict[str, Any] = {}
-    if attach:
-        kwargs.update(skip_compatibility_check=True, skip_table_creation=True)
-        if url.startswith("sqlite:///"):
-            kwargs["engine_kwargs"] = {"connect_args": {"timeout": 60}}
-    elif url.startswith("sqlite:///"):
+    kwargs: dict[str, Any] = {"skip_compatibility_check": True, "skip_table_creation": True} if attach else {}
+    if url.startswith("sqlite:///"):
+        kwargs["engine_kwargs"] = {"connect_args": {"timeout": 60}}
+    if url.startswith("sqlite:///") and not attach:
         path = Path(url[len("sqlite:///"):])
         path.parent.mkdir(parents=True, exist_ok=True)
-        kwargs["engine_kwargs"] = {"connect_args": {"timeout": 60}}
         # write-ahead log: many trial processes report while the driver writes, readers never block a writer
         import sqlite3
         with contextlib.closing(sqlite3.connect(path, timeout=60)) as con:
