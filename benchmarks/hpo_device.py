@@ -103,6 +103,54 @@ def run_one(policy: str, gpus: list[int], n_trials: int, scratch: str, timeout_s
             "trials": trials, "profiles": {k: asdict(v) for k, v in drv.profiles.items()}}
 
 
+class GpuMonitor:
+    """``nvidia-smi dmon`` in the background for the whole invocation: once a second per GPU, ``sm`` (share of
+    the second in which any kernel ran) and, on Hopper and later, the GPM metrics SM utilisation (share of
+    SMs busy) and SM occupancy (resident warps against the maximum). :meth:`window` averages every column over
+    a run. A missing ``nvidia-smi`` or unsupported metric leaves the file with its error and the windows empty."""
+
+    def __init__(self, path: str):
+        import subprocess
+
+        self.path = path
+        try:
+            self.proc = subprocess.Popen(["nvidia-smi", "dmon", "-s", "u", "--gpm-metrics", "2,3", "-d", "1",
+                                          "-o", "DT"], stdout=open(path, "w"), stderr=subprocess.STDOUT)
+        except OSError as exc:
+            self.proc = None
+            with open(path, "w") as f:
+                f.write(f"# nvidia-smi dmon did not start: {exc}\n")
+
+    def window(self, t0: float, t1: float, gpus: list[int]) -> dict[str, dict[str, float]]:
+        """Mean of each numeric column per GPU over samples taken between Unix times ``t0`` and ``t1``."""
+        cols, rows = None, []
+        with open(self.path) as f:
+            for line in f:
+                parts = line.lstrip("#").split()
+                if line.startswith("#") and "gpu" in parts and cols is None:
+                    cols = parts  # the first header line names the columns
+                elif cols and not line.startswith("#") and len(parts) == len(cols):
+                    row = dict(zip(cols, parts))
+                    try:
+                        ts = time.mktime(time.strptime(row["Date"] + " " + row["Time"], "%Y%m%d %H:%M:%S"))
+                    except (KeyError, ValueError):
+                        continue
+                    if t0 <= ts <= t1 and row.get("gpu", "").isdigit() and int(row["gpu"]) in gpus:
+                        rows.append(row)
+        out: dict[str, dict[str, float]] = {}
+        for g in gpus:
+            mine = [r for r in rows if int(r["gpu"]) == g]
+            vals = {c: [float(r[c]) for r in mine if r[c].replace(".", "", 1).isdigit()]
+                    for c in (cols or []) if c not in ("Date", "Time", "gpu")}
+            out[str(g)] = {c: round(sum(v) / len(v), 1) for c, v in vals.items() if v} | {"samples": len(mine)}
+        return out
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(5)
+
+
 def _start_worker_server() -> float:
     """Start the workers' forkserver (its imports) before the first run, so that no policy's pool start-up
     includes it; return its seconds (0 under ``spawn``). A user's first study in a process pays it once."""
@@ -128,6 +176,8 @@ def main() -> None:
     ap.add_argument("--scratch", default="/tmp/hpo_bench", help="run dirs (checkpoints, SQLite stores)")
     ap.add_argument("--smoke", action="store_true", help="tiny configurations on fake CPU devices (no GPU)")
     ap.add_argument("--warm", default="auto", help="warm workers per device: auto or an int")
+    ap.add_argument("--gpu-monitor", action="store_true",
+                    help="sample SM activity with nvidia-smi dmon (1 s) and average it over each run")
     ap.add_argument("--space", default="mixed", choices=sorted(SPACES),
                     help="mixed: the 01:35 UTC run's space; launch: a launch-bound head with the same heavy tail")
     args = ap.parse_args()
@@ -149,6 +199,7 @@ def main() -> None:
     meta["worker_server_start_s"] = _start_worker_server()
     print(f"worker forkserver started in {meta['worker_server_start_s']:.1f} s", flush=True)
     runs = []
+    monitor = GpuMonitor(os.path.join(args.out, "dmon.txt")) if args.gpu_monitor else None
     for i, pool in enumerate(args.pools.split(";")):
         gpus = [int(g) for g in pool.split(",")]
         order = args.policies.split(",")
@@ -166,16 +217,24 @@ def main() -> None:
                 r = {"tag": f"{policy}-{len(gpus)}gpu", "error": f"{type(exc).__name__}: {exc}",
                      "traceback": traceback.format_exc()[-1500:]}
                 print(r["traceback"], flush=True)
-            runs.append(r)
             res = r.get("result", {})
+            if monitor is not None and res:
+                time.sleep(1.2)  # the last sample of the run
+                r["gpu_util"] = monitor.window(res["started_at"], res["started_at"] + res["wall_s"], gpus)
+                print(f"    GPU utilisation over the run (means): {r['gpu_util']}", flush=True)
+            runs.append(r)
             print(f"    wall {res.get('wall_s', float('nan')):.1f} s (pool warm-up {res.get('warmup_s', 0):.1f} s) "
                   f"complete {res.get('complete')} "
                   f"failures {res.get('failures')} best {res.get('best_value')} error {r.get('error')}", flush=True)
+            if res.get("driver_s"):
+                print("    driver s: " + ", ".join(f"{k} {v:.2f}" for k, v in res["driver_s"].items()), flush=True)
             if res.get("warmup_phases"):
                 print("    worker start-up s (median/max): " + ", ".join(
                     f"{k} {v['median']:.1f}/{v['max']:.1f}" for k, v in res["warmup_phases"].items()), flush=True)
             with open(os.path.join(args.out, "results.json"), "w") as f:
                 json.dump({"meta": meta, "runs": runs}, f, indent=1)
+    if monitor is not None:
+        monitor.stop()
     print(f"done in {time.monotonic() - t0:.1f} s", flush=True)
 
 

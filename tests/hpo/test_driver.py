@@ -285,6 +285,7 @@ def test_first_trials_start_before_every_static_estimate_is_done(tmp_path, monke
 
     space = {"width": {"type": "categorical", "choices": [4, 5, 6, 7, 8, 9, 10, 11]}}
     drv = Driver(StudySpec.from_dict(spec_dict(tmp_path, n_trials=8, space=space, lookahead=8)))
+    monkeypatch.setattr(drv_mod, "_SAMPLE_BUDGET_S", 60.0)
     drv._sample(set(), set())
     assert len(drv.pending) == 8
     monkeypatch.setattr(drv_mod, "_ESTIMATE_BUDGET_S", 0.0)   # one estimate per tick at most
@@ -297,15 +298,40 @@ def test_first_trials_start_before_every_static_estimate_is_done(tmp_path, monke
     drv.shutdown()
 
 
+@pytest.mark.timeout(60)
+def test_sampling_stops_after_its_budget_once_a_trial_is_pending(tmp_path, monkeypatch):
+    """The first trials start before the whole lookahead is asked for (each ask is several storage commits):
+    past the per-tick budget the rest waits for the next tick, which does not wait for a message."""
+    import hpdl.hpo.driver as drv_mod
+    from hpdl.hpo.driver import Driver
+
+    drv = Driver(StudySpec.from_dict(spec_dict(tmp_path, n_trials=8, lookahead=8)))
+    monkeypatch.setattr(drv_mod, "_SAMPLE_BUDGET_S", 0.0)
+    drv._sample(set(), set())
+    assert len(drv.pending) == 1 and drv._short
+    drv._sample(*drv.ledger.lineages())
+    assert len(drv.pending) == 2 and drv._short
+    monkeypatch.setattr(drv_mod, "_SAMPLE_BUDGET_S", 60.0)
+    drv._sample(*drv.ledger.lineages())
+    assert len(drv.pending) == 8 and not drv._short
+    assert drv.ledger.lineages()[1] == {t.number for t in drv.pending}
+    drv.shutdown()
+
+
 @pytest.mark.timeout(120)
-def test_study_finishes_when_estimates_trickle_in_one_per_tick(tmp_path, monkeypatch):
-    """The loop places trials whose demand is known while others still wait for their estimate."""
+def test_study_finishes_when_estimates_and_asks_trickle_in_one_per_tick(tmp_path, monkeypatch):
+    """The loop places trials whose demand is known while others still wait for their estimate or their
+    ask; the result splits the driver's time by phase."""
     import hpdl.hpo.driver as drv_mod
 
     monkeypatch.setattr(drv_mod, "_ESTIMATE_BUDGET_S", 0.0)
+    monkeypatch.setattr(drv_mod, "_SAMPLE_BUDGET_S", 0.0)
     space = {"width": {"type": "categorical", "choices": [4, 5, 6, 7]}}
     res = run_study(StudySpec.from_dict(spec_dict(tmp_path, n_trials=4, space=space, lookahead=4)))
     assert res.complete == 4 and not res.failures
+    assert set(res.driver_s) <= {"other", "wait", "messages", "ledger", "place", "sample"}
+    assert {"wait", "place", "sample"} <= set(res.driver_s) and res.driver_s["sample"] > 0
+    assert sum(res.driver_s.values()) <= res.wall_s + 0.05
 
 
 @pytest.mark.timeout(60)

@@ -43,3 +43,46 @@ def test_not_started_is_requeued_without_using_an_attempt_and_too_big_gives_up()
     t2 = ask(s, lg)
     lg.fail(t2.number, t2.params, t2.user_attrs, "too_big", "80 GiB", retry=False)
     assert lg.lineages() == ({0, 2}, set())
+
+
+def test_asked_and_closed_keep_the_counts_a_reread_gives():
+    """The driver counts its own asks and tells in memory; after every step the counts must equal a fresh
+    read of the storage, through retries taken from the waiting queue, prunes and give-ups."""
+    s = study()
+    lg = Ledger(s, max_retries=1, host="h")
+    x = {"x": optuna.distributions.FloatDistribution(0, 1)}
+
+    def check():
+        mem = (set(lg.lineages()[0]), set(lg.lineages()[1]), lg.waiting)
+        lg.dirty = True
+        fresh = lg.lineages()
+        assert mem == (fresh[0], fresh[1], lg.waiting)
+
+    def ask_():
+        lg.lineages()
+        t = s.ask(x)
+        lin = int(t.user_attrs.get("hpdl_lineage", t.number))
+        if lin == t.number:
+            t.set_user_attr("hpdl_lineage", lin)
+        lg.asked(lin)
+        check()
+        return t, lin
+
+    s.enqueue_trial({"x": 0.5})  # a user's enqueued configuration: waiting, its own lineage
+    ts = [ask_() for _ in range(4)]
+    assert lg.waiting == 0 and lg.lineages()[1] == {0, 1, 2, 3}
+    s.tell(ts[0][0], 0.1)
+    lg.closed(ts[0][1])
+    check()
+    s.tell(ts[1][0], state=optuna.trial.TrialState.PRUNED)
+    lg.closed(ts[1][1])
+    check()
+    lg.fail(ts[2][0].number, ts[2][0].params, ts[2][0].user_attrs, "died", "boom")
+    check()
+    assert lg.waiting == 1
+    retry, lin = ask_()  # popped from the waiting queue
+    assert lin == 2 and lg.waiting == 0 and retry.params == ts[2][0].params
+    s.tell(retry, 0.2)
+    lg.closed(lin)
+    check()
+    assert lg.lineages() == ({0, 1, 2}, {3})

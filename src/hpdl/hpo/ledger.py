@@ -24,7 +24,7 @@ class Ledger:
     def __init__(self, study, max_retries: int, host: str):
         self.study, self.max_retries, self.host = study, max_retries, host
         self.failures: dict[str, int] = {}
-        self.dirty = True  # set after every ask/tell/enqueue so lineages() re-reads the storage
+        self.dirty = True  # after a failure or enqueue lineages() re-reads the storage (asked/closed update it)
         self.waiting = 0
         self._cache: tuple[set[int], set[int]] = (set(), set())
 
@@ -69,6 +69,21 @@ class Ledger:
         finished |= {lin for lin, n in fails.items() if n > self.max_retries}
         self._cache = (finished, active - finished)
         return self._cache
+
+    def asked(self, lineage: int) -> None:
+        """Count a trial the driver just asked for without re-reading the storage: its ``lineage`` is active,
+        and it was taken from the waiting queue if one was waiting (Optuna's ``ask`` pops a waiting trial
+        first). Exact because only this driver changes trial states; a re-read a tick costs about as much as
+        an ``ask`` (20 ms with 64 trials on a 2-core machine)."""
+        if not self.dirty:
+            self.waiting = max(0, self.waiting - 1)
+            self._cache[1].add(lineage)
+
+    def closed(self, lineage: int) -> None:
+        """Count a COMPLETE or PRUNED ``tell`` of ``lineage`` without re-reading the storage."""
+        if not self.dirty:
+            self._cache[0].add(lineage)
+            self._cache[1].discard(lineage)
 
     def fail(self, number: int, params: dict, attrs: dict, kind: str, message: str, retry: bool = True) -> None:
         """Tell trial ``number`` FAIL with ``hpdl_failure = "<kind>: <message>"`` and, while attempts are left

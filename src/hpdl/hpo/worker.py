@@ -7,8 +7,9 @@ study and no trial pays that start-up (:func:`warm_cuda`).
 Protocol (``multiprocessing`` pipe, driver <-> worker, all messages are tuples):
 
 - driver -> worker: ``("run", task)`` with task keys ``trial_id, number, lineage, params, profile``,
-  ``static``, ``context_bytes``, ``host`` (the worker records ``hpdl_host``, ``hpdl_pid`` and
-  ``hpdl_started_at`` on the trial before it trains, off the driver's critical path), ``memory_cap``
+  ``static``, ``context_bytes``, ``host``, ``device_id`` (the worker records ``hpdl_host``, ``hpdl_pid``,
+  ``hpdl_started_at`` and ``hpdl_device`` on the trial before it trains, off the driver's critical
+  path), ``memory_cap``
   (bytes with the context, or None: :func:`cap_memory`);
   ``("preempt", trial_id)`` (checkpoint is the last one written; the trial stops with ``preempted``);
   ``("stop",)``.
@@ -242,7 +243,7 @@ def run_task(env: _Env, conn, task: dict[str, Any], parent_pid: int | None) -> b
     try:
         st = env.study._storage
         for key, val in (("hpdl_host", task.get("host", "")), ("hpdl_pid", os.getpid()),
-                         ("hpdl_started_at", time.time())):
+                         ("hpdl_started_at", time.time()), ("hpdl_device", task.get("device_id", ""))):
             st.set_trial_user_attr(tid, key, val)
         params = env.workload.resolve({**env.spec.get("fixed", {}), **task["params"]})
         prof = None
