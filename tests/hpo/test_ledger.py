@@ -49,7 +49,7 @@ def test_asked_and_closed_keep_the_counts_a_reread_gives():
     """The driver counts its own asks and tells in memory; after every step the counts must equal a fresh
     read of the storage, through retries taken from the waiting queue, prunes and give-ups."""
     s = study()
-    lg = Ledger(s, max_retries=1, host="h")
+    lg = Ledger(s, max_retries=1, host="h", refresh_s=3600)
     x = {"x": optuna.distributions.FloatDistribution(0, 1)}
 
     def check():
@@ -86,3 +86,19 @@ def test_asked_and_closed_keep_the_counts_a_reread_gives():
     lg.closed(lin)
     check()
     assert lg.lineages() == ({0, 1, 2}, {3})
+
+
+def test_trials_of_another_driver_on_the_same_storage_count_after_refresh_s():
+    """Many nodes: two drivers share one study; each sees the other's new configurations within refresh_s."""
+    import time
+
+    s = study()
+    mine, other = Ledger(s, 0, "a", refresh_s=0.2), Ledger(s, 0, "b", refresh_s=0.2)
+    assert mine.lineages() == (set(), set())
+    t = ask(s, other)
+    assert mine.lineages() == (set(), set())  # within refresh_s: the last read
+    time.sleep(0.25)
+    assert mine.lineages() == (set(), {t.number})
+    s.tell(t, 0.5)
+    time.sleep(0.25)
+    assert mine.lineages() == ({t.number}, set())
