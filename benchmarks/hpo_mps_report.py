@@ -4,7 +4,9 @@ For each results file: wall time to finish the budget, speed-ups against ``one_p
 ``fixed_fraction`` and ``fixed_fraction@mps`` of the same run, the same wall time with the warm pool's
 start-up and the teardown added, failures, best accuracy, concurrency, and the median slowdown of each
 trial against the same configuration alone (the ``one_per_gpu`` run), split into the batch-16384 tail and
-the rest. Writes a markdown table to stdout and a PNG of wall times (plus best-vs-time curves) per file.
+the rest; where the run recorded them, the GPUs' mean SM activity (``--gpu-monitor``) and the seconds the
+driver's loop was busy (``driver_s`` without ``wait``). Writes a markdown table to stdout and a PNG of wall
+times (plus best-vs-time curves) per file.
 
     PYTHONPATH=src python3 benchmarks/hpo_mps_report.py --png-dir docs/benchmarks \\
         "1 x H200, launch=docs/benchmarks/hpo_mps_2026-11-30_1xh200_launch.json" ...
@@ -59,8 +61,17 @@ def rows(doc: dict) -> list[dict]:
                                                                        "fixed_fraction@mps") if b in walls},
                     "complete": res["complete"], "oom": oom, "other": sum(fails.values()),
                     "best": res["best_value"], "conc": float(np.mean(conc)), "conc_max": max(conc),
-                    "head": slow(False), "tail": slow(True), "history": res["history"]})
+                    "head": slow(False), "tail": slow(True), "history": res["history"],
+                    "smutil": _mean_gpu(r.get("gpu_util"), "smutil"), "sm": _mean_gpu(r.get("gpu_util"), "sm"),
+                    "driver_busy": sum(v for k, v in res.get("driver_s", {}).items() if k != "wait")
+                    if res.get("driver_s") else float("nan")})
     return out
+
+
+def _mean_gpu(util: dict | None, col: str) -> float:
+    """Mean over the run's GPUs of one ``--gpu-monitor`` column (NaN when it was not recorded)."""
+    vals = [g[col] for g in (util or {}).values() if col in g]
+    return sum(vals) / len(vals) if vals else float("nan")
 
 
 def _x(v: float) -> str:
@@ -68,18 +79,26 @@ def _x(v: float) -> str:
 
 
 def table(label: str, rs: list[dict]) -> list[str]:
+    extra = any(r["smutil"] == r["smutil"] or r["driver_busy"] == r["driver_busy"] for r in rs)
     lines = [f"**{label}**", "",
              "| policy | wall s | vs one_per_gpu | vs fixed_fraction | vs fixed_fraction@mps | wall + pool start-up + "
              "teardown s | complete | OOM | other failures | best accuracy | trials per GPU mean / max | "
-             "slowdown vs alone, head / tail (median) |", "|---" * 12 + "|"]
+             "slowdown vs alone, head / tail (median) |"
+             + (" SM busy % (GPM smutil) / any kernel % | driver busy s |" if extra else ""),
+             "|---" * (14 if extra else 12) + "|"]
     for r in rs:
         sp = [f"{r['speedup'][b]:.2f}x" if b in r["speedup"] else "-"
               for b in ("one_per_gpu", "fixed_fraction", "fixed_fraction@mps")]
         lines.append(f"| {r['policy']} | {r['wall']:.1f} | {sp[0]} | {sp[1]} | {sp[2]} | "
                      f"{r['inclusive']:.1f} ({r['warmup']:.1f} + {r['teardown']:.1f}) | {r['complete']} | {r['oom']} | "
                      f"{r['other']} | {r['best']:.4f} | {r['conc']:.1f} / {r['conc_max']:.0f} | "
-                     f"{_x(r['head'])} / {_x(r['tail'])} |")
+                     f"{_x(r['head'])} / {_x(r['tail'])} |"
+                     + (f" {_f(r['smutil'], 0)} / {_f(r['sm'], 0)} | {_f(r['driver_busy'], 1)} |" if extra else ""))
     return lines
+
+
+def _f(v: float, digits: int) -> str:
+    return "-" if v != v else f"{v:.{digits}f}"
 
 
 def plot(label: str, rs: list[dict], path: str) -> None:
