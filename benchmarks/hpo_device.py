@@ -112,14 +112,14 @@ class GpuMonitor:
     def __init__(self, path: str):
         import subprocess
 
-        self.path = path
+        self.path, self._out = path, open(path, "w")
         try:
             self.proc = subprocess.Popen(["nvidia-smi", "dmon", "-s", "u", "--gpm-metrics", "2,3", "-d", "1",
-                                          "-o", "DT"], stdout=open(path, "w"), stderr=subprocess.STDOUT)
+                                          "-o", "DT"], stdout=self._out, stderr=subprocess.STDOUT)
         except OSError as exc:
             self.proc = None
-            with open(path, "w") as f:
-                f.write(f"# nvidia-smi dmon did not start: {exc}\n")
+            self._out.write(f"# nvidia-smi dmon did not start: {exc}\n")
+            self._out.flush()
 
     def window(self, t0: float, t1: float, gpus: list[int]) -> dict[str, dict[str, float]]:
         """Mean of each numeric column per GPU over samples taken between Unix times ``t0`` and ``t1``."""
@@ -146,9 +146,10 @@ class GpuMonitor:
         return out
 
     def stop(self) -> None:
-        if self.proc is not None:
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(5)
+        self._out.close()
 
 
 def _start_worker_server() -> float:
@@ -200,6 +201,10 @@ def main() -> None:
     print(f"worker forkserver started in {meta['worker_server_start_s']:.1f} s", flush=True)
     runs = []
     monitor = GpuMonitor(os.path.join(args.out, "dmon.txt")) if args.gpu_monitor else None
+    if monitor is not None:
+        import atexit
+
+        atexit.register(monitor.stop)  # also when a run raises out of main()
     for i, pool in enumerate(args.pools.split(";")):
         gpus = [int(g) for g in pool.split(",")]
         order = args.policies.split(",")
@@ -233,8 +238,6 @@ def main() -> None:
                     f"{k} {v['median']:.1f}/{v['max']:.1f}" for k, v in res["warmup_phases"].items()), flush=True)
             with open(os.path.join(args.out, "results.json"), "w") as f:
                 json.dump({"meta": meta, "runs": runs}, f, indent=1)
-    if monitor is not None:
-        monitor.stop()
     print(f"done in {time.monotonic() - t0:.1f} s", flush=True)
 
 

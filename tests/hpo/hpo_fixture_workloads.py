@@ -85,3 +85,14 @@ class BlockingCNN(VisionCNN):
         os.replace(path + ".tmp", path)
         time.sleep(float(ctx.params["block_s"]))
         return super().train(ctx)
+
+
+class NanCNN(VisionCNN):
+    """The small CNN whose objective is NaN (a diverged run) for ``width == nan_width``."""
+
+    name = "nan_cnn"
+    defaults = {**VisionCNN.defaults, "nan_width": 4}
+
+    def train(self, ctx):
+        value = super().train(ctx)
+        return float("nan") if int(ctx.params["width"]) == int(ctx.params["nan_width"]) else value

@@ -313,9 +313,72 @@ def test_sampling_stops_after_its_budget_once_a_trial_is_pending(tmp_path, monke
     assert len(drv.pending) == 2 and drv._short
     monkeypatch.setattr(drv_mod, "_SAMPLE_BUDGET_S", 60.0)
     drv._sample(*drv.ledger.lineages())
-    assert len(drv.pending) == 8 and not drv._short
+    assert len(drv.pending) == 8 and drv._short  # what this tick sampled is placed without waiting
     assert drv.ledger.lineages()[1] == {t.number for t in drv.pending}
+    drv._sample(*drv.ledger.lineages())
+    assert len(drv.pending) == 8 and not drv._short  # nothing new: the next tick waits for messages
     drv.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_configurations_a_user_enqueued_use_the_budget_and_stop_the_asks(tmp_path, monkeypatch):
+    """Optuna's ask pops enqueued trials first; a user's enqueued configuration is a lineage of its own,
+    and once the budget is used no new configuration is asked, whatever the lookahead."""
+    import hpdl.hpo.driver as drv_mod
+    from hpdl.hpo.driver import Driver
+
+    monkeypatch.setattr(drv_mod, "_SAMPLE_BUDGET_S", 60.0)
+    drv = Driver(StudySpec.from_dict(spec_dict(tmp_path, n_trials=2, lookahead=8)))
+    drv.study.enqueue_trial({"width": 4, "lr": 0.05})
+    drv.study.enqueue_trial({"width": 8, "lr": 0.05})
+    drv._sample(*drv.ledger.lineages())
+    assert [t.params["width"] for t in drv.pending] == [4, 8] and drv.ledger.waiting == 0
+    drv.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_drivers_sharing_one_storage_never_ask_past_the_budget(tmp_path, monkeypatch):
+    """Many nodes: two drivers on one store and study. A driver whose budget limits its asks counts the
+    other driver's configurations from the storage, however recent."""
+    import hpdl.hpo.driver as drv_mod
+    from hpdl.hpo.driver import Driver
+
+    monkeypatch.setattr(drv_mod, "_SAMPLE_BUDGET_S", 60.0)
+    d = spec_dict(tmp_path, n_trials=4, lookahead=2, storage=f"sqlite:///{tmp_path}/shared.db")
+    a = Driver(StudySpec.from_dict(d))
+    b = Driver(StudySpec.from_dict(d), resume=True)
+    try:
+        a._sample(*a.ledger.lineages())   # a: configurations 0 and 1
+        b._sample(*b.ledger.lineages())   # b: 2 and 3, the whole budget
+        for t in list(a.pending):         # a's two finish (what the loop does on "done")
+            a.pending.remove(t)
+            a._on_message(type("W", (), {"trial": t, "idle_since": 0})(), ("done", t.trial_id, 0.5))
+        a._sample(*a.ledger.lineages())   # within refresh_s of a's last read
+        assert not a.pending
+        assert len({t.user_attrs["hpdl_lineage"] for t in a.study.get_trials()}) == 4
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_nan_objective_fails_its_configuration_once_and_the_study_finishes(tmp_path):
+    """Optuna stores a NaN objective as FAIL: the configuration is finished as failed (``nan``, not
+    retried, not replaced by a new one) and the driver's counts match the storage."""
+    from hpdl.hpo.driver import Driver
+
+    d = spec_dict(tmp_path, workload="hpo_fixture_workloads:NanCNN", n_trials=3, max_retries=2,
+                  fixed={**FIXED, "steps": 10})
+    drv = Driver(StudySpec.from_dict(d))
+    try:
+        res = drv.run()
+    finally:
+        drv.shutdown()
+    states = sorted(t.state.name for t in drv.study.get_trials())
+    assert res.failures == {"nan": states.count("FAIL")} and res.complete == states.count("COMPLETE")
+    assert len(states) == 3 and res.failures["nan"] >= 1 and res.complete + res.failures["nan"] == 3
+    mem = tuple(set(x) for x in drv.ledger.lineages())
+    assert mem == drv.ledger.lineages(fresh=True) == ({0, 1, 2}, set())
 
 
 @pytest.mark.timeout(120)
@@ -402,3 +465,21 @@ def test_outcome_sent_just_before_the_worker_exits_is_not_a_death(tmp_path):
         assert drv.study.trials[t.number].value == 0.75
     finally:
         drv.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_grid_sampler_ends_the_study_after_the_last_grid_point(tmp_path):
+    """GridSampler calls study.stop() from after_trial once every grid point ran, which raises outside
+    Study.optimize: the driver must finish the study then (fewer configurations than n_trials), not crash."""
+    from hpdl.hpo.driver import Driver
+
+    d = spec_dict(tmp_path, n_trials=40, sampler={"name": "grid"}, fixed={**FIXED, "steps": 10},
+                  space={"width": {"type": "categorical", "choices": [4, 8]}})
+    drv = Driver(StudySpec.from_dict(d))
+    try:
+        res = drv.run()
+    finally:
+        drv.shutdown()
+    trials = drv.study.get_trials()
+    assert drv.ledger.stop_requested and not res.failures
+    assert res.complete == len(trials) < 40 and {t.params["width"] for t in trials} == {4, 8}

@@ -2,14 +2,16 @@
 and recovers from every failure it can see.
 
 Loop (one thread; every wait has a timeout): read the pool (elasticity) -> drain worker messages ->
-reap dead workers -> sample trials while the budget allows -> ``policy.place`` -> start assignments ->
-render progress. The Optuna storage is the source of truth: a driver that was killed is restarted with
+reap dead workers -> ``policy.place`` the sampled trials -> start assignments -> sample more while the
+budget allows -> render progress. The Optuna storage is the source of truth: a driver that was killed is restarted with
 ``resume=True`` and finishes the same budget (trials it left RUNNING are marked FAIL and retried from
 their configuration's last checkpoint; their processes died with it).
 
 Budget: ``n_trials`` configurations ("lineages"). A configuration is finished when one attempt completes
 or is pruned, or after ``max_retries`` failed retries. Retries are ``study.enqueue_trial`` with the same
-parameters and ``user_attrs`` ``hpdl_lineage`` / ``hpdl_attempt``, so the sampler never sees a duplicate.
+parameters and ``user_attrs`` ``hpdl_lineage`` / ``hpdl_attempt``, so the sampler never sees a duplicate. A
+sampler that ends the study (``GridSampler`` after the last grid point) ends it early: no new
+configuration is asked, and the study finishes with what runs.
 
 Processes come from a launcher (:mod:`hpdl.hpo.launch`): local worker processes with a warm pool per GPU,
 or Ray tasks (:mod:`hpdl.hpo.ray_backend`). Wall time counts from the moment the warm pool is ready.
@@ -38,7 +40,7 @@ from hpdl.hpo.workloads import get_workload
 
 _PREEMPT_TIMEOUT_S = 30.0
 _ESTIMATE_BUDGET_S = 0.05  # static estimates per loop tick: dispatch what is known instead of waiting for all
-_SAMPLE_BUDGET_S = 0.05  # asks per loop tick once one trial is pending (each is ~6 storage commits): start early
+_SAMPLE_BUDGET_S = 0.05  # asks per loop tick after the first (each is ~6 storage commits): start early
 
 
 @dataclass
@@ -59,7 +61,8 @@ class _Trial:
 @dataclass
 class StudyResult:
     """Outcome of :func:`run_study`. ``history`` is ``[(elapsed_s, best_value)]`` at each improvement;
-    ``failures`` counts failed attempts by kind (``oom``, ``error``, ``died``, ``driver_died``, ``too_big``);
+    ``failures`` counts failed attempts by kind (``oom``, ``error``, ``died``, ``driver_died``, ``too_big``,
+    ``nan``: the objective returned NaN, not retried);
     ``preempted`` counts trials stopped with a checkpoint and continued elsewhere (device removed, or
     migrated by ``pack_hetero`` to a faster GPU). ``wall_s`` runs from the moment the warm worker pool was
     ready (``started_at``, Unix time) until the budget finished; ``warmup_s`` is the time the pool took before
@@ -68,9 +71,10 @@ class StudyResult:
     :class:`hpdl.hpo.worker._Env`), the median and the largest seconds over the warm pool's workers (empty
     without a warm pool, e.g. on fake CPU devices with ``warm_workers: auto`` or with the Ray backend).
     ``driver_s`` splits the driver's wall time by what its loop did: ``wait`` (for worker messages),
-    ``messages`` (handling them, ``tell`` included), ``ledger`` (dead workers and the budget), ``place``
-    (estimates, placement, starts), ``sample`` (``ask``) and ``other``; everything but ``wait`` delays the
-    next start."""
+    ``messages`` (handling them, ``tell`` included), ``ledger`` (reaping dead workers, with their last
+    messages and joins, and the budget), ``place`` (estimates, placement, starts), ``sample`` (``ask``)
+    and ``other`` (pool changes, worker replenishment, ``pack_hetero`` migration); everything but
+    ``wait`` delays the next start."""
 
     study: str
     policy: str
@@ -235,24 +239,28 @@ class Driver:
             1, len(self.pool.devices()))
         if len(self.pending) >= want:
             return
-        budget = self.spec.n_trials - len(finished) - len(active)
+        budget = 0 if self.ledger.stop_requested else self.spec.n_trials - len(finished) - len(active)
+        if 0 < budget <= want - len(self.pending):  # the budget, not the lookahead, limits the asks: count
+            finished, active = self.ledger.lineages(fresh=True)  # other drivers' trials too (many nodes)
+            budget = 0 if self.ledger.stop_requested else self.spec.n_trials - len(finished) - len(active)
         waiting = self.ledger.waiting
         deadline, asked = time.monotonic() + _SAMPLE_BUDGET_S, False
         while len(self.pending) < want and (budget > 0 or waiting > 0):
             if asked and time.monotonic() > deadline:  # one ask a tick at least
                 self._short = True  # the next tick goes on sampling without waiting for a message
                 return
+            popped = waiting > 0  # Optuna's ask takes a waiting trial (a retry, or one a user enqueued) first
             trial = self.study.ask(self.dists)
             lin = int(trial.user_attrs.get("hpdl_lineage", trial.number))
             self.ledger.asked(lin)
-            if lin == trial.number:
+            waiting -= popped
+            if lin == trial.number:  # a new configuration: it uses the budget
                 trial.set_user_attr("hpdl_lineage", lin)
                 budget -= 1
-            else:
-                waiting -= 1
             skey = self.workload.structural_key({**self.spec.fixed, **trial.params})
             self.pending.append(_Trial(trial.number, trial._trial_id, lin, dict(trial.params), skey, time.monotonic()))
             asked = True
+        self._short = asked  # place what this tick sampled without waiting for a message
 
     # ------------------------------------------------------------------ messages and failures
     def _on_message(self, w: WorkerHandle, msg: tuple) -> None:
@@ -284,13 +292,18 @@ class Driver:
             return
         self.running.pop(t.number, None)
         w.trial, w.idle_since = None, time.monotonic()
-        if kind == "done":
-            self.study.tell(t.number, msg[2])
-            self.ledger.closed(t.lineage)
-            self._improve(msg[2])
-        elif kind == "pruned":
-            self.study.tell(t.number, state=TrialState.PRUNED)
-            self.ledger.closed(t.lineage)
+        if kind == "done" and math.isnan(msg[2]):  # Optuna stores NaN as FAIL: a diverged configuration
+            self.ledger.fail(t.number, t.params, {"hpdl_lineage": t.lineage}, "nan", "objective returned NaN",
+                             retry=False)
+        elif kind in ("done", "pruned"):
+            ft = self.ledger.tell(t.number, msg[2] if kind == "done" else None,
+                                  TrialState.COMPLETE if kind == "done" else TrialState.PRUNED)
+            if ft.state in (TrialState.COMPLETE, TrialState.PRUNED):
+                self.ledger.closed(t.lineage)
+            else:
+                self.ledger.dirty = True
+            if kind == "done":
+                self._improve(msg[2])
         elif kind == "preempted":
             self.preempted += 1
             t.since, t.device_id, t.worker, t.preempt_at = time.monotonic(), "", None, 0.0
@@ -430,7 +443,8 @@ class Driver:
                 self._reap()
                 finished, active = self.ledger.lineages()
                 tick = self._lap("ledger", tick)
-                if len(finished) >= self.spec.n_trials and not self.running and not self.pending:
+                stopped = self.ledger.stop_requested and not active  # e.g. every grid point ran
+                if (len(finished) >= self.spec.n_trials or stopped) and not self.running and not self.pending:
                     self._t_done = time.monotonic()
                     break
                 if self.spec.timeout_s and time.monotonic() - self._t0 > self.spec.timeout_s:

@@ -28,10 +28,24 @@ class Ledger:
     def __init__(self, study, max_retries: int, host: str, refresh_s: float = 0.5):
         self.study, self.max_retries, self.host, self.refresh_s = study, max_retries, host, refresh_s
         self.failures: dict[str, int] = {}
-        self.dirty = True  # after a failure or enqueue lineages() re-reads the storage
+        self.dirty = True  # lineages() re-reads the storage: set after this ledger's failures and enqueues
         self.waiting = 0
         self._cache: tuple[set[int], set[int]] = (set(), set())
         self._read_at = 0.0
+        self.stop_requested = False  # the sampler called study.stop(): ask no new configuration
+
+    def tell(self, number: int, value: float | None = None, state=None):
+        """``study.tell`` of trial ``number``; returns its frozen trial. A sampler that ends the study from
+        ``after_trial`` (``GridSampler`` once every grid point ran) calls ``study.stop()``, which raises
+        outside ``Study.optimize`` after the state was stored: that sets ``stop_requested`` instead."""
+        try:
+            return self.study.tell(number, value, state=state)
+        except RuntimeError as exc:
+            if "Study.stop" not in str(exc):
+                raise
+            self.stop_requested = True
+            tid = self.study._storage.get_trial_id_from_study_id_trial_number(self.study._study_id, number)
+            return self.study._storage.get_trial(tid)
 
     def recover(self) -> None:
         """Trials left RUNNING by a dead driver of this host: kill leftovers, mark FAIL, retry."""
@@ -49,13 +63,13 @@ class Ledger:
                 attrs = {**t.user_attrs, "hpdl_attempt": t.user_attrs.get("hpdl_attempt", 0) - 1}
                 self.fail(t.number, t.params, attrs, "not_started", "driver was killed before it started")
 
-    def lineages(self) -> tuple[set[int], set[int]]:
-        """(finished, active) lineages according to the storage: re-read after a failure or enqueue, or
-        when the last read is older than ``refresh_s``; otherwise the last read plus this driver's own asks
-        and tells."""
+    def lineages(self, fresh: bool = False) -> tuple[set[int], set[int]]:
+        """(finished, active) lineages according to the storage: re-read when ``fresh``, after this ledger's
+        failures and enqueues, or when the last read is older than ``refresh_s``; otherwise the last read
+        plus this driver's own asks and tells."""
         from optuna.trial import TrialState
 
-        if not self.dirty and time.monotonic() - self._read_at < self.refresh_s:
+        if not (fresh or self.dirty) and time.monotonic() - self._read_at < self.refresh_s:
             return self._cache
         self.dirty, self._read_at = False, time.monotonic()
         fails: dict[int, int] = {}
@@ -81,8 +95,8 @@ class Ledger:
         """Count a trial the driver just asked for without re-reading the storage: its ``lineage`` is active,
         and it was taken from the waiting queue if one was waiting (Optuna's ``ask`` pops a waiting trial
         first). Exact while no other driver shares the storage (other drivers' trials count from the next
-        read); a re-read every tick costs about as much as an ``ask`` (20 ms with 64 trials on a 2-core
-        machine)."""
+        read; the driver reads afresh when the budget limits its asks); a re-read every tick costs about as
+        much as an ``ask`` (20 ms with 64 trials on a 2-core machine)."""
         if not self.dirty:
             self.waiting = max(0, self.waiting - 1)
             self._cache[1].add(lineage)
@@ -96,7 +110,8 @@ class Ledger:
     def fail(self, number: int, params: dict, attrs: dict, kind: str, message: str, retry: bool = True) -> None:
         """Tell trial ``number`` FAIL with ``hpdl_failure = "<kind>: <message>"`` and, while attempts are left
         and ``retry``, enqueue the configuration again (``attrs`` carry its lineage and attempt).
-        Kinds: oom, error, died, driver_died, too_big, not_started (the last is not counted as an attempt)."""
+        Kinds: oom, error, died, driver_died, too_big, nan, not_started (the last is not counted as an
+        attempt)."""
         from optuna.trial import TrialState
 
         self.dirty = True
@@ -107,7 +122,7 @@ class Ledger:
         attempt = int(attrs.get("hpdl_attempt", 0)) + 1
         if not retry or attempt > self.max_retries:
             self.study._storage.set_trial_user_attr(tid, "hpdl_gave_up", True)
-        self.study.tell(number, state=TrialState.FAIL)
+        self.tell(number, state=TrialState.FAIL)
         if retry and attempt <= self.max_retries:
             self.study.enqueue_trial(params, user_attrs={"hpdl_lineage": int(attrs.get("hpdl_lineage", number)),
                                                          "hpdl_attempt": attempt}, skip_if_exists=False)
