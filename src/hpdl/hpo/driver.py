@@ -41,6 +41,7 @@ from hpdl.hpo.workloads import get_workload
 _PREEMPT_TIMEOUT_S = 30.0
 _ESTIMATE_BUDGET_S = 0.05  # static estimates per loop tick: dispatch what is known instead of waiting for all
 _SAMPLE_BUDGET_S = 0.05  # asks per loop tick after the first (each is ~6 storage commits): start early
+_BUDGET_READ_S = 0.05  # when the budget limits the asks, count from a storage read at most this old
 
 
 @dataclass
@@ -241,7 +242,7 @@ class Driver:
             return
         budget = 0 if self.ledger.stop_requested else self.spec.n_trials - len(finished) - len(active)
         if 0 < budget <= want - len(self.pending):  # the budget, not the lookahead, limits the asks: count
-            finished, active = self.ledger.lineages(fresh=True)  # other drivers' trials too (many nodes)
+            finished, active = self.ledger.lineages(_BUDGET_READ_S)  # other drivers' too (many nodes)
             budget = 0 if self.ledger.stop_requested else self.spec.n_trials - len(finished) - len(active)
         waiting = self.ledger.waiting
         deadline, asked = time.monotonic() + _SAMPLE_BUDGET_S, False
