@@ -362,6 +362,34 @@ def test_drivers_sharing_one_storage_never_ask_past_the_budget(tmp_path, monkeyp
         b.shutdown()
 
 
+@pytest.mark.timeout(60)
+def test_a_driver_that_sees_another_reads_the_store_before_each_ask(tmp_path, monkeypatch):
+    """A resumed driver (or one whose read found configurations it did not ask for) counts from the store
+    before it asks, even when its lookahead, not the budget, limits the asks."""
+    import hpdl.hpo.driver as drv_mod
+    from hpdl.hpo.driver import Driver
+
+    monkeypatch.setattr(drv_mod, "_SAMPLE_BUDGET_S", 60.0)
+    monkeypatch.setattr(drv_mod, "_BUDGET_READ_S", 0.0)
+    d = spec_dict(tmp_path, n_trials=5, lookahead=2, storage=f"sqlite:///{tmp_path}/shared.db")
+    a = Driver(StudySpec.from_dict(d))
+    b = Driver(StudySpec.from_dict(d), resume=True)
+    try:
+        a._sample(*a.ledger.lineages())   # a: 0, 1 (alone so far)
+        b._sample(*b.ledger.lineages())   # b saw a's: reads first, asks 2, 3
+        assert b.ledger.shared and not a.ledger.shared
+        for t in list(a.pending):
+            a.pending.remove(t)
+            a._on_message(type("W", (), {"trial": t, "idle_since": 0})(), ("done", t.trial_id, 0.5))
+        a.ledger.refresh_s = 0.0          # a's next periodic read (within 2 s in the driver)
+        a._sample(*a.ledger.lineages())
+        assert a.ledger.shared and len(a.pending) == 1
+        assert len({t.user_attrs["hpdl_lineage"] for t in a.study.get_trials()}) == 5
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
 @pytest.mark.timeout(120)
 def test_nan_objective_fails_its_configuration_once_and_the_study_finishes(tmp_path):
     """Optuna stores a NaN objective as FAIL: the configuration is finished as failed (``nan``, not
@@ -468,19 +496,35 @@ def test_outcome_sent_just_before_the_worker_exits_is_not_a_death(tmp_path):
         drv.shutdown()
 
 
-@pytest.mark.timeout(120)
-def test_grid_sampler_ends_the_study_after_the_last_grid_point(tmp_path):
-    """GridSampler calls study.stop() from after_trial once every grid point ran, which raises outside
-    Study.optimize: the driver must finish the study then (fewer configurations than n_trials), not crash."""
-    from hpdl.hpo.driver import Driver
+@pytest.mark.timeout(150)
+def test_grid_study_runs_each_point_once_and_survives_the_samplers_retry_error(tmp_path):
+    """n_trials beyond the grid is refused (Optuna's grid repeats points); a failed grid point's retry is an
+    enqueued trial, whose tell makes GridSampler.after_trial raise KeyError once one point is left: the
+    trial's state is stored first, so the driver logs it and finishes every point exactly once."""
+    from hpdl.hpo.errors import HpoConfigError
 
-    d = spec_dict(tmp_path, n_trials=40, sampler={"name": "grid"}, fixed={**FIXED, "steps": 10},
-                  space={"width": {"type": "categorical", "choices": [4, 8]}})
-    drv = Driver(StudySpec.from_dict(d))
-    try:
-        res = drv.run()
-    finally:
-        drv.shutdown()
-    trials = drv.study.get_trials()
-    assert drv.ledger.stop_requested and not res.failures
-    assert res.complete == len(trials) < 40 and {t.params["width"] for t in trials} == {4, 8}
+    grid = {"width": {"type": "categorical", "choices": [4, 8]}}
+    with pytest.raises(HpoConfigError, match="n_trials=3 with sampler grid: expected <= 2"):
+        StudySpec.from_dict(spec_dict(tmp_path, n_trials=3, sampler={"name": "grid"}, space=grid))
+    d = spec_dict(tmp_path, workload="hpo_fixture_workloads:RaiseOnceCNN", n_trials=2, max_retries=1,
+                  sampler={"name": "grid"}, space=grid, fixed={**FIXED, "steps": 10, "crash_dir": str(tmp_path)})
+    res = run_study(StudySpec.from_dict(d))
+    trials = trials_of(StudySpec.from_dict({**d, "study": "t"}))
+    assert res.complete == 2 and res.failures == {"error": 2}
+    assert sorted(t.params["width"] for t in trials if t.state.name == "COMPLETE") == [4, 8]
+
+
+def test_ledger_tell_turns_a_samplers_stop_into_stop_requested():
+    """GridSampler calls study.stop() from after_trial once its last point is told, which raises outside
+    Study.optimize after the state was stored; an error before the state is stored still raises."""
+    from hpdl.hpo.ledger import Ledger
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    s = optuna.create_study(sampler=optuna.samplers.GridSampler({"x": [1]}))
+    lg = Ledger(s, 0, "h")
+    t = s.ask({"x": optuna.distributions.CategoricalDistribution([1])})
+    ft = lg.tell(t.number, 0.5, optuna.trial.TrialState.COMPLETE)
+    assert lg.stop_requested and ft.state == optuna.trial.TrialState.COMPLETE and ft.value == 0.5
+    t2 = s.ask({"x": optuna.distributions.CategoricalDistribution([1])})
+    with pytest.raises(ValueError):  # a NaN cannot complete: nothing stored, the error is the caller's
+        lg.tell(t2.number, float("nan"), optuna.trial.TrialState.COMPLETE)

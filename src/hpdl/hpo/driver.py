@@ -10,8 +10,8 @@ their configuration's last checkpoint; their processes died with it).
 Budget: ``n_trials`` configurations ("lineages"). A configuration is finished when one attempt completes
 or is pruned, or after ``max_retries`` failed retries. Retries are ``study.enqueue_trial`` with the same
 parameters and ``user_attrs`` ``hpdl_lineage`` / ``hpdl_attempt``, so the sampler never sees a duplicate. A
-sampler that ends the study (``GridSampler`` after the last grid point) ends it early: no new
-configuration is asked, and the study finishes with what runs.
+sampler that calls ``study.stop()`` ends it early: no new configuration is asked, and the study finishes
+with what runs (``sampler: grid`` needs ``n_trials`` <= its points, so it never gets there).
 
 Processes come from a launcher (:mod:`hpdl.hpo.launch`): local worker processes with a warm pool per GPU,
 or Ray tasks (:mod:`hpdl.hpo.ray_backend`). Wall time counts from the moment the warm pool is ready.
@@ -241,8 +241,10 @@ class Driver:
         if len(self.pending) >= want:
             return
         budget = 0 if self.ledger.stop_requested else self.spec.n_trials - len(finished) - len(active)
-        if 0 < budget <= want - len(self.pending):  # the budget, not the lookahead, limits the asks: count
-            finished, active = self.ledger.lineages(_BUDGET_READ_S)  # other drivers' too (many nodes)
+        if budget > 0 and (self.ledger.shared or budget <= want - len(self.pending)):
+            # others ask too (many nodes, resume), or the budget, not the lookahead, limits the asks: count
+            # from the storage
+            finished, active = self.ledger.lineages(_BUDGET_READ_S)
             budget = 0 if self.ledger.stop_requested else self.spec.n_trials - len(finished) - len(active)
         waiting = self.ledger.waiting
         deadline, asked = time.monotonic() + _SAMPLE_BUDGET_S, False
@@ -293,16 +295,13 @@ class Driver:
             return
         self.running.pop(t.number, None)
         w.trial, w.idle_since = None, time.monotonic()
-        if kind == "done" and math.isnan(msg[2]):  # Optuna stores NaN as FAIL: a diverged configuration
+        if kind == "done" and math.isnan(msg[2]):  # a diverged configuration: Optuna cannot complete a NaN
             self.ledger.fail(t.number, t.params, {"hpdl_lineage": t.lineage}, "nan", "objective returned NaN",
                              retry=False)
         elif kind in ("done", "pruned"):
-            ft = self.ledger.tell(t.number, msg[2] if kind == "done" else None,
-                                  TrialState.COMPLETE if kind == "done" else TrialState.PRUNED)
-            if ft.state in (TrialState.COMPLETE, TrialState.PRUNED):
-                self.ledger.closed(t.lineage)
-            else:
-                self.ledger.dirty = True
+            self.ledger.tell(t.number, msg[2] if kind == "done" else None,
+                             TrialState.COMPLETE if kind == "done" else TrialState.PRUNED)
+            self.ledger.closed(t.lineage)
             if kind == "done":
                 self._improve(msg[2])
         elif kind == "preempted":

@@ -8,6 +8,7 @@ or is pruned, when it failed more than ``max_retries`` times, or when a failure 
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -34,19 +35,28 @@ class Ledger:
         self._cache: tuple[set[int], set[int]] = (set(), set())
         self._read_at = 0.0
         self.stop_requested = False  # the sampler called study.stop(): ask no new configuration
+        self.shared = False  # the storage holds configurations this ledger did not ask for (resume, many nodes)
+        self._mine: set[int] = set()
 
     def tell(self, number: int, value: float | None = None, state=None):
-        """``study.tell`` of trial ``number``; returns its frozen trial. A sampler that ends the study from
-        ``after_trial`` (``GridSampler`` once every grid point ran) calls ``study.stop()``, which raises
-        outside ``Study.optimize`` after the state was stored: that sets ``stop_requested`` instead."""
+        """``study.tell(number, value, state=state)``; returns the frozen trial. Optuna stores the state and
+        then runs the sampler's ``after_trial``; an error there is the sampler's, not the trial's
+        (``study.stop()``, which raises outside ``Study.optimize``: ``GridSampler`` once every grid point
+        ran; ``GridSampler``'s ``KeyError`` for an enqueued retry): with the state stored it is logged and a
+        stop sets ``stop_requested``. An error before the state was stored is raised."""
         try:
             return self.study.tell(number, value, state=state)
-        except RuntimeError as exc:
-            if "Study.stop" not in str(exc):
-                raise
-            self.stop_requested = True
+        except Exception as exc:
             tid = self.study._storage.get_trial_id_from_study_id_trial_number(self.study._study_id, number)
-            return self.study._storage.get_trial(tid)
+            ft = self.study._storage.get_trial(tid)
+            if state is None or ft.state != state:
+                raise
+            if isinstance(exc, RuntimeError) and "Study.stop" in str(exc):
+                self.stop_requested = True
+            else:
+                logging.getLogger("hpdl.hpo").warning("trial %d is %s, but the sampler's after_trial raised %r",
+                                                      number, state.name, exc)
+            return ft
 
     def recover(self) -> None:
         """Trials left RUNNING by a dead driver of this host: kill leftovers, mark FAIL, retry."""
@@ -90,15 +100,17 @@ class Ledger:
             else:
                 active.add(lin)
         finished |= {lin for lin, n in fails.items() if n > self.max_retries}
+        self.shared = self.shared or bool((finished | active | set(fails)) - self._mine)
         self._cache = (finished, active - finished)
         return self._cache
 
     def asked(self, lineage: int) -> None:
         """Count a trial the driver just asked for without re-reading the storage: its ``lineage`` is active,
         and it was taken from the waiting queue if one was waiting (Optuna's ``ask`` pops a waiting trial
-        first). Exact while no other driver shares the storage (other drivers' trials count from the next
-        read; the driver reads afresh when the budget limits its asks); a re-read every tick would cost
-        about as much as an ``ask``."""
+        first). Exact while the storage holds only this ledger's configurations; otherwise (``shared``: a
+        resumed study, another driver, a user's enqueued trial) the driver reads afresh before it asks.
+        A re-read every tick would cost about as much as an ``ask``."""
+        self._mine.add(lineage)
         if not self.dirty:
             self.waiting = max(0, self.waiting - 1)
             self._cache[1].add(lineage)

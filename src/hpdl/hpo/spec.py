@@ -29,6 +29,7 @@ A study file (``hpdl hpo run study.yaml``; example in ``hpdl/hpo/examples/quick.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,6 +132,11 @@ class StudySpec:
             warnings.simplefilter("ignore")
             make_sampler(self.sampler, self.space)
             make_pruner(self.pruner)
+        if (self.sampler or {}).get("name") == "grid":
+            points = math.prod(len(d["choices"]) for d in self.space.values())
+            if int(self.n_trials) > points:  # Optuna's grid repeats points once every one was asked
+                raise HpoConfigError(f"n_trials={self.n_trials} with sampler grid: expected <= {points}, the "
+                                     "number of grid points (the product of the space's choices)")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "StudySpec":
