@@ -19,3 +19,11 @@ def test_group_with_missing_dependency_gives_install_hint(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["bench", "--help"])
     assert exc.value.code == 0
+
+
+def test_hpo_status_of_a_missing_store_says_so_and_creates_nothing(tmp_path, capsys):
+    from hpdl.cli import main
+
+    url = f"sqlite:///{tmp_path}/nowhere/study.db"
+    assert main(["hpo", "status", "--storage", url, "--study", "x"]) != 0
+    assert "no study store at" in capsys.readouterr().err and not (tmp_path / "nowhere").exists()

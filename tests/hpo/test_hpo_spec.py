@@ -31,10 +31,21 @@ def test_defaults_and_distributions(tmp_path):
     ({"fixed": {"lr": 0.1}}, "both in space and fixed"),
     ({"colour": 1}, "unknown study file keys"),
     ({"workload": "resnet"}, "workload"),
+    ({"n_trials": "six"}, r"n_trials='six', expected an int >= 1"),
+    ({"max_retries": -1}, r"max_retries=-1, expected an int >= 0"),
+    ({"timeout_s": -5}, r"timeout_s=-5, expected seconds >= 0"),
+    ({"space": {"width": {"type": "categorical"}}}, r"space.width \(type categorical\) misses \['choices'\]"),
+    ({"sampler": {"name": "grid"}, "n_trials": 5, "space": {"width": {"type": "categorical", "choices": [8, 16]}}},
+     r"n_trials=5 with sampler grid: expected <= 2"),
 ])
 def test_bad_spec_fields(bad, match):
     with pytest.raises(HpoConfigError, match=match):
         StudySpec.from_dict({**BASE, **bad})
+
+
+def test_fake_pool_memory_must_be_positive():
+    with pytest.raises(HpoConfigError, match=r"pool.memory_gb=-4, expected > 0"):
+        build_pool({"fake": 2, "memory_gb": -4})
 
 
 def test_yaml_roundtrip_and_missing_file(tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from importlib import resources
+from pathlib import Path
 
 
 def _example() -> str:
@@ -26,8 +27,8 @@ class HpoCommand:
         for name, h in (("run", "start a study from a YAML study file"),
                         ("resume", "continue a study after the driver stopped or was killed")):
             p = sub.add_parser(name, help=h, description=h)
-            p.add_argument("study_file", nargs="?" if name == "run" else None, default=None,
-                           help="YAML study file (run: default is the shipped CPU example)")
+            p.add_argument("study_file", nargs="?", default=None,
+                           help="YAML study file (default: the shipped CPU example)")
             p.add_argument("--policy", help="override the placement policy (one_per_gpu, fixed_fraction, pack, "
                                             "pack_hetero)")
             p.add_argument("--run-dir", help="override run_dir (and the default SQLite storage inside it)")
@@ -127,13 +128,18 @@ class HpoCommand:
             args.study_file = _example()
             spec = self._spec(args)
             storage, study = spec.storage, spec.study
+        if storage.startswith("sqlite:///") and not Path(storage[len("sqlite:///"):]).exists():
+            from hpdl.hpo.errors import HpoError
+
+            raise HpoError(f"no study store at {storage} (is --storage right, or did the study never start?)")
         s = study_status(storage, study)
         if args.format == "json":
             print(json.dumps(s, indent=1))
             return 0
         print(f"study {s['study']} ({s['direction']}): {s['finished_configs']}/{s['n_trials']} configurations "
               f"finished; states {s['states']}")
-        print(f"best value {s['best_value']} with {s['best_params']}")
+        print(f"best value {s['best_value']} with {s['best_params']}" if s["best_params"] is not None
+              else "no configuration has completed yet")
         for r in s["running"]:
             print(f"  running trial {r['number']} on {r['host']}/{r['device']} at step {r['last_step']}")
         for r in s["failures"]:

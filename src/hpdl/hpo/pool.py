@@ -53,6 +53,8 @@ def build_pool(cfg: dict) -> list[Device]:
         n = int(cfg["fake"])
         if n < 1:
             raise HpoConfigError(f"pool.fake={n}, expected >= 1")
+        if not float(cfg.get("memory_gb", 4)) > 0:
+            raise HpoConfigError(f"pool.memory_gb={cfg.get('memory_gb')!r}, expected > 0 (GiB per device)")
         mem = int(float(cfg.get("memory_gb", 4)) * GIB)
         kind = str(cfg.get("kind", "cpu"))
         devices = [Device(f"fake:{i}", kind, mem, float(speeds.get(kind, 1.0)), 1.0, "cpu",

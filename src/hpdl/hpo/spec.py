@@ -71,10 +71,13 @@ class StudySpec:
     def __post_init__(self):
         if not self.study or not isinstance(self.study, str):
             raise HpoConfigError(f"study={self.study!r}, expected a non-empty name")
-        if int(self.n_trials) < 1:
-            raise HpoConfigError(f"n_trials={self.n_trials}, expected >= 1")
-        if int(self.max_retries) < 0 or int(self.checkpoint_every) < 0:
-            raise HpoConfigError("max_retries and checkpoint_every must be >= 0")
+        for key, low in (("n_trials", 1), ("max_retries", 0), ("checkpoint_every", 0), ("lookahead", 0)):
+            v = getattr(self, key)
+            if type(v) is not int or v < low:
+                raise HpoConfigError(f"{key}={v!r}, expected an int >= {low}")
+        if self.timeout_s is not None and (isinstance(self.timeout_s, bool) or not isinstance(
+                self.timeout_s, (int, float)) or self.timeout_s < 0):
+            raise HpoConfigError(f"timeout_s={self.timeout_s!r}, expected seconds >= 0 (0 or absent: no limit)")
         self.run_dir = self.run_dir or os.path.join("hpo-runs", self.study)
         self.storage = self.storage or f"sqlite:///{Path(self.run_dir).resolve() / 'study.db'}"
         from hpdl.hpo.workloads import get_workload
@@ -172,6 +175,9 @@ def _distribution(name: str, d: Any):
         raise HpoConfigError(f"space.{name}: expected a mapping with 'type' (float, int or categorical)")
     t = d["type"]
     allowed = {"type", "choices"} if t == "categorical" else {"type", "low", "high", "log", "step"}
+    required = {"choices"} if t == "categorical" else {"low", "high"} if t in ("float", "int") else set()
+    if required - set(d):
+        raise HpoConfigError(f"space.{name} (type {t}) misses {sorted(required - set(d))}")
     if set(d) - allowed:
         raise HpoConfigError(f"space.{name} has unknown keys {sorted(set(d) - allowed)}, expected some of {sorted(allowed)}")
     try:
