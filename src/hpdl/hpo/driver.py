@@ -3,9 +3,9 @@ and recovers from every failure it can see.
 
 Loop (one thread; every wait has a timeout): read the pool (elasticity) -> drain worker messages ->
 reap dead workers -> ``policy.place`` the sampled trials -> start assignments -> sample more while the
-budget allows -> render progress. The Optuna storage is the source of truth: a driver that was killed is restarted with
-``resume=True`` and finishes the same budget (trials it left RUNNING are marked FAIL and retried from
-their configuration's last checkpoint; their processes died with it).
+budget allows -> render progress. The Optuna storage is the source of truth: a driver that was killed is
+restarted with ``resume=True`` and finishes the same budget (trials it left RUNNING are marked FAIL and
+retried from their configuration's last checkpoint; their processes died with it).
 
 Budget: ``n_trials`` configurations ("lineages"). A configuration is finished when one attempt completes
 or is pruned, or after ``max_retries`` failed retries. Retries are ``study.enqueue_trial`` with the same
@@ -144,7 +144,7 @@ class Driver:
         self.host = socket.gethostname()
         self.pending: list[_Trial] = []
         self.running: dict[int, _Trial] = {}
-        self._short = False  # the lookahead is not full yet: the next tick samples without waiting
+        self._short = False  # the last tick asked for trials: the next one places them without waiting
         self._phase_s: dict[str, float] = {}
         self.preempted = 0
         self.migrated = 0
