@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 from importlib import resources
-from pathlib import Path
 
 
 def _example() -> str:
@@ -128,7 +127,9 @@ class HpoCommand:
             args.study_file = _example()
             spec = self._spec(args)
             storage, study = spec.storage, spec.study
-        if storage.startswith("sqlite:///") and not Path(storage[len("sqlite:///"):]).exists():
+        from hpdl.hpo.spec import sqlite_path
+
+        if (path := sqlite_path(storage)) is not None and not path.exists():
             from hpdl.hpo.errors import HpoError
 
             raise HpoError(f"no study store at {storage} (is --storage right, or did the study never start?)")

@@ -53,9 +53,10 @@ def build_pool(cfg: dict) -> list[Device]:
         n = int(cfg["fake"])
         if n < 1:
             raise HpoConfigError(f"pool.fake={n}, expected >= 1")
-        if not float(cfg.get("memory_gb", 4)) > 0:
+        gb = float(cfg.get("memory_gb", 4))
+        if not gb > 0:
             raise HpoConfigError(f"pool.memory_gb={cfg.get('memory_gb')!r}, expected > 0 (GiB per device)")
-        mem = int(float(cfg.get("memory_gb", 4)) * GIB)
+        mem = int(gb * GIB)
         kind = str(cfg.get("kind", "cpu"))
         devices = [Device(f"fake:{i}", kind, mem, float(speeds.get(kind, 1.0)), 1.0, "cpu",
                           float(cfg.get("peak_flops", 5e10))) for i in range(n)]

@@ -253,6 +253,11 @@ def make_pruner(cfg: dict):
         raise HpoConfigError(f"pruner {name!r}: bad options {cfg}: {exc}") from None
 
 
+def sqlite_path(url: str) -> Path | None:
+    """The database file of a ``sqlite:///<path>`` URL; None for any other URL."""
+    return Path(url[len("sqlite:///"):]) if url.startswith("sqlite:///") else None
+
+
 def make_storage(url: str, attach: bool = False):
     """An Optuna RDB storage for ``url`` (SQLite gets a 60 s lock timeout, write-ahead logging and its parent
     folder).
@@ -265,10 +270,10 @@ def make_storage(url: str, attach: bool = False):
     import optuna
 
     kwargs: dict[str, Any] = {"skip_compatibility_check": True, "skip_table_creation": True} if attach else {}
-    if url.startswith("sqlite:///"):
+    path = sqlite_path(url)
+    if path is not None:
         kwargs["engine_kwargs"] = {"connect_args": {"timeout": 60}}
-    if url.startswith("sqlite:///") and not attach:
-        path = Path(url[len("sqlite:///"):])
+    if path is not None and not attach:
         path.parent.mkdir(parents=True, exist_ok=True)
         # write-ahead log: many trial processes report while the driver writes, readers never block a writer
         import sqlite3
