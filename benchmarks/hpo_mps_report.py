@@ -5,7 +5,8 @@ For each results file: wall time to finish the budget, speed-ups against ``one_p
 start-up and the teardown added, failures, best accuracy, concurrency, and the median slowdown of each
 trial against the same configuration alone (the ``one_per_gpu`` run), split into the batch-16384 tail and
 the rest; where the run recorded them, the GPUs' mean SM activity (``--gpu-monitor``) and the seconds the
-driver's loop was busy (``driver_s`` without ``wait``). Writes a markdown table to stdout and a PNG of wall
+driver's loop was busy while the clock ran (``driver_s`` without ``wait`` and ``prepare``, the asks and
+estimates made while the pool started). Writes a markdown table to stdout and a PNG of wall
 times (plus best-vs-time curves) per file.
 
     PYTHONPATH=src python3 benchmarks/hpo_mps_report.py --png-dir docs/benchmarks \\
@@ -63,7 +64,7 @@ def rows(doc: dict) -> list[dict]:
                     "best": res["best_value"], "conc": float(np.mean(conc)), "conc_max": max(conc),
                     "head": slow(False), "tail": slow(True), "history": res["history"],
                     "smutil": _mean_gpu(r.get("gpu_util"), "smutil"), "sm": _mean_gpu(r.get("gpu_util"), "sm"),
-                    "driver_busy": sum(v for k, v in res.get("driver_s", {}).items() if k != "wait")
+                    "driver_busy": sum(v for k, v in res.get("driver_s", {}).items() if k not in ("wait", "prepare"))
                     if res.get("driver_s") else float("nan")})
     return out
 

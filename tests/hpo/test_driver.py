@@ -116,9 +116,11 @@ def test_warm_pool_is_ready_before_the_clock_and_runs_every_trial(tmp_path):
     spec = StudySpec.from_dict(spec_dict(tmp_path, n_trials=3, warm_workers=1, policy={"name": "one_per_gpu"}))
     res = run_study(spec)
     assert res.complete == 3 and not res.failures and res.warmup_s > 0.5  # torch import + study load
-    assert list(res.warmup_phases) == ["spawn", "import", "optimizer", "study"]  # no "cuda" on CPU
+    assert list(res.warmup_phases) == ["spawn", "import", "optimizer", "study", "ready"]  # no "cuda" on CPU
     assert all(0 < p["median"] <= p["max"] < res.warmup_s for p in res.warmup_phases.values())
     trials = trials_of(spec)
+    # the driver asked for the first trials while the pool started, not after
+    assert res.driver_s["prepare"] > 0 and min(t.datetime_start.timestamp() for t in trials) < res.started_at
     assert len({t.user_attrs["hpdl_pid"] for t in trials}) == 2
     assert all(t.user_attrs["hpdl_host"] and t.user_attrs["hpdl_started_at"] for t in trials)
 
@@ -266,7 +268,7 @@ def test_mps_daemon_is_stopped_when_the_warm_pool_fails(tmp_path, fake_mps):
     drv._cuda = True
     pids = []
 
-    def broken(devices, limit_s):
+    def broken(devices, limit_s, idle=None):
         pids.append(daemon_pid(drv.mps_daemon.pipe_dir))
         raise HpoError("warm worker on fake:0 died during start-up (exit code 1)")
 

@@ -68,14 +68,15 @@ class StudyResult:
     migrated by ``pack_hetero`` to a faster GPU). ``wall_s`` runs from the moment the warm worker pool was
     ready (``started_at``, Unix time) until the budget finished; ``warmup_s`` is the time the pool took before
     that and ``teardown_s`` the time to stop the workers (and an MPS daemon) after it. ``warmup_phases`` gives,
-    per start-up phase of the warm workers (``spawn``, ``import``, ``cuda``, ``optimizer``, ``study``; see
-    :class:`hpdl.hpo.worker._Env`), the median and the largest seconds over the warm pool's workers (empty
+    per start-up phase of the warm workers (``spawn``, ``import``, ``cuda``, ``optimizer``, ``study``,
+    ``ready``; see :class:`hpdl.hpo.worker._Env`), the median and the largest seconds over the warm pool's workers (empty
     without a warm pool, e.g. on fake CPU devices with ``warm_workers: auto`` or with the Ray backend).
     ``driver_s`` splits the driver's wall time by what its loop did: ``wait`` (for worker messages),
     ``messages`` (handling them, ``tell`` included), ``ledger`` (reaping dead workers, with their last
     messages and joins, and the budget), ``place`` (estimates, placement, starts), ``sample`` (``ask``)
     and ``other`` (pool changes, worker replenishment, ``pack_hetero`` migration); everything but
-    ``wait`` delays the next start."""
+    ``wait`` delays the next start. ``prepare`` is the asks and estimates the driver made while the pool
+    was starting (inside ``warmup_s``, not ``wall_s``)."""
 
     study: str
     policy: str
@@ -413,7 +414,8 @@ class Driver:
             self._by_id = {d.id: d for d in self.pool.devices()}
             t = time.monotonic()
             self._start_mps()  # its start-up counts as the pool's
-            self.launcher.warm_up(self.pool.devices(), min(WARM_TIMEOUT_S, self.spec.timeout_s or WARM_TIMEOUT_S))
+            self.launcher.warm_up(self.pool.devices(), min(WARM_TIMEOUT_S, self.spec.timeout_s or WARM_TIMEOUT_S),
+                                  idle=self._prepare)
             self.warmup_s = time.monotonic() - t
             self.warmup_phases = _phases([w.startup for w in self.launcher.workers])
             self._t0 = time.monotonic()  # wall time counts from a ready pool, for every policy alike
@@ -467,6 +469,18 @@ class Driver:
             self.shutdown()
             self._teardown_s = time.monotonic() - t
         return self.result()
+
+    def _prepare(self) -> bool:
+        """While the warm pool starts: ask for the first trials and estimate their demands (phase
+        ``prepare`` of ``driver_s``), so the first placement finds them ready. True while there is more to
+        do. The asks and estimates cost the same under every policy; their seconds here overlap the pool's
+        start-up instead of adding to it."""
+        t = time.monotonic()
+        finished, active = self.ledger.lineages()
+        self._sample(finished, active)
+        estimated = self._demands(self.pool.devices()) if self.pending else {}
+        self._lap("prepare", t)
+        return self._short or len(estimated) < len(self.pending)
 
     def _place(self, devices) -> None:
         """Ask the policy to place the pending trials on ``devices`` and start its assignments; a trial

@@ -103,8 +103,10 @@ class Launcher:
         """Workers kept alive on ``device`` while idle (0: none)."""
         return 0
 
-    def warm_up(self, devices, limit_s: float) -> float:
-        """Prepare workers before the clock starts; return the seconds it took."""
+    def warm_up(self, devices, limit_s: float, idle=None) -> float:
+        """Prepare workers before the clock starts; return the seconds it took. ``idle()`` is called while
+        waiting (the driver samples and estimates its first trials meanwhile); it returns True when it has
+        more to do."""
         return 0.0
 
     def replenish(self, devices) -> None:
@@ -177,16 +179,19 @@ class LocalLauncher(Launcher):
             for _ in range(self.warm_target(d) - have):
                 self._spawn(d)
 
-    def warm_up(self, devices, limit_s: float) -> float:
-        """Start the warm pool on every device and wait until each worker said ``ready``.
+    def warm_up(self, devices, limit_s: float, idle=None) -> float:
+        """Start the warm pool on every device and wait until each worker said ``ready``, calling ``idle()``
+        between waits (see :meth:`Launcher.warm_up`).
 
         Raises:
             HpoError: a worker died during start-up, or the pool was not ready within ``limit_s``.
         """
         t0 = time.monotonic()
         self.replenish(devices)
+        busy = False
         while not all(w.ready for w in self.workers):
-            for conn in mp_wait([w.conn for w in self.workers if not w.ready], timeout=1.0):
+            timeout = 0.0 if busy else 0.05 if idle is not None else 1.0
+            for conn in mp_wait([w.conn for w in self.workers if not w.ready], timeout=timeout):
                 w = next(x for x in self.workers if x.conn is conn)
                 try:
                     msg = w.conn.recv()
@@ -198,6 +203,7 @@ class LocalLauncher(Launcher):
             if time.monotonic() - t0 > limit_s:
                 raise HpoError(f"warm worker pool not ready after {limit_s:.0f} s "
                                f"({sum(w.ready for w in self.workers)}/{len(self.workers)} ready)")
+            busy = idle is not None and bool(idle())
         return time.monotonic() - t0
 
     def start(self, device, task: dict, sm_percent: int = 100, fraction: float = 1.0) -> WorkerHandle:

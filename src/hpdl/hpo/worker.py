@@ -32,6 +32,7 @@ import ctypes
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -55,7 +56,6 @@ def _exit_with_driver() -> None:
     daemon thread. Needed under ``forkserver``: the worker's OS parent is the server, which itself stays
     alive while any worker does, so ``PR_SET_PDEATHSIG`` and parent-pid checks would never fire."""
     import multiprocessing
-    import threading
     from multiprocessing.connection import wait
 
     parent = multiprocessing.parent_process()
@@ -190,10 +190,12 @@ class _Env:
 
     ``startup`` holds the seconds each start-up phase took: ``import`` (what of torch and optuna the spawned
     process had not imported yet: under ``spawn`` torch comes with the ``hpdl`` package, in phase ``spawn``),
-    ``cuda`` (:func:`warm_cuda`), ``optimizer`` (:func:`warm_imports`), ``study`` (workload and study load)."""
+    ``cuda`` (:func:`warm_cuda`), ``optimizer`` (:func:`warm_imports`), ``study`` (the study's load from its
+    storage, in a thread while the CUDA context is created: the phases overlap) and ``ready`` (all of them
+    from the start of this call: what the pool waits for)."""
 
     def __init__(self, device: dict, spec: dict, torch_device: str):
-        t = time.monotonic()
+        t = t_start = time.monotonic()
         import optuna
         import torch
 
@@ -219,16 +221,32 @@ class _Env:
             self.startup[phase], t = now - t, now
 
         lap("import")
+        self.workload = get_workload(spec["workload"])
+        self.run_dir = Path(spec["run_dir"])
+        loaded: dict[str, Any] = {}
+
+        def load() -> None:  # storage I/O and SQLAlchemy set-up: overlaps the CUDA start-up below
+            t_load = time.monotonic()
+            try:
+                loaded["study"] = optuna.load_study(
+                    study_name=spec["study"], storage=make_storage(spec["storage"], attach=True),
+                    sampler=optuna.samplers.RandomSampler(), pruner=make_pruner(spec["pruner"]))
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread below
+                loaded["error"] = exc
+            self.startup["study"] = time.monotonic() - t_load
+
+        loader = threading.Thread(target=load, name="hpdl-study-load", daemon=True)
+        loader.start()
         if self.dev.type == "cuda":
             warm_cuda(self.dev)
             lap("cuda")
         warm_imports()
         lap("optimizer")
-        self.workload = get_workload(spec["workload"])
-        self.study = optuna.load_study(study_name=spec["study"], storage=make_storage(spec["storage"], attach=True),
-                                       sampler=optuna.samplers.RandomSampler(), pruner=make_pruner(spec["pruner"]))
-        self.run_dir = Path(spec["run_dir"])
-        lap("study")
+        loader.join()
+        if "error" in loaded:
+            raise loaded["error"]
+        self.study = loaded["study"]
+        self.startup["ready"] = time.monotonic() - t_start
 
 
 def run_task(env: _Env, conn, task: dict[str, Any], parent_pid: int | None) -> bool:
