@@ -228,7 +228,8 @@ def main() -> None:
                 r["gpu_util"] = monitor.window(res["started_at"], res["started_at"] + res["wall_s"], gpus)
                 print(f"    GPU utilisation over the run (means): {r['gpu_util']}", flush=True)
             runs.append(r)
-            print(f"    wall {res.get('wall_s', float('nan')):.1f} s (pool warm-up {res.get('warmup_s', 0):.1f} s) "
+            print(f"    wall {res.get('wall_s', float('nan')):.1f} s (pool warm-up {res.get('warmup_s', 0):.1f} s, teardown "
+                  f"{res.get('teardown_s', 0):.1f} s) "
                   f"complete {res.get('complete')} "
                   f"failures {res.get('failures')} best {res.get('best_value')} error {r.get('error')}", flush=True)
             if res.get("driver_s"):
