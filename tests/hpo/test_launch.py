@@ -102,3 +102,59 @@ def test_a_killed_driver_leaves_no_process_even_when_trials_never_step(tmp_path,
     for p in left:  # do not leak them into the rest of the test session
         os.kill(p, signal.SIGKILL)
     assert not left, f"processes outlived the killed driver ({method}): {sorted(left)}"
+
+
+class _Proc:
+    """Stands in for a worker process in late-binding tests: alive, never started."""
+    pid, exitcode = 0, None
+
+    def is_alive(self):
+        return True
+
+
+@pytest.mark.timeout(60)
+def test_a_task_queued_on_a_starting_worker_moves_to_a_warm_worker_that_frees_first(tmp_path):
+    """A trial placed while every warm worker was busy waits for a new worker's cold start (2.5-3.5 s on an
+    H200 under MPS); a warm worker that finishes first must take it, and the new worker must not get it too
+    (2026-11-30: 8 warm workers idle for 2 s on 1 x H200 while their replacements started)."""
+    from hpdl.hpo.driver import Driver, _Trial
+    from hpdl.hpo.launch import WorkerHandle
+
+    drv = Driver(StudySpec.from_dict({
+        "study": "late", "workload": "cnn", "n_trials": 2, "run_dir": str(tmp_path / "run"),
+        "space": {"lr": {"type": "float", "low": 0.02, "high": 0.2}}, "fixed": FIXED,
+        "pool": {"fake": 1, "memory_gb": 2}, "policy": {"name": "pack"}}))
+    launcher, dev = drv.launcher, drv.pool.devices()[0]
+    pipes = [mp.Pipe() for _ in range(3)]
+    warm = WorkerHandle(_Proc(), pipes[0][0], dev.id, ready=True)
+    other = WorkerHandle(_Proc(), pipes[2][0], "fake:elsewhere", ready=True)  # another device: never used
+    launcher.workers[:] = [warm, other]
+    busy = _Trial(0, 0, 0, {}, "k", time.monotonic(), dev.id, warm)
+    warm.trial = busy
+    cold = WorkerHandle(_Proc(), pipes[1][0], dev.id)  # still starting
+    launcher._spawn = lambda device, sm_percent=100: launcher.workers.append(cold) or cold
+    task = {"trial_id": 1, "number": 1}
+    assert launcher.start(dev, task) is cold and cold.queued == task
+    t = _Trial(1, 1, 1, {}, "k", time.monotonic(), dev.id, cold)
+    cold.trial, drv.running[1] = t, t
+    assert not pipes[1][1].poll()  # nothing sent before the worker is ready
+
+    drv._rebind()  # the warm worker is still busy: nothing moves
+    assert cold.trial is t and cold.queued == task and not pipes[0][1].poll()
+    warm.trial = None  # it finished its trial
+    drv._rebind()
+    assert warm.trial is t and t.worker is warm and pipes[0][1].recv() == ("run", task)
+    assert cold.trial is None and cold.queued is None and not pipes[2][1].poll()
+    launcher.on_ready(cold)  # the cold worker comes up with nothing to do
+    assert cold.ready and not pipes[1][1].poll()
+
+    # a queued trial asked to move (device removed, migration) returns to pending without a message
+    cold2 = WorkerHandle(_Proc(), pipes[1][0], dev.id, queued={"trial_id": 2}, trial=None)
+    t2 = _Trial(2, 2, 2, {}, "k", time.monotonic(), dev.id, cold2)
+    cold2.trial, drv.running[2] = t2, t2
+    drv._preempt(t2)
+    assert drv.pending[0] is t2 and 2 not in drv.running and cold2.trial is None and cold2.queued is None
+    assert t2.worker is None and not t2.preempt_at and not pipes[1][1].poll()
+    for a, b in pipes:
+        a.close()
+        b.close()

@@ -272,7 +272,7 @@ class Driver:
 
         kind, t = msg[0], w.trial
         if kind == "ready":
-            w.ready = True
+            self.launcher.on_ready(w)
             return
         if t is None or (len(msg) > 1 and msg[1] != t.trial_id):
             return
@@ -318,6 +318,35 @@ class Driver:
                         self.profiles.put(t.skey, p)
             self.ledger.fail(t.number, t.params, {"hpdl_lineage": t.lineage, "hpdl_attempt": self._attempt(t)},
                              msg[2], msg[3])
+
+    def _rebind(self) -> None:
+        """Move each trial still queued on a starting worker to an idle ready worker of the same device (a
+        warm worker that finished a trial while the new one starts): it starts now instead of after the
+        cold start. The starting worker stays, idle, for later trials."""
+        idle_ready = getattr(self.launcher, "idle_ready", None)
+        if idle_ready is None:
+            return
+        for w in [w for w in self.workers if w.queued is not None and w.trial is not None]:
+            spare = idle_ready(w)
+            if spare is None:
+                continue
+            t, task = w.trial, w.queued
+            w.trial, w.queued, w.idle_since = None, None, time.monotonic()
+            spare.trial, t.worker = t, spare
+            send(spare, ("run", task))  # if this fails the worker is dead: reaping retries the trial
+
+    def _preempt(self, t: _Trial) -> None:
+        """Stop ``t`` with a checkpoint so it continues elsewhere; a trial still queued on a starting worker
+        goes straight back to the pending queue."""
+        w = t.worker
+        if w is not None and w.queued is not None:
+            w.trial, w.queued, w.idle_since = None, None, time.monotonic()
+            self.running.pop(t.number, None)
+            t.since, t.device_id, t.worker, t.preempt_at = time.monotonic(), "", None, 0.0
+            self.pending.insert(0, t)
+            return
+        t.preempt_at = time.monotonic()
+        send(w, ("preempt", t.trial_id))
 
     def _attempt(self, t: _Trial) -> int:
         return int(self.study._storage.get_trial(t.trial_id).user_attrs.get("hpdl_attempt", 0))
@@ -386,9 +415,8 @@ class Driver:
         for key in self.policy.migrations(self._device_states(devices)):
             t = self.running[key]
             if not t.preempt_at:
-                t.preempt_at = time.monotonic()
                 self.migrated += 1
-                send(t.worker, ("preempt", t.trial_id))
+                self._preempt(t)
 
     def _elastic(self, devices) -> None:
         ids = {d.id for d in devices}
@@ -401,8 +429,7 @@ class Driver:
                     w.stopping = True
                     send(w, ("stop",))
             elif not t.preempt_at:
-                t.preempt_at = time.monotonic()
-                send(w, ("preempt", t.trial_id))
+                self._preempt(t)
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> StudyResult:
@@ -441,6 +468,7 @@ class Driver:
                     except (EOFError, OSError):
                         w.closed = True
                         w.proc.join(1)
+                self._rebind()
                 tick = self._lap("messages", tick)
                 self._reap()
                 finished, active = self.ledger.lineages()
