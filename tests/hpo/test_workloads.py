@@ -1,6 +1,7 @@
 """Workloads train for real, estimate their cost, and resume exactly from a checkpoint (CPU)."""
 
 import contextlib
+import json
 import math
 import time
 from pathlib import Path
@@ -95,6 +96,11 @@ def test_step_profiler_on_cpu_and_cache(tmp_path: Path):
     cache.put("k", r)
     cache.put("k", st.__class__(**{**st.__dict__, "kind": "cpu"}))  # static never replaces measured
     assert ProfileCache(tmp_path / "p.json").get("k", "cpu").source == "cpu"
+    cache.put("k2", st)  # static: step time and compute unmeasured (NaN in memory)
+    doc = json.loads((tmp_path / "p.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
+    assert doc["cpu|k2"]["compute"] is None and doc["cpu|k2"]["step_time_s"] is None
+    again = ProfileCache(tmp_path / "p.json").get("k2", "cpu")
+    assert math.isnan(again.compute) and math.isnan(again.step_time_s) and again.memory_bytes == st.memory_bytes
 
 
 def test_bad_workload_names():

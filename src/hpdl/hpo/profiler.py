@@ -39,6 +39,7 @@ Profiles are cached per (structural key, device kind) in :class:`ProfileCache` (
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 import time
@@ -197,8 +198,8 @@ class ProfileCache:
         self._lock = threading.Lock()
         self._data: dict[str, TrialProfile] = {}
         if self.path and self.path.exists():
-            for k, v in json.loads(self.path.read_text()).items():
-                self._data[k] = TrialProfile(**v)
+            for k, v in json.loads(self.path.read_text()).items():  # null: not measured (NaN in memory)
+                self._data[k] = TrialProfile(**{f: float("nan") if x is None else x for f, x in v.items()})
 
     @staticmethod
     def _key(structural_key: str, kind: str) -> str:
@@ -217,7 +218,10 @@ class ProfileCache:
             self._data[key] = profile
             if self.path:
                 tmp = self.path.with_suffix(".tmp")
-                tmp.write_text(json.dumps({k: asdict(v) for k, v in self._data.items()}, indent=1))
+                # strict JSON (other tools read it): an unmeasured NaN field is written as null
+                doc = {k: {f: None if isinstance(x, float) and math.isnan(x) else x for f, x in asdict(v).items()}
+                       for k, v in self._data.items()}
+                tmp.write_text(json.dumps(doc, indent=1, allow_nan=False))
                 os.replace(tmp, self.path)
 
     def items(self) -> list[tuple[str, TrialProfile]]:
