@@ -279,6 +279,30 @@ def test_mps_daemon_is_stopped_when_the_warm_pool_fails(tmp_path, fake_mps):
 
 
 @pytest.mark.timeout(60)
+def test_trials_asked_while_the_pool_started_are_released_when_it_fails(tmp_path):
+    """The driver asks for its first trials while the pool starts; if the pool then fails they must not stay
+    RUNNING in the storage: each is failed not_started (no attempt used) and re-queued for a resume."""
+    from hpdl.hpo.driver import Driver
+
+    drv = Driver(StudySpec.from_dict(spec_dict(tmp_path, n_trials=4)))
+
+    def broken(devices, limit_s, idle=None):
+        while idle():
+            pass
+        raise HpoError("warm worker on fake:0 died during start-up (exit code 1)")
+
+    drv.launcher.warm_up = broken
+    with pytest.raises(HpoError, match="warm worker"):
+        drv.run()
+    trials = drv.study.get_trials(deepcopy=False)
+    states = sorted(t.state.name for t in trials)
+    assert states.count("FAIL") == 4 and states.count("WAITING") == 4 and "RUNNING" not in states
+    assert all(t.user_attrs["hpdl_failure"].startswith("not_started") for t in trials if t.state.name == "FAIL")
+    assert all(t.user_attrs["hpdl_attempt"] == 0 for t in trials if t.state.name == "WAITING")
+    assert not drv.ledger.failures
+
+
+@pytest.mark.timeout(60)
 def test_first_trials_start_before_every_static_estimate_is_done(tmp_path, monkeypatch):
     """A deep lookahead of new structures must not delay the first dispatch: estimates beyond the per-tick
     budget wait for the next tick."""

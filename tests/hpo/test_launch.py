@@ -105,11 +105,26 @@ def test_a_killed_driver_leaves_no_process_even_when_trials_never_step(tmp_path,
 
 
 class _Proc:
-    """Stands in for a worker process in late-binding tests: alive, never started."""
-    pid, exitcode = 0, None
+    """Stands in for a worker process in late-binding tests: alive (or dead with exit code 1), never started."""
+    pid = 0
+
+    def __init__(self, alive: bool = True):
+        self.alive, self.exitcode = alive, None if alive else 1
 
     def is_alive(self):
-        return True
+        return self.alive
+
+    def join(self, timeout=None):
+        pass
+
+
+def _late_driver(tmp_path):
+    from hpdl.hpo.driver import Driver
+
+    return Driver(StudySpec.from_dict({
+        "study": "late", "workload": "cnn", "n_trials": 2, "run_dir": str(tmp_path / "run"),
+        "space": {"lr": {"type": "float", "low": 0.02, "high": 0.2}}, "fixed": FIXED,
+        "pool": {"fake": 1, "memory_gb": 2}, "policy": {"name": "pack"}}))
 
 
 @pytest.mark.timeout(60)
@@ -117,18 +132,16 @@ def test_a_task_queued_on_a_starting_worker_moves_to_a_warm_worker_that_frees_fi
     """A trial placed while every warm worker was busy waits for a new worker's cold start (2.5-3.5 s on an
     H200 under MPS); a warm worker that finishes first must take it, and the new worker must not get it too
     (2026-11-30: 8 warm workers idle for 2 s on 1 x H200 while their replacements started)."""
-    from hpdl.hpo.driver import Driver, _Trial
+    from hpdl.hpo.driver import _Trial
     from hpdl.hpo.launch import WorkerHandle
 
-    drv = Driver(StudySpec.from_dict({
-        "study": "late", "workload": "cnn", "n_trials": 2, "run_dir": str(tmp_path / "run"),
-        "space": {"lr": {"type": "float", "low": 0.02, "high": 0.2}}, "fixed": FIXED,
-        "pool": {"fake": 1, "memory_gb": 2}, "policy": {"name": "pack"}}))
+    drv = _late_driver(tmp_path)
     launcher, dev = drv.launcher, drv.pool.devices()[0]
-    pipes = [mp.Pipe() for _ in range(3)]
+    pipes = [mp.Pipe() for _ in range(4)]
     warm = WorkerHandle(_Proc(), pipes[0][0], dev.id, ready=True)
     other = WorkerHandle(_Proc(), pipes[2][0], "fake:elsewhere", ready=True)  # another device: never used
-    launcher.workers[:] = [warm, other]
+    capped = WorkerHandle(_Proc(), pipes[3][0], dev.id, sm_percent=50, ready=True)  # another MPS cap: never used
+    launcher.workers[:] = [warm, other, capped]
     busy = _Trial(0, 0, 0, {}, "k", time.monotonic(), dev.id, warm)
     warm.trial = busy
     cold = WorkerHandle(_Proc(), pipes[1][0], dev.id)  # still starting
@@ -144,7 +157,7 @@ def test_a_task_queued_on_a_starting_worker_moves_to_a_warm_worker_that_frees_fi
     warm.trial = None  # it finished its trial
     drv._rebind()
     assert warm.trial is t and t.worker is warm and pipes[0][1].recv() == ("run", task)
-    assert cold.trial is None and cold.queued is None and not pipes[2][1].poll()
+    assert cold.trial is None and cold.queued is None and not pipes[2][1].poll() and not pipes[3][1].poll()
     launcher.on_ready(cold)  # the cold worker comes up with nothing to do
     assert cold.ready and not pipes[1][1].poll()
 
@@ -156,5 +169,34 @@ def test_a_task_queued_on_a_starting_worker_moves_to_a_warm_worker_that_frees_fi
     assert drv.pending[0] is t2 and 2 not in drv.running and cold2.trial is None and cold2.queued is None
     assert t2.worker is None and not t2.preempt_at and not pipes[1][1].poll()
     for a, b in pipes:
+        a.close()
+        b.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_dying_before_ready_returns_its_queued_trial_and_repeated_deaths_stop_the_study(tmp_path):
+    """The trial queued on a worker that died during its start-up never ran: it goes back to pending, no
+    attempt is used; three such deaths in a row on one device are an error naming it, not an endless loop."""
+    from hpdl.hpo.driver import _Trial
+    from hpdl.hpo.launch import WorkerHandle
+
+    drv = _late_driver(tmp_path)
+    dev = drv.pool.devices()[0]
+    a, b = mp.Pipe()
+    try:
+        for n in range(1, 4):
+            dead = WorkerHandle(_Proc(alive=False), a, dev.id, queued={"trial_id": n}, closed=True)
+            t = _Trial(n, n, n, {}, "k", time.monotonic(), dev.id, dead)
+            dead.trial, drv.running[n] = t, t
+            drv.launcher.workers[:] = [dead]
+            if n < 3:
+                drv._reap()
+                assert drv.pending[0] is t and n not in drv.running and t.worker is None
+                assert not drv.ledger.failures and not drv.launcher.workers
+            else:
+                with pytest.raises(HpoError, match="3 workers on fake:0 in a row died during start-up"):
+                    drv._reap()
+                assert drv.pending[0] is t  # returned before the error: released as not_started
+    finally:
         a.close()
         b.close()

@@ -106,8 +106,8 @@ class Launcher:
 
     def warm_up(self, devices, limit_s: float, idle=None) -> float:
         """Prepare workers before the clock starts; return the seconds it took. ``idle()`` is called while
-        waiting (the driver samples and estimates its first trials meanwhile); it returns True when it has
-        more to do."""
+        waiting (the driver samples and estimates its first trials meanwhile) until it returns False
+        (nothing more to do)."""
         return 0.0
 
     def replenish(self, devices) -> None:
@@ -196,9 +196,9 @@ class LocalLauncher(Launcher):
         """
         t0 = time.monotonic()
         self.replenish(devices)
-        busy = False
+        busy = idle is not None
         while not all(w.ready for w in self.workers):
-            timeout = 0.0 if busy else 0.05 if idle is not None else 1.0
+            timeout = 0.0 if busy else 1.0
             for conn in mp_wait([w.conn for w in self.workers if not w.ready], timeout=timeout):
                 w = next(x for x in self.workers if x.conn is conn)
                 try:
@@ -212,7 +212,8 @@ class LocalLauncher(Launcher):
             if time.monotonic() - t0 > limit_s:
                 raise HpoError(f"warm worker pool not ready after {limit_s:.0f} s "
                                f"({sum(w.ready for w in self.workers)}/{len(self.workers)} ready)")
-            busy = idle is not None and bool(idle())
+            if busy and not all(w.ready for w in self.workers):
+                busy = bool(idle())
         return time.monotonic() - t0
 
     def start(self, device, task: dict, sm_percent: int = 100, fraction: float = 1.0) -> WorkerHandle:

@@ -191,8 +191,8 @@ class _Env:
     ``startup`` holds the seconds each start-up phase took: ``import`` (what of torch and optuna the spawned
     process had not imported yet: under ``spawn`` torch comes with the ``hpdl`` package, in phase ``spawn``),
     ``cuda`` (:func:`warm_cuda`), ``optimizer`` (:func:`warm_imports`), ``study`` (the study's load from its
-    storage, in a thread while the CUDA context is created: the phases overlap) and ``ready`` (all of them
-    from the start of this call: what the pool waits for)."""
+    storage, in a thread beside ``cuda`` and ``optimizer``: it overlaps them) and ``ready`` (from the start
+    of this call until all of them are done; ``spawn`` comes before it)."""
 
     def __init__(self, device: dict, spec: dict, torch_device: str):
         t = t_start = time.monotonic()
@@ -224,6 +224,8 @@ class _Env:
         self.workload = get_workload(spec["workload"])
         self.run_dir = Path(spec["run_dir"])
         loaded: dict[str, Any] = {}
+        import optuna.storages  # noqa: F401 - imported here, not in two threads at once
+        import sqlalchemy.orm  # noqa: F401
 
         def load() -> None:  # storage I/O and SQLAlchemy set-up: overlaps the CUDA start-up below
             t_load = time.monotonic()
@@ -233,7 +235,7 @@ class _Env:
                     sampler=optuna.samplers.RandomSampler(), pruner=make_pruner(spec["pruner"]))
             except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread below
                 loaded["error"] = exc
-            self.startup["study"] = time.monotonic() - t_load
+            loaded["seconds"] = time.monotonic() - t_load
 
         loader = threading.Thread(target=load, name="hpdl-study-load", daemon=True)
         loader.start()
@@ -246,6 +248,7 @@ class _Env:
         if "error" in loaded:
             raise loaded["error"]
         self.study = loaded["study"]
+        self.startup["study"] = loaded["seconds"]  # after the others, whichever ended first: a fixed order
         self.startup["ready"] = time.monotonic() - t_start
 
 
