@@ -58,12 +58,12 @@ SMOKE_SPACE = {**SPACE, **{k: {"type": "categorical", "choices": [v]} for k, v i
 
 
 def run_one(policy: str, gpus: list[int], n_trials: int, scratch: str, timeout_s: float, smoke: bool = False,
-            warm: str = "auto", space: str = "mixed") -> dict:
+            warm: str = "auto", space: str = "mixed", repeat: int = 1) -> dict:
     from hpdl.hpo.driver import Driver
     from hpdl.hpo.errors import HpoError
     from hpdl.hpo.spec import StudySpec
 
-    tag = f"{policy}-{len(gpus)}gpu"
+    tag = f"{policy}{f'[{repeat}]' if repeat > 1 else ''}-{len(gpus)}gpu"  # [2]: its second run (own study)
     policy, _, sharing = policy.partition("@")  # "pack@mps": the same policy with a private MPS daemon
     if sharing not in ("", "mps"):
         raise SystemExit(f"--policies: {policy}@{sharing}: expected <policy> or <policy>@mps")
@@ -208,7 +208,8 @@ def main() -> None:
     for i, pool in enumerate(args.pools.split(";")):
         gpus = [int(g) for g in pool.split(",")]
         order = args.policies.split(",")
-        for policy in order:
+        for k, policy in enumerate(order):
+            repeat = order[:k + 1].count(policy)  # a policy listed twice runs twice, each its own study
             left = args.budget_s - (time.monotonic() - t0)
             if left < 25:
                 runs.append({"tag": f"{policy}-{len(gpus)}gpu", "skipped": f"device budget spent ({left:.0f} s left)"})
@@ -216,7 +217,8 @@ def main() -> None:
             timeout = min(left - 10, args.run_timeout_s)
             print(f"[{time.monotonic() - t0:6.1f} s] {policy} on GPUs {gpus} (timeout {timeout:.0f} s)", flush=True)
             try:
-                r = run_one(policy, gpus, args.n_trials, args.scratch, timeout, args.smoke, args.warm, args.space)
+                r = run_one(policy, gpus, args.n_trials, args.scratch, timeout, args.smoke, args.warm, args.space,
+                            repeat)
             except Exception as exc:  # noqa: BLE001 - record and go on to the next run
                 import traceback
                 r = {"tag": f"{policy}-{len(gpus)}gpu", "error": f"{type(exc).__name__}: {exc}",
