@@ -189,7 +189,8 @@ class _Env:
     """What a worker process loads once and reuses for every trial: device, workload, study, run folder.
 
     ``startup`` holds the seconds each start-up phase took: ``import`` (what of torch and optuna the spawned
-    process had not imported yet: under ``spawn`` torch comes with the ``hpdl`` package, in phase ``spawn``),
+    process had not imported yet, and the workload's module: under ``spawn`` torch comes with the ``hpdl``
+    package, in phase ``spawn``),
     ``cuda`` (:func:`warm_cuda`), ``optimizer`` (:func:`warm_imports`), ``study`` (the study's load from its
     storage, in a thread beside ``cuda`` and ``optimizer``: it overlaps them) and ``ready`` (from the start
     of this call until all of them are done; ``spawn`` comes before it)."""
@@ -220,9 +221,9 @@ class _Env:
             now = time.monotonic()
             self.startup[phase], t = now - t, now
 
-        lap("import")
-        self.workload = get_workload(spec["workload"])
+        self.workload = get_workload(spec["workload"])  # may import the user's module: phase "import"
         self.run_dir = Path(spec["run_dir"])
+        lap("import")
         loaded: dict[str, Any] = {}
         import optuna.storages  # noqa: F401 - imported here, not in two threads at once
         import sqlalchemy.orm  # noqa: F401
