@@ -57,13 +57,18 @@ SMOKE_SPACE = {**SPACE, **{k: {"type": "categorical", "choices": [v]} for k, v i
                            (("width", 8), ("depth", 1), ("batch_size", 32))}}
 
 
+def run_tag(policy: str, n_gpus: int, repeat: int = 1) -> str:
+    """Name of a run and of its study: ``pack@mps-2gpu``; a policy's second run ``pack@mps[2]-2gpu``."""
+    return f"{policy}{f'[{repeat}]' if repeat > 1 else ''}-{n_gpus}gpu"
+
+
 def run_one(policy: str, gpus: list[int], n_trials: int, scratch: str, timeout_s: float, smoke: bool = False,
             warm: str = "auto", space: str = "mixed", repeat: int = 1) -> dict:
     from hpdl.hpo.driver import Driver
     from hpdl.hpo.errors import HpoError
     from hpdl.hpo.spec import StudySpec
 
-    tag = f"{policy}{f'[{repeat}]' if repeat > 1 else ''}-{len(gpus)}gpu"  # [2]: its second run (own study)
+    tag = run_tag(policy, len(gpus), repeat)
     policy, _, sharing = policy.partition("@")  # "pack@mps": the same policy with a private MPS daemon
     if sharing not in ("", "mps"):
         raise SystemExit(f"--policies: {policy}@{sharing}: expected <policy> or <policy>@mps")
@@ -211,8 +216,9 @@ def main() -> None:
         for k, policy in enumerate(order):
             repeat = order[:k + 1].count(policy)  # a policy listed twice runs twice, each its own study
             left = args.budget_s - (time.monotonic() - t0)
+            tag = run_tag(policy, len(gpus), repeat)
             if left < 25:
-                runs.append({"tag": f"{policy}-{len(gpus)}gpu", "skipped": f"device budget spent ({left:.0f} s left)"})
+                runs.append({"tag": tag, "skipped": f"device budget spent ({left:.0f} s left)"})
                 continue
             timeout = min(left - 10, args.run_timeout_s)
             print(f"[{time.monotonic() - t0:6.1f} s] {policy} on GPUs {gpus} (timeout {timeout:.0f} s)", flush=True)
@@ -221,7 +227,7 @@ def main() -> None:
                             repeat)
             except Exception as exc:  # noqa: BLE001 - record and go on to the next run
                 import traceback
-                r = {"tag": f"{policy}-{len(gpus)}gpu", "error": f"{type(exc).__name__}: {exc}",
+                r = {"tag": tag, "error": f"{type(exc).__name__}: {exc}",
                      "traceback": traceback.format_exc()[-1500:]}
                 print(r["traceback"], flush=True)
             res = r.get("result", {})

@@ -118,13 +118,13 @@ class _Proc:
         pass
 
 
-def _late_driver(tmp_path):
+def _late_driver(tmp_path, fake: int = 1):
     from hpdl.hpo.driver import Driver
 
     return Driver(StudySpec.from_dict({
         "study": "late", "workload": "cnn", "n_trials": 2, "run_dir": str(tmp_path / "run"),
         "space": {"lr": {"type": "float", "low": 0.02, "high": 0.2}}, "fixed": FIXED,
-        "pool": {"fake": 1, "memory_gb": 2}, "policy": {"name": "pack"}}))
+        "pool": {"fake": fake, "memory_gb": 2}, "policy": {"name": "pack"}}))
 
 
 @pytest.mark.timeout(60)
@@ -174,29 +174,82 @@ def test_a_task_queued_on_a_starting_worker_moves_to_a_warm_worker_that_frees_fi
 
 
 @pytest.mark.timeout(60)
-def test_a_worker_dying_before_ready_returns_its_queued_trial_and_repeated_deaths_stop_the_study(tmp_path):
+def test_a_worker_dying_before_ready_returns_its_queued_trial_and_repeated_deaths_leave_the_device_out(tmp_path):
     """The trial queued on a worker that died during its start-up never ran: it goes back to pending, no
-    attempt is used; three such deaths in a row on one device are an error naming it, not an endless loop."""
+    attempt is used. Three such deaths in a row on a device leave that device out (not an endless respawn);
+    a ready worker in between resets the count, a worker told to stop does not count, and the study fails
+    only when no device is left."""
+    from hpdl.hpo.driver import _Trial
+    from hpdl.hpo.launch import WorkerHandle
+
+    drv = _late_driver(tmp_path, fake=2)
+    a, b = mp.Pipe()
+
+    def die(n: int, device: str, stopping: bool = False) -> None:
+        dead = WorkerHandle(_Proc(alive=False), a, device, closed=True, stopping=stopping)
+        if not stopping:  # a stopped worker is an idle one; this one had a trial queued
+            dead.queued, dead.trial = {"trial_id": n}, _Trial(n, n, n, {}, "k", time.monotonic(), device, dead)
+            drv.running[n] = dead.trial
+        drv.launcher.workers[:] = [dead]
+        drv._reap()
+        if not stopping:
+            t = drv.pending[0]
+            assert t.number == n and n not in drv.running and t.worker is None
+        assert not drv.ledger.failures and not drv.launcher.workers
+
+    try:
+        die(1, "fake:0")
+        die(2, "fake:0")
+        drv._on_message(WorkerHandle(_Proc(), None, "fake:0"), ("ready", 0, {}))  # one came up: count again
+        die(3, "fake:0")
+        die(4, "fake:0", stopping=True)  # stopped on purpose (e.g. its device was removed): not counted
+        die(5, "fake:0")
+        assert not drv._broken
+        die(6, "fake:0")
+        assert drv._broken == {"fake:0"}  # left out; fake:1 goes on
+        for n in (7, 8):
+            die(n, "fake:1")
+        with pytest.raises(HpoError, match="every device's workers die during start-up"):
+            die(9, "fake:1")
+        assert drv.pending[0].number == 9  # returned before the error: released as not_started
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_rebind_to_a_spare_that_just_died_keeps_the_trial_queued(tmp_path):
     from hpdl.hpo.driver import _Trial
     from hpdl.hpo.launch import WorkerHandle
 
     drv = _late_driver(tmp_path)
     dev = drv.pool.devices()[0]
-    a, b = mp.Pipe()
+    (a, b), (c, d) = mp.Pipe(), mp.Pipe()
+    d.close()  # the spare's end: sending to it fails
     try:
-        for n in range(1, 4):
-            dead = WorkerHandle(_Proc(alive=False), a, dev.id, queued={"trial_id": n}, closed=True)
-            t = _Trial(n, n, n, {}, "k", time.monotonic(), dev.id, dead)
-            dead.trial, drv.running[n] = t, t
-            drv.launcher.workers[:] = [dead]
-            if n < 3:
-                drv._reap()
-                assert drv.pending[0] is t and n not in drv.running and t.worker is None
-                assert not drv.ledger.failures and not drv.launcher.workers
-            else:
-                with pytest.raises(HpoError, match="3 workers on fake:0 in a row died during start-up"):
-                    drv._reap()
-                assert drv.pending[0] is t  # returned before the error: released as not_started
+        spare = WorkerHandle(_Proc(), c, dev.id, ready=True)
+        cold = WorkerHandle(_Proc(), a, dev.id, queued={"trial_id": 1})
+        t = _Trial(1, 1, 1, {}, "k", time.monotonic(), dev.id, cold)
+        cold.trial, drv.running[1] = t, t
+        drv.launcher.workers[:] = [spare, cold]
+        drv._rebind()
+        assert cold.trial is t and cold.queued == {"trial_id": 1} and t.worker is cold and spare.trial is None
     finally:
-        a.close()
-        b.close()
+        for p in (a, b, c):
+            p.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_trial_queued_on_a_starting_worker_is_released_when_the_driver_stops(tmp_path):
+    """It never started, like a pending one: not_started and re-queued, not left RUNNING."""
+    from hpdl.hpo.driver import _Trial
+    from hpdl.hpo.launch import WorkerHandle
+
+    drv = _late_driver(tmp_path)
+    asked = drv.study.ask(drv.dists)
+    cold = WorkerHandle(_Proc(), None, "fake:0", queued={"trial_id": asked._trial_id})
+    t = _Trial(asked.number, asked._trial_id, asked.number, dict(asked.params), "k", time.monotonic(), "fake:0", cold)
+    cold.trial, drv.running[t.number] = t, t
+    drv._release_pending()
+    states = sorted(x.state.name for x in drv.study.get_trials(deepcopy=False))
+    assert states == ["FAIL", "WAITING"] and not drv.ledger.failures

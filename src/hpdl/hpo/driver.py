@@ -40,7 +40,7 @@ from hpdl.hpo.spec import StudySpec, make_pruner, make_sampler, make_storage
 from hpdl.hpo.workloads import get_workload
 
 _PREEMPT_TIMEOUT_S = 30.0
-_START_FAILURES_MAX = 3  # workers of one device in a row dying before ready end the study (HpoError)
+_START_FAILURES_MAX = 3  # workers of one device (and MPS cap) in a row dying before ready: the device is left out
 _ESTIMATE_BUDGET_S = 0.05  # static estimates per loop tick: dispatch what is known instead of waiting for all
 _SAMPLE_BUDGET_S = 0.05  # asks per loop tick after the first (each is ~6 storage commits): start early
 _BUDGET_READ_S = 0.05  # when the budget limits the asks, count from a storage read at most this old
@@ -148,7 +148,8 @@ class Driver:
         self.pending: list[_Trial] = []
         self.running: dict[int, _Trial] = {}
         self._short = False  # the last tick asked for trials: the next one places them without waiting
-        self._start_failures: dict[str, int] = {}  # device id -> workers in a row that died before ready
+        self._start_failures: dict[tuple[str, int], int] = {}  # (device id, MPS cap) -> deaths before ready in a row
+        self._broken: set[str] = set()  # devices left out after _START_FAILURES_MAX such deaths
         self._phase_s: dict[str, float] = {}
         self.preempted = 0
         self.migrated = 0
@@ -275,7 +276,7 @@ class Driver:
 
         kind, t = msg[0], w.trial
         if kind == "ready":
-            self._start_failures.pop(w.device_id, None)
+            self._start_failures.pop((w.device_id, w.sm_percent), None)
             self.launcher.on_ready(w)
             return
         if t is None or (len(msg) > 1 and msg[1] != t.trial_id):
@@ -365,8 +366,9 @@ class Driver:
     def _reap(self) -> None:
         """Dead workers: a trial they ran failed (``died``) and is retried, or, if it was being preempted,
         goes back to the queue; a trial queued on a worker that died before ``ready`` goes back to the
-        queue too (it never started), and ``_START_FAILURES_MAX`` such deaths in a row on one device raise
-        :class:`HpoError`; idle workers beyond the warm pool are stopped."""
+        queue too (it never started). After ``_START_FAILURES_MAX`` such deaths in a row on one device (and
+        MPS cap) the device is left out, its trials move elsewhere as for a removed device, and
+        :class:`HpoError` is raised when no device is left; idle workers beyond the warm pool are stopped."""
         self.launcher.stop_idle(self._by_id)
         for w in list(self.workers):
             t = w.trial
@@ -384,10 +386,16 @@ class Driver:
                     self.running.pop(t.number, None)
                     t.since, t.device_id, t.worker = time.monotonic(), "", None
                     self.pending.insert(0, t)
-                self._start_failures[w.device_id] = n = self._start_failures.get(w.device_id, 0) + 1
-                if n >= _START_FAILURES_MAX:
-                    raise HpoError(f"{n} workers on {w.device_id} in a row died during start-up "
-                                   f"(last exit code {w.proc.exitcode})")
+                key = (w.device_id, w.sm_percent)
+                self._start_failures[key] = n = self._start_failures.get(key, 0) + 1
+                if n >= _START_FAILURES_MAX and w.device_id not in self._broken:
+                    self._broken.add(w.device_id)  # its trials move elsewhere, as for a removed device
+                    logging.getLogger("hpdl.hpo").error(
+                        "%d workers on %s in a row died during start-up (last exit code %s): device left out",
+                        n, w.device_id, w.proc.exitcode)
+                    if not {d.id for d in self.pool.devices()} - self._broken:
+                        raise HpoError(f"every device's workers die during start-up (last: {n} in a row on "
+                                       f"{w.device_id}, exit code {w.proc.exitcode})")
                 continue
             if t is not None:
                 self.running.pop(t.number, None)
@@ -468,7 +476,7 @@ class Driver:
             view = Progress(self) if self.progress else None
             while True:
                 tick = time.monotonic()
-                devices = self.pool.devices()
+                devices = [d for d in self.pool.devices() if d.id not in self._broken]
                 self._by_id = {d.id: d for d in devices}
                 self._elastic(devices)
                 self.launcher.replenish(devices)
@@ -513,20 +521,29 @@ class Driver:
                 view.close()
             t = time.monotonic()
             self.shutdown()
-            self._release_pending()
             self._teardown_s = time.monotonic() - t
+            self._release_pending()
         return self.result()
 
     def _release_pending(self) -> None:
-        """After an error (e.g. the pool did not start): trials asked but never started are failed
-        ``not_started`` and re-queued as they were (not an attempt), instead of staying RUNNING in the
-        storage until a resume."""
-        for t in list(self.pending):
+        """After an error (e.g. the pool did not start, a timeout): trials that wait to start or to continue
+        (pending, or queued on a worker that was still starting) are failed ``not_started`` and re-queued
+        as they were (not an attempt), instead of staying RUNNING in the storage until a resume. Stops at
+        the first storage error (a locked store would make every write wait out its timeout)."""
+        waiting = list(self.pending) + [t for t in self.running.values()
+                                        if t.worker is not None and t.worker.queued is not None]
+        for i, t in enumerate(waiting):
             try:
-                self.ledger.fail(t.number, t.params, {"hpdl_lineage": t.lineage, "hpdl_attempt": self._attempt(t) - 1},
-                                 "not_started", "the driver stopped before it started")
+                attrs = self.study._storage.get_trial(t.trial_id).user_attrs
+                why = ("the driver stopped before it continued (checkpoint kept)" if "hpdl_pid" in attrs
+                       else "the driver stopped before it started")
+                self.ledger.fail(t.number, t.params, {"hpdl_lineage": t.lineage,
+                                                      "hpdl_attempt": int(attrs.get("hpdl_attempt", 0)) - 1},
+                                 "not_started", why)
             except Exception as exc:  # noqa: BLE001 - the error that stopped the study matters more
-                logging.getLogger("hpdl.hpo").warning("trial %d left RUNNING: %r", t.number, exc)
+                logging.getLogger("hpdl.hpo").warning("%d trials left RUNNING (a resume re-queues them): %r",
+                                                      len(waiting) - i, exc)
+                break
         self.pending.clear()
 
     def _prepare(self) -> bool:
