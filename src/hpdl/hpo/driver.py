@@ -312,8 +312,7 @@ class Driver:
                 self._improve(msg[2])
         elif kind == "preempted":
             self.preempted += 1
-            t.since, t.device_id, t.worker, t.preempt_at = time.monotonic(), "", None, 0.0
-            self.pending.insert(0, t)
+            self._requeue(t)
         elif kind == "failed":
             w.stopping = True  # a worker exits after a failure: never give it another trial
             if msg[2] == "oom":  # the profile under-estimated: never place this configuration so tightly again
@@ -341,15 +340,19 @@ class Driver:
             w.trial, w.queued, w.idle_since = None, None, time.monotonic()
             spare.trial, t.worker = t, spare
 
+    def _requeue(self, t: _Trial) -> None:
+        """Put ``t`` (stopped, or never started) at the front of the pending queue, on no device."""
+        self.running.pop(t.number, None)
+        t.since, t.device_id, t.worker, t.preempt_at = time.monotonic(), "", None, 0.0
+        self.pending.insert(0, t)
+
     def _preempt(self, t: _Trial) -> None:
         """Stop ``t`` with a checkpoint so it continues elsewhere; a trial still queued on a starting worker
         goes straight back to the pending queue."""
         w = t.worker
         if w is not None and w.queued is not None:
             w.trial, w.queued, w.idle_since = None, None, time.monotonic()
-            self.running.pop(t.number, None)
-            t.since, t.device_id, t.worker, t.preempt_at = time.monotonic(), "", None, 0.0
-            self.pending.insert(0, t)
+            self._requeue(t)
             return
         t.preempt_at = time.monotonic()
         send(w, ("preempt", t.trial_id))
@@ -383,9 +386,7 @@ class Driver:
             if not w.ready and not w.stopping and (t is None or w.queued is not None):
                 # a local worker that died during its start-up: its task, if any, was never sent
                 if t is not None:  # the trial waits for another worker
-                    self.running.pop(t.number, None)
-                    t.since, t.device_id, t.worker = time.monotonic(), "", None
-                    self.pending.insert(0, t)
+                    self._requeue(t)
                 key = (w.device_id, w.sm_percent)
                 self._start_failures[key] = n = self._start_failures.get(key, 0) + 1
                 if n >= _START_FAILURES_MAX and w.device_id not in self._broken:
@@ -400,8 +401,7 @@ class Driver:
             if t is not None:
                 self.running.pop(t.number, None)
                 if t.preempt_at:  # killed on purpose after a preempt timeout: run it elsewhere
-                    t.since, t.device_id, t.worker, t.preempt_at = time.monotonic(), "", None, 0.0
-                    self.pending.insert(0, t)
+                    self._requeue(t)
                 else:
                     self.ledger.fail(t.number, t.params, {"hpdl_lineage": t.lineage, "hpdl_attempt": self._attempt(t)},
                                      "died", f"worker exited with code {w.proc.exitcode}")
