@@ -24,6 +24,8 @@ GROUPS: dict[str, tuple[str, str, str | None]] = {
               "OpenAI-compatible LLM server with Flover temporal fusion; `hpdl serve bench` benchmarks it", "serve"),
     "hpo": ("hpdl.hpo.cli:HpoCommand",
             "resource-aware HPO (HyperSack): Optuna studies packed onto GPUs, elastic and fault tolerant", "hpo"),
+    "vision": ("hpdl.vision.cli:VisionCommand",
+               "vision models (SOFT, SPRNet): train, evaluate, make offline datasets", "vision"),
 }
 
 
