@@ -52,7 +52,7 @@ class BenchCommand:
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
-        sub = parser.add_subparsers(dest="collective", metavar="{" + ",".join([*_COLLECTIVES, "model", "serve"]) + "}")
+        sub = parser.add_subparsers(dest="collective", metavar="{" + ",".join([*_COLLECTIVES, "model", *PLUGINS]) + "}")
         for name in _COLLECTIVES:
             p = sub.add_parser(name, help=f"benchmark {name}",
                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -88,7 +88,7 @@ class BenchCommand:
 
         add_model_arguments(sub.add_parser("model", help="alpha-beta-gamma cost model: calibrate on bench JSON, "
                                            "predict 2..4096 ranks (labelled predictions)"))
-        _add_serve(sub)
+        _add_plugins(sub)
 
     def run(self, args) -> int:
         from hpdl.cli import CLIUsageError
@@ -98,11 +98,12 @@ class BenchCommand:
 
             return run_model_command(args)
         if args.collective is None:
-            raise CLIUsageError("choose a collective: " + ", ".join(_COLLECTIVES) + " (or serve)")
-        if args.collective == "serve":
-            if getattr(args, "_serve_missing", None):
-                raise CLIUsageError(args._serve_missing)
-            return args._serve_cls().run(args)
+            raise CLIUsageError("choose a collective: " + ", ".join(_COLLECTIVES)
+                                + " (or " + ", ".join(["model", *PLUGINS]) + ")")
+        if args.collective in PLUGINS:
+            if getattr(args, "_plugin_missing", None):
+                raise CLIUsageError(args._plugin_missing)
+            return int(args._plugin_cls().run(args) or 0)
         if args.np < 1:
             raise CLIUsageError(f"--np must be >= 1, got {args.np}")
         try:
@@ -140,19 +141,31 @@ class BenchCommand:
         return 1 if any(r.wrong for r in rows) else 0
 
 
-def _add_serve(sub) -> None:
-    """``hpdl bench serve``: the serving benchmark client of hpdl.serve, under the bench group too."""
-    help_ = "serving benchmark (alias of `hpdl serve bench`): TTFT, TPOT, ITL, throughput vs baselines"
-    p = sub.add_parser("serve", help=help_, description=help_)
-    p.set_defaults(_parser=p)
-    try:
-        from hpdl.serve.cli import ServeBenchCommand
-    except ModuleNotFoundError as exc:
-        p.set_defaults(_serve_missing=f"hpdl bench serve needs the module {exc.name!r}: pip install 'hpdl[serve]'")
-        p.add_argument("rest", nargs=argparse.REMAINDER)
-        return
-    ServeBenchCommand.add_arguments(p)
-    p.set_defaults(_serve_cls=ServeBenchCommand)
+# Benchmarks owned by other subsystems, under `hpdl bench` too: name -> ("module:Class", help, extra). The class
+# has add_arguments(parser) and run(args) -> int; only the one being run is imported, so a missing optional
+# dependency breaks that command alone, with an install hint.
+PLUGINS: dict[str, tuple[str, str, str | None]] = {
+    "serve": ("hpdl.serve.cli:ServeBenchCommand",
+              "serving benchmark (alias of `hpdl serve bench`): TTFT, TPOT, ITL, throughput vs baselines", "serve"),
+}
+
+
+def _add_plugins(sub) -> None:
+    import importlib
+
+    for name, (path, help_, extra) in PLUGINS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        p.set_defaults(_parser=p)
+        module, _, cls_name = path.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module), cls_name)
+        except ModuleNotFoundError as exc:
+            hint = f"pip install 'hpdl[{extra}]'" if extra else "reinstall hpdl"
+            p.set_defaults(_plugin_missing=f"hpdl bench {name} needs the module {exc.name!r}: {hint}")
+            p.add_argument("rest", nargs=argparse.REMAINDER)
+            continue
+        cls.add_arguments(p)
+        p.set_defaults(_plugin_cls=cls)
 
 
 def _validate(cfg: BenchConfig, args) -> None:
