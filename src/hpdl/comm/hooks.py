@@ -61,3 +61,199 @@ def register(model: torch.nn.parallel.DistributedDataParallel, algorithm: str = 
     state = HookState(algorithm=algorithm, group=model.process_group, window=window)
     model.register_comm_hook(state, allreduce_hook)
     return state
+
+
+# --- gradient-bucket all-reduce for loops without DDP or FSDP --------------------------------------------------
+import contextlib  # noqa: E402 - this section is self-contained
+import zlib  # noqa: E402
+
+class _Bucket:
+    """One flat gradient buffer: ``views[i]`` is parameter ``params[i]``'s gradient inside it."""
+
+    def __init__(self, params: list, device: torch.device, dtype: torch.dtype):
+        self.params = params
+        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=device)
+        self.views, off = [], 0
+        for p in params:
+            self.views.append(self.buffer[off:off + p.numel()].view(p.shape))
+            off += p.numel()
+        self.ready = [False] * len(params)
+        self.pending = len(params)
+        self.work = None
+
+
+class BucketAllReduce:
+    """Average the gradients of ``params`` over ``group`` in size-capped buckets, each all-reduced through
+    :func:`hpdl.comm.all_reduce` (``async_op=True``) as soon as its last gradient is accumulated, so that
+    communication overlaps the rest of backward; :meth:`wait` finishes them before the optimizer step.
+
+    This is what DDP's reducer does (Li et al., "PyTorch Distributed", VLDB 2020), for a loop that keeps the
+    plain module: parameters go into buckets in reverse registration order (roughly the order backward
+    produces their gradients), the first bucket small (``first_bucket_mb``) so that communication starts
+    early, the others up to ``bucket_cap_mb``; buckets are launched in bucket order on every rank, so calls
+    on the group match whatever order gradients become ready in. Post-accumulate-grad hooks
+    (``Tensor.register_post_accumulate_grad_hook``, torch >= 2.1) copy each gradient into its bucket; after
+    :meth:`wait` every ``p.grad`` is a view of its bucket, the average over ranks, bit-identical on every
+    rank, so later backward passes accumulate into the bucket directly (no copy) unless the gradients are
+    set to None.
+
+    Example (every rank)::
+
+        ctx = hpdl.runtime.init_from_env("cpu")             # torchrun / mpirun environment
+        torch.manual_seed(0)
+        model = MyModel()
+        grads = hpdl.comm.hooks.BucketAllReduce(model.parameters())  # copies rank 0's weights to all
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for x, y in batches:
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()                                 # buckets all-reduce while backward runs
+            grads.wait()                                    # p.grad = mean over ranks
+            opt.step()
+            opt.zero_grad()
+
+    Args:
+        params: the parameters (an iterable such as ``model.parameters()``); those without ``requires_grad``
+            are skipped, repeats are counted once.
+        group: process group (None = world).
+        bucket_cap_mb: most MiB of gradient per bucket (DDP's default 25).
+        first_bucket_mb: MiB cap of the first bucket (DDP's 1).
+        algorithm, window: passed to :func:`hpdl.comm.all_reduce` (``"auto"``: the tuning table by size).
+        broadcast_from: group rank whose parameter values are copied to every rank at construction (as DDP
+            does); None to skip.
+        check: :func:`hpdl.comm.all_reduce`'s per-call argument check. The bucket layout is checked once here,
+            so the default (False) skips the per-call exchange; None uses ``HPDL_CHECK``.
+
+    Raises:
+        ValueError: no parameter requires grad, or a cap is not positive.
+        RuntimeError: torch.distributed is not initialised; the ranks' bucket layouts differ (their models
+            differ); a gradient became ready twice before :meth:`wait` (two backward passes: put the first
+            under :meth:`no_sync`).
+    """
+
+    def __init__(self, params, *, group=None, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
+                 algorithm: str = "auto", window: int | None = None, broadcast_from: int | None = 0,
+                 check: bool | None = False):
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialised: call hpdl.runtime.init_from_env() first")
+        if not bucket_cap_mb > 0 or not first_bucket_mb > 0:
+            raise ValueError(f"bucket_cap_mb and first_bucket_mb must be > 0, got {bucket_cap_mb} and "
+                             f"{first_bucket_mb}")
+        seen, plist = set(), []
+        for p in params:
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                plist.append(p)
+        if not plist:
+            raise ValueError("params has no parameter with requires_grad=True")
+        self.group, self.algorithm, self.window, self.check = group, algorithm, window, check
+        self.world_size = dist.get_world_size(group)
+        self.buckets: list[_Bucket] = []
+        members: list = []
+        cap, key = first_bucket_mb * 2 ** 20, None
+        for p in reversed(plist):
+            k = (p.device, p.dtype)
+            nbytes = sum(q.numel() * q.element_size() for q in members)
+            if members and (k != key or nbytes + p.numel() * p.element_size() > cap):
+                self.buckets.append(_Bucket(members, *key))
+                members, cap = [], bucket_cap_mb * 2 ** 20
+            members.append(p)
+            key = k
+        self.buckets.append(_Bucket(members, *key))
+        self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        self._next = 0       # first bucket not yet launched this step
+        self._sync = True
+        self._verify_layout()
+        if broadcast_from is not None and self.world_size > 1:
+            src = broadcast_from if group is None else dist.get_global_rank(group, broadcast_from)
+            with torch.no_grad():
+                for b in self.buckets:
+                    for v, p in zip(b.views, b.params):
+                        v.copy_(p)
+                    dist.broadcast(b.buffer, src=src, group=group)
+                    for v, p in zip(b.views, b.params):
+                        p.copy_(v)
+                    b.buffer.zero_()
+        self._handles = [p.register_post_accumulate_grad_hook(self._ready) for p in plist]
+
+    def _verify_layout(self) -> None:
+        """Every rank must have the same buckets (count, sizes, dtypes), or the all-reduces would not match."""
+        if self.world_size == 1:
+            return
+        sig = [len(self.buckets)] + [b.buffer.numel() * 256 + zlib.crc32(str(b.buffer.dtype).encode()) % 256
+                                     for b in self.buckets]
+        dev = self.buckets[0].buffer.device
+        mine = torch.tensor(sig, dtype=torch.int64, device=dev)
+        n = torch.tensor([len(sig), -len(sig)], dtype=torch.int64, device=dev)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.group)
+        same = int(n[0]) == -int(n[1])
+        if same:
+            both = torch.cat([mine, -mine])
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+            same = bool((both[:len(sig)] == -both[len(sig):]).all())
+        if not same:
+            raise RuntimeError(f"BucketAllReduce: rank {dist.get_rank(self.group)}'s {len(self.buckets)} buckets "
+                               f"({sum(b.buffer.numel() for b in self.buckets)} gradient elements) differ from "
+                               "another rank's; every rank must pass the same parameters (same model, same order)")
+
+    def _ready(self, p: torch.Tensor) -> None:
+        if not self._sync:
+            return
+        b, i = self._where[id(p)]
+        if b.ready[i]:
+            raise RuntimeError(f"the gradient of a parameter of shape {tuple(p.shape)} became ready twice before "
+                               "BucketAllReduce.wait(); run all but the last backward of a step under no_sync()")
+        if p.grad.data_ptr() != b.views[i].data_ptr():
+            b.views[i].copy_(p.grad)
+        b.ready[i] = True
+        b.pending -= 1
+        if b.pending == 0:
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+            b = self.buckets[self._next]
+            b.work = hc.all_reduce(b.buffer, op="avg", group=self.group, async_op=True, algorithm=self.algorithm,
+                                   window=self.window, check=self.check)
+            self._next += 1
+
+    def wait(self) -> None:
+        """Finish every bucket's all-reduce and point each ``p.grad`` at its averaged view.
+
+        Buckets whose gradients did not all become ready this step (parameters unused on this rank) are
+        launched here, in order, with ``p.grad`` (or zeros where it is None) for the missing ones: every rank
+        must call wait() once per step. Raises what :func:`hpdl.comm.all_reduce` raises.
+        """
+        for b in self.buckets[self._next:]:
+            if b.pending:
+                with torch.no_grad():
+                    for i, p in enumerate(b.params):
+                        if not b.ready[i]:
+                            if p.grad is None:
+                                b.views[i].zero_()
+                            elif p.grad.data_ptr() != b.views[i].data_ptr():
+                                b.views[i].copy_(p.grad)
+                b.pending = 0
+        self._launch_ready()
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+            for i, (p, v) in enumerate(zip(b.params, b.views)):
+                if p.grad is None or p.grad.data_ptr() != v.data_ptr():
+                    p.grad = v
+            b.work, b.ready, b.pending = None, [False] * len(b.params), len(b.params)
+        self._next = 0
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate local gradients only (gradient accumulation, as DDP.no_sync)."""
+        old, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = old
+
+    def remove(self) -> None:
+        """Remove the gradient hooks (the buffers stay referenced by ``p.grad``)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []

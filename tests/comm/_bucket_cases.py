@@ -1,0 +1,120 @@
+"""Rank functions for test_comm_buckets.py: hpdl.comm.hooks.BucketAllReduce against torch's DDP."""
+
+import torch
+import torch.distributed as dist
+
+from hpdl.comm.hooks import BucketAllReduce
+
+
+def _mlp(seed=0, integer=False):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 24), torch.nn.Tanh(),
+                            torch.nn.Linear(24, 3))
+    if integer:  # small integer weights and a linear model: every gradient is an exact small integer
+        m = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 5), torch.nn.Linear(5, 2))
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.copy_(torch.randint(-3, 4, p.shape, generator=g).float())
+    return m
+
+
+def _flat(tensors):
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
+def train_vs_ddp(ctx, algorithm, cap_mb, first_mb, steps=3):
+    """Three SGD-with-momentum steps with DDP's default reducer and with BucketAllReduce from the same
+    weights; returns (max |param diff|, max |grad diff|, number of buckets)."""
+    out = []
+    nb = 0
+    for use_hpdl in (False, True):
+        model = _mlp(seed=ctx.rank if use_hpdl else 0)  # the helper must broadcast rank 0's weights
+        if use_hpdl:
+            sync = BucketAllReduce(model.parameters(), bucket_cap_mb=cap_mb, first_bucket_mb=first_mb,
+                                   algorithm=algorithm)
+            nb = len(sync.buckets)
+            net = model
+        else:
+            net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap_mb)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        g = torch.Generator().manual_seed(100 + ctx.rank)
+        for _ in range(steps):
+            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 3, (8,), generator=g)
+            loss = torch.nn.functional.cross_entropy(net(x), y)
+            loss.backward()
+            if use_hpdl:
+                sync.wait()
+            grads = _flat(p.grad for p in model.parameters())
+            opt.step()
+            opt.zero_grad()
+        if use_hpdl:
+            sync.remove()
+        out.append((_flat(model.parameters()), grads))
+    (p0, g0), (p1, g1) = out
+    return float((p0 - p1).abs().max()), float((g0 - g1).abs().max()), nb
+
+
+def integer_grads_vs_ddp(ctx, algorithm, cap_mb, accumulate):
+    """Integer-valued gradients (exact in any summation order): with a power-of-two world size (DDP scales each
+    rank's gradient by 1/world before summing, exact only then) the averaged gradients must equal DDP's bit for
+    bit whatever the schedule; with ``accumulate`` the first micro-batch runs under no_sync. Returns #wrong."""
+    res = []
+    for use_hpdl in (False, True):
+        model = _mlp(seed=3, integer=True)
+        if use_hpdl:
+            sync = BucketAllReduce(model.parameters(), bucket_cap_mb=cap_mb, first_bucket_mb=cap_mb,
+                                   algorithm=algorithm)
+            net, no_sync = model, sync.no_sync
+        else:
+            net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap_mb)
+            no_sync = net.no_sync
+        g = torch.Generator().manual_seed(7 + ctx.rank)
+        xs = [torch.randint(-2, 3, (4, 8), generator=g).float() for _ in range(2)]
+        if accumulate:
+            with no_sync():
+                net(xs[0]).sum().backward()
+        net(xs[1]).sum().backward()
+        if use_hpdl:
+            sync.wait()
+            sync.remove()
+        res.append(_flat(p.grad for p in model.parameters()))
+    return int((res[0] != res[1]).sum())
+
+
+def unused_parameter(ctx):
+    """A parameter with a gradient on rank 0 only: every rank ends with rank 0's gradient / world_size."""
+    a = torch.nn.Parameter(torch.full((5,), 1.0))
+    b = torch.nn.Parameter(torch.full((3,), 2.0))
+    sync = BucketAllReduce([a, b], bucket_cap_mb=1e-5, first_bucket_mb=1e-5)
+    loss = (a * torch.arange(5.0)).sum()
+    if ctx.rank == 0:
+        loss = loss + (b * 4.0).sum()
+    loss.backward()
+    sync.wait()
+    want_b = torch.full((3,), 4.0 / ctx.world_size)
+    return bool(torch.equal(a.grad, torch.arange(5.0)) and torch.equal(b.grad, want_b))
+
+
+def mismatched_layout(ctx):
+    """Rank 0 passes one parameter more than the others: construction raises on every rank."""
+    params = [torch.nn.Parameter(torch.zeros(10))] + ([torch.nn.Parameter(torch.zeros(4))] if ctx.rank == 0 else [])
+    try:
+        BucketAllReduce(params)
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def ready_twice(ctx):
+    """Two backward passes without wait() raise a clear error; wait() afterwards still completes the step."""
+    w = torch.nn.Parameter(torch.ones(4))
+    sync = BucketAllReduce([w])
+    (w * 2).sum().backward()
+    try:
+        (w * 3).sum().backward()
+        msg = None
+    except RuntimeError as exc:
+        msg = str(exc)
+    sync.wait()
+    return msg
