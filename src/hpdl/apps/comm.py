@@ -1,0 +1,262 @@
+"""The three communicators the applications run on: ``hpdl`` (hpdl.comm's algorithms), ``nccl`` (the process
+group's own collectives: NCCL on CUDA, gloo on CPU) and ``mpi`` (mpi4py), behind one small interface.
+
+An application only needs four things from a communicator: an in-place sum all-reduce, an all-to-all with
+split sizes, non-blocking point-to-point halo exchanges, and sub-communicators. ``hpdl`` and ``nccl`` differ
+in the collectives only: both exchange halos with torch.distributed point-to-point calls on a process group of
+their own (so halo messages never interleave with hpdl's tagged schedules), which keeps the comparison about
+the collectives.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+COMMS = ("hpdl", "nccl", "mpi")
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on CPU); call before reading a host clock."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Comm:
+    """Base communicator; ``LocalComm`` (one process, no communication) doubles as the single-process
+    reference of every application.
+
+    Attributes: ``name`` ("local", "hpdl", "nccl", "mpi"), ``rank``, ``size``, ``device``.
+    """
+
+    name = "local"
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.rank, self.size, self.device = 0, 1, torch.device(device)
+
+    def allreduce(self, t: torch.Tensor) -> None:
+        """Sum ``t`` over the ranks, in place, bit-identical on every rank."""
+
+    def alltoall(self, out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence[int],
+                 in_splits: Sequence[int]) -> None:
+        """1-D ``inp[in_offsets[q] : +in_splits[q]]`` goes to rank ``q``; ``out`` receives rank q's block at
+        ``out_offsets[q]`` (element counts, as MPI_Alltoallv)."""
+        out.copy_(inp)
+
+    def start_halo(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]):
+        """Post non-blocking sends ``(peer, tensor)`` and receives ``(peer, buffer)``; returns a handle whose
+        ``wait()`` completes them. Contiguous tensors; one message per (peer, direction)."""
+        return _Done()
+
+    def split(self, colors: Sequence[int]) -> "Comm":
+        """Sub-communicator of the ranks whose ``colors[rank]`` equals this rank's (ranks keep their order).
+        Every rank passes the same list; collective over this communicator."""
+        return self
+
+    def barrier(self) -> None:
+        """Wait for every rank."""
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+LocalComm = Comm
+
+
+class _Reqs:
+    def __init__(self, reqs):
+        self.reqs = reqs
+
+    def wait(self) -> None:
+        for r in self.reqs:
+            r.wait()
+
+
+class TorchComm(Comm):
+    """torch.distributed group; collectives through hpdl.comm (``use_hpdl``) or the group's backend.
+
+    Args:
+        use_hpdl: route all-reduce and all-to-all through :func:`hpdl.comm.all_reduce` /
+            :func:`hpdl.comm.all_to_all_single` (keyword arguments only) instead of torch.distributed.
+        group: the process group (None = world); ``ranks``: its global ranks (None = all).
+        algorithm, alltoall_algorithm, window: hpdl's ``algorithm=`` and ``window=`` for each collective.
+
+    hpdl's per-call argument check (``HPDL_CHECK``) runs on the first call of each collective only: an
+    application loop repeats the same call on every rank, so later checks would only add latency.
+    """
+
+    def __init__(self, use_hpdl: bool, device: torch.device | str = "cpu", group=None,
+                 ranks: Sequence[int] | None = None, algorithm: str = "auto", alltoall_algorithm: str = "auto",
+                 window: int | None = None):
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialised: use hpdl.apps.comm.launch() or "
+                               "hpdl.runtime.init_from_env() first")
+        super().__init__(device)
+        self.name = "hpdl" if use_hpdl else "nccl"
+        self.use_hpdl, self.group = use_hpdl, group
+        self.algorithm, self.alltoall_algorithm, self.window = algorithm, alltoall_algorithm, window
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.ranks = list(ranks) if ranks is not None else list(range(self.size))
+        self._checked: set[str] = set()
+        self._halo_group = group
+        if group is None and self.size > 1:  # collective: every rank builds its communicator here
+            self._halo_group = dist.new_group(self.ranks)
+            dist.all_reduce(torch.zeros(1, device=self.device), group=self._halo_group)  # NCCL: create it now
+
+    def _check(self, what: str):
+        if what in self._checked:
+            return False
+        self._checked.add(what)
+        return None  # first call: HPDL_CHECK decides
+
+    def allreduce(self, t: torch.Tensor) -> None:
+        if self.size == 1:
+            return
+        if self.use_hpdl:
+            import hpdl.comm as hc
+
+            hc.all_reduce(t, op="sum", group=self.group, algorithm=self.algorithm, window=self.window,
+                          check=self._check("all_reduce"))
+        else:
+            dist.all_reduce(t, group=self.group)
+
+    def alltoall(self, out, inp, out_splits, in_splits) -> None:
+        if self.size == 1:
+            out.copy_(inp)
+            return
+        if self.use_hpdl:
+            import hpdl.comm as hc
+
+            hc.all_to_all_single(out, inp, output_split_sizes=list(out_splits), input_split_sizes=list(in_splits),
+                                 group=self.group, algorithm=self.alltoall_algorithm, window=self.window,
+                                 check=self._check("all_to_all_single"))
+        else:
+            dist.all_to_all_single(out, inp, list(out_splits), list(in_splits), group=self.group)
+
+    def start_halo(self, sends, recvs):
+        if not sends and not recvs:
+            return _Done()
+        g = self._halo_group
+        ops = [dist.P2POp(dist.irecv, buf, self.ranks[peer], g) for peer, buf in recvs]
+        ops += [dist.P2POp(dist.isend, t, self.ranks[peer], g) for peer, t in sends]
+        return _Reqs(dist.batch_isend_irecv(ops))
+
+    def split(self, colors):
+        if self.group is not None:
+            raise ValueError("TorchComm.split splits the world communicator only (torch.distributed.new_group is "
+                             "collective over the world)")
+        if len(colors) != self.size:
+            raise ValueError(f"colors must have one entry per rank ({self.size}), got {len(colors)}")
+        mine = None
+        for color in sorted(set(colors)):  # every rank creates every group, in the same order
+            members = [r for r in range(self.size) if colors[r] == color]
+            g = dist.new_group(members)
+            if colors[self.rank] == color:
+                mine = (g, members)
+        sub = TorchComm(self.use_hpdl, self.device, group=mine[0], ranks=mine[1], algorithm=self.algorithm,
+                        alltoall_algorithm=self.alltoall_algorithm, window=self.window)
+        return sub
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier(group=self.group)
+
+
+class MpiComm(Comm):
+    """mpi4py communicator (``pip install 'hpdl[mpi]'`` plus an MPI library). CUDA tensors are passed through
+    ``__cuda_array_interface__`` after a device synchronisation (MPI ignores CUDA streams) and need a
+    CUDA-aware MPI; CPU tensors as NumPy views (no copy)."""
+
+    name = "mpi"
+
+    def __init__(self, device: torch.device | str = "cpu", comm=None):
+        try:
+            from mpi4py import MPI
+        except ImportError as exc:
+            raise RuntimeError("--comm mpi needs mpi4py and an MPI library: pip install 'hpdl[mpi]' (and e.g. "
+                               "apt-get install mpich), then launch with mpirun") from exc
+        super().__init__(device)
+        self.MPI = MPI
+        self.comm = comm if comm is not None else MPI.COMM_WORLD
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+
+    def _buf(self, t: torch.Tensor):
+        if t.is_cuda:
+            torch.cuda.current_stream(t.device).synchronize()
+            return t
+        return t.numpy()
+
+    def allreduce(self, t: torch.Tensor) -> None:
+        if self.size > 1:
+            self.comm.Allreduce(self.MPI.IN_PLACE, self._buf(t), op=self.MPI.SUM)
+
+    def alltoall(self, out, inp, out_splits, in_splits) -> None:
+        def displs(counts):
+            d, acc = [], 0
+            for c in counts:
+                d.append(acc)
+                acc += c
+            return d
+
+        self.comm.Alltoallv([self._buf(inp), (list(in_splits), displs(in_splits))],
+                            [self._buf(out), (list(out_splits), displs(out_splits))])
+
+    def start_halo(self, sends, recvs):
+        reqs = [self.comm.Irecv(self._buf(buf), source=peer, tag=1) for peer, buf in recvs]
+        reqs += [self.comm.Isend(self._buf(t), dest=peer, tag=1) for peer, t in sends]
+        mpi = self.MPI
+
+        class _Wait:
+            def wait(self):
+                mpi.Request.Waitall(reqs)
+
+        return _Wait()
+
+    def split(self, colors):
+        return MpiComm(self.device, self.comm.Split(colors[self.rank], self.rank))
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+
+def launch(comm: str, device: str = "cpu", *, algorithm: str = "auto", alltoall_algorithm: str = "auto",
+           window: int | None = None, timeout: float | None = None) -> Comm:
+    """The communicator of a script started by torchrun, mpirun or srun, or of a plain single process.
+
+    ``comm="mpi"`` uses mpi4py's COMM_WORLD (no torch.distributed); ``"hpdl"`` and ``"nccl"`` join the
+    launcher's job through :func:`hpdl.runtime.init_from_env`, or form a one-rank group when no launcher
+    variables are set. Raises ValueError for an unknown ``comm`` or ``device``.
+    """
+    if comm not in COMMS:
+        raise ValueError(f"comm must be one of {COMMS}, got {comm!r}")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if comm == "mpi":
+        c = MpiComm("cpu")
+        dev = torch.device("cpu")
+        if device == "cuda":
+            local = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", os.environ.get("MPI_LOCALRANKID", c.rank)))
+            dev = torch.device("cuda", local % torch.cuda.device_count())
+            torch.cuda.set_device(dev)
+        c.device = dev
+        return c
+    from hpdl.runtime import detect_launcher, free_port, init_from_env
+
+    if not dist.is_initialized():
+        if detect_launcher() is not None:
+            init_from_env(device, timeout=timeout)
+        else:
+            backend = "nccl" if device == "cuda" else "gloo"
+            if device == "cuda":
+                torch.cuda.set_device(0)
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                                    timeout=timedelta(seconds=timeout or 300))
+    local = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+    dev = torch.device("cuda", local) if device == "cuda" else torch.device("cpu")
+    return TorchComm(comm == "hpdl", dev, algorithm=algorithm, alltoall_algorithm=alltoall_algorithm, window=window)
