@@ -23,3 +23,11 @@ def fft_run(ctx, kind, alltoall_algorithm, shape, grid):
     comm = _comm(ctx, kind, alltoall_algorithm=alltoall_algorithm)
     res = fft3d.run(comm, shape, 1, dtype=torch.complex128, warmup=1, grid=grid, breakdown=True)
     return res.y, res.box, res.alltoall_s is not None
+
+
+def train_run(ctx, overrides):
+    """Losses and bucket count of a short training run with ``TrainConfig(**overrides)``."""
+    from hpdl.apps.train import TrainConfig, train
+
+    out = train(TrainConfig(**overrides), log=None)
+    return out["losses"], out["buckets"], out["world_size"]
