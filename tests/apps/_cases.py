@@ -31,3 +31,9 @@ def train_run(ctx, overrides):
 
     out = train(TrainConfig(**overrides), log=None)
     return out["losses"], out["buckets"], out["world_size"]
+
+
+def bench_job(ctx, plan):
+    from hpdl.apps import bench
+
+    return bench.job(ctx, plan, log=False)
