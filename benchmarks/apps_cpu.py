@@ -2,7 +2,8 @@
 with hpdl.comm against torch.distributed's own collectives, at several process counts.
 
     PYTHONPATH=src python3 benchmarks/apps_cpu.py OUT_DIR                 # 4 and 8 ranks (16-core host, ~2 min)
-    PYTHONPATH=src python3 benchmarks/apps_cpu.py OUT_DIR --np 2,4 --quick  # a small check of the logic
+    PYTHONPATH=src python3 benchmarks/apps_cpu.py OUT_DIR --np 2,4 --small  # 2-core machine (smaller cases)
+    PYTHONPATH=src python3 benchmarks/apps_cpu.py OUT_DIR --np 2 --quick    # tiny: checks the logic only
 
 Each process count is one spawned job (intra-op threads = cores / ranks) that runs every case in `--rounds`
 interleaved rounds. Writes OUT_DIR/apps_cpu.json (meta, every row, the summary), OUT_DIR/apps_cpu.png and
@@ -25,10 +26,12 @@ def main() -> int:
     p.add_argument("out", help="folder for apps_cpu.json and apps_cpu.png")
     p.add_argument("--np", default="4,8", help="comma-separated process counts")
     p.add_argument("--rounds", type=int, default=None, help="interleaved repetitions (default 3; quick 2)")
-    p.add_argument("--quick", action="store_true", help="tiny sizes: checks the logic in seconds per job")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--small", action="store_true", help="smaller cases for a 2-core machine")
+    size.add_argument("--quick", action="store_true", help="tiny sizes: checks the logic in seconds per job")
     a = p.parse_args()
     nps = [int(x) for x in a.np.split(",") if x.strip()]
-    plan = bench.Plan.quick() if a.quick else bench.Plan()
+    plan = bench.Plan.quick() if a.quick else bench.Plan.small() if a.small else bench.Plan()
     if a.rounds is not None:
         plan.rounds = a.rounds
     os.makedirs(a.out, exist_ok=True)

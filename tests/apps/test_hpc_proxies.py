@@ -96,3 +96,12 @@ def test_fft_plan_errors():
     assert fft3d.process_grid(8) == (2, 4) and fft3d.process_grid(7) == (1, 7) and fft3d.process_grid(1) == (1, 1)
     with pytest.raises(ValueError, match="grid P0"):
         fft3d.PencilFFT((4, 4, 4), LocalComm(), grid=(2, 1))
+
+
+def test_launch_rejects_unknown_comm_and_device():
+    from hpdl.apps.comm import launch
+
+    with pytest.raises(ValueError, match=r"comm must be one of \('hpdl', 'nccl', 'mpi'\), got 'gloo'"):
+        launch("gloo")
+    with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda', got 'tpu'"):
+        launch("hpdl", "tpu")

@@ -110,10 +110,10 @@ class TorchComm(Comm):
             dist.all_reduce(torch.zeros(1, device=self.device), group=self._halo_group)  # NCCL: create it now
 
     def _check(self, what: str):
-        if what in self._checked:
+        if what in self._checked and self.device.type == "cpu":
             return False
         self._checked.add(what)
-        return None  # first call: HPDL_CHECK decides
+        return None  # first call, and every CUDA call (HPDL_CHECK's auto is off there; None keeps hpdl's hot path)
 
     def allreduce(self, t: torch.Tensor) -> None:
         if self.size == 1:
