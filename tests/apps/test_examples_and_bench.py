@@ -11,7 +11,7 @@ import pytest
 from hpdl.apps import bench
 from hpdl.testing import get_pool
 
-import _cases as C
+import _apps_cases as C
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 

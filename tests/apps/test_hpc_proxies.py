@@ -17,7 +17,7 @@ from hpdl.apps import cg, fft3d
 from hpdl.apps.comm import LocalComm
 from hpdl.testing import get_pool
 
-import _cases as C
+import _apps_cases as C
 
 N, ITERS = 10, 40  # 10 planes over 4 ranks: 3, 3, 2, 2 (uneven)
 SHAPE = (6, 10, 7)  # uneven over 2 x 2: 3+3, 5+5, 4+3

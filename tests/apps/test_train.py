@@ -16,7 +16,7 @@ import torch
 from hpdl.apps.train import TrainConfig, corpus_files, get_batch, load_corpus, lr_at, train
 from hpdl.testing import get_pool
 
-import _cases as C
+import _apps_cases as C
 
 DATA = sysconfig.get_paths()["stdlib"] + "/typing.py"  # one standard-library file: a small local corpus
 TINY = dict(steps=5, n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=2, learning_rate=3e-3,
