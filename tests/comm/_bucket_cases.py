@@ -1,7 +1,6 @@
 """Rank functions for test_comm_buckets.py: hpdl.comm.hooks.BucketAllReduce against torch's DDP."""
 
 import torch
-import torch.distributed as dist
 
 from hpdl.comm.hooks import BucketAllReduce
 
