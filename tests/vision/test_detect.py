@@ -149,3 +149,13 @@ def test_cli_make_shapes_train_evaluate(tmp_path, capsys):
     assert meta["data"] == str(root.resolve()) and [c["name"] for c in meta["categories"]][0] == "circle"
     assert main(["vision", "evaluate", "--model", "maskrcnn", "--checkpoint", str(out / "sprnet.pt")]) == 1
     assert "holds a 'sprnet' model" in capsys.readouterr().err
+
+
+def test_anchors_are_torchvisions_resnet50_models():
+    """At FPN width 256 the anchors have exactly torchvision's R50-FPN Mask R-CNN / RetinaNet parameters."""
+    from torchvision.models.detection import maskrcnn_resnet50_fpn, retinanet_resnet50_fpn
+
+    for name, ref in (("maskrcnn", maskrcnn_resnet50_fpn), ("retinanet", retinanet_resnet50_fpn)):
+        ours = detect.build_model(name, 5, image_size=256).state_dict()
+        theirs = ref(weights=None, weights_backbone=None, num_classes=5).state_dict()
+        assert {k: v.shape for k, v in ours.items()} == {k: v.shape for k, v in theirs.items()}, name

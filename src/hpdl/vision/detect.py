@@ -60,6 +60,8 @@ def build_model(name: str, num_classes: int, *, backbone: str = "resnet50", imag
         sprnet_overrides: further :class:`hpdl.models.sprnet.SPRNetConfig` fields.
     """
     from torchvision.models.detection import MaskRCNN, RetinaNet
+    from torchvision.models.detection.faster_rcnn import FastRCNNPredictor
+    from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredictor
     from torchvision.models.detection.anchor_utils import AnchorGenerator
     from torchvision.ops.feature_pyramid_network import LastLevelP6P7
 
@@ -87,8 +89,11 @@ def build_model(name: str, num_classes: int, *, backbone: str = "resnet50", imag
     else:
         body = resnet_fpn(backbone, out_channels=c, returned_layers=(1, 2, 3, 4), weights_path=backbone_weights)
         rpn_anchors = AnchorGenerator(tuple((s,) for s in sizes), ((0.5, 1.0, 2.0),) * len(sizes))
-        model = MaskRCNN(body, num_classes, rpn_anchor_generator=rpn_anchors, min_size=min_size,
-                         max_size=max_size, box_detections_per_img=100)
+        # torchvision's mask head is 4 convs + a deconvolution of 256 channels whatever the FPN width: make it
+        # the FPN's width (identical to torchvision's default at 256)
+        model = MaskRCNN(body, None, rpn_anchor_generator=rpn_anchors, min_size=min_size, max_size=max_size,
+                         box_detections_per_img=100, box_predictor=FastRCNNPredictor(1024, num_classes),
+                         mask_head=MaskRCNNHeads(c, (c,) * 4, 1), mask_predictor=MaskRCNNPredictor(c, c, num_classes))
     if paste == "batched" and name != "sprnet":
         t = model.transform
         model.transform = PastingTransform(t.min_size, t.max_size, t.image_mean, t.image_std)
@@ -296,13 +301,15 @@ def evaluate_model(model: torch.nn.Module, dataset, **predict_kwargs) -> dict:
 
 @torch.no_grad()
 def throughput(model: torch.nn.Module, images: list[torch.Tensor], *, batch_size: int = 1, warmup: int = 5,
-               iters: int = 20, repeats: int = 3, amp: bool | None = None) -> dict:
+               iters: int = 20, repeats: int = 3, amp: bool | None = None, max_seconds: float | None = None) -> dict:
     """Inference images/s of ``model`` on ``images`` (already on the model's device), end to end: transform,
     network, post-processing and mask pasting, as a user calls it.
 
     ``warmup`` batches first (cuDNN autotuning, allocator), then ``repeats`` timings of ``iters`` batches,
-    each between two device synchronisations. Returns ``{"images_per_s"}`` (median over repeats) with
-    ``"min"``, ``"max"``, ``"batch_size"``, ``"detections_per_image"`` (mean, last batch).
+    each between two device synchronisations. With ``max_seconds``, the first batch's time sets fewer
+    warm-up batches and iterations where needed to stay within it (at least 1 of each).
+    Returns ``{"images_per_s"}`` (median over repeats) with ``"min"``, ``"max"``, ``"batch_size"``,
+    ``"iters"``, ``"repeats"``, ``"detections_per_image"`` (mean, last batch).
     """
     device = images[0].device
     amp = device.type == "cuda" if amp is None else amp
@@ -313,7 +320,15 @@ def throughput(model: torch.nn.Module, images: list[torch.Tensor], *, batch_size
         raise ValueError(f"need at least batch_size={batch_size} images, got {len(images)}")
     out = None
     with _autocast(device, amp):
-        for i in range(warmup):
+        sync()
+        t0 = time.perf_counter()
+        model(batches[0])
+        sync()
+        if max_seconds is not None:   # the first call is the slowest: a safe estimate
+            per = time.perf_counter() - t0
+            warmup = max(1, min(warmup, int(0.2 * max_seconds / per)))
+            iters = max(1, min(iters, int(0.8 * max_seconds / (per * repeats)) - 1))
+        for i in range(1, warmup):
             model(batches[i % len(batches)])
         rates = []
         for _ in range(repeats):
@@ -325,7 +340,7 @@ def throughput(model: torch.nn.Module, images: list[torch.Tensor], *, batch_size
             rates.append(iters * batch_size / (time.perf_counter() - t0))
     rates.sort()
     return {"images_per_s": rates[len(rates) // 2], "min": rates[0], "max": rates[-1], "batch_size": batch_size,
-            "detections_per_image": sum(len(o["boxes"]) for o in out) / len(out)}
+            "iters": iters, "repeats": repeats, "detections_per_image": sum(len(o["boxes"]) for o in out) / len(out)}
 
 
 def draw_predictions(dataset, predictions: list[tuple[int, dict]], path: str | Path, *, num_images: int = 8,
