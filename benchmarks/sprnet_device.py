@@ -1,0 +1,266 @@
+"""Device benchmark of SPRNet against its anchors: SPRNet, Mask R-CNN and RetinaNet (ResNet-50-FPN, random init,
+nothing downloaded) trained with the same schedule on a generated shapes set, then box/mask AP (pycocotools) on
+its val split, and inference images/s at the same input size (SPRNet vs Mask R-CNN, RetinaNet for reference).
+
+Goals (issue 26): SPRNet mask AP within 2 points of Mask R-CNN's; box AP >= RetinaNet's; inference >= 1.2x
+Mask R-CNN's images/s.
+
+Launch (repository root; results land in $OUT, default ./out/sprnet_device):
+    PYTHONPATH=src python3 benchmarks/sprnet_device.py                   # 1 x H200, about 5.5 minutes
+    PYTHONPATH=src python3 benchmarks/sprnet_device.py --budget-s 200    # shorter: fewer training steps
+    PYTHONPATH=src python3 benchmarks/sprnet_device.py --data /coco      # a COCO-layout set instead of shapes
+    PYTHONPATH=src python3 benchmarks/sprnet_device.py --smoke           # CPU, tiny, a minute or two
+
+The schedule is chosen to fit the budget: each model's step time is measured on a throw-away copy (after
+warm-up), and every model then trains the same number of steps, as many as the time left allows after the
+reserve for evaluation and timing (capped at --max-steps). A model running over its share stops early (the JSON
+says so) and the timing phase shrinks its repeats rather than overrun the budget.
+
+Writes $OUT/sprnet_device.json (everything), sprnet_device.png (AP and images/s bars), sprnet_masks.png and
+maskrcnn_masks.png (predicted masks over val images), and prints the table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+
+# ---- defaults (one visible block) ----
+@dataclass
+class Settings:
+    budget_s: float = 330.0        # whole run, data generation included
+    data: str = ""                 # COCO-layout folder; empty: generate shapes
+    train_images: int = 2000
+    val_images: int = 300
+    image_size: int = 256          # shapes are drawn at this size, and the models take it as input
+    backbone: str = "resnet50"
+    fpn_channels: int = 256
+    batch_size: int = 16
+    lr: float = 5e-4               # AdamW; linear warm-up then cosine to 0
+    warmup_steps: int = 200
+    max_steps: int = 4000
+    min_steps: int = 100           # below this the run says the budget is too small (it still runs)
+    eval_reserve_s: float = 35.0   # kept for each model's evaluation
+    timing_reserve_s: float = 35.0
+    timing_batches: str = "1,8"    # images per inference call; the first is the goal's
+    seed: int = 0
+    smoke: bool = False
+
+
+SMOKE = {"budget_s": 240.0, "train_images": 16, "val_images": 4, "image_size": 64, "backbone": "resnet10",
+         "fpn_channels": 32, "batch_size": 4, "lr": 2e-3, "warmup_steps": 5, "max_steps": 8, "min_steps": 2,
+         "eval_reserve_s": 15.0, "timing_reserve_s": 20.0, "timing_batches": "1,2"}
+MODELS = ("sprnet", "maskrcnn", "retinanet")
+
+
+def parse() -> Settings:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    for f in fields(Settings):
+        if f.type in ("bool", bool):
+            p.add_argument(f"--{f.name.replace('_', '-')}", action="store_true")
+        else:
+            p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=None)
+    args = p.parse_args()
+    given = {k: v for k, v in vars(args).items() if v not in (None, False)}
+    base = {**(SMOKE if given.get("smoke") else {}), **given}
+    return Settings(**base)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def main() -> int:
+    from torch.utils.data import DataLoader
+
+    from hpdl.bench.report import source_commit
+    from hpdl.vision import detect
+    from hpdl.vision.coco import CocoInstances, collate
+    from hpdl.vision.shapes import ShapesConfig, make_shapes
+
+    s = parse()
+    t_start = time.monotonic()
+    deadline = t_start + s.budget_s
+    out = Path(os.environ.get("OUT", "out/sprnet_device"))
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    device = detect.resolve_device("cpu" if s.smoke else "auto")
+    torch.backends.cudnn.benchmark = True
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    result = {"settings": asdict(s), "device": torch.cuda.get_device_name() if device.type == "cuda" else
+              platform.processor() or "cpu", "torch": torch.__version__, "commit": source_commit(),
+              "date": time.strftime("%Y-%m-%d %H:%M"), "phases_s": {}}
+    import torchvision
+
+    result["torchvision"] = torchvision.__version__
+
+    # ---- data
+    tmp = None
+    if s.data:
+        root = Path(s.data)
+    else:
+        tmp = tempfile.TemporaryDirectory(prefix="sprnet_shapes_")
+        root = Path(tmp.name)
+        cfg = ShapesConfig(num_train=s.train_images, num_val=s.val_images, image_size=s.image_size, seed=s.seed)
+        t = time.monotonic()
+        make_shapes(root, cfg, workers=0 if s.smoke else min(16, os.cpu_count() or 1))
+        result["shapes"] = {**asdict(cfg), "classes": list(cfg.classes)}
+        log(f"shapes: {s.train_images} + {s.val_images} images of {s.image_size} px in {time.monotonic() - t:.1f} s")
+    cache = not s.data
+    train_ds = CocoInstances(root, "train", train=True, cache=cache)
+    val_ds = CocoInstances(root, "val", cache=cache)
+    if cache:
+        for ds in (train_ds, val_ds):
+            for i in range(len(ds)):
+                ds[i]
+    result["phases_s"]["data"] = time.monotonic() - t_start
+    workers = 0 if cache else 8
+    loader = DataLoader(train_ds, batch_size=s.batch_size, shuffle=True, num_workers=workers, collate_fn=collate,
+                        drop_last=True, pin_memory=device.type == "cuda", persistent_workers=workers > 0)
+
+    def build(name: str):
+        torch.manual_seed(s.seed)
+        return detect.build_model(name, train_ds.num_classes, backbone=s.backbone, image_size=s.image_size,
+                                  fpn_channels=s.fpn_channels)
+
+    # ---- calibrate: seconds a step, on throw-away copies
+    t = time.monotonic()
+    step_s = {}
+    for name in MODELS:
+        model = build(name)
+        detect.fit(model, loader, steps=3, lr=s.lr, device=device, progress=False)
+        t1 = time.monotonic()
+        detect.fit(model, loader, steps=5, lr=s.lr, device=device, progress=False)
+        step_s[name] = (time.monotonic() - t1) / 5
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    result["phases_s"]["calibrate"] = time.monotonic() - t
+    reserve = len(MODELS) * s.eval_reserve_s + s.timing_reserve_s
+    train_budget = deadline - time.monotonic() - reserve
+    steps = int(min(s.max_steps, max(0.0, train_budget) / sum(step_s.values()) * 0.95))
+    result["schedule"] = {"steps": steps, "step_s": step_s, "train_budget_s": train_budget,
+                          "budget_too_small": steps < s.min_steps}
+    log(f"step s {json.dumps({k: round(v, 4) for k, v in step_s.items()})}: {steps} steps each "
+        f"(train budget {train_budget:.0f} s)")
+    steps = max(steps, 1)
+
+    # ---- train and evaluate, one model after the other (same steps, batches, lr, seed)
+    models, metrics, train_stats = {}, {}, {}
+    for k, name in enumerate(MODELS):
+        # its share with 30% slack, and never into the reserve of the models still to evaluate
+        share_deadline = min(time.monotonic() + steps * step_s[name] * 1.3 + 10,
+                             deadline - ((len(MODELS) - k) * s.eval_reserve_s + s.timing_reserve_s))
+        model = build(name)
+        torch.manual_seed(s.seed + 1)
+        stats = detect.fit(model, loader, steps=steps, lr=s.lr, warmup_steps=s.warmup_steps, device=device,
+                           deadline=share_deadline, label=f"train {name}")
+        train_stats[name] = {k2: v for k2, v in stats.items() if k2 != "history"}
+        train_stats[name]["loss_first_last"] = [stats["history"][0], stats["history"][-1]] if stats["history"] else []
+        t = time.monotonic()
+        m = detect.evaluate_model(model, val_ds, batch_size=16, device=device, progress=False)
+        preds = m.pop("predictions")
+        metrics[name] = m
+        train_stats[name]["eval_s"] = time.monotonic() - t
+        if name in detect.MASK_MODELS:
+            detect.draw_predictions(val_ds, preds, out / f"{name}_masks.png", num_images=8,
+                                    title=f"{name} ({s.backbone}, {stats['steps']} steps): val predictions >= 0.5")
+        models[name] = model
+        log(f"{name}: {stats['steps']} steps in {stats['seconds']:.0f} s, eval {train_stats[name]['eval_s']:.0f} s\n"
+            + detect.format_metrics({name: m}))
+    result["train"], result["metrics"] = train_stats, metrics
+
+    # ---- inference images/s at the same input size (val images, trained weights, end to end)
+    t = time.monotonic()
+    images = [val_ds[i][0].to(device) for i in range(min(len(val_ds), 64))]
+    speed = {}
+    # Mask R-CNN with SPRNet's batched paste too: the like-for-like comparison (same weights)
+    batched = detect.build_model("maskrcnn", train_ds.num_classes, backbone=s.backbone, image_size=s.image_size,
+                                 fpn_channels=s.fpn_channels, paste="batched")
+    batched.load_state_dict(models["maskrcnn"].state_dict())
+    variants = [("sprnet", models["sprnet"]), ("maskrcnn", models["maskrcnn"]),
+                ("maskrcnn_batched_paste", batched.to(device)), ("retinanet", models["retinanet"])]
+    runs = [(bs, name, model) for bs in [int(b) for b in s.timing_batches.split(",")] for name, model in variants]
+    for k, (bs, name, model) in enumerate(runs):
+        share = (deadline - time.monotonic() - 3) / (len(runs) - k)   # an equal share of what is left
+        if share < 1:
+            speed.setdefault("skipped", []).append(f"{name}@{bs}")
+            continue
+        speed[f"{name}@{bs}"] = detect.throughput(model, images, batch_size=bs, warmup=5, iters=20, repeats=3,
+                                                  max_seconds=share)
+    result["speed"] = speed
+    result["phases_s"]["timing"] = time.monotonic() - t
+    result["phases_s"]["total"] = time.monotonic() - t_start
+
+    # ---- goals, files, table
+    b0 = int(s.timing_batches.split(",")[0])
+    g = {}
+    sm, mm, rm = metrics["sprnet"], metrics["maskrcnn"], metrics["retinanet"]
+    g["mask_ap_gap_points"] = 100 * (mm["segm"]["AP"] - sm["segm"]["AP"])
+    g["mask_ap_within_2"] = g["mask_ap_gap_points"] <= 2.0
+    g["box_ap_vs_retinanet_points"] = 100 * (sm["bbox"]["AP"] - rm["bbox"]["AP"])
+    g["box_ap_ge_retinanet"] = g["box_ap_vs_retinanet_points"] >= 0
+    for ref in ("maskrcnn", "maskrcnn_batched_paste"):
+        a, r = speed.get(f"sprnet@{b0}"), speed.get(f"{ref}@{b0}")
+        if a and r:
+            g[f"speedup_vs_{ref}"] = a["images_per_s"] / r["images_per_s"]
+    g["speedup_ge_1.2"] = min(v for k, v in g.items() if k.startswith("speedup_vs")) >= 1.2 \
+        if any(k.startswith("speedup_vs") for k in g) else False
+    result["goals"] = g
+    (out / "sprnet_device.json").write_text(json.dumps(result, indent=1))
+    plot(result, out / "sprnet_device.png")
+    if tmp is not None:
+        tmp.cleanup()
+
+    print(f"\nSPRNet device run: {result['device']}, torch {result['torch']}, {s.backbone}, input {s.image_size} px, "
+          f"{steps} steps x batch {s.batch_size}, {result['phases_s']['total']:.0f} s total")
+    print(detect.format_metrics(metrics))
+    print(f"{'inference':<24}" + "".join(f"{'batch ' + b:>12}" for b in s.timing_batches.split(",")))
+    for name, _ in variants:
+        row = [speed.get(f"{name}@{b}") for b in s.timing_batches.split(",")]
+        print(f"{name + ' img/s':<24}" + "".join(f"{r['images_per_s']:>12.1f}" if r else f"{'-':>12}" for r in row))
+    print("goals: " + ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in g.items()))
+    return 0
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(result["metrics"])
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    w = 0.38
+    for j, (kind, label) in enumerate((("bbox", "box AP"), ("segm", "mask AP"))):
+        have = [i for i, n in enumerate(names) if kind in result["metrics"][n]]   # RetinaNet has no masks
+        vals = [100 * result["metrics"][names[i]][kind]["AP"] for i in have]
+        bars = ax1.bar([i + (j - 0.5) * w for i in have], vals, w, label=label)
+        ax1.bar_label(bars, fmt="%.1f", fontsize=7)
+    ax1.set_xticks(range(len(names)), names)
+    ax1.set_ylabel("COCO AP (points)")
+    ax1.set_title(f"AP on shapes val, {result['schedule']['steps']} steps each", fontsize=9)
+    ax1.legend(fontsize=8)
+    speed = {k: v for k, v in result["speed"].items() if k != "skipped"}
+    keys = list(speed)
+    bars = ax2.barh(range(len(keys)), [speed[k]["images_per_s"] for k in keys])
+    ax2.bar_label(bars, fmt="%.0f", fontsize=7)
+    ax2.set_yticks(range(len(keys)), keys, fontsize=7)
+    ax2.set_xlabel("images/s (end to end, name@batch)")
+    ax2.set_title(f"inference at {result['settings']['image_size']} px, {result['device']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

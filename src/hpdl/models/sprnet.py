@@ -1,0 +1,499 @@
+"""SPRNet: one-stage instance segmentation by single-pixel reconstruction, on torchvision's RetinaNet.
+
+J. Yu, J. Yao, J. Zhang, Z. Yu, D. Tao, "SPRNet: Single-Pixel Reconstruction for One-Stage Instance
+Segmentation", IEEE Trans. Cybernetics 51(4), 2021 (arXiv 1904.07426). No public code exists; this follows the
+paper as summarised in docs/vision.md, and says where it had to choose.
+
+RetinaNet (ResNet-FPN, P3-P7, 9 anchors a location, focal loss and L1 box loss as torchvision has them) gets a
+third, parallel branch, the single-pixel reconstruction (SPR) branch:
+
+- Mask enhancement on each pyramid level (shared across levels): a 1x1 conv (256 ch) beside three 3x3 convs
+  dilated 2/4/6 (128 ch each), concatenated and ReLU'd: one 640-d vector per pixel.
+- SPR decoder: a pixel's vector alone -> a 1x1 conv -> three deconvolutions without activation (1 -> 8x8) ->
+  two deconvolutions with ReLU (-> 32x32), plus a nearest-upsampled shortcut from 8x8; one 32x32 mask logit
+  map per class (on-class binary cross-entropy, as Mask R-CNN). The mask lives in the frame of the instance's
+  box: the target is the ground-truth mask cropped to its box and resampled to 32x32; at inference the mask is
+  pasted bilinearly into the detection's regressed box, so a mask is never better than its box.
+- Positive pixels: a pixel is positive when any of its 9 anchors has IoU > 0.7 with a ground-truth box, and that
+  anchor's best box picks the instance; at most 300 positive pixels an image are sampled.
+- Gated FPN (GFPN): the top-down sum ``y = x1 + x2`` becomes ``y = x1 * sigmoid(g(x1)) + x2 * sigmoid(g(x2))``
+  with ``g`` one depthwise-separable 3x3 conv shared by all inputs. ``fpn="sum"`` keeps torchvision's FPN.
+- Total loss: classification + box regression + mask, unweighted.
+
+Our choices where the paper is silent or unverified (docs/vision.md lists them): every instance also keeps the
+pixel of its best anchor (as torchvision's low-quality matches), so an instance that no anchor covers at IoU
+0.7 still trains the mask; the enhancement convs read the FPN features directly, so a pixel's vector depends on
+a 13x13 window only and is computed for the selected pixels alone (``conv_at``: the same numbers as the dense
+conv, no dense mask tensor ever); gate init is PyTorch's default.
+
+Shapes (torchvision's detection API): inputs a list of float [3, H, W] in 0-1; training targets ``boxes``
+float [N, 4] (x1, y1, x2, y2), ``labels`` int64 [N] in 1..K, ``masks`` uint8 [N, H, W]; training returns
+``{"classification", "bbox_regression", "mask"}`` scalar losses; inference returns per image ``boxes`` [D, 4],
+``labels`` [D], ``scores`` [D] and ``masks`` float [D, 1, H, W] (probabilities, threshold 0.5).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torchvision
+from torchvision.models.detection import RetinaNet
+from torchvision.models.detection.anchor_utils import AnchorGenerator
+from torchvision.models.detection.backbone_utils import BackboneWithFPN
+from torchvision.models.detection.transform import GeneralizedRCNNTransform, resize_boxes
+from torchvision.ops import FeaturePyramidNetwork, boxes as box_ops, roi_align
+from torchvision.ops.feature_pyramid_network import ExtraFPNBlock, LastLevelP6P7
+from torchvision.ops.misc import FrozenBatchNorm2d
+
+from hpdl.runtime.errors import HpdlError
+
+RESNETS = ("resnet10", "resnet18", "resnet34", "resnet50", "resnet101")   # resnet10: BasicBlock x [1, 1, 1, 1]
+
+
+@dataclass
+class SPRNetConfig:
+    """Architecture and inference settings; defaults are the paper's R50-GFPN at COCO scale."""
+
+    num_classes: int = 91                  # including background (torchvision's convention): labels 1..K
+    backbone: str = "resnet50"             # one of RESNETS
+    backbone_weights: str | None = None    # local torchvision ResNet state dict; None: random init, no download
+    trainable_backbone_layers: int | None = None   # None: all 5 from scratch, 3 with weights (torchvision)
+    fpn: str = "gated"                     # "gated" (GFPN) or "sum" (torchvision's FPN)
+    fpn_channels: int = 256
+    anchor_sizes: tuple[int, ...] = (32, 64, 128, 256, 512)   # base anchor of P3..P7 (x 2^0, 2^1/3, 2^2/3)
+    min_size: int = 800                    # torchvision transform: shorter side resized to min_size ...
+    max_size: int = 1333                   # ... unless the longer side would pass max_size
+    mask_size: int = 32                    # m: masks are m x m in the box frame (power of two >= 8)
+    class_agnostic: bool = False           # one mask per pixel instead of one per class
+    enhance_channels: tuple[int, int] = (256, 128)   # 1x1 conv, each dilated conv
+    decoder_channels: tuple[int, int] = (256, 128)   # linear deconvolutions, ReLU deconvolutions
+    mask_iou_thresh: float = 0.7           # a pixel is positive when an anchor of it has IoU above this
+    mask_samples: int = 300                # positive pixels sampled an image for the mask loss
+    score_thresh: float = 0.05
+    nms_thresh: float = 0.5
+    detections_per_img: int = 100          # the paper's top-100 pixels
+    topk_candidates: int = 1000
+
+    def __post_init__(self):
+        self.anchor_sizes = tuple(self.anchor_sizes)
+        self.enhance_channels = tuple(self.enhance_channels)
+        self.decoder_channels = tuple(self.decoder_channels)
+        if self.backbone not in RESNETS:
+            raise ValueError(f"backbone must be one of {RESNETS}, got {self.backbone!r}")
+        if self.fpn not in ("gated", "sum"):
+            raise ValueError(f"fpn must be 'gated' or 'sum', got {self.fpn!r}")
+        if self.num_classes < 2:
+            raise ValueError(f"num_classes counts background and must be >= 2, got {self.num_classes}")
+        m = self.mask_size
+        if m < 8 or m & (m - 1):
+            raise ValueError(f"mask_size must be a power of two >= 8, got {m}")
+        if len(self.anchor_sizes) != 5:
+            raise ValueError(f"anchor_sizes needs one size for each of P3..P7 (5), got {self.anchor_sizes}")
+
+
+# ---------------------------------------------------------------- backbone
+
+class GatedFPN(FeaturePyramidNetwork):
+    """FPN whose top-down merge is gated (SPRNet's GFPN): ``y = a * sigmoid(g(a)) + b * sigmoid(g(b))``.
+
+    ``g`` is one depthwise 3x3 + pointwise 1x1 conv shared by every level and both inputs. Same constructor and
+    shapes as torchvision's ``FeaturePyramidNetwork``.
+    """
+
+    def __init__(self, in_channels_list: list[int], out_channels: int, extra_blocks: ExtraFPNBlock | None = None):
+        super().__init__(in_channels_list, out_channels, extra_blocks=extra_blocks)
+        c = out_channels
+        self.gate = nn.Sequential(nn.Conv2d(c, c, 3, padding=1, groups=c), nn.Conv2d(c, c, 1))
+
+    def _merge(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a * torch.sigmoid(self.gate(a)) + b * torch.sigmoid(self.gate(b))
+
+    def forward(self, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        names, feats = list(x.keys()), list(x.values())
+        last = self.get_result_from_inner_blocks(feats[-1], -1)
+        results = [self.get_result_from_layer_blocks(last, -1)]
+        for idx in range(len(feats) - 2, -1, -1):
+            lateral = self.get_result_from_inner_blocks(feats[idx], idx)
+            last = self._merge(lateral, F.interpolate(last, size=lateral.shape[-2:], mode="nearest"))
+            results.insert(0, self.get_result_from_layer_blocks(last, idx))
+        if self.extra_blocks is not None:
+            results, names = self.extra_blocks(results, feats, names)
+        return OrderedDict(zip(names, results))
+
+
+def load_backbone_weights(net: nn.Module, path: str) -> None:
+    """Load a local torchvision ResNet state dict (``torch.save(resnet.state_dict())``; ``fc.*`` ignored).
+
+    Raises:
+        HpdlError: the file is missing, or its keys or shapes do not match the ResNet (names the first few).
+    """
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise HpdlError(f"backbone_weights={path!r}: no such file") from None
+    if isinstance(state, dict) and isinstance(state.get("state_dict", state.get("model")), dict):
+        state = state.get("state_dict", state.get("model"))
+    state = {k.removeprefix("module."): v for k, v in state.items() if not k.removeprefix("module.").startswith("fc.")}
+    own = {k: v for k, v in net.state_dict().items() if not k.startswith("fc.") and not k.endswith("num_batches_tracked")}
+    state = {k: v for k, v in state.items() if not k.endswith("num_batches_tracked")}
+    missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
+    wrong = [k for k in own.keys() & state.keys() if own[k].shape != state[k].shape]
+    if missing or unexpected or wrong:
+        raise HpdlError(f"backbone_weights={path!r} does not fit the ResNet: missing {missing[:3]}, "
+                        f"unexpected {unexpected[:3]}, wrong shape {wrong[:3]}")
+    net.load_state_dict(state, strict=False)
+
+
+def resnet_fpn(name: str = "resnet50", *, out_channels: int = 256, returned_layers=(2, 3, 4),
+               extra_blocks: ExtraFPNBlock | None = None, weights_path: str | None = None,
+               trainable_layers: int | None = None, gated: bool = False) -> BackboneWithFPN:
+    """A torchvision ResNet + FPN, never downloading: random init, or weights from a local file.
+
+    With weights, batch norm is frozen and the last ``trainable_layers`` (default 3) stages train, as
+    torchvision's detection builders do; from scratch, batch norm trains and so do all 5 stages.
+    ``returned_layers`` (2, 3, 4) with ``LastLevelP6P7`` is RetinaNet's P3-P7; (1, 2, 3, 4) with the default
+    max-pool block is Mask R-CNN's P2-P6. ``gated`` swaps the FPN for :class:`GatedFPN`.
+    """
+    if name not in RESNETS:
+        raise ValueError(f"backbone must be one of {RESNETS}, got {name!r}")
+    norm = FrozenBatchNorm2d if weights_path else nn.BatchNorm2d
+    if name == "resnet10":   # not in torchvision's zoo: the smallest ResNet, for CPU tests
+        net = torchvision.models.resnet.ResNet(torchvision.models.resnet.BasicBlock, [1, 1, 1, 1], norm_layer=norm)
+    else:
+        net = getattr(torchvision.models, name)(weights=None, norm_layer=norm)
+    if weights_path:
+        load_backbone_weights(net, weights_path)
+    trainable = trainable_layers if trainable_layers is not None else (3 if weights_path else 5)
+    if not 0 <= trainable <= 5:
+        raise ValueError(f"trainable_layers must be in 0..5, got {trainable}")
+    train_prefixes = ("layer4", "layer3", "layer2", "layer1", "conv1")[:trainable] + (("bn1",) if trainable == 5 else ())
+    for pname, p in net.named_parameters():
+        if not pname.startswith(train_prefixes):
+            p.requires_grad_(False)
+    stage2 = net.inplanes // 8   # 64 (BasicBlock) or 256 (Bottleneck): channels of layer1's output
+    in_channels = [stage2 * 2 ** (i - 1) for i in returned_layers]
+    return_layers = {f"layer{k}": str(v) for v, k in enumerate(returned_layers)}
+    backbone = BackboneWithFPN(net, return_layers, in_channels, out_channels, extra_blocks=extra_blocks)
+    if gated:
+        backbone.fpn = GatedFPN(in_channels, out_channels, extra_blocks=backbone.fpn.extra_blocks)
+    return backbone
+
+
+def retina_anchors(sizes=(32, 64, 128, 256, 512)) -> AnchorGenerator:
+    """RetinaNet's anchors: per level 3 scales (x 2^0, 2^1/3, 2^2/3 of ``sizes[l]``) x 3 aspect ratios."""
+    return AnchorGenerator(tuple((s, int(s * 2 ** (1 / 3)), int(s * 2 ** (2 / 3))) for s in sizes),
+                           ((0.5, 1.0, 2.0),) * len(sizes))
+
+
+# ---------------------------------------------------------------- SPR branch
+
+def conv_at(feature: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int,
+            b: torch.Tensor, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``conv2d(feature, weight, bias, padding=dilation * (k // 2), dilation=dilation)`` at pixels only.
+
+    Args:
+        feature: [B, C, H, W]. weight: [O, C, k, k], k odd. bias: [O] or None.
+        b, y, x: int64 [P], the batch index, row and column of each wanted output pixel.
+    Returns:
+        [P, O], equal (to rounding) to the dense conv's output at those pixels (zero padding).
+    """
+    k = weight.shape[-1]
+    r = (k // 2) * dilation
+    fp = F.pad(feature, (r, r, r, r)) if r else feature
+    off = torch.arange(k, device=feature.device) * dilation            # taps at r + (j - k//2) * dilation
+    yy = y[:, None, None] + off[None, :, None]                         # [P, k, 1] rows in the padded map
+    xx = x[:, None, None] + off[None, None, :]                         # [P, 1, k]
+    taps = fp[b[:, None, None], :, yy, xx]                             # [P, k, k, C]
+    out = torch.einsum("pijc,ocij->po", taps, weight.to(taps.dtype))
+    return out if bias is None else out + bias.to(out.dtype)
+
+
+class MaskEnhancement(nn.Module):
+    """1x1 conv beside 3x3 convs dilated ``rates``, concatenated, ReLU: [B, C, H, W] -> [B, C', H, W]."""
+
+    def __init__(self, in_channels: int, channels=(256, 128), rates=(2, 4, 6)):
+        super().__init__()
+        self.point = nn.Conv2d(in_channels, channels[0], 1)
+        self.dilated = nn.ModuleList(nn.Conv2d(in_channels, channels[1], 3, padding=r, dilation=r) for r in rates)
+        self.out_channels = channels[0] + len(rates) * channels[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The dense map (reference for :meth:`at`; the model itself only evaluates pixels)."""
+        return F.relu(torch.cat([self.point(x)] + [c(x) for c in self.dilated], 1))
+
+    def at(self, feature: torch.Tensor, b: torch.Tensor, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``forward(feature)[b, :, y, x]`` without the dense map: [P, C']."""
+        outs = [conv_at(feature, self.point.weight, self.point.bias, 1, b, y, x)]
+        outs += [conv_at(feature, c.weight, c.bias, c.dilation[0], b, y, x) for c in self.dilated]
+        return F.relu(torch.cat(outs, 1))
+
+
+class SPRDecoder(nn.Module):
+    """One pixel's vector -> mask logits: [P, C'] -> [P, K, m, m] (K = classes, or 1 class-agnostic)."""
+
+    def __init__(self, in_channels: int, num_masks: int, mask_size: int = 32, channels=(256, 128)):
+        super().__init__()
+        c0, c1 = channels
+        n_linear = int(math.log2(mask_size)) - 2            # 1x1 -> (m/4)x(m/4) without activation
+        self.reduce = nn.Linear(in_channels, c0)            # the 1x1 conv on a 1x1 map
+        self.linear = nn.Sequential(*[nn.ConvTranspose2d(c0, c0, 2, stride=2) for _ in range(n_linear)])
+        self.up = nn.Sequential(nn.ConvTranspose2d(c0, c1, 2, stride=2), nn.ReLU(inplace=True),
+                                nn.ConvTranspose2d(c1, c1, 2, stride=2), nn.ReLU(inplace=True))
+        self.predict = nn.Conv2d(c1, num_masks, 1)
+        self.predict_shortcut = nn.Conv2d(c0, num_masks, 1)
+
+    def forward(self, v: torch.Tensor) -> torch.Tensor:
+        a = self.linear(self.reduce(v)[:, :, None, None])   # [P, c0, m/4, m/4]
+        # shortcut: 1x1 prediction at m/4 then nearest x4 (equal to predicting on the upsampled map, 16x cheaper)
+        return self.predict(self.up(a)) + F.interpolate(self.predict_shortcut(a), scale_factor=4, mode="nearest")
+
+
+def encode_masks(masks: torch.Tensor, boxes: torch.Tensor, mask_size: int) -> torch.Tensor:
+    """SPR targets: masks [N, H, W] cropped to boxes [N, 4] (x1, y1, x2, y2) -> bool [N, m, m].
+
+    Bilinear (roi_align, aligned pixel centres, 2x2 samples a cell), then >= 0.5. :func:`paste_masks` inverts it.
+    """
+    if len(masks) == 0:
+        return masks.new_zeros((0, mask_size, mask_size), dtype=torch.bool)
+    rois = torch.cat([torch.arange(len(boxes), device=boxes.device, dtype=boxes.dtype)[:, None], boxes], 1)
+    crop = roi_align(masks[:, None].float(), rois.float(), (mask_size, mask_size), 1.0, sampling_ratio=2, aligned=True)
+    return crop[:, 0] >= 0.5
+
+
+def paste_masks(masks: torch.Tensor, boxes: torch.Tensor, image_size: tuple[int, int],
+                max_elements: int = 1 << 26) -> torch.Tensor:
+    """Paste box-frame masks [N, 1, m, m] into an image: -> [N, 1, H, W].
+
+    Mask cell edges map to the box edges; pixels whose centre lies in the box get the bilinear value (edge cells
+    extended to the box's border), the others 0, so ``paste_masks(encode_masks(M, B), B) >= 0.5`` recovers ``M``
+    up to resampling, exactly for a box-shaped ``M``. Batched and free of host syncs (torchvision's
+    ``paste_masks_in_image`` loops over detections in Python and reads each box on the host).
+    """
+    h, w = image_size
+    n = len(masks)
+    if n == 0:
+        return masks.new_zeros((0, 1, h, w), dtype=torch.float32)
+    boxes = boxes.float()
+    xs = torch.arange(w, device=masks.device, dtype=torch.float32) + 0.5
+    ys = torch.arange(h, device=masks.device, dtype=torch.float32) + 0.5
+    x0, y0, x1, y1 = boxes.unbind(1)
+    gx = (xs[None] - x0[:, None]) / (x1 - x0).clamp(min=1e-3)[:, None] * 2 - 1      # [N, W]
+    gy = (ys[None] - y0[:, None]) / (y1 - y0).clamp(min=1e-3)[:, None] * 2 - 1      # [N, H]
+    out = []
+    step = max(1, max_elements // (h * w))
+    for i in range(0, n, step):
+        sx, sy = gx[i:i + step], gy[i:i + step]
+        grid = torch.stack([sx[:, None, :].expand(-1, h, -1), sy[:, :, None].expand(-1, -1, w)], -1)
+        inside = ((sx.abs() <= 1)[:, None, :] & (sy.abs() <= 1)[:, :, None])[:, None]
+        out.append(F.grid_sample(masks[i:i + step].float(), grid, mode="bilinear", padding_mode="border",
+                                 align_corners=False) * inside)
+    return torch.cat(out)
+
+
+class PastingTransform(GeneralizedRCNNTransform):
+    """torchvision's detection transform, its ``postprocess`` pasting masks with :func:`paste_masks`."""
+
+    def postprocess(self, result, image_shapes, original_image_sizes):
+        if self.training:
+            return result
+        for pred, size, original in zip(result, image_shapes, original_image_sizes):
+            pred["boxes"] = resize_boxes(pred["boxes"], size, original)
+            if "masks" in pred:
+                pred["masks"] = paste_masks(pred["masks"], pred["boxes"], original)
+        return result
+
+
+def spr_positives(iou: torch.Tensor, num_anchors: int, iou_thresh: float = 0.7,
+                  max_pixels: int = 300) -> tuple[torch.Tensor, torch.Tensor]:
+    """SPR positive pixels of one image and the instance each reconstructs.
+
+    Args:
+        iou: [G, P * A] IoU of each ground-truth box with each anchor, anchors ordered pixel-major (torchvision's
+            order: anchor ``i`` belongs to pixel ``i // A`` of the levels concatenated row-major).
+        num_anchors: A, anchors a pixel.
+    Returns:
+        ``(pixels, instances)``, int64 [n] each, n <= max_pixels: a pixel is positive when one of its anchors
+        has IoU > ``iou_thresh``; that anchor's best box is its instance. Each instance also gets the pixel of
+        its best anchor (when that IoU is above 0). More than ``max_pixels`` positives are sampled at random.
+    """
+    g = iou.shape[0]
+    best_iou, best_gt = iou.max(0)                                   # per anchor
+    pixel_iou, best_a = best_iou.view(-1, num_anchors).max(1)        # per pixel
+    pixel_gt = best_gt.view(-1, num_anchors).gather(1, best_a[:, None])[:, 0]
+    positive = pixel_iou > iou_thresh
+    top_iou, top = iou.max(1)                                         # each instance's best anchor
+    own = top_iou > 0
+    positive[top[own] // num_anchors] = True
+    pixel_gt[top[own] // num_anchors] = torch.arange(g, device=iou.device)[own]
+    pixels = positive.nonzero()[:, 0]
+    if len(pixels) > max_pixels:
+        pixels = pixels[torch.randperm(len(pixels), device=pixels.device)[:max_pixels]]
+    return pixels, pixel_gt[pixels]
+
+
+# ---------------------------------------------------------------- model
+
+def spr_mask_loss(logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+    """Mean per-pixel binary cross-entropy of mask logits [n, m, m] against bool targets [n, m, m] (fp32)."""
+    return F.binary_cross_entropy_with_logits(logits.float(), masks.float())
+
+
+class SPRNet(RetinaNet):
+    """RetinaNet with the single-pixel reconstruction branch (see the module docstring).
+
+    Example::
+
+        model = SPRNet(SPRNetConfig(num_classes=4, backbone="resnet18", min_size=128, max_size=128)).eval()
+        out = model([torch.rand(3, 128, 128)])[0]     # boxes [D, 4], labels [D], scores [D], masks [D, 1, 128, 128]
+    """
+
+    def __init__(self, config: SPRNetConfig | None = None):
+        cfg = config or SPRNetConfig()
+        c = cfg.fpn_channels
+        backbone = resnet_fpn(cfg.backbone, out_channels=c, returned_layers=(2, 3, 4),
+                              extra_blocks=LastLevelP6P7(c, c), weights_path=cfg.backbone_weights,
+                              trainable_layers=cfg.trainable_backbone_layers, gated=cfg.fpn == "gated")
+        super().__init__(backbone, cfg.num_classes, min_size=cfg.min_size, max_size=cfg.max_size,
+                         anchor_generator=retina_anchors(cfg.anchor_sizes), score_thresh=cfg.score_thresh,
+                         nms_thresh=cfg.nms_thresh, detections_per_img=cfg.detections_per_img,
+                         topk_candidates=cfg.topk_candidates)
+        self.config = cfg
+        self.transform = PastingTransform(cfg.min_size, cfg.max_size, self.transform.image_mean,
+                                          self.transform.image_std)
+        self.num_anchors = self.anchor_generator.num_anchors_per_location()[0]
+        self.enhance = MaskEnhancement(c, cfg.enhance_channels)
+        self.decoder = SPRDecoder(self.enhance.out_channels, 1 if cfg.class_agnostic else cfg.num_classes,
+                                  cfg.mask_size, cfg.decoder_channels)
+
+    def num_parameters(self, trainable_only: bool = False) -> int:
+        return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
+
+    # ---- the SPR branch on selected pixels
+    def pixel_features(self, features: list[torch.Tensor], b: torch.Tensor, pixels: torch.Tensor) -> torch.Tensor:
+        """Enhanced vectors [P, C'] of pixels ``pixels`` (indices into the levels concatenated row-major)."""
+        parts, order, start = [], [], 0
+        for f in features:
+            h, w = f.shape[-2:]
+            sel = ((pixels >= start) & (pixels < start + h * w)).nonzero()[:, 0]
+            if len(sel):
+                local = pixels[sel] - start
+                parts.append(self.enhance.at(f, b[sel], local // w, local % w))
+                order.append(sel)
+            start += h * w
+        if not parts:
+            return features[0].new_zeros((0, self.enhance.out_channels))
+        out = torch.empty((len(pixels), self.enhance.out_channels), dtype=parts[0].dtype, device=parts[0].device)
+        out[torch.cat(order)] = torch.cat(parts)
+        return out
+
+    def mask_logits(self, features, b, pixels, labels) -> torch.Tensor:
+        """[P] pixels and their labels -> the labels' mask logits [P, m, m] (channel 0 when class-agnostic)."""
+        logits = self.decoder(self.pixel_features(features, b, pixels))
+        channel = torch.zeros_like(labels) if self.config.class_agnostic else labels
+        return logits[torch.arange(len(labels), device=labels.device), channel]
+
+    # ---- training
+    def assign(self, targets, anchors) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+        """Training assignments of a batch (boxes and masks in the transformed frame).
+
+        Returns:
+            ``(matched, spr)``: ``matched`` per image, int64 [P * A], the box each anchor is matched to by
+            RetinaNet's Matcher (IoU >= 0.5; -1 background, -2 ignored in (0.4, 0.5)); ``spr`` the SPR
+            positives of the whole batch: ``image``, ``pixel``, ``label`` int64 [n] and ``mask`` bool [n, m, m]
+            (:func:`spr_positives`, :func:`encode_masks`).
+        """
+        matched, spr = [], {"image": [], "pixel": [], "label": [], "mask": []}
+        for i, (anchors_i, t) in enumerate(zip(anchors, targets)):
+            if t["boxes"].numel() == 0:
+                matched.append(torch.full((len(anchors_i),), -1, dtype=torch.int64, device=anchors_i.device))
+                continue
+            iou = box_ops.box_iou(t["boxes"], anchors_i)
+            matched.append(self.proposal_matcher(iou))
+            pixels, gt = spr_positives(iou, self.num_anchors, self.config.mask_iou_thresh, self.config.mask_samples)
+            spr["image"].append(torch.full_like(pixels, i))
+            spr["pixel"].append(pixels)
+            spr["label"].append(t["labels"][gt])
+            spr["mask"].append(encode_masks(t["masks"], t["boxes"], self.config.mask_size)[gt])
+        if not spr["pixel"]:
+            z, m = torch.zeros(0, dtype=torch.int64, device=anchors[0].device), self.config.mask_size
+            return matched, {"image": z, "pixel": z, "label": z, "mask": z.new_zeros((0, m, m), dtype=torch.bool)}
+        return matched, {k: torch.cat(v) for k, v in spr.items()}
+
+    def compute_loss(self, targets, head_outputs, anchors, features):
+        """``{"classification", "bbox_regression"}`` (torchvision's RetinaNet heads) and ``"mask"``
+        (:func:`spr_mask_loss` of the decoded positive pixels)."""
+        matched, spr = self.assign(targets, anchors)
+        losses = self.head.compute_loss(targets, {k: v.float() for k, v in head_outputs.items()}, anchors, matched)
+        if len(spr["pixel"]) == 0:   # keep the branch in the graph (DDP) with a zero loss
+            losses["mask"] = sum(p.sum() for p in (*self.enhance.parameters(), *self.decoder.parameters())) * 0.0
+        else:
+            losses["mask"] = spr_mask_loss(self.mask_logits(features, spr["image"], spr["pixel"], spr["label"]),
+                                           spr["mask"])
+        return losses
+
+    # ---- inference
+    def detect(self, head_outputs, anchors, image_sizes, level_lengths) -> tuple[list[dict], list[torch.Tensor]]:
+        """torchvision RetinaNet's post-processing, also returning each detection's pixel index.
+
+        Per level the ``topk_candidates`` best (anchor, class) scores above ``score_thresh`` (taken as the
+        top-k of the level, then thresholded: the same set as torchvision's threshold-then-top-k, with one
+        host sync an image instead of one a level), decoded and clipped; then class-wise NMS and the best
+        ``detections_per_img``. ``level_lengths``: anchors on each level (H * W * A), in head-output order.
+        """
+        cls_logits, box_regression = head_outputs["cls_logits"], head_outputs["bbox_regression"]
+        num_classes = cls_logits.shape[-1]
+        detections, pixels = [], []
+        for i, image_size in enumerate(image_sizes):
+            scores_i = torch.sigmoid(cls_logits[i].float())                # [P * A, K]
+            top_scores, top_flat, start = [], [], 0
+            for length in level_lengths:
+                level = scores_i[start:start + length].flatten()
+                sc, idx = level.topk(min(self.topk_candidates, level.numel()))
+                top_scores.append(sc)
+                top_flat.append(idx + start * num_classes)
+                start += length
+            scores, flat = torch.cat(top_scores), torch.cat(top_flat)
+            keep = scores > self.score_thresh
+            scores, flat = scores[keep], flat[keep]
+            anchor_idx = torch.div(flat, num_classes, rounding_mode="floor")
+            labels = flat % num_classes
+            boxes = self.box_coder.decode_single(box_regression[i, anchor_idx].float(), anchors[i][anchor_idx])
+            boxes = box_ops.clip_boxes_to_image(boxes, image_size)
+            keep = box_ops.batched_nms(boxes, scores, labels, self.nms_thresh)[: self.detections_per_img]
+            detections.append({"boxes": boxes[keep], "scores": scores[keep], "labels": labels[keep]})
+            pixels.append(anchor_idx[keep] // self.num_anchors)
+        return detections, pixels
+
+    def forward(self, images: list[torch.Tensor], targets: list[dict] | None = None):
+        """Training (``model.train()``, targets required): the loss dict. Inference: one dict an image."""
+        if self.training:
+            if targets is None:
+                raise ValueError("targets are required in training mode (boxes, labels, masks per image)")
+            for j, t in enumerate(targets):
+                for key in ("boxes", "labels", "masks"):
+                    if key not in t:
+                        raise ValueError(f"targets[{j}] lacks {key!r}; SPRNet trains on boxes, labels and masks")
+                if t["boxes"].ndim != 2 or t["boxes"].shape[-1] != 4:
+                    raise ValueError(f"targets[{j}]['boxes'] must be [N, 4], got {list(t['boxes'].shape)}")
+        original_sizes = [(int(img.shape[-2]), int(img.shape[-1])) for img in images]
+        images, targets = self.transform(images, targets)
+        features = list(self.backbone(images.tensors).values())
+        head_outputs = self.head(features)
+        anchors = self.anchor_generator(images, features)
+        if self.training:
+            return self.compute_loss(targets, head_outputs, anchors, features)
+        lengths = [f.shape[-2] * f.shape[-1] * self.num_anchors for f in features]
+        detections, pixels = self.detect(head_outputs, anchors, images.image_sizes, lengths)
+        counts = [len(p) for p in pixels]
+        b = torch.cat([torch.full((n,), i, dtype=torch.int64, device=p.device) for i, (n, p) in
+                       enumerate(zip(counts, pixels))])
+        labels = torch.cat([d["labels"] for d in detections])
+        masks = torch.sigmoid(self.mask_logits(features, b, torch.cat(pixels), labels).float())[:, None]
+        for d, m in zip(detections, masks.split(counts)):
+            d["masks"] = m
+        return self.transform.postprocess(detections, images.image_sizes, original_sizes)

@@ -1,0 +1,538 @@
+"""Instance segmentation and detection: SPRNet and its anchors (torchvision's Mask R-CNN and RetinaNet), trained
+and evaluated the same way on any COCO-format dataset (default: the offline shapes set).
+
+    hpdl vision make-shapes --root shapes --train 1000 --val 100
+    hpdl vision train --model sprnet --data shapes --epochs 12
+    hpdl vision evaluate --model sprnet --checkpoint vision_out/sprnet.pt
+
+The task module of ``hpdl vision`` (contract in :mod:`hpdl.vision.cli`). The Python API under it:
+:func:`build_model`, :func:`fit` (AdamW, linear warm-up then cosine, bf16 autocast on CUDA, gradient
+clipping), :func:`predict`, :func:`evaluate_model` (pycocotools box and mask AP), :func:`draw_predictions`.
+All three models share one backbone builder (ResNet-FPN, nothing downloaded), anchor sizes and input size.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from hpdl.runtime.errors import HpdlError
+
+MODELS = ("sprnet", "maskrcnn", "retinanet")
+MASK_MODELS = ("sprnet", "maskrcnn")
+DEFAULTS = {"image_size": 256, "batch_size": 8, "epochs": 12, "lr": 5e-4, "weight_decay": 1e-4,
+            "warmup_steps": 100, "clip": 10.0}
+SHAPES_DEFAULT = {"num_train": 1000, "num_val": 100, "image_size": 128}
+
+
+# ---------------------------------------------------------------- models
+
+def default_anchor_sizes(image_size: int) -> tuple[int, ...]:
+    """Base anchor sizes of the five pyramid levels for inputs of ``image_size`` pixels.
+
+    COCO's (32 ... 512) from 256 pixels up; below, shrunk with the input (base ``image_size / 8``, at least
+    8), so that the smallest anchor stays near the smallest objects of a downscaled set.
+    """
+    base = min(32, max(8, image_size // 8))
+    return tuple(base * 2**i for i in range(5))
+
+
+def build_model(name: str, num_classes: int, *, backbone: str = "resnet50", image_size: int = 800,
+                fpn_channels: int = 256, backbone_weights: str | None = None, anchor_sizes=None,
+                fpn: str = "gated", paste: str = "auto", **sprnet_overrides) -> torch.nn.Module:
+    """One of ``MODELS`` on a ResNet-FPN, for inputs resized to ``image_size`` (shorter side).
+
+    Args:
+        name: ``sprnet``, ``maskrcnn`` (torchvision MaskRCNN, P2-P6) or ``retinanet`` (torchvision RetinaNet).
+        num_classes: including background; labels are 1..num_classes-1.
+        backbone: a torchvision ResNet name (``resnet18`` keeps CPU runs small; the paper's is ``resnet50``).
+        image_size: the transform's ``min_size``; ``max_size`` is ``image_size * 1333 / 800``.
+        backbone_weights: local ResNet state dict; otherwise random init (nothing is downloaded).
+        anchor_sizes: base anchor sizes of the five levels (default :func:`default_anchor_sizes`).
+        fpn: SPRNet's pyramid, ``gated`` (GFPN) or ``sum``; the anchors always use torchvision's FPN.
+        paste: ``batched`` (:func:`hpdl.models.sprnet.paste_masks`) or ``torchvision`` (its per-mask loop);
+            ``auto``: SPRNet batched, Mask R-CNN torchvision's (its masks follow torchvision's convention).
+        sprnet_overrides: further :class:`hpdl.models.sprnet.SPRNetConfig` fields.
+    """
+    from torchvision.models.detection import MaskRCNN, RetinaNet
+    from torchvision.models.detection.faster_rcnn import FastRCNNPredictor
+    from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredictor
+    from torchvision.models.detection.anchor_utils import AnchorGenerator
+    from torchvision.ops.feature_pyramid_network import LastLevelP6P7
+
+    from hpdl.models.sprnet import PastingTransform, SPRNet, SPRNetConfig, resnet_fpn, retina_anchors
+
+    if name not in MODELS:
+        raise ValueError(f"model must be one of {MODELS}, got {name!r}")
+    if paste not in ("auto", "batched", "torchvision"):
+        raise ValueError(f"paste must be 'auto', 'batched' or 'torchvision', got {paste!r}")
+    if sprnet_overrides and name != "sprnet":
+        raise ValueError(f"{sorted(sprnet_overrides)} are SPRNet settings, not {name}'s")
+    sizes = tuple(anchor_sizes or default_anchor_sizes(image_size))
+    min_size, max_size = image_size, int(round(image_size * 1333 / 800))
+    common = {"min_size": min_size, "max_size": max_size, "detections_per_img": 100}
+    c = fpn_channels
+    if name == "sprnet":
+        cfg = SPRNetConfig(num_classes=num_classes, backbone=backbone, backbone_weights=backbone_weights,
+                           fpn=fpn, fpn_channels=c, anchor_sizes=sizes, min_size=min_size, max_size=max_size,
+                           **sprnet_overrides)
+        model = SPRNet(cfg)
+    elif name == "retinanet":
+        body = resnet_fpn(backbone, out_channels=c, returned_layers=(2, 3, 4), extra_blocks=LastLevelP6P7(c, c),
+                          weights_path=backbone_weights)
+        model = RetinaNet(body, num_classes, anchor_generator=retina_anchors(sizes), **common)
+    else:
+        body = resnet_fpn(backbone, out_channels=c, returned_layers=(1, 2, 3, 4), weights_path=backbone_weights)
+        rpn_anchors = AnchorGenerator(tuple((s,) for s in sizes), ((0.5, 1.0, 2.0),) * len(sizes))
+        # torchvision's mask head is 4 convs + a deconvolution of 256 channels whatever the FPN width: make it
+        # the FPN's width (identical to torchvision's default at 256)
+        model = MaskRCNN(body, None, rpn_anchor_generator=rpn_anchors, min_size=min_size, max_size=max_size,
+                         box_detections_per_img=100, box_predictor=FastRCNNPredictor(1024, num_classes),
+                         mask_head=MaskRCNNHeads(c, (c,) * 4, 1), mask_predictor=MaskRCNNPredictor(c, c, num_classes))
+    if paste == "batched" and name != "sprnet":
+        t = model.transform
+        model.transform = PastingTransform(t.min_size, t.max_size, t.image_mean, t.image_std)
+    elif paste == "torchvision" and name == "sprnet":
+        from torchvision.models.detection.transform import GeneralizedRCNNTransform
+
+        t = model.transform
+        model.transform = GeneralizedRCNNTransform(t.min_size, t.max_size, t.image_mean, t.image_std)
+    model.hpdl_spec = {"name": name, "num_classes": num_classes, "backbone": backbone, "image_size": image_size,
+                       "fpn_channels": c, "anchor_sizes": list(sizes), "fpn": fpn, "paste": paste,
+                       **sprnet_overrides}
+    return model
+
+
+def save_checkpoint(path: str | Path, model: torch.nn.Module, meta: dict) -> None:
+    """Write the model's weights, its :func:`build_model` arguments and ``meta`` (categories, data, ...)."""
+    spec = {k: (list(v) if isinstance(v, tuple) else v) for k, v in model.hpdl_spec.items()}
+    torch.save({"format": "hpdl.vision.detect/1", "spec": spec, "meta": meta,
+                "state_dict": model.state_dict()}, path)
+
+
+def load_checkpoint(path: str | Path, map_location="cpu") -> tuple[torch.nn.Module, dict]:
+    """``(model, meta)`` from :func:`save_checkpoint`'s file (keys and shapes checked: a strict load).
+
+    Raises:
+        HpdlError: the file is missing or was not written by :func:`save_checkpoint`.
+    """
+    if not Path(path).is_file():
+        raise HpdlError(f"checkpoint={str(path)!r}: no such file")
+    ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    if not isinstance(ckpt, dict) or ckpt.get("format") != "hpdl.vision.detect/1":
+        raise HpdlError(f"checkpoint={str(path)!r} is not an hpdl vision detection checkpoint")
+    spec = dict(ckpt["spec"])
+    spec["backbone_weights"] = None   # the weights come from the checkpoint
+    model = build_model(spec.pop("name"), spec.pop("num_classes"), **spec)
+    model.load_state_dict(ckpt["state_dict"])
+    return model, ckpt["meta"]
+
+
+# ---------------------------------------------------------------- loops
+
+def resolve_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise HpdlError(f"device={device!r} but CUDA is not available here")
+    return torch.device(device)
+
+
+def _autocast(device: torch.device, amp: bool):
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp)
+
+
+class _Progress:
+    """A rich progress bar on a terminal, plain lines (about 20 a run) when stderr is not one."""
+
+    def __init__(self, total: int, label: str, enabled: bool = True):
+        self.total, self.label, self.enabled = total, label, enabled
+        self.tty = enabled and sys.stderr.isatty()
+        self.every = max(1, total // 20)
+        self.t0 = time.monotonic()
+        if self.tty:
+            from rich.progress import Progress
+
+            self.bar = Progress(transient=False)
+            self.bar.start()
+            self.task = self.bar.add_task(label, total=total)
+
+    def update(self, done: int, text: str = "") -> None:
+        if not self.enabled:
+            return
+        if self.tty:
+            self.bar.update(self.task, completed=done, description=f"{self.label} {text}")
+        elif done % self.every == 0 or done == self.total:
+            print(f"{self.label} {done}/{self.total} {text} {time.monotonic() - self.t0:.0f}s",
+                  file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.tty:
+            self.bar.stop()
+
+
+def _to(targets: list[dict], device) -> list[dict]:
+    return [{k: v.to(device, non_blocking=True) for k, v in t.items()} for t in targets]
+
+
+def _batches(loader):
+    while True:          # cycle over epochs
+        yield from loader
+
+
+def fit(model: torch.nn.Module, loader, *, steps: int, lr: float = DEFAULTS["lr"],
+        weight_decay: float = DEFAULTS["weight_decay"], warmup_steps: int = DEFAULTS["warmup_steps"],
+        clip: float = DEFAULTS["clip"], device: str | torch.device = "auto", amp: bool | None = None,
+        deadline: float | None = None, progress: bool = True, label: str = "train") -> dict:
+    """Train a torchvision-style detection model for ``steps`` optimizer steps.
+
+    AdamW over the trainable parameters; the learning rate rises linearly over ``warmup_steps`` and decays
+    by a cosine to 0 at ``steps``; gradients are clipped to norm ``clip``; the forward runs under bf16
+    autocast when ``amp`` (default: on for CUDA). A step whose loss is not finite is skipped.
+
+    Args:
+        loader: yields ``(images, targets)`` (lists, as :func:`hpdl.vision.coco.collate`); cycled as needed.
+        deadline: ``time.monotonic()`` value after which training stops early (the result says so).
+    Returns:
+        ``{"steps", "seconds", "losses" (mean of each loss over the last 10% of steps), "skipped",
+        "stopped_early", "history" (per-step total loss)}``.
+    Raises:
+        HpdlError: 20 consecutive non-finite losses.
+    """
+    device = resolve_device(device) if isinstance(device, str) else device
+    amp = device.type == "cuda" if amp is None else amp
+    model.to(device).train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    fused = device.type == "cuda"
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused, foreach=None if fused else True)
+    warm = max(1, min(warmup_steps, steps // 4))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (
+        1 + math.cos(math.pi * min(1.0, s / max(1, steps)))))
+    bar = _Progress(steps, label, progress)
+    history, tail, skipped, bad_run, stopped, step = [], {}, 0, 0, False, 0
+    t0 = time.monotonic()
+    batches = _batches(loader)
+    while step < steps:
+        if deadline is not None and time.monotonic() > deadline:
+            stopped = True
+            break
+        images, targets = next(batches)
+        images = [im.to(device, non_blocking=True) for im in images]
+        targets = _to(targets, device)
+        with _autocast(device, amp):
+            losses = model(images, targets)
+        loss = sum(v.float() for v in losses.values())
+        if not torch.isfinite(loss):
+            skipped, bad_run = skipped + 1, bad_run + 1
+            opt.zero_grad(set_to_none=True)
+            if bad_run >= 20:
+                raise HpdlError(f"{label}: 20 consecutive non-finite losses at step {step}; lower lr={lr}")
+            continue
+        bad_run = 0
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, clip)
+        opt.step()
+        sched.step()
+        step += 1
+        value = float(loss.detach())
+        history.append(value)
+        if step > steps - max(1, steps // 10):
+            for k, v in losses.items():
+                tail.setdefault(k, []).append(float(v.detach()))
+        bar.update(step, f"loss {value:.3f}")
+    bar.close()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return {"steps": step, "seconds": time.monotonic() - t0, "skipped": skipped, "stopped_early": stopped,
+            "losses": {k: sum(v) / len(v) for k, v in tail.items()}, "history": history}
+
+
+@torch.no_grad()
+def predict(model: torch.nn.Module, dataset, *, batch_size: int = 8, device: str | torch.device = "auto",
+            amp: bool | None = None, workers: int = 0, mask_threshold: float = 0.5,
+            progress: bool = True) -> list[tuple[int, dict]]:
+    """``[(image_id, output)]`` over a dataset of ``(image, target)``; outputs on the CPU, masks as bool
+    ``[N, 1, H, W]`` (thresholded on the device, to keep the copy small)."""
+    from torch.utils.data import DataLoader
+
+    from hpdl.vision.coco import collate
+
+    device = resolve_device(device) if isinstance(device, str) else device
+    amp = device.type == "cuda" if amp is None else amp
+    model.to(device).eval()
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=workers, collate_fn=collate)
+    bar = _Progress(len(loader), "predict", progress)
+    results = []
+    for i, (images, targets) in enumerate(loader):
+        with _autocast(device, amp):
+            outputs = model([im.to(device, non_blocking=True) for im in images])
+        for out, t in zip(outputs, targets):
+            if "masks" in out:
+                out["masks"] = out["masks"].float() >= mask_threshold
+            results.append((int(t["image_id"]), {k: v.cpu() for k, v in out.items()}))
+        bar.update(i + 1)
+    bar.close()
+    return results
+
+
+def evaluate_model(model: torch.nn.Module, dataset, **predict_kwargs) -> dict:
+    """Box and (for mask models) mask AP of ``model`` on a :class:`~hpdl.vision.coco.CocoInstances` split.
+
+    Returns:
+        ``{"bbox": {...}, "segm": {...}}`` as :func:`hpdl.vision.coco.coco_evaluate` (fractions), plus
+        ``"predictions"``: the ``[(image_id, output)]`` list of :func:`predict`.
+    """
+    from hpdl.vision.coco import coco_evaluate, to_coco_results
+
+    preds = predict(model, dataset, **predict_kwargs)
+    results = to_coco_results([p for _, p in preds], [i for i, _ in preds], dataset.cat_ids)
+    has_masks = any("masks" in p for _, p in preds)
+    metrics = coco_evaluate(dataset.coco, results, ("bbox", "segm") if has_masks else ("bbox",),
+                            image_ids=dataset.ids)
+    metrics["predictions"] = preds
+    return metrics
+
+
+@torch.no_grad()
+def throughput(model: torch.nn.Module, images: list[torch.Tensor], *, batch_size: int = 1, warmup: int = 5,
+               iters: int = 20, repeats: int = 3, amp: bool | None = None, max_seconds: float | None = None) -> dict:
+    """Inference images/s of ``model`` on ``images`` (already on the model's device), end to end: transform,
+    network, post-processing and mask pasting, as a user calls it.
+
+    ``warmup`` batches first (cuDNN autotuning, allocator), then ``repeats`` timings of ``iters`` batches,
+    each between two device synchronisations. With ``max_seconds``, the first batch's time sets fewer
+    warm-up batches and iterations where needed to stay within it (at least 1 of each).
+    Returns ``{"images_per_s"}`` (median over repeats) with ``"min"``, ``"max"``, ``"batch_size"``,
+    ``"iters"``, ``"repeats"``, ``"detections_per_image"`` (mean, last batch).
+    """
+    device = images[0].device
+    amp = device.type == "cuda" if amp is None else amp
+    model.eval()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    batches = [images[i:i + batch_size] for i in range(0, len(images) - batch_size + 1, batch_size)]
+    if not batches:
+        raise ValueError(f"need at least batch_size={batch_size} images, got {len(images)}")
+    out = None
+    with _autocast(device, amp):
+        sync()
+        t0 = time.perf_counter()
+        model(batches[0])
+        sync()
+        if max_seconds is not None:   # the first call is the slowest: a safe estimate
+            per = time.perf_counter() - t0
+            warmup = max(1, min(warmup, int(0.2 * max_seconds / per)))
+            iters = max(1, min(iters, int(0.8 * max_seconds / (per * repeats)) - 1))
+        for i in range(1, warmup):
+            model(batches[i % len(batches)])
+        rates = []
+        for _ in range(repeats):
+            sync()
+            t0 = time.perf_counter()
+            for i in range(iters):
+                out = model(batches[i % len(batches)])
+            sync()
+            rates.append(iters * batch_size / (time.perf_counter() - t0))
+    rates.sort()
+    return {"images_per_s": rates[len(rates) // 2], "min": rates[0], "max": rates[-1], "batch_size": batch_size,
+            "iters": iters, "repeats": repeats, "detections_per_image": sum(len(o["boxes"]) for o in out) / len(out)}
+
+
+def draw_predictions(dataset, predictions: list[tuple[int, dict]], path: str | Path, *, num_images: int = 8,
+                     score_thresh: float = 0.5, title: str = "") -> Path:
+    """PNG of the first ``num_images`` images with the predicted masks (coloured, 50% alpha), boxes and labels
+    whose score is at least ``score_thresh``; the ground truth's outline beside each for comparison."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    by_id = dict(predictions)
+    n = min(num_images, len(dataset))
+    cols = min(4, n)
+    rows = max(1, -(-n // cols))
+    fig, axes = plt.subplots(rows, cols, figsize=(3 * cols, 3 * rows), squeeze=False)
+    colors = plt.get_cmap("tab10")
+    names = dataset.class_names
+    for ax in axes.flat:
+        ax.axis("off")
+    for k in range(n):
+        image, target = dataset[k]
+        ax = axes.flat[k]
+        out = by_id.get(int(target["image_id"]), {})
+        img = image.permute(1, 2, 0).numpy().copy()
+        keep = (out["scores"] >= score_thresh).nonzero()[:, 0] if "scores" in out else []
+        for j, d in enumerate(keep.tolist() if len(keep) else []):
+            c = np.array(colors(j % 10)[:3])
+            if "masks" in out:
+                m = out["masks"][d, 0].numpy().astype(bool)
+                img[m] = 0.5 * img[m] + 0.5 * c
+        ax.imshow(img)
+        for gm in target["masks"]:
+            ax.contour(gm.numpy(), levels=[0.5], colors="white", linewidths=0.6)
+        for j, d in enumerate(keep.tolist() if len(keep) else []):
+            x0, y0, x1, y1 = out["boxes"][d].tolist()
+            c = colors(j % 10)
+            ax.add_patch(plt.Rectangle((x0, y0), x1 - x0, y1 - y0, fill=False, color=c, linewidth=1))
+            ax.text(x0, y0, f"{names[int(out['labels'][d])]} {float(out['scores'][d]):.2f}", color="white",
+                    fontsize=6, bbox={"facecolor": c, "alpha": 0.7, "pad": 1, "linewidth": 0})
+    fig.suptitle(title or "predictions (fill) and ground truth (white outline)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def format_metrics(rows: dict[str, dict]) -> str:
+    """``{model: metrics}`` -> a text table of box and mask AP in points (x 100)."""
+    from hpdl.vision.coco import AP_KEYS
+
+    head = f"{'model':<10}" + "".join(f"{'box ' + k:>10}" for k in AP_KEYS[:3]) + \
+        "".join(f"{'mask ' + k:>10}" for k in AP_KEYS[:3])
+    lines = [head]
+    for name, m in rows.items():
+        box = "".join(f"{100 * m['bbox'][k]:>10.1f}" for k in AP_KEYS[:3])
+        seg = "".join(f"{100 * m['segm'][k]:>10.1f}" if "segm" in m else f"{'-':>10}" for k in AP_KEYS[:3])
+        lines.append(f"{name:<10}{box}{seg}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- CLI (contract: hpdl.vision.cli)
+
+def add_arguments(group, evaluate: bool = False) -> None:
+    """Options of the detection models (the shared ones are declared in :mod:`hpdl.vision.cli`)."""
+    group.add_argument("--val-split", default=None,
+                       help="COCO split to evaluate on (default: val, or the checkpoint's when evaluating)")
+    group.add_argument("--pictures", type=int, default=8, help="images in the predicted-mask picture (default: 8)")
+    if not evaluate:   # the rest is the model's; evaluate reads it from the checkpoint
+        group.add_argument("--backbone", default="resnet50", choices=("resnet10", "resnet18", "resnet34", "resnet50", "resnet101"),
+                           help="detection backbone (default: resnet50, the paper's; resnet18 for quick CPU runs)")
+        group.add_argument("--train-split", default="train", help="COCO split to train on (default: train)")
+        group.add_argument("--backbone-weights", default=None,
+                           help="local torchvision ResNet state dict for the detection backbone "
+                                "(default: random init; nothing is downloaded)")
+        group.add_argument("--fpn", default="gated", choices=("gated", "sum"),
+                           help="SPRNet pyramid: gated (GFPN, the paper's) or sum (default: gated)")
+        group.add_argument("--fpn-channels", type=int, default=256, help="FPN width (default: 256)")
+
+
+def _shapes_root(args) -> Path:
+    from hpdl.vision.shapes import ShapesConfig, make_shapes
+
+    root = Path(args.out) / "shapes"
+    if not (root / "annotations" / "instances_val.json").is_file():
+        print(f"making the shapes dataset in {root} (`hpdl vision make-shapes` makes others)", file=sys.stderr)
+        make_shapes(root, ShapesConfig(**SHAPES_DEFAULT, seed=args.seed))
+    return root
+
+
+def _print_metrics(name: str, metrics: dict) -> None:
+    print(format_metrics({name: metrics}))
+
+
+def train(args) -> int:
+    """``hpdl vision train --model sprnet|maskrcnn|retinanet``: train, save, evaluate, draw."""
+    from torch.utils.data import DataLoader
+
+    from hpdl.vision.coco import CocoInstances, collate
+
+    torch.manual_seed(args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    data = Path(args.data) if args.data else _shapes_root(args)
+    device = resolve_device(args.device)
+    amp = device.type == "cuda" if args.amp is None else args.amp
+    image_size = args.image_size or DEFAULTS["image_size"]
+    batch_size = args.batch_size or DEFAULTS["batch_size"]
+    train_ds = CocoInstances(data, args.train_split, train=True)
+    val_split = args.val_split or "val"
+    val_ds = CocoInstances(data, val_split)
+    if train_ds.cat_ids != val_ds.cat_ids:
+        raise HpdlError(f"splits {args.train_split!r} and {val_split!r} have different categories")
+    model = build_model(args.model, train_ds.num_classes, backbone=args.backbone,
+                        image_size=image_size, fpn_channels=args.fpn_channels, backbone_weights=args.backbone_weights,
+                        fpn=args.fpn)
+    loader = DataLoader(train_ds, batch_size=batch_size, shuffle=True, num_workers=args.workers,
+                        collate_fn=collate, drop_last=len(train_ds) >= batch_size,
+                        persistent_workers=args.workers > 0, pin_memory=device.type == "cuda")
+    steps = args.max_steps or (args.epochs or DEFAULTS["epochs"]) * max(1, len(loader))
+    stats = fit(model, loader, steps=steps, lr=args.lr or DEFAULTS["lr"], device=device, amp=amp,
+                label=f"train {args.model}")
+    meta = {"categories": train_ds.categories, "data": str(data.resolve()), "val_split": val_split,
+            "train": {k: v for k, v in stats.items() if k != "history"}}
+    ckpt = out / f"{args.model}.pt"
+    save_checkpoint(ckpt, model, meta)
+    metrics = evaluate_model(model, val_ds, batch_size=batch_size, device=device, amp=amp, workers=args.workers)
+    preds = metrics.pop("predictions")
+    draw_predictions(val_ds, preds, out / f"{args.model}_predictions.png", num_images=args.pictures,
+                     title=f"{args.model} on {data.name}/{val_split}")
+    (out / f"{args.model}_metrics.json").write_text(json.dumps({"metrics": metrics, **meta}, indent=1))
+    print(f"checkpoint {ckpt}; {stats['steps']} steps in {stats['seconds']:.0f} s; picture "
+          f"{out / (args.model + '_predictions.png')}")
+    _print_metrics(args.model, metrics)
+    return 0
+
+
+def evaluate(args) -> int:
+    """``hpdl vision evaluate --model NAME --checkpoint CKPT``: box and mask AP on the val split, a picture."""
+    from hpdl.vision.coco import CocoInstances
+
+    model, meta = load_checkpoint(args.checkpoint)
+    if model.hpdl_spec["name"] != args.model:
+        raise HpdlError(f"--model {args.model!r} but checkpoint={args.checkpoint!r} holds a "
+                        f"{model.hpdl_spec['name']!r} model")
+    data = args.data or meta.get("data")
+    split = args.val_split or meta.get("val_split") or "val"
+    val_ds = CocoInstances(data, split)
+    if [c["id"] for c in meta["categories"]] != val_ds.cat_ids:
+        raise HpdlError(f"data={data!r} split {split!r} has categories {val_ds.cat_ids}, the checkpoint "
+                        f"{[c['id'] for c in meta['categories']]}")
+    device = resolve_device(args.device)
+    amp = device.type == "cuda" if args.amp is None else args.amp
+    metrics = evaluate_model(model, val_ds, batch_size=args.batch_size or DEFAULTS["batch_size"], device=device,
+                             amp=amp, workers=args.workers)
+    preds = metrics.pop("predictions")
+    picture = Path(args.checkpoint).with_name(f"{args.model}_evaluate.png")
+    draw_predictions(val_ds, preds, picture, num_images=args.pictures, title=f"{args.model} on {split}")
+    print(f"picture {picture}")
+    _print_metrics(args.model, metrics)
+    return 0
+
+
+def _add_make_shapes(p) -> None:
+    from hpdl.vision.shapes import ShapesConfig
+
+    d = ShapesConfig()
+    p.add_argument("--root", required=True, help="output folder (COCO layout: train/, val/, annotations/)")
+    p.add_argument("--train", type=int, default=d.num_train, help=f"training images (default: {d.num_train})")
+    p.add_argument("--val", type=int, default=d.num_val, help=f"validation images (default: {d.num_val})")
+    p.add_argument("--image-size", type=int, default=d.image_size, help=f"side in pixels (default: {d.image_size})")
+    p.add_argument("--max-instances", type=int, default=d.max_instances,
+                   help=f"instances an image, at most (default: {d.max_instances})")
+    p.add_argument("--seed", type=int, default=d.seed, help=f"random seed (default: {d.seed})")
+    p.add_argument("--workers", type=int, default=0, help="rendering processes (default: 0, this one)")
+
+
+def _make_shapes(args) -> int:
+    from hpdl.vision.shapes import ShapesConfig, make_shapes
+
+    cfg = ShapesConfig(num_train=args.train, num_val=args.val, image_size=args.image_size,
+                       max_instances=args.max_instances, seed=args.seed)
+    bar = _Progress(cfg.num_train + cfg.num_val, "make-shapes")
+    files = make_shapes(args.root, cfg, workers=args.workers, progress=bar.update)
+    bar.close()
+    print(json.dumps({k: str(v) for k, v in files.items()}))
+    return 0
+
+
+COMMANDS = {"make-shapes": ("write the synthetic COCO-format shapes dataset (overlapping shapes, exact masks)",
+                            _add_make_shapes, _make_shapes)}
+
+__all__ = ["MODELS", "build_model", "default_anchor_sizes", "draw_predictions", "evaluate_model", "fit",
+           "format_metrics", "load_checkpoint", "predict", "save_checkpoint", "throughput"]

@@ -1,0 +1,339 @@
+"""SPRNet: output formats, the SPR branch's exact pieces (sparse convs, positives, encode/paste, decoder), losses."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("torchvision")
+
+from torchvision.models.detection._utils import Matcher  # noqa: E402
+
+from hpdl.models.sprnet import (  # noqa: E402
+    MaskEnhancement, SPRDecoder, SPRNet, SPRNetConfig, conv_at, encode_masks, paste_masks, resnet_fpn,
+    retina_anchors, spr_mask_loss, spr_positives,
+)
+from hpdl.runtime.errors import HpdlError  # noqa: E402
+
+SMALL = dict(num_classes=4, backbone="resnet10", fpn_channels=16, anchor_sizes=(8, 16, 32, 64, 128), min_size=64,
+             max_size=64, enhance_channels=(16, 8), decoder_channels=(16, 8))
+
+
+def tiny(**kw) -> SPRNet:
+    torch.manual_seed(0)
+    return SPRNet(SPRNetConfig(**{**SMALL, **kw}))
+
+
+def box_mask(h, w, box) -> torch.Tensor:
+    m = torch.zeros(h, w, dtype=torch.uint8)
+    x0, y0, x1, y1 = box
+    m[y0:y1, x0:x1] = 1
+    return m
+
+
+def disc(h, w, cx, cy, r) -> torch.Tensor:
+    ys, xs = torch.meshgrid(torch.arange(h) + 0.5, torch.arange(w) + 0.5, indexing="ij")
+    return ((xs - cx) ** 2 + (ys - cy) ** 2 <= r * r).to(torch.uint8)
+
+
+def sample_batch():
+    images = [torch.rand(3, 64, 64), torch.rand(3, 48, 80)]
+    m0 = torch.stack([disc(64, 64, 20, 22, 12), box_mask(64, 64, (34, 30, 60, 58))])
+    m1 = disc(48, 80, 50, 24, 14)[None]
+    targets = [{"boxes": torch.tensor([[8., 10, 32, 34], [34, 30, 60, 58]]), "labels": torch.tensor([1, 3]),
+                "masks": m0},
+               {"boxes": torch.tensor([[36., 10, 64, 38]]), "labels": torch.tensor([2]), "masks": m1}]
+    return images, targets
+
+
+# ---------------------------------------------------------------- formats
+
+def test_training_returns_the_three_losses_and_they_backpropagate():
+    model = tiny().train()
+    images, targets = sample_batch()
+    losses = model(images, targets)
+    assert set(losses) == {"classification", "bbox_regression", "mask"}
+    for v in losses.values():
+        assert v.ndim == 0 and torch.isfinite(v) and v.requires_grad
+    sum(losses.values()).backward()
+    assert model.decoder.predict.weight.grad.abs().sum() > 0 and model.enhance.point.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("kw", [{}, {"class_agnostic": True, "fpn": "sum"}, {"mask_size": 16}])
+def test_inference_outputs_torchvision_format_at_the_original_size(kw):
+    model = tiny(score_thresh=0.0, detections_per_img=7, **kw).eval()
+    images, _ = sample_batch()
+    with torch.no_grad():
+        out = model(images)
+    assert len(out) == 2
+    for o, im in zip(out, images):
+        assert set(o) == {"boxes", "labels", "scores", "masks"}
+        n = len(o["boxes"])
+        assert n == 7    # score_thresh 0: the top detections_per_img survive NMS on random weights
+        assert o["boxes"].shape == (n, 4) and o["boxes"].dtype == torch.float32
+        assert o["labels"].dtype == torch.int64 and o["scores"].shape == (n,)
+        assert o["masks"].shape == (n, 1, *im.shape[-2:]) and o["masks"].dtype == torch.float32
+        assert (o["masks"] >= 0).all() and (o["masks"] <= 1).all()
+        h, w = im.shape[-2:]
+        assert (o["boxes"][:, 0::2] <= w).all() and (o["boxes"][:, 1::2] <= h).all() and (o["boxes"] >= 0).all()
+        assert ((o["labels"] >= 0) & (o["labels"] < SMALL["num_classes"])).all()
+        assert (o["scores"][:-1] >= o["scores"][1:]).all()
+
+
+def test_no_detection_gives_empty_outputs_of_the_right_shapes():
+    model = tiny(score_thresh=1.0).eval()
+    with torch.no_grad():
+        o = model([torch.rand(3, 64, 64)])[0]
+    assert o["boxes"].shape == (0, 4) and o["masks"].shape == (0, 1, 64, 64)
+
+
+def test_bad_targets_and_config_are_named():
+    model = tiny().train()
+    with pytest.raises(ValueError, match="targets are required"):
+        model([torch.rand(3, 64, 64)])
+    images, targets = sample_batch()
+    del targets[1]["masks"]
+    with pytest.raises(ValueError, match=r"targets\[1\] lacks 'masks'"):
+        model(images, targets)
+    for kw, msg in (({"backbone": "vgg"}, "backbone"), ({"mask_size": 24}, "mask_size"), ({"fpn": "x"}, "fpn"),
+                    ({"num_classes": 1}, "num_classes"), ({"anchor_sizes": (8, 16)}, "anchor_sizes")):
+        with pytest.raises(ValueError, match=msg):
+            SPRNetConfig(**kw)
+
+
+def test_default_is_the_papers_resnet50_gfpn_and_nothing_downloads(monkeypatch):
+    import torch.hub
+
+    monkeypatch.setattr(torch.hub, "load_state_dict_from_url", lambda *a, **k: pytest.fail("download attempted"))
+    model = SPRNet(SPRNetConfig(num_classes=81))
+    assert type(model.backbone.body.layer1[0]).__name__ == "Bottleneck"    # ResNet-50
+    assert type(model.backbone.fpn).__name__ == "GatedFPN"
+    assert model.enhance.out_channels == 640 and model.config.mask_size == 32
+    assert model.decoder.predict.out_channels == 81                       # per-class masks
+    assert 35e6 < model.num_parameters() < 45e6                           # RetinaNet R50 is 34.0M plus the branch
+
+
+# ---------------------------------------------------------------- backbone
+
+def test_backbone_weights_load_from_a_local_file_and_freeze_bn(tmp_path):
+    import torchvision
+
+    src = torchvision.models.resnet.ResNet(torchvision.models.resnet.BasicBlock, [1, 1, 1, 1])
+    path = tmp_path / "r10.pth"
+    torch.save(src.state_dict(), path)
+    body = resnet_fpn("resnet10", out_channels=8, weights_path=str(path))
+    assert torch.equal(body.body.conv1.weight, src.conv1.weight)
+    assert type(body.body.bn1).__name__ == "FrozenBatchNorm2d"
+    assert not body.body.layer1[0].conv1.weight.requires_grad and body.body.layer4[0].conv1.weight.requires_grad
+    with pytest.raises(HpdlError, match="no such file"):
+        resnet_fpn("resnet10", weights_path=str(tmp_path / "none.pth"))
+    torch.save({"conv1.weight": src.conv1.weight}, tmp_path / "bad.pth")
+    with pytest.raises(HpdlError, match="does not fit the ResNet: missing"):
+        resnet_fpn("resnet10", weights_path=str(tmp_path / "bad.pth"))
+
+
+def test_gated_fpn_keeps_the_pyramid_shapes():
+    x = torch.rand(1, 3, 64, 64)
+    plain = resnet_fpn("resnet10", out_channels=8)
+    gated = resnet_fpn("resnet10", out_channels=8, gated=True)
+    a, b = plain(x), gated(x)
+    assert list(a) == list(b) and all(a[k].shape == b[k].shape for k in a)
+
+
+# ---------------------------------------------------------------- sparse enhancement
+
+@pytest.mark.parametrize("k,dilation", [(1, 1), (3, 1), (3, 2), (3, 6)])
+def test_conv_at_equals_the_dense_conv_at_every_pixel(k, dilation):
+    torch.manual_seed(0)
+    x, w, bias = torch.randn(2, 5, 9, 7, dtype=torch.float64), torch.randn(4, 5, k, k, dtype=torch.float64), \
+        torch.randn(4, dtype=torch.float64)
+    dense = F.conv2d(x, w, bias, padding=dilation * (k // 2), dilation=dilation)
+    b, y, xx = torch.meshgrid(torch.arange(2), torch.arange(9), torch.arange(7), indexing="ij")
+    b, y, xx = b.flatten(), y.flatten(), xx.flatten()
+    sparse = conv_at(x, w, bias, dilation, b, y, xx)
+    torch.testing.assert_close(sparse, dense[b, :, y, xx], rtol=0, atol=1e-12)
+
+
+def test_pixel_features_are_the_dense_enhancement_at_those_pixels():
+    model = tiny().eval()
+    torch.manual_seed(1)
+    feats = [torch.randn(2, 16, 8, 8), torch.randn(2, 16, 4, 4), torch.randn(2, 16, 2, 2)]
+    sizes = [64, 16, 4]
+    pixels = torch.tensor([0, 63, 64, 70, 83, 80, 5, 79])
+    b = torch.tensor([0, 1, 1, 0, 1, 0, 1, 1])
+    got = model.pixel_features(feats, b, pixels)
+    flat = torch.cat([model.enhance(f).flatten(2) for f in feats], 2)     # [B, C', sum HW]
+    torch.testing.assert_close(got, flat[b, :, pixels], rtol=1e-5, atol=1e-5)
+    assert sum(sizes) == flat.shape[-1]
+
+
+# ---------------------------------------------------------------- positives
+
+def test_spr_positives_against_a_brute_force_oracle_and_torchvision_matcher():
+    from torchvision.models.detection.image_list import ImageList
+    from torchvision.ops import box_iou
+
+    gen = retina_anchors((8, 16, 32, 64, 128))
+    feats = [torch.zeros(1, 1, s, s) for s in (8, 4, 2, 1, 1)]
+    anchors = gen(ImageList(torch.zeros(1, 3, 64, 64), [(64, 64)]), feats)[0]
+    boxes = torch.tensor([[4., 4, 30, 30], [28, 20, 60, 44], [50, 50, 53, 53]])   # the last fits no anchor well
+    iou = box_iou(boxes, anchors)
+    a = 9
+    pixels, inst = spr_positives(iou, a, 0.7, max_pixels=10_000)
+    oracle = {}
+    for p in range(len(anchors) // a):
+        block = iou[:, p * a:(p + 1) * a]
+        if block.max() > 0.7:
+            g_per_anchor = block.argmax(0)
+            oracle[p] = int(g_per_anchor[block.max(0).values.argmax()])
+    for g in range(len(boxes)):   # each instance's best anchor
+        oracle[int(iou[g].argmax()) // a] = g
+    assert dict(zip(pixels.tolist(), inst.tolist())) == oracle
+    assert set(inst.tolist()) == {0, 1, 2}
+    # where a pixel is positive by IoU, torchvision's Matcher (0.7, no low-quality) agrees on the instance
+    matched = Matcher(0.7, 0.7, allow_low_quality_matches=False)(iou)
+    for p, g in zip(pixels.tolist(), inst.tolist()):
+        best = iou[:, p * a:(p + 1) * a].max(0).values.argmax()
+        if matched[p * a + best] >= 0:
+            assert matched[p * a + best] == g
+    few, _ = spr_positives(iou, a, 0.7, max_pixels=2)
+    assert len(few) == 2 and set(few.tolist()) <= set(pixels.tolist())
+
+
+# ---------------------------------------------------------------- encode / decode round trip
+
+def test_encode_then_paste_recovers_a_box_mask_exactly():
+    box = (10, 7, 41, 29)
+    m = box_mask(48, 64, box)
+    boxes = torch.tensor([box], dtype=torch.float32)
+    for size in (8, 32):
+        enc = encode_masks(m[None], boxes, size)
+        assert enc.all()
+        back = paste_masks(enc[:, None].float(), boxes, (48, 64))[0, 0] >= 0.5
+        assert torch.equal(back, m.bool())
+
+
+def test_encode_then_paste_recovers_a_disc_and_is_consistent_with_the_box_frame():
+    m = disc(96, 96, 40.3, 51.7, 21.0)
+    ys, xs = torch.nonzero(m, as_tuple=True)
+    boxes = torch.tensor([[xs.min(), ys.min(), xs.max() + 1, ys.max() + 1]], dtype=torch.float32)
+    back = paste_masks(encode_masks(m[None], boxes, 32)[:, None].float(), boxes, (96, 96))[0, 0] >= 0.5
+    inter, union = (back & m.bool()).sum(), (back | m.bool()).sum()
+    assert inter / union > 0.97
+    # pasting into a shifted box shifts the mask by the same amount
+    shifted = paste_masks(encode_masks(m[None], boxes, 32)[:, None].float(), boxes + 5, (96, 96))[0, 0] >= 0.5
+    assert torch.equal(shifted[5:, 5:], back[:-5, :-5])
+
+
+def test_a_mask_encoded_at_a_pixel_decodes_back():
+    """The SPR round trip: one pixel's feature vector, through the decoder, reconstructs the instance's mask
+    (training the decoder on that single pixel), pasted back into the instance's box."""
+    torch.manual_seed(0)
+    m = disc(64, 64, 30, 34, 17)
+    ys, xs = torch.nonzero(m, as_tuple=True)
+    box = torch.tensor([[xs.min(), ys.min(), xs.max() + 1, ys.max() + 1]], dtype=torch.float32)
+    target = encode_masks(m[None], box, 32)
+    vec = torch.randn(1, 24)
+    dec = SPRDecoder(24, num_masks=3, mask_size=32, channels=(16, 8))
+    opt = torch.optim.Adam(dec.parameters(), lr=1e-2)
+    for _ in range(150):
+        loss = spr_mask_loss(dec(vec)[:, 2], target)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    probs = torch.sigmoid(dec(vec)[:, 2:3]).detach()
+    back = paste_masks(probs, box, (64, 64))[0, 0] >= 0.5
+    assert (back & m.bool()).sum() / (back | m.bool()).sum() > 0.95
+
+
+def test_decoder_output_shapes():
+    v = torch.randn(5, 40)
+    assert SPRDecoder(40, 7, 32, (16, 8))(v).shape == (5, 7, 32, 32)
+    assert SPRDecoder(40, 1, 16, (16, 8))(v).shape == (5, 1, 16, 16)
+    assert SPRDecoder(40, 2, 32, (16, 8))(v[:0]).shape == (0, 2, 32, 32)
+    assert MaskEnhancement(16, (16, 8)).out_channels == 40
+
+
+# ---------------------------------------------------------------- losses
+
+def _perfect_outputs(model, images, targets):
+    """Head outputs and mask logits that predict the assignments exactly (logits +-30)."""
+    model.train()
+    imgs, tgts = model.transform(images, targets)
+    feats = list(model.backbone(imgs.tensors).values())
+    anchors = model.anchor_generator(imgs, feats)
+    matched, spr = model.assign(tgts, anchors)
+    heads = model.head(feats)
+    cls = torch.full_like(heads["cls_logits"], -30.0)
+    reg = torch.zeros_like(heads["bbox_regression"])
+    for i, (m, t) in enumerate(zip(matched, tgts)):
+        fg = torch.where(m >= 0)[0]
+        cls[i, fg, t["labels"][m[fg]]] = 30.0
+        reg[i, fg] = model.box_coder.encode_single(t["boxes"][m[fg]], anchors[i][fg])
+    return tgts, anchors, matched, spr, {"cls_logits": cls, "bbox_regression": reg}, feats
+
+
+def test_loss_is_zero_for_perfect_predictions_and_positive_otherwise():
+    model = tiny(mask_samples=10_000)
+    images, targets = sample_batch()
+    with torch.no_grad():
+        tgts, anchors, matched, spr, perfect, feats = _perfect_outputs(model, images, targets)
+        assert len(spr["pixel"]) >= 3 and all((m >= 0).any() for m in matched)
+        head = model.head.compute_loss(tgts, perfect, anchors, matched)
+        mask = spr_mask_loss(30.0 * (2 * spr["mask"].float() - 1), spr["mask"])
+        assert head["classification"] < 1e-10 and head["bbox_regression"] < 1e-6 and mask < 1e-10
+        worse = dict(perfect, bbox_regression=perfect["bbox_regression"] + 0.1)
+        assert model.head.compute_loss(tgts, worse, anchors, matched)["bbox_regression"] > 0.1
+        assert spr_mask_loss(torch.zeros_like(spr["mask"], dtype=torch.float32), spr["mask"]) > 0.5
+        # the model's own loss, with the decoder replaced by one that outputs the targets, is zero too
+        logits = 30.0 * (2 * spr["mask"].float() - 1)
+        model.mask_logits = lambda f, b, p, lab: logits
+        losses = model.compute_loss(tgts, perfect, anchors, feats)
+        assert all(v < 1e-6 for v in losses.values()), losses
+
+
+def test_mask_targets_are_the_instances_masks_in_their_boxes():
+    model = tiny(mask_samples=10_000)
+    images, targets = sample_batch()
+    with torch.no_grad():
+        tgts, _, _, spr, _, _ = _perfect_outputs(model, images, targets)
+    # instance 1 of image 0 is a box mask: its 32x32 target is all ones; the discs are not
+    lab = spr["label"]
+    assert spr["mask"][lab == 3].all() and not spr["mask"][lab == 1].all()
+    disc_fill = spr["mask"][lab == 1].float().mean()
+    assert abs(disc_fill - math.pi / 4) < 0.05    # a disc fills pi/4 of its box
+
+
+def test_bf16_autocast_trains_and_infers_with_fp32_outputs():
+    model = tiny(score_thresh=0.0, detections_per_img=5)
+    images, targets = sample_batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        losses = model.train()(images, targets)
+        assert all(v.dtype == torch.float32 and torch.isfinite(v) for v in losses.values())
+        with torch.no_grad():
+            out = model.eval()(images)
+    assert out[0]["masks"].dtype == torch.float32 and out[0]["masks"].shape == (5, 1, 64, 64)
+
+
+def test_detections_match_torchvision_retinanet_postprocessing():
+    """SPRNet's boxes, scores and labels are RetinaNet's: the same weights through torchvision's
+    ``RetinaNet.forward`` give the same detections."""
+    from torchvision.models.detection import RetinaNet
+
+    model = tiny(score_thresh=0.02, topk_candidates=50, detections_per_img=20).eval()
+    with torch.no_grad():        # spread the scores over classes and levels
+        model.head.classification_head.cls_logits.bias.normal_(-3, 1.0)
+        images, _ = sample_batch()
+        ours = model(images)
+        theirs = RetinaNet.forward(model, images)
+    def rows(d):   # equal scores may come in either order: compare the sorted (score, label, box) rows
+        r = torch.cat([d["scores"][:, None], d["labels"][:, None].float(), d["boxes"]], 1)
+        for col in reversed(range(r.shape[1])):
+            r = r[r[:, col].argsort(stable=True)]
+        return r
+
+    for a, b in zip(ours, theirs):
+        assert len(a["boxes"]) > 5
+        torch.testing.assert_close(a["scores"], b["scores"])
+        torch.testing.assert_close(rows(a), rows(b))

@@ -1,0 +1,85 @@
+"""COCO reading and evaluation: ground truth scores AP 1.0 against itself, known box shifts lower it predictably."""
+
+import pytest
+import torch
+
+pytest.importorskip("pycocotools")
+
+from hpdl.runtime.errors import HpdlError  # noqa: E402
+from hpdl.vision.coco import CocoInstances, coco_evaluate, collate, find_split, hflip, to_coco_results  # noqa: E402
+from hpdl.vision.shapes import ShapesConfig, make_shapes  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory):
+    root = tmp_path_factory.mktemp("shapes")
+    make_shapes(root, ShapesConfig(num_train=8, num_val=6, image_size=64, max_instances=4))
+    return root
+
+
+def _gt_outputs(ds, shift_frac=0.0):
+    outs, ids = [], []
+    for i in range(len(ds)):
+        _, t = ds[i]
+        boxes = t["boxes"].clone()
+        w = boxes[:, 2] - boxes[:, 0]
+        boxes[:, [0, 2]] += shift_frac * w[:, None]
+        outs.append({"boxes": boxes, "labels": t["labels"], "scores": torch.ones(len(boxes)),
+                     "masks": t["masks"][:, None].bool()})
+        ids.append(int(t["image_id"]))
+    return outs, ids
+
+
+def test_dataset_items_are_in_torchvision_detection_format(shapes):
+    ds = CocoInstances(shapes, "val")
+    assert len(ds) == 6 and ds.num_classes == 4 and ds.class_names[1:] == ["circle", "triangle", "square"]
+    image, t = ds[0]
+    assert image.shape == (3, 64, 64) and image.dtype == torch.float32 and 0 <= image.min() <= image.max() <= 1
+    n = len(t["boxes"])
+    assert n >= 1 and t["boxes"].shape == (n, 4) and t["labels"].dtype == torch.int64
+    assert t["masks"].shape == (n, 64, 64) and t["masks"].dtype == torch.uint8
+    for box, mask in zip(t["boxes"], t["masks"]):     # the shapes set's boxes are tight boxes of the masks
+        ys, xs = torch.nonzero(mask, as_tuple=True)
+        assert box.tolist() == [xs.min(), ys.min(), xs.max() + 1, ys.max() + 1]
+    images, targets = collate([ds[0], ds[1]])
+    assert isinstance(images, list) and len(targets) == 2
+
+
+def test_hflip_moves_boxes_with_their_masks(shapes):
+    image, t = CocoInstances(shapes, "val")[1]
+    fimage, ft = hflip(image, t)
+    assert torch.equal(fimage.flip(-1), image)
+    for box, mask in zip(ft["boxes"], ft["masks"]):
+        ys, xs = torch.nonzero(mask, as_tuple=True)
+        assert box.tolist() == [xs.min(), ys.min(), xs.max() + 1, ys.max() + 1]
+
+
+def test_ground_truth_against_itself_scores_ap_one(shapes):
+    ds = CocoInstances(shapes, "val")
+    outs, ids = _gt_outputs(ds)
+    metrics = coco_evaluate(ds.coco, to_coco_results(outs, ids, ds.cat_ids))
+    assert metrics["bbox"]["AP"] == 1.0 and metrics["segm"]["AP"] == 1.0
+    assert metrics["bbox"]["AP50"] == 1.0 and metrics["segm"]["AP75"] == 1.0
+
+
+def test_a_known_box_shift_lowers_box_ap_predictably(shapes):
+    ds = CocoInstances(shapes, "val")
+    outs, ids = _gt_outputs(ds, shift_frac=0.1)    # IoU = 0.9 / 1.1 = 0.818 for every box
+    box = coco_evaluate(ds.coco, to_coco_results(outs, ids, ds.cat_ids), ("bbox",))["bbox"]
+    assert box["AP50"] == 1.0 and box["AP75"] == 1.0
+    assert box["AP"] == pytest.approx(0.7, abs=1e-9)  # thresholds 0.50..0.80 of 0.50..0.95 pass
+
+
+def test_empty_or_maskless_results_score_zero(shapes):
+    ds = CocoInstances(shapes, "val")
+    assert coco_evaluate(ds.coco, [])["segm"]["AP"] == 0.0
+    outs, ids = _gt_outputs(ds)
+    for o in outs:
+        del o["masks"]
+    m = coco_evaluate(ds.coco, to_coco_results(outs, ids, ds.cat_ids))
+    assert m["bbox"]["AP"] == 1.0 and m["segm"]["AP"] == 0.0
+
+
+def test_missing_split_is_named(tmp_path):
+    with pytest.raises(HpdlError, match="no COCO split 'val'"):
+        find_split(tmp_path, "val")
