@@ -41,7 +41,7 @@ def describe(index: int, pid: int | str = "?", address: str = "") -> str:
 
 class _Server:
     def __init__(self, index: int, agents: int, address: str, authkey: bytes, store, threads: int,
-                 spin_us: float, parent_pid: int | None, peers: list):
+                 spin_us: float, parent_pid: int | None, transport):
         import torch
 
         import hpdl.offload.executor as ex
@@ -56,7 +56,7 @@ class _Server:
         self.executor = ex.Executor(bell=self.bell, spin_us=spin_us, copy_threads=threads,
                                     name=f"hpdl-offload-agent{index}")
         self.executor.heartbeat = self._beat
-        self.transport = ex.TorchTransport(None, describe=lambda e: f"{describe(e, peers[e][0])} on {peers[e][1]}")
+        self.transport = transport
         self.mapper = shm.Mapper()
         self.listener = Listener(address, family="AF_UNIX", authkey=authkey)
         self._last_beat = self._last_parent_check = 0
@@ -133,7 +133,7 @@ class _Server:
                         value = None
                     elif isinstance(msg, P.Query):
                         inst = insts.get(msg.slot)
-                        value = self.executor.call(lambda: (inst.error, inst.pending())) if inst else (None, [])
+                        value = self.executor.call(inst.status) if inst else None
                     elif isinstance(msg, P.Shutdown):
                         conn.send(P.Reply(True))
                         self.executor.request_stop()
@@ -180,6 +180,8 @@ def run_agent(*, index: int, agents: int, rendezvous: str, address: str, authkey
     """
     import torch.distributed as dist
 
+    from hpdl.offload.executor import GlooTransport
+
     _cleanup(address)
     authkey = authkey or secrets.token_bytes(16)
     fd = os.open(address + ".key", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -189,10 +191,10 @@ def run_agent(*, index: int, agents: int, rendezvous: str, address: str, authkey
     try:
         store = dist.TCPStore(host, int(port), agents, is_master=(index == 0),
                               timeout=timedelta(seconds=timeout), wait_for_workers=True)
-        dist.init_process_group("gloo", store=store, rank=index, world_size=agents,
-                                timeout=timedelta(seconds=timeout))
-        peers: list = [None] * agents  # (pid, host) of every agent, for errors that name a remote one
-        dist.all_gather_object(peers, (os.getpid(), socket.gethostname()))
+        store.set(f"hpdl_offload_agent{index}", f"{os.getpid()} {socket.gethostname()}")
+        peers = [store.get(f"hpdl_offload_agent{e}").decode().split(" ", 1) for e in range(agents)]
+        transport = GlooTransport.create(store, index, agents, timeout,
+                                         describe=lambda e: f"{describe(e, peers[e][0])} on {peers[e][1]}")
     except Exception as exc:  # noqa: BLE001 - whatever the rendezvous raised, say which agent and where
         _cleanup(address)
         from hpdl.offload.errors import AgentError
@@ -200,7 +202,7 @@ def run_agent(*, index: int, agents: int, rendezvous: str, address: str, authkey
         who = describe(index, os.getpid(), address)
         raise AgentError(f"{who}: rendezvous of {agents} agents at {rendezvous} failed within {timeout:.0f}s: "
                          f"{type(exc).__name__}: {exc}", agent=who) from None
-    server = _Server(index, agents, address, authkey, store, threads, spin_us, parent_pid, peers)
+    server = _Server(index, agents, address, authkey, store, threads, spin_us, parent_pid, transport)
 
     def _stop(signum, frame):
         server.executor.request_stop()
@@ -213,8 +215,4 @@ def run_agent(*, index: int, agents: int, rendezvous: str, address: str, authkey
         server.serve()
     finally:
         _cleanup(address)
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - peers may be gone already
-            pass
     return 0

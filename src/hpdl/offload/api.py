@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from datetime import timedelta
 from typing import Sequence
 
 import torch
@@ -26,7 +27,7 @@ from hpdl.offload import protocol as P
 from hpdl.offload import shm
 from hpdl.offload.compiler import CompiledPlan, check_plan, compile_group
 from hpdl.offload.errors import AgentError, OffloadError, OffloadTimeoutError, PlanError
-from hpdl.offload.executor import Executor, Instance, TorchTransport
+from hpdl.offload.executor import Executor, GlooTransport, Instance, Status
 from hpdl.offload.plan import BufferSpec, Plan, PlanData, torch_dtype
 from hpdl.runtime import env
 
@@ -42,9 +43,7 @@ class _ThreadBackend:
     _lock = threading.Lock()
     _groups: dict = {}
 
-    def __init__(self, group, rank: int, world: int):
-        import torch.distributed as dist
-
+    def __init__(self, group, rank: int, world: int, timeout: float):
         cls = type(self)
         with cls._lock:
             if cls._executor is None:
@@ -52,13 +51,8 @@ class _ThreadBackend:
                 ex.start_thread()
                 cls._executor, cls._mailboxes = ex, shm.Mailboxes(1024, shared=False)
         key = "world" if group is None else group
-        if key not in cls._groups:
-            transport = None
-            if world > 1:  # a private Gloo group: the application's own calls on its group never interleave
-                ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
-                g = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
-                transport = TorchTransport(g)
-            cls._groups[key] = [transport, 0]
+        if key not in cls._groups:  # collective over the group, the first time it compiles a plan
+            cls._groups[key] = [_private_gloo(group, rank, world, timeout) if world > 1 else None, 0]
         self.state = cls._groups[key]
         self.transport = self.state[0]
         self.endpoint = rank
@@ -83,8 +77,8 @@ class _ThreadBackend:
         self.executor.free(inst)
         self.mailboxes.give_back(slot)
 
-    def query(self, inst):
-        return inst.error, self.executor.call(inst.pending, timeout=5.0)
+    def query(self, inst) -> Status:
+        return self.executor.call(inst.status, timeout=5.0)
 
     def check(self, what: str) -> None:
         if not self.executor.running:
@@ -92,6 +86,25 @@ class _ThreadBackend:
 
     def describe(self) -> str:
         return "the in-process progress thread"
+
+
+def _private_gloo(group, rank: int, world: int, timeout: float) -> GlooTransport:
+    """A Gloo group of the group's ranks on a store of its own (hosted by group rank 0): made without
+    new_group, so ranks outside the group take no part and the application's groups are not touched."""
+    import socket
+
+    import torch.distributed as dist
+
+    from hpdl.runtime.launch import free_port
+
+    where = [None] * world
+    host = socket.gethostname()
+    dist.all_gather_object(where, (host, free_port() if rank == 0 else 0), group=group)
+    addr = "127.0.0.1" if all(h == host for h, _ in where) else where[0][0]
+    store = dist.TCPStore(addr, where[0][1], world, is_master=(rank == 0), timeout=timedelta(seconds=timeout))
+    t = GlooTransport.create(store, rank, world, timeout)
+    t.store = store  # group rank 0 hosts it: keep it alive with the transport
+    return t
 
 
 class _AgentBackend:
@@ -121,8 +134,9 @@ class _AgentBackend:
         finally:
             self.mailboxes.give_back(slot)
 
-    def query(self, inst):
-        return self.client.request(P.Query(inst), timeout=5.0)
+    def query(self, inst) -> Status:
+        st = self.client.request(P.Query(inst), timeout=5.0)
+        return st if st is not None else Status("the agent does not know this request", None, ())
 
     def check(self, what: str) -> None:
         if not self.client.alive():
@@ -236,7 +250,8 @@ def compile(plan: Plan | PlanData, buffers: dict[str, torch.Tensor] | None = Non
         tensors = _bind(data.buffers, buffers, mode)
     except PlanError as exc:
         error = exc
-    backend = _AgentBackend(client) if mode == "agent" else _ThreadBackend(group, rank, world)
+    wait_s = float(env.get("HPDL_TIMEOUT") if timeout is None else timeout)
+    backend = _AgentBackend(client) if mode == "agent" else _ThreadBackend(group, rank, world, wait_s)
     key = backend.new_key() if rank == 0 or mode == "thread" else None
     infos = _gather({"data": data, "endpoint": backend.endpoint, "key": key,
                      "error": None if error is None else (str(error), error.op)}, group)
@@ -364,17 +379,21 @@ class PersistentRequest:
     def _raise_failed(self) -> None:
         self.active = False
         try:
-            err, _ = self._backend.query(self._handle)
+            st = self._backend.query(self._handle)
+            err, culprit = st.error or "unknown error", st.culprit
         except OffloadError as exc:
-            err = f"(its error could not be read: {exc})"
-        self._failed = err or "unknown error"
-        raise OffloadError(f"plan {self.plan.name!r} failed on rank {self.plan.rank}: {self._failed}")
+            err, culprit = f"(its error could not be read: {exc})", None
+        self._failed = err
+        msg = f"plan {self.plan.name!r} failed on rank {self.plan.rank}: {err}"
+        if self._backend.kind == "agent":  # the agents' network failed: name the agent to blame
+            raise AgentError(msg, agent=culprit or self._backend.describe())
+        raise OffloadError(msg)
 
     def _raise_timeout(self, timeout: float) -> None:
         try:
-            _, pending = self._backend.query(self._handle)
+            pending = self._backend.query(self._handle).pending
         except OffloadError as exc:
-            pending = []
+            pending = ()
             note = f" ({exc})"
         else:
             note = ""

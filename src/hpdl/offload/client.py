@@ -245,7 +245,7 @@ class Agent:
                     pass  # being created
             if time.monotonic() > deadline:
                 self._kill()
-                raise AgentError(f"{who} did not become ready within {self.start_timeout:.0f}s (a peer agent "
+                raise AgentError(f"{who} did not become ready within {self.start_timeout:g}s (a peer agent "
                                  f"missing from the rendezvous at {rendezvous}?); its log:\n{_tail(log_path)}",
                                  agent=who)
             time.sleep(0.02)
@@ -280,6 +280,8 @@ class Agent:
                     os.unlink(self.address + ".log")
                 except OSError:
                     pass
+        if clean and dist.is_initialized():
+            _gather(None, self.group)  # every agent is gone when stop() returns on any rank
         self.client = None
         self.proc = None
 

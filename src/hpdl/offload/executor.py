@@ -53,22 +53,34 @@ class Transport:
         return f"endpoint {endpoint}"
 
 
-class TorchTransport(Transport):
-    """Point-to-point over a torch.distributed group whose ranks are the endpoints (Gloo on CPU tensors)."""
+class GlooTransport(Transport):
+    """Point-to-point over a private Gloo process group whose ranks are the endpoints.
 
-    def __init__(self, group=None, describe: Callable[[int], str] | None = None):
-        import torch.distributed as dist
+    The group is built directly on a store (``torch.distributed.ProcessGroupGloo``) rather than with
+    ``new_group``: no other rank of the job has to take part, and the application's own groups and calls
+    never share its tags.
+    """
 
-        self._dist, self.group = dist, group
-        self._global = [dist.get_global_rank(group, r) if group is not None else r
-                        for r in range(dist.get_world_size(group))]
+    def __init__(self, pg, describe: Callable[[int], str] | None = None):
+        self.pg = pg
         self._describe = describe
 
+    @classmethod
+    def create(cls, store, rank: int, size: int, timeout: float, prefix: str = "hpdl-offload",
+               describe: Callable[[int], str] | None = None) -> "GlooTransport":
+        """Collective over the ``size`` processes that share ``store``."""
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, timedelta(seconds=timeout))
+        return cls(pg, describe)
+
     def send(self, tensor, endpoint, tag):
-        self._dist.isend(tensor, self._global[endpoint], group=self.group, tag=tag).wait()
+        self.pg.send([tensor], endpoint, tag).wait()
 
     def recv(self, tensor, endpoint, tag):
-        self._dist.irecv(tensor, self._global[endpoint], group=self.group, tag=tag).wait()
+        self.pg.recv([tensor], endpoint, tag).wait()
 
     def describe(self, endpoint):
         return self._describe(endpoint) if self._describe else f"rank {endpoint}"
@@ -111,6 +123,16 @@ class Pending:
 
     def __str__(self) -> str:
         return f"{self.op} {self.state}"
+
+
+@dataclass(frozen=True)
+class Status:
+    """What a request's executor knows: its error (None if none), the remote endpoint blamed for it (a
+    transport failure), and the operations still outstanding."""
+
+    error: str | None
+    culprit: str | None
+    pending: tuple[Pending, ...]
 
 
 class _Op:
@@ -187,7 +209,11 @@ class Instance:
         self.active = False
         self.left = 0
         self.error: str | None = None
+        self.culprit: str | None = None
         self.on_done: Callable[[], None] | None = None  # called by the dispatcher after DONE or FAILED
+
+    def status(self) -> Status:
+        return Status(self.error, self.culprit, tuple(self.pending()))
 
     def pending(self) -> list[Pending]:
         """Operations of the running generation that are not done, with what each waits for."""
@@ -234,14 +260,16 @@ class Executor:
         self._ready: deque = deque()
         self._boxes: dict[int, tuple[np.ndarray, np.ndarray, dict[int, Instance]]] = {}  # id(array) -> set
         self._matches: dict[tuple, _Match] = {}
-        self._thread: threading.Thread | None = None
+        self._thread: threading.Thread | None = None  # started by start_thread
+        self._runner: threading.Thread | None = None  # whichever thread runs run(): owner of all plan state
         self._stop = threading.Event()
         self.heartbeat: Callable[[], None] | None = None
 
     # ---- called from any thread -------------------------------------------------------------------------
     def call(self, fn: Callable, *args, timeout: float = 60.0):
         """Run ``fn(*args)`` on the dispatcher (directly when no dispatcher thread runs) and return its result."""
-        if self._thread is None or threading.current_thread() is self._thread:
+        runner = self._runner
+        if runner is None or threading.current_thread() is runner:
             return fn(*args)
         fut: Future = Future()
         self._commands.append((fn, args, fut))
@@ -286,11 +314,12 @@ class Executor:
 
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._runner is not None and self._runner.is_alive()
 
     # ---- the dispatcher ---------------------------------------------------------------------------------
     def run(self, started: threading.Event | None = None) -> None:
         """Dispatcher loop until :meth:`stop`: progress, spin briefly, then sleep on the doorbells."""
+        self._runner = threading.current_thread()
         if started is not None:
             started.set()
         fds = [self.bell.fileno(), self._io_bell.fileno()]
@@ -313,6 +342,10 @@ class Executor:
                 time.sleep(self.idle_s)
             self.bell.drain()
             self._io_bell.drain()
+        self._runner = None
+        while self._commands:  # nobody will run these any more
+            _, _, fut = self._commands.popleft()
+            fut.set_exception(OffloadError(f"{self.name} stopped"))
 
     def progress(self) -> bool:
         """One pass: commands, completions, new starts, ready operations. Returns whether anything happened."""
@@ -334,6 +367,8 @@ class Executor:
             if err is not None:
                 o = inst.ops[i]
                 peer = f" talking to {inst.transport.describe(o.endpoint)}" if o.remote else ""
+                if o.remote:
+                    inst.culprit = inst.transport.describe(o.endpoint)
                 self._fail(inst, f"{inst.label} plan {inst.plan.name!r} op {o.describe()} failed{peer}: {err}")
             else:
                 self._complete(inst, i)
