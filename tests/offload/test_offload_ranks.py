@@ -88,7 +88,7 @@ def test_agent_that_does_not_start_in_time_is_killed_and_named():
         assert elapsed < 30
 
 
-def test_cli_agent_serves_ranks_and_rendezvous_failure_names_it(tmp_path):
+def test_cli_agent_serves_ranks(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     address = str(tmp_path / "agent.sock")
     proc = subprocess.Popen([sys.executable, "-m", "hpdl.cli", "offload", "agent", "--address", address],
@@ -101,13 +101,18 @@ def test_cli_agent_serves_ranks_and_rendezvous_failure_names_it(tmp_path):
         proc.terminate()
         assert proc.wait(timeout=30) == 0
     assert not os.path.exists(address)
+
+
+def test_agent_rendezvous_failure_names_the_agent(tmp_path):
+    from hpdl.offload.agent import run_agent
+    from hpdl.offload.errors import AgentError
     from hpdl.runtime.launch import free_port
 
     t0 = time.monotonic()
-    bad = subprocess.run([sys.executable, "-m", "hpdl.cli", "offload", "agent", "--agents", "2", "--index", "1",
-                          "--rendezvous", f"127.0.0.1:{free_port()}", "--timeout", "2",
-                          "--address", str(tmp_path / "b.sock")], capture_output=True, text=True, env=env,
-                         timeout=120)
-    assert bad.returncode == 1
-    assert "offload agent 1 (pid" in bad.stderr and "rendezvous of 2 agents" in bad.stderr, bad.stderr
-    assert time.monotonic() - t0 < 60
+    with pytest.raises(AgentError, match=r"offload agent 1 \(pid \d+, .*b.sock\): rendezvous of 2 agents at "
+                                         r"127.0.0.1:\d+ failed within 2s") as info:
+        run_agent(index=1, agents=2, rendezvous=f"127.0.0.1:{free_port()}", address=str(tmp_path / "b.sock"),
+                  timeout=2)
+    assert info.value.agent.startswith("offload agent 1 (pid")
+    assert time.monotonic() - t0 < 30
+    assert list(tmp_path.iterdir()) == []  # nothing left behind

@@ -157,7 +157,8 @@ class _Server:
             conn.close()
 
 
-def _cleanup(address: str) -> None:
+def cleanup(address: str) -> None:
+    """Remove an agent's socket, status block, doorbell and key file."""
     for suffix in ("", ".status", ".bell", ".key"):
         try:
             os.unlink(address + suffix)
@@ -182,7 +183,7 @@ def run_agent(*, index: int, agents: int, rendezvous: str, address: str, authkey
 
     from hpdl.offload.executor import GlooTransport
 
-    _cleanup(address)
+    cleanup(address)
     authkey = authkey or secrets.token_bytes(16)
     fd = os.open(address + ".key", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as fh:
@@ -196,7 +197,7 @@ def run_agent(*, index: int, agents: int, rendezvous: str, address: str, authkey
         transport = GlooTransport.create(store, index, agents, timeout,
                                          describe=lambda e: f"{describe(e, peers[e][0])} on {peers[e][1]}")
     except Exception as exc:  # noqa: BLE001 - whatever the rendezvous raised, say which agent and where
-        _cleanup(address)
+        cleanup(address)
         from hpdl.offload.errors import AgentError
 
         who = describe(index, os.getpid(), address)
@@ -214,5 +215,5 @@ def run_agent(*, index: int, agents: int, rendezvous: str, address: str, authkey
     try:
         server.serve()
     finally:
-        _cleanup(address)
+        cleanup(address)
     return 0

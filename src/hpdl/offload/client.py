@@ -206,6 +206,11 @@ class Agent:
         errs = [e for e in _gather(err, g) if e]
         if errs:
             self._kill()
+            if self.proc is not None:
+                self._log.close()
+                if self.proc.returncode <= 0:  # killed by us: its log's tail is in the message already
+                    _unlink(self.address + ".log")
+                self.proc = None
             raise AgentError(errs[0][0], agent=errs[0][1])
         try:
             self.client = AgentClient(self.address, key, label=f"rank {rank}", timeout=self.timeout)
@@ -273,13 +278,11 @@ class Agent:
                 code = self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self._kill()
-                code = None
+                code = self.proc.returncode
             self._log.close()
-            if clean and code == 0:
-                try:
-                    os.unlink(self.address + ".log")
-                except OSError:
-                    pass
+            agent_mod.cleanup(self.address)  # a killed agent leaves its socket, status and doorbell behind
+            if code is None or code <= 0:  # kept when the agent failed with an error of its own
+                _unlink(self.address + ".log")
         if clean and dist.is_initialized():
             _gather(None, self.group)  # every agent is gone when stop() returns on any rank
         self.client = None
@@ -289,6 +292,15 @@ class Agent:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        if self.proc is not None:
+            agent_mod.cleanup(self.address)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _gather(value, group) -> list:
