@@ -242,7 +242,7 @@ class OverlapBenchCommand:
         p.add_argument("--iters", type=int, default=50, help="most timed iterations per loop")
         p.add_argument("--time-per-point", type=float, default=0.6, help="seconds aimed at per point")
         p.add_argument("--compute-factor", type=float, default=1.0, help="compute = this x Pure Comm")
-        p.add_argument("--agent-threads", type=int, default=2, help="copy threads of the agent")
+        p.add_argument("--agent-threads", type=int, default=4, help="copy threads of the agent (its cores)")
         p.add_argument("--timeout", type=float, default=120.0, help="seconds any wait may take")
         p.add_argument("--out", default=None, help="folder for overlap.json and overlap.png")
         p.add_argument("--json", dest="json_path", default=None, help="write rows and metadata as JSON")

@@ -31,13 +31,13 @@ MODES = ("blocking", "agent-blocking", "agent", "thread")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--np", type=int, default=4, help="ranks to spawn")
-    p.add_argument("--sizes", default="4x256x256,8x256x256,16x256x256",
+    p.add_argument("--sizes", default="4x256x256,6x256x256,8x256x256",
                    help="comma-separated owned block shapes ZxYxX per rank")
     p.add_argument("--grid", default=None, help="process grid PZxPYxPX (default NPx1x1: slabs along z)")
     p.add_argument("--steps", type=int, default=30, help="timed steps per repeat")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per mode (median reported)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated from {', '.join(MODES)}")
-    p.add_argument("--agent-threads", type=int, default=2, help="copy threads of the agent")
+    p.add_argument("--agent-threads", type=int, default=4, help="copy threads of the agent (its cores)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     p.add_argument("--out", default=None, help="folder for jacobi.json and jacobi.png")
     p.add_argument("--json", dest="json_path", default=None, help="write results as JSON here")
@@ -112,15 +112,32 @@ def _blocking_exchange(u, plan_data, group_ranks, tmp):
         view.copy_(buf.view(view.shape))
 
 
-def run_rank(ctx, shape, grid, modes, steps, repeats, dtype_name, agent_threads, timeout):
-    """One rank's measurement of every mode at one block shape. Returns per-mode timings and checks."""
+def run_rank(ctx, shapes, grid, modes, steps, repeats, dtype_name, agent_threads, timeout):
+    """One rank's measurement of every mode at every block shape: ``{shape: {mode: timings and checks}}``."""
+    import hpdl.offload as ho
+
+    torch.set_num_threads(1)
+    agent = ho.Agent(threads=agent_threads, timeout=timeout).start() if any(m.startswith("agent") for m in modes) \
+        else None
+    try:
+        out = {}
+        for shape in shapes:
+            t0 = time.perf_counter()
+            out[shape] = _measure(ctx, shape, grid, modes, steps, repeats, getattr(torch, dtype_name), timeout)
+            if ctx.rank == 0:
+                print(f"# {'x'.join(map(str, shape))}: {time.perf_counter() - t0:.1f}s", flush=True)
+        return out
+    finally:
+        if agent is not None:
+            agent.stop()
+
+
+def _measure(ctx, shape, grid, modes, steps, repeats, dtype, timeout):
     import torch.distributed as dist
 
     import hpdl.offload as ho
     from hpdl.offload import plans
 
-    torch.set_num_threads(1)
-    dtype = getattr(torch, dtype_name)
     P, r = ctx.world_size, ctx.rank
     periodic = tuple(g > 1 for g in grid)
     plan = plans.halo3d(shape, grid, r, dtype, periodic=periodic)
@@ -129,73 +146,67 @@ def run_rank(ctx, shape, grid, modes, steps, repeats, dtype_name, agent_threads,
     padded = tuple(n + 2 for n in shape)
     ranks = list(range(P))
     tmp = {op.name: torch.empty(op.dst.numel, dtype=dtype) for op in plan.ops if op.kind == "recv"}
-    agent = ho.Agent(threads=agent_threads, timeout=timeout).start() if any(m.startswith("agent") for m in modes) \
-        else None
     results, reference = {}, None
-    try:
-        for mode in modes:
-            alloc = ho.empty if mode.startswith("agent") else (lambda s, d: torch.zeros(s, dtype=d))
-            us = [alloc(padded, dtype), alloc(padded, dtype)]
-            reqs = None
-            if mode != "blocking":
-                progress = "agent" if mode.startswith("agent") else "thread"
-                reqs = [ho.compile(plan, {"u": t}, progress=progress, timeout=timeout) for t in us]
+    for mode in modes:
+        alloc = ho.empty if mode.startswith("agent") else (lambda s, d: torch.zeros(s, dtype=d))
+        us = [alloc(padded, dtype), alloc(padded, dtype)]
+        reqs = None
+        if mode != "blocking":
+            progress = "agent" if mode.startswith("agent") else "thread"
+            reqs = [ho.compile(plan, {"u": t}, progress=progress, timeout=timeout) for t in us]
 
-            def reset():
-                for t in us:
-                    t.zero_()
-                us[0][1:-1, 1:-1, 1:-1] = u0
+        def reset():
+            for t in us:
+                t.zero_()
+            us[0][1:-1, 1:-1, 1:-1] = u0
 
-            def step(k, comm_t):
-                cur, nxt = us[k % 2], us[(k + 1) % 2]
-                if mode == "blocking":
-                    t0 = time.perf_counter()
-                    _blocking_exchange(cur, plan.data(), ranks, tmp)
-                    comm_t[0] += time.perf_counter() - t0
-                    stencil(cur, nxt, b, tuple(slice(1, n + 1) for n in shape))
-                elif mode == "agent-blocking":
-                    t0 = time.perf_counter()
-                    reqs[k % 2].start()
-                    reqs[k % 2].wait()
-                    comm_t[0] += time.perf_counter() - t0
-                    stencil(cur, nxt, b, tuple(slice(1, n + 1) for n in shape))
-                else:
-                    reqs[k % 2].start()
-                    stencil(cur, nxt, b, inner)
-                    t0 = time.perf_counter()
-                    reqs[k % 2].wait()
-                    comm_t[0] += time.perf_counter() - t0  # exposed (not hidden) communication
-                    for box in shell:
-                        stencil(cur, nxt, b, box)
-
-            times, comms = [], []
-            for rep in range(repeats + 1):  # the first repeat warms up and gives the checked field
-                reset()
-                comm_t = [0.0]
-                dist.barrier()
+        def step(k, comm_t):
+            cur, nxt = us[k % 2], us[(k + 1) % 2]
+            if mode == "blocking":
                 t0 = time.perf_counter()
-                for k in range(steps):
-                    step(k, comm_t)
-                elapsed = time.perf_counter() - t0
-                if rep == 0:
-                    final = us[steps % 2][1:-1, 1:-1, 1:-1].clone()
-                    continue
-                t = torch.tensor([elapsed / steps, comm_t[0] / steps], dtype=torch.float64)
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
-                times.append(float(t[0]))
-                comms.append(float(t[1]))
-            if reference is None:
-                reference = final
-            wrong = torch.tensor([float((final != reference).sum())])
-            dist.all_reduce(wrong)
-            results[mode] = {"step_ms": sorted(times)[len(times) // 2] * 1e3, "steps_ms": [x * 1e3 for x in times],
-                             "comm_ms": sorted(comms)[len(comms) // 2] * 1e3, "wrong": int(wrong.item()),
-                             "reference": modes[0]}
-            for q in reqs or ():
-                q.free()
-    finally:
-        if agent is not None:
-            agent.stop()
+                _blocking_exchange(cur, plan.data(), ranks, tmp)
+                comm_t[0] += time.perf_counter() - t0
+                stencil(cur, nxt, b, tuple(slice(1, n + 1) for n in shape))
+            elif mode == "agent-blocking":
+                t0 = time.perf_counter()
+                reqs[k % 2].start()
+                reqs[k % 2].wait()
+                comm_t[0] += time.perf_counter() - t0
+                stencil(cur, nxt, b, tuple(slice(1, n + 1) for n in shape))
+            else:
+                reqs[k % 2].start()
+                stencil(cur, nxt, b, inner)
+                t0 = time.perf_counter()
+                reqs[k % 2].wait()
+                comm_t[0] += time.perf_counter() - t0  # exposed (not hidden) communication
+                for box in shell:
+                    stencil(cur, nxt, b, box)
+
+        times, comms = [], []
+        for rep in range(repeats + 1):  # the first repeat warms up and gives the checked field
+            reset()
+            comm_t = [0.0]
+            dist.barrier()
+            t0 = time.perf_counter()
+            for k in range(steps):
+                step(k, comm_t)
+            elapsed = time.perf_counter() - t0
+            if rep == 0:
+                final = us[steps % 2][1:-1, 1:-1, 1:-1].clone()
+                continue
+            t = torch.tensor([elapsed / steps, comm_t[0] / steps], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
+            times.append(float(t[0]))
+            comms.append(float(t[1]))
+        if reference is None:
+            reference = final
+        wrong = torch.tensor([float((final != reference).sum())])
+        dist.all_reduce(wrong)
+        results[mode] = {"step_ms": sorted(times)[len(times) // 2] * 1e3, "steps_ms": [x * 1e3 for x in times],
+                         "comm_ms": sorted(comms)[len(comms) // 2] * 1e3, "wrong": int(wrong.item()),
+                         "reference": modes[0]}
+        for q in reqs or ():
+            q.free()
     return results
 
 
@@ -218,20 +229,20 @@ def run_command(args) -> int:
     if args.steps < 1 or args.repeats < 1:
         raise CLIUsageError("--steps and --repeats must be >= 1")
     rows = []
+    t0 = time.perf_counter()
+    allres = spawn(run_rank, args.np, args=(sizes, grid, modes, args.steps, args.repeats, args.dtype,
+                                           args.agent_threads, args.timeout), timeout=args.timeout)[0]
     for shape in sizes:
-        t0 = time.perf_counter()
-        res = spawn(run_rank, args.np, args=(shape, grid, modes, args.steps, args.repeats, args.dtype,
-                                            args.agent_threads, args.timeout), timeout=args.timeout)[0]
+        res = allres[shape]
         base = res[modes[0]]
         for m in modes:
             rows.append({"shape": "x".join(map(str, shape)), "mode": m, **res[m],
                          "vs_" + modes[0]: res[m]["step_ms"] / base["step_ms"],
                          "comm_fraction": res[m]["comm_ms"] / res[m]["step_ms"] if m.endswith("blocking") else None})
-        print(f"# {shape}: {time.perf_counter() - t0:.1f}s", flush=True)
     meta = {"benchmark": "hpdl offload jacobi", "np": args.np, "grid": grid, "steps": args.steps,
             "repeats": args.repeats, "dtype": args.dtype, "agent_threads": args.agent_threads,
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M"), "commit": source_commit(),
-            "cpus": __import__("os").cpu_count(), "command": "hpdl offload jacobi " + _argv(args)}
+            "cpus": __import__("os").cpu_count(), "seconds": round(time.perf_counter() - t0, 1), "command": "hpdl offload jacobi " + _argv(args)}
     print(format_table(rows, modes[0]))
     json_path, plot_path = args.json_path, args.plot_path
     if args.out:
