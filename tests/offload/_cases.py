@@ -51,7 +51,6 @@ def _setup(ctx, mode):
 
 
 def _a2a_check(req, inp, out, group=None, seed=0):
-    P = dist.get_world_size(group)
     r = dist.get_rank(group)
     inp.copy_(torch.arange(inp.numel(), dtype=torch.float32).view(inp.shape) % 977 + 1000 * r + seed)
     out.fill_(-1)

@@ -20,6 +20,12 @@ def pool():
     return get_pool(4, timeout=240)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _stop_agents_at_the_end():
+    yield
+    pool().run(C.stop_agent)  # agents would notice their parents' exit too, a second later
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_ready_made_plans_match_torch_distributed(mode):
     for wrong in pool().run(C.ready_made, mode):

@@ -216,4 +216,9 @@ def run_agent(*, index: int, agents: int, rendezvous: str, address: str, authkey
         server.serve()
     finally:
         cleanup(address)
+    if parent_pid:  # started by hpdl.offload.Agent and stopped cleanly: its log (address.log) holds nothing
+        try:
+            os.unlink(address + ".log")
+        except OSError:
+            pass
     return 0

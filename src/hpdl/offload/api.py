@@ -432,13 +432,14 @@ class PersistentRequest:
     def __enter__(self) -> "PersistentRequest":
         return self
 
-    def __exit__(self, *exc) -> None:
-        if self.active:
-            try:
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if self.active:
                 self.wait()
-            except OffloadError:
-                pass
-        self.free()
+            self.free()
+        except OffloadError:
+            if exc_type is None:  # do not hide the error that is already leaving the block
+                raise
 
 
 def startall(requests: Sequence[PersistentRequest]) -> None:

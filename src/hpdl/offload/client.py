@@ -186,7 +186,7 @@ class Agent:
         from hpdl.runtime.topology import discover
 
         g = self.group
-        rank, world = dist.get_rank(g), dist.get_world_size(g)
+        rank = dist.get_rank(g)
         topo = discover(g, self.ranks_per_node)
         node = topo.node_of[rank]
         leader = min(topo.node_ranks(node))

@@ -241,7 +241,6 @@ def compile_group(plans: Sequence[PlanData], key: int = 0,
             elif op.kind in ("put", "get"):
                 one_sided.append((q, op))
 
-    out_ops: list[list[CompiledOp | None]] = [[None] * len(p.ops) for p in plans]
     extra: list[list[dict]] = [[] for _ in plans]  # synthesized target halves of put/get
     messages = []  # (src_rank, src_index or extra-id, dst_rank, dst_index or extra-id)
 
@@ -286,7 +285,6 @@ def compile_group(plans: Sequence[PlanData], key: int = 0,
         return ref[1] if ref[0] == "op" else len(plans[q].ops) + ref[1]
 
     msg_of: dict[tuple[int, int], int] = {}
-    tags: dict[tuple[int, int], int] = {}
     pair_count: dict[tuple[int, int], int] = defaultdict(int)
     wire: dict[int, int | None] = {}
     for mid, ((qa, ra), (qb, rb)) in enumerate(messages):
