@@ -221,3 +221,13 @@ def test_progress_thread_that_does_not_start_raises():
         ex.start_thread(timeout=0.3)
     assert time.monotonic() - t0 < 2
     assert threading.active_count() >= 1
+
+
+def test_shared_memory_buffers_and_a_full_directory():
+    t = ho.empty((3, 4), torch.int32)
+    t += 7
+    h = ho.shm.handle_of(t[1])
+    assert h.offset == 16 and h.shape == (4,) and ho.shm.Mapper().tensor(h).tolist() == [7] * 4
+    assert ho.shm.handle_of(torch.zeros(3)) is None
+    with pytest.raises(ho.OffloadError, match="cannot allocate .* bytes of shared memory in .*HPDL_OFFLOAD_SHM_DIR"):
+        ho.empty((1 << 50,), torch.uint8)

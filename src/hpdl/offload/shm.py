@@ -9,6 +9,7 @@ sends the path to the agent, and unlinks it when its tensor is freed or the proc
 from __future__ import annotations
 
 import atexit
+import errno
 import itertools
 import mmap
 import os
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from hpdl.offload.errors import OffloadError
 from hpdl.offload.plan import dtype_name, torch_dtype
 from hpdl.runtime import env
 
@@ -60,6 +62,9 @@ def empty(shape, dtype=torch.float32) -> torch.Tensor:
     ``MPI_Alloc_mem`` / ``MPI_Win_allocate_shared``). Contents are zero (a fresh file), as with :func:`zeros`.
 
     The file is unlinked when the tensor (and every view of it) is freed, or at exit.
+
+    Raises:
+        OffloadError: the shared-memory directory has no room for it (the message names the directory).
     """
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     dt = torch_dtype(dtype_name(dtype))
@@ -67,10 +72,21 @@ def empty(shape, dtype=torch.float32) -> torch.Tensor:
     path = new_path("buf")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.ftruncate(fd, max(nbytes, 1))
+        try:  # reserve the pages now: a full /dev/shm fails here, not as SIGBUS on first touch
+            os.posix_fallocate(fd, 0, max(nbytes, 1))
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                os.close(fd)
+                fd = -1
+                os.unlink(path)
+                raise OffloadError(f"cannot allocate {nbytes} bytes of shared memory in {os.path.dirname(path)} "
+                                   f"({exc.strerror}); free space there or set HPDL_OFFLOAD_SHM_DIR to a larger "
+                                   "tmpfs") from None
+            os.ftruncate(fd, max(nbytes, 1))
         mm = mmap.mmap(fd, max(nbytes, 1))
     finally:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
     # frombuffer keeps ``mm`` alive for as long as any view of the storage lives; then the file goes
     raw = torch.frombuffer(mm, dtype=torch.uint8, count=max(nbytes, 1))
     with _LOCK:
