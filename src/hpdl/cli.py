@@ -26,6 +26,9 @@ GROUPS: dict[str, tuple[str, str, str | None]] = {
             "resource-aware HPO (HyperSack): Optuna studies packed onto GPUs, elastic and fault tolerant", "hpo"),
     "vision": ("hpdl.vision.cli:VisionCommand",
                "vision models (SOFT, SPRNet): train, evaluate, make offline datasets", "vision"),
+    "offload": ("hpdl.offload.cli:OffloadCommand",
+                "offload communication plans to a progress agent (seed 7): run the agent, the Jacobi comparison",
+                None),
 }
 
 

@@ -147,6 +147,7 @@ class BenchCommand:
 PLUGINS: dict[str, tuple[str, str, str | None]] = {
     "serve": ("hpdl.serve.cli:ServeBenchCommand",
               "serving benchmark (alias of `hpdl serve bench`): TTFT, TPOT, ITL, throughput vs baselines", "serve"),
+    "overlap": ("hpdl.offload.bench:OverlapBenchCommand", "OSU-style overlap: torch.distributed async, hpdl.offload thread, agent", None),
 }
 
 

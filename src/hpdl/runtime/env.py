@@ -68,6 +68,14 @@ _declare("HPDL_HPO_START_METHOD", _start_method, "forkserver",
          "How hpdl.hpo starts local trial workers: `forkserver` (fork from one server that imported torch, "
          "`torch._dynamo` and optuna once; Linux and macOS) or `spawn` (a fresh interpreter each).")
 _declare("HPDL_HPO_CPU_THREADS", int, 1, "Intra-op CPU threads of each hpdl.hpo trial worker.")
+_declare("HPDL_OFFLOAD_PROGRESS", str, "auto",
+         "Who runs started hpdl.offload plans: `agent` (the node's progress agent), `thread` (an in-process "
+         "progress thread) or `auto` (the agent when this process is connected to one, else the thread).")
+_declare("HPDL_OFFLOAD_AGENT", str, "", "Unix socket of a running `hpdl offload agent` that hpdl.offload.compile "
+         "connects to (empty: only agents started with hpdl.offload.Agent).")
+_declare("HPDL_OFFLOAD_SPIN_US", float, 50.0,
+         "Microseconds an offload executor keeps polling after activity before it sleeps on its doorbell.")
+_declare("HPDL_OFFLOAD_SHM_DIR", str, "", "Directory of hpdl.offload's shared-memory files (default /dev/shm).")
 _declare("HPDL_COMMIT", str, "", "Commit that benchmark results record (`hpdl.bench.report.source_commit`); "
          "set it where the checkout has no .git, e.g. the device machine's copy of a working tree.")
 

@@ -1,0 +1,224 @@
+"""The progress agent: one process per node, in the role of a DPU's cores.
+
+It maps the registered buffers of every rank of its node (POSIX shared memory; CUDA IPC for GPU tensors),
+runs their started plans on one :class:`~hpdl.offload.executor.Executor` (messages between ranks of the node
+are single copies from the sender's buffer into the receiver's), moves data between nodes over a Gloo group
+of all agents, and signals completion through the ranks' mailboxes.
+
+Started by :class:`hpdl.offload.Agent` (one per node of a group) or by ``hpdl offload agent`` (one per node
+of a job). Files next to its Unix socket ``PATH``: ``PATH.status`` (pid, heartbeat, state), ``PATH.bell``
+(doorbell FIFO), ``PATH.key`` (the control channel's key, mode 0600).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import socket
+import threading
+import time
+from datetime import timedelta
+from multiprocessing.connection import Listener
+
+import numpy as np
+
+log = logging.getLogger("hpdl.offload.agent")
+
+# status block words
+PID, HEARTBEAT, STATE, INDEX, AGENTS = range(5)
+STATUS_WORDS = 8
+STARTING, READY, STOPPED = 0, 1, 2
+KEY_COUNTER = "hpdl_offload_plan_key"
+AUTHKEY_ENV = "HPDL_OFFLOAD_AUTHKEY"
+
+
+def describe(index: int, pid: int | str = "?", address: str = "") -> str:
+    """How errors name an agent: ``offload agent 1 (pid 4242, /tmp/hpdl-offload-ab-1.sock)``."""
+    return f"offload agent {index} (pid {pid}{', ' + address if address else ''})"
+
+
+class _Server:
+    def __init__(self, index: int, agents: int, address: str, authkey: bytes, store, threads: int,
+                 spin_us: float, parent_pid: int | None, transport):
+        import torch
+
+        import hpdl.offload.executor as ex
+        from hpdl.offload import shm
+
+        torch.set_num_threads(1)  # parallel copies run on the executor's copy threads, one core each
+        self.index, self.agents, self.address, self.store = index, agents, address, store
+        self.parent_pid = parent_pid
+        self.status = np.memmap(address + ".status", dtype=np.int64, mode="w+", shape=(STATUS_WORDS,))
+        self.status[PID], self.status[INDEX], self.status[AGENTS] = os.getpid(), index, agents
+        self.bell = shm.Bell(fifo=address + ".bell")
+        self.executor = ex.Executor(bell=self.bell, spin_us=spin_us, copy_threads=threads,
+                                    name=f"hpdl-offload-agent{index}")
+        self.executor.heartbeat = self._beat
+        self.transport = transport
+        self.mapper = shm.Mapper()
+        self.listener = Listener(address, family="AF_UNIX", authkey=authkey)
+        self._last_beat = self._last_parent_check = 0
+
+    def _beat(self) -> None:
+        now = time.monotonic_ns()
+        if now - self._last_beat < 1_000_000:
+            return
+        self._last_beat = now
+        self.status[HEARTBEAT] = now
+        if self.parent_pid and now - self._last_parent_check > 1_000_000_000:
+            from hpdl.runtime.procs import pid_alive
+
+            self._last_parent_check = now
+            if not pid_alive(self.parent_pid):  # the rank that started us died: nobody will stop us
+                log.warning("agent %d: parent %d is gone, stopping", self.index, self.parent_pid)
+                self.executor.request_stop()
+
+    def serve(self) -> None:
+        threading.Thread(target=self._accept, name="hpdl-offload-accept", daemon=True).start()
+        self.status[HEARTBEAT] = time.monotonic_ns()
+        self.status[STATE] = READY
+        self.status.flush()
+        try:
+            self.executor.run()
+        finally:
+            self.status[STATE] = STOPPED
+            self.listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn = self.listener.accept()
+            except (OSError, EOFError):
+                if self.executor.stopping:
+                    return
+                continue  # a client that failed authentication or hung up during the handshake
+            except Exception:  # noqa: BLE001 - e.g. AuthenticationError: keep serving the others
+                continue
+            threading.Thread(target=self._client, args=(conn,), name="hpdl-offload-client", daemon=True).start()
+
+    def _client(self, conn) -> None:
+        from hpdl.offload import protocol as P
+        from hpdl.offload import shm
+        from hpdl.offload.executor import Instance
+
+        boxes, label, insts = None, "client", {}
+        try:
+            while True:
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    return
+                try:
+                    if isinstance(msg, P.Hello):
+                        boxes = shm.Mailboxes(msg.slots, path=msg.mailbox_path)
+                        label = msg.label
+                        value = P.Welcome(self.index, self.agents, os.getpid(), socket.gethostname(),
+                                          self.address + ".status", self.address + ".bell")
+                    elif isinstance(msg, P.NewKey):
+                        value = int(self.store.add(KEY_COUNTER, 1))
+                    elif isinstance(msg, P.Register):
+                        tensors = {n: (self.mapper.tensor(h) if isinstance(h, shm.ShmHandle) else h)
+                                   for n, h in msg.buffers.items()}
+                        inst = Instance(msg.plan, tensors, boxes.array, msg.slot, self.transport, "agent",
+                                        f"{label} (rank {msg.plan.rank} of the plan's group)")
+                        self.executor.register(inst)
+                        insts[msg.slot] = inst
+                        value = None
+                    elif isinstance(msg, P.Free):
+                        inst = insts.pop(msg.slot, None)
+                        if inst is not None:
+                            self.executor.free(inst)
+                        value = None
+                    elif isinstance(msg, P.Query):
+                        inst = insts.get(msg.slot)
+                        value = self.executor.call(inst.status) if inst else None
+                    elif isinstance(msg, P.Shutdown):
+                        conn.send(P.Reply(True))
+                        self.executor.request_stop()
+                        return
+                    else:
+                        raise TypeError(f"unknown message {type(msg).__name__}")
+                    conn.send(P.Reply(True, value))
+                except (EOFError, OSError, BrokenPipeError):
+                    return
+                except Exception as exc:  # noqa: BLE001 - the client gets the error, the agent serves on
+                    try:
+                        conn.send(P.Reply(False, error=f"{type(exc).__name__}: {exc}"))
+                    except OSError:
+                        return
+        finally:  # a client that left (or died) takes its requests with it
+            for inst in insts.values():
+                try:
+                    self.executor.free(inst)
+                except Exception:  # noqa: BLE001 - best effort while the agent may be stopping
+                    pass
+            conn.close()
+
+
+def cleanup(address: str) -> None:
+    """Remove an agent's socket, status block, doorbell and key file."""
+    for suffix in ("", ".status", ".bell", ".key"):
+        try:
+            os.unlink(address + suffix)
+        except OSError:
+            pass
+
+
+def run_agent(*, index: int, agents: int, rendezvous: str, address: str, authkey: bytes | None = None,
+              threads: int = 1, timeout: float = 300.0, spin_us: float = 50.0,
+              parent_pid: int | None = None, on_ready=None) -> int:
+    """Run an agent until it is shut down (a ``Shutdown`` message, SIGTERM/SIGINT, or its parent's death).
+
+    Args:
+        index, agents: this agent's number and how many there are (one per node).
+        rendezvous: ``host:port`` of agent 0's store (agent 0 listens there).
+        address: path of the Unix socket ranks connect to.
+        authkey: key of the control channel (default: random, written to ``address + '.key'``, mode 0600).
+        threads: copy threads (the DPU cores it may use); copies of 64 KiB or more run on them in parallel.
+        timeout: seconds the rendezvous and transfers between agents may wait.
+    """
+    import torch.distributed as dist
+
+    from hpdl.offload.executor import GlooTransport
+
+    cleanup(address)
+    authkey = authkey or secrets.token_bytes(16)
+    fd = os.open(address + ".key", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(authkey)
+    host, _, port = rendezvous.rpartition(":")
+    try:
+        store = dist.TCPStore(host, int(port), agents, is_master=(index == 0),
+                              timeout=timedelta(seconds=timeout), wait_for_workers=True)
+        store.set(f"hpdl_offload_agent{index}", f"{os.getpid()} {socket.gethostname()}")
+        peers = [store.get(f"hpdl_offload_agent{e}").decode().split(" ", 1) for e in range(agents)]
+        transport = GlooTransport.create(store, index, agents, timeout,
+                                         describe=lambda e: f"{describe(e, peers[e][0])} on {peers[e][1]}")
+    except Exception as exc:  # noqa: BLE001 - whatever the rendezvous raised, say which agent and where
+        cleanup(address)
+        from hpdl.offload.errors import AgentError
+
+        who = describe(index, os.getpid(), address)
+        raise AgentError(f"{who}: rendezvous of {agents} agents at {rendezvous} failed within {timeout:.0f}s: "
+                         f"{type(exc).__name__}: {exc}", agent=who) from None
+    server = _Server(index, agents, address, authkey, store, threads, spin_us, parent_pid, transport)
+
+    def _stop(signum, frame):
+        server.executor.request_stop()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    if on_ready is not None:
+        on_ready(describe(index, os.getpid(), address))
+    try:
+        server.serve()
+    finally:
+        cleanup(address)
+    if parent_pid:  # started by hpdl.offload.Agent and stopped cleanly: its log (address.log) holds nothing
+        try:
+            os.unlink(address + ".log")
+        except OSError:
+            pass
+    return 0

@@ -1,0 +1,524 @@
+"""``compile`` and the persistent request: MPI's persistent-request model over hpdl's executors.
+
+    req = hpdl.offload.compile(plan, buffers={"u": u})   # collective, like MPI_Alltoall_init
+    for step in range(n):
+        req.start()                                     # MPI_Start: returns at once
+        compute()                                       # progress happens meanwhile, without test()
+        req.wait()                                      # MPI_Wait
+    req.free()                                          # MPI_Request_free
+
+``progress`` picks who executes started plans: ``"agent"`` (the node's progress agent, see
+:class:`hpdl.offload.Agent`), ``"thread"`` (an in-process progress thread: the fallback when no agent runs),
+or ``"auto"`` (``HPDL_OFFLOAD_PROGRESS``; agent when one is connected, else thread).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from datetime import timedelta
+from typing import Sequence
+
+import torch
+
+from hpdl.offload import client as client_mod
+from hpdl.offload import protocol as P
+from hpdl.offload import shm
+from hpdl.offload.compiler import CompiledPlan, check_plan, compile_group
+from hpdl.offload.errors import AgentError, OffloadError, OffloadTimeoutError, PlanError
+from hpdl.offload.executor import Executor, GlooTransport, Instance, Status
+from hpdl.offload.plan import BufferSpec, Plan, PlanData, torch_dtype
+from hpdl.runtime import env
+
+PROGRESS = ("auto", "agent", "thread")
+
+
+class _ThreadBackend:
+    """The in-process fallback: one progress thread per process, a private Gloo group per application group."""
+
+    kind = "thread"
+    _executor: Executor | None = None
+    _mailboxes: shm.Mailboxes | None = None
+    _lock = threading.Lock()
+    _groups: dict = {}
+
+    def __init__(self, group, rank: int, world: int, timeout: float):
+        cls = type(self)
+        with cls._lock:
+            if cls._executor is None:
+                ex = Executor(spin_us=float(env.get("HPDL_OFFLOAD_SPIN_US")), name=f"hpdl-offload-{os.getpid()}")
+                ex.start_thread()
+                cls._executor, cls._mailboxes = ex, shm.Mailboxes(1024, shared=False)
+        key = "world" if group is None else group
+        if key not in cls._groups:  # collective over the group, the first time it compiles a plan
+            cls._groups[key] = [_private_gloo(group, rank, world, timeout) if world > 1 else None, 0]
+        self.state = cls._groups[key]
+        self.transport = self.state[0]
+        self.endpoint = rank
+        self.executor = cls._executor
+        self.mailboxes = cls._mailboxes
+        self.rank = rank
+
+    def new_key(self) -> int:
+        self.state[1] += 1  # compile is collective on the group: the counter moves in step on every rank
+        return self.state[1]
+
+    def register(self, plan: CompiledPlan, tensors: dict, slot: int, done: threading.Event):
+        inst = Instance(plan, tensors, self.mailboxes.array, slot, self.transport, id(self.state), f"rank {self.rank}")
+        inst.on_done = done.set
+        self.executor.register(inst)
+        return inst
+
+    def ring(self) -> None:
+        self.executor.bell.ring()
+
+    def free(self, inst, slot: int) -> None:
+        self.executor.free(inst)
+        self.mailboxes.give_back(slot)
+
+    def query(self, inst) -> Status:
+        return self.executor.call(inst.status, timeout=5.0)
+
+    def check(self, what: str) -> None:
+        if not self.executor.running:
+            raise OffloadError(f"the in-process progress thread is not running ({what})")
+
+    def describe(self) -> str:
+        return "the in-process progress thread"
+
+
+def _private_gloo(group, rank: int, world: int, timeout: float) -> GlooTransport:
+    """A Gloo group of the group's ranks on a store of its own (hosted by group rank 0): made without
+    new_group, so ranks outside the group take no part and the application's groups are not touched."""
+    import socket
+
+    import torch.distributed as dist
+
+    from hpdl.runtime.launch import free_port
+
+    where = [None] * world
+    host = socket.gethostname()
+    dist.all_gather_object(where, (host, free_port() if rank == 0 else 0), group=group)
+    addr = "127.0.0.1" if all(h == host for h, _ in where) else where[0][0]
+    store = dist.TCPStore(addr, where[0][1], world, is_master=(rank == 0), timeout=timedelta(seconds=timeout))
+    t = GlooTransport.create(store, rank, world, timeout)
+    t.store = store  # group rank 0 hosts it: keep it alive with the transport
+    return t
+
+
+class _AgentBackend:
+    kind = "agent"
+
+    def __init__(self, client: client_mod.AgentClient):
+        self.client = client
+        self.endpoint = client.agent
+        self.mailboxes = client.mailboxes
+
+    def new_key(self) -> int:
+        return int(self.client.request(P.NewKey()))
+
+    def register(self, plan: CompiledPlan, tensors: dict, slot: int, done):
+        handles = {}
+        for name, t in tensors.items():
+            handles[name] = t if t.is_cuda else shm.handle_of(t)
+        self.client.request(P.Register(slot, plan, handles))
+        return slot
+
+    def ring(self) -> None:
+        self.client.bell.ring()
+
+    def free(self, inst, slot: int) -> None:
+        try:
+            self.client.request(P.Free(slot))
+        finally:
+            self.mailboxes.give_back(slot)
+
+    def query(self, inst) -> Status:
+        st = self.client.request(P.Query(inst), timeout=5.0)
+        return st if st is not None else Status("the agent does not know this request", None, ())
+
+    def check(self, what: str) -> None:
+        if not self.client.alive():
+            raise AgentError(f"{self.client.desc} died ({what})", agent=self.client.desc)
+
+    def describe(self) -> str:
+        return self.client.desc
+
+
+def _gather(value, group) -> list:
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
+def _bind(specs: Sequence[BufferSpec], buffers: dict | None, mode: str) -> dict[str, torch.Tensor]:
+    """Tensors for every registered buffer: the caller's (checked, viewed to the registered shape) or new ones
+    (in shared memory for a CPU agent; on the caller's device otherwise)."""
+    buffers = dict(buffers or {})
+    names = {s.name for s in specs}
+    extra = sorted(set(buffers) - names)
+    if extra:
+        raise PlanError(f"buffers= binds {extra}, which the plan does not register (it registers {sorted(names)})")
+    device = next((t.device for t in buffers.values() if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    out = {}
+    for s in specs:
+        t = buffers.get(s.name)
+        if t is None:
+            if mode == "agent" and device.type == "cpu":
+                t = shm.zeros(s.shape, s.dtype)
+            else:
+                t = torch.zeros(s.shape, dtype=torch_dtype(s.dtype), device=device)
+        else:
+            if not isinstance(t, torch.Tensor):
+                raise PlanError(f"buffer {s.name!r}: expected a torch.Tensor, got {type(t).__name__}")
+            if str(t.dtype).removeprefix("torch.") != s.dtype:
+                raise PlanError(f"buffer {s.name!r} is registered as {s.dtype} but bound to a {t.dtype} tensor")
+            if t.numel() != s.numel or not t.is_contiguous():
+                raise PlanError(f"buffer {s.name!r} is registered with shape {s.shape} but bound to a tensor of "
+                                f"shape {tuple(t.shape)} (contiguous={t.is_contiguous()}); bind a contiguous tensor "
+                                f"of {s.numel} elements")
+            if t.device != device:
+                raise PlanError(f"buffer {s.name!r} is on {t.device}, the others on {device}")
+            if mode == "agent" and t.device.type == "cpu" and shm.handle_of(t) is None:
+                raise PlanError(f"buffer {s.name!r} is a CPU tensor outside shared memory, which the agent cannot "
+                                f"read in place: allocate it with hpdl.offload.empty({s.shape}, torch.{s.dtype}) "
+                                "(or use progress='thread')")
+            t = t.view(s.shape)
+        out[s.name] = t
+    return out
+
+
+def _resolve_progress(progress: str | None) -> tuple[str, client_mod.AgentClient | None]:
+    mode = (progress or env.get("HPDL_OFFLOAD_PROGRESS")).strip().lower()
+    if mode not in PROGRESS:
+        raise ValueError(f"progress must be one of {PROGRESS}, got {progress!r}")
+    c = client_mod.current() if mode in ("auto", "agent") else None
+    if mode == "agent" and c is None:
+        raise AgentError("progress='agent' but this process has no agent: start one with hpdl.offload.Agent(...) "
+                         "or `hpdl offload agent` and set HPDL_OFFLOAD_AGENT")
+    return ("agent" if c is not None else "thread"), c
+
+
+def compile(plan: Plan | PlanData, buffers: dict[str, torch.Tensor] | None = None, *, group=None,
+            progress: str | None = None, timeout: float | None = None) -> "PersistentRequest":
+    """Validate ``plan`` on every rank of ``group`` and return a :class:`PersistentRequest` for it.
+
+    Collective: every rank of ``group`` calls it with its own part of the same plan (same name), as with
+    ``MPI_Alltoall_init``. Nothing is sent or written before every rank's plan has passed validation.
+
+    Args:
+        plan: this rank's :class:`~hpdl.offload.plan.Plan` (or its ``data()``); ranks are group ranks.
+        buffers: registered buffer name -> tensor (contiguous, the registered dtype and number of elements;
+            viewed to the registered shape). Buffers left out are allocated (zeroed; in shared memory for a
+            CPU agent) and exposed as ``request.buffers``. For an agent, CPU tensors must come from
+            :func:`hpdl.offload.empty` so that it can read and write them in place.
+        group: process group (None = world).
+        progress: "agent", "thread" or "auto" (default ``HPDL_OFFLOAD_PROGRESS``).
+        timeout: default seconds for ``wait()`` (default ``HPDL_TIMEOUT``).
+
+    Raises:
+        PlanError: on every rank, naming the rank and operation: anything
+            :func:`~hpdl.offload.compiler.compile_group` rejects (cycles, unmatched or mismatched send/recv,
+            out-of-range boxes, deadlocks), or a bad buffer binding.
+        AgentError: ``progress='agent'`` without an agent, or the agent refused the registration.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised: call hpdl.runtime.init_from_env() or "
+                           "torch.distributed.init_process_group() first")
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    data = plan.data() if isinstance(plan, Plan) else plan
+    if not isinstance(data, PlanData):
+        raise TypeError(f"plan must be a hpdl.offload.Plan, got {type(plan).__name__}")
+    try:
+        mode, client, why = *_resolve_progress(progress), None
+    except (AgentError, ValueError) as exc:
+        mode, client, why = "error", None, f"rank {rank}: {exc}"
+    modes = _gather((mode, why), group)  # before any backend work: ranks must agree on who executes
+    if any(w for _, w in modes):
+        raise AgentError(next(w for _, w in modes if w))
+    if len({m for m, _ in modes}) > 1:
+        raise PlanError("ranks resolved progress differently: " + ", ".join(
+            f"rank {q} {m}" for q, (m, _) in enumerate(modes)) + " (start the Agent on every rank of the group)")
+    error, tensors = None, None
+    try:
+        check_plan(data, world, rank)
+        tensors = _bind(data.buffers, buffers, mode)
+    except PlanError as exc:
+        error = exc
+    wait_s = float(env.get("HPDL_TIMEOUT") if timeout is None else timeout)
+    backend = _AgentBackend(client) if mode == "agent" else _ThreadBackend(group, rank, world, wait_s)
+    key = backend.new_key() if rank == 0 or mode == "thread" else None
+    infos = _gather({"data": data, "endpoint": backend.endpoint, "key": key,
+                     "error": None if error is None else (str(error), error.op)}, group)
+    for q, info in enumerate(infos):
+        if info["error"] is not None:
+            msg, op = info["error"]
+            raise PlanError(msg if msg.startswith("rank ") else f"rank {q}: {msg}", op=op, rank=q)
+    compiled = compile_group([i["data"] for i in infos], infos[0]["key"], [i["endpoint"] for i in infos])[rank]
+    slot = backend.mailboxes.take()
+    done = threading.Event()
+    error = None
+    try:
+        handle = backend.register(compiled, tensors, slot, done)
+    except (OffloadError, ValueError) as exc:
+        error, handle = f"rank {rank}: {exc}", None
+    errors = [e for e in _gather(error, group) if e]
+    if errors:
+        if handle is not None:
+            backend.free(handle, slot)
+        else:
+            backend.mailboxes.give_back(slot)
+        raise OffloadError(f"registering plan {data.name!r} failed: " + "; ".join(errors))
+    return PersistentRequest(compiled, tensors, backend, handle, slot, done, timeout)
+
+
+class PersistentRequest:
+    """A compiled plan that can be started many times: MPI's persistent request (``MPI_Start``,
+    ``MPI_Test``, ``MPI_Wait``, ``MPI_Request_free``; mpi4py's ``Prequest``).
+
+    Between ``start()`` and the ``wait()``/``test()`` that reports completion the request is *active*: the
+    plan's executor (agent or progress thread) reads its send boxes and writes its receive boxes; the
+    application must not write the former or touch the latter meanwhile. Several requests may be active at
+    once. Progress does not depend on calling ``test()``.
+
+    Attributes:
+        buffers: registered buffer name -> tensor (the bound and the allocated ones).
+        plan: the rank's :class:`~hpdl.offload.compiler.CompiledPlan`.
+        progress: "agent" or "thread".
+    """
+
+    def __init__(self, plan: CompiledPlan, buffers, backend, handle, slot: int, done: threading.Event,
+                 timeout: float | None):
+        self.plan, self.buffers, self._backend, self._handle, self._slot = plan, buffers, backend, handle, slot
+        self._mb = backend.mailboxes.array[slot]
+        self._done = done
+        self._gen = 0
+        self.active = False
+        self.freed = False
+        self._failed: str | None = None
+        self._cuda = any(t.is_cuda for t in buffers.values())
+        self.timeout = float(env.get("HPDL_TIMEOUT") if timeout is None else timeout)
+        self.progress = backend.kind
+
+    def __repr__(self) -> str:
+        state = "freed" if self.freed else "active" if self.active else "inactive"
+        return f"PersistentRequest({self.plan.name!r}, rank {self.plan.rank}, {self.progress}, {state})"
+
+    def start(self) -> None:
+        """Start the plan (``MPI_Start``): returns at once; the executor takes it up without further calls.
+
+        Raises:
+            OffloadError: the request is active (wait first), freed, or failed earlier.
+        """
+        if self.freed:
+            raise OffloadError(f"plan {self.plan.name!r}: start() of a freed request")
+        if self.active:
+            raise OffloadError(f"plan {self.plan.name!r}: start() of an active request: wait() for it first")
+        if self._failed:
+            raise OffloadError(f"plan {self.plan.name!r} failed earlier and cannot restart: {self._failed}")
+        if self._cuda:
+            torch.cuda.current_stream().synchronize()  # the executor reads what the stream wrote
+        self._gen += 1
+        self._done.clear()
+        self.active = True
+        self._mb[shm.START] = self._gen
+        self._backend.ring()
+
+    def test(self) -> bool:
+        """True when the last start has completed (and for an inactive request), like ``MPI_Test``. Reads
+        the mailbox only: it never enters the progress engine.
+
+        Raises:
+            OffloadError: the plan failed (the message names the operation and peer).
+        """
+        if not self.active:
+            return True
+        if self._mb[shm.DONE] == self._gen:
+            self.active = False
+            return True
+        if self._mb[shm.FAILED] == self._gen:
+            self._raise_failed()
+        return False
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the last start has completed (``MPI_Wait``).
+
+        Raises:
+            OffloadTimeoutError: not done within ``timeout`` (default: the request's); lists the outstanding
+                operations and the peers they wait for.
+            AgentError: the agent died meanwhile (noticed within milliseconds), naming it.
+            OffloadError: the plan failed.
+        """
+        if self.test():
+            return
+        timeout = self.timeout if timeout is None else timeout
+        t0 = time.monotonic()
+        deadline, next_check, spins = t0 + timeout, t0 + 0.01, 0
+        threaded = self._backend.kind == "thread"
+        while not self.test():
+            now = time.monotonic()
+            if threaded:  # the GIL: sleep on the completion event instead of spinning against the thread
+                self._done.wait(min(0.01, max(deadline - now, 0)))
+            else:
+                spins += 1
+                if spins > 20000:
+                    time.sleep(0.0002 if now - t0 < 0.1 else 0.002)
+                elif spins > 2000:
+                    os.sched_yield()
+            if now >= next_check:
+                next_check = now + 0.01
+                self._backend.check(f"while rank {self.plan.rank} waited for plan {self.plan.name!r}")
+            if now > deadline:
+                self._raise_timeout(timeout)
+
+    def _raise_failed(self) -> None:
+        self.active = False
+        try:
+            st = self._backend.query(self._handle)
+            err, culprit = st.error or "unknown error", st.culprit
+        except OffloadError as exc:
+            err, culprit = f"(its error could not be read: {exc})", None
+        self._failed = err
+        msg = f"plan {self.plan.name!r} failed on rank {self.plan.rank}: {err}"
+        if self._backend.kind == "agent":  # the agents' network failed: name the agent to blame
+            raise AgentError(msg, agent=culprit or self._backend.describe())
+        raise OffloadError(msg)
+
+    def _raise_timeout(self, timeout: float) -> None:
+        try:
+            pending = self._backend.query(self._handle).pending
+        except OffloadError as exc:
+            pending = ()
+            note = f" ({exc})"
+        else:
+            note = ""
+        peers = sorted({p.peer for p in pending if p.peer is not None})
+        picked = "" if self._mb[shm.PICKED] == self._gen else " The executor never took this start up."
+        listing = "; ".join(str(p) for p in pending[:8]) + (f"; ... {len(pending) - 8} more" if len(pending) > 8
+                                                            else "")
+        raise OffloadTimeoutError(
+            f"plan {self.plan.name!r} on rank {self.plan.rank} not done after {timeout:.1f}s "
+            f"({self._backend.describe()}); waiting for ranks {peers}: {listing or 'nothing listed'}{note}.{picked}",
+            missing_ranks=peers)
+
+    @property
+    def picked_at(self) -> float:
+        """CLOCK_MONOTONIC seconds when the executor took the last start up (0 if not yet)."""
+        return int(self._mb[shm.T_PICKED]) / 1e9 if self._mb[shm.PICKED] == self._gen else 0.0
+
+    @property
+    def done_at(self) -> float:
+        """CLOCK_MONOTONIC seconds when the executor finished the last start (0 if not yet)."""
+        return int(self._mb[shm.T_DONE]) / 1e9 if self._mb[shm.DONE] == self._gen else 0.0
+
+    def free(self) -> None:
+        """Release the request (``MPI_Request_free``); allocated buffers go when no tensor refers to them.
+
+        Raises:
+            OffloadError: the request is active (wait for it first).
+        """
+        if self.freed:
+            return
+        if self.active and not self.test():
+            raise OffloadError(f"plan {self.plan.name!r}: free() of an active request: wait() for it first")
+        self.freed = True
+        self._backend.free(self._handle, self._slot)
+
+    def __enter__(self) -> "PersistentRequest":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if self.active:
+                self.wait()
+            self.free()
+        except OffloadError:
+            if exc_type is None:  # do not hide the error that is already leaving the block
+                raise
+
+
+def startall(requests: Sequence[PersistentRequest]) -> None:
+    """``MPI_Startall``: start every request, in order."""
+    for r in requests:
+        r.start()
+
+
+def waitall(requests: Sequence[PersistentRequest], timeout: float | None = None) -> None:
+    """``MPI_Waitall``: wait for every request (``timeout`` seconds in all)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for r in requests:
+        r.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+
+def testall(requests: Sequence[PersistentRequest]) -> bool:
+    """``MPI_Testall``: True when every request has completed."""
+    return all([r.test() for r in requests])
+
+
+def alltoall_init(input: torch.Tensor, output: torch.Tensor, *, group=None, window: int | None = None,
+                  **kw) -> PersistentRequest:
+    """``MPI_Alltoall_init``: a persistent Alltoall of ``input`` into ``output`` (equal splits along the
+    flattened tensors, as ``torch.distributed.all_to_all_single``; ``numel`` divisible by the group size).
+    Keyword arguments go to :func:`compile`."""
+    import torch.distributed as dist
+
+    from hpdl.offload import plans
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if input.numel() != output.numel() or input.numel() % world:
+        raise ValueError(f"input and output need the same numel, divisible by the group size {world}; got "
+                         f"{input.numel()} and {output.numel()}")
+    plan = plans.alltoall(rank, world, input.numel() // world, input.dtype, window=window)
+    return compile(plan, {"input": input, "output": output}, group=group, **kw)
+
+
+def allreduce_init(tensor: torch.Tensor, op: str = "sum", *, group=None, algorithm: str = "ring",
+                   window: int | None = None, **kw) -> PersistentRequest:
+    """``MPI_Allreduce_init`` (in place): a persistent Allreduce of ``tensor`` with ``op`` (sum, prod, min,
+    max) by ``algorithm`` ring or direct (:func:`hpdl.offload.plans.allreduce`). Keyword arguments go to
+    :func:`compile`."""
+    import torch.distributed as dist
+
+    from hpdl.offload import plans
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    plan = plans.allreduce(rank, world, tensor.numel(), tensor.dtype, op=op, algorithm=algorithm, window=window)
+    return compile(plan, {"data": tensor}, group=group, **kw)
+
+
+def simulate(plans: Sequence[Plan | PlanData], buffers: Sequence[dict[str, torch.Tensor]], *, starts: int = 1,
+             timeout: float = 30.0) -> list[dict[str, torch.Tensor]]:
+    """Run a whole group's plans in this process, without processes or a network: ``plans[q]`` and
+    ``buffers[q]`` are rank q's (unbound buffers are allocated). One executor serves every rank, as an agent
+    serves a node. For testing and debugging plans; returns every rank's bound buffers.
+
+    Raises:
+        PlanError: as :func:`compile`. OffloadTimeoutError: not done within ``timeout`` (a bug in a plan
+        that passed validation, or in the executor), listing the outstanding operations.
+    """
+    datas = [p.data() if isinstance(p, Plan) else p for p in plans]
+    compiled = compile_group(datas, key=1, endpoints=[0] * len(datas))
+    tensors = [_bind(d.buffers, b, "thread") for d, b in zip(datas, buffers)]
+    ex = Executor()
+    boxes = shm.Mailboxes(max(1, len(datas)), shared=False)
+    insts = [Instance(c, t, boxes.array, q, None, "simulate", f"rank {q}") for q, (c, t) in enumerate(zip(compiled,
+                                                                                                        tensors))]
+    for inst in insts:
+        ex.register(inst)
+    for g in range(1, starts + 1):
+        boxes.array[:, shm.START] = g
+        deadline = time.monotonic() + timeout
+        while (boxes.array[:, shm.DONE] != g).any():
+            if not ex.progress() and time.monotonic() > deadline:
+                stuck = [f"rank {i.plan.rank}: " + "; ".join(map(str, i.pending())) for i in insts if i.active]
+                raise OffloadTimeoutError(f"simulated plan {datas[0].name!r} start {g} not done after {timeout}s: "
+                                          + " | ".join(stuck))
+            failed = [i.error for i in insts if i.error]
+            if failed:
+                raise OffloadError(failed[0])
+    return tensors

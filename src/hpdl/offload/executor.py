@@ -1,0 +1,559 @@
+"""The executor: runs compiled plans (a DAG per rank) on their buffers, while the application computes.
+
+One executor serves many ranks and plans at once: the progress agent runs one for all ranks of its node,
+the in-process fallback one per process. It issues an operation as soon as its dependencies are done (the
+schedule of MPICH's gentran DAGs: a vertex is issued when its dependency count reaches zero), copies messages
+between ranks it serves directly from the sender's buffer into the receiver's (no staging), and hands
+messages to other endpoints to a :class:`Transport`, whose blocking calls run on I/O threads (torch's Gloo
+point-to-point work cannot be polled: its ``is_completed()`` stays False until ``wait()``).
+
+Requests talk to it through mailboxes (:mod:`hpdl.offload.shm`): a ``start()`` writes the generation number
+and rings a doorbell; the executor writes back when it took it up and when it finished. Progress never
+depends on the application calling ``test()`` or ``wait()``.
+
+Threading: all plan state is owned by the dispatcher loop (:meth:`Executor.progress`); other threads hand it
+work through :meth:`Executor.call` and the completion queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+import numpy as np
+import torch
+
+from hpdl.offload import shm
+from hpdl.offload.compiler import CompiledPlan
+from hpdl.offload.errors import OffloadError
+
+log = logging.getLogger("hpdl.offload")
+
+
+class Transport:
+    """Moves one message to or from another endpoint (blocking; called on the executor's I/O threads).
+
+    ``tensor`` is contiguous and on the CPU; ``tag`` a 31-bit int unique per message between two endpoints
+    among the live plans.
+    """
+
+    def send(self, tensor: torch.Tensor, endpoint: int, tag: int) -> None:
+        raise NotImplementedError
+
+    def recv(self, tensor: torch.Tensor, endpoint: int, tag: int) -> None:
+        raise NotImplementedError
+
+    def describe(self, endpoint: int) -> str:
+        return f"endpoint {endpoint}"
+
+
+class GlooTransport(Transport):
+    """Point-to-point over a private Gloo process group whose ranks are the endpoints.
+
+    The group is built directly on a store (``torch.distributed.ProcessGroupGloo``) rather than with
+    ``new_group``: no other rank of the job has to take part, and the application's own groups and calls
+    never share its tags.
+    """
+
+    def __init__(self, pg, describe: Callable[[int], str] | None = None):
+        self.pg = pg
+        self._describe = describe
+
+    @classmethod
+    def create(cls, store, rank: int, size: int, timeout: float, prefix: str = "hpdl-offload",
+               describe: Callable[[int], str] | None = None) -> "GlooTransport":
+        """Collective over the ``size`` processes that share ``store``."""
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, timedelta(seconds=timeout))
+        return cls(pg, describe)
+
+    def send(self, tensor, endpoint, tag):
+        self.pg.send([tensor], endpoint, tag).wait()
+
+    def recv(self, tensor, endpoint, tag):
+        self.pg.recv([tensor], endpoint, tag).wait()
+
+    def describe(self, endpoint):
+        return self._describe(endpoint) if self._describe else f"rank {endpoint}"
+
+
+def _reshaped(src: torch.Tensor, shape) -> Callable[[], torch.Tensor]:
+    """A function returning ``src`` in ``shape`` (C order): a view when possible, else a copy at call time."""
+    if tuple(src.shape) == tuple(shape):
+        return lambda: src
+    try:
+        v = src.view(shape)
+        return lambda: v
+    except RuntimeError:
+        return lambda: src.reshape(shape)
+
+
+def _copy_fn(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None]:
+    get = _reshaped(src, dst.shape)
+    return lambda: dst.copy_(get())
+
+
+def _reduce_fn(dst: torch.Tensor, src: torch.Tensor, op: str) -> Callable[[], None]:
+    get = _reshaped(src, dst.shape)
+    if op == "sum":
+        return lambda: dst.add_(get())
+    if op == "prod":
+        return lambda: dst.mul_(get())
+    if op == "min":
+        return lambda: torch.minimum(dst, get(), out=dst)
+    return lambda: torch.maximum(dst, get(), out=dst)
+
+
+@dataclass(frozen=True)
+class Pending:
+    """An operation of a running request that is not done: its description, peer, and what it waits for."""
+
+    op: str
+    peer: int | None
+    state: str
+
+    def __str__(self) -> str:
+        return f"{self.op} {self.state}"
+
+
+@dataclass(frozen=True)
+class Status:
+    """What a request's executor knows: its error (None if none), the remote endpoint blamed for it (a
+    transport failure), and the operations still outstanding."""
+
+    error: str | None
+    culprit: str | None
+    pending: tuple[Pending, ...]
+
+
+class _Op:
+    __slots__ = ("kind", "index", "name", "peer", "users", "src", "dst", "fn", "remote", "endpoint", "tag", "temp",
+                 "match", "numel", "nbytes", "state")
+
+    def describe(self) -> str:
+        where = {"send": f" to rank {self.peer}", "recv": f" from rank {self.peer}"}.get(self.kind, "")
+        return f"{self.name!r} ({self.kind}{where})"
+
+
+class _Match:
+    """The two halves of a message between ranks of one executor: fired (one copy) when both are ready."""
+
+    __slots__ = ("send", "recv", "fn", "send_ready", "recv_ready")
+
+    def __init__(self):
+        self.send = self.recv = self.fn = None
+        self.send_ready = self.recv_ready = False
+
+
+class Instance:
+    """One rank's registered plan: views of its buffers, the DAG, and its mailbox slot.
+
+    Args:
+        plan: the rank's :class:`CompiledPlan`.
+        tensors: buffer name -> tensor (contiguous, the registered shape and dtype).
+        mailbox: the int64 array of a :class:`~hpdl.offload.shm.Mailboxes`; ``slot`` this request's row.
+        transport: for messages to other endpoints (None if it has none).
+        scope: plans of different scopes never match messages (e.g. one per in-process group).
+        label: who this is, for errors ("rank 3").
+    """
+
+    def __init__(self, plan: CompiledPlan, tensors: dict[str, torch.Tensor], mailbox: np.ndarray, slot: int,
+                 transport: Transport | None, scope, label: str):
+        self.plan, self.mailbox, self.slot, self.transport, self.scope, self.label = \
+            plan, mailbox, slot, transport, scope, label
+        for b in plan.buffers:
+            t = tensors.get(b.name)
+            if t is None:
+                raise OffloadError(f"{label}: buffer {b.name!r} of plan {plan.name!r} is not bound")
+            if tuple(t.shape) != b.shape or str(t.dtype).removeprefix("torch.") != b.dtype or not t.is_contiguous():
+                raise OffloadError(f"{label}: buffer {b.name!r} must be a contiguous {b.dtype} tensor of shape "
+                                   f"{b.shape}, got {t.dtype} {tuple(t.shape)} contiguous={t.is_contiguous()}")
+        self.tensors = tensors
+        self.cuda = any(t.is_cuda for t in tensors.values())
+        me = plan.endpoints[plan.rank]
+        users: list[list[int]] = [[] for _ in plan.ops]
+        for op in plan.ops:
+            for d in op.deps:
+                users[d].append(op.index)
+        self.ops: list[_Op] = []
+        for c in plan.ops:
+            o = _Op()
+            o.kind, o.index, o.name, o.peer = c.kind, c.index, c.name, c.peer
+            o.users = tuple(users[c.index])
+            o.src = tensors[c.src.buffer][c.src.slices()] if c.src is not None else None
+            o.dst = tensors[c.dst.buffer][c.dst.slices()] if c.dst is not None else None
+            view = o.src if o.src is not None else o.dst
+            o.numel, o.nbytes = view.numel(), view.numel() * view.element_size()
+            o.fn = _copy_fn(o.dst, o.src) if c.kind == "copy" else \
+                _reduce_fn(o.dst, o.src, c.reduce_op) if c.kind == "reduce" else None
+            o.remote = c.kind in ("send", "recv") and plan.endpoints[c.peer] != me
+            o.endpoint = plan.endpoints[c.peer] if c.peer is not None else None
+            o.tag, o.match, o.temp, o.state = c.wire_tag, None, None, ""
+            if o.remote and o.numel:
+                view = o.src if c.kind == "send" else o.dst
+                if view.is_cuda or not view.is_contiguous():  # packed through a persistent host buffer
+                    o.temp = torch.empty(o.numel, dtype=view.dtype, pin_memory=view.is_cuda)
+            self.ops.append(o)
+        self.ndeps = [len(c.deps) for c in plan.ops]
+        self.counts = list(self.ndeps)
+        self.gen = 0
+        self.active = False
+        self.left = 0
+        self.error: str | None = None
+        self.culprit: str | None = None
+        self.on_done: Callable[[], None] | None = None  # called by the dispatcher after DONE or FAILED
+
+    def status(self) -> Status:
+        return Status(self.error, self.culprit, tuple(self.pending()))
+
+    def pending(self) -> list[Pending]:
+        """Operations of the running generation that are not done, with what each waits for."""
+        if not self.active:
+            return []
+        out = []
+        for o in self.ops:
+            if o.state == "done":
+                continue
+            n = self.counts[o.index]
+            what = (f"waits for {n} dependencies" if n else
+                    f"in flight with {self.transport.describe(o.endpoint)}" if o.state == "remote" else
+                    f"waits for rank {o.peer}'s matching half" if o.state == "match" else
+                    "being copied" if o.state == "copying" else "ready")
+            out.append(Pending(o.describe(), o.peer, what))
+        return out
+
+
+class Executor:
+    """Progress engine: a dispatcher loop (:meth:`run` on a thread, or :meth:`progress` called by hand) plus
+    I/O threads for transports.
+
+    Args:
+        bell: doorbell that starts ring (a pipe by default; an agent passes its FIFO).
+        spin_us: after any activity keep polling without sleeping this long (lower wake-up latency on a core
+            of its own); afterwards sleep until a doorbell or ``idle_s``.
+        io_threads: most transport calls in flight at once (each blocks a thread).
+        copy_threads: threads for local copies and reductions of at least ``copy_min_bytes`` (an agent's
+            cores; torch releases the GIL while it copies); 1 = all on the dispatcher.
+    """
+
+    def __init__(self, *, bell: shm.Bell | None = None, spin_us: float = 50.0, idle_s: float = 0.01,
+                 io_threads: int = 512, copy_threads: int = 1, copy_min_bytes: int = 65536,
+                 name: str = "hpdl-offload"):
+        self.bell = bell or shm.Bell()
+        self._io_bell = shm.Bell()
+        self.spin_s, self.idle_s, self.name = spin_us * 1e-6, idle_s, name
+        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix=f"{name}-io")
+        self._copy = ThreadPoolExecutor(copy_threads, thread_name_prefix=f"{name}-copy") if copy_threads > 1 \
+            else None
+        self.copy_min_bytes = copy_min_bytes
+        self._commands: deque = deque()
+        self._completions: deque = deque()
+        self._ready: deque = deque()
+        self._boxes: dict[int, tuple[np.ndarray, np.ndarray, dict[int, Instance]]] = {}  # id(array) -> set
+        self._matches: dict[tuple, _Match] = {}
+        self._thread: threading.Thread | None = None  # started by start_thread
+        self._runner: threading.Thread | None = None  # whichever thread runs run(): owner of all plan state
+        self._stop = threading.Event()
+        self.heartbeat: Callable[[], None] | None = None
+
+    # ---- called from any thread -------------------------------------------------------------------------
+    def call(self, fn: Callable, *args, timeout: float = 60.0):
+        """Run ``fn(*args)`` on the dispatcher (directly when no dispatcher thread runs) and return its result."""
+        runner = self._runner
+        if runner is None or threading.current_thread() is runner:
+            return fn(*args)
+        fut: Future = Future()
+        self._commands.append((fn, args, fut))
+        self._io_bell.ring()
+        return fut.result(timeout=timeout)
+
+    def register(self, inst: Instance) -> None:
+        self.call(self._register, inst)
+
+    def free(self, inst: Instance) -> None:
+        self.call(self._free, inst)
+
+    def start_thread(self, timeout: float = 30.0) -> None:
+        """Start the dispatcher thread and wait until it runs (a progress thread that hangs at start-up
+        raises here instead of leaving requests that never start)."""
+        if self._thread is not None:
+            return
+        started = threading.Event()
+        t = threading.Thread(target=self.run, args=(started,), name=self.name, daemon=True)
+        t.start()
+        if not started.wait(timeout):
+            raise OffloadError(f"{self.name}: the progress thread did not start within {timeout:.0f}s")
+        self._thread = t
+
+    def request_stop(self) -> None:
+        """Ask the dispatcher loop to return (safe from any thread and from signal handlers)."""
+        self._stop.set()
+        self._io_bell.ring()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def stop(self) -> None:
+        self.request_stop()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        self._thread = None
+        self._io.shutdown(wait=False, cancel_futures=True)
+        if self._copy is not None:
+            self._copy.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def running(self) -> bool:
+        return self._runner is not None and self._runner.is_alive()
+
+    # ---- the dispatcher ---------------------------------------------------------------------------------
+    def run(self, started: threading.Event | None = None) -> None:
+        """Dispatcher loop until :meth:`stop`: progress, spin briefly, then sleep on the doorbells."""
+        self._runner = threading.current_thread()
+        if started is not None:
+            started.set()
+        fds = [self.bell.fileno(), self._io_bell.fileno()]
+        last_busy = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                busy = self.progress()
+            except Exception:  # noqa: BLE001 - a bug here must not silently stop every request: log and go on
+                log.exception("%s: dispatcher error", self.name)
+                busy = True
+            now = time.monotonic()
+            if busy:
+                last_busy = now
+                continue
+            if now - last_busy < self.spin_s:
+                continue
+            try:
+                select.select(fds, [], [], self.idle_s)
+            except (OSError, ValueError):
+                time.sleep(self.idle_s)
+            self.bell.drain()
+            self._io_bell.drain()
+        self._runner = None
+        while self._commands:  # nobody will run these any more
+            _, _, fut = self._commands.popleft()
+            fut.set_exception(OffloadError(f"{self.name} stopped"))
+
+    def progress(self) -> bool:
+        """One pass: commands, completions, new starts, ready operations. Returns whether anything happened."""
+        busy = False
+        if self.heartbeat is not None:
+            self.heartbeat()
+        while self._commands:
+            fn, args, fut = self._commands.popleft()
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed back to the caller
+                fut.set_exception(exc)
+            busy = True
+        while self._completions:
+            inst, i, gen, err = self._completions.popleft()
+            busy = True
+            if inst.gen != gen or not inst.active:
+                continue
+            if err is not None:
+                o = inst.ops[i]
+                peer = f" talking to {inst.transport.describe(o.endpoint)}" if o.remote else ""
+                if o.remote:
+                    inst.culprit = inst.transport.describe(o.endpoint)
+                self._fail(inst, f"{inst.label} plan {inst.plan.name!r} op {o.describe()} failed{peer}: {err}")
+            else:
+                self._complete(inst, i)
+        for arr, seen, slots in self._boxes.values():
+            started = np.flatnonzero(arr[:, shm.START] != seen)
+            for s in started:
+                s = int(s)
+                inst = slots.get(s)
+                gen = int(arr[s, shm.START])
+                if inst is None:
+                    seen[s] = gen
+                    continue
+                if inst.active:  # the previous generation still runs: take this one up when it is done
+                    continue
+                seen[s] = gen
+                self._begin(inst, gen)
+                busy = True
+        ready = self._ready
+        while ready:
+            inst, i = ready.popleft()
+            busy = True
+            if inst.active:
+                self._issue(inst, i)
+        return busy
+
+    def _register(self, inst: Instance) -> None:
+        key = id(inst.mailbox)
+        if key not in self._boxes:
+            self._boxes[key] = (inst.mailbox, inst.mailbox[:, shm.START].copy(), {})
+        arr, seen, slots = self._boxes[key]
+        if inst.slot in slots:
+            raise OffloadError(f"{inst.label}: mailbox slot {inst.slot} is already registered")
+        seen[inst.slot] = arr[inst.slot, shm.START]
+        slots[inst.slot] = inst
+        for o, c in zip(inst.ops, inst.plan.ops):
+            if c.message is None or o.remote or not o.numel:
+                continue
+            m = self._matches.setdefault((inst.scope, inst.plan.key, c.message), _Match())
+            setattr(m, c.kind, (inst, o.index))
+            o.match = m
+            if m.send is not None and m.recv is not None:
+                (si, so), (ri, ro) = m.send, m.recv
+                m.fn = _copy_fn(ri.ops[ro].dst, si.ops[so].src)
+
+    def _free(self, inst: Instance) -> None:
+        arr, seen, slots = self._boxes.get(id(inst.mailbox), (None, None, {}))
+        if slots.get(inst.slot) is inst:
+            del slots[inst.slot]
+        if not slots:
+            self._boxes.pop(id(inst.mailbox), None)
+        inst.active = False
+        for o, c in zip(inst.ops, inst.plan.ops):
+            if o.match is None:
+                continue
+            k = (inst.scope, inst.plan.key, c.message)
+            m = self._matches.get(k)
+            if m is None:
+                continue
+            setattr(m, c.kind, None)
+            m.fn = None
+            if m.send is None and m.recv is None:
+                del self._matches[k]
+
+    def _begin(self, inst: Instance, gen: int) -> None:
+        if inst.error is not None:
+            return
+        inst.gen, inst.active, inst.left = gen, True, len(inst.ops)
+        inst.counts = list(inst.ndeps)
+        mb = inst.mailbox[inst.slot]
+        mb[shm.T_PICKED] = time.monotonic_ns()
+        mb[shm.PICKED] = gen
+        for o in inst.ops:
+            o.state = ""
+        if not inst.ops:
+            self._finish(inst)
+            return
+        for i, n in enumerate(inst.ndeps):
+            if n == 0:
+                self._ready.append((inst, i))
+
+    def _issue(self, inst: Instance, i: int) -> None:
+        o = inst.ops[i]
+        try:
+            if o.fn is not None:
+                if self._copy is not None and o.nbytes >= self.copy_min_bytes:
+                    o.state = "copying"
+                    self._copy.submit(self._run_local, o.fn, ((inst, i, inst.gen),))
+                else:
+                    o.fn()
+                    self._complete(inst, i)
+            elif not o.numel:
+                self._complete(inst, i)
+            elif o.remote:
+                o.state = "remote"
+                self._io.submit(self._transfer, inst, i, inst.gen)
+            else:
+                self._half_ready(inst, o)
+        except Exception as exc:  # noqa: BLE001 - a failed copy fails this request, not the executor
+            self._fail(inst, f"{inst.label} plan {inst.plan.name!r} op {o.describe()} failed: "
+                             f"{type(exc).__name__}: {exc}")
+
+    def _half_ready(self, inst: Instance, o: _Op) -> None:
+        m = o.match
+        o.state = "match"
+        if o.kind == "send":
+            m.send_ready = True
+        else:
+            m.recv_ready = True
+        if not (m.send_ready and m.recv_ready):
+            return
+        m.send_ready = m.recv_ready = False
+        if m.fn is None:
+            raise OffloadError(f"the other half of message {o.describe()} is no longer registered (freed?)")
+        (si, so), (ri, ro) = m.send, m.recv
+        if self._copy is not None and o.nbytes >= self.copy_min_bytes:
+            si.ops[so].state = ri.ops[ro].state = "copying"
+            self._copy.submit(self._run_local, m.fn, ((si, so, si.gen), (ri, ro, ri.gen)))
+            return
+        m.fn()
+        self._complete(si, so)
+        self._complete(ri, ro)
+
+    def _run_local(self, fn, ops) -> None:
+        """Copy thread: one local copy or reduction, then its operations' completions."""
+        err = None
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - reported through the completion queue
+            err = f"{type(exc).__name__}: {exc}"
+        for inst, i, gen in ops:
+            self._completions.append((inst, i, gen, err))
+        self._io_bell.ring()
+
+    def _transfer(self, inst: Instance, i: int, gen: int) -> None:
+        """I/O thread: one message to or from another endpoint (packed through ``temp`` when needed)."""
+        o = inst.ops[i]
+        err = None
+        try:
+            if o.kind == "send":
+                if o.temp is not None:
+                    o.temp.view(o.src.shape).copy_(o.src)
+                inst.transport.send(o.temp if o.temp is not None else o.src, o.endpoint, o.tag)
+            else:
+                inst.transport.recv(o.temp if o.temp is not None else o.dst, o.endpoint, o.tag)
+                if o.temp is not None:
+                    o.dst.copy_(o.temp.view(o.dst.shape))
+                    if o.dst.is_cuda:
+                        torch.cuda.current_stream(o.dst.device).synchronize()
+        except BaseException as exc:  # noqa: BLE001 - reported through the completion queue
+            err = f"{type(exc).__name__}: {exc}"
+        self._completions.append((inst, i, gen, err))
+        self._io_bell.ring()
+
+    def _complete(self, inst: Instance, i: int) -> None:
+        if not inst.active:  # failed or freed meanwhile
+            return
+        o = inst.ops[i]
+        o.state = "done"
+        inst.left -= 1
+        counts = inst.counts
+        for u in o.users:
+            counts[u] -= 1
+            if counts[u] == 0:
+                self._ready.append((inst, u))
+        if inst.left == 0:
+            self._finish(inst)
+
+    def _finish(self, inst: Instance) -> None:
+        if inst.cuda:
+            torch.cuda.synchronize()
+        inst.active = False
+        mb = inst.mailbox[inst.slot]
+        mb[shm.T_DONE] = time.monotonic_ns()
+        mb[shm.DONE] = inst.gen
+        if inst.on_done is not None:
+            inst.on_done()
+
+    def _fail(self, inst: Instance, msg: str) -> None:
+        log.warning("%s", msg)
+        inst.error = msg
+        inst.active = False
+        inst.mailbox[inst.slot][shm.FAILED] = inst.gen
+        if inst.on_done is not None:
+            inst.on_done()
+
+    def find(self, mailbox_key: int, slot: int) -> Instance | None:
+        box = self._boxes.get(mailbox_key)
+        return box[2].get(slot) if box else None

@@ -1,0 +1,298 @@
+"""Application kernel: a 3-D Jacobi solver whose halo exchange is offloaded, against the blocking version.
+
+Each rank owns a block of a ``(pz*nz, py*ny, px*nx)`` grid (periodic across ranks in decomposed dimensions,
+zero Dirichlet halos in the others) and iterates the 7-point update ``u' = (sum of 6 neighbours + b) / 6``.
+
+Modes (one step each):
+- ``blocking``: torch.distributed ``isend``/``irecv`` of every face, wait for all, update the whole block
+  (what an MPI code without overlap does).
+- ``agent-blocking``: the offloaded exchange started and waited at once, then the whole update (the agent's
+  communication time, with no overlap).
+- ``agent``: start the offloaded exchange, update the interior (which needs no halo), wait, update the
+  boundary shell: communication hidden behind the interior update.
+- ``thread``: the same overlap with the in-process progress thread.
+
+Every mode computes bit-identical fields (same operations in the same order per point; ``#wrong`` counts
+differences from ``blocking``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+MODES = ("blocking", "agent-blocking", "agent", "thread")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--np", type=int, default=4, help="ranks to spawn")
+    p.add_argument("--sizes", default="4x256x256,6x256x256,8x256x256",
+                   help="comma-separated owned block shapes ZxYxX per rank")
+    p.add_argument("--grid", default=None, help="process grid PZxPYxPX (default NPx1x1: slabs along z)")
+    p.add_argument("--steps", type=int, default=30, help="timed steps per repeat")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats per mode (median reported)")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated from {', '.join(MODES)}")
+    p.add_argument("--agent-threads", type=int, default=4, help="copy threads of the agent (its cores)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    p.add_argument("--out", default=None, help="folder for jacobi.json and jacobi.png")
+    p.add_argument("--json", dest="json_path", default=None, help="write results as JSON here")
+    p.add_argument("--plot", dest="plot_path", default=None, help="write the step-time plot (PNG) here")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds any wait may take")
+
+
+def parse_shape(text: str, n: int = 3) -> tuple[int, ...]:
+    parts = tuple(int(x) for x in text.lower().split("x"))
+    if len(parts) != n or any(v < 1 for v in parts):
+        raise ValueError(f"expected {n} positive extents like 8x256x256, got {text!r}")
+    return parts
+
+
+def boxes(shape, exchanged) -> tuple[tuple[slice, ...], list[tuple[slice, ...]]]:
+    """The interior box (needs no halo) and the boundary slabs covering the rest of the owned block, disjoint;
+    owned cells are ``[1, n+1)`` per dimension. A dimension not ``exchanged`` has no boundary slab."""
+    d = len(shape)
+    inner = [slice(2, n) if e else slice(1, n + 1) for n, e in zip(shape, exchanged)]
+    full = [slice(1, n + 1) for n in shape]
+    shell = []
+    for i in range(d):
+        if not exchanged[i]:
+            continue
+        for k, (lo, hi) in enumerate(((1, 2), (shape[i], shape[i] + 1))):
+            if k == 1 and shape[i] == 1:
+                continue  # one layer: the first slab already covers it
+            box = [inner[j] if j < i else full[j] for j in range(d)]
+            box[i] = slice(lo, hi)
+            shell.append(tuple(box))
+    return tuple(inner), shell
+
+
+def stencil(u: torch.Tensor, out: torch.Tensor, b: torch.Tensor, box: tuple[slice, ...]) -> None:
+    """``out[box] = (6 neighbours of u + b) / 6`` on ``box`` of the padded arrays (same order everywhere)."""
+    z, y, x = box
+    if any(s.stop <= s.start for s in box):
+        return
+    o = out[z, y, x]
+    sh = lambda a, dz, dy, dx: a[z.start + dz:z.stop + dz, y.start + dy:y.stop + dy, x.start + dx:x.stop + dx]
+    torch.add(sh(u, -1, 0, 0), sh(u, 1, 0, 0), out=o)
+    o.add_(sh(u, 0, -1, 0)).add_(sh(u, 0, 1, 0)).add_(sh(u, 0, 0, -1)).add_(sh(u, 0, 0, 1))
+    o.add_(b[z.start - 1:z.stop - 1, y.start - 1:y.stop - 1, x.start - 1:x.stop - 1]).mul_(1.0 / 6.0)
+
+
+def _initial(shape, grid, rank, dtype):
+    from hpdl.offload.plans import grid_coords
+
+    c = grid_coords(rank, grid)
+    gz, gy, gx = (torch.arange(ci * n, (ci + 1) * n, dtype=torch.float64) for ci, n in zip(c, shape))
+    u = torch.sin(0.1 * gz)[:, None, None] + torch.cos(0.07 * gy)[None, :, None] * torch.sin(0.05 * gx)[None, None, :]
+    b = 0.01 * torch.ones(shape, dtype=torch.float64)
+    return u.to(dtype), b.to(dtype)
+
+
+def _blocking_exchange(u, plan_data, group_ranks, tmp):
+    import torch.distributed as dist
+
+    works, unpack, sent = [], [], []
+    for op in plan_data.ops:
+        view = u[op.src.slices()] if op.kind == "send" else u[op.dst.slices()]
+        if op.kind == "send":
+            sent.append(view.contiguous())  # alive until its wait
+            works.append(dist.isend(sent[-1], group_ranks[op.peer], tag=op.tag))
+        else:
+            buf = tmp[op.name]
+            works.append(dist.irecv(buf, group_ranks[op.peer], tag=op.tag))
+            unpack.append((view, buf))
+    for w in works:
+        w.wait()
+    for view, buf in unpack:
+        view.copy_(buf.view(view.shape))
+
+
+def run_rank(ctx, shapes, grid, modes, steps, repeats, dtype_name, agent_threads, timeout):
+    """One rank's measurement of every mode at every block shape: ``{shape: {mode: timings and checks}}``."""
+    import hpdl.offload as ho
+
+    torch.set_num_threads(1)
+    agent = ho.Agent(threads=agent_threads, timeout=timeout).start() if any(m.startswith("agent") for m in modes) \
+        else None
+    try:
+        out = {}
+        for shape in shapes:
+            t0 = time.perf_counter()
+            out[shape] = _measure(ctx, shape, grid, modes, steps, repeats, getattr(torch, dtype_name), timeout)
+            if ctx.rank == 0:
+                print(f"# {'x'.join(map(str, shape))}: {time.perf_counter() - t0:.1f}s", flush=True)
+        return out
+    finally:
+        if agent is not None:
+            agent.stop()
+
+
+def _measure(ctx, shape, grid, modes, steps, repeats, dtype, timeout):
+    import torch.distributed as dist
+
+    import hpdl.offload as ho
+    from hpdl.offload import plans
+
+    P, r = ctx.world_size, ctx.rank
+    periodic = tuple(g > 1 for g in grid)
+    plan = plans.halo3d(shape, grid, r, dtype, periodic=periodic)
+    inner, shell = boxes(shape, periodic)
+    u0, b = _initial(shape, grid, r, dtype)
+    padded = tuple(n + 2 for n in shape)
+    ranks = list(range(P))
+    tmp = {op.name: torch.empty(op.dst.numel, dtype=dtype) for op in plan.ops if op.kind == "recv"}
+    results, reference = {}, None
+    for mode in modes:
+        alloc = ho.empty if mode.startswith("agent") else (lambda s, d: torch.zeros(s, dtype=d))
+        us = [alloc(padded, dtype), alloc(padded, dtype)]
+        reqs = None
+        if mode != "blocking":
+            progress = "agent" if mode.startswith("agent") else "thread"
+            reqs = [ho.compile(plan, {"u": t}, progress=progress, timeout=timeout) for t in us]
+
+        def reset():
+            for t in us:
+                t.zero_()
+            us[0][1:-1, 1:-1, 1:-1] = u0
+
+        def step(k, comm_t):
+            cur, nxt = us[k % 2], us[(k + 1) % 2]
+            if mode == "blocking":
+                t0 = time.perf_counter()
+                _blocking_exchange(cur, plan.data(), ranks, tmp)
+                comm_t[0] += time.perf_counter() - t0
+                stencil(cur, nxt, b, tuple(slice(1, n + 1) for n in shape))
+            elif mode == "agent-blocking":
+                t0 = time.perf_counter()
+                reqs[k % 2].start()
+                reqs[k % 2].wait()
+                comm_t[0] += time.perf_counter() - t0
+                stencil(cur, nxt, b, tuple(slice(1, n + 1) for n in shape))
+            else:
+                reqs[k % 2].start()
+                stencil(cur, nxt, b, inner)
+                t0 = time.perf_counter()
+                reqs[k % 2].wait()
+                comm_t[0] += time.perf_counter() - t0  # exposed (not hidden) communication
+                for box in shell:
+                    stencil(cur, nxt, b, box)
+
+        times, comms = [], []
+        for rep in range(repeats + 1):  # the first repeat warms up and gives the checked field
+            reset()
+            comm_t = [0.0]
+            dist.barrier()
+            t0 = time.perf_counter()
+            for k in range(steps):
+                step(k, comm_t)
+            elapsed = time.perf_counter() - t0
+            if rep == 0:
+                final = us[steps % 2][1:-1, 1:-1, 1:-1].clone()
+                continue
+            t = torch.tensor([elapsed / steps, comm_t[0] / steps], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
+            times.append(float(t[0]))
+            comms.append(float(t[1]))
+        if reference is None:
+            reference = final
+        wrong = torch.tensor([float((final != reference).sum())])
+        dist.all_reduce(wrong)
+        results[mode] = {"step_ms": sorted(times)[len(times) // 2] * 1e3, "steps_ms": [x * 1e3 for x in times],
+                         "comm_ms": sorted(comms)[len(comms) // 2] * 1e3, "wrong": int(wrong.item()),
+                         "reference": modes[0]}
+        for q in reqs or ():
+            q.free()
+    return results
+
+
+def run_command(args) -> int:
+    from hpdl.bench.report import source_commit
+    from hpdl.cli import CLIUsageError
+    from hpdl.runtime.launch import spawn
+
+    try:
+        sizes = [parse_shape(s) for s in args.sizes.split(",") if s.strip()]
+        grid = parse_shape(args.grid) if args.grid else (args.np, 1, 1)
+    except ValueError as exc:
+        raise CLIUsageError(str(exc)) from None
+    if math.prod(grid) != args.np:
+        raise CLIUsageError(f"--grid {grid} has {math.prod(grid)} ranks but --np is {args.np}")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise CLIUsageError(f"--modes must be from {MODES}, got {bad or modes}")
+    if args.steps < 1 or args.repeats < 1:
+        raise CLIUsageError("--steps and --repeats must be >= 1")
+    rows = []
+    t0 = time.perf_counter()
+    allres = spawn(run_rank, args.np, args=(sizes, grid, modes, args.steps, args.repeats, args.dtype,
+                                           args.agent_threads, args.timeout), timeout=args.timeout)[0]
+    for shape in sizes:
+        res = allres[shape]
+        base = res[modes[0]]
+        for m in modes:
+            rows.append({"shape": "x".join(map(str, shape)), "mode": m, **res[m],
+                         "vs_" + modes[0]: res[m]["step_ms"] / base["step_ms"],
+                         "comm_fraction": res[m]["comm_ms"] / res[m]["step_ms"] if m.endswith("blocking") else None})
+    meta = {"benchmark": "hpdl offload jacobi", "np": args.np, "grid": grid, "steps": args.steps,
+            "repeats": args.repeats, "dtype": args.dtype, "agent_threads": args.agent_threads,
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M"), "commit": source_commit(),
+            "cpus": __import__("os").cpu_count(), "seconds": round(time.perf_counter() - t0, 1), "command": "hpdl offload jacobi " + _argv(args)}
+    print(format_table(rows, modes[0]))
+    json_path, plot_path = args.json_path, args.plot_path
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        json_path = json_path or str(Path(args.out) / "jacobi.json")
+        plot_path = plot_path or str(Path(args.out) / "jacobi.png")
+    if json_path:
+        Path(json_path).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    if plot_path:
+        plot(rows, plot_path, f"3-D Jacobi, {args.np} ranks, grid {'x'.join(map(str, grid))}, {args.dtype}")
+    return 1 if any(r["wrong"] for r in rows) else 0
+
+
+def _argv(args) -> str:
+    import sys
+
+    return " ".join(sys.argv[3:]) if len(sys.argv) > 3 else ""
+
+
+def format_table(rows, base: str) -> str:
+    lines = [f"# {'block':>12} {'mode':>15} {'step(ms)':>10} {'comm(ms)':>10} {'comm %':>7} "
+             f"{'vs ' + base:>12} {'#wrong':>7}"]
+    for r in rows:
+        frac = f"{100 * r['comm_fraction']:.0f}" if r["comm_fraction"] is not None else "-"
+        lines.append(f"  {r['shape']:>12} {r['mode']:>15} {r['step_ms']:>10.3f} {r['comm_ms']:>10.3f} {frac:>7} "
+                     f"{r['vs_' + base]:>11.2f}x {r['wrong']:>7}")
+    lines.append("# comm: exchange time per step (blocking modes: all of it; overlapped modes: the exposed part "
+                 "left after the interior update)")
+    return "\n".join(lines)
+
+
+def plot(rows, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    w = 0.8 / len(modes)
+    for i, m in enumerate(modes):
+        vals = [next(r["step_ms"] for r in rows if r["shape"] == s and r["mode"] == m) for s in shapes]
+        ax.bar([k + i * w for k in range(len(shapes))], vals, w, label=m)
+    ax.set_xticks([k + 0.4 - w / 2 for k in range(len(shapes))], shapes)
+    ax.set_xlabel("owned block per rank (z x y x x)")
+    ax.set_ylabel("step time (ms), median of repeats")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,47 @@
+"""CUDA buffers: the agent maps them by CUDA IPC and copies between the ranks' GPU memory in place; the
+progress thread stages transfers to other ranks through pinned host memory. Two ranks share GPU 0
+(their process group is Gloo: only the plan's buffers live on the GPU)."""
+
+import pytest
+import torch
+
+from hpdl.runtime import spawn
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _gpu_plans(ctx, mode):
+    import torch.distributed as dist
+
+    import hpdl.offload as ho
+
+    dev = torch.device("cuda", 0)
+    agent = ho.Agent(timeout=60).start() if mode == "agent" else None
+    try:
+        P, r = ctx.world_size, ctx.rank
+        inp = (torch.arange(P * 4096, dtype=torch.float32) + 100000 * r).view(P, 4096).to(dev)
+        out = torch.zeros(P, 4096, device=dev)
+        data = torch.zeros(10001, device=dev)
+        wrong = 0
+        with ho.alltoall_init(inp, out, progress=mode) as a2a, \
+                ho.allreduce_init(data, algorithm="direct", progress=mode) as ar:
+            for i in range(20):
+                inp.add_(1)
+                x = torch.arange(10001, dtype=torch.float32, device=dev) % 17 * (r + 1) + i
+                data.copy_(x)
+                ho.startall([a2a, ar])
+                ho.waitall([a2a, ar], timeout=60)
+                want = torch.empty(P * 4096)
+                dist.all_to_all_single(want, inp.view(-1).cpu())
+                xs = x.cpu()
+                dist.all_reduce(xs)
+                wrong += int((out.view(-1).cpu() != want).sum()) + int((data.cpu() != xs).sum())
+        return wrong
+    finally:
+        if agent is not None:
+            agent.stop()
+
+
+@pytest.mark.parametrize("mode", ["agent", "thread"])
+def test_cuda_buffers_exact(mode):
+    assert spawn(_gpu_plans, 2, args=(mode,), timeout=120) == [0, 0]
