@@ -3,7 +3,8 @@
 Device (2 x H200), one command; each phase writes JSON under --out as it goes:
     python3 benchmarks/serve_bench.py --phase device --out $OUT
       = prep, then `flover` on cuda:0 and `hf` on cuda:1 in parallel, then `tp` on both GPUs.
-Report (here, after fetching the JSON): writes docs/benchmarks/serve.md and PNG plots next to it
+Report (here, after fetching the JSON): writes tables.md and PNG plots into docs/benchmarks/data/serve/ (copy the
+JSON the results page cites to docs/benchmarks/data/serve/<date>/, then update docs/benchmarks/serve.md by hand)
     python3 benchmarks/serve_bench.py --phase report --out <dir with the JSON>
 CPU smoke test of every phase with a tiny model:
     python3 benchmarks/serve_bench.py --phase device --smoke --out /tmp/serve-smoke
@@ -321,7 +322,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks every phase runs")
-    ap.add_argument("--docs", default="docs/benchmarks", help="report: where serve.md and the PNGs go")
+    ap.add_argument("--docs", default="docs/benchmarks/data/serve", help="report: where tables.md and the PNGs go")
     args = ap.parse_args()
     if args.smoke:
         globals().update(SMOKE)

@@ -104,5 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # `python -m hpdl.cli`: run the imported module, so its CLIUsageError is the one raised
+    from hpdl.cli import main as _main
+
+    sys.exit(_main())

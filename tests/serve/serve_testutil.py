@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -64,3 +65,62 @@ class LiveServer:
     def stop(self):
         self.server.should_exit = True
         self.thread.join(timeout=10)
+
+
+def hf_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """log_softmax of a direct HF forward over ``ids``: row t is the distribution after token t, [len, vocab]."""
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+class Server:
+    """An engine behind a live HTTP server: ``url``, ``engine`` (LLMEngine), ``client`` (openai, no retries)."""
+
+    def __init__(self, engine, name: str = "tiny", step_timeout: float | None = None):
+        import openai
+
+        from hpdl.serve.api_server import build_app
+        from hpdl.serve.async_engine import AsyncEngine
+        from hpdl.serve.metrics import ServeMetrics
+
+        self.engine, self.name = engine, name
+        self.metrics = ServeMetrics()
+        kw = {"step_timeout": step_timeout} if step_timeout is not None else {}
+        self.async_engine = AsyncEngine(engine, self.metrics, **kw)
+        self.live = LiveServer(build_app(self.async_engine, name, self.metrics))
+        self.url = self.live.url
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def finished(self, reason: str) -> float:
+        """``hpdl_request_success_total{finish_reason=reason}`` from /metrics."""
+        import httpx
+
+        key = f'hpdl_request_success_total{{finish_reason="{reason}"}}'
+        lines = [ln for ln in httpx.get(self.url + "/metrics").text.splitlines() if ln.startswith(key)]
+        return float(lines[0].split()[-1]) if lines else 0.0
+
+    def close(self):
+        self.live.stop()
+        self.async_engine.shutdown()
+
+
+@contextlib.contextmanager
+def tiny_server(step_delay: float = 0.0, step_timeout: float | None = None, **engine_config):
+    """llama-tiny (random weights, byte tokenizer) served live; ``step_delay`` seconds are added to every forward
+    (a slow device, so that requests are still running when a test acts on them)."""
+    from hpdl.serve import EngineConfig, LLMEngine, ModelSpec
+
+    engine = LLMEngine(ModelSpec(config="llama-tiny"), EngineConfig(**engine_config))
+    if step_delay:
+        execute = engine.executor.execute
+
+        def slow(plan):
+            time.sleep(step_delay)
+            return execute(plan)
+
+        engine.executor.execute = slow
+    srv = Server(engine, step_timeout=step_timeout)
+    try:
+        yield srv
+    finally:
+        srv.close()

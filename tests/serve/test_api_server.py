@@ -6,28 +6,9 @@ import asyncio
 import json
 
 import httpx
-import pytest
 
-from serve_testutil import LiveServer, hf_greedy, make_hf_model
-from hpdl.serve import EngineConfig, LLMEngine, ModelSpec
-from hpdl.serve.api_server import build_app
-from hpdl.serve.async_engine import AsyncEngine
-from hpdl.serve.metrics import ServeMetrics
+from serve_testutil import hf_greedy
 from hpdl.serve.tokenizer import ByteTokenizer
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    hf = make_hf_model("llama", seed=7)
-    d = tmp_path_factory.mktemp("srv")
-    hf.save_pretrained(d)
-    engine = LLMEngine(ModelSpec(model=str(d)), EngineConfig(num_slots=4, max_seq_len=96))
-    metrics = ServeMetrics()
-    ae = AsyncEngine(engine, metrics)
-    srv = LiveServer(build_app(ae, "tiny", metrics))
-    yield srv.url, hf
-    srv.stop()
-    ae.shutdown()
 
 
 def _sse(text: str) -> list:
@@ -37,7 +18,7 @@ def _sse(text: str) -> list:
 
 
 def test_completion_stream_equals_non_stream(server):
-    url, _ = server
+    url = server.url
     body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
     r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
     assert r.status_code == 200
@@ -53,7 +34,7 @@ def test_completion_stream_equals_non_stream(server):
 
 
 def test_stop_string_streaming_matches(server):
-    url, _ = server
+    url = server.url
     body = {"prompt": "abc", "max_tokens": 30, "temperature": 0, "ignore_eos": True}
     full = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
     stop = full[5:7]
@@ -64,7 +45,7 @@ def test_stop_string_streaming_matches(server):
 
 
 def test_chat_completion_and_stream(server):
-    url, _ = server
+    url = server.url
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
     res = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
     assert res["object"] == "chat.completion" and res["choices"][0]["message"]["role"] == "assistant"
@@ -74,7 +55,7 @@ def test_chat_completion_and_stream(server):
 
 
 def test_concurrent_clients_get_their_solo_tokens(server):
-    url, hf = server
+    url, hf = server.url, server.hf
     prompts = [[(7 * i + j) % 256 for j in range(3 + i)] for i in range(8)]  # 8 clients, 4 slots
 
     async def go():
@@ -92,7 +73,7 @@ def test_concurrent_clients_get_their_solo_tokens(server):
 
 
 def test_errors_are_4xx_json_and_server_keeps_serving(server):
-    url, _ = server
+    url = server.url
     cases = [({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"), ({"prompt": "x", "max_tokens": 500}, 400, None),
              ({"prompt": "x", "temperature": -1}, 400, "temperature"), ({"max_tokens": 3}, 400, "prompt"),
              ({"prompt": [1, 100000]}, 400, None), ({"prompt": "x", "model": "gpt-9"}, 404, "model")]
@@ -108,7 +89,7 @@ def test_errors_are_4xx_json_and_server_keeps_serving(server):
 
 
 def test_models_health_metrics(server):
-    url, _ = server
+    url = server.url
     assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "tiny"
     assert httpx.get(f"{url}/health").json() == {"status": "ok"}
     httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 4, "ignore_eos": True}, timeout=30)
@@ -123,7 +104,7 @@ def test_models_health_metrics(server):
 def test_benchmark_client_over_http(server):
     from hpdl.serve.bench import make_workload, run_http, summarize
 
-    url, _ = server
+    url = server.url
     wl = make_workload(6, (3, 8), (2, 6), request_rate=50.0, vocab_size=256, seed=2)
     recs = asyncio.run(run_http(url, "tiny", wl, max_concurrency=3))
     assert all(r.finish is not None and r.token_times and r.ttft >= 0 for r in recs)

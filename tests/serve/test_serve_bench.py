@@ -74,5 +74,31 @@ def test_cli_requires_exactly_one_model_source():
     for argv in ([], ["--model", "x", "--config", "llama-tiny"]):
         with pytest.raises(CLIUsageError, match="exactly one"):
             ServeCommand().run(p.parse_args(argv))
-    with pytest.raises(ValueError, match="config must be one of"):
-        ServeCommand().run(p.parse_args(["--config", "nope"]))
+    with pytest.raises(SystemExit):  # argparse: invalid choice, listing the configs
+        p.parse_args(["--config", "nope"])
+
+
+def test_cli_help_lists_every_config_and_shows_defaults():
+    from hpdl.cli import build_parser
+    from hpdl.serve.worker import NAMED_CONFIGS
+
+    for argv in (["serve"], ["serve", "bench"], ["bench", "serve"]):
+        parser = build_parser(argv[0])
+        sub = parser._subparsers._group_actions[0].choices[argv[0]]
+        if len(argv) > 1:
+            sub = sub._subparsers._group_actions[0].choices[argv[1]]
+        text = " ".join(sub.format_help().split())
+        assert all(name in text for name in NAMED_CONFIGS), text
+        assert "(default: 64)" in text and "(default: cpu)" in text and "(default: None)" not in text
+
+
+def test_cli_device_cuda_without_cuda_names_the_option(capsys):
+    import torch
+
+    from hpdl.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert main(["serve", "--config", "llama-tiny", "--device", "cuda"]) == 1
+    err = capsys.readouterr().err
+    assert "--device cuda" in err and "CUDA is not available" in err and "Traceback" not in err

@@ -183,7 +183,8 @@ class Batch:
     """How a forward call maps rows to KV slots.
 
     prefill (``slots`` set): ``tokens [B, T]`` right-padded prompts, row b writes slot ``slots[b]`` positions
-    ``0..T-1``; ``last [B]`` is the index of each row's last real token.
+    ``0..T-1``; ``last [B]`` is the index of each row's last real token (``all_positions``: logits of every
+    position ``[B, T, vocab]`` instead, for prompt logprobs).
     decode (``slots`` None): ``tokens [n, 1]``, row i is slot ``start + i`` at position ``positions[i, 0]`` and
     attends to cache positions ``0..positions[i, 0]`` within the first ``kv_len``.
     """
@@ -194,6 +195,7 @@ class Batch:
     start: int = 0
     kv_len: int = 0
     mask: torch.Tensor | None = None  # decode: set once per forward by DecoderLM
+    all_positions: bool = False
 
 
 class Attention(nn.Module):
@@ -313,7 +315,8 @@ class DecoderLM(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, b: Batch) -> torch.Tensor:
-        """tokens ``[B, T]`` int64 -> logits ``[B, vocab]`` (float of the model dtype) at ``b.last`` (or T-1)."""
+        """tokens ``[B, T]`` int64 -> logits ``[B, vocab]`` (float of the model dtype) at ``b.last`` (or T-1);
+        ``[B, T, vocab]`` with ``b.all_positions``."""
         x = self.embed_tokens(tokens)  # (B, T, C)
         rope = None
         if self.cfg.arch == "gpt2":
@@ -324,7 +327,8 @@ class DecoderLM(nn.Module):
             b.mask = (torch.arange(b.kv_len, device=x.device)[None, :] > b.positions[:, :1])[:, None, None, :]
         for layer in self.layers:
             x = layer(x, rope, cache, b)
-        x = x[torch.arange(x.shape[0], device=x.device), b.last] if b.last is not None else x[:, -1]
+        if not b.all_positions:
+            x = x[torch.arange(x.shape[0], device=x.device), b.last] if b.last is not None else x[:, -1]
         return self.lm_head(self.norm(x))
 
     def init_random(self, seed: int = 0, std: float = 0.02) -> "DecoderLM":

@@ -35,7 +35,9 @@ def _declare(name: str, parse: Callable[[str], Any], default: Any, doc: str) -> 
     REGISTRY[name] = EnvVar(name, parse, default, doc)
 
 
-_declare("HPDL_TIMEOUT", float, 300.0, "Seconds a collective or rendezvous waits for a peer before it raises.")
+_declare("HPDL_TIMEOUT", float, 300.0, "Seconds a collective or rendezvous waits for a peer before it raises; "
+         "hpdl.serve: the longest one engine step may run before the server is declared failed (time a request "
+         "waits in the queue never counts).")
 def _check_mode(value: str):
     return "auto" if value.strip().lower() == "auto" else _bool(value)
 

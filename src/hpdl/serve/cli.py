@@ -17,16 +17,39 @@ def _range(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"expected LO[:HI] integers, got {text!r}") from None
 
 
+class _HelpWithDefaults(argparse.HelpFormatter):
+    """Appends ``(default: X)`` to every option that has a meaningful default (not None or False)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "%(default)" in text or not action.option_strings or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return text + " (default: %(default)s)"
+
+
+def _config_help() -> str:
+    """One entry per named config, generated from the table (``hpdl.serve.worker.NAMED_CONFIGS``)."""
+    from hpdl.serve.worker import NAMED_CONFIGS
+
+    return "named random-weight model (no download): " + ", ".join(
+        f"{name} ({c.arch}, {c.n_layers} x {c.hidden_size}, vocab {c.vocab_size})" for name, c in NAMED_CONFIGS.items())
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
+    from hpdl.serve.worker import NAMED_CONFIGS
+
+    p.formatter_class = _HelpWithDefaults
     g = p.add_argument_group("model and engine")
-    g.add_argument("--model", help="Hugging Face format directory (config.json + *.safetensors), GPT-2 or Llama")
-    g.add_argument("--config", help="named random-weight model: gpt2-tiny, llama-tiny, llama-1b")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    g.add_argument("--model", metavar="DIR",
+                   help="Hugging Face format directory (config.json + *.safetensors), GPT-2 or Llama")
+    g.add_argument("--config", metavar="NAME", choices=list(NAMED_CONFIGS), help=_config_help())
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights and KV")
+    g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     g.add_argument("--num-slots", type=int, default=64, help="pre-allocated KV slots = max concurrent requests")
     g.add_argument("--max-seq-len", type=int, default=1024, help="prompt + output positions per slot")
-    g.add_argument("--tensor-parallel-size", type=int, default=1)
-    g.add_argument("--reorder", default="window", choices=["window", "prefix", "none"])
+    g.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks of one model (processes on this host)")
+    g.add_argument("--reorder", default="window", choices=["window", "prefix", "none"],
+                   help="buffer reordering: window (Flover), prefix (anchored at slot 0), none")
     g.add_argument("--tp-all-reduce", default="nccl", choices=["nccl", "symm", "hpdl"],
                    help="symm: torch's one-shot symmetric-memory all-reduce for decode steps; hpdl: hpdl.comm's "
                         "peer-memory all-reduce at every size (CUDA, one node); NCCL otherwise")
@@ -35,11 +58,16 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _engine(args):
+    import torch
+
     from hpdl.cli import CLIUsageError
     from hpdl.serve import EngineConfig, LLMEngine, ModelSpec
 
     if (args.model is None) == (args.config is None):
         raise CLIUsageError("give exactly one of --model DIR or --config NAME")
+    if str(args.device).startswith("cuda") and not torch.cuda.is_available():
+        raise CLIUsageError(f"--device {args.device}: CUDA is not available on this machine (torch "
+                            f"{torch.__version__}, {torch.cuda.device_count()} GPUs visible); use --device cpu")
     spec = ModelSpec(model=args.model, config=args.config, seed=args.seed, dtype=args.dtype)
     cfg = EngineConfig(num_slots=args.num_slots, max_seq_len=args.max_seq_len, device=args.device,
                        tensor_parallel_size=args.tensor_parallel_size, reorder=args.reorder,
@@ -58,19 +86,19 @@ class ServeBenchCommand:
         _model_args(p)
         p.add_argument("--url", help="benchmark a running server at this base URL instead of in-process")
         p.add_argument("--served-model", default=None, help="model name to send with --url")
-        p.add_argument("--num-requests", type=int, default=64)
+        p.add_argument("--num-requests", type=int, default=64, help="requests in the workload")
         p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (inf = all at t=0)")
         p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson, < 1 burstier")
-        p.add_argument("--prompt-len", type=_range, default=(128, 128), help="LO[:HI] tokens, uniform")
-        p.add_argument("--output-len", type=_range, default=(32, 512), help="LO[:HI] tokens, uniform")
+        p.add_argument("--prompt-len", type=_range, default="128", help="LO[:HI] tokens, uniform")
+        p.add_argument("--output-len", type=_range, default="32:512", help="LO[:HI] tokens, uniform")
         p.add_argument("--corpus", help="local text file: prompts are slices of it instead of random ids")
         p.add_argument("--systems", default="flover,sequential,static,cb",
                        help="comma list of flover, sequential, static, cb (in-process only)")
-        p.add_argument("--static-batch-size", type=int, default=16)
+        p.add_argument("--static-batch-size", type=int, default=16, help="batch of the static baseline")
         p.add_argument("--max-concurrency", type=int, default=None, help="--url only: cap on in-flight requests")
-        p.add_argument("--slo-ttft-ms", type=float, default=None)
-        p.add_argument("--slo-tpot-ms", type=float, default=None)
-        p.add_argument("--format", default="table", choices=["table", "json"])
+        p.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT bound (none if unset)")
+        p.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT bound (none if unset)")
+        p.add_argument("--format", default="table", choices=["table", "json"], help="output format")
 
     def run(self, args) -> int:
         from hpdl.serve import bench
@@ -147,12 +175,15 @@ class ServeCommand:
     @staticmethod
     def add_arguments(p: argparse.ArgumentParser) -> None:
         _model_args(p)
-        p.add_argument("--host", default="127.0.0.1")
-        p.add_argument("--port", type=int, default=8000)
-        p.add_argument("--served-model-name", default=None, help="name in /v1/models (default: dir or config)")
-        p.add_argument("--default-max-tokens", type=int, default=16)
+        p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server)")
+        p.add_argument("--port", type=int, default=8000, help="TCP port")
+        p.add_argument("--served-model-name", default=None, help="name in /v1/models (default: the dir or config)")
+        p.add_argument("--default-max-tokens", type=int, default=16,
+                       help="max_tokens of a completion request without one (OpenAI's 16); a chat request without "
+                            "one may fill the context")
         sub = p.add_subparsers(dest="serve_cmd", metavar="{bench}")
-        b = sub.add_parser("bench", help=ServeBenchCommand.help, description=ServeBenchCommand.help)
+        b = sub.add_parser("bench", help=ServeBenchCommand.help, description=ServeBenchCommand.help,
+                           formatter_class=_HelpWithDefaults)
         ServeBenchCommand.add_arguments(b)
 
     def run(self, args) -> int:

@@ -8,16 +8,21 @@ forward. Not thread-safe: ``AsyncEngine`` drives it from a single thread.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
+from hpdl.runtime.errors import WorkerFailedError
 from hpdl.serve.executor import RunnerArgs, TPExecutor, UniprocExecutor
-from hpdl.serve.sampling import Sampler, SamplingParams
+from hpdl.serve.sampling import InvalidParamError, Sampler, SamplingParams, TokenLogprob, prompt_logprobs
 from hpdl.serve.scheduler import Request, Scheduler, StepPlan
 from hpdl.serve.tokenizer import IncrementalDetokenizer, load_tokenizer
 from hpdl.serve.worker import ModelSpec
+
+log = logging.getLogger("hpdl.serve")
 
 
 @dataclass
@@ -48,6 +53,9 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.cuda_graph:
             self.reorder = "prefix"
+        if str(self.device).startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r} but CUDA is not available here (torch {torch.__version__}, "
+                             f"{torch.cuda.device_count()} devices); use device='cpu'")
 
 
 @dataclass(slots=True)
@@ -56,7 +64,9 @@ class RequestOutput:
 
     ``new_token_ids``: tokens of this step; ``token_ids``: all output tokens, filled on the final output only (a
     copy per step would cost O(length) per token). ``delta``: text not sent before; ``text``: all sent so far.
-    Times are ``time.perf_counter()`` seconds.
+    ``logprobs``: a ``TokenLogprob`` per new token when the request asked for them; ``prompt_logprobs``: on the
+    request's first output, when asked. ``finish_reason`` "error": this request failed alone, ``error`` says
+    why. Times are ``time.perf_counter()`` seconds.
     """
 
     request_id: str
@@ -71,10 +81,33 @@ class RequestOutput:
     first_token_time: float | None
     finish_time: float | None = None
     token_times: list[float] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    cumulative_logprob: float | None = None
+    error: str | None = None
+
+
+_FATAL = (WorkerFailedError, *((torch.AcceleratorError,) if hasattr(torch, "AcceleratorError") else ()))  # torch >= 2.8
+
+
+def is_engine_fault(exc: BaseException) -> bool:
+    """Errors after which the device or the executor cannot be trusted (the engine stops serving): a lost
+    tensor-parallel rank and device errors (CUDA errors are sticky: every later kernel fails too). Anything
+    else raised by a forward is retried request by request, so it fails only the request that causes it."""
+    if isinstance(exc, _FATAL):
+        return True
+    msg = str(exc)
+    return isinstance(exc, RuntimeError) and any(m in msg for m in ("CUDA error", "CUBLAS_STATUS", "cuDNN error",
+                                                                       "NCCL error", "device-side assert"))
 
 
 class LLMEngine:
     """Serve many generation requests with one fused decode step per iteration.
+
+    Failure isolation: every request is validated (``make_request``) before it is queued; an exception raised
+    for one request inside ``step`` (its sampling, logprobs, detokenization, or its part of a forward) finishes
+    that request alone with ``finish_reason='error'``; only an engine fault (``is_engine_fault``) or a broken
+    invariant propagates out of ``step``.
 
     Example:
         >>> eng = LLMEngine(ModelSpec(config="llama-tiny"), EngineConfig(num_slots=4, max_seq_len=64))
@@ -92,7 +125,7 @@ class LLMEngine:
         eos = self.model_config.eos_token_id
         self.eos_token_id = eos if eos is not None else getattr(self.tokenizer, "eos_token_id", None)
         self.scheduler = Scheduler(config.num_slots, config.max_seq_len, config.max_prefill_tokens, config.reorder)
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.eos_token_id)
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -100,23 +133,49 @@ class LLMEngine:
         self.num_steps = {"prefill": 0, "decode": 0}
 
     # --- requests ---------------------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Queue a prompt (text or token ids); returns its id. Raises ValueError for a bad prompt or id."""
+    def make_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                     request_id: str | None = None) -> Request:
+        """Tokenize and validate a request without queueing it (reads no engine state: any thread may call it).
+
+        ``params.max_tokens=None`` becomes the rest of the context (``max_seq_len - len(prompt)``).
+        Raises ``InvalidParamError`` (a ValueError) naming the parameter: token ids outside the vocabulary, an
+        empty prompt, a prompt plus ``max_tokens`` longer than ``max_seq_len``, ids in ``logit_bias``/``stop``
+        outside the vocabulary, ``top_k`` above it.
+        """
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         vocab = self.model_config.vocab_size
-        if any((not isinstance(t, int)) or not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise InvalidParamError("prompt", f"prompt token ids must be integers in [0, {vocab})")
+        if not ids:
+            raise InvalidParamError("prompt", "prompt must contain at least one token")
+        params.check_vocab(vocab)
+        limit = self.config.max_seq_len
+        if params.max_tokens is None:
+            if len(ids) >= limit:
+                raise InvalidParamError("prompt", f"prompt ({len(ids)} tokens) leaves no room for output within "
+                                                  f"max_seq_len={limit}")
+            params = dataclasses.replace(params, max_tokens=limit - len(ids))
+        elif len(ids) + params.max_tokens > limit:
+            raise InvalidParamError("max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = "
+                                                  f"{len(ids) + params.max_tokens} exceeds max_seq_len={limit}")
+        return Request(request_id if request_id is not None else f"req-{next(self._ids)}", ids, params)
+
+    def add(self, req: Request) -> str:
+        """Queue a request made by ``make_request``; returns its id. Raises ValueError if the id is in use."""
+        rid = req.request_id
         if rid in self._requests:
-            raise ValueError(f"request_id {rid!r} is already in use")
-        req = Request(rid, ids, params)
+            raise InvalidParamError("request_id", f"request_id {rid!r} is already in use")
         self.scheduler.add_request(req)
         self._requests[rid] = req
-        if params.detokenize:
-            self._detok[rid] = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+        if req.params.detokenize:
+            self._detok[rid] = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, req.params.stop)
         return rid
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a prompt (text or token ids); returns its id. Raises ValueError as ``make_request`` does."""
+        return self.add(self.make_request(prompt, params, request_id))
 
     def abort(self, request_id: str) -> None:
         """Stop a request now (client went away); it is reported once with finish_reason 'abort'."""
@@ -138,26 +197,104 @@ class LLMEngine:
         plan = self.scheduler.schedule_prefill()
         if plan is not None:
             self.num_steps["prefill"] += 1
-            self._apply(plan, self.executor.execute(plan), outs)
+            self._apply(plan, *self._forward(plan, outs), outs)
         plan = self.scheduler.schedule_decode()
         if plan is not None:
             self.num_steps["decode"] += 1
-            self._apply(plan, self.executor.execute(plan), outs)
+            self._apply(plan, *self._forward(plan, outs), outs)
         return list(outs.values())
 
-    def _apply(self, plan: StepPlan, logits: torch.Tensor, outs: dict[str, RequestOutput]) -> None:
-        rows = [(r.request_id, r.params) if r is not None else None for r in plan.requests]
-        tokens = self.sampler.sample(logits, rows)
-        for req in self.scheduler.update(plan, tokens, self.eos_token_id):
-            det = self._detok.get(req.request_id)
-            tok = req.output_ids[-1]
-            if det is not None and tok != self.eos_token_id and tok not in req.params.stop_token_ids:
-                if det.add(tok) and req.finish_reason is None:
-                    self.scheduler.finish(req, "stop")
-            prev = outs.get(req.request_id)
-            outs[req.request_id] = self._output(req, (prev.new_token_ids if prev else []) + [tok], prev)
+    def _forward(self, plan: StepPlan, outs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits of the plan's last positions ``[rows, vocab]`` and, for prompt logprobs, of every position."""
+        try:
+            logits = self.executor.execute(plan)
+        except Exception as exc:
+            if is_engine_fault(exc) or not self.executor.retry_safe:
+                raise
+            log.warning("a forward of %d requests failed (%r); running each alone", len(plan.requests), exc)
+            logits = self._forward_each(plan, outs)
+        if logits.dim() == 3:  # prefill with prompt logprobs: [rows, T, vocab]
+            last = torch.tensor([len(t) - 1 for t in plan.prefill_tokens], device=logits.device)
+            return logits[torch.arange(logits.shape[0], device=logits.device), last], logits
+        return logits, None
 
-    def _output(self, req: Request, new: list[int], prev: RequestOutput | None = None) -> RequestOutput:
+    def _forward_each(self, plan: StepPlan, outs: dict) -> torch.Tensor:
+        """The plan's rows one at a time; a row whose forward still raises fails its request alone."""
+        got: list[torch.Tensor | None] = []
+        for i, req in enumerate(plan.requests):
+            if req is None:
+                got.append(None)
+                continue
+            try:
+                got.append(self.executor.execute(plan.single(i))[0])
+            except Exception as exc:
+                if is_engine_fault(exc):
+                    raise
+                self._fail(req, exc, outs)
+                got.append(None)
+        like = next((g for g in got if g is not None), None)
+        if like is None:  # every row failed: nothing to sample
+            shape = (len(got), max(map(len, plan.prefill_tokens))) if plan.prompt_logprobs else (len(got),)
+            return torch.zeros(*shape, self.model_config.vocab_size)
+        if like.dim() == 2:  # prompt logprobs: pad each row's [T_i, vocab] to the longest prompt
+            T = max(map(len, plan.prefill_tokens))
+            out = like.new_zeros(len(got), T, like.shape[-1])
+            for i, g in enumerate(got):
+                if g is not None:
+                    out[i, : g.shape[0]] = g
+            return out
+        return torch.stack([g if g is not None else torch.zeros_like(like) for g in got])
+
+    def _apply(self, plan: StepPlan, logits: torch.Tensor, full: torch.Tensor | None, outs: dict) -> None:
+        rows = [r if r is not None and r.finish_reason is None else None for r in plan.requests]
+        res = self.sampler.sample(logits, rows)
+        for i, exc in res.errors.items():
+            self._fail(rows[i], exc, outs)
+            rows[i] = None
+        first: dict[str, list] = {}  # prompt logprobs, on each request's first output
+        if full is not None:
+            for i, req in enumerate(rows):
+                if req is not None and req.params.prompt_logprobs is not None:
+                    try:
+                        first[req.request_id] = prompt_logprobs(full[i], req.prompt_ids, req.params.prompt_logprobs)
+                    except Exception as exc:  # noqa: BLE001 - this request fails alone
+                        self._fail(req, exc, outs)
+        new_lp = {r.request_id: lp for r, lp in zip(rows, res.logprobs) if r is not None and lp is not None}
+        for req in self.scheduler.update(plan, res.tokens, self.eos_token_id):
+            try:
+                lp = new_lp.get(req.request_id)
+                if lp is not None:
+                    req.cumulative_logprob += lp.logprob
+                self._detokenize(req)
+                prev = outs.get(req.request_id)
+                outs[req.request_id] = self._output(req, [req.output_ids[-1]], lp, first.get(req.request_id), prev)
+            except Exception as exc:  # noqa: BLE001 - this request fails alone
+                self._fail(req, exc, outs)
+
+    def _detokenize(self, req: Request) -> None:
+        """Append the newest token's text; a stop string found there finishes the request as 'stop' (also when
+        the same token reached max_tokens). Stop strings count once ``min_tokens`` tokens exist (vLLM)."""
+        det = self._detok.get(req.request_id)
+        tok = req.output_ids[-1]
+        if det is None or tok == self.eos_token_id or tok in req.params.stop_token_ids:
+            return
+        if det.add(tok, check_stop=len(req.output_ids) >= req.params.min_tokens):
+            self.scheduler.finish(req, "stop")
+
+    def _fail(self, req: Request, exc: BaseException, outs: dict) -> None:
+        """Finish ``req`` with finish_reason 'error' and its error; the engine goes on with the others."""
+        log.error("request %s failed: %r", req.request_id, exc, exc_info=exc)
+        req.error = f"{type(exc).__name__}: {exc}"
+        self.scheduler.finish(req, "error")
+        self._requests.pop(req.request_id, None)
+        self._detok.pop(req.request_id, None)
+        self.sampler.release(req.request_id)
+        outs[req.request_id] = RequestOutput(req.request_id, len(req.prompt_ids), list(req.output_ids), [], "", "",
+                                             True, "error", req.arrival, req.first_token_time, req.finish_time,
+                                             error=req.error)
+
+    def _output(self, req: Request, new: list[int], lp: TokenLogprob | None = None,
+                first: list | None = None, prev: RequestOutput | None = None) -> RequestOutput:
         done = req.finish_reason is not None
         det = self._detok.get(req.request_id)
         if det is not None and done and req.finish_reason != "stop":
@@ -167,9 +304,16 @@ class LLMEngine:
             self._requests.pop(req.request_id, None)
             self._detok.pop(req.request_id, None)
             self.sampler.release(req.request_id)
-        return RequestOutput(req.request_id, len(req.prompt_ids), list(req.output_ids) if done else [], new,
+        lps = None
+        if req.params.logprobs is not None:  # this step's tokens (a request can get two: prefill, then decode)
+            lps = (prev.logprobs if prev is not None and prev.logprobs else []) + ([lp] if lp is not None else [])
+        return RequestOutput(req.request_id, len(req.prompt_ids), list(req.output_ids) if done else [],
+                             (prev.new_token_ids if prev else []) + new,
                              det.text[:det.sent] if det is not None else "", (prev.delta if prev else "") + delta,
-                             done, req.finish_reason, req.arrival, req.first_token_time, req.finish_time)
+                             done, req.finish_reason, req.arrival, req.first_token_time, req.finish_time,
+                             logprobs=lps, prompt_logprobs=first if first is not None else
+                             (prev.prompt_logprobs if prev is not None else None),
+                             cumulative_logprob=req.cumulative_logprob if req.params.logprobs is not None else None)
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[RequestOutput]:

@@ -38,7 +38,14 @@ class RunnerArgs:
 
 
 class UniprocExecutor:
-    """Model and KV cache in this process."""
+    """Model and KV cache in this process.
+
+    ``retry_safe``: a forward that raised may be run again, one request at a time, to find the request at
+    fault (nothing else shares its state). A tensor-parallel forward may not: the other ranks could be left
+    inside a collective, so any exception there is an engine fault.
+    """
+
+    retry_safe = True
 
     def __init__(self, spec: ModelSpec, args: RunnerArgs):
         model = build_model(spec, args.device)
@@ -109,6 +116,8 @@ class TPExecutor:
 
     Raises WorkerFailedError if a worker fails to start within ``HPDL_TIMEOUT`` seconds, naming its rank.
     """
+
+    retry_safe = False
 
     def __init__(self, spec: ModelSpec, args: RunnerArgs, world: int):
         if world < 2:

@@ -62,6 +62,8 @@ class Request:
     finish_reason: str | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    error: str | None = None  # set when finish_reason is "error": what failed for this request alone
+    cumulative_logprob: float = 0.0  # sum of the output tokens' logprobs (when params.logprobs is set)
 
     @property
     def num_cached(self) -> int:
@@ -73,7 +75,8 @@ class Request:
 class StepPlan:
     """What the workers run in one forward: slot moves first, then a prefill or a fused decode.
 
-    prefill: ``prefill_tokens`` (one list per new request) into ``prefill_slots``.
+    prefill: ``prefill_tokens`` (one list per new request) into ``prefill_slots``; with ``prompt_logprobs`` the
+    forward returns logits at every prompt position ``[rows, T, vocab]`` instead of ``[rows, vocab]``.
     decode: rows are slots ``[start, start + n)``; ``decode_tokens[i]`` at ``decode_positions[i]``; rows whose
     slot is free (``reorder='none'`` leaves holes) carry token 0 at position 0 and are ignored.
     """
@@ -86,10 +89,21 @@ class StepPlan:
     decode_tokens: list[int] = field(default_factory=list)
     decode_positions: list[int] = field(default_factory=list)
     requests: list[Request | None] = field(default_factory=list)  # row -> request (engine side only)
+    prompt_logprobs: bool = False
 
     @property
     def is_prefill(self) -> bool:
         return bool(self.prefill_slots)
+
+    def single(self, row: int) -> StepPlan:
+        """Row ``row`` of this plan alone (the engine retries a failed forward request by request). The moves are
+        kept: each copies a live slot into a hole, so running them again copies the same data."""
+        if self.is_prefill:
+            return StepPlan(moves=self.moves, prefill_tokens=[self.prefill_tokens[row]],
+                            prefill_slots=[self.prefill_slots[row]], requests=[self.requests[row]],
+                            prompt_logprobs=self.prompt_logprobs)
+        return StepPlan(moves=self.moves, start=self.start + row, n=1, decode_tokens=[self.decode_tokens[row]],
+                        decode_positions=[self.decode_positions[row]], requests=[self.requests[row]])
 
 
 class Scheduler:
@@ -138,7 +152,11 @@ class Scheduler:
         return bool(self.waiting) or any(r is not None for r in self.slots)
 
     def finish(self, req: Request, reason: str) -> None:
-        """Finish ``req`` now (stop string, abort): its slot is free for the next compaction."""
+        """Finish ``req`` now (stop string, abort, error): its slot is free for the next compaction. A finished
+        request only takes the new reason (a stop string completed by the last allowed token is a 'stop')."""
+        if req.finish_reason is not None:
+            req.finish_reason = reason
+            return
         req.finish_reason, req.finish_time = reason, time.perf_counter()
         if req.slot is not None:
             self.slots[req.slot] = None
@@ -197,6 +215,7 @@ class Scheduler:
             plan.prefill_slots.append(slot)
             plan.prefill_tokens.append(req.prompt_ids)
             plan.requests.append(req)
+            plan.prompt_logprobs |= req.params.prompt_logprobs is not None
         if not plan.prefill_slots:
             self._pending_moves = moves
             return None

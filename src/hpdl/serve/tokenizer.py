@@ -79,8 +79,9 @@ class IncrementalDetokenizer:
         self.text, self.sent, self.stop = "", 0, stop
         self.hold = max((len(s) for s in stop), default=1) - 1
 
-    def add(self, token: int) -> bool:
-        """Append one token; returns True when a stop string was found (the text is then final)."""
+    def add(self, token: int, check_stop: bool = True) -> bool:
+        """Append one token; returns True when a stop string was found (the text is then final). With
+        ``check_stop=False`` (before ``min_tokens``) the new text is not searched for stop strings."""
         self.ids.append(token)
         before = self.tok.decode(self.ids[self.prefix:self.read])
         after = self.tok.decode(self.ids[self.prefix:])
@@ -89,6 +90,8 @@ class IncrementalDetokenizer:
         old = len(self.text)
         self.text += after[len(before):]
         self.prefix, self.read = self.read, len(self.ids)
+        if not check_stop:
+            return False
         hits = [i for s in self.stop if (i := self.text.find(s, max(0, old - len(s) + 1))) >= 0]
         if hits:
             self.text = self.text[:min(hits)]

@@ -103,10 +103,11 @@ class ModelRunner:
                 toks[i, : len(t)] = torch.tensor(t)
             b = Batch(positions=torch.arange(T, device=dev)[None].expand(B, T),
                       slots=torch.tensor(plan.prefill_slots, device=dev),
-                      last=torch.tensor([len(t) - 1 for t in plan.prefill_tokens], device=dev))
+                      last=torch.tensor([len(t) - 1 for t in plan.prefill_tokens], device=dev),
+                      all_positions=plan.prompt_logprobs)
             return self.model(toks.to(dev, non_blocking=True), self.cache, b)
         kv_len = max(plan.decode_positions) + 1
-        if self.cuda_graph:
+        if self.cuda_graph and plan.start == 0:  # graphs read slots from 0 (a retried single row may not)
             try:
                 return self._replay(plan, kv_len)
             except RuntimeError as exc:  # capture unsupported here: keep serving, eagerly, and say so
