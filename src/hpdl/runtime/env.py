@@ -68,6 +68,8 @@ _declare("HPDL_HPO_START_METHOD", _start_method, "forkserver",
          "How hpdl.hpo starts local trial workers: `forkserver` (fork from one server that imported torch, "
          "`torch._dynamo` and optuna once; Linux and macOS) or `spawn` (a fresh interpreter each).")
 _declare("HPDL_HPO_CPU_THREADS", int, 1, "Intra-op CPU threads of each hpdl.hpo trial worker.")
+_declare("HPDL_DATA_DIR", str, "",
+         "Folder of the offline datasets hpdl generates (e.g. `hpdl vision`'s shapes set); empty = ~/.cache/hpdl/data.")
 _declare("HPDL_COMMIT", str, "", "Commit that benchmark results record (`hpdl.bench.report.source_commit`); "
          "set it where the checkout has no .git, e.g. the device machine's copy of a working tree.")
 
