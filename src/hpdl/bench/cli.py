@@ -147,6 +147,7 @@ class BenchCommand:
 PLUGINS: dict[str, tuple[str, str, str | None]] = {
     "serve": ("hpdl.serve.cli:ServeBenchCommand",
               "serving benchmark (alias of `hpdl serve bench`): TTFT, TPOT, ITL, throughput vs baselines", "serve"),
+    "attention": ("hpdl.vision.bench:AttentionBenchCommand", "SOFT vs SDPA/Nystrom attention, SOFT vs ViT/PVT", "vision"),
 }
 
 
