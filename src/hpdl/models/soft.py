@@ -298,7 +298,8 @@ class SoftViT(nn.Module):
                 blocks = [SoftBlock(dims[i], heads[i], cfg.sr_ratios[i], cfg.conv_sizes[i], cfg, dpr[cur + j])
                           for j in range(depths[i])]
             else:
-                blocks = [Block(dims[i], heads[i], cfg.mlp_ratio, cfg.drop_rate, dpr[cur + j]) for j in range(depths[i])]
+                blocks = [Block(dims[i], heads[i], cfg.mlp_ratio, cfg.drop_rate, dpr[cur + j])
+                          for j in range(depths[i])]
             setattr(self, f"block{i + 1}", nn.ModuleList(blocks))
             cur += depths[i]
         self.norm = nn.LayerNorm(dims[3], eps=1e-6)
