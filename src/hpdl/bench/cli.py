@@ -148,6 +148,7 @@ PLUGINS: dict[str, tuple[str, str, str | None]] = {
     "serve": ("hpdl.serve.cli:ServeBenchCommand",
               "serving benchmark (alias of `hpdl serve bench`): TTFT, TPOT, ITL, throughput vs baselines", "serve"),
     "overlap": ("hpdl.offload.bench:OverlapBenchCommand", "OSU-style overlap: torch.distributed async, hpdl.offload thread, agent", None),
+    "attention": ("hpdl.vision.bench:AttentionBenchCommand", "SOFT vs SDPA/Nystrom attention, SOFT vs ViT/PVT", "vision"),
 }
 
 

@@ -78,6 +78,8 @@ _declare("HPDL_OFFLOAD_AGENT", str, "", "Unix socket of a running `hpdl offload 
 _declare("HPDL_OFFLOAD_SPIN_US", float, 50.0,
          "Microseconds an offload executor keeps polling after activity before it sleeps on its doorbell.")
 _declare("HPDL_OFFLOAD_SHM_DIR", str, "", "Directory of hpdl.offload's shared-memory files (default /dev/shm).")
+_declare("HPDL_DATA_DIR", str, "",
+         "Folder of the offline datasets hpdl generates (e.g. `hpdl vision`'s shapes set); empty = ~/.cache/hpdl/data.")
 _declare("HPDL_COMMIT", str, "", "Commit that benchmark results record (`hpdl.bench.report.source_commit`); "
          "set it where the checkout has no .git, e.g. the device machine's copy of a working tree.")
 

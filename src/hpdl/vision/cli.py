@@ -45,6 +45,9 @@ def _common(p, evaluate: bool) -> None:
         p.add_argument("--epochs", type=int, default=None, help="passes over the training set (default: the task's)")
         p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (default: no limit)")
         p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the task's)")
+        p.add_argument("--weight-decay", type=float, default=None, help="weight decay (default: the task's)")
+        p.add_argument("--warmup-epochs", type=float, default=None, help="linear warm-up (default: the task's)")
+        p.add_argument("--clip-grad", type=float, default=None, help="gradient-norm clip, 0: off (default: the task's)")
         p.add_argument("--out", default="vision_out", help="folder for checkpoints and logs (default: ./vision_out)")
 
 

@@ -236,7 +236,8 @@ def fit(model: torch.nn.Module, loader, *, steps: int, lr: float = DEFAULTS["lr"
         bad_run = 0
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, clip)
+        if clip > 0:  # 0 turns clipping off (`--clip-grad 0`)
+            torch.nn.utils.clip_grad_norm_(params, clip)
         opt.step()
         sched.step()
         step += 1
@@ -462,7 +463,14 @@ def train(args) -> int:
                         collate_fn=collate, drop_last=len(train_ds) >= batch_size,
                         persistent_workers=args.workers > 0, pin_memory=device.type == "cuda")
     steps = args.max_steps or (args.epochs or DEFAULTS["epochs"]) * max(1, len(loader))
+    wd = getattr(args, "weight_decay", None)
+    clip = getattr(args, "clip_grad", None)
+    warm_epochs = getattr(args, "warmup_epochs", None)
     stats = fit(model, loader, steps=steps, lr=args.lr or DEFAULTS["lr"], device=device, amp=amp,
+                weight_decay=DEFAULTS["weight_decay"] if wd is None else wd,
+                clip=DEFAULTS["clip"] if clip is None else clip,
+                warmup_steps=(DEFAULTS["warmup_steps"] if warm_epochs is None
+                              else int(round(warm_epochs * max(1, len(loader))))),
                 label=f"train {args.model}")
     meta = {"categories": train_ds.categories, "data": str(data.resolve()), "val_split": val_split,
             "train": {k: v for k, v in stats.items() if k != "history"}}

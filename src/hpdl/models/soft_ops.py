@@ -1,0 +1,231 @@
+"""SOFT's numerical core: Gaussian-kernel attention through landmarks, and a Newton-Raphson Moore-Penrose inverse.
+
+Lu et al., "SOFT: Softmax-free Transformer with Linear Complexity", NeurIPS 2021 (arXiv 2110.11945), and
+"Softmax-free Linear Transformers", IJCV 2024 (arXiv 2207.03341; SOFT++, symmetric normalisation); official code
+github.com/fudan-zvg/SOFT (``SOFT/kernel/inverse.py``, ``models/softmax_free_transformer.py``).
+
+With queries ``q`` (already scaled by ``d**-0.25``, keys tied to queries) and ``m`` landmarks ``l``:
+
+    P = exp(-||q_i - l_j||^2 / 2)   [N, m]      A = exp(-||l_i - l_j||^2 / 2)   [m, m]
+    out = P @ NR(A + reg*I) @ (P^T @ v)         (evaluated right to left: O(N*m*d), linear in N for fixed m)
+
+``NR`` is the Newton-Raphson (Newton-Schulz) iteration ``V <- 2V - V A V`` from ``V0 = alpha*A``; after k steps an
+eigenvalue mu of a symmetric A maps to ``(1 - (1 - alpha*mu^2)^(2^k)) / mu``, which tends to 1/mu (0 for mu = 0, so
+the limit is the Moore-Penrose inverse). Everything here runs in float32 whatever the autocast dtype: the
+kernel's ``|q|^2 + |l|^2 - 2 q.l`` cancels badly in bf16/fp16, and fp16 floors the NR residual near 2e-4.
+
+Also here: :func:`nystrom_attention` (Xiong et al., AAAI 2021, arXiv 2102.03902), the softmax Nystrom baseline of
+``hpdl bench attention``, written as Hugging Face's ``NystromformerSelfAttention`` computes it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["NR_BACKWARDS", "gaussian_kernel", "newton_pinv", "norm_alpha_scale", "nystrom_attention",
+           "soft_attention"]
+
+NR_BACKWARDS = ("exact", "inverse", "autograd")
+
+
+def gaussian_kernel(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``exp(-||x_i - y_j||^2 / 2)`` for ``x [..., N, d]``, ``y [..., M, d]`` -> ``[..., N, M]``, in x's dtype.
+
+    One matmul of ``[x, -|x|^2/2, -1/2]`` by ``[y, 1, |y|^2]`` gives the exponent, so the ``[N, M]`` matrix is
+    written twice (matmul, exp in place) instead of four times. Call it in float32 (see module docstring).
+    """
+    x2 = x.pow(2).sum(-1, keepdim=True)
+    y2 = y.pow(2).sum(-1, keepdim=True)
+    xa = torch.cat([x, -0.5 * x2, torch.full_like(x2, -0.5)], dim=-1)
+    ya = torch.cat([y, torch.ones_like(y2), y2], dim=-1)
+    return torch.matmul(xa, ya.transpose(-1, -2)).exp_()
+
+
+def _nr_loop(a: torch.Tensor, alpha: torch.Tensor, iters: int) -> torch.Tensor:
+    """``iters`` steps of V <- 2V - (V a) V from V0 = alpha * a; a [..., n, n], alpha [...]."""
+    shape = a.shape
+    a3 = a.reshape(-1, shape[-2], shape[-1])
+    v = alpha.reshape(-1, 1, 1) * a3
+    for _ in range(iters):
+        v = torch.baddbmm(v, torch.bmm(v, a3), v, beta=2.0, alpha=-1.0)
+    return v.reshape(shape)
+
+
+def _frechet_loop(b: torch.Tensor, e: torch.Tensor, alpha: torch.Tensor, iters: int) -> torch.Tensor:
+    """Top-right block of ``iters`` Newton steps on ``[[b, e], [0, b]]`` (from ``alpha`` times it), without forming
+    the 2n x 2n matrix: with the iterate ``[[X, Y], [0, X]]`` and ``W = X b = b X`` (X is a polynomial in b),
+    ``Y <- 2Y - (W Y + Y W + X e X)`` and ``X <- 2X - W X``: five n x n products a step instead of 16."""
+    shape = b.shape
+    b3, e3 = b.reshape(-1, shape[-2], shape[-1]), e.reshape(-1, shape[-2], shape[-1])
+    a3 = alpha.reshape(-1, 1, 1)
+    x, y = a3 * b3, a3 * e3
+    for _ in range(iters):
+        w = torch.bmm(x, b3)
+        t = torch.bmm(torch.bmm(x, e3), x)
+        t = torch.baddbmm(torch.baddbmm(t, w, y), y, w)
+        y = torch.sub(2 * y, t)
+        x = torch.baddbmm(x, w, x, beta=2.0, alpha=-1.0)
+    return y.reshape(shape)
+
+
+def _alpha(a: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """alpha = scale / s^2 with s the largest row sum of each matrix (bounds its spectral radius if a >= 0)."""
+    s, row = a.sum(-1).max(-1)
+    return scale / (s * s), s, row
+
+
+class _NewtonPinv(torch.autograd.Function):
+    """Forward: the truncated iteration, no graph. Backward ("exact"): the derivative of that truncated map.
+
+    Every iterate is a polynomial p(A_r) of A_r = A + reg*I, and for any E the block matrix
+    ``p([[A_r^T, E], [0, A_r^T]])`` holds the Frechet derivative L_p(A_r^T, E) top right; its adjoint is the
+    gradient, so the backward is one more run of the same iteration on ``[[A_r^T, G], [0, A_r^T]]`` (same alpha;
+    :func:`_frechet_loop`): exact whether or not the iteration converged, O(n^2) memory whatever the step count.
+    alpha = c/s(A)^2 depends on A too: with t = sqrt(alpha), p = t N(t A_r) gives
+    dL/ds = -(<G, V> + <L_p(A_r^T, G), A_r>)/s, which flows to the row of A whose sum is s.
+    """
+
+    @staticmethod
+    def forward(ctx, a, scale, iters, reg, backward):
+        eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
+        a_r = a + reg * eye if reg else a
+        alpha, s, row = _alpha(a, scale)
+        v = _nr_loop(a_r, alpha, iters)
+        ctx.iters, ctx.backward = iters, backward
+        ctx.save_for_backward(a_r, v, alpha, s, row)
+        return v
+
+    @staticmethod
+    def backward(ctx, g):
+        a_r, v, alpha, s, row = ctx.saved_tensors
+        if ctx.backward == "inverse":  # the paper's: d(A^-1) for an exact inverse (ignores truncation and alpha)
+            vt = v.transpose(-1, -2)
+            return -(vt @ g @ vt), None, None, None, None
+        y = _frechet_loop(a_r.transpose(-1, -2), g, alpha, ctx.iters)
+        dl_ds = -((g * v).sum((-1, -2)) + (y * a_r).sum((-1, -2))) / s
+        n = a_r.shape[-1]
+        grad = y
+        grad.scatter_add_(-2, row[..., None, None].expand(*row.shape, 1, n),
+                          dl_ds[..., None, None].expand(*row.shape, 1, n))
+        return grad, None, None, None, None
+
+
+def newton_pinv(a: torch.Tensor, iters: int = 20, reg: float = 0.01, scale: float | torch.Tensor = 1.8,
+                backward: str = "exact") -> torch.Tensor:
+    """Newton-Raphson approximation of the Moore-Penrose inverse of ``a + reg*I``, SOFT's initialisation.
+
+    Args:
+        a: ``[..., n, n]`` matrices (SOFT: the landmark Gaussian kernel, symmetric positive semi-definite with
+            non-negative entries, so its largest row sum bounds its spectral radius). float32 or float64.
+        iters: Newton steps; SOFT uses 20 (``newton_maxiter`` in every official config), which converges for
+            condition numbers up to about 1e2 (k ~ 2 log2(cond) + log2(ln(1/eps)/1.8) steps are needed).
+        reg: ``reg*I`` is added before inverting (SOFT: 0.01; SOFT++: 0). alpha uses the row sums of ``a``.
+        scale: ``alpha = scale / (max row sum of a)^2`` per matrix (SOFT: 0.9*2 = 1.8). A tensor ``[...]`` gives
+            one scale per matrix (SOFT++'s backtracking, :func:`norm_alpha_scale`).
+        backward: ``"exact"`` (default) differentiates the truncated iteration exactly (see ``_NewtonPinv``) at
+            about one more forward's cost on 2n x 2n matrices; ``"inverse"`` is the paper's ``-V^T G V^T``, right
+            only once the iteration has converged; ``"autograd"`` records all steps (memory grows with ``iters``).
+
+    Returns:
+        ``[..., n, n]`` in a's dtype: the iterate ``V_iters``; each matrix of the batch is handled alone.
+
+    Raises:
+        ValueError: a is not a batch of square matrices, iters < 0, or backward is unknown.
+    """
+    if a.dim() < 2 or a.shape[-1] != a.shape[-2]:
+        raise ValueError(f"a must be [..., n, n], got shape {tuple(a.shape)}")
+    if iters < 0:
+        raise ValueError(f"iters must be >= 0, got {iters}")
+    if backward not in NR_BACKWARDS:
+        raise ValueError(f"backward must be one of {NR_BACKWARDS}, got {backward!r}")
+    scale = torch.as_tensor(scale, dtype=a.dtype, device=a.device).expand(a.shape[:-2])
+    if backward == "autograd":
+        a_r = a + reg * torch.eye(a.shape[-1], dtype=a.dtype, device=a.device) if reg else a
+        alpha, _, _ = _alpha(a, scale)
+        return _nr_loop(a_r, alpha, iters)
+    return _NewtonPinv.apply(a, scale, iters, reg, backward)
+
+
+def norm_alpha_scale(a: torch.Tensor, halvings: int = 10, tol: float = 1.01) -> torch.Tensor:
+    """SOFT++'s initial scale: 2 * 0.5^j with j the fewest halvings (at most ``halvings``) giving
+    ``||I - alpha a^2||_1 <= tol`` for alpha = scale / (max row sum)^2 (official ``newton_inv`` of
+    ``SoftmaxFreeNormAttentionKernel``), chosen per matrix and without host synchronisation (the official loop
+    takes one alpha for the whole batch and syncs each halving). Returns ``[...]``, treated as a constant."""
+    with torch.no_grad():
+        a2 = a @ a
+        s = a.sum(-1).amax(-1)
+        eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
+        scale = torch.full_like(s, 2.0 * 0.5 ** halvings)
+        for j in range(halvings - 1, -1, -1):  # the smallest passing j wins
+            c = 2.0 * 0.5 ** j
+            ok = (eye - (c / (s * s))[..., None, None] * a2).abs().sum(-2).amax(-1) <= tol
+            scale = torch.where(ok, torch.full_like(s, c), scale)
+    return scale
+
+
+def soft_attention(q: torch.Tensor, v: torch.Tensor, landmarks: torch.Tensor, *, variant: str = "soft",
+                   iters: int = 20, reg: float = 0.01, backward: str = "exact") -> torch.Tensor:
+    """SOFT attention through landmarks: ``P @ NR(A) @ (P^T @ v)``, linear in N for a fixed landmark count.
+
+    Args:
+        q: ``[B, H, N, d]`` queries = keys, already scaled by ``d**-0.25`` (so the kernel is
+            ``exp(-||q_i - q_j||^2 / (2 sqrt(d)))`` of the unscaled ones).
+        v: ``[B, H, N, dv]`` values.
+        landmarks: ``[B, H, m, d]`` (strided conv or pooling of q; ``m = N`` with ``landmarks = q``, ``reg = 0``
+            and a well-conditioned kernel gives the exact Gaussian-kernel attention ``S @ v``).
+        variant: ``"soft"`` (SOFT: inverse of A + reg*I, alpha = 1.8/s^2) or ``"norm"`` (SOFT++: reg = 0,
+            backtracked alpha, inverse replaced by ``D^-1/2 NR(A) D^-1/2`` with D the row sums of A, as the
+            official ``SoftmaxFreeNormAttentionKernel``).
+        iters, reg, backward: see :func:`newton_pinv` (reg is ignored by ``"norm"``).
+
+    Returns:
+        ``[B, H, N, dv]`` in v's dtype. The kernel, the inverse and the products run in float32 with autocast off.
+
+    Raises:
+        ValueError: shapes disagree or variant is unknown.
+    """
+    if variant not in ("soft", "norm"):
+        raise ValueError(f"variant must be 'soft' or 'norm', got {variant!r}")
+    if q.shape[:-2] != v.shape[:-2] or q.shape[-2] != v.shape[-2] or landmarks.shape[:-2] != q.shape[:-2] \
+            or landmarks.shape[-1] != q.shape[-1]:
+        raise ValueError(f"shapes disagree: q {tuple(q.shape)}, v {tuple(v.shape)}, landmarks {tuple(landmarks.shape)}")
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    with torch.autocast(q.device.type, enabled=False):
+        qf, lf, vf = q.to(dtype), landmarks.to(dtype), v.to(dtype)
+        p = gaussian_kernel(qf, lf)  # [B, H, N, m]
+        a = gaussian_kernel(lf, lf)  # [B, H, m, m]
+        if variant == "soft":
+            inv = newton_pinv(a, iters, reg, 1.8, backward)
+        else:
+            d = a.sum(-1).rsqrt()
+            inv = d[..., :, None] * newton_pinv(a, iters, 0.0, norm_alpha_scale(a), backward) * d[..., None, :]
+        out = p @ (inv @ (p.transpose(-1, -2) @ vf))
+    return out.to(v.dtype)
+
+
+def nystrom_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_landmarks: int = 64,
+                      iters: int = 6) -> torch.Tensor:
+    """Nystromformer softmax attention (Xiong et al. 2021) as Hugging Face's ``NystromformerSelfAttention``.
+
+    Landmarks are segment means of ``num_landmarks`` equal segments (N must be a multiple); the 3rd-order
+    iteration ``Z <- Z (13I - KZ(15I - KZ(7I - KZ))) / 4`` runs ``iters`` times from ``K^T / ||K||_1`` taken per
+    matrix (HF's default, "original", takes the largest column sum over the whole batch; the two agree for one
+    matrix). ``q, k, v [B, H, N, d]`` unscaled; returns ``[B, H, N, d]``. Raises ValueError if N % m != 0.
+    """
+    b, h, n, d = q.shape
+    if n % num_landmarks:
+        raise ValueError(f"tokens ({n}) must be a multiple of num_landmarks ({num_landmarks})")
+    q = q * d ** -0.25
+    k = k * d ** -0.25
+    ql = q.reshape(b, h, num_landmarks, n // num_landmarks, d).mean(-2)
+    kl = k.reshape(b, h, num_landmarks, n // num_landmarks, d).mean(-2)
+    k1 = F.softmax(q @ kl.transpose(-1, -2), dim=-1)
+    k2 = F.softmax(ql @ kl.transpose(-1, -2), dim=-1)
+    k3 = F.softmax(ql @ k.transpose(-1, -2), dim=-1)
+    eye = torch.eye(num_landmarks, dtype=k2.dtype, device=k2.device)
+    z = k2.transpose(-1, -2) / k2.sum(-2).amax(-1)[..., None, None]
+    for _ in range(iters):
+        kz = k2 @ z
+        z = (0.25 * z) @ (13 * eye - kz @ (15 * eye - kz @ (7 * eye - kz)))
+    return (k1 @ z) @ (k3 @ v)

@@ -1,0 +1,510 @@
+"""``hpdl bench attention``: SOFT against softmax attention, as tokens grow and inside whole models.
+
+    hpdl bench attention                                   # CPU, small sizes: a check of the harness
+    hpdl bench attention --device cuda --suite all --out $OUT   # the device run (docs/benchmarks/soft.md)
+
+Suites (``--suite tokens,model,throughput`` or ``all``):
+
+- ``tokens``: one attention layer, forward and forward+backward time and peak memory, tokens 256..65,536
+  (powers of 2; B x heads x head_dim = ``--batch`` x ``--heads`` x ``--head-dim``). Methods: ``soft`` (SOFT:
+  Gaussian kernel through ``--landmarks`` segment-mean landmarks of q, 20 Newton steps, exact backward),
+  ``soft_norm`` (SOFT++), ``soft_inverse`` / ``soft_autograd`` (SOFT with the paper's ``-V^T G V^T`` backward /
+  autograd through the 20 steps, to price the exact backward), ``nystrom`` (Nystromformer, softmax, the same landmarks, 6 steps), ``sdpa``
+  (``F.scaled_dot_product_attention``; on CUDA with 16-bit inputs the flash kernel is required, so its label is
+  honest) and ``softmax`` (materialised, the O(N^2) reference; off unless asked). A method stops after its first
+  point that runs out of memory or takes longer than ``--time-limit`` seconds per call.
+- ``model``: SOFT-Tiny forward+backward at ``--image-sizes`` (stage 1 holds (size/4)^2 tokens: 512 px = 16,384)
+  with its own attention and with softmax SDPA over the same tied Q/K (``attention="sdpa"``), images/s and peak
+  memory. The paper's landmarks come from a fixed-stride conv, so the landmark count grows with the image.
+- ``throughput``: images/s at ``--image-size`` (inference at ``--infer-batch``, training fwd+bwd at
+  ``--train-batch``) of SOFT models next to timm ViT/PVT baselines, with each model's multiply-adds counted by
+  ``torch.utils.flop_counter`` on the same device; each SOFT model is paired with the baseline of nearest MACs.
+
+Timing: CUDA events (or perf_counter on CPU) per call after ``--warmup`` calls, median of ``--reps``; peak memory
+is ``torch.cuda.max_memory_allocated`` above what was allocated before the call (CUDA only). Writes
+``soft_bench.json`` and one PNG per suite to ``--out``; prints the tables last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from hpdl.models.soft_ops import nystrom_attention, soft_attention
+
+METHODS = ("soft", "soft_norm", "soft_inverse", "soft_autograd", "nystrom", "sdpa", "softmax")
+_SOFT = {"soft": ("soft", "exact"), "soft_norm": ("norm", "exact"), "soft_inverse": ("soft", "inverse"),
+         "soft_autograd": ("soft", "autograd")}  # method -> (variant, Newton backward)
+SUITES = ("tokens", "model", "throughput")
+DEFAULT_BASELINES = "deit_tiny_patch16_224,pvt_v2_b1,pvt_v2_b2,deit_small_patch16_224"
+
+
+# ------------------------------------------------------------------------------------------------ timing helpers
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(fn, device: torch.device, warmup: int = 2, reps: int = 5) -> dict:
+    """Median / min milliseconds of ``fn()`` over ``reps`` calls after ``warmup``, and peak MiB above the
+    allocation before one more call (CUDA; None on CPU)."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    peak = None
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        peak = (torch.cuda.max_memory_allocated(device) - base) / 2 ** 20
+    return {"ms": statistics.median(times), "ms_min": min(times), "peak_mib": peak}
+
+
+def _free(device):
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------------------------- tokens suite
+
+def attention(method: str, q, k, v, landmarks: int):
+    """One attention of ``METHODS`` on ``[B, H, N, d]`` inputs (SOFT ties keys to queries and ignores k)."""
+    b, h, n, d = q.shape
+    if method in _SOFT:
+        variant, backward = _SOFT[method]
+        qs = q * d ** -0.25
+        lm = qs.reshape(b, h, landmarks, n // landmarks, d).mean(-2)  # segment means, as Nystromformer's
+        return soft_attention(qs, v, lm, variant=variant, backward=backward)
+    if method == "nystrom":
+        return nystrom_attention(q, k, v, num_landmarks=landmarks)
+    if method == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v)
+    if method == "softmax":
+        return torch.softmax((q @ k.transpose(-1, -2)) * d ** -0.5, dim=-1) @ v
+    raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+
+
+def _sdpa_context(device, dtype):
+    """Flash attention required on CUDA with 16-bit inputs (so 'sdpa' means flash there), the default elsewhere."""
+    import contextlib
+
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION]), "flash"
+    return contextlib.nullcontext(), "default"
+
+
+def run_tokens(args, device, dtype) -> list[dict]:
+    rows, stopped = [], {}
+    ctx, sdpa_label = _sdpa_context(device, dtype)
+    n = args.min_tokens
+    while n <= args.max_tokens:
+        for method in args.methods:
+            landmarked = method in _SOFT or method == "nystrom"
+            row = {"tokens": n, "method": method, "landmarks": args.landmarks if landmarked else None}
+            if method == "sdpa":
+                row["backend"] = sdpa_label
+            if method in stopped:
+                rows.append({**row, "status": "skipped", "why": stopped[method]})
+                continue
+            if landmarked and n % args.landmarks:
+                rows.append({**row, "status": "skipped", "why": f"tokens not a multiple of {args.landmarks}"})
+                continue
+            g = torch.Generator(device=device).manual_seed(n)
+            q, k, v = (torch.randn(args.batch, args.heads, n, args.head_dim, device=device, dtype=dtype,
+                                   generator=g).requires_grad_() for _ in range(3))
+            grad = torch.randn(args.batch, args.heads, n, args.head_dim, device=device, dtype=dtype, generator=g)
+
+            def fwd():
+                with torch.no_grad(), ctx:
+                    return attention(method, q, k, v, args.landmarks)
+
+            def fwd_bwd():
+                for t in (q, k, v):
+                    t.grad = None
+                with ctx:
+                    out = attention(method, q, k, v, args.landmarks)
+                out.backward(grad)
+
+            try:
+                with ctx:
+                    finite = bool(torch.isfinite(fwd()).all())
+                f = measure(fwd, device, args.warmup, args.reps)
+                fb = measure(fwd_bwd, device, args.warmup, args.reps)
+                rows.append({**row, "status": "ok" if finite else "non-finite", "fwd_ms": f["ms"],
+                             "fwd_peak_mib": f["peak_mib"], "fwd_bwd_ms": fb["ms"], "fwd_bwd_ms_min": fb["ms_min"],
+                             "fwd_bwd_peak_mib": fb["peak_mib"]})
+                if fb["ms"] > 1e3 * args.time_limit:
+                    stopped[method] = f"{fb['ms'] / 1e3:.1f} s per call at {n} tokens > --time-limit"
+            except torch.cuda.OutOfMemoryError:
+                rows.append({**row, "status": "oom"})
+                stopped[method] = f"out of memory at {n} tokens"
+            del q, k, v, grad
+            _free(device)
+        n *= 2
+    return rows
+
+
+def crossover(rows: list[dict], method: str = "soft", against: str = "sdpa", key: str = "fwd_bwd_ms"):
+    """Smallest token count from which ``method`` stays faster than ``against`` (None if never)."""
+    times = {}
+    for r in rows:
+        if r["status"] == "ok":
+            times.setdefault(r["tokens"], {})[r["method"]] = r[key]
+    ns = sorted(n for n, t in times.items() if method in t and against in t)
+    out = None
+    for n in reversed(ns):
+        if times[n][method] < times[n][against]:
+            out = n
+        else:
+            break
+    return out
+
+
+# -------------------------------------------------------------------------------------------------- model suite
+
+def _autocast(device, dtype):
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype in (torch.float16, torch.bfloat16))
+
+
+def run_model(args, device, dtype) -> list[dict]:
+    from hpdl.models.soft import create
+
+    rows = []
+    for size in args.image_sizes:
+        for attn in ("soft", "sdpa"):
+            row = {"model": args.model, "attention": attn, "image_size": size, "batch": args.model_batch,
+                   "stage1_tokens": (size // 4) ** 2, "stage1_landmarks": (size // 4 // 8) ** 2 if attn == "soft"
+                   else None}
+            try:
+                torch.manual_seed(0)
+                model = create(args.model, attention=attn).to(device)
+                x = torch.randn(args.model_batch, 3, size, size, device=device)
+                ctx, _ = _sdpa_context(device, dtype)
+
+                def step():
+                    for p in model.parameters():
+                        p.grad = None
+                    with _autocast(device, dtype), ctx:
+                        loss = model(x).float().logsumexp(-1).mean()
+                    loss.backward()
+
+                m = measure(step, device, args.warmup, args.reps)
+                rows.append({**row, "status": "ok", "fwd_bwd_ms": m["ms"], "images_per_s": args.model_batch / m["ms"]
+                             * 1e3, "peak_mib": m["peak_mib"]})
+            except torch.cuda.OutOfMemoryError:
+                rows.append({**row, "status": "oom"})
+            finally:
+                model = x = None
+                _free(device)
+    return rows
+
+
+# --------------------------------------------------------------------------------------------- throughput suite
+
+def _build(name: str, size: int, device):
+    if name.startswith("soft_"):
+        from hpdl.models.soft import create
+
+        return create(name).to(device)
+    import timm
+
+    try:
+        return timm.create_model(name, pretrained=False, img_size=size).to(device)
+    except TypeError:  # models without an img_size argument (PVT v2 takes any size)
+        return timm.create_model(name, pretrained=False).to(device)
+
+
+def macs(model, size: int, device) -> float:
+    """Multiply-adds of one forward of one image (FLOPs / 2 from torch.utils.flop_counter)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    was = model.training
+    model.eval()
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(torch.zeros(1, 3, size, size, device=device))
+    model.train(was)
+    return counter.get_total_flops() / 2
+
+
+def run_throughput(args, device, dtype) -> list[dict]:
+    rows = []
+    for name in [*args.models, *args.baselines]:
+        try:
+            torch.manual_seed(0)
+            model = _build(name, args.image_size, device)
+            row = {"model": name, "family": "soft" if name.startswith("soft_") else "timm",
+                   "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
+                   "gmacs": macs(model, args.image_size, device) / 1e9, "image_size": args.image_size}
+            model.eval()
+            xi = torch.randn(args.infer_batch, 3, args.image_size, args.image_size, device=device)
+
+            def infer():
+                with torch.no_grad(), _autocast(device, dtype):
+                    model(xi)
+
+            mi = measure(infer, device, args.warmup, args.reps)
+            model.train()
+            xt = torch.randn(args.train_batch, 3, args.image_size, args.image_size, device=device)
+
+            def train_step():
+                for p in model.parameters():
+                    p.grad = None
+                with _autocast(device, dtype):
+                    loss = model(xt).float().logsumexp(-1).mean()
+                loss.backward()
+
+            mt = measure(train_step, device, args.warmup, args.reps)
+            rows.append({**row, "status": "ok", "infer_images_per_s": args.infer_batch / mi["ms"] * 1e3,
+                         "train_images_per_s": args.train_batch / mt["ms"] * 1e3, "train_peak_mib": mt["peak_mib"]})
+        except torch.cuda.OutOfMemoryError:
+            rows.append({"model": name, "status": "oom"})
+        finally:
+            model = xi = xt = None
+            _free(device)
+    soft = [r for r in rows if r.get("family") == "soft" and r["status"] == "ok"]
+    base = [r for r in rows if r.get("family") == "timm" and r["status"] == "ok"]
+    for r in soft:  # the baseline of nearest multiply-adds (log scale)
+        if base:
+            r["pair"] = min(base, key=lambda b: abs(math.log(b["gmacs"] / r["gmacs"])))["model"]
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------- reporting
+
+def _fmt(v, spec=".2f"):
+    return "-" if v is None else format(v, spec)
+
+
+def format_tables(result: dict) -> str:
+    lines = []
+    if "tokens" in result:
+        lines.append("# attention layer, fwd+bwd (fwd) ms and peak MiB; " + result["meta"]["shape"])
+        lines.append(f"{'tokens':>8} {'method':>10} {'fwd ms':>9} {'fwd+bwd ms':>11} {'peak MiB':>9}  status")
+        for r in result["tokens"]:
+            lines.append(f"{r['tokens']:>8} {r['method']:>10} {_fmt(r.get('fwd_ms')):>9} "
+                         f"{_fmt(r.get('fwd_bwd_ms')):>11} {_fmt(r.get('fwd_bwd_peak_mib'), '.0f'):>9}  "
+                         f"{r['status']}{' (' + r['why'] + ')' if r.get('why') else ''}")
+        lines.append(f"# soft faster than sdpa (fwd+bwd) from {result['crossover_soft_vs_sdpa']} tokens on "
+                     f"(None: never in this sweep)")
+    if "model" in result:
+        lines.append("# model fwd+bwd: " + str(result["model"][0]["model"] if result["model"] else ""))
+        lines.append(f"{'size':>6} {'tokens1':>8} {'attention':>9} {'ms':>9} {'img/s':>9} {'peak MiB':>9}")
+        for r in result["model"]:
+            lines.append(f"{r['image_size']:>6} {r['stage1_tokens']:>8} {r['attention']:>9} "
+                         f"{_fmt(r.get('fwd_bwd_ms')):>9} {_fmt(r.get('images_per_s'), '.1f'):>9} "
+                         f"{_fmt(r.get('peak_mib'), '.0f'):>9}  {r['status']}")
+    if "throughput" in result:
+        lines.append("# throughput at " + str(result["meta"].get("throughput_image_size")) + " px")
+        lines.append(f"{'model':>24} {'params M':>8} {'GMACs':>6} {'infer img/s':>11} {'train img/s':>11}  pair")
+        for r in result["throughput"]:
+            lines.append(f"{r['model']:>24} {_fmt(r.get('params_m'), '.1f'):>8} {_fmt(r.get('gmacs')):>6} "
+                         f"{_fmt(r.get('infer_images_per_s'), '.0f'):>11} "
+                         f"{_fmt(r.get('train_images_per_s'), '.0f'):>11}  "
+                         f"{r.get('pair', '') if r['status'] == 'ok' else r['status']}")
+    return "\n".join(lines)
+
+
+def plot(result: dict, out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    title = f"{result['meta']['device_name']}, {result['meta']['dtype']}"
+    if result.get("tokens"):
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for method in dict.fromkeys(r["method"] for r in result["tokens"]):
+            ok = [r for r in result["tokens"] if r["method"] == method and r["status"] == "ok"]
+            if not ok:
+                continue
+            axes[0].plot([r["tokens"] for r in ok], [r["fwd_bwd_ms"] for r in ok], "o-", label=method)
+            if ok[0]["fwd_bwd_peak_mib"] is not None:
+                axes[1].plot([r["tokens"] for r in ok], [r["fwd_bwd_peak_mib"] for r in ok], "o-", label=method)
+        for ax, ylabel in zip(axes, ("fwd+bwd ms", "fwd+bwd peak MiB")):
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("tokens")
+            ax.set_ylabel(ylabel)
+            ax.grid(True, which="both", alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend()
+            else:
+                ax.text(0.5, 0.5, "peak memory: CUDA only", ha="center", transform=ax.transAxes)
+        fig.suptitle(f"attention layer, {result['meta']['shape']}; {title}")
+        fig.tight_layout()
+        fig.savefig(out / "attention_tokens.png", dpi=120)
+        plt.close(fig)
+        written.append("attention_tokens.png")
+    if result.get("model"):
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for attn in ("soft", "sdpa"):
+            ok = [r for r in result["model"] if r["attention"] == attn and r["status"] == "ok"]
+            if ok:
+                axes[0].plot([r["stage1_tokens"] for r in ok], [r["fwd_bwd_ms"] for r in ok], "o-", label=attn)
+                if ok[0]["peak_mib"] is not None:
+                    axes[1].plot([r["stage1_tokens"] for r in ok], [r["peak_mib"] for r in ok], "o-", label=attn)
+        for ax, ylabel in zip(axes, ("fwd+bwd ms per batch", "peak MiB")):
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("stage-1 tokens ((image size / 4)^2)")
+            ax.set_ylabel(ylabel)
+            ax.grid(True, which="both", alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend()
+            else:
+                ax.text(0.5, 0.5, "peak memory: CUDA only", ha="center", transform=ax.transAxes)
+        fig.suptitle(f"{result['model'][0]['model']} batch {result['model'][0]['batch']}: SOFT vs softmax SDPA "
+                     f"attention; {title}")
+        fig.tight_layout()
+        fig.savefig(out / "soft_model.png", dpi=120)
+        plt.close(fig)
+        written.append("soft_model.png")
+    if result.get("throughput"):
+        ok = [r for r in result["throughput"] if r["status"] == "ok"]
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for ax, key in zip(axes, ("infer_images_per_s", "train_images_per_s")):
+            for r in ok:
+                ax.scatter(r["gmacs"], r[key], marker="o" if r["family"] == "soft" else "s",
+                           color="C0" if r["family"] == "soft" else "C1")
+                ax.annotate(r["model"], (r["gmacs"], r[key]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+            ax.set_xlabel("GMACs per image")
+            ax.set_ylabel(key.replace("_", " "))
+            ax.grid(True, alpha=0.3)
+        fig.suptitle(f"throughput at {result['meta']['throughput_image_size']} px (SOFT: circles, timm: squares); "
+                     f"{title}")
+        fig.tight_layout()
+        fig.savefig(out / "throughput.png", dpi=120)
+        plt.close(fig)
+        written.append("throughput.png")
+    return written
+
+
+# ----------------------------------------------------------------------------------------------------- command
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+class AttentionBenchCommand:
+    """``hpdl bench attention`` (registered in hpdl.bench.cli's PLUGINS)."""
+
+    @staticmethod
+    def add_arguments(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--suite", default="tokens", help="comma-separated from tokens, model, throughput, or all "
+                                                         "(default: tokens)")
+        p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="(default: cpu)")
+        p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                       help="inputs (tokens) / autocast (model, throughput) (default: bfloat16 on CUDA, float32 CPU)")
+        p.add_argument("--methods", default="soft,soft_norm,nystrom,sdpa",
+                       help=f"tokens suite, from {','.join(METHODS)} (default: soft,soft_norm,nystrom,sdpa)")
+        p.add_argument("--min-tokens", type=int, default=256, help="(default: 256)")
+        p.add_argument("--max-tokens", type=int, default=None, help="(default: 65536 on CUDA, 4096 on CPU)")
+        p.add_argument("--batch", type=int, default=1, help="tokens suite batch (default: 1)")
+        p.add_argument("--heads", type=int, default=6, help="(default: 6)")
+        p.add_argument("--head-dim", type=int, default=64, help="(default: 64)")
+        p.add_argument("--landmarks", type=int, default=64, help="SOFT and Nystrom landmarks (default: 64)")
+        p.add_argument("--time-limit", type=float, default=None,
+                       help="seconds per call after which a method stops growing (default: 2 on CUDA, 5 on CPU)")
+        p.add_argument("--model", default="soft_tiny", help="model suite model (default: soft_tiny)")
+        p.add_argument("--image-sizes", default=None, help="model suite sizes (default: 224,384,512,768 on CUDA, "
+                                                            "64,128 on CPU)")
+        p.add_argument("--model-batch", type=int, default=None, help="(default: 16 on CUDA, 2 on CPU)")
+        p.add_argument("--models", default="soft_tiny,soft_small", help="throughput suite SOFT models")
+        p.add_argument("--baselines", default=DEFAULT_BASELINES, help=f"timm baselines (default: {DEFAULT_BASELINES})")
+        p.add_argument("--image-size", type=int, default=None, help="throughput size (default: 224 CUDA, 64 CPU)")
+        p.add_argument("--infer-batch", type=int, default=None, help="(default: 256 on CUDA, 4 on CPU)")
+        p.add_argument("--train-batch", type=int, default=None, help="(default: 128 on CUDA, 2 on CPU)")
+        p.add_argument("--warmup", type=int, default=3, help="untimed calls per point (default: 3)")
+        p.add_argument("--reps", type=int, default=10, help="timed calls per point, median reported (default: 10)")
+        p.add_argument("--out", default=None, help="folder for soft_bench.json and the PNGs (default: $OUT or .)")
+
+    def run(self, args) -> int:
+        from hpdl.cli import CLIUsageError
+
+        cuda = args.device == "cuda"
+        if cuda and not torch.cuda.is_available():
+            raise CLIUsageError("--device cuda needs a visible GPU")
+        suites = list(SUITES) if args.suite == "all" else _csv(args.suite)
+        bad = [s for s in suites if s not in SUITES]
+        if bad:
+            raise CLIUsageError(f"--suite {bad} unknown; expected some of {SUITES} or all")
+        args.methods = _csv(args.methods)
+        bad = [m for m in args.methods if m not in METHODS]
+        if bad:
+            raise CLIUsageError(f"--methods {bad} unknown; expected some of {METHODS}")
+        if args.landmarks < 1 or args.min_tokens < 1:
+            raise CLIUsageError("--landmarks and --min-tokens must be >= 1")
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
+        args.max_tokens = args.max_tokens or (65536 if cuda else 4096)
+        args.time_limit = args.time_limit or (2.0 if cuda else 5.0)
+        args.image_sizes = [int(s) for s in _csv(args.image_sizes or ("224,384,512,768" if cuda else "64,128"))]
+        if any(s % 32 for s in args.image_sizes):
+            raise CLIUsageError(f"--image-sizes must be multiples of 32, got {args.image_sizes}")
+        args.model_batch = args.model_batch or (16 if cuda else 2)
+        args.models, args.baselines = _csv(args.models), _csv(args.baselines)
+        args.image_size = args.image_size or (224 if cuda else 64)
+        args.infer_batch = args.infer_batch or (256 if cuda else 4)
+        args.train_batch = args.train_batch or (128 if cuda else 2)
+        out = Path(args.out or os.environ.get("OUT") or ".")
+        out.mkdir(parents=True, exist_ok=True)
+        meta = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "torch": torch.__version__,
+                "python": platform.python_version(), "device": str(device),
+                "device_name": torch.cuda.get_device_name(device) if cuda else (platform.processor() or "cpu"),
+                "dtype": str(dtype).replace("torch.", ""), "command": "hpdl " + " ".join(sys.argv[1:]),
+                "shape": f"B={args.batch} H={args.heads} d={args.head_dim}, {args.landmarks} landmarks",
+                "warmup": args.warmup, "reps": args.reps, "throughput_image_size": args.image_size}
+        try:
+            import timm
+
+            meta["timm"] = timm.__version__
+        except ImportError:
+            pass
+        result: dict = {"meta": meta}
+        t0 = time.perf_counter()
+        if "tokens" in suites:
+            result["tokens"] = run_tokens(args, device, dtype)
+            result["crossover_soft_vs_sdpa"] = crossover(result["tokens"])
+            print(f"# tokens suite done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+        if "model" in suites:
+            result["model"] = run_model(args, device, dtype)
+            print(f"# model suite done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+        if "throughput" in suites:
+            result["throughput"] = run_throughput(args, device, dtype)
+        meta["seconds"] = time.perf_counter() - t0
+        (out / "soft_bench.json").write_text(json.dumps(result, indent=1))
+        pngs = plot(result, out)
+        print(format_tables(result))
+        print(f"# wrote {out / 'soft_bench.json'} {' '.join(str(out / p) for p in pngs)} in {meta['seconds']:.0f} s")
+        bad_rows = [r for s in SUITES for r in result.get(s, []) if r["status"] == "non-finite"]
+        return 1 if bad_rows else 0

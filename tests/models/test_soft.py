@@ -1,0 +1,114 @@
+"""SOFT models (hpdl.models.soft): exact kernel attention with landmarks = tokens, the V conv against the
+official layout, parameter counts against the paper's table, batch independence, timm registry, resizing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hpdl.models.soft import (MODEL_CONFIGS, PAPER_PARAMS_M, SoftAttention, SoftConfig, SoftViT,
+                              convert_official_state_dict, create)
+
+torch.set_num_threads(1)
+f64 = torch.float64
+MICRO = dict(embed_dims=(16, 32, 48, 64), num_heads=(2, 2, 3, 4), depths=(1, 1, 1, 1), stem_channels=8)
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_CONFIGS))
+def test_parameter_counts_match_paper_table(name):
+    with torch.device("meta"):
+        n = create(name).num_params()
+    paper = PAPER_PARAMS_M[name.rsplit("_", 1)[-1]] * 1e6
+    assert abs(n - paper) / paper < 0.03, f"{name}: {n / 1e6:.2f}M vs the paper's {paper / 1e6:.0f}M"
+
+
+def test_landmarks_equal_tokens_module_is_exact_gaussian_kernel_attention():
+    """sr_ratio=1 pooling makes every token a landmark; with reg=0 the module is exp(-|qi-qj|^2/(2 sqrt d)) V."""
+    torch.manual_seed(0)
+    H = W = 4
+    att = SoftAttention(16, 2, sr_ratio=1, conv_size=3, landmark="pool", nr_reg=0.0).double()
+    with torch.no_grad():
+        att.W_q.weight.normal_(0, 1.0)  # spread the tokens: a well-conditioned kernel (20 steps converge)
+    x = torch.randn(2, H * W, 16, dtype=f64)
+    b, n, h, d = 2, H * W, 2, 8
+    q = att.W_q(x).view(b, n, h, d).transpose(1, 2)
+    v = att.W_v(x).view(b, n, h, d).transpose(1, 2)
+    s = torch.exp(-torch.cdist(q, q) ** 2 / (2 * d ** 0.5))
+    assert torch.linalg.cond(s).max() < 30
+    # the official depthwise conv on V: [B, h, H, W, d] -> [B*d, h, H, W], groups = heads
+    vm = v.reshape(b, h, H, W, d).permute(0, 4, 1, 2, 3).reshape(b * d, h, H, W)
+    local = att.conv(vm).reshape(b, d, h, H, W).flatten(3).permute(0, 2, 3, 1)
+    ref = att.ff((s @ v + local).transpose(1, 2).reshape(b, n, 16))
+    torch.testing.assert_close(att(x, H, W), ref, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("variant", ["soft", "norm"])
+def test_batch_samples_are_independent(variant):
+    """Per-matrix alpha: one sample's output never depends on another's (the official SOFT++ takes one alpha
+    for the whole batch, which fails this)."""
+    torch.manual_seed(1)
+    model = SoftViT(SoftConfig(img_size=64, num_classes=5, variant=variant, **MICRO)).double().eval()
+    x = torch.randn(3, 3, 64, 64, dtype=f64)
+    x[1] *= 4.0  # a very different sample next to the others
+    with torch.no_grad():
+        batched = model(x)
+        alone = torch.cat([model(x[i:i + 1]) for i in range(3)])
+    torch.testing.assert_close(batched, alone, rtol=1e-10, atol=1e-10)
+    xg = x.clone().requires_grad_()
+    model(xg)[0].sum().backward()
+    assert xg.grad[1:].abs().max() == 0 and xg.grad[0].abs().max() > 0
+
+
+def test_forward_backward_shapes_sizes_and_sdpa_baseline():
+    torch.manual_seed(2)
+    for kw in (dict(), dict(attention="sdpa"), dict(landmark="pool"), dict(variant="norm")):
+        model = SoftViT(SoftConfig(img_size=64, num_classes=7, **MICRO, **kw))
+        for size in ((64, 64), (96, 64)):  # positional embeddings resized bilinearly
+            x = torch.randn(2, 3, *size)
+            out = model(x)
+            assert out.shape == (2, 7) and torch.isfinite(out).all()
+        out.sum().backward()
+        assert all(p.grad is not None for n, p in model.named_parameters() if "pos_embed" not in n or "4" in n)
+    sdpa = SoftViT(SoftConfig(attention="sdpa", **MICRO))
+    soft = SoftViT(SoftConfig(**MICRO))
+    assert sdpa.num_params() < soft.num_params()  # the same model without the landmark conv
+
+
+def test_flops_of_tiny_are_near_the_papers():
+    """The paper's 1.9 GFLOPs (multiply-adds) for Tiny; torch's counter (matmuls, convs) finds ~2.1 G."""
+    model = create("soft_tiny")
+    macs = model.flops() / 2
+    assert 1.9e9 < macs < 2.3e9
+
+
+def test_timm_registry_and_factories():
+    timm = pytest.importorskip("timm")
+    model = timm.create_model("soft_tiny", num_classes=10)
+    assert isinstance(model, SoftViT) and model.num_classes == 10 and model.cfg.variant == "soft"
+    assert timm.create_model("soft_norm_tiny", num_classes=3).cfg.variant == "norm"
+    assert {"soft_tiny", "soft_huge", "soft_norm_small"} <= set(timm.list_models("soft_*"))
+    with pytest.raises(ValueError, match="ships no SOFT weights"):
+        create("soft_tiny", pretrained=True)
+    with pytest.raises(ValueError, match="unknown SoftConfig fields"):
+        create("soft_tiny", depth=3)
+    with pytest.raises(ValueError, match="unknown SOFT model"):
+        create("soft_mega")
+
+
+def test_config_and_input_errors_name_the_argument():
+    with pytest.raises(ValueError, match="img_size"):
+        SoftConfig(img_size=100)
+    with pytest.raises(ValueError, match="landmark"):
+        SoftConfig(landmark="random")
+    att = SoftAttention(16, 2, sr_ratio=8)
+    with pytest.raises(ValueError, match="smaller than sr_ratio=8"):
+        att(torch.randn(1, 16, 16), 4, 4)
+
+
+def test_convert_official_state_dict_renames_soft_blocks_only():
+    sd = {"block1.0.att.mha.W_q.weight": 1, "block1.0.att.mha.attn.Qlandmark_op.weight": 2,
+          "block3.4.att.norm2.bias": 3, "block4.0.attn.q.weight": 4, "head.weight": 5}
+    assert convert_official_state_dict({"model": sd}) == {
+        "block1.0.mha.W_q.weight": 1, "block1.0.mha.Qlandmark_op.weight": 2, "block3.4.norm2.bias": 3,
+        "block4.0.attn.q.weight": 4, "head.weight": 5}
+    assert set(convert_official_state_dict(sd)) <= set(create("soft_tiny").state_dict()) | {"block3.4.norm2.bias"}

@@ -1,0 +1,56 @@
+"""``hpdl bench attention`` on CPU at toy sizes: every suite runs, writes JSON and plots, and reports honestly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hpdl.vision.bench import attention, crossover
+
+torch.set_num_threads(1)
+
+
+def test_crossover_is_where_soft_stays_faster():
+    rows = [{"tokens": n, "method": m, "status": "ok", "fwd_bwd_ms": t}
+            for n, s, d in ((256, 2.0, 1.0), (512, 0.9, 1.0), (1024, 1.1, 1.0), (2048, 1.0, 2.0), (4096, 1.0, 4.0))
+            for m, t in (("soft", s), ("sdpa", d))]
+    assert crossover(rows) == 2048  # 512 was faster once, but not from there on
+    assert crossover([r for r in rows if r["tokens"] <= 1024 and r["tokens"] != 512]) is None
+
+
+def test_methods_agree_where_they_should():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 64, 8, generator=g) for _ in range(3))
+    ref = torch.softmax(q @ k.transpose(-1, -2) / 8 ** 0.5, -1) @ v
+    torch.testing.assert_close(attention("sdpa", q, k, v, 16), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(attention("softmax", q, k, v, 16), ref, rtol=1e-5, atol=1e-5)
+    for method in ("soft", "soft_norm", "soft_inverse", "soft_autograd", "nystrom"):
+        assert attention(method, q, k, v, 16).shape == v.shape
+    with pytest.raises(ValueError, match="method"):
+        attention("linear", q, k, v, 16)
+
+
+def test_bench_attention_all_suites_on_cpu(tmp_path, capsys):
+    pytest.importorskip("timm")
+    from hpdl.cli import main
+
+    rc = main(["bench", "attention", "--suite", "all", "--min-tokens", "64", "--max-tokens", "128",
+               "--landmarks", "16", "--heads", "2", "--head-dim", "16", "--methods", "soft,soft_autograd,nystrom,sdpa,softmax",
+               "--image-sizes", "64", "--model-batch", "1", "--models", "soft_tiny",
+               "--baselines", "deit_tiny_patch16_224", "--image-size", "64", "--infer-batch", "1",
+               "--train-batch", "2", "--warmup", "0", "--reps", "1", "--out", str(tmp_path)])
+    assert rc == 0
+    res = json.loads((tmp_path / "soft_bench.json").read_text())
+    assert {(r["tokens"], r["method"]) for r in res["tokens"]} == {(n, m) for n in (64, 128)
+                                                                   for m in ("soft", "soft_autograd", "nystrom", "sdpa", "softmax")}
+    assert all(r["status"] == "ok" and r["fwd_bwd_ms"] > 0 for r in res["tokens"])
+    assert [(r["attention"], r["stage1_tokens"], r["status"]) for r in res["model"]] == [("soft", 256, "ok"),
+                                                                                         ("sdpa", 256, "ok")]
+    soft = next(r for r in res["throughput"] if r["model"] == "soft_tiny")
+    assert soft["pair"] == "deit_tiny_patch16_224" and 0.1 < soft["gmacs"] < 0.3 and soft["train_images_per_s"] > 0
+    assert {p.name for p in tmp_path.iterdir()} == {"soft_bench.json", "attention_tokens.png", "soft_model.png",
+                                                    "throughput.png"}
+    assert "soft faster than sdpa" in capsys.readouterr().out
+    assert main(["bench", "attention", "--suite", "tokens,speed"]) == 1
