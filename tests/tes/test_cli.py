@@ -37,11 +37,27 @@ def test_check_example_table_and_json(capsys):
     assert json.loads(capsys.readouterr().out)["ok"] is True
 
 
-def test_check_bad_file_raises_with_field(tmp_path):
+def test_check_bad_file_exits_2_naming_the_field(tmp_path, capsys):
     f = tmp_path / "bad.yaml"
     f.write_text(SHORT.replace("area_cm2: 2.0", "area_cm2: -2.0"))
-    with pytest.raises(ValueError, match="electrodes.2.area_cm2"):
-        run(["check", str(f)])
+    assert run(["check", str(f)]) == 2
+    assert "electrodes.2.area_cm2" in capsys.readouterr().err
+
+
+def test_missing_file_is_not_a_failed_check(tmp_path, capsys):
+    for cmd in ("check", "simulate"):
+        assert run([cmd, str(tmp_path / "nope.yaml")]) == 2
+        err = capsys.readouterr().err
+        assert "protocol file not found" in err and "nope.yaml" in err
+
+
+def test_misspelt_key_is_named_with_a_suggestion(tmp_path, capsys):
+    f = tmp_path / "typo.yaml"
+    f.write_text(SHORT.replace("{type: sine, amplitude_ma: 0.5, freq_hz: 100}",
+                               "{type: sine, amplitud_ma: 0.5, freq_hz: 100}"))
+    assert run(["check", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert "waveforms.ch1.sine.amplitud_ma: unknown key (did you mean 'amplitude_ma'?)" in err
 
 
 def test_simulate_writes_outputs(tmp_path, capsys):
@@ -76,5 +92,38 @@ def test_through_the_hpdl_entry_point(monkeypatch, capsys, tmp_path):
     assert json.loads(capsys.readouterr().out)["protocol"] == "ti-hd-demo"
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\n")
-    assert cli.main(["tes", "check", str(bad)]) == 1
+    assert cli.main(["tes", "check", str(bad)]) == 2  # could not check, not "checked and failed"
     assert "duration_s" in capsys.readouterr().err
+
+
+def test_simulate_fails_a_protocol_that_check_fails(tmp_path, capsys):
+    """3 mA exceeds the chip's 2.5 mA range: the DAC saturates at 2.498 mA, which alone looked safe."""
+    f = tmp_path / "over.yaml"
+    f.write_text(SHORT.replace("amplitude_ma: 0.5", "amplitude_ma: 3.0"))
+    assert run(["check", str(f)]) == 1
+    capsys.readouterr()
+    out = tmp_path / "out"
+    assert run(["simulate", str(f), "--out", str(out), "--format", "json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["safety"]["ok"] is False
+    failed = {c["name"] for c in data["safety"]["checks"] if not c["ok"]}
+    assert "max channel current (requested)" in failed and "DAC saturation" in failed
+    assert data["safety"]["static"]["ok"] is False
+    assert json.loads((out / "summary.json").read_text())["safety"]["ok"] is False
+    assert run(["simulate", str(f), "--out", str(out)]) == 1
+    text = capsys.readouterr().out
+    assert "FAIL" in text and "static check" in text
+
+
+def test_safety_report_alone_flags_saturation():
+    """The Python API (simulate + safety_report, no static check) must not pass a saturated protocol either."""
+    from hpdl.tes import protocol, safety
+    from hpdl.tes.simulate import simulate
+
+    spec = protocol.parse(__import__("yaml").safe_load(SHORT.replace("amplitude_ma: 0.5", "amplitude_ma: 3.0")),
+                          "over")
+    rep = safety.safety_report(simulate(protocol.to_scenario(spec)), spec.limits)
+    assert not rep["ok"]
+    bad = {c["name"]: c for c in rep["checks"] if not c["ok"]}
+    assert bad["max channel current (requested)"]["value"] == pytest.approx(3.0)
+    assert bad["DAC saturation"]["value"] > 0

@@ -3,6 +3,10 @@
     hpdl tes simulate [PROTOCOL.yaml] [--out DIR]      # default: the packaged example protocol
     hpdl tes check    [PROTOCOL.yaml]                  # static safety check, exit 1 on a failed check
     hpdl tes spec     [--out DIR] [--quick]            # spec vs modelled table + impedance-error plot
+
+Exit status of ``check`` and ``simulate``: 0 every check passed, 1 a check failed (the protocol is not safe as
+written), 2 the protocol could not be checked (missing file, invalid YAML or content; the message names the
+field).
 """
 
 from __future__ import annotations
@@ -46,15 +50,24 @@ class TesCommand:
         p = sub.add_parser("simulate", help="run a protocol through the chip model; write JSON, NPZ and PNG")
         p.add_argument("protocol", nargs="?", default=None, help="protocol YAML (default: packaged example)")
         p.add_argument("--out", default="tes_out", help="output folder (default: ./tes_out)")
-        p.add_argument("--seed", type=int, default=None, help="override the protocol's mismatch/noise seed")
-        p.add_argument("--format", choices=("table", "json"), default="table")
+        p.add_argument("--seed", type=int, default=None,
+                       help="override the protocol's mismatch/noise seed (default: the protocol's `seed`)")
+        p.add_argument("--format", choices=("table", "json"), default="table",
+                       help="stdout format (default: table)")
         p = sub.add_parser("check", help="static safety check of a protocol (no simulation)")
         p.add_argument("protocol", nargs="?", default=None, help="protocol YAML (default: packaged example)")
-        p.add_argument("--format", choices=("table", "json"), default="table")
+        p.add_argument("--format", choices=("table", "json"), default="table",
+                       help="stdout format (default: table)")
         p = sub.add_parser("spec", help="model vs the abstract's figures; impedance-error plot")
-        p.add_argument("--out", default="tes_spec", help="folder for tes_spec.md/.json/_impedance.png")
-        p.add_argument("--quick", action="store_true", help="one chip in the impedance sweep instead of three")
-        p.add_argument("--format", choices=("table", "json"), default="table")
+        p.add_argument("--out", default="tes_spec",
+                       help="folder for tes_spec.json and tes_spec_impedance.png (default: ./tes_spec)")
+        p.add_argument("--page", default=None,
+                       help="write the results page (markdown) here instead of OUT/tes_spec.md; a '## History' "
+                            "section already in that file is kept (default: OUT/tes_spec.md)")
+        p.add_argument("--quick", action="store_true",
+                       help="one chip in the impedance sweep instead of three (default: three)")
+        p.add_argument("--format", choices=("table", "json"), default="table",
+                       help="stdout format (default: table)")
 
     def run(self, args) -> int:
         cmd = getattr(args, "tes_cmd", None)
@@ -62,7 +75,15 @@ class TesCommand:
             from hpdl.cli import CLIUsageError
 
             raise CLIUsageError("choose a sub-command: simulate, check or spec")
-        return {"simulate": self._simulate, "check": self._check, "spec": self._spec}[cmd](args)
+        from hpdl.tes.protocol import ProtocolError
+
+        try:
+            return {"simulate": self._simulate, "check": self._check, "spec": self._spec}[cmd](args)
+        except (ProtocolError, FileNotFoundError, IsADirectoryError) as exc:
+            # 2, not 1: "could not check" must not read as "checked and failed"
+            what = f"protocol file not found: {exc.filename}" if isinstance(exc, FileNotFoundError) else str(exc)
+            print(f"hpdl tes {cmd}: error: {what}", file=sys.stderr)
+            return 2
 
     def _check(self, args) -> int:
         from hpdl.tes import protocol, safety
@@ -92,11 +113,18 @@ class TesCommand:
         with Progress(transient=True, disable=args.format == "json") as bar:
             task = bar.add_task(f"simulating {spec.name}", total=1.0)
             res = simulate(sc, progress=lambda f: bar.update(task, completed=f))
-        rep = safety.safety_report(res, spec.limits)
+        rep = safety.safety_report(res, spec.limits, static=safety.check_protocol(spec))
         paths = report.write_outputs(res, rep, args.out)
         if args.format == "json":
             print(json.dumps(report.summary(res, rep) | {"files": paths}, indent=2))
             return 0 if rep["ok"] else 1
+        static = rep["static"]
+        if not static["ok"]:
+            _table(f"static check (as `hpdl tes check`): {spec.name}", ["check", "value", "limit", "unit",
+                                                                          "result"],
+                   _checks_rows(static["checks"]), args.format)
+            for w in static["warnings"]:
+                print(f"warning: {w}")
         _table(f"safety report: {spec.name}", ["check", "value", "limit", "unit", "result"],
                _checks_rows(rep["checks"]), args.format)
         if res.ti:
@@ -118,6 +146,9 @@ class TesCommand:
                    [[r["electrode"], r["freq_hz"], r["z_abs_ohm"], r["phase_deg"], r["z_true_abs_ohm"],
                      r["error_pct"]] for r in last.values()], args.format)
         print("files: " + ", ".join(paths.values()))
+        if not rep["ok"]:
+            why = "the static check failed (see above)" if not static["ok"] else "a check on the waveforms failed"
+            print(f"FAIL: {spec.name} is not safe to run as written: {why}")
         return 0 if rep["ok"] else 1
 
     def _spec(self, args) -> int:
@@ -137,15 +168,23 @@ class TesCommand:
         spec.plot_impedance(points, png)
         data = {"rows": [r.__dict__ for r in rows], "impedance_points": points, "elapsed_s": elapsed}
         (out / "tes_spec.json").write_text(json.dumps(data, indent=1, default=float))
-        md = _markdown(rows, png.name, elapsed, args.quick)
-        (out / "tes_spec.md").write_text(md)
+        page = Path(args.page) if args.page else out / "tes_spec.md"
+        page.parent.mkdir(parents=True, exist_ok=True)
+        history = ""
+        if page.exists() and "\n## History" in page.read_text():
+            history = page.read_text().split("\n## History", 1)[1]
+            history = "\n## History" + history
+        cmd = "hpdl tes spec" + (f" --out {args.out}" if args.out != "tes_spec" else "") + \
+            (f" --page {args.page}" if args.page else "") + (" --quick" if args.quick else "")
+        md = _markdown(rows, os.path.relpath(png, page.parent), elapsed, cmd) + history
+        page.write_text(md)
         if args.format == "json":
             print(json.dumps({"rows": [{k: v for k, v in r.__dict__.items() if k != "detail"} for r in rows]},
                              indent=2))
         else:
             _table("HD-TES SoC: specification vs model", ["item", "spec", "modelled", "result"],
                    [[r.item, r.spec, r.modelled, _verdict(r)] for r in rows], args.format)
-            print(f"wrote {out / 'tes_spec.md'}, {png}, {out / 'tes_spec.json'} ({elapsed:.1f} s)")
+            print(f"wrote {page}, {png}, {out / 'tes_spec.json'} ({elapsed:.1f} s)")
         return 0 if all(r.ok is not False for r in rows) else 1
 
 
@@ -163,18 +202,17 @@ def _verdict(row) -> str:
     return "info" if row.ok is None else ("PASS" if row.ok else "FAIL")
 
 
-def _markdown(rows, png_name: str, elapsed: float, quick: bool) -> str:
+def _markdown(rows, png_name: str, elapsed: float, cmd: str) -> str:
     import numpy
     import scipy
 
-    cmd = "hpdl tes spec --out docs/benchmarks" + (" --quick" if quick else "")
     lines = [
         "# hpdl.tes: chip specification vs behavioural model",
         "",
         f"Generated {_dt.date.today().isoformat()} by `{cmd}` in {elapsed:.1f} s on "
         f"{_cpu_name()} ({os.cpu_count()} logical CPUs, single process), Python {sys.version.split()[0]}, "
         f"numpy {numpy.__version__}, scipy {scipy.__version__}. Model parameters are the defaults documented in "
-        "docs/tes.md (values the abstract does not give are assumptions).",
+        "docs/tes.md (values the abstract does not give are assumptions). Data: tes_spec.json beside the plot.",
         "",
         "| item | spec (abstract) | modelled | result |",
         "|---|---|---|---|",

@@ -6,6 +6,8 @@ errors, so a typo never silently falls back to a default. See ``hpdl/tes/example
 
 from __future__ import annotations
 
+import difflib
+
 import math
 from dataclasses import fields, replace
 from importlib import resources
@@ -179,6 +181,24 @@ def _loc(loc) -> str:
     return ".".join(str(x) for x in loc) or "<top level>"
 
 
+def _first_problem(errors: list[dict]) -> str:
+    """The most useful of pydantic's errors, as ``field.path: problem``.
+
+    A misspelt key produces two errors, "extra key" and "required field missing"; the misspelling is the cause,
+    so it is reported first, with the missing key of the same mapping it most resembles.
+    """
+    for err in errors:
+        if err["type"] != "extra_forbidden":
+            continue
+        parent, key = tuple(err["loc"][:-1]), str(err["loc"][-1])
+        missing = [str(e["loc"][-1]) for e in errors if e["type"] == "missing" and tuple(e["loc"][:-1]) == parent]
+        close = difflib.get_close_matches(key, missing, n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else (f" (missing: {', '.join(missing)})" if missing else "")
+        return f"{_loc(err['loc'])}: unknown key{hint}"
+    err = errors[0]
+    return f"{_loc(err['loc'])}: {err['msg']}"
+
+
 def _cross_check(p: ProtocolSpec) -> None:
     """Checks that span fields; raise ValueError('field: message')."""
     def unique(items, what):
@@ -259,9 +279,8 @@ def parse(data: dict, source: str = "<protocol>") -> ProtocolSpec:
     try:
         spec = ProtocolSpec.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
         more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-        raise ProtocolError(f"{source}: {_loc(err['loc'])}: {err['msg']}{more}") from None
+        raise ProtocolError(f"{source}: {_first_problem(exc.errors())}{more}") from None
     try:
         _cross_check(spec)
         to_scenario(spec).validate()  # parameter dataclasses validate their own ranges

@@ -161,9 +161,16 @@ def _rows_from_pins(sc: Scenario, ie: np.ndarray) -> list[dict]:
     return rows
 
 
-def safety_report(res: SimResult, lim: LimitsSpec | None = None) -> dict:
+def safety_report(res: SimResult, lim: LimitsSpec | None = None, static: dict | None = None) -> dict:
     """Safety report of a simulation: same check names as :func:`check_protocol`, measured on the delivered
-    waveforms, plus common-mode voltage and OCP events. Returns a dict like check_protocol's."""
+    waveforms, plus common-mode voltage and OCP events. Returns a dict like check_protocol's.
+
+    What the protocol *asked* is checked too, not only what the chip delivered: a DAC that saturates at its
+    full scale delivers a current inside the limits although the protocol asked for more, so the requested
+    peak is held against the limit ("max channel current (requested)") and any saturated sample fails
+    "DAC saturation". ``static``, the report of :func:`check_protocol` on the same protocol (as
+    ``hpdl tes simulate`` passes it), is kept under ``"static"`` and a failure there fails this report.
+    """
     lim = lim or LimitsSpec()
     sc = res.scenario
     ct = np.asarray(sc.channel_terminal)
@@ -182,6 +189,11 @@ def safety_report(res: SimResult, lim: LimitsSpec | None = None) -> dict:
                      "ocp_trips": sum(1 for ev in res.ocp_events if ev.channel == ch)})
     erows = _rows_from_pins(sc, ipin)
     checks = []
+    asked = max(r["peak_target_ma"] for r in rows)
+    checks.append(_check("max channel current (requested)", asked, lim.max_channel_current_ma, "mA",
+                         asked <= lim.max_channel_current_ma + 1e-9))
+    saturated = 100.0 * float((np.abs(res.i_target_a) > sc.dac.full_scale_a * (1 + 1e-9)).mean())
+    checks.append(_check("DAC saturation", saturated, 0.0, "% samples", saturated == 0.0))
     peak = max(r["peak_delivered_ma"] for r in rows)
     checks.append(_check("max channel current", peak, lim.max_channel_current_ma, "mA",
                          peak <= lim.max_channel_current_ma * (1 + 1e-3)))
@@ -200,7 +212,9 @@ def safety_report(res: SimResult, lim: LimitsSpec | None = None) -> dict:
     cm = 1e3 * res.common_mode.get("max_abs_dc_v", 0.0)
     checks.append(_check("common-mode voltage |DC|", cm, lim.max_common_mode_mv, "mV", cm <= lim.max_common_mode_mv))
     checks.append(_check("OCP trips", len(res.ocp_events), 0, "count", not res.ocp_events))
-    return {"ok": all(c["ok"] for c in checks), "checks": checks, "channels": rows, "electrodes": erows,
+    ok = all(c["ok"] for c in checks) and (static is None or bool(static["ok"]))
+    extra = {} if static is None else {"static": static}
+    return {"ok": ok, "checks": checks, **extra, "channels": rows, "electrodes": erows,
             "ocp_events": [{"channel": sc.channels[ev.channel], "t_trip_s": ev.t_trip_s,
                             "i_sensed_ma": 1e3 * ev.i_sensed_a} for ev in res.ocp_events],
             "common_mode": {(k[:-2] + "_mv" if k.endswith("_v") else k): (1e3 * v if k.endswith("_v") else v)
