@@ -176,7 +176,8 @@ class TesCommand:
             history = "\n## History" + history
         cmd = "hpdl tes spec" + (f" --out {args.out}" if args.out != "tes_spec" else "") + \
             (f" --page {args.page}" if args.page else "") + (" --quick" if args.quick else "")
-        md = _markdown(rows, os.path.relpath(png, page.parent), elapsed, cmd) + history
+        md = _markdown(rows, os.path.relpath(png, page.parent), os.path.relpath(out / "tes_spec.json", page.parent),
+                       elapsed, cmd) + history
         page.write_text(md)
         if args.format == "json":
             print(json.dumps({"rows": [{k: v for k, v in r.__dict__.items() if k != "detail"} for r in rows]},
@@ -202,7 +203,7 @@ def _verdict(row) -> str:
     return "info" if row.ok is None else ("PASS" if row.ok else "FAIL")
 
 
-def _markdown(rows, png_name: str, elapsed: float, cmd: str) -> str:
+def _markdown(rows, png_name: str, json_name: str, elapsed: float, cmd: str) -> str:
     import numpy
     import scipy
 
@@ -212,7 +213,7 @@ def _markdown(rows, png_name: str, elapsed: float, cmd: str) -> str:
         f"Generated {_dt.date.today().isoformat()} by `{cmd}` in {elapsed:.1f} s on "
         f"{_cpu_name()} ({os.cpu_count()} logical CPUs, single process), Python {sys.version.split()[0]}, "
         f"numpy {numpy.__version__}, scipy {scipy.__version__}. Model parameters are the defaults documented in "
-        "docs/tes.md (values the abstract does not give are assumptions). Data: tes_spec.json beside the plot.",
+        f"docs/tes.md (values the abstract does not give are assumptions). Data: `{json_name}`.",
         "",
         "| item | spec (abstract) | modelled | result |",
         "|---|---|---|---|",
