@@ -54,3 +54,17 @@ def test_bench_attention_all_suites_on_cpu(tmp_path, capsys):
                                                     "throughput.png"}
     assert "soft faster than sdpa" in capsys.readouterr().out
     assert main(["bench", "attention", "--suite", "tokens,speed"]) == 1
+
+
+def test_flash_context_can_be_entered_many_times():
+    """The benchmark enters the flash-only SDPA context once per timed call; sdpa_kernel's generator-based
+    context manager can be entered only once, so the helper must hand out a fresh one each time."""
+    import torch
+
+    from hpdl.vision.bench import _sdpa_context
+
+    ctx, label = _sdpa_context(torch.device("cuda"), torch.bfloat16)  # builds no CUDA state
+    assert label == "flash"
+    for _ in range(3):
+        with ctx():
+            pass

@@ -118,8 +118,9 @@ def _sdpa_context(device, dtype):
     if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        return sdpa_kernel([SDPBackend.FLASH_ATTENTION]), "flash"
-    return contextlib.nullcontext(), "default"
+        # a factory: sdpa_kernel's context manager is generator-based and can be entered only once
+        return (lambda: sdpa_kernel([SDPBackend.FLASH_ATTENTION])), "flash"
+    return contextlib.nullcontext, "default"
 
 
 def run_tokens(args, device, dtype) -> list[dict]:
@@ -144,18 +145,18 @@ def run_tokens(args, device, dtype) -> list[dict]:
             grad = torch.randn(args.batch, args.heads, n, args.head_dim, device=device, dtype=dtype, generator=g)
 
             def fwd():
-                with torch.no_grad(), ctx:
+                with torch.no_grad(), ctx():
                     return attention(method, q, k, v, args.landmarks)
 
             def fwd_bwd():
                 for t in (q, k, v):
                     t.grad = None
-                with ctx:
+                with ctx():
                     out = attention(method, q, k, v, args.landmarks)
                 out.backward(grad)
 
             try:
-                with ctx:
+                with ctx():
                     finite = bool(torch.isfinite(fwd()).all())
                 f = measure(fwd, device, args.warmup, args.reps)
                 fb = measure(fwd_bwd, device, args.warmup, args.reps)
@@ -213,7 +214,7 @@ def run_model(args, device, dtype) -> list[dict]:
                 def step():
                     for p in model.parameters():
                         p.grad = None
-                    with _autocast(device, dtype), ctx:
+                    with _autocast(device, dtype), ctx():
                         loss = model(x).float().logsumexp(-1).mean()
                     loss.backward()
 
