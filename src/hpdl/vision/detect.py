@@ -548,7 +548,7 @@ def _make_shapes(args) -> int:
     cfg = ShapesConfig(num_train=args.train, num_val=args.val, image_size=args.image_size,
                        max_instances=args.max_instances, seed=args.seed)
     bar = _Progress(cfg.num_train + cfg.num_val, "make-shapes")
-    files = make_shapes(args.root, cfg, workers=args.workers, progress=bar.update)
+    files = make_shapes(args.root, cfg, workers=args.workers, progress=lambda done, total: bar.update(done))
     bar.close()
     print(json.dumps({k: str(v) for k, v in files.items()}))
     return 0
