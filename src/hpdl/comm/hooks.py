@@ -10,6 +10,8 @@ peer kernels are stream-ordered, so the returned future is complete when the wor
 
 # no `from __future__ import annotations`: DDP inspects the hook's annotations at registration
 
+import contextlib
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -64,8 +66,6 @@ def register(model: torch.nn.parallel.DistributedDataParallel, algorithm: str = 
 
 
 # --- gradient-bucket all-reduce for loops without DDP or FSDP --------------------------------------------------
-import contextlib  # noqa: E402 - this section is self-contained
-import zlib  # noqa: E402
 
 class _Bucket:
     """One flat gradient buffer: ``views[i]`` is parameter ``params[i]``'s gradient inside it, and after the
