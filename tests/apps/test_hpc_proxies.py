@@ -92,10 +92,21 @@ def test_cg_and_pencil_fft_on_four_ranks_equal_single_process():
         assert bool((covered == 1).all())  # the output boxes tile the global array
 
 
+def test_cg_stays_finite_after_it_converges():
+    # small grids converge (to exact zero or underflow) well inside a fixed iteration count: 0 / 0 gave NaN
+    for n, iters in ((1, 5), (2, 40), (4, 300)):
+        res = cg.solve(LocalComm(), n, iters)
+        assert all(math.isfinite(r) for r in res.residuals) and bool(torch.isfinite(res.x).all()), n
+        assert res.residuals[-1] < 1e-12 * res.residuals[0], n
+    assert cg.solve(LocalComm(), 1, 3).residuals[1:] == [0.0, 0.0, 0.0]   # A = 6: one step solves it
+
+
 def test_fft_plan_errors():
     assert fft3d.process_grid(8) == (2, 4) and fft3d.process_grid(7) == (1, 7) and fft3d.process_grid(1) == (1, 1)
-    with pytest.raises(ValueError, match="grid P0"):
+    with pytest.raises(ValueError, match=r"P0\*P1 == 1 ranks"):
         fft3d.PencilFFT((4, 4, 4), LocalComm(), grid=(2, 1))
+    with pytest.raises(ValueError, match="positive P0, P1"):   # (-1) x (-1) == 1 rank: an MKL error before
+        fft3d.PencilFFT((4, 4, 4), LocalComm(), grid=(-1, -1))
 
 
 def test_launch_rejects_unknown_comm_and_device():
@@ -105,3 +116,6 @@ def test_launch_rejects_unknown_comm_and_device():
         launch("gloo")
     with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda', got 'tpu'"):
         launch("hpdl", "tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device='cuda' but torch sees no CUDA device"):
+            launch("hpdl", "cuda")

@@ -117,3 +117,80 @@ def ready_twice(ctx):
         msg = str(exc)
     sync.wait()
     return msg
+
+
+def collective_between_backward_and_wait(ctx, steps=4):
+    """A loss all-reduce between backward() and wait() (on the world group, a bucket's size, so that a mix-up
+    would not even fail on sizes): both results stay exact. Returns #wrong elements over the steps."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(512, 512)              # a 1 MiB bucket: "auto" is torch's own all_reduce on CPU
+    sync = BucketAllReduce(lin.parameters())
+    wrong = 0
+    for _ in range(steps):
+        lin(torch.full((1, 512), float(ctx.rank + 1))).sum().backward()
+        t = torch.full((512 * 512 + 512 + 2,), float(ctx.rank + 1))
+        dist.all_reduce(t)
+        sync.wait()
+        want = sum(range(1, ctx.world_size + 1))
+        wrong += int((t != want).sum()) + int((lin.weight.grad != want / ctx.world_size).sum())
+        lin.zero_grad()
+    sync.remove()
+    return wrong
+
+
+def frozen_unused_unfrozen_sparse(ctx):
+    """Parameters whose requires_grad changed after construction, unused everywhere, or with sparse gradients.
+
+    Returns (frozen layer unchanged by AdamW and its grad None, unused-everywhere grad None, message for a
+    parameter unfrozen after construction, message for a sparse gradient)."""
+    m = _mlp()
+    sync = BucketAllReduce(m.parameters(), bucket_cap_mb=1e-4, first_bucket_mb=1e-4)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.1)
+    g = torch.Generator().manual_seed(ctx.rank)
+    m(torch.randn(4, 16, generator=g)).sum().backward()
+    sync.wait()
+    opt.step()
+    opt.zero_grad()
+    for p in m[0].parameters():                  # freeze the first layer after construction
+        p.requires_grad_(False)
+    w0 = m[0].weight.detach().clone()
+    m(torch.randn(4, 16, generator=g)).sum().backward()
+    sync.wait()
+    frozen_ok = m[0].weight.grad is None and m[0].bias.grad is None and m[2].weight.grad is not None
+    opt.step()
+    frozen_ok = frozen_ok and torch.equal(m[0].weight, w0)
+    sync.remove()
+
+    a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    sync = BucketAllReduce([a, b])
+    (a * 2).sum().backward()
+    sync.wait()
+    unused_ok = b.grad is None and torch.equal(a.grad, torch.full((3,), 2.0))
+    sync.remove()
+
+    m = _mlp()
+    for p in m[0].parameters():
+        p.requires_grad_(False)
+    sync = BucketAllReduce(m.parameters())
+    for p in m[0].parameters():                  # unfrozen after construction: would train unsynchronised
+        p.requires_grad_(True)
+    m(torch.randn(4, 16, generator=g)).sum().backward()
+    try:
+        sync.wait()
+        unfrozen = None
+    except RuntimeError as exc:
+        unfrozen = str(exc)
+    sync.remove()
+
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    sync = BucketAllReduce(emb.parameters())
+    try:
+        emb(torch.tensor([1, 2])).sum().backward()
+        sparse = None
+    except RuntimeError as exc:
+        sparse = str(exc)
+    sync.remove()
+    return bool(frozen_ok), bool(unused_ok), unfrozen, sparse

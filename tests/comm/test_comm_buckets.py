@@ -33,3 +33,18 @@ def test_integer_gradients_exact_on_four_ranks_with_accumulation():
     for algorithm, cap, acc in (("auto", 25.0, False), ("direct", 0.0001, True), ("ring", 0.0002, False)):
         wrong = pool.run(C.integer_grads_vs_ddp, algorithm, cap, acc)
         assert wrong == [0] * 4, (algorithm, cap, wrong)
+
+
+@pytest.mark.timeout(240)
+def test_collectives_between_backward_and_wait_do_not_mix_with_buckets():
+    # hpdl.comm runs async work on its own thread: on the caller's group the two all-reduces could pair up
+    # with each other's peers (a crash in gloo, swapped data when the sizes match)
+    assert get_pool(2).run(C.collective_between_backward_and_wait) == [0, 0]
+
+
+@pytest.mark.timeout(240)
+def test_frozen_unused_unfrozen_and_sparse_parameters():
+    for frozen_ok, unused_ok, unfrozen, sparse in get_pool(2).run(C.frozen_unused_unfrozen_sparse):
+        assert frozen_ok and unused_ok
+        assert unfrozen and "requires_grad=False when BucketAllReduce was built" in unfrozen
+        assert sparse and "dense gradients only" in sparse

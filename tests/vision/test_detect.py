@@ -159,3 +159,29 @@ def test_anchors_are_torchvisions_resnet50_models():
         ours = detect.build_model(name, 5, image_size=256).state_dict()
         theirs = ref(weights=None, weights_backbone=None, num_classes=5).state_dict()
         assert {k: v.shape for k, v in ours.items()} == {k: v.shape for k, v in theirs.items()}, name
+
+
+@pytest.mark.timeout(120)   # an empty loader used to be cycled forever
+def test_empty_training_sets_are_named_not_endless(tmp_path, capsys):
+    from hpdl.cli import main
+
+    with pytest.raises(HpdlError, match="yields no batch"):
+        detect.fit(torch.nn.Linear(1, 1), [], steps=3, device="cpu", progress=False)
+    root = tmp_path / "s"
+    make_shapes(root, ShapesConfig(num_train=0, num_val=1, image_size=32))
+    assert main(["vision", "train", "--model", "sprnet", "--data", str(root), "--device", "cpu", "--workers", "0",
+                 "--out", str(tmp_path / "o")]) == 1
+    assert "split 'train' has no image with a non-crowd instance" in capsys.readouterr().err
+
+
+def test_checkpoints_are_written_whole_and_a_truncated_one_is_named(tmp_path):
+    model = _model("retinanet")
+    path = tmp_path / "m.pt"
+    detect.save_checkpoint(path, model, {"categories": []})
+    assert [p.name for p in tmp_path.iterdir()] == ["m.pt"]       # no temporary file left behind
+    again, _ = detect.load_checkpoint(path)
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), model.state_dict().values()))
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # what a kill during torch.save left
+    with pytest.raises(HpdlError, match="cut.pt' cannot be read"):
+        detect.load_checkpoint(cut)

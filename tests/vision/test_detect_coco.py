@@ -83,3 +83,32 @@ def test_empty_or_maskless_results_score_zero(shapes):
 def test_missing_split_is_named(tmp_path):
     with pytest.raises(HpdlError, match="no COCO split 'val'"):
         find_split(tmp_path, "val")
+
+
+def test_background_label_is_left_out_and_bad_labels_are_named(shapes):
+    # RetinaNet-style heads (torchvision's RetinaNet, SPRNet) score class 0 like any other: it used to become
+    # the last category (cat_ids[-1]), a false positive there
+    ds = CocoInstances(shapes, "val")
+    box = torch.tensor([[1.0, 1.0, 20.0, 20.0], [2.0, 2.0, 30.0, 30.0]])
+    out = [{"boxes": box, "labels": torch.tensor([0, 1]), "scores": torch.tensor([0.9, 0.8])}]
+    res = to_coco_results(out, [ds.ids[0]], ds.cat_ids)
+    assert [r["category_id"] for r in res] == [ds.cat_ids[0]] and res[0]["bbox"] == [2.0, 2.0, 28.0, 28.0]
+    with pytest.raises(ValueError, match=r"outputs\[0\] has label 4; labels must be 1..3"):
+        to_coco_results([dict(out[0], labels=torch.tensor([1, 4]))], [ds.ids[0]], ds.cat_ids)
+
+
+def test_empty_results_score_as_pycocotools_scores_no_detections(shapes):
+    # oracle: pycocotools itself, given only a detection of a category the split does not have (ignored)
+    from pycocotools.cocoeval import COCOeval
+
+    from hpdl.vision.coco import AP_KEYS, _quiet
+
+    ds = CocoInstances(shapes, "val")
+    with _quiet():
+        dt = ds.coco.loadRes([{"image_id": ds.ids[0], "category_id": 999, "bbox": [0, 0, 5, 5], "score": 1.0}])
+        ev = COCOeval(ds.coco, dt, "bbox")
+        ev.evaluate(), ev.accumulate(), ev.summarize()
+    want = dict(zip(AP_KEYS, map(float, ev.stats[:6])))
+    assert -1.0 in want.values()          # the 64-pixel set has no large objects: -1, not 0
+    got = coco_evaluate(ds.coco, [])
+    assert got["bbox"] == want and got["segm"] == want

@@ -131,6 +131,7 @@ def solve(comm: Comm, n: int, iters: int, *, dtype: torch.dtype = torch.float64,
     p = r.clone()
     q = torch.empty_like(b)
     timed = breakdown and comm.device.type == "cpu"
+    tiny = torch.finfo(dtype).tiny
     dot = op.dot
     rr = dot(r, r)
     history = [rr]
@@ -143,11 +144,13 @@ def solve(comm: Comm, n: int, iters: int, *, dtype: torch.dtype = torch.float64,
                 op.timers = {"allreduce": 0.0, "halo": 0.0}
             t0 = time.perf_counter()
         op.matvec(p, q)
-        alpha = rr / dot(p, q)
+        # once converged exactly (or to underflow), r . r and p . A p are 0: the clamps make alpha and beta 0
+        # instead of 0 / 0, so a fixed iteration count stays finite on any problem size
+        alpha = rr / dot(p, q).clamp_min_(tiny)
         x.add_(alpha * p)
         r.sub_(alpha * q)
         rr_new = dot(r, r)
-        p.mul_(rr_new / rr).add_(r)
+        p.mul_(rr_new / rr.clamp_min(tiny)).add_(r)
         rr = rr_new
         history.append(rr)
     synchronize(comm.device)

@@ -231,12 +231,14 @@ def launch(comm: str, device: str = "cpu", *, algorithm: str = "auto", alltoall_
 
     ``comm="mpi"`` uses mpi4py's COMM_WORLD (no torch.distributed); ``"hpdl"`` and ``"nccl"`` join the
     launcher's job through :func:`hpdl.runtime.init_from_env`, or form a one-rank group when no launcher
-    variables are set. Raises ValueError for an unknown ``comm`` or ``device``.
+    variables are set. Raises ValueError for an unknown ``comm`` or ``device``, or ``cuda`` without CUDA.
     """
     if comm not in COMMS:
         raise ValueError(f"comm must be one of {COMMS}, got {comm!r}")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but torch sees no CUDA device here; use --device cpu")
     if comm == "mpi":
         c = MpiComm("cpu")
         dev = torch.device("cpu")

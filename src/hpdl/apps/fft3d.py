@@ -43,7 +43,7 @@ class PencilFFT:
         shape: global ``(N0, N1, N2)``; each ``N`` >= the grid size it is split over.
         comm: the world :class:`hpdl.apps.comm.Comm`; the row and column communicators are split from it
             (collective).
-        grid: ``(P0, P1)`` with ``P0 * P1 == comm.size`` (default :func:`process_grid`).
+        grid: ``(P0, P1)``, positive, with ``P0 * P1 == comm.size`` (default :func:`process_grid`).
 
     Raises:
         ValueError: a grid that does not multiply to the number of ranks, or a dimension smaller than the
@@ -54,8 +54,9 @@ class PencilFFT:
         self.shape = tuple(int(s) for s in shape)
         self.grid = tuple(grid) if grid is not None else process_grid(comm.size)
         p0, p1 = self.grid
-        if len(self.shape) != 3 or p0 * p1 != comm.size:
-            raise ValueError(f"need a 3-D shape and grid P0*P1 == {comm.size} ranks, got shape={shape} grid={grid}")
+        if len(self.shape) != 3 or p0 < 1 or p1 < 1 or p0 * p1 != comm.size:
+            raise ValueError(f"need a 3-D shape and a grid of positive P0, P1 with P0*P1 == {comm.size} ranks, got "
+                             f"shape={shape} grid={grid}")
         n0, n1, n2 = self.shape
         for name, n, p in (("N0", n0, p0), ("N1", n1, max(p0, p1)), ("N2", n2, p1)):
             if n < p:

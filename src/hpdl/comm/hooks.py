@@ -10,6 +10,8 @@ peer kernels are stream-ordered, so the returned future is complete when the wor
 
 # no `from __future__ import annotations`: DDP inspects the hook's annotations at registration
 
+import contextlib
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -64,21 +66,24 @@ def register(model: torch.nn.parallel.DistributedDataParallel, algorithm: str = 
 
 
 # --- gradient-bucket all-reduce for loops without DDP or FSDP --------------------------------------------------
-import contextlib  # noqa: E402 - this section is self-contained
-import zlib  # noqa: E402
 
 class _Bucket:
-    """One flat gradient buffer: ``views[i]`` is parameter ``params[i]``'s gradient inside it."""
+    """One flat gradient buffer: ``views[i]`` is parameter ``params[i]``'s gradient inside it, and after the
+    gradients ``flags[i]``, 1 where this rank has a gradient for it: averaged with the gradients, a flag is 0
+    only where no rank had one (that parameter's ``p.grad`` then stays None, as DDP leaves it)."""
 
     def __init__(self, params: list, device: torch.device, dtype: torch.dtype):
         self.params = params
-        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=device)
+        n = sum(p.numel() for p in params)
+        self.buffer = torch.zeros(n + len(params), dtype=dtype, device=device)
         self.views, off = [], 0
         for p in params:
             self.views.append(self.buffer[off:off + p.numel()].view(p.shape))
             off += p.numel()
+        self.flags = self.buffer[n:]
         self.ready = [False] * len(params)
         self.pending = len(params)
+        self.missing: list[int] = []   # parameters without a gradient on this rank this step
         self.work = None
 
 
@@ -123,11 +128,23 @@ class BucketAllReduce:
         check: :func:`hpdl.comm.all_reduce`'s per-call argument check. The bucket layout is checked once here,
             so the default (False) skips the per-call exchange; None uses ``HPDL_CHECK``.
 
+    With ``group=None`` the buckets are all-reduced on a private copy of the world group (made here, so
+    construction is collective over the world), so that the caller's own collectives between ``backward()``
+    and :meth:`wait` (a loss all-reduce for logging) never interleave with the buckets' (hpdl.comm issues
+    async work from its own thread). An explicit ``group`` is used as given: then issue no other collective
+    on it between ``backward()`` and :meth:`wait`.
+
+    Parameters are tracked as they were at construction. A tracked parameter that gets no gradient on any
+    rank in a step (unused, or frozen since) keeps ``p.grad`` None, so optimizers skip it as without
+    data parallelism; one that was frozen at construction and has a gradient now is an error (build a new
+    BucketAllReduce after changing ``requires_grad``).
+
     Raises:
         ValueError: no parameter requires grad, or a cap is not positive.
         RuntimeError: torch.distributed is not initialised; the ranks' bucket layouts differ (their models
             differ); a gradient became ready twice before :meth:`wait` (two backward passes: put the first
-            under :meth:`no_sync`).
+            under :meth:`no_sync`); a gradient is sparse (``nn.Embedding(sparse=True)``: only dense gradients
+            are averaged); in :meth:`wait`, a parameter frozen at construction has a gradient.
     """
 
     def __init__(self, params, *, group=None, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
@@ -138,15 +155,18 @@ class BucketAllReduce:
         if not bucket_cap_mb > 0 or not first_bucket_mb > 0:
             raise ValueError(f"bucket_cap_mb and first_bucket_mb must be > 0, got {bucket_cap_mb} and "
                              f"{first_bucket_mb}")
-        seen, plist = set(), []
+        seen, plist, frozen = set(), [], []
         for p in params:
-            if p.requires_grad and id(p) not in seen:
+            if id(p) not in seen:
                 seen.add(id(p))
-                plist.append(p)
+                (plist if p.requires_grad else frozen).append(p)
         if not plist:
             raise ValueError("params has no parameter with requires_grad=True")
-        self.group, self.algorithm, self.window, self.check = group, algorithm, window, check
+        self._frozen = frozen
         self.world_size = dist.get_world_size(group)
+        if group is None and self.world_size > 1:
+            group = dist.new_group(list(range(self.world_size)))   # the buckets' own (see the docstring)
+        self.group, self.algorithm, self.window, self.check = group, algorithm, window, check
         self.buckets: list[_Bucket] = []
         members: list = []
         cap, key = first_bucket_mb * 2 ** 20, None
@@ -164,7 +184,7 @@ class BucketAllReduce:
         self._sync = True
         self._verify_layout()
         if broadcast_from is not None and self.world_size > 1:
-            src = broadcast_from if group is None else dist.get_global_rank(group, broadcast_from)
+            src = dist.get_global_rank(group, broadcast_from)
             with torch.no_grad():
                 for b in self.buckets:
                     for v, p in zip(b.views, b.params):
@@ -195,6 +215,16 @@ class BucketAllReduce:
                                f"({sum(b.buffer.numel() for b in self.buckets)} gradient elements) differ from "
                                "another rank's; every rank must pass the same parameters (same model, same order)")
 
+    @staticmethod
+    def _take(b: _Bucket, i: int, p: torch.Tensor) -> None:
+        """Copy ``p.grad`` into its bucket view (unless it is that view already)."""
+        if p.grad.layout != torch.strided:
+            raise RuntimeError(f"the gradient of a parameter of shape {tuple(p.shape)} is {p.grad.layout}; "
+                               "BucketAllReduce averages dense gradients only (use nn.Embedding(sparse=False), "
+                               "or DDP for sparse gradients)")
+        if p.grad.data_ptr() != b.views[i].data_ptr():
+            b.views[i].copy_(p.grad)
+
     def _ready(self, p: torch.Tensor) -> None:
         if not self._sync:
             return
@@ -202,11 +232,11 @@ class BucketAllReduce:
         if b.ready[i]:
             raise RuntimeError(f"the gradient of a parameter of shape {tuple(p.shape)} became ready twice before "
                                "BucketAllReduce.wait(); run all but the last backward of a step under no_sync()")
-        if p.grad.data_ptr() != b.views[i].data_ptr():
-            b.views[i].copy_(p.grad)
+        self._take(b, i, p)
         b.ready[i] = True
         b.pending -= 1
         if b.pending == 0:
+            b.flags.fill_(1)
             self._launch_ready()
 
     def _launch_ready(self) -> None:
@@ -221,26 +251,41 @@ class BucketAllReduce:
 
         Buckets whose gradients did not all become ready this step (parameters unused on this rank) are
         launched here, in order, with ``p.grad`` (or zeros where it is None) for the missing ones: every rank
-        must call wait() once per step. Raises what :func:`hpdl.comm.all_reduce` raises.
+        must call wait() once per step. A parameter without a gradient on every rank keeps ``p.grad`` None.
+        Raises what :func:`hpdl.comm.all_reduce` raises, and RuntimeError for a parameter that was frozen at
+        construction and has a gradient now (it would not be averaged).
         """
+        for p in self._frozen:
+            if p.requires_grad and p.grad is not None:
+                raise RuntimeError(f"a parameter of shape {tuple(p.shape)} had requires_grad=False when "
+                                   "BucketAllReduce was built and has a gradient now, which would not be averaged "
+                                   "over ranks; after changing requires_grad, remove() this BucketAllReduce and "
+                                   "build a new one")
         for b in self.buckets[self._next:]:
             if b.pending:
+                have = []
                 with torch.no_grad():
                     for i, p in enumerate(b.params):
-                        if not b.ready[i]:
-                            if p.grad is None:
-                                b.views[i].zero_()
-                            elif p.grad.data_ptr() != b.views[i].data_ptr():
-                                b.views[i].copy_(p.grad)
+                        if b.ready[i] or p.grad is not None:
+                            if not b.ready[i]:
+                                self._take(b, i, p)
+                            have.append(1.0)
+                        else:
+                            b.views[i].zero_()
+                            b.missing.append(i)
+                            have.append(0.0)
+                    b.flags.copy_(torch.tensor(have, dtype=b.flags.dtype))
                 b.pending = 0
         self._launch_ready()
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()
+            # a host read only where this rank lacked a gradient: did any rank have one?
+            unused = {i for i, f in zip(b.missing, b.flags[b.missing].tolist()) if f == 0} if b.missing else ()
             for i, (p, v) in enumerate(zip(b.params, b.views)):
-                if p.grad is None or p.grad.data_ptr() != v.data_ptr():
+                if i not in unused and (p.grad is None or p.grad.data_ptr() != v.data_ptr()):
                     p.grad = v
-            b.work, b.ready, b.pending = None, [False] * len(b.params), len(b.params)
+            b.work, b.ready, b.pending, b.missing = None, [False] * len(b.params), len(b.params), []
         self._next = 0
 
     @contextlib.contextmanager

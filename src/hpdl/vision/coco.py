@@ -148,18 +148,27 @@ def to_coco_results(outputs: list[dict], image_ids: list[int], cat_ids: list[int
 
     Args:
         outputs: per image ``boxes`` [N, 4] (x1, y1, x2, y2), ``labels`` [N] in ``1..K``, ``scores`` [N], and
-            optionally ``masks`` [N, 1, H, W] (probabilities, or bool/uint8 already thresholded).
+            optionally ``masks`` [N, 1, H, W] (probabilities, or bool/uint8 already thresholded). Label 0 is
+            background, which RetinaNet-style heads can emit (torchvision's RetinaNet and SPRNet score it like
+            any class): it has no COCO category and is left out.
         image_ids: COCO image id of each output.
         cat_ids: COCO category id of label ``k`` at position ``k - 1``.
         mask_threshold: probability at and above which a pixel belongs to the mask.
+
+    Raises:
+        ValueError: a label outside ``0..K``.
     """
     from pycocotools import mask as mask_utils
 
     results = []
-    for out, image_id in zip(outputs, image_ids):
+    for n, (out, image_id) in enumerate(zip(outputs, image_ids)):
         boxes = out["boxes"].detach().float().cpu().numpy()
         scores = out["scores"].detach().float().cpu().tolist()
-        cats = [cat_ids[int(k) - 1] for k in out["labels"].tolist()]
+        labels = out["labels"].tolist()
+        bad = [k for k in labels if not 0 <= k <= len(cat_ids)]
+        if bad:
+            raise ValueError(f"outputs[{n}] has label {bad[0]}; labels must be 1..{len(cat_ids)} (0: background)")
+        cats = [cat_ids[k - 1] if k else None for k in labels]
         rles = None
         if "masks" in out:
             masks = out["masks"].detach()
@@ -168,6 +177,8 @@ def to_coco_results(outputs: list[dict], image_ids: list[int], cat_ids: list[int
             masks = masks[:, 0].to(torch.uint8).cpu().numpy()
             rles = mask_utils.encode(np.asfortranarray(masks.transpose(1, 2, 0))) if len(masks) else []
         for j in range(len(scores)):
+            if cats[j] is None:
+                continue
             x0, y0, x1, y1 = boxes[j].tolist()
             r = {"image_id": int(image_id), "category_id": cats[j], "score": scores[j],
                  "bbox": [x0, y0, x1 - x0, y1 - y0]}
@@ -182,19 +193,24 @@ def coco_evaluate(coco_gt, results: list[dict], iou_types=("bbox", "segm"), imag
 
     Returns:
         ``{iou_type: {"AP", "AP50", "AP75", "APs", "APm", "APl"}}`` as fractions in [0, 1] (-1 where the
-        split has no object of that size). A type whose results are empty, or lack its field, scores 0.
+        split has no object of that size). Results that are empty, or lack the type's field, are scored as
+        no detections (0 where the split has objects; ``loadRes`` itself cannot take an empty list).
     """
+    from pycocotools.coco import COCO
     from pycocotools.cocoeval import COCOeval
 
     metrics = {}
     for iou_type in iou_types:
         field = "segmentation" if iou_type == "segm" else "bbox"
         usable = [r for r in results if field in r]
-        if not usable:
-            metrics[iou_type] = {k: 0.0 for k in AP_KEYS}
-            continue
         with _quiet():
-            coco_dt = coco_gt.loadRes([dict(r) for r in usable])   # loadRes adds fields to the dicts it gets
+            if usable:
+                coco_dt = coco_gt.loadRes([dict(r) for r in usable])   # loadRes adds fields to the dicts it gets
+            else:
+                coco_dt = COCO()
+                coco_dt.dataset = {"images": list(coco_gt.dataset.get("images", [])), "annotations": [],
+                                   "categories": list(coco_gt.dataset.get("categories", []))}
+                coco_dt.createIndex()
             ev = COCOeval(coco_gt, coco_dt, iou_type)
             if image_ids is not None:
                 ev.params.imgIds = list(image_ids)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -109,21 +110,34 @@ def build_model(name: str, num_classes: int, *, backbone: str = "resnet50", imag
 
 
 def save_checkpoint(path: str | Path, model: torch.nn.Module, meta: dict) -> None:
-    """Write the model's weights, its :func:`build_model` arguments and ``meta`` (categories, data, ...)."""
+    """Write the model's weights, its :func:`build_model` arguments and ``meta`` (categories, data, ...).
+
+    Written to a temporary file and renamed, so a run killed while saving leaves the previous file (or none),
+    never a truncated one."""
     spec = {k: (list(v) if isinstance(v, tuple) else v) for k, v in model.hpdl_spec.items()}
-    torch.save({"format": "hpdl.vision.detect/1", "spec": spec, "meta": meta,
-                "state_dict": model.state_dict()}, path)
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        torch.save({"format": "hpdl.vision.detect/1", "spec": spec, "meta": meta,
+                    "state_dict": model.state_dict()}, tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def load_checkpoint(path: str | Path, map_location="cpu") -> tuple[torch.nn.Module, dict]:
     """``(model, meta)`` from :func:`save_checkpoint`'s file (keys and shapes checked: a strict load).
 
     Raises:
-        HpdlError: the file is missing or was not written by :func:`save_checkpoint`.
+        HpdlError: the file is missing, unreadable (truncated) or was not written by :func:`save_checkpoint`.
     """
     if not Path(path).is_file():
         raise HpdlError(f"checkpoint={str(path)!r}: no such file")
-    ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:   # a truncated or foreign file
+        raise HpdlError(f"checkpoint={str(path)!r} cannot be read ({str(exc).splitlines()[0][:120]}); write it "
+                        "again with `hpdl vision train`") from exc
     if not isinstance(ckpt, dict) or ckpt.get("format") != "hpdl.vision.detect/1":
         raise HpdlError(f"checkpoint={str(path)!r} is not an hpdl vision detection checkpoint")
     spec = dict(ckpt["spec"])
@@ -182,7 +196,13 @@ def _to(targets: list[dict], device) -> list[dict]:
 
 def _batches(loader):
     while True:          # cycle over epochs
-        yield from loader
+        empty = True
+        for batch in loader:
+            empty = False
+            yield batch
+        if empty:        # cycling an empty loader would spin forever
+            raise HpdlError("the training loader yields no batch: an empty dataset, or fewer samples than "
+                            "batch_size with drop_last")
 
 
 def fit(model: torch.nn.Module, loader, *, steps: int, lr: float = DEFAULTS["lr"],
@@ -202,7 +222,7 @@ def fit(model: torch.nn.Module, loader, *, steps: int, lr: float = DEFAULTS["lr"
         ``{"steps", "seconds", "losses" (mean of each loss over the last 10% of steps), "skipped",
         "stopped_early", "history" (per-step total loss)}``.
     Raises:
-        HpdlError: 20 consecutive non-finite losses.
+        HpdlError: 20 consecutive non-finite losses; a loader that yields no batch.
     """
     device = resolve_device(device) if isinstance(device, str) else device
     amp = device.type == "cuda" if amp is None else amp
@@ -444,14 +464,17 @@ def train(args) -> int:
     from hpdl.vision.coco import CocoInstances, collate
 
     torch.manual_seed(args.seed)
+    device = resolve_device(args.device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     data = Path(args.data) if args.data else _shapes_root(args)
-    device = resolve_device(args.device)
     amp = device.type == "cuda" if args.amp is None else args.amp
     image_size = args.image_size or DEFAULTS["image_size"]
     batch_size = args.batch_size or DEFAULTS["batch_size"]
     train_ds = CocoInstances(data, args.train_split, train=True)
+    if len(train_ds) == 0:
+        raise HpdlError(f"data={str(data)!r} split {args.train_split!r} has no image with a non-crowd instance to "
+                        "train on")
     val_split = args.val_split or "val"
     val_ds = CocoInstances(data, val_split)
     if train_ds.cat_ids != val_ds.cat_ids:
@@ -533,7 +556,7 @@ def _make_shapes(args) -> int:
     cfg = ShapesConfig(num_train=args.train, num_val=args.val, image_size=args.image_size,
                        max_instances=args.max_instances, seed=args.seed)
     bar = _Progress(cfg.num_train + cfg.num_val, "make-shapes")
-    files = make_shapes(args.root, cfg, workers=args.workers, progress=bar.update)
+    files = make_shapes(args.root, cfg, workers=args.workers, progress=lambda done, total: bar.update(done))
     bar.close()
     print(json.dumps({k: str(v) for k, v in files.items()}))
     return 0
