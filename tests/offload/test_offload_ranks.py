@@ -10,7 +10,7 @@ import pytest
 
 from hpdl.testing import get_pool
 
-import _cases as C
+import _offload_cases as C
 
 MODES = ["thread", "agent"]
 pytestmark = pytest.mark.timeout(300)
