@@ -190,10 +190,17 @@ def test_a_closed_doorbell_never_writes_to_a_reused_descriptor(tmp_path):
     fifo = str(tmp_path / "bell")
     b = ho.shm.Bell(fifo=fifo)
     rb = ho.shm.RemoteBell(fifo)
+    numbers = (rb._w, b._w)
     rb.close()
     b.close()
-    with open(tmp_path / "other", "wb+") as fh:  # likely takes one of the numbers just closed
-        rb.ring()
-        b.ring()
+    with open(tmp_path / "other", "wb+") as fh:
+        for n in numbers:  # another file takes the numbers just closed, as the next open() may
+            os.dup2(fh.fileno(), n)
+        try:
+            rb.ring()
+            b.ring()
+        finally:
+            for n in numbers:
+                os.close(n)
         fh.seek(0)
         assert fh.read() == b""
