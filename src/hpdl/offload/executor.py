@@ -291,6 +291,7 @@ class Executor:
         self._ready: deque = deque()
         self._boxes: dict[int, tuple[np.ndarray, np.ndarray, dict[int, Instance]]] = {}  # id(array) -> set
         self._matches: dict[tuple, _Match] = {}
+        self._wire_keys: dict[tuple, list] = {}  # (transport, key mod 2**15) -> [(scope, key), name, count]
         self._thread: threading.Thread | None = None  # started by start_thread
         self._runner: threading.Thread | None = None  # whichever thread runs run(): owner of all plan state
         self._stop = threading.Event()
@@ -435,6 +436,18 @@ class Executor:
         arr, seen, slots = self._boxes[key]
         if inst.slot in slots:
             raise OffloadError(f"{inst.label}: mailbox slot {inst.slot} is already registered")
+        remote = any(o.remote for o in inst.ops)
+        if remote:  # wire tags hold the key modulo 2**15: a live plan with a congruent key would share them
+            from hpdl.offload.compiler import TAG_KEY_BITS
+
+            wire = (id(inst.transport), inst.plan.key % (1 << TAG_KEY_BITS))
+            other = self._wire_keys.get(wire)
+            if other is not None and other[0] != (inst.scope, inst.plan.key):
+                raise OffloadError(f"{inst.label}: plan {inst.plan.name!r} (key {inst.plan.key}) would share wire "
+                                   f"tags with live plan {other[1]!r} (key {other[0][1]}): free it, or requests "
+                                   "kept while 32768 others were compiled since")
+            entry = self._wire_keys.setdefault(wire, [(inst.scope, inst.plan.key), inst.plan.name, 0])
+            entry[2] += 1
         seen[inst.slot] = arr[inst.slot, shm.START]
         slots[inst.slot] = inst
         for o, c in zip(inst.ops, inst.plan.ops):
@@ -449,8 +462,18 @@ class Executor:
 
     def _free(self, inst: Instance, reason: str = "") -> None:
         arr, seen, slots = self._boxes.get(id(inst.mailbox), (None, None, {}))
-        if slots.get(inst.slot) is inst:
-            del slots[inst.slot]
+        if slots.get(inst.slot) is not inst:
+            return  # not registered (or freed already)
+        del slots[inst.slot]
+        if any(o.remote for o in inst.ops):
+            from hpdl.offload.compiler import TAG_KEY_BITS
+
+            wire = (id(inst.transport), inst.plan.key % (1 << TAG_KEY_BITS))
+            entry = self._wire_keys.get(wire)
+            if entry is not None and entry[0] == (inst.scope, inst.plan.key):
+                entry[2] -= 1
+                if entry[2] <= 0:
+                    del self._wire_keys[wire]
         if not slots:
             self._boxes.pop(id(inst.mailbox), None)
         inst.active = False
