@@ -102,6 +102,17 @@ def _copy_fn(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None]:
     return lambda: dst.copy_(get())
 
 
+def _copy_pair(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(dst, src viewed in dst's shape)`` when that view exists (no temporary): such copies of a batch go
+    through one ``torch._foreach_copy_`` call, one release of the GIL for all of them; else None."""
+    if tuple(src.shape) == tuple(dst.shape):
+        return dst, src
+    try:
+        return dst, src.view(dst.shape)
+    except RuntimeError:
+        return None
+
+
 def _reduce_fn(dst: torch.Tensor, src: torch.Tensor, op: str) -> Callable[[], None]:
     get = _reshaped(src, dst.shape)
     if op == "sum":
@@ -136,8 +147,8 @@ class Status:
 
 
 class _Op:
-    __slots__ = ("kind", "index", "name", "peer", "users", "src", "dst", "fn", "remote", "endpoint", "tag", "temp",
-                 "match", "numel", "nbytes", "state")
+    __slots__ = ("kind", "index", "name", "peer", "users", "src", "dst", "fn", "pair", "remote", "endpoint", "tag",
+                 "temp", "match", "numel", "nbytes", "state")
 
     def describe(self) -> str:
         where = {"send": f" to rank {self.peer}", "recv": f" from rank {self.peer}"}.get(self.kind, "")
@@ -147,10 +158,10 @@ class _Op:
 class _Match:
     """The two halves of a message between ranks of one executor: fired (one copy) when both are ready."""
 
-    __slots__ = ("send", "recv", "fn", "send_ready", "recv_ready")
+    __slots__ = ("send", "recv", "fn", "pair", "send_ready", "recv_ready")
 
     def __init__(self):
-        self.send = self.recv = self.fn = None
+        self.send = self.recv = self.fn = self.pair = None
         self.send_ready = self.recv_ready = False
 
 
@@ -195,6 +206,7 @@ class Instance:
             o.numel, o.nbytes = view.numel(), view.numel() * view.element_size()
             o.fn = _copy_fn(o.dst, o.src) if c.kind == "copy" else \
                 _reduce_fn(o.dst, o.src, c.reduce_op) if c.kind == "reduce" else None
+            o.pair = _copy_pair(o.dst, o.src) if c.kind == "copy" else None
             o.remote = c.kind in ("send", "recv") and plan.endpoints[c.peer] != me
             o.endpoint = plan.endpoints[c.peer] if c.peer is not None else None
             o.tag, o.match, o.temp, o.state = c.wire_tag, None, None, ""
@@ -239,10 +251,21 @@ class Executor:
     Args:
         bell: doorbell that starts ring (a pipe by default; an agent passes its FIFO).
         spin_us: after any activity keep polling without sleeping this long (lower wake-up latency on a core
-            of its own); afterwards sleep until a doorbell or ``idle_s``.
+            of its own), but only while no copy or transfer runs on another thread; afterwards sleep until a
+            doorbell or ``idle_s``.
         io_threads: most transport calls in flight at once (each blocks a thread).
         copy_threads: threads for local copies and reductions of at least ``copy_min_bytes`` (an agent's
             cores; torch releases the GIL while it copies); 1 = all on the dispatcher.
+
+    Copy threads and the GIL: a Python thread that finishes a copy must take the GIL back before it can
+    report, and a thread holding the GIL in pure Python (a spinning dispatcher) gives it up only after the
+    interpreter's switch interval (5 ms, ``sys.getswitchinterval()``). One task per copy, with the dispatcher
+    spinning meanwhile, made every 64 KiB copy wait for the GIL: an 8-rank Alltoall of 64 KiB per peer took
+    6.8 ms instead of 0.5 ms. So the large copies a dispatcher pass issues are staged and handed out at the
+    end of the pass as at most ``copy_threads`` tasks of about equal bytes; a task copies its plain copies with
+    one ``torch._foreach_copy_`` (one GIL release for all) and reports once; and the dispatcher sleeps on its
+    doorbells, GIL released, instead of spinning while any task is out. ``stats`` counts passes, wake-ups,
+    tasks and copies (the offload tests bound them).
     """
 
     def __init__(self, *, bell: shm.Bell | None = None, spin_us: float = 50.0, idle_s: float = 0.01,
@@ -254,7 +277,11 @@ class Executor:
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix=f"{name}-io")
         self._copy = ThreadPoolExecutor(copy_threads, thread_name_prefix=f"{name}-copy") if copy_threads > 1 \
             else None
-        self.copy_min_bytes = copy_min_bytes
+        self.copy_threads, self.copy_min_bytes = max(1, copy_threads), copy_min_bytes
+        self._staged: list = []  # large copies of this pass: (pair, fn, ops, nbytes), handed out at its end
+        self._outstanding = 0  # tasks on copy or I/O threads; each ends with an int in _completions
+        self.stats = {"passes": 0, "passes_out": 0, "wakeups": 0, "copy_tasks": 0, "pooled_copies": 0, "foreach_copies": 0,
+                      "inline_copies": 0}
         self._commands: deque = deque()
         self._completions: deque = deque()
         self._ready: deque = deque()
@@ -322,7 +349,6 @@ class Executor:
         self._runner = threading.current_thread()
         if started is not None:
             started.set()
-        fds = [self.bell.fileno(), self._io_bell.fileno()]
         last_busy = time.monotonic()
         while not self._stop.is_set():
             try:
@@ -334,22 +360,36 @@ class Executor:
             if busy:
                 last_busy = now
                 continue
-            if now - last_busy < self.spin_s:
+            if now - last_busy < self.spin_s and not self._outstanding:  # spinning holds the GIL: see above
                 continue
-            try:
-                select.select(fds, [], [], self.idle_s)
-            except (OSError, ValueError):
-                time.sleep(self.idle_s)
-            self.bell.drain()
-            self._io_bell.drain()
+            self.sleep(self.idle_s)
         self._runner = None
         while self._commands:  # nobody will run these any more
             _, _, fut = self._commands.popleft()
             fut.set_exception(OffloadError(f"{self.name} stopped"))
 
+    def sleep(self, timeout: float) -> None:
+        """Block (GIL released) until a doorbell rings (a start, a command, a finished copy or transfer task)
+        or ``timeout`` seconds pass; for whoever drives :meth:`progress` by hand, between idle passes."""
+        try:
+            select.select([self.bell.fileno(), self._io_bell.fileno()], [], [], timeout)
+        except (OSError, ValueError):
+            time.sleep(timeout)
+        self.stats["wakeups"] += 1
+        self.bell.drain()
+        self._io_bell.drain()
+
+    @property
+    def outstanding(self) -> int:
+        """Copy and transfer tasks handed to other threads and not yet reported back."""
+        return self._outstanding
+
     def progress(self) -> bool:
         """One pass: commands, completions, new starts, ready operations. Returns whether anything happened."""
         busy = False
+        self.stats["passes"] += 1
+        if self._outstanding:
+            self.stats["passes_out"] += 1
         if self.heartbeat is not None:
             self.heartbeat()
         while self._commands:
@@ -360,8 +400,13 @@ class Executor:
                 fut.set_exception(exc)
             busy = True
         while self._completions:
-            inst, i, gen, err = self._completions.popleft()
+            item = self._completions.popleft()
             busy = True
+            if type(item) is int:  # a task of a copy or I/O thread has ended (its count of foreach copies)
+                self._outstanding -= 1
+                self.stats["foreach_copies"] += item
+                continue
+            inst, i, gen, err = item
             if inst.gen != gen or not inst.active:
                 continue
             if err is not None:
@@ -392,7 +437,29 @@ class Executor:
             busy = True
             if inst.active:
                 self._issue(inst, i)
+        if self._staged:
+            self._hand_out()
         return busy
+
+    def _stage(self, pair, fn, ops, nbytes: int) -> None:
+        self._staged.append((pair, fn, ops, nbytes))
+
+    def _hand_out(self) -> None:
+        """The pass's large copies as at most ``copy_threads`` tasks of about equal bytes (largest first onto
+        the lightest task)."""
+        staged, self._staged = self._staged, []
+        n = min(self.copy_threads, len(staged))
+        groups: list[list] = [[] for _ in range(n)]
+        load = [0] * n
+        for item in sorted(staged, key=lambda it: -it[3]):
+            k = load.index(min(load))
+            groups[k].append(item)
+            load[k] += item[3]
+        for g in groups:
+            self._copy.submit(self._run_batch, g)
+            self._outstanding += 1
+            self.stats["copy_tasks"] += 1
+            self.stats["pooled_copies"] += len(g)
 
     def _register(self, inst: Instance) -> None:
         key = id(inst.mailbox)
@@ -412,6 +479,7 @@ class Executor:
             if m.send is not None and m.recv is not None:
                 (si, so), (ri, ro) = m.send, m.recv
                 m.fn = _copy_fn(ri.ops[ro].dst, si.ops[so].src)
+                m.pair = _copy_pair(ri.ops[ro].dst, si.ops[so].src)
 
     def _free(self, inst: Instance) -> None:
         arr, seen, slots = self._boxes.get(id(inst.mailbox), (None, None, {}))
@@ -428,7 +496,7 @@ class Executor:
             if m is None:
                 continue
             setattr(m, c.kind, None)
-            m.fn = None
+            m.fn = m.pair = None
             if m.send is None and m.recv is None:
                 del self._matches[k]
 
@@ -455,15 +523,17 @@ class Executor:
             if o.fn is not None:
                 if self._copy is not None and o.nbytes >= self.copy_min_bytes:
                     o.state = "copying"
-                    self._copy.submit(self._run_local, o.fn, ((inst, i, inst.gen),))
+                    self._stage(o.pair, o.fn, ((inst, i, inst.gen),), o.nbytes)
                 else:
                     o.fn()
+                    self.stats["inline_copies"] += 1
                     self._complete(inst, i)
             elif not o.numel:
                 self._complete(inst, i)
             elif o.remote:
                 o.state = "remote"
                 self._io.submit(self._transfer, inst, i, inst.gen)
+                self._outstanding += 1
             else:
                 self._half_ready(inst, o)
         except Exception as exc:  # noqa: BLE001 - a failed copy fails this request, not the executor
@@ -485,21 +555,42 @@ class Executor:
         (si, so), (ri, ro) = m.send, m.recv
         if self._copy is not None and o.nbytes >= self.copy_min_bytes:
             si.ops[so].state = ri.ops[ro].state = "copying"
-            self._copy.submit(self._run_local, m.fn, ((si, so, si.gen), (ri, ro, ri.gen)))
+            self._stage(m.pair, m.fn, ((si, so, si.gen), (ri, ro, ri.gen)), o.nbytes)
             return
         m.fn()
+        self.stats["inline_copies"] += 1
         self._complete(si, so)
         self._complete(ri, ro)
 
-    def _run_local(self, fn, ops) -> None:
-        """Copy thread: one local copy or reduction, then its operations' completions."""
-        err = None
-        try:
-            fn()
-        except BaseException as exc:  # noqa: BLE001 - reported through the completion queue
-            err = f"{type(exc).__name__}: {exc}"
-        for inst, i, gen in ops:
-            self._completions.append((inst, i, gen, err))
+    def _run_batch(self, group) -> None:
+        """Copy thread: one task of local copies and reductions, then all their completions and one ring.
+
+        Plain copies go through one ``torch._foreach_copy_`` (the GIL released once for all of them; torch's
+        CPU version copies them one after another); if it fails, each copy is redone alone so that the error
+        names its operation (a copy is idempotent). Reductions and copies whose source needs a reshape run
+        one by one.
+        """
+        errs: list[str | None] = [None] * len(group)
+        done_foreach = 0
+        plain = [j for j, (pair, _, _, _) in enumerate(group) if pair is not None]
+        rest = [j for j, (pair, _, _, _) in enumerate(group) if pair is None]
+        if len(plain) > 1:
+            try:
+                torch._foreach_copy_([group[j][0][0] for j in plain], [group[j][0][1] for j in plain])
+                done_foreach = len(plain)
+            except Exception:  # noqa: BLE001 - redone one by one below, which names the failing operation
+                rest = plain + rest
+        else:
+            rest = plain + rest
+        for j in rest:
+            try:
+                group[j][1]()
+            except BaseException as exc:  # noqa: BLE001 - reported through the completion queue
+                errs[j] = f"{type(exc).__name__}: {exc}"
+        for (_, _, ops, _), err in zip(group, errs):
+            for inst, i, gen in ops:
+                self._completions.append((inst, i, gen, err))
+        self._completions.append(done_foreach)
         self._io_bell.ring()
 
     def _transfer(self, inst: Instance, i: int, gen: int) -> None:
@@ -520,6 +611,7 @@ class Executor:
         except BaseException as exc:  # noqa: BLE001 - reported through the completion queue
             err = f"{type(exc).__name__}: {exc}"
         self._completions.append((inst, i, gen, err))
+        self._completions.append(0)
         self._io_bell.ring()
 
     def _complete(self, inst: Instance, i: int) -> None:
