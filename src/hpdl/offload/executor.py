@@ -104,7 +104,10 @@ def _copy_fn(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None]:
 
 def _copy_pair(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(dst, src viewed in dst's shape)`` when that view exists (no temporary): such copies of a batch go
-    through one ``torch._foreach_copy_`` call, one release of the GIL for all of them; else None."""
+    through one ``torch._foreach_copy_`` call, one release of the GIL for all of them; else None (CUDA copies too:
+    they are asynchronous anyway, and one foreach call must not mix devices)."""
+    if dst.is_cuda or src.is_cuda:
+        return None
     if tuple(src.shape) == tuple(dst.shape):
         return dst, src
     try:
