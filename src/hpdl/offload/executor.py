@@ -459,8 +459,11 @@ class Executor:
             groups[k].append(item)
             load[k] += item[3]
         for g in groups:
-            self._copy.submit(self._run_batch, g)
             self._outstanding += 1
+            try:
+                self._copy.submit(self._run_batch, g)
+            except RuntimeError:  # the pool is shut down (stopping): copy here rather than lose the operations
+                self._run_batch(g)
             self.stats["copy_tasks"] += 1
             self.stats["pooled_copies"] += len(g)
 
