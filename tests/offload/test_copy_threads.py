@@ -104,6 +104,18 @@ def test_one_task_per_copy_thread_per_pass():
     assert stats["foreach_copies"] == starts * P * P, stats
 
 
+def test_a_small_batch_is_one_task():
+    """Four 64 KiB copies in one pass are not worth four thread hand-offs: one task (task_bytes = 256 KiB)."""
+    P, count = 2, 16384  # 2 self copies + 2 messages of 64 KiB each
+    ins = _alltoall_inputs(P, count)
+    stats = {}
+    out = ho.simulate([plans.alltoall(r, P, count, torch.float32) for r in range(P)], [{"input": x} for x in ins],
+                      starts=2, copy_threads=4, stats=stats)
+    for r in range(P):
+        assert torch.equal(out[r]["output"], torch.stack([ins[q][r] for q in range(P)]))
+    assert stats["copy_tasks"] == 2 and stats["pooled_copies"] == 2 * P * P, stats
+
+
 def test_below_the_threshold_copies_stay_inline():
     P, count = 4, 1000  # 4000 B per peer < 65536
     ins = _alltoall_inputs(P, count)

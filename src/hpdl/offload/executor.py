@@ -263,10 +263,11 @@ class Executor:
     Copy threads and the GIL: a Python thread that finishes a copy must take the GIL back before it can
     report, and a thread holding the GIL in pure Python (a spinning dispatcher) gives it up only after the
     interpreter's switch interval (5 ms, ``sys.getswitchinterval()``). One task per copy, with the dispatcher
-    spinning meanwhile, made every 64 KiB copy wait for the GIL: an 8-rank Alltoall of 64 KiB per peer took
-    6.8 ms instead of 0.5 ms. So the large copies a dispatcher pass issues are staged and handed out at the
-    end of the pass as at most ``copy_threads`` tasks of about equal bytes; a task copies its plain copies with
-    one ``torch._foreach_copy_`` (one GIL release for all) and reports once; and the dispatcher sleeps on its
+    spinning meanwhile, queued every 64 KiB copy behind the GIL: an 8-rank Alltoall of 64 KiB per peer took
+    6.8 ms on the agent where Gloo takes 0.5 ms. So the large copies a dispatcher pass issues are staged and
+    handed out at the end of the pass as at most ``copy_threads`` tasks of about equal bytes (at least
+    ``4 * copy_min_bytes`` each where there is less); a task copies its plain copies with one
+    ``torch._foreach_copy_`` (one GIL release for all) and reports once; and the dispatcher sleeps on its
     doorbells, GIL released, instead of spinning while any task is out. ``stats`` counts passes, wake-ups,
     tasks and copies (the offload tests bound them).
     """
@@ -281,6 +282,7 @@ class Executor:
         self._copy = ThreadPoolExecutor(copy_threads, thread_name_prefix=f"{name}-copy") if copy_threads > 1 \
             else None
         self.copy_threads, self.copy_min_bytes = max(1, copy_threads), copy_min_bytes
+        self.task_bytes = max(4 * copy_min_bytes, 1)  # fewest bytes worth a task of its own (see _hand_out)
         self._staged: list = []  # large copies of this pass: (pair, fn, ops, nbytes), handed out at its end
         self._outstanding = 0  # tasks on copy or I/O threads; each ends with an int in _completions
         self.stats = {"passes": 0, "passes_out": 0, "wakeups": 0, "copy_tasks": 0, "pooled_copies": 0, "foreach_copies": 0,
@@ -449,9 +451,11 @@ class Executor:
 
     def _hand_out(self) -> None:
         """The pass's large copies as at most ``copy_threads`` tasks of about equal bytes (largest first onto
-        the lightest task)."""
+        the lightest task), and no more tasks than ``task_bytes`` chunks: waking a thread and handing it the GIL
+        costs tens of microseconds, what one core copies of 256 KiB."""
         staged, self._staged = self._staged, []
-        n = min(self.copy_threads, len(staged))
+        total = sum(it[3] for it in staged)
+        n = max(1, min(self.copy_threads, len(staged), total // self.task_bytes))
         groups: list[list] = [[] for _ in range(n)]
         load = [0] * n
         for item in sorted(staged, key=lambda it: -it[3]):
