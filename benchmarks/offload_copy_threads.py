@@ -11,6 +11,7 @@ against the copy threads for the GIL.
 from __future__ import annotations
 
 import argparse
+import sys
 import threading
 import time
 
@@ -70,9 +71,14 @@ def main() -> None:
     ap.add_argument("--sizes", default="16K,64K,256K,1M", help="bytes per peer")
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--spin-us", type=float, default=50.0)
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval (s): a time that grows with it waits for forced GIL switches")
     a = ap.parse_args()
+    if a.switch_interval is not None:
+        sys.setswitchinterval(a.switch_interval)
     torch.set_num_threads(1)  # as the agent: parallel copies come from the copy threads
-    print(f"# {a.np} ranks on one executor, torch {torch.__version__}; per start: passes, passes with tasks out, "
+    print(f"# {a.np} ranks on one executor, torch {torch.__version__}, GIL switch interval "
+          f"{sys.getswitchinterval() * 1e3:g} ms; per start: passes, passes with tasks out, "
           "wake-ups, copy tasks")
     print(f"# {'size':>8} {'threads':>7} {'median(us)':>10} {'p10(us)':>8} {'passes':>7} {'out':>6} {'wakes':>6} "
           f"{'tasks':>6} {'#wrong':>6}")
