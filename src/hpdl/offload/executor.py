@@ -98,8 +98,11 @@ def _reshaped(src: torch.Tensor, shape) -> Callable[[], torch.Tensor]:
 
 
 def _copy_fn(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None]:
+    """``dst.copy_(src)`` in dst's shape; its ``pair`` attribute is :func:`_copy_pair`'s (for batches)."""
     get = _reshaped(src, dst.shape)
-    return lambda: dst.copy_(get())
+    fn = lambda: dst.copy_(get())  # noqa: E731 - a function object that carries .pair
+    fn.pair = _copy_pair(dst, src)
+    return fn
 
 
 def _copy_pair(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -150,8 +153,8 @@ class Status:
 
 
 class _Op:
-    __slots__ = ("kind", "index", "name", "peer", "users", "src", "dst", "fn", "pair", "remote", "endpoint", "tag",
-                 "temp", "match", "numel", "nbytes", "state")
+    __slots__ = ("kind", "index", "name", "peer", "users", "src", "dst", "fn", "remote", "endpoint", "tag", "temp",
+                 "match", "numel", "nbytes", "state")
 
     def describe(self) -> str:
         where = {"send": f" to rank {self.peer}", "recv": f" from rank {self.peer}"}.get(self.kind, "")
@@ -161,10 +164,10 @@ class _Op:
 class _Match:
     """The two halves of a message between ranks of one executor: fired (one copy) when both are ready."""
 
-    __slots__ = ("send", "recv", "fn", "pair", "send_ready", "recv_ready")
+    __slots__ = ("send", "recv", "fn", "send_ready", "recv_ready")
 
     def __init__(self):
-        self.send = self.recv = self.fn = self.pair = None
+        self.send = self.recv = self.fn = None
         self.send_ready = self.recv_ready = False
 
 
@@ -209,7 +212,6 @@ class Instance:
             o.numel, o.nbytes = view.numel(), view.numel() * view.element_size()
             o.fn = _copy_fn(o.dst, o.src) if c.kind == "copy" else \
                 _reduce_fn(o.dst, o.src, c.reduce_op) if c.kind == "reduce" else None
-            o.pair = _copy_pair(o.dst, o.src) if c.kind == "copy" else None
             o.remote = c.kind in ("send", "recv") and plan.endpoints[c.peer] != me
             o.endpoint = plan.endpoints[c.peer] if c.peer is not None else None
             o.tag, o.match, o.temp, o.state = c.wire_tag, None, None, ""
@@ -247,6 +249,29 @@ class Instance:
         return out
 
 
+class _CountedPool:
+    """The I/O thread pool, counting its tasks in the executor's ``_outstanding`` (``submit`` is called on the
+    dispatcher; a task ends with the int 0 in the completion queue, after its own report)."""
+
+    def __init__(self, pool: ThreadPoolExecutor, ex: "Executor"):
+        self.pool, self.ex = pool, ex
+
+    def submit(self, fn, *args):
+        fut = self.pool.submit(self._run, fn, args)
+        self.ex._outstanding += 1
+        return fut
+
+    def _run(self, fn, args) -> None:
+        try:
+            fn(*args)
+        finally:
+            self.ex._completions.append(0)
+            self.ex._io_bell.ring()
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self.pool.shutdown(wait=wait, cancel_futures=cancel_futures)
+
+
 class Executor:
     """Progress engine: a dispatcher loop (:meth:`run` on a thread, or :meth:`progress` called by hand) plus
     I/O threads for transports.
@@ -278,15 +303,15 @@ class Executor:
         self.bell = bell or shm.Bell()
         self._io_bell = shm.Bell()
         self.spin_s, self.idle_s, self.name = spin_us * 1e-6, idle_s, name
-        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix=f"{name}-io")
+        self._io = _CountedPool(ThreadPoolExecutor(io_threads, thread_name_prefix=f"{name}-io"), self)
         self._copy = ThreadPoolExecutor(copy_threads, thread_name_prefix=f"{name}-copy") if copy_threads > 1 \
             else None
         self.copy_threads, self.copy_min_bytes = max(1, copy_threads), copy_min_bytes
         self.task_bytes = max(4 * copy_min_bytes, 1)  # fewest bytes worth a task of its own (see _hand_out)
         self._staged: list = []  # large copies of this pass: (pair, fn, ops, nbytes), handed out at its end
         self._outstanding = 0  # tasks on copy or I/O threads; each ends with an int in _completions
-        self.stats = {"passes": 0, "passes_out": 0, "wakeups": 0, "copy_tasks": 0, "pooled_copies": 0, "foreach_copies": 0,
-                      "inline_copies": 0}
+        self.stats = {"passes": 0, "passes_out": 0, "wakeups": 0, "copy_tasks": 0, "pooled_copies": 0,
+                      "foreach_copies": 0, "inline_copies": 0}
         self._commands: deque = deque()
         self._completions: deque = deque()
         self._ready: deque = deque()
@@ -489,7 +514,6 @@ class Executor:
             if m.send is not None and m.recv is not None:
                 (si, so), (ri, ro) = m.send, m.recv
                 m.fn = _copy_fn(ri.ops[ro].dst, si.ops[so].src)
-                m.pair = _copy_pair(ri.ops[ro].dst, si.ops[so].src)
 
     def _free(self, inst: Instance) -> None:
         arr, seen, slots = self._boxes.get(id(inst.mailbox), (None, None, {}))
@@ -506,7 +530,7 @@ class Executor:
             if m is None:
                 continue
             setattr(m, c.kind, None)
-            m.fn = m.pair = None
+            m.fn = None
             if m.send is None and m.recv is None:
                 del self._matches[k]
 
@@ -533,7 +557,7 @@ class Executor:
             if o.fn is not None:
                 if self._copy is not None and o.nbytes >= self.copy_min_bytes:
                     o.state = "copying"
-                    self._stage(o.pair, o.fn, ((inst, i, inst.gen),), o.nbytes)
+                    self._stage(getattr(o.fn, "pair", None), o.fn, ((inst, i, inst.gen),), o.nbytes)
                 else:
                     o.fn()
                     self.stats["inline_copies"] += 1
@@ -543,7 +567,6 @@ class Executor:
             elif o.remote:
                 o.state = "remote"
                 self._io.submit(self._transfer, inst, i, inst.gen)
-                self._outstanding += 1
             else:
                 self._half_ready(inst, o)
         except Exception as exc:  # noqa: BLE001 - a failed copy fails this request, not the executor
@@ -565,7 +588,7 @@ class Executor:
         (si, so), (ri, ro) = m.send, m.recv
         if self._copy is not None and o.nbytes >= self.copy_min_bytes:
             si.ops[so].state = ri.ops[ro].state = "copying"
-            self._stage(m.pair, m.fn, ((si, so, si.gen), (ri, ro, ri.gen)), o.nbytes)
+            self._stage(m.fn.pair, m.fn, ((si, so, si.gen), (ri, ro, ri.gen)), o.nbytes)
             return
         m.fn()
         self.stats["inline_copies"] += 1
@@ -621,7 +644,6 @@ class Executor:
         except BaseException as exc:  # noqa: BLE001 - reported through the completion queue
             err = f"{type(exc).__name__}: {exc}"
         self._completions.append((inst, i, gen, err))
-        self._completions.append(0)
         self._io_bell.ring()
 
     def _complete(self, inst: Instance, i: int) -> None:
