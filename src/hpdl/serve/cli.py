@@ -54,6 +54,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="symm: torch's one-shot symmetric-memory all-reduce for decode steps; hpdl: hpdl.comm's "
                         "peer-memory all-reduce at every size (CUDA, one node); NCCL otherwise")
     g.add_argument("--cuda-graph", action="store_true", help="replay decode steps from CUDA graphs")
+    g.add_argument("--eager-decode", action="store_true",
+                   help="decode with the eager model, not the fused Triton step (the default on CUDA for LLaMA)")
     g.add_argument("--seed", type=int, default=0, help="random-weight seed (and workload seed for bench)")
 
 
@@ -71,7 +73,8 @@ def _engine(args):
     spec = ModelSpec(model=args.model, config=args.config, seed=args.seed, dtype=args.dtype)
     cfg = EngineConfig(num_slots=args.num_slots, max_seq_len=args.max_seq_len, device=args.device,
                        tensor_parallel_size=args.tensor_parallel_size, reorder=args.reorder,
-                       cuda_graph=args.cuda_graph, tp_all_reduce=args.tp_all_reduce)
+                       cuda_graph=args.cuda_graph, tp_all_reduce=args.tp_all_reduce,
+                       fused_decode=False if args.eager_decode else None)
     return spec, LLMEngine(spec, cfg)
 
 
