@@ -127,6 +127,11 @@ class ServeBenchCommand:
                 systems = [s.strip() for s in args.systems.split(",") if s.strip()]
                 hf = _hf_model(spec, engine.model_config, args.device) if set(systems) - {"flover"} else None
                 results = compare(engine, hf, wl, systems, args.static_batch_size, args.slo_ttft_ms, args.slo_tpot_ms)
+                if "flover" in systems:  # every result says how far its decode step is from the bandwidth limit
+                    ctx = int(sum(len(w.prompt) + w.output_len / 2 for w in wl) / len(wl))
+                    roof = bench.decode_roofline(engine, min(len(wl), args.num_slots), ctx)
+                    if roof is not None:
+                        results["roofline"] = roof
             finally:
                 engine.shutdown()
         _print(results, args.format)
@@ -151,6 +156,10 @@ def _print(results: dict[str, dict], fmt: str) -> None:
     if fmt == "json":
         print(json.dumps(results, indent=2))
         return
+    from hpdl.serve.bench import roofline_line
+
+    results = dict(results)
+    roof = results.pop("roofline", None)
     from rich.console import Console
     from rich.table import Table
 
@@ -167,6 +176,8 @@ def _print(results: dict[str, dict], fmt: str) -> None:
     for name, r in results.items():
         if "note" in r:
             print(f"* {name}: {r['note']}")
+    if roof is not None:
+        print(roofline_line(roof))
 
 
 class ServeCommand:

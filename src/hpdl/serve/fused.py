@@ -127,11 +127,11 @@ if triton is not None:
             if head < H:
                 dst = q_ptr + (row * H + head) * D
             else:
-                dst = kc_ptr + (start + row) * s_slot + (head - H) * s_head + p * s_pos
+                dst = kc_ptr + (start + row).to(tl.int64) * s_slot + (head - H) * s_head + p * s_pos
         else:
             o1 = x1
             o2 = x2
-            dst = vc_ptr + (start + row) * s_slot + (head - H - HKV) * s_head + p * s_pos
+            dst = vc_ptr + (start + row).to(tl.int64) * s_slot + (head - H - HKV) * s_head + p * s_pos
         tl.store(dst + half, o1.to(dt))
         tl.store(dst + D // 2 + half, o2.to(dt))
 
@@ -144,15 +144,15 @@ if triton is not None:
         kvh = tl.program_id(1)
         split = tl.program_id(2)
         nsplit = tl.num_programs(2)
-        length = tl.load(pos_ptr + row) + 1
+        length = (tl.load(pos_ptr + row) + 1).to(tl.int32)
         lo = split * CHUNK
         hi = tl.minimum(lo + CHUNK, length)
         g = tl.arange(0, GP)
         dd = tl.arange(0, D)
         gm = g < G
         q = tl.load(q_ptr + (row * H + kvh * G + g)[:, None] * D + dd[None, :], mask=gm[:, None], other=0.0)
-        kbase = kc_ptr + (start + row) * s_slot + kvh * s_head
-        vbase = vc_ptr + (start + row) * s_slot + kvh * s_head
+        kbase = kc_ptr + (start + row).to(tl.int64) * s_slot + kvh * s_head  # int64: 7B caches pass 2^31
+        vbase = vc_ptr + (start + row).to(tl.int64) * s_slot + kvh * s_head
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
@@ -220,7 +220,8 @@ def add_rmsnorm(x, res, w, eps, out=None):
 
 
 def rope_kv(qkv, cos, sin, pos, kc, vc, start: int, h: int, hkv: int):
-    """Triton ``rope_kv_ref`` (one kernel: q rotated, k rotated and stored, v stored)."""
+    """Triton ``rope_kv_ref`` (one kernel: q rotated, k rotated and stored, v stored). It reads the first half
+    of each cos/sin row only: the tables must repeat their halves (``hpdl.models.gpt._rope_tables`` does)."""
     if not use_triton(qkv):
         return rope_kv_ref(qkv, cos, sin, pos, kc, vc, start, h, hkv)
     n, d = qkv.shape[0], kc.shape[-1]
@@ -309,8 +310,8 @@ def fused_decode(model: DecoderLM, cache: KVCache, tokens: torch.Tensor, pos: to
     cfg = model.cfg
     h, hkv = cfg.n_heads, cfg.n_kv_heads
     x = model.embed_tokens(tokens)  # [n, C]
-    res, y = add_rmsnorm(x, None, model.layers[0].ln_1.weight, cfg.norm_eps)
-    res = res.clone()  # the residual stream is updated in place
+    res, y = add_rmsnorm(x, None, model.layers[0].ln_1.weight, cfg.norm_eps)  # res is x: a fresh tensor,
+    # so updating the residual stream in place (add_rmsnorm does) never touches the embedding table
     for i, layer in enumerate(model.layers):
         a = layer.attn
         qkv = F.linear(y, a.qkv_proj.weight)

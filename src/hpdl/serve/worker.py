@@ -135,6 +135,21 @@ class ModelRunner:
         pos = torch.tensor(plan.decode_positions, device=dev)[:, None]
         return with_argmax(*self._decode(toks, pos, plan.start, kv_len))
 
+    @torch.inference_mode()
+    def warm_up(self, max_batch: int | None = None) -> int:
+        """Capture every CUDA graph a decode of up to ``max_batch`` rows can need (each batch bucket x KV bucket),
+        so no request waits for a capture (or the Triton compiles of the fused step) later. Call it before
+        serving: it writes K/V into slots ``[0, max_batch)``. Returns the number of graphs; 0 without graphs."""
+        if not self.cuda_graph:
+            return 0
+        top = min(max_batch or self.cache.num_slots, self.cache.num_slots)
+        sizes = sorted({min(b, top) for b in self.BATCH_BUCKETS if b <= top} | {top})
+        for nb in sizes:
+            for kb in range(self.KV_BUCKET, self.cache.max_seq_len + self.KV_BUCKET, self.KV_BUCKET):
+                kb = min(kb, self.cache.max_seq_len)
+                self.execute(StepPlan(start=0, n=nb, decode_tokens=[0] * nb, decode_positions=[kb - 1] * nb))
+        return len(self._graphs)
+
     def close(self) -> None:
         """Drop the captured CUDA graphs and wait for the device: a graph that holds NCCL kernels keeps its
         communicator busy, and destroying the process group then waits for it (seen on the H200 pair)."""
