@@ -54,3 +54,14 @@ def test_padded_bucketed_decode_matches_exact_decode(monkeypatch, fused):
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
     keys = set(ModelRunner.captured)
     assert {nb for nb, _ in keys} <= {1, 2, 4, 6} and {kb for _, kb in keys} >= {128, 160}
+
+
+def test_warm_up_captures_every_bucket(monkeypatch):
+    monkeypatch.setattr(ModelRunner, "_capture", _fake_capture)
+    monkeypatch.setattr(ModelRunner, "captured", [], raising=False)
+    eng = LLMEngine(ModelSpec(config="llama-tiny"), EngineConfig(num_slots=6, max_seq_len=160, cuda_graph=True))
+    r = eng.executor.runner
+    assert r.warm_up() == 0  # CPU: no graphs
+    r.cuda_graph = True
+    assert r.warm_up() == 4 * 2  # batch buckets 1, 2, 4, 6 x KV buckets 128, 160
+    assert set(ModelRunner.captured) == {(nb, kb) for nb in (1, 2, 4, 6) for kb in (128, 160)}
