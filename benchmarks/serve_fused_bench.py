@@ -8,7 +8,7 @@ Parts, each saved into fused.json as soon as it is done (a timeout keeps what fi
 1. correctness: greedy tokens of the fused and eager paths through ``LLMEngine`` (CUDA graphs on) in float32;
    one decode step's logits, fused vs eager, in float32 and bfloat16.
 2. per path (fused, then eager): ``llama-1b`` random weights, bfloat16, 256 slots of 640 positions, every graph
-   captured first (``ModelRunner.warm_up``); batch-1 TPOT (128-token prompt, 256 new tokens), then offline
+   captured first (``ModelRunner.warm_up``) and each workload's prefill shape run once; batch-1 TPOT (128-token prompt, 256 new tokens), then offline
    workloads of 16, 64 and 256 requests (128-token prompts, outputs uniform in 32..512, EOS ignored), the
    decode roofline at 1, 64 and 256 rows, and the kernels of one decode step (torch.profiler, outside a graph).
 """
@@ -154,8 +154,8 @@ def throughput(out: Path, device: str, fused: bool) -> None:
     r = eng.executor.runner
     graphs = r.warm_up()
     vocab = NAMED_CONFIGS[MODEL].vocab_size
-    warm = bench.make_workload(SLOTS, (PROMPT, PROMPT), (8, 8), math.inf, vocab_size=vocab, seed=9)
-    bench.run_engine(eng, warm)  # prefill shapes and cuBLAS heuristics, once
+    for n in [1] + CONCURRENCY:  # every prefill shape measured below, once (cuBLAS heuristics, lazy loading)
+        bench.run_engine(eng, bench.make_workload(n, (PROMPT, PROMPT), (2, 2), math.inf, vocab_size=vocab, seed=9))
     _save(out, f"{name}_setup", {"graphs": graphs, "seconds": time.perf_counter() - t, "fused": r.fused,
                                  "cuda_graph": r.cuda_graph, "graph_error": r.graph_error})
     res = {}
