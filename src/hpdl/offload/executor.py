@@ -37,20 +37,50 @@ log = logging.getLogger("hpdl.offload")
 
 
 class Transport:
-    """Moves one message to or from another endpoint (blocking; called on the executor's I/O threads).
+    """Moves messages to and from other endpoints.
 
-    ``tensor`` is contiguous and on the CPU; ``tag`` a 31-bit int unique per message between two endpoints
-    among the live plans.
+    ``isend``/``irecv`` post one message and return at once with an object whose ``wait()`` blocks until it
+    is done (called on the executor's I/O threads). The dispatcher posts every message as soon as its
+    operation is ready, in issue order, so a message never waits for a free I/O thread to be *posted*:
+    a plan with more messages in flight than there are I/O threads still completes (a blocking ``send``
+    taken up by a pool thread would wait for a ``recv`` queued behind it: a deadlock). ``tensor`` is
+    contiguous and on the CPU; ``tag`` a 31-bit int unique per message between two endpoints among the
+    live plans.
     """
 
-    def send(self, tensor: torch.Tensor, endpoint: int, tag: int) -> None:
+    def isend(self, tensor: torch.Tensor, endpoint: int, tag: int):
         raise NotImplementedError
 
-    def recv(self, tensor: torch.Tensor, endpoint: int, tag: int) -> None:
+    def irecv(self, tensor: torch.Tensor, endpoint: int, tag: int):
         raise NotImplementedError
+
+    def send(self, tensor: torch.Tensor, endpoint: int, tag: int) -> None:
+        self.isend(tensor, endpoint, tag).wait()
+
+    def recv(self, tensor: torch.Tensor, endpoint: int, tag: int) -> None:
+        self.irecv(tensor, endpoint, tag).wait()
 
     def describe(self, endpoint: int) -> str:
         return f"endpoint {endpoint}"
+
+
+# How long a posted transfer may wait for its peer. Not HPDL_TIMEOUT: a persistent request's peer may start
+# it much later (load imbalance), and a Gloo wait that times out closes the pair for good, breaking every
+# later plan between the two endpoints. Failures are found otherwise: a dead peer closes its connections
+# (Gloo fails the transfer at once), and wait()/test() time out on the application's side, naming the ranks.
+TRANSFER_WAIT_S = 30 * 24 * 3600.0
+
+
+class _GlooWork:
+    __slots__ = ("work",)
+
+    def __init__(self, work):
+        self.work = work
+
+    def wait(self) -> None:
+        from datetime import timedelta
+
+        self.work.wait(timedelta(seconds=TRANSFER_WAIT_S))
 
 
 class GlooTransport(Transport):
@@ -58,7 +88,8 @@ class GlooTransport(Transport):
 
     The group is built directly on a store (``torch.distributed.ProcessGroupGloo``) rather than with
     ``new_group``: no other rank of the job has to take part, and the application's own groups and calls
-    never share its tags.
+    never share its tags. ``timeout`` bounds the group's connection set-up only; transfers wait
+    :data:`TRANSFER_WAIT_S`.
     """
 
     def __init__(self, pg, describe: Callable[[int], str] | None = None):
@@ -76,11 +107,11 @@ class GlooTransport(Transport):
         pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, timedelta(seconds=timeout))
         return cls(pg, describe)
 
-    def send(self, tensor, endpoint, tag):
-        self.pg.send([tensor], endpoint, tag).wait()
+    def isend(self, tensor, endpoint, tag):
+        return _GlooWork(self.pg.send([tensor], endpoint, tag))
 
-    def recv(self, tensor, endpoint, tag):
-        self.pg.recv([tensor], endpoint, tag).wait()
+    def irecv(self, tensor, endpoint, tag):
+        return _GlooWork(self.pg.recv([tensor], endpoint, tag))
 
     def describe(self, endpoint):
         return self._describe(endpoint) if self._describe else f"rank {endpoint}"
@@ -336,8 +367,11 @@ class Executor:
     def register(self, inst: Instance) -> None:
         self.call(self._register, inst)
 
-    def free(self, inst: Instance) -> None:
-        self.call(self._free, inst)
+    def free(self, inst: Instance, reason: str = "") -> None:
+        """Unregister ``inst``. Requests of other ranks that were waiting for one of its messages fail at once
+        (``reason`` says why it went: its rank freed it, or its process left), instead of running into
+        their timeouts."""
+        self.call(self._free, inst, reason)
 
     def start_thread(self, timeout: float = 30.0) -> None:
         """Start the dispatcher thread and wait until it runs (a progress thread that hangs at start-up
@@ -515,13 +549,14 @@ class Executor:
                 (si, so), (ri, ro) = m.send, m.recv
                 m.fn = _copy_fn(ri.ops[ro].dst, si.ops[so].src)
 
-    def _free(self, inst: Instance) -> None:
+    def _free(self, inst: Instance, reason: str = "") -> None:
         arr, seen, slots = self._boxes.get(id(inst.mailbox), (None, None, {}))
         if slots.get(inst.slot) is inst:
             del slots[inst.slot]
         if not slots:
             self._boxes.pop(id(inst.mailbox), None)
         inst.active = False
+        orphans = []
         for o, c in zip(inst.ops, inst.plan.ops):
             if o.match is None:
                 continue
@@ -531,8 +566,20 @@ class Executor:
                 continue
             setattr(m, c.kind, None)
             m.fn = None
+            m.send_ready = m.recv_ready = False
+            other = m.recv if c.kind == "send" else m.send
+            if other is not None:
+                oi, oj = other
+                if oi.active and oi.ops[oj].state == "match":  # its half waits for ours: it would never come
+                    orphans.append((oi, oj))
             if m.send is None and m.recv is None:
                 del self._matches[k]
+        for oi, oj in orphans:
+            if oi.active:
+                po = oi.ops[oj]
+                why = reason or "freed its request"
+                self._fail(oi, f"{oi.label} plan {oi.plan.name!r} op {po.describe()} cannot complete: "
+                               f"{inst.label} {why} while this request waited for that message")
 
     def _begin(self, inst: Instance, gen: int) -> None:
         if inst.error is not None:
@@ -566,11 +613,15 @@ class Executor:
                 self._complete(inst, i)
             elif o.remote:
                 o.state = "remote"
-                self._io.submit(self._transfer, inst, i, inst.gen)
+                self._post(inst, i)
             else:
                 self._half_ready(inst, o)
-        except Exception as exc:  # noqa: BLE001 - a failed copy fails this request, not the executor
-            self._fail(inst, f"{inst.label} plan {inst.plan.name!r} op {o.describe()} failed: "
+        except Exception as exc:  # noqa: BLE001 - a failed copy or post fails this request, not the executor
+            peer = ""
+            if o.remote:  # posting failed at once: the connection to that endpoint is already gone
+                inst.culprit = inst.transport.describe(o.endpoint)
+                peer = f" talking to {inst.culprit}"
+            self._fail(inst, f"{inst.label} plan {inst.plan.name!r} op {o.describe()} failed{peer}: "
                              f"{type(exc).__name__}: {exc}")
 
     def _half_ready(self, inst: Instance, o: _Op) -> None:
@@ -626,21 +677,28 @@ class Executor:
         self._completions.append(done_foreach)
         self._io_bell.ring()
 
-    def _transfer(self, inst: Instance, i: int, gen: int) -> None:
-        """I/O thread: one message to or from another endpoint (packed through ``temp`` when needed)."""
+    def _post(self, inst: Instance, i: int) -> None:
+        """Dispatcher: post one message to or from another endpoint (packing a send through ``temp``), and
+        hand its wait to an I/O thread."""
+        o = inst.ops[i]
+        if o.kind == "send":
+            if o.temp is not None:
+                o.temp.view(o.src.shape).copy_(o.src)
+            work = inst.transport.isend(o.temp if o.temp is not None else o.src, o.endpoint, o.tag)
+        else:
+            work = inst.transport.irecv(o.temp if o.temp is not None else o.dst, o.endpoint, o.tag)
+        self._io.submit(self._transfer, inst, i, inst.gen, work)
+
+    def _transfer(self, inst: Instance, i: int, gen: int, work) -> None:
+        """I/O thread: wait for one posted message (and unpack a receive through ``temp``)."""
         o = inst.ops[i]
         err = None
         try:
-            if o.kind == "send":
-                if o.temp is not None:
-                    o.temp.view(o.src.shape).copy_(o.src)
-                inst.transport.send(o.temp if o.temp is not None else o.src, o.endpoint, o.tag)
-            else:
-                inst.transport.recv(o.temp if o.temp is not None else o.dst, o.endpoint, o.tag)
-                if o.temp is not None:
-                    o.dst.copy_(o.temp.view(o.dst.shape))
-                    if o.dst.is_cuda:
-                        torch.cuda.current_stream(o.dst.device).synchronize()
+            work.wait()
+            if o.kind == "recv" and o.temp is not None:
+                o.dst.copy_(o.temp.view(o.dst.shape))
+                if o.dst.is_cuda:
+                    torch.cuda.current_stream(o.dst.device).synchronize()
         except BaseException as exc:  # noqa: BLE001 - reported through the completion queue
             err = f"{type(exc).__name__}: {exc}"
         self._completions.append((inst, i, gen, err))
