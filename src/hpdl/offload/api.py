@@ -580,10 +580,15 @@ def allreduce_init(tensor: torch.Tensor, op: str = "sum", *, group=None, algorit
 
 
 def simulate(plans: Sequence[Plan | PlanData], buffers: Sequence[dict[str, torch.Tensor]], *, starts: int = 1,
-             timeout: float = 30.0) -> list[dict[str, torch.Tensor]]:
+             timeout: float = 30.0, copy_threads: int = 1, copy_min_bytes: int = 65536,
+             stats: dict | None = None) -> list[dict[str, torch.Tensor]]:
     """Run a whole group's plans in this process, without processes or a network: ``plans[q]`` and
     ``buffers[q]`` are rank q's (unbound buffers are allocated). One executor serves every rank, as an agent
     serves a node. For testing and debugging plans; returns every rank's bound buffers.
+
+    ``copy_threads`` and ``copy_min_bytes`` are the executor's (an agent's ``threads``: copies of at least
+    ``copy_min_bytes`` bytes run on that many copy threads); ``stats``, if given, is updated with the
+    executor's counters (:attr:`Executor.stats <hpdl.offload.executor.Executor>`).
 
     Raises:
         PlanError: as :func:`compile`. OffloadTimeoutError: not done within ``timeout`` (a bug in a plan
@@ -592,21 +597,29 @@ def simulate(plans: Sequence[Plan | PlanData], buffers: Sequence[dict[str, torch
     datas = [p.data() if isinstance(p, Plan) else p for p in plans]
     compiled = compile_group(datas, key=1, endpoints=[0] * len(datas))
     tensors = [_bind(d.buffers, b, "thread") for d, b in zip(datas, buffers)]
-    ex = Executor()
+    ex = Executor(copy_threads=copy_threads, copy_min_bytes=copy_min_bytes)
     boxes = shm.Mailboxes(max(1, len(datas)), shared=False)
     insts = [Instance(c, t, boxes.array, q, None, "simulate", f"rank {q}") for q, (c, t) in enumerate(zip(compiled,
                                                                                                         tensors))]
     for inst in insts:
         ex.register(inst)
-    for g in range(1, starts + 1):
-        boxes.array[:, shm.START] = g
-        deadline = time.monotonic() + timeout
-        while (boxes.array[:, shm.DONE] != g).any():
-            if not ex.progress() and time.monotonic() > deadline:
-                stuck = [f"rank {i.plan.rank}: " + "; ".join(map(str, i.pending())) for i in insts if i.active]
-                raise OffloadTimeoutError(f"simulated plan {datas[0].name!r} start {g} not done after {timeout}s: "
-                                          + " | ".join(stuck))
-            failed = [i.error for i in insts if i.error]
-            if failed:
-                raise OffloadError(failed[0])
+    try:
+        for g in range(1, starts + 1):
+            boxes.array[:, shm.START] = g
+            deadline = time.monotonic() + timeout
+            while (boxes.array[:, shm.DONE] != g).any():
+                busy = ex.progress()
+                if not busy and ex.outstanding:  # let the copy threads have the GIL instead of spinning against them
+                    ex.sleep(0.05)
+                if not busy and time.monotonic() > deadline:
+                    stuck = [f"rank {i.plan.rank}: " + "; ".join(map(str, i.pending())) for i in insts if i.active]
+                    raise OffloadTimeoutError(f"simulated plan {datas[0].name!r} start {g} not done after {timeout}s: "
+                                              + " | ".join(stuck))
+                failed = [i.error for i in insts if i.error]
+                if failed:
+                    raise OffloadError(failed[0])
+    finally:
+        ex.stop()
+        if stats is not None:
+            stats.update(ex.stats)
     return tensors
