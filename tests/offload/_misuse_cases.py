@@ -200,3 +200,11 @@ def agent_unmaps_freed_buffers(ctx):
             mapped = [line.split()[-1] for line in fh if "hpdl-offload-buf" in line]
     dist.barrier()
     return mapped, sorted(paths)
+
+
+def not_a_member(ctx):
+    """compile() on a rank outside the group says so (the members' collective does not wait for it)."""
+    g = dist.new_group([0, 1, 2])
+    if ctx.rank != 3:
+        return None
+    return _err(lambda: ho.alltoall_init(torch.zeros(3), torch.zeros(3), group=g, progress="thread"))[:2]

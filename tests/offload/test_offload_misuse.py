@@ -204,3 +204,8 @@ def test_a_closed_doorbell_never_writes_to_a_reused_descriptor(tmp_path):
                 os.close(n)
         fh.seek(0)
         assert fh.read() == b""
+
+
+def test_compile_on_a_rank_outside_the_group_is_a_value_error():
+    kind, msg = pool().run(M.not_a_member)[3]
+    assert kind == "ValueError" and "global rank 3 is not a member" in msg, msg
