@@ -208,3 +208,23 @@ def not_a_member(ctx):
     if ctx.rank != 3:
         return None
     return _err(lambda: ho.alltoall_init(torch.zeros(3), torch.zeros(3), group=g, progress="thread"))[:2]
+
+
+def peer_freed_before_start(ctx):
+    """Rank 1 (same agent as rank 0) frees its request; rank 0 starts afterwards: it fails at once, naming
+    rank 1 (a killed rank's requests are freed the same way when its connection to the agent closes)."""
+    C.ensure_agent(ctx)
+    P = ctx.world_size
+    inp, out = ho.empty((P, 8), torch.float32), ho.empty((P, 8), torch.float32)
+    req = ho.alltoall_init(inp, out, progress="agent", timeout=30)
+    if ctx.rank == 1:
+        req.free()
+    dist.barrier()
+    res = None
+    if ctx.rank == 0:
+        req.start()
+        res = _err(lambda: req.wait())
+    dist.barrier()
+    if ctx.rank != 1:
+        req.free()
+    return res

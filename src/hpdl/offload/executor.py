@@ -195,11 +195,12 @@ class _Op:
 class _Match:
     """The two halves of a message between ranks of one executor: fired (one copy) when both are ready."""
 
-    __slots__ = ("send", "recv", "fn", "send_ready", "recv_ready")
+    __slots__ = ("send", "recv", "fn", "send_ready", "recv_ready", "gone")
 
     def __init__(self):
         self.send = self.recv = self.fn = None
         self.send_ready = self.recv_ready = False
+        self.gone = ""  # who unregistered the other half, and why (for the error of the half left behind)
 
 
 class Instance:
@@ -591,6 +592,7 @@ class Executor:
             m.fn = None
             m.send_ready = m.recv_ready = False
             other = m.recv if c.kind == "send" else m.send
+            m.gone = f"{inst.label} {reason or 'freed its request'}"
             if other is not None:
                 oi, oj = other
                 if oi.active and oi.ops[oj].state == "match":  # its half waits for ours: it would never come
@@ -649,6 +651,9 @@ class Executor:
 
     def _half_ready(self, inst: Instance, o: _Op) -> None:
         m = o.match
+        if (m.recv if o.kind == "send" else m.send) is None:  # every half registers before any start
+            raise OffloadError(f"cannot complete: {m.gone or 'the request of the matching half is not registered'} "
+                               "(its half of this message will never come)")
         o.state = "match"
         if o.kind == "send":
             m.send_ready = True
