@@ -220,6 +220,8 @@ def main() -> int:
             g[f"speedup_vs_{ref}"] = a["images_per_s"] / r["images_per_s"]
     g["speedup_ge_1.2"] = min(v for k, v in g.items() if k.startswith("speedup_vs")) >= 1.2 \
         if any(k.startswith("speedup_vs") for k in g) else False
+    # AP goals on a schedule shorter than --min-steps decide nothing (near-zero APs "meet" a 2-point gap)
+    g["conclusive"] = steps >= s.min_steps and not any(t["stopped_early"] for t in train_stats.values())
     result["goals"] = g
     (out / "sprnet_device.json").write_text(json.dumps(result, indent=1))
     plot(result, out / "sprnet_device.png")
