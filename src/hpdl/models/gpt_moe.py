@@ -302,6 +302,8 @@ class Block(nn.Module):
         Writes each token's K/V into ``cache`` at (layer, req, pos) first, then attends to positions ``<= pos``
         of its own request: the same call serves packed (padding-free) prefill and decode. Returns ``[N, H]``.
         """
+        if h.shape[0] == 0:  # an expert-parallel rank may hold no token at this layer
+            return h
         x = self.input_layernorm(h)
         q, k, v = self.qkv(x, pos)
         cache.k[self.layer, req, pos] = k
