@@ -44,3 +44,37 @@ def test_cli_affinity_and_place(tmp_path, capsys):
     assert d["heldout"]["placement"] < 0.1 and d["world_size"] == 2
     assert main(["moe", "place", str(tmp_path / "t.npz"), "--world-size", "3", "--out", str(tmp_path / "q.json")]) == 1
     assert "world_size=3" in capsys.readouterr().err
+
+
+def test_gpu_layer_script_runs_on_cpu(tmp_path):
+    """benchmarks/moe_gpu_layer.py (meant for 1 x H200) on a tiny CPU case: every kernel timed, predictions
+    labelled, comm share in [0, 1]."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "moe_gpu_layer.py"
+    spec = importlib.util.spec_from_file_location("moe_gpu_layer_script", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.SHAPES["unit"] = (32, 64)
+    out = tmp_path / "g.json"
+    assert mod.main(["--shapes", "unit", "--experts", "8", "--tokens", "16", "--gpus", "2,4", "--dtype", "float32",
+                     "--warmup", "1", "--iters", "2", "--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert len(d["rows"]) == 2 and "not measured" in d["machine_model"]["note"]
+    for r in d["rows"]:
+        assert all(r[f"{k}_us"] > 0 for k in ("route", "plan", "experts", "combine"))
+        assert 0 < r["predicted_comm_share_exflow"] < r["predicted_comm_share_baseline"] < 1
+
+
+def test_time_limit_setting(monkeypatch):
+    import pytest
+
+    from hpdl.moe import placement
+    from hpdl.moe.errors import MoEError
+
+    monkeypatch.setenv("HPDL_MOE_ILP_TIME_LIMIT", "0")
+    with pytest.raises(MoEError, match="time_limit"):
+        placement.place(np.ones((1, 4, 4)), 2)
+    monkeypatch.setenv("HPDL_MOE_ILP_TIME_LIMIT", "5")
+    assert placement.place(np.ones((1, 4, 4)), 2).status == "optimal"

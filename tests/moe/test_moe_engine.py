@@ -45,7 +45,7 @@ def reference(cfg_kw, prompts, max_new):
     return {i: m.greedy(p, max_new) for i, p in enumerate(flat)}
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [1, 4, 2])  # world 2 last: the next tests reuse its pool
 def test_tokens_identical_to_single_process(world):
     prompts = prompts_for(world, [3, 1, 0, 2])  # uneven loads; rank 2 has no request at all
     ref = reference(CFG, prompts, 6)

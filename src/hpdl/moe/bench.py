@@ -72,7 +72,7 @@ def prepare(spec: BenchSpec, E: int) -> dict:
     model = _model(spec, E)
     if model.cfg.n_experts != E:
         raise MoEError(f"model has n_experts={model.cfg.n_experts}, the sweep asks for E={E}")
-    data, source = stdlib_corpus(2_000_000)
+    data, source = stdlib_corpus(2_000_000, part="tail")  # never the text `hpdl moe train` reads
     prof = heldout_windows(data[: len(data) // 2], spec.profile_tokens, 64)
     tr = collect_trace(model, prof, source=source)
     C = affinity.transition_counts(tr.experts, E)

@@ -16,7 +16,7 @@ def _text_ids(path: str | None, max_bytes: int) -> tuple["object", str]:
     if path:
         b = Path(path).read_bytes()[:max_bytes]
         return np.frombuffer(b, dtype=np.uint8).copy(), f"file:{path}"
-    return stdlib_corpus(max_bytes)
+    return stdlib_corpus(max_bytes, part="tail")  # held out from `hpdl moe train`, which reads the head
 
 
 class MoECommand:
@@ -29,7 +29,8 @@ class MoECommand:
         t = sub.add_parser("trace", formatter_class=F, help="record every token's experts per MoE layer (npz)")
         t.add_argument("--model", required=True, help="hpdl checkpoint dir (hpdl moe train --out) or a local HF "
                        "Mixtral/Qwen2-MoE/OLMoE dir (byte-level text needs vocab >= 256, else its tokenizer)")
-        t.add_argument("--text", default=None, help="text file (default: the Python stdlib source)")
+        t.add_argument("--text", default=None, help="text file (default: the tail of the Python stdlib source, "
+                       "files `hpdl moe train` does not read)")
         t.add_argument("--tokens", type=int, default=16384, help="tokens to trace")
         t.add_argument("--seq", type=int, default=128, help="window length")
         t.add_argument("--out", required=True, help="output .npz")
@@ -42,7 +43,8 @@ class MoECommand:
         p.add_argument("--world-size", type=int, required=True)
         p.add_argument("--ranks-per-node", type=int, default=None, help="add the inter-node hop cost")
         p.add_argument("--method", default="auto", choices=["auto", "ilp", "bisect", "greedy", "contiguous", "random"])
-        p.add_argument("--time-limit", type=float, default=60.0, help="seconds for HiGHS (shared by bisection)")
+        p.add_argument("--time-limit", type=float, default=None, help="seconds for HiGHS, shared by bisection "
+                       "(default HPDL_MOE_ILP_TIME_LIMIT, 60)")
         p.add_argument("--train-fraction", type=float, default=0.5, help="fit on this head of the trace, report "
                        "on the rest")
         p.add_argument("--out", required=True, help="placement JSON for MoEEngine")

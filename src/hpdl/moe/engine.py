@@ -70,7 +70,8 @@ class MoEEngine:
         model: a :class:`MoEDecoder` in eval mode, identical on every rank.
         placement: ``ranks [n_moe_layers, E]`` (a :mod:`hpdl.moe.placement` array) or None for contiguous.
         mode: "baseline" or "exflow".
-        check: hpdl.comm's per-call argument check (None = HPDL_CHECK; benchmarks pass False).
+        check: hpdl.comm's per-call argument check (None = ``HPDL_MOE_CHECK``, whose ``auto`` defers to
+            ``HPDL_CHECK``; benchmarks pass False).
         record_routing: keep every token's experts per MoE layer, keyed by (request, position).
 
     Raises:
@@ -85,6 +86,11 @@ class MoEEngine:
         if mode == "exflow" and cfg.top_k != 1:
             raise MoEError(f"mode='exflow' needs top_k=1 (a top-k token would need a combine at its primary "
                            f"expert's rank), model has top_k={cfg.top_k}")
+        if check is None:
+            from hpdl.runtime import env
+
+            mode_env = env.get("HPDL_MOE_CHECK")
+            check = None if mode_env == "auto" else bool(mode_env)
         self.model, self.cfg, self.mode, self.group, self.check = model, cfg, mode, group, check
         self.G = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0

@@ -45,6 +45,15 @@ def _check_counts(C: np.ndarray, G: int) -> tuple[int, int]:
     return C.shape[0] + 1, E
 
 
+def _time_limit(value: float | None) -> float:
+    from hpdl.runtime import env
+
+    t = float(env.get("HPDL_MOE_ILP_TIME_LIMIT") if value is None else value)
+    if t <= 0:
+        raise MoEError(f"time_limit must be > 0 seconds, got {t}")
+    return t
+
+
 def validate(ranks: np.ndarray, world_size: int) -> np.ndarray:
     """``ranks [L, E]`` -> itself as int64; raises PlacementError unless every layer puts E/G experts per rank."""
     r = np.asarray(ranks, dtype=np.int64)
@@ -141,7 +150,7 @@ def load_placement(path: str | Path, world_size: int | None = None, n_layers: in
     return validate(r, int(d.get("world_size")))
 
 
-def ilp(C: np.ndarray, world_size: int, ranks_per_node: int | None = None, time_limit: float = 60.0,
+def ilp(C: np.ndarray, world_size: int, ranks_per_node: int | None = None, time_limit: float | None = None,
         gpu_cost: float = 1.0, node_cost: float = 2.0) -> tuple[np.ndarray | None, dict]:
     """Solve the aggregated ILP directly (see module docstring) with HiGHS.
 
@@ -151,6 +160,7 @@ def ilp(C: np.ndarray, world_size: int, ranks_per_node: int | None = None, time_
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_matrix
 
+    time_limit = _time_limit(time_limit)
     L, E = _check_counts(C, world_size)
     G = world_size
     if G == 1:
@@ -248,11 +258,12 @@ def greedy(C: np.ndarray, world_size: int, passes: int = 4) -> np.ndarray:
     return ranks
 
 
-def bisect(C: np.ndarray, world_size: int, time_limit: float = 60.0) -> tuple[np.ndarray, dict]:
+def bisect(C: np.ndarray, world_size: int, time_limit: float | None = None) -> tuple[np.ndarray, dict]:
     """Recursive halving for power-of-two ``world_size``: a G=2 ILP splits the experts of every layer into two
     halves of E/2, then each half (its sub-matrix of C) is split again. Rank ids follow the halves, so with
     ``ranks_per_node`` a power of two the first cuts are the node boundaries (the costliest hops are cut first).
     The time limit is shared: each of the ``G - 1`` two-way programs gets ``time_limit / (G - 1)``."""
+    time_limit = _time_limit(time_limit)
     L, E = _check_counts(C, world_size)
     G = world_size
     if G & (G - 1):
@@ -286,10 +297,12 @@ def bisect(C: np.ndarray, world_size: int, time_limit: float = 60.0) -> tuple[np
 
 
 def place(C: np.ndarray, world_size: int, method: str = "auto", ranks_per_node: int | None = None,
-          time_limit: float = 60.0, gpu_cost: float = 1.0, node_cost: float = 2.0, seed: int = 0) -> PlacementResult:
+          time_limit: float | None = None, gpu_cost: float = 1.0, node_cost: float = 2.0,
+          seed: int = 0) -> PlacementResult:
     """Place experts from aggregated counts ``C [L-1, E, E]`` on ``world_size`` ranks.
 
     Args:
+        time_limit: seconds for HiGHS (default ``HPDL_MOE_ILP_TIME_LIMIT``).
         method: "ilp" (direct program, with the node hop cost when ``ranks_per_node`` < world_size),
             "bisect" (recursive halving, power-of-two world sizes), "greedy", "contiguous", "random", or
             "auto" (ilp for G <= 2 or with nodes, bisect for power-of-two G >= 4, else ilp); an ILP that finds
@@ -297,6 +310,7 @@ def place(C: np.ndarray, world_size: int, method: str = "auto", ranks_per_node: 
     Raises:
         MoEError: world_size does not divide E, bad method or ranks_per_node.
     """
+    time_limit = _time_limit(time_limit)
     L, E = _check_counts(C, world_size)
     G = world_size
     t0 = time.perf_counter()

@@ -28,11 +28,19 @@ from hpdl.moe.errors import MoEError
 from hpdl.moe.trace import collect_trace
 
 
-def stdlib_corpus(max_bytes: int = 4_000_000, root: str | Path | None = None) -> tuple[np.ndarray, str]:
-    """Bytes of the ``*.py`` files under ``root`` (default: this interpreter's stdlib), sorted by path,
-    concatenated up to ``max_bytes``. Returns ``(uint8 array, source description)``."""
+def stdlib_corpus(max_bytes: int = 4_000_000, root: str | Path | None = None,
+                  part: str = "head") -> tuple[np.ndarray, str]:
+    """Bytes of the ``*.py`` files under ``root`` (default: this interpreter's stdlib, without test suites and
+    site-packages), concatenated up to ``max_bytes``. ``part="head"`` takes files in sorted path order (what
+    :func:`train` reads), ``part="tail"`` in reverse order, so a trace of the tail is text the model never saw
+    as long as both parts together stay under the corpus size (about 13 MB for CPython 3.11).
+    Returns ``(uint8 array, source description)``."""
+    if part not in ("head", "tail"):
+        raise MoEError(f"part must be 'head' or 'tail', got {part!r}")
     root = Path(root or sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts)
+    if part == "tail":
+        files.reverse()
     if not files:
         raise MoEError(f"root={root}: no *.py files")
     buf, n = [], 0
@@ -46,7 +54,7 @@ def stdlib_corpus(max_bytes: int = 4_000_000, root: str | Path | None = None) ->
         if n >= max_bytes:
             break
     data = np.frombuffer(b"".join(buf)[:max_bytes], dtype=np.uint8).copy()
-    return data, f"stdlib:{root} ({len(buf)} files, {len(data)} bytes)"
+    return data, f"stdlib-{part}:{root} ({len(buf)} files, {len(data)} bytes)"
 
 
 def batches(data: np.ndarray, batch: int, seq: int, seed: int):
