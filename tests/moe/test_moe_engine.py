@@ -128,3 +128,26 @@ def test_engine_rejects_foreign_placement():
         E.MoEEngine(make_model(CFG), np.zeros((3, 8), dtype=int), mode="baseline")
     with pytest.raises(PlacementError):
         E.MoEEngine(make_model(CFG), np.zeros((4, 8), dtype=int) + 1, mode="baseline")
+
+
+def _local_capacity_alltoall(ctx):
+    """Each rank sizes its receive buffer from a capacity computed from its own token count (the pitfall)."""
+    import hpdl.comm as hc
+    from hpdl.runtime.errors import CollectiveMismatchError
+
+    n_local = 4 if ctx.rank == 0 else 40
+    G = ctx.world_size
+    send = [n_local // G] * G
+    cap = dispatch.local_capacity(n_local, 1, 8)
+    recv = [send[q] if q == ctx.rank else cap for q in range(G)]
+    try:
+        hc.all_to_all_single(torch.zeros(sum(recv), 4), torch.ones(sum(send), 4), output_split_sizes=recv,
+                             input_split_sizes=send, check=True)
+    except CollectiveMismatchError as e:
+        return str(e)
+    return "no error"
+
+
+def test_disagreeing_capacities_are_caught_not_hung():
+    msgs = get_pool(2).run(_local_capacity_alltoall, timeout=60)
+    assert all("split" in m.lower() for m in msgs), msgs
