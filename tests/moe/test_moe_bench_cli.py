@@ -78,3 +78,16 @@ def test_time_limit_setting(monkeypatch):
         placement.place(np.ones((1, 4, 4)), 2)
     monkeypatch.setenv("HPDL_MOE_ILP_TIME_LIMIT", "5")
     assert placement.place(np.ones((1, 4, 4)), 2).status == "optimal"
+
+
+def test_cli_train_then_trace(tmp_path, capsys):
+    out = tmp_path / "m"
+    assert main(["moe", "train", "--steps", "2", "--batch", "2", "--seq", "32", "--hidden", "16", "--layers", "2",
+                 "--experts", "4", "--checkpoints", "2", "--max-bytes", "200000", "--out", str(out)]) == 0
+    hist = json.loads((out / "history.json").read_text())
+    assert [c["step"] for c in hist["checkpoints"]] == [0, 2] and (out / "affinity.png").is_file()
+    assert main(["moe", "trace", "--model", str(out), "--tokens", "256", "--seq", "32",
+                 "--out", str(tmp_path / "t.npz")]) == 0
+    tr = Trace.load(tmp_path / "t.npz")
+    assert tr.experts.shape == (256, 2, 1) and tr.meta["data"]["source"].startswith("stdlib-tail")
+    assert "256 tokens x 2 MoE layers" in capsys.readouterr().out

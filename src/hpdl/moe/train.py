@@ -13,6 +13,7 @@ Loss: next-byte cross-entropy plus the Switch Transformer load-balancing loss (a
 from __future__ import annotations
 
 import math
+import os
 import sysconfig
 import time
 from pathlib import Path
@@ -38,7 +39,11 @@ def stdlib_corpus(max_bytes: int = 4_000_000, root: str | Path | None = None,
     if part not in ("head", "tail"):
         raise MoEError(f"part must be 'head' or 'tail', got {part!r}")
     root = Path(root or sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts)
+    files = []
+    for d, dirs, names in os.walk(root):  # prune while walking: site-packages can hold gigabytes
+        dirs[:] = [x for x in dirs if x not in ("site-packages", "dist-packages", "test", "__pycache__")]
+        files.extend(Path(d) / n for n in names if n.endswith(".py"))
+    files.sort()
     if part == "tail":
         files.reverse()
     if not files:
