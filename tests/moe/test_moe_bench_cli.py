@@ -17,13 +17,15 @@ def test_bench_rank_tiny_sweep():
     prep = prepare(spec, 4)
     rows = summarise(get_pool(2).run(bench_rank, asdict(spec), 4, prep))  # raises if ExFlow tokens differ
     # the baseline gathers only the prompts once (global request ids); ExFlow also K/V rows every step
-    assert {r["mode"] for r in rows} == {"baseline", "exflow", "exflow_contiguous"}
+    assert {r["mode"] for r in rows} == {"baseline", "exflow", "exflow_contiguous", "baseline_padded",
+                                         "exflow_padded"}
     by = {(r["mode"], r["batch_per_rank"]): r for r in rows}
     for b in (1, 3):
         base, ex = by["baseline", b], by["exflow", b]
         assert base["a2a_calls_per_layer"] == 2.0 and ex["a2a_calls_per_layer"] < 2.0
         assert base["speedup_vs_baseline"] == 1.0 and ex["tokens_per_s"] > 0
         assert len(ex["a2a_bytes_per_layer"]) == 3 and ex["gather_bytes"] > 10 * base["gather_bytes"]
+        assert by["exflow_padded", b]["count_seconds"] == 0 < ex["count_seconds"]
 
 
 def test_cli_affinity_and_place(tmp_path, capsys):

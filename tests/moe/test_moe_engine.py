@@ -30,11 +30,11 @@ def prompts_for(world, per_rank, seed=0):
             for n in per_rank[:world]]
 
 
-def _run(ctx, cfg_kw, mode, placement, prompts, max_new, record):
+def _run(ctx, cfg_kw, mode, placement, prompts, max_new, record, capacity="exchange"):
     import hpdl.moe.engine as E
 
     m = make_model(cfg_kw)
-    eng = E.MoEEngine(m, placement, mode=mode, record_routing=record)
+    eng = E.MoEEngine(m, placement, mode=mode, record_routing=record, capacity=capacity)
     out = eng.generate(prompts[ctx.rank], max_new)
     return out, eng.stats.as_dict(), {f"{k[0]},{k[1]}": v for k, v in eng.routing.items()}
 
@@ -51,12 +51,13 @@ def test_tokens_identical_to_single_process(world):
     ref = reference(CFG, prompts, 6)
     pool = get_pool(world)
     place = random_placement(4, 8, world, seed=world)
-    for mode in ("baseline", "exflow"):
-        res = pool.run(_run, CFG, mode, place, prompts, 6, False)
+    for mode, capacity in (("baseline", "exchange"), ("exflow", "exchange"), ("baseline", "worst_case"),
+                           ("exflow", "worst_case")):
+        res = pool.run(_run, CFG, mode, place, prompts, 6, False, capacity)
         got = {}
         for out, _, _ in res:
             got.update(out)
-        assert got == ref, mode
+        assert got == ref, (mode, capacity)
         st = res[0][1]
         n_moe = 4
         if world > 1:  # one payload Alltoall per MoE layer per forward in ExFlow's decode, two in the baseline
@@ -64,6 +65,9 @@ def test_tokens_identical_to_single_process(world):
             steps = 6  # 1 prefill + 5 decode forwards
             want = 2 * steps if mode == "baseline" else 2 + (steps - 1)
             assert all(calls[li] == want for li in range(n_moe)), (mode, calls)
+            # count exchanges only with exact capacities; padded ones need none
+            assert st["count_calls"] == (0 if capacity == "worst_case" else sum(calls.values()) // (
+                2 if mode == "baseline" else 1) - (n_moe if mode == "exflow" else 0)), (mode, capacity, st)
 
 
 def test_top2_baseline_and_shared_expert():

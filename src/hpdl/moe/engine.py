@@ -38,6 +38,7 @@ from hpdl.moe.errors import MoEError
 from hpdl.moe.placement import contiguous, validate
 
 MODES = ("baseline", "exflow")
+CAPACITIES = ("exchange", "worst_case")
 
 
 @dataclass
@@ -73,15 +74,23 @@ class MoEEngine:
         check: hpdl.comm's per-call argument check (None = ``HPDL_MOE_CHECK``, whose ``auto`` defers to
             ``HPDL_CHECK``; benchmarks pass False).
         record_routing: keep every token's experts per MoE layer, keyed by (request, position).
+        capacity: "exchange" (exact counts exchanged before every payload Alltoall: a small extra collective
+            per layer, no padding) or "worst_case" (no count exchange: every rank sends ``C`` rows to every peer,
+            where ``C`` is the most rows any rank can hold, derived from the all-gathered prompt table so all
+            ranks agree; pad rows carry a 0 flag and are never computed; dropless, more bytes, one collective
+            less per layer: the latency-bound choice).
 
     Raises:
         MoEError: unknown mode, exflow with top_k > 1, a placement for another world size or model.
     """
 
     def __init__(self, model: MoEDecoder, placement=None, mode: str = "exflow", group=None,
-                 check: bool | None = None, record_routing: bool = False):
+                 check: bool | None = None, record_routing: bool = False, capacity: str = "exchange"):
         if mode not in MODES:
             raise MoEError(f"mode must be one of {MODES}, got {mode!r}")
+        if capacity not in CAPACITIES:
+            raise MoEError(f"capacity must be one of {CAPACITIES}, got {capacity!r}")
+        self.capacity, self.cap_rows = capacity, 0
         cfg = model.cfg
         if mode == "exflow" and cfg.top_k != 1:
             raise MoEError(f"mode='exflow' needs top_k=1 (a top-k token would need a combine at its primary "
@@ -106,7 +115,18 @@ class MoEEngine:
 
     # --- collectives (hpdl.comm public API; everything after the tensors by keyword) ----------------------
     def _exchange(self, payload: torch.Tensor, send: list[int], layer: int) -> tuple[torch.Tensor, list[int]]:
-        """Counts first, then the payload: returns (received rows, recv counts per source rank)."""
+        """Dispatch ``payload`` (rows grouped by destination, ``send[q]`` rows for rank q); returns (received
+        rows grouped by source, recv counts per source). "exchange": counts first, then exactly sized rows;
+        "worst_case": one equal-split Alltoall of ``cap_rows`` rows per peer with a validity column."""
+        if self.capacity == "worst_case":
+            C = self.cap_rows
+            if max(send, default=0) > C:
+                raise MoEError(f"rank {self.rank}: {max(send)} rows for one peer exceed the agreed capacity {C}")
+            buf = self._pad(torch.cat([payload, torch.ones(len(payload), 1, dtype=payload.dtype)], 1), send, C)
+            got = self._a2a(buf, [C] * self.G, [C] * self.G, layer)
+            valid = got[:, -1].view(self.G, C) > 0
+            recv = valid.sum(1).tolist()
+            return got[valid.reshape(-1), :-1], recv
         t0 = time.perf_counter()
         send_t = torch.tensor(send, dtype=torch.int64)
         recv_t = torch.empty(self.G, dtype=torch.int64)
@@ -120,6 +140,26 @@ class MoEEngine:
         self.stats.count_calls += 1
         self.stats.count_seconds += t1 - t0
         return out, recv
+
+    def _combine(self, y: torch.Tensor, recv: list[int], send: list[int], layer: int) -> torch.Tensor:
+        """The dispatch reversed: ``y`` (rows grouped by source) back to their sources."""
+        if self.capacity == "worst_case":
+            C = self.cap_rows
+            got = self._a2a(self._pad(y, recv, C), [C] * self.G, [C] * self.G, layer)
+            return self._unpad(got, send, C)
+        return self._a2a(y, recv, send, layer)
+
+    def _pad(self, rows: torch.Tensor, counts: list[int], C: int) -> torch.Tensor:
+        """Rows grouped by peer (``counts``) -> ``[G*C, W]`` with peer q's rows at ``[q*C, q*C + counts[q])``."""
+        buf = torch.zeros(self.G * C, rows.shape[1], dtype=rows.dtype)
+        idx = torch.cat([torch.arange(q * C, q * C + n) for q, n in enumerate(counts)]) if rows.shape[0] else \
+            torch.zeros(0, dtype=torch.int64)
+        buf[idx] = rows
+        return buf
+
+    def _unpad(self, buf: torch.Tensor, counts: list[int], C: int) -> torch.Tensor:
+        idx = torch.cat([torch.arange(q * C, q * C + n) for q, n in enumerate(counts)])
+        return buf[idx]
 
     def _a2a(self, payload: torch.Tensor, send: list[int], recv: list[int], layer: int) -> torch.Tensor:
         out = torch.empty(sum(recv), payload.shape[1], dtype=payload.dtype)
@@ -179,7 +219,7 @@ class MoEEngine:
         recv, rc = self._exchange(payload, p.send_counts, li)
         H = x.shape[1]
         y = self._experts(blk.mlp, recv[:, :H], recv[:, H + 1].long(), recv[:, H], li)
-        back = self._a2a(y, rc, p.send_counts, li)  # combine: the dispatch's splits reversed
+        back = self._combine(y, rc, p.send_counts, li)
         out = back[dispatch.inverse(p.order)].view(n, k, H).sum(1)
         s = blk.mlp.shared(x)
         return h + (out if s is None else out + s), req, pos
@@ -254,10 +294,12 @@ class MoEEngine:
                             dtype=torch.int64)[:, None]
         rows = self._gather_rows(flat)[:, 0].tolist()
         out, mine, i, g = [], [], 0, 0
+        self._owners = []
         while i < len(rows):
             n = rows[i]
             lens = rows[i + 1:i + 1 + n]
             j = i + 1 + n
+            self._owners.append(list(range(len(out), len(out) + n)))
             for ln in lens:
                 if g == self.rank:
                     mine.append(len(out))
@@ -291,8 +333,15 @@ class MoEEngine:
         req = torch.tensor([r for r in mine for _ in all_prompts[r]], dtype=torch.int64)
         pos = torch.tensor([q for r in mine for q in range(len(all_prompts[r]))], dtype=torch.int64)
         ids = torch.tensor([t for r in mine for t in all_prompts[r]], dtype=torch.int64)
+        # worst-case capacity per (source, destination) pair, from the prompt table every rank holds: in prefill
+        # a rank holds its own prompts' tokens; in decode one token per request of its own (baseline) or, as
+        # tokens wander in ExFlow, up to every request's.
+        k = self.cfg.top_k
+        counts = self._owners  # global request ids of every rank, from the gathered table
+        self.cap_rows = k * max((sum(len(all_prompts[r]) for r in rs) for rs in counts), default=0)
         kv_log = [] if coherent else None
         h, req, pos = self._forward(ids, req, pos, stay=False, kv_log=kv_log)
+        self.cap_rows = k * (B if coherent else max((len(rs) for rs in counts), default=0))
         last = torch.tensor([i for i in range(len(req)) if i + 1 == len(req) or req[i + 1] != req[i]],
                             dtype=torch.int64)
         h, req, pos = h[last], req[last], pos[last]
