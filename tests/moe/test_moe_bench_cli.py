@@ -26,6 +26,7 @@ def test_bench_rank_tiny_sweep():
         assert base["speedup_vs_baseline"] == 1.0 and ex["tokens_per_s"] > 0
         assert len(ex["a2a_bytes_per_layer"]) == 3 and ex["gather_bytes"] > 10 * base["gather_bytes"]
         assert by["exflow_padded", b]["count_seconds"] == 0 < ex["count_seconds"]
+        assert by["exflow_padded", b]["gather_calls"] < ex["gather_calls"]
 
 
 def test_cli_affinity_and_place(tmp_path, capsys):

@@ -131,7 +131,7 @@ def bench_rank(ctx, spec_d: dict, E: int, prep: dict) -> list[dict]:
                          "a2a_calls_per_layer": stats["a2a_calls"].get(0, 0) / forwards,
                          "a2a_bytes_per_layer": per_layer_bytes, "a2a_seconds_per_layer": per_layer_s,
                          "count_seconds": stats["count_seconds"], "gather_seconds": stats["gather_seconds"],
-                         "gather_bytes": stats["gather_bytes"],
+                         "gather_bytes": stats["gather_bytes"], "gather_calls": stats["gather_calls"],
                          "cross_share": sum(stats["rows_cross"].values()) / max(1, disp)})
             if ctx.rank == 0:
                 r = rows[-1]
@@ -179,7 +179,7 @@ def summarise(per_rank: list[list[dict]]) -> list[dict]:
         r0.pop("rank")
         for k in ("a2a_bytes_per_layer", "a2a_seconds_per_layer"):
             r0[k] = np.mean([r[k] for r in rows], axis=0).tolist()
-        for k in ("count_seconds", "gather_seconds", "gather_bytes", "cross_share"):
+        for k in ("count_seconds", "gather_seconds", "gather_bytes", "gather_calls", "cross_share"):
             r0[k] = float(np.mean([r[k] for r in rows]))
         merged.append(r0)
     base = {(r["experts"], r["batch_per_rank"]): r["tokens_per_s"] for r in merged if r["mode"] == "baseline"}

@@ -174,12 +174,25 @@ class MoEEngine:
         self.stats.a2a_bytes[layer] += (sum(send) - send[self.rank]) * payload.shape[1] * payload.element_size()
         return out
 
-    def _gather_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """Variable-size all-gather: counts, then rows padded to the largest count; returns all ranks' rows."""
+    def _gather_rows(self, rows: torch.Tensor, cap: int | None = None) -> torch.Tensor:
+        """Variable-size all-gather; returns all ranks' rows in rank order. Without ``cap``: counts first, then
+        rows padded to the largest count. With ``cap`` (an agreed upper bound): one all-gather of ``cap`` rows
+        per rank, pad rows marked ``-2`` in column 0 (callers' real rows never hold -2 there)."""
         t0 = time.perf_counter()
-        n = torch.tensor([rows.shape[0]], dtype=torch.int64)
         if self.G == 1:
             return rows
+        if cap is not None:
+            if rows.shape[0] > cap:
+                raise MoEError(f"rank {self.rank}: {rows.shape[0]} rows exceed the agreed gather capacity {cap}")
+            buf = torch.full((cap, rows.shape[1]), -2.0, dtype=rows.dtype)
+            buf[:rows.shape[0]] = rows
+            out = torch.empty(self.G * cap, rows.shape[1], dtype=rows.dtype)
+            hc.all_gather(out, buf, group=self.group, check=self.check)
+            self.stats.gather_calls += 1
+            self.stats.gather_bytes += (self.G - 1) * cap * rows.shape[1] * rows.element_size()
+            self.stats.gather_seconds += time.perf_counter() - t0
+            return out[out[:, 0] > -2]
+        n = torch.tensor([rows.shape[0]], dtype=torch.int64)
         counts = torch.empty(self.G, dtype=torch.int64)
         hc.all_gather(counts, n, group=self.group, check=self.check)
         m = int(counts.max())
@@ -266,7 +279,7 @@ class MoEEngine:
                 h = h + blk.mlp(blk.post_attention_layernorm(h))
         return h, req, pos
 
-    def _sync_context(self, kv_log, req, pos, tok):
+    def _sync_context(self, kv_log, req, pos, tok, cap: int | None = None):
         """ExFlow's per-step all-gather: K/V rows computed here + new tokens; every rank applies all of them."""
         kvd = self.cfg.n_kv_heads * self.cfg.head_dim
         parts = []
@@ -277,7 +290,7 @@ class MoEEngine:
             parts.append(torch.cat([meta, k, v], 1))
         tok_rows = torch.zeros(len(req), 3 + 2 * kvd)
         tok_rows[:, 0], tok_rows[:, 1], tok_rows[:, 2] = -1, req.float(), tok.float()
-        rows = self._gather_rows(torch.cat(parts + [tok_rows], 0))
+        rows = self._gather_rows(torch.cat(parts + [tok_rows], 0), cap)
         is_tok = rows[:, 0] < 0
         kvr = rows[~is_tok]
         l, s, p = kvr[:, 0].long(), kvr[:, 1].long(), kvr[:, 2].long()
@@ -307,6 +320,16 @@ class MoEEngine:
                 j += ln
             i, g = j, g + 1
         return out, mine
+
+    def _sync_cap(self, step: int, owners: list[list[int]], all_prompts) -> int | None:
+        """With ``capacity="worst_case"``: the most rows any rank can contribute to a step's all-gather (every
+        layer's K/V of the tokens it may hold, plus its sampled tokens), so the counts all-gather is skipped."""
+        if self.capacity != "worst_case":
+            return None
+        n_layers = self.cfg.n_layers
+        if step == 0:  # after prefill: a rank's own prompt tokens at every layer, and one token per own request
+            return max(n_layers * sum(len(all_prompts[r]) for r in rs) + len(rs) for rs in owners)
+        return (n_layers + 1) * len(all_prompts)  # a rank may hold every request's token at every layer
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> dict[int, list[int]]:
@@ -349,7 +372,7 @@ class MoEEngine:
         out: dict[int, list[int]] = {r: [] for r in mine}
         for step in range(max_new_tokens):
             if coherent:
-                all_req, all_tok = self._sync_context(kv_log, req, pos, tok)
+                all_req, all_tok = self._sync_context(kv_log, req, pos, tok, self._sync_cap(step, counts, all_prompts))
                 for r, t in zip(all_req.tolist(), all_tok.tolist()):
                     if r in out:
                         out[r].append(t)
