@@ -373,7 +373,7 @@ def test_drivers_sharing_one_storage_never_ask_past_the_budget(tmp_path, monkeyp
     monkeypatch.setattr(drv_mod, "_BUDGET_READ_S", 0.0)  # this test's steps may take less than 50 ms
     d = spec_dict(tmp_path, n_trials=4, lookahead=2, storage=f"sqlite:///{tmp_path}/shared.db")
     a = Driver(StudySpec.from_dict(d))
-    b = Driver(StudySpec.from_dict(d), resume=True)
+    b = Driver(StudySpec.from_dict({**d, "run_dir": str(tmp_path / "node-b")}), resume=True)  # another node
     try:
         a._sample(*a.ledger.lineages())   # a: configurations 0 and 1
         b._sample(*b.ledger.lineages())   # b: 2 and 3, the whole budget
@@ -399,7 +399,7 @@ def test_a_driver_that_sees_another_reads_the_store_before_each_ask(tmp_path, mo
     monkeypatch.setattr(drv_mod, "_BUDGET_READ_S", 0.0)
     d = spec_dict(tmp_path, n_trials=5, lookahead=2, storage=f"sqlite:///{tmp_path}/shared.db")
     a = Driver(StudySpec.from_dict(d))
-    b = Driver(StudySpec.from_dict(d), resume=True)
+    b = Driver(StudySpec.from_dict({**d, "run_dir": str(tmp_path / "node-b")}), resume=True)  # another node
     try:
         a._sample(*a.ledger.lineages())   # a: 0, 1 (alone so far)
         b._sample(*b.ledger.lineages())   # b saw a's: reads first, asks 2, 3

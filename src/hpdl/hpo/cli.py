@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from importlib import resources
 
 
@@ -93,8 +94,14 @@ class HpoCommand:
 
         from hpdl.hpo.driver import run_study
 
+        from hpdl.hpo.errors import HpoInterrupted
+
         spec = self._spec(args)
-        res = run_study(spec, resume=resume, progress=not args.no_progress)
+        try:
+            res = run_study(spec, resume=resume, progress=not args.no_progress)
+        except HpoInterrupted as exc:  # one line, and the shell's status for the signal
+            print(f"hpdl hpo: {exc}", file=sys.stderr)
+            return exc.exit_code
         out = asdict(res)
         if args.out:
             with open(args.out, "w") as f:
@@ -105,8 +112,14 @@ class HpoCommand:
             print(f"study {res.study} [{res.policy}]: {res.complete} complete, {res.pruned} pruned, "
                   f"failures {res.failures or 'none'}, wall {res.wall_s:.1f} s "
                   f"(+ {res.warmup_s:.1f} s warm pool start-up)")
+            if res.requeued:
+                print(f"re-queued without spending an attempt: {res.requeued}")
             print(f"best value {res.best_value} with {res.best_params}")
             print(f"storage {spec.storage} (optuna-dashboard {spec.storage})")
+        if res.complete == 0:  # the budget is spent and there is no result: a script must see it
+            print(f"hpdl hpo: study {res.study!r} ended with no completed configuration "
+                  f"(failures {res.failures or 'none'}, {res.pruned} pruned); see `hpdl hpo status`", file=sys.stderr)
+            return 1
         return 0
 
     def _resume(self, args) -> int:

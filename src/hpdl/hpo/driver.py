@@ -23,23 +23,29 @@ import logging
 import math
 import os
 import socket
+import signal
 import statistics
+import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as mp_wait
 from pathlib import Path
 from typing import Any
 
-from hpdl.hpo.errors import HpoError
+from hpdl.hpo.checkpoint import check_writable, checkpoint_dir
+from hpdl.hpo.errors import HpoError, HpoInterrupted
 from hpdl.hpo.launch import WARM_MAX, WARM_TIMEOUT_S, LocalLauncher, WorkerHandle, send
 from hpdl.hpo.ledger import Ledger
+from hpdl.hpo.lock import StudyLock
 from hpdl.hpo.pool import PoolSource
 from hpdl.hpo.profiler import CONTEXT_BYTES, ProfileCache, TrialProfile, static_profile
 from hpdl.hpo.scheduler import SMALL_BYTES, DeviceState, TrialDemand, get_policy, mps_active
-from hpdl.hpo.spec import StudySpec, make_pruner, make_sampler, make_storage
+from hpdl.hpo.spec import StudySpec, make_pruner, make_sampler, make_storage, sqlite_path
 from hpdl.hpo.workloads import get_workload
 
 _PREEMPT_TIMEOUT_S = 30.0
+_STOP_TIMEOUT_S = 3.0  # SIGINT/SIGTERM: workers get this long to checkpoint; the driver exits within 5 s
 _START_FAILURES_MAX = 3  # workers of one device (and MPS cap) in a row dying before ready: the device is left out
 _ESTIMATE_BUDGET_S = 0.05  # static estimates per loop tick: dispatch what is known instead of waiting for all
 _SAMPLE_BUDGET_S = 0.05  # asks per loop tick after the first (each is ~6 storage commits): start early
@@ -54,6 +60,7 @@ class _Trial:
     params: dict
     skey: str
     since: float
+    attempt: int = 0  # failed attempts of its configuration before this one (user attribute hpdl_attempt)
     device_id: str = ""
     worker: Any = None
     demand: TrialDemand | None = None
@@ -64,8 +71,11 @@ class _Trial:
 @dataclass
 class StudyResult:
     """Outcome of :func:`run_study`. ``history`` is ``[(elapsed_s, best_value)]`` at each improvement;
-    ``failures`` counts failed attempts by kind (``oom``, ``error``, ``died``, ``driver_died``, ``too_big``,
-    ``nan``: the objective returned NaN, not retried);
+    ``failures`` counts the trials' own failed attempts by kind (``oom``, ``error``, ``died``, ``too_big``,
+    ``checkpoint``: someone else's checkpoint on its path, not retried; ``nan``: the objective returned
+    NaN, not retried); ``requeued`` counts trials a driver stopped and re-queued without spending an
+    attempt (``driver_died``: found running by ``resume`` after a kill; ``interrupted``: SIGINT/SIGTERM or an
+    error of the driver);
     ``preempted`` counts trials stopped with a checkpoint and continued elsewhere (device removed, or
     migrated by ``pack_hetero`` to a faster GPU). ``wall_s`` runs from the moment the warm worker pool was
     ready (``started_at``, Unix time) until the budget finished; ``warmup_s`` is the time the pool took before
@@ -83,6 +93,7 @@ class StudyResult:
     study: str
     policy: str
     n_trials: int
+    requeued: dict[str, int]
     wall_s: float
     complete: int
     pruned: int
@@ -115,7 +126,24 @@ class Driver:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         self.spec = spec
         self.run_dir = Path(spec.run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        check_writable(self.run_dir, "run_dir")
+        if (db := sqlite_path(spec.storage)) is not None:
+            if resume and not db.exists():  # do not create an empty store for a study that is not there
+                raise HpoError(f"study {spec.study!r} not found: no study store at {db} "
+                               "(is run_dir/storage right? `hpdl hpo run` starts a study)")
+            check_writable(db.parent, "the storage's folder")
+        check_writable(self.run_dir / "checkpoints", "the checkpoint folder")
+        self.lock = StudyLock(self.run_dir, spec.study, spec.storage)
+        self.lock.acquire()  # before anything reads or changes the study's trials
+        try:
+            self._open(spec, resume, progress)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _open(self, spec: StudySpec, resume: bool, progress: bool) -> None:
+        import optuna
+
         self._spec_dict = {**spec.to_dict(), "storage": spec.storage, "run_dir": str(self.run_dir.resolve())}
         self.workload = get_workload(spec.workload)
         self.dists = spec.distributions()
@@ -125,7 +153,7 @@ class Driver:
         if spec.backend.get("name", "local") != "ray":
             self.pool = PoolSource(spec.pool)  # a bad pool fails before the study is created
         self.profiles = ProfileCache(self.run_dir / "profiles.json")
-        storage = make_storage(spec.storage)
+        self.storage = storage = make_storage(spec.storage)
         names = [s.study_name for s in optuna.get_all_study_summaries(storage)]
         if resume and spec.study not in names:
             raise HpoError(f"study {spec.study!r} not found in {spec.storage}; use `hpdl hpo run` to start it")
@@ -142,7 +170,16 @@ class Driver:
             if self.backend is not None:  # do not leave Ray holding the GPUs' placement group
                 self.backend.shutdown()
             raise
+        self.lock.check_heartbeat(self.study)  # a live driver of this host with another run_dir: refuse
+        self.lock.beat(force=True)
         self.study.set_user_attr("hpdl_spec", spec.to_dict())
+        # checkpoints belong to this study in this store: a study of the same name in another store, or a
+        # study deleted and created again, gets another id and never reads them
+        uid = self.study.user_attrs.get("hpdl_uid") or uuid.uuid4().hex
+        self.study.set_user_attr("hpdl_uid", uid)
+        self.checkpoint_dir = checkpoint_dir(self.run_dir, spec.study, uid)
+        check_writable(self.checkpoint_dir, "the checkpoint folder")
+        self._spec_dict.update(study_uid=uid, checkpoint_dir=str(self.checkpoint_dir.resolve()))
         self.progress = progress
         self.host = socket.gethostname()
         self.pending: list[_Trial] = []
@@ -152,6 +189,8 @@ class Driver:
         self._broken: set[str] = set()  # devices left out after _START_FAILURES_MAX such deaths
         self._phase_s: dict[str, float] = {}
         self.preempted = 0
+        self._stopping = False  # the driver stops: a worker's "preempted" re-queues its trial
+        self._signal, self._t_signal = None, 0.0
         self.migrated = 0
         self._last_migrate = 0.0
         self.history: list[tuple[float, float]] = []
@@ -174,9 +213,13 @@ class Driver:
             self.workload.estimate(dict(spec.fixed))
         except Exception:  # noqa: BLE001 - warm-up only; a workload that cannot build fails in its trials
             pass
-        self.ledger = Ledger(self.study, spec.max_retries, self.host)
+        from optuna.trial import TrialState
+
+        done = [t.value for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))]
+        self._prior_best = ((max if spec.direction == "maximize" else min)(done)) if done else None
+        self.ledger = Ledger(self.study, spec.max_retries, self.host, storage=self.storage)
         if resume:
-            self.ledger.recover()
+            self.ledger.recover()  # safe: this driver holds the study's lock, no live driver runs its trials
 
     # ------------------------------------------------------------------ demands and placement
     def _demand(self, t: _Trial, kinds: set[str]) -> TrialDemand:
@@ -219,7 +262,8 @@ class Driver:
         return {"trial_id": t.trial_id, "number": t.number, "lineage": t.lineage, "params": t.params,
                 "device_id": device.id,
                 "profile": need_profile, "static": self._static(t, device.kind).__dict__ if need_profile else None,
-                "host": self.host, "context_bytes": CONTEXT_BYTES if device.torch_device.startswith("cuda") else 0,
+                "host": self.host, "study_uid": self._spec_dict["study_uid"],
+                "checkpoint_dir": self._spec_dict["checkpoint_dir"], "context_bytes": CONTEXT_BYTES if device.torch_device.startswith("cuda") else 0,
                 "memory_cap": self.policy.memory_cap(t.demand, device) if t.demand is not None else None}
 
     @property
@@ -233,7 +277,7 @@ class Driver:
         w.trial, t.worker, t.device_id = t, w, device.id  # the worker records host, pid and start time
         self.running[t.number] = t
         if self.backend is not None:
-            self.study._storage.set_trial_user_attr(t.trial_id, "hpdl_gpu_fraction", frac)
+            self.storage.set_trial_user_attr(t.trial_id, "hpdl_gpu_fraction", frac)
 
     def _sample(self, finished: set[int], active: set[int]) -> None:
         """Ask the sampler for trials until the lookahead is full: enough to fill every device up to the
@@ -266,7 +310,8 @@ class Driver:
                 trial.set_user_attr("hpdl_lineage", lin)
                 budget -= 1
             skey = self.workload.structural_key({**self.spec.fixed, **trial.params})
-            self.pending.append(_Trial(trial.number, trial._trial_id, lin, dict(trial.params), skey, time.monotonic()))
+            self.pending.append(_Trial(trial.number, self.ledger.trial_id(trial.number), lin, dict(trial.params),
+                                       skey, time.monotonic(), int(trial.user_attrs.get("hpdl_attempt", 0))))
             asked = True
         self._short = asked  # place what this tick sampled without waiting for a message
 
@@ -310,6 +355,8 @@ class Driver:
             self.ledger.closed(t.lineage)
             if kind == "done":
                 self._improve(msg[2])
+        elif kind == "preempted" and self._stopping:  # checkpointed because this driver stops
+            self._release(t, "interrupted", "the driver stopped; checkpointed and re-queued")
         elif kind == "preempted":
             self.preempted += 1
             self._requeue(t)
@@ -320,8 +367,10 @@ class Driver:
                     if k.endswith("|" + t.skey):
                         p.memory_bytes = int(p.memory_bytes * 1.5)
                         self.profiles.put(t.skey, p)
-            self.ledger.fail(t.number, t.params, {"hpdl_lineage": t.lineage, "hpdl_attempt": self._attempt(t)},
-                             msg[2], msg[3])
+            if msg[2] == "checkpoint":  # someone else's checkpoint on its path: loud, and never retried
+                logging.getLogger("hpdl.hpo").error("trial %d: %s", t.number, msg[3])
+            self.ledger.fail(t.number, t.params, {"hpdl_lineage": t.lineage, "hpdl_attempt": t.attempt},
+                             msg[2], msg[3], retry=msg[2] != "checkpoint")
 
     def _rebind(self) -> None:
         """Move each trial still queued on a starting worker to an idle ready worker of the same device (a
@@ -357,8 +406,11 @@ class Driver:
         t.preempt_at = time.monotonic()
         send(w, ("preempt", t.trial_id))
 
-    def _attempt(self, t: _Trial) -> int:
-        return int(self.study._storage.get_trial(t.trial_id).user_attrs.get("hpdl_attempt", 0))
+    def best_so_far(self) -> float | None:
+        """The study's best value: this driver's last improvement, or what the store held when it opened
+        the study (a resumed study's earlier trials), whichever is better."""
+        vals = [v for v in (self._prior_best, self.history[-1][1] if self.history else None) if v is not None]
+        return (max if self.spec.direction == "maximize" else min)(vals) if vals else None
 
     def _improve(self, value: float) -> None:
         best = self.history[-1][1] if self.history else None
@@ -403,7 +455,7 @@ class Driver:
                 if t.preempt_at:  # killed on purpose after a preempt timeout: run it elsewhere
                     self._requeue(t)
                 else:
-                    self.ledger.fail(t.number, t.params, {"hpdl_lineage": t.lineage, "hpdl_attempt": self._attempt(t)},
+                    self.ledger.fail(t.number, t.params, {"hpdl_lineage": t.lineage, "hpdl_attempt": t.attempt},
                                      "died", f"worker exited with code {w.proc.exitcode}")
 
     def _drain(self, w: WorkerHandle) -> None:
@@ -432,7 +484,7 @@ class Driver:
                 by_step.setdefault(step, []).append(v)
         sign = 1.0 if self.spec.direction == "maximize" else -1.0
         for t in self.running.values():
-            iv = self.study._storage.get_trial(t.trial_id).intermediate_values
+            iv = self.storage.get_trial(t.trial_id).intermediate_values
             if iv and t.demand is not None:
                 step = max(iv)
                 peers = sorted(by_step.get(step, []))
@@ -463,10 +515,12 @@ class Driver:
         from hpdl.hpo.progress import Progress
 
         view = None
+        previous = self._catch_signals()
         try:
             self._by_id = {d.id: d for d in self.pool.devices()}
             t = time.monotonic()
             self._start_mps()  # its start-up counts as the pool's
+            self.launcher.stop_requested = lambda: self._signal is not None
             self.launcher.warm_up(self.pool.devices(), min(WARM_TIMEOUT_S, self.spec.timeout_s or WARM_TIMEOUT_S),
                                   idle=self._prepare)
             self.warmup_s = time.monotonic() - t
@@ -474,8 +528,9 @@ class Driver:
             self._t0 = time.monotonic()  # wall time counts from a ready pool, for every policy alike
             self._started_at = time.time()
             view = Progress(self) if self.progress else None
-            while True:
+            while self._signal is None:
                 tick = time.monotonic()
+                self.lock.beat()
                 devices = [d for d in self.pool.devices() if d.id not in self._broken]
                 self._by_id = {d.id: d for d in devices}
                 self._elastic(devices)
@@ -518,12 +573,82 @@ class Driver:
                     self._lap("other", tick)
         finally:
             if view:
+                view.update(force=True)  # the last frame shows the final counts and best value
                 view.close()
             t = time.monotonic()
+            stopped = self._stop_workers() if self.running else 0
+            self._release_pending()
             self.shutdown()
             self._teardown_s = time.monotonic() - t
-            self._release_pending()
+            self._restore_signals(previous)
+        if self._signal is not None:
+            raise self._interrupted(stopped, time.monotonic() - self._t_signal)
         return self.result()
+
+    # ------------------------------------------------------------------ stopping
+    def _catch_signals(self) -> dict:
+        """SIGINT and SIGTERM set a flag the loop checks every tick (a handler that raised could cut a
+        storage write in two); only from the main thread, where Python delivers signals."""
+        self._signal, self._t_signal = None, 0.0
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+
+        def handler(signum, _frame):
+            if self._signal is None:
+                self._signal, self._t_signal = signum, time.monotonic()
+
+        return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    @staticmethod
+    def _restore_signals(previous: dict) -> None:
+        for sig, h in previous.items():
+            signal.signal(sig, h)
+
+    def _interrupted(self, stopped: int, took_s: float) -> HpoInterrupted:
+        name = signal.Signals(self._signal).name
+        finished, _ = self.ledger.lineages(0.0)
+        best = self.result().best_value
+        return HpoInterrupted(
+            f"study {self.spec.study!r} interrupted by {name}: stopped {stopped} running trials in {took_s:.1f} s "
+            f"(checkpointed and re-queued, no attempt spent), {len(finished)}/{self.spec.n_trials} configurations "
+            f"finished, best {best}; `hpdl hpo resume` continues", self._signal)
+
+    def _stop_workers(self, limit_s: float = _STOP_TIMEOUT_S) -> int:
+        """Tell every worker at once to checkpoint and stop, handle what they answer for ``limit_s`` seconds,
+        kill those still alive, and re-queue every trial that was running (``interrupted``: no attempt spent;
+        each continues from its configuration's last checkpoint). Returns the number of trials stopped."""
+        n = len(self.running)
+        self._stopping = True
+        workers = list(self.workers)
+        for w in workers:
+            w.stopping = True
+            send(w, ("stop",))
+        deadline = time.monotonic() + limit_s
+        while self.running and time.monotonic() < deadline:
+            conns = [w.conn for w in workers if w.conn is not None and not w.closed]
+            for conn in mp_wait(conns, timeout=0.05) if conns else ():
+                w = next(x for x in workers if x.conn is conn)
+                try:
+                    while w.conn.poll():
+                        self._on_message(w, w.conn.recv())
+                except (EOFError, OSError):
+                    w.closed = True
+            if not conns:
+                time.sleep(0.05)
+        for w in workers:
+            if w.proc.is_alive():
+                w.proc.kill()  # past the deadline: its last periodic checkpoint is what it continues from
+        for t in list(self.running.values()):
+            if t.worker is not None and t.worker.queued is not None:
+                continue  # never started: _release_pending re-queues it as not_started
+            self.running.pop(t.number, None)
+            self._release(t, "interrupted", "the driver stopped while it ran; continues from its last checkpoint")
+        return n
+
+    def _release(self, t: _Trial, kind: str, why: str) -> None:
+        """Fail ``t`` as ``kind`` (one of :data:`hpdl.hpo.ledger.REQUEUE_KINDS`) and re-queue its
+        configuration with the same attempt number."""
+        self.ledger.fail(t.number, t.params, {"hpdl_lineage": t.lineage, "hpdl_attempt": t.attempt}, kind, why)
 
     def _release_pending(self) -> None:
         """After an error (e.g. the pool did not start, a timeout): trials that wait to start or to continue
@@ -534,12 +659,9 @@ class Driver:
                                         if t.worker is not None and t.worker.queued is not None]
         for i, t in enumerate(waiting):
             try:
-                attrs = self.study._storage.get_trial(t.trial_id).user_attrs
-                why = ("the driver stopped before it continued (checkpoint kept)" if "hpdl_pid" in attrs
-                       else "the driver stopped before it started")
-                self.ledger.fail(t.number, t.params, {"hpdl_lineage": t.lineage,
-                                                      "hpdl_attempt": int(attrs.get("hpdl_attempt", 0)) - 1},
-                                 "not_started", why)
+                self.running.pop(t.number, None)
+                self._release(t, "not_started", "the driver stopped before it started (its checkpoint, if any, "
+                                                "is kept)")
             except Exception as exc:  # noqa: BLE001 - the error that stopped the study matters more
                 logging.getLogger("hpdl.hpo").warning("%d trials left RUNNING (a resume re-queues them): %r",
                                                       len(waiting) - i, exc)
@@ -553,6 +675,9 @@ class Driver:
         meta-device estimates, so from 2026-11-30 17:00 their ``wall_s`` no longer contains the first
         0.5-1.4 s of that work: compare policies with the pool's start-up included."""
         t = time.monotonic()
+        self.lock.beat()
+        if self._signal is not None:
+            return False
         finished, active = self.ledger.lineages()
         self._sample(finished, active)
         estimated = self._demands(self.pool.devices()) if self.pending else {}
@@ -616,11 +741,14 @@ class Driver:
             self.policy.mps = True
 
     def shutdown(self) -> None:
-        """Stop every worker (stop message, 5 s join, then kill), the Ray backend and a daemon started by
-        ``mps: start``; idempotent."""
-        self.launcher.shutdown()
-        if self.mps_daemon is not None:
-            self.mps_daemon.stop()
+        """Stop every worker (stop messages to all, one shared deadline, then kill), the Ray backend and a
+        daemon started by ``mps: start``, and release the study's lock; idempotent."""
+        try:
+            self.launcher.shutdown()
+            if self.mps_daemon is not None:
+                self.mps_daemon.stop()
+        finally:
+            self.lock.release()
 
     def result(self) -> StudyResult:
         from optuna.trial import TrialState
@@ -631,6 +759,7 @@ class Driver:
         if done:
             best = (max if self.spec.direction == "maximize" else min)(done, key=lambda t: t.value)
         return StudyResult(self.spec.study, self.policy.name, self.spec.n_trials,
+                           dict(self.ledger.requeued),
                            (self._t_done or time.monotonic()) - self._t0,
                            len(done), sum(t.state == TrialState.PRUNED for t in trials), dict(self.ledger.failures),
                            best.value if best else None, dict(best.params) if best else None, list(self.history),

@@ -38,6 +38,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from hpdl.hpo import checkpoint
+from hpdl.hpo.checkpoint import CheckpointMismatch
 from hpdl.hpo.errors import Preempted
 
 
@@ -85,7 +87,8 @@ class TrialContext:
         self.params, self.device = params, device
         self.number, self.lineage = task["number"], task["lineage"]
         self.checkpoint_every = checkpoint_every
-        self._ckpt = run_dir / "checkpoints" / f"lineage-{self.lineage}.pt"
+        self._ckpt = Path(task["checkpoint_dir"]) / f"lineage-{self.lineage}.pt"
+        self._meta = {"study_uid": task["study_uid"], "lineage": self.lineage, "params": dict(params)}
         self._profiler = profiler
         self._parent = parent_pid
         self.state_fn = None  # set by the training loop: step -> checkpoint state, used on preemption
@@ -110,7 +113,7 @@ class TrialContext:
             if msg[0] in ("preempt", "stop"):
                 if self.state_fn is not None and self.checkpoint_every:
                     self.save_checkpoint(self.state_fn(step))  # nothing is lost: continue from this step
-                raise Preempted(f"trial {self.number} preempted at step {step}")
+                raise Preempted(f"trial {self.number} preempted at step {step}", stop=msg[0] == "stop")
         if self._profiler is not None:
             self._profiler.before(step)
         yield
@@ -127,19 +130,17 @@ class TrialContext:
                 self._profiler = None
 
     def load_checkpoint(self) -> dict | None:
-        """The configuration's latest checkpoint (any earlier attempt), or None."""
-        import torch
-        if not self._ckpt.exists():
-            return None
-        return torch.load(self._ckpt, map_location=self.device, weights_only=False)
+        """The configuration's latest checkpoint (any earlier attempt of this study's lineage), or None.
+
+        Raises:
+            hpdl.hpo.checkpoint.CheckpointMismatch: the file was written for another study, lineage or
+                parameters (the trial then fails for good: see :mod:`hpdl.hpo.checkpoint`).
+        """
+        return checkpoint.load(self._ckpt, self._meta, map_location=self.device)
 
     def save_checkpoint(self, state: dict) -> None:
-        """Write ``state`` atomically (temporary file, then rename)."""
-        import torch
-        self._ckpt.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self._ckpt.with_suffix(f".tmp{os.getpid()}")
-        torch.save(state, tmp)
-        os.replace(tmp, self._ckpt)
+        """Write ``state`` atomically (temporary file, then rename), with the trial's owner record."""
+        checkpoint.save(self._ckpt, state, self._meta)
 
 
 def cap_memory(device, cap_bytes: int | None, context_bytes: int = 0) -> None:
@@ -263,10 +264,10 @@ def run_task(env: _Env, conn, task: dict[str, Any], parent_pid: int | None) -> b
 
     tid, dev = task["trial_id"], env.dev
     try:
-        st = env.study._storage
+        trial = optuna.trial.Trial(env.study, tid)
         for key, val in (("hpdl_host", task.get("host", "")), ("hpdl_pid", os.getpid()),
                          ("hpdl_started_at", time.time()), ("hpdl_device", task.get("device_id", ""))):
-            st.set_trial_user_attr(tid, key, val)
+            trial.set_user_attr(key, val)
         params = env.workload.resolve({**env.spec.get("fixed", {}), **task["params"]})
         prof = None
         if task.get("profile"):
@@ -276,7 +277,7 @@ def run_task(env: _Env, conn, task: dict[str, Any], parent_pid: int | None) -> b
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
             cap_memory(dev, task.get("memory_cap"), int(task.get("context_bytes", 0)))
-        ctx = TrialContext(optuna.trial.Trial(env.study, tid), params, dev, conn, task, env.run_dir,
+        ctx = TrialContext(trial, params, dev, conn, task, env.run_dir,
                            int(env.spec.get("checkpoint_every", 1)), prof, parent_pid)
         value = env.workload.train(ctx)
         _send_peak(env, conn, task)
@@ -284,8 +285,12 @@ def run_task(env: _Env, conn, task: dict[str, Any], parent_pid: int | None) -> b
     except optuna.TrialPruned:
         _send_peak(env, conn, task)
         conn.send(("pruned", tid))
-    except Preempted:
+    except Preempted as exc:
         conn.send(("preempted", tid))
+        return not exc.stop  # the driver stops: exit now, do not wait for a second stop message
+    except CheckpointMismatch as exc:  # someone else's training: never continue from it, never retry
+        conn.send(("failed", tid, "checkpoint", str(exc)))
+        return False
     except torch.cuda.OutOfMemoryError as exc:
         conn.send(("failed", tid, "oom", str(exc).splitlines()[0][:300]))
         return False
@@ -322,6 +327,9 @@ def worker_main(conn, device: dict, spec: dict, sm_percent: int = 100, spawned_a
     The worker exits when the driver goes away, within a second whatever the trial is doing
     (:func:`_exit_with_driver`; plus ``PR_SET_PDEATHSIG`` and a parent check between steps)."""
     boot = time.time() - spawned_at if spawned_at else None
+    # Ctrl-C reaches the whole foreground process group: the driver alone decides (it tells every worker
+    # to checkpoint and stop), a worker must not die mid-step with a KeyboardInterrupt of its own
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
     _exit_with_driver()
     if environ is not None:
@@ -336,19 +344,22 @@ def worker_main(conn, device: dict, spec: dict, sm_percent: int = 100, spawned_a
             os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(sm_percent)
         torch_device = "cuda:0"
     env = _Env(device, spec, torch_device)
-    conn.send(("ready", os.getpid(), {**({"spawn": boot} if boot is not None else {}), **env.startup}))
-    while True:
-        if not conn.poll(1.0):
-            if os.getppid() != parent_pid:
+    try:
+        conn.send(("ready", os.getpid(), {**({"spawn": boot} if boot is not None else {}), **env.startup}))
+        while True:
+            if not conn.poll(1.0):
+                if os.getppid() != parent_pid:
+                    return
+                continue
+            msg = conn.recv()
+            if msg[0] == "stop":
                 return
-            continue
-        msg = conn.recv()
-        if msg[0] == "stop":
-            return
-        if msg[0] != "run":
-            continue  # a late preempt for a trial that already ended
-        if not run_task(env, conn, msg[1], parent_pid):
-            return
+            if msg[0] != "run":
+                continue  # a late preempt for a trial that already ended
+            if not run_task(env, conn, msg[1], parent_pid):
+                return
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        return  # the driver is gone (killed): nothing to report to, and no traceback to print
 
 
 _RAY_ENVS: dict[tuple, _Env] = {}  # per Ray worker process: reused by later trials of the same study
