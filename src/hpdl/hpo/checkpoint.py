@@ -80,6 +80,7 @@ def load(path: Path, meta: dict[str, Any], map_location=None) -> dict[str, Any] 
     diff += [f"params.{k} ({theirs.get(k)!r} in the file, {mine.get(k)!r} in the trial)"
              for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
     if diff:
+        more = f" and {len(diff) - 4} more" if len(diff) > 4 else ""
         raise CheckpointMismatch(f"checkpoint {str(path)!r} belongs to another trial: differs in "
-                                 f"{', '.join(diff)}; refusing to continue from it")
+                                 f"{', '.join(diff[:4])}{more}; refusing to continue from it")
     return state

@@ -19,6 +19,7 @@ or Ray tasks (:mod:`hpdl.hpo.ray_backend`). Wall time counts from the moment the
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -120,9 +121,11 @@ class Driver:
         HpoError: the study exists and ``resume`` is False, or does not exist and ``resume`` is True.
     """
 
-    def __init__(self, spec: StudySpec, *, resume: bool = False, progress: bool = False):
+    def __init__(self, spec: StudySpec, *, resume: bool = False, progress: bool = False,
+                 exit_deadline_s: float | None = None):
         import optuna
 
+        self.exit_deadline_s = exit_deadline_s
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         self.spec = spec
         self.run_dir = Path(spec.run_dir)
@@ -191,6 +194,7 @@ class Driver:
         self.preempted = 0
         self._stopping = False  # the driver stops: a worker's "preempted" re-queues its trial
         self._signal, self._t_signal = None, 0.0
+        self._watchdog: threading.Timer | None = None
         self.migrated = 0
         self._last_migrate = 0.0
         self.history: list[tuple[float, float]] = []
@@ -596,13 +600,33 @@ class Driver:
         def handler(signum, _frame):
             if self._signal is None:
                 self._signal, self._t_signal = signum, time.monotonic()
+                if self.exit_deadline_s is not None:
+                    self._watchdog = threading.Timer(self.exit_deadline_s, self._force_exit)
+                    self._watchdog.daemon = True
+                    self._watchdog.start()
 
         return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
 
-    @staticmethod
-    def _restore_signals(previous: dict) -> None:
+    def _restore_signals(self, previous: dict) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         for sig, h in previous.items():
             signal.signal(sig, h)
+
+    def _force_exit(self) -> None:
+        """The stop did not finish by ``exit_deadline_s`` (the main thread is inside a blocking call): kill
+        the workers, release the lock and end the process with the signal's status."""
+        import sys
+
+        for w in list(self.workers):
+            with contextlib.suppress(Exception):
+                w.proc.kill()
+        self.lock.release()
+        print(f"hpdl hpo: study {self.spec.study!r} interrupted by {signal.Signals(self._signal).name}: the "
+              f"driver did not stop within {self.exit_deadline_s:.1f} s; its workers were killed and "
+              f"{len(self.running) + len(self.pending)} trials left for `hpdl hpo resume` to re-queue (no "
+              "attempt spent)", file=sys.stderr, flush=True)
+        os._exit(128 + self._signal)
 
     def _interrupted(self, stopped: int, took_s: float) -> HpoInterrupted:
         name = signal.Signals(self._signal).name
@@ -774,8 +798,16 @@ def _phases(startups: list[dict]) -> dict[str, dict[str, float]]:
             for k in names if (v := [s[k] for s in startups if k in s])}
 
 
-def run_study(spec: StudySpec, *, resume: bool = False, progress: bool = False) -> StudyResult:
+def run_study(spec: StudySpec, *, resume: bool = False, progress: bool = False,
+              exit_deadline_s: float | None = None) -> StudyResult:
     """Run (or, with ``resume``, continue) the study described by ``spec`` to its budget.
+
+    SIGINT/SIGTERM (main thread only) stop it: every worker is told at once to checkpoint and stop, the
+    running trials are re-queued without spending an attempt, and :class:`HpoInterrupted` is raised with a
+    one-line summary. ``exit_deadline_s`` (the CLI gives 4.5 s): if that has not finished so long after the
+    signal (the driver was inside a blocking call, e.g. starting the first worker), kill the workers, print
+    the summary line and end the process (``os._exit``); a later ``resume`` re-queues what was left RUNNING,
+    without spending an attempt.
 
     Returns:
         StudyResult with wall time (s), counts, best value/params and best-so-far history.
@@ -783,4 +815,4 @@ def run_study(spec: StudySpec, *, resume: bool = False, progress: bool = False) 
         HpoError: study exists (without ``resume``) or is missing (with it), or ``timeout_s`` passed.
         HpoConfigError: invalid spec, pool or policy.
     """
-    return Driver(spec, resume=resume, progress=progress).run()
+    return Driver(spec, resume=resume, progress=progress, exit_deadline_s=exit_deadline_s).run()
