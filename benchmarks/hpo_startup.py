@@ -6,7 +6,7 @@ device, and per study the pool's start-up (``warmup_s``), the median seconds of 
 (``warmup_phases``) and the study's wall time. Fake CPU devices by default (the imports are host work);
 ``--cuda 0,1`` uses GPUs, where each worker also creates its CUDA context.
 
-    PYTHONPATH=src python3 benchmarks/hpo_startup.py --workers 4 --studies 2 --out docs/benchmarks/hpo_startup_cpu.json
+    PYTHONPATH=src python3 benchmarks/hpo_startup.py --workers 4 --studies 2 --out docs/benchmarks/data/hpo/hpo_startup_cpu.json
 """
 
 from __future__ import annotations
