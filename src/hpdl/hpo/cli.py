@@ -104,6 +104,9 @@ class HpoCommand:
 
         from hpdl.hpo.driver import run_study
 
+        from hpdl.hpo._prestart import start_forkserver
+
+        start_forkserver()  # first: the workers' server imports torch while this process does
         from hpdl.hpo.errors import HpoInterrupted
 
         spec = self._spec(args)

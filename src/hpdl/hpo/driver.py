@@ -34,6 +34,7 @@ from multiprocessing.connection import wait as mp_wait
 from pathlib import Path
 from typing import Any
 
+from hpdl.hpo._prestart import start_forkserver
 from hpdl.hpo.checkpoint import check_writable, checkpoint_dir
 from hpdl.hpo.errors import HpoError, HpoInterrupted
 from hpdl.hpo.launch import WARM_MAX, WARM_TIMEOUT_S, LocalLauncher, WorkerHandle, send
@@ -61,12 +62,12 @@ class _Trial:
     params: dict
     skey: str
     since: float
-    attempt: int = 0  # failed attempts of its configuration before this one (user attribute hpdl_attempt)
     device_id: str = ""
     worker: Any = None
     demand: TrialDemand | None = None
     preempt_at: float = 0.0
     priority: float = 0.0
+    attempt: int = 0  # failed attempts of its configuration before this one (user attribute hpdl_attempt)
 
 
 @dataclass
@@ -126,6 +127,8 @@ class Driver:
         import optuna
 
         self.exit_deadline_s = exit_deadline_s
+        if spec.backend.get("name", "local") == "local":  # its imports overlap this driver's set-up
+            start_forkserver()
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         self.spec = spec
         self.run_dir = Path(spec.run_dir)
@@ -202,14 +205,14 @@ class Driver:
         self._t_done, self._teardown_s, self._started_at = 0.0, 0.0, time.time()
         self._cuda = any(d.torch_device.startswith("cuda") for d in self.pool.devices())
         n_gpus = sum(d.torch_device.startswith("cuda") for d in self.pool.devices())
-        if getattr(self.policy, "max_trials_per_device", 0) is None and n_gpus and self.backend is None:
+        if n_gpus and self.backend is None:
             # each co-located trial needs a core to launch kernels; one core stays with the driver
-            self.policy.max_trials_per_device = max(1, ((os.cpu_count() or 2) - 1) // n_gpus)
+            self.policy.limit_trials_per_device(((os.cpu_count() or 2) - 1) // n_gpus)
         self.warmup_s = 0.0
         self.warmup_phases: dict[str, dict[str, float]] = {}
         self._by_id: dict[str, Any] = {}
-        if hasattr(self.policy, "mps") and spec.mps in (True, "auto"):
-            self.policy.mps = spec.mps is True or mps_active()
+        if spec.mps in (True, "auto"):
+            self.policy.set_mps(spec.mps is True or mps_active())
         self.mps_daemon = None  # mps: start -> hpdl.hpo.mps.MpsDaemon, started in run()
         self.launcher = self.backend or LocalLauncher(self._spec_dict, spec.warm_workers,
                                                       self.policy.max_concurrency())
@@ -315,7 +318,7 @@ class Driver:
                 budget -= 1
             skey = self.workload.structural_key({**self.spec.fixed, **trial.params})
             self.pending.append(_Trial(trial.number, self.ledger.trial_id(trial.number), lin, dict(trial.params),
-                                       skey, time.monotonic(), int(trial.user_attrs.get("hpdl_attempt", 0))))
+                                       skey, time.monotonic(), attempt=int(trial.user_attrs.get("hpdl_attempt", 0))))
             asked = True
         self._short = asked  # place what this tick sampled without waiting for a message
 
@@ -342,10 +345,9 @@ class Driver:
             if old is not None and old.measured and old.memory_bytes > prof.memory_bytes:
                 prof.memory_bytes = old.memory_bytes  # a sibling's whole-run peak or an OOM's 1.5x stays
             self.profiles.put(t.skey, prof)
-            if hasattr(self.policy, "observe"):
-                st = self.profiles.get(t.skey, "static")
-                ratio = prof.memory_bytes / st.memory_bytes if st is not None and st.memory_bytes > SMALL_BYTES else 0.0
-                self.policy.observe(prof.compute, prof.flops, ratio, prof.step_time_s)
+            st = self.profiles.get(t.skey, "static")
+            ratio = prof.memory_bytes / st.memory_bytes if st is not None and st.memory_bytes > SMALL_BYTES else 0.0
+            self.policy.observe(prof.compute, prof.flops, ratio, prof.step_time_s)
             t.demand = self._demand(t, {prof.kind})
             return
         self.running.pop(t.number, None)
@@ -380,11 +382,8 @@ class Driver:
         """Move each trial still queued on a starting worker to an idle ready worker of the same device (a
         warm worker that finished a trial while the new one starts): it starts now instead of after the
         cold start. The starting worker stays, idle, for later trials."""
-        idle_ready = getattr(self.launcher, "idle_ready", None)
-        if idle_ready is None:
-            return
         for w in [w for w in self.workers if w.queued is not None and w.trial is not None]:
-            spare = idle_ready(w)
+            spare = self.launcher.idle_ready(w)
             if spare is None:
                 continue
             if not send(spare, ("run", w.queued)):
@@ -479,7 +478,7 @@ class Driver:
     def _migrate(self, devices) -> None:
         """pack_hetero: mark running trials better than the median at their last report as promising and
         move those the policy picks to faster GPUs (preempt with a checkpoint; they are re-placed first)."""
-        if not hasattr(self.policy, "migrations") or time.monotonic() - self._last_migrate < 2.0:
+        if not self.policy.migrates or time.monotonic() - self._last_migrate < 2.0:
             return
         self._last_migrate = time.monotonic()
         by_step: dict[int, list[float]] = {}
@@ -761,8 +760,7 @@ class Driver:
         self.mps_daemon = MpsDaemon(self.run_dir / "mps")  # set first: shutdown() stops a half-started one
         self.mps_daemon.start()
         self._spec_dict["mps_env"] = self.mps_daemon.env  # workers set it before creating a CUDA context
-        if hasattr(self.policy, "mps"):
-            self.policy.mps = True
+        self.policy.set_mps(True)
 
     def shutdown(self) -> None:
         """Stop every worker (stop messages to all, one shared deadline, then kill), the Ray backend and a

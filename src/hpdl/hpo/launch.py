@@ -58,9 +58,10 @@ def worker_context():
     except ValueError as exc:
         raise HpoError(str(exc)) from None
     if method == "forkserver" and "forkserver" in mp.get_all_start_methods():
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["hpdl.hpo._preload"])  # only read when the server starts
-        return ctx
+        from hpdl.hpo._prestart import start_forkserver
+
+        start_forkserver()  # at once, not at the first worker's start: it imports while the driver opens the study
+        return mp.get_context("forkserver")
     return mp.get_context("spawn")
 
 
@@ -123,6 +124,11 @@ class Launcher:
 
     def connect(self) -> None:
         """Called every tick: attach channels of workers that connected since."""
+
+    def idle_ready(self, like: WorkerHandle) -> WorkerHandle | None:
+        """A ready idle worker that could take the task queued on ``like`` now (see
+        :meth:`LocalLauncher.idle_ready`); None by default (a Ray task is not reused this way)."""
+        return None
 
     def start(self, device, task: dict, sm_percent: int, fraction: float) -> WorkerHandle:
         """Run ``task`` on ``device``; ``sm_percent`` is the MPS cap, ``fraction`` the policy's GPU share."""
