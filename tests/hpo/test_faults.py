@@ -1,20 +1,19 @@
 """Issue 20's hostile-user cases: two studies in one run folder, a second driver on a live study, SIGINT with
 busy workers, unwritable folders, a study in which everything failed."""
 
-import os
-import shutil
+import argparse
 import signal
 import time
 
-import optuna
 import pytest
 import torch
 import yaml
 
 from hpdl.hpo import checkpoint
+from hpdl.hpo.cli import HpoCommand
 from hpdl.hpo.driver import Driver, run_study
 from hpdl.hpo.errors import HpoError
-from hpdl.hpo.spec import StudySpec, make_storage
+from hpdl.hpo.spec import StudySpec
 from hpo_fixture_workloads import start_cli
 from test_driver import FIXED, spec_dict, trials_of
 
@@ -70,7 +69,7 @@ def test_a_copied_checkpoint_fails_its_trial_without_retry(tmp_path):
 @pytest.mark.timeout(200)
 def test_second_driver_refused_then_sigint_stops_busy_workers_fast_and_resume_completes(tmp_path):
     d = spec_dict(tmp_path, workload="hpo_fixture_workloads:SlowCNN", n_trials=4, max_retries=0,
-                  pool={"fake": 4, "memory_gb": 2}, fixed={**FIXED, "steps": 80, "sleep_s": 0.05})
+                  pool={"fake": 4, "memory_gb": 2}, fixed={**FIXED, "steps": 200, "sleep_s": 0.05})
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump(d))
     spec = StudySpec.from_dict(d)
@@ -88,7 +87,9 @@ def test_second_driver_refused_then_sigint_stops_busy_workers_fast_and_resume_co
         # a second driver (resume) on the live study: refused, naming the live one; nothing of it changed
         with pytest.raises(HpoError, match=f"live driver: pid {proc.pid} "):
             Driver(spec, resume=True)
-        assert sum(t.state.name == "RUNNING" for t in trials_of(spec)) == 4
+        assert proc.poll() is None and not [t for t in trials_of(spec) if t.state.name == "FAIL"]
+        n = sum(t.state.name == "RUNNING" for t in trials_of(spec))  # a trial may have finished meanwhile
+        assert n >= 3
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
         proc.wait(20)  # the driver's exit, as a shell sees it
@@ -100,16 +101,16 @@ def test_second_driver_refused_then_sigint_stops_busy_workers_fast_and_resume_co
     err = (tmp_path / "driver.log").read_text()
     assert proc.returncode == 130 and took < 5.0, (proc.returncode, took, err)
     lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert len(lines) == 1 and "interrupted by SIGINT" in lines[0] and "stopped 4 running trials" in lines[0], err
+    assert len(lines) == 1 and "interrupted by SIGINT" in lines[0] and f"stopped {n} running trials" in lines[0], err
     trials = trials_of(spec)
     assert not [t for t in trials if t.state.name == "RUNNING"]
     waiting = [t for t in trials if t.state.name == "WAITING"]
-    assert len(waiting) == 4 and all(t.user_attrs["hpdl_attempt"] == 0 for t in waiting)
+    assert len(waiting) == n and all(t.user_attrs["hpdl_attempt"] == 0 for t in waiting)
     assert all(t.user_attrs["hpdl_failure"].startswith("interrupted") for t in trials if t.state.name == "FAIL")
     res = run_study(spec, resume=True)
     assert res.complete == 4 and not res.failures
     for t in trials_of(spec):
-        if t.state.name == "COMPLETE":  # continued from the checkpoint written at the stop (step >= 20)
+        if t.state.name == "COMPLETE" and t.number >= 4:  # a re-queued one: continued from its checkpoint
             assert min(t.intermediate_values) > 20
 
 
@@ -132,12 +133,13 @@ def test_resume_of_a_missing_study_creates_no_store(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_a_study_in_which_every_configuration_failed_exits_non_zero(tmp_path):
+def test_a_study_in_which_every_configuration_failed_exits_non_zero(tmp_path, capsys):
     d = spec_dict(tmp_path, workload="hpo_fixture_workloads:AlwaysRaiseCNN", n_trials=1, max_retries=0,
                   pool={"fake": 1, "memory_gb": 2})
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump(d))
-    proc = start_cli("hpo", "run", str(path), "--no-progress")
-    out, err = proc.communicate(timeout=100)
-    assert proc.returncode == 1, (out, err)
+    parser = argparse.ArgumentParser()
+    HpoCommand.add_arguments(parser)
+    assert HpoCommand().run(parser.parse_args(["run", str(path), "--no-progress"])) == 1
+    out, err = capsys.readouterr()
     assert "0 complete" in out and "no completed configuration" in err
