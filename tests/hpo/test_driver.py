@@ -116,7 +116,7 @@ def test_warm_pool_is_ready_before_the_clock_and_runs_every_trial(tmp_path):
     """warm_workers: 1 per device -> two processes, started and ready before wall time counts, run all trials."""
     spec = StudySpec.from_dict(spec_dict(tmp_path, n_trials=3, warm_workers=1, policy={"name": "one_per_gpu"}))
     res = run_study(spec)
-    assert res.complete == 3 and not res.failures and res.warmup_s > 0.5  # torch import + study load
+    assert res.complete == 3 and not res.failures and res.warmup_s > 0  # phases below: spawn, import, study load
     assert list(res.warmup_phases) == ["spawn", "import", "optimizer", "study", "ready"]  # no "cuda" on CPU
     assert all(0 < p["median"] <= p["max"] < res.warmup_s for p in res.warmup_phases.values())
     trials = trials_of(spec)
