@@ -75,3 +75,32 @@ def test_hpo_help_texts_show_defaults(capsys):
         text = " ".join(capsys.readouterr().out.split())
         assert "(default: table)" in text and "(default: None)" not in text
     assert "(default: 12xA100,4xH100)" in text and "--plot PNG" in text
+
+
+def test_live_table_shows_the_studys_best_and_its_last_frame_is_forced(tmp_path):
+    """The table's best is the study's (a resumed study's earlier trials included), and the final frame is
+    drawn whatever the refresh limit (its last frame said best 0.6074 where the final line said 0.9785)."""
+    import time
+
+    from hpdl.hpo.driver import Driver
+    from hpdl.hpo.progress import Progress
+    from hpdl.hpo.spec import StudySpec
+    from test_driver import spec_dict
+
+    drv = Driver(StudySpec.from_dict(spec_dict(tmp_path)))
+    try:
+        drv._prior_best, drv.history = 0.9785, [(1.0, 0.6074)]
+        view = Progress(drv)
+        assert "best 0.9785" in view._table().title
+        drv.history.append((2.0, 0.99))
+        drawn = []
+        inner = view.live.update
+        view.live.update = lambda table, **kw: (drawn.append(table.title), inner(table, **kw))
+        view._last = time.monotonic()  # just drawn: a plain update skips this frame
+        view.update()
+        assert drawn == []
+        view.update(force=True)
+        assert len(drawn) == 1 and "best 0.99" in drawn[0]
+        view.close()
+    finally:
+        drv.shutdown()
