@@ -39,19 +39,23 @@ class HpoCommand:
                                              "default: the study file's, hpo-runs/<study> if it names none)")
             p.add_argument("--no-progress", action="store_true", help="no live table (default: a live table on stderr)")
             p.add_argument("--out", help="write the result as JSON to this file (default: none)")
-            p.add_argument("--format", choices=("table", "json"), default="table", help="output format (default: %(default)s)")
+            p.add_argument("--format", choices=("table", "json"), default="table",
+                           help="output format (default: %(default)s)")
         p = sub.add_parser("status", help="trial counts, best value and running trials of a study")
         p.add_argument("study_file", nargs="?", help="YAML study file (or give --storage and --study; default: the "
                                                      "shipped CPU example that `hpdl hpo run` runs)")
         p.add_argument("--storage", help="SQLAlchemy URL of the study store (default: the study file's)")
         p.add_argument("--study", help="study name (default: the study file's)")
-        p.add_argument("--format", choices=("table", "json"), default="table", help="output format (default: %(default)s)")
+        p.add_argument("--format", choices=("table", "json"), default="table",
+                       help="output format (default: %(default)s)")
         p = sub.add_parser("simulate", help="replay profiled trial costs on a simulated pool (simulation)")
-        p.add_argument("--pool", default="12xA100,4xH100", help="simulated pool, e.g. 12xA100,4xH100 or 2xH200 (default: %(default)s)")
+        p.add_argument("--pool", default="12xA100,4xH100",
+                       help="simulated pool, e.g. 12xA100,4xH100 or 2xH200 (default: %(default)s)")
         p.add_argument("--trials", help="JSON trace of profiled trials (default: built-in synthetic trace)")
         p.add_argument("--policies", default="one_per_gpu,fixed_fraction,pack,pack_hetero",
                        help="comma-separated policies to replay (default: %(default)s)")
-        p.add_argument("--fraction", type=float, default=0.125, help="GPU fraction of fixed_fraction (default: %(default)s)")
+        p.add_argument("--fraction", type=float, default=0.125,
+                       help="GPU fraction of fixed_fraction (default: %(default)s)")
         p.add_argument("--plot", metavar="PNG",
                        help="write a PNG of best value against simulated wall time, each line to its makespan "
                             "(default: no plot)")
@@ -66,10 +70,12 @@ class HpoCommand:
         p.add_argument("--overhead", type=float, default=0.0,
                        help="slowdown per extra co-located trial (default: %(default)s; fitted on the H200 runs: 0.05 "
                             "time-sliced, 0.1 MPS)")
-        p.add_argument("--startup-s", type=float, default=0.05, help="dispatch of a trial to a warm worker, s (default: %(default)s)")
+        p.add_argument("--startup-s", type=float, default=0.05,
+                       help="dispatch of a trial to a warm worker, s (default: %(default)s)")
         p.add_argument("--max-compute", type=float, default=None,
                        help="pack/pack_hetero's summed busy fraction cap (default: the policy's, 2.0 or 8.0 with --mps)")
-        p.add_argument("--format", choices=("table", "json"), default="table", help="output format (default: %(default)s)")
+        p.add_argument("--format", choices=("table", "json"), default="table",
+                       help="output format (default: %(default)s)")
 
     def run(self, args) -> int:
         from hpdl.cli import CLIUsageError
