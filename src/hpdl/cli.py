@@ -27,7 +27,7 @@ GROUPS: dict[str, tuple[str, str, str | None]] = {
     "vision": ("hpdl.vision.cli:VisionCommand",
                "vision models (SOFT, SPRNet): train, evaluate, make offline datasets", "vision"),
     "offload": ("hpdl.offload.cli:OffloadCommand",
-                "offload communication plans to a progress agent (seed 7): run the agent, the Jacobi comparison",
+                "offload communication plans to a progress agent: run the agent, the Jacobi comparison",
                 None),
     "moe": ("hpdl.moe.cli:MoECommand",
             "ExFlow MoE inference: routing traces, expert affinity, ILP placement, 1-Alltoall engine, bench", None),

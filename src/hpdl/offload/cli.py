@@ -33,8 +33,9 @@ class OffloadCommand:
         a.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
         from hpdl.offload.jacobi import add_arguments as jacobi_args
 
-        jacobi_args(sub.add_parser("jacobi", help="application comparison: 3-D Jacobi step time with offloaded vs "
-                                   "blocking halo exchange", formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+        jacobi_help = "application comparison: 3-D Jacobi step time with offloaded vs blocking halo exchange"
+        jacobi_args(sub.add_parser("jacobi", help=jacobi_help, description=jacobi_help,
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter))
 
     def run(self, args) -> int:
         from hpdl.cli import CLIUsageError
