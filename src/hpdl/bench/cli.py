@@ -284,7 +284,16 @@ def _launch(cfg: BenchConfig, args):
         import hpdl.comm as hc
 
         hc.set_topology(ctx.topology)
-        rows = run_sweep(ctx, cfg)
+        import torch.distributed as dist
+
+        try:
+            rows = run_sweep(ctx, cfg)
+            dist.barrier()  # no rank tears down while a peer still finishes its last exchange
+        finally:
+            # Tear the group down on every rank before exiting: left to interpreter exit, gloo's threads can
+            # abort a rank ("terminate called without an active exception") and fail the torchrun job.
+            if dist.is_initialized():
+                dist.destroy_process_group()
         if ctx.rank != 0:
             sys.exit(1 if any(r.wrong for r in rows) else 0)
         return rows, ctx.world_size
