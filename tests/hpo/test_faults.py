@@ -143,3 +143,26 @@ def test_a_study_in_which_every_configuration_failed_exits_non_zero(tmp_path, ca
     assert HpoCommand().run(parser.parse_args(["run", str(path), "--no-progress"])) == 1
     out, err = capsys.readouterr()
     assert "0 complete" in out and "no completed configuration" in err
+
+
+@pytest.mark.timeout(150)
+def test_a_checkpoint_folder_that_becomes_unwritable_stops_the_study_and_loses_no_configuration(tmp_path):
+    """Before: every trial failed ``error`` at its next checkpoint write, each configuration spent its
+    attempts, the budget ended "0 complete" and `resume` reported the study done. Now the first failed write
+    stops the study naming the path, its trials are re-queued as they were, and a resume completes them."""
+    d = spec_dict(tmp_path, n_trials=2, max_retries=0)
+    spec = StudySpec.from_dict(d)
+    drv = Driver(spec)
+    ckpt = drv.checkpoint_dir
+    ckpt.rmdir()
+    ckpt.write_text("")  # the folder is gone and cannot be created (chmod does not stop root)
+    with pytest.raises(HpoError, match=r"cannot write checkpoint '.*lineage-\d\.pt'.*checkpoint folder"):
+        drv.run()
+    trials = trials_of(spec)
+    assert not [t for t in trials if t.state.name == "RUNNING" or t.user_attrs.get("hpdl_gave_up")]
+    assert all(t.user_attrs["hpdl_failure"].startswith(("checkpoint_write", "interrupted", "not_started"))
+               for t in trials if t.state.name == "FAIL")
+    assert {t.user_attrs.get("hpdl_attempt", 0) for t in trials} == {0}
+    ckpt.unlink()
+    res = run_study(spec, resume=True)
+    assert res.complete == 2 and not res.failures

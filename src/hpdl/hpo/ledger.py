@@ -13,8 +13,9 @@ import os
 import signal
 import time
 
-# failures that are not the trial's own: re-queued as they were, no attempt spent
-REQUEUE_KINDS = ("not_started", "interrupted", "driver_died")
+# failures that are not the trial's own: re-queued as they were, no attempt spent (checkpoint_write: the
+# run folder could not take a checkpoint; the driver stops the study, see hpdl.hpo.faults)
+REQUEUE_KINDS = ("not_started", "interrupted", "driver_died", "checkpoint_write")
 
 
 def _kind(failure: str) -> str:
