@@ -166,3 +166,30 @@ def test_a_checkpoint_folder_that_becomes_unwritable_stops_the_study_and_loses_n
     ckpt.unlink()
     res = run_study(spec, resume=True)
     assert res.complete == 2 and not res.failures
+
+
+def test_drivers_of_one_sqlite_store_in_two_run_dirs_exclude_each_other_by_lock(tmp_path):
+    """Two drivers that share a store from two run folders and start at the same moment: before, each took
+    its own run folder's lock and both passed the heartbeat check when neither had beaten yet."""
+    from hpdl.hpo.lock import StudyLock
+
+    storage = f"sqlite:///{tmp_path / 'store' / 'study.db'}"
+    a = StudyLock(tmp_path / "r1", "s", storage)
+    a.acquire()
+    try:
+        with pytest.raises(HpoError, match=rf"live driver: pid \d+ .*run_dir .*r1"):
+            StudyLock(tmp_path / "r2", "s", storage).acquire()
+        o = StudyLock(tmp_path / "r2", "s_other", storage)
+        o.acquire()  # another study of the store: free
+        o.release()
+        b = StudyLock(tmp_path / "r2", "s/x", storage)
+        b.acquire()  # "s/x" and "s_x" share a file-name stem, not a lock
+        x = StudyLock(tmp_path / "r2", "s_x", storage)
+        x.acquire()
+        b.release()
+        x.release()
+    finally:
+        a.release()
+    c = StudyLock(tmp_path / "r2", "s", storage)
+    c.acquire()  # released with its holder
+    c.release()
