@@ -227,7 +227,11 @@ def worker(rank: int, world: int, cfg: Config, meta: dict) -> None:
         if pass_no == 1:
             rule = auto_rules(rows)
             # the library's auto table for this run, as it would be committed
-            a2a.AUTO_RULES[:] = [("cpu", 1 << 30, 1 << 62, "native")] + [("cuda", world, b, m) for b, m in rule]
+            from hpdl.comm import tuning
+
+            tuning.set_table(tuning.TuningTable(
+                [tuning.Rule("cuda", b, m, max_world=world, collective="all_to_all") for b, m in rule]
+                + tuning.default_table().rules, source="gpu_alltoall.py pass 1"))
             hc.reset()
     graph_rows = graph_check(rank, world, dev, methods)
     if rank == 0:

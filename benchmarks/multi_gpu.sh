@@ -4,7 +4,7 @@
 # so the work is split into parts: PART=allreduce (window sweep of the peer all-reduce, eager + CUDA graph,
 # bf16 + fp32, 8 B - 8 GiB) and PART=alltoall (push/pull/direct vs NCCL, 1 KiB - 1 GiB per rank, window sweep).
 #   PART=allreduce bash benchmarks/multi_gpu.sh ; PART=alltoall bash benchmarks/multi_gpu.sh
-# Afterwards: the auto tables (hpdl.comm.algorithms.peer.default_algorithm for all-reduce, alltoall.AUTO_RULES)
+# Afterwards: the auto table (hpdl.comm.tuning.DEFAULT_RULES, all_reduce and all_to_all rules)
 # are rewritten from these tables, and docs/benchmarks/ gets the tables, plots, device and versions.
 set -uo pipefail
 export PYTHONPATH=src NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1 HPDL_CHECK=0
