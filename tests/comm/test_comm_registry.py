@@ -106,3 +106,13 @@ def test_python_constants_match_the_kernel_header():
     assert _enum(h, "A2AAlgo") == {"k" + k.capitalize(): v for k, v in peer_alltoall.ALGORITHMS.items()}
     # the one-shot regions fit the header's flag slots
     assert peer.ONE_SHOT_MAX_BLOCKS <= peer.MAX_BLOCKS and _const(h, "kFlagsBytes") <= peer.HEADER_BYTES
+
+
+def test_peer_kernels_are_registry_algorithms():
+    import torch
+
+    for name in ("one_shot", "two_shot"):
+        algo = get_class(name).create(None, 2, 1.0)   # the API builds them from the group's resources
+        assert algo.name == name and algo.window == 2 and not algo.supports_phases
+        with pytest.raises(ValueError, match="CUDA"):
+            algo.all_reduce(torch.ones(4), "sum", None)

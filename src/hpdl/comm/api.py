@@ -31,7 +31,7 @@ from hpdl.comm.algorithms.direct import window_size
 from hpdl.comm.algorithms.native import Pending
 from hpdl.comm.ops import check_dtype, normalize_op, REDUCE_OPS, SUPPORTED_DTYPES
 from hpdl.comm.transport.failure import FailureBoard, is_peer_failure
-from hpdl.comm.transport.torch_p2p import TorchTransport
+from hpdl.comm.transport.resources import GroupResources
 from hpdl.runtime import env
 from hpdl.runtime.errors import CollectiveMismatchError, CollectiveTimeoutError
 
@@ -111,24 +111,17 @@ class CudaWork:
         return self._event.query()
 
 
-class _GroupState:
-    """Per-group cache: transports, algorithm instances, the failure board, the side stream of async peer
-    calls. Nothing here runs communication on another thread."""
+class _GroupState(GroupResources):
+    """The API's per-group entry: the group's :class:`GroupResources` (transports, topology, algorithms) plus
+    the failure board, the call counter and the side stream of async peer calls. Nothing here runs
+    communication on another thread."""
 
     def __init__(self, group):
-        self.group = group
-        self.world_size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        self.backend = str(dist.get_backend(group))
-        self._comm: TorchTransport | None = None
-        self._host: TorchTransport | None = None
-        self._algos: dict[tuple[str, int | None], Algorithm] = {}
+        super().__init__(group)
         self.side_stream = None       # CUDA stream of async peer all-reduces
         self.side_pending = None      # event of the last async peer call that no sync call has waited for yet
-        self.topology = None
         self.calls = 0                # collectives issued on this group (the post-mortem's call number)
-        ranks = (list(range(self.world_size)) if group is None
-                 else [dist.get_global_rank(group, r) for r in range(self.world_size)])
+        ranks = self.global_ranks()
         name = "world" if group is None else str(getattr(group, "group_name", "") or "-".join(map(str, ranks)))
         self.board = FailureBoard(name, ranks, self.rank)
 
@@ -146,51 +139,9 @@ class _GroupState:
                 raise err from exc
         return run
 
-    def comm(self, timeout: float) -> TorchTransport:
-        if self._comm is None:
-            self._comm = TorchTransport(self.group, timeout)
-        self._comm.timeout = timeout
-        return self._comm
-
-    def host(self, timeout: float) -> TorchTransport:
-        if self._host is None:
-            if self.backend == "gloo":
-                self._host = self.comm(timeout)
-            else:
-                ranks = (list(range(self.world_size)) if self.group is None
-                         else [dist.get_global_rank(self.group, r) for r in range(self.world_size)])
-                # the world's copy is made by plain new_group (every rank calls hpdl on the world group in
-                # the same order); use_local_synchronization can deadlock on torch 2.14, but a subgroup's
-                # non-members never call hpdl on it, so there it is the only option
-                hg = (dist.new_group(ranks, backend="gloo") if self.group is None else
-                      dist.new_group(ranks, backend="gloo", use_local_synchronization=True))
-                self._host = TorchTransport(hg, timeout, device=torch.device("cpu"))
-        self._host.timeout = timeout
-        return self._host
-
     def algorithm(self, name: str, window: int | None, timeout: float) -> Algorithm:
-        key = (name, window)
-        if key not in self._algos:
-            cls = get_class(name)
-            if getattr(cls, "needs_topology", False):  # two-level algorithms (docs/comm_two_level.md)
-                host = self.host(timeout) if self.backend != "gloo" else None
-                self._algos[key] = cls(window, topology=self.get_topology(timeout), host_comm=host)
-            else:
-                self._algos[key] = cls(window, host_comm=self.host(timeout)) if name == "staged" else cls(window)
-        return self._algos[key]
-
-    def get_topology(self, timeout: float):
-        """The topology set with :func:`set_topology`, else ``HPDL_RANKS_PER_NODE``, else hostnames."""
-        if self.topology is None:
-            from hpdl.runtime.topology import Topology, discover
-
-            rpn = env.get("HPDL_RANKS_PER_NODE")
-            if rpn:
-                parts = [int(x) for x in rpn.split(",")]
-                self.topology = Topology.emulate(self.world_size, parts[0] if len(parts) == 1 else parts)
-            else:
-                self.topology = discover(self.host(timeout).group)
-        return self.topology
+        """The registry's class for ``name``, built once per (name, window) from this group's resources."""
+        return self.cached((name, window), lambda: get_class(name).create(self, window, timeout))
 
 
 def _execute(st: _GroupState, what: str, timeout: float, run: Callable[[], "Pending | None"], async_op: bool,
@@ -251,9 +202,7 @@ def reset() -> None:
     _FAST.clear()
     peer_alltoall.forget()
     for st in _STATES.values():
-        for algo in st._algos.values():
-            if hasattr(algo, "close"):  # shared-memory buffers of the two-level algorithms
-                algo.close()
+        st.close()  # shared-memory buffers of the two-level algorithms
     _STATES.clear()
 
 
@@ -279,8 +228,7 @@ def set_topology(topology, group=None) -> None:
     if topo.world_size != st.world_size:
         raise ValueError(f"topology has world_size={topo.world_size}, but the group has {st.world_size} ranks")
     if st.topology != topo:
-        for key in [k for k, a in st._algos.items() if getattr(a, "needs_topology", False)]:
-            st._algos.pop(key).close()
+        st.drop_topology_algorithms()
         _FAST.clear()  # cached calls chose their path (one-node peer kernel or not) under the old topology
     st.topology = topo
 
@@ -380,7 +328,8 @@ _FAST: dict[tuple, object] = {}
 _FAST_MAX = 4096
 
 
-def _peer_call(st: _GroupState, tensor: torch.Tensor, op: str, name: str, window, async_op: bool, fast_key):
+def _peer_call(st: _GroupState, tensor: torch.Tensor, op: str, name: str, window, async_op: bool, fast_key,
+               timeout: float):
     """Peer-memory all-reduce on the current stream, or on the group's side stream when ``async_op``."""
     from hpdl.comm.algorithms.peer import peer_all_reduce
 
@@ -389,7 +338,8 @@ def _peer_call(st: _GroupState, tensor: torch.Tensor, op: str, name: str, window
         current.wait_event(st.side_pending)
         st.side_pending = None
     if not async_op:
-        peer_all_reduce(tensor, op, st.group, name, window)
+        algo = st.algorithm(name, window, timeout)   # the registry's OneShot / TwoShot
+        algo.all_reduce(tensor, op, st.comm(timeout))
         if fast_key is not None and str(env.get("HPDL_CHECK")) == "auto":
             group = st.group
             _FAST[fast_key] = (st, lambda t: peer_all_reduce(t, op, group, name, window))
@@ -399,7 +349,7 @@ def _peer_call(st: _GroupState, tensor: torch.Tensor, op: str, name: str, window
     side = st.side_stream
     side.wait_stream(current)
     with torch.cuda.stream(side):
-        peer_all_reduce(tensor, op, st.group, name, window)
+        st.algorithm(name, window, timeout).all_reduce(tensor, op, st.comm(timeout))
         done = torch.cuda.Event()
         done.record(side)
     tensor.record_stream(side)
@@ -453,7 +403,7 @@ def all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool = Fals
     if name in PEER:
         if verify is not None:
             verify()
-        return _peer_call(st, tensor, op, name, window, async_op, fast_key)
+        return _peer_call(st, tensor, op, name, window, async_op, fast_key, timeout)
 
     def run() -> Pending | None:
         if verify is not None:

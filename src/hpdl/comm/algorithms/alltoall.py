@@ -169,6 +169,10 @@ class _TwoLevelAlltoall(Algorithm):
         self.topology = topology
         self._shm: NodeSharedBuffer | None = None
 
+    @classmethod
+    def create(cls, resources, window, timeout):
+        return cls(window, topology=resources.get_topology(timeout))
+
     def all_reduce(self, buf, op, comm):
         raise ValueError(f"{self.name!r} is an all_to_all algorithm; for all_reduce use 'two_level' or another of "
                          "direct, ring, recursive_doubling, staged, native")

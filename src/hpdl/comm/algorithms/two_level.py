@@ -150,6 +150,11 @@ class TwoLevel(Algorithm):
         self._pinned: torch.Tensor | None = None
         self._last_result = 0   # bytes of the previous call's result (see _host_all_reduce)
 
+    @classmethod
+    def create(cls, resources, window, timeout):
+        host = resources.host(timeout) if resources.backend != "gloo" else None
+        return cls(window, topology=resources.get_topology(timeout), host_comm=host)
+
     def _buffer(self, comm: Transport) -> NodeSharedBuffer:
         if self._shm is None or self._shm.broken:
             self._shm = open_node_buffer(comm, self.topology)
