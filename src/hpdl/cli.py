@@ -29,6 +29,8 @@ GROUPS: dict[str, tuple[str, str, str | None]] = {
     "offload": ("hpdl.offload.cli:OffloadCommand",
                 "offload communication plans to a progress agent (seed 7): run the agent, the Jacobi comparison",
                 None),
+    "moe": ("hpdl.moe.cli:MoECommand",
+            "ExFlow MoE inference: routing traces, expert affinity, ILP placement, 1-Alltoall engine, bench", None),
 }
 
 

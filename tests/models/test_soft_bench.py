@@ -46,14 +46,15 @@ def test_bench_attention_all_suites_on_cpu(tmp_path, capsys):
     assert {(r["tokens"], r["method"]) for r in res["tokens"]} == {(n, m) for n in (64, 128)
                                                                    for m in ("soft", "soft_autograd", "nystrom", "sdpa", "softmax")}
     assert all(r["status"] == "ok" and r["fwd_bwd_ms"] > 0 for r in res["tokens"])
-    assert [(r["attention"], r["stage1_tokens"], r["status"]) for r in res["model"]] == [("soft", 256, "ok"),
-                                                                                         ("sdpa", 256, "ok")]
+    assert [(r["attention"], r["stage1_tokens"], r["status"]) for r in res["model"]] == [
+        ("soft", 256, "ok"), ("soft_inverse", 256, "ok"), ("sdpa", 256, "ok")]
     soft = next(r for r in res["throughput"] if r["model"] == "soft_tiny")
     assert soft["pair"] == "deit_tiny_patch16_224" and 0.1 < soft["gmacs"] < 0.3 and soft["train_images_per_s"] > 0
     assert {p.name for p in tmp_path.iterdir()} == {"soft_bench.json", "attention_tokens.png", "soft_model.png",
                                                     "throughput.png"}
     assert "soft faster than sdpa" in capsys.readouterr().out
     assert main(["bench", "attention", "--suite", "tokens,speed"]) == 1
+    assert main(["bench", "attention", "--suite", "model", "--model-attentions", "soft,fast"]) == 1
 
 
 def test_flash_context_can_be_entered_many_times():

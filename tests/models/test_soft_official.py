@@ -37,6 +37,7 @@ def _official():
 
     sub = types.ModuleType("SOFT.kernel.subtraction")
     sub.subtraction_gaussian_kernel = gaussian
+    sub.SubtractionGaussian = None   # SOFT/kernel/__init__.py imports it too (its CUDA module; unused here)
     sys.modules["SOFT.kernel.subtraction"] = sub
     sys.path.insert(0, ROOT)
     import SOFT.kernel.inverse as inverse

@@ -100,6 +100,38 @@ def test_newton_backward_modes():
     assert err > 1e-2 * grads["clustered", "exact"].abs().max()  # the inverse formula is wrong when unconverged
 
 
+@pytest.mark.parametrize("case", ["random", "clustered"])
+def test_symmetric_exact_backward_is_the_symmetric_part_of_the_general_one(case):
+    """symmetric=True (5 products a step) returns sym(gradient) + alpha's row term: the general exact backward
+    applied to a symmetrised upstream gradient; through a kernel of landmarks both give the same landmark grads."""
+    a0 = _kernel(spread=2.0) if case == "random" else _clustered().expand(2, 3, 12, 12)
+    g = torch.randn(2, 3, 12, 12, dtype=f64)
+    sym_g = 0.5 * (g + g.transpose(-1, -2))
+    grads = {}
+    for name, sym, up in (("general", False, sym_g), ("symmetric", True, g)):
+        a = a0.clone().requires_grad_()
+        (newton_pinv(a, 20, 0.01, 1.8, "exact", symmetric=sym) * up).sum().backward()
+        grads[name] = a.grad
+    torch.testing.assert_close(grads["symmetric"], grads["general"], rtol=1e-9, atol=1e-9)
+    torch.manual_seed(0)
+    lm = (torch.randn(2, 2, 9, 4, dtype=f64) * (0.3 if case == "clustered" else 1.0)).requires_grad_()
+    w = torch.randn(2, 2, 9, 9, dtype=f64)
+    out = {}
+    for sym in (False, True):
+        (lg,) = torch.autograd.grad((newton_pinv(gaussian_kernel(lm, lm), 20, 0.01, 1.8, "exact", sym) * w).sum(), lm)
+        out[sym] = lg
+    torch.testing.assert_close(out[True], out[False], rtol=1e-9, atol=1e-9)
+
+
+def test_soft_attention_gradcheck_through_landmarks_with_the_symmetric_backward():
+    torch.manual_seed(1)
+    q = torch.randn(1, 2, 10, 4, dtype=f64, requires_grad=True)
+    v = torch.randn(1, 2, 10, 3, dtype=f64, requires_grad=True)
+    lm = torch.randn(1, 2, 5, 4, dtype=f64, requires_grad=True)
+    for variant in ("soft", "norm"):
+        assert torch.autograd.gradcheck(lambda a, b, c: soft_attention(a, b, c, variant=variant, iters=8), (q, v, lm))
+
+
 def test_norm_alpha_scale_matches_official_loop_per_matrix():
     a = torch.cat([_kernel(batch=(2,), seed=4), _clustered(seed=5), 3 * _kernel(batch=(1,), seed=6)])
     got = norm_alpha_scale(a)

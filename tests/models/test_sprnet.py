@@ -168,6 +168,24 @@ def test_pixel_features_are_the_dense_enhancement_at_those_pixels():
     assert sum(sizes) == flat.shape[-1]
 
 
+def test_pixel_features_equal_the_per_level_conv_at_reference_with_gradients():
+    """The one-gather version against the level-by-level conv_at one: values and gradients (float64)."""
+    model = tiny().double()
+    torch.manual_seed(2)
+    feats = [torch.randn(3, 16, s, s + 1, dtype=torch.float64, requires_grad=True) for s in (8, 4, 2, 1)]
+    total = sum(f.shape[-2] * f.shape[-1] for f in feats)
+    pixels = torch.cat([torch.randint(0, total, (38,)), torch.tensor([total - 2, total - 1])])   # every level
+    b = torch.randint(0, 3, (40,))
+    got, ref = model.pixel_features(feats, b, pixels), model.pixel_features_reference(feats, b, pixels)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
+    g = torch.randn_like(got)
+    grads = torch.autograd.grad(got, feats + [model.enhance.point.weight], g)
+    grads_ref = torch.autograd.grad(ref, feats + [model.enhance.point.weight], g)
+    for a, r in zip(grads, grads_ref):
+        torch.testing.assert_close(a, r, rtol=0, atol=1e-10)
+    assert model.pixel_features(feats, b[:0], pixels[:0]).shape == (0, model.enhance.out_channels)
+
+
 # ---------------------------------------------------------------- positives
 
 def test_spr_positives_against_a_brute_force_oracle_and_torchvision_matcher():
@@ -245,6 +263,44 @@ def test_a_mask_encoded_at_a_pixel_decodes_back():
     probs = torch.sigmoid(dec(vec)[:, 2:3]).detach()
     back = paste_masks(probs, box, (64, 64))[0, 0] >= 0.5
     assert (back & m.bool()).sum() / (back | m.bool()).sum() > 0.95
+
+
+@pytest.mark.parametrize("mask_size", [8, 16, 32])
+def test_decoder_matrix_products_equal_the_convolution_modules(mask_size):
+    """The quad-tree matrix-product decoder is the deconvolution stack it replaced, all channels and one."""
+    torch.manual_seed(3)
+    dec = SPRDecoder(24, num_masks=5, mask_size=mask_size, channels=(16, 8)).double()
+    v = torch.randn(6, 24, dtype=torch.float64)
+    ref = dec.reference(v)
+    torch.testing.assert_close(dec(v), ref, rtol=0, atol=1e-12)
+    channel = torch.tensor([0, 4, 2, 2, 1, 3])
+    torch.testing.assert_close(dec.forward_channels(v, channel), ref[torch.arange(6), channel], rtol=0, atol=1e-12)
+
+
+def test_training_loss_and_gradients_equal_the_previous_implementation():
+    """The vectorised SPR branch (one gather, matrix-product decoder, only the label channel) gives the same
+    losses and gradients as the previous one (per-level conv_at, deconvolution modules, all K channels)."""
+    images, targets = sample_batch()
+
+    def run(old: bool):
+        model = tiny(mask_samples=10_000).double().train()
+        if old:
+            def mask_logits(features, b, pixels, labels):
+                logits = model.decoder.reference(model.pixel_features_reference(features, b, pixels))
+                return logits[torch.arange(len(labels)), labels]
+            model.mask_logits = mask_logits
+        losses = model([im.double() for im in images], [dict(t, boxes=t["boxes"].double()) for t in targets])
+        sum(losses.values()).backward()
+        return ({k: float(v.detach()) for k, v in losses.items()},
+                [p.grad for p in (model.decoder.predict.weight, model.decoder.linear[0].weight,
+                                  model.enhance.dilated[2].weight, model.backbone.fpn.layer_blocks[0][0].weight)])
+
+    new, old = run(False), run(True)
+    assert new[0].keys() == old[0].keys() and new[0]["mask"] > 0.1
+    for k in new[0]:
+        assert math.isclose(new[0][k], old[0][k], rel_tol=1e-10), (k, new[0][k], old[0][k])
+    for a, r in zip(new[1], old[1]):
+        torch.testing.assert_close(a, r, rtol=1e-8, atol=1e-12)
 
 
 def test_decoder_output_shapes():

@@ -29,7 +29,8 @@ def ensure_agent(ctx, ranks_per_node=2):
     if a is not None:
         a.stop(clean=False)
     dist.barrier()
-    _STATE["agent"] = a = ho.Agent(ranks_per_node=ranks_per_node, timeout=60).start()
+    # two copy threads: messages of 64 KiB or more between ranks of a node take the copy-thread path
+    _STATE["agent"] = a = ho.Agent(ranks_per_node=ranks_per_node, threads=2, timeout=60).start()
     return a
 
 
@@ -136,6 +137,26 @@ def hundred_starts(ctx, mode):
     for i in range(100):
         wrong += _a2a_check(a2a, inp, out, seed=i) + _ar_check(ar, data, seed=i)
     a2a.free()
+    ar.free()
+    return wrong
+
+
+def large_messages(ctx, mode):
+    """Alltoall of 64 KiB and 256 KiB per peer and a 1 MiB ring Allreduce (the agent's copy threads), 5 starts
+    each, against torch.distributed; returns #wrong."""
+    alloc = _setup(ctx, mode)
+    P = ctx.world_size
+    wrong = 0
+    for count in (16384, 65536):
+        inp, out = alloc((P, count), torch.float32), alloc((P, count), torch.float32)
+        a2a = ho.alltoall_init(inp, out, progress=mode)
+        for i in range(5):
+            wrong += _a2a_check(a2a, inp, out, seed=i)
+        a2a.free()
+    data = alloc((262144,), torch.float32)
+    ar = ho.allreduce_init(data, algorithm="ring", progress=mode)
+    for i in range(5):
+        wrong += _ar_check(ar, data, seed=i)
     ar.free()
     return wrong
 

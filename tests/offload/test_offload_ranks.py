@@ -38,6 +38,11 @@ def test_started_100_times_in_a_row(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_large_messages_through_the_copy_threads(mode):
+    assert pool().run(C.large_messages, mode) == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_sub_groups(mode):
     res = pool().run(C.subgroups, mode)
     assert [w for w, _ in res] == [0, 0, 0, 0]

@@ -61,6 +61,30 @@ def test_cli_bench_json(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["flover"]["requests"] == 6 and out["static"]["requests"] == 6
     assert math.isfinite(out["flover"]["output_throughput"])
+    roof = out["roofline"]  # the decode step against the measured bandwidth, 4 rows (= slots)
+    assert roof["rows"] == 4 and roof["step_ms"] > 0 and 0 < roof["fraction"] == pytest.approx(
+        roof["min_bytes"] / (roof["step_ms"] / 1e3) / roof["hbm_bytes_per_s"])
+
+
+def test_roofline_bytes_and_line():
+    from hpdl.serve import EngineConfig, LLMEngine, ModelSpec
+    from hpdl.serve.bench import decode_roofline, roofline_line
+    from hpdl.serve.fused import step_bytes
+    from hpdl.serve.sampling import SamplingParams
+
+    eng = LLMEngine(ModelSpec(config="llama-tiny"), EngineConfig(num_slots=4, max_seq_len=64))
+    r = eng.executor.runner
+    cfg = r.model.cfg
+    # closed form: weights except the embedding table (n rows of it), K and V of n rows x (L + 1) positions
+    weights = sum(p.numel() for n_, p in r.model.named_parameters() if n_ != "embed_tokens.weight") * 4
+    want = weights + 3 * cfg.hidden_size * 4 + 2 * cfg.n_layers * 3 * cfg.n_kv_heads * cfg.head_dim * 11 * 4
+    assert step_bytes(r.model, r.cache, 3, 10) == want
+    roof = decode_roofline(eng, 3, 10, iters=3, hbm=1e9)
+    assert roof["min_bytes"] == want and roof["path"] == "eager" and roof["hbm_bytes_per_s"] == 1e9
+    assert "3 rows at 10 cached positions (eager)" in roofline_line(roof)
+    eng.add_request([1, 2, 3], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="idle"):
+        decode_roofline(eng, 3, 10)
 
 
 def test_cli_requires_exactly_one_model_source():

@@ -1,9 +1,11 @@
-"""The CUDA-graph decode path's bucketing and padding, run on CPU with an eager stand-in for the graph."""
+"""The CUDA-graph decode path's bucketing and padding (eager and fused steps), run on CPU with an eager stand-in
+for the graph."""
 
 from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from hpdl.serve import EngineConfig, LLMEngine, ModelSpec, SamplingParams
@@ -21,17 +23,22 @@ class _EagerGraph:
 
 
 def _fake_capture(self, nb, kb):
-    from hpdl.models.gpt import Batch
-
     toks = torch.zeros(nb, 1, dtype=torch.long)
     pos = torch.zeros(nb, 1, dtype=torch.long)
     out = torch.empty(nb, self.model.cfg.vocab_size)
+    top = torch.empty(nb, dtype=torch.long) if self.fused else None
     self.captured.append((nb, kb))
-    return _EagerGraph(lambda: out.copy_(self.model(toks, self.cache, Batch(positions=pos, start=0, kv_len=kb)))), \
-        toks, pos, out
+
+    def run():
+        logits, am = self._decode(toks, pos, 0, kb)
+        out.copy_(logits)
+        if top is not None:
+            top.copy_(am)
+    return _EagerGraph(run), toks, pos, out, top
 
 
-def test_padded_bucketed_decode_matches_exact_decode(monkeypatch):
+@pytest.mark.parametrize("fused", [False, True])
+def test_padded_bucketed_decode_matches_exact_decode(monkeypatch, fused):
     rng = random.Random(0)
     prompts = [[rng.randrange(256) for _ in range(rng.randint(1, 40))] for _ in range(10)]
     params = [SamplingParams(max_tokens=rng.randint(1, 100), ignore_eos=True) for _ in prompts]
@@ -40,10 +47,21 @@ def test_padded_bucketed_decode_matches_exact_decode(monkeypatch):
     ref = LLMEngine(spec, EngineConfig(num_slots=6, max_seq_len=160, reorder="prefix")).generate(prompts, params)
     monkeypatch.setattr(ModelRunner, "_capture", _fake_capture)
     monkeypatch.setattr(ModelRunner, "captured", [], raising=False)
-    eng = LLMEngine(spec, EngineConfig(num_slots=6, max_seq_len=160, cuda_graph=True))
+    eng = LLMEngine(spec, EngineConfig(num_slots=6, max_seq_len=160, cuda_graph=True, fused_decode=fused))
     eng.executor.runner.cuda_graph = True  # CPU: force the graph path
     assert eng.scheduler.reorder == "prefix"
     outs = eng.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
     keys = set(ModelRunner.captured)
     assert {nb for nb, _ in keys} <= {1, 2, 4, 6} and {kb for _, kb in keys} >= {128, 160}
+
+
+def test_warm_up_captures_every_bucket(monkeypatch):
+    monkeypatch.setattr(ModelRunner, "_capture", _fake_capture)
+    monkeypatch.setattr(ModelRunner, "captured", [], raising=False)
+    eng = LLMEngine(ModelSpec(config="llama-tiny"), EngineConfig(num_slots=6, max_seq_len=160, cuda_graph=True))
+    r = eng.executor.runner
+    assert r.warm_up() == 0  # CPU: no graphs
+    r.cuda_graph = True
+    assert r.warm_up() == 4 * 2  # batch buckets 1, 2, 4, 6 x KV buckets 128, 160
+    assert set(ModelRunner.captured) == {(nb, kb) for nb in (1, 2, 4, 6) for kb in (128, 160)}

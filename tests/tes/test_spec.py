@@ -25,8 +25,8 @@ def test_impedance_loads_cover_the_range():
 def test_markdown_escapes_pipes_and_marks_info_rows():
     rows = [spec.SpecRow("a", "|V| <= 13 V", "|V| = 1", True), spec.SpecRow("b", "-", "x", None),
             spec.SpecRow("c", "-", "y", False)]
-    md = _markdown(rows, "x.png", 1.0, quick=True)
-    assert "\\|V\\| <= 13 V" in md and "| info |" in md and "| FAIL |" in md and "--quick" in md
+    md = _markdown(rows, "x.png", "x.json", 1.0, "hpdl tes spec --quick")
+    assert "\\|V\\| <= 13 V" in md and "| info |" in md and "| FAIL |" in md and "`hpdl tes spec --quick`" in md and "`x.json`" in md
 
 
 def test_impedance_in_ti_montage_row():

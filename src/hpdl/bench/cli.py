@@ -36,7 +36,7 @@ def parse_size(text: str) -> int:
 def sizes_between(lo: int, hi: int, factor: int = 2) -> list[int]:
     """Sizes lo, lo*factor, ... up to hi (bytes). Raises ValueError on lo > hi or factor < 2."""
     if lo > hi:
-        raise ValueError(f"--min ({lo}) must not exceed --max ({hi})")
+        raise ValueError(f"--min-bytes ({lo}) must not exceed --max-bytes ({hi})")
     if factor < 2:
         raise ValueError(f"--factor must be >= 2, got {factor}")
     out, s = [], max(lo, 1)
@@ -44,6 +44,29 @@ def sizes_between(lo: int, hi: int, factor: int = 2) -> list[int]:
         out.append(s)
         s *= factor
     return out
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: X)`` only where there is a value to show (not None or False) and the help does not
+    already say what the default means."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+# What each collective's --algorithms may name (hpdl.comm's registry; checked again in _validate).
+_ALGORITHM_HELP = {
+    "allreduce": "auto, native, direct, ring, recursive_doubling, staged, two_level (with --ranks-per-node), "
+                 "one_shot, two_shot (--device cuda, one node)",
+    "reduce_scatter": "auto, native, direct, ring",
+    "all_gather": "auto, native, direct, ring",
+    "alltoall": "auto, native, pairwise, direct, push, pull (push/pull: two-level through the node's shared "
+                "buffer; with --device cuda on one host, the peer-memory kernel)",
+}
+_REDUCES = ("allreduce", "reduce_scatter")  # collectives with a reduction op
+_GRAPH = ("allreduce", "alltoall")  # collectives with --graph (the README's GPU tables)
 
 
 class BenchCommand:
@@ -54,36 +77,57 @@ class BenchCommand:
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         sub = parser.add_subparsers(dest="collective", metavar="{" + ",".join([*_COLLECTIVES, "model", *PLUGINS]) + "}")
         for name in _COLLECTIVES:
-            p = sub.add_parser(name, help=f"benchmark {name}",
-                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-            p.set_defaults(_parser=p)
-            p.add_argument("--np", type=int, default=4, help="ranks to spawn when not under torchrun/mpirun")
+            p = sub.add_parser(name, help=f"benchmark {name}", description=f"benchmark {name}: every size x "
+                               "algorithm, checked exactly, timed, with native (torch.distributed) as the baseline",
+                               formatter_class=_HelpFormatter)
+            p.set_defaults(_parser=p, op="sum", tune_path=None, graph=False, graph_calls=None)
+            p.add_argument("--np", type=int, default=4,
+                           help="ranks to spawn; under torchrun/mpirun the launcher's ranks are used (pass no "
+                                "--np there: torchrun reads it as its --nproc-per-node)")
             p.add_argument("--algorithms", default=_DEFAULT_ALGORITHMS.get(name, "native,auto,direct,ring"),
-                           help="comma-separated, from: auto, direct, ring, recursive_doubling, staged, native, "
-                                "one_shot, two_shot (CUDA), two_level (allreduce); pairwise, direct, push, pull "
-                                "(alltoall); native is the baseline")
-            p.add_argument("--min", dest="min_size", type=parse_size, default=8,
+                           help=f"comma-separated, from: {_ALGORITHM_HELP[name]}; native is the baseline")
+            # -b/-e/-f as nccl-tests; long names that no torchrun option starts with (--max was ambiguous there)
+            p.add_argument("-b", "--min-bytes", dest="min_size", type=parse_size, default=8, metavar="SIZE",
                            help="smallest size in bytes (suffixes K, M, G)")
-            p.add_argument("--max", dest="max_size", type=parse_size, default=64 << 20,
-                           help="largest size in bytes (suffixes K, M, G)")
-            p.add_argument("--factor", type=int, default=2, help="size step factor (>= 2)")
+            p.add_argument("-e", "--max-bytes", dest="max_size", type=parse_size, default=64 << 20, metavar="SIZE",
+                           help="largest size in bytes (suffixes K, M, G; default: 64M)")
+            p.add_argument("-f", "--factor", type=int, default=2, help="size step factor (>= 2)")
             p.add_argument("--dtype", default="float32",
-                           choices=["float32", "float64", "float16", "bfloat16", "int32", "int64", "uint8"])
-            p.add_argument("--op", default="sum", choices=["sum", "avg", "min", "max", "product"])
-            p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-            p.add_argument("--iters", type=int, default=50, help="most timed iterations per point")
+                           choices=["float32", "float64", "float16", "bfloat16", "int32", "int64", "uint8"],
+                           help="element type")
+            if name in _REDUCES:
+                p.add_argument("--op", default="sum", choices=["sum", "avg", "min", "max", "product"],
+                               help="reduction")
+            p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                           help="cpu: gloo; cuda: NCCL and hpdl's peer-memory kernels, one GPU per rank")
+            p.add_argument("--iters", type=int, default=50, help="most timed calls per point")
             p.add_argument("--warmup", type=int, default=2, help="untimed calls per point (after the checked one)")
             p.add_argument("--time-per-point", type=float, default=0.1,
-                           help="seconds of timing aimed at per point (iterations adapt down to 2)")
-            p.add_argument("--window", type=int, default=None, help="throttle window k of direct (default tuned)")
-            p.add_argument("--ranks-per-node", type=int, default=None, help="emulate nodes of this many ranks")
-            p.add_argument("--json", dest="json_path", default=None, help="write rows and metadata as JSON")
-            p.add_argument("--plot", dest="plot_path", default=None, help="write latency/busbw plot (PNG)")
-            p.add_argument("--tune", dest="tune_path", default=None,
-                           help="write a tuning table for algorithm='auto' from this sweep (JSON)")
+                           help="seconds of timing aimed at per point (iterations adapt down to 3)")
+            if name in _GRAPH:
+                p.add_argument("--graph", action="store_true",
+                               help="time CUDA-graph replays (calls captured once, replayed; launch overhead "
+                                    "excluded, as nccl-tests -G); needs --device cuda")
+                p.add_argument("--graph-calls", type=int, default=None, metavar="N",
+                               help="calls captured per graph (default 20 up to 16 MiB, 4 up to 256 MiB, then 1)")
+            p.add_argument("--window", type=int, default=None,
+                           help="throttle window k of direct: peers in flight (default: the tuned value)")
+            p.add_argument("--ranks-per-node", type=int, default=None, metavar="G",
+                           help="emulate nodes of G ranks (what two-level algorithms see: "
+                                + {"allreduce": "two_level", "alltoall": "push, pull"}.get(name, "the topology")
+                                + ")")
+            p.add_argument("--json", dest="json_path", default=None, metavar="JSON",
+                           help="write rows and metadata as JSON")
+            p.add_argument("--plot", dest="plot_path", default=None, metavar="PNG",
+                           help="write latency/busbw plot (PNG)")
+            if name == "allreduce":
+                p.add_argument("--tune", dest="tune_path", default=None, metavar="JSON",
+                               help="write a tuning table for algorithm='auto' from this sweep (JSON; activate it "
+                                    "with HPDL_TUNING_FILE)")
             p.add_argument("--format", choices=["table", "json"], default="table", help="output on stdout")
             p.add_argument("--timeout", type=float, default=None,
-                           help="seconds a collective may wait for a peer before the run fails (HPDL_TIMEOUT)")
+                           help="seconds a collective may wait for a peer before the run fails (default: "
+                                "HPDL_TIMEOUT)")
         from hpdl.comm.model import add_model_arguments
 
         add_model_arguments(sub.add_parser("model", help="alpha-beta-gamma cost model: calibrate on bench JSON, "
@@ -96,7 +140,13 @@ class BenchCommand:
         if args.collective == "model":
             from hpdl.comm.model import run_model_command
 
-            return run_model_command(args)
+            try:
+                return run_model_command(args)
+            except ModuleNotFoundError as exc:
+                if (exc.name or "").split(".")[0] != "scipy":
+                    raise
+                raise CLIUsageError("hpdl bench model --calibrate fits the model with scipy's least squares, which "
+                                    "is not installed: pip install 'hpdl[comm]' (or pip install scipy)") from None
         if args.collective is None:
             raise CLIUsageError("choose a collective: " + ", ".join(_COLLECTIVES)
                                 + " (or " + ", ".join(["model", *PLUGINS]) + ")")
@@ -112,12 +162,10 @@ class BenchCommand:
                               algorithms=[a.strip() for a in args.algorithms.split(",") if a.strip()],
                               dtype=args.dtype, op=args.op, iters=args.iters, warmup=args.warmup,
                               window=args.window, time_per_point=args.time_per_point,
-                              progress=sys.stderr.isatty())
+                              progress="bar" if sys.stderr.isatty() else "lines", graph=args.graph,
+                              graph_calls=args.graph_calls)
         except ValueError as exc:
             raise CLIUsageError(str(exc)) from None
-        if args.tune_path and cfg.collective == "alltoall":
-            raise CLIUsageError("--tune writes the all_reduce tuning table; all_to_all_single's auto rules live in "
-                                "hpdl.comm.algorithms.alltoall.AUTO_RULES")
         if args.tune_path and "native" not in cfg.algorithms:
             raise CLIUsageError("--tune needs 'native' among --algorithms (auto must never lose to it)")
         _validate(cfg, args)
@@ -131,7 +179,8 @@ class BenchCommand:
         if args.plot_path:
             from hpdl.bench.report import plot
 
-            plot(rows, args.plot_path, f"{cfg.collective} {cfg.dtype} {cfg.op}, {world} ranks, {args.device}")
+            plot(rows, args.plot_path, f"{cfg.collective} {cfg.dtype}" + (f" {cfg.op}" if cfg.collective in _REDUCES
+                 else "") + f", {world} ranks, {args.device}" + (", CUDA graph" if cfg.graph else ""))
         if args.tune_path:
             from hpdl.bench.report import tuned_table
 
@@ -185,6 +234,11 @@ def _validate(cfg: BenchConfig, args) -> None:
         raise CLIUsageError(f"--window must be >= 1, got {args.window}")
     if args.iters < 1 or args.warmup < 0:
         raise CLIUsageError(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
+    if args.graph and args.device != "cuda":
+        raise CLIUsageError(f"--graph times CUDA-graph replays and needs --device cuda (got --device {args.device}); "
+                            "drop --graph for eager timing")
+    if args.graph_calls is not None and args.graph_calls < 1:
+        raise CLIUsageError(f"--graph-calls must be >= 1, got {args.graph_calls}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise CLIUsageError("--device cuda needs a CUDA build of torch and a visible GPU")
     from hpdl.comm.algorithms import alltoall as a2a
@@ -241,7 +295,7 @@ def _launch(cfg: BenchConfig, args):
 
 def _meta(cfg: BenchConfig, args, world: int) -> dict:
     meta = {"collective": cfg.collective, "world_size": world, "device": args.device, "dtype": cfg.dtype,
-            "ranks_per_node": args.ranks_per_node,
+            "ranks_per_node": args.ranks_per_node, "timing": "cuda-graph" if cfg.graph else "eager",
             "op": cfg.op, "torch": torch.__version__, "python": platform.python_version(),
             "host": platform.node(), "cpu": platform.processor() or platform.machine(),
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -259,5 +313,5 @@ def _print(rows, meta, args) -> None:
         print(json.dumps({"meta": meta, "rows": [r.as_dict() for r in rows]}, indent=1))
         return
     print(f"# hpdl bench {meta['collective']}: {meta['world_size']} ranks, device {meta['device']}, "
-          f"torch {meta['torch']}, {meta['date']}")
+          f"torch {meta['torch']}, {meta['timing']} timing, {meta['date']}")
     print(format_table(rows))

@@ -14,7 +14,7 @@ from itertools import groupby
 from pathlib import Path
 from typing import Sequence
 
-from hpdl.bench.harness import Row
+from hpdl.bench.harness import NOISE, REPEATS, Row, algo_label, speedup_text
 from hpdl.comm.tuning import INF, Rule, TuningTable, default_table
 
 def source_commit() -> str:
@@ -33,23 +33,27 @@ def source_commit() -> str:
     return (sha + ("+dirty" if dirty else "")) if sha else "unknown"
 
 
-HEADER = (f"{'size(B)':>12} {'count':>11} {'type':>9} {'redop':>7} {'algorithm':>19} {'avg(us)':>10} "
-          f"{'min(us)':>10} {'max(us)':>10} {'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'#wrong':>7} {'vs native':>9}")
-
-
-def _algo_label(r: Row) -> str:
-    if r.algorithm == "auto":
-        return f"auto->{r.resolved}"[:19]
-    return r.algorithm[:19]
+_COLUMNS = ("size(B)", "count", "type", "redop", "algorithm", "avg(us)", "min(us)", "max(us)", "algbw(GB/s)",
+            "busbw(GB/s)", "#wrong", "vs native")
 
 
 def format_table(rows: Sequence[Row], title: str = "") -> str:
+    """nccl-tests' columns, one row per (size, algorithm); columns as wide as their longest cell (algorithm
+    names are never cut). ``vs native`` is a min-max range where the repeats spread too much to trust one
+    number, with a note under the table saying so."""
+    cells = [[str(r.size), str(r.count), r.dtype, r.op, algo_label(r), f"{r.avg_us:.1f}", f"{r.min_us:.1f}",
+              f"{r.max_us:.1f}", f"{r.algbw:.3f}", f"{r.busbw:.3f}", str(r.wrong), speedup_text(r)] for r in rows]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(_COLUMNS)]
+    widths[0] = max(widths[0], len(_COLUMNS[0]) + 2, 12)  # room for the header's leading "#"
     lines = [f"# {title}"] if title else []
-    lines.append("#" + HEADER[1:])
-    for r in rows:
-        speed = f"{r.speedup:8.2f}x" if r.speedup is not None else f"{'-':>9}"
-        lines.append(f"{r.size:>12} {r.count:>11} {r.dtype:>9} {r.op:>7} {_algo_label(r):>19} {r.avg_us:>10.1f} "
-                     f"{r.min_us:>10.1f} {r.max_us:>10.1f} {r.algbw:>11.3f} {r.busbw:>11.3f} {r.wrong:>7} {speed}")
+    lines.append("#" + " ".join(c.rjust(w) for c, w in zip(_COLUMNS, widths))[1:])
+    lines += [" ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
+    if any(r.noisy for r in rows):
+        lines.append(f"# vs native as lo-hi: the {REPEATS} timed repeats of that row or of native spread by more "
+                     f"than {NOISE:.0%}, so the speed-up lies anywhere in that range on this machine (a loaded host; "
+                     "rerun with a longer --time-per-point, or on an idle one)")
+    if any(r.mode == "graph" for r in rows):
+        lines.append("# times are CUDA-graph replays (launch overhead excluded), per call")
     lines.append(f"# Out of bounds values : {sum(r.wrong for r in rows)} {'OK' if not any(r.wrong for r in rows) else 'FAILED'}")
     return "\n".join(lines)
 
@@ -128,6 +132,6 @@ def markdown(rows: Sequence[Row], meta: dict) -> str:
                 cells.append("-")
                 continue
             label = f" ({r.resolved})" if a == "auto" else ""
-            cells.append(f"{r.avg_us:.1f}{label}" + (f" {r.speedup:.2f}x" if a != "native" and r.speedup else ""))
+            cells.append(f"{r.avg_us:.1f}{label}" + (f" {speedup_text(r)}" if a != "native" and r.speedup else ""))
         lines.append(f"| {size} | " + " | ".join(cells) + f" | {sum(r.wrong for r in by.values())} |")
     return "\n".join(lines)

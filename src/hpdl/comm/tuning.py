@@ -103,10 +103,10 @@ class TuningTable:
         return cls(rules, data.get("source", source))
 
 
-# CPU (gloo) defaults from docs/benchmarks/cpu.md (4 and 8 processes, 32-core host, 2026-11-29):
+# CPU (gloo) defaults from docs/benchmarks/comm.md, history (4 and 8 processes, 32-core host, 2026-11-29):
 # recursive doubling 2-4.6x native up to 32 KiB; direct 1.2-1.8x native from 64 KiB to 512 KiB (4 ranks)
 # and 1 MiB (8 ranks); above that gloo's own chunked C++ all-reduce is faster, so auto uses it.
-# CUDA, one node: peer-memory kernels (docs/benchmarks/gpu_allreduce.md, 2 x H200: one-shot up to 1 MiB, then
+# CUDA, one node: peer-memory kernels (docs/benchmarks/comm.md, 2 x H200: one-shot up to 1 MiB, then
 # two-shot; NCCL never faster from 8 B to 1 GiB). Above 2 GPUs the one-shot limits follow vLLM's custom
 # all-reduce and are not yet measured here. Calls the kernels cannot take (float64, uint8, more ranks than
 # this host's GPUs) fall back to native.
@@ -124,8 +124,8 @@ DEFAULT_RULES = [
     Rule("cpu", INF, "native"),
     Rule("cuda", INF, "native"),
     # all_to_all_single, bytes per rank. CPU: native gloo was the fastest at every size from 1 KiB to 16 MiB
-    # on 8 ranks (docs/benchmarks/cpu_two_level.md). CUDA on one node: the peer-memory push kernel beat NCCL at
-    # every size from 1 KiB to 1 GiB on 2 x H200 (1.05-3.8x eager, docs/benchmarks/gpu_alltoall.md); only 2
+    # on 8 ranks (docs/benchmarks/comm.md). CUDA on one node: the peer-memory push kernel beat NCCL at
+    # every size from 1 KiB to 1 GiB on 2 x H200 (1.05-3.8x eager, docs/benchmarks/comm.md); only 2
     # GPUs are measured, so larger groups keep NCCL until 4/8-GPU runs rewrite this table (--tune).
     Rule("cpu", INF, "native", collective="all_to_all"),
     Rule("cuda", INF, "push", max_world=2, collective="all_to_all"),

@@ -234,22 +234,78 @@ class MaskEnhancement(nn.Module):
 
 
 class SPRDecoder(nn.Module):
-    """One pixel's vector -> mask logits: [P, C'] -> [P, K, m, m] (K = classes, or 1 class-agnostic)."""
+    """One pixel's vector -> mask logits: [P, C'] -> [P, K, m, m] (K = classes, or 1 class-agnostic).
+
+    The layers are 2x2 stride-2 deconvolutions (and 1x1 convs), which mix no neighbouring positions: every
+    output cell is a chain of matrix products of the pixel's vector. So the decoder runs as matrix products on
+    ``[P, positions, channels]`` with positions in quad-tree order (a cell's 4 children adjacent), which needs
+    no reordering between layers and one at the end. That is the same arithmetic as the convolution modules
+    (kept as the parameters, and as :meth:`reference`), but with no convolution kernel: cuDNN in benchmark mode
+    re-tunes every new batch size, and the number of positive pixels changes every step.
+    """
 
     def __init__(self, in_channels: int, num_masks: int, mask_size: int = 32, channels=(256, 128)):
         super().__init__()
         c0, c1 = channels
         n_linear = int(math.log2(mask_size)) - 2            # 1x1 -> (m/4)x(m/4) without activation
+        self.mask_size = mask_size
         self.reduce = nn.Linear(in_channels, c0)            # the 1x1 conv on a 1x1 map
         self.linear = nn.Sequential(*[nn.ConvTranspose2d(c0, c0, 2, stride=2) for _ in range(n_linear)])
         self.up = nn.Sequential(nn.ConvTranspose2d(c0, c1, 2, stride=2), nn.ReLU(inplace=True),
                                 nn.ConvTranspose2d(c1, c1, 2, stride=2), nn.ReLU(inplace=True))
         self.predict = nn.Conv2d(c1, num_masks, 1)
         self.predict_shortcut = nn.Conv2d(c0, num_masks, 1)
+        # raster cell (r, c) of the m x m map -> its quad-tree position: the bits of r and c interleaved
+        levels = int(math.log2(mask_size))
+        r, c = torch.meshgrid(torch.arange(mask_size), torch.arange(mask_size), indexing="ij")
+        tree = sum((((r >> (levels - 1 - j)) & 1) * 2 + ((c >> (levels - 1 - j)) & 1)) * 4 ** (levels - 1 - j)
+                   for j in range(levels))
+        self.register_buffer("raster", tree.flatten(), persistent=False)
+
+    @staticmethod
+    def _deconv(x: torch.Tensor, layer: nn.ConvTranspose2d) -> torch.Tensor:
+        """A 2x2 stride-2 deconvolution on quad-tree-ordered positions: [P, S, C] -> [P, 4S, O]."""
+        c, o = layer.weight.shape[:2]
+        w = layer.weight.permute(2, 3, 1, 0).reshape(4 * o, c)    # row (2a + b) * O + o: child (a, b)'s output o
+        bias = None if layer.bias is None else layer.bias.repeat(4)
+        return F.linear(x, w, bias).view(x.shape[0], 4 * x.shape[1], o)
+
+    def _features(self, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[P, C'] -> the (m/4)^2 map [P, (m/4)^2, c0] (the shortcut's input) and the m^2 map [P, m^2, c1]."""
+        a = self.reduce(v)[:, None, :]                                     # [P, 1, c0]
+        for layer in self.linear:
+            a = self._deconv(a, layer)
+        h = F.relu(self._deconv(a, self.up[0]))
+        return a, F.relu(self._deconv(h, self.up[2]))
+
+    def _to_raster(self, tree: torch.Tensor) -> torch.Tensor:
+        """[..., m^2] quad-tree order -> [..., m, m] raster."""
+        m = self.mask_size
+        return tree[..., self.raster].unflatten(-1, (m, m))
 
     def forward(self, v: torch.Tensor) -> torch.Tensor:
+        """All mask channels: [P, C'] -> [P, K, m, m]."""
+        a, h = self._features(v)
+        out = F.linear(h, self.predict.weight[:, :, 0, 0], self.predict.bias)                      # [P, m^2, K]
+        # the shortcut: 1x1 prediction at m/4, nearest-upsampled x4: each cell's 16 descendants are adjacent
+        short = F.linear(a, self.predict_shortcut.weight[:, :, 0, 0], self.predict_shortcut.bias)   # [P, S, K]
+        out = out + short.repeat_interleave(16, dim=1)
+        return self._to_raster(out.transpose(1, 2))
+
+    def forward_channels(self, v: torch.Tensor, channel: torch.Tensor) -> torch.Tensor:
+        """One channel a pixel (its class, or 0 class-agnostic): [P, C'], int64 [P] -> [P, m, m].
+
+        Equal to ``forward(v)[arange(P), channel]`` without computing the other K - 1 channels."""
+        a, h = self._features(v)
+        w, b = self.predict.weight[channel, :, 0, 0], self.predict.bias[channel]                 # [P, c1], [P]
+        ws, bs = self.predict_shortcut.weight[channel, :, 0, 0], self.predict_shortcut.bias[channel]
+        out = torch.bmm(h, w.to(h.dtype)[:, :, None])[..., 0] + b[:, None].to(h.dtype)          # [P, m^2]
+        short = torch.bmm(a, ws.to(a.dtype)[:, :, None])[..., 0] + bs[:, None].to(a.dtype)     # [P, S]
+        return self._to_raster(out + short.repeat_interleave(16, dim=1))
+
+    def reference(self, v: torch.Tensor) -> torch.Tensor:
+        """The same function through the convolution modules (for tests): [P, C'] -> [P, K, m, m]."""
         a = self.linear(self.reduce(v)[:, :, None, None])   # [P, c0, m/4, m/4]
-        # shortcut: 1x1 prediction at m/4 then nearest x4 (equal to predicting on the upsampled map, 16x cheaper)
         return self.predict(self.up(a)) + F.interpolate(self.predict_shortcut(a), scale_factor=4, mode="nearest")
 
 
@@ -375,7 +431,43 @@ class SPRNet(RetinaNet):
 
     # ---- the SPR branch on selected pixels
     def pixel_features(self, features: list[torch.Tensor], b: torch.Tensor, pixels: torch.Tensor) -> torch.Tensor:
-        """Enhanced vectors [P, C'] of pixels ``pixels`` (indices into the levels concatenated row-major)."""
+        """Enhanced vectors [P, C'] of pixels ``pixels`` (int64 [P], indices into the levels concatenated
+        row-major) of images ``b`` (int64 [P]): ``enhance(features[l])[b, :, y, x]`` for each pixel's level l.
+
+        One gather for every tap of every enhancement conv on every level, then one matrix product a conv, with
+        no host synchronisation (the per-level :func:`conv_at` is the reference)."""
+        convs = [(self.enhance.point, 1)] + [(c, c.dilation[0]) for c in self.enhance.dilated]
+        r = max(d * (conv.weight.shape[-1] // 2) for conv, d in convs)
+        dev, ch = pixels.device, features[0].shape[1]
+        if len(pixels) == 0:
+            return features[0].new_zeros((0, self.enhance.out_channels))
+        padded = [F.pad(f, (r, r, r, r)) for f in features]
+        flat = torch.cat([p.flatten(2) for p in padded], 2).transpose(1, 2).reshape(-1, ch)   # [B * L, C]
+        hw = torch.tensor([f.shape[-2] * f.shape[-1] for f in features], device=dev)
+        width = torch.tensor([f.shape[-1] for f in features], device=dev)
+        padded_len = torch.tensor([p.shape[-2] * p.shape[-1] for p in padded], device=dev)
+        start, padded_start = hw.cumsum(0) - hw, padded_len.cumsum(0) - padded_len
+        level = torch.searchsorted(start, pixels, right=True) - 1
+        local, w = pixels - start[level], width[level]
+        pw = w + 2 * r                                                   # padded width of the pixel's level
+        centre = b * int(padded_len.sum()) + padded_start[level] + (local // w + r) * pw + local % w + r
+        offsets = []
+        for conv, d in convs:                                          # tap (i, j): row/column (i|j - k//2) * d
+            k = conv.weight.shape[-1]
+            t = (torch.arange(k, device=dev) - k // 2) * d
+            offsets.append((t[:, None, None] * pw + t[None, :, None]).reshape(k * k, -1).T)     # [P, k*k]
+        idx = centre[:, None] + torch.cat(offsets, 1)                                            # [P, T]
+        taps = flat.index_select(0, idx.flatten()).view(len(pixels), -1, ch)                  # [P, T, C]
+        outs, t0 = [], 0
+        for conv, _ in convs:
+            o, _, k, _ = conv.weight.shape
+            w2 = conv.weight.permute(0, 2, 3, 1).reshape(o, k * k * ch)
+            outs.append(F.linear(taps[:, t0:t0 + k * k].reshape(len(pixels), -1), w2, conv.bias))
+            t0 += k * k
+        return F.relu(torch.cat(outs, 1))
+
+    def pixel_features_reference(self, features, b, pixels) -> torch.Tensor:
+        """:meth:`pixel_features` level by level through :func:`conv_at` (for tests)."""
         parts, order, start = [], [], 0
         for f in features:
             h, w = f.shape[-2:]
@@ -393,9 +485,8 @@ class SPRNet(RetinaNet):
 
     def mask_logits(self, features, b, pixels, labels) -> torch.Tensor:
         """[P] pixels and their labels -> the labels' mask logits [P, m, m] (channel 0 when class-agnostic)."""
-        logits = self.decoder(self.pixel_features(features, b, pixels))
         channel = torch.zeros_like(labels) if self.config.class_agnostic else labels
-        return logits[torch.arange(len(labels), device=labels.device), channel]
+        return self.decoder.forward_channels(self.pixel_features(features, b, pixels), channel)
 
     # ---- training
     def assign(self, targets, anchors) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:

@@ -107,9 +107,10 @@ class _Server:
         try:
             while True:
                 try:
-                    msg = conn.recv()
+                    item = conn.recv()
                 except (EOFError, OSError):
                     return
+                seq, msg = item if isinstance(item, tuple) and len(item) == 2 else (None, item)
                 try:
                     if isinstance(msg, P.Hello):
                         boxes = shm.Mailboxes(msg.slots, path=msg.mailbox_path)
@@ -119,42 +120,59 @@ class _Server:
                     elif isinstance(msg, P.NewKey):
                         value = int(self.store.add(KEY_COUNTER, 1))
                     elif isinstance(msg, P.Register):
-                        tensors = {n: (self.mapper.tensor(h) if isinstance(h, shm.ShmHandle) else h)
-                                   for n, h in msg.buffers.items()}
-                        inst = Instance(msg.plan, tensors, boxes.array, msg.slot, self.transport, "agent",
-                                        f"{label} (rank {msg.plan.rank} of the plan's group)")
-                        self.executor.register(inst)
-                        insts[msg.slot] = inst
+                        paths, tensors = [], {}
+                        try:
+                            for n, h in msg.buffers.items():
+                                if isinstance(h, shm.ShmHandle):
+                                    tensors[n] = self.mapper.tensor(h)
+                                    paths.append(h.path)
+                                else:
+                                    tensors[n] = h
+                            inst = Instance(msg.plan, tensors, boxes.array, msg.slot, self.transport, "agent",
+                                            f"{label} (rank {msg.plan.rank} of the plan's group)")
+                            self.executor.register(inst)
+                        except BaseException:
+                            self.mapper.release(paths)
+                            raise
+                        insts[msg.slot] = (inst, paths)
                         value = None
                     elif isinstance(msg, P.Free):
-                        inst = insts.pop(msg.slot, None)
+                        inst, paths = insts.pop(msg.slot, (None, ()))
                         if inst is not None:
-                            self.executor.free(inst)
+                            self.executor.free(inst, "freed its request")
+                        self.mapper.release(paths)
                         value = None
                     elif isinstance(msg, P.Query):
-                        inst = insts.get(msg.slot)
+                        inst = insts.get(msg.slot, (None,))[0]
                         value = self.executor.call(inst.status) if inst else None
                     elif isinstance(msg, P.Shutdown):
-                        conn.send(P.Reply(True))
+                        conn.send((seq, P.Reply(True)))
                         self.executor.request_stop()
                         return
                     else:
                         raise TypeError(f"unknown message {type(msg).__name__}")
-                    conn.send(P.Reply(True, value))
+                    conn.send((seq, P.Reply(True, value)))
+                    # drop this frame's references: a freed plan's tensors must not keep its files mapped
+                    inst = tensors = value = msg = item = None
                 except (EOFError, OSError, BrokenPipeError):
                     return
                 except Exception as exc:  # noqa: BLE001 - the client gets the error, the agent serves on
                     try:
-                        conn.send(P.Reply(False, error=f"{type(exc).__name__}: {exc}"))
+                        conn.send((seq, P.Reply(False, error=f"{type(exc).__name__}: {exc}")))
                     except OSError:
                         return
         finally:  # a client that left (or died) takes its requests with it
-            for inst in insts.values():
+            for inst, paths in insts.values():
                 try:
-                    self.executor.free(inst)
+                    self.executor.free(inst, "left (its process ended or disconnected)")
                 except Exception:  # noqa: BLE001 - best effort while the agent may be stopping
                     pass
+                self.mapper.release(paths)
             conn.close()
+            try:
+                shm.sweep()  # the files of a client that was killed
+            except Exception:  # noqa: BLE001 - cleanup must not take the agent down
+                log.exception("agent %d: sweeping shared memory failed", self.index)
 
 
 def cleanup(address: str) -> None:
@@ -164,6 +182,23 @@ def cleanup(address: str) -> None:
             os.unlink(address + suffix)
         except OSError:
             pass
+
+
+def _refuse_live(address: str, index: int) -> None:
+    """Raise AgentError when a running agent already serves ``address`` (another job on this host with the
+    same path): starting would delete its socket, key and doorbell under it."""
+    from hpdl.offload.errors import AgentError
+    from hpdl.runtime.procs import pid_alive
+
+    try:
+        st = np.fromfile(address + ".status", dtype=np.int64, count=STATUS_WORDS)
+    except (OSError, ValueError):
+        return
+    if len(st) == STATUS_WORDS and st[PID] > 0 and st[STATE] != STOPPED and pid_alive(int(st[PID])) \
+            and int(st[PID]) != os.getpid():
+        who = describe(int(st[INDEX]), int(st[PID]), address)
+        raise AgentError(f"cannot start offload agent {index} at {address}: {who} serves it already (another "
+                         "job on this host?); pass another --address (or HPDL_OFFLOAD_AGENT)", agent=who)
 
 
 def run_agent(*, index: int, agents: int, rendezvous: str, address: str, authkey: bytes | None = None,
@@ -183,6 +218,7 @@ def run_agent(*, index: int, agents: int, rendezvous: str, address: str, authkey
 
     from hpdl.offload.executor import GlooTransport
 
+    _refuse_live(address, index)
     cleanup(address)
     authkey = authkey or secrets.token_bytes(16)
     fd = os.open(address + ".key", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

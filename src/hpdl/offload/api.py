@@ -87,6 +87,8 @@ class _ThreadBackend:
     def describe(self) -> str:
         return "the in-process progress thread"
 
+    closed = False
+
 
 def _private_gloo(group, rank: int, world: int, timeout: float) -> GlooTransport:
     """A Gloo group of the group's ranks on a store of its own (hosted by group rank 0): made without
@@ -138,9 +140,14 @@ class _AgentBackend:
         st = self.client.request(P.Query(inst), timeout=5.0)
         return st if st is not None else Status("the agent does not know this request", None, ())
 
+    @property
+    def closed(self) -> bool:
+        return self.client.closed
+
     def check(self, what: str) -> None:
         if not self.client.alive():
-            raise AgentError(f"{self.client.desc} died ({what})", agent=self.client.desc)
+            how = "was stopped" if self.client.closed else "died"
+            raise AgentError(f"{self.client.desc} {how} ({what})", agent=self.client.desc)
 
     def describe(self) -> str:
         return self.client.desc
@@ -186,7 +193,7 @@ def _bind(specs: Sequence[BufferSpec], buffers: dict | None, mode: str) -> dict[
                 raise PlanError(f"buffer {s.name!r} is a CPU tensor outside shared memory, which the agent cannot "
                                 f"read in place: allocate it with hpdl.offload.empty({s.shape}, torch.{s.dtype}) "
                                 "(or use progress='thread')")
-            t = t.view(s.shape)
+            t = t.detach().view(s.shape)  # same storage; autograd must not track the executor's writes
         out[s.name] = t
     return out
 
@@ -194,7 +201,7 @@ def _bind(specs: Sequence[BufferSpec], buffers: dict | None, mode: str) -> dict[
 def _resolve_progress(progress: str | None) -> tuple[str, client_mod.AgentClient | None]:
     mode = (progress or env.get("HPDL_OFFLOAD_PROGRESS")).strip().lower()
     if mode not in PROGRESS:
-        raise ValueError(f"progress must be one of {PROGRESS}, got {progress!r}")
+        raise PlanError(f"progress must be one of {PROGRESS}, got {progress!r}")
     c = client_mod.current() if mode in ("auto", "agent") else None
     if mode == "agent" and c is None:
         raise AgentError("progress='agent' but this process has no agent: start one with hpdl.offload.Agent(...) "
@@ -207,14 +214,16 @@ def compile(plan: Plan | PlanData, buffers: dict[str, torch.Tensor] | None = Non
     """Validate ``plan`` on every rank of ``group`` and return a :class:`PersistentRequest` for it.
 
     Collective: every rank of ``group`` calls it with its own part of the same plan (same name), as with
-    ``MPI_Alltoall_init``. Nothing is sent or written before every rank's plan has passed validation.
+    ``MPI_Alltoall_init``. Nothing is sent or written before every rank's plan has passed validation, and an
+    error found on one rank is raised on every rank (naming that rank), so no rank is left waiting.
 
     Args:
         plan: this rank's :class:`~hpdl.offload.plan.Plan` (or its ``data()``); ranks are group ranks.
         buffers: registered buffer name -> tensor (contiguous, the registered dtype and number of elements;
             viewed to the registered shape). Buffers left out are allocated (zeroed; in shared memory for a
             CPU agent) and exposed as ``request.buffers``. For an agent, CPU tensors must come from
-            :func:`hpdl.offload.empty` so that it can read and write them in place.
+            :func:`hpdl.offload.empty` so that it can read and write them in place. Tensors that require
+            grad are bound detached (the executor writes their storage, autograd does not see it).
         group: process group (None = world).
         progress: "agent", "thread" or "auto" (default ``HPDL_OFFLOAD_PROGRESS``).
         timeout: default seconds for ``wait()`` (default ``HPDL_TIMEOUT``).
@@ -222,56 +231,91 @@ def compile(plan: Plan | PlanData, buffers: dict[str, torch.Tensor] | None = Non
     Raises:
         PlanError: on every rank, naming the rank and operation: anything
             :func:`~hpdl.offload.compiler.compile_group` rejects (cycles, unmatched or mismatched send/recv,
-            out-of-range boxes, deadlocks), or a bad buffer binding.
-        AgentError: ``progress='agent'`` without an agent, or the agent refused the registration.
+            out-of-range boxes, deadlocks), a bad buffer binding, or a bad ``progress``.
+        AgentError: ``progress='agent'`` without an agent, an agent that died, or one that refused the
+            registration.
+        OffloadError: no request mailbox left on some rank (free requests you no longer need).
+        ValueError: this process is not a member of ``group``.
     """
+    return _compile(plan, buffers, group, progress, timeout, None)
+
+
+def _compile(plan, buffers, group, progress, timeout, pre_error: str | None) -> "PersistentRequest":
+    """compile(); ``pre_error`` is a problem a wrapper found on this rank before the plan existed (raised on
+    every rank, as a PlanError naming this one)."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised: call hpdl.runtime.init_from_env() or "
                            "torch.distributed.init_process_group() first")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    data = plan.data() if isinstance(plan, Plan) else plan
-    if not isinstance(data, PlanData):
-        raise TypeError(f"plan must be a hpdl.offload.Plan, got {type(plan).__name__}")
+    if rank < 0:  # not a member: the others' collective does not include us, so raising alone is safe
+        raise ValueError(f"global rank {dist.get_rank()} is not a member of the group passed to compile()")
+    error = pre_error
+    data = None
+    if error is None:
+        data = plan.data() if isinstance(plan, Plan) else plan
+        if not isinstance(data, PlanData):
+            error = f"plan must be a hpdl.offload.Plan, got {type(plan).__name__}"
+    agent_error = None
     try:
-        mode, client, why = *_resolve_progress(progress), None
-    except (AgentError, ValueError) as exc:
-        mode, client, why = "error", None, f"rank {rank}: {exc}"
-    modes = _gather((mode, why), group)  # before any backend work: ranks must agree on who executes
-    if any(w for _, w in modes):
-        raise AgentError(next(w for _, w in modes if w))
-    if len({m for m, _ in modes}) > 1:
+        mode, client = _resolve_progress(progress)
+        if client is not None and not client.alive():
+            raise AgentError(f"{client.desc} is not running (it died or was stopped)", agent=client.desc)
+    except AgentError as exc:
+        mode, client, agent_error = "error", None, f"rank {rank}: {exc}"
+    except ValueError as exc:
+        mode, client = "error", None
+        error = error or str(exc)
+    # before any backend work: every rank learns every rank's early problem, and ranks agree on who executes
+    modes = _gather((mode, agent_error, error), group)
+    for q, (_, _, e) in enumerate(modes):
+        if e:
+            raise PlanError(f"rank {q}: {e}", rank=q)
+    if any(a for _, a, _ in modes):
+        raise AgentError(next(a for _, a, _ in modes if a))
+    if len({m for m, _, _ in modes}) > 1:
         raise PlanError("ranks resolved progress differently: " + ", ".join(
-            f"rank {q} {m}" for q, (m, _) in enumerate(modes)) + " (start the Agent on every rank of the group)")
-    error, tensors = None, None
+            f"rank {q} {m}" for q, (m, _, _) in enumerate(modes)) + " (start the Agent on every rank of the group)")
+    tensors = None
     try:
         check_plan(data, world, rank)
         tensors = _bind(data.buffers, buffers, mode)
     except PlanError as exc:
         error = exc
     wait_s = float(env.get("HPDL_TIMEOUT") if timeout is None else timeout)
-    backend = _AgentBackend(client) if mode == "agent" else _ThreadBackend(group, rank, world, wait_s)
-    key = backend.new_key() if rank == 0 or mode == "thread" else None
+    # the private transport outlives this plan: its set-up gets the job's timeout, not this request's
+    setup_s = max(wait_s, float(env.get("HPDL_TIMEOUT")))
+    backend = _AgentBackend(client) if mode == "agent" else _ThreadBackend(group, rank, world, setup_s)
+    key = None
+    if rank == 0 or mode == "thread":
+        try:
+            key = backend.new_key()
+        except OffloadError as exc:  # e.g. the agent went away: every rank must hear of it
+            error = error or OffloadError(str(exc))
     infos = _gather({"data": data, "endpoint": backend.endpoint, "key": key,
-                     "error": None if error is None else (str(error), error.op)}, group)
+                     "error": None if error is None else (str(error), getattr(error, "op", None),
+                                                          type(error).__name__)}, group)
     for q, info in enumerate(infos):
         if info["error"] is not None:
-            msg, op = info["error"]
-            raise PlanError(msg if msg.startswith("rank ") else f"rank {q}: {msg}", op=op, rank=q)
+            msg, op, kind = info["error"]
+            msg = msg if msg.startswith("rank ") else f"rank {q}: {msg}"
+            if kind == "PlanError":
+                raise PlanError(msg, op=op, rank=q)
+            raise AgentError(msg) if mode == "agent" else OffloadError(msg)
     compiled = compile_group([i["data"] for i in infos], infos[0]["key"], [i["endpoint"] for i in infos])[rank]
-    slot = backend.mailboxes.take()
     done = threading.Event()
-    error = None
+    error, handle, slot = None, None, None
     try:
+        slot = backend.mailboxes.take()
         handle = backend.register(compiled, tensors, slot, done)
     except (OffloadError, ValueError) as exc:
-        error, handle = f"rank {rank}: {exc}", None
+        error = f"rank {rank}: {exc}"
     errors = [e for e in _gather(error, group) if e]
     if errors:
         if handle is not None:
             backend.free(handle, slot)
-        else:
+        elif slot is not None:
             backend.mailboxes.give_back(slot)
         raise OffloadError(f"registering plan {data.name!r} failed: " + "; ".join(errors))
     return PersistentRequest(compiled, tensors, backend, handle, slot, done, timeout)
@@ -304,6 +348,7 @@ class PersistentRequest:
         self._cuda = any(t.is_cuda for t in buffers.values())
         self.timeout = float(env.get("HPDL_TIMEOUT") if timeout is None else timeout)
         self.progress = backend.kind
+        self._t_start = self._next_check = 0.0
 
     def __repr__(self) -> str:
         state = "freed" if self.freed else "active" if self.active else "inactive"
@@ -323,19 +368,39 @@ class PersistentRequest:
             raise OffloadError(f"plan {self.plan.name!r} failed earlier and cannot restart: {self._failed}")
         if self._cuda:
             torch.cuda.current_stream().synchronize()  # the executor reads what the stream wrote
+        if self._backend.closed:
+            raise OffloadError(f"plan {self.plan.name!r}: start() after {self._backend.describe()} was stopped "
+                               "(compile the plan again under a running agent)")
         self._gen += 1
         self._done.clear()
         self.active = True
+        self._t_start = time.monotonic()
+        self._next_check = self._t_start + 0.01
         self._mb[shm.START] = self._gen
         self._backend.ring()
 
     def test(self) -> bool:
         """True when the last start has completed (and for an inactive request), like ``MPI_Test``. Reads
-        the mailbox only: it never enters the progress engine.
+        the mailbox; it never enters the progress engine. Every 10 ms of polling it also checks that the
+        executor lives, and once the request has run for longer than its timeout it raises, so that a
+        ``while not req.test(): ...`` loop cannot spin forever on a dead agent or peer.
 
         Raises:
             OffloadError: the plan failed (the message names the operation and peer).
+            AgentError: the agent died (named).
+            OffloadTimeoutError: not done ``timeout`` seconds after ``start()``, naming the missing ranks.
         """
+        if self._poll():
+            return True
+        now = time.monotonic()
+        if now >= self._next_check:
+            self._next_check = now + 0.01
+            self._backend.check(f"while rank {self.plan.rank} tested plan {self.plan.name!r}")
+            if now - self._t_start > self.timeout:
+                self._raise_timeout(self.timeout, "after start()")
+        return False
+
+    def _poll(self) -> bool:
         if not self.active:
             return True
         if self._mb[shm.DONE] == self._gen:
@@ -354,13 +419,13 @@ class PersistentRequest:
             AgentError: the agent died meanwhile (noticed within milliseconds), naming it.
             OffloadError: the plan failed.
         """
-        if self.test():
+        if self._poll():
             return
         timeout = self.timeout if timeout is None else timeout
         t0 = time.monotonic()
         deadline, next_check, spins = t0 + timeout, t0 + 0.01, 0
         threaded = self._backend.kind == "thread"
-        while not self.test():
+        while not self._poll():
             now = time.monotonic()
             if threaded:  # the GIL: sleep on the completion event instead of spinning against the thread
                 self._done.wait(min(0.01, max(deadline - now, 0)))
@@ -385,11 +450,11 @@ class PersistentRequest:
             err, culprit = f"(its error could not be read: {exc})", None
         self._failed = err
         msg = f"plan {self.plan.name!r} failed on rank {self.plan.rank}: {err}"
-        if self._backend.kind == "agent":  # the agents' network failed: name the agent to blame
-            raise AgentError(msg, agent=culprit or self._backend.describe())
+        if self._backend.kind == "agent" and culprit:  # the agents' network failed: name the agent to blame
+            raise AgentError(msg, agent=culprit)
         raise OffloadError(msg)
 
-    def _raise_timeout(self, timeout: float) -> None:
+    def _raise_timeout(self, timeout: float, when: str = "") -> None:
         try:
             pending = self._backend.query(self._handle).pending
         except OffloadError as exc:
@@ -402,7 +467,7 @@ class PersistentRequest:
         listing = "; ".join(str(p) for p in pending[:8]) + (f"; ... {len(pending) - 8} more" if len(pending) > 8
                                                             else "")
         raise OffloadTimeoutError(
-            f"plan {self.plan.name!r} on rank {self.plan.rank} not done after {timeout:.1f}s "
+            f"plan {self.plan.name!r} on rank {self.plan.rank} not done {timeout:.1f}s {when or 'into wait()'} "
             f"({self._backend.describe()}); waiting for ranks {peers}: {listing or 'nothing listed'}{note}.{picked}",
             missing_ranks=peers)
 
@@ -424,7 +489,7 @@ class PersistentRequest:
         """
         if self.freed:
             return
-        if self.active and not self.test():
+        if self.active and not self._poll():
             raise OffloadError(f"plan {self.plan.name!r}: free() of an active request: wait() for it first")
         self.freed = True
         self._backend.free(self._handle, self._slot)
@@ -433,13 +498,16 @@ class PersistentRequest:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        try:
-            if self.active:
-                self.wait()
-            self.free()
-        except OffloadError:
-            if exc_type is None:  # do not hide the error that is already leaving the block
-                raise
+        if exc_type is not None:  # an error is leaving the block: free if possible, never wait another timeout
+            try:
+                if not self.active or self._poll():
+                    self.free()
+            except OffloadError:
+                pass
+            return
+        if self.active:
+            self.wait()
+        self.free()
 
 
 def startall(requests: Sequence[PersistentRequest]) -> None:
@@ -464,38 +532,63 @@ def alltoall_init(input: torch.Tensor, output: torch.Tensor, *, group=None, wind
                   **kw) -> PersistentRequest:
     """``MPI_Alltoall_init``: a persistent Alltoall of ``input`` into ``output`` (equal splits along the
     flattened tensors, as ``torch.distributed.all_to_all_single``; ``numel`` divisible by the group size).
-    Keyword arguments go to :func:`compile`."""
+    Keyword arguments go to :func:`compile`.
+
+    Raises:
+        PlanError: on every rank, naming the rank whose tensors are wrong (different numel, not divisible by
+            the group size), and everything :func:`compile` raises.
+    """
     import torch.distributed as dist
 
     from hpdl.offload import plans
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    if input.numel() != output.numel() or input.numel() % world:
-        raise ValueError(f"input and output need the same numel, divisible by the group size {world}; got "
-                         f"{input.numel()} and {output.numel()}")
-    plan = plans.alltoall(rank, world, input.numel() // world, input.dtype, window=window)
-    return compile(plan, {"input": input, "output": output}, group=group, **kw)
+    plan, error = None, None
+    if input.numel() != output.numel() or input.numel() % max(world, 1):
+        error = (f"alltoall_init: input and output need the same numel, divisible by the group size {world}; "
+                 f"got {input.numel()} and {output.numel()}")
+    else:
+        try:
+            plan = plans.alltoall(rank, world, input.numel() // world, input.dtype, window=window)
+        except (PlanError, ValueError) as exc:
+            error = f"alltoall_init: {exc}"
+    return _compile(plan, {"input": input, "output": output}, group, kw.pop("progress", None),
+                    kw.pop("timeout", None), error, **kw)
 
 
 def allreduce_init(tensor: torch.Tensor, op: str = "sum", *, group=None, algorithm: str = "ring",
                    window: int | None = None, **kw) -> PersistentRequest:
     """``MPI_Allreduce_init`` (in place): a persistent Allreduce of ``tensor`` with ``op`` (sum, prod, min,
     max) by ``algorithm`` ring or direct (:func:`hpdl.offload.plans.allreduce`). Keyword arguments go to
-    :func:`compile`."""
+    :func:`compile`.
+
+    Raises:
+        PlanError: on every rank, naming the rank with a bad ``op``/``algorithm``/``window``, and everything
+            :func:`compile` raises (e.g. different counts on different ranks).
+    """
     import torch.distributed as dist
 
     from hpdl.offload import plans
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    plan = plans.allreduce(rank, world, tensor.numel(), tensor.dtype, op=op, algorithm=algorithm, window=window)
-    return compile(plan, {"data": tensor}, group=group, **kw)
+    plan, error = None, None
+    try:
+        plan = plans.allreduce(rank, world, tensor.numel(), tensor.dtype, op=op, algorithm=algorithm, window=window)
+    except (PlanError, ValueError) as exc:
+        error = f"allreduce_init: {exc}"
+    return _compile(plan, {"data": tensor}, group, kw.pop("progress", None), kw.pop("timeout", None), error, **kw)
 
 
 def simulate(plans: Sequence[Plan | PlanData], buffers: Sequence[dict[str, torch.Tensor]], *, starts: int = 1,
-             timeout: float = 30.0) -> list[dict[str, torch.Tensor]]:
+             timeout: float = 30.0, copy_threads: int = 1, copy_min_bytes: int = 65536,
+             stats: dict | None = None) -> list[dict[str, torch.Tensor]]:
     """Run a whole group's plans in this process, without processes or a network: ``plans[q]`` and
     ``buffers[q]`` are rank q's (unbound buffers are allocated). One executor serves every rank, as an agent
     serves a node. For testing and debugging plans; returns every rank's bound buffers.
+
+    ``copy_threads`` and ``copy_min_bytes`` are the executor's (an agent's ``threads``: copies of at least
+    ``copy_min_bytes`` bytes run on that many copy threads); ``stats``, if given, is updated with the
+    executor's counters (:attr:`Executor.stats <hpdl.offload.executor.Executor>`).
 
     Raises:
         PlanError: as :func:`compile`. OffloadTimeoutError: not done within ``timeout`` (a bug in a plan
@@ -504,21 +597,29 @@ def simulate(plans: Sequence[Plan | PlanData], buffers: Sequence[dict[str, torch
     datas = [p.data() if isinstance(p, Plan) else p for p in plans]
     compiled = compile_group(datas, key=1, endpoints=[0] * len(datas))
     tensors = [_bind(d.buffers, b, "thread") for d, b in zip(datas, buffers)]
-    ex = Executor()
+    ex = Executor(copy_threads=copy_threads, copy_min_bytes=copy_min_bytes)
     boxes = shm.Mailboxes(max(1, len(datas)), shared=False)
     insts = [Instance(c, t, boxes.array, q, None, "simulate", f"rank {q}") for q, (c, t) in enumerate(zip(compiled,
                                                                                                         tensors))]
     for inst in insts:
         ex.register(inst)
-    for g in range(1, starts + 1):
-        boxes.array[:, shm.START] = g
-        deadline = time.monotonic() + timeout
-        while (boxes.array[:, shm.DONE] != g).any():
-            if not ex.progress() and time.monotonic() > deadline:
-                stuck = [f"rank {i.plan.rank}: " + "; ".join(map(str, i.pending())) for i in insts if i.active]
-                raise OffloadTimeoutError(f"simulated plan {datas[0].name!r} start {g} not done after {timeout}s: "
-                                          + " | ".join(stuck))
-            failed = [i.error for i in insts if i.error]
-            if failed:
-                raise OffloadError(failed[0])
+    try:
+        for g in range(1, starts + 1):
+            boxes.array[:, shm.START] = g
+            deadline = time.monotonic() + timeout
+            while (boxes.array[:, shm.DONE] != g).any():
+                busy = ex.progress()
+                if not busy and ex.outstanding:  # let the copy threads have the GIL instead of spinning against them
+                    ex.sleep(0.05)
+                if not busy and time.monotonic() > deadline:
+                    stuck = [f"rank {i.plan.rank}: " + "; ".join(map(str, i.pending())) for i in insts if i.active]
+                    raise OffloadTimeoutError(f"simulated plan {datas[0].name!r} start {g} not done after {timeout}s: "
+                                              + " | ".join(stuck))
+                failed = [i.error for i in insts if i.error]
+                if failed:
+                    raise OffloadError(failed[0])
+    finally:
+        ex.stop()
+        if stats is not None:
+            stats.update(ex.stats)
     return tensors

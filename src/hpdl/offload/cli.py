@@ -24,8 +24,9 @@ class OffloadCommand:
         a.add_argument("--rendezvous", default=None, help="HOST:PORT where agent 0 listens for the others "
                        "(needed with more than one agent)")
         a.add_argument("--address", default=None, help="Unix socket path ranks connect to (default "
-                       "HPDL_OFFLOAD_AGENT, else $TMPDIR/hpdl-offload-agent.sock)")
-        a.add_argument("--threads", type=int, default=1, help="copy threads: the cores it may use (copies >= 64 KiB run on them in parallel)")
+                       "HPDL_OFFLOAD_AGENT, else $TMPDIR/hpdl-offload-agent-<uid>[-<job id>].sock)")
+        a.add_argument("--threads", type=int, default=1,
+                       help="copy threads: the cores it may use (copies >= 64 KiB run on them in parallel)")
         a.add_argument("--timeout", type=float, default=300.0, help="seconds for the rendezvous and transfers")
         a.add_argument("--spin-us", type=float, default=None, help="poll this long after activity before "
                        "sleeping on the doorbell (default HPDL_OFFLOAD_SPIN_US)")
@@ -47,6 +48,13 @@ class OffloadCommand:
         raise CLIUsageError("choose a sub-command: agent or jacobi")
 
 
+def default_address() -> str:
+    """$TMPDIR/hpdl-offload-agent-<uid>[-<job id>].sock: two users' or two batch jobs' agents on one host do
+    not share a path (and an agent refuses a path another live agent serves)."""
+    job = os.environ.get("SLURM_JOB_ID") or os.environ.get("PBS_JOBID") or os.environ.get("LSB_JOBID")
+    return os.path.join(tempfile.gettempdir(), f"hpdl-offload-agent-{os.getuid()}{'-' + job if job else ''}.sock")
+
+
 def _agent(args) -> int:
     from hpdl.cli import CLIUsageError
     from hpdl.offload.agent import AUTHKEY_ENV, run_agent
@@ -63,8 +71,7 @@ def _agent(args) -> int:
         if agents > 1:
             raise CLIUsageError("--rendezvous HOST:PORT is needed with more than one agent")
         rendezvous = f"127.0.0.1:{free_port()}"
-    address = args.address or env.get("HPDL_OFFLOAD_AGENT") or os.path.join(tempfile.gettempdir(),
-                                                                           "hpdl-offload-agent.sock")
+    address = args.address or env.get("HPDL_OFFLOAD_AGENT") or default_address()
     if args.threads < 1:
         raise CLIUsageError(f"--threads must be >= 1, got {args.threads}")
     key = os.environ.pop(AUTHKEY_ENV, "")

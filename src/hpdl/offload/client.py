@@ -61,6 +61,8 @@ class AgentClient:
                                      agent=self.desc) from None
                 time.sleep(0.05)
         self._lock = threading.Lock()
+        self._seq = 0
+        self.closed = False
         self.mailboxes = shm.Mailboxes(slots, shared=True)
         w = self.request(P.Hello(label, os.getpid(), self.mailboxes.path, slots))
         self.agent, self.agents, self.pid = w.agent, w.agents, w.pid
@@ -77,12 +79,18 @@ class AgentClient:
         """
         timeout = self.timeout if timeout is None else timeout
         with self._lock:
+            self._seq += 1
+            seq = self._seq
+            deadline = time.monotonic() + timeout
             try:
-                self._conn.send(msg)
-                if not self._conn.poll(timeout):
-                    raise AgentError(f"{self.desc} did not answer {type(msg).__name__} within {timeout:.0f}s",
-                                     agent=self.desc)
-                reply = self._conn.recv()
+                self._conn.send((seq, msg))
+                while True:  # replies to requests that timed out earlier arrive late: skip them
+                    if not self._conn.poll(max(0.0, deadline - time.monotonic())):
+                        raise AgentError(f"{self.desc} did not answer {type(msg).__name__} within {timeout:.0f}s",
+                                         agent=self.desc)
+                    got, reply = self._conn.recv()
+                    if got == seq:
+                        break
             except (EOFError, OSError) as exc:
                 raise AgentError(f"{self.desc} is gone ({type(exc).__name__}: {exc})", agent=self.desc) from None
         if not reply.ok:

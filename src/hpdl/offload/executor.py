@@ -37,20 +37,50 @@ log = logging.getLogger("hpdl.offload")
 
 
 class Transport:
-    """Moves one message to or from another endpoint (blocking; called on the executor's I/O threads).
+    """Moves messages to and from other endpoints.
 
-    ``tensor`` is contiguous and on the CPU; ``tag`` a 31-bit int unique per message between two endpoints
-    among the live plans.
+    ``isend``/``irecv`` post one message and return at once with an object whose ``wait()`` blocks until it
+    is done (called on the executor's I/O threads). The dispatcher posts every message as soon as its
+    operation is ready, in issue order, so a message never waits for a free I/O thread to be *posted*:
+    a plan with more messages in flight than there are I/O threads still completes (a blocking ``send``
+    taken up by a pool thread would wait for a ``recv`` queued behind it: a deadlock). ``tensor`` is
+    contiguous and on the CPU; ``tag`` a 31-bit int unique per message between two endpoints among the
+    live plans.
     """
 
-    def send(self, tensor: torch.Tensor, endpoint: int, tag: int) -> None:
+    def isend(self, tensor: torch.Tensor, endpoint: int, tag: int):
         raise NotImplementedError
 
-    def recv(self, tensor: torch.Tensor, endpoint: int, tag: int) -> None:
+    def irecv(self, tensor: torch.Tensor, endpoint: int, tag: int):
         raise NotImplementedError
+
+    def send(self, tensor: torch.Tensor, endpoint: int, tag: int) -> None:
+        self.isend(tensor, endpoint, tag).wait()
+
+    def recv(self, tensor: torch.Tensor, endpoint: int, tag: int) -> None:
+        self.irecv(tensor, endpoint, tag).wait()
 
     def describe(self, endpoint: int) -> str:
         return f"endpoint {endpoint}"
+
+
+# How long a posted transfer may wait for its peer. Not HPDL_TIMEOUT: a persistent request's peer may start
+# it much later (load imbalance), and a Gloo wait that times out closes the pair for good, breaking every
+# later plan between the two endpoints. Failures are found otherwise: a dead peer closes its connections
+# (Gloo fails the transfer at once), and wait()/test() time out on the application's side, naming the ranks.
+TRANSFER_WAIT_S = 30 * 24 * 3600.0
+
+
+class _GlooWork:
+    __slots__ = ("work",)
+
+    def __init__(self, work):
+        self.work = work
+
+    def wait(self) -> None:
+        from datetime import timedelta
+
+        self.work.wait(timedelta(seconds=TRANSFER_WAIT_S))
 
 
 class GlooTransport(Transport):
@@ -58,7 +88,8 @@ class GlooTransport(Transport):
 
     The group is built directly on a store (``torch.distributed.ProcessGroupGloo``) rather than with
     ``new_group``: no other rank of the job has to take part, and the application's own groups and calls
-    never share its tags.
+    never share its tags. ``timeout`` bounds the group's connection set-up only; transfers wait
+    :data:`TRANSFER_WAIT_S`.
     """
 
     def __init__(self, pg, describe: Callable[[int], str] | None = None):
@@ -76,11 +107,11 @@ class GlooTransport(Transport):
         pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, timedelta(seconds=timeout))
         return cls(pg, describe)
 
-    def send(self, tensor, endpoint, tag):
-        self.pg.send([tensor], endpoint, tag).wait()
+    def isend(self, tensor, endpoint, tag):
+        return _GlooWork(self.pg.send([tensor], endpoint, tag))
 
-    def recv(self, tensor, endpoint, tag):
-        self.pg.recv([tensor], endpoint, tag).wait()
+    def irecv(self, tensor, endpoint, tag):
+        return _GlooWork(self.pg.recv([tensor], endpoint, tag))
 
     def describe(self, endpoint):
         return self._describe(endpoint) if self._describe else f"rank {endpoint}"
@@ -98,8 +129,25 @@ def _reshaped(src: torch.Tensor, shape) -> Callable[[], torch.Tensor]:
 
 
 def _copy_fn(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None]:
+    """``dst.copy_(src)`` in dst's shape; its ``pair`` attribute is :func:`_copy_pair`'s (for batches)."""
     get = _reshaped(src, dst.shape)
-    return lambda: dst.copy_(get())
+    fn = lambda: dst.copy_(get())  # noqa: E731 - a function object that carries .pair
+    fn.pair = _copy_pair(dst, src)
+    return fn
+
+
+def _copy_pair(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(dst, src viewed in dst's shape)`` when that view exists (no temporary): such copies of a batch go
+    through one ``torch._foreach_copy_`` call, one release of the GIL for all of them; else None (CUDA copies too:
+    they are asynchronous anyway, and one foreach call must not mix devices)."""
+    if dst.is_cuda or src.is_cuda:
+        return None
+    if tuple(src.shape) == tuple(dst.shape):
+        return dst, src
+    try:
+        return dst, src.view(dst.shape)
+    except RuntimeError:
+        return None
 
 
 def _reduce_fn(dst: torch.Tensor, src: torch.Tensor, op: str) -> Callable[[], None]:
@@ -147,11 +195,12 @@ class _Op:
 class _Match:
     """The two halves of a message between ranks of one executor: fired (one copy) when both are ready."""
 
-    __slots__ = ("send", "recv", "fn", "send_ready", "recv_ready")
+    __slots__ = ("send", "recv", "fn", "send_ready", "recv_ready", "gone")
 
     def __init__(self):
         self.send = self.recv = self.fn = None
         self.send_ready = self.recv_ready = False
+        self.gone = ""  # who unregistered the other half, and why (for the error of the half left behind)
 
 
 class Instance:
@@ -232,6 +281,29 @@ class Instance:
         return out
 
 
+class _CountedPool:
+    """The I/O thread pool, counting its tasks in the executor's ``_outstanding`` (``submit`` is called on the
+    dispatcher; a task ends with the int 0 in the completion queue, after its own report)."""
+
+    def __init__(self, pool: ThreadPoolExecutor, ex: "Executor"):
+        self.pool, self.ex = pool, ex
+
+    def submit(self, fn, *args):
+        fut = self.pool.submit(self._run, fn, args)
+        self.ex._outstanding += 1
+        return fut
+
+    def _run(self, fn, args) -> None:
+        try:
+            fn(*args)
+        finally:
+            self.ex._completions.append(0)
+            self.ex._io_bell.ring()
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self.pool.shutdown(wait=wait, cancel_futures=cancel_futures)
+
+
 class Executor:
     """Progress engine: a dispatcher loop (:meth:`run` on a thread, or :meth:`progress` called by hand) plus
     I/O threads for transports.
@@ -239,10 +311,22 @@ class Executor:
     Args:
         bell: doorbell that starts ring (a pipe by default; an agent passes its FIFO).
         spin_us: after any activity keep polling without sleeping this long (lower wake-up latency on a core
-            of its own); afterwards sleep until a doorbell or ``idle_s``.
+            of its own), but only while no copy or transfer runs on another thread; afterwards sleep until a
+            doorbell or ``idle_s``.
         io_threads: most transport calls in flight at once (each blocks a thread).
         copy_threads: threads for local copies and reductions of at least ``copy_min_bytes`` (an agent's
             cores; torch releases the GIL while it copies); 1 = all on the dispatcher.
+
+    Copy threads and the GIL: a Python thread that finishes a copy must take the GIL back before it can
+    report, and a thread holding the GIL in pure Python (a spinning dispatcher) gives it up only after the
+    interpreter's switch interval (5 ms, ``sys.getswitchinterval()``). One task per copy, with the dispatcher
+    spinning meanwhile, queued every 64 KiB copy behind the GIL: an 8-rank Alltoall of 64 KiB per peer took
+    6.8 ms on the agent where Gloo takes 0.5 ms. So the large copies a dispatcher pass issues are staged and
+    handed out at the end of the pass as at most ``copy_threads`` tasks of about equal bytes (at least
+    ``4 * copy_min_bytes`` each where there is less); a task copies its plain copies with one
+    ``torch._foreach_copy_`` (one GIL release for all) and reports once; and the dispatcher sleeps on its
+    doorbells, GIL released, instead of spinning while any task is out. ``stats`` counts passes, wake-ups,
+    tasks and copies (the offload tests bound them).
     """
 
     def __init__(self, *, bell: shm.Bell | None = None, spin_us: float = 50.0, idle_s: float = 0.01,
@@ -251,15 +335,21 @@ class Executor:
         self.bell = bell or shm.Bell()
         self._io_bell = shm.Bell()
         self.spin_s, self.idle_s, self.name = spin_us * 1e-6, idle_s, name
-        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix=f"{name}-io")
+        self._io = _CountedPool(ThreadPoolExecutor(io_threads, thread_name_prefix=f"{name}-io"), self)
         self._copy = ThreadPoolExecutor(copy_threads, thread_name_prefix=f"{name}-copy") if copy_threads > 1 \
             else None
-        self.copy_min_bytes = copy_min_bytes
+        self.copy_threads, self.copy_min_bytes = max(1, copy_threads), copy_min_bytes
+        self.task_bytes = max(4 * copy_min_bytes, 1)  # fewest bytes worth a task of its own (see _hand_out)
+        self._staged: list = []  # large copies of this pass: (pair, fn, ops, nbytes), handed out at its end
+        self._outstanding = 0  # tasks on copy or I/O threads; each ends with an int in _completions
+        self.stats = {"passes": 0, "passes_out": 0, "wakeups": 0, "copy_tasks": 0, "pooled_copies": 0,
+                      "foreach_copies": 0, "inline_copies": 0}
         self._commands: deque = deque()
         self._completions: deque = deque()
         self._ready: deque = deque()
         self._boxes: dict[int, tuple[np.ndarray, np.ndarray, dict[int, Instance]]] = {}  # id(array) -> set
         self._matches: dict[tuple, _Match] = {}
+        self._wire_keys: dict[tuple, list] = {}  # (transport, key mod 2**15) -> [(scope, key), name, count]
         self._thread: threading.Thread | None = None  # started by start_thread
         self._runner: threading.Thread | None = None  # whichever thread runs run(): owner of all plan state
         self._stop = threading.Event()
@@ -279,8 +369,11 @@ class Executor:
     def register(self, inst: Instance) -> None:
         self.call(self._register, inst)
 
-    def free(self, inst: Instance) -> None:
-        self.call(self._free, inst)
+    def free(self, inst: Instance, reason: str = "") -> None:
+        """Unregister ``inst``. Requests of other ranks that were waiting for one of its messages fail at once
+        (``reason`` says why it went: its rank freed it, or its process left), instead of running into
+        their timeouts."""
+        self.call(self._free, inst, reason)
 
     def start_thread(self, timeout: float = 30.0) -> None:
         """Start the dispatcher thread and wait until it runs (a progress thread that hangs at start-up
@@ -322,7 +415,6 @@ class Executor:
         self._runner = threading.current_thread()
         if started is not None:
             started.set()
-        fds = [self.bell.fileno(), self._io_bell.fileno()]
         last_busy = time.monotonic()
         while not self._stop.is_set():
             try:
@@ -334,22 +426,36 @@ class Executor:
             if busy:
                 last_busy = now
                 continue
-            if now - last_busy < self.spin_s:
+            if now - last_busy < self.spin_s and not self._outstanding:  # spinning holds the GIL: see above
                 continue
-            try:
-                select.select(fds, [], [], self.idle_s)
-            except (OSError, ValueError):
-                time.sleep(self.idle_s)
-            self.bell.drain()
-            self._io_bell.drain()
+            self.sleep(self.idle_s)
         self._runner = None
         while self._commands:  # nobody will run these any more
             _, _, fut = self._commands.popleft()
             fut.set_exception(OffloadError(f"{self.name} stopped"))
 
+    def sleep(self, timeout: float) -> None:
+        """Block (GIL released) until a doorbell rings (a start, a command, a finished copy or transfer task)
+        or ``timeout`` seconds pass; for whoever drives :meth:`progress` by hand, between idle passes."""
+        try:
+            select.select([self.bell.fileno(), self._io_bell.fileno()], [], [], timeout)
+        except (OSError, ValueError):
+            time.sleep(timeout)
+        self.stats["wakeups"] += 1
+        self.bell.drain()
+        self._io_bell.drain()
+
+    @property
+    def outstanding(self) -> int:
+        """Copy and transfer tasks handed to other threads and not yet reported back."""
+        return self._outstanding
+
     def progress(self) -> bool:
         """One pass: commands, completions, new starts, ready operations. Returns whether anything happened."""
         busy = False
+        self.stats["passes"] += 1
+        if self._outstanding:
+            self.stats["passes_out"] += 1
         if self.heartbeat is not None:
             self.heartbeat()
         while self._commands:
@@ -360,8 +466,13 @@ class Executor:
                 fut.set_exception(exc)
             busy = True
         while self._completions:
-            inst, i, gen, err = self._completions.popleft()
+            item = self._completions.popleft()
             busy = True
+            if type(item) is int:  # a task of a copy or I/O thread has ended (its count of foreach copies)
+                self._outstanding -= 1
+                self.stats["foreach_copies"] += item
+                continue
+            inst, i, gen, err = item
             if inst.gen != gen or not inst.active:
                 continue
             if err is not None:
@@ -392,7 +503,34 @@ class Executor:
             busy = True
             if inst.active:
                 self._issue(inst, i)
+        if self._staged:
+            self._hand_out()
         return busy
+
+    def _stage(self, pair, fn, ops, nbytes: int) -> None:
+        self._staged.append((pair, fn, ops, nbytes))
+
+    def _hand_out(self) -> None:
+        """The pass's large copies as at most ``copy_threads`` tasks of about equal bytes (largest first onto
+        the lightest task), and no more tasks than ``task_bytes`` chunks: waking a thread and handing it the GIL
+        costs tens of microseconds, what one core copies of 256 KiB."""
+        staged, self._staged = self._staged, []
+        total = sum(it[3] for it in staged)
+        n = max(1, min(self.copy_threads, len(staged), total // self.task_bytes))
+        groups: list[list] = [[] for _ in range(n)]
+        load = [0] * n
+        for item in sorted(staged, key=lambda it: -it[3]):
+            k = load.index(min(load))
+            groups[k].append(item)
+            load[k] += item[3]
+        for g in groups:
+            self._outstanding += 1
+            try:
+                self._copy.submit(self._run_batch, g)
+            except RuntimeError:  # the pool is shut down (stopping): copy here rather than lose the operations
+                self._run_batch(g)
+            self.stats["copy_tasks"] += 1
+            self.stats["pooled_copies"] += len(g)
 
     def _register(self, inst: Instance) -> None:
         key = id(inst.mailbox)
@@ -401,6 +539,18 @@ class Executor:
         arr, seen, slots = self._boxes[key]
         if inst.slot in slots:
             raise OffloadError(f"{inst.label}: mailbox slot {inst.slot} is already registered")
+        remote = any(o.remote for o in inst.ops)
+        if remote:  # wire tags hold the key modulo 2**15: a live plan with a congruent key would share them
+            from hpdl.offload.compiler import TAG_KEY_BITS
+
+            wire = (id(inst.transport), inst.plan.key % (1 << TAG_KEY_BITS))
+            other = self._wire_keys.get(wire)
+            if other is not None and other[0] != (inst.scope, inst.plan.key):
+                raise OffloadError(f"{inst.label}: plan {inst.plan.name!r} (key {inst.plan.key}) would share wire "
+                                   f"tags with live plan {other[1]!r} (key {other[0][1]}): free it, or requests "
+                                   "kept while 32768 others were compiled since")
+            entry = self._wire_keys.setdefault(wire, [(inst.scope, inst.plan.key), inst.plan.name, 0])
+            entry[2] += 1
         seen[inst.slot] = arr[inst.slot, shm.START]
         slots[inst.slot] = inst
         for o, c in zip(inst.ops, inst.plan.ops):
@@ -413,13 +563,24 @@ class Executor:
                 (si, so), (ri, ro) = m.send, m.recv
                 m.fn = _copy_fn(ri.ops[ro].dst, si.ops[so].src)
 
-    def _free(self, inst: Instance) -> None:
+    def _free(self, inst: Instance, reason: str = "") -> None:
         arr, seen, slots = self._boxes.get(id(inst.mailbox), (None, None, {}))
-        if slots.get(inst.slot) is inst:
-            del slots[inst.slot]
+        if slots.get(inst.slot) is not inst:
+            return  # not registered (or freed already)
+        del slots[inst.slot]
+        if any(o.remote for o in inst.ops):
+            from hpdl.offload.compiler import TAG_KEY_BITS
+
+            wire = (id(inst.transport), inst.plan.key % (1 << TAG_KEY_BITS))
+            entry = self._wire_keys.get(wire)
+            if entry is not None and entry[0] == (inst.scope, inst.plan.key):
+                entry[2] -= 1
+                if entry[2] <= 0:
+                    del self._wire_keys[wire]
         if not slots:
             self._boxes.pop(id(inst.mailbox), None)
         inst.active = False
+        orphans = []
         for o, c in zip(inst.ops, inst.plan.ops):
             if o.match is None:
                 continue
@@ -429,8 +590,21 @@ class Executor:
                 continue
             setattr(m, c.kind, None)
             m.fn = None
+            m.send_ready = m.recv_ready = False
+            other = m.recv if c.kind == "send" else m.send
+            m.gone = f"{inst.label} {reason or 'freed its request'}"
+            if other is not None:
+                oi, oj = other
+                if oi.active and oi.ops[oj].state == "match":  # its half waits for ours: it would never come
+                    orphans.append((oi, oj))
             if m.send is None and m.recv is None:
                 del self._matches[k]
+        for oi, oj in orphans:
+            if oi.active:
+                po = oi.ops[oj]
+                why = reason or "freed its request"
+                self._fail(oi, f"{oi.label} plan {oi.plan.name!r} op {po.describe()} cannot complete: "
+                               f"{inst.label} {why} while this request waited for that message")
 
     def _begin(self, inst: Instance, gen: int) -> None:
         if inst.error is not None:
@@ -455,23 +629,31 @@ class Executor:
             if o.fn is not None:
                 if self._copy is not None and o.nbytes >= self.copy_min_bytes:
                     o.state = "copying"
-                    self._copy.submit(self._run_local, o.fn, ((inst, i, inst.gen),))
+                    self._stage(getattr(o.fn, "pair", None), o.fn, ((inst, i, inst.gen),), o.nbytes)
                 else:
                     o.fn()
+                    self.stats["inline_copies"] += 1
                     self._complete(inst, i)
             elif not o.numel:
                 self._complete(inst, i)
             elif o.remote:
                 o.state = "remote"
-                self._io.submit(self._transfer, inst, i, inst.gen)
+                self._post(inst, i)
             else:
                 self._half_ready(inst, o)
-        except Exception as exc:  # noqa: BLE001 - a failed copy fails this request, not the executor
-            self._fail(inst, f"{inst.label} plan {inst.plan.name!r} op {o.describe()} failed: "
+        except Exception as exc:  # noqa: BLE001 - a failed copy or post fails this request, not the executor
+            peer = ""
+            if o.remote:  # posting failed at once: the connection to that endpoint is already gone
+                inst.culprit = inst.transport.describe(o.endpoint)
+                peer = f" talking to {inst.culprit}"
+            self._fail(inst, f"{inst.label} plan {inst.plan.name!r} op {o.describe()} failed{peer}: "
                              f"{type(exc).__name__}: {exc}")
 
     def _half_ready(self, inst: Instance, o: _Op) -> None:
         m = o.match
+        if (m.recv if o.kind == "send" else m.send) is None:  # every half registers before any start
+            raise OffloadError(f"cannot complete: {m.gone or 'the request of the matching half is not registered'} "
+                               "(its half of this message will never come)")
         o.state = "match"
         if o.kind == "send":
             m.send_ready = True
@@ -485,38 +667,66 @@ class Executor:
         (si, so), (ri, ro) = m.send, m.recv
         if self._copy is not None and o.nbytes >= self.copy_min_bytes:
             si.ops[so].state = ri.ops[ro].state = "copying"
-            self._copy.submit(self._run_local, m.fn, ((si, so, si.gen), (ri, ro, ri.gen)))
+            self._stage(m.fn.pair, m.fn, ((si, so, si.gen), (ri, ro, ri.gen)), o.nbytes)
             return
         m.fn()
+        self.stats["inline_copies"] += 1
         self._complete(si, so)
         self._complete(ri, ro)
 
-    def _run_local(self, fn, ops) -> None:
-        """Copy thread: one local copy or reduction, then its operations' completions."""
-        err = None
-        try:
-            fn()
-        except BaseException as exc:  # noqa: BLE001 - reported through the completion queue
-            err = f"{type(exc).__name__}: {exc}"
-        for inst, i, gen in ops:
-            self._completions.append((inst, i, gen, err))
+    def _run_batch(self, group) -> None:
+        """Copy thread: one task of local copies and reductions, then all their completions and one ring.
+
+        Plain copies go through one ``torch._foreach_copy_`` (the GIL released once for all of them; torch's
+        CPU version copies them one after another); if it fails, each copy is redone alone so that the error
+        names its operation (a copy is idempotent). Reductions and copies whose source needs a reshape run
+        one by one.
+        """
+        errs: list[str | None] = [None] * len(group)
+        done_foreach = 0
+        plain = [j for j, (pair, _, _, _) in enumerate(group) if pair is not None]
+        rest = [j for j, (pair, _, _, _) in enumerate(group) if pair is None]
+        if len(plain) > 1:
+            try:
+                torch._foreach_copy_([group[j][0][0] for j in plain], [group[j][0][1] for j in plain])
+                done_foreach = len(plain)
+            except Exception:  # noqa: BLE001 - redone one by one below, which names the failing operation
+                rest = plain + rest
+        else:
+            rest = plain + rest
+        for j in rest:
+            try:
+                group[j][1]()
+            except BaseException as exc:  # noqa: BLE001 - reported through the completion queue
+                errs[j] = f"{type(exc).__name__}: {exc}"
+        for (_, _, ops, _), err in zip(group, errs):
+            for inst, i, gen in ops:
+                self._completions.append((inst, i, gen, err))
+        self._completions.append(done_foreach)
         self._io_bell.ring()
 
-    def _transfer(self, inst: Instance, i: int, gen: int) -> None:
-        """I/O thread: one message to or from another endpoint (packed through ``temp`` when needed)."""
+    def _post(self, inst: Instance, i: int) -> None:
+        """Dispatcher: post one message to or from another endpoint (packing a send through ``temp``), and
+        hand its wait to an I/O thread."""
+        o = inst.ops[i]
+        if o.kind == "send":
+            if o.temp is not None:
+                o.temp.view(o.src.shape).copy_(o.src)
+            work = inst.transport.isend(o.temp if o.temp is not None else o.src, o.endpoint, o.tag)
+        else:
+            work = inst.transport.irecv(o.temp if o.temp is not None else o.dst, o.endpoint, o.tag)
+        self._io.submit(self._transfer, inst, i, inst.gen, work)
+
+    def _transfer(self, inst: Instance, i: int, gen: int, work) -> None:
+        """I/O thread: wait for one posted message (and unpack a receive through ``temp``)."""
         o = inst.ops[i]
         err = None
         try:
-            if o.kind == "send":
-                if o.temp is not None:
-                    o.temp.view(o.src.shape).copy_(o.src)
-                inst.transport.send(o.temp if o.temp is not None else o.src, o.endpoint, o.tag)
-            else:
-                inst.transport.recv(o.temp if o.temp is not None else o.dst, o.endpoint, o.tag)
-                if o.temp is not None:
-                    o.dst.copy_(o.temp.view(o.dst.shape))
-                    if o.dst.is_cuda:
-                        torch.cuda.current_stream(o.dst.device).synchronize()
+            work.wait()
+            if o.kind == "recv" and o.temp is not None:
+                o.dst.copy_(o.temp.view(o.dst.shape))
+                if o.dst.is_cuda:
+                    torch.cuda.current_stream(o.dst.device).synchronize()
         except BaseException as exc:  # noqa: BLE001 - reported through the completion queue
             err = f"{type(exc).__name__}: {exc}"
         self._completions.append((inst, i, gen, err))

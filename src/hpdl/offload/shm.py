@@ -4,12 +4,20 @@ agent's status block, and doorbells. All are files in ``HPDL_OFFLOAD_SHM_DIR`` (
 
 A file's path is its memory key (the role of an exported memory key on a DPU): the creator registers it,
 sends the path to the agent, and unlinks it when its tensor is freed or the process exits.
+
+Files of processes that were killed (SIGKILL, ``os._exit``, an OOM kill) would stay in ``/dev/shm`` and hold
+its memory until reboot. Each creating process therefore holds an exclusive ``flock`` on an *owner* file
+``hpdl-offload-owner-<token>`` for its lifetime, and names its files with the same token; :func:`sweep`
+(run once by every process that creates such files, and by an agent when a client leaves) removes the
+files of owners whose lock can be taken, i.e. whose process is gone. A lock, unlike a pid, is right across
+pid namespaces (containers sharing ``/dev/shm``) and is never held by a recycled pid.
 """
 
 from __future__ import annotations
 
 import atexit
 import errno
+import fcntl
 import itertools
 import mmap
 import os
@@ -38,11 +46,84 @@ def shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
+_OWNER: dict = {"pid": None, "dirs": {}}  # this process's owner token per directory (re-made after a fork)
+OWNER_PREFIX = "hpdl-offload-owner-"
+
+
+def _owner(d: str) -> str:
+    """This process's owner token in directory ``d``, creating (and locking) its owner file the first time."""
+    pid = os.getpid()
+    with _LOCK:
+        if _OWNER["pid"] != pid:  # first call, or a forked child: the parent's tokens are the parent's
+            _OWNER["pid"], _OWNER["dirs"] = pid, {}
+        token = _OWNER["dirs"].get(d)
+        if token is not None:
+            return token
+        token = f"{pid}x{secrets.token_hex(4)}"
+        tmp = os.path.join(d, f".hpdl-offload-tmp-{token}")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # locked before it gets the name sweep() looks for; held until exit
+        os.rename(tmp, os.path.join(d, OWNER_PREFIX + token))
+        _OWNER["dirs"][d] = token
+        _OWNER.setdefault("fds", []).append(fd)
+    sweep(d)
+    return token
+
+
 def new_path(kind: str) -> str:
-    return os.path.join(shm_dir(), f"hpdl-offload-{kind}-{os.getpid()}-{next(_COUNTER)}-{secrets.token_hex(3)}")
+    d = shm_dir()
+    return os.path.join(d, f"hpdl-offload-{kind}-{_owner(d)}-{next(_COUNTER)}")
+
+
+def sweep(directory: str | None = None) -> list[str]:
+    """Remove the shared-memory files of hpdl processes that are gone (their owner lock is free).
+
+    Safe to call at any time from any process: files of a live owner are never touched. Returns the paths
+    removed.
+    """
+    d = directory or shm_dir()
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        if not name.startswith(OWNER_PREFIX):
+            continue
+        token = name[len(OWNER_PREFIX):]
+        if _OWNER["pid"] == os.getpid() and token in _OWNER["dirs"].values():
+            continue
+        path = os.path.join(d, name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # its owner lives
+            tail = f"-{token}-"
+            for other in names:
+                if other.startswith("hpdl-offload-") and tail in other:
+                    try:
+                        os.unlink(os.path.join(d, other))
+                        removed.append(os.path.join(d, other))
+                    except OSError:
+                        pass
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except OSError:
+                pass
+        finally:
+            os.close(fd)
+    return removed
 
 
 def _unlink(path: str) -> None:
+    if _OWNER["pid"] != os.getpid():
+        return  # a forked child exiting: the files are its parent's
     with _LOCK:
         _SEGMENTS.pop(path, None)
     try:
@@ -53,8 +134,15 @@ def _unlink(path: str) -> None:
 
 @atexit.register
 def _unlink_all() -> None:
+    if _OWNER["pid"] != os.getpid():
+        return
     for path in list(_SEGMENTS):
         _unlink(path)
+    for d, token in _OWNER["dirs"].items():
+        try:
+            os.unlink(os.path.join(d, OWNER_PREFIX + token))
+        except OSError:
+            pass
 
 
 def empty(shape, dtype=torch.float32) -> torch.Tensor:
@@ -121,25 +209,43 @@ def handle_of(t: torch.Tensor) -> ShmHandle | None:
 
 
 class Mapper:
-    """The agent's side: maps handles' files once each and returns tensors on them."""
+    """The agent's side: maps each handle's file once and returns tensors on it; counts the registrations
+    using each file and drops the mapping when the last is released, so that a long-lived agent does not
+    keep the pages of every buffer it ever served (a tmpfs file's memory lives while anyone maps it)."""
 
     def __init__(self):
         self._files: dict[str, torch.Tensor] = {}
+        self._refs: dict[str, int] = {}
+        self._lock = threading.Lock()  # the agent's client threads map concurrently
 
     def tensor(self, h: ShmHandle) -> torch.Tensor:
-        raw = self._files.get(h.path)
-        if raw is None:
-            size = os.path.getsize(h.path)
-            raw = self._files[h.path] = torch.from_file(h.path, shared=True, size=size, dtype=torch.uint8)
+        """A tensor on ``h``'s bytes; pair every call with one :meth:`release` of ``h.path``."""
+        with self._lock:
+            raw = self._files.get(h.path)
+            if raw is None:
+                size = os.path.getsize(h.path)
+                raw = self._files[h.path] = torch.from_file(h.path, shared=True, size=size, dtype=torch.uint8)
+            self._refs[h.path] = self._refs.get(h.path, 0) + 1
         dt = torch_dtype(h.dtype)
         n = int(np.prod(h.shape, dtype=np.int64)) * torch.empty((), dtype=dt).element_size()
         if h.offset + n > raw.numel():
+            self.release([h.path])
             raise ValueError(f"buffer {h.path}+{h.offset} of {n} bytes runs past the file's {raw.numel()} bytes")
         return raw[h.offset:h.offset + n].view(dt).view(h.shape)
 
-    def forget(self, paths) -> None:
-        for p in paths:
-            self._files.pop(p, None)
+    def release(self, paths) -> None:
+        with self._lock:
+            for p in paths:
+                left = self._refs.get(p, 0) - 1
+                if left > 0:
+                    self._refs[p] = left
+                else:
+                    self._refs.pop(p, None)
+                    self._files.pop(p, None)
+
+    @property
+    def mapped(self) -> list[str]:
+        return sorted(self._files)
 
 
 # Mailbox words of one request slot: the application writes START (the generation it started); the executor
@@ -170,7 +276,8 @@ class Mailboxes:
 
     def take(self) -> int:
         if not self._free:
-            raise RuntimeError(f"all {self.slots} request mailboxes are in use: free() requests you no longer need")
+            raise OffloadError(f"all {self.slots} request mailboxes of this process are in use: free() requests "
+                               "you no longer need")
         i = self._free.pop()
         self.array[i, :] = 0
         return i
@@ -180,6 +287,8 @@ class Mailboxes:
 
 
 def _unlink_file(path: str) -> None:
+    if _OWNER["pid"] != os.getpid():
+        return  # a forked child exiting: the file is its parent's
     try:
         os.unlink(path)
     except FileNotFoundError:
@@ -206,6 +315,8 @@ class Bell:
         return self._r
 
     def ring(self) -> None:
+        if self._w < 0:
+            return
         try:
             os.write(self._w, b"\0")
         except (BlockingIOError, OSError):
@@ -219,7 +330,10 @@ class Bell:
             pass
 
     def close(self) -> None:
-        for fd in (self._r, self._w):
+        fds, self._r, self._w = (self._r, self._w), -1, -1  # a closed number may be reused by another file
+        for fd in fds:
+            if fd < 0:
+                continue
             try:
                 os.close(fd)
             except OSError:
@@ -233,13 +347,18 @@ class RemoteBell:
         self._w = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
 
     def ring(self) -> None:
+        if self._w < 0:  # closed: never write to a descriptor number another file may have taken
+            return
         try:
             os.write(self._w, b"\0")
         except (BlockingIOError, OSError):
             pass
 
     def close(self) -> None:
+        fd, self._w = self._w, -1
+        if fd < 0:
+            return
         try:
-            os.close(self._w)
+            os.close(fd)
         except OSError:
             pass

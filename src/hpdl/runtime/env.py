@@ -78,6 +78,12 @@ _declare("HPDL_OFFLOAD_AGENT", str, "", "Unix socket of a running `hpdl offload 
 _declare("HPDL_OFFLOAD_SPIN_US", float, 50.0,
          "Microseconds an offload executor keeps polling after activity before it sleeps on its doorbell.")
 _declare("HPDL_OFFLOAD_SHM_DIR", str, "", "Directory of hpdl.offload's shared-memory files (default /dev/shm).")
+_declare("HPDL_MOE_ILP_TIME_LIMIT", float, 60.0,
+         "Seconds HiGHS may spend on one hpdl.moe placement (shared by the sub-programs of a bisection) when "
+         "the caller passes no time limit; the best point found by then is used, or the greedy placement.")
+_declare("HPDL_MOE_CHECK", _check_mode, "auto",
+         "hpdl.moe engine: the `check` argument it passes to hpdl.comm's collectives (`auto` = HPDL_CHECK's "
+         "rule, `0` when timing); `hpdl moe bench` turns it off.")
 _declare("HPDL_DATA_DIR", str, "",
          "Folder of the offline datasets hpdl generates (e.g. `hpdl vision`'s shapes set); empty = ~/.cache/hpdl/data.")
 _declare("HPDL_COMMIT", str, "", "Commit that benchmark results record (`hpdl.bench.report.source_commit`); "

@@ -196,3 +196,74 @@ async def run_http(url: str, model: str, workload: list[WorkloadRequest], max_co
     async with httpx.AsyncClient(timeout=timeout_s) as client:
         await asyncio.gather(*(one(w, r) for w, r in zip(workload, records)))
     return records
+
+
+# --- roofline: how far a decode step is from the memory-bandwidth limit ----------------------------------
+def hbm_bandwidth(device, nbytes: int = 1 << 30, iters: int = 10) -> float:
+    """Measured copy bandwidth of ``device`` in bytes/s (read + write of an ``nbytes`` buffer, best of ``iters``):
+    the attainable HBM bandwidth a decode step is compared against (H200 spec 4.8 TB/s)."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        nbytes = min(nbytes, 1 << 26)
+    x = torch.empty(nbytes // 2, dtype=torch.float16, device=dev)
+    y = torch.empty_like(x)
+    best = math.inf
+    for _ in range(iters + 1):
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t = time.perf_counter()
+        y.copy_(x)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        best = min(best, time.perf_counter() - t)
+    return 2 * x.numel() * x.element_size() / best
+
+
+def decode_roofline(engine, n: int, ctx_len: int, iters: int = 20, hbm: float | None = None) -> dict | None:
+    """Time one decode step of ``n`` rows at ``ctx_len`` cached positions through the engine's model runner (host
+    inputs, the forward or graph replay, one device sync: the engine's step minus scheduling and sampling) and
+    compare the bytes it must move at least (``hpdl.serve.fused.step_bytes``: weights once, each row's K/V)
+    with the device's bandwidth.
+
+    Returns ``{"rows", "ctx_len", "step_ms", "min_bytes", "bytes_per_s", "hbm_bytes_per_s", "fraction",
+    "path"}``, or None for a tensor-parallel engine. Call it on an idle engine: it writes K/V into slots
+    ``[0, n)``. Raises ValueError if requests are in flight.
+    """
+    import torch
+
+    from hpdl.serve.fused import step_bytes
+    from hpdl.serve.scheduler import StepPlan
+
+    runner = getattr(engine.executor, "runner", None)
+    if engine.config.tensor_parallel_size != 1 or runner is None:
+        return None
+    if engine.has_unfinished():
+        raise ValueError("decode_roofline needs an idle engine (it writes into free KV slots)")
+    n = max(1, min(n, runner.cache.num_slots))
+    ctx_len = max(0, min(ctx_len, runner.cache.max_seq_len - 1))
+    plan = StepPlan(start=0, n=n, decode_tokens=[1] * n, decode_positions=[ctx_len] * n)
+    cuda = runner.device.type == "cuda"
+    times = []
+    for i in range(iters + 2):
+        t = time.perf_counter()
+        out = runner.execute(plan)
+        if cuda:
+            torch.cuda.synchronize(runner.device)
+        if i >= 2:  # the first two capture graphs / compile kernels
+            times.append(time.perf_counter() - t)
+        del out
+    step = float(np.median(times))
+    need = step_bytes(runner.model, runner.cache, n, ctx_len)
+    hbm = hbm if hbm is not None else hbm_bandwidth(runner.device)
+    return {"rows": n, "ctx_len": ctx_len, "step_ms": step * 1e3, "min_bytes": need, "bytes_per_s": need / step,
+            "hbm_bytes_per_s": hbm, "fraction": need / step / hbm,
+            "path": ("fused" if runner.fused else "eager") + (" + CUDA graph" if runner.cuda_graph else "")}
+
+
+def roofline_line(r: dict) -> str:
+    """One line for ``hpdl bench serve``: achieved bytes/s of a decode step against the measured bandwidth."""
+    return (f"roofline: decode step of {r['rows']} rows at {r['ctx_len']} cached positions ({r['path']}): "
+            f"{r['step_ms']:.3f} ms, >= {r['min_bytes'] / 1e6:.4g} MB moved -> {r['bytes_per_s'] / 1e9:.4g} GB/s = "
+            f"{100 * r['fraction']:.1f}% of the measured copy bandwidth {r['hbm_bytes_per_s'] / 1e9:.4g} GB/s")

@@ -54,6 +54,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="symm: torch's one-shot symmetric-memory all-reduce for decode steps; hpdl: hpdl.comm's "
                         "peer-memory all-reduce at every size (CUDA, one node); NCCL otherwise")
     g.add_argument("--cuda-graph", action="store_true", help="replay decode steps from CUDA graphs")
+    g.add_argument("--eager-decode", action="store_true",
+                   help="decode with the eager model, not the fused Triton step (the default on CUDA for LLaMA)")
     g.add_argument("--seed", type=int, default=0, help="random-weight seed (and workload seed for bench)")
 
 
@@ -71,7 +73,8 @@ def _engine(args):
     spec = ModelSpec(model=args.model, config=args.config, seed=args.seed, dtype=args.dtype)
     cfg = EngineConfig(num_slots=args.num_slots, max_seq_len=args.max_seq_len, device=args.device,
                        tensor_parallel_size=args.tensor_parallel_size, reorder=args.reorder,
-                       cuda_graph=args.cuda_graph, tp_all_reduce=args.tp_all_reduce)
+                       cuda_graph=args.cuda_graph, tp_all_reduce=args.tp_all_reduce,
+                       fused_decode=False if args.eager_decode else None)
     return spec, LLMEngine(spec, cfg)
 
 
@@ -124,6 +127,11 @@ class ServeBenchCommand:
                 systems = [s.strip() for s in args.systems.split(",") if s.strip()]
                 hf = _hf_model(spec, engine.model_config, args.device) if set(systems) - {"flover"} else None
                 results = compare(engine, hf, wl, systems, args.static_batch_size, args.slo_ttft_ms, args.slo_tpot_ms)
+                if "flover" in systems:  # every result says how far its decode step is from the bandwidth limit
+                    ctx = int(sum(len(w.prompt) + w.output_len / 2 for w in wl) / len(wl))
+                    roof = bench.decode_roofline(engine, min(len(wl), args.num_slots), ctx)
+                    if roof is not None:
+                        results["roofline"] = roof
             finally:
                 engine.shutdown()
         _print(results, args.format)
@@ -148,6 +156,10 @@ def _print(results: dict[str, dict], fmt: str) -> None:
     if fmt == "json":
         print(json.dumps(results, indent=2))
         return
+    from hpdl.serve.bench import roofline_line
+
+    results = dict(results)
+    roof = results.pop("roofline", None)
     from rich.console import Console
     from rich.table import Table
 
@@ -164,6 +176,8 @@ def _print(results: dict[str, dict], fmt: str) -> None:
     for name, r in results.items():
         if "note" in r:
             print(f"* {name}: {r['note']}")
+    if roof is not None:
+        print(roofline_line(roof))
 
 
 class ServeCommand:

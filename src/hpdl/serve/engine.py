@@ -35,6 +35,8 @@ class EngineConfig:
     reorder: "window" (Flover), "prefix" (anchored at slot 0; forced with CUDA graphs) or "none".
     tp_all_reduce: "nccl", "symm" (torch's one-shot symmetric-memory all-reduce for decode on CUDA) or "hpdl"
         (hpdl.comm's peer-memory all-reduce on CUDA, every size); NCCL where the fast one is unavailable.
+    fused_decode: decode with the fused Triton kernels (``hpdl.serve.fused``); None = on CUDA for LLaMA models
+        on one device, the eager step elsewhere (the CPU reference). True where unsupported is a ValueError.
     """
 
     num_slots: int = 64
@@ -45,6 +47,7 @@ class EngineConfig:
     device: str = "cpu"
     cuda_graph: bool = False
     tp_all_reduce: str = "nccl"
+    fused_decode: bool | None = None
 
     def __post_init__(self):
         if self.tp_all_reduce not in ("nccl", "symm", "hpdl"):
@@ -117,7 +120,8 @@ class LLMEngine:
 
     def __init__(self, spec: ModelSpec, config: EngineConfig | None = None, tokenizer=None):
         self.config = config = config or EngineConfig()
-        args = RunnerArgs(config.num_slots, config.max_seq_len, config.device, config.cuda_graph, config.tp_all_reduce)
+        args = RunnerArgs(config.num_slots, config.max_seq_len, config.device, config.cuda_graph, config.tp_all_reduce,
+                          config.fused_decode)
         self.executor = UniprocExecutor(spec, args) if config.tensor_parallel_size == 1 else \
             TPExecutor(spec, args, config.tensor_parallel_size)
         self.model_config = self.executor.config

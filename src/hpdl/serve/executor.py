@@ -35,6 +35,7 @@ class RunnerArgs:
     device: str = "cpu"
     cuda_graph: bool = False
     tp_all_reduce: str = "nccl"
+    fused_decode: bool | None = None
 
 
 class UniprocExecutor:
@@ -49,7 +50,8 @@ class UniprocExecutor:
 
     def __init__(self, spec: ModelSpec, args: RunnerArgs):
         model = build_model(spec, args.device)
-        self.runner = ModelRunner(model, args.num_slots, args.max_seq_len, 1, args.cuda_graph)
+        self.runner = ModelRunner(model, args.num_slots, args.max_seq_len, 1, args.cuda_graph,
+                                  fused=args.fused_decode)
         self.config = model.cfg
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
@@ -85,7 +87,8 @@ def _worker_main(rank: int, world: int, port: int, spec: ModelSpec, args: Runner
             faulthandler.dump_traceback_later(float(os.environ["HPDL_SERVE_FAULTHANDLER"]), exit=False)
         device = _init_rank(rank, world, port, args.device)
         model = build_model(spec, device, dist.group.WORLD)
-        runner = ModelRunner(model, args.num_slots, args.max_seq_len, world, args.cuda_graph, args.tp_all_reduce)
+        runner = ModelRunner(model, args.num_slots, args.max_seq_len, world, args.cuda_graph, args.tp_all_reduce,
+                             fused=args.fused_decode)
         errors.put((rank, None))  # ready
         while True:
             if not inbox.poll(5.0):
@@ -134,7 +137,8 @@ class TPExecutor:
             p.start()
         device = _init_rank(0, world, port, args.device)
         model = build_model(spec, device, dist.group.WORLD)
-        self.runner = ModelRunner(model, args.num_slots, args.max_seq_len, world, args.cuda_graph, args.tp_all_reduce)
+        self.runner = ModelRunner(model, args.num_slots, args.max_seq_len, world, args.cuda_graph, args.tp_all_reduce,
+                             fused=args.fused_decode)
         self.config = model.cfg
         ready = set()
         while len(ready) < world - 1:

@@ -239,7 +239,8 @@ class Sampler:
         n = len(rows)
         plain = all(r is None or (r.params.greedy and not r.params.has_processors and r.params.logprobs is None)
                     for r in rows)
-        tokens = logits.argmax(dim=-1).tolist()  # greedy rows; one device -> host copy
+        top = getattr(logits, "argmax_tokens", None)  # the fused decode step computed it already
+        tokens = (top if top is not None else logits.argmax(dim=-1)).tolist()  # greedy rows; one device -> host copy
         if plain:  # fast path: every row greedy, nothing to process or report
             return SampleOutput([t if r is not None else -1 for t, r in zip(tokens, rows)], [None] * n, {})
         errors: dict[int, BaseException] = {}

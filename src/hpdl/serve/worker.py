@@ -68,6 +68,9 @@ class ModelRunner:
 
     Args:
         cuda_graph: replay decode steps from CUDA graphs; needs slots anchored at 0 (``reorder='prefix'``).
+        fused: decode with ``hpdl.serve.fused`` (Triton kernels, ~9 per layer instead of ~25); None = on CUDA
+            for the models it supports (``fused.supports``), eager elsewhere. ``self.fused`` says which runs
+            and ``self.fused_reason`` why not.
         tp_all_reduce: "nccl"; "symm" (torch symmetric-memory one-shot all-reduce for decode); or "hpdl"
             (hpdl.comm's all-reduce: on CUDA the peer-memory kernels, one launch per call at every size; on CPU
             hpdl's tuned algorithms over gloo). "symm" and "hpdl" fall back to the process group's own
@@ -78,7 +81,9 @@ class ModelRunner:
     KV_BUCKET = 128
 
     def __init__(self, model: DecoderLM, num_slots: int, max_seq_len: int, tp_world: int = 1,
-                 cuda_graph: bool = False, tp_all_reduce: str = "nccl"):
+                 cuda_graph: bool = False, tp_all_reduce: str = "nccl", fused: bool | None = None):
+        from hpdl.serve import fused as fz
+
         self.model = model
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -90,6 +95,18 @@ class ModelRunner:
         self._graphs: dict[tuple[int, int], tuple] = {}
         self._pool = None
         self.graph_error: str | None = None
+        self.fused_reason = fz.supports(model)
+        if fused and self.fused_reason is not None:
+            raise ValueError(f"fused=True but the fused decode cannot run this model: {self.fused_reason}")
+        self.fused = bool(fused if fused is not None else self.device.type == "cuda" and self.fused_reason is None)
+
+    def _decode(self, toks: torch.Tensor, pos: torch.Tensor, start: int, kv_len: int):
+        """Logits ``[n, vocab]`` of one decode step and, on the fused path, the greedy argmax ``[n]``."""
+        if self.fused:
+            from hpdl.serve.fused import fused_decode
+
+            return fused_decode(self.model, self.cache, toks[:, 0], pos[:, 0], start, kv_len)
+        return self.model(toks, self.cache, Batch(positions=pos, start=start, kv_len=kv_len)), None
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor:
@@ -116,7 +133,22 @@ class ModelRunner:
                 torch.cuda.synchronize()
         toks = torch.tensor(plan.decode_tokens, device=dev)[:, None]
         pos = torch.tensor(plan.decode_positions, device=dev)[:, None]
-        return self.model(toks, self.cache, Batch(positions=pos, start=plan.start, kv_len=kv_len))
+        return with_argmax(*self._decode(toks, pos, plan.start, kv_len))
+
+    @torch.inference_mode()
+    def warm_up(self, max_batch: int | None = None) -> int:
+        """Capture every CUDA graph a decode of up to ``max_batch`` rows can need (each batch bucket x KV bucket),
+        so no request waits for a capture (or the Triton compiles of the fused step) later. Call it before
+        serving: it writes K/V into slots ``[0, max_batch)``. Returns the number of graphs; 0 without graphs."""
+        if not self.cuda_graph:
+            return 0
+        top = min(max_batch or self.cache.num_slots, self.cache.num_slots)
+        sizes = sorted({min(b, top) for b in self.BATCH_BUCKETS if b <= top} | {top})
+        for nb in sizes:
+            for kb in range(self.KV_BUCKET, self.cache.max_seq_len + self.KV_BUCKET, self.KV_BUCKET):
+                kb = min(kb, self.cache.max_seq_len)
+                self.execute(StepPlan(start=0, n=nb, decode_tokens=[0] * nb, decode_positions=[kb - 1] * nb))
+        return len(self._graphs)
 
     def close(self) -> None:
         """Drop the captured CUDA graphs and wait for the device: a graph that holds NCCL kernels keeps its
@@ -140,35 +172,42 @@ class ModelRunner:
         key = (nb, kb)
         if key not in self._graphs:
             self._graphs[key] = self._capture(nb, kb)
-        graph, toks, pos, out = self._graphs[key]
+        graph, toks, pos, out, top = self._graphs[key]
         host = torch.zeros(2, nb, dtype=torch.long)
         host[0, : plan.n] = torch.tensor(plan.decode_tokens)
         host[1, : plan.n] = torch.tensor(plan.decode_positions)
         toks.copy_(host[0, :, None], non_blocking=True)
         pos.copy_(host[1, :, None], non_blocking=True)
         graph.replay()
-        return out[: plan.n]
+        return with_argmax(out[: plan.n], top[: plan.n] if top is not None else None)
 
     def _capture(self, nb: int, kb: int):
         toks = torch.zeros(nb, 1, dtype=torch.long, device=self.device)
         pos = torch.zeros(nb, 1, dtype=torch.long, device=self.device)
-        b = Batch(positions=pos, start=0, kv_len=kb)
         # warm-up outside the graph (allocator, cuBLAS handles); it writes position 0 of slots [0, nb), which
         # may be live, so save those entries first (on this stream, before the side stream starts) and restore.
         saved = (self.cache.k[:, :nb, :, 0].clone(), self.cache.v[:, :nb, :, 0].clone())
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
-            for _ in range(2):
-                self.model(toks, self.cache, b)
+            for _ in range(2):  # also compiles and tunes the Triton kernels for these shapes
+                self._decode(toks, pos, 0, kb)
         torch.cuda.current_stream().wait_stream(s)
         self.cache.k[:, :nb, :, 0], self.cache.v[:, :nb, :, 0] = saved
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self._pool):
-            out = self.model(toks, self.cache, b)
-        return g, toks, pos, out
+            out, top = self._decode(toks, pos, 0, kb)
+        return g, toks, pos, out, top
+
+
+def with_argmax(logits: torch.Tensor, top: torch.Tensor | None) -> torch.Tensor:
+    """Attach the step's greedy tokens (``top [n]``, computed inside the decode step) to its logits as
+    ``logits.argmax_tokens``; ``Sampler.sample`` uses them instead of launching its own argmax."""
+    if top is not None:
+        logits.argmax_tokens = top
+    return logits
 
 
 class SymmAllReduce:

@@ -15,7 +15,9 @@ Suites (``--suite tokens,model,throughput`` or ``all``):
   point that runs out of memory or takes longer than ``--time-limit`` seconds per call.
 - ``model``: SOFT-Tiny forward+backward at ``--image-sizes`` (stage 1 holds (size/4)^2 tokens: 512 px = 16,384)
   with its own attention and with softmax SDPA over the same tied Q/K (``attention="sdpa"``), images/s and peak
-  memory. The paper's landmarks come from a fixed-stride conv, so the landmark count grows with the image.
+  memory. The paper's landmarks come from a fixed-stride conv, so the landmark count m grows with the image
+  (m = (size/32)^2 in every SOFT stage) and the float32 Newton iteration, O(m^3) per head, takes over; the
+  ``soft_inverse`` row (``--model-attentions``) prices the model with the paper's backward to show that share.
 - ``throughput``: images/s at ``--image-size`` (inference at ``--infer-batch``, training fwd+bwd at
   ``--train-batch``) of SOFT models next to timm ViT/PVT baselines, with each model's multiply-adds counted by
   ``torch.utils.flop_counter`` on the same device; each SOFT model is paired with the baseline of nearest MACs.
@@ -196,18 +198,22 @@ def _autocast(device, dtype):
     return torch.autocast(device.type, dtype=dtype, enabled=dtype in (torch.float16, torch.bfloat16))
 
 
+MODEL_ATTENTIONS = {"soft": {}, "soft_inverse": {"nr_backward": "inverse"}, "soft_autograd": {"nr_backward": "autograd"},
+                    "sdpa": {"attention": "sdpa"}}
+
+
 def run_model(args, device, dtype) -> list[dict]:
     from hpdl.models.soft import create
 
     rows = []
     for size in args.image_sizes:
-        for attn in ("soft", "sdpa"):
+        for attn in args.model_attentions:
             row = {"model": args.model, "attention": attn, "image_size": size, "batch": args.model_batch,
-                   "stage1_tokens": (size // 4) ** 2, "stage1_landmarks": (size // 4 // 8) ** 2 if attn == "soft"
-                   else None}
+                   "stage1_tokens": (size // 4) ** 2, "stage1_landmarks": (size // 4 // 8) ** 2
+                   if attn.startswith("soft") else None}
             try:
                 torch.manual_seed(0)
-                model = create(args.model, attention=attn).to(device)
+                model = create(args.model, **MODEL_ATTENTIONS[attn]).to(device)
                 x = torch.randn(args.model_batch, 3, size, size, device=device)
                 ctx, _ = _sdpa_context(device, dtype)
 
@@ -368,7 +374,7 @@ def plot(result: dict, out: Path) -> list[str]:
         written.append("attention_tokens.png")
     if result.get("model"):
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-        for attn in ("soft", "sdpa"):
+        for attn in MODEL_ATTENTIONS:
             ok = [r for r in result["model"] if r["attention"] == attn and r["status"] == "ok"]
             if ok:
                 axes[0].plot([r["stage1_tokens"] for r in ok], [r["fwd_bwd_ms"] for r in ok], "o-", label=attn)
@@ -440,6 +446,8 @@ class AttentionBenchCommand:
         p.add_argument("--image-sizes", default=None, help="model suite sizes (default: 224,384,512,768 on CUDA, "
                                                             "64,128 on CPU)")
         p.add_argument("--model-batch", type=int, default=None, help="(default: 16 on CUDA, 2 on CPU)")
+        p.add_argument("--model-attentions", default="soft,soft_inverse,sdpa",
+                       help=f"model suite, from {','.join(MODEL_ATTENTIONS)} (default: soft,soft_inverse,sdpa)")
         p.add_argument("--models", default="soft_tiny,soft_small", help="throughput suite SOFT models")
         p.add_argument("--baselines", default=DEFAULT_BASELINES, help=f"timm baselines (default: {DEFAULT_BASELINES})")
         p.add_argument("--image-size", type=int, default=None, help="throughput size (default: 224 CUDA, 64 CPU)")
@@ -463,6 +471,10 @@ class AttentionBenchCommand:
         bad = [m for m in args.methods if m not in METHODS]
         if bad:
             raise CLIUsageError(f"--methods {bad} unknown; expected some of {METHODS}")
+        args.model_attentions = _csv(args.model_attentions)
+        bad = [m for m in args.model_attentions if m not in MODEL_ATTENTIONS]
+        if bad:
+            raise CLIUsageError(f"--model-attentions {bad} unknown; expected some of {list(MODEL_ATTENTIONS)}")
         if args.landmarks < 1 or args.min_tokens < 1:
             raise CLIUsageError("--landmarks and --min-tokens must be >= 1")
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")

@@ -1,0 +1,516 @@
+"""GPT-style mixture-of-experts decoder (Mixtral / Qwen2-MoE / OLMoE family) and a loader for their checkpoints.
+
+One file in the nanoGPT manner: config, RMSNorm, rotary attention over a per-request KV cache, the sparse MoE
+block (router + SwiGLU experts, optional shared expert), the model, then loading of Hugging Face checkpoint
+directories (``config.json`` + ``*.safetensors``, per-expert or fused expert tensors).
+
+The pieces an expert-parallel engine needs are public methods, so :mod:`hpdl.moe.engine` can run the layer loop
+itself and place the expert computation on other ranks: :meth:`MoEDecoder.embed`, :meth:`Block.attention`,
+:meth:`MoEBlock.route`, :meth:`MoEBlock.expert`, :meth:`MoEBlock.shared`, :meth:`MoEDecoder.head`.
+
+Routing (Switch Transformer, arXiv 2101.03961, for top-1; Mixtral, arXiv 2401.04088, for top-2): router logits
+``x W_r^T`` -> softmax in fp32 -> top-k; with ``norm_topk_prob`` the k weights are renormalised to sum to 1
+(Mixtral), otherwise they stay softmax probabilities (Qwen2-MoE, OLMoE, Switch). Dropless: no capacity limit.
+A layer ``i`` is MoE when ``(i + 1) % moe_every == 0`` and ``i`` is not in ``dense_layers`` (Qwen2-MoE's
+``decoder_sparse_step`` / ``mlp_only_layers``); other layers have a dense SwiGLU MLP.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from hpdl.runtime.errors import HpdlError
+
+
+class MoEConfigError(HpdlError, ValueError):
+    """A MoE model configuration or checkpoint does not fit; the message names the field and the expected value."""
+
+
+ARCHS = ("mixtral", "qwen2_moe", "olmoe")
+
+
+@dataclass
+class MoEConfig:
+    """Architecture of a MoE decoder. ``arch`` only selects the Hugging Face class for :meth:`to_hf`.
+
+    ``n_experts`` routed experts of ``expert_size`` hidden units each, ``top_k`` of them per token;
+    ``shared_expert_size`` > 0 adds Qwen2-MoE's always-on shared expert with a sigmoid gate.
+    """
+
+    arch: str = "mixtral"
+    vocab_size: int = 256
+    hidden_size: int = 64
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 4
+    n_experts: int = 8
+    top_k: int = 1
+    expert_size: int = 128
+    dense_size: int = 128
+    moe_every: int = 1
+    dense_layers: list[int] = field(default_factory=list)
+    shared_expert_size: int = 0
+    norm_topk_prob: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    max_position: int = 2048
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    head_dim_: int | None = None
+
+    def __post_init__(self):
+        if self.arch not in ARCHS:
+            raise MoEConfigError(f"arch must be one of {ARCHS}, got {self.arch!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise MoEConfigError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
+        if not 1 <= self.top_k <= self.n_experts:
+            raise MoEConfigError(f"top_k must be in [1, n_experts={self.n_experts}], got {self.top_k}")
+        if self.moe_every < 1:
+            raise MoEConfigError(f"moe_every must be >= 1, got {self.moe_every}")
+        if not self.moe_layers:
+            raise MoEConfigError(f"no MoE layer: n_layers={self.n_layers}, moe_every={self.moe_every}, "
+                                 f"dense_layers={self.dense_layers}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.head_dim_ or self.hidden_size // self.n_heads
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """Indices of the decoder layers whose MLP is a MoE block, in order."""
+        return [i for i in range(self.n_layers) if (i + 1) % self.moe_every == 0 and i not in self.dense_layers]
+
+    def identity(self) -> str:
+        """Short stable hash of the architecture (stored in traces and placements)."""
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "MoEConfig":
+        """Translate a Hugging Face ``config.json`` dict (model_type mixtral, qwen2_moe or olmoe).
+
+        Raises:
+            MoEConfigError: another model_type, a non-default RoPE, sliding windows, or ``clip_qkv``.
+        """
+        mt = cfg.get("model_type")
+        if mt not in ARCHS:
+            raise MoEConfigError(f"config.json model_type must be one of {ARCHS}, got {mt!r}")
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise MoEConfigError(f"rope_type must be 'default', got {rope.get('rope_type')!r}")
+        if cfg.get("use_sliding_window") or (mt == "mixtral" and cfg.get("sliding_window")):
+            raise MoEConfigError(f"sliding_window must be null, got {cfg.get('sliding_window')!r}")
+        if cfg.get("clip_qkv") is not None:
+            raise MoEConfigError(f"clip_qkv must be null, got {cfg.get('clip_qkv')!r}")
+        eos = cfg.get("eos_token_id")
+        eos = eos[0] if isinstance(eos, list) else eos
+        common = dict(arch=mt, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+                      n_layers=cfg["num_hidden_layers"], n_heads=cfg["num_attention_heads"],
+                      n_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+                      top_k=cfg["num_experts_per_tok"], max_position=cfg.get("max_position_embeddings", 2048),
+                      norm_eps=cfg.get("rms_norm_eps", 1e-6),
+                      rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 1e4)),
+                      tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+                      bos_token_id=cfg.get("bos_token_id"), eos_token_id=eos, head_dim_=cfg.get("head_dim"))
+        if mt == "mixtral":
+            return cls(**common, n_experts=cfg["num_local_experts"], expert_size=cfg["intermediate_size"],
+                       dense_size=cfg["intermediate_size"], norm_topk_prob=True)
+        if mt == "qwen2_moe":
+            return cls(**common, n_experts=cfg["num_experts"], expert_size=cfg["moe_intermediate_size"],
+                       dense_size=cfg["intermediate_size"], moe_every=cfg.get("decoder_sparse_step", 1),
+                       dense_layers=list(cfg.get("mlp_only_layers") or []),
+                       shared_expert_size=cfg.get("shared_expert_intermediate_size", 0),
+                       norm_topk_prob=cfg.get("norm_topk_prob", False), attention_bias=cfg.get("qkv_bias", True))
+        return cls(**common, n_experts=cfg["num_experts"], expert_size=cfg["intermediate_size"],
+                   dense_size=cfg["intermediate_size"], norm_topk_prob=cfg.get("norm_topk_prob", False),
+                   attention_bias=cfg.get("attention_bias", False), qk_norm=True)
+
+    def to_hf(self):
+        """The equivalent ``transformers`` config object (for reference comparisons in tests)."""
+        import transformers
+
+        common = dict(vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_hidden_layers=self.n_layers,
+                      num_attention_heads=self.n_heads, num_key_value_heads=self.n_kv_heads,
+                      num_experts_per_tok=self.top_k, max_position_embeddings=self.max_position,
+                      rms_norm_eps=self.norm_eps, tie_word_embeddings=self.tie_word_embeddings,
+                      bos_token_id=self.bos_token_id, eos_token_id=self.eos_token_id, pad_token_id=None,
+                      head_dim=self.head_dim, rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta})
+        if self.arch == "mixtral":
+            if not self.norm_topk_prob or self.moe_layers != list(range(self.n_layers)) or self.shared_expert_size:
+                raise MoEConfigError("a Mixtral config needs norm_topk_prob=True, MoE in every layer, no shared expert")
+            return transformers.MixtralConfig(**common, num_local_experts=self.n_experts,
+                                              intermediate_size=self.expert_size, sliding_window=None)
+        if self.arch == "qwen2_moe":
+            return transformers.Qwen2MoeConfig(**common, num_experts=self.n_experts,
+                                               moe_intermediate_size=self.expert_size,
+                                               intermediate_size=self.dense_size, decoder_sparse_step=self.moe_every,
+                                               mlp_only_layers=list(self.dense_layers),
+                                               shared_expert_intermediate_size=self.shared_expert_size,
+                                               norm_topk_prob=self.norm_topk_prob, qkv_bias=self.attention_bias,
+                                               use_sliding_window=False)
+        if self.moe_layers != list(range(self.n_layers)) or self.shared_expert_size or not self.qk_norm:
+            raise MoEConfigError("an OLMoE config needs MoE in every layer, qk_norm=True, no shared expert")
+        return transformers.OlmoeConfig(**common, num_experts=self.n_experts, intermediate_size=self.expert_size,
+                                        norm_topk_prob=self.norm_topk_prob, attention_bias=self.attention_bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding (half-split, as Llama/Mixtral): ``x [..., N, heads, d]`` at integer positions ``pos [..., N]``."""
+    d = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=x.device).float() / d))
+    ang = pos.float()[..., None] * inv  # [..., N, d/2]
+    emb = torch.cat((ang, ang), dim=-1)[..., None, :]  # broadcast over heads
+    return (x.float() * emb.cos() + _rotate_half(x.float()) * emb.sin()).to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, inner: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing of router logits ``[N, E]`` -> ``(experts [N, k] int64, weights [N, k] fp32)``.
+
+    Softmax in fp32 over all experts, ``torch.topk`` (ties go to the lower index), optional renormalisation.
+    Pure function: the engine and the trace collector call it on exactly the logits the reference computes.
+    """
+    probs = torch.softmax(logits.float(), dim=-1)
+    w, idx = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        w = w / w.sum(-1, keepdim=True)
+    return idx, w
+
+
+class MoEBlock(nn.Module):
+    """Router + ``E`` SwiGLU experts stored fused (``w_gate_up [E, 2F, H]``, ``w_down [E, H, F]``) + optional
+    shared expert. ``forward`` is the dropless single-process reference; the engine uses the pieces."""
+
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        H, Fe, E = cfg.hidden_size, cfg.expert_size, cfg.n_experts
+        self.cfg = cfg
+        self.gate = nn.Linear(H, E, bias=False)
+        self.w_gate_up = nn.Parameter(torch.randn(E, 2 * Fe, H) * 0.02)
+        self.w_down = nn.Parameter(torch.randn(E, H, Fe) * 0.02)
+        self.shared_expert = SwiGLU(H, cfg.shared_expert_size) if cfg.shared_expert_size else None
+        self.shared_expert_gate = nn.Linear(H, 1, bias=False) if cfg.shared_expert_size else None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x [N, H]`` (normed) -> (router logits [N, E], experts [N, k] int64, weights [N, k] fp32)."""
+        logits = self.gate(x)
+        idx, w = route(logits, self.cfg.top_k, self.cfg.norm_topk_prob)
+        return logits, idx, w
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``e`` on ``x [n, H]`` -> ``[n, H]`` (unweighted)."""
+        gate, up = F.linear(x, self.w_gate_up[e]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.w_down[e])
+
+    def shared(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The shared expert's gated output ``[N, H]``, or None when the model has none."""
+        if self.shared_expert is None:
+            return None
+        return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+    def combine(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Dropless mixture ``sum_k w_k * expert_{idx_k}(x)`` for ``x [N, H]``, experts in ascending order."""
+        out = torch.zeros_like(x)
+        for e in torch.unique(idx).tolist():
+            tok, slot = torch.where(idx == e)
+            out.index_add_(0, tok, self.expert(e, x[tok]) * w[tok, slot, None].to(x.dtype))
+        return out
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x [N, H]`` -> (output [N, H], router logits [N, E], experts [N, k])."""
+        logits, idx, w = self.route(x)
+        out = self.combine(x, idx, w)
+        s = self.shared(x)
+        return (out if s is None else out + s), logits, idx
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: MoEConfig, layer: int):
+        super().__init__()
+        H, hd = cfg.hidden_size, cfg.head_dim
+        self.cfg, self.layer = cfg, layer
+        self.input_layernorm = RMSNorm(H, cfg.norm_eps)
+        self.post_attention_layernorm = RMSNorm(H, cfg.norm_eps)
+        self.q_proj = nn.Linear(H, cfg.n_heads * hd, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(H, cfg.n_kv_heads * hd, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(H, cfg.n_kv_heads * hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.n_heads * hd, H, bias=False)
+        self.q_norm = RMSNorm(cfg.n_heads * hd, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.n_kv_heads * hd, cfg.norm_eps) if cfg.qk_norm else None
+        self.is_moe = layer in cfg.moe_layers
+        self.mlp = MoEBlock(cfg) if self.is_moe else SwiGLU(H, cfg.dense_size)
+
+    def qkv(self, x: torch.Tensor, pos: torch.Tensor):
+        """Normed ``x [..., N, H]`` at ``pos [..., N]`` -> q ``[..., N, nh, d]``, k, v ``[..., N, nkv, d]`` (rotated)."""
+        c = self.cfg
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(*x.shape[:-1], c.n_heads, c.head_dim)
+        k = k.view(*x.shape[:-1], c.n_kv_heads, c.head_dim)
+        v = v.view(*x.shape[:-1], c.n_kv_heads, c.head_dim)
+        return rope(q, pos, c.rope_theta), rope(k, pos, c.rope_theta), v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``q [B, T, nh, d]``, ``k, v [B, S, nkv, d]``, boolean ``mask [B, T, S]`` (True = attend) -> ``[B, T, H]``."""
+        rep = self.cfg.n_heads // self.cfg.n_kv_heads
+        qh = q.transpose(1, 2)
+        kh = k.transpose(1, 2).repeat_interleave(rep, dim=1)
+        vh = v.transpose(1, 2).repeat_interleave(rep, dim=1)
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask[:, None])
+        return self.o_proj(o.transpose(1, 2).reshape(q.shape[0], q.shape[1], -1))
+
+    def attention(self, h: torch.Tensor, req: torch.Tensor, pos: torch.Tensor, cache: "KVCache") -> torch.Tensor:
+        """Residual attention of tokens ``h [N, H]`` of requests ``req [N]`` at positions ``pos [N]`` (int64).
+
+        Writes each token's K/V into ``cache`` at (layer, req, pos) first, then attends to positions ``<= pos``
+        of its own request: the same call serves packed (padding-free) prefill and decode. Returns ``[N, H]``.
+        """
+        if h.shape[0] == 0:  # an expert-parallel rank may hold no token at this layer
+            return h
+        x = self.input_layernorm(h)
+        q, k, v = self.qkv(x, pos)
+        cache.k[self.layer, req, pos] = k
+        cache.v[self.layer, req, pos] = v
+        S = int(pos.max()) + 1
+        mask = torch.arange(S, device=h.device)[None, :] <= pos[:, None]  # [N, S]
+        o = self.attend(q[:, None], cache.k[self.layer, req, :S], cache.v[self.layer, req, :S], mask[:, None])
+        return h + o[:, 0]
+
+    def forward(self, h: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor):
+        """Full-sequence reference: ``h [B, T, H]``, ``mask [B, T, T]`` -> (h, router logits [B*T, E] or None,
+        experts [B*T, k] or None)."""
+        x = self.input_layernorm(h)
+        q, k, v = self.qkv(x, pos)
+        h = h + self.attend(q, k, v, mask)
+        x = self.post_attention_layernorm(h)
+        if not self.is_moe:
+            return h + self.mlp(x), None, None
+        out, logits, idx = self.mlp(x.reshape(-1, x.shape[-1]))
+        return h + out.view_as(h), logits, idx
+
+
+class KVCache:
+    """Dense per-request cache ``k, v: [n_layers, n_requests, max_len, n_kv_heads, head_dim]``."""
+
+    def __init__(self, cfg: MoEConfig, n_requests: int, max_len: int, dtype=torch.float32, device="cpu"):
+        shape = (cfg.n_layers, n_requests, max_len, cfg.n_kv_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+
+class MoEDecoder(nn.Module):
+    """Decoder-only MoE language model. ``forward(ids)`` -> logits; ``route_trace`` records the experts."""
+
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(ids)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head: ``h [..., H]`` -> logits ``[..., V]``."""
+        return self.lm_head(self.norm(h))
+
+    def forward(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None, return_routing: bool = False):
+        """``ids [B, T]`` int64 (right padding marked 0 in ``attention_mask [B, T]``) -> logits ``[B, T, V]``,
+        plus, with ``return_routing``, lists over MoE layers of router logits ``[B*T, E]`` and experts
+        ``[B*T, k]``. Positions count real tokens only, so a right-padded row equals the unpadded one."""
+        B, T = ids.shape
+        am = torch.ones(B, T, dtype=torch.bool, device=ids.device) if attention_mask is None else attention_mask.bool()
+        pos = (am.long().cumsum(-1) - 1).clamp_min(0)
+        causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
+        mask = causal[None] & am[:, None, :]
+        mask = mask | torch.eye(T, dtype=torch.bool, device=ids.device)[None]  # pad rows attend to themselves
+        h = self.embed(ids)
+        logits_l, idx_l = [], []
+        for blk in self.layers:
+            h, lg, idx = blk(h, pos, mask)
+            if lg is not None:
+                logits_l.append(lg)
+                idx_l.append(idx)
+        logits = self.head(h)
+        return (logits, logits_l, idx_l) if return_routing else logits
+
+    @torch.no_grad()
+    def greedy(self, prompt: list[int], max_new_tokens: int, stop_at_eos: bool = False) -> list[int]:
+        """Reference greedy decoding of one prompt by full recomputation (no cache): the engine's oracle."""
+        ids = list(prompt)
+        out = []
+        for _ in range(max_new_tokens):
+            nxt = int(self.forward(torch.tensor([ids]))[0, -1].argmax())
+            out.append(nxt)
+            ids.append(nxt)
+            if stop_at_eos and nxt == self.cfg.eos_token_id:
+                break
+        return out
+
+
+# --- Hugging Face checkpoints ------------------------------------------------------------------------
+def _expert_names(arch: str, prefix: str, e: int) -> tuple[str, str, str]:
+    if arch == "mixtral":
+        b = f"{prefix}.block_sparse_moe.experts.{e}"
+        return f"{b}.w1.weight", f"{b}.w3.weight", f"{b}.w2.weight"
+    b = f"{prefix}.mlp.experts.{e}"
+    return f"{b}.gate_proj.weight", f"{b}.up_proj.weight", f"{b}.down_proj.weight"
+
+
+def convert_hf_state_dict(cfg: MoEConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Map a Hugging Face Mixtral / Qwen2-MoE / OLMoE state dict onto :class:`MoEDecoder`'s names.
+
+    Accepts per-expert tensors (``experts.{e}.w1/w3/w2`` or ``gate_proj/up_proj/down_proj``, what
+    ``save_pretrained`` writes) and fused ones (``experts.gate_up_proj [E, 2F, H]``, ``experts.down_proj``).
+
+    Raises:
+        MoEConfigError: a tensor is missing (named) or has the wrong shape.
+    """
+    def take(name):
+        if name not in sd:
+            raise MoEConfigError(f"checkpoint has no tensor {name!r} (arch={cfg.arch})")
+        return sd[name]
+
+    out = {"embed_tokens.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = take("lm_head.weight")
+    for i in range(cfg.n_layers):
+        p, q = f"model.layers.{i}", f"layers.{i}"
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            out[f"{q}.{n}.weight"] = take(f"{p}.{n}.weight")
+        for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            out[f"{q}.{n}.weight"] = take(f"{p}.self_attn.{n}.weight")
+            if cfg.attention_bias and n != "o_proj":
+                out[f"{q}.{n}.bias"] = take(f"{p}.self_attn.{n}.bias")
+        if cfg.qk_norm:
+            out[f"{q}.q_norm.weight"] = take(f"{p}.self_attn.q_norm.weight")
+            out[f"{q}.k_norm.weight"] = take(f"{p}.self_attn.k_norm.weight")
+        if i not in cfg.moe_layers:
+            for n in ("gate_proj", "up_proj", "down_proj"):
+                out[f"{q}.mlp.{n}.weight"] = take(f"{p}.mlp.{n}.weight")
+            continue
+        moe = f"{p}.block_sparse_moe" if cfg.arch == "mixtral" else f"{p}.mlp"
+        out[f"{q}.mlp.gate.weight"] = take(f"{moe}.gate.weight")
+        if f"{moe}.experts.gate_up_proj" in sd:
+            out[f"{q}.mlp.w_gate_up"] = sd[f"{moe}.experts.gate_up_proj"]
+            out[f"{q}.mlp.w_down"] = take(f"{moe}.experts.down_proj")
+        else:
+            gu, dn = [], []
+            for e in range(cfg.n_experts):
+                g, u, d = (take(n) for n in _expert_names(cfg.arch, p, e))
+                gu.append(torch.cat([g, u], 0))
+                dn.append(d)
+            out[f"{q}.mlp.w_gate_up"], out[f"{q}.mlp.w_down"] = torch.stack(gu), torch.stack(dn)
+        if cfg.shared_expert_size:
+            for n in ("gate_proj", "up_proj", "down_proj"):
+                out[f"{q}.mlp.shared_expert.{n}.weight"] = take(f"{moe}.shared_expert.{n}.weight")
+            out[f"{q}.mlp.shared_expert_gate.weight"] = take(f"{moe}.shared_expert_gate.weight")
+    return out
+
+
+def load_pretrained(path: str | Path, dtype=torch.float32, device="cpu") -> MoEDecoder:
+    """Load a local Hugging Face Mixtral / Qwen2-MoE / OLMoE directory (``config.json`` + ``*.safetensors``).
+
+    Nothing is downloaded. Raises FileNotFoundError (no config.json or no safetensors) and MoEConfigError
+    (unsupported config, missing or mis-shaped tensor, named).
+    """
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"path={path}: no config.json")
+    cfg = MoEConfig.from_hf(json.loads((path / "config.json").read_text()))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"path={path}: no *.safetensors weights")
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        sd.update(load_file(str(f)))
+    model = MoEDecoder(cfg)
+    mapped = convert_hf_state_dict(cfg, sd)
+    own = model.state_dict()
+    for k, t in mapped.items():
+        if own[k].shape != t.shape:
+            raise MoEConfigError(f"tensor {k}: checkpoint shape {tuple(t.shape)}, model expects {tuple(own[k].shape)}")
+    missing, _ = model.load_state_dict(mapped, strict=False)
+    missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
+    if missing:
+        raise MoEConfigError(f"checkpoint {path} lacks {missing[:4]}")
+    return model.to(dtype=dtype, device=device).eval()
+
+
+def save_checkpoint(model: MoEDecoder, path: str | Path, extra: dict | None = None) -> None:
+    """Save ``model`` as ``hpdl_moe.pt`` (config + state dict) in directory ``path``."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    torch.save({"config": asdict(model.cfg), "state_dict": model.state_dict(), "extra": extra or {}},
+               path / "hpdl_moe.pt")
+
+
+def load_model(path: str | Path) -> MoEDecoder:
+    """Load an hpdl checkpoint directory (``hpdl_moe.pt``) or a Hugging Face one (``config.json``)."""
+    path = Path(path)
+    if (path / "hpdl_moe.pt").is_file():
+        blob = torch.load(path / "hpdl_moe.pt", map_location="cpu", weights_only=True)
+        m = MoEDecoder(MoEConfig(**blob["config"]))
+        m.load_state_dict(blob["state_dict"])
+        return m.eval()
+    return load_pretrained(path)
+
+
+def weights_identity(model: nn.Module) -> str:
+    """Short sha256 over the parameters' bytes (stored in traces so a trace names the exact weights)."""
+    h = hashlib.sha256()
+    for k, v in sorted(model.state_dict().items()):
+        h.update(k.encode())
+        h.update(v.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]

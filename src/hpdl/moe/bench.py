@@ -1,0 +1,216 @@
+"""``hpdl moe bench``: tokens/s of ExFlow vs the 2-Alltoall expert-parallel baseline on gloo ranks.
+
+For each expert count E a GPT-MoE (byte-level, random init: routing of an untrained byte model already follows
+the bytes, so it has inter-layer affinity; pass ``model`` for a trained checkpoint) is profiled on stdlib text,
+an ILP placement is computed from that trace (held-out text is used for the prompts), and then, for every batch
+size (requests per rank), three engines generate the same tokens:
+
+* ``baseline``: contiguous placement, dispatch + combine Alltoalls per MoE layer (DeepSpeed-MoE style),
+* ``exflow_contiguous``: context-coherent, one Alltoall per layer, contiguous placement,
+* ``exflow``: context-coherent with the ILP placement,
+* ``baseline_padded`` / ``exflow_padded``: the same with ``capacity="worst_case"`` (no count exchange; every rank
+  sends the agreed worst-case row count to every peer, pad rows flagged and skipped).
+
+Reported per run: tokens/s (all ranks' generated tokens over the slowest rank's wall time, median of
+``repeats``), payload Alltoall bytes sent off-rank and seconds per MoE layer per forward (rank mean), count
+exchange and all-gather seconds, and the cross-rank share of dispatched rows. hpdl.comm's argument check is
+off while timing. The tokens of all five are compared and the run fails if they differ.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from hpdl.moe.errors import MoEError
+
+
+@dataclass
+class BenchSpec:
+    """One sweep: world size, expert counts, batch sizes (requests per rank), model and generation shape."""
+
+    world_size: int = 4
+    experts: list[int] = field(default_factory=lambda: [8, 16, 32])
+    batches: list[int] = field(default_factory=lambda: [1, 4, 16, 64])
+    hidden_size: int = 256
+    n_layers: int = 8
+    n_heads: int = 8
+    n_kv_heads: int = 2
+    expert_size: int = 512
+    prompt_len: int = 16
+    new_tokens: int = 16
+    repeats: int = 3
+    profile_tokens: int = 8192
+    time_limit: float = 30.0
+    model: str | None = None
+    seed: int = 0
+
+
+def _model(spec: BenchSpec, E: int):
+    import torch
+
+    from hpdl.models.gpt_moe import MoEConfig, MoEDecoder, load_model
+
+    if spec.model:
+        return load_model(spec.model)
+    torch.manual_seed(spec.seed)
+    cfg = MoEConfig(vocab_size=256, hidden_size=spec.hidden_size, n_layers=spec.n_layers, n_heads=spec.n_heads,
+                    n_kv_heads=spec.n_kv_heads, n_experts=E, top_k=1, expert_size=spec.expert_size,
+                    max_position=spec.prompt_len + spec.new_tokens + 8)
+    return MoEDecoder(cfg).eval()
+
+
+def prepare(spec: BenchSpec, E: int) -> dict:
+    """Pure CPU part (parent process): profile trace -> ILP placement, and the prompts of every rank."""
+    from hpdl.moe import affinity, placement
+    from hpdl.moe.trace import collect_trace
+    from hpdl.moe.train import heldout_windows, stdlib_corpus
+
+    model = _model(spec, E)
+    if model.cfg.n_experts != E:
+        raise MoEError(f"model has n_experts={model.cfg.n_experts}, the sweep asks for E={E}")
+    data, source = stdlib_corpus(2_000_000, part="tail")  # never the text `hpdl moe train` reads
+    prof = heldout_windows(data[: len(data) // 2], spec.profile_tokens, 64)
+    tr = collect_trace(model, prof, source=source)
+    C = affinity.transition_counts(tr.experts, E)
+    res = placement.place(C, spec.world_size, time_limit=spec.time_limit)
+    rng = np.random.default_rng(spec.seed)
+    tail = data[len(data) // 2:]
+    nmax = max(spec.batches)
+    starts = rng.integers(0, len(tail) - spec.prompt_len, size=(spec.world_size, nmax))
+    prompts = [[tail[s:s + spec.prompt_len].astype(int).tolist() for s in row] for row in starts]
+    return {"ranks": res.ranks, "placement": {"method": res.method, "status": res.status,
+                                              "profile_cross_share": res.objective, "seconds": res.seconds},
+            "prompts": prompts}
+
+
+def bench_rank(ctx, spec_d: dict, E: int, prep: dict) -> list[dict]:
+    """Per-rank body (run by ``hpdl.runtime.launch.spawn`` or a test pool): every mode x batch size."""
+    import torch
+    import torch.distributed as dist
+
+    from hpdl.moe.engine import MoEEngine
+    from hpdl.moe.placement import contiguous
+
+    spec = BenchSpec(**spec_d)
+    model = _model(spec, E)
+    L = len(model.cfg.moe_layers)
+    cont, ilp = contiguous(L, E, ctx.world_size), np.asarray(prep["ranks"])
+    modes = {"baseline": ("baseline", cont, "exchange"), "exflow_contiguous": ("exflow", cont, "exchange"),
+             "exflow": ("exflow", ilp, "exchange"), "baseline_padded": ("baseline", cont, "worst_case"),
+             "exflow_padded": ("exflow", ilp, "worst_case")}
+    rows = []
+    for b in spec.batches:
+        prompts = prep["prompts"][ctx.rank][:b]
+        tokens = {}
+        for name, (mode, ranks, capacity) in modes.items():
+            times, stats = [], None
+            for rep in range(spec.repeats + 1):  # the first run warms up allocators and gloo pairs
+                eng = MoEEngine(model, ranks, mode=mode, check=False, capacity=capacity)
+                dist.barrier()
+                t0 = time.perf_counter()
+                out = eng.generate(prompts, spec.new_tokens)
+                dt = torch.tensor([time.perf_counter() - t0])
+                dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+                if rep:
+                    times.append(float(dt))
+                    stats = eng.stats.as_dict()
+            tokens[name] = out
+            forwards = spec.new_tokens  # 1 prefill + new_tokens - 1 decode forwards
+            per_layer_bytes = [stats["a2a_bytes"].get(li, 0) / forwards for li in range(L)]
+            per_layer_s = [stats["a2a_seconds"].get(li, 0.0) / forwards for li in range(L)]
+            disp = sum(stats["rows_dispatched"].values())
+            rows.append({"experts": E, "batch_per_rank": b, "mode": name, "rank": ctx.rank,
+                         "seconds": statistics.median(times),
+                         "tokens_per_s": ctx.world_size * b * spec.new_tokens / statistics.median(times),
+                         "a2a_calls_per_layer": stats["a2a_calls"].get(0, 0) / forwards,
+                         "a2a_bytes_per_layer": per_layer_bytes, "a2a_seconds_per_layer": per_layer_s,
+                         "count_seconds": stats["count_seconds"], "gather_seconds": stats["gather_seconds"],
+                         "gather_bytes": stats["gather_bytes"], "gather_calls": stats["gather_calls"],
+                         "cross_share": sum(stats["rows_cross"].values()) / max(1, disp)})
+            if ctx.rank == 0:
+                r = rows[-1]
+                print(f"E={E} batch/rank={b} {name}: {r['tokens_per_s']:.0f} tok/s, a2a "
+                      f"{np.mean(r['a2a_bytes_per_layer']) / 1024:.1f} KiB and "
+                      f"{np.mean(r['a2a_seconds_per_layer']) * 1e3:.2f} ms per layer, cross share "
+                      f"{r['cross_share']:.2f}", flush=True)
+        if any(t != tokens["baseline"] for t in tokens.values()):
+            raise MoEError(f"rank {ctx.rank}: E={E} batch={b}: ExFlow tokens differ from the baseline's")
+    return rows
+
+
+def run(spec: BenchSpec, out: str | Path | None = None, plot: str | Path | None = None, progress=print) -> dict:
+    """The whole sweep; one spawned job of ``world_size`` gloo ranks per expert count. Returns the JSON dict."""
+    import platform
+
+    import torch
+
+    from hpdl.runtime.launch import spawn
+
+    result = {"spec": asdict(spec), "torch": torch.__version__, "host": platform.node(),
+              "cpus": __import__("os").cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "rows": [], "placements": {}}
+    for E in spec.experts:
+        if progress:
+            progress(f"E={E}: profiling and placing ({spec.world_size} ranks)")
+        prep = prepare(spec, E)
+        result["placements"][E] = prep["placement"]
+        per_rank = spawn(bench_rank, spec.world_size, args=(asdict(spec), E, prep))
+        result["rows"].extend(summarise(per_rank))
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=1))
+    if plot:
+        plot_result(result, plot)
+    return result
+
+
+def summarise(per_rank: list[list[dict]]) -> list[dict]:
+    """Merge the ranks' rows: tokens/s from rank 0 (times are already the max over ranks); bytes and
+    seconds per layer averaged over ranks; adds ``speedup_vs_baseline``."""
+    merged = []
+    for rows in zip(*per_rank):
+        r0 = dict(rows[0])
+        r0.pop("rank")
+        for k in ("a2a_bytes_per_layer", "a2a_seconds_per_layer"):
+            r0[k] = np.mean([r[k] for r in rows], axis=0).tolist()
+        for k in ("count_seconds", "gather_seconds", "gather_bytes", "gather_calls", "cross_share"):
+            r0[k] = float(np.mean([r[k] for r in rows]))
+        merged.append(r0)
+    base = {(r["experts"], r["batch_per_rank"]): r["tokens_per_s"] for r in merged if r["mode"] == "baseline"}
+    for r in merged:
+        r["speedup_vs_baseline"] = r["tokens_per_s"] / base[(r["experts"], r["batch_per_rank"])]
+    return merged
+
+
+def plot_result(result: dict, path) -> None:
+    """tokens/s vs batch (one panel per E) and Alltoall KiB per layer per forward."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    Es = sorted({r["experts"] for r in result["rows"]})
+    fig, axes = plt.subplots(2, len(Es), figsize=(4 * len(Es), 6.5), squeeze=False)
+    for c, E in enumerate(Es):
+        for mode, style in (("baseline", "o-"), ("exflow_contiguous", "s--"), ("exflow", "^-"),
+                            ("baseline_padded", "o:"), ("exflow_padded", "^:")):
+            rs = [r for r in result["rows"] if r["experts"] == E and r["mode"] == mode]
+            bs = [r["batch_per_rank"] for r in rs]
+            axes[0, c].plot(bs, [r["tokens_per_s"] for r in rs], style, label=mode)
+            axes[1, c].plot(bs, [np.mean(r["a2a_bytes_per_layer"]) / 1024 for r in rs], style, label=mode)
+        axes[0, c].set_title(f"{E} experts, {result['spec']['world_size']} gloo ranks")
+        for a in axes[:, c]:
+            a.set_xscale("log", base=2)
+            a.set_xlabel("requests per rank")
+        axes[0, c].set_ylabel("tokens/s")
+        axes[1, c].set_ylabel("Alltoall KiB / layer / forward")
+    axes[0, 0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

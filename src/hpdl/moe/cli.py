@@ -1,0 +1,190 @@
+"""``hpdl moe {trace,affinity,place,train,bench}``: thin wrappers that parse, call hpdl.moe and print."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _text_ids(path: str | None, max_bytes: int) -> tuple["object", str]:
+    import numpy as np
+
+    from hpdl.moe.train import stdlib_corpus
+
+    if path:
+        b = Path(path).read_bytes()[:max_bytes]
+        return np.frombuffer(b, dtype=np.uint8).copy(), f"file:{path}"
+    return stdlib_corpus(max_bytes, part="tail")  # held out from `hpdl moe train`, which reads the head
+
+
+class MoECommand:
+    """`hpdl moe ...` (ExFlow, arXiv 2401.08383)."""
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        F = argparse.ArgumentDefaultsHelpFormatter
+        sub = parser.add_subparsers(dest="moe_cmd", metavar="{trace,affinity,place,train,bench}")
+        t = sub.add_parser("trace", formatter_class=F, help="record every token's experts per MoE layer (npz)")
+        t.add_argument("--model", required=True, help="hpdl checkpoint dir (hpdl moe train --out) or a local HF "
+                       "Mixtral/Qwen2-MoE/OLMoE dir (byte-level text needs vocab >= 256, else its tokenizer)")
+        t.add_argument("--text", default=None, help="text file (default: the tail of the Python stdlib source, "
+                       "files `hpdl moe train` does not read)")
+        t.add_argument("--tokens", type=int, default=16384, help="tokens to trace")
+        t.add_argument("--seq", type=int, default=128, help="window length")
+        t.add_argument("--out", required=True, help="output .npz")
+        a = sub.add_parser("affinity", formatter_class=F, help="affinity statistics vs shuffled baseline, heat maps")
+        a.add_argument("trace", help=".npz from `hpdl moe trace`")
+        a.add_argument("--plot", default=None, help="PNG of P(expert at l+1 | expert at l) per transition")
+        a.add_argument("--json", default=None, help="write the summary here")
+        p = sub.add_parser("place", formatter_class=F, help="ILP expert placement; held-out cross-GPU share")
+        p.add_argument("trace", help=".npz from `hpdl moe trace`")
+        p.add_argument("--world-size", type=int, required=True)
+        p.add_argument("--ranks-per-node", type=int, default=None, help="add the inter-node hop cost")
+        p.add_argument("--method", default="auto", choices=["auto", "ilp", "bisect", "greedy", "contiguous", "random"])
+        p.add_argument("--time-limit", type=float, default=None, help="seconds for HiGHS, shared by bisection "
+                       "(default HPDL_MOE_ILP_TIME_LIMIT, 60)")
+        p.add_argument("--train-fraction", type=float, default=0.5, help="fit on this head of the trace, report "
+                       "on the rest")
+        p.add_argument("--out", required=True, help="placement JSON for MoEEngine")
+        r = sub.add_parser("train", formatter_class=F, help="train a tiny MoE on stdlib source; affinity per checkpoint")
+        r.add_argument("--steps", type=int, default=1500)
+        r.add_argument("--batch", type=int, default=16)
+        r.add_argument("--seq", type=int, default=128)
+        r.add_argument("--layers", type=int, default=4)
+        r.add_argument("--experts", type=int, default=8)
+        r.add_argument("--hidden", type=int, default=96)
+        r.add_argument("--top-k", type=int, default=1)
+        r.add_argument("--checkpoints", type=int, default=11)
+        r.add_argument("--lr", type=float, default=3e-3)
+        r.add_argument("--max-bytes", type=int, default=6_000_000)
+        r.add_argument("--out", required=True, help="directory: hpdl_moe.pt, history.json, affinity.png")
+        b = sub.add_parser("bench", formatter_class=F, help="tokens/s ExFlow vs 2-Alltoall baseline (gloo ranks)")
+        b.add_argument("--world-size", type=int, default=4)
+        b.add_argument("--experts", default="8,16,32")
+        b.add_argument("--batches", default="1,4,16,64", help="requests per rank")
+        b.add_argument("--hidden", type=int, default=256)
+        b.add_argument("--layers", type=int, default=8)
+        b.add_argument("--expert-size", type=int, default=512)
+        b.add_argument("--prompt-len", type=int, default=16)
+        b.add_argument("--new-tokens", type=int, default=16)
+        b.add_argument("--repeats", type=int, default=3)
+        b.add_argument("--model", default=None, help="checkpoint instead of random init (single expert count)")
+        b.add_argument("--out", default="moe_bench.json")
+        b.add_argument("--plot", default=None, help="PNG (default: --out with .png)")
+
+    def run(self, args) -> int:
+        from hpdl.cli import CLIUsageError
+
+        fn = {"trace": _trace, "affinity": _affinity, "place": _place, "train": _train, "bench": _bench}
+        if args.moe_cmd not in fn:
+            raise CLIUsageError("choose a sub-command: trace, affinity, place, train or bench")
+        return fn[args.moe_cmd](args)
+
+
+def _trace(args) -> int:
+    import numpy as np
+
+    from hpdl.models.gpt_moe import load_model
+    from hpdl.moe.errors import MoEError
+    from hpdl.moe.trace import collect_trace
+
+    model = load_model(args.model)
+    tok_file = Path(args.model) / "tokenizer.json"
+    if tok_file.is_file():
+        from tokenizers import Tokenizer
+
+        text = Path(args.text).read_text() if args.text else _text_ids(None, 4 * args.tokens)[0].tobytes().decode(
+            "utf-8", "replace")
+        ids, source = np.array(Tokenizer.from_file(str(tok_file)).encode(text).ids), f"tokenized:{args.text or 'stdlib'}"
+    else:
+        if model.cfg.vocab_size < 256:
+            raise MoEError(f"--model has vocab_size={model.cfg.vocab_size} < 256 and no tokenizer.json")
+        ids, source = _text_ids(args.text, args.tokens + args.seq)
+    n = min(len(ids), args.tokens) // args.seq
+    if n == 0:
+        raise MoEError(f"--tokens={args.tokens} and the text give no full window of --seq={args.seq}")
+    tr = collect_trace(model, ids[: n * args.seq].reshape(n, args.seq).astype(np.int64), source=source)
+    path = tr.save(args.out)
+    print(f"{tr.experts.shape[0]} tokens x {tr.experts.shape[1]} MoE layers x top-{tr.experts.shape[2]} -> {path}")
+    return 0
+
+
+def _affinity(args) -> int:
+    from hpdl.moe import affinity
+    from hpdl.moe.trace import Trace
+
+    tr = Trace.load(args.trace)
+    s = affinity.summary(tr.experts, tr.n_experts)
+    print(f"{s['n_tokens']} tokens, {s['n_experts']} experts (uniform 1/E = {s['uniform']:.3f})")
+    print(f"{'transition':>10} {'mean max P':>11} {'shuffled':>9} {'MI bits':>8} {'shuffled':>9}")
+    for i in range(len(s["mean_max_conditional"])):
+        print(f"{i:>4} -> {i + 1:<3} {s['mean_max_conditional'][i]:11.3f} {s['shuffled_mean_max_conditional'][i]:9.3f} "
+              f"{s['mutual_information_bits'][i]:8.3f} {s['shuffled_mutual_information_bits'][i]:9.3f}")
+    m = s["mean"]
+    print(f"{'mean':>10} {m['mean_max_conditional']:11.3f} {m['shuffled_mean_max_conditional']:9.3f} "
+          f"{m['mutual_information_bits']:8.3f} {m['shuffled_mutual_information_bits']:9.3f}")
+    if args.plot:
+        affinity.plot_heatmaps(affinity.transition_counts(tr.experts, tr.n_experts), args.plot,
+                               title=f"{tr.meta.get('model', {}).get('arch', '')} {tr.meta.get('data', {}).get('source', '')[:60]}")
+        print(f"heat maps -> {args.plot}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(s, indent=1))
+    return 0
+
+
+def _place(args) -> int:
+    from hpdl.moe import affinity, placement
+    from hpdl.moe.trace import Trace
+
+    tr = Trace.load(args.trace)
+    fit, test = tr.split(args.train_fraction)
+    E = tr.n_experts
+    C_fit, C_test = affinity.transition_counts(fit.experts, E), affinity.transition_counts(test.experts, E)
+    res = placement.place(C_fit, args.world_size, method=args.method, ranks_per_node=args.ranks_per_node,
+                          time_limit=args.time_limit)
+    ev = placement.evaluate(C_test, res.ranks, args.world_size)
+    if args.ranks_per_node:
+        ev["placement_cross_node"] = placement.cross_share(C_test, res.ranks, args.ranks_per_node)
+    res.save(args.out, model=tr.meta.get("model"), data=tr.meta.get("data"), heldout=ev,
+             moe_layers=tr.meta.get("moe_layers"))
+    print(f"{res.method} ({res.status}, {res.seconds:.1f}s): held-out cross-GPU share {ev['placement']:.3f} vs "
+          f"contiguous {ev['contiguous']:.3f}, random {ev['random_mean']:.3f} (= {ev['ratio_vs_random']:.2f}x random)")
+    print(f"placement -> {args.out}")
+    return 0
+
+
+def _train(args) -> int:
+    from hpdl.models.gpt_moe import MoEConfig
+    from hpdl.moe.train import plot_history, train
+
+    cfg = MoEConfig(vocab_size=256, hidden_size=args.hidden, n_layers=args.layers, n_heads=4, n_kv_heads=4,
+                    n_experts=args.experts, top_k=args.top_k, expert_size=2 * args.hidden,
+                    max_position=max(256, args.seq))
+    _, hist = train(cfg, steps=args.steps, batch=args.batch, seq=args.seq, lr=args.lr, checkpoints=args.checkpoints,
+                    max_bytes=args.max_bytes, out_dir=args.out, progress=lambda s: print(s, flush=True))
+    plot_history(hist, Path(args.out) / "affinity.png")
+    print(f"model, history.json, affinity.png -> {args.out}")
+    return 0
+
+
+def _bench(args) -> int:
+    from hpdl.moe.bench import BenchSpec, run
+
+    spec = BenchSpec(world_size=args.world_size, experts=[int(x) for x in args.experts.split(",")],
+                     batches=[int(x) for x in args.batches.split(",")], hidden_size=args.hidden,
+                     n_layers=args.layers, expert_size=args.expert_size, prompt_len=args.prompt_len,
+                     new_tokens=args.new_tokens, repeats=args.repeats, model=args.model)
+    plot = args.plot or str(Path(args.out).with_suffix(".png"))
+    res = run(spec, out=args.out, plot=plot, progress=lambda s: print(s, flush=True))
+    print(f"{'E':>3} {'batch':>5} {'mode':>18} {'tok/s':>8} {'x base':>7} {'KiB/layer':>9} {'ms/layer':>8} {'cross':>6}",
+          file=sys.stdout)
+    for r in res["rows"]:
+        import numpy as np
+
+        print(f"{r['experts']:>3} {r['batch_per_rank']:>5} {r['mode']:>18} {r['tokens_per_s']:8.0f} "
+              f"{r['speedup_vs_baseline']:7.2f} {np.mean(r['a2a_bytes_per_layer']) / 1024:9.1f} "
+              f"{np.mean(r['a2a_seconds_per_layer']) * 1e3:8.2f} {r['cross_share']:6.2f}")
+    print(f"-> {args.out}, {plot}")
+    return 0

@@ -1,0 +1,50 @@
+"""Dispatch planning for expert parallelism: pure functions of routing decisions (no processes).
+
+A rank holding ``n`` token copies with destination ranks ``dest [n]`` sends them, grouped by destination, in one
+``all_to_all_single``. :func:`plan` gives the stable order (copies keep their relative order within each
+destination, so the receiver sees rows ordered by (source rank, source order) and the combine Alltoall can undo
+the permutation exactly) and the send counts. The counts are exchanged before the payload so that every rank
+sizes its receive buffer from what the senders will really send: with a locally computed capacity
+(DeepSpeed-MoE's ``ceil(capacity_factor * tokens * k / E)``) ranks with different token counts disagree, and an
+Alltoall with mismatched sizes hangs or mis-sizes. Dispatch is dropless: capacity is exactly the counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hpdl.moe.errors import MoEError
+
+
+@dataclass
+class DispatchPlan:
+    """``order [n]`` int64 (rows of the payload in send order), ``send_counts [G]`` (rows per destination)."""
+
+    order: torch.Tensor
+    send_counts: list[int]
+
+
+def plan(dest: torch.Tensor, world_size: int) -> DispatchPlan:
+    """Stable grouping of ``dest [n]`` (int64 ranks in ``[0, world_size)``) by destination."""
+    if dest.numel() and (int(dest.min()) < 0 or int(dest.max()) >= world_size):
+        raise MoEError(f"destination ranks must be in [0, world_size={world_size}), got "
+                       f"[{int(dest.min())}, {int(dest.max())}]")
+    order = torch.sort(dest, stable=True).indices
+    counts = torch.bincount(dest, minlength=world_size).tolist()
+    return DispatchPlan(order, counts)
+
+
+def local_capacity(n_tokens: int, top_k: int, n_experts: int, capacity_factor: float = 1.25) -> int:
+    """DeepSpeed-MoE / GShard per-expert capacity computed from one rank's own token count. Shown (and tested)
+    to differ between ranks with different loads, which is why :func:`plan`'s counts are exchanged instead."""
+    return int(np.ceil(capacity_factor * n_tokens * top_k / n_experts))
+
+
+def inverse(order: torch.Tensor) -> torch.Tensor:
+    """The permutation that undoes ``x[order]``: ``y[inverse(order)] == x`` for ``y = x[order]``."""
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(len(order), dtype=order.dtype)
+    return inv

@@ -1,0 +1,356 @@
+"""Expert placement minimising cross-GPU token transitions (ExFlow, arXiv 2401.08383, section 4).
+
+A placement is ``ranks [L, E]`` int: the GPU (expert-parallel rank) of expert ``e`` at MoE layer ``l``, with exactly
+``E/G`` experts per GPU per layer. In ExFlow's context-coherent mode a token stays on its expert's GPU after a
+MoE layer, so it crosses GPUs only when its next expert lives elsewhere: the dispatch Alltoall volume is the
+number of cross-GPU transitions times the hidden size.
+
+Integer program over aggregated transition counts ``C [L-1, E, E]`` (:mod:`hpdl.moe.affinity`), whose size does
+not depend on the token count (``L*E*G`` binaries plus one continuous ``y`` per non-zero count)::
+
+    min  sum_{l,i,j} C[l,i,j] * (c_gpu * y[l,i,j] + (c_node - c_gpu) * z[l,i,j])
+    s.t. sum_g x[l,e,g] = 1                     every expert on one GPU
+         sum_e x[l,e,g] = E/G                   balanced
+         y[l,i,j] >= x[l,i,g] - x[l+1,j,g]      for every GPU g  (y = 1 iff i and j on different GPUs)
+         z[l,i,j] >= X[l,i,n] - X[l+1,j,n]      for every node n (X = sum of x over the node's GPUs)
+         x[0,0,0] = 1                            GPUs are interchangeable: break one symmetry
+
+solved with ``scipy.optimize.milp`` (HiGHS) under a time limit. For G >= 4 (a power of two) :func:`bisect`
+splits recursively into halves (nodes first, then GPUs, as the ExFlow repository's "bipart" does), each half a
+G=2 program; :func:`greedy` (per-layer optimal assignment given the neighbours, ``linear_sum_assignment``) is the
+fallback and is kept when it beats a time-limited ILP.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from hpdl.moe.errors import MoEError, PlacementError
+
+FORMAT = "hpdl.moe.placement/1"
+
+
+def _check_counts(C: np.ndarray, G: int) -> tuple[int, int]:
+    C = np.asarray(C)
+    if C.ndim != 3 or C.shape[1] != C.shape[2]:
+        raise MoEError(f"counts must be [L-1, E, E], got shape {C.shape}")
+    E = C.shape[1]
+    if G < 1 or E % G:
+        raise MoEError(f"world_size={G} must divide n_experts={E}")
+    return C.shape[0] + 1, E
+
+
+def _time_limit(value: float | None) -> float:
+    from hpdl.runtime import env
+
+    t = float(env.get("HPDL_MOE_ILP_TIME_LIMIT") if value is None else value)
+    if t <= 0:
+        raise MoEError(f"time_limit must be > 0 seconds, got {t}")
+    return t
+
+
+def validate(ranks: np.ndarray, world_size: int) -> np.ndarray:
+    """``ranks [L, E]`` -> itself as int64; raises PlacementError unless every layer puts E/G experts per rank."""
+    r = np.asarray(ranks, dtype=np.int64)
+    if r.ndim != 2:
+        raise PlacementError(f"placement must be [layers, experts], got shape {r.shape}")
+    E = r.shape[1]
+    if E % world_size:
+        raise PlacementError(f"world_size={world_size} must divide n_experts={E}")
+    for l, row in enumerate(r):
+        cnt = np.bincount(row, minlength=world_size)
+        if len(cnt) != world_size or (cnt != E // world_size).any():
+            raise PlacementError(f"layer {l}: experts per rank {cnt.tolist()}, expected {E // world_size} on each "
+                                 f"of world_size={world_size} ranks")
+    return r
+
+
+def contiguous(n_layers: int, n_experts: int, world_size: int) -> np.ndarray:
+    """The naive placement: experts ``[g*E/G, (g+1)*E/G)`` on rank g at every layer."""
+    if n_experts % world_size:
+        raise MoEError(f"world_size={world_size} must divide n_experts={n_experts}")
+    return np.tile(np.arange(n_experts) // (n_experts // world_size), (n_layers, 1))
+
+
+def random_placement(n_layers: int, n_experts: int, world_size: int, seed: int = 0) -> np.ndarray:
+    """A uniformly random balanced placement (independent per layer)."""
+    rng = np.random.default_rng(seed)
+    base = contiguous(1, n_experts, world_size)[0]
+    return np.stack([rng.permutation(base) for _ in range(n_layers)])
+
+
+def cross_share(C: np.ndarray, ranks: np.ndarray, ranks_per_node: int | None = None) -> float:
+    """Share of transitions (weighted by ``C [L-1, E, E]``) whose two experts are on different GPUs, or, with
+    ``ranks_per_node``, on different nodes (node of rank g = g // ranks_per_node)."""
+    r = np.asarray(ranks)
+    if ranks_per_node:
+        r = r // ranks_per_node
+    tot = C.sum()
+    if tot == 0:
+        return 0.0
+    diff = r[:-1, :, None] != r[1:, None, :]
+    return float((C * diff).sum() / tot)
+
+
+def objective(C: np.ndarray, ranks: np.ndarray, ranks_per_node: int | None = None,
+              gpu_cost: float = 1.0, node_cost: float = 2.0) -> float:
+    """Mean hop cost per transition: ``gpu_cost`` within a node, ``node_cost`` across nodes, 0 on one GPU."""
+    cost = gpu_cost * cross_share(C, ranks)
+    if ranks_per_node:
+        cost += (node_cost - gpu_cost) * cross_share(C, ranks, ranks_per_node)
+    return cost
+
+
+@dataclass
+class PlacementResult:
+    """Output of :func:`place`: ``ranks [L, E]`` plus how it was found (plain data, JSON-able)."""
+
+    ranks: np.ndarray
+    method: str
+    status: str
+    objective: float
+    seconds: float
+    world_size: int
+    ranks_per_node: int | None = None
+    details: dict = field(default_factory=dict)
+
+    def to_json(self, **meta) -> dict:
+        d = asdict(self)
+        d["ranks"] = np.asarray(self.ranks).tolist()
+        d.update(format=FORMAT, n_experts=int(self.ranks.shape[1]), n_layers=int(self.ranks.shape[0]), **meta)
+        return d
+
+    def save(self, path: str | Path, **meta) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_json(**meta), indent=1))
+        return path
+
+
+def load_placement(path: str | Path, world_size: int | None = None, n_layers: int | None = None,
+                   n_experts: int | None = None) -> np.ndarray:
+    """Read a placement JSON (``ranks [L, E]``) and check it against the engine's world size and model.
+
+    Raises:
+        PlacementError: wrong format, unbalanced, or world_size / n_layers / n_experts differ (named).
+    """
+    d = json.loads(Path(path).read_text())
+    if d.get("format") != FORMAT:
+        raise PlacementError(f"path={path}: format {d.get('format')!r}, expected {FORMAT!r}")
+    r = np.asarray(d["ranks"], dtype=np.int64)
+    for name, want, got in (("world_size", world_size, d.get("world_size")), ("n_layers", n_layers, r.shape[0]),
+                            ("n_experts", n_experts, r.shape[1])):
+        if want is not None and want != got:
+            raise PlacementError(f"placement {path}: {name}={got}, the engine expects {name}={want}")
+    return validate(r, int(d.get("world_size")))
+
+
+def ilp(C: np.ndarray, world_size: int, ranks_per_node: int | None = None, time_limit: float | None = None,
+        gpu_cost: float = 1.0, node_cost: float = 2.0) -> tuple[np.ndarray | None, dict]:
+    """Solve the aggregated ILP directly (see module docstring) with HiGHS.
+
+    Returns ``(ranks [L, E] or None when no feasible point was found, info)``; info holds the HiGHS status,
+    message, MIP gap, variables and seconds.
+    """
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_matrix
+
+    time_limit = _time_limit(time_limit)
+    L, E = _check_counts(C, world_size)
+    G = world_size
+    if G == 1:
+        return np.zeros((L, E), dtype=np.int64), {"status": "trivial"}
+    nodes = None
+    if ranks_per_node and ranks_per_node < G:
+        if G % ranks_per_node:
+            raise MoEError(f"ranks_per_node={ranks_per_node} must divide world_size={G}")
+        nodes = [list(range(n, n + ranks_per_node)) for n in range(0, G, ranks_per_node)]
+    nx = L * E * G
+    xi = lambda l, e, g: (l * E + e) * G + g  # noqa: E731
+    nz = np.argwhere(C > 0)  # [T, 3] (l, i, j)
+    T = len(nz)
+    ny = T
+    nzv = T if nodes else 0
+    nvar = nx + ny + nzv
+    c = np.zeros(nvar)
+    w = C[nz[:, 0], nz[:, 1], nz[:, 2]] / C.sum()
+    c[nx:nx + ny] = gpu_cost * w
+    if nodes:
+        c[nx + ny:] = (node_cost - gpu_cost) * w
+    rows, cols, vals, lo, hi = [], [], [], [], []
+    r = 0
+
+    def add(idx, coef, lb, ub):
+        nonlocal r
+        rows.extend([r] * len(idx))
+        cols.extend(idx)
+        vals.extend(coef)
+        lo.append(lb)
+        hi.append(ub)
+        r += 1
+
+    for l in range(L):
+        for e in range(E):
+            add([xi(l, e, g) for g in range(G)], [1.0] * G, 1, 1)
+        for g in range(G):
+            add([xi(l, e, g) for e in range(E)], [1.0] * E, E // G, E // G)
+    # vectorised linking rows: y_t - x[l,i,g] + x[l+1,j,g] >= 0
+    l, i, j = nz[:, 0], nz[:, 1], nz[:, 2]
+    for g in range(G):
+        rr = r + np.arange(T)
+        rows.extend(np.repeat(rr, 3).tolist())
+        cols.extend(np.stack([nx + np.arange(T), (l * E + i) * G + g, ((l + 1) * E + j) * G + g], 1).ravel().tolist())
+        vals.extend([1.0, -1.0, 1.0] * T)
+        lo.extend([0.0] * T)
+        hi.extend([np.inf] * T)
+        r += T
+    if nodes:
+        for members in nodes:
+            rr = r + np.arange(T)
+            k = len(members)
+            cc = [nx + ny + np.arange(T)]
+            cc += [(l * E + i) * G + g for g in members] + [((l + 1) * E + j) * G + g for g in members]
+            rows.extend(np.repeat(rr, 1 + 2 * k).tolist())
+            cols.extend(np.stack(cc, 1).ravel().tolist())
+            vals.extend(([1.0] + [-1.0] * k + [1.0] * k) * T)
+            lo.extend([0.0] * T)
+            hi.extend([np.inf] * T)
+            r += T
+    A = coo_matrix((vals, (rows, cols)), shape=(r, nvar)).tocsr()
+    lb, ub = np.zeros(nvar), np.ones(nvar)
+    lb[xi(0, 0, 0)] = 1.0  # symmetry breaking: expert 0 of the first MoE layer on rank 0
+    integrality = np.zeros(nvar)
+    integrality[:nx] = 1
+    t0 = time.perf_counter()
+    res = milp(c, constraints=LinearConstraint(A, lo, hi), integrality=integrality, bounds=Bounds(lb, ub),
+               options={"time_limit": float(time_limit), "disp": False})
+    info = {"status": int(res.status), "message": str(res.message), "seconds": time.perf_counter() - t0,
+            "variables": nvar, "constraints": r, "mip_gap": getattr(res, "mip_gap", None)}
+    if res.x is None:
+        return None, info
+    x = res.x[:nx].reshape(L, E, G)
+    return x.argmax(-1).astype(np.int64), info
+
+
+def greedy(C: np.ndarray, world_size: int, passes: int = 4) -> np.ndarray:
+    """Heuristic: start contiguous, then repeatedly re-place each layer's experts by an optimal balanced
+    assignment (``scipy.optimize.linear_sum_assignment`` over E/G slots per rank) given its neighbour layers."""
+    from scipy.optimize import linear_sum_assignment
+
+    L, E = _check_counts(C, world_size)
+    G, per = world_size, E // world_size
+    ranks = contiguous(L, E, G)
+    slot_rank = np.repeat(np.arange(G), per)
+    for _ in range(passes):
+        for l in range(L):
+            gain = np.zeros((E, G))  # transitions of expert e kept on-rank if e goes to rank g
+            if l > 0:
+                gain += np.stack([C[l - 1][ranks[l - 1] == g].sum(0) for g in range(G)], 1)
+            if l < L - 1:
+                gain += np.stack([C[l][:, ranks[l + 1] == g].sum(1) for g in range(G)], 1)
+            _, col = linear_sum_assignment(-gain[:, slot_rank])
+            ranks[l] = slot_rank[col]
+    return ranks
+
+
+def bisect(C: np.ndarray, world_size: int, time_limit: float | None = None) -> tuple[np.ndarray, dict]:
+    """Recursive halving for power-of-two ``world_size``: a G=2 ILP splits the experts of every layer into two
+    halves of E/2, then each half (its sub-matrix of C) is split again. Rank ids follow the halves, so with
+    ``ranks_per_node`` a power of two the first cuts are the node boundaries (the costliest hops are cut first).
+    The time limit is shared: each of the ``G - 1`` two-way programs gets ``time_limit / (G - 1)``."""
+    time_limit = _time_limit(time_limit)
+    L, E = _check_counts(C, world_size)
+    G = world_size
+    if G & (G - 1):
+        raise MoEError(f"bisect needs a power-of-two world_size, got {G}")
+    info = {"subproblems": [], "status": "optimal"}
+
+    def solve(sub: np.ndarray, experts: list[np.ndarray], g: int, base: int, out: np.ndarray) -> None:
+        if g == 1:
+            for l in range(L):
+                out[l, experts[l]] = base
+            return
+        half, inf = ilp(sub, 2, time_limit=time_limit / max(1, G - 1))
+        if half is None:
+            half = greedy(sub, 2)
+            inf["fallback"] = "greedy"
+        else:
+            gr = greedy(sub, 2)
+            if objective(sub, gr) < objective(sub, half) - 1e-12:
+                half, inf["kept"] = gr, "greedy"
+        if inf.get("status") not in (0, "trivial"):
+            info["status"] = "time_limit_or_fallback"
+        info["subproblems"].append({k: inf.get(k) for k in ("status", "seconds", "fallback", "kept")})
+        for h in (0, 1):
+            sel = [np.flatnonzero(half[l] == h) for l in range(L)]
+            subc = np.stack([sub[l][np.ix_(sel[l], sel[l + 1])] for l in range(L - 1)])
+            solve(subc, [experts[l][sel[l]] for l in range(L)], g // 2, base + h * (g // 2), out)
+
+    out = np.zeros((L, E), dtype=np.int64)
+    solve(np.asarray(C, float), [np.arange(E) for _ in range(L)], G, 0, out)
+    return out, info
+
+
+def place(C: np.ndarray, world_size: int, method: str = "auto", ranks_per_node: int | None = None,
+          time_limit: float | None = None, gpu_cost: float = 1.0, node_cost: float = 2.0,
+          seed: int = 0) -> PlacementResult:
+    """Place experts from aggregated counts ``C [L-1, E, E]`` on ``world_size`` ranks.
+
+    Args:
+        time_limit: seconds for HiGHS (default ``HPDL_MOE_ILP_TIME_LIMIT``).
+        method: "ilp" (direct program, with the node hop cost when ``ranks_per_node`` < world_size),
+            "bisect" (recursive halving, power-of-two world sizes), "greedy", "contiguous", "random", or
+            "auto" (ilp for G <= 2 or with nodes, bisect for power-of-two G >= 4, else ilp); an ILP that finds
+            nothing in ``time_limit`` seconds falls back to greedy, and greedy is kept when it is better.
+    Raises:
+        MoEError: world_size does not divide E, bad method or ranks_per_node.
+    """
+    time_limit = _time_limit(time_limit)
+    L, E = _check_counts(C, world_size)
+    G = world_size
+    t0 = time.perf_counter()
+    if method == "auto":
+        pow2 = G & (G - 1) == 0
+        method = "bisect" if G >= 4 and pow2 and not (ranks_per_node and ranks_per_node & (ranks_per_node - 1)) \
+            else "ilp"
+    details: dict = {}
+    status = "ok"
+    if method == "contiguous":
+        ranks = contiguous(L, E, G)
+    elif method == "random":
+        ranks = random_placement(L, E, G, seed)
+    elif method == "greedy":
+        ranks = greedy(C, G)
+    elif method == "bisect":
+        ranks, details = bisect(C, G, time_limit)
+        status = details["status"]
+    elif method == "ilp":
+        ranks, details = ilp(C, G, ranks_per_node, time_limit, gpu_cost, node_cost)
+        status = {0: "optimal", 1: "time_limit", "trivial": "optimal"}.get(details.get("status"), "failed")
+        gr = greedy(C, G)
+        if ranks is None:
+            ranks, status = gr, "greedy_fallback"
+        elif objective(C, gr, ranks_per_node, gpu_cost, node_cost) < \
+                objective(C, ranks, ranks_per_node, gpu_cost, node_cost) - 1e-12:
+            ranks, status = gr, status + "+greedy_better"
+    else:
+        raise MoEError(f"method must be auto, ilp, bisect, greedy, contiguous or random; got {method!r}")
+    ranks = validate(ranks, G)
+    return PlacementResult(ranks, method, status, objective(C, ranks, ranks_per_node, gpu_cost, node_cost),
+                           time.perf_counter() - t0, G, ranks_per_node, details)
+
+
+def evaluate(C_test: np.ndarray, ranks: np.ndarray, world_size: int, n_random: int = 20, seed: int = 0) -> dict:
+    """Held-out cross-GPU transition share of ``ranks`` against contiguous, random (mean of ``n_random``
+    draws) and the random expectation ``1 - 1/G``."""
+    L, E = _check_counts(C_test, world_size)
+    rand = [cross_share(C_test, random_placement(L, E, world_size, seed + s)) for s in range(n_random)]
+    ours = cross_share(C_test, ranks)
+    return {"placement": ours, "contiguous": cross_share(C_test, contiguous(L, E, world_size)),
+            "random_mean": float(np.mean(rand)), "random_std": float(np.std(rand)),
+            "random_expected": 1 - 1 / world_size, "ratio_vs_random": ours / float(np.mean(rand))}

@@ -1,0 +1,94 @@
+"""Routing traces: the expert every token chose at every MoE layer, with the identity of model and data.
+
+A trace is a plain object (:class:`Trace`) holding ``experts [N, L, k] int16`` (N tokens, L MoE layers, k = top-k
+slots in router order) and ``meta`` (model config hash, weights hash, data sha256 and source). Stored as a
+compressed ``.npz`` (one array + one JSON string), about ``2*L*k`` bytes per token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from hpdl.moe.errors import MoEError
+
+FORMAT = "hpdl.moe.trace/1"
+
+
+@dataclass
+class Trace:
+    """``experts [N, L, k]`` int16 expert ids; ``meta`` dict (n_experts, top_k, moe_layers, model, data)."""
+
+    experts: np.ndarray
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.experts.ndim != 3:
+            raise MoEError(f"experts must be [tokens, layers, k], got shape {self.experts.shape}")
+        self.experts = self.experts.astype(np.int16, copy=False)
+
+    @property
+    def n_experts(self) -> int:
+        return int(self.meta.get("n_experts", int(self.experts.max()) + 1))
+
+    def split(self, train_fraction: float = 0.5) -> tuple["Trace", "Trace"]:
+        """First ``train_fraction`` of the tokens (in corpus order) and the rest: a held-out split that keeps
+        contiguous text together, so the test half is not interleaved with the training half."""
+        if not 0 < train_fraction < 1:
+            raise MoEError(f"train_fraction must be in (0, 1), got {train_fraction}")
+        n = int(len(self.experts) * train_fraction)
+        return (Trace(self.experts[:n], dict(self.meta, split="train")),
+                Trace(self.experts[n:], dict(self.meta, split="test")))
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.savez_compressed(path, experts=self.experts, meta=np.array(json.dumps(dict(self.meta, format=FORMAT))))
+        return path if path.suffix == ".npz" else path.with_suffix(path.suffix + ".npz")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Trace":
+        """Raises MoEError when the file is not an hpdl trace."""
+        with np.load(path, allow_pickle=False) as z:
+            if "experts" not in z or "meta" not in z:
+                raise MoEError(f"path={path}: not an hpdl.moe trace (needs arrays 'experts' and 'meta')")
+            meta = json.loads(str(z["meta"]))
+            if meta.get("format") != FORMAT:
+                raise MoEError(f"path={path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+            return cls(z["experts"], meta)
+
+
+def data_identity(ids: np.ndarray, source: str) -> dict:
+    """``{"source", "sha256", "n_tokens"}`` of a token array (any integer dtype; hashed as int32)."""
+    a = np.ascontiguousarray(np.asarray(ids).astype(np.int32))
+    return {"source": source, "sha256": hashlib.sha256(a.tobytes()).hexdigest()[:16], "n_tokens": int(a.size)}
+
+
+def collect_trace(model, ids, source: str = "", batch_size: int = 8) -> Trace:
+    """Run ``model`` (a :class:`hpdl.models.gpt_moe.MoEDecoder`) over ``ids [B, T]`` (int64 tensor or array,
+    no padding) and record every token's top-k experts at every MoE layer, rows in ``(b, t)`` order.
+
+    Returns a :class:`Trace` with ``N = B*T`` tokens.
+    """
+    import torch
+
+    from hpdl.models.gpt_moe import weights_identity
+
+    ids_t = torch.as_tensor(np.asarray(ids), dtype=torch.long)
+    if ids_t.ndim != 2:
+        raise MoEError(f"ids must be [batch, seq], got shape {tuple(ids_t.shape)}")
+    out = []
+    model.eval()
+    with torch.no_grad():
+        for b in range(0, len(ids_t), batch_size):
+            _, _, experts = model(ids_t[b:b + batch_size], return_routing=True)
+            out.append(torch.stack(experts, 1).numpy())  # [n, L, k]
+    cfg = model.cfg
+    meta = {"n_experts": cfg.n_experts, "top_k": cfg.top_k, "moe_layers": cfg.moe_layers,
+            "model": {"arch": cfg.arch, "config": cfg.identity(), "weights": weights_identity(model)},
+            "data": data_identity(ids_t.numpy(), source), "seq_len": int(ids_t.shape[1])}
+    return Trace(np.concatenate(out, 0), meta)

@@ -1,0 +1,344 @@
+"""Fused decode step for LLaMA-architecture ``DecoderLM``s: ~9 kernels per layer instead of ~25.
+
+A batch-1 decode step of a 1.1B model reads 2.2 GB of weights, about 0.5 ms at H200 bandwidth, but the eager
+step launches ~25 kernels per layer (views, RoPE's chunk/neg/cat, index writes, mask, scale, softmax, casts,
+residual adds); even replayed from a CUDA graph each costs a few microseconds, so the step was bound by kernel
+count (issue 28). Here one layer is:
+
+    GEMM qkv -> rope_kv (RoPE on q and k, k and v stored into the slot cache: one kernel)
+    -> decode_attention (GQA-aware flash-decoding, split-K over the cache, FlashDecoding, Dao et al. 2023;
+       one kernel, plus one combine kernel when the KV range is split)
+    -> GEMM o -> add_rmsnorm (residual add fused with the next RMSNorm) -> GEMM gate|up -> silu_mul
+    -> GEMM down -> add_rmsnorm (the next layer's input norm, or the final norm)
+
+then the LM head GEMM and, for greedy rows, the argmax inside the same (CUDA-graph) step. The GEMMs stay in
+cuBLAS (they are the bandwidth-bound part and cuBLAS reaches it); every other op is one Triton kernel.
+
+Each kernel has a torch reference (``*_ref``) with the eager model's arithmetic; on CPU the references run
+(the Triton kernels also run on CPU tensors under ``TRITON_INTERPRET=1``, which the tests use). Decode
+attention reads only each row's written positions ``0..pos`` (the eager path reads the whole KV bucket).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hpdl.models.gpt import DecoderLM, KVCache
+
+try:  # Triton ships with CUDA builds of torch; CPU-only installs use the torch references
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+
+def _interpret() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether the Triton kernels run for tensors like ``t``: on CUDA, or anywhere under TRITON_INTERPRET=1."""
+    return triton is not None and (t.is_cuda or _interpret())
+
+
+# --- torch references (the eager model's arithmetic, op for op) -------------------------------------
+def add_rmsnorm_ref(x: torch.Tensor, res: torch.Tensor | None, w: torch.Tensor, eps: float):
+    """``res = x + res`` (in the model dtype, as the eager residual add); returns ``(res, rmsnorm(res) * w)``.
+    ``res`` None: no add, ``res = x``. Shapes ``[n, C]``; the norm is computed in float32 (HF Llama)."""
+    r = x if res is None else x + res
+    h = r.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return r, w * h.to(r.dtype)
+
+
+def rope_kv_ref(qkv, cos, sin, pos, kc, vc, start: int, h: int, hkv: int):
+    """qkv ``[n, (h + 2 hkv) d]`` -> q ``[n, h, d]`` rotated; rotated k and v stored at ``kc/vc[start + i, :,
+    pos[i]]`` (kc, vc ``[S, hkv, L, d]``); cos/sin ``[max_pos, d]`` float32 (rotate-half convention)."""
+    n = qkv.shape[0]
+    d = kc.shape[-1]
+    x = qkv.view(n, h + 2 * hkv, d)
+    c, s = cos[pos].to(x.dtype)[:, None], sin[pos].to(x.dtype)[:, None]
+    qk = x[:, : h + hkv]
+    x1, x2 = qk.chunk(2, dim=-1)
+    qk = qk * c + torch.cat((-x2, x1), dim=-1) * s
+    rows = torch.arange(start, start + n, device=qkv.device)
+    kc[rows, :, pos] = qk[:, h:]
+    vc[rows, :, pos] = x[:, h + hkv:]
+    return qk[:, :h]
+
+
+def decode_attention_ref(q, kc, vc, pos, start: int):
+    """q ``[n, h, d]``; row i attends to ``kc/vc[start + i, :, 0..pos[i]]`` (GQA: head j reads kv head
+    j // (h / hkv)); returns ``[n, h, d]`` in q's dtype (softmax in float32, as the eager path)."""
+    n, h, d = q.shape
+    hkv = kc.shape[1]
+    L = int(pos.max()) + 1
+    K, V = kc[start:start + n, :, :L], vc[start:start + n, :, :L]
+    qg = q.view(n, hkv, h // hkv, d)
+    s = torch.matmul(qg, K.transpose(-1, -2)) * (d ** -0.5)
+    mask = (torch.arange(L, device=q.device)[None, :] > pos[:, None])[:, None, None, :]
+    p = torch.softmax(s.masked_fill(mask, float("-inf")), dim=-1, dtype=torch.float32).to(V.dtype)
+    return torch.matmul(p, V).view(n, h, d)
+
+
+def silu_mul_ref(gu: torch.Tensor) -> torch.Tensor:
+    """gu ``[n, 2I]`` (gate | up) -> ``silu(gate) * up`` ``[n, I]``."""
+    g, u = gu.chunk(2, dim=-1)
+    return F.silu(g) * u
+
+
+# --- Triton kernels ----------------------------------------------------------------------------------
+if triton is not None:
+    @triton.jit
+    def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, C, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        m = offs < C
+        x = tl.load(x_ptr + row * C + offs, mask=m, other=0.0)
+        if HAS_RES:  # the residual add rounds to the model dtype, as eager does, before the norm reads it
+            x = (x.to(tl.float32) + tl.load(res_ptr + row * C + offs, mask=m, other=0.0).to(tl.float32)).to(
+                x.dtype)
+            tl.store(res_ptr + row * C + offs, x, mask=m)
+        h = x.to(tl.float32)
+        r = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / C + eps)
+        w = tl.load(w_ptr + offs, mask=m, other=0.0)
+        y = w.to(tl.float32) * (h * r).to(x.dtype).to(tl.float32)
+        tl.store(y_ptr + row * C + offs, y.to(x.dtype), mask=m)
+
+    @triton.jit
+    def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, start,
+                        s_slot, s_head, s_pos, H, HKV, D: tl.constexpr):
+        row = tl.program_id(0)
+        head = tl.program_id(1)  # 0..H-1: q heads, H..H+HKV-1: k heads, then v heads
+        half = tl.arange(0, D // 2)
+        p = tl.load(pos_ptr + row)
+        base = qkv_ptr + (row * (H + 2 * HKV) + head) * D
+        x1 = tl.load(base + half).to(tl.float32)
+        x2 = tl.load(base + D // 2 + half).to(tl.float32)
+        dt = qkv_ptr.dtype.element_ty
+        if head < H + HKV:
+            c = tl.load(cos_ptr + p * D + half).to(dt).to(tl.float32)  # the table in the model dtype (eager)
+            s = tl.load(sin_ptr + p * D + half).to(dt).to(tl.float32)
+            o1 = x1 * c - x2 * s
+            o2 = x2 * c + x1 * s
+            if head < H:
+                dst = q_ptr + (row * H + head) * D
+            else:
+                dst = kc_ptr + (start + row).to(tl.int64) * s_slot + (head - H) * s_head + p * s_pos
+        else:
+            o1 = x1
+            o2 = x2
+            dst = vc_ptr + (start + row).to(tl.int64) * s_slot + (head - H - HKV) * s_head + p * s_pos
+        tl.store(dst + half, o1.to(dt))
+        tl.store(dst + D // 2 + half, o2.to(dt))
+
+    @triton.jit
+    def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, part_acc_ptr, part_ml_ptr, start, scale,
+                            s_slot, s_head, s_pos, H, HKV, CHUNK,
+                            G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                            SPLIT: tl.constexpr, PREC: tl.constexpr):
+        row = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        nsplit = tl.num_programs(2)
+        length = (tl.load(pos_ptr + row) + 1).to(tl.int32)
+        lo = split * CHUNK
+        hi = tl.minimum(lo + CHUNK, length)
+        g = tl.arange(0, GP)
+        dd = tl.arange(0, D)
+        gm = g < G
+        q = tl.load(q_ptr + (row * H + kvh * G + g)[:, None] * D + dd[None, :], mask=gm[:, None], other=0.0)
+        kbase = kc_ptr + (start + row).to(tl.int64) * s_slot + kvh * s_head  # int64: 7B caches pass 2^31
+        vbase = vc_ptr + (start + row).to(tl.int64) * s_slot + kvh * s_head
+        m_i = tl.full([GP], float("-inf"), tl.float32)
+        l_i = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
+        for n0 in range(lo, hi, BLOCK_N):  # every group of G query heads shares one read of K and V
+            nn = n0 + tl.arange(0, BLOCK_N)
+            nm = nn < hi
+            k = tl.load(kbase + nn[:, None] * s_pos + dd[None, :], mask=nm[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC).to(tl.float32) * scale
+            s = tl.where(nm[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(vbase + nn[:, None] * s_pos + dd[None, :], mask=nm[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC).to(tl.float32)
+            m_i = m_new
+        oh = row * H + kvh * G + g  # output head index
+        if SPLIT:  # partial results, combined by _combine_kernel; an empty split leaves m = -inf, l = 0
+            pidx = oh * nsplit + split
+            tl.store(part_acc_ptr + pidx[:, None] * D + dd[None, :], acc, mask=gm[:, None])
+            tl.store(part_ml_ptr + pidx * 2, m_i, mask=gm)
+            tl.store(part_ml_ptr + pidx * 2 + 1, l_i, mask=gm)
+        else:
+            o = acc / l_i[:, None]
+            tl.store(out_ptr + oh[:, None] * D + dd[None, :], o.to(out_ptr.dtype.element_ty), mask=gm[:, None])
+
+    @triton.jit
+    def _combine_kernel(part_acc_ptr, part_ml_ptr, out_ptr, NSPLIT, SP: tl.constexpr, D: tl.constexpr):
+        oh = tl.program_id(0)  # one (row, head)
+        sp = tl.arange(0, SP)
+        sm = sp < NSPLIT
+        m = tl.load(part_ml_ptr + (oh * NSPLIT + sp) * 2, mask=sm, other=float("-inf"))
+        l = tl.load(part_ml_ptr + (oh * NSPLIT + sp) * 2 + 1, mask=sm, other=0.0)
+        mx = tl.max(m, axis=0)  # split 0 always holds position 0, so mx is finite
+        w = tl.where(sm, tl.exp(m - mx), 0.0)
+        dd = tl.arange(0, D)
+        acc = tl.load(part_acc_ptr + (oh * NSPLIT + sp)[:, None] * D + dd[None, :], mask=sm[:, None], other=0.0)
+        o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+        tl.store(out_ptr + oh * D + dd, o.to(out_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _silu_mul_kernel(gu_ptr, out_ptr, I, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < I
+        g = tl.load(gu_ptr + row * 2 * I + offs, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * 2 * I + I + offs, mask=m, other=0.0)
+        y = (g / (1.0 + tl.exp(-g))).to(u.dtype).to(tl.float32) * u.to(tl.float32)  # silu rounds, as F.silu
+        tl.store(out_ptr + row * I + offs, y.to(u.dtype), mask=m)
+
+
+def add_rmsnorm(x, res, w, eps, out=None):
+    """Triton ``add_rmsnorm_ref``: ``res`` is updated in place (``res += x``); returns ``(res, y)``."""
+    if not use_triton(x):
+        r, y = add_rmsnorm_ref(x, res, w, eps)
+        if res is not None:
+            res.copy_(r)
+            r = res
+        return r, y
+    n, C = x.shape
+    y = torch.empty_like(x) if out is None else out
+    _add_rmsnorm_kernel[(n,)](x, res if res is not None else x, w, y, C, eps, HAS_RES=res is not None,
+                              BLOCK=triton.next_power_of_2(C))
+    return (res if res is not None else x), y
+
+
+def rope_kv(qkv, cos, sin, pos, kc, vc, start: int, h: int, hkv: int):
+    """Triton ``rope_kv_ref`` (one kernel: q rotated, k rotated and stored, v stored). It reads the first half
+    of each cos/sin row only: the tables must repeat their halves (``hpdl.models.gpt._rope_tables`` does)."""
+    if not use_triton(qkv):
+        return rope_kv_ref(qkv, cos, sin, pos, kc, vc, start, h, hkv)
+    n, d = qkv.shape[0], kc.shape[-1]
+    q = torch.empty(n, h, d, dtype=qkv.dtype, device=qkv.device)
+    _rope_kv_kernel[(n, h + 2 * hkv)](qkv, cos, sin, pos, q, kc, vc, start, kc.stride(0), kc.stride(1),
+                                      kc.stride(2), h, hkv, D=d)
+    return q
+
+
+def attention_splits(n: int, hkv: int, kv_len: int, block_n: int = 64, target: int = 264) -> int:
+    """How many KV chunks each (row, kv head) is split into: enough programs to fill an H200 twice
+    (132 SMs), chunks of at least ``block_n`` positions. ``kv_len`` is the bound the step is built for."""
+    want = max(1, -(-target // (n * hkv)))
+    return max(1, min(want, -(-kv_len // block_n)))
+
+
+def decode_attention(q, kc, vc, pos, start: int, kv_len: int, splits: int | None = None, block_n: int = 64):
+    """Triton ``decode_attention_ref``: each program reads one (row, kv head, KV chunk) and serves all
+    ``h / hkv`` query heads of that kv head; chunks combine by their log-sum-exp (flash-decoding).
+    ``kv_len``: an upper bound of ``pos + 1`` (fixed per CUDA graph), which sets the chunking."""
+    if not use_triton(q):
+        return decode_attention_ref(q, kc, vc, pos, start)
+    n, h, d = q.shape
+    hkv = kc.shape[1]
+    G = h // hkv
+    splits = splits or attention_splits(n, hkv, kv_len, block_n)
+    chunk = -(-kv_len // splits)
+    chunk = -(-chunk // block_n) * block_n
+    out = torch.empty_like(q)
+    # float32 is exact float32 (no TF32), so the fused step gives the eager step's greedy tokens there
+    args = dict(G=G, GP=max(16, triton.next_power_of_2(G)), D=d, BLOCK_N=block_n,
+                PREC="ieee" if q.dtype == torch.float32 else "tf32")
+    if splits == 1:
+        _decode_attn_kernel[(n, hkv, 1)](q, kc, vc, pos, out, out, out, start, d ** -0.5, kc.stride(0),
+                                         kc.stride(1), kc.stride(2), h, hkv, chunk, SPLIT=False, **args)
+        return out
+    acc = torch.empty(n * h * splits, d, dtype=torch.float32, device=q.device)
+    ml = torch.empty(n * h * splits, 2, dtype=torch.float32, device=q.device)
+    _decode_attn_kernel[(n, hkv, splits)](q, kc, vc, pos, out, acc, ml, start, d ** -0.5, kc.stride(0),
+                                          kc.stride(1), kc.stride(2), h, hkv, chunk, SPLIT=True, **args)
+    _combine_kernel[(n * h,)](acc, ml, out, splits, SP=triton.next_power_of_2(splits), D=d)
+    return out
+
+
+def silu_mul(gu):
+    """Triton ``silu_mul_ref``."""
+    if not use_triton(gu):
+        return silu_mul_ref(gu)
+    n, I2 = gu.shape
+    out = torch.empty(n, I2 // 2, dtype=gu.dtype, device=gu.device)
+    _silu_mul_kernel[(n, triton.cdiv(I2 // 2, 1024))](gu, out, I2 // 2, BLOCK=1024)
+    return out
+
+
+# --- the fused decode step --------------------------------------------------------------------------
+def supports(model: DecoderLM) -> str | None:
+    """None if ``fused_decode`` can run ``model``, else why not (GPT-2, tensor parallelism, head_dim)."""
+    cfg = model.cfg
+    if cfg.arch != "llama":
+        return f"arch {cfg.arch!r} (the fused step is LLaMA's: RMSNorm, RoPE, SwiGLU)"
+    if model.group is not None:
+        return "tensor parallelism (the fused step is single-device)"
+    if cfg.head_dim & (cfg.head_dim - 1) or cfg.head_dim < 16:
+        return f"head_dim {cfg.head_dim} (a power of two >= 16 is needed)"
+    return None
+
+
+@torch.inference_mode()
+def fused_decode(model: DecoderLM, cache: KVCache, tokens: torch.Tensor, pos: torch.Tensor, start: int,
+                 kv_len: int, greedy: bool = True):
+    """One decode step of a LLaMA ``DecoderLM`` with the fused kernels; same contract as
+    ``model(tokens[:, None], cache, Batch(positions=pos[:, None], start=start, kv_len=kv_len))``.
+
+    Args:
+        tokens, pos: ``[n]`` int64 on the model's device; row i is slot ``start + i`` at position ``pos[i]``.
+        kv_len: an upper bound of ``pos + 1`` (sets the attention's KV chunking; fixed per CUDA graph).
+        greedy: also return each row's argmax token (computed on the device, inside the same graph).
+    Returns:
+        logits ``[n, vocab]`` in the model dtype, and the argmax ``[n]`` int64 (None unless ``greedy``).
+    Raises:
+        ValueError: ``supports(model)`` is not None.
+    """
+    why = supports(model)
+    if why is not None:
+        raise ValueError(f"fused decode cannot run this model: {why}")
+    cfg = model.cfg
+    h, hkv = cfg.n_heads, cfg.n_kv_heads
+    x = model.embed_tokens(tokens)  # [n, C]
+    res, y = add_rmsnorm(x, None, model.layers[0].ln_1.weight, cfg.norm_eps)  # res is x: a fresh tensor,
+    # so updating the residual stream in place (add_rmsnorm does) never touches the embedding table
+    for i, layer in enumerate(model.layers):
+        a = layer.attn
+        qkv = F.linear(y, a.qkv_proj.weight)
+        q = rope_kv(qkv, model.cos, model.sin, pos, cache.k[i], cache.v[i], start, h, hkv)
+        o = decode_attention(q, cache.k[i], cache.v[i], pos, start, kv_len)
+        o = F.linear(o.view(o.shape[0], h * cfg.head_dim), a.o_proj.weight)
+        res, y = add_rmsnorm(o, res, layer.ln_2.weight, cfg.norm_eps)
+        mlp = layer.mlp
+        d = F.linear(silu_mul(F.linear(y, mlp.up_proj.weight)), mlp.down_proj.weight)
+        nxt = model.layers[i + 1].ln_1.weight if i + 1 < len(model.layers) else model.norm.weight
+        res, y = add_rmsnorm(d, res, nxt, cfg.norm_eps)
+    logits = F.linear(y, model.lm_head.weight)[:, : cfg.vocab_size]
+    return logits, (logits.argmax(dim=-1) if greedy else None)
+
+
+def step_bytes(model: DecoderLM, cache: KVCache, n: int, mean_len: float) -> float:
+    """HBM bytes one fused decode step must move at least: every weight once (the embedding: n rows), each row's
+    K and V for its ``mean_len`` cached positions in every layer, and its new K/V written (the roofline)."""
+    cfg = model.cfg
+    el = next(model.parameters()).element_size()
+    weights = sum(p.numel() for name, p in model.named_parameters() if name != "embed_tokens.weight") * el
+    embed = n * cfg.hidden_size * el
+    kv_el = cache.k.element_size()
+    kv = 2 * cfg.n_layers * n * (cfg.n_kv_heads * cfg.head_dim) * (mean_len + 1) * kv_el
+    return float(weights + embed + kv)
+
+
+__all__ = ["add_rmsnorm", "add_rmsnorm_ref", "attention_splits", "decode_attention", "decode_attention_ref",
+           "fused_decode", "rope_kv", "rope_kv_ref", "silu_mul", "silu_mul_ref", "step_bytes", "supports",
+           "use_triton"]

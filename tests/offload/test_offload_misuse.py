@@ -1,0 +1,217 @@
+"""A demanding user's mistakes and failures (review of hpdl.offload): asymmetric bad arguments, test() loops
+on dead agents or absent peers, more messages than I/O threads, late peers, freed peers, killed processes'
+shared memory, agents that would steal a live agent's address, and the control channel after a timeout."""
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Listener
+
+import pytest
+import torch
+
+import hpdl.offload as ho
+from hpdl.testing import get_pool
+
+import _misuse_cases as M
+import _offload_cases as C
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def pool():
+    return get_pool(4, timeout=240)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_agents_at_the_end():
+    yield
+    pool().run(C.stop_agent)
+
+
+def test_a_bad_argument_on_one_rank_raises_on_every_rank_at_once():
+    for res in pool().run(M.one_rank_is_wrong):
+        kind, msg, elapsed = res["alltoall"]
+        assert kind == "PlanError" and msg.startswith("rank 2: alltoall_init: input and output need") and \
+            "got 17 and 17" in msg, msg
+        kind, msg, _ = res["allreduce"]
+        assert kind == "PlanError" and msg.startswith("rank 3: ") and "'avg'" in msg, msg
+        kind, msg, _ = res["progress"]
+        assert kind == "PlanError" and "rank 1: progress must be one of" in msg, msg
+        assert all(r[2] < 20 for r in res.values()), res
+
+
+def test_parameters_bind_in_thread_mode():
+    assert pool().run(M.parameter_buffer) == [True] * 4
+
+
+def test_more_messages_in_flight_than_io_threads():
+    for got, wrong in pool().run(M.many_messages, 520):  # the executor has 512 I/O threads
+        assert got == (None, None) and wrong == 0, got
+
+
+def test_a_peer_later_than_the_first_compiles_timeout_still_completes():
+    for res, ok in pool().run(M.late_peer):
+        assert res == (None, None) and ok, res
+
+
+@pytest.mark.parametrize("mode", ["thread", "agent"])
+def test_a_test_loop_raises_the_request_timeout_naming_the_absent_rank(mode):
+    res = pool().run(M.test_loop_times_out, mode)
+    for rank, (err, ok) in enumerate(res):
+        assert ok
+        if rank != 3:
+            kind, msg, elapsed, missing = err
+            assert kind == "OffloadTimeoutError" and 3 in missing and "after start()" in msg, msg
+            assert 0.9 < elapsed < 10, elapsed
+
+
+def test_an_error_leaving_a_with_block_does_not_wait_a_second_timeout():
+    res = pool().run(M.with_block_error)
+    for rank in range(3):
+        assert 0.9 < res[rank] < 1.9, res
+
+
+def test_a_test_loop_raises_when_the_agent_dies():
+    res = pool().run(M.test_loop_dead_agent)
+    for rank in (0, 1):
+        kind, msg, elapsed = res[rank]
+        assert kind == "AgentError" and "offload agent 0" in msg and "died" in msg, msg
+        assert elapsed < 10, elapsed
+    assert pool().run(C.stop_agent) == [True] * 4
+
+
+def test_a_peer_that_frees_its_request_fails_the_waiting_rank_at_once():
+    res = pool().run(M.peer_frees_while_waited)
+    kind, msg, elapsed = res[0]
+    assert kind == "OffloadError" and "rank 1" in msg and "freed its request" in msg, msg
+    assert elapsed < 10, elapsed
+
+
+def test_the_agent_unmaps_buffers_of_freed_requests():
+    for mapped, paths in pool().run(M.agent_unmaps_freed_buffers):
+        assert not set(mapped) & set(paths), (mapped, paths)
+
+
+def test_shared_memory_of_a_killed_process_is_swept(tmp_path, monkeypatch):
+    monkeypatch.setenv("HPDL_OFFLOAD_SHM_DIR", str(tmp_path))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    code = ("import sys, time, torch, hpdl.offload as ho\n"
+            "bufs = [ho.empty((1000,), torch.float32) for _ in range(3)]\n"
+            "print(' '.join(ho.shm.handle_of(b).path for b in bufs), flush=True)\n"
+            "time.sleep(120)\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        theirs = p.stdout.readline().split()
+    finally:
+        p.kill()  # SIGKILL: no atexit, no finalizers
+        p.wait()
+    assert len(theirs) == 3 and all(os.path.exists(t) for t in theirs)
+    keep = ho.empty((10,), torch.float32)  # this process's first file in the directory sweeps it
+    assert not any(os.path.exists(t) for t in theirs)
+    assert os.path.exists(ho.shm.handle_of(keep).path)  # a live process's buffer is kept
+    assert ho.shm.sweep(str(tmp_path)) == []
+    assert sorted(n.split("-")[2] for n in os.listdir(tmp_path)) == ["buf", "owner"]
+
+
+def test_a_forked_child_leaves_its_parents_buffers_alone(tmp_path, monkeypatch):
+    monkeypatch.setenv("HPDL_OFFLOAD_SHM_DIR", str(tmp_path))
+    x = ho.empty((4,), torch.float32)
+    path = ho.shm.handle_of(x).path
+    pid = os.fork()
+    if pid == 0:  # the child runs what its normal exit runs (atexit, finalizers), then leaves
+        ho.shm._unlink_all()
+        del x
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.path.exists(path)
+
+
+def test_an_agent_refuses_an_address_a_live_agent_serves(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    address = str(tmp_path / "agent.sock")
+    cmd = [sys.executable, "-m", "hpdl.cli", "offload", "agent", "--address", address]
+    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        assert "ready" in first.stdout.readline()
+        second = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+        assert second.returncode != 0
+        assert f"pid {first.pid}" in second.stderr and "serves it already" in second.stderr, second.stderr
+        assert os.path.exists(address) and os.path.exists(address + ".key")  # the live agent's files stay
+        c = ho.AgentClient(address, label="test")  # and it still serves
+        assert c.request(ho.protocol.Query(0)) is None
+        c.close()
+    finally:
+        first.terminate()
+        assert first.wait(timeout=30) == 0
+
+
+def test_a_late_reply_is_not_taken_for_the_next_ones(tmp_path):
+    """The client's first request times out; the agent's late answer to it must not answer the second."""
+    from hpdl.offload import protocol as P
+    from hpdl.offload.client import AgentClient
+
+    address, key = str(tmp_path / "fake.sock"), b"k" * 16
+    listener = Listener(address, family="AF_UNIX", authkey=key)
+
+    def fake_agent():
+        conn = listener.accept()
+        seq, _ = conn.recv()  # Hello
+        conn.send((seq, P.Reply(True, P.Welcome(0, 1, os.getpid(), "h", str(tmp_path / "st"),
+                                                str(tmp_path / "bell")))))
+        seq, _ = conn.recv()  # first: answered late
+        time.sleep(0.5)
+        conn.send((seq, P.Reply(True, "first")))
+        seq, _ = conn.recv()
+        conn.send((seq, P.Reply(True, "second")))
+        time.sleep(0.5)
+        conn.close()
+
+    import numpy as np
+
+    np.zeros(8, dtype=np.int64).tofile(str(tmp_path / "st"))
+    os.mkfifo(str(tmp_path / "bell"))
+    r = os.open(str(tmp_path / "bell"), os.O_RDONLY | os.O_NONBLOCK)
+    t = threading.Thread(target=fake_agent, daemon=True)
+    t.start()
+    c = AgentClient(address, key, label="test", timeout=10)
+    with pytest.raises(ho.AgentError, match="did not answer Query within 0s"):
+        c.request(P.Query(0), timeout=0.1)
+    assert c.request(P.Query(1)) == "second"
+    c.close()
+    os.close(r)
+    t.join()
+    listener.close()
+
+
+def test_a_closed_doorbell_never_writes_to_a_reused_descriptor(tmp_path):
+    fifo = str(tmp_path / "bell")
+    b = ho.shm.Bell(fifo=fifo)
+    rb = ho.shm.RemoteBell(fifo)
+    numbers = (rb._w, b._w)
+    rb.close()
+    b.close()
+    with open(tmp_path / "other", "wb+") as fh:
+        for n in numbers:  # another file takes the numbers just closed, as the next open() may
+            os.dup2(fh.fileno(), n)
+        try:
+            rb.ring()
+            b.ring()
+        finally:
+            for n in numbers:
+                os.close(n)
+        fh.seek(0)
+        assert fh.read() == b""
+
+
+def test_compile_on_a_rank_outside_the_group_is_a_value_error():
+    kind, msg = pool().run(M.not_a_member)[3]
+    assert kind == "ValueError" and "global rank 3 is not a member" in msg, msg
+
+
+def test_a_start_after_a_same_node_peer_freed_fails_at_once():
+    kind, msg, elapsed = pool().run(M.peer_freed_before_start)[0]
+    assert kind == "OffloadError" and "rank 1" in msg and "freed its request" in msg, msg
+    assert "will never come" in msg and elapsed < 10, (msg, elapsed)

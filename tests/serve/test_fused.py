@@ -1,0 +1,142 @@
+"""The fused decode step (hpdl.serve.fused) against the eager model: its torch references in-process, its Triton
+kernels on CPU under TRITON_INTERPRET=1 in a subprocess (the interpreter is chosen when kernels are defined)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from serve_testutil import hf_greedy
+from hpdl.models.gpt import Batch, DecoderConfig, DecoderLM, KVCache, _rope_tables
+from hpdl.serve import EngineConfig, LLMEngine, ModelSpec, SamplingParams
+from hpdl.serve import fused as fz
+
+# hidden 128, 8 heads of 16, 2 KV heads (GQA groups of 4): small, but every kernel's shape path is taken
+CFG = DecoderConfig(arch="llama", vocab_size=300, hidden_size=128, n_layers=3, n_heads=8, n_kv_heads=2,
+                    intermediate_size=200, max_position=256)
+
+
+def _prefilled(seed=0, dtype=torch.float32, slots=6, L=200):
+    """A random model and a cache whose slots 1..4 hold prompts of different lengths (prefilled eagerly)."""
+    torch.manual_seed(seed)
+    model = DecoderLM(CFG).init_random(seed, std=0.1).to(dtype).eval()
+    cache = KVCache(CFG, slots, L, dtype, "cpu")
+    lens = [5, 1, 130, 70]
+    with torch.inference_mode():
+        for s, n in zip(range(1, 5), lens):
+            toks = torch.randint(0, CFG.vocab_size, (1, n))
+            model(toks, cache, Batch(positions=torch.arange(n)[None], slots=torch.tensor([s]),
+                                     last=torch.tensor([n - 1])))
+    return model, cache, torch.tensor(lens)
+
+
+def _decode_both(model, cache, pos, steps=4):
+    """Decode ``steps`` greedy steps of slots 1..4 eagerly and fused from the same cache; the tokens and logits."""
+    ce = KVCache(CFG, cache.num_slots, cache.max_seq_len, cache.k.dtype, "cpu")
+    ce.k.copy_(cache.k), ce.v.copy_(cache.v)
+    toks = torch.tensor([3, 1, 4, 1])
+    te, tf, le, lf = toks.clone(), toks.clone(), [], []
+    with torch.inference_mode():
+        for _ in range(steps):
+            kv = int(pos.max()) + 1
+            a = model(te[:, None], ce, Batch(positions=pos[:, None], start=1, kv_len=kv))
+            b, top = fz.fused_decode(model, cache, tf, pos, 1, kv)
+            le.append(a), lf.append(b)
+            te, tf, pos = a.argmax(-1), top, pos + 1
+            assert torch.equal(top, b.argmax(-1))
+    return le, lf, ce
+
+
+def test_references_match_eager_decode_float32():
+    model, cache, lens = _prefilled()
+    le, lf, ce = _decode_both(model, cache, lens.clone())
+    for a, b in zip(le, lf):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+    torch.testing.assert_close(cache.k, ce.k, rtol=1e-4, atol=1e-5)  # K/V written at the same places
+    torch.testing.assert_close(cache.v, ce.v, rtol=1e-4, atol=1e-5)
+
+
+def test_references_match_eager_decode_bfloat16():
+    model, cache, lens = _prefilled(dtype=torch.bfloat16)
+    le, lf, _ = _decode_both(model, cache, lens.clone(), steps=1)
+    torch.testing.assert_close(lf[0].float(), le[0].float(), rtol=0.05, atol=0.05)
+
+
+def test_split_count_fills_the_device_and_bounds_chunks():
+    assert fz.attention_splits(1, 4, 640) == 10  # batch 1: every 64-position chunk its own program
+    assert fz.attention_splits(64, 4, 640) == 2
+    assert fz.attention_splits(128, 4, 640) == 1
+    assert fz.attention_splits(1, 4, 10) == 1
+
+
+def test_supports_and_engine_flag():
+    assert fz.supports(DecoderLM(CFG)) is None
+    gpt2 = DecoderLM(DecoderConfig(arch="gpt2", vocab_size=10, hidden_size=32, n_layers=1, n_heads=2, n_kv_heads=2,
+                                   intermediate_size=64, max_position=32))
+    assert "gpt2" in fz.supports(gpt2)
+    with pytest.raises(ValueError, match="fused"):
+        LLMEngine(ModelSpec(config="gpt2-tiny"), EngineConfig(num_slots=2, max_seq_len=32, fused_decode=True))
+    eng = LLMEngine(ModelSpec(config="llama-tiny"), EngineConfig(num_slots=2, max_seq_len=32))
+    assert eng.executor.runner.fused is False  # CPU default: the eager reference
+
+
+def test_engine_fused_greedy_equals_hf(hf_dir):
+    arch, path, hf = hf_dir
+    if arch != "llama":
+        pytest.skip("the fused step is LLaMA's")
+    prompts = [[5, 6, 7], [9] * 30, [1], [200, 100, 50, 25]]
+    maxt = [20, 7, 33, 12]
+    eng = LLMEngine(ModelSpec(model=path), EngineConfig(num_slots=3, max_seq_len=64, fused_decode=True))
+    assert eng.executor.runner.fused
+    outs = eng.generate(prompts, [SamplingParams(max_tokens=m) for m in maxt])
+    for p, m, o in zip(prompts, maxt, outs):
+        assert o.token_ids == hf_greedy(hf, p, m), (p, m)
+
+
+def test_triton_kernels_interpreted_match_references():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=170)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "ok" in r.stdout
+
+
+def _interpreted_check() -> None:
+    """Run under TRITON_INTERPRET=1: each kernel against its reference, then whole fused steps against eager."""
+    assert fz.use_triton(torch.zeros(1)), "TRITON_INTERPRET=1 must be set before hpdl.serve.fused is imported"
+    torch.manual_seed(0)
+    n, C, h, hkv, d, S, L = 3, 128, 8, 2, 16, 6, 200
+    x, r, w = torch.randn(n, C), torch.randn(n, C), torch.rand(C)
+    for res in (None, r):
+        r1, y1 = fz.add_rmsnorm_ref(x, None if res is None else res.clone(), w, 1e-5)
+        r2, y2 = fz.add_rmsnorm(x, None if res is None else res.clone(), w, 1e-5)
+        torch.testing.assert_close(y2, y1), torch.testing.assert_close(r2, r1)
+    cos, sin = _rope_tables(CFG)
+    pos = torch.tensor([3, 0, 150])
+    qkv = torch.randn(n, (h + 2 * hkv) * d)
+    c1, v1, c2, v2 = (torch.zeros(S, hkv, L, d) for _ in range(4))
+    torch.testing.assert_close(fz.rope_kv(qkv, cos, sin, pos, c2, v2, 2, h, hkv),
+                               fz.rope_kv_ref(qkv, cos, sin, pos, c1, v1, 2, h, hkv))
+    torch.testing.assert_close(c2, c1), torch.testing.assert_close(v2, v1)
+    kc, vc, q = torch.randn(S, hkv, L, d), torch.randn(S, hkv, L, d), torch.randn(n, h, d)
+    ref = fz.decode_attention_ref(q, kc, vc, pos, 2)
+    for splits in (1, 2, 3):  # one pass, and split-K with empty chunks for the short rows
+        torch.testing.assert_close(fz.decode_attention(q, kc, vc, pos, 2, 151, splits=splits, block_n=16), ref)
+    gu = torch.randn(n, 400)
+    torch.testing.assert_close(fz.silu_mul(gu), fz.silu_mul_ref(gu))
+    model, cache, lens = _prefilled()
+    le, lf, ce = _decode_both(model, cache, lens.clone(), steps=3)
+    for a, b in zip(le, lf):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+    torch.testing.assert_close(cache.k, ce.k, rtol=1e-4, atol=1e-5)
+    print("ok")
+
+
+if __name__ == "__main__":
+    _interpreted_check()
