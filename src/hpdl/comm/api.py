@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 from datetime import timedelta
 from typing import Callable
 
@@ -315,7 +314,8 @@ def _prepare(what: str, tensor: torch.Tensor, op, group, algorithm: str, window,
     verify = None
     if (mode is True or (mode == "auto" and tensor.device.type == "cpu")) and st.world_size > 1:
         effective = window_size(window, st.world_size) if name == "direct" else 0  # None and 4 are the same k
-        fields = {"count": tensor.numel(), "dtype": _DTYPE_CODE.get(tensor.dtype, 100 + tensor.element_size()), "op": REDUCE_OPS.index(op),
+        fields = {"count": tensor.numel(), "dtype": _DTYPE_CODE.get(tensor.dtype, 100 + tensor.element_size()),
+                  "op": REDUCE_OPS.index(op),
                   "device": int(tensor.device.type == "cuda"), "algorithm": list(REGISTRY).index(name),
                   "window": effective}
 

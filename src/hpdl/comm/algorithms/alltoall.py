@@ -31,7 +31,6 @@ from typing import Sequence
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from hpdl.comm.algorithms.base import Algorithm
 from hpdl.comm.transport.base import Transport
