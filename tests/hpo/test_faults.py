@@ -169,27 +169,35 @@ def test_a_checkpoint_folder_that_becomes_unwritable_stops_the_study_and_loses_n
 
 
 def test_drivers_of_one_sqlite_store_in_two_run_dirs_exclude_each_other_by_lock(tmp_path):
-    """Two drivers that share a store from two run folders and start at the same moment: before, each took
-    its own run folder's lock and both passed the heartbeat check when neither had beaten yet."""
+    """Two driver processes on this host that share a store from two run folders and start at the same
+    moment: before, each took its own run folder's lock and both passed the heartbeat check when neither had
+    beaten yet. (Drivers in one process share the store's lock, as tests that stand in for nodes do.)"""
+    import subprocess
+    import sys
+
     from hpdl.hpo.lock import StudyLock
 
     storage = f"sqlite:///{tmp_path / 'store' / 'study.db'}"
+    other = ("import sys; from hpdl.hpo.lock import StudyLock\n"
+             "try:\n    StudyLock(sys.argv[1], sys.argv[2], sys.argv[3]).acquire(); print('acquired')\n"
+             "except Exception as e:\n    print(e)\n")
+
+    def second(run_dir, study):
+        return subprocess.run([sys.executable, "-c", other, str(run_dir), study, storage], capture_output=True,
+                              text=True, timeout=60).stdout
+
     a = StudyLock(tmp_path / "r1", "s", storage)
     a.acquire()
     try:
-        with pytest.raises(HpoError, match=rf"live driver: pid \d+ .*run_dir .*r1"):
-            StudyLock(tmp_path / "r2", "s", storage).acquire()
-        o = StudyLock(tmp_path / "r2", "s_other", storage)
-        o.acquire()  # another study of the store: free
-        o.release()
-        b = StudyLock(tmp_path / "r2", "s/x", storage)
-        b.acquire()  # "s/x" and "s_x" share a file-name stem, not a lock
-        x = StudyLock(tmp_path / "r2", "s_x", storage)
-        x.acquire()
-        b.release()
-        x.release()
+        out = second(tmp_path / "r2", "s")
+        assert "live driver: pid" in out and "r1" in out, out
+        assert second(tmp_path / "r2", "s_other").strip() == "acquired"  # another study of the store: free
+        b = StudyLock(tmp_path / "r3", "s/x", storage)
+        b.acquire()
+        try:  # "s/x" and "s_x" share a file-name stem, not a lock
+            assert second(tmp_path / "r4", "s_x").strip() == "acquired"
+        finally:
+            b.release()
     finally:
         a.release()
-    c = StudyLock(tmp_path / "r2", "s", storage)
-    c.acquire()  # released with its holder
-    c.release()
+    assert second(tmp_path / "r2", "s").strip() == "acquired"  # released with its holder

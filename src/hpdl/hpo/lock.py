@@ -52,10 +52,15 @@ def lock_paths(run_dir: str | os.PathLike, study: str, storage: str) -> list[Pat
 
     paths = [lock_path(run_dir, study, storage)]
     if (db := sqlite_path(storage)) is not None:
-        p = lock_path(db.resolve().parent, study, storage)
-        if p.resolve() != paths[0].resolve():
-            paths.append(p)
+        # per host: drivers of other hosts may share a store on a shared file system on purpose (many nodes)
+        p = lock_path(db.resolve().parent, f"{study}@{socket.gethostname()}", storage)
+        paths.append(p)
     return paths
+
+
+# store locks this process holds, with how many of its drivers hold each: several drivers in one process
+# (tests that stand in for nodes) share one, as the heartbeat check lets a driver's own pid through
+_HELD: dict[str, list[int]] = {}
 
 
 def heartbeat_key(host: str) -> str:
@@ -107,6 +112,7 @@ class StudyLock:
         self.run_dir, self.study_name, self.storage = str(Path(run_dir).resolve()), study, storage
         self.host, self.pid = socket.gethostname(), os.getpid()
         self._fds: list[int] = []
+        self._shared: list[str] = []  # keys of _HELD this lock counts in
         self._study = None
         self._last_beat = 0.0
         self.started_at = time.time()
@@ -119,7 +125,12 @@ class StudyLock:
         """
         import fcntl
 
-        for path in self.paths:
+        for i, path in enumerate(self.paths):
+            key = str(path.resolve()) if i else ""
+            if key in _HELD:  # this process already holds the store's lock
+                _HELD[key][1] += 1
+                self._shared.append(key)
+                continue
             path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
@@ -135,7 +146,11 @@ class StudyLock:
             os.write(fd, json.dumps({"host": self.host, "pid": self.pid, "started_at": self.started_at,
                                      "run_dir": self.run_dir}).encode())
             os.fsync(fd)
-            self._fds.append(fd)
+            if key:
+                _HELD[key] = [fd, 1]
+                self._shared.append(key)
+            else:
+                self._fds.append(fd)
 
     def check_heartbeat(self, study) -> None:
         """Refuse when another live driver of this host beats in ``study`` (an ``optuna.Study``), whatever its
@@ -166,6 +181,14 @@ class StudyLock:
                 self._study.set_user_attr(heartbeat_key(self.host), {"pid": self.pid, "run_dir": self.run_dir,
                                                                      "stopped_at": time.time()})
             self._study = None
+        for key in self._shared:
+            held = _HELD.get(key)
+            if held is not None:
+                held[1] -= 1
+                if held[1] <= 0:
+                    del _HELD[key]
+                    self._fds.append(held[0])
+        self._shared = []
         for fd in self._fds:
             with contextlib.suppress(OSError):
                 os.close(fd)  # closing the descriptor releases the flock
