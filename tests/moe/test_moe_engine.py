@@ -155,3 +155,33 @@ def _local_capacity_alltoall(ctx):
 def test_disagreeing_capacities_are_caught_not_hung():
     msgs = get_pool(2).run(_local_capacity_alltoall, timeout=60)
     assert all("split" in m.lower() for m in msgs), msgs
+
+
+def _disagree(ctx, case):
+    """Rank 1 alone passes something bad or different; every rank must raise the same MoEError, not block."""
+    import hpdl.moe.engine as E
+
+    m = make_model(CFG)
+    odd = ctx.rank == 1
+    place = random_placement(4, 8, 2, seed=1 if odd and case == "placement" else 0)
+    mode = "baseline" if odd and case == "mode" else "exflow"
+    prompts = [[]] if odd and case == "empty" else [[61, 3]] if odd and case == "vocab" else [[1, 2, 3]]
+    new = 4 if odd and case == "new_tokens" else 0 if odd and case == "zero" else 3
+    eng = E.MoEEngine(m, place, mode=mode)
+    try:
+        eng.generate(prompts, new)
+    except MoEError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("case,words", [("new_tokens", "max_new_tokens=4"), ("empty", "empty"),
+                                        ("zero", "max_new_tokens must be"), ("vocab", "vocab_size"),
+                                        ("placement", "placement"), ("mode", "mode=baseline")])
+def test_ranks_that_disagree_all_raise_naming_the_rank(case, words):
+    import time
+
+    t0 = time.monotonic()
+    msgs = get_pool(2).run(_disagree, case, timeout=60)
+    assert time.monotonic() - t0 < 20, "a rank waited for a collective timeout instead of failing fast"
+    assert msgs[0] == msgs[1] and "rank 1" in msgs[0] and words in msgs[0], msgs

@@ -23,6 +23,7 @@ Both modes are dropless and give the greedy tokens of the single-process model (
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -39,6 +40,21 @@ from hpdl.moe.placement import contiguous, validate
 
 MODES = ("baseline", "exflow")
 CAPACITIES = ("exchange", "worst_case")
+# Header every rank contributes to the start-of-generate all-gather, so arguments that must agree across ranks
+# are compared before the first payload collective (a rank that raised alone, or ranks that disagree on
+# max_new_tokens or the placement, would otherwise leave the others blocked in the next collective).
+_HDR = ("problem", "max_new_tokens", "mode", "capacity", "placement", "model")
+_PROBLEMS = {1: "a prompt is empty (every prompt needs at least one token)",
+             2: "max_new_tokens must be >= 1",
+             3: "a prompt holds a token id outside [0, vocab_size)"}
+
+
+def _digest(*parts: bytes) -> int:
+    """63-bit digest (fits an int64 collective) of byte strings."""
+    h = hashlib.sha256()
+    for b in parts:
+        h.update(b)
+    return int(h.hexdigest()[:15], 16)
 
 
 @dataclass
@@ -109,6 +125,12 @@ class MoEEngine:
             raise MoEError(f"placement shape {ranks.shape}, expected (moe layers={nl}, n_experts={cfg.n_experts})")
         self.ranks = torch.as_tensor(validate(ranks, self.G))
         self.moe_index = {l: i for i, l in enumerate(cfg.moe_layers)}
+        # what every rank must share: the placement, and the model's config and router weights (routing decides
+        # where tokens go; the full weights are not hashed, that would cost seconds on a real checkpoint)
+        self._place_digest = _digest(self.ranks.numpy().tobytes())
+        self._model_digest = _digest(cfg.identity().encode(), *(
+            blk.mlp.gate.weight.detach().float().cpu().contiguous().numpy().tobytes()
+            for blk in model.layers if blk.is_moe))
         self.stats = CommStats()
         self.record_routing = record_routing
         self.routing: dict[tuple[int, int], list[int]] = {}
@@ -300,15 +322,50 @@ class MoEEngine:
         tr = rows[is_tok]
         return tr[:, 1].long(), tr[:, 2].long()
 
-    def _gather_prompts(self, prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
-        """All-gather every rank's prompts (the only metadata exchange at start); returns all prompts in global
+    def _header(self, prompts: list[list[int]], max_new_tokens: int) -> list[int]:
+        problem = 0
+        if any(len(p) == 0 for p in prompts):
+            problem = 1
+        elif max_new_tokens < 1:
+            problem = 2
+        elif any(t < 0 or t >= self.cfg.vocab_size for p in prompts for t in p):
+            problem = 3
+        return [problem, int(max_new_tokens), MODES.index(self.mode), CAPACITIES.index(self.capacity),
+                self._place_digest, self._model_digest]
+
+    def _check_headers(self, headers: list[list[int]]) -> None:
+        """Raise the same MoEError on every rank when a rank's arguments are bad or differ from rank 0's."""
+        for g, h in enumerate(headers):
+            if h[0]:
+                raise MoEError(f"rank {g}: {_PROBLEMS[h[0]]} (max_new_tokens={h[1]}); every rank stops")
+        for f, name in enumerate(_HDR[1:], 1):
+            for g, h in enumerate(headers):
+                if h[f] != headers[0][f]:
+                    a, b = headers[0][f], h[f]
+                    if name == "mode":
+                        a, b = MODES[a], MODES[b]
+                    elif name == "capacity":
+                        a, b = CAPACITIES[a], CAPACITIES[b]
+                    elif name in ("placement", "model"):
+                        a, b = f"digest {a:x}", f"digest {b:x}"
+                    raise MoEError(f"rank {g} has {name}={b}, rank 0 has {name}={a}: every rank must call "
+                                   f"generate with the same {name}" + (" (placement array)" if name == "placement"
+                                   else " (config and router weights)" if name == "model" else ""))
+
+    def _gather_prompts(self, prompts: list[list[int]], max_new_tokens: int = 1
+                        ) -> tuple[list[list[int]], list[int]]:
+        """All-gather every rank's prompts (the only metadata exchange at start), after a header of the
+        arguments that must agree (checked on every rank, so all raise together); returns all prompts in global
         request order and the global ids of this rank's requests."""
-        flat = torch.tensor([len(prompts)] + [len(p) for p in prompts] + [t for p in prompts for t in p],
-                            dtype=torch.int64)[:, None]
+        flat = torch.tensor(self._header(prompts, max_new_tokens) + [len(prompts)] + [len(p) for p in prompts] +
+                            [t for p in prompts for t in p], dtype=torch.int64)[:, None]
         rows = self._gather_rows(flat)[:, 0].tolist()
         out, mine, i, g = [], [], 0, 0
         self._owners = []
+        headers = []
         while i < len(rows):
+            headers.append(rows[i:i + len(_HDR)])
+            i += len(_HDR)
             n = rows[i]
             lens = rows[i + 1:i + 1 + n]
             j = i + 1 + n
@@ -319,6 +376,7 @@ class MoEEngine:
                 out.append(rows[j:j + ln])
                 j += ln
             i, g = j, g + 1
+        self._check_headers(headers)
         return out, mine
 
     def _sync_cap(self, step: int, owners: list[list[int]], all_prompts) -> int | None:
@@ -337,12 +395,14 @@ class MoEEngine:
 
         Returns ``{global request id: max_new_tokens generated ids}`` for this rank's requests; request ids
         number the requests of rank 0, then rank 1, ... . ``self.stats`` holds the communication counters.
+
+        Raises:
+            MoEError: on every rank at once, before any payload collective, when some rank passed an empty
+                prompt, a token outside the vocabulary or ``max_new_tokens < 1``, or when ranks differ in
+                ``max_new_tokens``, mode, capacity, placement or model (config and router weights); the
+                message names the rank. Also when prompt + max_new_tokens exceeds ``max_position``.
         """
-        if max_new_tokens < 1:
-            raise MoEError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if any(len(p) == 0 for p in prompts):
-            raise MoEError("every prompt needs at least one token (prompts contains an empty one)")
-        all_prompts, mine = self._gather_prompts(prompts)
+        all_prompts, mine = self._gather_prompts(prompts, max_new_tokens)  # raises on all ranks together
         B = len(all_prompts)
         max_len = max((len(p) for p in all_prompts), default=1) + max_new_tokens
         if max_len > self.cfg.max_position:
