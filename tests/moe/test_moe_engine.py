@@ -185,3 +185,36 @@ def test_ranks_that_disagree_all_raise_naming_the_rank(case, words):
     msgs = get_pool(2).run(_disagree, case, timeout=60)
     assert time.monotonic() - t0 < 20, "a rank waited for a collective timeout instead of failing fast"
     assert msgs[0] == msgs[1] and "rank 1" in msgs[0] and words in msgs[0], msgs
+
+
+def _bf16_run(ctx, mode):
+    import hpdl.moe.engine as E
+
+    torch.manual_seed(0)
+    m = MoEDecoder(MoEConfig(vocab_size=61, hidden_size=32, n_layers=3, n_heads=4, n_kv_heads=2, n_experts=4,
+                             expert_size=16, max_position=400)).eval().to(torch.bfloat16)
+    long = torch.randint(0, 61, (301,), generator=torch.Generator().manual_seed(1)).tolist()
+    prompts = [[long], [[5, 6]]][ctx.rank] if ctx.world_size == 2 else [long, [5, 6]]
+    eng = E.MoEEngine(m, mode=mode, record_routing=True)
+    out = eng.generate(prompts, 4)
+    return out, {k: v for k, v in eng.routing.items()}, [m.greedy(p, 4) for p in prompts]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_bf16_model_positions_above_256(world):
+    """A bf16 model (how HF checkpoints ship): the KV cache takes the model's dtype, and request ids, positions
+    and gate weights ride the Alltoall bit-exactly (a bf16 cast turns position 301 into 300 or 302)."""
+    class Ctx:
+        rank, world_size = 0, 1
+
+    for mode in ("baseline", "exflow"):
+        res = get_pool(2).run(_bf16_run, mode) if world == 2 else [_bf16_run(Ctx, mode)]
+        got, routing, ref = {}, {}, []
+        for out, rt, rf in res:
+            got.update(out)
+            for key, v in rt.items():  # in ExFlow a token's layers are recorded on the ranks it visited
+                routing[key] = [a if a is not None else b for a, b in zip(routing.get(key, v), v)]
+            ref += rf
+        assert got == dict(enumerate(ref)), mode
+        want = {(0, q) for q in range(304)} | {(1, q) for q in range(5)}  # prompt + 3 decode forwards
+        assert set(routing) == want and all(None not in v for v in routing.values()), mode

@@ -80,6 +80,19 @@ class CommStats:
                 "rows_dispatched": dict(self.rows_dispatched), "rows_cross": dict(self.rows_cross)}
 
 
+def _pack(x: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+    """Rows ``x [n, H]`` (any float dtype) with int32 columns ``meta [n, m]`` appended bit for bit (a view, not
+    a cast: in bf16 a position or request id above 256 would round), so one Alltoall carries both."""
+    if (4 * meta.shape[1]) % x.element_size():
+        meta = torch.cat([meta, torch.zeros(len(meta), 1, dtype=torch.int32)], 1)
+    return torch.cat([x, meta.contiguous().view(x.dtype)], 1)
+
+
+def _unpack(rows: torch.Tensor, H: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`_pack`: ``(x [n, H], meta [n, m] int32)``."""
+    return rows[:, :H], rows[:, H:].contiguous().view(torch.int32)[:, :m]
+
+
 class MoEEngine:
     """Greedy generation with expert parallelism on the default (or given) process group.
 
@@ -247,13 +260,14 @@ class MoEEngine:
         n, k = idx.shape
         dest = self.ranks[li][idx.reshape(-1)]
         p = dispatch.plan(dest, self.G)
-        payload = torch.cat([x.repeat_interleave(k, 0), w.reshape(-1, 1).to(x.dtype),
-                             idx.reshape(-1, 1).to(x.dtype)], 1)[p.order]
+        meta = torch.stack([w.reshape(-1).float().view(torch.int32), idx.reshape(-1).int()], 1)
+        payload = _pack(x.repeat_interleave(k, 0), meta)[p.order]
         self.stats.rows_dispatched[li] += n * k
         self.stats.rows_cross[li] += n * k - p.send_counts[self.rank]
         recv, rc = self._exchange(payload, p.send_counts, li)
         H = x.shape[1]
-        y = self._experts(blk.mlp, recv[:, :H], recv[:, H + 1].long(), recv[:, H], li)
+        x_r, m_r = _unpack(recv, H, 2)
+        y = self._experts(blk.mlp, x_r, m_r[:, 1].long(), m_r[:, 0].view(torch.float32), li)
         back = self._combine(y, rc, p.send_counts, li)
         out = back[dispatch.inverse(p.order)].view(n, k, H).sum(1)
         s = blk.mlp.shared(x)
@@ -266,14 +280,15 @@ class MoEEngine:
         self._record(li, req, pos, idx)
         dest = self.ranks[li][idx[:, 0]]
         p = dispatch.plan(dest, self.G)
-        payload = torch.cat([h, w.to(h.dtype), idx.to(h.dtype), req[:, None].to(h.dtype),
-                             pos[:, None].to(h.dtype)], 1)[p.order]
+        meta = torch.stack([w[:, 0].float().view(torch.int32), idx[:, 0].int(), req.int(), pos.int()], 1)
+        payload = _pack(h, meta)[p.order]
         self.stats.rows_dispatched[li] += len(dest)
         self.stats.rows_cross[li] += len(dest) - p.send_counts[self.rank]
         recv, _ = self._exchange(payload, p.send_counts, li)
         H = h.shape[1]
-        h_r, w_r, e_r = recv[:, :H], recv[:, H], recv[:, H + 1].long()
-        req_r, pos_r = recv[:, H + 2].long(), recv[:, H + 3].long()
+        h_r, m_r = _unpack(recv, H, 4)
+        w_r, e_r = m_r[:, 0].view(torch.float32), m_r[:, 1].long()
+        req_r, pos_r = m_r[:, 2].long(), m_r[:, 3].long()
         x_r = blk.post_attention_layernorm(h_r)
         y = self._experts(blk.mlp, x_r, e_r, w_r, li)
         s = blk.mlp.shared(x_r)
@@ -306,8 +321,8 @@ class MoEEngine:
         kvd = self.cfg.n_kv_heads * self.cfg.head_dim
         parts = []
         for l, slot, p in kv_log:
-            k = self.cache.k[l, slot, p].reshape(len(slot), kvd)
-            v = self.cache.v[l, slot, p].reshape(len(slot), kvd)
+            k = self.cache.k[l, slot, p].reshape(len(slot), kvd).float()  # fp32 rows hold any cache dtype exactly
+            v = self.cache.v[l, slot, p].reshape(len(slot), kvd).float()
             meta = torch.stack([torch.full_like(slot, l), slot, p], 1).float()
             parts.append(torch.cat([meta, k, v], 1))
         tok_rows = torch.zeros(len(req), 3 + 2 * kvd)
@@ -317,8 +332,8 @@ class MoEEngine:
         kvr = rows[~is_tok]
         l, s, p = kvr[:, 0].long(), kvr[:, 1].long(), kvr[:, 2].long()
         shape = (len(kvr), self.cfg.n_kv_heads, self.cfg.head_dim)
-        self.cache.k[l, s, p] = kvr[:, 3:3 + kvd].reshape(shape)
-        self.cache.v[l, s, p] = kvr[:, 3 + kvd:].reshape(shape)
+        self.cache.k[l, s, p] = kvr[:, 3:3 + kvd].reshape(shape).to(self.cache.k.dtype)
+        self.cache.v[l, s, p] = kvr[:, 3 + kvd:].reshape(shape).to(self.cache.v.dtype)
         tr = rows[is_tok]
         return tr[:, 1].long(), tr[:, 2].long()
 
@@ -411,7 +426,8 @@ class MoEEngine:
         owned = list(range(B)) if coherent else mine  # whose context this rank keeps
         self.slot_of = torch.full((max(B, 1),), -1, dtype=torch.int64)
         self.slot_of[torch.tensor(owned, dtype=torch.int64)] = torch.arange(len(owned))
-        self.cache = KVCache(self.cfg, max(1, len(owned)), max_len)
+        dtype = self.model.embed_tokens.weight.dtype  # the cache holds K/V in the model's dtype (bf16 too)
+        self.cache = KVCache(self.cfg, max(1, len(owned)), max_len, dtype=dtype)
         # prefill (both modes: tokens return to their home rank)
         req = torch.tensor([r for r in mine for _ in all_prompts[r]], dtype=torch.int64)
         pos = torch.tensor([q for r in mine for q in range(len(all_prompts[r]))], dtype=torch.int64)
