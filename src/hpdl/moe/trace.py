@@ -53,7 +53,15 @@ class Trace:
     @classmethod
     def load(cls, path: str | Path) -> "Trace":
         """Raises MoEError when the file is not an hpdl trace."""
-        with np.load(path, allow_pickle=False) as z:
+        import zipfile
+
+        try:
+            z = np.load(path, allow_pickle=False)
+        except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
+            raise MoEError(f"path={path}: not an hpdl.moe trace .npz ({type(e).__name__}: {e})") from None
+        if not isinstance(z, np.lib.npyio.NpzFile):
+            raise MoEError(f"path={path}: not an hpdl.moe trace (a single .npy array, not an .npz)")
+        with z:
             if "experts" not in z or "meta" not in z:
                 raise MoEError(f"path={path}: not an hpdl.moe trace (needs arrays 'experts' and 'meta')")
             meta = json.loads(str(z["meta"]))
