@@ -100,6 +100,10 @@ def test_config_errors_name_the_field():
         MoEConfig.from_hf({"model_type": "gpt2"})
     with pytest.raises(MoEConfigError, match="no MoE layer"):
         MoEConfig(n_layers=2, moe_every=3)
+    with pytest.raises(MoEConfigError, match="multiple of n_heads"):
+        MoEConfig(hidden_size=30, n_heads=4)
+    with pytest.raises(MoEConfigError, match="head_dim=3 must be even"):
+        MoEConfig(hidden_size=12, n_heads=4, n_kv_heads=4)
 
 
 def test_malformed_checkpoint_dirs_name_the_file_or_key(tmp_path):

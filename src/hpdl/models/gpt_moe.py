@@ -73,6 +73,10 @@ class MoEConfig:
             raise MoEConfigError(f"arch must be one of {ARCHS}, got {self.arch!r}")
         if self.n_heads % self.n_kv_heads:
             raise MoEConfigError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.head_dim_ is None and self.hidden_size % self.n_heads:
+            raise MoEConfigError(f"hidden_size={self.hidden_size} must be a multiple of n_heads={self.n_heads}")
+        if self.head_dim % 2:
+            raise MoEConfigError(f"head_dim={self.head_dim} must be even (rotary embedding rotates pairs)")
         if not 1 <= self.top_k <= self.n_experts:
             raise MoEConfigError(f"top_k must be in [1, n_experts={self.n_experts}], got {self.top_k}")
         if self.moe_every < 1:
