@@ -218,3 +218,42 @@ def test_bf16_model_positions_above_256(world):
         assert got == dict(enumerate(ref)), mode
         want = {(0, q) for q in range(304)} | {(1, q) for q in range(5)}  # prompt + 3 decode forwards
         assert set(routing) == want and all(None not in v for v in routing.values()), mode
+
+
+def _one_rank_dies(ctx, path):
+    import os
+    import time
+
+    import hpdl.moe.engine as E
+
+    os.environ["HPDL_TIMEOUT"] = "5"
+    eng = E.MoEEngine(make_model(CFG), mode="exflow")
+    if ctx.rank == 1:
+        os._exit(3)
+    t0 = time.monotonic()
+    try:
+        eng.generate([[1, 2, 3]], 8)
+        msg = "no error"
+    except Exception as e:  # noqa: BLE001 - the type is what the test checks
+        msg = f"{type(e).__name__}: {e}"
+    with open(path, "w") as f:
+        f.write(f"{time.monotonic() - t0:.1f}\n{msg}")
+    return msg
+
+
+def test_killed_rank_raises_a_typed_error_not_a_hang(tmp_path):
+    """Rank 1 dies; rank 0 must get an hpdl error naming itself and the collective within HPDL_TIMEOUT (5 s)."""
+    from hpdl.runtime.errors import WorkerFailedError
+
+    f = tmp_path / "rank0.txt"
+    with pytest.raises(WorkerFailedError, match="rank 1 died"):
+        get_pool(2).run(_one_rank_dies, str(f), timeout=60)
+    for _ in range(50):  # rank 0 writes its outcome before the pool tears it down
+        if f.exists() and f.read_text().count("\n"):
+            break
+        import time
+
+        time.sleep(0.1)
+    secs, msg = f.read_text().split("\n", 1)
+    assert float(secs) < 6 and msg.split(":")[0] in ("WorkerFailedError", "CollectiveTimeoutError"), msg
+    assert "rank 0" in msg or "rank 1" in msg, msg

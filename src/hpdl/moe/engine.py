@@ -37,6 +37,7 @@ from hpdl.models.gpt_moe import KVCache, MoEDecoder
 from hpdl.moe import dispatch
 from hpdl.moe.errors import MoEError
 from hpdl.moe.placement import contiguous, validate
+from hpdl.runtime.errors import HpdlError, WorkerFailedError
 
 MODES = ("baseline", "exflow")
 CAPACITIES = ("exchange", "worst_case")
@@ -149,6 +150,19 @@ class MoEEngine:
         self.routing: dict[tuple[int, int], list[int]] = {}
 
     # --- collectives (hpdl.comm public API; everything after the tensors by keyword) ----------------------
+    def _call(self, what: str, layer: int | None, fn, *args, **kw) -> None:
+        """One hpdl.comm collective. hpdl's own errors (timeouts naming the silent rank, mismatches) pass
+        through; the backend's untyped RuntimeError (gloo: "Connection closed by peer" when a rank died)
+        becomes a WorkerFailedError that names this rank, the collective and the MoE layer."""
+        try:
+            fn(*args, **kw)
+        except HpdlError:
+            raise
+        except RuntimeError as e:
+            where = f"MoE layer {layer}" if layer is not None else "the context all-gather"
+            raise WorkerFailedError(f"rank {self.rank}: {what} at {where} failed; a peer rank of the "
+                                    f"{self.G}-rank group died or closed its connection ({str(e)[:300]})") from e
+
     def _exchange(self, payload: torch.Tensor, send: list[int], layer: int) -> tuple[torch.Tensor, list[int]]:
         """Dispatch ``payload`` (rows grouped by destination, ``send[q]`` rows for rank q); returns (received
         rows grouped by source, recv counts per source). "exchange": counts first, then exactly sized rows;
@@ -166,7 +180,8 @@ class MoEEngine:
         send_t = torch.tensor(send, dtype=torch.int64)
         recv_t = torch.empty(self.G, dtype=torch.int64)
         if self.G > 1:
-            hc.all_to_all_single(recv_t, send_t, group=self.group, check=self.check)
+            self._call("count exchange", layer, hc.all_to_all_single, recv_t, send_t, group=self.group,
+                       check=self.check)
         else:
             recv_t.copy_(send_t)
         t1 = time.perf_counter()
@@ -200,7 +215,8 @@ class MoEEngine:
         out = torch.empty(sum(recv), payload.shape[1], dtype=payload.dtype)
         t0 = time.perf_counter()
         if self.G > 1:
-            hc.all_to_all_single(out, payload.contiguous(), output_split_sizes=recv, input_split_sizes=send,
+            self._call("payload Alltoall", layer, hc.all_to_all_single, out, payload.contiguous(),
+                       output_split_sizes=recv, input_split_sizes=send,
                                  group=self.group, check=self.check)
         else:
             out.copy_(payload)
@@ -222,19 +238,19 @@ class MoEEngine:
             buf = torch.full((cap, rows.shape[1]), -2.0, dtype=rows.dtype)
             buf[:rows.shape[0]] = rows
             out = torch.empty(self.G * cap, rows.shape[1], dtype=rows.dtype)
-            hc.all_gather(out, buf, group=self.group, check=self.check)
+            self._call("padded all-gather", None, hc.all_gather, out, buf, group=self.group, check=self.check)
             self.stats.gather_calls += 1
             self.stats.gather_bytes += (self.G - 1) * cap * rows.shape[1] * rows.element_size()
             self.stats.gather_seconds += time.perf_counter() - t0
             return out[out[:, 0] > -2]
         n = torch.tensor([rows.shape[0]], dtype=torch.int64)
         counts = torch.empty(self.G, dtype=torch.int64)
-        hc.all_gather(counts, n, group=self.group, check=self.check)
+        self._call("count all-gather", None, hc.all_gather, counts, n, group=self.group, check=self.check)
         m = int(counts.max())
         buf = torch.zeros(m, rows.shape[1], dtype=rows.dtype)
         buf[:rows.shape[0]] = rows
         out = torch.empty(self.G * m, rows.shape[1], dtype=rows.dtype)
-        hc.all_gather(out, buf, group=self.group, check=self.check)
+        self._call("row all-gather", None, hc.all_gather, out, buf, group=self.group, check=self.check)
         self.stats.gather_calls += 2
         self.stats.gather_bytes += (self.G - 1) * m * rows.shape[1] * rows.element_size()
         self.stats.gather_seconds += time.perf_counter() - t0
