@@ -9,8 +9,8 @@ driver's loop was busy while the clock ran (``driver_s`` without ``wait`` and ``
 estimates made while the pool started). Writes a markdown table to stdout and a PNG of wall
 times (plus best-vs-time curves) per file.
 
-    PYTHONPATH=src python3 benchmarks/hpo_mps_report.py --png-dir docs/benchmarks \\
-        "1 x H200, launch=docs/benchmarks/hpo_mps_2026-11-30_1xh200_launch.json" ...
+    PYTHONPATH=src python3 benchmarks/hpo_mps_report.py --png-dir docs/benchmarks/data/hpo \\
+        "1 x H200, launch=docs/benchmarks/data/hpo/hpo_mps_2026-11-30_1xh200_launch.json" ...
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 profiled trial costs on simulated pools (12 A100 + 4 H100, and the measured 1/2 x H200 as a check) into
 docs/benchmarks/hpo_simulation.md (+ PNG). Runs on CPU.
 
-    PYTHONPATH=src python3 benchmarks/hpo_report.py --results out/hpo_device/results.json --docs docs/benchmarks
+    PYTHONPATH=src python3 benchmarks/hpo_report.py --results out/hpo_device/results.json --docs docs/benchmarks/data/hpo
 
 Trace construction: see :func:`build_trace` (solo time from the ``one_per_gpu`` run, busy fraction and
 memory from the in-place profiles, static bound and FLOPs from the meta-device trace).
@@ -204,7 +204,7 @@ def simulation_table(trace: list[SimTrial], doc: dict | None, docs: str, overhea
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", required=True)
-    ap.add_argument("--docs", default="docs/benchmarks")
+    ap.add_argument("--docs", default="docs/benchmarks/data/hpo")
     args = ap.parse_args()
     doc = json.load(open(args.results))
     os.makedirs(args.docs, exist_ok=True)

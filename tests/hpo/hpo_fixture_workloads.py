@@ -96,3 +96,41 @@ class NanCNN(VisionCNN):
     def train(self, ctx):
         value = super().train(ctx)
         return float("nan") if int(ctx.params["width"]) == int(ctx.params["nan_width"]) else value
+
+
+def start_cli(*argv: str, out=subprocess.PIPE, **env: str) -> subprocess.Popen:
+    """``hpdl <argv>`` in a new process (one intra-op thread, this folder importable); stdout and stderr go
+    to ``out`` (a pipe by default, or an open file)."""
+    full = {**os.environ, "OMP_NUM_THREADS": "1", **env,
+            "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.abspath(__file__))] + sys.path)}
+    return subprocess.Popen([sys.executable, "-m", "hpdl.cli", *argv], env=full, stderr=out,
+                            stdout=out, text=True)
+
+
+class SlowCNN(VisionCNN):
+    """The small CNN with ``sleep_s`` of sleep in every step: a trial stays busy (and checkpointed at each
+    evaluation) long enough to be interrupted, without using the CI machine's two cores."""
+
+    name = "slow_cnn"
+    defaults = {**VisionCNN.defaults, "sleep_s": 0.05}
+
+    def train(self, ctx):
+        import time
+
+        inner = ctx.step
+
+        def step(s):
+            time.sleep(float(ctx.params["sleep_s"]))
+            return inner(s)
+
+        ctx.step = step
+        return super().train(ctx)
+
+
+class AlwaysRaiseCNN(VisionCNN):
+    """Every attempt raises before training: a study in which every configuration fails."""
+
+    name = "always_raise_cnn"
+
+    def train(self, ctx):
+        raise ValueError("this configuration always fails")

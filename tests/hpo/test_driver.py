@@ -15,6 +15,7 @@ import yaml
 from hpdl.hpo.cli import HpoCommand
 from hpdl.hpo.driver import run_study
 from hpdl.hpo.errors import HpoError
+from hpdl.hpo.protocol import Done, PeakMemory, ProfileReport
 from hpdl.hpo.report import study_status
 from hpdl.hpo.spec import StudySpec, make_storage
 from hpdl.hpo.workloads import get_workload
@@ -160,7 +161,9 @@ def test_killed_trial_process_is_failed_retried_and_resumes_from_checkpoint(tmp_
 
 @pytest.mark.timeout(200)
 def test_scheduler_killed_then_resumed_loses_nothing_and_leaves_nothing_running(tmp_path):
-    d = spec_dict(tmp_path, n_trials=3, fixed={**FIXED, "steps": 120, "eval_every": 10})
+    """With max_retries 0 a kill -9 of the driver gives up no configuration: its death is not the trials'
+    failure (before: the killed trials' configurations were given up and `resume` reported done)."""
+    d = spec_dict(tmp_path, n_trials=3, max_retries=0, fixed={**FIXED, "steps": 120, "eval_every": 10})
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump(d))
     spec = StudySpec.from_dict(d)
@@ -198,8 +201,8 @@ def test_scheduler_killed_then_resumed_loses_nothing_and_leaves_nothing_running(
             lin = t.user_attrs["hpdl_lineage"]
             assert lin not in lineages, "a configuration completed twice"
             lineages[lin] = t
-    assert len(lineages) == 3
-    assert res.failures.get("driver_died", 0) >= 1
+    assert len(lineages) == 3 and not any(t.user_attrs.get("hpdl_gave_up") for t in trials)
+    assert res.requeued.get("driver_died", 0) >= 1 and not res.failures
     # trials killed with the driver after two reports continue from a checkpoint (step >= 10): the retry
     # reports no step 10 (and nothing at all when the checkpoint was already the last step)
     died = [t for t in trials if t.state.name == "FAIL" and t.user_attrs["hpdl_failure"].startswith("driver_died")]
@@ -207,7 +210,7 @@ def test_scheduler_killed_then_resumed_loses_nothing_and_leaves_nothing_running(
     for f in died:
         if (f.last_step or 0) >= 20:
             retry = lineages[f.user_attrs.get("hpdl_lineage", f.number)]
-            assert retry.user_attrs["hpdl_attempt"] >= 1 and min(retry.intermediate_values, default=120) > 10
+            assert retry.user_attrs["hpdl_attempt"] == 0 and min(retry.intermediate_values, default=120) > 10
 
 
 @pytest.fixture
@@ -306,7 +309,7 @@ def test_trials_asked_while_the_pool_started_are_released_when_it_fails(tmp_path
 def test_first_trials_start_before_every_static_estimate_is_done(tmp_path, monkeypatch):
     """A deep lookahead of new structures must not delay the first dispatch: estimates beyond the per-tick
     budget wait for the next tick."""
-    import hpdl.hpo.driver as drv_mod
+    import hpdl.hpo.placement as drv_mod
     from hpdl.hpo.driver import Driver
 
     space = {"width": {"type": "categorical", "choices": [4, 5, 6, 7, 8, 9, 10, 11]}}
@@ -328,7 +331,7 @@ def test_first_trials_start_before_every_static_estimate_is_done(tmp_path, monke
 def test_sampling_stops_after_its_budget_once_a_trial_is_pending(tmp_path, monkeypatch):
     """The first trials start before the whole lookahead is asked for (each ask is several storage commits):
     past the per-tick budget the rest waits for the next tick, which does not wait for a message."""
-    import hpdl.hpo.driver as drv_mod
+    import hpdl.hpo.placement as drv_mod
     from hpdl.hpo.driver import Driver
 
     drv = Driver(StudySpec.from_dict(spec_dict(tmp_path, n_trials=8, lookahead=8)))
@@ -350,7 +353,7 @@ def test_sampling_stops_after_its_budget_once_a_trial_is_pending(tmp_path, monke
 def test_configurations_a_user_enqueued_use_the_budget_and_stop_the_asks(tmp_path, monkeypatch):
     """Optuna's ask pops enqueued trials first; a user's enqueued configuration is a lineage of its own,
     and once the budget is used no new configuration is asked, whatever the lookahead."""
-    import hpdl.hpo.driver as drv_mod
+    import hpdl.hpo.placement as drv_mod
     from hpdl.hpo.driver import Driver
 
     monkeypatch.setattr(drv_mod, "_SAMPLE_BUDGET_S", 60.0)
@@ -366,20 +369,20 @@ def test_configurations_a_user_enqueued_use_the_budget_and_stop_the_asks(tmp_pat
 def test_drivers_sharing_one_storage_never_ask_past_the_budget(tmp_path, monkeypatch):
     """Many nodes: two drivers on one store and study. A driver whose budget limits its asks counts the
     other driver's configurations from the storage, however recent."""
-    import hpdl.hpo.driver as drv_mod
+    import hpdl.hpo.placement as drv_mod
     from hpdl.hpo.driver import Driver
 
     monkeypatch.setattr(drv_mod, "_SAMPLE_BUDGET_S", 60.0)
     monkeypatch.setattr(drv_mod, "_BUDGET_READ_S", 0.0)  # this test's steps may take less than 50 ms
     d = spec_dict(tmp_path, n_trials=4, lookahead=2, storage=f"sqlite:///{tmp_path}/shared.db")
     a = Driver(StudySpec.from_dict(d))
-    b = Driver(StudySpec.from_dict(d), resume=True)
+    b = Driver(StudySpec.from_dict({**d, "run_dir": str(tmp_path / "node-b")}), resume=True)  # another node
     try:
         a._sample(*a.ledger.lineages())   # a: configurations 0 and 1
         b._sample(*b.ledger.lineages())   # b: 2 and 3, the whole budget
         for t in list(a.pending):         # a's two finish (what the loop does on "done")
             a.pending.remove(t)
-            a._on_message(type("W", (), {"trial": t, "idle_since": 0})(), ("done", t.trial_id, 0.5))
+            a._on_message(type("W", (), {"trial": t, "idle_since": 0})(), Done(trial_id=t.trial_id, value=0.5))
         a._sample(*a.ledger.lineages())   # within refresh_s of a's last read
         assert not a.pending
         assert len({t.user_attrs["hpdl_lineage"] for t in a.study.get_trials()}) == 4
@@ -392,21 +395,21 @@ def test_drivers_sharing_one_storage_never_ask_past_the_budget(tmp_path, monkeyp
 def test_a_driver_that_sees_another_reads_the_store_before_each_ask(tmp_path, monkeypatch):
     """A resumed driver (or one whose read found configurations it did not ask for) counts from the store
     before it asks, even when its lookahead, not the budget, limits the asks."""
-    import hpdl.hpo.driver as drv_mod
+    import hpdl.hpo.placement as drv_mod
     from hpdl.hpo.driver import Driver
 
     monkeypatch.setattr(drv_mod, "_SAMPLE_BUDGET_S", 60.0)
     monkeypatch.setattr(drv_mod, "_BUDGET_READ_S", 0.0)
     d = spec_dict(tmp_path, n_trials=5, lookahead=2, storage=f"sqlite:///{tmp_path}/shared.db")
     a = Driver(StudySpec.from_dict(d))
-    b = Driver(StudySpec.from_dict(d), resume=True)
+    b = Driver(StudySpec.from_dict({**d, "run_dir": str(tmp_path / "node-b")}), resume=True)  # another node
     try:
         a._sample(*a.ledger.lineages())   # a: 0, 1 (alone so far)
         b._sample(*b.ledger.lineages())   # b saw a's: reads first, asks 2, 3
         assert b.ledger.shared and not a.ledger.shared
         for t in list(a.pending):
             a.pending.remove(t)
-            a._on_message(type("W", (), {"trial": t, "idle_since": 0})(), ("done", t.trial_id, 0.5))
+            a._on_message(type("W", (), {"trial": t, "idle_since": 0})(), Done(trial_id=t.trial_id, value=0.5))
         a.ledger.refresh_s = 0.0          # a's next periodic read (within 2 s in the driver)
         a._sample(*a.ledger.lineages())
         assert a.ledger.shared and len(a.pending) == 1
@@ -440,7 +443,7 @@ def test_nan_objective_fails_its_configuration_once_and_the_study_finishes(tmp_p
 def test_study_finishes_when_estimates_and_asks_trickle_in_one_per_tick(tmp_path, monkeypatch):
     """The loop places trials whose demand is known while others still wait for their estimate or their
     ask; the result splits the driver's time by phase."""
-    import hpdl.hpo.driver as drv_mod
+    import hpdl.hpo.placement as drv_mod
 
     monkeypatch.setattr(drv_mod, "_ESTIMATE_BUDGET_S", 0.0)
     monkeypatch.setattr(drv_mod, "_SAMPLE_BUDGET_S", 0.0)
@@ -467,27 +470,27 @@ def test_tasks_carry_the_memory_cap_and_whole_run_peaks_raise_profiles(tmp_path)
         drv._sample(set(), set())
         t, dev = drv.pending[0], drv.pool.devices()[0]
         t.demand = TrialDemand(t.number, 5 * GIB, 0.5, 1.0, profiled=True)
-        assert drv._task(t, dev)["memory_cap"] == 5 * GIB
+        assert drv._task(t, dev).memory_cap == 5 * GIB
         t.demand = TrialDemand(t.number, GIB, 0.5, 1.0, profiled=True)
-        assert drv._task(t, dev)["memory_cap"] is None  # small trials stay uncapped
+        assert drv._task(t, dev).memory_cap is None  # small trials stay uncapped
         w = SimpleNamespace(trial=t)
         drv.profiles.put(t.skey, TrialProfile("H200", GIB))  # static only: not a measurement to raise
-        drv._on_message(w, ("memory", t.trial_id, "H200", 3 * GIB))
+        drv._on_message(w, PeakMemory(trial_id=t.trial_id, kind="H200", bytes=3 * GIB))
         assert drv.profiles.get(t.skey, "H200").memory_bytes == GIB
         drv.profiles.put(t.skey, TrialProfile("cpu", GIB, 0.01, 0.5, source="cpu"))
-        drv._on_message(w, ("memory", t.trial_id, "cpu", 3 * GIB))
+        drv._on_message(w, PeakMemory(trial_id=t.trial_id, kind="cpu", bytes=3 * GIB))
         assert drv.profiles.get(t.skey, "cpu").memory_bytes == 3 * GIB
         assert w.trial is t and drv.running.get(t.number, t) is t  # not an outcome: the trial runs on
-        drv._on_message(w, ("memory", t.trial_id, "cpu", 2 * GIB))
+        drv._on_message(w, PeakMemory(trial_id=t.trial_id, kind="cpu", bytes=2 * GIB))
         assert drv.profiles.get(t.skey, "cpu").memory_bytes == 3 * GIB
-        drv._on_message(w, ("memory", t.trial_id + 1, "cpu", 9 * GIB))  # another trial's late message
+        drv._on_message(w, PeakMemory(trial_id=t.trial_id + 1, kind="cpu", bytes=9 * GIB))  # another trial's late message
         assert drv.profiles.get(t.skey, "cpu").memory_bytes == 3 * GIB
         # a sibling's profile of the training steps alone must not undo the whole-run peak
-        drv._on_message(w, ("profile", t.trial_id, {"kind": "cpu", "memory_bytes": GIB, "step_time_s": 0.01,
+        drv._on_message(w, ProfileReport(trial_id=t.trial_id, profile={"kind": "cpu", "memory_bytes": GIB, "step_time_s": 0.01,
                                                     "compute": 0.5, "source": "cpu"}))
         assert drv.profiles.get(t.skey, "cpu").memory_bytes == 3 * GIB and t.demand.memory_bytes == 3 * GIB
         # the policy learns step times (its run-time estimates) and demands carry the steps to scale them
-        drv._on_message(w, ("profile", t.trial_id, {"kind": "cpu", "memory_bytes": GIB, "step_time_s": 0.02,
+        drv._on_message(w, ProfileReport(trial_id=t.trial_id, profile={"kind": "cpu", "memory_bytes": GIB, "step_time_s": 0.02,
                                                     "compute": 0.5, "source": "cpu", "flops": 1e9}))
         assert (0.02, 1e9) in drv.policy._step_times and t.demand.steps > 0
         assert all(d.steps > 0 for d in drv._demands(drv.pool.devices()).values())
@@ -509,7 +512,7 @@ def test_outcome_sent_just_before_the_worker_exits_is_not_a_death(tmp_path):
         drv._sample(set(), set())
         t = drv.pending.pop(0)
         parent, child = __import__("multiprocessing").Pipe()
-        child.send(("done", t.trial_id, 0.75))
+        child.send(Done(trial_id=t.trial_id, value=0.75))
         child.close()  # the worker is gone
         w = WorkerHandle(SimpleNamespace(is_alive=lambda: False, exitcode=0, join=lambda *a: None), parent, "fake:0")
         w.trial, t.worker, t.device_id = t, w, "fake:0"

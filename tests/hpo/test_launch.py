@@ -11,6 +11,7 @@ import pytest
 from hpdl.hpo.driver import run_study
 from hpdl.hpo.errors import HpoError
 from hpdl.hpo.launch import START_METHOD_ENV, worker_context
+from hpdl.hpo.protocol import Ready, RunTask, Task
 from hpdl.hpo.spec import StudySpec
 from hpdl.runtime.procs import pid_alive
 from hpo_fixture_workloads import start_driver
@@ -146,7 +147,7 @@ def test_a_task_queued_on_a_starting_worker_moves_to_a_warm_worker_that_frees_fi
     warm.trial = busy
     cold = WorkerHandle(_Proc(), pipes[1][0], dev.id)  # still starting
     launcher._spawn = lambda device, sm_percent=100: launcher.workers.append(cold) or cold
-    task = {"trial_id": 1, "number": 1}
+    task = Task(1, 1, 1, {})
     assert launcher.start(dev, task) is cold and cold.queued == task
     t = _Trial(1, 1, 1, {}, "k", time.monotonic(), dev.id, cold)
     cold.trial, drv.running[1] = t, t
@@ -156,13 +157,13 @@ def test_a_task_queued_on_a_starting_worker_moves_to_a_warm_worker_that_frees_fi
     assert cold.trial is t and cold.queued == task and not pipes[0][1].poll()
     warm.trial = None  # it finished its trial
     drv._rebind()
-    assert warm.trial is t and t.worker is warm and pipes[0][1].recv() == ("run", task)
+    assert warm.trial is t and t.worker is warm and pipes[0][1].recv() == RunTask(task=task)
     assert cold.trial is None and cold.queued is None and not pipes[2][1].poll() and not pipes[3][1].poll()
     launcher.on_ready(cold)  # the cold worker comes up with nothing to do
     assert cold.ready and not pipes[1][1].poll()
 
     # a queued trial asked to move (device removed, migration) returns to pending without a message
-    cold2 = WorkerHandle(_Proc(), pipes[1][0], dev.id, queued={"trial_id": 2}, trial=None)
+    cold2 = WorkerHandle(_Proc(), pipes[1][0], dev.id, queued=Task(2, 2, 2, {}), trial=None)
     t2 = _Trial(2, 2, 2, {}, "k", time.monotonic(), dev.id, cold2)
     cold2.trial, drv.running[2] = t2, t2
     drv._preempt(t2)
@@ -188,7 +189,7 @@ def test_a_worker_dying_before_ready_returns_its_queued_trial_and_repeated_death
     def die(n: int, device: str, stopping: bool = False) -> None:
         dead = WorkerHandle(_Proc(alive=False), a, device, closed=True, stopping=stopping)
         if not stopping:  # a stopped worker is an idle one; this one had a trial queued
-            dead.queued, dead.trial = {"trial_id": n}, _Trial(n, n, n, {}, "k", time.monotonic(), device, dead)
+            dead.queued, dead.trial = Task(n, n, n, {}), _Trial(n, n, n, {}, "k", time.monotonic(), device, dead)
             drv.running[n] = dead.trial
         drv.launcher.workers[:] = [dead]
         drv._reap()
@@ -200,7 +201,7 @@ def test_a_worker_dying_before_ready_returns_its_queued_trial_and_repeated_death
     try:
         die(1, "fake:0")
         die(2, "fake:0")
-        drv._on_message(WorkerHandle(_Proc(), None, "fake:0"), ("ready", 0, {}))  # one came up: count again
+        drv._on_message(WorkerHandle(_Proc(), None, "fake:0"), Ready(pid=0))  # one came up: count again
         die(3, "fake:0")
         die(4, "fake:0", stopping=True)  # stopped on purpose (e.g. its device was removed): not counted
         die(5, "fake:0")
@@ -228,12 +229,12 @@ def test_a_rebind_to_a_spare_that_just_died_keeps_the_trial_queued(tmp_path):
     d.close()  # the spare's end: sending to it fails
     try:
         spare = WorkerHandle(_Proc(), c, dev.id, ready=True)
-        cold = WorkerHandle(_Proc(), a, dev.id, queued={"trial_id": 1})
+        cold = WorkerHandle(_Proc(), a, dev.id, queued=Task(1, 1, 1, {}))
         t = _Trial(1, 1, 1, {}, "k", time.monotonic(), dev.id, cold)
         cold.trial, drv.running[1] = t, t
         drv.launcher.workers[:] = [spare, cold]
         drv._rebind()
-        assert cold.trial is t and cold.queued == {"trial_id": 1} and t.worker is cold and spare.trial is None
+        assert cold.trial is t and cold.queued == Task(1, 1, 1, {}) and t.worker is cold and spare.trial is None
     finally:
         for p in (a, b, c):
             p.close()
@@ -247,7 +248,7 @@ def test_a_trial_queued_on_a_starting_worker_is_released_when_the_driver_stops(t
 
     drv = _late_driver(tmp_path)
     asked = drv.study.ask(drv.dists)
-    cold = WorkerHandle(_Proc(), None, "fake:0", queued={"trial_id": asked._trial_id})
+    cold = WorkerHandle(_Proc(), None, "fake:0", queued=Task(asked._trial_id, asked.number, asked.number, {}))
     t = _Trial(asked.number, asked._trial_id, asked.number, dict(asked.params), "k", time.monotonic(), "fake:0", cold)
     cold.trial, drv.running[t.number] = t, t
     drv._release_pending()

@@ -8,6 +8,7 @@ import torch
 
 import hpdl.hpo.worker as worker
 from hpdl.hpo.profiler import TrialProfile
+from hpdl.hpo.protocol import ProfileReport, Task
 
 GIB = 1 << 30
 
@@ -49,9 +50,9 @@ def test_capped_cuda_trial_is_held_to_its_profile_once_measured(monkeypatch, tmp
     calls, sent = [], []
     monkeypatch.setattr(worker, "cap_memory", lambda dev, b, ctx=0: calls.append((b, ctx)))
     conn = SimpleNamespace(send=sent.append, poll=lambda: False)
-    task = {"trial_id": 7, "number": 0, "lineage": 0, "memory_cap": cap, "context_bytes": GIB // 2}
+    task = Task(7, 0, 0, {}, memory_cap=cap, context_bytes=GIB // 2)
     ctx = worker.TrialContext(None, {}, torch.device(device), conn, task, tmp_path, 1, _Profiler())
     with ctx.step(0):
         pass
-    assert sent[0][0] == "profile" and sent[0][1] == 7
+    assert isinstance(sent[0], ProfileReport) and sent[0].trial_id == 7
     assert calls == ([] if lowered is None else [(lowered, GIB // 2)])

@@ -200,3 +200,31 @@ def agent_unmaps_freed_buffers(ctx):
             mapped = [line.split()[-1] for line in fh if "hpdl-offload-buf" in line]
     dist.barrier()
     return mapped, sorted(paths)
+
+
+def not_a_member(ctx):
+    """compile() on a rank outside the group says so (the members' collective does not wait for it)."""
+    g = dist.new_group([0, 1, 2])
+    if ctx.rank != 3:
+        return None
+    return _err(lambda: ho.alltoall_init(torch.zeros(3), torch.zeros(3), group=g, progress="thread"))[:2]
+
+
+def peer_freed_before_start(ctx):
+    """Rank 1 (same agent as rank 0) frees its request; rank 0 starts afterwards: it fails at once, naming
+    rank 1 (a killed rank's requests are freed the same way when its connection to the agent closes)."""
+    C.ensure_agent(ctx)
+    P = ctx.world_size
+    inp, out = ho.empty((P, 8), torch.float32), ho.empty((P, 8), torch.float32)
+    req = ho.alltoall_init(inp, out, progress="agent", timeout=30)
+    if ctx.rank == 1:
+        req.free()
+    dist.barrier()
+    res = None
+    if ctx.rank == 0:
+        req.start()
+        res = _err(lambda: req.wait())
+    dist.barrier()
+    if ctx.rank != 1:
+        req.free()
+    return res

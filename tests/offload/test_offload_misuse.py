@@ -190,10 +190,28 @@ def test_a_closed_doorbell_never_writes_to_a_reused_descriptor(tmp_path):
     fifo = str(tmp_path / "bell")
     b = ho.shm.Bell(fifo=fifo)
     rb = ho.shm.RemoteBell(fifo)
+    numbers = (rb._w, b._w)
     rb.close()
     b.close()
-    with open(tmp_path / "other", "wb+") as fh:  # likely takes one of the numbers just closed
-        rb.ring()
-        b.ring()
+    with open(tmp_path / "other", "wb+") as fh:
+        for n in numbers:  # another file takes the numbers just closed, as the next open() may
+            os.dup2(fh.fileno(), n)
+        try:
+            rb.ring()
+            b.ring()
+        finally:
+            for n in numbers:
+                os.close(n)
         fh.seek(0)
         assert fh.read() == b""
+
+
+def test_compile_on_a_rank_outside_the_group_is_a_value_error():
+    kind, msg = pool().run(M.not_a_member)[3]
+    assert kind == "ValueError" and "global rank 3 is not a member" in msg, msg
+
+
+def test_a_start_after_a_same_node_peer_freed_fails_at_once():
+    kind, msg, elapsed = pool().run(M.peer_freed_before_start)[0]
+    assert kind == "OffloadError" and "rank 1" in msg and "freed its request" in msg, msg
+    assert "will never come" in msg and elapsed < 10, (msg, elapsed)

@@ -231,3 +231,46 @@ def test_shared_memory_buffers_and_a_full_directory():
     assert ho.shm.handle_of(torch.zeros(3)) is None
     with pytest.raises(ho.OffloadError, match="cannot allocate .* bytes of shared memory in .*HPDL_OFFLOAD_SHM_DIR"):
         ho.empty((1 << 50,), torch.uint8)
+
+
+def test_more_messages_between_two_endpoints_than_wire_tags_is_rejected(monkeypatch):
+    from hpdl.offload import compiler
+
+    monkeypatch.setattr(compiler, "TAG_MESSAGE_BITS", 4)  # 16 messages a pair instead of 65536: a fast test
+    n = 17
+    ps = []
+    for r in range(2):
+        p = ho.Plan("crowded", rank=r, world_size=2)
+        x = p.buffer("x", (n,), torch.float32)
+        for i in range(n):
+            (p.send if r == 0 else p.recv)(x[i:i + 1], 1 - r)
+        ps.append(p.data())
+    with pytest.raises(ho.PlanError, match=r"17 messages from endpoint 0 to endpoint 1, more than the 16"):
+        ho.compile_group(ps, key=1, endpoints=[0, 1])
+    assert len(ho.compile_group(ps, key=1, endpoints=[0, 0])[0].ops) == n  # one endpoint: copies, no tags
+
+
+def test_a_plan_whose_wire_tags_a_live_plan_holds_is_refused():
+    from hpdl.offload import shm
+    from hpdl.offload.executor import Executor, Instance, Transport
+
+    def inst(key, slot, t, boxes):
+        p = ho.Plan("p", rank=0, world_size=2)
+        x = p.buffer("x", (4,), torch.float32)
+        p.send(x[0:2], 1)
+        p.recv(x[2:4], 1)
+        q = ho.Plan("p", rank=1, world_size=2)
+        y = q.buffer("x", (4,), torch.float32)
+        q.recv(y[0:2], 0)
+        q.send(y[2:4], 0)
+        c = ho.compile_group([p.data(), q.data()], key=key, endpoints=[0, 1])[0]
+        return Instance(c, {"x": torch.zeros(4)}, boxes.array, slot, t, "s", "rank 0")
+
+    ex, t, boxes = Executor(), Transport(), shm.Mailboxes(4, shared=False)
+    a, b = inst(5, 0, t, boxes), inst(5 + 32768, 1, t, boxes)
+    ex.register(a)
+    with pytest.raises(ho.OffloadError, match=r"key 32773\) would share wire tags with live plan 'p' \(key 5\)"):
+        ex.register(b)
+    ex.register(inst(6, 2, t, boxes))  # another key is fine
+    ex.free(a)
+    ex.register(b)  # once the first is freed

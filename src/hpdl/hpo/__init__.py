@@ -8,24 +8,20 @@ train, checkpoint and report; the Optuna RDB storage lets a killed study resume.
     >>> run_study(StudySpec.from_yaml("study.yaml"))        # doctest: +SKIP
 """
 
-from hpdl.hpo.errors import HpoConfigError, HpoError, Preempted
-from hpdl.hpo.scheduler import (Assignment, Device, DeviceState, FixedFraction, OnePerGpu, Pack, PackHetero,
-                                SchedulingPolicy, TrialDemand, get_policy)
-from hpdl.hpo.spec import StudySpec
+# Every name loads on first use: importing hpdl.hpo (e.g. hpdl.hpo._prestart, which the CLI runs before
+# anything else) must not import torch, which hpdl.runtime imports.
+_LAZY = {"HpoConfigError": "errors", "HpoError": "errors", "HpoInterrupted": "errors", "Preempted": "errors",
+         "Assignment": "scheduler", "Device": "scheduler", "DeviceState": "scheduler", "FixedFraction": "scheduler",
+         "OnePerGpu": "scheduler", "Pack": "scheduler", "PackHetero": "scheduler",
+         "SchedulingPolicy": "scheduler", "TrialDemand": "scheduler", "get_policy": "scheduler",
+         "StudySpec": "spec", "run_study": "driver", "study_status": "report", "simulate": "simulator"}
 
-__all__ = ["Assignment", "Device", "DeviceState", "FixedFraction", "HpoConfigError", "HpoError", "OnePerGpu",
-           "Pack", "PackHetero", "Preempted", "SchedulingPolicy", "StudySpec", "TrialDemand",
-           "get_policy", "run_study", "study_status", "simulate"]
+__all__ = sorted(_LAZY)
 
 
-def __getattr__(name):  # heavy parts (torch, optuna) load on first use
-    if name == "run_study":
-        from hpdl.hpo.driver import run_study
-        return run_study
-    if name == "study_status":
-        from hpdl.hpo.report import study_status
-        return study_status
-    if name == "simulate":
-        from hpdl.hpo.simulator import simulate
-        return simulate
-    raise AttributeError(name)
+def __getattr__(name):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'hpdl.hpo' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"hpdl.hpo.{_LAZY[name]}"), name)

@@ -9,7 +9,12 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 from importlib import resources
+
+
+_EXIT_DEADLINE_S = 4.5  # after SIGINT/SIGTERM the command exits within this, stopped cleanly or not
 
 
 def _example() -> str:
@@ -29,36 +34,48 @@ class HpoCommand:
             p.add_argument("study_file", nargs="?", default=None,
                            help="YAML study file (default: the shipped CPU example)")
             p.add_argument("--policy", help="override the placement policy (one_per_gpu, fixed_fraction, pack, "
-                                            "pack_hetero)")
-            p.add_argument("--run-dir", help="override run_dir (and the default SQLite storage inside it)")
-            p.add_argument("--no-progress", action="store_true", help="no live table")
-            p.add_argument("--out", help="write the result as JSON to this file")
-            p.add_argument("--format", choices=("table", "json"), default="table")
+                                            "pack_hetero; default: the study file's, pack if it names none)")
+            p.add_argument("--run-dir", help="override run_dir (and the default SQLite storage inside it; "
+                                             "default: the study file's, hpo-runs/<study> if it names none)")
+            p.add_argument("--no-progress", action="store_true", help="no live table (default: a live table on stderr)")
+            p.add_argument("--out", help="write the result as JSON to this file (default: none)")
+            p.add_argument("--format", choices=("table", "json"), default="table",
+                           help="output format (default: %(default)s)")
         p = sub.add_parser("status", help="trial counts, best value and running trials of a study")
         p.add_argument("study_file", nargs="?", help="YAML study file (or give --storage and --study; default: the "
                                                      "shipped CPU example that `hpdl hpo run` runs)")
-        p.add_argument("--storage", help="SQLAlchemy URL of the study store")
-        p.add_argument("--study", help="study name")
-        p.add_argument("--format", choices=("table", "json"), default="table")
+        p.add_argument("--storage", help="SQLAlchemy URL of the study store (default: the study file's)")
+        p.add_argument("--study", help="study name (default: the study file's)")
+        p.add_argument("--format", choices=("table", "json"), default="table",
+                       help="output format (default: %(default)s)")
         p = sub.add_parser("simulate", help="replay profiled trial costs on a simulated pool (simulation)")
-        p.add_argument("--pool", default="12xA100,4xH100", help="e.g. 12xA100,4xH100 or 2xH200")
+        p.add_argument("--pool", default="12xA100,4xH100",
+                       help="simulated pool, e.g. 12xA100,4xH100 or 2xH200 (default: %(default)s)")
         p.add_argument("--trials", help="JSON trace of profiled trials (default: built-in synthetic trace)")
-        p.add_argument("--policies", default="one_per_gpu,fixed_fraction,pack,pack_hetero")
-        p.add_argument("--fraction", type=float, default=0.125, help="GPU fraction of fixed_fraction")
-        p.add_argument("--plot", help="PNG path for best value against simulated wall time")
+        p.add_argument("--policies", default="one_per_gpu,fixed_fraction,pack,pack_hetero",
+                       help="comma-separated policies to replay (default: %(default)s)")
+        p.add_argument("--fraction", type=float, default=0.125,
+                       help="GPU fraction of fixed_fraction (default: %(default)s)")
+        p.add_argument("--plot", metavar="PNG",
+                       help="write a PNG of best value against simulated wall time, each line to its makespan "
+                            "(default: no plot)")
         p.add_argument("--trials-per-gpu", type=int, default=0,
                        help="replay this many trials per GPU, drawn with replacement (seed 0) from the trace "
-                            "(default: the trace as it is)")
+                            "(default: 0, the trace as it is)")
         p.add_argument("--mps", action="store_true", help="MPS sharing model (kernels side by side) instead of "
-                                                          "time-slicing; pack uses its MPS rule")
+                                                          "time-slicing; pack uses its MPS rule (default: off)")
         p.add_argument("--mps-capacity", type=float, default=4.0,
-                       help="summed busy fraction a GPU serves at full speed under MPS (4.0: fitted to the H200 runs)")
+                       help="summed busy fraction a GPU serves at full speed under MPS (default: %(default)s, fitted "
+                            "to the H200 runs)")
         p.add_argument("--overhead", type=float, default=0.0,
-                       help="slowdown per extra co-located trial (fitted on the H200 runs: 0.05 time-sliced, 0.1 MPS)")
-        p.add_argument("--startup-s", type=float, default=0.05, help="dispatch of a trial to a warm worker (s)")
+                       help="slowdown per extra co-located trial (default: %(default)s; fitted on the H200 runs: 0.05 "
+                            "time-sliced, 0.1 MPS)")
+        p.add_argument("--startup-s", type=float, default=0.05,
+                       help="dispatch of a trial to a warm worker, s (default: %(default)s)")
         p.add_argument("--max-compute", type=float, default=None,
                        help="pack/pack_hetero's summed busy fraction cap (default: the policy's, 2.0 or 8.0 with --mps)")
-        p.add_argument("--format", choices=("table", "json"), default="table")
+        p.add_argument("--format", choices=("table", "json"), default="table",
+                       help="output format (default: %(default)s)")
 
     def run(self, args) -> int:
         from hpdl.cli import CLIUsageError
@@ -93,8 +110,21 @@ class HpoCommand:
 
         from hpdl.hpo.driver import run_study
 
+        from hpdl.hpo._prestart import start_forkserver
+
+        start_forkserver()  # first: the workers' server imports torch while this process does
+        from hpdl.hpo.errors import HpoInterrupted
+
         spec = self._spec(args)
-        res = run_study(spec, resume=resume, progress=not args.no_progress)
+        try:
+            res = run_study(spec, resume=resume, progress=not args.no_progress, exit_deadline_s=_EXIT_DEADLINE_S)
+        except HpoInterrupted as exc:  # one line, and the shell's status for the signal
+            print(f"hpdl hpo: {exc}", file=sys.stderr)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            # everything is stored, the workers are gone and the lock is released: skip the interpreter's
+            # teardown (unloading torch took 3-6 s on a loaded 2-core machine), the user asked to stop now
+            os._exit(exc.exit_code)
         out = asdict(res)
         if args.out:
             with open(args.out, "w") as f:
@@ -105,8 +135,14 @@ class HpoCommand:
             print(f"study {res.study} [{res.policy}]: {res.complete} complete, {res.pruned} pruned, "
                   f"failures {res.failures or 'none'}, wall {res.wall_s:.1f} s "
                   f"(+ {res.warmup_s:.1f} s warm pool start-up)")
+            if res.requeued:
+                print(f"re-queued without spending an attempt: {res.requeued}")
             print(f"best value {res.best_value} with {res.best_params}")
             print(f"storage {spec.storage} (optuna-dashboard {spec.storage})")
+        if res.complete == 0:  # the budget is spent and there is no result: a script must see it
+            print(f"hpdl hpo: study {res.study!r} ended with no completed configuration "
+                  f"(failures {res.failures or 'none'}, {res.pruned} pruned); see `hpdl hpo status`", file=sys.stderr)
+            return 1
         return 0
 
     def _resume(self, args) -> int:
@@ -143,6 +179,9 @@ class HpoCommand:
               else "no configuration has completed yet")
         for r in s["running"]:
             print(f"  running trial {r['number']} on {r['host']}/{r['device']} at step {r['last_step']}")
+        for r in s["orphaned"]:
+            print(f"  trial {r['number']} was running on {r['host']}/{r['device']} at step {r['last_step']} when "
+                  "its driver died; `hpdl hpo resume` re-queues it (no attempt spent)")
         for r in s["failures"]:
             print(f"  failed trial {r['number']}: {r['reason']}")
         return 0
@@ -168,7 +207,8 @@ class HpoCommand:
         for r in rows:
             r["speedup_vs_one_per_gpu"] = base / r["makespan_s"] if base else None
         if args.plot:
-            plot_best_vs_time(curves, args.plot, f"SIMULATION: {len(trials)} trials on {args.pool}")
+            plot_best_vs_time(curves, args.plot, f"SIMULATION: {len(trials)} trials on {args.pool}",
+                              ends={r["policy"]: r["makespan_s"] for r in rows})
         if args.format == "json":
             print(json.dumps({"simulation": True, "pool": args.pool, "rows": rows}, indent=1))
             return 0

@@ -14,4 +14,18 @@ class HpoConfigError(HpoError, ValueError):
 
 
 class Preempted(HpoError):
-    """Raised inside a trial when the driver asked it to stop and checkpoint (GPU removed or migration)."""
+    """Raised inside a trial when the driver asked it to stop and checkpoint (GPU removed or migration:
+    ``stop=False``, the worker takes the next trial; the driver stops: ``stop=True``, the worker exits)."""
+
+    def __init__(self, message: str, stop: bool = False):
+        super().__init__(message)
+        self.stop = stop
+
+
+class HpoInterrupted(HpoError):
+    """The driver was stopped by SIGINT or SIGTERM; its running trials were checkpointed and re-queued.
+    ``exit_code`` is 128 + the signal number (130 for SIGINT, 143 for SIGTERM), as a shell reports it."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum, self.exit_code = signum, 128 + signum

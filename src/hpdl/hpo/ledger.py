@@ -13,12 +13,27 @@ import os
 import signal
 import time
 
+# failures that are not the trial's own: re-queued as they were, no attempt spent
+REQUEUE_KINDS = ("not_started", "interrupted", "driver_died")
+
+
+def _kind(failure: str) -> str:
+    return str(failure).partition(":")[0]
+
+
+def counts_as_attempt(failure: str) -> bool:
+    """True when a FAIL trial's ``hpdl_failure`` (``"<kind>: <message>"``) spent one of its configuration's
+    attempts, i.e. the trial itself failed (see :data:`REQUEUE_KINDS`)."""
+    return _kind(failure) not in REQUEUE_KINDS
+
 
 class Ledger:
     """Lineage accounting and failure handling for one driver (not thread-safe).
 
     Args:
         study: the ``optuna.Study`` (RDB storage).
+        storage: the ``optuna.storages.BaseStorage`` the study was created on (the driver passes the one it
+            made); None only for a study whose storage the caller did not make (an in-memory study).
         max_retries: retries after a configuration's first failed attempt.
         host: this driver's host name; recovery only touches trials started from this host.
         refresh_s: :meth:`lineages` re-reads the storage at least this often (seconds), so that other
@@ -27,9 +42,14 @@ class Ledger:
             :meth:`closed`). The driver asks for a younger read where the budget limits its asks.
     """
 
-    def __init__(self, study, max_retries: int, host: str, refresh_s: float = 2.0):
+    def __init__(self, study, max_retries: int, host: str, refresh_s: float = 2.0, storage=None):
         self.study, self.max_retries, self.host, self.refresh_s = study, max_retries, host, refresh_s
-        self.failures: dict[str, int] = {}
+        if storage is None:  # an in-memory study (tests): its storage is the one Optuna made for it
+            storage = study._storage  # noqa: SLF001 - only when the caller did not create the storage
+        self.storage = storage
+        self.study_id = storage.get_study_id_from_name(study.study_name)
+        self.failures: dict[str, int] = {}  # the trials' own failed attempts by kind
+        self.requeued: dict[str, int] = {}  # trials stopped by a driver and re-queued, by kind
         self.dirty = True  # lineages() re-reads the storage: set after this ledger's failures and enqueues
         self.waiting = 0
         self._cache: tuple[set[int], set[int]] = (set(), set())
@@ -47,8 +67,7 @@ class Ledger:
         try:
             return self.study.tell(number, value, state=state)
         except Exception as exc:
-            tid = self.study._storage.get_trial_id_from_study_id_trial_number(self.study._study_id, number)
-            ft = self.study._storage.get_trial(tid)
+            ft = self.storage.get_trial(self.trial_id(number))
             if state is None or ft.state != state:
                 raise
             if isinstance(exc, RuntimeError) and "Study.stop" in str(exc):
@@ -58,8 +77,16 @@ class Ledger:
                                                       number, state.name, exc)
             return ft
 
+    def trial_id(self, number: int) -> int:
+        """The storage's id of this study's trial ``number``."""
+        return self.storage.get_trial_id_from_study_id_trial_number(self.study_id, number)
+
     def recover(self) -> None:
-        """Trials left RUNNING by a dead driver of this host: kill leftovers, mark FAIL, retry."""
+        """Trials left RUNNING by a dead driver of this host: kill leftover worker processes, mark the trials
+        FAIL (``driver_died`` if a worker had started them, else ``not_started``) and re-queue them with the
+        same attempt number: the driver's death spends no attempt, and a started trial continues from its
+        configuration's checkpoint. Call it only while holding the study's lock
+        (:class:`hpdl.hpo.lock.StudyLock`): the trials of a live driver must not be touched."""
         from optuna.trial import TrialState
 
         for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
@@ -69,10 +96,10 @@ class Ledger:
             if pid and _is_our_worker(int(pid)):
                 os.kill(int(pid), signal.SIGKILL)
             if pid:
-                self.fail(t.number, t.params, t.user_attrs, "driver_died", "driver was killed while it ran")
-            else:  # sampled but never started: not an attempt, re-queue it as it was
-                attrs = {**t.user_attrs, "hpdl_attempt": t.user_attrs.get("hpdl_attempt", 0) - 1}
-                self.fail(t.number, t.params, attrs, "not_started", "driver was killed before it started")
+                self.fail(t.number, t.params, t.user_attrs, "driver_died",
+                          "the driver was killed while it ran (re-queued from its checkpoint)")
+            else:
+                self.fail(t.number, t.params, t.user_attrs, "not_started", "the driver was killed before it started")
 
     def lineages(self, max_age_s: float | None = None) -> tuple[set[int], set[int]]:
         """(finished, active) lineages according to the storage: re-read after this ledger's failures and
@@ -95,7 +122,7 @@ class Ledger:
             elif t.state == TrialState.FAIL:
                 if t.user_attrs.get("hpdl_gave_up"):
                     finished.add(lin)
-                elif not str(t.user_attrs.get("hpdl_failure", "")).startswith("not_started"):
+                elif counts_as_attempt(t.user_attrs.get("hpdl_failure", "")):
                     fails[lin] = fails.get(lin, 0) + 1
             else:
                 active.add(lin)
@@ -124,18 +151,22 @@ class Ledger:
     def fail(self, number: int, params: dict, attrs: dict, kind: str, message: str, retry: bool = True) -> None:
         """Tell trial ``number`` FAIL with ``hpdl_failure = "<kind>: <message>"`` and, while attempts are left
         and ``retry``, enqueue the configuration again (``attrs`` carry its lineage and attempt).
-        Kinds: oom, error, died, driver_died, too_big, nan, not_started (the last is not counted as an
-        attempt)."""
+        Kinds: oom, error, died, too_big, nan, checkpoint (the trial's own: they spend an attempt), and
+        :data:`REQUEUE_KINDS` (always re-queued with the same attempt number)."""
         from optuna.trial import TrialState
 
         self.dirty = True
-        if kind != "not_started":
+        own = kind not in REQUEUE_KINDS
+        if own:
             self.failures[kind] = self.failures.get(kind, 0) + 1
-        tid = self.study._storage.get_trial_id_from_study_id_trial_number(self.study._study_id, number)
-        self.study._storage.set_trial_user_attr(tid, "hpdl_failure", f"{kind}: {message[-500:]}")
-        attempt = int(attrs.get("hpdl_attempt", 0)) + 1
+        elif kind != "not_started":
+            self.requeued[kind] = self.requeued.get(kind, 0) + 1
+        tid = self.trial_id(number)
+        self.storage.set_trial_user_attr(tid, "hpdl_failure", f"{kind}: {message[-500:]}")
+        attempt = int(attrs.get("hpdl_attempt", 0)) + own
+        retry = retry or not own
         if not retry or attempt > self.max_retries:
-            self.study._storage.set_trial_user_attr(tid, "hpdl_gave_up", True)
+            self.storage.set_trial_user_attr(tid, "hpdl_gave_up", True)
         self.tell(number, state=TrialState.FAIL)
         if retry and attempt <= self.max_retries:
             self.study.enqueue_trial(params, user_attrs={"hpdl_lineage": int(attrs.get("hpdl_lineage", number)),

@@ -23,7 +23,7 @@ class Progress:
     def _table(self) -> Table:
         d = self.d
         finished, _ = d.ledger.lineages()
-        best = d.history[-1][1] if d.history else None
+        best = d.best_so_far()
         title = (f"{d.spec.study} [{d.policy.name}]  finished {len(finished)}/{d.spec.n_trials}  "
                  f"queued {len(d.pending)}  best {best if best is None else f'{best:.4g}'}  "
                  f"{time.monotonic() - d._t0:.0f} s")
@@ -37,9 +37,10 @@ class Progress:
                           f"{st.compute_used:.2f}")
         return table
 
-    def update(self) -> None:
+    def update(self, force: bool = False) -> None:
+        """Redraw (at most 4 times a second unless ``force``: the last frame must show the final state)."""
         now = time.monotonic()
-        if now - self._last >= 0.25:
+        if force or now - self._last >= 0.25:
             self._last = now
             self.live.update(self._table())
 

@@ -28,6 +28,7 @@ pool under Ray.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -38,6 +39,7 @@ from typing import Any
 
 from hpdl.hpo.errors import HpoConfigError, HpoError
 from hpdl.hpo.launch import Launcher, WorkerHandle
+from hpdl.hpo.protocol import Hello, check
 from hpdl.hpo.scheduler import GIB, Device
 
 _READY_TIMEOUT_S = 120.0  # placement group and probes must be ready within this
@@ -181,23 +183,28 @@ class RayBackend(Launcher):
             answer_challenge(conn, self._authkey)
             if not conn.poll(deadline_s):
                 raise EOFError("no hello")
-            kind, token, pid = conn.recv()
+            hello = conn.recv()
+            if not isinstance(hello, Hello):
+                raise ValueError(f"expected Hello, got {type(hello).__name__}")
+            check(hello)  # another protocol version: refused (the trial then fails as died, with this logged)
+            token, pid = hello.token, hello.pid
+        except HpoError as exc:
+            logging.getLogger("hpdl.hpo").error("Ray task refused: %s", exc)
+            conn.close()
+            return
         except (OSError, EOFError, ValueError, TypeError, AuthenticationError):
             conn.close()  # a refused handshake, a stray message, a silent peer, or the listener closed
             return
         finally:
             timer.cancel()
-        if kind == "hello":
-            with self._lock:
-                self._conns[token], self._pids[token] = conn, pid
-        else:
-            conn.close()
+        with self._lock:
+            self._conns[token], self._pids[token] = conn, pid
 
     def devices(self) -> list[Device]:
         """The pool (fixed for the study: one bundle per GPU)."""
         return list(self._devices)
 
-    def start(self, device: Device, task: dict, sm_percent: int = 100, fraction: float = 1.0) -> WorkerHandle:
+    def start(self, device: Device, task, sm_percent: int = 100, fraction: float = 1.0) -> WorkerHandle:
         """Start ``task`` as a Ray task in ``device``'s bundle with ``num_gpus=fraction`` (``sm_percent`` is
         not used: Ray starts the process). Its channel is attached by :meth:`connect` once it calls back.
 
@@ -209,7 +216,7 @@ class RayBackend(Launcher):
         self._token += 1
         ref = self._remote.options(num_cpus=0, num_gpus=fraction, max_retries=0,
                                    scheduling_strategy=self._in(self._index[device.id]),
-                                   name=f"hpdl-trial-{task['number']}").remote(
+                                   name=f"hpdl-trial-{task.number}").remote(
             self.address, self._authkey, self._token, device.__dict__, self.spec, task)
         w = WorkerHandle(RayProc(ref), None, device.id, token=self._token)
         self.workers.append(w)

@@ -137,6 +137,26 @@ class SchedulingPolicy(ABC):
         through the caching allocator; ``None``: no cap (here: the baselines place blind)."""
         return None
 
+    # Optional features: the driver calls these hooks on every policy; the defaults do nothing.
+    migrates = False  # True: the driver ranks running trials (priority) and asks :meth:`migrations`
+
+    def observe(self, compute: float, flops: float = 0.0, memory_ratio: float = 0.0,
+                step_time_s: float = 0.0) -> None:
+        """A configuration's profile arrived: its compute share, FLOPs per step, measured/static memory ratio
+        and solo step time (s). Default: ignored."""
+
+    def migrations(self, devices: Sequence[DeviceState]) -> list[int]:
+        """Keys of running trials to move (checkpoint, stop, place again). Default: none."""
+        return []
+
+    def set_mps(self, active: bool) -> None:
+        """Whether co-located trials' kernels run side by side (an MPS daemon serves the workers). Default:
+        ignored (the policy's placement does not depend on it)."""
+
+    def limit_trials_per_device(self, cpu_bound: int) -> None:
+        """The most trials per device the host's cores can drive (one core each, one for the driver), for a
+        policy whose own limit was left unset. Default: ignored."""
+
 
 class OnePerGpu(SchedulingPolicy):
     """Standard HPO parallelisation: one trial per GPU, FIFO (Optuna/Ray Tune default with 1 GPU a trial)."""
@@ -275,6 +295,13 @@ class Pack(SchedulingPolicy):
     def cap(self) -> int:
         """Effective ``max_trials_per_device`` (16 when unset and no driver set it)."""
         return self.max_trials_per_device or 16
+
+    def set_mps(self, active: bool) -> None:
+        self.mps = bool(active)
+
+    def limit_trials_per_device(self, cpu_bound: int) -> None:
+        if self.max_trials_per_device is None:
+            self.max_trials_per_device = max(1, int(cpu_bound))
 
     def max_concurrency(self) -> int:
         return self.cap
@@ -469,6 +496,8 @@ class PackHetero(Pack):
 
     def _order(self, pending):
         return sorted(pending, key=lambda t: (-t.priority, -self._work(t), -t.memory_bytes, t.key))
+
+    migrates = True
 
     def migrations(self, devices: Sequence[DeviceState]) -> list[int]:
         """Running trials to move (checkpoint, stop, start again) to a faster GPU: those with

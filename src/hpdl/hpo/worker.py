@@ -4,20 +4,11 @@ A worker imports torch, loads the study and (on a GPU) creates its CUDA context 
 handles before it says ``ready``, so the driver can start a pool of warm workers per GPU ahead of the
 study and no trial pays that start-up (:func:`warm_cuda`).
 
-Protocol (``multiprocessing`` pipe, driver <-> worker, all messages are tuples):
-
-- driver -> worker: ``("run", task)`` with task keys ``trial_id, number, lineage, params, profile``,
-  ``static``, ``context_bytes``, ``host``, ``device_id`` (the worker records ``hpdl_host``, ``hpdl_pid``,
-  ``hpdl_started_at`` and ``hpdl_device`` on the trial before it trains, off the driver's critical
-  path), ``memory_cap``
-  (bytes with the context, or None: :func:`cap_memory`);
-  ``("preempt", trial_id)`` (checkpoint is the last one written; the trial stops with ``preempted``);
-  ``("stop",)``.
-- worker -> driver: ``("ready", pid, startup)`` (seconds per start-up phase), ``("profile", trial_id, dict)``,
-  ``("memory", trial_id, kind, bytes)`` (a CUDA trial's peak reserved bytes plus its context over the whole
-  run, sent before its outcome), ``("done", trial_id, value)``, ``("pruned", trial_id)``,
-  ``("preempted", trial_id)``, ``("failed", trial_id, kind, message)`` with kind
-  ``oom`` or ``error``. After a failure the worker exits (its CUDA state may be unusable).
+Protocol: the typed records of :mod:`hpdl.hpo.protocol` (``RunTask`` / ``Preempt`` / ``Stop`` in,
+``Ready``, ``ProfileReport``, ``PeakMemory`` and one outcome per trial out: ``Done``, ``Pruned``, ``Halted``,
+``Failed``). The worker records ``hpdl_host``, ``hpdl_pid``, ``hpdl_started_at`` and ``hpdl_device`` on the
+trial before it trains, off the driver's critical path. After a failure the worker exits (its CUDA state
+may be unusable); after ``Stop`` it checkpoints a running trial, reports ``Halted`` and exits.
 
 The driver owns every state transition of the Optuna trial (``tell``); the worker writes only
 intermediate values (``trial.report``) and reads the pruner's decision (``trial.should_prune``).
@@ -38,6 +29,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from hpdl.hpo import checkpoint, protocol
+from hpdl.hpo.checkpoint import CheckpointMismatch
 from hpdl.hpo.errors import Preempted
 
 
@@ -83,9 +76,10 @@ class TrialContext:
                  profiler=None, parent_pid: int | None = None):
         self._trial, self._conn, self._task = trial, conn, task
         self.params, self.device = params, device
-        self.number, self.lineage = task["number"], task["lineage"]
+        self.number, self.lineage = task.number, task.lineage
         self.checkpoint_every = checkpoint_every
-        self._ckpt = run_dir / "checkpoints" / f"lineage-{self.lineage}.pt"
+        self._ckpt = Path(task.checkpoint_dir) / f"lineage-{self.lineage}.pt"
+        self._meta = {"study_uid": task.study_uid, "lineage": self.lineage, "params": dict(params)}
         self._profiler = profiler
         self._parent = parent_pid
         self.state_fn = None  # set by the training loop: step -> checkpoint state, used on preemption
@@ -106,11 +100,12 @@ class TrialContext:
         if self._parent is not None and os.getppid() != self._parent:
             os._exit(3)  # the driver died: never leave a trial running
         if self._conn is not None and self._conn.poll():
-            msg = self._conn.recv()
-            if msg[0] in ("preempt", "stop"):
+            msg = protocol.check(self._conn.recv())
+            if isinstance(msg, (protocol.Preempt, protocol.Stop)):
                 if self.state_fn is not None and self.checkpoint_every:
                     self.save_checkpoint(self.state_fn(step))  # nothing is lost: continue from this step
-                raise Preempted(f"trial {self.number} preempted at step {step}")
+                raise Preempted(f"trial {self.number} preempted at step {step}",
+                                stop=isinstance(msg, protocol.Stop))
         if self._profiler is not None:
             self._profiler.before(step)
         yield
@@ -119,27 +114,25 @@ class TrialContext:
             if self._profiler.done:
                 from dataclasses import asdict
                 res = self._profiler.result
-                self._conn.send(("profile", self._task["trial_id"], asdict(res)))
-                if self._task.get("memory_cap") and self.device.type == "cuda":
+                self._conn.send(protocol.ProfileReport(trial_id=self._task.trial_id, profile=asdict(res)))
+                if self._task.memory_cap and self.device.type == "cuda":
                     # the driver plans with the measured peak from now on: hold the trial to it
-                    cap_memory(self.device, min(int(self._task["memory_cap"]), res.memory_bytes),
-                               int(self._task.get("context_bytes", 0)))
+                    cap_memory(self.device, min(int(self._task.memory_cap), res.memory_bytes),
+                               int(self._task.context_bytes))
                 self._profiler = None
 
     def load_checkpoint(self) -> dict | None:
-        """The configuration's latest checkpoint (any earlier attempt), or None."""
-        import torch
-        if not self._ckpt.exists():
-            return None
-        return torch.load(self._ckpt, map_location=self.device, weights_only=False)
+        """The configuration's latest checkpoint (any earlier attempt of this study's lineage), or None.
+
+        Raises:
+            hpdl.hpo.checkpoint.CheckpointMismatch: the file was written for another study, lineage or
+                parameters (the trial then fails for good: see :mod:`hpdl.hpo.checkpoint`).
+        """
+        return checkpoint.load(self._ckpt, self._meta, map_location=self.device)
 
     def save_checkpoint(self, state: dict) -> None:
-        """Write ``state`` atomically (temporary file, then rename)."""
-        import torch
-        self._ckpt.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self._ckpt.with_suffix(f".tmp{os.getpid()}")
-        torch.save(state, tmp)
-        os.replace(tmp, self._ckpt)
+        """Write ``state`` atomically (temporary file, then rename), with the trial's owner record."""
+        checkpoint.save(self._ckpt, state, self._meta)
 
 
 def cap_memory(device, cap_bytes: int | None, context_bytes: int = 0) -> None:
@@ -253,46 +246,50 @@ class _Env:
         self.startup["ready"] = time.monotonic() - t_start
 
 
-def run_task(env: _Env, conn, task: dict[str, Any], parent_pid: int | None) -> bool:
+def run_task(env: _Env, conn, task: protocol.Task, parent_pid: int | None) -> bool:
     """Train one trial and send its outcome on ``conn``; return False when the process should exit (after a
     failure its CUDA state may be unusable)."""
     import optuna
     import torch
 
-    from hpdl.hpo.profiler import CONTEXT_BYTES, StepProfiler, TrialProfile
+    from hpdl.hpo.profiler import StepProfiler, TrialProfile
 
-    tid, dev = task["trial_id"], env.dev
+    tid, dev = task.trial_id, env.dev
     try:
-        st = env.study._storage
-        for key, val in (("hpdl_host", task.get("host", "")), ("hpdl_pid", os.getpid()),
-                         ("hpdl_started_at", time.time()), ("hpdl_device", task.get("device_id", ""))):
-            st.set_trial_user_attr(tid, key, val)
-        params = env.workload.resolve({**env.spec.get("fixed", {}), **task["params"]})
+        trial = optuna.trial.Trial(env.study, tid)
+        for key, val in (("hpdl_host", task.host), ("hpdl_pid", os.getpid()),
+                         ("hpdl_started_at", time.time()), ("hpdl_device", task.device_id)):
+            trial.set_user_attr(key, val)
+        params = env.workload.resolve({**env.spec.get("fixed", {}), **task.params})
         prof = None
-        if task.get("profile"):
-            prof = StepProfiler(dev, env.device["kind"], TrialProfile(**task["static"]),
+        if task.profile:
+            prof = StepProfiler(dev, env.device["kind"], TrialProfile(**task.static),
                                 peak_flops=env.device.get("peak_flops") or 5e10,
-                                context_bytes=int(task.get("context_bytes", CONTEXT_BYTES)))
+                                context_bytes=int(task.context_bytes))
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
-            cap_memory(dev, task.get("memory_cap"), int(task.get("context_bytes", 0)))
-        ctx = TrialContext(optuna.trial.Trial(env.study, tid), params, dev, conn, task, env.run_dir,
+            cap_memory(dev, task.memory_cap, int(task.context_bytes))
+        ctx = TrialContext(trial, params, dev, conn, task, env.run_dir,
                            int(env.spec.get("checkpoint_every", 1)), prof, parent_pid)
         value = env.workload.train(ctx)
         _send_peak(env, conn, task)
-        conn.send(("done", tid, float(value)))
+        conn.send(protocol.Done(trial_id=tid, value=float(value)))
     except optuna.TrialPruned:
         _send_peak(env, conn, task)
-        conn.send(("pruned", tid))
-    except Preempted:
-        conn.send(("preempted", tid))
+        conn.send(protocol.Pruned(trial_id=tid))
+    except Preempted as exc:
+        conn.send(protocol.Halted(trial_id=tid))
+        return not exc.stop  # the driver stops: exit now, do not wait for a second stop message
+    except CheckpointMismatch as exc:  # someone else's training: never continue from it, never retry
+        conn.send(protocol.Failed(trial_id=tid, kind="checkpoint", message=str(exc)))
+        return False
     except torch.cuda.OutOfMemoryError as exc:
-        conn.send(("failed", tid, "oom", str(exc).splitlines()[0][:300]))
+        conn.send(protocol.Failed(trial_id=tid, kind="oom", message=str(exc).splitlines()[0][:300]))
         return False
     except Exception as exc:  # noqa: BLE001 - any error of user code fails this trial, with its traceback
         # cuDNN/cuBLAS workspace failures are out-of-memory errors that are not OutOfMemoryError
         oom = any(m in str(exc) for m in ("out of memory", "ALLOC_FAILED"))
-        conn.send(("failed", tid, "oom" if oom else "error", traceback.format_exc()[-2000:]))
+        conn.send(protocol.Failed(trial_id=tid, kind="oom" if oom else "error", message=traceback.format_exc()[-2000:]))
         return False
     finally:
         if dev.type == "cuda":
@@ -301,13 +298,13 @@ def run_task(env: _Env, conn, task: dict[str, Any], parent_pid: int | None) -> b
     return True
 
 
-def _send_peak(env: _Env, conn, task: dict) -> None:
+def _send_peak(env: _Env, conn, task: protocol.Task) -> None:
     """Tell the driver the trial's peak reserved bytes plus its context since the task started (CUDA only)."""
     if env.dev.type == "cuda":
         import torch
 
-        peak = int(torch.cuda.max_memory_reserved(env.dev)) + int(task.get("context_bytes", 0))
-        conn.send(("memory", task["trial_id"], env.device["kind"], peak))
+        peak = int(torch.cuda.max_memory_reserved(env.dev)) + int(task.context_bytes)
+        conn.send(protocol.PeakMemory(trial_id=task.trial_id, kind=env.device["kind"], bytes=peak))
 
 
 def worker_main(conn, device: dict, spec: dict, sm_percent: int = 100, spawned_at: float | None = None,
@@ -322,6 +319,9 @@ def worker_main(conn, device: dict, spec: dict, sm_percent: int = 100, spawned_a
     The worker exits when the driver goes away, within a second whatever the trial is doing
     (:func:`_exit_with_driver`; plus ``PR_SET_PDEATHSIG`` and a parent check between steps)."""
     boot = time.time() - spawned_at if spawned_at else None
+    # Ctrl-C reaches the whole foreground process group: the driver alone decides (it tells every worker
+    # to checkpoint and stop), a worker must not die mid-step with a KeyboardInterrupt of its own
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
     _exit_with_driver()
     if environ is not None:
@@ -336,29 +336,33 @@ def worker_main(conn, device: dict, spec: dict, sm_percent: int = 100, spawned_a
             os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(sm_percent)
         torch_device = "cuda:0"
     env = _Env(device, spec, torch_device)
-    conn.send(("ready", os.getpid(), {**({"spawn": boot} if boot is not None else {}), **env.startup}))
-    while True:
-        if not conn.poll(1.0):
-            if os.getppid() != parent_pid:
+    try:
+        conn.send(protocol.Ready(pid=os.getpid(), startup={**({"spawn": boot} if boot is not None else {}),
+                                                           **env.startup}))
+        while True:
+            if not conn.poll(1.0):
+                if os.getppid() != parent_pid:
+                    return
+                continue
+            msg = protocol.check(conn.recv())
+            if isinstance(msg, protocol.Stop):
                 return
-            continue
-        msg = conn.recv()
-        if msg[0] == "stop":
-            return
-        if msg[0] != "run":
-            continue  # a late preempt for a trial that already ended
-        if not run_task(env, conn, msg[1], parent_pid):
-            return
+            if not isinstance(msg, protocol.RunTask):
+                continue  # a late preempt for a trial that already ended
+            if not run_task(env, conn, msg.task, parent_pid):
+                return
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        return  # the driver is gone (killed): nothing to report to, and no traceback to print
 
 
 _RAY_ENVS: dict[tuple, _Env] = {}  # per Ray worker process: reused by later trials of the same study
 
 
 def ray_trial(address: tuple[str, int], authkey: bytes, token: int, device: dict, spec: dict,
-              task: dict[str, Any]) -> str:
+              task: protocol.Task) -> str:
     """Body of one trial as a Ray task (see :mod:`hpdl.hpo.ray_backend`): connect back to the driver
     (``multiprocessing.connection`` over TCP, the same message protocol as a local worker), say
-    ``("hello", token, pid)``, train the trial on the GPU Ray assigned to this task (or the CPU for a
+    :class:`~hpdl.hpo.protocol.Hello`, train the trial on the GPU Ray assigned to this task (or the CPU for a
     logical GPU without a CUDA device), and return. Ray keeps its worker processes, so the imports, the
     CUDA context and the loaded study are reused by later trials that land in the same process.
 
@@ -375,7 +379,7 @@ def ray_trial(address: tuple[str, int], authkey: bytes, token: int, device: dict
         _RAY_ENVS[key] = _Env(device, spec, torch_device)
     conn = Client(address, authkey=authkey)
     try:
-        conn.send(("hello", token, os.getpid()))
+        conn.send(protocol.Hello(token=token, pid=os.getpid()))
         return "ok" if run_task(_RAY_ENVS[key], _EofSafe(conn), task, None) else "exit"
     finally:
         conn.close()
@@ -403,9 +407,9 @@ class _EofSafe:
 
     def recv(self):
         if self._gone:
-            return ("stop",)
+            return protocol.Stop()
         try:
             return self._conn.recv()
         except (OSError, EOFError):
             self._gone = True
-            return ("stop",)
+            return protocol.Stop()

@@ -139,7 +139,7 @@ class _Server:
                     elif isinstance(msg, P.Free):
                         inst, paths = insts.pop(msg.slot, (None, ()))
                         if inst is not None:
-                            self.executor.free(inst, f"{label} freed its request")
+                            self.executor.free(inst, "freed its request")
                         self.mapper.release(paths)
                         value = None
                     elif isinstance(msg, P.Query):
@@ -164,7 +164,7 @@ class _Server:
         finally:  # a client that left (or died) takes its requests with it
             for inst, paths in insts.values():
                 try:
-                    self.executor.free(inst, f"{label} left (its process ended or disconnected)")
+                    self.executor.free(inst, "left (its process ended or disconnected)")
                 except Exception:  # noqa: BLE001 - best effort while the agent may be stopping
                     pass
                 self.mapper.release(paths)

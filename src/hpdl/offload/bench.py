@@ -274,7 +274,8 @@ class OverlapBenchCommand:
         rows = spawn(overlap_rank, args.np, args=(cfg,), timeout=args.timeout)[0]
         meta = {"benchmark": "hpdl bench overlap", "np": args.np, "pattern": args.pattern,
                 "compute_factor": args.compute_factor, "agent_threads": args.agent_threads,
-                "torch": torch.__version__, "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M"),
+                "torch": torch.__version__, "cpus": os.cpu_count(),
+                "loadavg_after": [round(x, 2) for x in os.getloadavg()], "date": time.strftime("%Y-%m-%d %H:%M"),
                 "commit": source_commit(), "seconds": round(time.perf_counter() - t0, 1),
                 "command": "hpdl bench overlap " + " ".join(sys.argv[3:])}
         if args.format == "json":

@@ -298,6 +298,13 @@ def compile_group(plans: Sequence[PlanData], key: int = 0,
             pair_count[(ea, eb)] += 1
             wire[mid] = ((key % (1 << TAG_KEY_BITS)) << TAG_MESSAGE_BITS) | (n % (1 << TAG_MESSAGE_BITS))
 
+    crowded = [(pair, n) for pair, n in pair_count.items() if n > 1 << TAG_MESSAGE_BITS]
+    if crowded:  # the message part of the wire tag would repeat within the plan: messages could swap
+        (ea, eb), n = crowded[0]
+        raise PlanError(f"plan {plans[0].name!r} has {n} messages from endpoint {ea} to endpoint {eb}, more than "
+                        f"the {1 << TAG_MESSAGE_BITS} one plan can tell apart on the wire: merge small messages "
+                        "into larger boxes or split the plan")
+
     result = []
     for q, p in enumerate(plans):
         ops = []

@@ -195,11 +195,12 @@ class _Op:
 class _Match:
     """The two halves of a message between ranks of one executor: fired (one copy) when both are ready."""
 
-    __slots__ = ("send", "recv", "fn", "send_ready", "recv_ready")
+    __slots__ = ("send", "recv", "fn", "send_ready", "recv_ready", "gone")
 
     def __init__(self):
         self.send = self.recv = self.fn = None
         self.send_ready = self.recv_ready = False
+        self.gone = ""  # who unregistered the other half, and why (for the error of the half left behind)
 
 
 class Instance:
@@ -348,6 +349,7 @@ class Executor:
         self._ready: deque = deque()
         self._boxes: dict[int, tuple[np.ndarray, np.ndarray, dict[int, Instance]]] = {}  # id(array) -> set
         self._matches: dict[tuple, _Match] = {}
+        self._wire_keys: dict[tuple, list] = {}  # (transport, key mod 2**15) -> [(scope, key), name, count]
         self._thread: threading.Thread | None = None  # started by start_thread
         self._runner: threading.Thread | None = None  # whichever thread runs run(): owner of all plan state
         self._stop = threading.Event()
@@ -537,6 +539,18 @@ class Executor:
         arr, seen, slots = self._boxes[key]
         if inst.slot in slots:
             raise OffloadError(f"{inst.label}: mailbox slot {inst.slot} is already registered")
+        remote = any(o.remote for o in inst.ops)
+        if remote:  # wire tags hold the key modulo 2**15: a live plan with a congruent key would share them
+            from hpdl.offload.compiler import TAG_KEY_BITS
+
+            wire = (id(inst.transport), inst.plan.key % (1 << TAG_KEY_BITS))
+            other = self._wire_keys.get(wire)
+            if other is not None and other[0] != (inst.scope, inst.plan.key):
+                raise OffloadError(f"{inst.label}: plan {inst.plan.name!r} (key {inst.plan.key}) would share wire "
+                                   f"tags with live plan {other[1]!r} (key {other[0][1]}): free it, or requests "
+                                   "kept while 32768 others were compiled since")
+            entry = self._wire_keys.setdefault(wire, [(inst.scope, inst.plan.key), inst.plan.name, 0])
+            entry[2] += 1
         seen[inst.slot] = arr[inst.slot, shm.START]
         slots[inst.slot] = inst
         for o, c in zip(inst.ops, inst.plan.ops):
@@ -551,8 +565,18 @@ class Executor:
 
     def _free(self, inst: Instance, reason: str = "") -> None:
         arr, seen, slots = self._boxes.get(id(inst.mailbox), (None, None, {}))
-        if slots.get(inst.slot) is inst:
-            del slots[inst.slot]
+        if slots.get(inst.slot) is not inst:
+            return  # not registered (or freed already)
+        del slots[inst.slot]
+        if any(o.remote for o in inst.ops):
+            from hpdl.offload.compiler import TAG_KEY_BITS
+
+            wire = (id(inst.transport), inst.plan.key % (1 << TAG_KEY_BITS))
+            entry = self._wire_keys.get(wire)
+            if entry is not None and entry[0] == (inst.scope, inst.plan.key):
+                entry[2] -= 1
+                if entry[2] <= 0:
+                    del self._wire_keys[wire]
         if not slots:
             self._boxes.pop(id(inst.mailbox), None)
         inst.active = False
@@ -568,6 +592,7 @@ class Executor:
             m.fn = None
             m.send_ready = m.recv_ready = False
             other = m.recv if c.kind == "send" else m.send
+            m.gone = f"{inst.label} {reason or 'freed its request'}"
             if other is not None:
                 oi, oj = other
                 if oi.active and oi.ops[oj].state == "match":  # its half waits for ours: it would never come
@@ -626,6 +651,9 @@ class Executor:
 
     def _half_ready(self, inst: Instance, o: _Op) -> None:
         m = o.match
+        if (m.recv if o.kind == "send" else m.send) is None:  # every half registers before any start
+            raise OffloadError(f"cannot complete: {m.gone or 'the request of the matching half is not registered'} "
+                               "(its half of this message will never come)")
         o.state = "match"
         if o.kind == "send":
             m.send_ready = True

@@ -242,7 +242,9 @@ def run_command(args) -> int:
     meta = {"benchmark": "hpdl offload jacobi", "np": args.np, "grid": grid, "steps": args.steps,
             "repeats": args.repeats, "dtype": args.dtype, "agent_threads": args.agent_threads,
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M"), "commit": source_commit(),
-            "cpus": __import__("os").cpu_count(), "seconds": round(time.perf_counter() - t0, 1),
+            "cpus": __import__("os").cpu_count(),
+            "loadavg_after": [round(x, 2) for x in __import__("os").getloadavg()],
+            "seconds": round(time.perf_counter() - t0, 1),
             "command": "hpdl offload jacobi " + _argv(args)}
     print(format_table(rows, modes[0]))
     json_path, plot_path = args.json_path, args.plot_path

@@ -1,0 +1,86 @@
+"""Trial checkpoints: one file per configuration (lineage), in a folder that belongs to one study in one store.
+
+Layout: ``<run_dir>/checkpoints/<study>-<uid12>/lineage-<N>.pt``, where ``uid`` is a random id the driver
+stores in the study (user attribute ``hpdl_uid``) when it first opens it. Two studies in one run folder, a
+study of the same name in another store, or a study deleted and created again have different ids, so one
+never reads another's checkpoints. Each file also records whose it is (``hpdl_meta``: study id, lineage and
+the trial's resolved parameters); a file whose record differs from the trial that loads it (copied, or
+written by an older layout) is refused with :class:`CheckpointMismatch`, which fails the trial for good
+instead of continuing someone else's training.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+from pathlib import Path
+from typing import Any
+
+from hpdl.hpo.errors import HpoError
+
+META_KEY = "hpdl_meta"
+
+
+class CheckpointMismatch(HpoError):
+    """A checkpoint on a trial's path was written for another study, configuration or parameters."""
+
+
+def checkpoint_dir(run_dir: str | os.PathLike, study: str, uid: str) -> Path:
+    """The checkpoint folder of study ``study`` whose stored id is ``uid``."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", study)[:80]
+    return Path(run_dir) / "checkpoints" / f"{safe}-{uid[:12]}"
+
+
+def check_writable(path: str | os.PathLike, what: str) -> None:
+    """Create ``path`` (a folder) if needed and write and remove a probe file in it.
+
+    Raises:
+        HpoError: naming ``what`` and ``path`` and the operating system's reason.
+    """
+    p = Path(path)
+    probe = p / f".hpdl-write-probe-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise HpoError(f"{what} {str(p)!r} is not writable: {exc.strerror or exc} "
+                       "(choose another run_dir, e.g. --run-dir)") from None
+
+
+def save(path: Path, state: dict[str, Any], meta: dict[str, Any]) -> None:
+    """Write ``state`` with its owner record ``meta`` atomically (temporary file, then rename)."""
+    import torch
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    torch.save({**state, META_KEY: meta}, tmp)
+    os.replace(tmp, path)
+
+
+def load(path: Path, meta: dict[str, Any], map_location=None) -> dict[str, Any] | None:
+    """The state at ``path`` (None if there is none), checked against the loading trial's ``meta``.
+
+    Raises:
+        CheckpointMismatch: the file's owner record is missing or differs (study id, lineage or parameters);
+            the message names the file and the differing fields.
+    """
+    import torch
+
+    if not path.exists():
+        return None
+    state = torch.load(path, map_location=map_location, weights_only=False)
+    got = state.pop(META_KEY, None) if isinstance(state, dict) else None
+    if got is None:
+        raise CheckpointMismatch(f"checkpoint {str(path)!r} has no owner record (written by another tool or an "
+                                 "older hpdl): refusing to continue a trial from it; delete it to start afresh")
+    diff = [k for k in ("study_uid", "lineage") if got.get(k) != meta.get(k)]
+    mine, theirs = meta.get("params", {}), got.get("params", {})
+    diff += [f"params.{k} ({theirs.get(k)!r} in the file, {mine.get(k)!r} in the trial)"
+             for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
+    if diff:
+        more = f" and {len(diff) - 4} more" if len(diff) > 4 else ""
+        raise CheckpointMismatch(f"checkpoint {str(path)!r} belongs to another trial: differs in "
+                                 f"{', '.join(diff[:4])}{more}; refusing to continue from it")
+    return state

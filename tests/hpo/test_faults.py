@@ -1,0 +1,145 @@
+"""Issue 20's hostile-user cases: two studies in one run folder, a second driver on a live study, SIGINT with
+busy workers, unwritable folders, a study in which everything failed."""
+
+import argparse
+import signal
+import time
+
+import pytest
+import torch
+import yaml
+
+from hpdl.hpo import checkpoint
+from hpdl.hpo.cli import HpoCommand
+from hpdl.hpo.driver import Driver, run_study
+from hpdl.hpo.errors import HpoError
+from hpdl.hpo.spec import StudySpec
+from hpo_fixture_workloads import start_cli
+from test_driver import FIXED, spec_dict, trials_of
+
+
+@pytest.mark.timeout(150)
+def test_two_studies_in_one_run_dir_never_share_checkpoints(tmp_path):
+    """The second study's trials train from step 0 (before: lineages 0 and 1 of study b loaded study a's
+    finished checkpoints and completed with a's values without training)."""
+    a = StudySpec.from_dict(spec_dict(tmp_path, study="a", n_trials=2, max_retries=0))
+    run_study(a)
+    b = StudySpec.from_dict(spec_dict(tmp_path, study="b", n_trials=2, max_retries=0,
+                                      sampler={"name": "random", "seed": 11}))
+    assert a.run_dir == b.run_dir and a.storage == b.storage
+    res = run_study(b)
+    assert res.complete == 2 and not res.failures
+    for t in trials_of(b):
+        assert sorted(t.intermediate_values) == [10, 20, 30]  # trained from scratch, not from a's checkpoint
+    dirs = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert len(dirs) == 2 and dirs[0].startswith("a-") and dirs[1].startswith("b-")
+
+
+def test_a_checkpoint_of_another_trial_is_refused_loudly(tmp_path):
+    meta = {"study_uid": "u1", "lineage": 0, "params": {"lr": 0.1, "width": 8}}
+    path = tmp_path / "lineage-0.pt"
+    checkpoint.save(path, {"step": 30, "value": 0.9}, meta)
+    assert checkpoint.load(path, meta) == {"step": 30, "value": 0.9}
+    with pytest.raises(checkpoint.CheckpointMismatch, match=r"params\.width \(8 in the file, 4 in the trial\)"):
+        checkpoint.load(path, {**meta, "params": {"lr": 0.1, "width": 4}})
+    with pytest.raises(checkpoint.CheckpointMismatch, match="study_uid"):
+        checkpoint.load(path, {**meta, "study_uid": "u2"})
+    torch.save({"step": 30, "value": 0.9}, tmp_path / "old.pt")  # the layout before owner records
+    with pytest.raises(checkpoint.CheckpointMismatch, match="no owner record"):
+        checkpoint.load(tmp_path / "old.pt", meta)
+
+
+@pytest.mark.timeout(150)
+def test_a_copied_checkpoint_fails_its_trial_without_retry(tmp_path):
+    """A file on a trial's checkpoint path that belongs to another configuration fails that trial for good
+    (``checkpoint``), it never continues from it."""
+    d = spec_dict(tmp_path, n_trials=1, max_retries=2, pool={"fake": 1, "memory_gb": 2})
+    drv = Driver(StudySpec.from_dict(d))
+    try:
+        checkpoint.save(drv.checkpoint_dir / "lineage-0.pt", {"step": 30, "value": 0.99},
+                        {"study_uid": "someone-else", "lineage": 0, "params": {}})
+        res = drv.run()
+    finally:
+        drv.shutdown()
+    assert res.complete == 0 and res.failures == {"checkpoint": 1}
+    (t,) = drv.study.get_trials()
+    assert t.state.name == "FAIL" and "belongs to another trial" in t.user_attrs["hpdl_failure"]
+
+
+@pytest.mark.timeout(200)
+def test_second_driver_refused_then_sigint_stops_busy_workers_fast_and_resume_completes(tmp_path):
+    d = spec_dict(tmp_path, workload="hpo_fixture_workloads:SlowCNN", n_trials=4, max_retries=0,
+                  pool={"fake": 4, "memory_gb": 2}, fixed={**FIXED, "steps": 200, "sleep_s": 0.05})
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(d))
+    spec = StudySpec.from_dict(d)
+    log = open(tmp_path / "driver.log", "w")
+    proc = start_cli("hpo", "run", str(path), "--no-progress", out=log)
+    try:
+        deadline, busy = time.monotonic() + 150, []
+        while time.monotonic() < deadline and len(busy) < 4:
+            time.sleep(0.3)
+            try:
+                busy = [t for t in trials_of(spec) if t.state.name == "RUNNING" and (t.last_step or 0) >= 20]
+            except Exception:  # noqa: BLE001 - the study may not exist yet
+                continue
+        assert len(busy) == 4, f"4 busy trials expected within 150 s, saw {len(busy)}"
+        # a second driver (resume) on the live study: refused, naming the live one; nothing of it changed
+        with pytest.raises(HpoError, match=f"live driver: pid {proc.pid} "):
+            Driver(spec, resume=True)
+        assert proc.poll() is None and not [t for t in trials_of(spec) if t.state.name == "FAIL"]
+        n = sum(t.state.name == "RUNNING" for t in trials_of(spec))  # a trial may have finished meanwhile
+        assert n >= 3
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(20)  # the driver's exit, as a shell sees it
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    err = (tmp_path / "driver.log").read_text()
+    assert proc.returncode == 130 and took < 5.0, (proc.returncode, took, err)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "interrupted by SIGINT" in lines[0] and f"stopped {n} running trials" in lines[0], err
+    trials = trials_of(spec)
+    assert not [t for t in trials if t.state.name == "RUNNING"]
+    waiting = [t for t in trials if t.state.name == "WAITING"]
+    assert len(waiting) == n and all(t.user_attrs["hpdl_attempt"] == 0 for t in waiting)
+    assert all(t.user_attrs["hpdl_failure"].startswith("interrupted") for t in trials if t.state.name == "FAIL")
+    res = run_study(spec, resume=True)
+    assert res.complete == 4 and not res.failures
+    for t in trials_of(spec):
+        if t.state.name == "COMPLETE" and t.number >= 4:  # a re-queued one: continued from its checkpoint
+            assert min(t.intermediate_values) > 20
+
+
+def test_unwritable_run_dir_and_checkpoint_folder_are_named_before_anything_runs(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(HpoError, match=r"run_dir '.*file/run' is not writable"):
+        Driver(StudySpec.from_dict(spec_dict(tmp_path, run_dir=str(tmp_path / "file" / "run"))))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoints").write_text("")  # where the folder should be (chmod does not stop root)
+    with pytest.raises(HpoError, match=r"checkpoint folder '.*run/checkpoints' is not writable"):
+        Driver(StudySpec.from_dict(spec_dict(tmp_path)))
+    assert not (run / "study.db").exists()  # refused before a store was created
+
+
+def test_resume_of_a_missing_study_creates_no_store(tmp_path):
+    with pytest.raises(HpoError, match="not found: no study store"):
+        Driver(StudySpec.from_dict(spec_dict(tmp_path)), resume=True)
+    assert not (tmp_path / "run" / "study.db").exists()
+
+
+@pytest.mark.timeout(120)
+def test_a_study_in_which_every_configuration_failed_exits_non_zero(tmp_path, capsys):
+    d = spec_dict(tmp_path, workload="hpo_fixture_workloads:AlwaysRaiseCNN", n_trials=1, max_retries=0,
+                  pool={"fake": 1, "memory_gb": 2})
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(d))
+    parser = argparse.ArgumentParser()
+    HpoCommand.add_arguments(parser)
+    assert HpoCommand().run(parser.parse_args(["run", str(path), "--no-progress"])) == 1
+    out, err = capsys.readouterr()
+    assert "0 complete" in out and "no completed configuration" in err
