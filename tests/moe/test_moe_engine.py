@@ -255,5 +255,8 @@ def test_killed_rank_raises_a_typed_error_not_a_hang(tmp_path):
 
         time.sleep(0.1)
     secs, msg = f.read_text().split("\n", 1)
-    assert float(secs) < 6 and msg.split(":")[0] in ("WorkerFailedError", "CollectiveTimeoutError"), msg
-    assert "rank 0" in msg or "rank 1" in msg, msg
+    # hpdl.comm's PeerFailedError (a CollectiveTimeoutError) names the dead rank; the engine's own
+    # WorkerFailedError (for a backend error hpdl.comm did not type) names this rank and the collective
+    assert float(secs) < 6 and msg.split(":")[0] in ("PeerFailedError", "WorkerFailedError",
+                                                     "CollectiveTimeoutError"), msg
+    assert "[1]" in msg or "rank 0:" in msg, msg
