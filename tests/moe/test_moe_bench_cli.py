@@ -139,3 +139,12 @@ def test_cli_trace_bad_window(tmp_path, capsys):
         assert main(["moe", "trace", "--model", str(tmp_path / "m"), "--seq", seq, "--tokens", "256",
                      "--out", str(tmp_path / "t.npz")]) == 1
         assert words.replace("--seq must", "must") in capsys.readouterr().err
+
+
+def test_cli_empty_trace(tmp_path, capsys):
+    Trace(np.zeros((0, 3, 1), int), {"n_experts": 4}).save(tmp_path / "e.npz")
+    assert Trace.load(tmp_path / "e.npz").n_experts == 4
+    assert main(["moe", "affinity", str(tmp_path / "e.npz")]) == 1
+    assert "empty trace" in capsys.readouterr().err
+    assert main(["moe", "place", str(tmp_path / "e.npz"), "--world-size", "2", "--out", str(tmp_path / "p.json")]) == 1
+    assert "0 tokens" in capsys.readouterr().err

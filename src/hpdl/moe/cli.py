@@ -152,6 +152,11 @@ def _place(args) -> int:
 
     tr = Trace.load(args.trace)
     fit, test = tr.split(args.train_fraction)
+    if len(fit.experts) == 0 or len(test.experts) == 0:
+        from hpdl.moe.errors import MoEError
+
+        raise MoEError(f"trace {args.trace} has {len(tr.experts)} tokens: --train-fraction={args.train_fraction} "
+                       f"leaves no token to fit or to evaluate on")
     E = tr.n_experts
     C_fit, C_test = affinity.transition_counts(fit.experts, E), affinity.transition_counts(test.experts, E)
     res = placement.place(C_fit, args.world_size, method=args.method, ranks_per_node=args.ranks_per_node,

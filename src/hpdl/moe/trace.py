@@ -33,7 +33,11 @@ class Trace:
 
     @property
     def n_experts(self) -> int:
-        return int(self.meta.get("n_experts", int(self.experts.max()) + 1))
+        if "n_experts" in self.meta:  # not meta.get(..., max()): that default is evaluated on an empty trace too
+            return int(self.meta["n_experts"])
+        if not self.experts.size:
+            raise MoEError("an empty trace without meta['n_experts'] has no expert count")
+        return int(self.experts.max()) + 1
 
     def split(self, train_fraction: float = 0.5) -> tuple["Trace", "Trace"]:
         """First ``train_fraction`` of the tokens (in corpus order) and the rest: a held-out split that keeps
