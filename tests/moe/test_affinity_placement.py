@@ -117,6 +117,8 @@ def test_trace_identity_and_round_trip(tmp_path):
     back = Trace.load(p)
     np.testing.assert_array_equal(back.experts, tr.experts)
     assert back.meta["data"]["sha256"] == tr.meta["data"]["sha256"] and back.meta["model"]["weights"]
+    with pytest.raises(MoEError, match="vocab_size=256"):
+        collect_trace(m, ids + 256)
     ids2 = ids.copy()
     ids2[0, 0] ^= 1
     assert collect_trace(m, ids2).meta["data"]["sha256"] != tr.meta["data"]["sha256"]

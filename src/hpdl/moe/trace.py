@@ -85,6 +85,9 @@ def collect_trace(model, ids, source: str = "", batch_size: int = 8) -> Trace:
     no padding) and record every token's top-k experts at every MoE layer, rows in ``(b, t)`` order.
 
     Returns a :class:`Trace` with ``N = B*T`` tokens.
+
+    Raises:
+        MoEError: ``ids`` not 2-D, or holding ids outside ``[0, vocab_size)``.
     """
     import torch
 
@@ -93,6 +96,10 @@ def collect_trace(model, ids, source: str = "", batch_size: int = 8) -> Trace:
     ids_t = torch.as_tensor(np.asarray(ids), dtype=torch.long)
     if ids_t.ndim != 2:
         raise MoEError(f"ids must be [batch, seq], got shape {tuple(ids_t.shape)}")
+    V = model.cfg.vocab_size
+    if ids_t.numel() and (int(ids_t.min()) < 0 or int(ids_t.max()) >= V):
+        raise MoEError(f"ids must be token ids in [0, vocab_size={V}), got [{int(ids_t.min())}, {int(ids_t.max())}] "
+                       f"(a trace of text tokenized for another model?)")
     out = []
     model.eval()
     with torch.no_grad():
