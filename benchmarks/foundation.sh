@@ -12,7 +12,7 @@ for np in 4 8; do
     --json "$OUT/cpu_np$np.json" --plot "$OUT/cpu_np$np.png" --time-per-point 0.2 | tee "$OUT/cpu_np$np.txt"
 done
 fi
-python3 benchmarks/cuda_api_check.py 2>&1 | tee "$OUT/cuda_api_check.txt"
+python3 -m pytest -m gpu tests/comm/test_comm_gpu.py -p no:cacheprovider -n 0 2>&1 | tee "$OUT/comm_gpu_tests.txt"
 python3 -m hpdl.cli bench allreduce --device cuda --np 2 \
   --algorithms native,auto,one_shot,two_shot,direct,ring,recursive_doubling,staged \
   --max 256M --dtype bfloat16 --json "$OUT/cuda_np2.json" --plot "$OUT/cuda_np2.png" > "$OUT/cuda_np2.txt" 2>&1

@@ -39,7 +39,7 @@ def mismatched_algorithm(ctx):
 def local_errors(ctx):
     """Errors raised before any communication, identically on every rank."""
     out = {}
-    out["bool"] = _catch(lambda: hc.all_reduce(torch.ones(3, dtype=torch.bool)))
+    out["bool"] = _catch(lambda: hc.all_reduce(torch.ones(3, dtype=torch.complex128)))
     out["avg_int"] = _catch(lambda: hc.all_reduce(torch.ones(3, dtype=torch.int32), op="avg"))
     out["bad_op"] = _catch(lambda: hc.all_reduce(torch.ones(3), op="xor"))
     out["bad_algo"] = _catch(lambda: hc.all_reduce(torch.ones(3), algorithm="butterfly"))

@@ -186,15 +186,6 @@ def test_fast_path_launches_the_cached_plan_once_per_call(monkeypatch):
     peer.set_chunk_cap("two_shot", None)
 
 
-def test_default_algorithm_table():
-    assert peer.default_algorithm(8, 2) == "one_shot"
-    assert peer.default_algorithm(1 << 20, 2) == "one_shot"
-    assert peer.default_algorithm((1 << 20) + 1, 2) == "two_shot"
-    assert peer.default_algorithm(1 << 20, 8) == "two_shot" and peer.default_algorithm(256 << 10, 8) == "one_shot"
-    with pytest.raises(ValueError, match="world"):
-        peer.default_algorithm(8, 9)
-
-
 def test_release_frees_each_buffer_once_under_every_alias(monkeypatch):
     closed = []
 

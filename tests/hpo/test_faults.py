@@ -143,3 +143,61 @@ def test_a_study_in_which_every_configuration_failed_exits_non_zero(tmp_path, ca
     assert HpoCommand().run(parser.parse_args(["run", str(path), "--no-progress"])) == 1
     out, err = capsys.readouterr()
     assert "0 complete" in out and "no completed configuration" in err
+
+
+@pytest.mark.timeout(150)
+def test_a_checkpoint_folder_that_becomes_unwritable_stops_the_study_and_loses_no_configuration(tmp_path):
+    """Before: every trial failed ``error`` at its next checkpoint write, each configuration spent its
+    attempts, the budget ended "0 complete" and `resume` reported the study done. Now the first failed write
+    stops the study naming the path, its trials are re-queued as they were, and a resume completes them."""
+    d = spec_dict(tmp_path, n_trials=2, max_retries=0)
+    spec = StudySpec.from_dict(d)
+    drv = Driver(spec)
+    ckpt = drv.checkpoint_dir
+    ckpt.rmdir()
+    ckpt.write_text("")  # the folder is gone and cannot be created (chmod does not stop root)
+    with pytest.raises(HpoError, match=r"cannot write checkpoint '.*lineage-\d\.pt'.*checkpoint folder"):
+        drv.run()
+    trials = trials_of(spec)
+    assert not [t for t in trials if t.state.name == "RUNNING" or t.user_attrs.get("hpdl_gave_up")]
+    assert all(t.user_attrs["hpdl_failure"].startswith(("checkpoint_write", "interrupted", "not_started"))
+               for t in trials if t.state.name == "FAIL")
+    assert {t.user_attrs.get("hpdl_attempt", 0) for t in trials} == {0}
+    ckpt.unlink()
+    res = run_study(spec, resume=True)
+    assert res.complete == 2 and not res.failures
+
+
+def test_drivers_of_one_sqlite_store_in_two_run_dirs_exclude_each_other_by_lock(tmp_path):
+    """Two driver processes on this host that share a store from two run folders and start at the same
+    moment: before, each took its own run folder's lock and both passed the heartbeat check when neither had
+    beaten yet. (Drivers in one process share the store's lock, as tests that stand in for nodes do.)"""
+    import subprocess
+    import sys
+
+    from hpdl.hpo.lock import StudyLock
+
+    storage = f"sqlite:///{tmp_path / 'store' / 'study.db'}"
+    other = ("import sys; from hpdl.hpo.lock import StudyLock\n"
+             "try:\n    StudyLock(sys.argv[1], sys.argv[2], sys.argv[3]).acquire(); print('acquired')\n"
+             "except Exception as e:\n    print(e)\n")
+
+    def second(run_dir, study):
+        return subprocess.run([sys.executable, "-c", other, str(run_dir), study, storage], capture_output=True,
+                              text=True, timeout=60).stdout
+
+    a = StudyLock(tmp_path / "r1", "s", storage)
+    a.acquire()
+    try:
+        out = second(tmp_path / "r2", "s")
+        assert "live driver: pid" in out and "r1" in out, out
+        assert second(tmp_path / "r2", "s_other").strip() == "acquired"  # another study of the store: free
+        b = StudyLock(tmp_path / "r3", "s/x", storage)
+        b.acquire()
+        try:  # "s/x" and "s_x" share a file-name stem, not a lock
+            assert second(tmp_path / "r4", "s_x").strip() == "acquired"
+        finally:
+            b.release()
+    finally:
+        a.release()
+    assert second(tmp_path / "r2", "s").strip() == "acquired"  # released with its holder

@@ -102,3 +102,36 @@ def test_trials_of_another_driver_on_the_same_storage_count_after_refresh_s():
     s.tell(t, 0.5)
     time.sleep(0.25)
     assert mine.lineages() == ({t.number}, set())
+
+
+def test_recover_never_kills_a_process_that_got_a_dead_workers_pid_later(tmp_path):
+    """A trial left RUNNING by a killed driver records its worker's pid; when a resume runs after that pid
+    was reused by another Python process (started after the trial), the process is left alone (before:
+    SIGKILLed, since any live Python process with the pid was taken for the worker)."""
+    import subprocess
+    import sys
+    import time
+
+    from hpdl.hpo.ledger import _is_our_worker
+
+    s = study()
+    lg = Ledger(s, max_retries=0, host="h")
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        for _ in range(100):  # until it has exec'd (its command line is empty before)
+            with open(f"/proc/{other.pid}/cmdline", "rb") as f:
+                if b"python" in f.read():
+                    break
+            time.sleep(0.05)
+        t = ask(s, lg)
+        for k, v in (("hpdl_host", "h"), ("hpdl_pid", other.pid), ("hpdl_started_at", time.time() - 3600)):
+            t.set_user_attr(k, v)
+        lg.recover()
+        time.sleep(0.2)
+        assert other.poll() is None, "recover killed a process that is not the trial's worker"
+        assert not _is_our_worker(other.pid, time.time() - 3600)
+        assert _is_our_worker(other.pid, time.time() + 5)  # started before the trial: a real worker
+        assert s.trials[0].state.name == "FAIL" and lg.requeued == {"driver_died": 1}
+    finally:
+        other.kill()
+        other.wait()

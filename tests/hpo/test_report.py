@@ -14,9 +14,9 @@ TB = ('error: Traceback (most recent call last):\n  File "w.py", line 3, in trai
       'ValueError: lr=3.0 diverged at step 40\n')
 
 
-def _study(tmp_path):
+def _study(tmp_path, db="s.db"):
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    url = f"sqlite:///{tmp_path}/s.db"
+    url = f"sqlite:///{tmp_path}/{db}"
     s = optuna.create_study(study_name="s", storage=make_storage(url), direction="maximize")
     s.set_user_attr("hpdl_spec", {"n_trials": 3, "max_retries": 0})
     t = s.ask()  # configuration 0: failed once, max_retries 0 -> given up: finished
@@ -104,3 +104,21 @@ def test_live_table_shows_the_studys_best_and_its_last_frame_is_forced(tmp_path)
         view.close()
     finally:
         drv.shutdown()
+
+
+def test_status_reads_the_store_of_a_study_run_with_run_dir(tmp_path, capsys):
+    """`hpdl hpo run study.yaml --run-dir R` then `hpdl hpo status study.yaml --run-dir R` (before: "unrecognized
+    arguments: --run-dir"; without it the study file's run_dir was read, another store)."""
+    import yaml
+
+    run = tmp_path / "R"
+    run.mkdir()
+    _study(run, "study.db")
+    f = tmp_path / "study.yaml"
+    f.write_text(yaml.safe_dump({"study": "s", "run_dir": str(tmp_path / "elsewhere"),
+                                 "space": {"lr": {"type": "float", "low": 0.01, "high": 0.1}}}))
+    parser = argparse.ArgumentParser()
+    HpoCommand.add_arguments(parser)
+    for argv in (["status", str(f), "--run-dir", str(run)], ["status", "--run-dir", str(run), "--study", "s"]):
+        assert HpoCommand().run(parser.parse_args(argv)) == 0
+        assert "2/3 configurations finished" in capsys.readouterr().out

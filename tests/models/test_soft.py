@@ -112,3 +112,30 @@ def test_convert_official_state_dict_renames_soft_blocks_only():
         "block1.0.mha.W_q.weight": 1, "block1.0.mha.Qlandmark_op.weight": 2, "block3.4.norm2.bias": 3,
         "block4.0.attn.q.weight": 4, "head.weight": 5}
     assert set(convert_official_state_dict(sd)) <= set(create("soft_tiny").state_dict()) | {"block3.4.norm2.bias"}
+
+
+def test_timm_model_api_conventions():
+    """forward_features unpooled / forward_head / num_features / reset_classifier(n, global_pool) / pretrained_cfg
+    as timm's models have them (reset_classifier(n, pool) raised TypeError; resolve_model_data_config said 224)."""
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.create_model("soft_tiny", pretrained=False, num_classes=5, img_size=64).eval()
+    x = torch.randn(2, 3, 64, 64)
+    feats = model.forward_features(x)
+    assert feats.shape == (2, 1 + 2 * 2, model.num_features) and model.num_features == 512
+    logits = model(x)
+    torch.testing.assert_close(model.forward_head(feats), logits)
+    torch.testing.assert_close(model.forward_head(feats, pre_logits=True), feats[:, 0])
+    assert timm.data.resolve_model_data_config(model)["input_size"] == (3, 64, 64)
+    model.reset_classifier(0)
+    assert model(x).shape == (2, 512)
+    model.reset_classifier(3, "avg")
+    out = model(x)
+    assert out.shape == (2, 3) and model.get_classifier().out_features == 3
+    torch.testing.assert_close(out, model.head(feats[:, 1:].mean(1)))
+    assert timm.create_model("soft_tiny", num_classes=3, img_size=64, global_pool="avg").global_pool == "avg"
+    with pytest.raises(ValueError, match="global_pool"):
+        model.reset_classifier(3, "max")
+    model = model.to(torch.float64)
+    model.reset_classifier(4)
+    assert model.head.weight.dtype == torch.float64 and model(x.double()).shape == (2, 4)

@@ -393,3 +393,21 @@ def test_detections_match_torchvision_retinanet_postprocessing():
         assert len(a["boxes"]) > 5
         torch.testing.assert_close(a["scores"], b["scores"])
         torch.testing.assert_close(rows(a), rows(b))
+
+
+@pytest.mark.parametrize("edit, msg", [
+    (lambda t: t["boxes"].__setitem__((1, 0), 70.0), r"targets\[0\]\['boxes'\]\[1\].*positive width"),   # x1 > x2
+    (lambda t: t["boxes"].__setitem__((0, 3), 10.0), r"targets\[0\]\['boxes'\]\[0\].*positive width"),   # y2 = y1
+    (lambda t: t.__setitem__("masks", t["masks"][:1]), r"targets\[0\]\['masks'\] must be \[2, 64, 64\]"),
+    (lambda t: t.__setitem__("masks", t["masks"][:, :32, :32]), r"targets\[0\]\['masks'\] must be \[2, 64, 64\]"),
+    (lambda t: t.__setitem__("labels", torch.tensor([1, 4])), r"targets\[0\]\['labels'\] must be in 0\.\.3"),
+    (lambda t: t.__setitem__("labels", torch.tensor([1])), r"targets\[0\]\['labels'\] must be \[2\]"),
+    (lambda t: t.__setitem__("boxes", t["boxes"].long()), "float tensor"),
+])
+def test_malformed_targets_are_rejected_not_trained_on(edit, msg):
+    """An inverted box gave a NaN box loss and a missing mask an out-of-bounds roi_align read, silently."""
+    model = tiny().train()
+    images, targets = sample_batch()
+    edit(targets[0])
+    with pytest.raises(ValueError, match=msg):
+        model(images, targets)

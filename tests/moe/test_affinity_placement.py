@@ -117,6 +117,8 @@ def test_trace_identity_and_round_trip(tmp_path):
     back = Trace.load(p)
     np.testing.assert_array_equal(back.experts, tr.experts)
     assert back.meta["data"]["sha256"] == tr.meta["data"]["sha256"] and back.meta["model"]["weights"]
+    with pytest.raises(MoEError, match="vocab_size=256"):
+        collect_trace(m, ids + 256)
     ids2 = ids.copy()
     ids2[0, 0] ^= 1
     assert collect_trace(m, ids2).meta["data"]["sha256"] != tr.meta["data"]["sha256"]
@@ -140,3 +142,31 @@ def test_trained_model_heldout_cross_gpu_share(trained_moe, G):
     # affinity is real: above the shuffled-token baseline at the last checkpoint
     last = hist["checkpoints"][-1]["affinity"]["mean"]
     assert last["mutual_information_bits"] > last["shuffled_mutual_information_bits"] + 0.1
+
+
+@pytest.mark.parametrize("body,words", [
+    ("not json", "not a placement JSON"),
+    ({"format": P.FORMAT, "world_size": 2}, "no 'ranks'"),
+    ({"format": P.FORMAT, "ranks": [[0, 1, 1, 0]]}, "no 'world_size'"),
+    ({"format": P.FORMAT, "ranks": [[0, 1, -1, 0]], "world_size": 2}, r"in \[0, world_size=2\)"),
+    ({"format": P.FORMAT, "ranks": [[0, 1, 1, 0], [0, 1]], "world_size": 2}, "rectangular"),
+    ({"format": P.FORMAT, "ranks": [[0.5, 1, 1, 0]], "world_size": 2}, "integer ranks"),
+    ({"format": P.FORMAT, "ranks": [[0, 1, 1, 0]], "world_size": 2, "model": {"config": "other"}}, "config other"),
+])
+def test_malformed_or_foreign_placement_files(tmp_path, body, words):
+    import json
+
+    f = tmp_path / "p.json"
+    f.write_text(body if isinstance(body, str) else json.dumps(body))
+    with pytest.raises(PlacementError, match=words):
+        P.load_placement(f, model_config="mine")
+
+
+def test_trace_load_and_evaluate_reject_foreign_input(tmp_path):
+    np.save(tmp_path / "a.npy", np.zeros(3))
+    (tmp_path / "b.npz").write_bytes(b"junk")
+    for f in ("a.npy", "b.npz"):
+        with pytest.raises(MoEError, match="not an hpdl.moe trace"):
+            Trace.load(tmp_path / f)
+    with pytest.raises(MoEError, match="placement of shape"):
+        P.evaluate(np.ones((1, 4, 4)), np.zeros((3, 8), int), 2)

@@ -100,3 +100,31 @@ def test_config_errors_name_the_field():
         MoEConfig.from_hf({"model_type": "gpt2"})
     with pytest.raises(MoEConfigError, match="no MoE layer"):
         MoEConfig(n_layers=2, moe_every=3)
+    with pytest.raises(MoEConfigError, match="multiple of n_heads"):
+        MoEConfig(hidden_size=30, n_heads=4)
+    with pytest.raises(MoEConfigError, match="head_dim=3 must be even"):
+        MoEConfig(hidden_size=12, n_heads=4, n_kv_heads=4)
+
+
+def test_malformed_checkpoint_dirs_name_the_file_or_key(tmp_path):
+    import json
+
+    from hpdl.models.gpt_moe import load_model
+
+    (tmp_path / "config.json").write_text("{bad json")
+    with pytest.raises(MoEConfigError, match="config.json: not valid JSON"):
+        load_model(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mixtral"}))
+    with pytest.raises(MoEConfigError, match="config.json: missing key 'vocab_size'"):
+        load_model(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "mixtral", "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
+         "num_attention_heads": 2, "num_experts_per_tok": 1, "num_local_experts": 2, "intermediate_size": 4}))
+    (tmp_path / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(MoEConfigError, match="model.safetensors: not a readable safetensors"):
+        load_model(tmp_path)
+    (tmp_path / "hpdl_moe.pt").write_bytes(b"not a torch file")
+    with pytest.raises(MoEConfigError, match="hpdl_moe.pt: not a loadable"):
+        load_model(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        load_model(tmp_path / "absent")

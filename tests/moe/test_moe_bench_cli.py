@@ -94,3 +94,57 @@ def test_cli_train_then_trace(tmp_path, capsys):
     tr = Trace.load(tmp_path / "t.npz")
     assert tr.experts.shape == (256, 2, 1) and tr.meta["data"]["source"].startswith("stdlib-tail")
     assert "256 tokens x 2 MoE layers" in capsys.readouterr().out
+
+
+def test_every_moe_option_has_help():
+    import argparse
+
+    from hpdl.moe.cli import MoECommand
+
+    parser = argparse.ArgumentParser()
+    MoECommand.add_arguments(parser)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(sub.choices) == {"trace", "affinity", "place", "train", "bench"}
+    bare = [f"{name} {a.option_strings or a.dest}" for name, p in sub.choices.items() for a in p._actions
+            if not isinstance(a, argparse._HelpAction) and not a.help]
+    assert not bare, bare
+
+
+def test_bench_spec_refused_before_spawning(tmp_path, capsys):
+    import pytest
+
+    from hpdl.models.gpt_moe import MoEConfig, MoEDecoder, save_checkpoint
+    from hpdl.moe.bench import check_spec
+    from hpdl.moe.errors import MoEError
+
+    for kw, words in ((dict(new_tokens=0), "new_tokens"), (dict(batches=[0, 4]), "batches"),
+                      (dict(repeats=0), "repeats"), (dict(world_size=3), "world_size=3"),
+                      (dict(experts=[]), "experts")):
+        with pytest.raises(MoEError, match=words):
+            check_spec(BenchSpec(**kw))
+    save_checkpoint(MoEDecoder(MoEConfig(n_experts=4, top_k=2, hidden_size=16, n_layers=2)), tmp_path / "m")
+    with pytest.raises(MoEError, match="n_experts=4"):
+        check_spec(BenchSpec(world_size=2, model=str(tmp_path / "m")))
+    with pytest.raises(MoEError, match="top_k=2"):
+        check_spec(BenchSpec(world_size=2, experts=[4], model=str(tmp_path / "m")))
+    assert main(["moe", "bench", "--new-tokens", "0", "--out", str(tmp_path / "b.json")]) == 1
+    assert "new_tokens must be >= 1" in capsys.readouterr().err
+
+
+def test_cli_trace_bad_window(tmp_path, capsys):
+    from hpdl.models.gpt_moe import MoEConfig, MoEDecoder, save_checkpoint
+
+    save_checkpoint(MoEDecoder(MoEConfig(hidden_size=16, n_layers=2, max_position=64)), tmp_path / "m")
+    for seq, words in (("0", "--seq must be >= 1"), ("100", "exceeds the model's max_position=64")):
+        assert main(["moe", "trace", "--model", str(tmp_path / "m"), "--seq", seq, "--tokens", "256",
+                     "--out", str(tmp_path / "t.npz")]) == 1
+        assert words.replace("--seq must", "must") in capsys.readouterr().err
+
+
+def test_cli_empty_trace(tmp_path, capsys):
+    Trace(np.zeros((0, 3, 1), int), {"n_experts": 4}).save(tmp_path / "e.npz")
+    assert Trace.load(tmp_path / "e.npz").n_experts == 4
+    assert main(["moe", "affinity", str(tmp_path / "e.npz")]) == 1
+    assert "empty trace" in capsys.readouterr().err
+    assert main(["moe", "place", str(tmp_path / "e.npz"), "--world-size", "2", "--out", str(tmp_path / "p.json")]) == 1
+    assert "0 tokens" in capsys.readouterr().err

@@ -155,3 +155,108 @@ def _local_capacity_alltoall(ctx):
 def test_disagreeing_capacities_are_caught_not_hung():
     msgs = get_pool(2).run(_local_capacity_alltoall, timeout=60)
     assert all("split" in m.lower() for m in msgs), msgs
+
+
+def _disagree(ctx, case):
+    """Rank 1 alone passes something bad or different; every rank must raise the same MoEError, not block."""
+    import hpdl.moe.engine as E
+
+    m = make_model(CFG)
+    odd = ctx.rank == 1
+    place = random_placement(4, 8, 2, seed=1 if odd and case == "placement" else 0)
+    mode = "baseline" if odd and case == "mode" else "exflow"
+    prompts = [[]] if odd and case == "empty" else [[61, 3]] if odd and case == "vocab" else [[1, 2, 3]]
+    new = 4 if odd and case == "new_tokens" else 0 if odd and case == "zero" else 3
+    eng = E.MoEEngine(m, place, mode=mode)
+    try:
+        eng.generate(prompts, new)
+    except MoEError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("case,words", [("new_tokens", "max_new_tokens=4"), ("empty", "empty"),
+                                        ("zero", "max_new_tokens must be"), ("vocab", "vocab_size"),
+                                        ("placement", "placement"), ("mode", "mode=baseline")])
+def test_ranks_that_disagree_all_raise_naming_the_rank(case, words):
+    import time
+
+    t0 = time.monotonic()
+    msgs = get_pool(2).run(_disagree, case, timeout=60)
+    assert time.monotonic() - t0 < 20, "a rank waited for a collective timeout instead of failing fast"
+    assert msgs[0] == msgs[1] and "rank 1" in msgs[0] and words in msgs[0], msgs
+
+
+def _bf16_run(ctx, mode):
+    import hpdl.moe.engine as E
+
+    torch.manual_seed(0)
+    m = MoEDecoder(MoEConfig(vocab_size=61, hidden_size=32, n_layers=3, n_heads=4, n_kv_heads=2, n_experts=4,
+                             expert_size=16, max_position=400)).eval().to(torch.bfloat16)
+    long = torch.randint(0, 61, (301,), generator=torch.Generator().manual_seed(1)).tolist()
+    prompts = [[long], [[5, 6]]][ctx.rank] if ctx.world_size == 2 else [long, [5, 6]]
+    eng = E.MoEEngine(m, mode=mode, record_routing=True)
+    out = eng.generate(prompts, 4)
+    return out, {k: v for k, v in eng.routing.items()}, [m.greedy(p, 4) for p in prompts]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_bf16_model_positions_above_256(world):
+    """A bf16 model (how HF checkpoints ship): the KV cache takes the model's dtype, and request ids, positions
+    and gate weights ride the Alltoall bit-exactly (a bf16 cast turns position 301 into 300 or 302)."""
+    class Ctx:
+        rank, world_size = 0, 1
+
+    for mode in ("baseline", "exflow"):
+        res = get_pool(2).run(_bf16_run, mode) if world == 2 else [_bf16_run(Ctx, mode)]
+        got, routing, ref = {}, {}, []
+        for out, rt, rf in res:
+            got.update(out)
+            for key, v in rt.items():  # in ExFlow a token's layers are recorded on the ranks it visited
+                routing[key] = [a if a is not None else b for a, b in zip(routing.get(key, v), v)]
+            ref += rf
+        assert got == dict(enumerate(ref)), mode
+        want = {(0, q) for q in range(304)} | {(1, q) for q in range(5)}  # prompt + 3 decode forwards
+        assert set(routing) == want and all(None not in v for v in routing.values()), mode
+
+
+def _one_rank_dies(ctx, path):
+    import os
+    import time
+
+    import hpdl.moe.engine as E
+
+    os.environ["HPDL_TIMEOUT"] = "5"
+    eng = E.MoEEngine(make_model(CFG), mode="exflow")
+    if ctx.rank == 1:
+        os._exit(3)
+    t0 = time.monotonic()
+    try:
+        eng.generate([[1, 2, 3]], 8)
+        msg = "no error"
+    except Exception as e:  # noqa: BLE001 - the type is what the test checks
+        msg = f"{type(e).__name__}: {e}"
+    with open(path, "w") as f:
+        f.write(f"{time.monotonic() - t0:.1f}\n{msg}")
+    return msg
+
+
+def test_killed_rank_raises_a_typed_error_not_a_hang(tmp_path):
+    """Rank 1 dies; rank 0 must get an hpdl error naming itself and the collective within HPDL_TIMEOUT (5 s)."""
+    from hpdl.runtime.errors import WorkerFailedError
+
+    f = tmp_path / "rank0.txt"
+    with pytest.raises(WorkerFailedError, match="rank 1 died"):
+        get_pool(2).run(_one_rank_dies, str(f), timeout=60)
+    for _ in range(50):  # rank 0 writes its outcome before the pool tears it down
+        if f.exists() and f.read_text().count("\n"):
+            break
+        import time
+
+        time.sleep(0.1)
+    secs, msg = f.read_text().split("\n", 1)
+    # hpdl.comm's PeerFailedError (a CollectiveTimeoutError) names the dead rank; the engine's own
+    # WorkerFailedError (for a backend error hpdl.comm did not type) names this rank and the collective
+    assert float(secs) < 6 and msg.split(":")[0] in ("PeerFailedError", "WorkerFailedError",
+                                                     "CollectiveTimeoutError"), msg
+    assert "[1]" in msg or "rank 0:" in msg, msg

@@ -2,12 +2,14 @@
 
 >>> import hpdl.comm as hc
 >>> # inside an initialised process group:
->>> # hc.all_reduce(t, op="sum", algorithm="direct")
+>>> # hc.all_reduce(t, "sum", None, False, algorithm="direct")   # c10d order, then options
 """
 
-from hpdl.comm.api import (Work, all_gather, all_reduce, all_to_all_single, forget_group, reduce_scatter, reset,
-                           set_topology)
+from hpdl.comm.api import (CudaWork, Work, all_gather, all_gather_into_tensor, all_reduce, all_to_all_single,
+                           forget_group, reduce_scatter, reduce_scatter_tensor, reset, set_topology)
 from hpdl.comm.ops import REDUCE_OPS, SUPPORTED_DTYPES
+from hpdl.comm.tuning import resolve
 
-__all__ = ["REDUCE_OPS", "SUPPORTED_DTYPES", "Work", "all_gather", "all_reduce", "all_to_all_single", "forget_group",
-           "reduce_scatter", "reset", "set_topology"]
+__all__ = ["CudaWork", "REDUCE_OPS", "SUPPORTED_DTYPES", "Work", "all_gather", "all_gather_into_tensor", "all_reduce",
+           "all_to_all_single", "forget_group", "reduce_scatter", "reduce_scatter_tensor", "reset", "resolve",
+           "set_topology"]

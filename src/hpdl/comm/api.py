@@ -1,18 +1,24 @@
-"""torch.distributed-shaped collectives: ``all_reduce``, ``reduce_scatter``, ``all_gather``.
+"""torch.distributed-shaped collectives with c10d's signatures: ``all_reduce``, ``reduce_scatter(_tensor)``,
+``all_gather(_into_tensor)``, ``all_to_all_single``.
 
 Each call validates its arguments, checks (``HPDL_CHECK``) that every rank passed the same count, dtype, op,
 device and algorithm, picks the algorithm (``"auto"`` asks :mod:`hpdl.comm.tuning`), and runs it over the
 group's transport. Results are in place, like ``torch.distributed``; non-contiguous tensors are handled through
 a contiguous copy written back into the caller's tensor.
+
+Ordering: every communication call is issued on the caller's thread, at the call, in call order, as torch
+does, so hpdl's collectives and torch's own on the same group match across ranks in program order.
+``async_op=True`` returns a :class:`Work`: for ``native`` it holds torch's Work in flight; hpdl's own
+point-to-point schedules run to completion inside the call (their Work is complete when returned); the CUDA
+peer kernels run on a side stream (:class:`CudaWork`). A failed collective runs a post-mortem
+(:mod:`hpdl.comm.transport.failure`) so that the error names the rank that is gone or stuck.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from datetime import timedelta
 from typing import Callable
 
 import torch
@@ -21,8 +27,10 @@ import torch.distributed as dist
 from hpdl.comm import tuning
 from hpdl.comm.algorithms.base import PEER, REGISTRY, Algorithm, canonical, get_class
 from hpdl.comm.algorithms.direct import window_size
+from hpdl.comm.algorithms.native import Pending
 from hpdl.comm.ops import check_dtype, normalize_op, REDUCE_OPS, SUPPORTED_DTYPES
-from hpdl.comm.transport.torch_p2p import TorchTransport
+from hpdl.comm.transport.failure import FailureBoard, is_peer_failure
+from hpdl.comm.transport.resources import GroupResources
 from hpdl.runtime import env
 from hpdl.runtime.errors import CollectiveMismatchError, CollectiveTimeoutError
 
@@ -30,21 +38,61 @@ _DTYPE_CODE = {d: i for i, d in enumerate(SUPPORTED_DTYPES)}
 
 
 class Work:
-    """Handle of an ``async_op=True`` collective: ``wait()`` blocks (re-raising its error), ``is_completed()``."""
+    """Handle of an ``async_op=True`` collective, like torch.distributed's Work.
 
-    def __init__(self, future: Future):
-        self._future = future
+    ``wait(timeout=None)`` blocks until the result is in the caller's tensor (re-raising the collective's
+    error, a typed one naming the rank where the post-mortem can tell); ``is_completed()`` polls;
+    ``get_future()`` returns a ``torch.futures.Future`` of the result tensor (for DDP communication hooks).
+    A Work of hpdl's own point-to-point schedules is complete when returned (they ran inside the call).
+    """
 
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until the collective finished; raises what the collective raised. Returns True."""
+    def __init__(self, result: torch.Tensor | None = None, pending: Pending | None = None, guard=None):
+        self._result, self._pending, self._guard = result, pending, guard
+        self._error: BaseException | None = None
+
+    def wait(self, timeout: float | timedelta | None = None) -> bool:
+        """Block until the collective finished; raises what it raised. ``timeout`` in seconds (or a
+        timedelta) bounds the wait (default: the call's timeout). Returns True."""
+        if isinstance(timeout, timedelta):
+            timeout = timeout.total_seconds()
+        if self._error is not None:
+            raise self._error
+        pending = self._pending
+        if pending is None:
+            return True
         try:
-            self._future.result(timeout=timeout)
-        except FutureTimeout:  # a distinct class from TimeoutError on Python 3.10
-            raise CollectiveTimeoutError(f"async collective not finished after {timeout}s") from None
+            if self._guard is not None:
+                self._guard(lambda: pending.wait(timeout))
+            else:
+                pending.wait(timeout)
+        except BaseException as exc:
+            self._error = exc
+            raise
+        self._pending = None
         return True
 
     def is_completed(self) -> bool:
-        return self._future.done()
+        pending = self._pending
+        return pending is None or (pending.work.is_completed() and not pending.finish)
+
+    def get_future(self) -> torch.futures.Future:
+        """A Future completed with the result tensor once the collective finished (its finishing steps, the
+        avg division and copy-back, run in the callback)."""
+        pending = self._pending
+        if pending is None:
+            fut: torch.futures.Future = torch.futures.Future()
+            if self._error is not None:
+                fut.set_exception(self._error)
+            else:
+                fut.set_result(self._result)
+            return fut
+        result = self._result
+
+        def done(f):
+            f.value()  # raises the collective's error into the chained future
+            pending.run_finish()
+            return result
+        return pending.work.get_future().then(done)
 
 
 class CudaWork:
@@ -62,90 +110,59 @@ class CudaWork:
         return self._event.query()
 
 
-class _GroupState:
-    """Per-group cache: transports, algorithm instances, the ordered async executor."""
+class _GroupState(GroupResources):
+    """The API's per-group entry: the group's :class:`GroupResources` (transports, topology, algorithms) plus
+    the failure board, the call counter and the side stream of async peer calls. Nothing here runs
+    communication on another thread."""
 
     def __init__(self, group):
-        self.group = group
-        self.world_size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        self.backend = str(dist.get_backend(group))
-        self._comm: TorchTransport | None = None
-        self._host: TorchTransport | None = None
-        self._algos: dict[tuple[str, int | None], Algorithm] = {}
-        self._executor: ThreadPoolExecutor | None = None
-        self._pending: list[Future] = []
-        self._lock = threading.Lock()
+        super().__init__(group)
         self.side_stream = None       # CUDA stream of async peer all-reduces
         self.side_pending = None      # event of the last async peer call that no sync call has waited for yet
-        self.topology = None
+        self.calls = 0                # collectives issued on this group (the post-mortem's call number)
+        ranks = self.global_ranks()
+        name = "world" if group is None else str(getattr(group, "group_name", "") or "-".join(map(str, ranks)))
+        self.board = FailureBoard(name, ranks, self.rank)
 
-    def comm(self, timeout: float) -> TorchTransport:
-        if self._comm is None:
-            self._comm = TorchTransport(self.group, timeout)
-        self._comm.timeout = timeout
-        return self._comm
-
-    def host(self, timeout: float) -> TorchTransport:
-        if self._host is None:
-            if self.backend == "gloo":
-                self._host = self.comm(timeout)
-            else:
-                ranks = (list(range(self.world_size)) if self.group is None
-                         else [dist.get_global_rank(self.group, r) for r in range(self.world_size)])
-                hg = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
-                self._host = TorchTransport(hg, timeout, device=torch.device("cpu"))
-        self._host.timeout = timeout
-        return self._host
+    def guard(self, what: str, call: int, timeout: float):
+        """``run(fn)``: call ``fn``; a peer failure becomes the post-mortem's typed error naming the rank."""
+        def run(fn):
+            try:
+                return fn()
+            except BaseException as exc:
+                if not is_peer_failure(exc):
+                    raise
+                err = self.board.diagnose(what, call, timeout, exc)
+                if err is exc:
+                    raise
+                raise err from exc
+        return run
 
     def algorithm(self, name: str, window: int | None, timeout: float) -> Algorithm:
-        key = (name, window)
-        if key not in self._algos:
-            cls = get_class(name)
-            if getattr(cls, "needs_topology", False):  # two-level algorithms (docs/comm_two_level.md)
-                host = self.host(timeout) if self.backend != "gloo" else None
-                self._algos[key] = cls(window, topology=self.get_topology(timeout), host_comm=host)
-            else:
-                self._algos[key] = cls(window, host_comm=self.host(timeout)) if name == "staged" else cls(window)
-        return self._algos[key]
+        """The registry's class for ``name``, built once per (name, window) from this group's resources."""
+        return self.cached((name, window), lambda: get_class(name).create(self, window, timeout))
 
-    def get_topology(self, timeout: float):
-        """The topology set with :func:`set_topology`, else ``HPDL_RANKS_PER_NODE``, else hostnames."""
-        if self.topology is None:
-            from hpdl.runtime.topology import Topology, discover
 
-            rpn = env.get("HPDL_RANKS_PER_NODE")
-            if rpn:
-                parts = [int(x) for x in rpn.split(",")]
-                self.topology = Topology.emulate(self.world_size, parts[0] if len(parts) == 1 else parts)
-            else:
-                self.topology = discover(self.host(timeout).group)
-        return self.topology
-
-    def submit(self, fn: Callable[[], None], async_op: bool) -> Work | None:
-        """Run ``fn`` after every earlier async call on this group, in order."""
-        with self._lock:
-            self._pending = [f for f in self._pending if not f.done()]
-            if not async_op and not self._pending:
-                fn()
-                return None
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(1, thread_name_prefix="hpdl-comm")
-            stream = torch.cuda.current_stream() if torch.cuda.is_available() and torch.cuda.is_initialized() \
-                else None
-            fut = self._executor.submit(_on_stream, fn, stream)
-            self._pending.append(fut)
-        if async_op:
-            return Work(fut)
-        fut.result()
+def _execute(st: _GroupState, what: str, timeout: float, run: Callable[[], "Pending | None"], async_op: bool,
+             result: torch.Tensor | None) -> Work | None:
+    """Issue ``run`` now, on this thread (it returns a :class:`Pending` torch collective or None when done);
+    wait for it unless ``async_op``. Peer failures are diagnosed by the group's failure board."""
+    st.calls += 1
+    guard = st.guard(what, st.calls, timeout)
+    pending = guard(run)
+    if not async_op:
+        if pending is not None:
+            guard(lambda: pending.wait(timeout))
         return None
+    return Work(result, pending, guard)
 
 
-def _on_stream(fn, stream):
-    if stream is None:
-        return fn()
-    with torch.cuda.stream(stream):
-        return fn()
+def _check_async(async_op, what: str) -> None:
+    """c10d's positional order is (..., group, async_op); an algorithm name in that place is a call written
+    for the old signature."""
+    if isinstance(async_op, str):
+        raise TypeError(f"{what}: async_op must be a bool, got {async_op!r}; the algorithm is keyword-only "
+                        f"(algorithm={async_op!r}), as the signature follows torch.distributed's")
 
 
 _STATES: dict[object, _GroupState] = {}
@@ -172,8 +189,6 @@ def forget_group(group) -> None:
     st = _STATES.pop(key, None)
     for k in [k for k, v in _FAST.items() if st is not None and v[0] is st]:
         del _FAST[k]
-    if st is not None and st._executor is not None:
-        st._executor.shutdown(wait=True)
     for registry in (peer._COMMS, peer_alltoall._COMMS):
         for k in [k for k in registry if k[0] is group or (group is None and k[0] is None)]:
             del registry[k]
@@ -186,11 +201,7 @@ def reset() -> None:
     _FAST.clear()
     peer_alltoall.forget()
     for st in _STATES.values():
-        if st._executor is not None:
-            st._executor.shutdown(wait=True)
-        for algo in st._algos.values():
-            if hasattr(algo, "close"):  # shared-memory buffers of the two-level algorithms
-                algo.close()
+        st.close()  # shared-memory buffers of the two-level algorithms
     _STATES.clear()
 
 
@@ -216,8 +227,7 @@ def set_topology(topology, group=None) -> None:
     if topo.world_size != st.world_size:
         raise ValueError(f"topology has world_size={topo.world_size}, but the group has {st.world_size} ranks")
     if st.topology != topo:
-        for key in [k for k, a in st._algos.items() if getattr(a, "needs_topology", False)]:
-            st._algos.pop(key).close()
+        st.drop_topology_algorithms()
         _FAST.clear()  # cached calls chose their path (one-node peer kernel or not) under the old topology
     st.topology = topo
 
@@ -225,8 +235,8 @@ def set_topology(topology, group=None) -> None:
 def _check_tensor(name: str, t, st: _GroupState) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.is_sparse or t.is_complex():
-        raise ValueError(f"{name} must be a dense real tensor, got layout={t.layout} dtype={t.dtype}")
+    if t.layout != torch.strided:
+        raise ValueError(f"{name} must be a dense (strided) tensor, got layout={t.layout}")
     if t.device.type == "cuda" and st.backend == "gloo":
         raise ValueError(f"{name} is on {t.device} but the group's backend is gloo; pass a CPU tensor or use an "
                          "NCCL group")
@@ -272,11 +282,11 @@ def _peer_ok(tensor: torch.Tensor, st: _GroupState) -> bool:
     return peer_available(tensor, st.group) and st.world_size <= torch.cuda.device_count()
 
 
-def _resolve(st: _GroupState, algorithm: str, tensor: torch.Tensor, window: int | None):
+def _resolve(st: _GroupState, algorithm: str, tensor: torch.Tensor, window: int | None, collective: str):
     name = canonical(algorithm)
     nbytes = tensor.numel() * tensor.element_size()
     if name == "auto":
-        name, tuned = tuning.select(nbytes, st.world_size, tensor.device.type)
+        name, tuned = tuning.select(collective, nbytes, st.world_size, tensor.device.type, st.topology)
         window = window if window is not None else tuned
         if name in PEER and not _peer_ok(tensor, st):
             name = "native"
@@ -290,6 +300,8 @@ def _resolve(st: _GroupState, algorithm: str, tensor: torch.Tensor, window: int 
 
 
 def _prepare(what: str, tensor: torch.Tensor, op, group, algorithm: str, window, timeout, check):
+    """Validate, resolve ``auto`` through the selection table (collective ``what``) and build the optional
+    argument check; nothing is communicated yet."""
     st = _state(group)
     _check_tensor("tensor", tensor, st)
     op = normalize_op(op)
@@ -297,12 +309,13 @@ def _prepare(what: str, tensor: torch.Tensor, op, group, algorithm: str, window,
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"window must be an int >= 1 (or None for the tuned value), got {window!r}")
     timeout = float(env.get("HPDL_TIMEOUT") if timeout is None else timeout)
-    name, window = _resolve(st, algorithm, tensor, window)
+    name, window = _resolve(st, algorithm, tensor, window, what)
     mode = env.get("HPDL_CHECK") if check is None else check
     verify = None
     if (mode is True or (mode == "auto" and tensor.device.type == "cpu")) and st.world_size > 1:
         effective = window_size(window, st.world_size) if name == "direct" else 0  # None and 4 are the same k
-        fields = {"count": tensor.numel(), "dtype": _DTYPE_CODE[tensor.dtype], "op": REDUCE_OPS.index(op),
+        fields = {"count": tensor.numel(), "dtype": _DTYPE_CODE.get(tensor.dtype, 100 + tensor.element_size()),
+                  "op": REDUCE_OPS.index(op),
                   "device": int(tensor.device.type == "cuda"), "algorithm": list(REGISTRY).index(name),
                   "window": effective}
 
@@ -315,7 +328,8 @@ _FAST: dict[tuple, object] = {}
 _FAST_MAX = 4096
 
 
-def _peer_call(st: _GroupState, tensor: torch.Tensor, op: str, name: str, window, async_op: bool, fast_key):
+def _peer_call(st: _GroupState, tensor: torch.Tensor, op: str, name: str, window, async_op: bool, fast_key,
+               timeout: float):
     """Peer-memory all-reduce on the current stream, or on the group's side stream when ``async_op``."""
     from hpdl.comm.algorithms.peer import peer_all_reduce
 
@@ -324,7 +338,8 @@ def _peer_call(st: _GroupState, tensor: torch.Tensor, op: str, name: str, window
         current.wait_event(st.side_pending)
         st.side_pending = None
     if not async_op:
-        peer_all_reduce(tensor, op, st.group, name, window)
+        algo = st.algorithm(name, window, timeout)   # the registry's OneShot / TwoShot
+        algo.all_reduce(tensor, op, st.comm(timeout))
         if fast_key is not None and str(env.get("HPDL_CHECK")) == "auto":
             group = st.group
             _FAST[fast_key] = (st, lambda t: peer_all_reduce(t, op, group, name, window))
@@ -334,7 +349,7 @@ def _peer_call(st: _GroupState, tensor: torch.Tensor, op: str, name: str, window
     side = st.side_stream
     side.wait_stream(current)
     with torch.cuda.stream(side):
-        peer_all_reduce(tensor, op, st.group, name, window)
+        st.algorithm(name, window, timeout).all_reduce(tensor, op, st.comm(timeout))
         done = torch.cuda.Event()
         done.record(side)
     tensor.record_stream(side)
@@ -342,20 +357,24 @@ def _peer_call(st: _GroupState, tensor: torch.Tensor, op: str, name: str, window
     return CudaWork(done)
 
 
-def all_reduce(tensor: torch.Tensor, op="sum", group=None, algorithm: str = "auto", async_op: bool = False, *,
+def all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool = False, *, algorithm: str = "auto",
                window: int | None = None, timeout: float | None = None, check: bool | None = None):
     """Reduce ``tensor`` across all ranks of ``group``, in place; every rank gets the bitwise-identical result.
 
+    Signature of ``torch.distributed.all_reduce(tensor, op, group, async_op)``; hpdl's options are keyword-only.
+
     Args:
         tensor: any shape, contiguous or not; dtype float32, float64, float16, bfloat16 (accumulated in
-            float32), int32, int64 or uint8 (integer sums wrap like C); CPU with gloo, CUDA with NCCL.
+            float32), int32, int64, uint8, int8 (integer sums wrap like C), bool (sum = or, product = and) or
+            complex64 (sum and avg only, as torch.distributed); CPU with gloo, CUDA with NCCL.
         op: "sum", "avg" (floating dtypes only), "min", "max", "product", or a ``torch.distributed.ReduceOp``.
         group: process group (None = world).
+        async_op: return a :class:`Work` handle (for the peer kernels a :class:`CudaWork`: the call runs on a
+            side stream and ``wait()`` orders the caller's current stream after it). The communication is
+            issued now, on this thread, in call order with torch's own collectives.
         algorithm: "auto" (tuning table), "direct" (throttled Direct Sendrecv), "ring",
-            "recursive_doubling", "staged" (CPU staging), "native" (torch.distributed), or for CUDA tensors
-            of one node "one_shot" / "two_shot" (peer-memory kernels, one launch per call).
-        async_op: return a :class:`Work` handle instead of waiting (for the peer kernels a :class:`CudaWork`:
-            the call runs on a side stream and ``wait()`` orders the caller's current stream after it).
+            "recursive_doubling", "staged" (CPU staging), "two_level", "native" (torch.distributed), or for CUDA
+            tensors of one node "one_shot" / "two_shot" (peer-memory kernels, one launch per call).
         window: throttle of the direct algorithm (peers in flight); None = tuned default.
         timeout: seconds any wait may block (default ``HPDL_TIMEOUT``).
         check: verify that all ranks passed the same arguments (default ``HPDL_CHECK``: on for CPU tensors).
@@ -367,6 +386,7 @@ def all_reduce(tensor: torch.Tensor, op="sum", group=None, algorithm: str = "aut
         TypeError / ValueError: bad tensor, dtype, op, algorithm or window (nothing has been written).
         CollectiveMismatchError: ranks passed different counts, dtypes, ops, devices or algorithms.
         CollectiveTimeoutError: a peer did not answer within ``timeout``; the message names it.
+        PeerFailedError: a peer's process is gone; the message names it.
     """
     # key of the hot path, from the arguments as given (_prepare normalises op, window and timeout)
     fast_key = (group, op, algorithm, window, tensor.dtype, tensor.numel(), tensor.device.index) \
@@ -377,25 +397,35 @@ def all_reduce(tensor: torch.Tensor, op="sum", group=None, algorithm: str = "aut
         if fast is not None and fast[0].side_pending is None:
             fast[1](tensor)  # hot path: arguments validated by an earlier identical call; one kernel launch
             return None
+    _check_async(async_op, "all_reduce")
     st, op, name, window, timeout, verify = _prepare("all_reduce", tensor, op, group, algorithm, window, timeout,
                                                      check)
     if name in PEER:
         if verify is not None:
             verify()
-        return _peer_call(st, tensor, op, name, window, async_op, fast_key)
+        return _peer_call(st, tensor, op, name, window, async_op, fast_key, timeout)
 
-    def run() -> None:
+    def run() -> Pending | None:
         if verify is not None:
             verify()
         if tensor.numel() == 0 or st.world_size == 1:
-            return
+            return None
         algo = st.algorithm(name, window, timeout)
         buf = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
-        algo.all_reduce(buf, op, st.comm(timeout))
+        pending = algo.all_reduce(buf, op, st.comm(timeout))
         if not tensor.is_contiguous():
-            tensor.copy_(buf.view(tensor.shape))
+            return _then(pending, lambda: tensor.copy_(buf.view(tensor.shape)))
+        return pending
 
-    return st.submit(run, async_op)
+    return _execute(st, "all_reduce", timeout, run, async_op, tensor)
+
+
+def _then(pending: Pending | None, fn: Callable[[], object]) -> Pending | None:
+    """Run ``fn`` after ``pending`` finished (now, when the algorithm already ran to completion)."""
+    if pending is None:
+        fn()
+        return None
+    return pending.then(fn)
 
 
 def _check_pair(group, output: torch.Tensor, input: torch.Tensor, big: str, small: str) -> None:
@@ -433,74 +463,150 @@ def _blocks_of(flat: torch.Tensor, world_size: int) -> list[torch.Tensor]:
     return [flat[q * n:(q + 1) * n] for q in range(world_size)]
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op="sum", group=None, algorithm: str = "auto",
-                   async_op: bool = False, *, window: int | None = None, timeout: float | None = None,
-                   check: bool | None = None):
+def _flat_list(tensors, what: str, world_size: int, like: torch.Tensor) -> torch.Tensor:
+    """c10d's list form (``input_list`` / ``tensor_list``): ``world_size`` tensors shaped like ``like``."""
+    tensors = list(tensors)
+    if len(tensors) != world_size or any(not isinstance(t, torch.Tensor) for t in tensors):
+        raise ValueError(f"{what} must be a list of world_size={world_size} tensors, got {len(tensors)} items")
+    for q, t in enumerate(tensors):
+        if t.numel() != like.numel() or t.dtype != like.dtype or t.device != like.device:
+            raise ValueError(f"{what}[{q}] must have {like.numel()} elements of {like.dtype} on {like.device}, "
+                             f"got {t.numel()} of {t.dtype} on {t.device}")
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op="sum", group=None, async_op: bool = False,
+                          *, algorithm: str = "auto", window: int | None = None, timeout: float | None = None,
+                          check: bool | None = None):
     """``output = reduce over ranks of input[rank*m:(rank+1)*m]`` with ``m = output.numel()``.
 
-    Same contract as ``torch.distributed.reduce_scatter_tensor`` (``input.numel() == world_size * m``, same
-    dtype and device); ``input`` is not modified. Algorithms: "auto", "direct", "ring", "native".
-    Raises as :func:`all_reduce`, plus ValueError on mismatched sizes.
+    Signature and contract of ``torch.distributed.reduce_scatter_tensor(output, input, op, group, async_op)``
+    (``input.numel() == world_size * m``, same dtype and device); ``input`` is not modified. Dtypes as
+    :func:`all_reduce`. Algorithms: "auto", "direct", "ring", "native".
+
+    Returns: None, or a :class:`Work` when ``async_op`` is True.
+
+    Raises: as :func:`all_reduce`, plus ValueError on mismatched sizes.
     """
+    _check_async(async_op, "reduce_scatter_tensor")
     _check_pair(group, output, input, big="input", small="output")
     st, op, name, window, timeout, verify = _prepare("reduce_scatter", input, op, group,
                                                      _phase_algorithm(algorithm), window, timeout, check)
     name = _phase_resolved(name)
 
-    def run() -> None:
+    def run() -> Pending | None:
         if verify is not None:
             verify()
         if output.numel() == 0:
-            return
+            return None
         flat = input.contiguous().view(-1)
         blocks = _blocks_of(flat, st.world_size)
         out = output.view(-1) if output.is_contiguous() else torch.empty_like(blocks[0])
+        pending = None
         if st.world_size == 1:
             out.copy_(flat)
         else:
-            st.algorithm(name, window, timeout).reduce_scatter(blocks, out, op, st.comm(timeout))
+            pending = st.algorithm(name, window, timeout).reduce_scatter(blocks, out, op, st.comm(timeout))
         if not output.is_contiguous():
-            output.copy_(out.view(output.shape))
+            return _then(pending, lambda: output.copy_(out.view(output.shape)))
+        return pending
 
-    return st.submit(run, async_op)
+    return _execute(st, "reduce_scatter", timeout, run, async_op, output)
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, algorithm: str = "auto",
-               async_op: bool = False, *, window: int | None = None, timeout: float | None = None,
-               check: bool | None = None):
-    """``output[q*m:(q+1)*m] = input of rank q`` with ``m = input.numel()``, like ``all_gather_into_tensor``.
+def reduce_scatter(output: torch.Tensor, input, op="sum", group=None, async_op: bool = False, *,
+                   algorithm: str = "auto", window: int | None = None, timeout: float | None = None,
+                   check: bool | None = None):
+    """:func:`reduce_scatter_tensor`, also taking c10d's ``reduce_scatter(output, input_list, ...)`` form:
+    ``input`` may be a list of ``world_size`` tensors shaped like ``output`` (block q goes to rank q)."""
+    if isinstance(input, (list, tuple)):
+        _check_tensor("output", output, _state(group))
+        input = _flat_list(input, "input_list", _state(group).world_size, output)
+    return reduce_scatter_tensor(output, input, op, group, async_op, algorithm=algorithm, window=window,
+                                 timeout=timeout, check=check)
 
-    Algorithms: "auto", "direct", "ring", "native". Raises as :func:`all_reduce`, plus ValueError on
-    mismatched sizes, dtypes or devices.
+
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False, *,
+                           algorithm: str = "auto", window: int | None = None, timeout: float | None = None,
+                           check: bool | None = None):
+    """``output[q*m:(q+1)*m] = input of rank q`` with ``m = input.numel()``.
+
+    Signature of ``torch.distributed.all_gather_into_tensor(output, input, group, async_op)``. No reduction,
+    so every dtype of :data:`SUPPORTED_DTYPES` (bool and complex64 included). Algorithms: "auto", "direct",
+    "ring", "native".
+
+    Returns: None, or a :class:`Work` when ``async_op`` is True.
+
+    Raises: as :func:`all_reduce`, plus ValueError on mismatched sizes, dtypes or devices.
     """
+    _check_async(async_op, "all_gather_into_tensor")
     _check_pair(group, output, input, big="output", small="input")
     st, _, name, window, timeout, verify = _prepare("all_gather", input, "sum", group, _phase_algorithm(algorithm),
                                                     window, timeout, check)
     name = _phase_resolved(name)
 
-    def run() -> None:
+    def run() -> Pending | None:
         if verify is not None:
             verify()
         if input.numel() == 0:
-            return
+            return None
         flat = output.view(-1) if output.is_contiguous() else torch.empty(output.numel(), dtype=output.dtype,
                                                                             device=output.device)
         blocks = _blocks_of(flat, st.world_size)
         blocks[st.rank].copy_(input.reshape(-1))
+        pending = None
         if st.world_size > 1:
-            st.algorithm(name, window, timeout).all_gather(blocks, st.comm(timeout))
+            pending = st.algorithm(name, window, timeout).all_gather(blocks, st.comm(timeout))
         if not output.is_contiguous():
-            output.copy_(flat.view(output.shape))
+            return _then(pending, lambda: output.copy_(flat.view(output.shape)))
+        return pending
 
-    return st.submit(run, async_op)
+    return _execute(st, "all_gather", timeout, run, async_op, output)
+
+
+def all_gather(output, input: torch.Tensor, group=None, async_op: bool = False, *, algorithm: str = "auto",
+               window: int | None = None, timeout: float | None = None, check: bool | None = None):
+    """:func:`all_gather_into_tensor`, also taking c10d's ``all_gather(tensor_list, tensor, ...)`` form:
+    ``output`` may be a list of ``world_size`` tensors shaped like ``input`` (entry q receives rank q's)."""
+    if not isinstance(output, (list, tuple)):
+        return all_gather_into_tensor(output, input, group, async_op, algorithm=algorithm, window=window,
+                                      timeout=timeout, check=check)
+    st = _state(group)
+    _check_tensor("input", input, st)
+    _flat_list(output, "tensor_list", st.world_size, input)   # validates the list
+    flat = torch.empty(st.world_size * input.numel(), dtype=input.dtype, device=input.device)
+    work = all_gather_into_tensor(flat, input, group, async_op, algorithm=algorithm, window=window,
+                                  timeout=timeout, check=check)
+
+    def scatter() -> None:
+        for q, t in enumerate(output):
+            t.copy_(flat[q * input.numel():(q + 1) * input.numel()].view(t.shape))
+    if work is None:
+        scatter()
+        return None
+    if work._pending is None:
+        scatter()
+    else:
+        work._pending.then(scatter)
+    return work
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor | None:
+    """``t``'s bytes as a flat uint8 view when ``t`` is dense with unit inner stride, else None (a one-element
+    tensor counts as contiguous whatever its stride, but cannot be viewed as bytes then)."""
+    if not t.is_contiguous() or t.numel() == 0:
+        return None
+    flat = t.view(-1)
+    return flat.view(torch.uint8) if flat.stride(0) == 1 else None
 
 
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes=None, input_split_sizes=None,
-                      group=None, algorithm: str = "auto", async_op: bool = False, *, window: int | None = None,
+                      group=None, async_op: bool = False, *, algorithm: str = "auto", window: int | None = None,
                       timeout: float | None = None, check: bool | None = None):
     """Split ``input`` along dim 0, send block ``q`` to rank ``q``; ``output`` receives block ``q`` from rank q.
 
-    Exactly ``torch.distributed.all_to_all_single``: with split sizes None the rows are split equally
+    Exactly ``torch.distributed.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group,
+    async_op)`` (hpdl's options keyword-only): with split sizes None the rows are split equally
     (``size(0)`` divisible by the world size); otherwise ``input_split_sizes[q]`` rows go to rank ``q`` and
     ``output_split_sizes[q]`` rows come from it (zero allowed), and rank i's ``output_split_sizes[j]`` must
     equal rank j's ``input_split_sizes[i]``. Any dtype, any trailing shape (same for both tensors);
@@ -532,8 +638,9 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
                     output.device.index, output.dtype, _split_key(output_split_sizes),
                     _split_key(input_split_sizes), os.environ.get("HPDL_CHECK"))
         fast = _FAST.get(fast_key)
-        if fast is not None and fast[0].side_pending is None and not fast[0]._pending and fast[1](output, input):
+        if fast is not None and fast[0].side_pending is None and fast[1](output, input):
             return None  # hot path: arguments validated by an earlier identical call; one kernel launch
+    _check_async(async_op, "all_to_all_single")
     st = _state(group)
     _check_tensor("output", output, st)
     _check_tensor("input", input, st)
@@ -546,7 +653,8 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
         raise ValueError(f"window must be an int >= 1 (or None for all peers), got {window!r}")
     timeout = float(env.get("HPDL_TIMEOUT") if timeout is None else timeout)
     if name == "auto":
-        name = a2a.select(input.numel() * input.element_size(), st.world_size, input.device.type)
+        name = tuning.select("all_to_all", input.numel() * input.element_size(), st.world_size,
+                             input.device.type, st.topology)[0]
         if name in ("push", "pull") and input.is_cuda and not a2a.peer_route(name, st, input, timeout):
             name = "native"  # across nodes the CUDA push/pull would stage through host memory
     mode = env.get("HPDL_CHECK") if check is None else check
@@ -560,19 +668,19 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
             _verify_same(st, "all_to_all_single", fields, timeout)
             a2a.verify_splits(st.host(timeout), osp, isp)
 
-    def run() -> None:
+    def run() -> Pending | None:
         if verify is not None:
             verify()
-        a2a.execute(name, st, output, input, lay, timeout, window)
+        return a2a.execute(name, st, output, input, lay, timeout, window)
 
     peer = input.is_cuda and a2a.peer_route(name, st, input, timeout)
     if input.is_cuda and st.side_pending is not None:  # after the last async peer call on this group
         torch.cuda.current_stream(input.device).wait_event(st.side_pending)
         st.side_pending = None
-    if peer and async_op and verify is None and not any(not f.done() for f in st._pending):
+    if peer and async_op and verify is None:
         return _on_side_stream(st, run, input.device, (output, input))
-    work = st.submit(run, async_op)
-    if fast_key is not None and peer and verify is None and not st._pending and str(env.get("HPDL_CHECK")) == "auto":
+    work = _execute(st, "all_to_all_single", timeout, run, async_op, output)
+    if fast_key is not None and peer and verify is None and str(env.get("HPDL_CHECK")) == "auto":
         if len(_FAST) > _FAST_MAX:  # uneven splits that change every call would grow it without bound
             _FAST.clear()
         _FAST[fast_key] = (st, a2a.peer_fast(lay, st, name, window, input.device))

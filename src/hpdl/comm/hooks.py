@@ -4,8 +4,11 @@
 >>> # hpdl.comm.hooks.register(model, algorithm="auto")   # uses model.process_group
 
 The hook averages each bucket like DDP's default (sum, then divide by world size) with the algorithm of
-``HookState``; CPU buckets run on hpdl's ordered async executor, CUDA buckets on the current stream (the
-peer kernels are stream-ordered, so the returned future is complete when the work is queued, as NCCL's is).
+``HookState``. Every bucket's communication is issued inside the hook, on DDP's thread, in bucket order, so
+it matches DDP's own collectives (the unused-parameter bitmap of ``find_unused_parameters=True``) across
+ranks. CPU buckets return the Work's future (``native``: torch's collective in flight; hpdl's schedules:
+complete); CUDA buckets run on the current stream (the peer kernels are stream-ordered, so the returned future
+is complete when the work is queued, as NCCL's is).
 """
 
 # no `from __future__ import annotations`: DDP inspects the hook's annotations at registration
@@ -36,23 +39,14 @@ def allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.F
     Raises: what :func:`hpdl.comm.all_reduce` raises, directly for CUDA buckets and through the future for CPU.
     """
     buf = bucket.buffer()
-    fut: torch.futures.Future = torch.futures.Future()
     if buf.is_cuda:
         hc.all_reduce(buf, op="avg", group=state.group, algorithm=state.algorithm, window=state.window)
+        fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(buf)
         return fut
-    work = hc.all_reduce(buf, op="avg", group=state.group, algorithm=state.algorithm, window=state.window,
-                         async_op=True)
-
-    def _done(f):
-        try:
-            f.result()
-            fut.set_result(buf)
-        except Exception as exc:  # noqa: BLE001 - handed to DDP through the future
-            fut.set_exception(exc)
-
-    work._future.add_done_callback(_done)
-    return fut
+    work = hc.all_reduce(buf, op="avg", group=state.group, async_op=True, algorithm=state.algorithm,
+                         window=state.window)
+    return work.get_future()
 
 
 def register(model: torch.nn.parallel.DistributedDataParallel, algorithm: str = "auto",
@@ -130,9 +124,9 @@ class BucketAllReduce:
 
     With ``group=None`` the buckets are all-reduced on a private copy of the world group (made here, so
     construction is collective over the world), so that the caller's own collectives between ``backward()``
-    and :meth:`wait` (a loss all-reduce for logging) never interleave with the buckets' (hpdl.comm issues
-    async work from its own thread). An explicit ``group`` is used as given: then issue no other collective
-    on it between ``backward()`` and :meth:`wait`.
+    and :meth:`wait` (a loss all-reduce for logging) are kept apart from the buckets'. (hpdl.comm issues
+    every collective on the caller's thread in call order, so an explicit ``group`` works too, provided every
+    rank issues its other collectives on it in the same order relative to backward.)
 
     Parameters are tracked as they were at construction. A tracked parameter that gets no gradient on any
     rank in a step (unused, or frozen since) keeps ``p.grad`` None, so optimizers skip it as without

@@ -10,8 +10,9 @@ import torch
 import torch.distributed as dist
 
 REDUCE_OPS = ("sum", "avg", "min", "max", "product")
+# Appended at the end only: a dtype's index is its code in the HPDL_CHECK argument exchange.
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64,
-                    torch.uint8)
+                    torch.uint8, torch.int8, torch.bool, torch.complex64)
 _FLOAT16 = (torch.float16, torch.bfloat16)
 
 _FROM_TORCH = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.MIN: "min",
@@ -41,12 +42,14 @@ def check_dtype(dtype: torch.dtype, op: str) -> None:
     if dtype not in SUPPORTED_DTYPES:
         names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
         raise ValueError(f"tensor dtype must be one of {names}; got {dtype}")
-    if op == "avg" and not dtype.is_floating_point:
+    if dtype.is_complex and op not in ("sum", "avg"):  # torch.distributed's rule for complex tensors
+        raise ValueError(f"op={op!r} is not defined here for complex tensors (dtype {dtype}); use 'sum' or 'avg'")
+    if op == "avg" and not (dtype.is_floating_point or dtype.is_complex):
         raise ValueError(f"op='avg' needs a floating-point tensor (the mean of integers is not an integer); "
                          f"got dtype {dtype}: use op='sum' and divide")
 
 
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:  # bool sums saturate (or), as gloo's
     """Accumulation dtype: float32 for float16/bfloat16, the dtype itself otherwise."""
     return torch.float32 if dtype in _FLOAT16 else dtype
 

@@ -1,8 +1,12 @@
-"""``algorithm="auto"``: message size, world size, device and topology -> algorithm and throttle window.
+"""``algorithm="auto"``: the one selection table of every collective.
 
-The default table below comes from the measurements in docs/benchmarks/ (the row comments say which);
-``hpdl bench allreduce --tune PATH`` measures every algorithm on the current machine and writes a new
-table, which ``HPDL_TUNING_FILE=PATH`` (or :func:`set_table`) makes active.
+``select(collective, nbytes, world_size, device_type, topology=None) -> (algorithm, window)`` answers for
+``all_reduce``, ``reduce_scatter``, ``all_gather`` and ``all_to_all`` (all_to_all_single), including the
+peer-memory kernels and the two-level all-to-all variants. The default table below comes from the measurements
+in docs/benchmarks/ (the row comments say which); ``hpdl bench allreduce --tune PATH`` measures every algorithm
+on the current machine and writes a new table in the same JSON format (rules of every collective), which
+``HPDL_TUNING_FILE=PATH`` (or :func:`set_table`) makes active. Files written before the ``collective`` field
+existed load as all_reduce rules.
 """
 
 from __future__ import annotations
@@ -14,13 +18,32 @@ from pathlib import Path
 from hpdl.runtime import env
 
 INF = 1 << 62
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
+_COLLECTIVE_ALIASES = {"allreduce": "all_reduce", "reducescatter": "reduce_scatter", "allgather": "all_gather",
+                       "alltoall": "all_to_all", "all_to_all_single": "all_to_all",
+                       "reduce_scatter_tensor": "reduce_scatter", "all_gather_into_tensor": "all_gather"}
+# algorithms that run only among the GPUs of one host (peer memory): skipped for a topology of several nodes
+ONE_NODE = {"all_reduce": ("one_shot", "two_shot"), "all_to_all": ("push", "pull")}
+
+
+def canonical_collective(name: str) -> str:
+    """``name`` as one of :data:`COLLECTIVES` (bench's "allreduce"/"alltoall" spellings accepted).
+
+    Raises:
+        ValueError: unknown collective, naming the valid ones.
+    """
+    key = _COLLECTIVE_ALIASES.get(name, name)
+    if key not in COLLECTIVES:
+        raise ValueError(f"collective must be one of {COLLECTIVES} (or {sorted(_COLLECTIVE_ALIASES)}), got {name!r}")
+    return key
 
 
 @dataclass(frozen=True)
 class Rule:
-    """Use ``algorithm`` (with ``window``) for messages of at most ``max_bytes`` on ``device``.
+    """Use ``algorithm`` (with ``window``) for ``collective`` messages of at most ``max_bytes`` (per rank) on
+    ``device``.
 
-    Rules are matched in order; the first whose device, world-size range and byte bound fit wins.
+    Rules are matched in order; the first whose collective, device, world-size range and byte bound fit wins.
     """
 
     device: str
@@ -29,6 +52,7 @@ class Rule:
     window: int | None = None
     min_world: int = 1
     max_world: int = INF
+    collective: str = "all_reduce"
 
 
 @dataclass
@@ -36,11 +60,33 @@ class TuningTable:
     rules: list[Rule]
     source: str = "default"
 
-    def select(self, nbytes: int, world_size: int, device_type: str) -> tuple[str, int | None]:
-        """``(algorithm, window)`` for one call; ``("native", None)`` when no rule matches."""
-        for rule in self.rules:
+    def select(self, collective, nbytes: int, world_size: int, device_type: str | None = None,
+               topology=None) -> tuple[str, int | None]:
+        """``(algorithm, window)`` for one call; ``("native", None)`` when no rule matches.
+
+        reduce_scatter / all_gather without rules of their own follow the all_reduce rules, mapped to a
+        schedule that has the two phases (direct where the chosen one has none). The old form
+        ``select(nbytes, world_size, device_type)`` means all_reduce.
+        """
+        if not isinstance(collective, str):   # select(nbytes, world_size, device_type)
+            collective, nbytes, world_size, device_type = "all_reduce", collective, nbytes, world_size
+        coll = canonical_collective(collective)
+        if coll == "all_to_all" and world_size == 1:
+            return "native", None
+        multi_node = topology is not None and not getattr(topology, "single_node", True)
+        own = [r for r in self.rules if r.collective == coll]
+        phase = coll in ("reduce_scatter", "all_gather") and not own
+        if not own and not phase:  # a table without rules for this collective (an all_reduce-only file)
+            own = [r for r in DEFAULT_RULES if r.collective == coll]
+        for rule in (own if not phase else [r for r in self.rules if r.collective == "all_reduce"]):
+            if multi_node and rule.algorithm in ONE_NODE.get(rule.collective, ()):
+                continue
             if (rule.device == device_type and rule.min_world <= world_size <= rule.max_world
                     and nbytes <= rule.max_bytes):
+                if phase:
+                    from hpdl.comm.algorithms.base import get_class
+
+                    return (rule.algorithm if get_class(rule.algorithm).supports_phases else "direct"), rule.window
                 return rule.algorithm, rule.window
         return "native", None
 
@@ -57,10 +103,10 @@ class TuningTable:
         return cls(rules, data.get("source", source))
 
 
-# CPU (gloo) defaults from docs/benchmarks/cpu.md (4 and 8 processes, 32-core host, 2026-11-29):
+# CPU (gloo) defaults from docs/benchmarks/comm.md, history (4 and 8 processes, 32-core host, 2026-11-29):
 # recursive doubling 2-4.6x native up to 32 KiB; direct 1.2-1.8x native from 64 KiB to 512 KiB (4 ranks)
 # and 1 MiB (8 ranks); above that gloo's own chunked C++ all-reduce is faster, so auto uses it.
-# CUDA, one node: peer-memory kernels (docs/benchmarks/gpu_allreduce.md, 2 x H200: one-shot up to 1 MiB, then
+# CUDA, one node: peer-memory kernels (docs/benchmarks/comm.md, 2 x H200: one-shot up to 1 MiB, then
 # two-shot; NCCL never faster from 8 B to 1 GiB). Above 2 GPUs the one-shot limits follow vLLM's custom
 # all-reduce and are not yet measured here. Calls the kernels cannot take (float64, uint8, more ranks than
 # this host's GPUs) fall back to native.
@@ -77,6 +123,13 @@ DEFAULT_RULES = [
     Rule("cpu", 1536 << 10, "direct", window=4, min_world=5),
     Rule("cpu", INF, "native"),
     Rule("cuda", INF, "native"),
+    # all_to_all_single, bytes per rank. CPU: native gloo was the fastest at every size from 1 KiB to 16 MiB
+    # on 8 ranks (docs/benchmarks/comm.md). CUDA on one node: the peer-memory push kernel beat NCCL at
+    # every size from 1 KiB to 1 GiB on 2 x H200 (1.05-3.8x eager, docs/benchmarks/comm.md); only 2
+    # GPUs are measured, so larger groups keep NCCL until 4/8-GPU runs rewrite this table (--tune).
+    Rule("cpu", INF, "native", collective="all_to_all"),
+    Rule("cuda", INF, "push", max_world=2, collective="all_to_all"),
+    Rule("cuda", INF, "native", collective="all_to_all"),
 ]
 
 _active: TuningTable | None = None
@@ -106,5 +159,18 @@ def active_table() -> TuningTable:
     return _active
 
 
-def select(nbytes: int, world_size: int, device_type: str) -> tuple[str, int | None]:
-    return active_table().select(nbytes, world_size, device_type)
+def select(collective, nbytes: int, world_size: int, device_type: str | None = None,
+           topology=None) -> tuple[str, int | None]:
+    """``(algorithm, window)`` that ``algorithm="auto"`` runs for ``collective`` ("all_reduce",
+    "reduce_scatter", "all_gather", "all_to_all") of ``nbytes`` bytes per rank on ``world_size`` ranks of
+    ``device_type`` ("cpu" / "cuda"), from the active table. ``topology`` (a :class:`hpdl.runtime.Topology`)
+    of several nodes excludes the one-node peer-memory algorithms. At call time the API also falls back to
+    native where a peer kernel cannot take the tensor (dtype, fewer visible GPUs than ranks).
+
+    Raises:
+        ValueError: unknown collective.
+    """
+    return active_table().select(collective, nbytes, world_size, device_type, topology)
+
+
+resolve = select   # the name hpdl.comm exports (hpdl.comm.resolve)

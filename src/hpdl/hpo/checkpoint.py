@@ -11,6 +11,7 @@ instead of continuing someone else's training.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import uuid
@@ -24,6 +25,11 @@ META_KEY = "hpdl_meta"
 
 class CheckpointMismatch(HpoError):
     """A checkpoint on a trial's path was written for another study, configuration or parameters."""
+
+
+class CheckpointWriteError(HpoError):
+    """A checkpoint could not be written (folder removed or made read-only, disk full): the run folder's
+    fault, not the trial's, so it spends no attempt; the driver stops the study (see :func:`save`)."""
 
 
 def checkpoint_dir(run_dir: str | os.PathLike, study: str, uid: str) -> Path:
@@ -50,13 +56,31 @@ def check_writable(path: str | os.PathLike, what: str) -> None:
 
 
 def save(path: Path, state: dict[str, Any], meta: dict[str, Any]) -> None:
-    """Write ``state`` with its owner record ``meta`` atomically (temporary file, then rename)."""
+    """Write ``state`` with its owner record ``meta`` atomically (temporary file, then rename).
+
+    Raises:
+        CheckpointWriteError: the folder or file cannot be written; names the path and the system's reason
+            (every trial of the study would fail the same way: retrying would spend every configuration's
+            attempts on the run folder's fault).
+    """
     import torch
 
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    torch.save({**state, META_KEY: meta}, tmp)
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({**state, META_KEY: meta}, tmp)
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise CheckpointWriteError(f"cannot write checkpoint {str(path)!r}: "
+                                   f"{exc.strerror or exc} ({type(exc).__name__})") from None
+    except RuntimeError as exc:  # torch.save reports a failed write of its zip archive as a RuntimeError
+        if "write" not in str(exc) and "file" not in str(exc):
+            raise
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise CheckpointWriteError(f"cannot write checkpoint {str(path)!r}: {exc}") from None
 
 
 def load(path: Path, meta: dict[str, Any], map_location=None) -> dict[str, Any] | None:

@@ -44,6 +44,8 @@ class HpoCommand:
         p = sub.add_parser("status", help="trial counts, best value and running trials of a study")
         p.add_argument("study_file", nargs="?", help="YAML study file (or give --storage and --study; default: the "
                                                      "shipped CPU example that `hpdl hpo run` runs)")
+        p.add_argument("--run-dir", help="the run_dir the study was run with (`run --run-dir`; its SQLite store "
+                                         "is read; default: the study file's)")
         p.add_argument("--storage", help="SQLAlchemy URL of the study store (default: the study file's)")
         p.add_argument("--study", help="study name (default: the study file's)")
         p.add_argument("--format", choices=("table", "json"), default="table",
@@ -157,6 +159,10 @@ class HpoCommand:
             storage, study = spec.storage, spec.study
         elif args.storage and args.study:
             storage, study = args.storage, args.study
+        elif args.run_dir and args.study:  # the default store of a study run with --run-dir
+            from pathlib import Path
+
+            storage, study = f"sqlite:///{Path(args.run_dir).resolve() / 'study.db'}", args.study
         elif args.storage or args.study:
             raise CLIUsageError("give both --storage and --study, or a study file")
         else:  # the shipped example, as `hpdl hpo run` without a file

@@ -185,6 +185,7 @@ class Driver(PlacementMixin, FaultsMixin):
         self._phase_s: dict[str, float] = {}
         self.preempted = 0
         self._stopping = False  # the driver stops: a worker's "preempted" re-queues its trial
+        self._fatal: HpoError | None = None  # set by a message that must stop the study (faults.py)
         self._signal, self._t_signal = None, 0.0
         self._watchdog: threading.Timer | None = None
         self.migrated = 0
@@ -273,6 +274,8 @@ class Driver(PlacementMixin, FaultsMixin):
                         w.closed = True
                         w.proc.join(1)
                 self._rebind()
+                if self._fatal is not None:  # e.g. the checkpoint folder became unwritable
+                    raise self._fatal
                 tick = self._lap("messages", tick)
                 self._reap()
                 finished, active = self.ledger.lineages()

@@ -83,6 +83,16 @@ class FaultsMixin:
                     if k.endswith("|" + t.skey):
                         p.memory_bytes = int(p.memory_bytes * 1.5)
                         self.profiles.put(t.skey, p)
+            if msg.kind == "checkpoint_write":
+                # the run folder cannot take checkpoints (removed, read-only, full): every trial would fail
+                # alike and spend its configuration's attempts; re-queue this one as it was and stop the study
+                self._release(t, "checkpoint_write", msg.message)
+                if self._fatal is None:
+                    self._fatal = HpoError(
+                        f"study {self.spec.study!r} stopped: {msg.message.strip().splitlines()[-1]}; its running "
+                        "trials were re-queued without spending an attempt; make the checkpoint folder "
+                        f"{str(self.checkpoint_dir)!r} writable again, then `hpdl hpo resume`")
+                return
             if msg.kind == "checkpoint":  # someone else's checkpoint on its path: loud, and never retried
                 logging.getLogger("hpdl.hpo").error("trial %d: %s", t.number, msg.message)
             self.ledger.fail(t.number, t.params, {"hpdl_lineage": t.lineage, "hpdl_attempt": t.attempt},

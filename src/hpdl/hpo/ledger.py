@@ -13,8 +13,9 @@ import os
 import signal
 import time
 
-# failures that are not the trial's own: re-queued as they were, no attempt spent
-REQUEUE_KINDS = ("not_started", "interrupted", "driver_died")
+# failures that are not the trial's own: re-queued as they were, no attempt spent (checkpoint_write: the
+# run folder could not take a checkpoint; the driver stops the study, see hpdl.hpo.faults)
+REQUEUE_KINDS = ("not_started", "interrupted", "driver_died", "checkpoint_write")
 
 
 def _kind(failure: str) -> str:
@@ -93,7 +94,7 @@ class Ledger:
             if t.user_attrs.get("hpdl_host", self.host) != self.host:
                 continue  # another node's driver owns it
             pid = t.user_attrs.get("hpdl_pid")
-            if pid and _is_our_worker(int(pid)):
+            if pid and _is_our_worker(int(pid), t.user_attrs.get("hpdl_started_at")):
                 os.kill(int(pid), signal.SIGKILL)
             if pid:
                 self.fail(t.number, t.params, t.user_attrs, "driver_died",
@@ -173,10 +174,30 @@ class Ledger:
                                                          "hpdl_attempt": attempt}, skip_if_exists=False)
 
 
-def _is_our_worker(pid: int) -> bool:
-    """True when ``pid`` is alive and is a Python process (guards against a recycled pid)."""
+def _is_our_worker(pid: int, trial_started_at: float | None = None) -> bool:
+    """True when ``pid`` is alive, is a Python process and, given ``trial_started_at`` (Unix time the worker
+    recorded when it took the trial), started before that trial: a process whose pid was recycled after our
+    worker died started later, and a resume days after a crash must not SIGKILL someone's Python process
+    that got the number (before, any live Python process with the recorded pid was killed)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"python" in f.read()
+            if b"python" not in f.read():
+                return False
     except OSError:
         return False
+    if trial_started_at is None:
+        return True
+    started = _process_start_time(pid)
+    return started is None or started <= float(trial_started_at) + 1.0  # 1 s: clock-tick rounding
+
+
+def _process_start_time(pid: int) -> float | None:
+    """Unix time at which process ``pid`` started (``/proc/<pid>/stat`` field 22 after boot), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(ln.split()[1]) for ln in f if ln.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None

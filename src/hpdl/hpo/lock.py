@@ -1,7 +1,7 @@
 """One live driver per study: an advisory file lock in the run folder plus a heartbeat in the study store.
 
-- **File lock** (``fcntl.flock`` on ``<run_dir>/locks/<study>-<storage hash>.lock``, held for the driver's
-  life): a second driver of the same study and run folder on this host (or on a shared file system) is
+- **File lock** (``fcntl.flock`` on ``<run_dir>/locks/<study>-<hash>.lock``, and for a SQLite store on the
+  same name in the database's folder, held for the driver's life): a second driver of the same study and run folder on this host (or on a shared file system) is
   refused with the holder's host, pid and start time, which the holder writes into the file. The kernel
   drops the lock when the holder dies (``kill -9`` included), so a ``resume`` after a crash never waits.
 - **Heartbeat** (study user attribute ``hpdl_driver@<host>`` = ``{pid, run_dir, started_at, beat_at}``,
@@ -36,10 +36,31 @@ STALE_S = 30.0      # a heartbeat older than this is a dead (or hung) driver's
 
 
 def lock_path(run_dir: str | os.PathLike, study: str, storage: str) -> Path:
-    """The lock file of ``study`` in ``storage`` under ``run_dir``."""
+    """The lock file of ``study`` in ``storage`` under ``run_dir``. The digest covers the study's full name
+    too: studies ``a/b`` and ``a_b`` (one file-name stem) have two locks."""
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", study)[:80]
-    digest = hashlib.sha1(storage.encode()).hexdigest()[:10]
+    digest = hashlib.sha1(f"{storage}\0{study}".encode()).hexdigest()[:10]
     return Path(run_dir) / "locks" / f"{safe}-{digest}.lock"
+
+
+def lock_paths(run_dir: str | os.PathLike, study: str, storage: str) -> list[Path]:
+    """Every lock file a driver of ``study`` takes: the run folder's, and for a SQLite store one in the
+    database's folder too, so that drivers that share one store from two run folders exclude each other
+    by the kernel's lock, not only by the heartbeat (two that start within the same few milliseconds both
+    passed the heartbeat check: each read the study before the other's first beat)."""
+    from hpdl.hpo.spec import sqlite_path
+
+    paths = [lock_path(run_dir, study, storage)]
+    if (db := sqlite_path(storage)) is not None:
+        # per host: drivers of other hosts may share a store on a shared file system on purpose (many nodes)
+        p = lock_path(db.resolve().parent, f"{study}@{socket.gethostname()}", storage)
+        paths.append(p)
+    return paths
+
+
+# store locks this process holds, with how many of its drivers hold each: several drivers in one process
+# (tests that stand in for nodes) share one, as the heartbeat check lets a driver's own pid through
+_HELD: dict[str, list[int]] = {}
 
 
 def heartbeat_key(host: str) -> str:
@@ -86,10 +107,12 @@ class StudyLock:
     """
 
     def __init__(self, run_dir: str | os.PathLike, study: str, storage: str):
-        self.path = lock_path(run_dir, study, storage)
+        self.paths = lock_paths(run_dir, study, storage)
+        self.path = self.paths[0]
         self.run_dir, self.study_name, self.storage = str(Path(run_dir).resolve()), study, storage
         self.host, self.pid = socket.gethostname(), os.getpid()
-        self._fd: int | None = None
+        self._fds: list[int] = []
+        self._shared: list[str] = []  # keys of _HELD this lock counts in
         self._study = None
         self._last_beat = 0.0
         self.started_at = time.time()
@@ -102,21 +125,32 @@ class StudyLock:
         """
         import fcntl
 
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _read_holder(fd)
-            os.close(fd)
-            raise HpoError(f"study {self.study_name!r} is being run by a live driver: {_describe(holder)} "
-                           f"(lock {self.path}); stop it (Ctrl-C or SIGTERM) before `hpdl hpo resume`, or "
-                           "wait for it to finish") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"host": self.host, "pid": self.pid, "started_at": self.started_at,
-                                 "run_dir": self.run_dir}).encode())
-        os.fsync(fd)
-        self._fd = fd
+        for i, path in enumerate(self.paths):
+            key = str(path.resolve()) if i else ""
+            if key in _HELD:  # this process already holds the store's lock
+                _HELD[key][1] += 1
+                self._shared.append(key)
+                continue
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_holder(fd)
+                os.close(fd)
+                self.release()  # the locks taken so far
+                raise HpoError(f"study {self.study_name!r} is being run by a live driver: {_describe(holder)} "
+                               f"(lock {path}); stop it (Ctrl-C or SIGTERM) before `hpdl hpo resume`, or "
+                               "wait for it to finish") from None
+            os.ftruncate(fd, 0)
+            os.write(fd, json.dumps({"host": self.host, "pid": self.pid, "started_at": self.started_at,
+                                     "run_dir": self.run_dir}).encode())
+            os.fsync(fd)
+            if key:
+                _HELD[key] = [fd, 1]
+                self._shared.append(key)
+            else:
+                self._fds.append(fd)
 
     def check_heartbeat(self, study) -> None:
         """Refuse when another live driver of this host beats in ``study`` (an ``optuna.Study``), whatever its
@@ -147,10 +181,18 @@ class StudyLock:
                 self._study.set_user_attr(heartbeat_key(self.host), {"pid": self.pid, "run_dir": self.run_dir,
                                                                      "stopped_at": time.time()})
             self._study = None
-        if self._fd is not None:
+        for key in self._shared:
+            held = _HELD.get(key)
+            if held is not None:
+                held[1] -= 1
+                if held[1] <= 0:
+                    del _HELD[key]
+                    self._fds.append(held[0])
+        self._shared = []
+        for fd in self._fds:
             with contextlib.suppress(OSError):
-                os.close(self._fd)  # closing the descriptor releases the flock
-            self._fd = None
+                os.close(fd)  # closing the descriptor releases the flock
+        self._fds = []
 
 
 def _read_holder(fd: int) -> dict:

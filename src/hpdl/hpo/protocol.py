@@ -7,7 +7,7 @@ worker takes the next one), :class:`Stop` (checkpoint a running trial, then exit
 Worker -> driver: :class:`Ready` (start-up done; seconds per phase), :class:`Hello` (a Ray task connected),
 :class:`ProfileReport`, :class:`PeakMemory` (a CUDA trial's whole-run peak, sent before its outcome), and one
 outcome per trial: :class:`Done`, :class:`Pruned`, :class:`Halted` (stopped at a checkpoint on request),
-:class:`Failed` (``kind`` ``oom``, ``error`` or ``checkpoint``; the worker exits after it).
+:class:`Failed` (``kind`` ``oom``, ``error``, ``checkpoint`` or ``checkpoint_write``; the worker exits after it).
 
 Every record carries ``version``; :func:`check` refuses a record of another version (a Ray worker running
 another hpdl), so a mismatch is an error naming both versions instead of a misread field.

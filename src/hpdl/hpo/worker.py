@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from hpdl.hpo import checkpoint, protocol
-from hpdl.hpo.checkpoint import CheckpointMismatch
+from hpdl.hpo.checkpoint import CheckpointMismatch, CheckpointWriteError
 from hpdl.hpo.errors import Preempted
 
 
@@ -282,6 +282,9 @@ def run_task(env: _Env, conn, task: protocol.Task, parent_pid: int | None) -> bo
         return not exc.stop  # the driver stops: exit now, do not wait for a second stop message
     except CheckpointMismatch as exc:  # someone else's training: never continue from it, never retry
         conn.send(protocol.Failed(trial_id=tid, kind="checkpoint", message=str(exc)))
+        return False
+    except CheckpointWriteError as exc:  # the run folder's fault: the driver re-queues it and stops the study
+        conn.send(protocol.Failed(trial_id=tid, kind="checkpoint_write", message=str(exc)))
         return False
     except torch.cuda.OutOfMemoryError as exc:
         conn.send(protocol.Failed(trial_id=tid, kind="oom", message=str(exc).splitlines()[0][:300]))

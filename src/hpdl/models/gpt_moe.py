@@ -73,6 +73,10 @@ class MoEConfig:
             raise MoEConfigError(f"arch must be one of {ARCHS}, got {self.arch!r}")
         if self.n_heads % self.n_kv_heads:
             raise MoEConfigError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.head_dim_ is None and self.hidden_size % self.n_heads:
+            raise MoEConfigError(f"hidden_size={self.hidden_size} must be a multiple of n_heads={self.n_heads}")
+        if self.head_dim % 2:
+            raise MoEConfigError(f"head_dim={self.head_dim} must be even (rotary embedding rotates pairs)")
         if not 1 <= self.top_k <= self.n_experts:
             raise MoEConfigError(f"top_k must be in [1, n_experts={self.n_experts}], got {self.top_k}")
         if self.moe_every < 1:
@@ -461,20 +465,36 @@ def load_pretrained(path: str | Path, dtype=torch.float32, device="cpu") -> MoED
     """Load a local Hugging Face Mixtral / Qwen2-MoE / OLMoE directory (``config.json`` + ``*.safetensors``).
 
     Nothing is downloaded. Raises FileNotFoundError (no config.json or no safetensors) and MoEConfigError
-    (unsupported config, missing or mis-shaped tensor, named).
+    (config.json not JSON or missing a key, an unreadable safetensors file, unsupported config, missing or
+    mis-shaped tensor; the file or key is named).
     """
     from safetensors.torch import load_file
 
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"path={path}: no config.json")
-    cfg = MoEConfig.from_hf(json.loads((path / "config.json").read_text()))
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise MoEConfigError(f"{path / 'config.json'}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise MoEConfigError(f"{path / 'config.json'}: expected a JSON object, got {type(raw).__name__}")
+    try:
+        cfg = MoEConfig.from_hf(raw)
+    except KeyError as e:
+        raise MoEConfigError(f"{path / 'config.json'}: missing key {e.args[0]!r} "
+                             f"(model_type={raw.get('model_type')!r})") from None
+    except MoEConfigError as e:
+        raise MoEConfigError(f"{path / 'config.json'}: {e}") from None
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"path={path}: no *.safetensors weights")
     sd: dict[str, torch.Tensor] = {}
     for f in files:
-        sd.update(load_file(str(f)))
+        try:
+            sd.update(load_file(str(f)))
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError / OSError
+            raise MoEConfigError(f"{f}: not a readable safetensors file ({type(e).__name__}: {e})") from None
     model = MoEDecoder(cfg)
     mapped = convert_hf_state_dict(cfg, sd)
     own = model.state_dict()
@@ -497,13 +517,27 @@ def save_checkpoint(model: MoEDecoder, path: str | Path, extra: dict | None = No
 
 
 def load_model(path: str | Path) -> MoEDecoder:
-    """Load an hpdl checkpoint directory (``hpdl_moe.pt``) or a Hugging Face one (``config.json``)."""
+    """Load an hpdl checkpoint directory (``hpdl_moe.pt``) or a Hugging Face one (``config.json``).
+
+    Raises:
+        FileNotFoundError: no such directory, or neither file in it.
+        MoEConfigError: a corrupt or foreign file, bad JSON, a missing config key or tensor (file and key named).
+    """
     path = Path(path)
-    if (path / "hpdl_moe.pt").is_file():
-        blob = torch.load(path / "hpdl_moe.pt", map_location="cpu", weights_only=True)
-        m = MoEDecoder(MoEConfig(**blob["config"]))
-        m.load_state_dict(blob["state_dict"])
+    f = path / "hpdl_moe.pt"
+    if f.is_file():
+        try:
+            blob = torch.load(f, map_location="cpu", weights_only=True)
+            m = MoEDecoder(MoEConfig(**blob["config"]))
+            m.load_state_dict(blob["state_dict"])
+        except MoEConfigError as e:
+            raise MoEConfigError(f"{f}: {e}") from None
+        except Exception as e:  # noqa: BLE001 - unpickling, a missing key or a shape mismatch: name the file
+            raise MoEConfigError(f"{f}: not a loadable hpdl_moe.pt checkpoint ({type(e).__name__}: "
+                                 f"{str(e)[:300]})") from None
         return m.eval()
+    if not path.is_dir():
+        raise FileNotFoundError(f"path={path}: no such directory (expected an hpdl_moe.pt or HF checkpoint dir)")
     return load_pretrained(path)
 
 

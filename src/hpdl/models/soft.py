@@ -283,6 +283,14 @@ class SoftViT(nn.Module):
         cfg = replace(cfg or SoftConfig(), **overrides) if overrides else (cfg or SoftConfig())
         self.cfg = cfg
         self.num_classes = cfg.num_classes
+        self.num_features = self.head_hidden_size = cfg.embed_dims[3]   # timm's names for the pooled width
+        self.global_pool = "token"
+        # timm reads this (e.g. timm.data.resolve_model_data_config): the input this model was built for
+        self.pretrained_cfg = {"input_size": (cfg.in_chans, cfg.img_size, cfg.img_size), "num_classes": cfg.num_classes,
+                               "interpolation": "bicubic", "crop_pct": 0.875, "crop_mode": "center",
+                               "mean": (0.485, 0.456, 0.406), "std": (0.229, 0.224, 0.225),
+                               "first_conv": "patch_embed1.proj.0", "classifier": "head"}
+        self.default_cfg = self.pretrained_cfg
         dims, heads, depths = cfg.embed_dims, cfg.num_heads, cfg.depths
         total = sum(depths)
         dpr = [cfg.drop_path_rate * i / max(total - 1, 1) for i in range(total)]  # stochastic depth decay rule
@@ -325,7 +333,8 @@ class SoftViT(nn.Module):
         return {"cls_token"}
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """``[B, 3, H, W] -> [B, C4]`` (the cls token after the final LayerNorm)."""
+        """``[B, 3, H, W] -> [B, 1 + N4, C4]``: stage 4's tokens (cls first) after the final LayerNorm, unpooled,
+        as timm's ``forward_features``; :meth:`forward_head` pools them (N4 = H/32 * W/32)."""
         b = x.shape[0]
         for i in range(3):
             x, H, W = getattr(self, f"patch_embed{i + 1}")(x)
@@ -339,17 +348,32 @@ class SoftViT(nn.Module):
         x = self.pos_drop4(torch.cat([self.cls_token.expand(b, -1, -1), x], dim=1) + pos)
         for blk in self.block4:
             x = blk(x)
-        return self.norm(x)[:, 0]
+        return self.norm(x)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """timm's ``forward_head``: tokens ``[B, 1 + N4, C4]`` -> logits ``[B, num_classes]`` (the cls token, or the
+        mean of the other tokens with ``global_pool="avg"``); ``pre_logits=True`` returns the pooled ``[B, C4]``."""
+        x = x[:, 1:].mean(1) if self.global_pool == "avg" else x[:, 0]
+        return x if pre_logits else self.head(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.forward_features(x))
+        return self.forward_head(self.forward_features(x))
 
     def get_classifier(self) -> nn.Module:
         return self.head
 
-    def reset_classifier(self, num_classes: int) -> None:
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        """A new head for ``num_classes`` (0: none, the model returns pooled features), timm's signature;
+        ``global_pool`` ``"token"`` (cls token, the official model's) or ``"avg"``; None keeps the current one.
+        The new head is created on the old one's device and dtype."""
+        if global_pool is not None:
+            if global_pool not in ("token", "avg"):
+                raise ValueError(f"global_pool must be 'token' or 'avg', got {global_pool!r}")
+            self.global_pool = global_pool
+        ref = self.norm.weight
         self.num_classes = num_classes
-        self.head = nn.Linear(self.cfg.embed_dims[3], num_classes) if num_classes > 0 else nn.Identity()
+        self.head = (nn.Linear(self.num_features, num_classes, device=ref.device, dtype=ref.dtype)
+                     if num_classes > 0 else nn.Identity())
 
     def num_params(self) -> int:
         """Number of parameters."""
@@ -401,6 +425,7 @@ def create(name: str, pretrained: bool = False, **kwargs) -> SoftViT:
         raise ValueError("pretrained=True: hpdl ships no SOFT weights; load an official checkpoint with "
                          "model.load_state_dict(convert_official_state_dict(torch.load(path)))")
     device, dtype = kwargs.get("device"), kwargs.get("dtype")
+    global_pool = kwargs.pop("global_pool", None)   # timm's model argument: "token" (default) or "avg"
     for k in _TIMM_KWARGS:
         kwargs.pop(k, None)
     fields = set(SoftConfig.__dataclass_fields__)
@@ -408,6 +433,8 @@ def create(name: str, pretrained: bool = False, **kwargs) -> SoftViT:
     if unknown:
         raise ValueError(f"unknown SoftConfig fields {unknown}; expected some of {sorted(fields)}")
     model = SoftViT(SoftConfig(**{**MODEL_CONFIGS[name], **kwargs}))
+    if global_pool is not None:
+        model.reset_classifier(model.num_classes, global_pool)
     return model.to(device=device, dtype=dtype) if device is not None or dtype is not None else model
 
 

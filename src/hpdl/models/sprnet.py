@@ -399,6 +399,33 @@ def spr_mask_loss(logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
     return F.binary_cross_entropy_with_logits(logits.float(), masks.float())
 
 
+def _check_target(j: int, t: dict, image: torch.Tensor | None, num_classes: int) -> None:
+    """Reject a training target that would train on garbage: torchvision's RetinaNet/Mask R-CNN check boxes
+    for positive size (an inverted box gives a NaN box loss, a zero-width one a huge one); masks must be one
+    per box at the image's size (a missing mask made ``roi_align`` read past the mask tensor); labels in
+    ``0..num_classes-1`` (otherwise an IndexError deep inside torchvision's loss)."""
+    boxes, labels, masks = t["boxes"], t["labels"], t["masks"]
+    if boxes.ndim != 2 or boxes.shape[-1] != 4:
+        raise ValueError(f"targets[{j}]['boxes'] must be [N, 4], got {list(boxes.shape)}")
+    if not boxes.is_floating_point():
+        raise ValueError(f"targets[{j}]['boxes'] must be a float tensor, got {boxes.dtype}")
+    n = boxes.shape[0]
+    bad = (boxes[:, 2:] <= boxes[:, :2]).any(1)
+    if bad.any():
+        k = int(bad.nonzero()[0, 0])
+        raise ValueError(f"targets[{j}]['boxes'][{k}] = {boxes[k].tolist()}: boxes must be (x1, y1, x2, y2) with "
+                         "positive width and height")
+    if labels.shape != (n,):
+        raise ValueError(f"targets[{j}]['labels'] must be [{n}] (one per box), got {list(labels.shape)}")
+    if n and (int(labels.min()) < 0 or int(labels.max()) >= num_classes):
+        raise ValueError(f"targets[{j}]['labels'] must be in 0..{num_classes - 1} (num_classes={num_classes}), "
+                         f"got {labels.tolist()}")
+    size = tuple(image.shape[-2:]) if image is not None else tuple(masks.shape[-2:])
+    if masks.ndim != 3 or masks.shape[0] != n or tuple(masks.shape[-2:]) != size:
+        raise ValueError(f"targets[{j}]['masks'] must be [{n}, {size[0]}, {size[1]}] (one per box, at the image's "
+                         f"size), got {list(masks.shape)}")
+
+
 class SPRNet(RetinaNet):
     """RetinaNet with the single-pixel reconstruction branch (see the module docstring).
 
@@ -569,8 +596,7 @@ class SPRNet(RetinaNet):
                 for key in ("boxes", "labels", "masks"):
                     if key not in t:
                         raise ValueError(f"targets[{j}] lacks {key!r}; SPRNet trains on boxes, labels and masks")
-                if t["boxes"].ndim != 2 or t["boxes"].shape[-1] != 4:
-                    raise ValueError(f"targets[{j}]['boxes'] must be [N, 4], got {list(t['boxes'].shape)}")
+                _check_target(j, t, images[j] if j < len(images) else None, self.config.num_classes)
         original_sizes = [(int(img.shape[-2]), int(img.shape[-1])) for img in images]
         images, targets = self.transform(images, targets)
         features = list(self.backbone(images.tensors).values())

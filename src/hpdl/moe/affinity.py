@@ -71,6 +71,8 @@ def summary(experts: np.ndarray, n_experts: int, seed: int = 0) -> dict:
     Returns plain lists/floats: ``mean_max_conditional`` and ``mutual_information_bits`` per transition for the
     trace and for the shuffled baseline, their means, and ``uniform = 1/E``.
     """
+    if len(experts) == 0:
+        raise MoEError("experts holds no token: affinity of an empty trace is undefined")
     C = transition_counts(experts, n_experts)
     Cs = transition_counts(shuffled(experts, seed), n_experts)
     mmc, mmc_s = mean_max_conditional(C), mean_max_conditional(Cs)

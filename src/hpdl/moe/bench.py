@@ -51,6 +51,39 @@ class BenchSpec:
     seed: int = 0
 
 
+def check_spec(spec: BenchSpec) -> None:
+    """Refuse a sweep that would fail inside the spawned ranks (or divide by zero) before anything starts.
+
+    Raises:
+        MoEError: a count below 1, an expert count the world size does not divide, or a ``model`` whose expert
+            count, top_k or max_position does not fit (the argument is named).
+    """
+    for name in ("world_size", "hidden_size", "n_layers", "expert_size", "prompt_len", "new_tokens", "repeats",
+                 "profile_tokens"):
+        if getattr(spec, name) < 1:
+            raise MoEError(f"{name} must be >= 1, got {getattr(spec, name)}")
+    if not spec.experts or not spec.batches or min(spec.batches) < 1:
+        raise MoEError(f"experts and batches need at least one value, batches each >= 1; got experts="
+                       f"{spec.experts}, batches={spec.batches}")
+    for E in spec.experts:
+        if E < 1 or E % spec.world_size:
+            raise MoEError(f"world_size={spec.world_size} must divide every expert count, got E={E}")
+    if spec.model:
+        from hpdl.models.gpt_moe import load_model
+
+        cfg = load_model(spec.model).cfg
+        if spec.experts != [cfg.n_experts]:
+            raise MoEError(f"model={spec.model} has n_experts={cfg.n_experts}; pass experts=[{cfg.n_experts}], "
+                           f"got {spec.experts}")
+        if cfg.top_k != 1:
+            raise MoEError(f"model={spec.model} has top_k={cfg.top_k}; ExFlow mode needs top_k=1")
+        if cfg.vocab_size < 256:
+            raise MoEError(f"model={spec.model} has vocab_size={cfg.vocab_size} < 256 (prompts are bytes)")
+        if spec.prompt_len + spec.new_tokens > cfg.max_position:
+            raise MoEError(f"prompt_len + new_tokens = {spec.prompt_len + spec.new_tokens} exceeds the model's "
+                           f"max_position={cfg.max_position}")
+
+
 def _model(spec: BenchSpec, E: int):
     import torch
 
@@ -152,6 +185,7 @@ def run(spec: BenchSpec, out: str | Path | None = None, plot: str | Path | None 
 
     from hpdl.runtime.launch import spawn
 
+    check_spec(spec)
     result = {"spec": asdict(spec), "torch": torch.__version__, "host": platform.node(),
               "cpus": __import__("os").cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "rows": [], "placements": {}}

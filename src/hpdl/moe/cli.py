@@ -31,8 +31,8 @@ class MoECommand:
                        "Mixtral/Qwen2-MoE/OLMoE dir (byte-level text needs vocab >= 256, else its tokenizer)")
         t.add_argument("--text", default=None, help="text file (default: the tail of the Python stdlib source, "
                        "files `hpdl moe train` does not read)")
-        t.add_argument("--tokens", type=int, default=16384, help="tokens to trace")
-        t.add_argument("--seq", type=int, default=128, help="window length")
+        t.add_argument("--tokens", type=int, default=16384, help="tokens to trace (rounded down to whole windows)")
+        t.add_argument("--seq", type=int, default=128, help="window length in tokens")
         t.add_argument("--out", required=True, help="output .npz")
         a = sub.add_parser("affinity", formatter_class=F, help="affinity statistics vs shuffled baseline, heat maps")
         a.add_argument("trace", help=".npz from `hpdl moe trace`")
@@ -40,38 +40,46 @@ class MoECommand:
         a.add_argument("--json", default=None, help="write the summary here")
         p = sub.add_parser("place", formatter_class=F, help="ILP expert placement; held-out cross-GPU share")
         p.add_argument("trace", help=".npz from `hpdl moe trace`")
-        p.add_argument("--world-size", type=int, required=True)
-        p.add_argument("--ranks-per-node", type=int, default=None, help="add the inter-node hop cost")
-        p.add_argument("--method", default="auto", choices=["auto", "ilp", "bisect", "greedy", "contiguous", "random"])
+        p.add_argument("--world-size", type=int, required=True, help="expert-parallel ranks (GPUs) G; must divide "
+                       "the trace's expert count")
+        p.add_argument("--ranks-per-node", type=int, default=None, help="ranks per node; adds the inter-node hop "
+                       "cost (2x an intra-node hop); default: one node")
+        p.add_argument("--method", default="auto", choices=["auto", "ilp", "bisect", "greedy", "contiguous", "random"],
+                       help="auto = bisect for power-of-two G >= 4, else ilp (docs/moe.md, Placement)")
         p.add_argument("--time-limit", type=float, default=None, help="seconds for HiGHS, shared by bisection "
                        "(default HPDL_MOE_ILP_TIME_LIMIT, 60)")
         p.add_argument("--train-fraction", type=float, default=0.5, help="fit on this head of the trace, report "
                        "on the rest")
         p.add_argument("--out", required=True, help="placement JSON for MoEEngine")
         r = sub.add_parser("train", formatter_class=F, help="train a tiny MoE on stdlib source; affinity per checkpoint")
-        r.add_argument("--steps", type=int, default=1500)
-        r.add_argument("--batch", type=int, default=16)
-        r.add_argument("--seq", type=int, default=128)
-        r.add_argument("--layers", type=int, default=4)
-        r.add_argument("--experts", type=int, default=8)
-        r.add_argument("--hidden", type=int, default=96)
-        r.add_argument("--top-k", type=int, default=1)
-        r.add_argument("--checkpoints", type=int, default=11)
-        r.add_argument("--lr", type=float, default=3e-3)
-        r.add_argument("--max-bytes", type=int, default=6_000_000)
+        r.add_argument("--steps", type=int, default=1500, help="optimizer steps (AdamW)")
+        r.add_argument("--batch", type=int, default=16, help="sequences per step")
+        r.add_argument("--seq", type=int, default=128, help="sequence length in bytes (tokens)")
+        r.add_argument("--layers", type=int, default=4, help="decoder layers, every one MoE")
+        r.add_argument("--experts", type=int, default=8, help="routed experts per MoE layer")
+        r.add_argument("--hidden", type=int, default=96, help="hidden size (4 heads; a multiple of 8); experts "
+                       "have 2x hidden units")
+        r.add_argument("--top-k", type=int, default=1, help="experts per token (ExFlow mode needs 1)")
+        r.add_argument("--checkpoints", type=int, default=11, help="evenly spaced steps (0 and the last included) "
+                       "at which affinity of held-out text is recorded")
+        r.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+        r.add_argument("--max-bytes", type=int, default=6_000_000, help="bytes of the stdlib source read (head "
+                       "in sorted path order; the last 1%% + trace tokens are held out)")
         r.add_argument("--out", required=True, help="directory: hpdl_moe.pt, history.json, affinity.png")
         b = sub.add_parser("bench", formatter_class=F, help="tokens/s ExFlow vs 2-Alltoall baseline (gloo ranks)")
-        b.add_argument("--world-size", type=int, default=4, help="expert-parallel ranks (spawned gloo processes)")
-        b.add_argument("--experts", default="8,16,32", help="comma-separated expert counts, one model each")
-        b.add_argument("--batches", default="1,4,16,64", help="requests per rank")
-        b.add_argument("--hidden", type=int, default=256, help="model width")
-        b.add_argument("--layers", type=int, default=8, help="MoE layers")
-        b.add_argument("--expert-size", type=int, default=512, help="hidden width of each expert's MLP")
-        b.add_argument("--prompt-len", type=int, default=16, help="prompt tokens per request")
-        b.add_argument("--new-tokens", type=int, default=16, help="greedy tokens generated per request")
-        b.add_argument("--repeats", type=int, default=3, help="timed runs per point (median), after one warm-up run")
-        b.add_argument("--model", default=None, help="checkpoint instead of random init (single expert count)")
-        b.add_argument("--out", default="moe_bench.json", help="results JSON")
+        b.add_argument("--world-size", type=int, default=4, help="gloo ranks (processes) spawned; must divide "
+                       "every expert count")
+        b.add_argument("--experts", default="8,16,32", help="comma-separated expert counts E, one model each")
+        b.add_argument("--batches", default="1,4,16,64", help="comma-separated requests per rank (each >= 1)")
+        b.add_argument("--hidden", type=int, default=256, help="hidden size (8 query / 2 KV heads)")
+        b.add_argument("--layers", type=int, default=8, help="decoder layers, every one MoE")
+        b.add_argument("--expert-size", type=int, default=512, help="hidden units of each expert's SwiGLU")
+        b.add_argument("--prompt-len", type=int, default=16, help="prompt length in tokens (bytes of stdlib text)")
+        b.add_argument("--new-tokens", type=int, default=16, help="greedy tokens generated per request (>= 1)")
+        b.add_argument("--repeats", type=int, default=3, help="timed runs per point after one warm-up (median)")
+        b.add_argument("--model", default=None, help="checkpoint dir instead of random init; top-1, and --experts "
+                       "must be its expert count")
+        b.add_argument("--out", default="moe_bench.json", help="JSON of every row")
         b.add_argument("--plot", default=None, help="PNG (default: --out with .png)")
 
     def run(self, args) -> int:
@@ -102,6 +110,10 @@ def _trace(args) -> int:
         if model.cfg.vocab_size < 256:
             raise MoEError(f"--model has vocab_size={model.cfg.vocab_size} < 256 and no tokenizer.json")
         ids, source = _text_ids(args.text, args.tokens + args.seq)
+    if args.seq < 1 or args.tokens < 1:
+        raise MoEError(f"--tokens and --seq must be >= 1, got --tokens={args.tokens} --seq={args.seq}")
+    if args.seq > model.cfg.max_position:
+        raise MoEError(f"--seq={args.seq} exceeds the model's max_position={model.cfg.max_position}")
     n = min(len(ids), args.tokens) // args.seq
     if n == 0:
         raise MoEError(f"--tokens={args.tokens} and the text give no full window of --seq={args.seq}")
@@ -140,6 +152,11 @@ def _place(args) -> int:
 
     tr = Trace.load(args.trace)
     fit, test = tr.split(args.train_fraction)
+    if len(fit.experts) == 0 or len(test.experts) == 0:
+        from hpdl.moe.errors import MoEError
+
+        raise MoEError(f"trace {args.trace} has {len(tr.experts)} tokens: --train-fraction={args.train_fraction} "
+                       f"leaves no token to fit or to evaluate on")
     E = tr.n_experts
     C_fit, C_test = affinity.transition_counts(fit.experts, E), affinity.transition_counts(test.experts, E)
     res = placement.place(C_fit, args.world_size, method=args.method, ranks_per_node=args.ranks_per_node,

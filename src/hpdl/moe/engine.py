@@ -23,6 +23,7 @@ Both modes are dropless and give the greedy tokens of the single-process model (
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -36,9 +37,25 @@ from hpdl.models.gpt_moe import KVCache, MoEDecoder
 from hpdl.moe import dispatch
 from hpdl.moe.errors import MoEError
 from hpdl.moe.placement import contiguous, validate
+from hpdl.runtime.errors import HpdlError, WorkerFailedError
 
 MODES = ("baseline", "exflow")
 CAPACITIES = ("exchange", "worst_case")
+# Header every rank contributes to the start-of-generate all-gather, so arguments that must agree across ranks
+# are compared before the first payload collective (a rank that raised alone, or ranks that disagree on
+# max_new_tokens or the placement, would otherwise leave the others blocked in the next collective).
+_HDR = ("problem", "max_new_tokens", "mode", "capacity", "placement", "model")
+_PROBLEMS = {1: "a prompt is empty (every prompt needs at least one token)",
+             2: "max_new_tokens must be >= 1",
+             3: "a prompt holds a token id outside [0, vocab_size)"}
+
+
+def _digest(*parts: bytes) -> int:
+    """63-bit digest (fits an int64 collective) of byte strings."""
+    h = hashlib.sha256()
+    for b in parts:
+        h.update(b)
+    return int(h.hexdigest()[:15], 16)
 
 
 @dataclass
@@ -62,6 +79,19 @@ class CommStats:
                 "count_seconds": self.count_seconds, "gather_calls": self.gather_calls,
                 "gather_bytes": self.gather_bytes, "gather_seconds": self.gather_seconds,
                 "rows_dispatched": dict(self.rows_dispatched), "rows_cross": dict(self.rows_cross)}
+
+
+def _pack(x: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+    """Rows ``x [n, H]`` (any float dtype) with int32 columns ``meta [n, m]`` appended bit for bit (a view, not
+    a cast: in bf16 a position or request id above 256 would round), so one Alltoall carries both."""
+    if (4 * meta.shape[1]) % x.element_size():
+        meta = torch.cat([meta, torch.zeros(len(meta), 1, dtype=torch.int32)], 1)
+    return torch.cat([x, meta.contiguous().view(x.dtype)], 1)
+
+
+def _unpack(rows: torch.Tensor, H: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`_pack`: ``(x [n, H], meta [n, m] int32)``."""
+    return rows[:, :H], rows[:, H:].contiguous().view(torch.int32)[:, :m]
 
 
 class MoEEngine:
@@ -109,11 +139,30 @@ class MoEEngine:
             raise MoEError(f"placement shape {ranks.shape}, expected (moe layers={nl}, n_experts={cfg.n_experts})")
         self.ranks = torch.as_tensor(validate(ranks, self.G))
         self.moe_index = {l: i for i, l in enumerate(cfg.moe_layers)}
+        # what every rank must share: the placement, and the model's config and router weights (routing decides
+        # where tokens go; the full weights are not hashed, that would cost seconds on a real checkpoint)
+        self._place_digest = _digest(self.ranks.numpy().tobytes())
+        self._model_digest = _digest(cfg.identity().encode(), *(
+            blk.mlp.gate.weight.detach().float().cpu().contiguous().numpy().tobytes()
+            for blk in model.layers if blk.is_moe))
         self.stats = CommStats()
         self.record_routing = record_routing
         self.routing: dict[tuple[int, int], list[int]] = {}
 
     # --- collectives (hpdl.comm public API; everything after the tensors by keyword) ----------------------
+    def _call(self, what: str, layer: int | None, fn, *args, **kw) -> None:
+        """One hpdl.comm collective. hpdl's own errors (timeouts naming the silent rank, mismatches) pass
+        through; the backend's untyped RuntimeError (gloo: "Connection closed by peer" when a rank died)
+        becomes a WorkerFailedError that names this rank, the collective and the MoE layer."""
+        try:
+            fn(*args, **kw)
+        except HpdlError:
+            raise
+        except RuntimeError as e:
+            where = f"MoE layer {layer}" if layer is not None else "the context all-gather"
+            raise WorkerFailedError(f"rank {self.rank}: {what} at {where} failed; a peer rank of the "
+                                    f"{self.G}-rank group died or closed its connection ({str(e)[:300]})") from e
+
     def _exchange(self, payload: torch.Tensor, send: list[int], layer: int) -> tuple[torch.Tensor, list[int]]:
         """Dispatch ``payload`` (rows grouped by destination, ``send[q]`` rows for rank q); returns (received
         rows grouped by source, recv counts per source). "exchange": counts first, then exactly sized rows;
@@ -131,7 +180,8 @@ class MoEEngine:
         send_t = torch.tensor(send, dtype=torch.int64)
         recv_t = torch.empty(self.G, dtype=torch.int64)
         if self.G > 1:
-            hc.all_to_all_single(recv_t, send_t, group=self.group, check=self.check)
+            self._call("count exchange", layer, hc.all_to_all_single, recv_t, send_t, group=self.group,
+                       check=self.check)
         else:
             recv_t.copy_(send_t)
         t1 = time.perf_counter()
@@ -165,7 +215,8 @@ class MoEEngine:
         out = torch.empty(sum(recv), payload.shape[1], dtype=payload.dtype)
         t0 = time.perf_counter()
         if self.G > 1:
-            hc.all_to_all_single(out, payload.contiguous(), output_split_sizes=recv, input_split_sizes=send,
+            self._call("payload Alltoall", layer, hc.all_to_all_single, out, payload.contiguous(),
+                       output_split_sizes=recv, input_split_sizes=send,
                                  group=self.group, check=self.check)
         else:
             out.copy_(payload)
@@ -187,19 +238,19 @@ class MoEEngine:
             buf = torch.full((cap, rows.shape[1]), -2.0, dtype=rows.dtype)
             buf[:rows.shape[0]] = rows
             out = torch.empty(self.G * cap, rows.shape[1], dtype=rows.dtype)
-            hc.all_gather(out, buf, group=self.group, check=self.check)
+            self._call("padded all-gather", None, hc.all_gather, out, buf, group=self.group, check=self.check)
             self.stats.gather_calls += 1
             self.stats.gather_bytes += (self.G - 1) * cap * rows.shape[1] * rows.element_size()
             self.stats.gather_seconds += time.perf_counter() - t0
             return out[out[:, 0] > -2]
         n = torch.tensor([rows.shape[0]], dtype=torch.int64)
         counts = torch.empty(self.G, dtype=torch.int64)
-        hc.all_gather(counts, n, group=self.group, check=self.check)
+        self._call("count all-gather", None, hc.all_gather, counts, n, group=self.group, check=self.check)
         m = int(counts.max())
         buf = torch.zeros(m, rows.shape[1], dtype=rows.dtype)
         buf[:rows.shape[0]] = rows
         out = torch.empty(self.G * m, rows.shape[1], dtype=rows.dtype)
-        hc.all_gather(out, buf, group=self.group, check=self.check)
+        self._call("row all-gather", None, hc.all_gather, out, buf, group=self.group, check=self.check)
         self.stats.gather_calls += 2
         self.stats.gather_bytes += (self.G - 1) * m * rows.shape[1] * rows.element_size()
         self.stats.gather_seconds += time.perf_counter() - t0
@@ -225,13 +276,14 @@ class MoEEngine:
         n, k = idx.shape
         dest = self.ranks[li][idx.reshape(-1)]
         p = dispatch.plan(dest, self.G)
-        payload = torch.cat([x.repeat_interleave(k, 0), w.reshape(-1, 1).to(x.dtype),
-                             idx.reshape(-1, 1).to(x.dtype)], 1)[p.order]
+        meta = torch.stack([w.reshape(-1).float().view(torch.int32), idx.reshape(-1).int()], 1)
+        payload = _pack(x.repeat_interleave(k, 0), meta)[p.order]
         self.stats.rows_dispatched[li] += n * k
         self.stats.rows_cross[li] += n * k - p.send_counts[self.rank]
         recv, rc = self._exchange(payload, p.send_counts, li)
         H = x.shape[1]
-        y = self._experts(blk.mlp, recv[:, :H], recv[:, H + 1].long(), recv[:, H], li)
+        x_r, m_r = _unpack(recv, H, 2)
+        y = self._experts(blk.mlp, x_r, m_r[:, 1].long(), m_r[:, 0].view(torch.float32), li)
         back = self._combine(y, rc, p.send_counts, li)
         out = back[dispatch.inverse(p.order)].view(n, k, H).sum(1)
         s = blk.mlp.shared(x)
@@ -244,14 +296,15 @@ class MoEEngine:
         self._record(li, req, pos, idx)
         dest = self.ranks[li][idx[:, 0]]
         p = dispatch.plan(dest, self.G)
-        payload = torch.cat([h, w.to(h.dtype), idx.to(h.dtype), req[:, None].to(h.dtype),
-                             pos[:, None].to(h.dtype)], 1)[p.order]
+        meta = torch.stack([w[:, 0].float().view(torch.int32), idx[:, 0].int(), req.int(), pos.int()], 1)
+        payload = _pack(h, meta)[p.order]
         self.stats.rows_dispatched[li] += len(dest)
         self.stats.rows_cross[li] += len(dest) - p.send_counts[self.rank]
         recv, _ = self._exchange(payload, p.send_counts, li)
         H = h.shape[1]
-        h_r, w_r, e_r = recv[:, :H], recv[:, H], recv[:, H + 1].long()
-        req_r, pos_r = recv[:, H + 2].long(), recv[:, H + 3].long()
+        h_r, m_r = _unpack(recv, H, 4)
+        w_r, e_r = m_r[:, 0].view(torch.float32), m_r[:, 1].long()
+        req_r, pos_r = m_r[:, 2].long(), m_r[:, 3].long()
         x_r = blk.post_attention_layernorm(h_r)
         y = self._experts(blk.mlp, x_r, e_r, w_r, li)
         s = blk.mlp.shared(x_r)
@@ -284,8 +337,8 @@ class MoEEngine:
         kvd = self.cfg.n_kv_heads * self.cfg.head_dim
         parts = []
         for l, slot, p in kv_log:
-            k = self.cache.k[l, slot, p].reshape(len(slot), kvd)
-            v = self.cache.v[l, slot, p].reshape(len(slot), kvd)
+            k = self.cache.k[l, slot, p].reshape(len(slot), kvd).float()  # fp32 rows hold any cache dtype exactly
+            v = self.cache.v[l, slot, p].reshape(len(slot), kvd).float()
             meta = torch.stack([torch.full_like(slot, l), slot, p], 1).float()
             parts.append(torch.cat([meta, k, v], 1))
         tok_rows = torch.zeros(len(req), 3 + 2 * kvd)
@@ -295,20 +348,55 @@ class MoEEngine:
         kvr = rows[~is_tok]
         l, s, p = kvr[:, 0].long(), kvr[:, 1].long(), kvr[:, 2].long()
         shape = (len(kvr), self.cfg.n_kv_heads, self.cfg.head_dim)
-        self.cache.k[l, s, p] = kvr[:, 3:3 + kvd].reshape(shape)
-        self.cache.v[l, s, p] = kvr[:, 3 + kvd:].reshape(shape)
+        self.cache.k[l, s, p] = kvr[:, 3:3 + kvd].reshape(shape).to(self.cache.k.dtype)
+        self.cache.v[l, s, p] = kvr[:, 3 + kvd:].reshape(shape).to(self.cache.v.dtype)
         tr = rows[is_tok]
         return tr[:, 1].long(), tr[:, 2].long()
 
-    def _gather_prompts(self, prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
-        """All-gather every rank's prompts (the only metadata exchange at start); returns all prompts in global
+    def _header(self, prompts: list[list[int]], max_new_tokens: int) -> list[int]:
+        problem = 0
+        if any(len(p) == 0 for p in prompts):
+            problem = 1
+        elif max_new_tokens < 1:
+            problem = 2
+        elif any(t < 0 or t >= self.cfg.vocab_size for p in prompts for t in p):
+            problem = 3
+        return [problem, int(max_new_tokens), MODES.index(self.mode), CAPACITIES.index(self.capacity),
+                self._place_digest, self._model_digest]
+
+    def _check_headers(self, headers: list[list[int]]) -> None:
+        """Raise the same MoEError on every rank when a rank's arguments are bad or differ from rank 0's."""
+        for g, h in enumerate(headers):
+            if h[0]:
+                raise MoEError(f"rank {g}: {_PROBLEMS[h[0]]} (max_new_tokens={h[1]}); every rank stops")
+        for f, name in enumerate(_HDR[1:], 1):
+            for g, h in enumerate(headers):
+                if h[f] != headers[0][f]:
+                    a, b = headers[0][f], h[f]
+                    if name == "mode":
+                        a, b = MODES[a], MODES[b]
+                    elif name == "capacity":
+                        a, b = CAPACITIES[a], CAPACITIES[b]
+                    elif name in ("placement", "model"):
+                        a, b = f"digest {a:x}", f"digest {b:x}"
+                    raise MoEError(f"rank {g} has {name}={b}, rank 0 has {name}={a}: every rank must call "
+                                   f"generate with the same {name}" + (" (placement array)" if name == "placement"
+                                   else " (config and router weights)" if name == "model" else ""))
+
+    def _gather_prompts(self, prompts: list[list[int]], max_new_tokens: int = 1
+                        ) -> tuple[list[list[int]], list[int]]:
+        """All-gather every rank's prompts (the only metadata exchange at start), after a header of the
+        arguments that must agree (checked on every rank, so all raise together); returns all prompts in global
         request order and the global ids of this rank's requests."""
-        flat = torch.tensor([len(prompts)] + [len(p) for p in prompts] + [t for p in prompts for t in p],
-                            dtype=torch.int64)[:, None]
+        flat = torch.tensor(self._header(prompts, max_new_tokens) + [len(prompts)] + [len(p) for p in prompts] +
+                            [t for p in prompts for t in p], dtype=torch.int64)[:, None]
         rows = self._gather_rows(flat)[:, 0].tolist()
         out, mine, i, g = [], [], 0, 0
         self._owners = []
+        headers = []
         while i < len(rows):
+            headers.append(rows[i:i + len(_HDR)])
+            i += len(_HDR)
             n = rows[i]
             lens = rows[i + 1:i + 1 + n]
             j = i + 1 + n
@@ -319,6 +407,7 @@ class MoEEngine:
                 out.append(rows[j:j + ln])
                 j += ln
             i, g = j, g + 1
+        self._check_headers(headers)
         return out, mine
 
     def _sync_cap(self, step: int, owners: list[list[int]], all_prompts) -> int | None:
@@ -337,12 +426,14 @@ class MoEEngine:
 
         Returns ``{global request id: max_new_tokens generated ids}`` for this rank's requests; request ids
         number the requests of rank 0, then rank 1, ... . ``self.stats`` holds the communication counters.
+
+        Raises:
+            MoEError: on every rank at once, before any payload collective, when some rank passed an empty
+                prompt, a token outside the vocabulary or ``max_new_tokens < 1``, or when ranks differ in
+                ``max_new_tokens``, mode, capacity, placement or model (config and router weights); the
+                message names the rank. Also when prompt + max_new_tokens exceeds ``max_position``.
         """
-        if max_new_tokens < 1:
-            raise MoEError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if any(len(p) == 0 for p in prompts):
-            raise MoEError("every prompt needs at least one token (prompts contains an empty one)")
-        all_prompts, mine = self._gather_prompts(prompts)
+        all_prompts, mine = self._gather_prompts(prompts, max_new_tokens)  # raises on all ranks together
         B = len(all_prompts)
         max_len = max((len(p) for p in all_prompts), default=1) + max_new_tokens
         if max_len > self.cfg.max_position:
@@ -351,7 +442,8 @@ class MoEEngine:
         owned = list(range(B)) if coherent else mine  # whose context this rank keeps
         self.slot_of = torch.full((max(B, 1),), -1, dtype=torch.int64)
         self.slot_of[torch.tensor(owned, dtype=torch.int64)] = torch.arange(len(owned))
-        self.cache = KVCache(self.cfg, max(1, len(owned)), max_len)
+        dtype = self.model.embed_tokens.weight.dtype  # the cache holds K/V in the model's dtype (bf16 too)
+        self.cache = KVCache(self.cfg, max(1, len(owned)), max_len, dtype=dtype)
         # prefill (both modes: tokens return to their home rank)
         req = torch.tensor([r for r in mine for _ in all_prompts[r]], dtype=torch.int64)
         pos = torch.tensor([q for r in mine for q in range(len(all_prompts[r]))], dtype=torch.int64)

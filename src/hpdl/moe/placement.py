@@ -56,12 +56,20 @@ def _time_limit(value: float | None) -> float:
 
 def validate(ranks: np.ndarray, world_size: int) -> np.ndarray:
     """``ranks [L, E]`` -> itself as int64; raises PlacementError unless every layer puts E/G experts per rank."""
-    r = np.asarray(ranks, dtype=np.int64)
-    if r.ndim != 2:
-        raise PlacementError(f"placement must be [layers, experts], got shape {r.shape}")
+    try:
+        a = np.asarray(ranks)
+    except ValueError as e:  # ragged nested lists
+        raise PlacementError(f"placement must be a rectangular [layers, experts] array ({e})") from None
+    if a.ndim != 2:
+        raise PlacementError(f"placement must be [layers, experts], got shape {a.shape}")
+    if a.size and (not np.issubdtype(a.dtype, np.number) or (a != np.round(a)).any()):
+        raise PlacementError(f"placement entries must be integer ranks, got dtype {a.dtype}")
+    r = a.astype(np.int64)
     E = r.shape[1]
-    if E % world_size:
+    if world_size < 1 or E % world_size:
         raise PlacementError(f"world_size={world_size} must divide n_experts={E}")
+    if r.size and (r.min() < 0 or r.max() >= world_size):
+        raise PlacementError(f"placement ranks must be in [0, world_size={world_size}), got [{r.min()}, {r.max()}]")
     for l, row in enumerate(r):
         cnt = np.bincount(row, minlength=world_size)
         if len(cnt) != world_size or (cnt != E // world_size).any():
@@ -88,6 +96,10 @@ def cross_share(C: np.ndarray, ranks: np.ndarray, ranks_per_node: int | None = N
     """Share of transitions (weighted by ``C [L-1, E, E]``) whose two experts are on different GPUs, or, with
     ``ranks_per_node``, on different nodes (node of rank g = g // ranks_per_node)."""
     r = np.asarray(ranks)
+    C = np.asarray(C)
+    if C.ndim != 3 or r.ndim != 2 or C.shape != (r.shape[0] - 1, r.shape[1], r.shape[1]):
+        raise MoEError(f"counts of shape {C.shape} need a placement of shape ({C.shape[0] + 1 if C.ndim == 3 else '?'}"
+                       f", {C.shape[-1]}), got {r.shape}")
     if ranks_per_node:
         r = r // ranks_per_node
     tot = C.sum()
@@ -133,21 +145,38 @@ class PlacementResult:
 
 
 def load_placement(path: str | Path, world_size: int | None = None, n_layers: int | None = None,
-                   n_experts: int | None = None) -> np.ndarray:
+                   n_experts: int | None = None, model_config: str | None = None) -> np.ndarray:
     """Read a placement JSON (``ranks [L, E]``) and check it against the engine's world size and model.
 
+    ``model_config`` (``MoEConfig.identity()``) is compared with the config hash the file got from its trace,
+    when the file has one: a placement fitted on another architecture is refused even if its shape fits.
+
     Raises:
-        PlacementError: wrong format, unbalanced, or world_size / n_layers / n_experts differ (named).
+        PlacementError: not JSON, wrong format, no ``ranks``/``world_size``, entries that are not ranks in
+            ``[0, world_size)``, unbalanced, or world_size / n_layers / n_experts / model config differ (named).
     """
-    d = json.loads(Path(path).read_text())
-    if d.get("format") != FORMAT:
-        raise PlacementError(f"path={path}: format {d.get('format')!r}, expected {FORMAT!r}")
-    r = np.asarray(d["ranks"], dtype=np.int64)
-    for name, want, got in (("world_size", world_size, d.get("world_size")), ("n_layers", n_layers, r.shape[0]),
+    try:
+        d = json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PlacementError(f"path={path}: not a placement JSON ({e})") from None
+    if not isinstance(d, dict) or d.get("format") != FORMAT:
+        got = d.get("format") if isinstance(d, dict) else type(d).__name__
+        raise PlacementError(f"path={path}: format {got!r}, expected {FORMAT!r}")
+    for key in ("ranks", "world_size"):
+        if key not in d:
+            raise PlacementError(f"path={path}: no {key!r} entry")
+    if not isinstance(d["world_size"], int) or isinstance(d["world_size"], bool):
+        raise PlacementError(f"path={path}: world_size must be an int, got {d['world_size']!r}")
+    r = validate(d["ranks"], d["world_size"])
+    for name, want, got in (("world_size", world_size, d["world_size"]), ("n_layers", n_layers, r.shape[0]),
                             ("n_experts", n_experts, r.shape[1])):
         if want is not None and want != got:
             raise PlacementError(f"placement {path}: {name}={got}, the engine expects {name}={want}")
-    return validate(r, int(d.get("world_size")))
+    have = (d.get("model") or {}).get("config") if isinstance(d.get("model"), dict) else None
+    if model_config is not None and have is not None and have != model_config:
+        raise PlacementError(f"placement {path}: fitted on model config {have}, the engine's model has "
+                             f"config {model_config}")
+    return r
 
 
 def ilp(C: np.ndarray, world_size: int, ranks_per_node: int | None = None, time_limit: float | None = None,

@@ -33,7 +33,11 @@ class Trace:
 
     @property
     def n_experts(self) -> int:
-        return int(self.meta.get("n_experts", int(self.experts.max()) + 1))
+        if "n_experts" in self.meta:  # not meta.get(..., max()): that default is evaluated on an empty trace too
+            return int(self.meta["n_experts"])
+        if not self.experts.size:
+            raise MoEError("an empty trace without meta['n_experts'] has no expert count")
+        return int(self.experts.max()) + 1
 
     def split(self, train_fraction: float = 0.5) -> tuple["Trace", "Trace"]:
         """First ``train_fraction`` of the tokens (in corpus order) and the rest: a held-out split that keeps
@@ -53,7 +57,15 @@ class Trace:
     @classmethod
     def load(cls, path: str | Path) -> "Trace":
         """Raises MoEError when the file is not an hpdl trace."""
-        with np.load(path, allow_pickle=False) as z:
+        import zipfile
+
+        try:
+            z = np.load(path, allow_pickle=False)
+        except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
+            raise MoEError(f"path={path}: not an hpdl.moe trace .npz ({type(e).__name__}: {e})") from None
+        if not isinstance(z, np.lib.npyio.NpzFile):
+            raise MoEError(f"path={path}: not an hpdl.moe trace (a single .npy array, not an .npz)")
+        with z:
             if "experts" not in z or "meta" not in z:
                 raise MoEError(f"path={path}: not an hpdl.moe trace (needs arrays 'experts' and 'meta')")
             meta = json.loads(str(z["meta"]))
@@ -73,6 +85,9 @@ def collect_trace(model, ids, source: str = "", batch_size: int = 8) -> Trace:
     no padding) and record every token's top-k experts at every MoE layer, rows in ``(b, t)`` order.
 
     Returns a :class:`Trace` with ``N = B*T`` tokens.
+
+    Raises:
+        MoEError: ``ids`` not 2-D, or holding ids outside ``[0, vocab_size)``.
     """
     import torch
 
@@ -81,6 +96,10 @@ def collect_trace(model, ids, source: str = "", batch_size: int = 8) -> Trace:
     ids_t = torch.as_tensor(np.asarray(ids), dtype=torch.long)
     if ids_t.ndim != 2:
         raise MoEError(f"ids must be [batch, seq], got shape {tuple(ids_t.shape)}")
+    V = model.cfg.vocab_size
+    if ids_t.numel() and (int(ids_t.min()) < 0 or int(ids_t.max()) >= V):
+        raise MoEError(f"ids must be token ids in [0, vocab_size={V}), got [{int(ids_t.min())}, {int(ids_t.max())}] "
+                       f"(a trace of text tokenized for another model?)")
     out = []
     model.eval()
     with torch.no_grad():

@@ -15,6 +15,13 @@ class CollectiveTimeoutError(HpdlError, TimeoutError):
         self.missing_ranks = list(missing_ranks or [])
 
 
+class PeerFailedError(CollectiveTimeoutError):
+    """A peer's process is gone (killed or crashed) or its connection broke; ``missing_ranks`` names it.
+
+    A subclass of :class:`CollectiveTimeoutError`, so one ``except`` catches every peer failure.
+    """
+
+
 class CollectiveMismatchError(HpdlError, ValueError):
     """Ranks called the same collective with different counts, dtypes, ops or devices."""
 

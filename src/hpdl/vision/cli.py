@@ -29,21 +29,39 @@ def _modules():
     return mods
 
 
+def _count(minimum: int):
+    """argparse type: an int >= minimum (0 or a negative used to fall back to the task's default silently,
+    through ``args.x or default``, or fail deep inside the model)."""
+    def parse(text: str) -> int:
+        import argparse
+
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
 def _common(p, evaluate: bool) -> None:
     p.add_argument("--model", required=True, help="model name, e.g. soft_tiny or sprnet")
     p.add_argument("--data", default=None, help="dataset folder (default: the task's offline set, made if absent)")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available) (default: auto)")
-    p.add_argument("--batch-size", type=int, default=None, help="images per step (default: the task's)")
-    p.add_argument("--workers", type=int, default=2, help="data-loader worker processes (default: 2)")
-    p.add_argument("--image-size", type=int, default=None, help="input side in pixels (default: the task's)")
+    p.add_argument("--batch-size", type=_count(1), default=None, help="images per step (default: the task's)")
+    p.add_argument("--workers", type=_count(0), default=2, help="data-loader worker processes (default: 2)")
+    p.add_argument("--image-size", type=_count(1), default=None, help="input side in pixels (default: the task's)")
     p.add_argument("--amp", action=__import__("argparse").BooleanOptionalAction, default=None,
                    help="mixed precision (bf16 on CUDA; default: on for CUDA, off for CPU)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     if evaluate:
         p.add_argument("--checkpoint", required=True, help="checkpoint written by `hpdl vision train`")
     else:
-        p.add_argument("--epochs", type=int, default=None, help="passes over the training set (default: the task's)")
-        p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (default: no limit)")
+        p.add_argument("--epochs", type=_count(1), default=None, help="passes over the training set (default: the task's)")
+        p.add_argument("--max-steps", type=_count(1), default=None, help="stop after this many steps (default: no limit)")
         p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the task's)")
         p.add_argument("--weight-decay", type=float, default=None, help="weight decay (default: the task's)")
         p.add_argument("--warmup-epochs", type=float, default=None, help="linear warm-up (default: the task's)")

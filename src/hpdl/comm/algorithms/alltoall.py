@@ -31,7 +31,6 @@ from typing import Sequence
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from hpdl.comm.algorithms.base import Algorithm
 from hpdl.comm.transport.base import Transport
@@ -155,14 +154,6 @@ def throttled_direct(dst: torch.Tensor, src: torch.Tensor, lay: Layout, comm: Tr
             req.wait()
 
 
-def native(dst: torch.Tensor, src: torch.Tensor, lay: Layout, comm: Transport) -> None:
-    """``torch.distributed.all_to_all_single`` on byte views (the oracle and baseline); equal splits are passed
-    as None, so NCCL takes the same path as a plain equal-split call."""
-    equal = len(set(lay.recv_len)) == 1 and len(set(lay.send_len)) == 1
-    dist.all_to_all_single(dst, src, None if equal else list(lay.recv_len), None if equal else list(lay.send_len),
-                           group=getattr(comm, "group", None))
-
-
 class _TwoLevelAlltoall(Algorithm):
     """Shared machinery of PUSH and PULL; subclasses fill the node buffer and feed the aggregated sends."""
 
@@ -176,6 +167,10 @@ class _TwoLevelAlltoall(Algorithm):
                              "hpdl.comm.set_topology(topology_or_ranks_per_node, group) first")
         self.topology = topology
         self._shm: NodeSharedBuffer | None = None
+
+    @classmethod
+    def create(cls, resources, window, timeout):
+        return cls(window, topology=resources.get_topology(timeout))
 
     def all_reduce(self, buf, op, comm):
         raise ValueError(f"{self.name!r} is an all_to_all algorithm; for all_reduce use 'two_level' or another of "
@@ -303,23 +298,12 @@ class Pairwise(Algorithm):
         pairwise(dst, src, lay, comm)
 
 
-# ``algorithm="auto"``: (device, largest world size, largest bytes per rank, algorithm), first match wins.
-# CPU: native gloo was the fastest at every size from 1 KiB to 16 MiB on 8 ranks (docs/benchmarks/cpu_two_level.md).
-# CUDA on one node: the peer-memory push kernel beat NCCL at every size from 1 KiB to 1 GiB on 2 x H200
-# (1.05-3.8x eager, docs/benchmarks/gpu_alltoall.md). Only 2 GPUs are measured, so larger groups keep NCCL
-# until the 4/8-GPU runs (benchmarks/multi_gpu.sh) rewrite this table. The API falls back to native where the
-# peer kernel cannot run (several nodes, fewer visible GPUs than ranks).
-AUTO_RULES: list[tuple[str, int, int, str]] = [("cpu", 1 << 30, 1 << 62, "native"), ("cuda", 2, 1 << 62, "push")]
-
-
 def select(nbytes_per_rank: int, world_size: int, device_type: str) -> str:
-    """Algorithm for ``all_to_all_single(algorithm="auto")`` from :data:`AUTO_RULES` (native if none matches)."""
-    if world_size == 1:
-        return "native"
-    for device, max_world, max_bytes, algorithm in AUTO_RULES:
-        if device == device_type and world_size <= max_world and nbytes_per_rank <= max_bytes:
-            return algorithm
-    return "native"
+    """What ``all_to_all_single(algorithm="auto")`` runs: :func:`hpdl.comm.tuning.select` for "all_to_all"
+    (kept for callers of the old per-module table; the rules live in :mod:`hpdl.comm.tuning`)."""
+    from hpdl.comm.tuning import select as table_select
+
+    return table_select("all_to_all", nbytes_per_rank, world_size, device_type)[0]
 
 
 def peer_route(name: str, st, tensor: torch.Tensor, timeout: float) -> bool:
@@ -351,19 +335,36 @@ def peer_fast(lay: Layout, st, name: str, window: int | None, device: torch.devi
     return fn
 
 
+def _byte_view(t: torch.Tensor) -> torch.Tensor | None:
+    """``t``'s bytes as a flat uint8 view, or None when it has no such view (non-contiguous, empty, or one
+    element with a stride other than 1, which counts as contiguous but cannot be viewed as bytes)."""
+    if not t.is_contiguous() or t.numel() == 0:
+        return None
+    flat = t.view(-1)
+    return flat.view(torch.uint8) if flat.stride(0) == 1 else None
+
+
 def execute(name: str, st, output: torch.Tensor, input: torch.Tensor, lay: Layout, timeout: float,
-            window: int | None) -> None:
-    """Run one validated ``all_to_all_single`` with algorithm ``name`` on group state ``st`` (hpdl.comm.api)."""
-    src = input.contiguous().view(-1).view(torch.uint8) if input.numel() else \
-        torch.empty(0, dtype=torch.uint8, device=input.device)
-    if output.is_contiguous() and output.numel():
-        dst = output.view(-1).view(torch.uint8)
-    else:
+            window: int | None):
+    """Run one validated ``all_to_all_single`` with algorithm ``name`` on group state ``st`` (hpdl.comm.api).
+
+    Returns the native algorithm's :class:`~hpdl.comm.algorithms.native.Pending` (issued, not waited), or None
+    when the exchange is complete.
+    """
+    src = _byte_view(input)
+    if src is None:
+        src = torch.empty(input.numel() * input.element_size(), dtype=torch.uint8, device=input.device)
+        if input.numel():
+            src.view(input.dtype).copy_(input.reshape(-1))
+    dst = _byte_view(output)
+    direct_out = dst is not None
+    if dst is None:
         dst = torch.empty(output.numel() * output.element_size(), dtype=torch.uint8, device=output.device)
     if dst.numel() and src.numel() and src.data_ptr() < dst.data_ptr() + dst.numel() \
             and dst.data_ptr() < src.data_ptr() + src.numel():
         src = src.clone()  # output overlaps input: read from a copy
     comm = st.comm(timeout)
+    pending = None
     if peer_route(name, st, src, timeout):
         from hpdl.comm.algorithms.peer_alltoall import peer_all_to_all
 
@@ -374,11 +375,15 @@ def execute(name: str, st, output: torch.Tensor, input: torch.Tensor, lay: Layou
         dst.copy_(host_dst)
     elif st.world_size == 1:
         dst.copy_(src)
-    elif name == "native":
-        native(dst, src, lay, comm)
     elif name == "direct":
         throttled_direct(dst, src, lay, comm, window)
     else:
-        st.algorithm(name, window, timeout).all_to_all(dst, src, lay, comm)
-    if dst.numel() and not output.is_contiguous():
-        output.copy_(dst.view(output.dtype).view(output.shape))
+        pending = st.algorithm(name, window, timeout).all_to_all(dst, src, lay, comm)
+    if not direct_out and output.numel():
+        def back() -> None:
+            output.copy_(dst.view(output.dtype).view(output.shape))
+        if pending is None:
+            back()
+        else:
+            pending.then(back)
+    return pending

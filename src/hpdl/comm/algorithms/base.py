@@ -68,6 +68,13 @@ class Algorithm:
         self.window = window
         self.workspace = Workspace()
 
+    @classmethod
+    def create(cls, resources, window: int | None, timeout: float) -> "Algorithm":
+        """The one constructor path: an instance for the group whose
+        :class:`~hpdl.comm.transport.resources.GroupResources` is ``resources``. Subclasses that need more
+        than the throttle (the host transport, the topology) take it from ``resources`` here."""
+        return cls(window)
+
     def all_reduce(self, buf: torch.Tensor, op: str, comm: Transport) -> None:
         raise NotImplementedError(f"algorithm {self.name!r} has no all_reduce")
 

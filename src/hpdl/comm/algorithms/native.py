@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 
 import torch
@@ -13,64 +14,117 @@ from hpdl.comm.transport.base import Transport
 from hpdl.runtime.errors import CollectiveTimeoutError
 
 
-def _wait(work, comm: Transport, what: str) -> None:
-    """Wait for a torch.distributed Work within the call's timeout (gloo honours it; NCCL has its watchdog)."""
+def wait_native(work, comm: Transport, what: str, timeout: float | None = None) -> None:
+    """Wait for a torch.distributed Work within ``timeout`` (default the transport's; gloo honours it, NCCL
+    has its watchdog). A timeout becomes :class:`CollectiveTimeoutError`; the API's post-mortem then names
+    the rank (torch.distributed does not say which)."""
     if getattr(comm, "backend", "") == "nccl":
         work.wait()
         return
+    limit = comm.timeout if timeout is None else timeout
     try:
-        work.wait(timedelta(seconds=comm.timeout))
+        work.wait(timedelta(seconds=limit))
     except RuntimeError as exc:
         if "imeout" in str(exc) or "timed out" in str(exc).lower():
-            raise CollectiveTimeoutError(f"native {what} did not complete within {comm.timeout:.0f}s on rank "
-                                         f"{comm.rank}: a peer did not answer (torch.distributed does not say "
-                                         f"which; algorithm='direct' or HPDL_CHECK names it)") from None
+            raise CollectiveTimeoutError(f"native {what} did not complete within {limit:.0f}s on rank "
+                                         f"{comm.rank}: a peer did not answer") from None
         raise
 
 
+class Pending:
+    """A torch.distributed collective in flight (issued, not waited) and what finishes it after the wait
+    (the division of avg on gloo, copies back into the caller's tensor). :class:`hpdl.comm.Work` holds one."""
+
+    def __init__(self, work, comm: Transport, what: str, finish=None):
+        self.work, self.comm, self.what = work, comm, what
+        self.finish = [finish] if finish is not None else []
+        self._lock = threading.Lock()   # wait() and a future's callback may both finish: once, the other waits
+
+    def then(self, fn) -> "Pending":
+        self.finish.append(fn)
+        return self
+
+    def wait(self, timeout: float | None = None) -> None:
+        wait_native(self.work, self.comm, self.what, timeout)
+        self.run_finish()
+
+    def run_finish(self) -> None:
+        with self._lock:
+            fns, self.finish = self.finish, []
+            for fn in fns:
+                fn()
+
+
+def _avg(buf: torch.Tensor, world: int) -> None:
+    if buf.dtype in (torch.float16, torch.bfloat16):
+        buf.copy_(buf.float().div_(world))
+    else:
+        buf.div_(world)
+
+
 class Native(Algorithm):
-    """Delegates to ``torch.distributed`` on the transport's group (avg = sum then divide off NCCL)."""
+    """Delegates to ``torch.distributed`` on the transport's group (avg = sum then divide off NCCL).
+
+    Each method issues its torch collective on the calling thread and returns a :class:`Pending` without
+    waiting, so that an ``async_op=True`` call is matched across ranks in call order, like torch's own.
+    """
 
     name = "native"
     supports_phases = True
 
-    def all_reduce(self, buf: torch.Tensor, op: str, comm: Transport) -> None:
+    def all_reduce(self, buf: torch.Tensor, op: str, comm: Transport) -> Pending:
         group = getattr(comm, "group", None)
         if op == "avg" and getattr(comm, "backend", "") == "nccl":
-            dist.all_reduce(buf, op=dist.ReduceOp.AVG, group=group)
-            return
-        _wait(dist.all_reduce(buf, op=to_torch_op(op), group=group, async_op=True), comm, "all_reduce")
-        if op == "avg":
-            if buf.dtype in (torch.float16, torch.bfloat16):
-                buf.copy_(buf.float().div_(comm.world_size))
-            else:
-                buf.div_(comm.world_size)
+            return Pending(dist.all_reduce(buf, op=dist.ReduceOp.AVG, group=group, async_op=True), comm,
+                           "all_reduce")
+        finish = (lambda: _avg(buf, comm.world_size)) if op == "avg" else None
+        return Pending(dist.all_reduce(buf, op=to_torch_op(op), group=group, async_op=True), comm, "all_reduce",
+                       finish)
 
-    def reduce_scatter(self, blocks, out, op, comm):
+    def reduce_scatter(self, blocks, out, op, comm) -> Pending:
         group = getattr(comm, "group", None)
         sizes = {b.numel() for b in blocks}
         if len(sizes) == 1 and getattr(comm, "backend", "") == "nccl":
             inp = torch.cat(list(blocks)) if len(blocks) > 1 else blocks[0]
             tmp = torch.empty_like(out)
-            dist.reduce_scatter_tensor(tmp, inp, op=to_torch_op(op), group=group)
+            work = dist.reduce_scatter_tensor(tmp, inp, op=to_torch_op(op), group=group, async_op=True)
         else:  # gloo has no reduce_scatter: all_reduce a copy and keep this rank's block
             inp = torch.cat(list(blocks))
-            dist.all_reduce(inp, op=to_torch_op(op), group=group)
+            work = dist.all_reduce(inp, op=to_torch_op(op), group=group, async_op=True)
             start = sum(b.numel() for b in blocks[:comm.rank])
             tmp = inp[start:start + out.numel()]
-        if op == "avg":
-            tmp = tmp.float().div_(comm.world_size) if tmp.dtype in (torch.float16, torch.bfloat16) \
-                else tmp.div_(comm.world_size)
-        out.copy_(tmp)
 
-    def all_gather(self, blocks, comm):
+        def finish() -> None:
+            if op == "avg":
+                _avg(tmp, comm.world_size)
+            out.copy_(tmp)
+        return Pending(work, comm, "reduce_scatter", finish)
+
+    def all_gather(self, blocks, comm) -> Pending:
         group = getattr(comm, "group", None)
         me = comm.rank
-        if len({b.numel() for b in blocks}) == 1:
-            out = [torch.empty_like(blocks[me]) for _ in blocks]
-            dist.all_gather(out, blocks[me].contiguous(), group=group)
-        else:
+        if len({b.numel() for b in blocks}) != 1:
             raise ValueError("native all_gather needs equal block sizes")
-        for q, b in enumerate(blocks):
-            if q != me:
-                b.copy_(out[q])
+        out = [torch.empty_like(blocks[me]) for _ in blocks]
+        work = dist.all_gather(out, blocks[me].contiguous(), group=group, async_op=True)
+
+        def finish() -> None:
+            for q, b in enumerate(blocks):
+                if q != me:
+                    b.copy_(out[q])
+        return Pending(work, comm, "all_gather", finish)
+
+    def all_to_all(self, dst: torch.Tensor, src: torch.Tensor, lay, comm: Transport) -> Pending:
+        """``torch.distributed.all_to_all_single`` on byte views (the oracle and baseline); equal splits are
+        passed as None, so NCCL takes the same path as a plain equal-split call."""
+        equal = len(set(lay.recv_len)) == 1 and len(set(lay.send_len)) == 1
+        work = dist.all_to_all_single(dst, src, None if equal else list(lay.recv_len),
+                                      None if equal else list(lay.send_len), group=getattr(comm, "group", None),
+                                      async_op=True)
+        return Pending(work, comm, "all_to_all_single")
+
+
+def run_sync(result, timeout: float | None = None) -> None:
+    """Wait for what an algorithm method returned (a :class:`Pending`, or None when it ran to completion)."""
+    if result is not None:
+        result.wait(timeout)

@@ -27,6 +27,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from hpdl.comm.algorithms.base import Algorithm
+
 OPS = {"sum": 0, "avg": 1, "min": 2, "max": 3, "product": 4}
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int32: 3, torch.int64: 4}
 ALGORITHMS = ("one_shot", "two_shot")
@@ -36,6 +38,7 @@ VARIANTS = {"one_shot_barrier": 0, "two_shot": 1, "one_shot_ll": 2}
 UNIT_BYTES = {"one_shot_barrier": 16, "two_shot": 16, "one_shot_ll": 8}   # payload per 16-byte store
 LL_MAX_BYTES = 256 * 1024        # measured on 2 x H200: LL wins up to 256 KiB, the barrier variant above
 MAX_RANKS = 8
+MAX_BLOCKS = 256                   # flag slots per variant in the header (kMaxBlocks)
 ONE_SHOT_MAX_BLOCKS = 64
 ONE_SHOT_SLOT_BYTES = 32 * 1024
 LL_SLOT_BYTES = 16 * 1024          # 1024 packets of 16 bytes, 8 payload bytes each
@@ -101,7 +104,7 @@ class _Comm:
         with torch.cuda.device(device):
             dist.all_gather_object(sms, torch.cuda.get_device_properties(device).multi_processor_count, group=group)
         self.max_blocks = {"one_shot_ll": ONE_SHOT_MAX_BLOCKS, "one_shot_barrier": ONE_SHOT_MAX_BLOCKS,
-                           "two_shot": min(min(sms), 256)}
+                           "two_shot": min(min(sms), MAX_BLOCKS)}
         # layout: header (flags, counters), then one region per variant of blocks x 2 x world slots
         regions, offset = {}, HEADER_BYTES
         for name in ("one_shot_ll", "one_shot_barrier", "two_shot"):
@@ -178,23 +181,6 @@ def release(group=None) -> None:
         del _COMMS[key]
     for comm in doomed.values():
         comm.close()
-
-
-def default_algorithm(nbytes: int, world: int) -> str:
-    """The peer algorithm to use for ``nbytes`` per rank on ``world`` GPUs of one node (auto's CUDA table).
-
-    Measured on 2 x H200 (docs/benchmarks/gpu_allreduce.md, eager and CUDA graph alike): one_shot up to
-    1 MiB, two_shot above, and NCCL was never faster at any size from 8 B to 1 GiB. One-shot traffic grows as
-    (W-1)·n against 2·(W-1)/W·n for two-shot, so for W > 2 the limit follows vLLM's custom all-reduce
-    (512 KiB up to 4 GPUs, 256 KiB up to 8), unmeasured here.
-
-    Raises:
-        ValueError: ``nbytes`` < 0 or ``world`` outside 1..8.
-    """
-    if nbytes < 0 or not 1 <= world <= MAX_RANKS:
-        raise ValueError(f"nbytes must be >= 0 and world in 1..{MAX_RANKS}, got {nbytes}, {world}")
-    limit = 1 << 20 if world <= 2 else (512 << 10 if world <= 4 else 256 << 10)
-    return "one_shot" if nbytes <= limit else "two_shot"
 
 
 def peer_available(tensor: torch.Tensor, group) -> bool:
@@ -386,14 +372,13 @@ def reference_all_reduce(inputs: list[torch.Tensor], op: str, algorithm: str, wi
     return [d.reshape(-1)[:n].clone().view(shape) for d in data]
 
 
-class _PeerAlgorithm:
-    """Registry adapter: ``algorithm="one_shot"|"two_shot"`` in :func:`hpdl.comm.all_reduce` for CUDA tensors."""
+class _PeerAlgorithm(Algorithm):
+    """Registry entry of ``algorithm="one_shot"|"two_shot"`` (:func:`hpdl.comm.all_reduce`, CUDA tensors of
+    one node): ``all_reduce(buf, op, comm)`` launches the kernel over ``comm.group``'s registered buffer. The
+    API's hot path calls :func:`peer_all_reduce` with the same arguments directly (one launch, no lookup)."""
 
     name = "two_shot"
     supports_phases = False
-
-    def __init__(self, window: int | None = None):
-        self.window = window
 
     def all_reduce(self, buf: torch.Tensor, op: str, comm) -> None:
         if not buf.is_cuda:

@@ -28,6 +28,10 @@ class Staged(Algorithm):
         self.host_comm = host_comm
         self._pinned: torch.Tensor | None = None
 
+    @classmethod
+    def create(cls, resources, window, timeout):
+        return cls(window, host_comm=resources.host(timeout))
+
     def _host_all_reduce(self, buf: torch.Tensor, op: str, comm: Transport) -> None:
         if buf.numel() * buf.element_size() <= RD_MAX_BYTES:
             recursive_doubling_all_reduce(buf, op, comm)

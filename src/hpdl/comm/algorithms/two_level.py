@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import queue
 import threading
+from datetime import timedelta
 
 import torch
 
@@ -91,11 +92,13 @@ class _InterWorker:
             self._outstanding += 1
         self._q.put(job)
 
-    def drain(self, timeout: float) -> None:
-        """Wait for every submitted job; re-raise the first error. ``timeout`` bounds the wait."""
+    def drain(self, timeout: float, peers: list[int]) -> None:
+        """Wait for every submitted job; re-raise the first error. ``timeout`` bounds the wait; ``peers``
+        (this rank's inter-node partners) are named when it runs out."""
         with self._done:
             if not self._done.wait_for(lambda: self._outstanding == 0, timeout=timeout):
-                raise CollectiveTimeoutError(f"inter-node phase still running after {timeout:.0f}s")
+                raise CollectiveTimeoutError(f"two_level: inter-node phase still running after {timeout:.0f}s, "
+                                             f"waiting for rank(s) {peers}", missing_ranks=peers)
         err, self._error = self._error, None
         if err is not None:
             raise err
@@ -146,6 +149,11 @@ class TwoLevel(Algorithm):
         self._worker: _InterWorker | None = None
         self._pinned: torch.Tensor | None = None
         self._last_result = 0   # bytes of the previous call's result (see _host_all_reduce)
+
+    @classmethod
+    def create(cls, resources, window, timeout):
+        host = resources.host(timeout) if resources.backend != "gloo" else None
+        return cls(window, topology=resources.get_topology(timeout), host_comm=host)
 
     def _buffer(self, comm: Transport) -> NodeSharedBuffer:
         if self._shm is None or self._shm.broken:
@@ -222,8 +230,9 @@ class TwoLevel(Algorithm):
                             self._worker.submit(self._native_job(comm, s, out, inter_op, op, p))
                         else:
                             self._worker.submit(_inter_job(self._inter_algo, out, inter_op, op, sub, p))
-            if multi:
-                self._worker.drain(comm.timeout * 4)
+            if multi:  # each job's own waits end within the timeout; the margin lets their error (naming
+                # the peer) arrive first
+                self._worker.drain(comm.timeout + 5.0, self._rail_peers(comm))
         except BaseException:
             shm.broken = True  # peers may be inside a barrier we will not reach
             raise
@@ -253,12 +262,31 @@ class TwoLevel(Algorithm):
         from hpdl.comm.ops import to_torch_op
 
         group = self._rail_groups[shard]
+        peers = [r for r in shard_owners(self.topology, shard) if r != comm.rank]
+        timeout = comm.timeout
 
         def job() -> None:
-            dist.all_reduce(out, op=to_torch_op(inter_op), group=group)
+            work = dist.all_reduce(out, op=to_torch_op(inter_op), group=group, async_op=True)
+            try:
+                work.wait(timedelta(seconds=timeout))  # the rail group's own timeout is the job's, not ours
+            except RuntimeError as exc:
+                raise CollectiveTimeoutError(f"two_level: inter-node all_reduce of shard {shard} on rank "
+                                             f"{comm.rank} failed waiting for rank(s) {peers}: {str(exc)[:200]}",
+                                             missing_ranks=peers) from None
             if op == "avg":
                 _finish(out.clone(), out, op, world)
         return job
+
+    def _rail_peers(self, comm: Transport) -> list[int]:
+        """Ranks on other nodes that share a shard with this rank (its inter-node partners)."""
+        topo, me = self.topology, comm.rank
+        local = topo.node_ranks(topo.node_of[me])
+        out: set[int] = set()
+        for s in range(topo.num_rails):
+            owners = shard_owners(topo, s)
+            if s % len(local) == local.index(me):
+                out.update(r for r in owners if r != me)
+        return sorted(out)
 
     def close(self) -> None:
         if self._worker is not None:

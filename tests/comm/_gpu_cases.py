@@ -1,27 +1,52 @@
-"""Device check of hpdl.comm.all_to_all_single's CUDA paths through the public API (2+ GPUs, one node).
+"""Rank-side bodies of test_comm_gpu.py (2+ CUDA GPUs of one node, NCCL), ported from the former
+benchmarks/cuda_api_check.py and benchmarks/cuda_alltoall_check.py: exact results against torch.distributed
+(NCCL) on the same inputs, #wrong summed over ranks."""
 
-Run: NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONPATH=src python3 benchmarks/cuda_alltoall_check.py
-Every case compares against torch.distributed.all_to_all_single (NCCL) on the same inputs and counts wrong
-elements, summed over ranks: a rank with an empty input, multi-round uneven splits with zero-length blocks
-over four dtypes and odd row sizes, the hot path across changing shapes and dtypes, a non-contiguous output,
-async calls (alone, mixed with sync calls, and after an async all-reduce), CUDA-graph capture of uneven splits,
-PUSH and PULL alternating, a throttle window of 1, and a communicator released and registered again.
-Prints one line per case; exits 1 if any element is wrong.
-"""
+import torch
+import torch.distributed as dist
 
-from __future__ import annotations
+import hpdl.comm as hc
+from hpdl.bench.verify import expected, make_input
 
-import os
-import sys
 
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-import hpdl.comm as hc  # noqa: E402
-from hpdl.runtime import spawn  # noqa: E402
+def all_reduce_cases(ctx):
+    """Every CUDA path of all_reduce through the public API over dtypes, ops and odd sizes; async on the side
+    stream beside a matmul; async beside torch's own all_reduce (call order). Returns a list of failures."""
+    p, r, dev = ctx.world_size, ctx.rank, ctx.device
+    bad = []
+    for algo in ["auto", "one_shot", "two_shot", "direct", "ring", "recursive_doubling", "staged", "native"]:
+        for dtype in [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.float64, torch.uint8]:
+            if algo in ("one_shot", "two_shot") and dtype in (torch.float64, torch.uint8):
+                continue
+            for op in ["sum", "max", "product"] + (["avg"] if dtype.is_floating_point else []):
+                for n in [0, 1, 3, 1025, 65537, (1 << 20) + 3]:
+                    x = make_input(r, n, op, dtype, seed=n, device=dev)
+                    hc.all_reduce(x, op=op, algorithm=algo)
+                    w = int((x.cpu() != expected(p, n, op, dtype, seed=n)).sum())
+                    if w:
+                        bad.append((algo, str(dtype), op, n, w))
+    a = torch.randn(2048, 2048, device=dev)
+    xs = [make_input(r, 1 << 22, "sum", torch.bfloat16, seed=i, device=dev) for i in range(4)]
+    works = [hc.all_reduce(x, async_op=True) for x in xs]
+    a @ a
+    for w in works:
+        w.wait()
+    torch.cuda.synchronize()
+    for i, x in enumerate(xs):
+        w = int((x.cpu() != expected(p, 1 << 22, "sum", torch.bfloat16, seed=i)).sum())
+        if w:
+            bad.append(("async", i, w))
+    for algo in ("auto", "native", "one_shot", "two_shot"):
+        for i in range(30):
+            a = torch.full((1 << 18,), float(r + 1 + i), device=dev)
+            b = torch.full((1 << 18,), float(10 * (r + 1) + i), device=dev)
+            w = hc.all_reduce(a, async_op=True, algorithm=algo)
+            dist.all_reduce(b)
+            w.wait()
+            torch.cuda.synchronize()
+            if (a != sum(q + 1 + i for q in range(p))).any() or (b != sum(10 * (q + 1) + i for q in range(p))).any():
+                bad.append(("interleaved with torch", algo, i))
+    return bad
 
 
 def rows_for(rank: int, world: int, seed: int, big: bool) -> list[int]:
@@ -54,7 +79,7 @@ def wrong(out, want) -> int:
     return int((out != want).sum())
 
 
-def check(ctx):
+def alltoall_cases(ctx):
     r, w, dev = ctx.rank, ctx.world_size, ctx.device
     res = {}
 
@@ -193,24 +218,3 @@ def check(ctx):
         dist.all_reduce(t)   # a failing rank shows as a negative sum
         res[name] = res[name] if isinstance(res[name], str) else int(t.item())
     return res
-
-
-def main() -> int:
-    world = torch.cuda.device_count()
-    if world < 2:
-        print("needs at least 2 GPUs", file=sys.stderr)
-        return 2
-    results = spawn(check, nprocs=world, device="cuda", timeout=120, job_timeout=300)
-    bad = False
-    for name, v in results[0].items():
-        print(f"{name:<50} #wrong {v}")
-        bad |= v != 0
-    others = [res for res in results[1:] if any(isinstance(v, str) for v in res.values())]
-    if others:
-        print("errors on other ranks:", others)
-        bad = True
-    return 1 if bad else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
