@@ -7,6 +7,7 @@ Every entry point returns a :class:`Context`: rank, world size, device, topology
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing as mp
 import os
@@ -130,7 +131,18 @@ def init_from_env(device: str = "cpu", ranks_per_node: int | Sequence[int] | Non
     if not dist.is_initialized():
         dist.init_process_group(backend, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=_timeout(timeout)), **kwargs)
+        atexit.register(_destroy_at_exit)
     return _make_context(rank, world, local_rank, dev, backend, ranks_per_node)
+
+
+def _destroy_at_exit() -> None:
+    """Tear down the group this module created if the script did not: left to interpreter exit, gloo's threads
+    can abort a rank ("terminate called without an active exception") and fail a torchrun job that succeeded."""
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
 
 
 def _worker(rank, nprocs, port, fn, args, device, ranks_per_node, timeout, results) -> None:
