@@ -46,5 +46,5 @@ def local_capacity(n_tokens: int, top_k: int, n_experts: int, capacity_factor: f
 def inverse(order: torch.Tensor) -> torch.Tensor:
     """The permutation that undoes ``x[order]``: ``y[inverse(order)] == x`` for ``y = x[order]``."""
     inv = torch.empty_like(order)
-    inv[order] = torch.arange(len(order), dtype=order.dtype)
+    inv[order] = torch.arange(len(order), dtype=order.dtype, device=order.device)
     return inv
