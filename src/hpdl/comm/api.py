@@ -6,8 +6,9 @@ Each call is validate -> resolve -> run -> Work: it validates its arguments loca
 rank passed the same count, dtype, op, device and algorithm, and runs the registry's algorithm instance, built
 from the group's :class:`~hpdl.comm.transport.resources.GroupResources` (its one per-group state), over the
 group's transport. The only other cache is the hot path ``_FAST``: identical later calls of a kernel algorithm
-go straight to the launcher it handed out after a first checked call. Results are in place, like ``torch.distributed``; non-contiguous tensors are handled through
-a contiguous copy written back into the caller's tensor.
+go straight to the launcher it handed out after a first checked call. Results are in place, like
+``torch.distributed``; non-contiguous tensors are handled through a contiguous copy written back into the
+caller's tensor.
 
 Ordering: every communication call is issued on the caller's thread, at the call, in call order, as torch
 does, so hpdl's collectives and torch's own on the same group match across ranks in program order.
@@ -28,7 +29,8 @@ import torch
 
 from hpdl.comm import tuning
 from hpdl.comm.algorithms import alltoall as a2a
-from hpdl.comm.algorithms.base import BASES, REGISTRY, algorithms_for, canonical, get_class, implements, phase_algorithms
+from hpdl.comm.algorithms.base import (BASES, REGISTRY, algorithms_for, canonical, get_class, implements,
+                                      phase_algorithms)
 from hpdl.comm.algorithms.direct import window_size
 from hpdl.comm.algorithms.native import Pending
 from hpdl.comm.ops import check_dtype, normalize_op, REDUCE_OPS, SUPPORTED_DTYPES

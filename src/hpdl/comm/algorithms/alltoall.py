@@ -205,6 +205,9 @@ class _TwoLevelAlltoall(AllToAll):
 
     def all_to_all(self, dst: torch.Tensor, src: torch.Tensor, lay: Layout, comm: Transport) -> None:
         if src.device.type == "cuda":
+            if self.resources is None:
+                raise ValueError(f"algorithm {self.name!r} on CUDA tensors needs its group's GroupResources (the "
+                                 "peer-memory buffer, or the host transport to stage through)")
             if self.runs_kernel(self.resources, src, comm.timeout):
                 from hpdl.comm.algorithms.peer_alltoall import communicator
 
