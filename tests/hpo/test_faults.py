@@ -49,6 +49,27 @@ def test_a_checkpoint_of_another_trial_is_refused_loudly(tmp_path):
         checkpoint.load(tmp_path / "old.pt", meta)
 
 
+def test_checkpoint_save_syncs_and_removes_stale_temporaries(tmp_path, monkeypatch):
+    import os
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()      # a pid that has exited
+    stale = tmp_path / f"lineage-3.tmp{dead}"
+    stale.write_bytes(b"half a checkpoint (kill -9 mid-write)")
+    other = tmp_path / "lineage-4.tmp1"                               # another lineage's: not ours to remove
+    other.write_bytes(b"x")
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd)))
+    meta = {"study_uid": "u", "lineage": 3, "params": {}}
+    checkpoint.save(tmp_path / "lineage-3.pt", {"step": 1}, meta)
+    assert len(synced) >= 1 and not stale.exists() and other.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lineage-3.pt", "lineage-4.tmp1"]
+    assert checkpoint.load(tmp_path / "lineage-3.pt", meta) == {"step": 1}
+
+
 @pytest.mark.timeout(150)
 def test_a_copied_checkpoint_fails_its_trial_without_retry(tmp_path):
     """A file on a trial's checkpoint path that belongs to another configuration fails that trial for good

@@ -15,6 +15,7 @@ def test_bench_rank_tiny_sweep():
                      n_kv_heads=2, expert_size=32, prompt_len=6, new_tokens=3, repeats=1, profile_tokens=512,
                      time_limit=5)
     prep = prepare(spec, 4)
+    assert prep["model_config"]["hidden_size"] == 32 and prep["model_config"]["n_experts"] == 4  # recorded
     rows = summarise(get_pool(2).run(bench_rank, asdict(spec), 4, prep))  # raises if ExFlow tokens differ
     # the baseline gathers only the prompts once (global request ids); ExFlow also K/V rows every step
     assert {r["mode"] for r in rows} == {"baseline", "exflow", "exflow_contiguous", "baseline_padded",

@@ -68,8 +68,13 @@ def save(path: Path, state: dict[str, Any], meta: dict[str, Any]) -> None:
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({**state, META_KEY: meta}, tmp)
+        with open(tmp, "wb") as f:
+            torch.save({**state, META_KEY: meta}, f)
+            f.flush()
+            os.fsync(f.fileno())   # the data is on disk before the rename makes it the checkpoint
         os.replace(tmp, path)
+        _fsync_dir(path.parent)    # and the rename itself survives a power loss
+        _remove_stale_tmp(path)
     except OSError as exc:
         with contextlib.suppress(OSError):
             tmp.unlink()
@@ -81,6 +86,34 @@ def save(path: Path, state: dict[str, Any], meta: dict[str, Any]) -> None:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise CheckpointWriteError(f"cannot write checkpoint {str(path)!r}: {exc}") from None
+
+
+def _fsync_dir(folder: Path) -> None:
+    with contextlib.suppress(OSError):   # not every file system lets a folder be opened or synced
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_stale_tmp(path: Path) -> None:
+    """Delete ``<lineage>.tmp<pid>`` files left by writers that died mid-write (kill -9)."""
+    for tmp in path.parent.glob(f"{path.stem}.tmp*"):
+        pid = tmp.suffix[len(".tmp"):]
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            with contextlib.suppress(OSError):
+                tmp.unlink()
 
 
 def load(path: Path, meta: dict[str, Any], map_location=None) -> dict[str, Any] | None:

@@ -119,7 +119,7 @@ def prepare(spec: BenchSpec, E: int) -> dict:
     prompts = [[tail[s:s + spec.prompt_len].astype(int).tolist() for s in row] for row in starts]
     return {"ranks": res.ranks, "placement": {"method": res.method, "status": res.status,
                                               "profile_cross_share": res.objective, "seconds": res.seconds},
-            "prompts": prompts}
+            "prompts": prompts, "model_config": asdict(model.cfg)}
 
 
 def bench_rank(ctx, spec_d: dict, E: int, prep: dict) -> list[dict]:
@@ -188,17 +188,18 @@ def run(spec: BenchSpec, out: str | Path | None = None, plot: str | Path | None 
     check_spec(spec)
     result = {"spec": asdict(spec), "torch": torch.__version__, "host": platform.node(),
               "cpus": __import__("os").cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "rows": [], "placements": {}}
+              "rows": [], "placements": {}, "models": {}}
     for E in spec.experts:
         if progress:
             progress(f"E={E}: profiling and placing ({spec.world_size} ranks)")
         prep = prepare(spec, E)
         result["placements"][E] = prep["placement"]
+        result["models"][E] = prep["model_config"]   # what ran (a --model checkpoint overrides the spec's shape)
         per_rank = spawn(bench_rank, spec.world_size, args=(asdict(spec), E, prep))
         result["rows"].extend(summarise(per_rank))
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(result, indent=1))
+        if out:  # after every expert count, so a sweep stopped by a time limit keeps what it measured
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            Path(out).write_text(json.dumps(result, indent=1))
     if plot:
         plot_result(result, plot)
     return result
