@@ -2,6 +2,9 @@
 busy workers, unwritable folders, a study in which everything failed."""
 
 import argparse
+import os
+import subprocess
+import sys
 import signal
 import time
 
@@ -222,3 +225,28 @@ def test_drivers_of_one_sqlite_store_in_two_run_dirs_exclude_each_other_by_lock(
     finally:
         a.release()
     assert second(tmp_path / "r2", "s").strip() == "acquired"  # released with its holder
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_during_start_up_stops_at_once_with_one_line(tmp_path, sig):
+    # before the driver's loop installs its handlers: SIGINT inherited ignored (a script's background job)
+    # was dropped and the study ran to its end; SIGTERM killed the process with no message
+    script = f"""
+import os, signal, sys, time
+import hpdl.hpo.driver as driver
+def slow_start(spec, **kw):   # stands in for the store, study and pool start-up
+    os.kill(os.getpid(), {int(sig)})
+    time.sleep(30)
+    raise SystemExit(7)
+driver.run_study = slow_start
+from hpdl.cli import main
+sys.exit(main(["hpo", "run", "--run-dir", {str(tmp_path / "run")!r}, "--no-progress"]))
+"""
+    env = {**os.environ, "HPDL_HPO_START_METHOD": "spawn"}
+    t = time.monotonic()
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env,
+                       preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert time.monotonic() - t < 25, "the signal did not stop the start-up"
+    assert p.returncode == 128 + sig, (p.returncode, p.stderr[-2000:])
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "during start-up" in lines[0] and signal.Signals(sig).name in lines[0], p.stderr

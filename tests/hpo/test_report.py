@@ -44,6 +44,21 @@ def test_status_counts_given_up_configurations_shows_the_exception_and_orphans(t
     assert "2/3 configurations finished" in out and "driver died" in out and "running trial" not in out
 
 
+def test_status_lists_interrupted_trials_apart_from_failures(tmp_path, capsys):
+    url = _study(tmp_path)
+    s = optuna.load_study(study_name="s", storage=make_storage(url))
+    t = s.ask()  # a Ctrl-C stopped it: stored FAIL, configuration re-queued, no attempt spent
+    t.set_user_attr("hpdl_failure", "interrupted: the driver stopped; checkpointed and re-queued")
+    s.tell(t, state=optuna.trial.TrialState.FAIL)
+    st = study_status(url, "s")
+    assert [r["number"] for r in st["failures"]] == [0] and [r["number"] for r in st["requeued"]] == [3]
+    parser = argparse.ArgumentParser()
+    HpoCommand.add_arguments(parser)
+    HpoCommand().run(parser.parse_args(["status", "--storage", url, "--study", "s"]))
+    out = capsys.readouterr().out
+    assert "failed trial 3" not in out and "re-queued without spending an attempt" in out and "trials 3" in out
+
+
 def test_a_trial_of_a_live_driver_is_running(tmp_path):
     import os
     import time

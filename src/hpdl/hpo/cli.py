@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from importlib import resources
 
@@ -41,7 +42,8 @@ class HpoCommand:
             p.add_argument("--out", help="write the result as JSON to this file (default: none)")
             p.add_argument("--format", choices=("table", "json"), default="table",
                            help="output format (default: %(default)s)")
-        p = sub.add_parser("status", help="trial counts, best value and running trials of a study")
+        h = "trial counts, best value and running trials of a study"
+        p = sub.add_parser("status", help=h, description=h)
         p.add_argument("study_file", nargs="?", help="YAML study file (or give --storage and --study; default: the "
                                                      "shipped CPU example that `hpdl hpo run` runs)")
         p.add_argument("--run-dir", help="the run_dir the study was run with (`run --run-dir`; its SQLite store "
@@ -50,7 +52,8 @@ class HpoCommand:
         p.add_argument("--study", help="study name (default: the study file's)")
         p.add_argument("--format", choices=("table", "json"), default="table",
                        help="output format (default: %(default)s)")
-        p = sub.add_parser("simulate", help="replay profiled trial costs on a simulated pool (simulation)")
+        h = "replay profiled trial costs on a simulated pool (simulation)"
+        p = sub.add_parser("simulate", help=h, description=h)
         p.add_argument("--pool", default="12xA100,4xH100",
                        help="simulated pool, e.g. 12xA100,4xH100 or 2xH200 (default: %(default)s)")
         p.add_argument("--trials", help="JSON trace of profiled trials (default: built-in synthetic trace)")
@@ -110,15 +113,22 @@ class HpoCommand:
     def _run(self, args, resume: bool = False) -> int:
         from dataclasses import asdict
 
-        from hpdl.hpo.driver import run_study
-
-        from hpdl.hpo._prestart import start_forkserver
-
-        start_forkserver()  # first: the workers' server imports torch while this process does
         from hpdl.hpo.errors import HpoInterrupted
 
-        spec = self._spec(args)
+        def startup_signal(signum, _frame):
+            raise HpoInterrupted(f"stopped by {signal.Signals(signum).name} during start-up, before any trial "
+                                 "started (nothing to re-queue)", signum)
+
+        # until the driver's loop takes over (it sets a flag instead), a signal stops the start-up at once;
+        # installed even where SIGINT was inherited ignored (a background job of a script), as the loop's is
+        outer = {sig: signal.signal(sig, startup_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
+            from hpdl.hpo._prestart import start_forkserver
+
+            start_forkserver()  # first: the workers' server imports torch while this process does
+            from hpdl.hpo.driver import run_study
+
+            spec = self._spec(args)
             res = run_study(spec, resume=resume, progress=not args.no_progress, exit_deadline_s=_EXIT_DEADLINE_S)
         except HpoInterrupted as exc:  # one line, and the shell's status for the signal
             print(f"hpdl hpo: {exc}", file=sys.stderr)
@@ -127,6 +137,9 @@ class HpoCommand:
             # everything is stored, the workers are gone and the lock is released: skip the interpreter's
             # teardown (unloading torch took 3-6 s on a loaded 2-core machine), the user asked to stop now
             os._exit(exc.exit_code)
+        finally:
+            for sig, h in outer.items():
+                signal.signal(sig, h)
         out = asdict(res)
         if args.out:
             with open(args.out, "w") as f:
@@ -190,6 +203,9 @@ class HpoCommand:
                   "its driver died; `hpdl hpo resume` re-queues it (no attempt spent)")
         for r in s["failures"]:
             print(f"  failed trial {r['number']}: {r['reason']}")
+        if s["requeued"]:
+            print(f"  re-queued without spending an attempt (interrupted, driver died): trials "
+                  f"{', '.join(str(r['number']) for r in s['requeued'])}")
         return 0
 
     def _simulate(self, args) -> int:

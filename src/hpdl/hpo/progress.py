@@ -46,3 +46,5 @@ class Progress:
 
     def close(self) -> None:
         self.live.stop()
+        if not self.live.console.is_terminal:  # a file or pipe: end the table's last line before the summary
+            self.live.console.print()

@@ -19,7 +19,8 @@ def _reason(failure: str) -> str:
 
 def study_status(storage: str, study: str) -> dict[str, Any]:
     """Counts by trial state, best value and parameters, the trials now running with their device, and the
-    failed ones with their reason. Counts configurations as the driver does (:class:`hpdl.hpo.ledger.Ledger`:
+    failed ones with their reason (``failures``: the trial's own, each spent an attempt; ``requeued``: stopped
+    by an interrupt, a driver's death or the run folder, no attempt spent). Counts configurations as the driver does (:class:`hpdl.hpo.ledger.Ledger`:
     a configuration given up after its retries is finished). A RUNNING trial of a driver on this host
     whose heartbeat is gone (killed) is listed under ``orphaned``, not ``running``: ``resume`` re-queues it.
 
@@ -30,7 +31,7 @@ def study_status(storage: str, study: str) -> dict[str, Any]:
 
     import optuna
 
-    from hpdl.hpo.ledger import Ledger
+    from hpdl.hpo.ledger import Ledger, counts_as_attempt
     from hpdl.hpo.lock import live_drivers
     from hpdl.hpo.spec import make_storage
 
@@ -49,6 +50,7 @@ def study_status(storage: str, study: str) -> dict[str, Any]:
     finished, _ = Ledger(s, int(spec.get("max_retries", 2)), socket.gethostname(), storage=st).lineages()
     live_hosts = {d["host"] for d in live_drivers(s.user_attrs)}
     me = socket.gethostname()
+    fails = [t for t in trials if t.state.name == "FAIL"]
     running, orphaned = [], []
     for t in trials:
         if t.state.name != "RUNNING":
@@ -62,7 +64,10 @@ def study_status(storage: str, study: str) -> dict[str, Any]:
             "best_value": best.value if best else None, "best_params": dict(best.params) if best else None,
             "live_drivers": sorted(live_hosts), "running": running, "orphaned": orphaned,
             "failures": [{"number": t.number, "reason": _reason(t.user_attrs.get("hpdl_failure", ""))}
-                         for t in trials if t.state.name == "FAIL"]}
+                         for t in fails if counts_as_attempt(t.user_attrs.get("hpdl_failure", ""))],
+            # stored FAIL by Optuna, but not the trial's fault: its configuration was re-queued, no attempt spent
+            "requeued": [{"number": t.number, "reason": _reason(t.user_attrs.get("hpdl_failure", ""))}
+                         for t in fails if not counts_as_attempt(t.user_attrs.get("hpdl_failure", ""))]}
 
 
 def plot_best_vs_time(curves: dict[str, Sequence[tuple[float, float]]], path: str, title: str,

@@ -168,7 +168,7 @@ def bench_rank(ctx, spec_d: dict, E: int, prep: dict) -> list[dict]:
                          "cross_share": sum(stats["rows_cross"].values()) / max(1, disp)})
             if ctx.rank == 0:
                 r = rows[-1]
-                print(f"E={E} batch/rank={b} {name}: {r['tokens_per_s']:.0f} tok/s, a2a "
+                print(f"E={E} batch/rank={b} {name}: {r['tokens_per_s']:.0f} tok/s, rank 0's a2a "
                       f"{np.mean(r['a2a_bytes_per_layer']) / 1024:.1f} KiB and "
                       f"{np.mean(r['a2a_seconds_per_layer']) * 1e3:.2f} ms per layer, cross share "
                       f"{r['cross_share']:.2f}", flush=True)

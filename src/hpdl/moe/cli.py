@@ -19,12 +19,21 @@ def _text_ids(path: str | None, max_bytes: int) -> tuple["object", str]:
     return stdlib_corpus(max_bytes, part="tail")  # held out from `hpdl moe train`, which reads the head
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a default only where there is one (not for required options, nor None)."""
+
+    def _get_help_string(self, action):
+        if action.required or action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 class MoECommand:
     """`hpdl moe ...` (ExFlow, arXiv 2401.08383)."""
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
-        F = argparse.ArgumentDefaultsHelpFormatter
+        F = _Help
         sub = parser.add_subparsers(dest="moe_cmd", metavar="{trace,affinity,place,train,bench}")
         t = sub.add_parser("trace", formatter_class=F, help="record every token's experts per MoE layer (npz)")
         t.add_argument("--model", required=True, help="hpdl checkpoint dir (hpdl moe train --out) or a local HF "

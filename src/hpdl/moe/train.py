@@ -127,7 +127,7 @@ def train(cfg: MoEConfig | None = None, steps: int = 300, batch: int = 16, seq: 
         model.train()
         if progress:
             m = s["mean"]
-            progress(f"step {step}/{steps} loss {loss_ema:.3f} mean-max-cond {m['mean_max_conditional']:.3f} "
+            progress(f"step {step}/{steps} loss {'-' if math.isnan(loss_ema) else f'{loss_ema:.3f}'} mean-max-cond {m['mean_max_conditional']:.3f} "
                      f"(shuffled {m['shuffled_mean_max_conditional']:.3f}, uniform {1 / cfg.n_experts:.3f}) "
                      f"MI {m['mutual_information_bits']:.3f} bits  [{time.perf_counter() - t0:.0f}s]")
 
