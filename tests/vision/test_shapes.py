@@ -110,6 +110,7 @@ def test_make_shapes_flags_are_checked_by_the_parser(flag, value, tmp_path, caps
     from hpdl.cli import main
 
     with pytest.raises(SystemExit) as exc:
-        main(["vision", "make-shapes", "--root", str(tmp_path / "r"), flag, value])
+        main(["vision", "make-shapes", "--root", str(tmp_path / "r"), "--train", "1", "--val", "1", "--image-size",
+              "16", flag, value])
     assert exc.value.code == 2 and flag in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
