@@ -177,6 +177,12 @@ def test_empty_training_sets_are_named_not_endless(tmp_path, capsys):
     assert main(["vision", "train", "--model", "sprnet", "--data", str(root), "--device", "cpu", "--workers", "0",
                  "--out", str(tmp_path / "o")]) == 1
     assert "split 'train' has no image with a non-crowd instance" in capsys.readouterr().err
+    empty_val = tmp_path / "v"
+    make_shapes(empty_val, ShapesConfig(num_train=1, num_val=0, image_size=32))
+    assert main(["vision", "train", "--model", "sprnet", "--data", str(empty_val), "--device", "cpu", "--workers",
+                 "0", "--out", str(tmp_path / "o"), "--backbone", "resnet10", "--image-size", "64",
+                 "--max-steps", "1"]) == 1    # trained, then reported box AP -100
+    assert "split 'val' has no image to evaluate on" in capsys.readouterr().err
 
 
 def test_checkpoints_are_written_whole_and_a_truncated_one_is_named(tmp_path):

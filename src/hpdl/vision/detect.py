@@ -516,6 +516,8 @@ def train(args) -> int:
                         "train on")
     val_split = args.val_split or "val"
     val_ds = CocoInstances(data, val_split)
+    if len(val_ds) == 0:   # found before training: the evaluation reported AP -100 and no mask AP
+        raise HpdlError(f"data={str(data)!r} split {val_split!r} has no image to evaluate on")
     if train_ds.cat_ids != val_ds.cat_ids:
         raise HpdlError(f"splits {args.train_split!r} and {val_split!r} have different categories")
     model = build_model(args.model, train_ds.num_classes, backbone=args.backbone,
@@ -562,6 +564,8 @@ def evaluate(args) -> int:
     data = args.data or meta.get("data")
     split = args.val_split or meta.get("val_split") or "val"
     val_ds = CocoInstances(data, split)
+    if len(val_ds) == 0:
+        raise HpdlError(f"data={data!r} split {split!r} has no image to evaluate on")
     if [c["id"] for c in meta["categories"]] != val_ds.cat_ids:
         raise HpdlError(f"data={data!r} split {split!r} has categories {val_ds.cat_ids}, the checkpoint "
                         f"{[c['id'] for c in meta['categories']]}")
