@@ -8,6 +8,7 @@ import torch
 
 import hpdl.comm as hc
 from hpdl.bench.verify import expected, make_input
+from hpdl.comm.transport.resources import resources_of
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8]
 
@@ -40,7 +41,7 @@ def all_reduce_matrix(ctx, ranks_per_node, world=None, algorithm="two_level"):
         return [], ""
     group, p, r = sub
     hc.set_topology(ranks_per_node, group)
-    rails = max(hc.api._state(group).topology.ranks_per_node())
+    rails = max(resources_of(group).topology.ranks_per_node())
     failures, digests = [], []
     cases = [(d, op) for d in DTYPES for op in ("sum", "max")]
     cases += [(d, "avg") for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16)]
@@ -66,7 +67,7 @@ def all_reduce_pipelined(ctx, ranks_per_node, depth, count, world=None):
     group, p, r = sub
     os.environ["HPDL_PIPELINE_DEPTH"] = str(depth)
     hc.set_topology(ranks_per_node, group)
-    st = hc.api._state(group)
+    st = resources_of(group)
     for key in [k for k, a in st._algos.items() if getattr(a, "needs_topology", False)]:
         st._algos.pop(key).close()  # the next call builds a fresh instance, which reads the depth
     wrong = 0
@@ -97,7 +98,7 @@ def back_to_back(ctx, ranks_per_node, calls=12):
         rows = int(torch.randint(0, 50, (1,), generator=g)) * (200 if i == 6 else 1)
         algo = ("push", "pull")[i % 2]
         wrong += _a2a_once(p, r, rows, dtype, algo, i)
-        caps.append(sum(a._shm.capacity for a in hc.api._state(None)._algos.values()
+        caps.append(sum(a._shm.capacity for a in resources_of(None)._algos.values()
                         if getattr(a, "_shm", None) is not None))
     return wrong, caps
 
@@ -267,8 +268,8 @@ def inter_native(ctx, ranks_per_node):
 
     hc.set_topology(ranks_per_node)
     p, r = ctx.world_size, ctx.rank
-    algo = TwoLevel(topology=hc.api._state(None).topology, inter="native", depth=2)
-    comm = hc.api._state(None).comm(60.0)
+    algo = TwoLevel(resources_of(None), inter="native", depth=2)
+    comm = resources_of(None).comm(60.0)
     wrong = 0
     for dtype, op, count in ((torch.float32, "sum", 300_001), (torch.bfloat16, "avg", 1031),
                              (torch.int64, "product", 97), (torch.uint8, "max", 5)):
@@ -281,9 +282,9 @@ def inter_native(ctx, ranks_per_node):
     if sub is not None:
         group, _, _ = sub
         hc.set_topology(3, group)
-        bad = TwoLevel(topology=hc.api._state(group).topology, inter="native")
+        bad = TwoLevel(resources_of(group), inter="native")
         try:
-            bad.all_reduce(torch.ones(8), "sum", hc.api._state(group).comm(60.0))
+            bad.all_reduce(torch.ones(8), "sum", resources_of(group).comm(60.0))
         except ValueError as exc:
             err = str(exc)
         bad.close()

@@ -11,7 +11,7 @@ import pytest
 import hpdl.comm as hc
 from hpdl.comm import tuning
 from hpdl.comm.algorithms import peer, peer_alltoall
-from hpdl.comm.algorithms.base import REGISTRY, Algorithm, get_class
+from hpdl.comm.algorithms.base import BASES, REGISTRY, Algorithm, algorithms_for, get_class, implements
 
 COMM = Path(hc.__file__).parent
 
@@ -21,7 +21,47 @@ def test_every_algorithm_in_the_table_and_registry_is_an_algorithm_subclass():
     for name in sorted(names):
         cls = get_class(name)
         assert isinstance(cls, type) and issubclass(cls, Algorithm), name
-    assert {r.collective for r in tuning.default_table().rules} <= set(tuning.COLLECTIVES)
+        assert any(issubclass(cls, base) for base in BASES.values()), name   # implements some collective
+    assert {r.collective for r in tuning.default_table().rules} <= set(tuning.COLLECTIVES) == set(BASES)
+    # every rule names an algorithm of its own collective's base class
+    for rule in tuning.default_table().rules:
+        assert issubclass(get_class(rule.algorithm), BASES[rule.collective]), rule
+
+
+def test_per_collective_bases_and_one_constructor():
+    import inspect
+
+    assert algorithms_for("all_to_all") == ["direct", "native", "pairwise", "push", "pull"]
+    assert algorithms_for("reduce_scatter") == algorithms_for("all_gather") == ["direct", "ring", "native"]
+    assert not implements("push", "all_reduce") and not implements("one_shot", "all_to_all")
+    for name in REGISTRY:
+        cls = get_class(name)
+        params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+        assert [p.name for p in params[:3]] == ["resources", "window", "timeout"], name
+        assert all(p.kind is p.KEYWORD_ONLY for p in params[3:]), name   # options after the common three
+        for base in BASES.values():
+            if issubclass(cls, base):
+                assert not getattr(cls, "__abstractmethods__", None), (name, base)   # every method implemented
+    for name in ("direct", "ring", "recursive_doubling", "native", "pairwise"):
+        assert get_class(name)(None, 3, 1.0).window == 3
+    with pytest.raises(ValueError, match="resolve it first"):
+        get_class("auto")
+    with pytest.raises(TypeError):
+        BASES["all_reduce"](None)   # an ABC: no instance without the collective's method
+
+
+def test_peer_buffers_are_owned_by_group_resources():
+    """No module-level registration caches: the peer modules register through GroupResources, and the API
+    forgets a group by closing its resources, never by reaching into an algorithm module."""
+    for mod in (peer, peer_alltoall):
+        assert not hasattr(mod, "_COMMS") and not hasattr(mod, "forget"), mod.__name__
+    api_src = (COMM / "api.py").read_text()
+    for node in ast.walk(ast.parse(api_src)):
+        if isinstance(node, ast.ImportFrom):
+            mods = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+            assert not any(m.startswith("hpdl.comm.algorithms.peer") for m in mods), mods
+    for private in ("_COMMS", "_STATES", "_GroupState"):
+        assert private not in api_src, private
 
 
 def test_one_table_for_every_collective():
@@ -112,7 +152,22 @@ def test_peer_kernels_are_registry_algorithms():
     import torch
 
     for name in ("one_shot", "two_shot"):
-        algo = get_class(name).create(None, 2, 1.0)   # the API builds them from the group's resources
-        assert algo.name == name and algo.window == 2 and not algo.supports_phases
+        algo = get_class(name)(None, 2, 1.0)   # the API builds them from the group's resources
+        assert algo.name == name and algo.window == 2 and not implements(name, "reduce_scatter")
         with pytest.raises(ValueError, match="CUDA"):
             algo.all_reduce(torch.ones(4), "sum", None)
+        # fits: what resolve checks before auto may pick them
+        assert get_class(name).fits("cuda", 2, dtype=torch.float32, gpus=2) == (torch.version.cuda is not None)
+        assert not get_class(name).fits("cuda", 2, dtype=torch.float64)
+        assert not get_class(name).fits("cuda", 4, gpus=2) and not get_class(name).fits("cpu", 2)
+
+
+def test_resolve_falls_back_to_native_where_the_pick_does_not_fit():
+    import torch
+
+    assert hc.resolve("all_reduce", 8, 2, "cuda")[0] == "one_shot"               # the table alone
+    assert hc.resolve("all_reduce", 8, 2, "cuda", gpus=1)[0] == "native"         # fewer GPUs than ranks
+    assert hc.resolve("all_reduce", 8, 2, "cuda", dtype=torch.float64)[0] == "native"
+    assert hc.resolve("all_to_all", 8, 2, "cuda", gpus=1)[0] == "native"
+    assert hc.resolve("all_reduce", 8, 4, "cpu", dtype=torch.float64, gpus=0) == tuning.select("all_reduce", 8, 4,
+                                                                                               "cpu")

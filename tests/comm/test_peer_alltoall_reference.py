@@ -152,7 +152,10 @@ def test_bad_arguments_are_named():
 
 
 def test_auto_picks_the_peer_kernel_only_where_measured():
-    from hpdl.comm.algorithms.alltoall import select
+    from hpdl.comm import resolve
+
+    def select(nbytes, world, device):
+        return resolve("all_to_all", nbytes, world, device)[0]
 
     assert select(4 << 20, 2, "cuda") == "push"          # measured: push beat NCCL at every size on 2 x H200
     assert select(1 << 30, 8, "cuda") == "native"        # 3-8 GPUs: unmeasured, NCCL until issue 6's runs

@@ -156,12 +156,28 @@ class _FakeCudaTensor:
         return self.ptr
 
 
-def test_fast_path_launches_the_cached_plan_once_per_call(monkeypatch):
+def _fake_resources(monkeypatch, group=None):
+    """A group's GroupResources without a process group, registered as the resources of ``group``."""
+    from hpdl.comm.transport import resources
+
+    res = resources.GroupResources.__new__(resources.GroupResources)
+    res.group, res.registered, res._algos = group, {}, {}
+    monkeypatch.setitem(resources._GROUPS, group, res)
+    return res
+
+
+def _fake_comm():
     comm = peer._Comm.__new__(peer._Comm)   # a registered communicator without GPU or process group
     comm.ext, comm.handle, comm.world, comm.window, comm.plans = _FakeExt(), 7, 2, 1, {}
     comm.max_blocks = {"one_shot_ll": 64, "one_shot_barrier": 64, "two_shot": 132}
     comm.slot_units = {"one_shot_ll": 1024, "one_shot_barrier": 2048, "two_shot": 16384}
-    monkeypatch.setitem(peer._COMMS, (None, 0), comm)
+    return comm
+
+
+def test_fast_path_launches_the_cached_plan_once_per_call(monkeypatch):
+    comm = _fake_comm()
+    res = _fake_resources(monkeypatch)
+    res.registered[(peer.KIND, 0)] = comm   # the group's registration, as peer.communicator leaves it
     n = 3 * (1 << 20) + 5
     plan = comm.plan(torch.empty(n, dtype=torch.bfloat16), "sum", "two_shot", None)
     grid, chunk = peer.schedule(n, 2, 2, "two_shot", 132, 16384)
@@ -181,83 +197,45 @@ def test_fast_path_launches_the_cached_plan_once_per_call(monkeypatch):
         with pytest.raises(ValueError, match="CUDA tensor"):
             peer.peer_all_reduce(t, "sum", None, "two_shot")
     assert len(comm.ext.calls) == 2
+    # the API's hot path: the registry's TwoShot launcher, one launch per call from the same plan
+    algo = peer.TwoShot(res, None, 1.0)
+    fn = algo.all_reduce_launcher("sum", torch.device("cuda", 0))
+    fn(_FakeCudaTensor(n, torch.bfloat16, 8192))
+    assert comm.ext.calls[-1] == (7, 8192) + plan and len(comm.ext.calls) == 3
     peer.set_chunk_cap("two_shot", 512)
     assert comm.plans == {}
     peer.set_chunk_cap("two_shot", None)
 
 
 def test_release_frees_each_buffer_once_under_every_alias(monkeypatch):
-    closed = []
+    from hpdl.comm.transport import resources
+
+    closed, forgotten = [], []
 
     class _Closable:
         def close(self):
             closed.append(self)
 
-    shared, other = _Closable(), _Closable()
+        def forget(self):
+            forgotten.append(self)
+
+    shared, other, a2a = _Closable(), _Closable(), _Closable()
     group = object()
-    monkeypatch.setattr(peer, "_COMMS", {(None, 0): shared, ("alias", 0): shared, (group, 1): other})
-    monkeypatch.setattr(peer, "_canonical", lambda g: None if g in (None, "alias") else g)
-    peer.release(None)
-    assert closed == [shared] and list(peer._COMMS) == [(group, 1)]
+    res = _fake_resources(monkeypatch)
+    monkeypatch.setitem(resources._GROUPS, "alias", res)   # the world group under a second spelling
+    res.registered.update({(peer.KIND, 0): shared, (peer_alltoall_kind(), 0): a2a})
+    res2 = _fake_resources(monkeypatch, group)
+    res2.registered[(peer.KIND, 1)] = other
+    peer.release("alias")
+    assert closed == [shared] and list(res.registered) == [(peer_alltoall_kind(), 0)]
     peer.release(group)
-    assert closed == [shared, other] and peer._COMMS == {}
+    assert closed == [shared, other] and res2.registered == {}
+    # forgetting the group (hpdl.comm.forget_group) drops every spelling and forgets, without communicating
+    assert resources.forget(None) is res and "alias" not in resources._GROUPS
+    assert forgotten == [a2a] and res.registered == {}
 
 
-# --- against torch.distributed: one gloo job of 8 ranks, subgroups of 2..8 ranks ---------------------------
-GLOO_CASES = [(n, dtype, op) for n in (1, 3, 17, 1031) for dtype in (torch.float32, torch.int64, torch.int32)
-              for op in ("sum", "min", "max", "product")] + [(129, torch.bfloat16, "sum"), (33, torch.float32, "avg")]
-_TORCH_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX,
-              "product": dist.ReduceOp.PRODUCT}
+def peer_alltoall_kind():
+    from hpdl.comm.algorithms import peer_alltoall
 
-
-def _gloo_worker(rank: int, world: int, port: int, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    out = {}
-    for w in range(2, world + 1):
-        group = dist.new_group(list(range(w)))   # every rank creates every group
-        if rank >= w:
-            continue
-        for i, (n, dtype, op) in enumerate(GLOO_CASES):
-            x = _inputs(w, n, dtype, seed=i, lo=-2 if op == "product" else -8, hi=3 if op == "product" else 9)[rank]
-            if op == "avg":   # gloo has no AVG: sum, then divide as the kernel does
-                x = x.clone()
-                dist.all_reduce(x, dist.ReduceOp.SUM, group=group)
-                x = x / w
-            else:
-                dist.all_reduce(x, _TORCH_OPS[op], group=group)
-            out[(w, i)] = x.tolist()   # plain lists: no shared-memory tensors outlive this process
-    queue.put((rank, out))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.mark.timeout(150)
-def test_reference_matches_torch_distributed_world_2_to_8():
-    world = 8
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = mp.start_processes(_gloo_worker, args=(world, _free_port(), queue), nprocs=world, join=False,
-                               start_method="spawn")
-    results = {}
-    for _ in range(world):
-        rank, out = queue.get(timeout=140)
-        results[rank] = out
-    procs.join(timeout=30)
-    checked = 0
-    for w in range(2, world + 1):
-        for i, (n, dtype, op) in enumerate(GLOO_CASES):
-            xs = _inputs(w, n, dtype, seed=i, lo=-2 if op == "product" else -8, hi=3 if op == "product" else 9)
-            for algorithm in ALGOS:
-                refs = peer.reference_all_reduce(xs, op, algorithm, window=3)
-                for r in range(w):
-                    assert refs[r].tolist() == results[r][(w, i)], (w, n, dtype, op, algorithm, r)
-                    checked += 1
-    assert checked == sum(w for w in range(2, 9)) * len(GLOO_CASES) * len(ALGOS)
+    return peer_alltoall.KIND

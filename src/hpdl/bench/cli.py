@@ -141,7 +141,7 @@ class BenchCommand:
             from hpdl.comm.model import run_model_command
 
             try:
-                return run_model_command(args)
+                return run_model_command(args, parse_size(args.size))
             except ModuleNotFoundError as exc:
                 if (exc.name or "").split(".")[0] != "scipy":
                     raise
@@ -241,16 +241,11 @@ def _validate(cfg: BenchConfig, args) -> None:
         raise CLIUsageError(f"--graph-calls must be >= 1, got {args.graph_calls}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise CLIUsageError("--device cuda needs a CUDA build of torch and a visible GPU")
-    from hpdl.comm.algorithms import alltoall as a2a
-    from hpdl.comm.algorithms.base import phase_algorithms
+    from hpdl.comm.algorithms.base import algorithms_for
+    from hpdl.comm.tuning import canonical_collective
 
     names = [canonical(a) for a in cfg.algorithms]
-    if cfg.collective == "alltoall":
-        fits = set(a2a.ALGORITHMS) | {"auto"}
-    elif cfg.collective == "allreduce":
-        fits = {n for n in names if n not in set(a2a.ALGORITHMS) - {"direct", "native"}}
-    else:
-        fits = set(phase_algorithms()) | {"auto"}
+    fits = set(algorithms_for(canonical_collective(cfg.collective))) | {"auto"}
     bad = [a for a, n in zip(cfg.algorithms, names) if n not in fits]
     if bad:
         raise CLIUsageError(f"algorithms {bad} do not implement {cfg.collective}")

@@ -21,7 +21,6 @@ import torch.distributed as dist
 
 from hpdl.bench.specs import SPECS
 from hpdl.comm.algorithms.base import canonical
-from hpdl.comm import tuning
 from hpdl.runtime.launch import Context
 
 
@@ -128,37 +127,26 @@ def _barrier(ctx: Context) -> None:
     _reduce_scalar(0.0, dist.ReduceOp.SUM, ctx)
 
 
-def resolve_auto(collective: str, nbytes: int, world: int, device: str) -> tuple[str, int | None]:
-    """``(algorithm, window)`` that ``algorithm="auto"`` runs for one call of ``collective``.
-
-    ``nbytes`` is the row's size (the largest buffer, nccl-tests' convention). Mirrors hpdl.comm's dispatch,
-    which has no public query for it yet: all_reduce reads the tuning table (peer kernels fall back to native
-    when the group has more ranks than this host has GPUs); reduce_scatter and all_gather read the same table
-    by the bytes of their input (all_gather's input is a 1/world block) and map a pick without the two phases
-    (recursive_doubling, the peer kernels) to direct; all_to_all_single has its own table.
+def resolve_auto(collective: str, nbytes: int, world: int, device: str,
+                 dtype: torch.dtype | None = None) -> tuple[str, int | None]:
+    """``(algorithm, window)`` that ``algorithm="auto"`` runs for one call of ``collective``: what
+    :func:`hpdl.comm.resolve` answers for the call's input bytes (``nbytes`` is the row's size, the largest
+    buffer, nccl-tests' convention; all_gather's input is a 1/world block), with this host's GPU count and
+    the sweep's ``dtype`` as the facts the peer kernels need.
     """
-    if collective == "alltoall":
-        from hpdl.comm.algorithms.alltoall import select
-
-        return select(nbytes, world, device), None
-    from hpdl.comm.algorithms.base import PEER, get_class
+    import hpdl.comm as hc
 
     input_bytes = nbytes // world if collective == "all_gather" else nbytes
-    name, window = tuning.select(input_bytes, world, device)
-    if name in PEER and (device != "cuda" or world > torch.cuda.device_count()):
-        name, window = "native", None
-    if collective in ("reduce_scatter", "all_gather") and not get_class(name).supports_phases:
-        name = "direct"
-    return name, window
+    return hc.resolve(collective, input_bytes, world, device, dtype=dtype, gpus=torch.cuda.device_count())
 
 
-def _resolved_name(algorithm: str, nbytes: int, world: int, device: str,
-                   collective: str = "allreduce") -> tuple[str, int | None]:
+def _resolved_name(algorithm: str, nbytes: int, world: int, device: str, collective: str = "allreduce",
+                   dtype: torch.dtype | None = None) -> tuple[str, int | None]:
     """What this row's algorithm runs (``auto`` resolved by :func:`resolve_auto`)."""
     name = canonical(algorithm)
     if name != "auto":
         return name, None
-    return resolve_auto(collective, nbytes, world, device)
+    return resolve_auto(collective, nbytes, world, device, dtype)
 
 
 def run_sweep(ctx: Context, cfg: BenchConfig) -> list[Row]:
@@ -209,7 +197,7 @@ def run_sweep(ctx: Context, cfg: BenchConfig) -> list[Row]:
             hi = _reduce_scalar(mean, dist.ReduceOp.MAX, ctx)
             batches = [b / p for b in _reduce_vector(means, ctx)]  # each batch averaged over ranks
             algbw = nbytes / (avg * 1e-6) / 1e9 if avg > 0 else 0.0
-            resolved, window = _resolved_name(algorithm, nbytes, p, ctx.device.type, cfg.collective)
+            resolved, window = _resolved_name(algorithm, nbytes, p, ctx.device.type, cfg.collective, dtype)
             size_rows.append(Row(nbytes, count, cfg.dtype, cfg.op, algorithm, resolved,
                                  cfg.window if cfg.window is not None else window, avg, lo, hi, algbw,
                                  algbw * spec.busbw_factor(p), int(wrong), iters, rep_min_us=min(batches),

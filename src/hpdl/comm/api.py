@@ -1,10 +1,14 @@
 """torch.distributed-shaped collectives with c10d's signatures: ``all_reduce``, ``reduce_scatter(_tensor)``,
 ``all_gather(_into_tensor)``, ``all_to_all_single``.
 
-Each call validates its arguments, checks (``HPDL_CHECK``) that every rank passed the same count, dtype, op,
-device and algorithm, picks the algorithm (``"auto"`` asks :mod:`hpdl.comm.tuning`), and runs it over the
-group's transport. Results are in place, like ``torch.distributed``; non-contiguous tensors are handled through
-a contiguous copy written back into the caller's tensor.
+Each call is validate -> resolve -> run -> Work: it validates its arguments locally, picks the algorithm
+(``"auto"`` asks :func:`hpdl.comm.tuning.resolve`, the one selection table), checks (``HPDL_CHECK``) that every
+rank passed the same count, dtype, op, device and algorithm, and runs the registry's algorithm instance, built
+from the group's :class:`~hpdl.comm.transport.resources.GroupResources` (its one per-group state), over the
+group's transport. The only other cache is the hot path ``_FAST``: identical later calls of a kernel algorithm
+go straight to the launcher it handed out after a first checked call. Results are in place, like
+``torch.distributed``; non-contiguous tensors are handled through a contiguous copy written back into the
+caller's tensor.
 
 Ordering: every communication call is issued on the caller's thread, at the call, in call order, as torch
 does, so hpdl's collectives and torch's own on the same group match across ranks in program order.
@@ -22,14 +26,15 @@ from datetime import timedelta
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from hpdl.comm import tuning
-from hpdl.comm.algorithms.base import PEER, REGISTRY, Algorithm, canonical, get_class
+from hpdl.comm.algorithms import alltoall as a2a
+from hpdl.comm.algorithms.base import (BASES, REGISTRY, algorithms_for, canonical, get_class, implements,
+                                      phase_algorithms)
 from hpdl.comm.algorithms.direct import window_size
 from hpdl.comm.algorithms.native import Pending
 from hpdl.comm.ops import check_dtype, normalize_op, REDUCE_OPS, SUPPORTED_DTYPES
-from hpdl.comm.transport.failure import FailureBoard, is_peer_failure
+from hpdl.comm.transport import resources as _resources
 from hpdl.comm.transport.resources import GroupResources
 from hpdl.runtime import env
 from hpdl.runtime.errors import CollectiveMismatchError, CollectiveTimeoutError
@@ -110,45 +115,17 @@ class CudaWork:
         return self._event.query()
 
 
-class _GroupState(GroupResources):
-    """The API's per-group entry: the group's :class:`GroupResources` (transports, topology, algorithms) plus
-    the failure board, the call counter and the side stream of async peer calls. Nothing here runs
-    communication on another thread."""
-
-    def __init__(self, group):
-        super().__init__(group)
-        self.side_stream = None       # CUDA stream of async peer all-reduces
-        self.side_pending = None      # event of the last async peer call that no sync call has waited for yet
-        self.calls = 0                # collectives issued on this group (the post-mortem's call number)
-        ranks = self.global_ranks()
-        name = "world" if group is None else str(getattr(group, "group_name", "") or "-".join(map(str, ranks)))
-        self.board = FailureBoard(name, ranks, self.rank)
-
-    def guard(self, what: str, call: int, timeout: float):
-        """``run(fn)``: call ``fn``; a peer failure becomes the post-mortem's typed error naming the rank."""
-        def run(fn):
-            try:
-                return fn()
-            except BaseException as exc:
-                if not is_peer_failure(exc):
-                    raise
-                err = self.board.diagnose(what, call, timeout, exc)
-                if err is exc:
-                    raise
-                raise err from exc
-        return run
-
-    def algorithm(self, name: str, window: int | None, timeout: float) -> Algorithm:
-        """The registry's class for ``name``, built once per (name, window) from this group's resources."""
-        return self.cached((name, window), lambda: get_class(name).create(self, window, timeout))
+def _group(group) -> GroupResources:
+    """The group's one :class:`GroupResources` (transports, topology, algorithms, peer buffers, failure board)."""
+    return _resources.resources_of(group)
 
 
-def _execute(st: _GroupState, what: str, timeout: float, run: Callable[[], "Pending | None"], async_op: bool,
+def _execute(res: GroupResources, what: str, timeout: float, run: Callable[[], "Pending | None"], async_op: bool,
              result: torch.Tensor | None) -> Work | None:
     """Issue ``run`` now, on this thread (it returns a :class:`Pending` torch collective or None when done);
     wait for it unless ``async_op``. Peer failures are diagnosed by the group's failure board."""
-    st.calls += 1
-    guard = st.guard(what, st.calls, timeout)
+    res.calls += 1
+    guard = res.guard(what, res.calls, timeout)
     pending = guard(run)
     if not async_op:
         if pending is not None:
@@ -165,44 +142,20 @@ def _check_async(async_op, what: str) -> None:
                         f"(algorithm={async_op!r}), as the signature follows torch.distributed's")
 
 
-_STATES: dict[object, _GroupState] = {}
-
-
-def _state(group) -> _GroupState:
-    if not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialised: call hpdl.runtime.init_from_env() or "
-                           "torch.distributed.init_process_group() first")
-    key = group if group is not None else "world"
-    st = _STATES.get(key)
-    if st is None:
-        st = _STATES[key] = _GroupState(group)
-    return st
-
-
 def forget_group(group) -> None:
-    """Drop everything hpdl.comm caches for ``group`` (transports, algorithms, hot-path entries, peer-memory
-    registrations) without communicating, so that a destroyed group can be freed with its sockets. Call it on
-    every rank after the group's last collective; peer-memory buffers are unmapped at process exit."""
-    from hpdl.comm.algorithms import peer, peer_alltoall
-
-    key = group if group is not None else "world"
-    st = _STATES.pop(key, None)
-    for k in [k for k, v in _FAST.items() if st is not None and v[0] is st]:
+    """Drop everything hpdl.comm caches for ``group`` (its :class:`GroupResources`: transports, algorithms,
+    peer-memory registrations; and its hot-path entries) without communicating, so that a destroyed group can
+    be freed with its sockets. Call it on every rank after the group's last collective; peer-memory buffers
+    are unmapped at process exit."""
+    res = _resources.forget(group)
+    for k in [k for k, v in _FAST.items() if res is not None and v[0] is res]:
         del _FAST[k]
-    for registry in (peer._COMMS, peer_alltoall._COMMS):
-        for k in [k for k in registry if k[0] is group or (group is None and k[0] is None)]:
-            del registry[k]
 
 
 def reset() -> None:
-    """Drop cached transports and buffers (call after destroying process groups)."""
-    from hpdl.comm.algorithms import peer_alltoall
-
+    """Drop cached transports and buffers of every group (call after destroying process groups)."""
     _FAST.clear()
-    peer_alltoall.forget()
-    for st in _STATES.values():
-        st.close()  # shared-memory buffers of the two-level algorithms
-    _STATES.clear()
+    _resources.forget_all()
 
 
 def set_topology(topology, group=None) -> None:
@@ -222,31 +175,31 @@ def set_topology(topology, group=None) -> None:
     """
     from hpdl.runtime.topology import Topology
 
-    st = _state(group)
-    topo = topology if isinstance(topology, Topology) else Topology.emulate(st.world_size, topology)
-    if topo.world_size != st.world_size:
-        raise ValueError(f"topology has world_size={topo.world_size}, but the group has {st.world_size} ranks")
-    if st.topology != topo:
-        st.drop_topology_algorithms()
+    res = _group(group)
+    topo = topology if isinstance(topology, Topology) else Topology.emulate(res.world_size, topology)
+    if topo.world_size != res.world_size:
+        raise ValueError(f"topology has world_size={topo.world_size}, but the group has {res.world_size} ranks")
+    if res.topology != topo:
+        res.drop_topology_algorithms()
         _FAST.clear()  # cached calls chose their path (one-node peer kernel or not) under the old topology
-    st.topology = topo
+    res.topology = topo
 
 
-def _check_tensor(name: str, t, st: _GroupState) -> None:
+def _check_tensor(name: str, t, res: GroupResources) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.layout != torch.strided:
         raise ValueError(f"{name} must be a dense (strided) tensor, got layout={t.layout}")
-    if t.device.type == "cuda" and st.backend == "gloo":
+    if t.device.type == "cuda" and res.backend == "gloo":
         raise ValueError(f"{name} is on {t.device} but the group's backend is gloo; pass a CPU tensor or use an "
                          "NCCL group")
-    if t.device.type == "cpu" and st.backend == "nccl":
+    if t.device.type == "cpu" and res.backend == "nccl":
         raise ValueError(f"{name} is on the CPU but the group's backend is nccl; pass a CUDA tensor")
 
 
-def _verify_same(st: _GroupState, what: str, fields: dict[str, int], timeout: float) -> None:
+def _verify_same(res: GroupResources, what: str, fields: dict[str, int], timeout: float) -> None:
     """Exchange the call's signature with every peer; raise on any difference, naming the field and ranks."""
-    host = st.host(timeout)
+    host = res.host(timeout)
     try:
         theirs = host.exchange_all(torch.tensor(list(fields.values()), dtype=torch.int64), tag=99)
     except CollectiveTimeoutError as exc:
@@ -275,26 +228,29 @@ def _decode(field: str, value: int) -> str:
     return str(value)
 
 
-def _peer_ok(tensor: torch.Tensor, st: _GroupState) -> bool:
-    from hpdl.comm.algorithms.peer import peer_available
-
-    # more ranks than this host has GPUs cannot all share its memory; the first call checks the rest
-    return peer_available(tensor, st.group) and st.world_size <= torch.cuda.device_count()
-
-
-def _resolve(st: _GroupState, algorithm: str, tensor: torch.Tensor, window: int | None, collective: str):
+def _resolve(res: GroupResources, algorithm: str, tensor: torch.Tensor, window: int | None, collective: str,
+             timeout: float):
+    """``(name, window)`` of the algorithm that runs: ``auto`` through :func:`hpdl.comm.resolve` with every fact
+    the call knows; an explicit name checked against the collective and the call (before any communication)."""
     name = canonical(algorithm)
+    facts = {"dtype": tensor.dtype, "gpus": torch.cuda.device_count(), "topology": res.topology}
     nbytes = tensor.numel() * tensor.element_size()
     if name == "auto":
-        name, tuned = tuning.select(collective, nbytes, st.world_size, tensor.device.type, st.topology)
-        window = window if window is not None else tuned
-        if name in PEER and not _peer_ok(tensor, st):
-            name = "native"
-    elif name in PEER and not (tensor.is_cuda and _peer_ok(tensor, st)):
+        name, tuned = tuning.resolve(collective, nbytes, res.world_size, tensor.device.type, **facts)
+        if res.topology is None and tensor.is_cuda and get_class(name).needs_topology:
+            # the pick depends on where the ranks are (peer kernel on one host, host staging across nodes)
+            facts["topology"] = res.get_topology(timeout)
+            name, tuned = tuning.resolve(collective, nbytes, res.world_size, tensor.device.type, **facts)
+        window = window if window is not None or collective == "all_to_all" else tuned
+    elif not implements(name, collective):
+        has = [c for c in BASES if implements(name, c)]
+        raise ValueError(f"algorithm={algorithm!r} is an {' and '.join(has)} algorithm; for {collective} use 'auto' "
+                         f"or one of {algorithms_for(collective)}")
+    elif collective == "all_reduce" and not get_class(name).fits(tensor.device.type, res.world_size, **facts):
         raise ValueError(f"algorithm={algorithm!r} reduces CUDA tensors of float32/float16/bfloat16/int32/int64 on "
                          f"one node of at most 8 GPUs; got a {tensor.dtype} tensor on {tensor.device} in a group "
-                         f"of {st.world_size}")
-    if window is None:
+                         f"of {res.world_size}")
+    if window is None and collective != "all_to_all":
         window = env.get("HPDL_DIRECT_WINDOW") or None
     return name, window
 
@@ -302,59 +258,49 @@ def _resolve(st: _GroupState, algorithm: str, tensor: torch.Tensor, window: int 
 def _prepare(what: str, tensor: torch.Tensor, op, group, algorithm: str, window, timeout, check):
     """Validate, resolve ``auto`` through the selection table (collective ``what``) and build the optional
     argument check; nothing is communicated yet."""
-    st = _state(group)
-    _check_tensor("tensor", tensor, st)
+    res = _group(group)
+    _check_tensor("tensor", tensor, res)
     op = normalize_op(op)
     check_dtype(tensor.dtype, op)
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"window must be an int >= 1 (or None for the tuned value), got {window!r}")
     timeout = float(env.get("HPDL_TIMEOUT") if timeout is None else timeout)
-    name, window = _resolve(st, algorithm, tensor, window, what)
+    name, window = _resolve(res, algorithm, tensor, window, what, timeout)
     mode = env.get("HPDL_CHECK") if check is None else check
     verify = None
-    if (mode is True or (mode == "auto" and tensor.device.type == "cpu")) and st.world_size > 1:
-        effective = window_size(window, st.world_size) if name == "direct" else 0  # None and 4 are the same k
+    if (mode is True or (mode == "auto" and tensor.device.type == "cpu")) and res.world_size > 1:
+        effective = window_size(window, res.world_size) if name == "direct" else 0  # None and 4 are the same k
         fields = {"count": tensor.numel(), "dtype": _DTYPE_CODE.get(tensor.dtype, 100 + tensor.element_size()),
                   "op": REDUCE_OPS.index(op),
                   "device": int(tensor.device.type == "cuda"), "algorithm": list(REGISTRY).index(name),
                   "window": effective}
 
         def verify() -> None:  # runs in order with the group's other calls (inside async work too)
-            _verify_same(st, what, fields, timeout)
-    return st, op, name, window, timeout, verify
+            _verify_same(res, what, fields, timeout)
+    return res, op, name, window, timeout, verify
 
 
 _FAST: dict[tuple, object] = {}
 _FAST_MAX = 4096
 
 
-def _peer_call(st: _GroupState, tensor: torch.Tensor, op: str, name: str, window, async_op: bool, fast_key,
-               timeout: float):
-    """Peer-memory all-reduce on the current stream, or on the group's side stream when ``async_op``."""
-    from hpdl.comm.algorithms.peer import peer_all_reduce
-
-    current = torch.cuda.current_stream(tensor.device)
-    if st.side_pending is not None:  # keep calls on this group in order: after the last async one
-        current.wait_event(st.side_pending)
-        st.side_pending = None
-    if not async_op:
-        algo = st.algorithm(name, window, timeout)   # the registry's OneShot / TwoShot
-        algo.all_reduce(tensor, op, st.comm(timeout))
-        if fast_key is not None and str(env.get("HPDL_CHECK")) == "auto":
-            group = st.group
-            _FAST[fast_key] = (st, lambda t: peer_all_reduce(t, op, group, name, window))
-        return None
-    if st.side_stream is None:
-        st.side_stream = torch.cuda.Stream(tensor.device)
-    side = st.side_stream
-    side.wait_stream(current)
-    with torch.cuda.stream(side):
-        st.algorithm(name, window, timeout).all_reduce(tensor, op, st.comm(timeout))
-        done = torch.cuda.Event()
-        done.record(side)
-    tensor.record_stream(side)
-    st.side_pending = done
-    return CudaWork(done)
+def _kernel_call(res: GroupResources, tensor: torch.Tensor, op: str, name: str, window, async_op: bool, fast_key,
+                 timeout: float):
+    """An all-reduce that is kernel launches (the peer-memory algorithms): on the current stream, after the
+    group's last async call; or on the group's side stream when ``async_op``. A first synchronous call leaves
+    the algorithm's launcher in the hot-path cache."""
+    algo = res.algorithm(name, window, timeout)
+    if res.side_pending is not None:  # keep calls on this group in order: after the last async one
+        torch.cuda.current_stream(tensor.device).wait_event(res.side_pending)
+        res.side_pending = None
+    if async_op:
+        return _on_side_stream(res, lambda: algo.all_reduce(tensor, op, res.comm(timeout)), tensor.device, (tensor,))
+    algo.all_reduce(tensor, op, res.comm(timeout))
+    if fast_key is not None and str(env.get("HPDL_CHECK")) == "auto":
+        fn = algo.all_reduce_launcher(op, tensor.device)
+        if fn is not None:
+            _FAST[fast_key] = (res, fn)
+    return None
 
 
 def all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool = False, *, algorithm: str = "auto",
@@ -398,26 +344,26 @@ def all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool = Fals
             fast[1](tensor)  # hot path: arguments validated by an earlier identical call; one kernel launch
             return None
     _check_async(async_op, "all_reduce")
-    st, op, name, window, timeout, verify = _prepare("all_reduce", tensor, op, group, algorithm, window, timeout,
-                                                     check)
-    if name in PEER:
+    res, op, name, window, timeout, verify = _prepare("all_reduce", tensor, op, group, algorithm, window, timeout,
+                                                      check)
+    if get_class(name).runs_kernel(res, tensor, timeout):
         if verify is not None:
             verify()
-        return _peer_call(st, tensor, op, name, window, async_op, fast_key, timeout)
+        return _kernel_call(res, tensor, op, name, window, async_op, fast_key, timeout)
 
     def run() -> Pending | None:
         if verify is not None:
             verify()
-        if tensor.numel() == 0 or st.world_size == 1:
+        if tensor.numel() == 0 or res.world_size == 1:
             return None
-        algo = st.algorithm(name, window, timeout)
+        algo = res.algorithm(name, window, timeout)
         buf = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
-        pending = algo.all_reduce(buf, op, st.comm(timeout))
+        pending = algo.all_reduce(buf, op, res.comm(timeout))
         if not tensor.is_contiguous():
             return _then(pending, lambda: tensor.copy_(buf.view(tensor.shape)))
         return pending
 
-    return _execute(st, "all_reduce", timeout, run, async_op, tensor)
+    return _execute(res, "all_reduce", timeout, run, async_op, tensor)
 
 
 def _then(pending: Pending | None, fn: Callable[[], object]) -> Pending | None:
@@ -430,12 +376,12 @@ def _then(pending: Pending | None, fn: Callable[[], object]) -> Pending | None:
 
 def _check_pair(group, output: torch.Tensor, input: torch.Tensor, big: str, small: str) -> None:
     """Validate the two tensors of reduce_scatter / all_gather: ``big`` holds world_size times ``small``."""
-    st = _state(group)
-    _check_tensor("output", output, st)
-    _check_tensor("input", input, st)
+    res = _group(group)
+    _check_tensor("output", output, res)
+    _check_tensor("input", input, res)
     t = {"output": output, "input": input}
-    if t[big].numel() != st.world_size * t[small].numel():
-        raise ValueError(f"{big}.numel() must be world_size * {small}.numel() = {st.world_size} * "
+    if t[big].numel() != res.world_size * t[small].numel():
+        raise ValueError(f"{big}.numel() must be world_size * {small}.numel() = {res.world_size} * "
                          f"{t[small].numel()}, got {t[big].numel()}")
     if input.dtype != output.dtype or input.device != output.device:
         raise ValueError(f"input and output must share dtype and device, got {input.dtype}/{input.device} and "
@@ -445,9 +391,7 @@ def _check_pair(group, output: torch.Tensor, input: torch.Tensor, big: str, smal
 def _phase_algorithm(algorithm: str) -> str:
     """Reject, before any communication, an explicit algorithm that has no reduce-scatter / all-gather."""
     name = canonical(algorithm)
-    if name != "auto" and not get_class(name).supports_phases:
-        from hpdl.comm.algorithms.base import phase_algorithms
-
+    if name != "auto" and not (implements(name, "reduce_scatter") and implements(name, "all_gather")):
         raise ValueError(f"algorithm={algorithm!r} has no reduce_scatter/all_gather; use 'auto' or one of "
                          f"{phase_algorithms()}")
     return algorithm
@@ -455,7 +399,7 @@ def _phase_algorithm(algorithm: str) -> str:
 
 def _phase_resolved(name: str) -> str:
     """What ``auto`` picked for an all-reduce of this size, mapped to a schedule that has the two phases."""
-    return name if get_class(name).supports_phases else "direct"
+    return name if implements(name, "reduce_scatter") and implements(name, "all_gather") else "direct"
 
 
 def _blocks_of(flat: torch.Tensor, world_size: int) -> list[torch.Tensor]:
@@ -490,8 +434,8 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op="sum", g
     """
     _check_async(async_op, "reduce_scatter_tensor")
     _check_pair(group, output, input, big="input", small="output")
-    st, op, name, window, timeout, verify = _prepare("reduce_scatter", input, op, group,
-                                                     _phase_algorithm(algorithm), window, timeout, check)
+    res, op, name, window, timeout, verify = _prepare("reduce_scatter", input, op, group,
+                                                      _phase_algorithm(algorithm), window, timeout, check)
     name = _phase_resolved(name)
 
     def run() -> Pending | None:
@@ -500,18 +444,18 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op="sum", g
         if output.numel() == 0:
             return None
         flat = input.contiguous().view(-1)
-        blocks = _blocks_of(flat, st.world_size)
+        blocks = _blocks_of(flat, res.world_size)
         out = output.view(-1) if output.is_contiguous() else torch.empty_like(blocks[0])
         pending = None
-        if st.world_size == 1:
+        if res.world_size == 1:
             out.copy_(flat)
         else:
-            pending = st.algorithm(name, window, timeout).reduce_scatter(blocks, out, op, st.comm(timeout))
+            pending = res.algorithm(name, window, timeout).reduce_scatter(blocks, out, op, res.comm(timeout))
         if not output.is_contiguous():
             return _then(pending, lambda: output.copy_(out.view(output.shape)))
         return pending
 
-    return _execute(st, "reduce_scatter", timeout, run, async_op, output)
+    return _execute(res, "reduce_scatter", timeout, run, async_op, output)
 
 
 def reduce_scatter(output: torch.Tensor, input, op="sum", group=None, async_op: bool = False, *,
@@ -520,8 +464,8 @@ def reduce_scatter(output: torch.Tensor, input, op="sum", group=None, async_op: 
     """:func:`reduce_scatter_tensor`, also taking c10d's ``reduce_scatter(output, input_list, ...)`` form:
     ``input`` may be a list of ``world_size`` tensors shaped like ``output`` (block q goes to rank q)."""
     if isinstance(input, (list, tuple)):
-        _check_tensor("output", output, _state(group))
-        input = _flat_list(input, "input_list", _state(group).world_size, output)
+        _check_tensor("output", output, _group(group))
+        input = _flat_list(input, "input_list", _group(group).world_size, output)
     return reduce_scatter_tensor(output, input, op, group, async_op, algorithm=algorithm, window=window,
                                  timeout=timeout, check=check)
 
@@ -541,8 +485,8 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None
     """
     _check_async(async_op, "all_gather_into_tensor")
     _check_pair(group, output, input, big="output", small="input")
-    st, _, name, window, timeout, verify = _prepare("all_gather", input, "sum", group, _phase_algorithm(algorithm),
-                                                    window, timeout, check)
+    res, _, name, window, timeout, verify = _prepare("all_gather", input, "sum", group, _phase_algorithm(algorithm),
+                                                     window, timeout, check)
     name = _phase_resolved(name)
 
     def run() -> Pending | None:
@@ -552,16 +496,16 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None
             return None
         flat = output.view(-1) if output.is_contiguous() else torch.empty(output.numel(), dtype=output.dtype,
                                                                             device=output.device)
-        blocks = _blocks_of(flat, st.world_size)
-        blocks[st.rank].copy_(input.reshape(-1))
+        blocks = _blocks_of(flat, res.world_size)
+        blocks[res.rank].copy_(input.reshape(-1))
         pending = None
-        if st.world_size > 1:
-            pending = st.algorithm(name, window, timeout).all_gather(blocks, st.comm(timeout))
+        if res.world_size > 1:
+            pending = res.algorithm(name, window, timeout).all_gather(blocks, res.comm(timeout))
         if not output.is_contiguous():
             return _then(pending, lambda: output.copy_(flat.view(output.shape)))
         return pending
 
-    return _execute(st, "all_gather", timeout, run, async_op, output)
+    return _execute(res, "all_gather", timeout, run, async_op, output)
 
 
 def all_gather(output, input: torch.Tensor, group=None, async_op: bool = False, *, algorithm: str = "auto",
@@ -571,10 +515,10 @@ def all_gather(output, input: torch.Tensor, group=None, async_op: bool = False, 
     if not isinstance(output, (list, tuple)):
         return all_gather_into_tensor(output, input, group, async_op, algorithm=algorithm, window=window,
                                       timeout=timeout, check=check)
-    st = _state(group)
-    _check_tensor("input", input, st)
-    _flat_list(output, "tensor_list", st.world_size, input)   # validates the list
-    flat = torch.empty(st.world_size * input.numel(), dtype=input.dtype, device=input.device)
+    res = _group(group)
+    _check_tensor("input", input, res)
+    _flat_list(output, "tensor_list", res.world_size, input)   # validates the list
+    flat = torch.empty(res.world_size * input.numel(), dtype=input.dtype, device=input.device)
     work = all_gather_into_tensor(flat, input, group, async_op, algorithm=algorithm, window=window,
                                   timeout=timeout, check=check)
 
@@ -629,8 +573,6 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
         CollectiveMismatchError: ranks disagree on dtype, row shape, algorithm or split sizes.
         CollectiveTimeoutError: a peer did not answer (or died) within ``timeout``; the message names it.
     """
-    from hpdl.comm.algorithms import alltoall as a2a
-
     fast_key = None
     if output.__class__ is torch.Tensor and input.__class__ is torch.Tensor and input.is_cuda and not async_op \
             and check is None and timeout is None:
@@ -641,49 +583,43 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
         if fast is not None and fast[0].side_pending is None and fast[1](output, input):
             return None  # hot path: arguments validated by an earlier identical call; one kernel launch
     _check_async(async_op, "all_to_all_single")
-    st = _state(group)
-    _check_tensor("output", output, st)
-    _check_tensor("input", input, st)
-    lay, osp, isp = a2a.make_layout(output, input, output_split_sizes, input_split_sizes, st.world_size, st.rank)
-    name = canonical(algorithm)
-    if name not in a2a.ALGORITHMS + ("auto",):
-        raise ValueError(f"algorithm for all_to_all_single must be 'auto' or one of {a2a.ALGORITHMS}, got "
-                         f"{algorithm!r}")
+    res = _group(group)
+    _check_tensor("output", output, res)
+    _check_tensor("input", input, res)
+    lay, osp, isp = a2a.make_layout(output, input, output_split_sizes, input_split_sizes, res.world_size, res.rank)
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"window must be an int >= 1 (or None for all peers), got {window!r}")
     timeout = float(env.get("HPDL_TIMEOUT") if timeout is None else timeout)
-    if name == "auto":
-        name = tuning.select("all_to_all", input.numel() * input.element_size(), st.world_size,
-                             input.device.type, st.topology)[0]
-        if name in ("push", "pull") and input.is_cuda and not a2a.peer_route(name, st, input, timeout):
-            name = "native"  # across nodes the CUDA push/pull would stage through host memory
+    name, window = _resolve(res, algorithm, input, window, "all_to_all", timeout)
     mode = env.get("HPDL_CHECK") if check is None else check
     verify = None
-    if (mode is True or (mode == "auto" and input.device.type == "cpu")) and st.world_size > 1:
+    if (mode is True or (mode == "auto" and input.device.type == "cpu")) and res.world_size > 1:
         fields = {"dtype": _DTYPE_CODE.get(input.dtype, 100 + input.element_size()),
                   "row": math.prod(input.shape[1:]), "device": int(input.device.type == "cuda"),
                   "algorithm": list(REGISTRY).index(name), "window": window or 0}
 
         def verify() -> None:
-            _verify_same(st, "all_to_all_single", fields, timeout)
-            a2a.verify_splits(st.host(timeout), osp, isp)
+            _verify_same(res, "all_to_all_single", fields, timeout)
+            a2a.verify_splits(res.host(timeout), osp, isp)
 
     def run() -> Pending | None:
         if verify is not None:
             verify()
-        return a2a.execute(name, st, output, input, lay, timeout, window)
+        return a2a.execute(res.algorithm(name, window, timeout), res, output, input, lay, timeout)
 
-    peer = input.is_cuda and a2a.peer_route(name, st, input, timeout)
-    if input.is_cuda and st.side_pending is not None:  # after the last async peer call on this group
-        torch.cuda.current_stream(input.device).wait_event(st.side_pending)
-        st.side_pending = None
+    peer = get_class(name).runs_kernel(res, input, timeout)
+    if input.is_cuda and res.side_pending is not None:  # after the last async peer call on this group
+        torch.cuda.current_stream(input.device).wait_event(res.side_pending)
+        res.side_pending = None
     if peer and async_op and verify is None:
-        return _on_side_stream(st, run, input.device, (output, input))
-    work = _execute(st, "all_to_all_single", timeout, run, async_op, output)
+        return _on_side_stream(res, run, input.device, (output, input))
+    work = _execute(res, "all_to_all_single", timeout, run, async_op, output)
     if fast_key is not None and peer and verify is None and str(env.get("HPDL_CHECK")) == "auto":
         if len(_FAST) > _FAST_MAX:  # uneven splits that change every call would grow it without bound
             _FAST.clear()
-        _FAST[fast_key] = (st, a2a.peer_fast(lay, st, name, window, input.device))
+        fn = res.algorithm(name, window, timeout).all_to_all_launcher(lay, input.device)
+        if fn is not None:
+            _FAST[fast_key] = (res, fn)
     return work
 
 
@@ -694,13 +630,13 @@ def _split_key(splits):
     return tuple(splits.tolist()) if isinstance(splits, torch.Tensor) else tuple(int(x) for x in splits)
 
 
-def _on_side_stream(st: _GroupState, fn: Callable[[], None], device: torch.device, tensors) -> CudaWork:
+def _on_side_stream(res: GroupResources, fn: Callable[[], None], device: torch.device, tensors) -> CudaWork:
     """Run ``fn`` (kernel launches only) on the group's side stream after the caller's current stream; the
     returned :class:`CudaWork` orders a later stream after it, like NCCL's async work."""
     current = torch.cuda.current_stream(device)
-    if st.side_stream is None:
-        st.side_stream = torch.cuda.Stream(device)
-    side = st.side_stream
+    if res.side_stream is None:
+        res.side_stream = torch.cuda.Stream(device)
+    side = res.side_stream
     side.wait_stream(current)
     with torch.cuda.stream(side):
         fn()
@@ -708,5 +644,5 @@ def _on_side_stream(st: _GroupState, fn: Callable[[], None], device: torch.devic
         done.record(side)
     for t in tensors:
         t.record_stream(side)
-    st.side_pending = done
+    res.side_pending = done
     return CudaWork(done)

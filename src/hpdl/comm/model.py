@@ -296,10 +296,11 @@ def _table(rows: list[dict], title: str) -> str:
     return "\n".join(lines)
 
 
-def run_model_command(args) -> int:
-    """``hpdl bench model``: measured vs model (calibrated), then predictions, each section labelled."""
-    from hpdl.bench.cli import parse_size
+def run_model_command(args, size: int) -> int:
+    """``hpdl bench model``: measured vs model (calibrated), then predictions, each section labelled.
 
+    ``args`` from :func:`add_model_arguments`; ``size`` (bytes) is ``--size`` as parsed by the caller
+    (``hpdl bench``'s size parser: comm does not import bench)."""
     out: dict = {}
     if args.calibrate:
         samples = load_samples(args.calibrate)
@@ -308,7 +309,6 @@ def run_model_command(args) -> int:
         out["measured_vs_model"] = compare_table(fitted, samples)
     m = PRESETS[args.machine]
     m = replace(m, gpus_per_node=args.gpus_per_node or m.gpus_per_node, rails=args.rails or m.rails)
-    size = parse_size(args.size)
     configs = sorted({(m.gpus_per_node, m.rails), (4, 4), (8, 4), (8, 8)})
     out["prediction_machine"] = asdict(m)
     out["prediction_speedup"] = speedup_table(m, [size], [32, 256, 1024], configs)

@@ -84,9 +84,9 @@ class TuningTable:
             if (rule.device == device_type and rule.min_world <= world_size <= rule.max_world
                     and nbytes <= rule.max_bytes):
                 if phase:
-                    from hpdl.comm.algorithms.base import get_class
+                    from hpdl.comm.algorithms.base import implements
 
-                    return (rule.algorithm if get_class(rule.algorithm).supports_phases else "direct"), rule.window
+                    return (rule.algorithm if implements(rule.algorithm, coll) else "direct"), rule.window
                 return rule.algorithm, rule.window
         return "native", None
 
@@ -173,4 +173,21 @@ def select(collective, nbytes: int, world_size: int, device_type: str | None = N
     return active_table().select(collective, nbytes, world_size, device_type, topology)
 
 
-resolve = select   # the name hpdl.comm exports (hpdl.comm.resolve)
+def resolve(collective, nbytes: int, world_size: int, device_type: str | None = None, topology=None, *,
+            dtype=None, gpus: int | None = None) -> tuple[str, int | None]:
+    """What ``algorithm="auto"`` runs: :func:`select`, then native where the pick does not fit the call.
+
+    The facts given are checked against the picked algorithm's ``fits`` (the peer kernels need CUDA, a kernel
+    dtype, one node and a GPU of this host per rank): ``dtype`` (a torch dtype), ``gpus`` (this host's visible
+    GPUs), ``topology``. The API passes all it knows; ``hpdl bench`` passes the dtype and GPU count of a sweep
+    before launching it. Returns ``(algorithm, window)``.
+
+    Raises:
+        ValueError: unknown collective.
+    """
+    name, window = select(collective, nbytes, world_size, device_type, topology)
+    from hpdl.comm.algorithms.base import get_class
+
+    if not get_class(name).fits(device_type or "cpu", world_size, dtype=dtype, gpus=gpus, topology=topology):
+        return "native", None
+    return name, window

@@ -1,7 +1,8 @@
 """Every ``HPDL_*`` environment variable, typed and read lazily (one home, as vLLM's ``envs.py``).
 
 Configuration order everywhere in hpdl: function argument, then the variable below, then the default.
-``python -m hpdl.runtime.env`` prints the table that docs/configuration.md holds.
+``python -m hpdl.runtime.env`` prints the table of every variable; each subsystem's page holds its own rows
+(docs/comm.md and docs/offload.md, section "Configuration"; docs/moe.md).
 """
 
 from __future__ import annotations

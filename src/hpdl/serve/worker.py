@@ -241,7 +241,7 @@ class SymmAllReduce:
 
 class HpdlAllReduce:
     """hpdl.comm's all-reduce (``auto``: the peer-memory one-shot / two-shot kernels on one node, one launch per
-    call, graph-capturable, bit-identical on every rank; docs/comm_gpu.md), in place, at every size."""
+    call, graph-capturable, bit-identical on every rank; docs/comm.md, "GPUs of one host"), in place, at every size."""
 
     def __init__(self, group):
         self.group = group

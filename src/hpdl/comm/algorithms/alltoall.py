@@ -16,8 +16,8 @@ blocks are never sent. So every dtype works, with equal or uneven splits.
   ``q``, contiguous in the buffer, as one aggregated message straight to ``q`` (same rail on both ends).
 * ``pull``: each local rank exposes its whole input in the shared buffer, unchanged; destinations on the node
   read their blocks from it, and the rail rank reads (gathers) the ``g`` blocks for each remote ``q`` and sends
-  them as one message. Exposing costs one contiguous copy into the shared buffer (a local HBM copy on GPU in
-  benchmarks/gpu_alltoall.py); a zero-copy variant would register the caller's input itself for IPC.
+  them as one message. Exposing costs one contiguous copy into the shared buffer (a local HBM copy in the GPU kernel of
+  :mod:`hpdl.comm.algorithms.peer_alltoall`); a zero-copy variant would register the caller's input itself for IPC.
 
 Inter-node messages are posted before the intra-node copies, so the two overlap. Receivers take the message
 from node ``n`` straight into the output when node ``n``'s blocks are contiguous there (consecutive ranks).
@@ -32,13 +32,12 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from hpdl.comm.algorithms.base import Algorithm
+from hpdl.comm.algorithms.base import AllToAll
 from hpdl.comm.transport.base import Transport
 from hpdl.comm.transport.shm import NodeSharedBuffer, open_node_buffer
 from hpdl.runtime.errors import CollectiveMismatchError
 from hpdl.runtime.topology import Topology
 
-ALGORITHMS = ("pairwise", "direct", "push", "pull", "native")
 _TAG = 7
 
 
@@ -154,14 +153,25 @@ def throttled_direct(dst: torch.Tensor, src: torch.Tensor, lay: Layout, comm: Tr
             req.wait()
 
 
-class _TwoLevelAlltoall(Algorithm):
-    """Shared machinery of PUSH and PULL; subclasses fill the node buffer and feed the aggregated sends."""
+class _TwoLevelAlltoall(AllToAll):
+    """Shared machinery of PUSH and PULL; subclasses fill the node buffer and feed the aggregated sends.
+
+    CPU tensors go through the node's POSIX shared buffer. CUDA tensors of a group on one host run the
+    one-kernel peer-memory all-to-all over the group's registered buffer
+    (:mod:`hpdl.comm.algorithms.peer_alltoall`: the node buffer is then GPU memory mapped into every peer);
+    CUDA tensors across nodes are staged through host memory over the host transport.
+
+    ``topology`` (keyword-only) overrides the resources' (required without ``resources``).
+    """
 
     needs_topology = True
     layout_by_destination = True
 
-    def __init__(self, window: int | None = None, topology: Topology | None = None, **_):
-        super().__init__(window)
+    def __init__(self, resources=None, window: int | None = None, timeout: float | None = None, *,
+                 topology: Topology | None = None):
+        super().__init__(resources, window, timeout)
+        if topology is None and resources is not None:
+            topology = resources.get_topology(self.timeout)
         if topology is None:
             raise ValueError(f"algorithm {self.name!r} needs the group's topology: call "
                              "hpdl.comm.set_topology(topology_or_ranks_per_node, group) first")
@@ -169,12 +179,24 @@ class _TwoLevelAlltoall(Algorithm):
         self._shm: NodeSharedBuffer | None = None
 
     @classmethod
-    def create(cls, resources, window, timeout):
-        return cls(window, topology=resources.get_topology(timeout))
+    def fits(cls, device_type, world_size, *, dtype=None, gpus=None, topology=None) -> bool:
+        """On CUDA: the peer kernel can take the call (2..8 ranks, a GPU per rank, one node); elsewhere True."""
+        if device_type != "cuda":
+            return True
+        from hpdl.comm.algorithms.peer_alltoall import MAX_RANKS  # that module imports Layout from here
 
-    def all_reduce(self, buf, op, comm):
-        raise ValueError(f"{self.name!r} is an all_to_all algorithm; for all_reduce use 'two_level' or another of "
-                         "direct, ring, recursive_doubling, staged, native")
+        return (torch.version.cuda is not None and 2 <= world_size <= MAX_RANKS
+                and (gpus is None or world_size <= gpus)
+                and (topology is None or getattr(topology, "single_node", True)))
+
+    @classmethod
+    def runs_kernel(cls, resources, tensor, timeout) -> bool:
+        """True when ``tensor`` is CUDA and the group one host of peers: the peer-memory kernel runs."""
+        if not tensor.is_cuda or resources.world_size == 1:
+            return False
+        from hpdl.comm.algorithms.peer_alltoall import available
+
+        return available(tensor, resources.world_size) and resources.get_topology(timeout).single_node
 
     def close(self) -> None:
         if self._shm is not None:
@@ -182,6 +204,40 @@ class _TwoLevelAlltoall(Algorithm):
             self._shm = None
 
     def all_to_all(self, dst: torch.Tensor, src: torch.Tensor, lay: Layout, comm: Transport) -> None:
+        if src.device.type == "cuda":
+            if self.resources is None:
+                raise ValueError(f"algorithm {self.name!r} on CUDA tensors needs its group's GroupResources (the "
+                                 "peer-memory buffer, or the host transport to stage through)")
+            if self.runs_kernel(self.resources, src, comm.timeout):
+                from hpdl.comm.algorithms.peer_alltoall import communicator
+
+                communicator(self.resources, src.device).launch(dst, src, lay, self.name, self.window, comm.timeout)
+                return
+            host_dst = torch.empty(dst.numel(), dtype=torch.uint8)   # across nodes: stage through host memory
+            self._node_all_to_all(host_dst, src.cpu(), lay, self.resources.host(comm.timeout))
+            dst.copy_(host_dst)
+            return
+        self._node_all_to_all(dst, src, lay, comm)
+
+    def all_to_all_launcher(self, lay: Layout, device: torch.device):
+        """The peer kernel's hot path for ``lay`` (see :meth:`~.peer_alltoall._A2AComm.launcher`), or None
+        when this group does not run the kernel."""
+        from hpdl.comm.algorithms.peer_alltoall import communicator
+
+        launch = communicator(self.resources, device).launcher(lay, self.name, self.window)
+
+        def fn(output: torch.Tensor, input: torch.Tensor) -> bool:
+            if not (output.is_contiguous() and input.is_contiguous()):
+                return False
+            o, i = output.data_ptr(), input.data_ptr()
+            no, ni = output.numel() * output.element_size(), input.numel() * input.element_size()
+            if not no or not ni or (i < o + no and o < i + ni):
+                return False
+            return launch(i, o)
+
+        return fn
+
+    def _node_all_to_all(self, dst: torch.Tensor, src: torch.Tensor, lay: Layout, comm: Transport) -> None:
         topo, me, p = self.topology, comm.rank, comm.world_size
         if topo.world_size != p:
             raise ValueError(f"topology world_size={topo.world_size} does not match the group's {p} ranks")
@@ -285,54 +341,13 @@ class TwoLevelPull(_TwoLevelAlltoall):
     layout_by_destination = False
 
 
-class Pairwise(Algorithm):
-    """Registry entry for ``pairwise`` (an all_to_all algorithm only)."""
+class Pairwise(AllToAll):
+    """Pairwise exchange (:func:`pairwise`), an all_to_all algorithm only."""
 
     name = "pairwise"
 
-    def all_reduce(self, buf, op, comm):
-        raise ValueError("'pairwise' is an all_to_all algorithm; for all_reduce use direct, ring, "
-                         "recursive_doubling, staged, two_level or native")
-
     def all_to_all(self, dst, src, lay, comm):
         pairwise(dst, src, lay, comm)
-
-
-def select(nbytes_per_rank: int, world_size: int, device_type: str) -> str:
-    """What ``all_to_all_single(algorithm="auto")`` runs: :func:`hpdl.comm.tuning.select` for "all_to_all"
-    (kept for callers of the old per-module table; the rules live in :mod:`hpdl.comm.tuning`)."""
-    from hpdl.comm.tuning import select as table_select
-
-    return table_select("all_to_all", nbytes_per_rank, world_size, device_type)[0]
-
-
-def peer_route(name: str, st, tensor: torch.Tensor, timeout: float) -> bool:
-    """True when ``push``/``pull`` of this CUDA tensor runs on the one-node peer-memory kernel
-    (:mod:`hpdl.comm.algorithms.peer_alltoall`) rather than through host memory."""
-    if name not in ("push", "pull") or not tensor.is_cuda or st.world_size == 1:
-        return False
-    from hpdl.comm.algorithms.peer_alltoall import available  # that module imports Layout from here
-
-    return available(tensor, st.world_size) and st.get_topology(timeout).single_node
-
-
-def peer_fast(lay: Layout, st, name: str, window: int | None, device: torch.device):
-    """The API's hot path for a validated layout: ``fn(output, input) -> bool``, False (nothing done) when
-    the tensors need the general path (non-contiguous, empty or overlapping) or the plan was forgotten."""
-    from hpdl.comm.algorithms.peer_alltoall import launcher
-
-    launch = launcher(lay, st.group, device, name, window)
-
-    def fn(output: torch.Tensor, input: torch.Tensor) -> bool:
-        if not (output.is_contiguous() and input.is_contiguous()):
-            return False
-        o, i = output.data_ptr(), input.data_ptr()
-        no, ni = output.numel() * output.element_size(), input.numel() * input.element_size()
-        if not no or not ni or (i < o + no and o < i + ni):
-            return False
-        return launch(i, o)
-
-    return fn
 
 
 def _byte_view(t: torch.Tensor) -> torch.Tensor | None:
@@ -344,9 +359,10 @@ def _byte_view(t: torch.Tensor) -> torch.Tensor | None:
     return flat.view(torch.uint8) if flat.stride(0) == 1 else None
 
 
-def execute(name: str, st, output: torch.Tensor, input: torch.Tensor, lay: Layout, timeout: float,
-            window: int | None):
-    """Run one validated ``all_to_all_single`` with algorithm ``name`` on group state ``st`` (hpdl.comm.api).
+def execute(algo: AllToAll, resources, output: torch.Tensor, input: torch.Tensor, lay: Layout, timeout: float):
+    """Run one validated ``all_to_all_single`` with the algorithm instance ``algo`` of the group whose
+    :class:`~hpdl.comm.transport.resources.GroupResources` is ``resources``: byte views of the tensors (copies
+    where there are none, or where output overlaps input), the algorithm, the copy back.
 
     Returns the native algorithm's :class:`~hpdl.comm.algorithms.native.Pending` (issued, not waited), or None
     when the exchange is complete.
@@ -363,22 +379,11 @@ def execute(name: str, st, output: torch.Tensor, input: torch.Tensor, lay: Layou
     if dst.numel() and src.numel() and src.data_ptr() < dst.data_ptr() + dst.numel() \
             and dst.data_ptr() < src.data_ptr() + src.numel():
         src = src.clone()  # output overlaps input: read from a copy
-    comm = st.comm(timeout)
     pending = None
-    if peer_route(name, st, src, timeout):
-        from hpdl.comm.algorithms.peer_alltoall import peer_all_to_all
-
-        peer_all_to_all(dst, src, lay, st.group, name, window, timeout)
-    elif name in ("push", "pull") and src.device.type == "cuda":  # across nodes: stage through host memory
-        host_dst = torch.empty(dst.numel(), dtype=torch.uint8)
-        st.algorithm(name, window, timeout).all_to_all(host_dst, src.cpu(), lay, st.host(timeout))
-        dst.copy_(host_dst)
-    elif st.world_size == 1:
+    if resources.world_size == 1:
         dst.copy_(src)
-    elif name == "direct":
-        throttled_direct(dst, src, lay, comm, window)
     else:
-        pending = st.algorithm(name, window, timeout).all_to_all(dst, src, lay, comm)
+        pending = algo.all_to_all(dst, src, lay, resources.comm(timeout))
     if not direct_out and output.numel():
         def back() -> None:
             output.copy_(dst.view(output.dtype).view(output.shape))

@@ -15,7 +15,8 @@ from typing import Sequence
 
 import torch
 
-from hpdl.comm.algorithms.base import Algorithm, Workspace, scratch
+from hpdl.comm.algorithms.alltoall import throttled_direct
+from hpdl.comm.algorithms.base import AllGather, AllReduce, AllToAll, ReduceScatter, Workspace, scratch
 from hpdl.comm.ops import acc_dtype, combine_, finalize_, shard_bounds
 from hpdl.comm.transport.base import Transport
 
@@ -85,11 +86,11 @@ def direct_all_gather(blocks: Sequence[torch.Tensor], comm: Transport, window: i
             req.wait()
 
 
-class Direct(Algorithm):
-    """Throttled Direct Sendrecv: direct reduce-scatter + direct all-gather, window ``k`` peers."""
+class Direct(AllReduce, ReduceScatter, AllGather, AllToAll):
+    """Throttled Direct Sendrecv: direct reduce-scatter + direct all-gather, window ``k`` peers; for all_to_all
+    the scattered exchange with ``window`` peers in flight (None = all)."""
 
     name = "direct"
-    supports_phases = True
 
     def all_reduce(self, buf: torch.Tensor, op: str, comm: Transport) -> None:
         blocks = [buf[a:b] for a, b in shard_bounds(buf.numel(), comm.world_size)]
@@ -101,3 +102,6 @@ class Direct(Algorithm):
 
     def all_gather(self, blocks, comm):
         direct_all_gather(blocks, comm, self.window)
+
+    def all_to_all(self, dst, src, lay, comm):
+        throttled_direct(dst, src, lay, comm, self.window)

@@ -8,7 +8,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hpdl.comm.algorithms.base import Algorithm
+from hpdl.comm.algorithms.base import AllGather, AllReduce, AllToAll, ReduceScatter
 from hpdl.comm.ops import to_torch_op
 from hpdl.comm.transport.base import Transport
 from hpdl.runtime.errors import CollectiveTimeoutError
@@ -62,7 +62,7 @@ def _avg(buf: torch.Tensor, world: int) -> None:
         buf.div_(world)
 
 
-class Native(Algorithm):
+class Native(AllReduce, ReduceScatter, AllGather, AllToAll):
     """Delegates to ``torch.distributed`` on the transport's group (avg = sum then divide off NCCL).
 
     Each method issues its torch collective on the calling thread and returns a :class:`Pending` without
@@ -70,7 +70,6 @@ class Native(Algorithm):
     """
 
     name = "native"
-    supports_phases = True
 
     def all_reduce(self, buf: torch.Tensor, op: str, comm: Transport) -> Pending:
         group = getattr(comm, "group", None)

@@ -1,7 +1,7 @@
 """Direct all-reduce over peer GPU memory on one node: one-shot and two-shot, one kernel launch per call.
 
-Algorithm (Direct Sendrecv with throttling, Chen et al., ICPP 2025, read as in docs/comm_gpu.md; the kernel
-pattern follows vLLM's and TensorRT-LLM's custom all-reduce):
+Algorithm (Direct Sendrecv with throttling, Chen et al., ICPP 2025, read as in docs/comm.md, "GPUs of one
+host"; the kernel pattern follows vLLM's and TensorRT-LLM's custom all-reduce):
 
 * ``one_shot``: every rank stores its whole tensor into a slot of every peer's registered buffer and reduces
   the W copies in rank order; (W-1)·n bytes out per rank, best for small n. Up to :data:`LL_MAX_BYTES` it runs
@@ -27,7 +27,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from hpdl.comm.algorithms.base import Algorithm
+from hpdl.comm.algorithms.base import AllReduce
+from hpdl.comm.transport.resources import GroupResources, all_resources, lookup, resources_of
 
 OPS = {"sum": 0, "avg": 1, "min": 2, "max": 3, "product": 4}
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int32: 3, torch.int64: 4}
@@ -85,8 +86,12 @@ def schedule(n: int, itemsize: int, world: int, variant_name: str, max_blocks: i
     return min(max_blocks, -(-span // chunk)), chunk
 
 
+KIND = "peer_all_reduce"   # registration kind in the group's GroupResources
+
+
 class _Comm:
-    """Registered buffer + extension handle of one (group, device)."""
+    """Registered buffer + extension handle of one (group, device): a registration owned by the group's
+    :class:`~hpdl.comm.transport.resources.GroupResources` (made by :func:`communicator`)."""
 
     def __init__(self, group, device: torch.device):
         from hpdl.comm.transport.kernels import load_peer_allreduce
@@ -136,26 +141,18 @@ class _Comm:
         return got
 
     def close(self) -> None:
+        """Free the handle and the buffer (collective over the group)."""
         self.ext.release(self.handle)
         self.buffer.close()
 
-
-_COMMS: dict[tuple, _Comm] = {}
-
-
-def _canonical(group):
-    """None for the default group however it is spelled, so that None and dist.group.WORLD share a buffer."""
-    return None if group is None or (dist.is_initialized() and group is dist.group.WORLD) else group
+    def forget(self) -> None:
+        """Drop the handle without communicating (the group is gone; the mapping is freed at exit)."""
+        self.ext.release(self.handle)
 
 
-def _comm(group, device: torch.device) -> _Comm:
-    key = (group, device.index)
-    comm = _COMMS.get(key)
-    if comm is None:
-        canon = (_canonical(group), device.index)
-        comm = _COMMS.get(canon) or _Comm(canon[0], device)
-        _COMMS[canon] = _COMMS[key] = comm   # both spellings hit the fast path
-    return comm
+def communicator(resources: GroupResources, device: torch.device) -> _Comm:
+    """The group's registered all-reduce buffer on ``device`` (registered at first use: collective)."""
+    return resources.registration(KIND, device, lambda: _Comm(resources.group, device))
 
 
 def set_chunk_cap(variant_name: str, units: int | None) -> None:
@@ -164,23 +161,23 @@ def set_chunk_cap(variant_name: str, units: int | None) -> None:
         raise ValueError(f"variant must be one of {list(VARIANTS)} and units None or >= 1, got "
                          f"{variant_name!r}, {units!r}")
     CHUNK_CAP_VECS[variant_name] = units
-    for comm in _COMMS.values():
-        comm.plans.clear()
+    for res in all_resources():
+        for (kind, _), comm in res.registered.items():
+            if kind == KIND:
+                comm.plans.clear()
 
 
 def register(group=None, device: torch.device | None = None) -> None:
     """Create the group's registered buffer now (collective). Call it before CUDA-graph capture."""
-    _comm(group, torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device))
+    communicator(resources_of(group),
+                 torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device))
 
 
 def release(group=None) -> None:
     """Free the registered buffers of ``group`` (collective over the group; call before destroying it)."""
-    canon = _canonical(group)
-    doomed = {id(c): c for k, c in _COMMS.items() if _canonical(k[0]) is canon}
-    for key in [k for k, c in _COMMS.items() if id(c) in doomed]:
-        del _COMMS[key]
-    for comm in doomed.values():
-        comm.close()
+    res = lookup(group)
+    if res is not None:
+        res.release(KIND)
 
 
 def peer_available(tensor: torch.Tensor, group) -> bool:
@@ -216,7 +213,13 @@ def peer_all_reduce(tensor: torch.Tensor, op: str, group, algorithm: str = "two_
         ValueError: unsupported dtype, op, algorithm or window, or a CPU tensor.
         RuntimeError: the kernel launch failed or the ranks are not on one host.
     """
-    comm = _COMMS.get((group, tensor.get_device()))
+    _reduce(lookup(group), group, tensor, op, algorithm, window)
+
+
+def _reduce(res: GroupResources | None, group, tensor: torch.Tensor, op: str, algorithm: str,
+            window: int | None) -> None:
+    """:func:`peer_all_reduce` on the group's resources ``res`` (None: not made yet)."""
+    comm = res.registered.get((KIND, tensor.get_device())) if res is not None else None
     if comm is not None:   # fast path: a cached plan, a contiguous 16-byte aligned tensor -> one launch
         plan = comm.plans.get((tensor.numel(), tensor.dtype, op, algorithm, window))
         if plan is not None:
@@ -227,10 +230,11 @@ def peer_all_reduce(tensor: torch.Tensor, op: str, group, algorithm: str = "two_
                 if not ptr % 16:
                     comm.ext.all_reduce(comm.handle, ptr, *plan)
                     return
-    _peer_all_reduce_checked(tensor, op, group, algorithm, window)
+    _peer_all_reduce_checked(res, group, tensor, op, algorithm, window)
 
 
-def _peer_all_reduce_checked(tensor: torch.Tensor, op: str, group, algorithm: str, window: int | None) -> None:
+def _peer_all_reduce_checked(res: GroupResources | None, group, tensor: torch.Tensor, op: str, algorithm: str,
+                             window: int | None) -> None:
     """The first call of a (numel, dtype, op, algorithm, window), or a view that needs a contiguous copy."""
     dt = DTYPES.get(tensor.dtype) if isinstance(tensor, torch.Tensor) else None
     if dt is None or op not in OPS or not tensor.is_cuda or (window is not None and window < 1) or \
@@ -238,7 +242,7 @@ def _peer_all_reduce_checked(tensor: torch.Tensor, op: str, group, algorithm: st
         _raise_bad_args(tensor, op, algorithm, window)
     if op == "avg" and not tensor.dtype.is_floating_point:
         raise ValueError(f"op='avg' needs a floating-point tensor, got dtype {tensor.dtype}")
-    comm = _comm(group, tensor.device)
+    comm = communicator(res if res is not None else resources_of(group), tensor.device)
     plan = comm.plan(tensor, op, algorithm, window)
     if not plan:
         return
@@ -372,23 +376,53 @@ def reference_all_reduce(inputs: list[torch.Tensor], op: str, algorithm: str, wi
     return [d.reshape(-1)[:n].clone().view(shape) for d in data]
 
 
-class _PeerAlgorithm(Algorithm):
+class _PeerAlgorithm(AllReduce):
     """Registry entry of ``algorithm="one_shot"|"two_shot"`` (:func:`hpdl.comm.all_reduce`, CUDA tensors of
-    one node): ``all_reduce(buf, op, comm)`` launches the kernel over ``comm.group``'s registered buffer. The
-    API's hot path calls :func:`peer_all_reduce` with the same arguments directly (one launch, no lookup)."""
+    one node): ``all_reduce(buf, op, comm)`` launches the kernel over the group's registered buffer (a
+    registration of its :class:`~hpdl.comm.transport.resources.GroupResources`); ``all_reduce_launcher`` is the
+    API's hot path (one launch per call, no lookup but the registration's)."""
 
     name = "two_shot"
-    supports_phases = False
+
+    @classmethod
+    def fits(cls, device_type, world_size, *, dtype=None, gpus=None, topology=None) -> bool:
+        """CUDA, a CUDA build, 1..8 ranks, a kernel dtype, a GPU of this host per rank, one node (facts given)."""
+        return (device_type == "cuda" and torch.version.cuda is not None and 1 <= world_size <= MAX_RANKS
+                and (dtype is None or dtype in DTYPES) and (gpus is None or world_size <= gpus)
+                and (topology is None or getattr(topology, "single_node", True)))
+
+    @classmethod
+    def runs_kernel(cls, resources, tensor, timeout) -> bool:
+        return tensor.is_cuda
 
     def all_reduce(self, buf: torch.Tensor, op: str, comm) -> None:
         if not buf.is_cuda:
             raise ValueError(f"algorithm={self.name!r} reduces CUDA tensors of one node; got a {buf.device} tensor")
-        peer_all_reduce(buf, op, getattr(comm, "group", None), self.name, self.window)
+        if self.resources is None:
+            raise ValueError(f"algorithm={self.name!r} needs its group's GroupResources (the registered buffer)")
+        _reduce(self.resources, self.resources.group, buf, op, self.name, self.window)
 
-    def reduce_scatter(self, blocks, out, op, comm):
-        raise ValueError(f"algorithm {self.name!r} implements all_reduce only")
+    def all_reduce_launcher(self, op: str, device: torch.device):
+        """``fn(tensor)``: the cached plan's one launch when the tensor is contiguous and 16-byte aligned, else
+        the checked path (a contiguous copy, or a registration after :func:`release`)."""
+        res, name, window, key = self.resources, self.name, self.window, (KIND, device.index)
+        registered, group = res.registered, res.group
 
-    all_gather = reduce_scatter
+        def fn(tensor: torch.Tensor) -> None:
+            comm = registered.get(key)
+            if comm is not None:
+                plan = comm.plans.get((tensor.numel(), tensor.dtype, op, name, window))
+                if plan is not None:
+                    if not plan:
+                        return
+                    if tensor.is_contiguous():
+                        ptr = tensor.data_ptr()
+                        if not ptr % 16:
+                            comm.ext.all_reduce(comm.handle, ptr, *plan)
+                            return
+            _peer_all_reduce_checked(res, group, tensor, op, name, window)
+
+        return fn
 
 
 class OneShot(_PeerAlgorithm):

@@ -1,7 +1,7 @@
 """All-to-all over peer GPU memory on one node: PUSH and PULL through a persistent shared buffer, one kernel.
 
 The intra-node half of the two-level Alltoall of seed 2 (multi-rail Allreduce/Alltoall with an IPC shared
-buffer in PUSH and PULL variants), for CUDA tensors whose ranks share a host (docs/comm_two_level.md):
+buffer in PUSH and PULL variants), for CUDA tensors whose ranks share a host (docs/comm.md, "All-to-all"):
 
 * every rank registers one persistent buffer, mapped into every peer (``PeerBuffer``: torch symmetric memory,
   else CUDA IPC handles), holding ``grid x 2 halves x world`` slots of :func:`slot_bytes`;
@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from hpdl.comm.algorithms.alltoall import Layout
+from hpdl.comm.transport.resources import GroupResources, lookup, resources_of
 
 ALGORITHMS = {"push": 0, "pull": 1}
 MAX_RANKS = 8
@@ -95,8 +96,13 @@ def timeout_ns(seconds: float) -> int:
     return int(min(float(seconds) * 1e9, 2.0 ** 63 - 1))
 
 
+KIND = "peer_all_to_all"   # registration kind in the group's GroupResources
+
+
 class _A2AComm:
-    """Registered buffer + extension handle of one (group, device), and the registered launch plans.
+    """Registered buffer + extension handle of one (group, device), and the registered launch plans: a
+    registration owned by the group's :class:`~hpdl.comm.transport.resources.GroupResources`
+    (:func:`communicator`).
 
     ``generation`` changes whenever registered plans are forgotten (more than :data:`MAX_PLANS` layouts, or
     :func:`release`); launchers made before check it and step aside, so a stale plan id is never launched.
@@ -139,6 +145,29 @@ class _A2AComm:
                                      unit_bytes(*layout))
         return got
 
+    def launcher(self, lay: Layout, algorithm: str, window: int | None = None, timeout: float | None = None):
+        """``launch(src_ptr, dst_ptr) -> bool``: one kernel launch of a registered layout on the current stream
+        (the API's hot path: no tensor is touched); False, launching nothing, once the plan was forgotten
+        (:data:`MAX_PLANS`, :func:`release`). ``timeout``: seconds a block may wait for a peer (None = the
+        communicator's ``HPDL_TIMEOUT``)."""
+        pid, unit = self.plan_id(lay, window)
+        ext, handle, code, gen = self.ext, self.handle, ALGORITHMS[algorithm], self.generation
+        limit = 0 if timeout is None else timeout_ns(timeout)
+
+        def launch(sp: int, dp: int) -> bool:
+            if self.generation != gen:
+                return False
+            ext.all_to_all(handle, pid, sp, dp, code, math.gcd(unit, sp, dp), limit)
+            return True
+
+        return launch
+
+    def launch(self, dst: torch.Tensor, src: torch.Tensor, lay: Layout, algorithm: str, window: int | None = None,
+               timeout: float | None = None) -> None:
+        """:func:`peer_all_to_all` on this registration (arguments as there)."""
+        _check(dst, src, algorithm)
+        self.launcher(lay, algorithm, window, timeout)(src.data_ptr(), dst.data_ptr())
+
     def close(self, collective: bool = True) -> None:
         """Forget the plans and free the buffer; ``collective=False`` only forgets (the group is gone)."""
         self.generation = -1
@@ -146,36 +175,22 @@ class _A2AComm:
         if collective:
             self.buffer.close()
 
-
-_COMMS: dict[tuple, _A2AComm] = {}
-
-
-def _canonical(group):
-    """None for the default group however it is spelled, so that None and dist.group.WORLD share a buffer."""
-    return None if group is None or (dist.is_initialized() and group is dist.group.WORLD) else group
+    def forget(self) -> None:
+        """:meth:`close` without communication."""
+        self.close(collective=False)
 
 
-def _comm(group, device: torch.device) -> _A2AComm:
-    key = (_canonical(group), device.index)
-    comm = _COMMS.get(key)
-    if comm is None:
-        comm = _COMMS[key] = _A2AComm(key[0], device)
-    return comm
+def communicator(resources: GroupResources, device: torch.device) -> _A2AComm:
+    """The group's registered all-to-all buffer on ``device`` (registered at first use: collective)."""
+    return resources.registration(KIND, device, lambda: _A2AComm(resources.group, device))
 
 
 def release(group=None) -> None:
     """Free the all-to-all buffers registered for ``group`` (collective over the group; call before
     destroying it). Cached API calls on it step aside and register afresh if the group is used again."""
-    canon = _canonical(group)
-    for key in [k for k in _COMMS if k[0] is canon]:
-        _COMMS.pop(key).close()
-
-
-def forget() -> None:
-    """Drop every communicator without communicating (after the process groups were destroyed)."""
-    for comm in _COMMS.values():
-        comm.close(collective=False)
-    _COMMS.clear()
+    res = lookup(group)
+    if res is not None:
+        res.release(KIND)
 
 
 def available(tensor: torch.Tensor, world_size: int) -> bool:
@@ -212,32 +227,23 @@ def peer_all_to_all(dst: torch.Tensor, src: torch.Tensor, lay: Layout, group, al
         ValueError: unknown algorithm, non-uint8 or CPU tensors, more than 8 ranks.
         RuntimeError: the kernel launch failed, or the ranks are not on one host.
     """
+    _check(dst, src, algorithm)
+    communicator(resources_of(group), dst.device).launch(dst, src, lay, algorithm, window, timeout)
+
+
+def _check(dst: torch.Tensor, src: torch.Tensor, algorithm: str) -> None:
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {list(ALGORITHMS)}, got {algorithm!r}")
     if not (dst.is_cuda and src.is_cuda and dst.dtype == torch.uint8 and src.dtype == torch.uint8):
         raise ValueError(f"dst and src must be uint8 CUDA tensors, got {dst.dtype}/{dst.device} and "
                          f"{src.dtype}/{src.device}")
-    launcher(lay, group, dst.device, algorithm, window, timeout)(src.data_ptr(), dst.data_ptr())
 
 
 def launcher(lay: Layout, group, device: torch.device, algorithm: str, window: int | None = None,
              timeout: float | None = None):
-    """``launch(src_ptr, dst_ptr) -> bool``: one kernel launch of a registered layout on the current stream
-    (the API's hot path: no tensor is touched); False, launching nothing, once the plan was forgotten
-    (:data:`MAX_PLANS`, :func:`release`). The first call per (group, device) registers the buffer (collective).
-    ``timeout``: seconds a block may wait for a peer (None = the communicator's ``HPDL_TIMEOUT``)."""
-    comm = _comm(group, device)
-    pid, unit = comm.plan_id(lay, window)
-    ext, handle, code, gen = comm.ext, comm.handle, ALGORITHMS[algorithm], comm.generation
-    limit = 0 if timeout is None else timeout_ns(timeout)
-
-    def launch(sp: int, dp: int) -> bool:
-        if comm.generation != gen:
-            return False
-        ext.all_to_all(handle, pid, sp, dp, code, math.gcd(unit, sp, dp), limit)
-        return True
-
-    return launch
+    """:meth:`_A2AComm.launcher` of ``group``'s registration on ``device`` (the first call per (group, device)
+    registers the buffer: collective)."""
+    return communicator(resources_of(group), device).launcher(lay, algorithm, window, timeout)
 
 
 # ----------------------------------------------------------------------------------------------------------

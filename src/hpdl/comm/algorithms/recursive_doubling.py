@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from hpdl.comm.algorithms.base import Algorithm
+from hpdl.comm.algorithms.base import AllReduce
 from hpdl.comm.ops import acc_dtype, combine_, finalize_
 from hpdl.comm.transport.base import Transport
 
@@ -51,7 +51,7 @@ def recursive_doubling_all_reduce(buf: torch.Tensor, op: str, comm: Transport, t
     finalize_(acc, buf, op, p)
 
 
-class RecursiveDoubling(Algorithm):
+class RecursiveDoubling(AllReduce):
     """Whole-buffer exchanges with partners at distance 1, 2, 4, ...; best for small messages."""
 
     name = "recursive_doubling"

@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from hpdl.comm.algorithms.base import Algorithm, Workspace, scratch
+from hpdl.comm.algorithms.base import AllGather, AllReduce, ReduceScatter, Workspace, scratch
 from hpdl.comm.ops import acc_dtype, combine_, finalize_, shard_bounds
 from hpdl.comm.transport.base import Transport
 
@@ -54,11 +54,10 @@ def ring_all_gather(blocks: Sequence[torch.Tensor], comm: Transport, tag: int = 
         comm.exchange(blocks[(me - step) % p], right, blocks[(me - step - 1) % p], left, tag)
 
 
-class Ring(Algorithm):
+class Ring(AllReduce, ReduceScatter, AllGather):
     """Ring reduce-scatter + ring all-gather over shards of near-equal size."""
 
     name = "ring"
-    supports_phases = True
 
     def all_reduce(self, buf: torch.Tensor, op: str, comm: Transport) -> None:
         blocks = [buf[a:b] for a, b in shard_bounds(buf.numel(), comm.world_size)]

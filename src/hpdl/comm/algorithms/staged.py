@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from hpdl.comm.algorithms.base import Algorithm
+from hpdl.comm.algorithms.base import AllReduce
 from hpdl.comm.algorithms.direct import Direct
 from hpdl.comm.algorithms.recursive_doubling import recursive_doubling_all_reduce
 from hpdl.comm.transport.base import Transport
@@ -18,25 +18,24 @@ from hpdl.comm.transport.base import Transport
 RD_MAX_BYTES = 64 << 10
 
 
-class Staged(Algorithm):
-    """Host-side all-reduce over ``host_comm`` (a gloo transport), staging CUDA tensors through pinned memory."""
+class Staged(AllReduce):
+    """Host-side all-reduce over the group's host transport (gloo), staging CUDA tensors through pinned memory.
+
+    ``host_comm`` (keyword-only) replaces the resources' host transport, for use without a GroupResources."""
 
     name = "staged"
 
-    def __init__(self, window: int | None = None, host_comm: Transport | None = None):
-        super().__init__(window)
-        self.host_comm = host_comm
+    def __init__(self, resources=None, window: int | None = None, timeout: float | None = None, *,
+                 host_comm: Transport | None = None):
+        super().__init__(resources, window, timeout)
+        self.host_comm = host_comm if host_comm is not None or resources is None else resources.host(self.timeout)
         self._pinned: torch.Tensor | None = None
-
-    @classmethod
-    def create(cls, resources, window, timeout):
-        return cls(window, host_comm=resources.host(timeout))
 
     def _host_all_reduce(self, buf: torch.Tensor, op: str, comm: Transport) -> None:
         if buf.numel() * buf.element_size() <= RD_MAX_BYTES:
             recursive_doubling_all_reduce(buf, op, comm)
         else:
-            Direct(self.window).all_reduce(buf, op, comm)
+            Direct(None, self.window).all_reduce(buf, op, comm)
 
     def all_reduce(self, buf: torch.Tensor, op: str, comm: Transport) -> None:
         if buf.device.type == "cpu":

@@ -1,7 +1,7 @@
 """Two-level, multi-rail Allreduce with a persistent shared buffer and an early-triggered pipeline (seed 2).
 
-Reading of the seed (docs/comm_two_level.md; Chen-Chun Chen's SC25 abstract, no full text): with ``g`` ranks on
-each of ``N`` nodes and local rank ``i`` driving rail ``i``,
+Reading of the seed (docs/comm.md, "Two-level algorithms"; Chen-Chun Chen's SC25 abstract, no full text):
+with ``g`` ranks on each of ``N`` nodes and local rank ``i`` driving rail ``i``,
 
 1. every rank copies its tensor into its slot of the node's persistent shared buffer (POSIX shared memory on
    CPU, :mod:`hpdl.comm.transport.shm`; on GPU the same role is played by an IPC/symmetric-memory buffer);
@@ -29,7 +29,7 @@ from datetime import timedelta
 
 import torch
 
-from hpdl.comm.algorithms.base import Algorithm, get_class
+from hpdl.comm.algorithms.base import AllReduce, get_class
 from hpdl.comm.ops import acc_dtype, combine_, shard_bounds
 from hpdl.comm.transport.base import Transport
 from hpdl.comm.transport.shm import NodeSharedBuffer, open_node_buffer
@@ -107,19 +107,22 @@ class _InterWorker:
         self._q.put(None)
 
 
-class TwoLevel(Algorithm):
+class TwoLevel(AllReduce):
     """Two-level multi-rail Allreduce over a node shared buffer (see the module docstring).
 
     Args:
-        window: throttle of the inter-node ``direct`` algorithm (unused by ring).
-        topology: the group's :class:`~hpdl.runtime.Topology` (required; ``hpdl.comm.set_topology``).
+        resources, window, timeout: as every algorithm (:class:`~hpdl.comm.algorithms.base.Algorithm`); the
+            topology and, for an NCCL group, the gloo host transport come from ``resources``. ``window``:
+            throttle of the inter-node ``direct`` algorithm (unused by ring).
+        topology: overrides the group's :class:`~hpdl.runtime.Topology` (required without ``resources``;
+            ``hpdl.comm.set_topology``).
         depth: pipeline depth, chunks per shard (default ``HPDL_PIPELINE_DEPTH``); 1 disables the early trigger.
         inter: algorithm among a shard's owners (one per node, a rail), one of :data:`INTER_ALGORITHMS` or
             "auto" (default ``HPDL_TWO_LEVEL_INTER``: native on the world group, ring otherwise). ring / direct /
             recursive_doubling run hpdl's algorithm over a view of the group's transport; ``native`` runs
             ``torch.distributed.all_reduce`` on one ``dist.new_group`` per rail (gloo, made at the first call by
             every rank, so the group must be the whole world).
-        host_comm: gloo transport used to stage CUDA tensors through host memory.
+        host_comm: gloo transport used to stage CUDA tensors through host memory (default: the resources').
 
     Raises:
         ValueError: missing topology, bad ``depth`` or ``inter``.
@@ -128,9 +131,14 @@ class TwoLevel(Algorithm):
     name = "two_level"
     needs_topology = True
 
-    def __init__(self, window: int | None = None, topology: Topology | None = None, depth: int | None = None,
-                 inter: str | None = None, host_comm: Transport | None = None):
-        super().__init__(window)
+    def __init__(self, resources=None, window: int | None = None, timeout: float | None = None, *,
+                 topology: Topology | None = None, depth: int | None = None, inter: str | None = None,
+                 host_comm: Transport | None = None):
+        super().__init__(resources, window, timeout)
+        if resources is not None:
+            topology = topology if topology is not None else resources.get_topology(self.timeout)
+            if host_comm is None and resources.backend != "gloo":
+                host_comm = resources.host(self.timeout)
         if topology is None:
             raise ValueError("algorithm 'two_level' needs the group's topology: call "
                              "hpdl.comm.set_topology(topology_or_ranks_per_node, group) first")
@@ -143,17 +151,12 @@ class TwoLevel(Algorithm):
             raise ValueError(f"inter must be 'auto' or one of {INTER_ALGORITHMS}, got {self.inter!r}")
         self.host_comm = host_comm
         self._window = window
-        self._inter_algo = get_class(self.inter)(window) if self.inter not in ("native", "auto") else None
+        self._inter_algo = get_class(self.inter)(None, window) if self.inter not in ("native", "auto") else None
         self._rail_groups: dict[int, object] = {}
         self._shm: NodeSharedBuffer | None = None
         self._worker: _InterWorker | None = None
         self._pinned: torch.Tensor | None = None
         self._last_result = 0   # bytes of the previous call's result (see _host_all_reduce)
-
-    @classmethod
-    def create(cls, resources, window, timeout):
-        host = resources.host(timeout) if resources.backend != "gloo" else None
-        return cls(window, topology=resources.get_topology(timeout), host_comm=host)
 
     def _buffer(self, comm: Transport) -> NodeSharedBuffer:
         if self._shm is None or self._shm.broken:
@@ -203,7 +206,7 @@ class TwoLevel(Algorithm):
             parent = getattr(comm, "group", None)
             whole = parent is None or dist.get_world_size(parent) == dist.get_world_size()
             self.inter = "native" if whole and hasattr(comm, "group") else "ring"
-            self._inter_algo = None if self.inter == "native" else get_class("ring")(self._window)
+            self._inter_algo = None if self.inter == "native" else get_class("ring")(None, self._window)
         if self.inter == "native" and topo.num_nodes > 1:
             self._make_rail_groups(comm)
         slot(lr).copy_(buf)
@@ -305,7 +308,7 @@ def _finish(acc: torch.Tensor, out: torch.Tensor, op: str, world: int) -> None:
     out.copy_(acc)
 
 
-def _inter_job(algo: Algorithm, out: torch.Tensor, inter_op: str, op: str, sub: SubTransport, world: int):
+def _inter_job(algo: AllReduce, out: torch.Tensor, inter_op: str, op: str, sub: SubTransport, world: int):
     def job() -> None:
         if sub.world_size > 1:
             algo.all_reduce(out, inter_op, sub)

@@ -1,8 +1,11 @@
-"""What one process group owns inside hpdl.comm: its transports, its topology and its algorithm instances.
+"""What one process group owns inside hpdl.comm, and the one per-group cache: :class:`GroupResources`.
 
-:class:`GroupResources` is the one object every algorithm is built from (``Algorithm.create(resources,
-window, timeout)``) and the one cache the API keeps per group; dropping it (``close``) frees the algorithms'
-shared buffers. It lives below the algorithms, so they never need the API's state.
+A group's resources are its transports (its own, and a gloo host transport beside an NCCL group), its
+topology, its algorithm instances (built from these resources: ``cls(resources, window, timeout)``), its
+registered peer-memory buffers (``registration``/``release``), its failure board (the post-mortem that names
+a missing rank) and the side stream of its asynchronous peer-memory calls. :func:`resources_of` returns the
+group's one instance; :func:`forget` and :func:`forget_all` drop them without communicating
+(``hpdl.comm.forget_group`` / ``reset``). Everything here lives below the algorithms, so they never need the API.
 """
 
 from __future__ import annotations
@@ -10,13 +13,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from hpdl.comm.transport.failure import FailureBoard, is_peer_failure
 from hpdl.comm.transport.torch_p2p import TorchTransport
 from hpdl.runtime import env
 
 
 class GroupResources:
-    """Transports (the group's own, and a gloo host transport beside an NCCL group), topology and algorithm
-    instances of one process group.
+    """Transports, topology, algorithm instances, peer-memory registrations and failure board of one group.
 
     Args:
         group: the process group (None = world).
@@ -25,6 +28,10 @@ class GroupResources:
         group, world_size, rank, backend: of the group.
         topology: a :class:`hpdl.runtime.Topology`, set by ``hpdl.comm.set_topology`` or discovered at first
             use by the two-level algorithms.
+        board: the group's :class:`~hpdl.comm.transport.failure.FailureBoard`; ``calls`` counts the
+            collectives issued on the group (the post-mortem's call number).
+        side_stream, side_pending: CUDA stream of async peer-memory calls, and the event of the last one that
+            no later call on the group has waited for yet.
     """
 
     def __init__(self, group):
@@ -35,7 +42,14 @@ class GroupResources:
         self._comm: TorchTransport | None = None
         self._host: TorchTransport | None = None
         self._algos: dict = {}
+        self.registered: dict[tuple[str, int], object] = {}   # (kind, device index) -> registration
         self.topology = None
+        self.side_stream = None
+        self.side_pending = None
+        self.calls = 0
+        ranks = self.global_ranks()
+        name = "world" if group is None else str(getattr(group, "group_name", "") or "-".join(map(str, ranks)))
+        self.board = FailureBoard(name, ranks, self.rank)
 
     def global_ranks(self) -> list[int]:
         return (list(range(self.world_size)) if self.group is None
@@ -78,13 +92,44 @@ class GroupResources:
                 self.topology = discover(self.host(timeout).group)
         return self.topology
 
-    def cached(self, key, make):
-        """The group's algorithm instance under ``key`` (made by ``make()`` at first use). The API keys by
-        (name, window) and makes them with ``Algorithm.create(resources, window, timeout)``."""
-        algo = self._algos.get(key)
+    def algorithm(self, name: str, window: int | None, timeout: float):
+        """The registry's class for ``name``, built once per (name, window) from these resources."""
+        algo = self._algos.get((name, window))
         if algo is None:
-            algo = self._algos[key] = make()
+            from hpdl.comm.algorithms.base import get_class  # the registry sits above the transports
+
+            algo = self._algos[(name, window)] = get_class(name)(self, window, timeout)
         return algo
+
+    def registration(self, kind: str, device: torch.device, make):
+        """The group's registered peer-memory object of ``kind`` on ``device`` (``make()`` at first use, which
+        is collective over the group). A registration has ``close()`` (collective: frees the buffer) and
+        ``forget()`` (local: drops the handle, the mapping is freed at process exit)."""
+        key = (kind, device.index)
+        reg = self.registered.get(key)
+        if reg is None:
+            reg = self.registered[key] = make()
+        return reg
+
+    def release(self, kind: str | None = None) -> None:
+        """Free the registered buffers (of ``kind``, or all): collective over the group, call it on every rank
+        before destroying the group. Cached hot-path calls step aside and register afresh on the next use."""
+        for key in [k for k in self.registered if kind is None or k[0] == kind]:
+            self.registered.pop(key).close()
+
+    def guard(self, what: str, call: int, timeout: float):
+        """``run(fn)``: call ``fn``; a peer failure becomes the post-mortem's typed error naming the rank."""
+        def run(fn):
+            try:
+                return fn()
+            except BaseException as exc:
+                if not is_peer_failure(exc):
+                    raise
+                err = self.board.diagnose(what, call, timeout, exc)
+                if err is exc:
+                    raise
+                raise err from exc
+        return run
 
     def drop_topology_algorithms(self) -> None:
         """Close and forget the algorithms built for the old topology (before a new one is set)."""
@@ -92,8 +137,71 @@ class GroupResources:
             self._algos.pop(key).close()
 
     def close(self) -> None:
-        """Free every algorithm's buffers (shared memory of the two-level algorithms); no communication."""
+        """Free every algorithm's buffers (shared memory of the two-level algorithms) and forget the peer-memory
+        registrations; no communication."""
         for algo in self._algos.values():
-            if hasattr(algo, "close"):
-                algo.close()
+            algo.close()
         self._algos.clear()
+        for reg in self.registered.values():
+            reg.forget()
+        self.registered.clear()
+
+
+_GROUPS: dict[object, GroupResources] = {}   # group as callers spell it (None, dist.group.WORLD, a group) -> its
+
+
+def _canonical(group):
+    """None for the default group however it is spelled, so that None and dist.group.WORLD share resources."""
+    return None if group is None or (dist.is_initialized() and group is dist.group.WORLD) else group
+
+
+def lookup(group) -> GroupResources | None:
+    """The resources of ``group`` when they exist (one dict lookup for a known spelling); None otherwise."""
+    res = _GROUPS.get(group)
+    if res is None:
+        res = _GROUPS.get(_canonical(group))
+        if res is not None:
+            _GROUPS[group] = res
+    return res
+
+
+def resources_of(group) -> GroupResources:
+    """The one :class:`GroupResources` of ``group`` (None = world), made at first use (no communication).
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised.
+    """
+    res = _GROUPS.get(group)
+    if res is not None:
+        return res
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised: call hpdl.runtime.init_from_env() or "
+                           "torch.distributed.init_process_group() first")
+    res = lookup(group)
+    if res is None:
+        canon = _canonical(group)
+        res = _GROUPS[canon] = GroupResources(canon)
+        _GROUPS[group] = res
+    return res
+
+
+def all_resources() -> list[GroupResources]:
+    """Every group's resources, once each."""
+    return list({id(r): r for r in _GROUPS.values()}.values())
+
+
+def forget(group) -> GroupResources | None:
+    """Drop and close (locally) the resources of ``group``; returns them, or None when there were none."""
+    res = lookup(group)
+    if res is not None:
+        for key in [k for k, v in _GROUPS.items() if v is res]:
+            del _GROUPS[key]
+        res.close()
+    return res
+
+
+def forget_all() -> None:
+    """Drop and close (locally) every group's resources (after the process groups were destroyed)."""
+    for res in all_resources():
+        res.close()
+    _GROUPS.clear()
