@@ -400,7 +400,11 @@ def test_detections_match_torchvision_retinanet_postprocessing():
     (lambda t: t["boxes"].__setitem__((0, 3), 10.0), r"targets\[0\]\['boxes'\]\[0\].*positive width"),   # y2 = y1
     (lambda t: t.__setitem__("masks", t["masks"][:1]), r"targets\[0\]\['masks'\] must be \[2, 64, 64\]"),
     (lambda t: t.__setitem__("masks", t["masks"][:, :32, :32]), r"targets\[0\]\['masks'\] must be \[2, 64, 64\]"),
-    (lambda t: t.__setitem__("labels", torch.tensor([1, 4])), r"targets\[0\]\['labels'\] must be in 0\.\.3"),
+    (lambda t: t.__setitem__("labels", torch.tensor([1, 4])), r"targets\[0\]\['labels'\] must be in 1\.\.3"),
+    (lambda t: t.__setitem__("labels", torch.tensor([0, 2])), r"targets\[0\]\['labels'\] must be in 1\.\.3.*background"),
+    (lambda t: t.__setitem__("labels", torch.tensor([1., 2.])), r"targets\[0\]\['labels'\] must be an integer"),
+    (lambda t: t["boxes"].__setitem__((0, 0), float("nan")), r"targets\[0\]\['boxes'\]\[0\].*finite"),  # segfaulted
+    (lambda t: t["boxes"].__setitem__((1, 2), float("inf")), r"targets\[0\]\['boxes'\]\[1\].*finite"),
     (lambda t: t.__setitem__("labels", torch.tensor([1])), r"targets\[0\]\['labels'\] must be \[2\]"),
     (lambda t: t.__setitem__("boxes", t["boxes"].long()), "float tensor"),
 ])
@@ -411,3 +415,29 @@ def test_malformed_targets_are_rejected_not_trained_on(edit, msg):
     edit(targets[0])
     with pytest.raises(ValueError, match=msg):
         model(images, targets)
+
+
+def test_images_and_targets_must_pair_up_and_be_rgb_or_grey():
+    """Fewer targets than images was an IndexError, more were silently ignored; a 4-channel image failed inside
+    torchvision's normalisation with a broadcasting error; an empty list with an IndexError."""
+    model = tiny().train()
+    images, targets = sample_batch()
+    with pytest.raises(ValueError, match="one dict per image: 2 images, 1 targets"):
+        model(images, targets[:1])
+    with pytest.raises(ValueError, match="one dict per image: 1 images, 2 targets"):
+        model(images[:1], targets)
+    with pytest.raises(ValueError, match=r"images\[1\] must be \[3, H, W\].*got \[4, 48, 80\]"):
+        model([images[0], torch.rand(4, 48, 80)], targets)
+    assert set(model([images[0][:1]], targets[:1])) == {"classification", "bbox_regression", "mask"}   # grey
+    model.eval()
+    with pytest.raises(ValueError, match="images is empty"):
+        model([])
+    with pytest.raises(ValueError, match=r"images\[0\] must be"):
+        model([torch.rand(2, 64, 64)])
+
+
+def test_encode_masks_rejects_non_finite_boxes_and_paste_takes_an_empty_image():
+    m = box_mask(64, 64, (10, 10, 30, 30))[None]
+    with pytest.raises(ValueError, match="boxes must be finite"):
+        encode_masks(m, torch.tensor([[float("nan"), 10.0, 30.0, 30.0]]), 8)   # was a segfault in roi_align
+    assert paste_masks(torch.rand(1, 1, 8, 8), torch.tensor([[1.0, 1, 5, 5]]), (0, 64)).shape == (1, 1, 0, 64)

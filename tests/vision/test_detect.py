@@ -149,6 +149,11 @@ def test_cli_make_shapes_train_evaluate(tmp_path, capsys):
     assert meta["data"] == str(root.resolve()) and [c["name"] for c in meta["categories"]][0] == "circle"
     assert main(["vision", "evaluate", "--model", "maskrcnn", "--checkpoint", str(out / "sprnet.pt")]) == 1
     assert "holds a 'sprnet' model" in capsys.readouterr().err
+    # --pictures 0 draws nothing (it divided by zero after the evaluation, before the metrics were printed)
+    (out / "sprnet_evaluate.png").unlink()
+    assert main(["vision", "evaluate", "--model", "sprnet", "--checkpoint", str(out / "sprnet.pt"),
+                 "--device", "cpu", "--pictures", "0", "--workers", "0"]) == 0
+    assert "mask AP" in capsys.readouterr().out and not (out / "sprnet_evaluate.png").exists()
 
 
 def test_anchors_are_torchvisions_resnet50_models():
@@ -172,6 +177,12 @@ def test_empty_training_sets_are_named_not_endless(tmp_path, capsys):
     assert main(["vision", "train", "--model", "sprnet", "--data", str(root), "--device", "cpu", "--workers", "0",
                  "--out", str(tmp_path / "o")]) == 1
     assert "split 'train' has no image with a non-crowd instance" in capsys.readouterr().err
+    empty_val = tmp_path / "v"
+    make_shapes(empty_val, ShapesConfig(num_train=1, num_val=0, image_size=32))
+    assert main(["vision", "train", "--model", "sprnet", "--data", str(empty_val), "--device", "cpu", "--workers",
+                 "0", "--out", str(tmp_path / "o"), "--backbone", "resnet10", "--image-size", "64",
+                 "--max-steps", "1"]) == 1    # trained, then reported box AP -100
+    assert "split 'val' has no image to evaluate on" in capsys.readouterr().err
 
 
 def test_checkpoints_are_written_whole_and_a_truncated_one_is_named(tmp_path):
@@ -185,3 +196,31 @@ def test_checkpoints_are_written_whole_and_a_truncated_one_is_named(tmp_path):
     cut.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # what a kill during torch.save left
     with pytest.raises(HpdlError, match="cut.pt' cannot be read"):
         detect.load_checkpoint(cut)
+
+
+def test_unusable_out_device_and_checkpoint_files_are_named_before_any_work(tmp_path, capsys):
+    """An --out that is a file (or cannot be created), a device torch does not know and a checkpoint that is
+    not a pickle raised raw OSError/RuntimeError/UnpicklingError; weights that do not fit the spec a torch
+    RuntimeError."""
+    from hpdl.cli import main
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    base = ["vision", "train", "--model", "sprnet", "--data", str(tmp_path / "none"), "--workers", "0"]
+    assert main([*base, "--device", "cpu", "--out", str(blocker)]) == 1
+    assert "--out" in capsys.readouterr().err
+    assert main([*base, "--device", "cpu", "--out", str(blocker / "sub")]) == 1
+    assert "is not a writable folder" in capsys.readouterr().err
+    assert main([*base, "--device", "tpu", "--out", str(tmp_path / "o")]) == 1
+    assert "device='tpu' is not a device" in capsys.readouterr().err
+    text = tmp_path / "notes.pt"
+    text.write_text("not a checkpoint")
+    with pytest.raises(HpdlError, match="notes.pt' cannot be read"):
+        detect.load_checkpoint(text)
+    path = tmp_path / "m.pt"
+    detect.save_checkpoint(path, _model("retinanet"), {"categories": []})
+    ckpt = torch.load(path, weights_only=True)
+    ckpt["spec"]["fpn_channels"] = 16                                 # weights of a 32-channel FPN
+    torch.save(ckpt, path)
+    with pytest.raises(HpdlError, match="weights do not fit the model its spec describes"):
+        detect.load_checkpoint(path)

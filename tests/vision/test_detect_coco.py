@@ -112,3 +112,59 @@ def test_empty_results_score_as_pycocotools_scores_no_detections(shapes):
     assert -1.0 in want.values()          # the 64-pixel set has no large objects: -1, not 0
     got = coco_evaluate(ds.coco, [])
     assert got["bbox"] == want and got["segm"] == want
+
+
+def _edited(shapes, tmp_path, edit):
+    import json
+    import shutil
+
+    root = tmp_path / "d"
+    shutil.copytree(shapes, root)
+    ann = root / "annotations" / "instances_val.json"
+    data = json.loads(ann.read_text())
+    edit(data, root)
+    ann.write_text(json.dumps(data))
+    return root
+
+
+@pytest.mark.parametrize("edit, msg", [
+    (lambda d, r: d.pop("categories"), "no 'categories' list"),
+    (lambda d, r: d["annotations"][0].pop("bbox"), r"annotation 1 needs 'bbox' as 4 finite numbers"),
+    (lambda d, r: d["annotations"][0].pop("segmentation"), "annotation 1 has no 'segmentation'"),
+    (lambda d, r: d["annotations"][0].__setitem__("category_id", 99), r"category_id 99; the categories are \[1, 2, 3\]"),
+    (lambda d, r: d["annotations"][0].__setitem__("image_id", 999), "image_id 999, not an image"),
+    (lambda d, r: [i.pop("height") for i in d["images"]], r"lacks \['height'\]"),
+    (lambda d, r: [i.__setitem__("id", str(i["id"])) for i in d["images"]], "is not an integer"),
+])
+def test_malformed_annotation_files_are_named_at_construction(shapes, tmp_path, edit, msg):
+    """These were KeyErrors or TypeErrors when a loader worker first read the sample."""
+    with pytest.raises(HpdlError, match=msg):
+        CocoInstances(_edited(shapes, tmp_path, edit), "val")
+
+
+def test_an_image_of_another_size_than_its_entry_is_named_not_emptied(shapes, tmp_path):
+    """Every mask of such an image failed the size check and was dropped: it trained as pure background."""
+    from PIL import Image
+
+    def shrink(d, root):
+        f = root / "val" / d["images"][0]["file_name"]
+        Image.open(f).resize((80, 60)).save(f)
+
+    ds = CocoInstances(_edited(shapes, tmp_path, shrink), "val")
+    with pytest.raises(HpdlError, match=r"is 80x60 pixels but instances_val.json says 64x64"):
+        ds[0]
+
+
+def test_an_empty_polygon_is_an_empty_mask_and_evaluation_still_runs(shapes, tmp_path):
+    """pycocotools raised IndexError decoding ``segmentation: []``, in the reader and in COCOeval."""
+    def empty(d, root):
+        d["annotations"][0]["segmentation"] = []
+
+    ds = CocoInstances(_edited(shapes, tmp_path, empty), "val")
+    ref = CocoInstances(shapes, "val")
+    first = ds.coco.anns[ds.coco.getAnnIds()[0]]["image_id"]
+    k = ds.ids.index(first)
+    assert len(ds[k][1]["boxes"]) == len(ref[k][1]["boxes"]) - 1      # the empty instance is left out
+    outs, ids = _gt_outputs(ds)
+    metrics = coco_evaluate(ds.coco, to_coco_results(outs, ids, ds.cat_ids))
+    assert 0.8 < metrics["segm"]["AP"] <= 1.0

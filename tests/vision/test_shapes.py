@@ -75,3 +75,42 @@ def test_bad_config_is_named():
                     ({"min_instances": 3, "max_instances": 2}, "min_instances"), ({"num_val": -1}, "num_val")):
         with pytest.raises(ValueError, match=msg):
             ShapesConfig(**kw)
+
+
+def test_another_set_in_root_is_refused_not_overwritten_and_overwrite_removes_its_images(tmp_path):
+    """make-shapes into a folder holding another set silently replaced its annotations and left the old set's
+    extra images lying beside the new annotations."""
+    from hpdl.runtime.errors import HpdlError
+
+    small = ShapesConfig(num_train=3, num_val=2, image_size=32)
+    make_shapes(tmp_path, small)
+    before = (tmp_path / "annotations" / "instances_train.json").read_text()
+    make_shapes(tmp_path, small)                                   # the same set again: fine, identical
+    assert (tmp_path / "annotations" / "instances_train.json").read_text() == before
+    other = ShapesConfig(num_train=2, num_val=1, image_size=32, seed=4)
+    with pytest.raises(HpdlError, match="instances_train.json is not this shapes set.*overwrite"):
+        make_shapes(tmp_path, other)
+    assert (tmp_path / "annotations" / "instances_train.json").read_text() == before
+    make_shapes(tmp_path, other, overwrite=True)
+    assert sorted(p.name for p in (tmp_path / "train").iterdir()) == ["000000.png", "000001.png"]
+    assert sorted(p.name for p in (tmp_path / "val").iterdir()) == ["000000.png"]
+    stray = tmp_path / "stray"
+    (stray / "train").mkdir(parents=True)
+    (stray / "train" / "mine.jpg").write_bytes(b"x")
+    with pytest.raises(HpdlError, match="holds files and no shapes annotations"):
+        make_shapes(stray, small)
+    with pytest.raises(ValueError, match="seed must be >= 0"):
+        ShapesConfig(seed=-1)
+
+
+@pytest.mark.parametrize("flag, value", [("--train", "-1"), ("--val", "-3"), ("--image-size", "8"),
+                                         ("--max-instances", "0"), ("--seed", "-1"), ("--workers", "-1")])
+def test_make_shapes_flags_are_checked_by_the_parser(flag, value, tmp_path, capsys):
+    """--workers -1 rendered in-process silently; --seed -1 failed in numpy without naming the flag."""
+    from hpdl.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["vision", "make-shapes", "--root", str(tmp_path / "r"), "--train", "1", "--val", "1", "--image-size",
+              "16", flag, value])
+    assert exc.value.code == 2 and flag in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()

@@ -30,3 +30,18 @@ def test_good_counts_parse():
     args = build_parser("vision").parse_args(["vision", "train", "--model", "sprnet", "--batch-size", "2",
                                               "--workers", "0", "--image-size", "64", "--max-steps", "3"])
     assert (args.batch_size, args.workers, args.image_size, args.max_steps) == (2, 0, 64, 3)
+
+
+@pytest.mark.parametrize("flag, value", [("--lr", "-1"), ("--lr", "0"), ("--lr", "nan"), ("--weight-decay", "-1"),
+                                         ("--warmup-epochs", "-1"), ("--clip-grad", "-1"), ("--seed", "-1"),
+                                         ("--pictures", "-1"), ("--fpn-channels", "0")])
+def test_bad_numbers_are_usage_errors(flag, value, tmp_path, capsys):
+    """A negative clip switched clipping off and a negative warm-up meant none, silently; --pictures -1 or 0
+    crashed after training, before the metrics were written; --fpn-channels 0 failed in a conv's init."""
+    from hpdl.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["vision", "train", "--model", "sprnet", "--data", str(tmp_path / "none"), "--device", "cpu",
+              "--out", str(tmp_path / "o"), flag, value])   # where a missed check fails fast, not trains
+    assert exc.value.code == 2
+    assert flag in capsys.readouterr().err

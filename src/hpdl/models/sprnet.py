@@ -319,6 +319,8 @@ def encode_masks(masks: torch.Tensor, boxes: torch.Tensor, mask_size: int) -> to
     """
     if len(masks) == 0:
         return masks.new_zeros((0, mask_size, mask_size), dtype=torch.bool)
+    if not torch.isfinite(boxes).all():   # roi_align reads out of bounds (a segfault on CPU) at NaN/inf
+        raise ValueError(f"boxes must be finite, got {boxes[~torch.isfinite(boxes).all(1)][:3].tolist()}")
     rois = torch.cat([torch.arange(len(boxes), device=boxes.device, dtype=boxes.dtype)[:, None], boxes], 1)
     crop = roi_align(masks[:, None].float(), rois.float(), (mask_size, mask_size), 1.0, sampling_ratio=2, aligned=True)
     return crop[:, 0] >= 0.5
@@ -344,7 +346,7 @@ def paste_masks(masks: torch.Tensor, boxes: torch.Tensor, image_size: tuple[int,
     gx = (xs[None] - x0[:, None]) / (x1 - x0).clamp(min=1e-3)[:, None] * 2 - 1      # [N, W]
     gy = (ys[None] - y0[:, None]) / (y1 - y0).clamp(min=1e-3)[:, None] * 2 - 1      # [N, H]
     out = []
-    step = max(1, max_elements // (h * w))
+    step = max(1, max_elements // max(1, h * w))
     for i in range(0, n, step):
         sx, sy = gx[i:i + step], gy[i:i + step]
         grid = torch.stack([sx[:, None, :].expand(-1, h, -1), sy[:, :, None].expand(-1, -1, w)], -1)
@@ -405,24 +407,28 @@ def spr_mask_loss(logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
 def _check_target(j: int, t: dict, image: torch.Tensor | None, num_classes: int) -> None:
     """Reject a training target that would train on garbage: torchvision's RetinaNet/Mask R-CNN check boxes
     for positive size (an inverted box gives a NaN box loss, a zero-width one a huge one); masks must be one
-    per box at the image's size (a missing mask made ``roi_align`` read past the mask tensor); labels in
-    ``0..num_classes-1`` (otherwise an IndexError deep inside torchvision's loss)."""
+    per box at the image's size (a missing mask made ``roi_align`` read past the mask tensor; a NaN or infinite
+    box crashed the process in ``roi_align``); labels integers in ``1..num_classes-1`` (a larger one was an
+    IndexError deep inside torchvision's loss; a label 0 trained the background column as a class, and the COCO
+    export drops label-0 detections)."""
     boxes, labels, masks = t["boxes"], t["labels"], t["masks"]
     if boxes.ndim != 2 or boxes.shape[-1] != 4:
         raise ValueError(f"targets[{j}]['boxes'] must be [N, 4], got {list(boxes.shape)}")
     if not boxes.is_floating_point():
         raise ValueError(f"targets[{j}]['boxes'] must be a float tensor, got {boxes.dtype}")
     n = boxes.shape[0]
-    bad = (boxes[:, 2:] <= boxes[:, :2]).any(1)
+    bad = ~torch.isfinite(boxes).all(1) | (boxes[:, 2:] <= boxes[:, :2]).any(1)   # NaN/inf: roi_align crashed
     if bad.any():
         k = int(bad.nonzero()[0, 0])
         raise ValueError(f"targets[{j}]['boxes'][{k}] = {boxes[k].tolist()}: boxes must be (x1, y1, x2, y2) with "
-                         "positive width and height")
+                         "finite coordinates and positive width and height")
     if labels.shape != (n,):
         raise ValueError(f"targets[{j}]['labels'] must be [{n}] (one per box), got {list(labels.shape)}")
-    if n and (int(labels.min()) < 0 or int(labels.max()) >= num_classes):
-        raise ValueError(f"targets[{j}]['labels'] must be in 0..{num_classes - 1} (num_classes={num_classes}), "
-                         f"got {labels.tolist()}")
+    if labels.is_floating_point() or labels.dtype == torch.bool:
+        raise ValueError(f"targets[{j}]['labels'] must be an integer tensor (int64), got {labels.dtype}")
+    if n and (int(labels.min()) < 1 or int(labels.max()) >= num_classes):
+        raise ValueError(f"targets[{j}]['labels'] must be in 1..{num_classes - 1} (num_classes={num_classes}; "
+                         f"0 is background), got {labels.tolist()}")
     size = tuple(image.shape[-2:]) if image is not None else tuple(masks.shape[-2:])
     if masks.ndim != 3 or masks.shape[0] != n or tuple(masks.shape[-2:]) != size:
         raise ValueError(f"targets[{j}]['masks'] must be [{n}, {size[0]}, {size[1]}] (one per box, at the image's "
@@ -592,14 +598,21 @@ class SPRNet(RetinaNet):
 
     def forward(self, images: list[torch.Tensor], targets: list[dict] | None = None):
         """Training (``model.train()``, targets required): the loss dict. Inference: one dict an image."""
+        if not isinstance(images, torch.Tensor) and len(images) == 0:
+            raise ValueError("images is empty: give a list of at least one float [C, H, W] tensor")
+        for j, img in enumerate(images):
+            if img.ndim == 3 and img.shape[0] not in (1, 3):   # 1: grey, broadcast by the normalisation
+                raise ValueError(f"images[{j}] must be [3, H, W] (RGB) or [1, H, W] (grey), got {list(img.shape)}")
         if self.training:
             if targets is None:
                 raise ValueError("targets are required in training mode (boxes, labels, masks per image)")
+            if len(targets) != len(images):
+                raise ValueError(f"targets must be one dict per image: {len(images)} images, {len(targets)} targets")
             for j, t in enumerate(targets):
                 for key in ("boxes", "labels", "masks"):
                     if key not in t:
                         raise ValueError(f"targets[{j}] lacks {key!r}; SPRNet trains on boxes, labels and masks")
-                _check_target(j, t, images[j] if j < len(images) else None, self.config.num_classes)
+                _check_target(j, t, images[j], self.config.num_classes)
         original_sizes = [(int(img.shape[-2]), int(img.shape[-1])) for img in images]
         images, targets = self.transform(images, targets)
         features = list(self.backbone(images.tensors).values())

@@ -47,6 +47,26 @@ def _count(minimum: int):
     return parse
 
 
+def _real(minimum: float, strict: bool = False):
+    """argparse type: a finite float >= minimum (> minimum when ``strict``). A negative clip used to switch
+    clipping off and a negative warm-up to mean none, silently; a NaN learning rate failed after data loading."""
+    def parse(text: str) -> float:
+        import argparse
+        import math
+
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value) or value < minimum or (strict and value == minimum):
+            raise argparse.ArgumentTypeError(f"must be a finite number {'>' if strict else '>='} {minimum:g}, "
+                                             f"got {text}")
+        return value
+
+    parse.__name__ = "float"
+    return parse
+
+
 def _common(p, evaluate: bool) -> None:
     p.add_argument("--model", required=True, help="model name, e.g. soft_tiny or sprnet")
     p.add_argument("--data", default=None, help="dataset folder (default: the task's offline set, made if absent)")
@@ -56,16 +76,16 @@ def _common(p, evaluate: bool) -> None:
     p.add_argument("--image-size", type=_count(1), default=None, help="input side in pixels (default: the task's)")
     p.add_argument("--amp", action=__import__("argparse").BooleanOptionalAction, default=None,
                    help="mixed precision (bf16 on CUDA; default: on for CUDA, off for CPU)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    p.add_argument("--seed", type=_count(0), default=0, help="random seed, >= 0 (default: 0)")
     if evaluate:
         p.add_argument("--checkpoint", required=True, help="checkpoint written by `hpdl vision train`")
     else:
         p.add_argument("--epochs", type=_count(1), default=None, help="passes over the training set (default: the task's)")
         p.add_argument("--max-steps", type=_count(1), default=None, help="stop after this many steps (default: no limit)")
-        p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the task's)")
-        p.add_argument("--weight-decay", type=float, default=None, help="weight decay (default: the task's)")
-        p.add_argument("--warmup-epochs", type=float, default=None, help="linear warm-up (default: the task's)")
-        p.add_argument("--clip-grad", type=float, default=None, help="gradient-norm clip, 0: off (default: the task's)")
+        p.add_argument("--lr", type=_real(0, strict=True), default=None, help="peak learning rate (default: the task's)")
+        p.add_argument("--weight-decay", type=_real(0), default=None, help="weight decay (default: the task's)")
+        p.add_argument("--warmup-epochs", type=_real(0), default=None, help="linear warm-up (default: the task's)")
+        p.add_argument("--clip-grad", type=_real(0), default=None, help="gradient-norm clip, 0: off (default: the task's)")
         p.add_argument("--out", default="vision_out", help="folder for checkpoints and logs (default: ./vision_out)")
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +43,46 @@ def find_split(root: str | Path, split: str) -> tuple[Path, Path]:
                     f"(or the same with 2017)")
 
 
+def _check_annotations(coco, ann_file: Path) -> None:
+    """Reject an annotation file this reader would fail on later, deep inside a loader worker (a KeyError or
+    a TypeError) or silently; replace empty polygon lists by empty RLE masks (pycocotools cannot decode them).
+
+    Raises:
+        HpdlError: no ``categories``; an image without an int ``id``, ``file_name``, ``height`` or ``width``; an
+        annotation without ``image_id`` of a listed image, a listed ``category_id``, a 4-number ``bbox`` or a
+        ``segmentation`` (names the file, the annotation's id and the field).
+    """
+    data = coco.dataset
+    if not isinstance(data.get("categories"), list) or not data["categories"]:
+        raise HpdlError(f"{ann_file} has no 'categories' list: a COCO instances file names its categories")
+    for img in data.get("images", []):
+        missing = [k for k in ("id", "file_name", "height", "width") if k not in img]
+        if missing:
+            raise HpdlError(f"{ann_file}: image {img.get('id', img.get('file_name'))!r} lacks {missing} (COCO's "
+                            "image entries carry id, file_name, height and width)")
+        if not isinstance(img["id"], int) or isinstance(img["id"], bool):
+            raise HpdlError(f"{ann_file}: image id {img['id']!r} ({img['file_name']}) is not an integer, as COCO's are")
+    for n, ann in enumerate(data.get("annotations", [])):
+        where = f"{ann_file}: annotation {ann.get('id', f'#{n}')}"
+        if ann.get("image_id") not in coco.imgs:
+            raise HpdlError(f"{where} has image_id {ann.get('image_id')!r}, not an image of the file")
+        if ann.get("category_id") not in coco.cats:
+            raise HpdlError(f"{where} has category_id {ann.get('category_id')!r}; the categories are "
+                            f"{sorted(coco.cats)}")
+        bbox = ann.get("bbox")
+        if not (isinstance(bbox, (list, tuple)) and len(bbox) == 4 and
+                all(isinstance(v, (int, float)) and math.isfinite(v) for v in bbox)):
+            raise HpdlError(f"{where} needs 'bbox' as 4 finite numbers [x, y, w, h], got {bbox!r}")
+        if "segmentation" not in ann:
+            raise HpdlError(f"{where} has no 'segmentation' (polygons or RLE); instance segmentation needs masks")
+        if isinstance(ann["segmentation"], list) and not any(len(p) >= 6 for p in ann["segmentation"]):
+            from pycocotools import mask as mask_utils
+
+            info = coco.imgs[ann["image_id"]]
+            empty = mask_utils.encode(np.zeros((info["height"], info["width"]), dtype=np.uint8, order="F"))
+            ann["segmentation"] = {"size": list(empty["size"]), "counts": empty["counts"].decode("ascii")}
+
+
 class CocoInstances(torch.utils.data.Dataset):
     """Images and instance targets of one COCO split, in torchvision's detection format.
 
@@ -63,8 +104,13 @@ class CocoInstances(torch.utils.data.Dataset):
         from pycocotools.coco import COCO
 
         self.image_dir, self.ann_file = find_split(root, split)
-        with _quiet():
-            self.coco = COCO(str(self.ann_file))
+        try:
+            with _quiet():
+                self.coco = COCO(str(self.ann_file))
+        except (ValueError, TypeError, KeyError, AssertionError) as exc:   # not JSON, or not COCO's structure
+            raise HpdlError(f"{self.ann_file} is not a COCO annotation file ({type(exc).__name__}: "
+                            f"{str(exc)[:160]})") from None
+        _check_annotations(self.coco, self.ann_file)
         self.cat_ids = sorted(self.coco.getCatIds())
         self.categories = [self.coco.cats[c] for c in self.cat_ids]
         self.label_of = {c: i + 1 for i, c in enumerate(self.cat_ids)}
@@ -95,6 +141,9 @@ class CocoInstances(torch.utils.data.Dataset):
         with Image.open(self.image_dir / info["file_name"]) as im:
             image = torch.from_numpy(np.asarray(im.convert("RGB")).copy()).permute(2, 0, 1)
         h, w = image.shape[1:]
+        if (h, w) != (info["height"], info["width"]):   # its masks would not fit: every instance was dropped
+            raise HpdlError(f"{self.image_dir / info['file_name']} is {w}x{h} pixels but {self.ann_file.name} "
+                            f"says {info['width']}x{info['height']} (image id {image_id})")
         boxes, labels, masks = [], [], []
         for ann in self.coco.imgToAnns.get(image_id, []):
             if ann.get("iscrowd", 0):

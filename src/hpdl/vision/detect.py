@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pickle
 import sys
 import time
 from pathlib import Path
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 
 from hpdl.runtime.errors import HpdlError
+from hpdl.vision.cli import _count
 
 MODELS = ("sprnet", "maskrcnn", "retinanet")
 MASK_MODELS = ("sprnet", "maskrcnn")
@@ -135,26 +137,39 @@ def load_checkpoint(path: str | Path, map_location="cpu") -> tuple[torch.nn.Modu
         raise HpdlError(f"checkpoint={str(path)!r}: no such file")
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
-    except (RuntimeError, EOFError, OSError, ValueError) as exc:   # a truncated or foreign file
+    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as exc:   # truncated or foreign
         raise HpdlError(f"checkpoint={str(path)!r} cannot be read ({str(exc).splitlines()[0][:120]}); write it "
                         "again with `hpdl vision train`") from exc
-    if not isinstance(ckpt, dict) or ckpt.get("format") != "hpdl.vision.detect/1":
+    if not isinstance(ckpt, dict) or ckpt.get("format") != "hpdl.vision.detect/1" or \
+            not {"spec", "state_dict", "meta"} <= ckpt.keys():
         raise HpdlError(f"checkpoint={str(path)!r} is not an hpdl vision detection checkpoint")
     spec = dict(ckpt["spec"])
     spec["backbone_weights"] = None   # the weights come from the checkpoint
     model = build_model(spec.pop("name"), spec.pop("num_classes"), **spec)
-    model.load_state_dict(ckpt["state_dict"])
+    try:
+        model.load_state_dict(ckpt["state_dict"])
+    except RuntimeError as exc:   # weights edited or written by another build of the model
+        raise HpdlError(f"checkpoint={str(path)!r}: its weights do not fit the model its spec describes "
+                        f"({' '.join(str(exc).split())[:240]})") from None
     return model, ckpt["meta"]
 
 
 # ---------------------------------------------------------------- loops
 
 def resolve_device(device: str = "auto") -> torch.device:
+    """``auto`` (CUDA when available), or a torch device string.
+
+    Raises:
+        HpdlError: CUDA asked for but absent, or a string torch does not parse as a device.
+    """
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise HpdlError(f"device={device!r} but CUDA is not available here")
-    return torch.device(device)
+    try:
+        return torch.device(device)
+    except RuntimeError:
+        raise HpdlError(f"device={device!r} is not a device: expected auto, cpu, cuda or cuda:N") from None
 
 
 def _autocast(device: torch.device, amp: bool):
@@ -367,13 +382,20 @@ def throughput(model: torch.nn.Module, images: list[torch.Tensor], *, batch_size
 def draw_predictions(dataset, predictions: list[tuple[int, dict]], path: str | Path, *, num_images: int = 8,
                      score_thresh: float = 0.5, title: str = "") -> Path:
     """PNG of the first ``num_images`` images with the predicted masks (coloured, 50% alpha), boxes and labels
-    whose score is at least ``score_thresh``; the ground truth's outline beside each for comparison."""
+    whose score is at least ``score_thresh``; the ground truth's outline beside each for comparison.
+
+    Raises:
+        ValueError: ``num_images`` < 1 or an empty dataset (nothing to draw).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
+    if num_images < 1 or len(dataset) == 0:
+        raise ValueError(f"num_images must be >= 1 and the dataset non-empty, got num_images={num_images}, "
+                         f"{len(dataset)} images")
     by_id = dict(predictions)
     n = min(num_images, len(dataset))
     cols = min(4, n)
@@ -430,7 +452,8 @@ def add_arguments(group, evaluate: bool = False) -> None:
     """Options of the detection models (the shared ones are declared in :mod:`hpdl.vision.cli`)."""
     group.add_argument("--val-split", default=None,
                        help="COCO split to evaluate on (default: val, or the checkpoint's when evaluating)")
-    group.add_argument("--pictures", type=int, default=8, help="images in the predicted-mask picture (default: 8)")
+    group.add_argument("--pictures", type=_count(0), default=8,
+                       help="images in the predicted-mask picture, 0: no picture (default: 8)")
     if not evaluate:   # the rest is the model's; evaluate reads it from the checkpoint
         group.add_argument("--backbone", default="resnet50", choices=("resnet10", "resnet18", "resnet34", "resnet50", "resnet101"),
                            help="detection backbone (default: resnet50, the paper's; resnet18 for quick CPU runs)")
@@ -440,7 +463,7 @@ def add_arguments(group, evaluate: bool = False) -> None:
                                 "(default: random init; nothing is downloaded)")
         group.add_argument("--fpn", default="gated", choices=("gated", "sum"),
                            help="SPRNet pyramid: gated (GFPN, the paper's) or sum (default: gated)")
-        group.add_argument("--fpn-channels", type=int, default=256, help="FPN width (default: 256)")
+        group.add_argument("--fpn-channels", type=_count(1), default=256, help="FPN width (default: 256)")
 
 
 def _shapes_root(args) -> Path:
@@ -449,8 +472,25 @@ def _shapes_root(args) -> Path:
     root = Path(args.out) / "shapes"
     if not (root / "annotations" / "instances_val.json").is_file():
         print(f"making the shapes dataset in {root} (`hpdl vision make-shapes` makes others)", file=sys.stderr)
-        make_shapes(root, ShapesConfig(**SHAPES_DEFAULT, seed=args.seed))
+        make_shapes(root, ShapesConfig(**SHAPES_DEFAULT, seed=args.seed), overwrite=True)   # hpdl's own folder
     return root
+
+
+def _writable_folder(out: Path) -> Path:
+    """Make ``--out`` and prove a file can be written there, before any training time is spent.
+
+    Raises:
+        HpdlError: ``out`` is a file, or cannot be created or written (names it and the OS's reason).
+    """
+    import tempfile
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as exc:
+        raise HpdlError(f"--out {str(out)!r} is not a writable folder ({exc.strerror or exc})") from None
+    return out
 
 
 def _print_metrics(name: str, metrics: dict) -> None:
@@ -465,8 +505,7 @@ def train(args) -> int:
 
     torch.manual_seed(args.seed)
     device = resolve_device(args.device)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = _writable_folder(Path(args.out))
     data = Path(args.data) if args.data else _shapes_root(args)
     amp = device.type == "cuda" if args.amp is None else args.amp
     image_size = args.image_size or DEFAULTS["image_size"]
@@ -477,6 +516,8 @@ def train(args) -> int:
                         "train on")
     val_split = args.val_split or "val"
     val_ds = CocoInstances(data, val_split)
+    if len(val_ds) == 0:   # found before training: the evaluation reported AP -100 and no mask AP
+        raise HpdlError(f"data={str(data)!r} split {val_split!r} has no image to evaluate on")
     if train_ds.cat_ids != val_ds.cat_ids:
         raise HpdlError(f"splits {args.train_split!r} and {val_split!r} have different categories")
     model = build_model(args.model, train_ds.num_classes, backbone=args.backbone,
@@ -501,12 +542,14 @@ def train(args) -> int:
     save_checkpoint(ckpt, model, meta)
     metrics = evaluate_model(model, val_ds, batch_size=batch_size, device=device, amp=amp, workers=args.workers)
     preds = metrics.pop("predictions")
-    draw_predictions(val_ds, preds, out / f"{args.model}_predictions.png", num_images=args.pictures,
-                     title=f"{args.model} on {data.name}/{val_split}")
     (out / f"{args.model}_metrics.json").write_text(json.dumps({"metrics": metrics, **meta}, indent=1))
-    print(f"checkpoint {ckpt}; {stats['steps']} steps in {stats['seconds']:.0f} s; picture "
-          f"{out / (args.model + '_predictions.png')}")
-    _print_metrics(args.model, metrics)
+    picture = out / f"{args.model}_predictions.png"
+    print(f"checkpoint {ckpt}; {stats['steps']} steps in {stats['seconds']:.0f} s" +
+          (f"; picture {picture}" if args.pictures and len(val_ds) else ""))
+    _print_metrics(args.model, metrics)   # before the picture: a failure there must not hide the metrics
+    if args.pictures and len(val_ds):
+        draw_predictions(val_ds, preds, picture, num_images=args.pictures,
+                         title=f"{args.model} on {data.name}/{val_split}")
     return 0
 
 
@@ -521,6 +564,8 @@ def evaluate(args) -> int:
     data = args.data or meta.get("data")
     split = args.val_split or meta.get("val_split") or "val"
     val_ds = CocoInstances(data, split)
+    if len(val_ds) == 0:
+        raise HpdlError(f"data={data!r} split {split!r} has no image to evaluate on")
     if [c["id"] for c in meta["categories"]] != val_ds.cat_ids:
         raise HpdlError(f"data={data!r} split {split!r} has categories {val_ds.cat_ids}, the checkpoint "
                         f"{[c['id'] for c in meta['categories']]}")
@@ -529,10 +574,11 @@ def evaluate(args) -> int:
     metrics = evaluate_model(model, val_ds, batch_size=args.batch_size or DEFAULTS["batch_size"], device=device,
                              amp=amp, workers=args.workers)
     preds = metrics.pop("predictions")
-    picture = Path(args.checkpoint).with_name(f"{args.model}_evaluate.png")
-    draw_predictions(val_ds, preds, picture, num_images=args.pictures, title=f"{args.model} on {split}")
-    print(f"picture {picture}")
-    _print_metrics(args.model, metrics)
+    _print_metrics(args.model, metrics)   # before the picture: a failure there must not hide the metrics
+    if args.pictures and len(val_ds):
+        picture = Path(args.checkpoint).with_name(f"{args.model}_evaluate.png")
+        draw_predictions(val_ds, preds, picture, num_images=args.pictures, title=f"{args.model} on {split}")
+        print(f"picture {picture}")
     return 0
 
 
@@ -541,13 +587,16 @@ def _add_make_shapes(p) -> None:
 
     d = ShapesConfig()
     p.add_argument("--root", required=True, help="output folder (COCO layout: train/, val/, annotations/)")
-    p.add_argument("--train", type=int, default=d.num_train, help=f"training images (default: {d.num_train})")
-    p.add_argument("--val", type=int, default=d.num_val, help=f"validation images (default: {d.num_val})")
-    p.add_argument("--image-size", type=int, default=d.image_size, help=f"side in pixels (default: {d.image_size})")
-    p.add_argument("--max-instances", type=int, default=d.max_instances,
+    p.add_argument("--train", type=_count(0), default=d.num_train, help=f"training images (default: {d.num_train})")
+    p.add_argument("--val", type=_count(0), default=d.num_val, help=f"validation images (default: {d.num_val})")
+    p.add_argument("--image-size", type=_count(16), default=d.image_size,
+                   help=f"side in pixels, >= 16 (default: {d.image_size})")
+    p.add_argument("--max-instances", type=_count(1), default=d.max_instances,
                    help=f"instances an image, at most (default: {d.max_instances})")
-    p.add_argument("--seed", type=int, default=d.seed, help=f"random seed (default: {d.seed})")
-    p.add_argument("--workers", type=int, default=0, help="rendering processes (default: 0, this one)")
+    p.add_argument("--seed", type=_count(0), default=d.seed, help=f"random seed, >= 0 (default: {d.seed})")
+    p.add_argument("--workers", type=_count(0), default=0, help="rendering processes (default: 0, this one)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a different shapes set (or other files) already in --root")
 
 
 def _make_shapes(args) -> int:
@@ -556,7 +605,8 @@ def _make_shapes(args) -> int:
     cfg = ShapesConfig(num_train=args.train, num_val=args.val, image_size=args.image_size,
                        max_instances=args.max_instances, seed=args.seed)
     bar = _Progress(cfg.num_train + cfg.num_val, "make-shapes")
-    files = make_shapes(args.root, cfg, workers=args.workers, progress=lambda done, total: bar.update(done))
+    files = make_shapes(args.root, cfg, workers=args.workers, overwrite=args.overwrite,
+                        progress=lambda done, total: bar.update(done))
     bar.close()
     print(json.dumps({k: str(v) for k, v in files.items()}))
     return 0

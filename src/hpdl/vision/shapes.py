@@ -59,6 +59,8 @@ class ShapesConfig:
             raise ValueError(f"need 0 < min_scale <= max_scale <= 1, got {self.min_scale}, {self.max_scale}")
         if not 0 < self.min_visible <= 1:
             raise ValueError(f"min_visible must be in (0, 1], got {self.min_visible}")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
 
 
 def _shape_mask(kind: str, cx: float, cy: float, radius: float, angle: float, size: int) -> np.ndarray:
@@ -142,21 +144,64 @@ def _write_images(cfg: ShapesConfig, split: str, indices: range, folder: str) ->
     return out
 
 
+def _config_json(cfg: ShapesConfig) -> dict:
+    return {**asdict(cfg), "classes": list(cfg.classes)}
+
+
+def _in_the_way(root: Path, cfg: ShapesConfig) -> str | None:
+    """Why writing ``cfg``'s set into ``root`` would destroy something, or None (nothing there, or this set)."""
+    for split in SPLITS:
+        ann = root / "annotations" / f"instances_{split}.json"
+        if ann.is_file():
+            try:
+                config = json.loads(ann.read_text()).get("info", {}).get("config")
+            except (OSError, ValueError, AttributeError):
+                config = None
+            if config != _config_json(cfg):
+                return f"{ann} is not this shapes set ({'config ' + str(config) if config else 'another dataset'})"
+    if not any((root / "annotations" / f"instances_{split}.json").is_file() for split in SPLITS):
+        for split in SPLITS:
+            if (root / split).is_dir() and any((root / split).iterdir()):
+                return f"{root / split} holds files and no shapes annotations"
+    return None
+
+
 def make_shapes(root: str | Path, cfg: ShapesConfig = ShapesConfig(), *, workers: int = 0,
-                progress=None) -> dict[str, Path]:
+                overwrite: bool = False, progress=None) -> dict[str, Path]:
     """Write the shapes dataset of ``cfg`` under ``root`` (see the module docstring for the layout).
 
     Args:
-        root: output folder; existing files of the same names are overwritten.
+        root: output folder. The same set there (same ``cfg``) is written again; anything else in the way
+            (another config's set, images without annotations) raises unless ``overwrite``, which replaces
+            the set: its annotation files are rewritten and images of the old set not in the new one removed.
         cfg: what to draw.
         workers: processes that render in parallel (0: in this process). The output does not depend on it.
+        overwrite: replace a different set in ``root``.
         progress: optional ``callable(done, total)`` called as images are written.
 
     Returns:
         ``{split: annotation file}`` for ``train`` and ``val``.
+    Raises:
+        HpdlError: ``root`` holds something else (and not ``overwrite``), or cannot be created.
+        ValueError: ``workers`` < 0.
     """
+    from hpdl.runtime.errors import HpdlError
+
+    if workers < 0:
+        raise ValueError(f"workers must be >= 0, got {workers}")
     root = Path(root)
-    (root / "annotations").mkdir(parents=True, exist_ok=True)
+    reason = _in_the_way(root, cfg) if root.is_dir() else None
+    if reason and not overwrite:
+        raise HpdlError(f"root={str(root)!r}: {reason}; pass overwrite=True (--overwrite) or another folder")
+    try:
+        (root / "annotations").mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise HpdlError(f"root={str(root)!r} cannot be created ({exc.strerror or exc})") from None
+    for split, count in (("train", cfg.num_train), ("val", cfg.num_val)):   # the old set's extra images
+        if reason and (root / split).is_dir():
+            for f in (root / split).glob("[0-9][0-9][0-9][0-9][0-9][0-9].png"):
+                if int(f.stem) >= count:
+                    f.unlink()
     categories = [{"id": i + 1, "name": name, "supercategory": "shape"} for i, name in enumerate(cfg.classes)]
     total, done, files = cfg.num_train + cfg.num_val, 0, {}
     pool = None
@@ -187,7 +232,7 @@ def make_shapes(root: str | Path, cfg: ShapesConfig = ShapesConfig(), *, workers
                     progress(done, total)
             files[split] = root / "annotations" / f"instances_{split}.json"
             info = {"description": "hpdl synthetic shapes", "generator": "hpdl.vision.shapes",
-                    "config": {**asdict(cfg), "classes": list(cfg.classes)}}
+                    "config": _config_json(cfg)}
             files[split].write_text(json.dumps({"info": info, "images": images, "annotations": annotations,
                                                 "categories": categories}))
     finally:
