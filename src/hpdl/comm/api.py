@@ -77,8 +77,19 @@ class Work:
         return True
 
     def is_completed(self) -> bool:
+        """True once the result is in the caller's tensor (or the collective failed: ``wait()`` raises its
+        error). When torch's collective has completed, the finishing steps (avg division, copies back) run here,
+        on the polling thread, so that ``while not work.is_completed(): ...`` ends with the result in place."""
         pending = self._pending
-        return pending is None or (pending.work.is_completed() and not pending.finish)
+        if pending is None:
+            return True
+        if not pending.work.is_completed():
+            return False
+        try:
+            self.wait()
+        except BaseException:  # noqa: BLE001 - kept in self._error; wait() raises it, as torch's Work does
+            pass
+        return True
 
     def get_future(self) -> torch.futures.Future:
         """A Future completed with the result tensor once the collective finished (its finishing steps, the
