@@ -15,3 +15,50 @@ def test_is_completed_turns_true_and_finishes_the_result_without_wait():
         assert out["all_gather"] == (True, [float(q) for q in range(p) for _ in range(2)])
         assert out["reduce_scatter"] == (True, [float(p * (2 * r + j) + sum(range(p))) for j in range(2)])
         assert out["non_contiguous"] == (True, [3.0] * 12)
+
+
+def _rule(**kw):
+    import json
+
+    return json.dumps({"rules": [{"device": "cpu", "max_bytes": 1 << 20, "algorithm": "direct", **kw}]})
+
+
+@pytest.mark.parametrize("fields,match", [
+    ({"algorithm": "dierct"}, "got 'dierct'"),                       # misspelled: failed only at the first call
+    ({"algorithm": "pairwise"}, "does not implement all_reduce"),    # all_reduce auto -> AttributeError
+    ({"algorithm": "ring", "collective": "all_to_all"}, "does not implement all_to_all"),
+    ({"algorithm": "auto"}, "does not implement"),
+    ({"collective": "bcast"}, "collective must be one of"),          # silently never matched
+    ({"device": "CPU"}, "device must be"),                           # silently never matched
+    ({"max_bytes": "1M"}, "max_bytes must be"),                      # TypeError at call time
+    ({"window": 0}, "window must be"),
+])
+def test_tuning_file_rules_are_checked_when_loaded(fields, match, tmp_path, monkeypatch):
+    from hpdl.comm import tuning
+
+    with pytest.raises(ValueError, match="tuning table 't.json', rule 0") as info:
+        tuning.TuningTable.from_json(_rule(**fields), source="t.json")
+    assert match in str(info.value)
+    path = tmp_path / "t.json"
+    path.write_text(_rule(**fields))
+    monkeypatch.setenv("HPDL_TUNING_FILE", str(path))
+    tuning.set_table(None)
+    try:
+        with pytest.raises(ValueError, match="rule 0"):
+            tuning.resolve("all_reduce", 8, 4, "cpu")
+    finally:
+        tuning.set_table(None)
+
+
+def test_tuning_file_not_json_names_the_file_and_aliases_are_canonical():
+    from hpdl.comm import tuning
+
+    with pytest.raises(ValueError, match="'t.json' is not valid JSON"):
+        tuning.TuningTable.from_json("{rules", source="t.json")
+    # aliases load as canonical names: "rd" reached list(REGISTRY).index() in the argument check and raised
+    t = tuning.TuningTable.from_json(_rule(algorithm="rd", collective="allreduce"), source="t.json")
+    assert t.select("all_reduce", 8, 4, "cpu") == ("recursive_doubling", None)
+    assert tuning.default_table().validated().rules == tuning.default_table().rules
+    with pytest.raises(ValueError, match="does not implement all_reduce"):
+        tuning.set_table(tuning.TuningTable([tuning.Rule("cpu", 8, "push")]))
+    tuning.set_table(None)
