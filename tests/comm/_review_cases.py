@@ -48,3 +48,17 @@ def is_completed_polls(ctx):
     out["non_contiguous"] = (_poll(w), nc.reshape(-1).tolist())
     w.wait()
     return out
+
+
+def bad_timeouts(ctx):
+    """timeout <= 0 or NaN was accepted: the argument check's receives gave up at once, gloo closed the
+    group's pairs ("Application timeout caused pair closure") and every later call on the group failed."""
+    p = ctx.world_size
+    errors = []
+    for t in (-1, 0, float("nan"), float("inf")):
+        errors.append(_catch(lambda: hc.all_reduce(torch.ones(4), algorithm="direct", timeout=t)))
+        errors.append(_catch(lambda: hc.all_to_all_single(torch.zeros(p), torch.ones(p), timeout=t)))
+        errors.append(_catch(lambda: hc.all_gather_into_tensor(torch.zeros(p), torch.ones(1), timeout=t)))
+    x = torch.ones(4)
+    hc.all_reduce(x, algorithm="direct", timeout=30)   # the group still works
+    return errors, x.tolist()

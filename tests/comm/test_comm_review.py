@@ -62,3 +62,11 @@ def test_tuning_file_not_json_names_the_file_and_aliases_are_canonical():
     with pytest.raises(ValueError, match="does not implement all_reduce"):
         tuning.set_table(tuning.TuningTable([tuning.Rule("cpu", 8, "push")]))
     tuning.set_table(None)
+
+
+@pytest.mark.timeout(120)
+def test_non_positive_or_nan_timeout_is_rejected_before_communicating():
+    p = 3
+    for errors, x in get_pool(p).run(R.bad_timeouts):
+        assert all(kind == "ValueError" and "timeout must be a finite number" in msg for kind, msg in errors), errors
+        assert x == [float(p)] * 4
