@@ -70,3 +70,23 @@ def test_non_positive_or_nan_timeout_is_rejected_before_communicating():
     for errors, x in get_pool(p).run(R.bad_timeouts):
         assert all(kind == "ValueError" and "timeout must be a finite number" in msg for kind, msg in errors), errors
         assert x == [float(p)] * 4
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("spelling,meant", [("allgather", "all_gather"), ("all_to_all", "alltoall")])
+def test_bench_takes_both_spellings_of_a_collective(spelling, meant):
+    """`hpdl bench allgather` was "invalid choice" while `allreduce` / `alltoall` are spelled without underscores."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([sys.executable, "-m", "hpdl.cli", "bench", spelling, "--np", "2", "-b", "64", "-e", "64",
+                          "--algorithms", "native", "--iters", "3", "--warmup", "0", "--time-per-point", "0.01",
+                          "--format", "json"], capture_output=True, text=True, timeout=180, env=env, cwd=root)
+    assert out.returncode == 0, out.stderr[-2000:]
+    data = json.loads(out.stdout)
+    assert data["meta"]["collective"] == meant and [r["wrong"] for r in data["rows"]] == [0]
