@@ -17,6 +17,10 @@ from hpdl.bench.specs import SPECS
 _COLLECTIVES = {"allreduce": "allreduce", "reduce_scatter": "reduce_scatter", "all_gather": "all_gather",
                 "alltoall": "alltoall"}
 _DEFAULT_ALGORITHMS = {"alltoall": "native,pairwise,direct,push,pull"}
+# the other spellings of each name (hpdl.comm's and nccl-tests'), so that neither convention is an error
+_ALIASES = {"allreduce": ["all_reduce"], "reduce_scatter": ["reducescatter"], "all_gather": ["allgather"],
+            "alltoall": ["all_to_all", "all_to_all_single"]}
+_CANONICAL = {alias: name for name, aliases in _ALIASES.items() for alias in aliases}
 
 
 def parse_size(text: str) -> int:
@@ -77,7 +81,7 @@ class BenchCommand:
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         sub = parser.add_subparsers(dest="collective", metavar="{" + ",".join([*_COLLECTIVES, "model", *PLUGINS]) + "}")
         for name in _COLLECTIVES:
-            p = sub.add_parser(name, help=f"benchmark {name}", description=f"benchmark {name}: every size x "
+            p = sub.add_parser(name, aliases=_ALIASES[name], help=f"benchmark {name}", description=f"benchmark {name}: every size x "
                                "algorithm, checked exactly, timed, with native (torch.distributed) as the baseline",
                                formatter_class=_HelpFormatter)
             p.set_defaults(_parser=p, op="sum", tune_path=None, graph=False, graph_calls=None)
@@ -147,6 +151,7 @@ class BenchCommand:
                     raise
                 raise CLIUsageError("hpdl bench model --calibrate fits the model with scipy's least squares, which "
                                     "is not installed: pip install 'hpdl[comm]' (or pip install scipy)") from None
+        args.collective = _CANONICAL.get(args.collective, args.collective)
         if args.collective is None:
             raise CLIUsageError("choose a collective: " + ", ".join(_COLLECTIVES)
                                 + " (or " + ", ".join(["model", *PLUGINS]) + ")")

@@ -77,8 +77,19 @@ class Work:
         return True
 
     def is_completed(self) -> bool:
+        """True once the result is in the caller's tensor (or the collective failed: ``wait()`` raises its
+        error). When torch's collective has completed, the finishing steps (avg division, copies back) run here,
+        on the polling thread, so that ``while not work.is_completed(): ...`` ends with the result in place."""
         pending = self._pending
-        return pending is None or (pending.work.is_completed() and not pending.finish)
+        if pending is None:
+            return True
+        if not pending.work.is_completed():
+            return False
+        try:
+            self.wait()
+        except BaseException:  # noqa: BLE001 - kept in self._error; wait() raises it, as torch's Work does
+            pass
+        return True
 
     def get_future(self) -> torch.futures.Future:
         """A Future completed with the result tensor once the collective finished (its finishing steps, the
@@ -185,6 +196,19 @@ def set_topology(topology, group=None) -> None:
     res.topology = topo
 
 
+def _timeout(timeout) -> float:
+    """The call's timeout in seconds (``HPDL_TIMEOUT`` when None), checked before any communication: a wait
+    of zero or less gives up at once and leaves the group's receives posted, which closes gloo's pairs and
+    breaks every later call on the group."""
+    value = env.get("HPDL_TIMEOUT") if timeout is None else timeout
+    if isinstance(value, timedelta):
+        value = value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        source = "HPDL_TIMEOUT" if timeout is None else "timeout"
+        raise ValueError(f"{source} must be a finite number of seconds > 0 (or a timedelta), got {value!r}")
+    return float(value)
+
+
 def _check_tensor(name: str, t, res: GroupResources) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -264,7 +288,7 @@ def _prepare(what: str, tensor: torch.Tensor, op, group, algorithm: str, window,
     check_dtype(tensor.dtype, op)
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"window must be an int >= 1 (or None for the tuned value), got {window!r}")
-    timeout = float(env.get("HPDL_TIMEOUT") if timeout is None else timeout)
+    timeout = _timeout(timeout)
     name, window = _resolve(res, algorithm, tensor, window, what, timeout)
     mode = env.get("HPDL_CHECK") if check is None else check
     verify = None
@@ -589,7 +613,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     lay, osp, isp = a2a.make_layout(output, input, output_split_sizes, input_split_sizes, res.world_size, res.rank)
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"window must be an int >= 1 (or None for all peers), got {window!r}")
-    timeout = float(env.get("HPDL_TIMEOUT") if timeout is None else timeout)
+    timeout = _timeout(timeout)
     name, window = _resolve(res, algorithm, input, window, "all_to_all", timeout)
     mode = env.get("HPDL_CHECK") if check is None else check
     verify = None

@@ -44,6 +44,7 @@ class Rule:
     ``device``.
 
     Rules are matched in order; the first whose collective, device, world-size range and byte bound fit wins.
+    :meth:`TuningTable.validated` (run on every table loaded or set) checks the fields.
     """
 
     device: str
@@ -95,12 +96,58 @@ class TuningTable:
 
     @classmethod
     def from_json(cls, text: str, source: str = "file") -> "TuningTable":
-        data = json.loads(text)
+        """Parse and validate a table (:meth:`validated`); ``source`` names it in errors.
+
+        Raises:
+            ValueError: not JSON, not ``{"rules": [...]}``, or a rule that :meth:`validated` rejects.
+        """
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"tuning table {source!r} is not valid JSON: {exc}") from None
         try:
             rules = [Rule(**r) for r in data["rules"]]
         except (KeyError, TypeError) as exc:
             raise ValueError(f"tuning table {source!r} is malformed: {exc}") from None
-        return cls(rules, data.get("source", source))
+        return cls(rules, data.get("source", source) if isinstance(data, dict) else source).validated(source)
+
+    def validated(self, source: str | None = None) -> "TuningTable":
+        """This table with every rule checked, aliases spelled canonically (``"allreduce"``, ``"rd"``).
+
+        A rule must name a device ("cpu" / "cuda"), a collective of :data:`COLLECTIVES`, an algorithm of the
+        registry that implements that collective (not "auto"), integer byte and world bounds and a window that
+        is None or an int >= 1; otherwise every call of ``algorithm="auto"`` would fail later, or silently
+        ignore the rule.
+
+        Raises:
+            ValueError: naming the table, the rule's index and the field.
+        """
+        from hpdl.comm.algorithms.base import algorithms_for, canonical, implements
+
+        where = source or self.source
+        rules = []
+        for i, rule in enumerate(self.rules):
+            def bad(msg: str) -> ValueError:
+                return ValueError(f"tuning table {where!r}, rule {i} ({asdict(rule)}): {msg}")
+            if rule.device not in ("cpu", "cuda"):
+                raise bad(f"device must be 'cpu' or 'cuda', got {rule.device!r}")
+            try:
+                coll = canonical_collective(rule.collective)
+                name = canonical(rule.algorithm)
+            except (ValueError, TypeError) as exc:
+                raise bad(str(exc)) from None
+            if name == "auto" or not implements(name, coll):
+                raise bad(f"algorithm {rule.algorithm!r} does not implement {coll}; use one of "
+                          f"{algorithms_for(coll)}")
+            for field in ("max_bytes", "min_world", "max_world"):
+                value = getattr(rule, field)
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise bad(f"{field} must be a non-negative int, got {value!r}")
+            if rule.window is not None and (isinstance(rule.window, bool) or not isinstance(rule.window, int)
+                                            or rule.window < 1):
+                raise bad(f"window must be null or an int >= 1, got {rule.window!r}")
+            rules.append(Rule(rule.device, rule.max_bytes, name, rule.window, rule.min_world, rule.max_world, coll))
+        return TuningTable(rules, self.source)
 
 
 # CPU (gloo) defaults from docs/benchmarks/comm.md, history (4 and 8 processes, 32-core host, 2026-11-29):
@@ -142,7 +189,7 @@ def default_table() -> TuningTable:
 def set_table(table: TuningTable | None) -> None:
     """Make ``table`` the active one (None restores the default / ``HPDL_TUNING_FILE``)."""
     global _active
-    _active = table
+    _active = table.validated() if table is not None else None
 
 
 def active_table() -> TuningTable:
