@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hpdl.hpo.errors import HpoError
+from hpdl.runtime.procs import pid_alive
 
 META_KEY = "hpdl_meta"
 
@@ -97,21 +98,11 @@ def _fsync_dir(folder: Path) -> None:
             os.close(fd)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _remove_stale_tmp(path: Path) -> None:
     """Delete ``<lineage>.tmp<pid>`` files left by writers that died mid-write (kill -9)."""
     for tmp in path.parent.glob(f"{path.stem}.tmp*"):
         pid = tmp.suffix[len(".tmp"):]
-        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+        if pid.isdigit() and int(pid) not in (0, os.getpid()) and not pid_alive(int(pid)):
             with contextlib.suppress(OSError):
                 tmp.unlink()
 
