@@ -5,14 +5,7 @@ import time
 import torch
 
 import hpdl.comm as hc
-
-
-def _catch(fn):
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the test inspects what was raised
-        return type(exc).__name__, str(exc)
-    return None, ""
+from _errors import _catch
 
 
 def _poll(work, limit=5.0) -> bool:
