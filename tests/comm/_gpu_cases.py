@@ -70,6 +70,11 @@ def make(isp, row, dtype, rank, seed, dev):
 
 
 def nccl_ref(inp, isp, osp):
+    """torch.distributed's all_to_all_single (NCCL; gloo on host copies when ranks share a GPU)."""
+    if dist.get_backend() == "gloo":
+        want = torch.empty((sum(osp),) + tuple(inp.shape[1:]), dtype=inp.dtype)
+        dist.all_to_all_single(want, inp.cpu(), osp, isp)
+        return want.to(inp.device)
     want = torch.empty((sum(osp),) + tuple(inp.shape[1:]), dtype=inp.dtype, device=inp.device)
     dist.all_to_all_single(want, inp, osp, isp)
     return want

@@ -104,6 +104,10 @@ class BenchCommand:
                                help="reduction")
             p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                            help="cpu: gloo; cuda: NCCL and hpdl's peer-memory kernels, one GPU per rank")
+            p.add_argument("--ranks-per-gpu", type=int, default=None, metavar="N",
+                           help="with --device cuda: N ranks share each GPU (rank r on cuda:(r // N); gloo, no "
+                                "NCCL) to run the multi-GPU code paths on fewer GPUs. Correctness only: its "
+                                "timings are not multi-GPU performance (default: HPDL_RANKS_PER_GPU, 1)")
             p.add_argument("--iters", type=int, default=50, help="most timed calls per point")
             p.add_argument("--warmup", type=int, default=2, help="untimed calls per point (after the checked one)")
             p.add_argument("--time-per-point", type=float, default=0.1,
@@ -173,6 +177,7 @@ class BenchCommand:
             raise CLIUsageError(str(exc)) from None
         if args.tune_path and "native" not in cfg.algorithms:
             raise CLIUsageError("--tune needs 'native' among --algorithms (auto must never lose to it)")
+        _check_ranks_per_gpu(args)
         _validate(cfg, args)
         rows, world = _launch(cfg, args)
         meta = _meta(cfg, args, world)
@@ -276,11 +281,30 @@ def _bench_worker(ctx, cfg):
     return rows if ctx.rank == 0 else None
 
 
+def _check_ranks_per_gpu(args) -> None:
+    """--ranks-per-gpu: an int >= 1, CUDA only, never the source of a tuning table."""
+    from hpdl.cli import CLIUsageError
+    from hpdl.runtime.launch import ranks_per_gpu_of
+
+    if args.device != "cuda":
+        if args.ranks_per_gpu not in (None, 1):
+            raise CLIUsageError(f"--ranks-per-gpu needs --device cuda (got --device {args.device})")
+        args.ranks_per_gpu = 1
+        return
+    try:
+        args.ranks_per_gpu = ranks_per_gpu_of(args.ranks_per_gpu)
+    except ValueError as exc:
+        raise CLIUsageError(str(exc).replace("ranks_per_gpu must", "--ranks-per-gpu must")) from None
+    if args.ranks_per_gpu > 1 and getattr(args, "tune_path", None):
+        raise CLIUsageError(f"--tune with --ranks-per-gpu {args.ranks_per_gpu}: ranks sharing a GPU time "
+                            "correctness runs, not multi-GPU performance, so no tuning table is written from them")
+
+
 def _launch(cfg: BenchConfig, args):
     from hpdl.runtime import detect_launcher, init_from_env, spawn
 
     if detect_launcher() is not None:
-        ctx = init_from_env(args.device, args.ranks_per_node, args.timeout)
+        ctx = init_from_env(args.device, args.ranks_per_node, args.timeout, ranks_per_gpu=args.ranks_per_gpu)
         import hpdl.comm as hc
 
         hc.set_topology(ctx.topology)
@@ -298,7 +322,7 @@ def _launch(cfg: BenchConfig, args):
             sys.exit(1 if any(r.wrong for r in rows) else 0)
         return rows, ctx.world_size
     results = spawn(_bench_worker, args.np, args=(cfg,), device=args.device, ranks_per_node=args.ranks_per_node,
-                    timeout=args.timeout)
+                    timeout=args.timeout, ranks_per_gpu=args.ranks_per_gpu)
     return results[0], args.np
 
 
@@ -308,7 +332,7 @@ def _meta(cfg: BenchConfig, args, world: int) -> dict:
             "op": cfg.op, "torch": torch.__version__, "python": platform.python_version(),
             "host": platform.node(), "cpu": platform.processor() or platform.machine(),
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "command": "hpdl " + " ".join(sys.argv[1:])}
+            "command": "hpdl " + " ".join(sys.argv[1:]), "ranks_per_gpu": args.ranks_per_gpu}
     if args.device == "cuda" and torch.cuda.is_available():
         meta["gpu"] = torch.cuda.get_device_name(0)
         meta["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
@@ -323,4 +347,7 @@ def _print(rows, meta, args) -> None:
         return
     print(f"# hpdl bench {meta['collective']}: {meta['world_size']} ranks, device {meta['device']}, "
           f"torch {meta['torch']}, {meta['timing']} timing, {meta['date']}")
+    if meta.get("ranks_per_gpu", 1) > 1:
+        print(f"# NOTE: {meta['ranks_per_gpu']} ranks share each GPU: these timings check correctness and are NOT "
+              "multi-GPU performance (no NCCL; native runs over gloo through host memory)")
     print(format_table(rows))

@@ -113,13 +113,18 @@ class Work:
 
 class CudaWork:
     """Handle of an async peer-memory all-reduce on the group's side stream (like NCCL's Work):
-    ``wait()`` makes the caller's current stream wait for it; ``is_completed()`` polls its event."""
+    ``wait()`` makes the caller's current stream wait for it; ``is_completed()`` polls its event.
 
-    def __init__(self, event):
-        self._event = event
+    Once waited for, the group's later calls need not wait for it again: that matters for CUDA-graph capture,
+    where waiting on an event recorded before the capture invalidates the capture."""
+
+    def __init__(self, event, resources: GroupResources | None = None):
+        self._event, self._res = event, resources
 
     def wait(self, timeout: float | None = None) -> bool:
         torch.cuda.current_stream().wait_event(self._event)
+        if self._res is not None and self._res.side_pending is self._event:
+            self._res.side_pending = None
         return True
 
     def is_completed(self) -> bool:
@@ -214,9 +219,9 @@ def _check_tensor(name: str, t, res: GroupResources) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.layout != torch.strided:
         raise ValueError(f"{name} must be a dense (strided) tensor, got layout={t.layout}")
-    if t.device.type == "cuda" and res.backend == "gloo":
+    if t.device.type == "cuda" and res.backend == "gloo" and not res.cuda_over_gloo:
         raise ValueError(f"{name} is on {t.device} but the group's backend is gloo; pass a CPU tensor or use an "
-                         "NCCL group")
+                         "NCCL group (or, for ranks that share a GPU, HPDL_RANKS_PER_GPU > 1)")
     if t.device.type == "cpu" and res.backend == "nccl":
         raise ValueError(f"{name} is on the CPU but the group's backend is nccl; pass a CUDA tensor")
 
@@ -257,7 +262,9 @@ def _resolve(res: GroupResources, algorithm: str, tensor: torch.Tensor, window: 
     """``(name, window)`` of the algorithm that runs: ``auto`` through :func:`hpdl.comm.resolve` with every fact
     the call knows; an explicit name checked against the collective and the call (before any communication)."""
     name = canonical(algorithm)
-    facts = {"dtype": tensor.dtype, "gpus": torch.cuda.device_count(), "topology": res.topology}
+    # ranks sharing a GPU count as that many GPUs: the same code paths run as on a real node (the topology
+    # records the sharing; benchmarks say the timings are not multi-GPU performance)
+    facts = {"dtype": tensor.dtype, "gpus": torch.cuda.device_count() * res.ranks_per_gpu, "topology": res.topology}
     nbytes = tensor.numel() * tensor.element_size()
     if name == "auto":
         name, tuned = tuning.resolve(collective, nbytes, res.world_size, tensor.device.type, **facts)
@@ -371,8 +378,9 @@ def all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool = Fals
     res, op, name, window, timeout, verify = _prepare("all_reduce", tensor, op, group, algorithm, window, timeout,
                                                       check)
     if get_class(name).runs_kernel(res, tensor, timeout):
-        if verify is not None:
-            verify()
+        if verify is not None:   # host exchange: a dead or missing peer is named by the group's post-mortem
+            res.calls += 1
+            res.guard("all_reduce", res.calls, timeout)(verify)
         return _kernel_call(res, tensor, op, name, window, async_op, fast_key, timeout)
 
     def run() -> Pending | None:
@@ -669,4 +677,4 @@ def _on_side_stream(res: GroupResources, fn: Callable[[], None], device: torch.d
     for t in tensors:
         t.record_stream(side)
     res.side_pending = done
-    return CudaWork(done)
+    return CudaWork(done, res)

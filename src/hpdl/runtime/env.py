@@ -52,6 +52,15 @@ _declare("HPDL_DIRECT_WINDOW", int, 0, "Throttle window k of the direct algorith
 _declare("HPDL_RANKS_PER_NODE", str, "",
          "Emulated ranks per node for two-level algorithms when no topology was set (e.g. `4` or `3,2`); "
          "empty = nodes from hostnames.")
+_declare("HPDL_RANKS_PER_GPU", int, 1,
+         "Ranks that share one CUDA device (local rank r uses `cuda:(r // ranks_per_gpu)`); above 1 the data "
+         "group is gloo (NCCL refuses two ranks on one device) and CUDA tensors move through hpdl's peer-memory "
+         "kernels or host staging. For correctness at 2-8 ranks on one GPU; its timings are not multi-GPU "
+         "performance. Set by `hpdl.runtime.spawn(..., ranks_per_gpu=N)` in every rank; set it yourself under "
+         "torchrun.")
+_declare("HPDL_MPS", _bool, False,
+         "With HPDL_RANKS_PER_GPU > 1 under `hpdl.runtime.spawn`: run the ranks as clients of a private NVIDIA "
+         "MPS daemon that hpdl starts and stops (kernels of the ranks then run concurrently, not time-sliced).")
 _declare("HPDL_PIPELINE_DEPTH", int, 4, "Chunks per shard of the two-level all-reduce's early-trigger pipeline.")
 _declare("HPDL_TWO_LEVEL_INTER", str, "auto",
          "Algorithm of the two-level all-reduce among one rail's ranks: ring, direct, recursive_doubling (hpdl, "

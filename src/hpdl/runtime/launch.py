@@ -3,11 +3,19 @@
 Every entry point returns a :class:`Context`: rank, world size, device, topology and two groups, the
 ``group`` that carries data (gloo for CPU, NCCL for CUDA) and a gloo ``cpu_group`` for host-side work
 (argument checks, CPU staging). ``spawn`` is what the CLI's embedded default and the tests use.
+
+Ranks sharing a GPU (``ranks_per_gpu`` > 1, or ``HPDL_RANKS_PER_GPU``): local rank r uses
+``cuda:(r // ranks_per_gpu)`` and no NCCL group is made (NCCL refuses two ranks on one device): the data group
+is gloo, and hpdl.comm moves CUDA tensors through its peer-memory kernels (CUDA IPC works between processes on
+one device) or through host staging. It exists to run the multi-rank GPU code at 2-8 ranks on one GPU for
+correctness; its timings are never multi-GPU performance (the topology says the GPUs are shared, and
+``hpdl bench`` prints so). ``spawn(..., mps=True)`` runs the ranks as clients of a private MPS daemon.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -46,9 +54,10 @@ class Context:
         rank, world_size, local_rank: as torch.distributed defines them.
         device: ``cpu`` or ``cuda:<local_rank>``.
         backend: backend of ``group`` ("gloo", "nccl" or "mpi").
-        topology: node and rail placement of every rank.
+        topology: node and rail placement of every rank (``topology.ranks_per_gpu`` > 1: GPUs are shared).
         group: the data process group (``None`` means the default world group).
-        cpu_group: a gloo group over the same ranks, for host-side exchanges.
+        cpu_group: a gloo group over the same ranks, for host-side exchanges (None when ``group`` is gloo).
+        ranks_per_gpu: ranks that share one CUDA device (1: a device per rank).
     """
 
     rank: int
@@ -59,6 +68,7 @@ class Context:
     topology: Topology
     group: Any = None
     cpu_group: Any = None
+    ranks_per_gpu: int = 1
 
 
 def free_port() -> int:
@@ -82,35 +92,75 @@ def _timeout(timeout: float | None) -> float:
     return float(env.get("HPDL_TIMEOUT") if timeout is None else timeout)
 
 
-def _make_context(rank, world, local_rank, device, backend, ranks_per_node) -> Context:
+def _make_context(rank, world, local_rank, device, backend, ranks_per_node, ranks_per_gpu: int = 1) -> Context:
     cpu_group = dist.new_group(backend="gloo") if backend != "gloo" else None
-    topo = discover(cpu_group, ranks_per_node)
-    return Context(rank, world, local_rank, device, backend, topo, group=None, cpu_group=cpu_group)
+    rpg = ranks_per_gpu if device.type == "cuda" else 1
+    topo = discover(cpu_group, ranks_per_node, ranks_per_gpu=rpg)
+    return Context(rank, world, local_rank, device, backend, topo, group=None, cpu_group=cpu_group,
+                   ranks_per_gpu=rpg)
 
 
-def _resolve_device(device: str, local_rank: int) -> tuple[torch.device, str]:
+def ranks_per_gpu_of(ranks_per_gpu: int | None) -> int:
+    """``ranks_per_gpu`` checked, or ``HPDL_RANKS_PER_GPU`` when None.
+
+    Raises:
+        ValueError: not an int >= 1 (the message names the argument or the variable).
+    """
+    value = env.get("HPDL_RANKS_PER_GPU") if ranks_per_gpu is None else ranks_per_gpu
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        name = "HPDL_RANKS_PER_GPU" if ranks_per_gpu is None else "ranks_per_gpu"
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+def device_for(device: str, local_rank: int, ranks_per_gpu: int = 1,
+               device_count: int | None = None) -> tuple[torch.device, str]:
+    """``(device, data backend)`` of local rank ``local_rank``, without touching CUDA (``device_count`` given)
+    or after checking it: CPU -> gloo; CUDA -> ``cuda:(local_rank // ranks_per_gpu)`` with NCCL when each rank
+    has its own GPU, gloo when ranks share one (NCCL refuses two ranks on one device).
+
+    Raises:
+        ValueError: ``device`` is not "cpu" or "cuda", or ``ranks_per_gpu`` < 1.
+        RuntimeError: the rank's GPU index is not visible (the message names ``ranks_per_gpu``).
+    """
     if device == "cpu":
         return torch.device("cpu"), "gloo"
-    if device == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError("device='cuda' was asked for but torch.cuda.is_available() is False")
-        if local_rank >= torch.cuda.device_count():
-            raise RuntimeError(f"local rank {local_rank} has no GPU: only {torch.cuda.device_count()} visible")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank), "nccl"
-    raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if device != "cuda":
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if isinstance(ranks_per_gpu, bool) or not isinstance(ranks_per_gpu, int) or ranks_per_gpu < 1:
+        raise ValueError(f"ranks_per_gpu must be an int >= 1, got {ranks_per_gpu!r}")
+    count = torch.cuda.device_count() if device_count is None else device_count
+    index = local_rank // ranks_per_gpu
+    if index >= count:
+        raise RuntimeError(f"local rank {local_rank} has no GPU: only {count} visible and ranks_per_gpu="
+                           f"{ranks_per_gpu} (rank r uses cuda:(r // ranks_per_gpu)); raise ranks_per_gpu to at "
+                           f"least {-(-(local_rank + 1) // max(count, 1))} or start fewer ranks")
+    return torch.device("cuda", index), ("nccl" if ranks_per_gpu == 1 else "gloo")
+
+
+def _resolve_device(device: str, local_rank: int, ranks_per_gpu: int = 1) -> tuple[torch.device, str]:
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device='cuda' was asked for but torch.cuda.is_available() is False")
+    dev, backend = device_for(device, local_rank, ranks_per_gpu)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    return dev, backend
 
 
 def init_from_env(device: str = "cpu", ranks_per_node: int | Sequence[int] | None = None,
-                  timeout: float | None = None) -> Context:
+                  timeout: float | None = None, ranks_per_gpu: int | None = None) -> Context:
     """Join the job that torchrun, mpirun or srun started.
 
     MASTER_ADDR/MASTER_PORT come from the environment; under mpirun without them, rank 0's host and a free
-    port are broadcast through mpi4py (``pip install hpdl[mpi]``).
+    port are broadcast through mpi4py (``pip install hpdl[mpi]``). ``ranks_per_gpu`` (default
+    ``HPDL_RANKS_PER_GPU``, 1): ranks sharing one CUDA device, see the module docstring; with more than 1 the
+    variable is set in this process too, so that hpdl.comm knows.
 
     Raises:
-        RuntimeError: no launcher variables are set, or mpi4py is needed and missing.
+        RuntimeError: no launcher variables are set, mpi4py is needed and missing, or a rank has no GPU.
+        ValueError: bad ``device`` or ``ranks_per_gpu``.
     """
+    rpg = ranks_per_gpu_of(ranks_per_gpu)
     found = detect_launcher()
     if found is None:
         raise RuntimeError("no launcher found: set RANK/WORLD_SIZE (torchrun) or run under mpirun/srun")
@@ -126,13 +176,15 @@ def init_from_env(device: str = "cpu", ranks_per_node: int | Sequence[int] | Non
         addr = MPI.COMM_WORLD.bcast((socket.gethostname(), free_port()) if rank == 0 else None, root=0)
         os.environ.setdefault("MASTER_ADDR", addr[0])
         os.environ.setdefault("MASTER_PORT", str(addr[1]))
-    dev, backend = _resolve_device(device, local_rank)
+    dev, backend = _resolve_device(device, local_rank, rpg)
+    if dev.type == "cuda" and rpg > 1:
+        os.environ["HPDL_RANKS_PER_GPU"] = str(rpg)
     kwargs = {"device_id": dev} if backend == "nccl" else {}
     if not dist.is_initialized():
         dist.init_process_group(backend, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=_timeout(timeout)), **kwargs)
         atexit.register(_destroy_at_exit)
-    return _make_context(rank, world, local_rank, dev, backend, ranks_per_node)
+    return _make_context(rank, world, local_rank, dev, backend, ranks_per_node, rpg)
 
 
 def _destroy_at_exit() -> None:
@@ -145,16 +197,28 @@ def _destroy_at_exit() -> None:
             pass
 
 
-def _worker(rank, nprocs, port, fn, args, device, ranks_per_node, timeout, results) -> None:
+def rank_environment(device: str, ranks_per_gpu: int, timeout: float, mps_env: dict[str, str] | None = None
+                     ) -> dict[str, str]:
+    """Environment variables a spawned rank sets before it touches CUDA: the job's timeout (hpdl.comm's
+    default), ``HPDL_RANKS_PER_GPU`` when ranks share a GPU, and an MPS daemon's pipe/log folders."""
+    out = {"HPDL_TIMEOUT": str(timeout)}
+    if device == "cuda" and ranks_per_gpu > 1:
+        out["HPDL_RANKS_PER_GPU"] = str(ranks_per_gpu)
+    out.update(mps_env or {})
+    return out
+
+
+def _worker(rank, nprocs, port, fn, args, device, ranks_per_node, timeout, results, ranks_per_gpu=1,
+            environ=None) -> None:
     try:
-        os.environ["HPDL_TIMEOUT"] = str(timeout)  # hpdl.comm's collectives default to the job's timeout
+        os.environ.update(environ or {"HPDL_TIMEOUT": str(timeout)})
         threads = max(1, (os.cpu_count() or 1) // nprocs)
         torch.set_num_threads(threads)
-        dev, backend = _resolve_device(device, rank)
+        dev, backend = _resolve_device(device, rank, ranks_per_gpu)
         kwargs = {"device_id": dev} if backend == "nccl" else {}
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nprocs,
                                 timeout=timedelta(seconds=timeout), **kwargs)
-        ctx = _make_context(rank, nprocs, rank, dev, backend, ranks_per_node)
+        ctx = _make_context(rank, nprocs, rank, dev, backend, ranks_per_node, ranks_per_gpu)
         out = fn(ctx, *args)
         results.put((rank, "ok", out))
     except BaseException:  # noqa: BLE001 - report every failure to the parent with its traceback
@@ -169,29 +233,68 @@ def _worker(rank, nprocs, port, fn, args, device, ranks_per_node, timeout, resul
 
 def spawn(fn: Callable[..., Any], nprocs: int, *, args: tuple = (), device: str = "cpu",
           ranks_per_node: int | Sequence[int] | None = None, timeout: float | None = None,
-          job_timeout: float | None = None, grace: float = 5.0) -> list[Any]:
+          job_timeout: float | None = None, grace: float = 5.0, ranks_per_gpu: int | None = None,
+          mps: bool | None = None) -> list[Any]:
     """Run ``fn(ctx, *args)`` on ``nprocs`` freshly spawned local ranks and return their results by rank.
 
     Args:
         fn: a picklable (module-level) function; ``ctx`` is the rank's :class:`Context`.
         nprocs: number of ranks (>= 1).
-        device: "cpu" (gloo) or "cuda" (NCCL, one GPU per rank).
+        device: "cpu" (gloo) or "cuda" (NCCL, one GPU per rank; gloo when ranks share a GPU).
+        ranks_per_gpu: ranks sharing one CUDA device (default ``HPDL_RANKS_PER_GPU``, 1): rank r uses
+            ``cuda:(r // ranks_per_gpu)``, e.g. ``spawn(fn, 8, device="cuda", ranks_per_gpu=8)`` puts 8 ranks on
+            cuda:0. For correctness runs: the timings are not multi-GPU performance.
+        mps: with ranks sharing a GPU, run them as clients of a private MPS daemon started here and stopped
+            when the job ends (default ``HPDL_MPS``, off: the ranks' kernels time-slice).
         ranks_per_node: emulate nodes on this host (see :class:`Topology`).
         timeout: seconds any one collective may wait (default ``HPDL_TIMEOUT``); a hung peer fails the job then.
         job_timeout: seconds for the whole job (default: no limit beyond the per-collective timeouts).
         grace: seconds the other ranks get to finish after one rank fails, before they are killed.
 
     Raises:
+        ValueError: bad ``nprocs``, ``device`` or ``ranks_per_gpu``, or ``mps`` without shared GPUs.
         WorkerFailedError: a rank raised (its traceback is in the message) or died without a result.
         CollectiveTimeoutError: the job ran past ``job_timeout``; the message names the ranks still running.
+        hpdl.runtime.mps.MpsError: ``mps`` was asked for and the daemon could not start.
     """
-    if nprocs < 1:
-        raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"nprocs must be an int >= 1, got {nprocs!r}")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    rpg = ranks_per_gpu_of(ranks_per_gpu) if device == "cuda" else 1
+    use_mps = bool(env.get("HPDL_MPS") if mps is None else mps)
+    if use_mps and rpg == 1:
+        if mps:
+            raise ValueError("mps=True needs ranks sharing a GPU (device='cuda' and ranks_per_gpu > 1)")
+        use_mps = False   # HPDL_MPS set for another job shape: nothing to share
     limit = _timeout(timeout)
+    with _maybe_mps(use_mps) as mps_env:
+        return _spawn(fn, nprocs, args, device, ranks_per_node, limit, job_timeout, grace, rpg,
+                      rank_environment(device, rpg, limit, mps_env))
+
+
+def _maybe_mps(use: bool):
+    """A started private MPS daemon (context manager yielding the clients' environment), or nothing."""
+    if not use:
+        return contextlib.nullcontext({})
+    import tempfile
+
+    from hpdl.runtime.mps import MpsDaemon
+
+    @contextlib.contextmanager
+    def run():
+        with tempfile.TemporaryDirectory(prefix="hpdl-mps-") as root:
+            with MpsDaemon(root) as daemon:
+                yield daemon.env
+    return run()
+
+
+def _spawn(fn, nprocs, args, device, ranks_per_node, limit, job_timeout, grace, rpg, environ) -> list[Any]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, nprocs, port, fn, args, device, ranks_per_node, limit, results),
+    procs = [ctx.Process(target=_worker, args=(r, nprocs, port, fn, args, device, ranks_per_node, limit, results,
+                                               rpg, environ),
                          daemon=True, name=f"hpdl-rank{r}") for r in range(nprocs)]
     for p in procs:
         p.start()

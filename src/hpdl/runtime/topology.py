@@ -19,14 +19,20 @@ class Topology:
         world_size: number of ranks.
         node_of: ``node_of[r]`` is the node index of rank ``r`` (nodes numbered by first appearance).
         emulated: True when nodes come from ``ranks_per_node`` instead of hostnames.
+        ranks_per_gpu: ranks that share one GPU (1: a GPU per rank). Above 1 the "node" holds fewer GPUs than
+            ranks: code paths are the multi-GPU ones, but nothing measured on it is multi-GPU performance
+            (``hpdl bench`` says so, and refuses to write a tuning table from it).
     """
 
     world_size: int
     node_of: tuple[int, ...]
     emulated: bool = False
     _local: tuple[int, ...] = field(default=(), repr=False)
+    ranks_per_gpu: int = 1
 
     def __post_init__(self) -> None:
+        if self.ranks_per_gpu < 1:
+            raise ValueError(f"ranks_per_gpu must be >= 1, got {self.ranks_per_gpu}")
         if len(self.node_of) != self.world_size:
             raise ValueError(f"node_of has {len(self.node_of)} entries, expected world_size={self.world_size}")
         seen: dict[int, int] = {}
@@ -62,8 +68,14 @@ class Topology:
     def single_node(self) -> bool:
         return self.num_nodes == 1
 
+    @property
+    def shares_gpus(self) -> bool:
+        """True when ranks share GPUs (``ranks_per_gpu`` > 1): timings are not multi-GPU performance."""
+        return self.ranks_per_gpu > 1
+
     @classmethod
-    def emulate(cls, world_size: int, ranks_per_node: int | Sequence[int] | None) -> "Topology":
+    def emulate(cls, world_size: int, ranks_per_node: int | Sequence[int] | None,
+                ranks_per_gpu: int = 1) -> "Topology":
         """Emulated nodes: consecutive blocks of ``ranks_per_node`` ranks.
 
         Raises:
@@ -72,26 +84,28 @@ class Topology:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         if ranks_per_node is None:
-            return cls(world_size, (0,) * world_size, emulated=True)
+            return cls(world_size, (0,) * world_size, emulated=True, ranks_per_gpu=ranks_per_gpu)
         if isinstance(ranks_per_node, int):
             if ranks_per_node < 1:
                 raise ValueError(f"ranks_per_node must be >= 1, got {ranks_per_node}")
-            return cls(world_size, tuple(r // ranks_per_node for r in range(world_size)), emulated=True)
+            return cls(world_size, tuple(r // ranks_per_node for r in range(world_size)), emulated=True,
+                       ranks_per_gpu=ranks_per_gpu)
         sizes = list(ranks_per_node)
         if any(s < 1 for s in sizes) or sum(sizes) != world_size:
             raise ValueError(f"ranks_per_node={sizes} must be positive and sum to world_size={world_size}")
         node_of = [n for n, s in enumerate(sizes) for _ in range(s)]
-        return cls(world_size, tuple(node_of), emulated=True)
+        return cls(world_size, tuple(node_of), emulated=True, ranks_per_gpu=ranks_per_gpu)
 
     @classmethod
-    def from_hostnames(cls, hostnames: Sequence[str]) -> "Topology":
+    def from_hostnames(cls, hostnames: Sequence[str], ranks_per_gpu: int = 1) -> "Topology":
         order: dict[str, int] = {}
         node_of = tuple(order.setdefault(h, len(order)) for h in hostnames)
-        return cls(len(hostnames), node_of, emulated=False)
+        return cls(len(hostnames), node_of, emulated=False, ranks_per_gpu=ranks_per_gpu)
 
 
-def discover(group=None, ranks_per_node: int | Sequence[int] | None = None) -> Topology:
-    """Topology of ``group``: emulated from ``ranks_per_node`` when given, else from gathered hostnames.
+def discover(group=None, ranks_per_node: int | Sequence[int] | None = None, ranks_per_gpu: int = 1) -> Topology:
+    """Topology of ``group``: emulated from ``ranks_per_node`` when given, else from gathered hostnames;
+    ``ranks_per_gpu`` is recorded as given (the launch mode knows it).
 
     Collective over ``group`` when hostnames are gathered: every rank must call it.
     """
@@ -99,7 +113,7 @@ def discover(group=None, ranks_per_node: int | Sequence[int] | None = None) -> T
 
     world = dist.get_world_size(group)
     if ranks_per_node is not None:
-        return Topology.emulate(world, ranks_per_node)
+        return Topology.emulate(world, ranks_per_node, ranks_per_gpu)
     names: list[str | None] = [None] * world
     dist.all_gather_object(names, socket.gethostname(), group=group)
-    return Topology.from_hostnames([str(n) for n in names])
+    return Topology.from_hostnames([str(n) for n in names], ranks_per_gpu)

@@ -36,6 +36,7 @@ class RunnerArgs:
     cuda_graph: bool = False
     tp_all_reduce: str = "nccl"
     fused_decode: bool | None = None
+    ranks_per_gpu: int | None = None   # TP ranks sharing one GPU (None: HPDL_RANKS_PER_GPU); see _init_rank
 
 
 class UniprocExecutor:
@@ -67,14 +68,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _init_rank(rank: int, world: int, port: int, device: str) -> str:
-    if device.startswith("cuda"):
-        torch.cuda.set_device(rank)
-        device = f"cuda:{rank}"
-    kw = {"device_id": torch.device(device)} if device.startswith("cuda") else {}  # eager NCCL communicator
-    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+def _init_rank(rank: int, world: int, port: int, device: str, ranks_per_gpu: int | None = None) -> str:
+    """Join the TP group: rank r on ``cuda:(r // ranks_per_gpu)`` with NCCL, or, when ranks share a GPU
+    (``ranks_per_gpu`` > 1, for correctness runs of TP on fewer GPUs), with gloo (the row-parallel all-reduce
+    then runs over gloo, or hpdl.comm's peer kernels with ``tp_all_reduce="hpdl"``)."""
+    from hpdl.runtime.launch import device_for, ranks_per_gpu_of
+
+    rpg = ranks_per_gpu_of(ranks_per_gpu) if device.startswith("cuda") else 1
+    dev, backend = device_for("cuda" if device.startswith("cuda") else "cpu", rank, rpg)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+        if rpg > 1:
+            os.environ["HPDL_RANKS_PER_GPU"] = str(rpg)   # hpdl.comm then takes CUDA tensors on the gloo group
+    kw = {"device_id": dev} if backend == "nccl" else {}  # eager NCCL communicator
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=world, timeout=timedelta(seconds=env.get("HPDL_TIMEOUT")), **kw)
-    return device
+    return str(dev)
 
 
 def _worker_main(rank: int, world: int, port: int, spec: ModelSpec, args: RunnerArgs, inbox, errors) -> None:
@@ -85,7 +94,7 @@ def _worker_main(rank: int, world: int, port: int, spec: ModelSpec, args: Runner
             import faulthandler
 
             faulthandler.dump_traceback_later(float(os.environ["HPDL_SERVE_FAULTHANDLER"]), exit=False)
-        device = _init_rank(rank, world, port, args.device)
+        device = _init_rank(rank, world, port, args.device, args.ranks_per_gpu)
         model = build_model(spec, device, dist.group.WORLD)
         runner = ModelRunner(model, args.num_slots, args.max_seq_len, world, args.cuda_graph, args.tp_all_reduce,
                              fused=args.fused_decode)
@@ -135,7 +144,7 @@ class TPExecutor:
                       for r in range(1, world)]
         for p in self.procs:
             p.start()
-        device = _init_rank(0, world, port, args.device)
+        device = _init_rank(0, world, port, args.device, args.ranks_per_gpu)
         model = build_model(spec, device, dist.group.WORLD)
         self.runner = ModelRunner(model, args.num_slots, args.max_seq_len, world, args.cuda_graph, args.tp_all_reduce,
                              fused=args.fused_decode)

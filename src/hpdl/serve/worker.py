@@ -87,7 +87,7 @@ class ModelRunner:
         self.model = model
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self.all_reduce = "none" if tp_world == 1 else "nccl"
+        self.all_reduce = "none" if tp_world == 1 else str(torch.distributed.get_backend(model.group))
         if tp_world > 1 and (tp_all_reduce == "hpdl" or (tp_all_reduce == "symm" and self.device.type == "cuda")):
             self.all_reduce = enable_fast_all_reduce(model, num_slots, tp_all_reduce)
         self.cache = KVCache(model.cfg, num_slots, max_seq_len, self.dtype, self.device, tp_world)

@@ -19,7 +19,9 @@ from typing import Any, Callable, Sequence
 from hpdl.runtime.errors import CollectiveTimeoutError, WorkerFailedError
 
 
-def _serve(rank, world, port, device, ranks_per_node, timeout, tasks, results) -> None:
+def _serve(rank, world, port, device, ranks_per_node, timeout, tasks, results, ranks_per_gpu=1,
+           environ=None) -> None:
+    os.environ.update(environ or {})
     import torch
     import torch.distributed as dist
 
@@ -27,10 +29,10 @@ def _serve(rank, world, port, device, ranks_per_node, timeout, tasks, results) -
 
     torch.set_num_threads(1)
     try:
-        dev, backend = _resolve_device(device, rank)
+        dev, backend = _resolve_device(device, rank, ranks_per_gpu)
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout))
-        ctx = _make_context(rank, world, rank, dev, backend, ranks_per_node)
+        ctx = _make_context(rank, world, rank, dev, backend, ranks_per_node, ranks_per_gpu)
         results.put((-1, rank, "ok", None))
     except BaseException:  # noqa: BLE001 - report start-up failure to the parent
         results.put((-1, rank, "error", traceback.format_exc()))
@@ -57,25 +59,41 @@ class RankPool:
         world_size: ranks to start.
         ranks_per_node: emulated topology (see :class:`hpdl.runtime.Topology`).
         timeout: default seconds a :meth:`run` may take; also the process group's timeout.
+        device: "cpu" (gloo) or "cuda" (a GPU per rank with NCCL, or shared GPUs with gloo: ``ranks_per_gpu``).
+        ranks_per_gpu: ranks sharing one CUDA device (rank r on ``cuda:(r // ranks_per_gpu)``), as
+            :func:`hpdl.runtime.spawn`.
+        mps: run the ranks as clients of a private MPS daemon (shared GPUs only), stopped by :meth:`close`.
     """
 
     def __init__(self, world_size: int, ranks_per_node: int | Sequence[int] | None = None, timeout: float = 120.0,
-                 device: str = "cpu"):
-        from hpdl.runtime.launch import free_port
+                 device: str = "cpu", ranks_per_gpu: int = 1, mps: bool = False):
+        from hpdl.runtime.launch import _maybe_mps, free_port, rank_environment, ranks_per_gpu_of
 
         self.world_size, self.ranks_per_node, self.timeout = world_size, ranks_per_node, timeout
+        self.device, self.ranks_per_gpu = device, ranks_per_gpu_of(ranks_per_gpu) if device == "cuda" else 1
+        if mps and self.ranks_per_gpu == 1:
+            raise ValueError("mps=True needs ranks sharing a GPU (device='cuda' and ranks_per_gpu > 1)")
+        self._procs = []
+        self.broken = True   # until every rank is up (close() is safe on a half-built pool)
+        self._mps = _maybe_mps(mps)
+        environ = rank_environment(device, self.ranks_per_gpu, timeout, self._mps.__enter__())
         ctx = mp.get_context("spawn")
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
         port = free_port()
         self._procs = [ctx.Process(target=_serve, args=(r, world_size, port, device, ranks_per_node, timeout,
-                                                        self._tasks[r], self._results), daemon=True)
+                                                        self._tasks[r], self._results, self.ranks_per_gpu, environ),
+                                   daemon=True)
                        for r in range(world_size)]
         for p in self._procs:
             p.start()
         self._ids = itertools.count()
         self.broken = False
-        self._collect(-1, timeout)
+        try:
+            self._collect(-1, timeout)
+        except BaseException:
+            self.close()   # no half-started pool (or MPS daemon) is left behind
+            raise
 
     def _collect(self, task_id: int, timeout: float) -> list[Any]:
         out: dict[int, Any] = {}
@@ -124,7 +142,7 @@ class RankPool:
 
     def close(self) -> None:
         self.broken = True
-        for q in self._tasks:
+        for q in getattr(self, "_tasks", []):
             try:
                 q.put(None)
             except (OSError, ValueError):
@@ -134,22 +152,27 @@ class RankPool:
             if p.is_alive():
                 p.kill()
                 p.join()
+        mps, self._mps = getattr(self, "_mps", None), None
+        if mps is not None:
+            mps.__exit__(None, None, None)
 
 
 _POOLS: dict[tuple, RankPool] = {}
 _MAX_LIVE = int(os.environ.get("HPDL_TEST_MAX_POOLS", "1"))
 
 
-def get_pool(world_size: int, ranks_per_node: int | Sequence[int] | None = None, timeout: float = 120.0) -> RankPool:
+def get_pool(world_size: int, ranks_per_node: int | Sequence[int] | None = None, timeout: float = 120.0,
+             device: str = "cpu", ranks_per_gpu: int = 1, mps: bool = False) -> RankPool:
     """A live pool for this shape, reusing the last one when it is healthy; at most ``_MAX_LIVE`` stay alive."""
-    key = (world_size, tuple(ranks_per_node) if isinstance(ranks_per_node, (list, tuple)) else ranks_per_node)
+    key = (world_size, tuple(ranks_per_node) if isinstance(ranks_per_node, (list, tuple)) else ranks_per_node,
+           device, ranks_per_gpu, mps)
     pool = _POOLS.get(key)
     if pool is not None and not pool.broken:
         return pool
     _POOLS.pop(key, None)
     while len(_POOLS) >= _MAX_LIVE:
         _POOLS.pop(next(iter(_POOLS))).close()
-    pool = _POOLS[key] = RankPool(world_size, ranks_per_node, timeout)
+    pool = _POOLS[key] = RankPool(world_size, ranks_per_node, timeout, device, ranks_per_gpu, mps)
     return pool
 
 

@@ -67,11 +67,20 @@ class Native(AllReduce, ReduceScatter, AllGather, AllToAll):
 
     Each method issues its torch collective on the calling thread and returns a :class:`Pending` without
     waiting, so that an ``async_op=True`` call is matched across ranks in call order, like torch's own.
+    CUDA tensors on a gloo group (ranks sharing a GPU) go through host copies: gloo's own CUDA support does
+    not cover every collective, and the copies make the oracle the same code as on CPU.
     """
 
     name = "native"
 
+    @staticmethod
+    def _host(comm: Transport, *tensors: torch.Tensor) -> bool:
+        return getattr(comm, "backend", "") == "gloo" and any(t.is_cuda for t in tensors)
+
     def all_reduce(self, buf: torch.Tensor, op: str, comm: Transport) -> Pending:
+        if self._host(comm, buf):
+            host = buf.cpu()
+            return self.all_reduce(host, op, comm).then(lambda: buf.copy_(host))
         group = getattr(comm, "group", None)
         if op == "avg" and getattr(comm, "backend", "") == "nccl":
             return Pending(dist.all_reduce(buf, op=dist.ReduceOp.AVG, group=group, async_op=True), comm,
@@ -81,6 +90,10 @@ class Native(AllReduce, ReduceScatter, AllGather, AllToAll):
                        finish)
 
     def reduce_scatter(self, blocks, out, op, comm) -> Pending:
+        if self._host(comm, out, *blocks):
+            host_out = torch.empty(out.shape, dtype=out.dtype)
+            return self.reduce_scatter([b.cpu() for b in blocks], host_out, op, comm).then(
+                lambda: out.copy_(host_out))
         group = getattr(comm, "group", None)
         sizes = {b.numel() for b in blocks}
         if len(sizes) == 1 and getattr(comm, "backend", "") == "nccl":
@@ -100,6 +113,13 @@ class Native(AllReduce, ReduceScatter, AllGather, AllToAll):
         return Pending(work, comm, "reduce_scatter", finish)
 
     def all_gather(self, blocks, comm) -> Pending:
+        if self._host(comm, *blocks):
+            host = [b.cpu() for b in blocks]
+
+            def back() -> None:
+                for b, h in zip(blocks, host):
+                    b.copy_(h)
+            return self.all_gather(host, comm).then(back)
         group = getattr(comm, "group", None)
         me = comm.rank
         if len({b.numel() for b in blocks}) != 1:
@@ -116,6 +136,9 @@ class Native(AllReduce, ReduceScatter, AllGather, AllToAll):
     def all_to_all(self, dst: torch.Tensor, src: torch.Tensor, lay, comm: Transport) -> Pending:
         """``torch.distributed.all_to_all_single`` on byte views (the oracle and baseline); equal splits are
         passed as None, so NCCL takes the same path as a plain equal-split call."""
+        if self._host(comm, dst, src):
+            host = torch.empty(dst.shape, dtype=dst.dtype)
+            return self.all_to_all(host, src.cpu(), lay, comm).then(lambda: dst.copy_(host))
         equal = len(set(lay.recv_len)) == 1 and len(set(lay.send_len)) == 1
         work = dist.all_to_all_single(dst, src, None if equal else list(lay.recv_len),
                                       None if equal else list(lay.send_len), group=getattr(comm, "group", None),

@@ -95,7 +95,7 @@ class _Comm:
 
     def __init__(self, group, device: torch.device):
         from hpdl.comm.transport.kernels import load_peer_allreduce
-        from hpdl.comm.transport.symm import PeerBuffer
+        from hpdl.comm.transport.symm import PeerBuffer, device_census
         from hpdl.runtime import env
 
         self.ext = load_peer_allreduce()
@@ -104,12 +104,12 @@ class _Comm:
             raise ValueError(f"peer all-reduce supports groups of at most {MAX_RANKS} ranks, got {self.world}")
         slots = {"one_shot_ll": LL_SLOT_BYTES, "one_shot_barrier": ONE_SHOT_SLOT_BYTES,
                  "two_shot": two_shot_slot_bytes(self.world)}
-        # two-shot: one block per SM of the smallest GPU of the group (all blocks must be co-resident)
-        sms: list = [None] * self.world
-        with torch.cuda.device(device):
-            dist.all_gather_object(sms, torch.cuda.get_device_properties(device).multi_processor_count, group=group)
-        self.max_blocks = {"one_shot_ll": ONE_SHOT_MAX_BLOCKS, "one_shot_barrier": ONE_SHOT_MAX_BLOCKS,
-                           "two_shot": min(min(sms), MAX_BLOCKS)}
+        # two-shot: one block per SM of the smallest GPU of the group (all blocks must be co-resident); ranks
+        # sharing a GPU share its SMs (device_census), so each takes its part
+        sms, sharing = device_census(group, device)
+        self.max_blocks = {"one_shot_ll": max(1, ONE_SHOT_MAX_BLOCKS // sharing),
+                           "one_shot_barrier": max(1, ONE_SHOT_MAX_BLOCKS // sharing),
+                           "two_shot": max(1, min(sms // sharing, MAX_BLOCKS))}
         # layout: header (flags, counters), then one region per variant of blocks x 2 x world slots
         regions, offset = {}, HEADER_BYTES
         for name in ("one_shot_ll", "one_shot_barrier", "two_shot"):

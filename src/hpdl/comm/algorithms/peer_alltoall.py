@@ -110,7 +110,7 @@ class _A2AComm:
 
     def __init__(self, group, device: torch.device):
         from hpdl.comm.transport.kernels import load_peer_allreduce
-        from hpdl.comm.transport.symm import PeerBuffer
+        from hpdl.comm.transport.symm import PeerBuffer, device_census
         from hpdl.runtime import env
 
         self.ext = load_peer_allreduce()
@@ -119,11 +119,10 @@ class _A2AComm:
         if self.world > MAX_RANKS:
             raise ValueError(f"peer all_to_all supports groups of at most {MAX_RANKS} ranks, got {self.world}")
         self.slot = slot_bytes(self.world)
-        # probe the SM count on every rank so that all of them launch the same grid (pair rounds must agree)
-        sms: list = [None] * self.world
-        with torch.cuda.device(device):
-            dist.all_gather_object(sms, torch.cuda.get_device_properties(device).multi_processor_count, group=group)
-        self.grid = min(min(sms), MAX_BLOCKS)
+        # probe the SM count on every rank so that all of them launch the same grid (pair rounds must agree);
+        # ranks sharing a GPU share its SMs (blocks wait for peers' blocks: all must be resident)
+        sms, sharing = device_census(group, device)
+        self.grid = max(1, min(sms // sharing, MAX_BLOCKS))
         nbytes = HEADER_BYTES + self.grid * 2 * self.world * self.slot
         self.buffer = PeerBuffer(group, device, nbytes, header_bytes=HEADER_BYTES)
         self.handle = self.ext.a2a_create(self.buffer.ptrs, self.rank, self.world, device.index, HEADER_BYTES,
@@ -194,11 +193,14 @@ def release(group=None) -> None:
 
 
 def available(tensor: torch.Tensor, world_size: int) -> bool:
-    """True when :func:`peer_all_to_all` can take ``tensor``: CUDA, a CUDA build, 2..8 ranks and at least as many
-    visible GPUs (one GPU per process, as with per-rank ``CUDA_VISIBLE_DEVICES``, cannot map peers' memory);
-    that the ranks share a host is checked, collectively, at the first call."""
+    """True when :func:`peer_all_to_all` can take ``tensor``: CUDA, a CUDA build, 2..8 ranks and a visible GPU
+    for each (one GPU per process, as with per-rank ``CUDA_VISIBLE_DEVICES``, cannot map peers' memory; ranks
+    sharing a GPU, ``HPDL_RANKS_PER_GPU``, count as that many); that the ranks share a host is checked,
+    collectively, at the first call."""
+    from hpdl.runtime import env
+
     return (tensor.is_cuda and torch.version.cuda is not None and 2 <= world_size <= MAX_RANKS
-            and world_size <= torch.cuda.device_count())
+            and world_size <= torch.cuda.device_count() * int(env.get("HPDL_RANKS_PER_GPU")))
 
 
 def peer_all_to_all(dst: torch.Tensor, src: torch.Tensor, lay: Layout, group, algorithm: str,

@@ -137,7 +137,7 @@ class TwoLevel(AllReduce):
         super().__init__(resources, window, timeout)
         if resources is not None:
             topology = topology if topology is not None else resources.get_topology(self.timeout)
-            if host_comm is None and resources.backend != "gloo":
+            if host_comm is None and (resources.backend != "gloo" or resources.cuda_over_gloo):
                 host_comm = resources.host(self.timeout)
         if topology is None:
             raise ValueError("algorithm 'two_level' needs the group's topology: call "

@@ -32,6 +32,9 @@ class GroupResources:
             collectives issued on the group (the post-mortem's call number).
         side_stream, side_pending: CUDA stream of async peer-memory calls, and the event of the last one that
             no later call on the group has waited for yet.
+        ranks_per_gpu: ranks sharing one CUDA device in this job (``HPDL_RANKS_PER_GPU``, set in every rank by
+            the launch mode). Above 1 a gloo group carries CUDA tensors: the peer-memory kernels run on them,
+            every other algorithm stages them through host memory.
     """
 
     def __init__(self, group):
@@ -39,6 +42,7 @@ class GroupResources:
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.backend = str(dist.get_backend(group))
+        self.ranks_per_gpu = int(env.get("HPDL_RANKS_PER_GPU"))
         self._comm: TorchTransport | None = None
         self._host: TorchTransport | None = None
         self._algos: dict = {}
@@ -50,6 +54,11 @@ class GroupResources:
         ranks = self.global_ranks()
         name = "world" if group is None else str(getattr(group, "group_name", "") or "-".join(map(str, ranks)))
         self.board = FailureBoard(name, ranks, self.rank)
+
+    @property
+    def cuda_over_gloo(self) -> bool:
+        """True when this gloo group takes CUDA tensors (ranks share GPUs, so no NCCL group exists)."""
+        return self.backend == "gloo" and self.ranks_per_gpu > 1
 
     def global_ranks(self) -> list[int]:
         return (list(range(self.world_size)) if self.group is None
@@ -84,12 +93,12 @@ class GroupResources:
         if self.topology is None:
             from hpdl.runtime.topology import Topology, discover
 
-            rpn = env.get("HPDL_RANKS_PER_NODE")
+            rpn, rpg = env.get("HPDL_RANKS_PER_NODE"), env.get("HPDL_RANKS_PER_GPU")
             if rpn:
                 parts = [int(x) for x in rpn.split(",")]
-                self.topology = Topology.emulate(self.world_size, parts[0] if len(parts) == 1 else parts)
+                self.topology = Topology.emulate(self.world_size, parts[0] if len(parts) == 1 else parts, rpg)
             else:
-                self.topology = discover(self.host(timeout).group)
+                self.topology = discover(self.host(timeout).group, ranks_per_gpu=rpg)
         return self.topology
 
     def algorithm(self, name: str, window: int | None, timeout: float):

@@ -9,7 +9,8 @@ Two ways to build it, tried in this order:
 * ``"ipc"``: a plain ``cudaMalloc`` allocation whose ``cudaIpcGetMemHandle`` is exchanged with
   ``all_gather_object`` and opened by each peer in its own device's context (vLLM's custom all-reduce does
   the same; torch's ``rebuild_cuda_tensor`` opens it under the owner's device instead, which the kernels on
-  this rank's device cannot use without separately enabled peer access).
+  this rank's device cannot use without separately enabled peer access). It also works between processes
+  that share one GPU (``HPDL_RANKS_PER_GPU``), where ``"auto"`` takes it directly.
 
 The first 64 KiB (``header_bytes``) are zeroed before the ranks exchange addresses, so barrier flags start at 0.
 Creation and :meth:`PeerBuffer.close` are collective over the group; nothing else is.
@@ -26,6 +27,24 @@ import torch.distributed as dist
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 
 BACKENDS = ("auto", "symm", "ipc")
+
+
+def device_census(group, device: torch.device) -> tuple[int, int]:
+    """``(fewest SMs of any rank's GPU, most ranks of the group on one GPU)``; collective over ``group``.
+
+    Ranks that share a GPU (``HPDL_RANKS_PER_GPU``) share its SMs: a kernel whose blocks wait for a peer's
+    blocks must then launch at most ``sms // sharing`` blocks a rank, or, under MPS, the waiting blocks of one
+    rank can occupy the SMs that the peer's blocks need, and both wait until the timeout.
+    """
+    me = (socket.gethostname(), torch.device(device).index,
+          torch.cuda.get_device_properties(device).multi_processor_count)
+    everyone: list = [None] * dist.get_world_size(group)
+    with torch.cuda.device(device):
+        dist.all_gather_object(everyone, me, group=group)
+    per_gpu: dict[tuple[str, int], int] = {}
+    for host, dev, _ in everyone:
+        per_gpu[(host, dev)] = per_gpu.get((host, dev), 0) + 1
+    return min(sm for _, _, sm in everyone), max(per_gpu.values())
 
 
 class PeerBuffer:
@@ -64,9 +83,12 @@ class PeerBuffer:
         self.header_bytes = int(header_bytes)
         self._keep: list = []
         with torch.cuda.device(self.device):
-            self._check_one_node()
+            shared = self._check_one_node()
             errors = []
-            for name in (("symm", "ipc") if backend == "auto" else (backend,)):
+            # ranks sharing a GPU: CUDA IPC between processes of one device is the measured path; symmetric
+            # memory's rendezvous is not made for two ranks on one device
+            auto = ("ipc",) if shared else ("symm", "ipc")
+            for name in (auto if backend == "auto" else (backend,)):
                 try:
                     self.ptrs = self._alloc_symm() if name == "symm" else self._alloc_ipc()
                     self.backend = name
@@ -77,7 +99,8 @@ class PeerBuffer:
             else:
                 raise RuntimeError("could not register a peer buffer: " + "; ".join(errors))
 
-    def _check_one_node(self) -> None:
+    def _check_one_node(self) -> bool:
+        """Raise unless every rank is on this host and can reach every peer's GPU; True when ranks share GPUs."""
         me = (socket.gethostname(), self.device.index, torch.cuda.get_device_properties(self.device).multi_processor_count)
         everyone: list = [None] * self.world
         dist.all_gather_object(everyone, me, group=self.group)
@@ -88,6 +111,7 @@ class PeerBuffer:
             if dev != self.device.index and not torch.cuda.can_device_access_peer(self.device.index, dev):
                 raise RuntimeError(f"GPU {self.device.index} (rank {self.rank}) cannot access GPU {dev} (rank {q})")
         self.min_sm_count = min(sm for _, _, sm in everyone)
+        return len({dev for _, dev, _ in everyone}) < self.world
 
     def _alloc_symm(self) -> list[int]:
         import torch.distributed._symmetric_memory as symm_mem

@@ -1,4 +1,9 @@
-"""Transport over torch.distributed point-to-point (gloo on CPU, NCCL on GPU, MPI where built)."""
+"""Transport over torch.distributed point-to-point (gloo on CPU, NCCL on GPU, MPI where built).
+
+CUDA tensors on a gloo group (ranks sharing a GPU, ``HPDL_RANKS_PER_GPU`` > 1, where NCCL cannot run) are staged
+through host memory: a send copies the tensor to the host when it is posted (after the current stream's
+work), a receive lands in a host tensor and is copied into the CUDA tensor when its request is waited for.
+"""
 
 from __future__ import annotations
 
@@ -13,10 +18,18 @@ from hpdl.runtime.errors import CollectiveTimeoutError
 
 
 class _TorchRequest(Request):
-    def __init__(self, work, transport: "TorchTransport", peer: int, kind: str):
+    def __init__(self, work, transport: "TorchTransport", peer: int, kind: str, landing=None):
         self._work, self._t, self._peer, self._kind = work, transport, peer, kind
+        self._landing = landing   # (CUDA destination, host staging tensor) of a staged receive
 
     def wait(self) -> None:
+        self._wait()
+        if self._landing is not None:
+            dst, host = self._landing
+            self._landing = None
+            dst.copy_(host)
+
+    def _wait(self) -> None:
         try:
             if self._t.backend == "nccl":
                 self._work.wait()  # orders the current stream after the op; NCCL's watchdog owns its timeout
@@ -66,8 +79,12 @@ class TorchTransport(Transport):
             n = len(sends)
             return ([_TorchRequest(w, self, p, "send") for w, (_, p) in zip(works[:n], sends)],
                     [_TorchRequest(w, self, p, "recv") for w, (_, p) in zip(works[n:], recvs)])
-        rreqs = [_TorchRequest(dist.irecv(t, self._global[p], group=self.group, tag=tag), self, p, "recv")
-                 for t, p in recvs]
-        sreqs = [_TorchRequest(dist.isend(t, self._global[p], group=self.group, tag=tag), self, p, "send")
+        rreqs = []
+        for t, p in recvs:
+            landing = (t, torch.empty(t.shape, dtype=t.dtype)) if t.is_cuda else None   # staged: see module doc
+            rreqs.append(_TorchRequest(dist.irecv(landing[1] if landing else t, self._global[p], group=self.group,
+                                                  tag=tag), self, p, "recv", landing))
+        sreqs = [_TorchRequest(dist.isend(t.cpu() if t.is_cuda else t, self._global[p], group=self.group, tag=tag),
+                               self, p, "send")
                  for t, p in sends]
         return sreqs, rreqs

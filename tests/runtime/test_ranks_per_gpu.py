@@ -1,0 +1,162 @@
+"""The launch mode that puts several ranks on one GPU (``ranks_per_gpu`` / ``HPDL_RANKS_PER_GPU``), on CPU:
+device mapping, no NCCL group, what hpdl.comm accepts, the private MPS daemon's start/stop, the bench's note
+and refusals. The GPU side is tests/comm/test_comm_shared_gpu.py (``pytest -m gpu``)."""
+
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hpdl.runtime import Topology, spawn
+from hpdl.runtime.launch import device_for, rank_environment, ranks_per_gpu_of
+
+
+def test_device_mapping_shares_gpus_and_drops_nccl():
+    assert device_for("cuda", 0, 1, device_count=8) == (torch.device("cuda", 0), "nccl")
+    assert device_for("cuda", 5, 1, device_count=8) == (torch.device("cuda", 5), "nccl")
+    for r in range(8):
+        assert device_for("cuda", r, 8, device_count=1) == (torch.device("cuda", 0), "gloo")
+        assert device_for("cuda", r, 2, device_count=4) == (torch.device("cuda", r // 2), "gloo")
+    assert device_for("cpu", 3, 4) == (torch.device("cpu"), "gloo")
+
+
+def test_device_mapping_names_the_argument():
+    with pytest.raises(RuntimeError, match=r"local rank 2 has no GPU.*ranks_per_gpu=1.*at least 3"):
+        device_for("cuda", 2, 1, device_count=1)
+    with pytest.raises(ValueError, match="ranks_per_gpu must be an int >= 1, got 0"):
+        device_for("cuda", 0, 0, device_count=1)
+    with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda'"):
+        device_for("tpu", 0, 1)
+
+
+def test_ranks_per_gpu_from_argument_or_environment(monkeypatch):
+    monkeypatch.delenv("HPDL_RANKS_PER_GPU", raising=False)
+    assert ranks_per_gpu_of(None) == 1
+    monkeypatch.setenv("HPDL_RANKS_PER_GPU", "4")
+    assert ranks_per_gpu_of(None) == 4 and ranks_per_gpu_of(2) == 2
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ValueError, match="ranks_per_gpu must be an int >= 1"):
+            ranks_per_gpu_of(bad)
+    monkeypatch.setenv("HPDL_RANKS_PER_GPU", "0")
+    with pytest.raises(ValueError, match="HPDL_RANKS_PER_GPU must be an int >= 1"):
+        ranks_per_gpu_of(None)
+    monkeypatch.setenv("HPDL_RANKS_PER_GPU", "two")
+    with pytest.raises(ValueError, match="HPDL_RANKS_PER_GPU='two' is invalid"):
+        ranks_per_gpu_of(None)
+
+
+def test_rank_environment():
+    assert rank_environment("cuda", 4, 30.0, {"CUDA_MPS_PIPE_DIRECTORY": "/p"}) == {
+        "HPDL_TIMEOUT": "30.0", "HPDL_RANKS_PER_GPU": "4", "CUDA_MPS_PIPE_DIRECTORY": "/p"}
+    assert rank_environment("cuda", 1, 30.0) == {"HPDL_TIMEOUT": "30.0"}
+    assert rank_environment("cpu", 4, 5.0) == {"HPDL_TIMEOUT": "5.0"}
+
+
+def test_topology_reports_shared_gpus():
+    t = Topology.emulate(8, None, ranks_per_gpu=8)
+    assert t.shares_gpus and t.single_node and t.ranks_per_gpu == 8
+    assert not Topology.emulate(8, 4).shares_gpus
+    assert Topology.emulate(8, 4, 2) != Topology.emulate(8, 4)
+    with pytest.raises(ValueError, match="ranks_per_gpu must be >= 1"):
+        Topology(2, (0, 0), ranks_per_gpu=0)
+
+
+def test_spawn_refuses_bad_requests_before_starting_ranks():
+    with pytest.raises(ValueError, match="mps=True needs ranks sharing a GPU"):
+        spawn(_rank_facts, 2, device="cpu", mps=True)
+    with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda'"):
+        spawn(_rank_facts, 2, device="gpu")
+    with pytest.raises(ValueError, match="nprocs must be an int >= 1"):
+        spawn(_rank_facts, 0)
+    from hpdl.testing.pool import RankPool
+
+    with pytest.raises(ValueError, match="mps=True needs ranks sharing a GPU"):
+        RankPool(2, device="cpu", mps=True)
+
+
+def _rank_facts(ctx):
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from hpdl.comm import api
+    from hpdl.comm.transport.resources import resources_of
+
+    res = resources_of(None)
+    with FakeTensorMode():
+        t = torch.empty(4, device="cuda")
+    try:
+        api._check_tensor("tensor", t, res)   # a CUDA tensor on the gloo group: taken only when GPUs are shared
+        accepted = True
+    except ValueError as exc:
+        accepted = str(exc)
+    return {"backend": dist.get_backend(), "cpu_group": ctx.cpu_group is None,
+            "cuda_over_gloo": res.cuda_over_gloo, "accepted": accepted, "env": os.environ.get("HPDL_RANKS_PER_GPU")}
+
+
+def test_gloo_group_takes_cuda_tensors_only_when_gpus_are_shared(monkeypatch):
+    monkeypatch.setenv("HPDL_RANKS_PER_GPU", "2")   # inherited by the spawned ranks (a CPU job here)
+    shared = spawn(_rank_facts, 2, timeout=60)
+    assert all(r["backend"] == "gloo" and r["cuda_over_gloo"] and r["accepted"] is True for r in shared)
+    monkeypatch.delenv("HPDL_RANKS_PER_GPU")
+    plain = spawn(_rank_facts, 2, timeout=60)
+    assert all(not r["cuda_over_gloo"] and "backend is gloo" in r["accepted"] for r in plain)
+
+
+FAKE_MPS = """#!/bin/sh
+if [ "$1" = "-d" ]; then
+  mkfifo "$CUDA_MPS_PIPE_DIRECTORY/control"; echo "-d" >> "$CUDA_MPS_LOG_DIRECTORY/control.log"
+  sleep 600 >/dev/null 2>&1 &
+  echo $! > "$CUDA_MPS_PIPE_DIRECTORY/nvidia-cuda-mps-control.pid"
+  exit 0
+fi
+read cmd
+echo "$cmd" >> "$CUDA_MPS_LOG_DIRECTORY/control.log"
+[ "$cmd" = quit ] && kill "$(cat "$CUDA_MPS_PIPE_DIRECTORY/nvidia-cuda-mps-control.pid")" && rm -f "$CUDA_MPS_PIPE_DIRECTORY/control"
+exit 0
+"""
+
+
+def test_private_mps_daemon_started_and_stopped(tmp_path, monkeypatch):
+    """The launch mode's MPS daemon (the same class hpo's studies use): started with ``-d`` in private
+    folders whose variables the ranks get, quit and gone when the job ends."""
+    from hpdl.runtime.launch import _maybe_mps
+    from hpdl.runtime.mps import daemon_pid
+    from hpdl.runtime.procs import pid_alive
+
+    exe = tmp_path / "nvidia-cuda-mps-control"
+    exe.write_text(FAKE_MPS)
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    with _maybe_mps(True) as environ:
+        pipe = environ["CUDA_MPS_PIPE_DIRECTORY"]
+        pid = daemon_pid(pipe)
+        assert pid is not None and pid_alive(pid)
+        log = os.path.join(environ["CUDA_MPS_LOG_DIRECTORY"], "control.log")
+        assert open(log).read().split() == ["-d"]
+    assert not pid_alive(pid) and not os.path.exists(pipe)
+    with _maybe_mps(False) as environ:
+        assert environ == {}
+
+
+def test_mps_missing_names_the_program(monkeypatch, tmp_path):
+    from hpdl.runtime.launch import _maybe_mps
+    from hpdl.runtime.mps import MpsConfigError
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(MpsConfigError, match="nvidia-cuda-mps-control on PATH"):
+        with _maybe_mps(True):
+            pass
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--device", "cpu", "--ranks-per-gpu", "2"], "--ranks-per-gpu needs --device cuda"),
+    (["--device", "cuda", "--ranks-per-gpu", "0"], "--ranks-per-gpu must be an int >= 1"),
+    (["--device", "cuda", "--ranks-per-gpu", "4", "--tune", "t.json"], "no tuning table is written"),
+])
+def test_bench_ranks_per_gpu_flags(argv, message, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "hpdl.cli", "bench", "allreduce", "--np", "4", *argv],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert out.returncode == 1 and message in out.stderr, (out.returncode, out.stderr[-500:])   # usage error
