@@ -137,7 +137,10 @@ def resolve_auto(collective: str, nbytes: int, world: int, device: str,
     import hpdl.comm as hc
 
     input_bytes = nbytes // world if collective == "all_gather" else nbytes
-    return hc.resolve(collective, input_bytes, world, device, dtype=dtype, gpus=torch.cuda.device_count())
+    from hpdl.runtime import env
+
+    gpus = torch.cuda.device_count() * int(env.get("HPDL_RANKS_PER_GPU"))   # ranks sharing a GPU count as GPUs
+    return hc.resolve(collective, input_bytes, world, device, dtype=dtype, gpus=gpus)
 
 
 def _resolved_name(algorithm: str, nbytes: int, world: int, device: str, collective: str = "allreduce",

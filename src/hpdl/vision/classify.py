@@ -59,13 +59,16 @@ class TrainConfig:
 
 
 def resolve_device(name: str) -> torch.device:
-    """``"auto"`` -> cuda (this process's LOCAL_RANK under torchrun) when available, else cpu."""
+    """``"auto"`` -> cuda (this process's LOCAL_RANK under torchrun, on ``cuda:(LOCAL_RANK // ranks_per_gpu)``
+    when ``HPDL_RANKS_PER_GPU`` makes ranks share GPUs) when available, else cpu."""
+    from hpdl.runtime.launch import device_for, ranks_per_gpu_of
+
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("--device cuda: no CUDA device is visible")
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        return device_for("cuda", int(os.environ.get("LOCAL_RANK", 0)), ranks_per_gpu_of(None))[0]
     return torch.device(name)
 
 
@@ -358,10 +361,14 @@ def _split(args, split: str, image_size: int, augment: str = "basic"):
 def _init_distributed(device: torch.device) -> None:
     import torch.distributed as dist
 
+    from hpdl.runtime.launch import ranks_per_gpu_of
+
     if int(os.environ.get("WORLD_SIZE", 1)) > 1 and not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        # ranks sharing a GPU (HPDL_RANKS_PER_GPU > 1) cannot use NCCL: DDP then runs over gloo
+        nccl = device.type == "cuda" and ranks_per_gpu_of(None) == 1
+        dist.init_process_group("nccl" if nccl else "gloo")
 
 
 def train(args) -> int:
