@@ -192,7 +192,8 @@ def set_topology(topology, group=None) -> None:
     from hpdl.runtime.topology import Topology
 
     res = _group(group)
-    topo = topology if isinstance(topology, Topology) else Topology.emulate(res.world_size, topology)
+    topo = topology if isinstance(topology, Topology) else Topology.emulate(res.world_size, topology,
+                                                                           res.ranks_per_gpu)
     if topo.world_size != res.world_size:
         raise ValueError(f"topology has world_size={topo.world_size}, but the group has {res.world_size} ranks")
     if res.topology != topo:
