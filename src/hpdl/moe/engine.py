@@ -461,8 +461,9 @@ class MoEEngine:
         """Raise the same MoEError on every rank when a rank's arguments are bad or differ from rank 0's."""
         for g, h in enumerate(headers):
             if h[0]:
-                extra = f": {self._problem_msg}" if h[0] == 5 and g == self.rank and self._problem_msg else ""
-                raise MoEError(f"rank {g}: {_PROBLEMS[h[0]]}{extra} (max_new_tokens={h[1]}); every rank stops")
+                # the same text on every rank (the rank's own detail, e.g. the placement's error, is in __cause__)
+                raise MoEError(f"rank {g}: {_PROBLEMS[h[0]]} (max_new_tokens={h[1]}); every rank stops") from (
+                    MoEError(self._problem_msg) if g == self.rank and self._problem_msg else None)
         names = {"mode": MODES, "capacity": CAPACITIES, "check": ("False", "True", "None", "?")}
         for f, name in enumerate(_HDR[1:], 1):
             for g, h in enumerate(headers):
