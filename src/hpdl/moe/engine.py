@@ -310,8 +310,14 @@ class MoEEngine:
         """All-gather of equal-size ``rows [n, W]`` -> ``(out [G*n, W], work or None)``."""
         out = torch.empty(self.G * rows.shape[0], rows.shape[1], dtype=rows.dtype, device=rows.device)
         t0 = time.perf_counter()
-        work = self._call(what, None, hc.all_gather, out, rows.contiguous(), group=self.group, async_op=async_op,
-                          algorithm=self.algorithm if rows.is_cuda else "auto", check=self.check)
+        if rows.is_cuda and self.algorithm in ("push", "pull"):
+            # the peer kernel is an Alltoall: send the same block to every rank (same bytes on the wire)
+            work = self._call(what, None, hc.all_to_all_single, out, rows.repeat(self.G, 1), group=self.group,
+                              async_op=async_op, algorithm=self.algorithm, check=self.check)
+        else:
+            work = self._call(what, None, hc.all_gather, out, rows.contiguous(), group=self.group,
+                              async_op=async_op, algorithm=self.algorithm if rows.is_cuda else "auto",
+                              check=self.check)
         self.stats.gather_calls += 1
         self.stats.gather_bytes += (self.G - 1) * rows.numel() * rows.element_size()
         self.stats.gather_seconds += time.perf_counter() - t0
