@@ -12,7 +12,7 @@ from hpdl.testing import get_pool
 
 def test_bench_rank_tiny_sweep():
     spec = BenchSpec(world_size=2, experts=[4], batches=[1, 3], hidden_size=32, n_layers=3, n_heads=4,
-                     n_kv_heads=2, expert_size=32, prompt_len=6, new_tokens=3, repeats=1, profile_tokens=512,
+                     n_kv_heads=2, expert_size=32, prompt_len=6, new_tokens=3, repeats=2, profile_tokens=512,
                      time_limit=5)
     prep = prepare(spec, 4)
     assert prep["model_config"]["hidden_size"] == 32 and prep["model_config"]["n_experts"] == 4  # recorded
@@ -27,7 +27,18 @@ def test_bench_rank_tiny_sweep():
         assert base["speedup_vs_baseline"] == 1.0 and ex["tokens_per_s"] > 0
         assert len(ex["a2a_bytes_per_layer"]) == 3 and ex["gather_bytes"] > 10 * base["gather_bytes"]
         assert by["exflow_padded", b]["count_seconds"] == 0 < ex["count_seconds"]
-        assert by["exflow_padded", b]["gather_calls"] < ex["gather_calls"]
+        assert by["exflow_padded", b]["gather_calls"] == ex["gather_calls"]  # fixed-size gathers in both
+        pad = by["exflow_padded", b]
+        assert "speedup_vs_baseline_padded" in pad and "speedup_vs_baseline_padded" not in ex
+        assert len(pad["decode_seconds_all"]) == 2 and pad["decode_seconds"] > 0
+        # shares from sums over ranks; decode apart (ExFlow's decode rows: one per request per layer per step)
+        assert ex["cross_share"] == ex["rows_cross"] / ex["rows_dispatched"]
+        assert ex["rows_dispatched_decode"] == 2 * b * 3 * (3 - 1)  # 2 ranks x b requests x 3 layers x 2 steps
+    # the cross-rank share is a share of sums: rank shares 1/1 and 0/9 give 0.1, not a mean of 0.5
+    fake = [[dict(rows[0], rows_cross=1, rows_dispatched=1)], [dict(rows[0], rows_cross=0, rows_dispatched=9)]]
+    for r in fake:
+        r[0]["rank"] = 0
+    assert summarise(fake)[0]["cross_share"] == 0.1
 
 
 def test_cli_affinity_and_place(tmp_path, capsys):

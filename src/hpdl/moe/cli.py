@@ -85,7 +85,7 @@ class MoECommand:
         b.add_argument("--expert-size", type=int, default=512, help="hidden units of each expert's SwiGLU")
         b.add_argument("--prompt-len", type=int, default=16, help="prompt length in tokens (bytes of stdlib text)")
         b.add_argument("--new-tokens", type=int, default=16, help="greedy tokens generated per request (>= 1)")
-        b.add_argument("--repeats", type=int, default=3, help="timed runs per point after one warm-up (median)")
+        b.add_argument("--repeats", type=int, default=10, help="timed runs per point after one warm-up, modes interleaved (median and IQR)")
         b.add_argument("--model", default=None, help="checkpoint dir instead of random init; top-1, and --experts "
                        "must be its expert count")
         b.add_argument("--out", default="moe_bench.json", help="JSON of every row")
@@ -204,13 +204,16 @@ def _bench(args) -> int:
                      new_tokens=args.new_tokens, repeats=args.repeats, model=args.model)
     plot = args.plot or str(Path(args.out).with_suffix(".png"))
     res = run(spec, out=args.out, plot=plot, progress=lambda s: print(s, flush=True))
-    print(f"{'E':>3} {'batch':>5} {'mode':>18} {'tok/s':>8} {'x base':>7} {'KiB/layer':>9} {'ms/layer':>8} {'cross':>6}",
-          file=sys.stdout)
+    print(f"{'E':>3} {'batch':>5} {'mode':>18} {'tok/s':>8} {'x base':>7} {'dec x pad':>15} {'KiB/layer':>9} "
+          f"{'cross(dec)':>10}", file=sys.stdout)
     for r in res["rows"]:
         import numpy as np
 
+        pad = (f"{r['decode_speedup_vs_baseline_padded']:.2f} [{r['decode_speedup_vs_baseline_padded_iqr'][0]:.2f},"
+               f"{r['decode_speedup_vs_baseline_padded_iqr'][1]:.2f}]" if "decode_speedup_vs_baseline_padded" in r
+               else "")
         print(f"{r['experts']:>3} {r['batch_per_rank']:>5} {r['mode']:>18} {r['tokens_per_s']:8.0f} "
-              f"{r['speedup_vs_baseline']:7.2f} {np.mean(r['a2a_bytes_per_layer']) / 1024:9.1f} "
-              f"{np.mean(r['a2a_seconds_per_layer']) * 1e3:8.2f} {r['cross_share']:6.2f}")
+              f"{r['speedup_vs_baseline']:7.2f} {pad:>15} {np.mean(r['a2a_bytes_per_layer']) / 1024:9.1f} "
+              f"{r['cross_share_decode']:10.2f}")
     print(f"-> {args.out}, {plot}")
     return 0

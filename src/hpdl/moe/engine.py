@@ -242,6 +242,8 @@ class MoEEngine:
         self.record_routing = record_routing
         self.routing: dict[tuple[int, int], list[int]] = {}
         self._phase = 0
+        self.sync_timing = False  # generate's self.timings: host times; True synchronises CUDA around phases
+        self.timings: dict = {}
 
     # --- collectives (hpdl.comm public API; everything after the tensors by keyword) ----------------------
     def _call(self, what: str, layer: int | None, fn, *args, **kw):
@@ -552,6 +554,7 @@ class MoEEngine:
         if cuda_graph and (self.device.type != "cuda" or self.capacity != "worst_case"):
             raise MoEError(f"cuda_graph=True needs device cuda and capacity='worst_case', got device "
                            f"{self.device}, capacity {self.capacity!r}")
+        t_start = time.perf_counter()
         all_prompts, mine = self._gather_prompts(prompts, max_new_tokens)  # raises on all ranks together
         B = len(all_prompts)
         if B == 0:
@@ -596,6 +599,7 @@ class MoEEngine:
         self._record_tokens(out_tok, 0, st_tok, st_req, st_valid, coherent)
         state = (st_tok, st_req, st_pos, st_valid)
         self._phase = 1
+        t_pre = self._clock()
 
         def step(state):
             tok, req, pos, valid = state
@@ -619,9 +623,17 @@ class MoEEngine:
                 state = step(state)
             self._record_tokens(out_tok, s, state[0], state[1], state[3], coherent)
         self.graph = graph
+        t_end = self._clock()
+        self.timings = {"prefill_s": t_pre - t_start, "decode_s": t_end - t_pre, "decode_steps": max_new_tokens - 1}
         res = out_tok[:B].tolist()  # the one host read of the decode loop
         self._finish_stats()
         return {r: res[r] for r in mine}
+
+    def _clock(self) -> float:
+        """Host time; with ``sync_timing`` on CUDA after a device synchronise (benchmarks only: a host sync)."""
+        if self.sync_timing and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def _record_tokens(self, out_tok, step, tok, req, valid, coherent):
         """Write this step's tokens into ``out_tok [B+1, steps]`` on the device (pads to row B). ExFlow: the
