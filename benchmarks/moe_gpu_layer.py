@@ -264,7 +264,9 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     if a.smoke:
-        a.hidden, a.ffn, a.tokens, a.warmup, a.iters = 64, 128, "16,64", 1, 3
+        a.hidden, a.ffn, a.warmup, a.iters = 64, 128, 1, 3
+        if a.tokens == ap.get_default("tokens"):
+            a.tokens = "16,64"
     elif not cuda:
         print("no CUDA device: use --smoke for a CPU check", file=sys.stderr)
         return 2
