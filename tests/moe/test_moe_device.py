@@ -190,3 +190,26 @@ def test_only_local_experts_and_kv_gathered_in_cache_dtype(dtype):
         assert local == [(4, 48, 32)] * 4 and shell == 0 and ok  # E/G experts per layer, no full copy
         assert ("K/V all-gather", f"torch.{dtype}") in seen, seen
     assert got == ref
+
+
+# --- device "meta": no data at all, so any host read or CPU tensor mixed into the device path raises -----------
+@pytest.mark.parametrize("mode,kw", [("baseline", dict(CFG, top_k=2, shared_expert_size=16, arch="qwen2_moe")),
+                                     ("exflow", CFG)])
+def test_whole_generate_runs_on_a_device_without_data(mode, kw):
+    """Stands in for FakeTensor on "cuda": on device "meta" every tensor op is shape-only, so a tensor left on the
+    CPU (a device mix) or a value read on the host fails; only the one final read (``_host``) is allowed."""
+    import hpdl.moe.engine as E
+
+    reads = []
+
+    class Meta(E.MoEEngine):
+        def _host(self, t):
+            assert t.device.type == "meta"
+            reads.append(tuple(t.shape))
+            return torch.zeros(t.shape, dtype=t.dtype).tolist()
+
+    m = make_model(kw)
+    out = Meta(m, mode=mode, device="meta", capacity="worst_case").generate([[1, 2, 3], [4, 5]], 4)
+    assert sorted(out) == [0, 1] and len(reads) == 2  # the tokens and the row counters, after the loop
+    with pytest.raises(NotImplementedError, match="meta"):  # exact counts are read on the host: caught
+        Meta(m, mode=mode, device="meta", capacity="exchange").generate([[1, 2, 3], [4, 5]], 4)

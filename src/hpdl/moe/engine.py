@@ -625,9 +625,13 @@ class MoEEngine:
         self.graph = graph
         t_end = self._clock()
         self.timings = {"prefill_s": t_pre - t_start, "decode_s": t_end - t_pre, "decode_steps": max_new_tokens - 1}
-        res = out_tok[:B].tolist()  # the one host read of the decode loop
+        res = self._host(out_tok[:B])  # the one host read of the decode loop
         self._finish_stats()
         return {r: res[r] for r in mine}
+
+    def _host(self, t: torch.Tensor) -> list:
+        """The device-to-host reads after the decode loop (one place, so tests can run on device "meta")."""
+        return t.tolist()
 
     def _clock(self) -> float:
         """Host time; with ``sync_timing`` on CUDA after a device synchronise (benchmarks only: a host sync)."""
@@ -645,7 +649,7 @@ class MoEEngine:
         out_tok[torch.where(ok, rows[:, 0], out_tok.shape[0] - 1), step] = rows[:, 1]
 
     def _finish_stats(self) -> None:
-        c = self._counters.cpu()
+        c = torch.as_tensor(self._host(self._counters))
         for li in range(c.shape[1]):
             self.stats.rows_dispatched[li] += int(c[:, li, 0].sum())
             self.stats.rows_cross[li] += int(c[:, li, 1].sum())
