@@ -413,43 +413,54 @@ class MoEEngine:
 
     def _forward(self, ids, req, pos, valid, stay: bool, C: int, kv_rows: int | None):
         """Tokens ``ids [n]`` of requests ``req`` at ``pos`` (``valid`` flags real rows) through every layer.
-        With ``kv_rows`` (ExFlow) every layer's K/V rows are all-gathered asynchronously (``kv_rows`` rows per
-        rank) and applied at the end. Returns (h, req, pos, valid) of the tokens that end on this rank."""
+        With ``kv_rows`` (ExFlow) every layer's K/V rows (``kv_rows`` rows per rank, pads flagged) are
+        all-gathered and applied at the end: on CUDA one asynchronous all-gather per layer, started right after
+        the layer's attention (hpdl.comm's side stream); on CPU, where collectives block, the layers' rows are
+        gathered in one call at the end (fewer latency-bound calls). Returns (h, req, pos, valid) of the tokens
+        that end on this rank."""
         h = self.net.embed(ids)
-        pending = []
+        per_layer = ids.is_cuda
+        pending, rows = [], []
         for blk in self.net.layers:
             slot = torch.where(valid, self.slot_of[req], self._dummy)
             p = torch.where(valid, pos, 0)
             h, k, v = self._attention(blk, h, slot, p)
             if kv_rows is not None and self.G > 1:
-                pending.append((blk.layer, *self._kv_gather(k, v, slot, p, valid, kv_rows)))
+                buf = self._kv_rows(blk.layer, k, v, slot, p, valid, kv_rows)
+                if per_layer:
+                    pending.append(self._gather(buf, "K/V all-gather", async_op=True))
+                else:
+                    rows.append(buf)
             if blk.is_moe:
                 fn = self._moe_stay if stay else self._moe_combine
                 h, req, pos, valid = fn(self.moe_index[blk.layer], blk, h, req, pos, valid, C)
             else:
                 h = h + blk.mlp(blk.post_attention_layernorm(h))
-        for l, out, work in pending:
+        if rows:
+            pending.append(self._gather(torch.cat(rows, 0), "K/V all-gather"))
+        for out, work in pending:
             if work is not None:
                 work.wait()
-            self._kv_apply(l, out)
+            self._kv_apply(out)
         return h, req, pos, valid
 
-    def _kv_gather(self, k, v, slot, pos, valid, rows: int):
-        """Start the all-gather of one layer's K/V rows in the cache dtype, with (slot, position, flag) packed
-        bit for bit; ``rows`` per rank (pads flagged 0)."""
+    def _kv_rows(self, layer: int, k, v, slot, pos, valid, rows: int) -> torch.Tensor:
+        """One layer's K/V rows in the cache dtype with (layer, slot, position, flag) packed bit for bit,
+        padded to ``rows`` rows (pads flagged 0)."""
         n, kvd = k.shape[0], self.cfg.n_kv_heads * self.cfg.head_dim
-        meta = torch.stack([slot.int(), pos.int(), valid.int()], 1)
+        meta = torch.stack([torch.full_like(slot, layer).int(), slot.int(), pos.int(), valid.int()], 1)
         packed = _pack(torch.cat([k.reshape(n, kvd), v.reshape(n, kvd)], 1).to(self.cache.k.dtype), meta)
         buf = packed.new_zeros(rows, packed.shape[1])
         buf[:n] = packed
-        return self._gather(buf, "K/V all-gather", async_op=buf.is_cuda)
+        return buf
 
-    def _kv_apply(self, l: int, out: torch.Tensor) -> None:
+    def _kv_apply(self, out: torch.Tensor) -> None:
         kvd = self.cfg.n_kv_heads * self.cfg.head_dim
-        kv, meta = _unpack(out, 2 * kvd, 3)
-        ok = meta[:, 2] == 1
-        s = torch.where(ok, meta[:, 0].long(), self._dummy)
-        p = torch.where(ok, meta[:, 1].long(), 0)
+        kv, meta = _unpack(out, 2 * kvd, 4)
+        ok = meta[:, 3] == 1
+        l = meta[:, 0].long()
+        s = torch.where(ok, meta[:, 1].long(), self._dummy)
+        p = torch.where(ok, meta[:, 2].long(), 0)
         shape = (len(kv), self.cfg.n_kv_heads, self.cfg.head_dim)
         self.cache.k[l, s, p] = kv[:, :kvd].reshape(shape)
         self.cache.v[l, s, p] = kv[:, kvd:].reshape(shape)
