@@ -53,8 +53,9 @@ class MoECommand:
                        "the trace's expert count")
         p.add_argument("--ranks-per-node", type=int, default=None, help="ranks per node; adds the inter-node hop "
                        "cost (2x an intra-node hop); default: one node")
-        p.add_argument("--method", default="auto", choices=["auto", "ilp", "bisect", "greedy", "contiguous", "random"],
-                       help="auto = bisect for power-of-two G >= 4, else ilp (docs/moe.md, Placement)")
+        p.add_argument("--method", default="auto", choices=["auto", "ilp", "bisect", "two_stage", "greedy", "contiguous", "random"],
+                       help="auto = two_stage with --ranks-per-node < G, else bisect for power-of-two G >= 4, else ilp "
+                            "(docs/moe.md, Placement)")
         p.add_argument("--time-limit", type=float, default=None, help="seconds for HiGHS, shared by bisection "
                        "(default HPDL_MOE_ILP_TIME_LIMIT, 60)")
         p.add_argument("--train-fraction", type=float, default=0.5, help="fit on this head of the trace, report "
@@ -171,12 +172,14 @@ def _place(args) -> int:
     res = placement.place(C_fit, args.world_size, method=args.method, ranks_per_node=args.ranks_per_node,
                           time_limit=args.time_limit)
     ev = placement.evaluate(C_test, res.ranks, args.world_size)
+    ev["busiest_rank_share"] = placement.load_share(C_test, res.ranks)["max_share"]
     if args.ranks_per_node:
         ev["placement_cross_node"] = placement.cross_share(C_test, res.ranks, args.ranks_per_node)
     res.save(args.out, model=tr.meta.get("model"), data=tr.meta.get("data"), heldout=ev,
              moe_layers=tr.meta.get("moe_layers"))
     print(f"{res.method} ({res.status}, {res.seconds:.1f}s): held-out cross-GPU share {ev['placement']:.3f} vs "
-          f"contiguous {ev['contiguous']:.3f}, random {ev['random_mean']:.3f} (= {ev['ratio_vs_random']:.2f}x random)")
+          f"contiguous {ev['contiguous']:.3f}, random {ev['random_mean']:.3f} (= {ev['ratio_vs_random']:.2f}x random); "
+          f"busiest rank holds {ev['busiest_rank_share']:.2f} of a layer's tokens (ideal {1 / args.world_size:.2f})")
     print(f"placement -> {args.out}")
     return 0
 
