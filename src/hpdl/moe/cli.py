@@ -53,7 +53,8 @@ class MoECommand:
                        "the trace's expert count")
         p.add_argument("--ranks-per-node", type=int, default=None, help="ranks per node; adds the inter-node hop "
                        "cost (2x an intra-node hop); default: one node")
-        p.add_argument("--method", default="auto", choices=["auto", "ilp", "bisect", "two_stage", "greedy", "contiguous", "random"],
+        p.add_argument("--method", default="auto",
+                       choices=["auto", "ilp", "bisect", "two_stage", "greedy", "contiguous", "random"],
                        help="auto = two_stage with --ranks-per-node < G, else bisect for power-of-two G >= 4, else ilp "
                             "(docs/moe.md, Placement)")
         p.add_argument("--time-limit", type=float, default=None, help="seconds for HiGHS, shared by bisection "

@@ -480,7 +480,8 @@ def place(C: np.ndarray, world_size: int, method: str = "auto", ranks_per_node: 
         if ranks is None:
             ranks, status = gr, "greedy_fallback"
         elif objective(C, gr, ranks_per_node, gpu_cost, node_cost) < \
-                objective(C, ranks, ranks_per_node, gpu_cost, node_cost) - 1e-12 and _load_ok(C, gr, G, load_eps, ranks):
+                objective(C, ranks, ranks_per_node, gpu_cost, node_cost) - 1e-12 and \
+                _load_ok(C, gr, G, load_eps, ranks):
             ranks, status = gr, status + "+greedy_better"
     else:
         raise MoEError(f"method must be auto, ilp, bisect, two_stage, greedy, contiguous or random; got {method!r}")
