@@ -379,6 +379,8 @@ class MoEEngine:
         y = self._experts(li, x_r, m_r[:, 1].long(), m_r[:, 0].view(torch.float32), v_r)
         s = blk.mlp.shared(x_r)
         h_r = h_r + (y if s is None else y + s)
+        if self.capacity == "exchange":  # exact rows, all real: no padded buffer to keep
+            return h_r, m_r[:, 2].long(), m_r[:, 3].long(), v_r
         # compact: valid rows to the front of a fixed [nmax] buffer (no host count), the rest pads
         n = self._nmax
         tgt = torch.where(v_r, v_r.long().cumsum(0) - 1, n).clamp_max(n)
@@ -601,10 +603,12 @@ class MoEEngine:
         # decode token buffer: baseline = own requests; ExFlow = a fixed [B] buffer (tokens wander), pads flagged
         self._nmax = B if coherent else len(mine)
         n0 = len(mine)
-        st_tok = torch.zeros(self._nmax, dtype=torch.int64, device=dev)
+        # exact counts keep exact buffers (ExFlow's token count per rank then varies step to step)
+        n_buf = n0 if self.capacity == "exchange" else self._nmax
+        st_tok = torch.zeros(n_buf, dtype=torch.int64, device=dev)
         st_req, st_pos = torch.zeros_like(st_tok), torch.zeros_like(st_tok)
         st_tok[:n0], st_req[:n0], st_pos[:n0] = tok, req, pos
-        st_valid = torch.arange(self._nmax, device=dev) < n0
+        st_valid = torch.arange(n_buf, device=dev) < n0
         out_tok = torch.zeros(B + 1, max_new_tokens, dtype=torch.int64, device=dev)
         C = k * (B if coherent else max(len(rs) for rs in owners))
         self._record_tokens(out_tok, 0, st_tok, st_req, st_valid, coherent)
@@ -655,6 +659,8 @@ class MoEEngine:
         tokens of every rank are all-gathered first (the paper's step-end all-gather of new tokens)."""
         rows = torch.stack([req, tok, valid.long()], 1)
         if coherent and self.G > 1:
+            if rows.shape[0] < self._nmax:  # exact-count buffers: pad to the agreed size (pads flagged 0)
+                rows = torch.cat([rows, rows.new_zeros(self._nmax - rows.shape[0], 3)], 0)
             rows, _ = self._gather(rows, "token all-gather")
         ok = rows[:, 2] == 1
         out_tok[torch.where(ok, rows[:, 0], out_tok.shape[0] - 1), step] = rows[:, 1]
