@@ -61,10 +61,12 @@ def test_ilp_matches_brute_force_on_tiny_case():
     rng = np.random.default_rng(3)
     L, E, G = 3, 4, 2
     C = rng.integers(0, 20, size=(L - 1, E, E)).astype(float)
-    res = P.place(C, G, method="ilp")
     layer_opts = [np.array(p) for p in set(itertools.permutations([0, 0, 1, 1]))]
-    best = min(P.cross_share(C, np.stack(r)) for r in itertools.product(layer_opts, repeat=L))
-    assert res.objective == pytest.approx(best)
+    allp = [np.stack(r) for r in itertools.product(layer_opts, repeat=L)]
+    for eps in (None, 0.1):
+        res = P.place(C, G, method="ilp", load_eps=eps)
+        pen = [P.cross_share(C, r) + P.LOAD_PENALTY * P.load_excess(C, r, G, eps) for r in allp]
+        assert res.objective + P.LOAD_PENALTY * P.load_excess(C, res.ranks, G, eps) == pytest.approx(min(pen)), eps
     assert res.status == "optimal"
     P.validate(res.ranks, G)
 
@@ -135,10 +137,19 @@ def test_trained_model_heldout_cross_gpu_share(trained_moe, G):
     tr_fit, tr_test = collect_trace(model, windows).split(0.5)
     C_fit = A.transition_counts(tr_fit.experts, 8)
     C_test = A.transition_counts(tr_test.experts, 8)
-    res = P.place(C_fit, G, time_limit=20)
+    # the paper's objective alone (expert counts balanced, token load free) ...
+    res = P.place(C_fit, G, time_limit=20, load_eps=None)
     ev = P.evaluate(C_test, res.ranks, G)
     assert ev["placement"] <= 0.6 * ev["random_mean"], ev
     assert ev["placement"] < ev["contiguous"]
+    # ... and with the token-load bound, which this barely trained, skewed router makes costly
+    bounded = P.place(C_fit, G, time_limit=20)
+    ev_b = P.evaluate(C_test, bounded.ranks, G)
+    print(f"G={G}: cross share free {ev['placement']:.3f} (busiest rank {res.details['load']['max_share']:.2f}), "
+          f"load-bounded {ev_b['placement']:.3f} (busiest {bounded.details['load']['max_share']:.2f}), random "
+          f"{ev['random_mean']:.3f}")
+    assert ev_b["placement"] < 0.8 * ev_b["random_mean"], ev_b
+    assert bounded.details["load"]["max_share"] <= res.details["load"]["max_share"] + 1e-9
     # affinity is real: above the shuffled-token baseline at the last checkpoint
     last = hist["checkpoints"][-1]["affinity"]["mean"]
     assert last["mutual_information_bits"] > last["shuffled_mutual_information_bits"] + 0.1
@@ -170,3 +181,48 @@ def test_trace_load_and_evaluate_reject_foreign_input(tmp_path):
             Trace.load(tmp_path / f)
     with pytest.raises(MoEError, match="placement of shape"):
         P.evaluate(np.ones((1, 4, 4)), np.zeros((3, 8), int), 2)
+
+
+@pytest.mark.parametrize("experts,meta,words", [
+    (np.zeros((3, 2)), None, "tokens, layers, k"),               # 2-D: the message names the file
+    (np.full((3, 2, 1), 1.7), None, "integer expert ids"),      # was truncated to 1
+    (np.full((3, 2, 1), 40000), None, r"\[0, 32767\]"),          # was wrapped to a negative int16
+    (np.zeros((3, 2, 1), int), "{not json", "meta is not JSON"),
+])
+def test_trace_load_names_the_path_and_refuses_lossy_ids(tmp_path, experts, meta, words):
+    import json
+
+    f = tmp_path / "bad.npz"
+    m = meta if meta is not None else json.dumps({"format": "hpdl.moe.trace/1"})
+    np.savez(f, experts=experts, meta=np.array(m))
+    with pytest.raises(MoEError, match=words) as ei:
+        Trace.load(f)
+    assert str(f) in str(ei.value)
+
+
+def test_load_constraint_bounds_the_busiest_rank():
+    """Two hot experts that always follow each other: balancing expert counts alone puts both on one rank
+    (2/3 of the layer's tokens at G=4); the token-load row splits them."""
+    C = np.ones((1, 8, 8))
+    C[0, :2, :2] = 40  # experts 0 and 1 of layer 0 both feed experts 0 and 1 of layer 1
+    free = P.place(C, 4, method="ilp", load_eps=None, time_limit=20)
+    bound = P.place(C, 4, method="ilp", load_eps=0.1, time_limit=20)
+    n = P.expert_load(C)
+    hottest = max(n[l].max() / n[l].sum() for l in range(2))
+    assert free.details["load"]["max_share"] > 0.5
+    # the best any placement can do: the two hot experts apart, each with the coldest partner
+    assert bound.details["load"]["max_share"] <= (n[0, 0] + n[0, 2]) / n[0].sum() + 1e-9 < hottest * 2
+    assert bound.objective >= free.objective - 1e-12  # the bound costs transitions, never saves them
+
+
+def test_two_stage_places_nodes_first():
+    e = planted(L=3, E=8, G=4, noise=0.05, seed=2)
+    C = A.transition_counts(e, 8)
+    r = P.place(C, 4, ranks_per_node=2, time_limit=20)
+    assert r.method == "two_stage" and set(r.details) >= {"node_stage", "gpu_stage", "load"}
+    P.validate(r.ranks, 4)
+    flat = P.place(C, 4, method="greedy")
+    assert P.cross_share(C, r.ranks, 2) <= P.cross_share(C, flat.ranks, 2) + 0.02
+    assert P.cross_share(C, r.ranks) < 0.2  # the planted groups: 5% noise
+    with pytest.raises(MoEError, match="ranks_per_node=3"):
+        P.two_stage(C, 4, 3)

@@ -128,3 +128,28 @@ def test_malformed_checkpoint_dirs_name_the_file_or_key(tmp_path):
         load_model(tmp_path)
     with pytest.raises(FileNotFoundError, match="no such directory"):
         load_model(tmp_path / "absent")
+
+
+def test_sharded_checkpoint_follows_the_index(tmp_path):
+    """save_pretrained with a small shard size writes an index; a stale shard beside it must not be merged."""
+    import json
+
+    from safetensors.torch import save_file
+
+    cfg = CASES["mixtral"]
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg.to_hf()).eval()
+    hf.save_pretrained(tmp_path, max_shard_size="20KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    ref = load_pretrained(tmp_path)
+    # an old single-file export left in the directory, with different values for the same names
+    save_file({"model.embed_tokens.weight": torch.zeros(cfg.vocab_size, cfg.hidden_size)},
+              str(tmp_path / "zz-stale.safetensors"))
+    got = load_pretrained(tmp_path)
+    assert torch.equal(got.embed_tokens.weight, ref.embed_tokens.weight)
+    assert got.embed_tokens.weight.abs().sum() > 0
+    missing = sorted(set(index["weight_map"].values()))[0]
+    (tmp_path / missing).unlink()
+    with pytest.raises(FileNotFoundError, match=missing):
+        load_pretrained(tmp_path)

@@ -12,7 +12,7 @@ from hpdl.testing import get_pool
 
 def test_bench_rank_tiny_sweep():
     spec = BenchSpec(world_size=2, experts=[4], batches=[1, 3], hidden_size=32, n_layers=3, n_heads=4,
-                     n_kv_heads=2, expert_size=32, prompt_len=6, new_tokens=3, repeats=1, profile_tokens=512,
+                     n_kv_heads=2, expert_size=32, prompt_len=6, new_tokens=3, repeats=2, profile_tokens=512,
                      time_limit=5)
     prep = prepare(spec, 4)
     assert prep["model_config"]["hidden_size"] == 32 and prep["model_config"]["n_experts"] == 4  # recorded
@@ -27,7 +27,18 @@ def test_bench_rank_tiny_sweep():
         assert base["speedup_vs_baseline"] == 1.0 and ex["tokens_per_s"] > 0
         assert len(ex["a2a_bytes_per_layer"]) == 3 and ex["gather_bytes"] > 10 * base["gather_bytes"]
         assert by["exflow_padded", b]["count_seconds"] == 0 < ex["count_seconds"]
-        assert by["exflow_padded", b]["gather_calls"] < ex["gather_calls"]
+        assert by["exflow_padded", b]["gather_calls"] == ex["gather_calls"]  # fixed-size gathers in both
+        pad = by["exflow_padded", b]
+        assert "speedup_vs_baseline_padded" in pad and "speedup_vs_baseline_padded" not in ex
+        assert len(pad["decode_seconds_all"]) == 2 and pad["decode_seconds"] > 0
+        # shares from sums over ranks; decode apart (ExFlow's decode rows: one per request per layer per step)
+        assert ex["cross_share"] == ex["rows_cross"] / ex["rows_dispatched"]
+        assert ex["rows_dispatched_decode"] == 2 * b * 3 * (3 - 1)  # 2 ranks x b requests x 3 layers x 2 steps
+    # the cross-rank share is a share of sums: rank shares 1/1 and 0/9 give 0.1, not a mean of 0.5
+    fake = [[dict(rows[0], rows_cross=1, rows_dispatched=1)], [dict(rows[0], rows_cross=0, rows_dispatched=9)]]
+    for r in fake:
+        r[0]["rank"] = 0
+    assert summarise(fake)[0]["cross_share"] == 0.1
 
 
 def test_cli_affinity_and_place(tmp_path, capsys):
@@ -51,8 +62,8 @@ def test_cli_affinity_and_place(tmp_path, capsys):
 
 
 def test_gpu_layer_script_runs_on_cpu(tmp_path):
-    """benchmarks/moe_gpu_layer.py (meant for 1 x H200) on a tiny CPU case: every kernel timed, predictions
-    labelled, comm share in [0, 1]."""
+    """benchmarks/moe_gpu_layer.py (meant for 1 x H200) in --smoke mode on the CPU: every kernel timed, the
+    grouped experts equal to the per-expert loop, predictions labelled, three files written."""
     import importlib.util
     from pathlib import Path
 
@@ -60,15 +71,16 @@ def test_gpu_layer_script_runs_on_cpu(tmp_path):
     spec = importlib.util.spec_from_file_location("moe_gpu_layer_script", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    mod.SHAPES["unit"] = (32, 64)
-    out = tmp_path / "g.json"
-    assert mod.main(["--shapes", "unit", "--experts", "8", "--tokens", "16", "--gpus", "2,4", "--dtype", "float32",
-                     "--warmup", "1", "--iters", "2", "--out", str(out)]) == 0
-    d = json.loads(out.read_text())
-    assert len(d["rows"]) == 2 and "not measured" in d["machine_model"]["note"]
+    assert mod.main(["--smoke", "--tokens", "16", "--out", str(tmp_path)]) == 0
+    d = json.loads((tmp_path / "moe_gpu_layer.json").read_text())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["moe_gpu_layer.json", "moe_gpu_layer.log",
+                                                         "moe_gpu_layer.png"]
+    assert {r["top_k"] for r in d["rows"]} == {1, 2} and "not measured" in d["machine_model"]["note"]
     for r in d["rows"]:
-        assert all(r[f"{k}_us"] > 0 for k in ("route", "plan", "experts", "combine"))
-        assert 0 < r["predicted_comm_share_exflow"] < r["predicted_comm_share_baseline"] < 1
+        assert all(r[f"{k}_us"] > 0 for k in ("grouped", "dense", "loop", "layer"))
+        assert sum(r["expert_counts"]) == r["rows"] == 16 * r["top_k"]
+    assert {p["gpus"] for p in d["prediction"]} == {8, 16, 32, 64}
+    assert all(p["predicted_gain"] > 0 for p in d["prediction"])
 
 
 def test_time_limit_setting(monkeypatch):

@@ -464,7 +464,9 @@ def convert_hf_state_dict(cfg: MoEConfig, sd: dict[str, torch.Tensor]) -> dict[s
 def load_pretrained(path: str | Path, dtype=torch.float32, device="cpu") -> MoEDecoder:
     """Load a local Hugging Face Mixtral / Qwen2-MoE / OLMoE directory (``config.json`` + ``*.safetensors``).
 
-    Nothing is downloaded. Raises FileNotFoundError (no config.json or no safetensors) and MoEConfigError
+    With a ``model.safetensors.index.json`` exactly the shards its ``weight_map`` names are read (a stale or
+    foreign ``.safetensors`` file beside them is ignored); otherwise every ``*.safetensors`` file. Nothing is
+    downloaded. Raises FileNotFoundError (no config.json or no safetensors) and MoEConfigError
     (config.json not JSON or missing a key, an unreadable safetensors file, unsupported config, missing or
     mis-shaped tensor; the file or key is named).
     """
@@ -486,7 +488,20 @@ def load_pretrained(path: str | Path, dtype=torch.float32, device="cpu") -> MoED
                              f"(model_type={raw.get('model_type')!r})") from None
     except MoEConfigError as e:
         raise MoEConfigError(f"{path / 'config.json'}: {e}") from None
-    files = sorted(path.glob("*.safetensors"))
+    index = path / "model.safetensors.index.json"
+    if index.is_file():  # a sharded checkpoint: exactly the shards its weight_map names (stale files ignored)
+        try:
+            wmap = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(wmap.values()))
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise MoEConfigError(f"{index}: not a safetensors index with a 'weight_map' ({type(e).__name__}: "
+                                 f"{e})") from None
+        files = [path / n for n in names]
+        for f in files:
+            if not f.is_file():
+                raise FileNotFoundError(f"{index} names shard {f.name}, which is missing")
+    else:
+        files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"path={path}: no *.safetensors weights")
     sd: dict[str, torch.Tensor] = {}

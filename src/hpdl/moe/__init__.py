@@ -2,8 +2,9 @@
 
 Pure array functions (no processes): routing traces (:mod:`~hpdl.moe.trace`), inter-layer affinity
 (:mod:`~hpdl.moe.affinity`), expert placement by integer programming (:mod:`~hpdl.moe.placement`), the
-dispatch planner (:mod:`~hpdl.moe.dispatch`). A thin expert-parallel engine over torch.distributed
-(:mod:`~hpdl.moe.engine`) runs the 2-Alltoall baseline and ExFlow's 1-Alltoall context-coherent mode.
+dispatch planner (:mod:`~hpdl.moe.dispatch`, host and device) and grouped expert GEMMs (:mod:`~hpdl.moe.grouped`).
+A thin, device-generic expert-parallel engine over hpdl.comm (:mod:`~hpdl.moe.engine`) runs the 2-Alltoall
+baseline and ExFlow's 1-Alltoall context-coherent mode on CPU or CUDA tensors.
 """
 
 from hpdl.moe.errors import MoEError, PlacementError

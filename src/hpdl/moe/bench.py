@@ -12,9 +12,12 @@ size (requests per rank), three engines generate the same tokens:
   sends the agreed worst-case row count to every peer, pad rows flagged and skipped).
 
 Reported per run: tokens/s (all ranks' generated tokens over the slowest rank's wall time, median of
-``repeats``), payload Alltoall bytes sent off-rank and seconds per MoE layer per forward (rank mean), count
-exchange and all-gather seconds, and the cross-rank share of dispatched rows. hpdl.comm's argument check is
-off while timing. The tokens of all five are compared and the run fails if they differ.
+``repeats``, every repeat kept), prefill and decode time apart (decode tokens/s), payload Alltoall bytes sent
+off-rank and seconds per MoE layer per forward (rank mean), count exchange and all-gather seconds, and the
+cross-rank share of dispatched rows (sums over ranks; decode apart). The modes are interleaved within every
+repeat; the headline is padded vs padded (``exflow_padded`` over ``baseline_padded``, decode, per-repeat ratio
+median and IQR). hpdl.comm's argument check is off while timing. The tokens of all five are compared and the run
+fails if they differ.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ class BenchSpec:
     expert_size: int = 512
     prompt_len: int = 16
     new_tokens: int = 16
-    repeats: int = 3
+    repeats: int = 10
     profile_tokens: int = 8192
     time_limit: float = 30.0
     model: str | None = None
@@ -123,7 +126,11 @@ def prepare(spec: BenchSpec, E: int) -> dict:
 
 
 def bench_rank(ctx, spec_d: dict, E: int, prep: dict) -> list[dict]:
-    """Per-rank body (run by ``hpdl.runtime.launch.spawn`` or a test pool): every mode x batch size."""
+    """Per-rank body (run by ``hpdl.runtime.launch.spawn`` or a test pool): every mode x batch size.
+
+    Modes are interleaved: each repeat runs every mode once, in an order rotated per repeat, so drift of the
+    machine over the sweep (other jobs, frequency, caches) falls on all modes alike instead of on whichever mode
+    ran last. Every run's slowest-rank time is kept (whole generate, prefill and decode apart)."""
     import torch
     import torch.distributed as dist
 
@@ -137,41 +144,52 @@ def bench_rank(ctx, spec_d: dict, E: int, prep: dict) -> list[dict]:
     modes = {"baseline": ("baseline", cont, "exchange"), "exflow_contiguous": ("exflow", cont, "exchange"),
              "exflow": ("exflow", ilp, "exchange"), "baseline_padded": ("baseline", cont, "worst_case"),
              "exflow_padded": ("exflow", ilp, "worst_case")}
+    names = list(modes)
     rows = []
     for b in spec.batches:
         prompts = prep["prompts"][ctx.rank][:b]
-        tokens = {}
-        for name, (mode, ranks, capacity) in modes.items():
-            times, stats = [], None
-            for rep in range(spec.repeats + 1):  # the first run warms up allocators and gloo pairs
-                eng = MoEEngine(model, ranks, mode=mode, check=False, capacity=capacity)
+        tokens, times, stats = {}, {n: [] for n in names}, {}
+        for rep in range(spec.repeats + 1):  # repeat 0 warms up allocators and gloo pairs (not kept)
+            for name in names[rep % len(names):] + names[:rep % len(names)]:
+                mode, ranks, capacity = modes[name]
+                eng = MoEEngine(model, ranks, mode=mode, check=False, capacity=capacity, device="cpu")
                 dist.barrier()
                 t0 = time.perf_counter()
                 out = eng.generate(prompts, spec.new_tokens)
-                dt = torch.tensor([time.perf_counter() - t0])
-                dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+                t = torch.tensor([time.perf_counter() - t0, eng.timings["prefill_s"], eng.timings["decode_s"]],
+                                 dtype=torch.float64)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
                 if rep:
-                    times.append(float(dt))
-                    stats = eng.stats.as_dict()
-            tokens[name] = out
-            forwards = spec.new_tokens  # 1 prefill + new_tokens - 1 decode forwards
-            per_layer_bytes = [stats["a2a_bytes"].get(li, 0) / forwards for li in range(L)]
-            per_layer_s = [stats["a2a_seconds"].get(li, 0.0) / forwards for li in range(L)]
-            disp = sum(stats["rows_dispatched"].values())
+                    times[name].append(t.tolist())
+                tokens[name], stats[name] = out, eng.stats.as_dict()
+        forwards = spec.new_tokens  # 1 prefill + new_tokens - 1 decode forwards
+        for name in names:
+            st = stats[name]
+            tt = np.asarray(times[name])  # [repeats, 3]
+            med = np.median(tt, 0)
+            q1, q3 = np.percentile(tt[:, 0], [25, 75])
             rows.append({"experts": E, "batch_per_rank": b, "mode": name, "rank": ctx.rank,
-                         "seconds": statistics.median(times),
-                         "tokens_per_s": ctx.world_size * b * spec.new_tokens / statistics.median(times),
-                         "a2a_calls_per_layer": stats["a2a_calls"].get(0, 0) / forwards,
-                         "a2a_bytes_per_layer": per_layer_bytes, "a2a_seconds_per_layer": per_layer_s,
-                         "count_seconds": stats["count_seconds"], "gather_seconds": stats["gather_seconds"],
-                         "gather_bytes": stats["gather_bytes"], "gather_calls": stats["gather_calls"],
-                         "cross_share": sum(stats["rows_cross"].values()) / max(1, disp)})
+                         "seconds": float(med[0]), "seconds_all": tt[:, 0].tolist(),
+                         "seconds_iqr": [float(q1), float(q3)],
+                         "tokens_per_s": ctx.world_size * b * spec.new_tokens / float(med[0]),
+                         "prefill_seconds": float(med[1]), "decode_seconds": float(med[2]),
+                         "decode_seconds_all": tt[:, 2].tolist(),
+                         "decode_tokens_per_s": ctx.world_size * b * max(1, spec.new_tokens - 1) / float(med[2]),
+                         "a2a_calls_per_layer": st["a2a_calls"].get(0, 0) / forwards,
+                         "a2a_bytes_per_layer": [st["a2a_bytes"].get(li, 0) / forwards for li in range(L)],
+                         "a2a_seconds_per_layer": [st["a2a_seconds"].get(li, 0.0) / forwards for li in range(L)],
+                         "count_seconds": st["count_seconds"], "gather_seconds": st["gather_seconds"],
+                         "gather_bytes": st["gather_bytes"], "gather_calls": st["gather_calls"],
+                         # raw row counts, summed over ranks in summarise (a share of sums, not a mean of shares)
+                         "rows_dispatched": sum(st["rows_dispatched"].values()),
+                         "rows_cross": sum(st["rows_cross"].values()),
+                         "rows_dispatched_decode": sum(st["rows_dispatched_decode"].values()),
+                         "rows_cross_decode": sum(st["rows_cross_decode"].values())})
             if ctx.rank == 0:
                 r = rows[-1]
-                print(f"E={E} batch/rank={b} {name}: {r['tokens_per_s']:.0f} tok/s, rank 0's a2a "
-                      f"{np.mean(r['a2a_bytes_per_layer']) / 1024:.1f} KiB and "
-                      f"{np.mean(r['a2a_seconds_per_layer']) * 1e3:.2f} ms per layer, cross share "
-                      f"{r['cross_share']:.2f}", flush=True)
+                print(f"E={E} batch/rank={b} {name}: {r['tokens_per_s']:.0f} tok/s (decode "
+                      f"{r['decode_tokens_per_s']:.0f}), rank 0's a2a {np.mean(r['a2a_bytes_per_layer']) / 1024:.1f} "
+                      f"KiB per layer", flush=True)
         if any(t != tokens["baseline"] for t in tokens.values()):
             raise MoEError(f"rank {ctx.rank}: E={E} batch={b}: ExFlow tokens differ from the baseline's")
     return rows
@@ -206,20 +224,36 @@ def run(spec: BenchSpec, out: str | Path | None = None, plot: str | Path | None 
 
 
 def summarise(per_rank: list[list[dict]]) -> list[dict]:
-    """Merge the ranks' rows: tokens/s from rank 0 (times are already the max over ranks); bytes and
-    seconds per layer averaged over ranks; adds ``speedup_vs_baseline``."""
+    """Merge the ranks' rows: times from rank 0 (already the max over ranks); bytes and seconds per layer averaged
+    over ranks; row counts summed over ranks, and the cross-rank shares computed from those sums (all forwards,
+    and decode forwards apart). Adds ``speedup_vs_baseline`` (vs the exact-count baseline) and, for the padded
+    modes, ``speedup_vs_baseline_padded`` (padded vs padded: the headline, both without count exchanges), each
+    also per repeat (``decode_speedup_*``: decode time ratios of the interleaved repeats, their median and IQR)."""
     merged = []
     for rows in zip(*per_rank):
         r0 = dict(rows[0])
         r0.pop("rank")
         for k in ("a2a_bytes_per_layer", "a2a_seconds_per_layer"):
             r0[k] = np.mean([r[k] for r in rows], axis=0).tolist()
-        for k in ("count_seconds", "gather_seconds", "gather_bytes", "gather_calls", "cross_share"):
+        for k in ("count_seconds", "gather_seconds", "gather_bytes", "gather_calls"):
             r0[k] = float(np.mean([r[k] for r in rows]))
+        for k in ("rows_dispatched", "rows_cross", "rows_dispatched_decode", "rows_cross_decode"):
+            r0[k] = int(sum(r[k] for r in rows))
+        r0["cross_share"] = r0["rows_cross"] / max(1, r0["rows_dispatched"])
+        r0["cross_share_decode"] = r0["rows_cross_decode"] / max(1, r0["rows_dispatched_decode"])
         merged.append(r0)
-    base = {(r["experts"], r["batch_per_rank"]): r["tokens_per_s"] for r in merged if r["mode"] == "baseline"}
+    key = lambda r: (r["experts"], r["batch_per_rank"])  # noqa: E731
+    by = {(key(r), r["mode"]): r for r in merged}
     for r in merged:
-        r["speedup_vs_baseline"] = r["tokens_per_s"] / base[(r["experts"], r["batch_per_rank"])]
+        for ref in ("baseline", "baseline_padded"):
+            if ref == "baseline_padded" and not r["mode"].endswith("_padded"):
+                continue
+            b = by[(key(r), ref)]
+            suf = "" if ref == "baseline" else "_padded"
+            r[f"speedup_vs_baseline{suf}"] = r["tokens_per_s"] / b["tokens_per_s"]
+            per = np.asarray(b["decode_seconds_all"]) / np.asarray(r["decode_seconds_all"])
+            r[f"decode_speedup_vs_baseline{suf}"] = float(np.median(per))
+            r[f"decode_speedup_vs_baseline{suf}_iqr"] = np.percentile(per, [25, 75]).tolist()
     return merged
 
 

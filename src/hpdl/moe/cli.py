@@ -53,8 +53,10 @@ class MoECommand:
                        "the trace's expert count")
         p.add_argument("--ranks-per-node", type=int, default=None, help="ranks per node; adds the inter-node hop "
                        "cost (2x an intra-node hop); default: one node")
-        p.add_argument("--method", default="auto", choices=["auto", "ilp", "bisect", "greedy", "contiguous", "random"],
-                       help="auto = bisect for power-of-two G >= 4, else ilp (docs/moe.md, Placement)")
+        p.add_argument("--method", default="auto",
+                       choices=["auto", "ilp", "bisect", "two_stage", "greedy", "contiguous", "random"],
+                       help="auto = two_stage with --ranks-per-node < G, else bisect for power-of-two G >= 4, else ilp "
+                            "(docs/moe.md, Placement)")
         p.add_argument("--time-limit", type=float, default=None, help="seconds for HiGHS, shared by bisection "
                        "(default HPDL_MOE_ILP_TIME_LIMIT, 60)")
         p.add_argument("--train-fraction", type=float, default=0.5, help="fit on this head of the trace, report "
@@ -85,7 +87,7 @@ class MoECommand:
         b.add_argument("--expert-size", type=int, default=512, help="hidden units of each expert's SwiGLU")
         b.add_argument("--prompt-len", type=int, default=16, help="prompt length in tokens (bytes of stdlib text)")
         b.add_argument("--new-tokens", type=int, default=16, help="greedy tokens generated per request (>= 1)")
-        b.add_argument("--repeats", type=int, default=3, help="timed runs per point after one warm-up (median)")
+        b.add_argument("--repeats", type=int, default=10, help="timed runs per point after one warm-up, modes interleaved (median and IQR)")
         b.add_argument("--model", default=None, help="checkpoint dir instead of random init; top-1, and --experts "
                        "must be its expert count")
         b.add_argument("--out", default="moe_bench.json", help="JSON of every row")
@@ -171,12 +173,14 @@ def _place(args) -> int:
     res = placement.place(C_fit, args.world_size, method=args.method, ranks_per_node=args.ranks_per_node,
                           time_limit=args.time_limit)
     ev = placement.evaluate(C_test, res.ranks, args.world_size)
+    ev["busiest_rank_share"] = placement.load_share(C_test, res.ranks)["max_share"]
     if args.ranks_per_node:
         ev["placement_cross_node"] = placement.cross_share(C_test, res.ranks, args.ranks_per_node)
     res.save(args.out, model=tr.meta.get("model"), data=tr.meta.get("data"), heldout=ev,
              moe_layers=tr.meta.get("moe_layers"))
     print(f"{res.method} ({res.status}, {res.seconds:.1f}s): held-out cross-GPU share {ev['placement']:.3f} vs "
-          f"contiguous {ev['contiguous']:.3f}, random {ev['random_mean']:.3f} (= {ev['ratio_vs_random']:.2f}x random)")
+          f"contiguous {ev['contiguous']:.3f}, random {ev['random_mean']:.3f} (= {ev['ratio_vs_random']:.2f}x random); "
+          f"busiest rank holds {ev['busiest_rank_share']:.2f} of a layer's tokens (ideal {1 / args.world_size:.2f})")
     print(f"placement -> {args.out}")
     return 0
 
@@ -204,13 +208,16 @@ def _bench(args) -> int:
                      new_tokens=args.new_tokens, repeats=args.repeats, model=args.model)
     plot = args.plot or str(Path(args.out).with_suffix(".png"))
     res = run(spec, out=args.out, plot=plot, progress=lambda s: print(s, flush=True))
-    print(f"{'E':>3} {'batch':>5} {'mode':>18} {'tok/s':>8} {'x base':>7} {'KiB/layer':>9} {'ms/layer':>8} {'cross':>6}",
-          file=sys.stdout)
+    print(f"{'E':>3} {'batch':>5} {'mode':>18} {'tok/s':>8} {'x base':>7} {'dec x pad':>15} {'KiB/layer':>9} "
+          f"{'cross(dec)':>10}", file=sys.stdout)
     for r in res["rows"]:
         import numpy as np
 
+        pad = (f"{r['decode_speedup_vs_baseline_padded']:.2f} [{r['decode_speedup_vs_baseline_padded_iqr'][0]:.2f},"
+               f"{r['decode_speedup_vs_baseline_padded_iqr'][1]:.2f}]" if "decode_speedup_vs_baseline_padded" in r
+               else "")
         print(f"{r['experts']:>3} {r['batch_per_rank']:>5} {r['mode']:>18} {r['tokens_per_s']:8.0f} "
-              f"{r['speedup_vs_baseline']:7.2f} {np.mean(r['a2a_bytes_per_layer']) / 1024:9.1f} "
-              f"{np.mean(r['a2a_seconds_per_layer']) * 1e3:8.2f} {r['cross_share']:6.2f}")
+              f"{r['speedup_vs_baseline']:7.2f} {pad:>15} {np.mean(r['a2a_bytes_per_layer']) / 1024:9.1f} "
+              f"{r['cross_share_decode']:10.2f}")
     print(f"-> {args.out}, {plot}")
     return 0

@@ -13,12 +13,16 @@ not depend on the token count (``L*E*G`` binaries plus one continuous ``y`` per 
          sum_e x[l,e,g] = E/G                   balanced
          y[l,i,j] >= x[l,i,g] - x[l+1,j,g]      for every GPU g  (y = 1 iff i and j on different GPUs)
          z[l,i,j] >= X[l,i,n] - X[l+1,j,n]      for every node n (X = sum of x over the node's GPUs)
+         sum_e n[l,e] x[l,e,g] <= (1+eps) N_l/G + s_l  token load per GPU (soft: + 100 s_l in the objective)
          x[0,0,0] = 1                            GPUs are interchangeable: break one symmetry
 
 solved with ``scipy.optimize.milp`` (HiGHS) under a time limit. For G >= 4 (a power of two) :func:`bisect`
 splits recursively into halves (nodes first, then GPUs, as the ExFlow repository's "bipart" does), each half a
 G=2 program; :func:`greedy` (per-layer optimal assignment given the neighbours, ``linear_sum_assignment``) is the
-fallback and is kept when it beats a time-limited ILP.
+fallback and is kept when it beats a time-limited ILP and meets the load bound. Balancing expert *counts* alone
+let one GPU hold half of a layer's tokens at G=4; the load row (``load_eps``, default 0.1; None drops it) bounds
+that, and :func:`load_share` reports the busiest GPU's share. With ``ranks_per_node`` the paper's two-stage solve
+(:func:`two_stage`: nodes first on the whole problem, then GPUs inside each node) is the default.
 """
 
 from __future__ import annotations
@@ -118,6 +122,50 @@ def objective(C: np.ndarray, ranks: np.ndarray, ranks_per_node: int | None = Non
     return cost
 
 
+def expert_load(C: np.ndarray) -> np.ndarray:
+    """Tokens routed to each expert of each MoE layer, ``[L, E]``, from the transition counts ``C [L-1, E, E]``
+    (row sums for layers 0..L-2, column sums of the last transition for layer L-1)."""
+    C = np.asarray(C, float)
+    return np.concatenate([C.sum(2), C[-1].sum(0)[None]], 0)
+
+
+def load_share(C: np.ndarray, ranks: np.ndarray) -> dict:
+    """Busiest rank of every layer: ``{"max_share": float, "per_layer": [L] shares, "ideal": 1/G}``; the share is
+    that rank's fraction of the layer's routed tokens (1/G is perfectly balanced)."""
+    n = expert_load(C)
+    r = np.asarray(ranks)
+    G = int(r.max()) + 1 if r.size else 1
+    per = []
+    for l in range(n.shape[0]):
+        tot = n[l].sum()
+        per.append(float(np.bincount(r[l], weights=n[l], minlength=G).max() / tot) if tot else 0.0)
+    return {"max_share": max(per, default=0.0), "per_layer": per, "ideal": 1.0 / max(1, G)}
+
+
+LOAD_PENALTY = 100.0  # objective weight of one layer's token share above the bound (transitions weigh <= 2)
+
+
+def load_excess(C: np.ndarray, ranks: np.ndarray, world_size: int, load_eps: float | None) -> float:
+    """Sum over layers of the busiest rank's token share above ``(1 + load_eps) / G`` (0 when within the
+    bound or when ``load_eps`` is None): what the ILP's soft load rows penalise."""
+    if load_eps is None:
+        return 0.0
+    n = expert_load(C)
+    out = 0.0
+    for l in range(n.shape[0]):
+        tot = n[l].sum()
+        if tot:
+            mx = np.bincount(np.asarray(ranks)[l], weights=n[l], minlength=world_size).max() / tot
+            out += max(0.0, mx - (1 + load_eps) / world_size)
+    return out
+
+
+def _load_ok(C, ranks, G, load_eps, than: np.ndarray | None = None) -> bool:
+    """``ranks`` exceeds the load bound no more than ``than`` does (or than 0)."""
+    ref = load_excess(C, than, G, load_eps) if than is not None else 0.0
+    return load_excess(C, ranks, G, load_eps) <= ref + 1e-9
+
+
 @dataclass
 class PlacementResult:
     """Output of :func:`place`: ``ranks [L, E]`` plus how it was found (plain data, JSON-able)."""
@@ -180,8 +228,11 @@ def load_placement(path: str | Path, world_size: int | None = None, n_layers: in
 
 
 def ilp(C: np.ndarray, world_size: int, ranks_per_node: int | None = None, time_limit: float | None = None,
-        gpu_cost: float = 1.0, node_cost: float = 2.0) -> tuple[np.ndarray | None, dict]:
-    """Solve the aggregated ILP directly (see module docstring) with HiGHS.
+        gpu_cost: float = 1.0, node_cost: float = 2.0, load_eps: float | None = 0.1
+        ) -> tuple[np.ndarray | None, dict]:
+    """Solve the aggregated ILP directly (see module docstring) with HiGHS. ``load_eps``: routed tokens per GPU
+    per layer at most ``(1 + load_eps) * N_l / G``, as a soft row (a penalised slack per layer, weight
+    :data:`LOAD_PENALTY`, because a hot expert can make the hard bound infeasible); None drops the rows.
 
     Returns ``(ranks [L, E] or None when no feasible point was found, info)``; info holds the HiGHS status,
     message, MIP gap, variables and seconds.
@@ -205,12 +256,14 @@ def ilp(C: np.ndarray, world_size: int, ranks_per_node: int | None = None, time_
     T = len(nz)
     ny = T
     nzv = T if nodes else 0
-    nvar = nx + ny + nzv
+    ns = nx + ny + nzv  # first slack of the soft load rows (one per layer)
+    nvar = ns + (L if load_eps is not None else 0)
     c = np.zeros(nvar)
+    c[ns:] = LOAD_PENALTY
     w = C[nz[:, 0], nz[:, 1], nz[:, 2]] / C.sum()
     c[nx:nx + ny] = gpu_cost * w
     if nodes:
-        c[nx + ny:] = (node_cost - gpu_cost) * w
+        c[nx + ny:ns] = (node_cost - gpu_cost) * w
     rows, cols, vals, lo, hi = [], [], [], [], []
     r = 0
 
@@ -223,11 +276,19 @@ def ilp(C: np.ndarray, world_size: int, ranks_per_node: int | None = None, time_
         hi.append(ub)
         r += 1
 
+    if load_eps is not None and load_eps < 0:
+        raise MoEError(f"load_eps must be >= 0 or None, got {load_eps}")
+    n_tok = expert_load(C)
     for l in range(L):
         for e in range(E):
             add([xi(l, e, g) for g in range(G)], [1.0] * G, 1, 1)
         for g in range(G):
             add([xi(l, e, g) for e in range(E)], [1.0] * E, E // G, E // G)
+        if load_eps is not None and n_tok[l].sum() > 0:
+            # soft: share_g - s_l <= (1 + eps)/G, s_l >= 0 penalised (a hot expert can make the bound infeasible)
+            for g in range(G):
+                add([xi(l, e, g) for e in range(E)] + [ns + l], (n_tok[l] / n_tok[l].sum()).tolist() + [-1.0],
+                    -np.inf, (1 + load_eps) / G)
     # vectorised linking rows: y_t - x[l,i,g] + x[l+1,j,g] >= 0
     l, i, j = nz[:, 0], nz[:, 1], nz[:, 2]
     for g in range(G):
@@ -252,6 +313,7 @@ def ilp(C: np.ndarray, world_size: int, ranks_per_node: int | None = None, time_
             r += T
     A = coo_matrix((vals, (rows, cols)), shape=(r, nvar)).tocsr()
     lb, ub = np.zeros(nvar), np.ones(nvar)
+    ub[ns:] = np.inf
     lb[xi(0, 0, 0)] = 1.0  # symmetry breaking: expert 0 of the first MoE layer on rank 0
     integrality = np.zeros(nvar)
     integrality[:nx] = 1
@@ -287,7 +349,8 @@ def greedy(C: np.ndarray, world_size: int, passes: int = 4) -> np.ndarray:
     return ranks
 
 
-def bisect(C: np.ndarray, world_size: int, time_limit: float | None = None) -> tuple[np.ndarray, dict]:
+def bisect(C: np.ndarray, world_size: int, time_limit: float | None = None, load_eps: float | None = 0.1
+           ) -> tuple[np.ndarray, dict]:
     """Recursive halving for power-of-two ``world_size``: a G=2 ILP splits the experts of every layer into two
     halves of E/2, then each half (its sub-matrix of C) is split again. Rank ids follow the halves, so with
     ``ranks_per_node`` a power of two the first cuts are the node boundaries (the costliest hops are cut first).
@@ -304,13 +367,13 @@ def bisect(C: np.ndarray, world_size: int, time_limit: float | None = None) -> t
             for l in range(L):
                 out[l, experts[l]] = base
             return
-        half, inf = ilp(sub, 2, time_limit=time_limit / max(1, G - 1))
+        half, inf = ilp(sub, 2, time_limit=time_limit / max(1, G - 1), load_eps=load_eps)
         if half is None:
             half = greedy(sub, 2)
             inf["fallback"] = "greedy"
         else:
             gr = greedy(sub, 2)
-            if objective(sub, gr) < objective(sub, half) - 1e-12:
+            if objective(sub, gr) < objective(sub, half) - 1e-12 and _load_ok(sub, gr, 2, load_eps, half):
                 half, inf["kept"] = gr, "greedy"
         if inf.get("status") not in (0, "trivial"):
             info["status"] = "time_limit_or_fallback"
@@ -325,17 +388,63 @@ def bisect(C: np.ndarray, world_size: int, time_limit: float | None = None) -> t
     return out, info
 
 
+def _flat(C, G, time_limit, load_eps) -> tuple[np.ndarray, dict]:
+    """Best single-level placement: bisect for power-of-two G >= 4, else the ILP (greedy kept when better
+    and within the load bound, or when the ILP finds nothing)."""
+    L, E = _check_counts(C, G)
+    if G == 1:
+        return np.zeros((L, E), dtype=np.int64), {"status": "trivial"}
+    if G >= 4 and G & (G - 1) == 0:
+        return bisect(C, G, time_limit, load_eps)
+    ranks, info = ilp(C, G, time_limit=time_limit, load_eps=load_eps)
+    gr = greedy(C, G)
+    if ranks is None or (objective(C, gr) < objective(C, ranks) - 1e-12 and _load_ok(C, gr, G, load_eps, ranks)):
+        ranks, info["kept"] = gr, "greedy"
+    return ranks, info
+
+
+def two_stage(C: np.ndarray, world_size: int, ranks_per_node: int, time_limit: float | None = None,
+              load_eps: float | None = 0.1) -> tuple[np.ndarray, dict]:
+    """ExFlow's two-stage solve: first split every layer's experts over the nodes (a ``G/ranks_per_node``-way
+    placement of the whole problem, minimising inter-node transitions), then, inside each node, over its
+    ``ranks_per_node`` GPUs (the node's sub-matrix of C). Rank ``g`` is on node ``g // ranks_per_node``. Half the
+    time limit goes to the node stage, half is shared by the nodes."""
+    time_limit = _time_limit(time_limit)
+    L, E = _check_counts(C, world_size)
+    G, rpn = world_size, ranks_per_node
+    if rpn < 1 or G % rpn:
+        raise MoEError(f"ranks_per_node={rpn} must divide world_size={G}")
+    n_nodes = G // rpn
+    C = np.asarray(C, float)
+    nodes, info0 = _flat(C, n_nodes, time_limit / 2, load_eps)
+    out = np.zeros((L, E), dtype=np.int64)
+    info = {"node_stage": {k: info0.get(k) for k in ("status", "seconds", "kept")}, "gpu_stage": []}
+    for nd in range(n_nodes):
+        sel = [np.flatnonzero(nodes[l] == nd) for l in range(L)]
+        sub = np.stack([C[l][np.ix_(sel[l], sel[l + 1])] for l in range(L - 1)])
+        r, inf = _flat(sub, rpn, time_limit / 2 / n_nodes, load_eps)
+        info["gpu_stage"].append({k: inf.get(k) for k in ("status", "seconds", "kept")})
+        for l in range(L):
+            out[l, sel[l]] = nd * rpn + r[l]
+    info["status"] = "ok"
+    return out, info
+
+
 def place(C: np.ndarray, world_size: int, method: str = "auto", ranks_per_node: int | None = None,
           time_limit: float | None = None, gpu_cost: float = 1.0, node_cost: float = 2.0,
-          seed: int = 0) -> PlacementResult:
+          seed: int = 0, load_eps: float | None = 0.1) -> PlacementResult:
     """Place experts from aggregated counts ``C [L-1, E, E]`` on ``world_size`` ranks.
 
     Args:
         time_limit: seconds for HiGHS (default ``HPDL_MOE_ILP_TIME_LIMIT``).
         method: "ilp" (direct program, with the node hop cost when ``ranks_per_node`` < world_size),
             "bisect" (recursive halving, power-of-two world sizes), "greedy", "contiguous", "random", or
-            "auto" (ilp for G <= 2 or with nodes, bisect for power-of-two G >= 4, else ilp); an ILP that finds
-            nothing in ``time_limit`` seconds falls back to greedy, and greedy is kept when it is better.
+            "two_stage" (nodes, then GPUs in each node; needs ``ranks_per_node``), or "auto" (two_stage when
+            ``ranks_per_node`` < world_size, bisect for power-of-two G >= 4, else ilp); an ILP that finds
+            nothing in ``time_limit`` seconds falls back to greedy, and greedy is kept when it is better and
+            within the load bound.
+        load_eps: token-load slack of the ILP (see :func:`ilp`); the result's ``details["load"]`` reports the
+            busiest rank's share of each layer's routed tokens (:func:`load_share`).
     Raises:
         MoEError: world_size does not divide E, bad method or ranks_per_node.
     """
@@ -345,31 +454,39 @@ def place(C: np.ndarray, world_size: int, method: str = "auto", ranks_per_node: 
     t0 = time.perf_counter()
     if method == "auto":
         pow2 = G & (G - 1) == 0
-        method = "bisect" if G >= 4 and pow2 and not (ranks_per_node and ranks_per_node & (ranks_per_node - 1)) \
-            else "ilp"
+        if ranks_per_node and ranks_per_node < G:
+            method = "two_stage"
+        else:
+            method = "bisect" if G >= 4 and pow2 else "ilp"
     details: dict = {}
     status = "ok"
-    if method == "contiguous":
+    if method == "two_stage":
+        if not ranks_per_node:
+            raise MoEError("method='two_stage' needs ranks_per_node")
+        ranks, details = two_stage(C, G, ranks_per_node, time_limit, load_eps)
+    elif method == "contiguous":
         ranks = contiguous(L, E, G)
     elif method == "random":
         ranks = random_placement(L, E, G, seed)
     elif method == "greedy":
         ranks = greedy(C, G)
     elif method == "bisect":
-        ranks, details = bisect(C, G, time_limit)
+        ranks, details = bisect(C, G, time_limit, load_eps)
         status = details["status"]
     elif method == "ilp":
-        ranks, details = ilp(C, G, ranks_per_node, time_limit, gpu_cost, node_cost)
+        ranks, details = ilp(C, G, ranks_per_node, time_limit, gpu_cost, node_cost, load_eps)
         status = {0: "optimal", 1: "time_limit", "trivial": "optimal"}.get(details.get("status"), "failed")
         gr = greedy(C, G)
         if ranks is None:
             ranks, status = gr, "greedy_fallback"
         elif objective(C, gr, ranks_per_node, gpu_cost, node_cost) < \
-                objective(C, ranks, ranks_per_node, gpu_cost, node_cost) - 1e-12:
+                objective(C, ranks, ranks_per_node, gpu_cost, node_cost) - 1e-12 and \
+                _load_ok(C, gr, G, load_eps, ranks):
             ranks, status = gr, status + "+greedy_better"
     else:
-        raise MoEError(f"method must be auto, ilp, bisect, greedy, contiguous or random; got {method!r}")
+        raise MoEError(f"method must be auto, ilp, bisect, two_stage, greedy, contiguous or random; got {method!r}")
     ranks = validate(ranks, G)
+    details["load"] = load_share(C, ranks)
     return PlacementResult(ranks, method, status, objective(C, ranks, ranks_per_node, gpu_cost, node_cost),
                            time.perf_counter() - t0, G, ranks_per_node, details)
 

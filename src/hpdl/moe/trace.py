@@ -27,8 +27,14 @@ class Trace:
     meta: dict = field(default_factory=dict)
 
     def __post_init__(self):
+        self.experts = np.asarray(self.experts)
         if self.experts.ndim != 3:
             raise MoEError(f"experts must be [tokens, layers, k], got shape {self.experts.shape}")
+        if self.experts.dtype.kind not in "iu":  # a float id would be truncated silently by the int16 cast
+            raise MoEError(f"experts must hold integer expert ids, got dtype {self.experts.dtype}")
+        if self.experts.size and (self.experts.min() < 0 or self.experts.max() > np.iinfo(np.int16).max):
+            raise MoEError(f"experts must be ids in [0, 32767] (stored as int16), got [{self.experts.min()}, "
+                           f"{self.experts.max()}]")
         self.experts = self.experts.astype(np.int16, copy=False)
 
     @property
@@ -68,10 +74,17 @@ class Trace:
         with z:
             if "experts" not in z or "meta" not in z:
                 raise MoEError(f"path={path}: not an hpdl.moe trace (needs arrays 'experts' and 'meta')")
-            meta = json.loads(str(z["meta"]))
-            if meta.get("format") != FORMAT:
-                raise MoEError(f"path={path}: format {meta.get('format')!r}, expected {FORMAT!r}")
-            return cls(z["experts"], meta)
+            try:
+                meta = json.loads(str(z["meta"]))
+            except (json.JSONDecodeError, ValueError) as e:
+                raise MoEError(f"path={path}: meta is not JSON ({e})") from None
+            if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+                got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+                raise MoEError(f"path={path}: format {got!r}, expected {FORMAT!r}")
+            try:
+                return cls(z["experts"], meta)
+            except MoEError as e:
+                raise MoEError(f"path={path}: {e}") from None
 
 
 def data_identity(ids: np.ndarray, source: str) -> dict:
