@@ -160,3 +160,24 @@ def test_bench_ranks_per_gpu_flags(argv, message, tmp_path):
     out = subprocess.run([sys.executable, "-m", "hpdl.cli", "bench", "allreduce", "--np", "4", *argv],
                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert out.returncode == 1 and message in out.stderr, (out.returncode, out.stderr[-500:])   # usage error
+
+
+def _die_on_rank_one(ctx):
+    if ctx.rank == 1:
+        os._exit(3)
+    return ctx.rank
+
+
+def test_pool_with_a_dead_rank_is_broken():
+    """A rank that died leaves the pool unusable: the next get_pool() starts a new one (it handed out a pool
+    with a dead rank before)."""
+    from hpdl.runtime import WorkerFailedError
+    from hpdl.testing.pool import RankPool
+
+    pool = RankPool(2, timeout=60)
+    try:
+        with pytest.raises(WorkerFailedError, match="rank 1"):
+            pool.run(_die_on_rank_one)
+        assert pool.broken
+    finally:
+        pool.close()

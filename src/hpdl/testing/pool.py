@@ -121,7 +121,9 @@ class RankPool:
                 continue  # a straggler from an earlier, failed call
             (out if status == "ok" else errors)[rank] = payload
         if errors:
-            self.broken = self.broken or len(out) + len(errors) < self.world_size
+            # a rank that died (or any rank left inside a collective) makes the pool unusable for later calls
+            self.broken = (self.broken or len(out) + len(errors) < self.world_size
+                           or any(not p.is_alive() for p in self._procs))
             first = next(iter(errors))  # first reported = the cause
             raise WorkerFailedError(f"rank {first} failed (failed ranks {sorted(errors)}):\n{errors[first]}")
         return [out[r] for r in range(self.world_size)]
