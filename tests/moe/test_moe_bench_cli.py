@@ -149,3 +149,18 @@ def test_cli_empty_trace(tmp_path, capsys):
     assert "empty trace" in capsys.readouterr().err
     assert main(["moe", "place", str(tmp_path / "e.npz"), "--world-size", "2", "--out", str(tmp_path / "p.json")]) == 1
     assert "0 tokens" in capsys.readouterr().err
+
+
+def test_train_names_hidden_not_head_dim(tmp_path, capsys):
+    """Issue 37 item 9: `moe train --hidden 60` blamed head_dim (an internal), not the flag the user typed."""
+    assert main(["moe", "train", "--hidden", "60", "--steps", "1", "--out", str(tmp_path / "m")]) == 1
+    err = capsys.readouterr().err
+    assert "--hidden" in err and "multiple of 8" in err and "head_dim" not in err
+    assert not (tmp_path / "m").exists()
+
+
+def test_train_too_big_for_the_host_is_refused_before_allocating(tmp_path, capsys):
+    """Issue 37 item 5: a model that cannot fit in host memory fails at once, naming the flags that size it."""
+    assert main(["moe", "train", "--hidden", "65536", "--experts", "4096", "--out", str(tmp_path / "m")]) == 1
+    err = capsys.readouterr().err
+    assert "--hidden" in err and "free" in err

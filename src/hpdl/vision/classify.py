@@ -317,6 +317,11 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> tuple[SoftVi
     """Rebuild the model a checkpoint of ``hpdl vision train`` holds; returns (model, checkpoint dict).
     Raises FileNotFoundError, or ValueError if it is not such a checkpoint."""
     ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    if isinstance(ckpt, dict) and ckpt.get("format") == "hpdl.vision.detect/1":
+        # a detection checkpoint of `hpdl vision train` (SPRNet, RetinaNet, Mask R-CNN): name what it holds
+        name = (ckpt.get("spec") or {}).get("name", "?")
+        raise ValueError(f"--checkpoint {path} holds a {name!r} detection model, not a classifier: evaluate it "
+                         f"with --model {name}")
     if not isinstance(ckpt, dict) or "config" not in ckpt or "state_dict" not in ckpt:
         raise ValueError(f"--checkpoint {path}: not a checkpoint written by `hpdl vision train`")
     model = SoftViT(SoftConfig(**ckpt["config"]))

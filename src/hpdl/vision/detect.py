@@ -140,6 +140,10 @@ def load_checkpoint(path: str | Path, map_location="cpu") -> tuple[torch.nn.Modu
     except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as exc:   # truncated or foreign
         raise HpdlError(f"checkpoint={str(path)!r} cannot be read ({str(exc).splitlines()[0][:120]}); write it "
                         "again with `hpdl vision train`") from exc
+    if isinstance(ckpt, dict) and "config" in ckpt and isinstance(ckpt.get("model"), str):
+        # a classification checkpoint of `hpdl vision train` (SOFT): name what it holds
+        raise HpdlError(f"checkpoint={str(path)!r} holds a {ckpt['model']!r} classification model, not a "
+                        f"detector: evaluate it with --model {ckpt['model']}")
     if not isinstance(ckpt, dict) or ckpt.get("format") != "hpdl.vision.detect/1" or \
             not {"spec", "state_dict", "meta"} <= ckpt.keys():
         raise HpdlError(f"checkpoint={str(path)!r} is not an hpdl vision detection checkpoint")
