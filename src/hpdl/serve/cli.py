@@ -212,5 +212,9 @@ class ServeCommand:
         metrics = ServeMetrics()
         print(f"hpdl serve: {name} on http://{args.host}:{args.port} (slots={args.num_slots}, "
               f"tp={args.tensor_parallel_size}, device={args.device})", flush=True)
+        if args.config:   # say it before the first reply does: random bytes, possibly an immediate <eos>
+            print(f"hpdl serve: {args.config} has random weights (seed {args.seed}): replies are random bytes and "
+                  "may stop at once on end-of-sequence; send \"min_tokens\": N to get at least N of them, "
+                  "or serve real weights with --model DIR", flush=True)
         run_server(AsyncEngine(engine, metrics), name, metrics, args.host, args.port, args.default_max_tokens)
         return 0
