@@ -253,3 +253,30 @@ def test_graph_timing_on_two_gpus(tmp_path, collective, algorithms):
     data = json.loads(path.read_text())
     assert data["meta"]["timing"] == "cuda-graph"
     assert all(row["wrong"] == 0 and row["mode"] == "graph" and row["avg_us"] > 0 for row in data["rows"])
+
+
+# ------------------------------------------------------------------ issue 37 item 8: --tune from a noisy sweep
+def test_tune_refuses_a_sweep_its_own_footer_calls_noisy(tmp_path, monkeypatch, capsys):
+    """`--tune` wrote a table from rows whose speed-ups the footer printed as ranges (> NOISE spread); it must
+    refuse, say so, exit non-zero and leave an existing table alone. A clean sweep still writes one."""
+    import hpdl.bench.cli as bench_cli
+    from hpdl.bench.report import NoisySweepError, tuned_table
+
+    quiet = [_row("native", 10.0, speedup=1.0, s_lo=1.0, s_hi=1.0),
+             _row("ring", 5.0, speedup=2.0, s_lo=1.9, s_hi=2.1)]
+    noisy = [quiet[0], _row("ring", 5.0, lo=2.0, hi=30.0, speedup=2.0, s_lo=0.3, s_hi=5.0)]
+    assert noisy[1].noisy and not any(r.noisy for r in quiet)
+    with pytest.raises(NoisySweepError, match="64 B"):
+        tuned_table(noisy, 2, "cpu")
+    out = tmp_path / "t.json"
+    for rows, code in ((noisy, 1), (quiet, 0)):
+        out.write_text("old")
+        monkeypatch.setattr(bench_cli, "_launch", lambda cfg, args, rows=rows: (rows, 2))
+        assert main(["bench", "allreduce", "--np", "2", "-b", "64", "-e", "64", "--algorithms", "native,ring",
+                     "--tune", str(out)]) == code
+        cap = capsys.readouterr()
+        if code:
+            assert "no tuning table written" in cap.err and "noisy" in cap.err and out.read_text() == "old"
+            assert "0.30-5.00x" in cap.out   # the footer's range and the refusal come from the same rows
+        else:
+            assert "tuning table written" in cap.out and json.loads(out.read_text())["rules"]

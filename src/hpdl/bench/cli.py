@@ -187,10 +187,15 @@ class BenchCommand:
             plot(rows, args.plot_path, f"{cfg.collective} {cfg.dtype}" + (f" {cfg.op}" if cfg.collective in _REDUCES
                  else "") + f", {world} ranks, {args.device}" + (", CUDA graph" if cfg.graph else ""))
         if args.tune_path:
-            from hpdl.bench.report import tuned_table
+            from hpdl.bench.report import NoisySweepError, tuned_table
 
+            try:
+                table = tuned_table(rows, world, args.device)
+            except NoisySweepError as exc:   # the footer above called it noisy: refuse, leave any old file
+                print(f"# --tune: no tuning table written to {args.tune_path}: {exc}", file=sys.stderr)
+                return 1
             with open(args.tune_path, "w") as fh:
-                fh.write(tuned_table(rows, world, args.device).to_json())
+                fh.write(table.to_json())
             print(f"# tuning table written to {args.tune_path}; use it with HPDL_TUNING_FILE={args.tune_path}")
         return 1 if any(r.wrong for r in rows) else 0
 
