@@ -280,3 +280,35 @@ def test_tune_refuses_a_sweep_its_own_footer_calls_noisy(tmp_path, monkeypatch, 
             assert "0.30-5.00x" in cap.out   # the footer's range and the refusal come from the same rows
         else:
             assert "tuning table written" in cap.out and json.loads(out.read_text())["rules"]
+
+
+# ------------------------------------------------------------------ issue 37 item 5: sizes too big for the host
+@pytest.mark.parametrize("argv, flag", [
+    (["--np", "2", "-b", "32G", "-e", "32G"], "-e/--max-bytes"),
+    (["--np", "4096", "-b", "8", "-e", "8"], "--np"),
+    (["--np", "2", "-b", "8", "-e", "1024G"], "-e/--max-bytes"),
+])
+def test_sizes_too_big_for_the_host_are_refused_before_spawning(argv, flag, monkeypatch, capsys):
+    """`--np 2 -b 32G -e 32G` spawned ranks that died in an allocator (68 GB asked); it must fail before any
+    process starts, naming the flag. The host is given 16 GiB free so the verdict does not depend on this one."""
+    import hpdl.bench.cli as bench_cli
+    import psutil
+
+    real_vm = psutil.virtual_memory
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real_vm()._replace(available=16 << 30))
+    monkeypatch.setattr(bench_cli, "_launch", lambda cfg, args: pytest.fail("a rank was started"))
+    assert main(["bench", "allreduce", *argv]) == 1
+    err = capsys.readouterr().err
+    assert f"choose a smaller {flag}" in err and "free" in err
+
+
+def test_a_sweep_that_fits_is_not_refused(monkeypatch):
+    import psutil
+
+    from hpdl.bench.cli import _check_memory
+
+    real_vm = psutil.virtual_memory
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real_vm()._replace(available=16 << 30))
+    args = build_parser("bench").parse_args(["bench", "allreduce", "--np", "4", "-e", "64M"])
+    cfg = BenchConfig(collective="allreduce", sizes=[8, 64 << 20], algorithms=["native"])
+    _check_memory(cfg, args)   # 4 x (300 MB + 2 x 64 MiB) fits in 16 GiB
