@@ -128,18 +128,23 @@ def test_bench_spec_refused_before_spawning(tmp_path, capsys):
         check_spec(BenchSpec(world_size=2, model=str(tmp_path / "m")))
     with pytest.raises(MoEError, match="top_k=2"):
         check_spec(BenchSpec(world_size=2, experts=[4], model=str(tmp_path / "m")))
-    assert main(["moe", "bench", "--new-tokens", "0", "--out", str(tmp_path / "b.json")]) == 1
-    assert "new_tokens must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:   # a parse-time usage error now (issue 37: every count is bounded)
+        main(["moe", "bench", "--new-tokens", "0", "--out", str(tmp_path / "b.json")])
+    assert exc.value.code == 2 and "argument --new-tokens: must be an integer in [1, " in capsys.readouterr().err
 
 
 def test_cli_trace_bad_window(tmp_path, capsys):
     from hpdl.models.gpt_moe import MoEConfig, MoEDecoder, save_checkpoint
 
     save_checkpoint(MoEDecoder(MoEConfig(hidden_size=16, n_layers=2, max_position=64)), tmp_path / "m")
-    for seq, words in (("0", "--seq must be >= 1"), ("100", "exceeds the model's max_position=64")):
-        assert main(["moe", "trace", "--model", str(tmp_path / "m"), "--seq", seq, "--tokens", "256",
-                     "--out", str(tmp_path / "t.npz")]) == 1
-        assert words.replace("--seq must", "must") in capsys.readouterr().err
+    import pytest
+
+    argv = ["moe", "trace", "--model", str(tmp_path / "m"), "--tokens", "256", "--out", str(tmp_path / "t.npz")]
+    with pytest.raises(SystemExit) as exc:   # a parse-time usage error now (issue 37: every count is bounded)
+        main(argv + ["--seq", "0"])
+    assert exc.value.code == 2 and "argument --seq: must be an integer in [1, " in capsys.readouterr().err
+    assert main(argv + ["--seq", "100"]) == 1
+    assert "exceeds the model's max_position=64" in capsys.readouterr().err
 
 
 def test_cli_empty_trace(tmp_path, capsys):

@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hpdl.models.soft import MODEL_CONFIGS, SoftConfig, SoftViT, create
+from hpdl.runtime.limits import count, real
 
 MODELS = tuple(MODEL_CONFIGS)
 OFFLINE_IMAGE_SIZE = 64
@@ -338,8 +339,8 @@ def add_arguments(group, evaluate: bool) -> None:
     group.add_argument("--attention", choices=["soft", "sdpa"], default="soft",
                        help="SOFT models: their Gaussian-kernel attention, or softmax SDPA over the same Q/K "
                             "(a baseline) (default: soft)")
-    group.add_argument("--label-smoothing", type=float, default=0.1, help="(default: 0.1)")
-    group.add_argument("--drop-path", type=float, default=None,
+    group.add_argument("--label-smoothing", type=real(0, 1), default=0.1, help="(default: 0.1)")
+    group.add_argument("--drop-path", type=real(0, 1), default=None,
                        help="stochastic depth rate (default: 0.1 for ImageFolder data, 0 for the offline set)")
     group.add_argument("--augment", choices=["basic", "deit"], default="basic",
                        help="basic: random resized crop + flip; deit: RandAugment, random erasing, Mixup/CutMix "
@@ -451,11 +452,11 @@ def evaluate(args) -> int:
 def _make_shapes_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="folder to write (default: $HPDL_DATA_DIR/shapes-v1, i.e. the "
                                                "offline default of `hpdl vision train`)")
-    p.add_argument("--train-per-class", type=int, default=300, help="(default: 300)")
-    p.add_argument("--val-per-class", type=int, default=60, help="(default: 60)")
-    p.add_argument("--image-size", type=int, default=OFFLINE_IMAGE_SIZE, help=f"(default: {OFFLINE_IMAGE_SIZE})")
-    p.add_argument("--num-classes", type=int, default=10, help="2..10 (default: 10)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--train-per-class", type=count(1, 1 << 20), default=300, help="(default: 300)")
+    p.add_argument("--val-per-class", type=count(1, 1 << 20), default=60, help="(default: 60)")
+    p.add_argument("--image-size", type=count(8, 8192), default=OFFLINE_IMAGE_SIZE, help=f"(default: {OFFLINE_IMAGE_SIZE})")
+    p.add_argument("--num-classes", type=count(2, 10), default=10, help="2..10 (default: 10)")
+    p.add_argument("--seed", type=count(0, 2**32 - 1), default=0)
     p.add_argument("--overwrite", action="store_true", help="replace a different dataset in --out")
 
 
