@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 
 import torch
 
 from hpdl.apps.comm import COMMS, comm_label
+from hpdl.runtime.limits import count, real
 
 
 @dataclass
@@ -80,16 +82,29 @@ HELP: dict[str, str] = {   # one line per option of the three scripts (shown by 
 }
 
 
+# The range of every numeric option (argparse types: a value outside is a usage error naming the option), so no
+# 0, negative or huge value can start a run that fails late or never ends (issue 37).
+TYPES: dict[str, object] = {
+    "size": count(2, 4096), "iters": count(1, 1 << 24), "warmup": count(0, 1 << 20), "window": count(0, 1 << 20),
+    "steps": count(1, 1 << 24), "batch_size": count(1, 1 << 16), "grad_accum": count(1, 1 << 16),
+    "block_size": count(1, 1 << 20), "n_layer": count(1, 1024), "n_head": count(1, 1024),
+    "n_embd": count(1, 1 << 16), "learning_rate": real(0, 10, strict=True), "min_lr": real(0, 10),
+    "warmup_steps": count(0, 1 << 24), "weight_decay": real(0, 10), "grad_clip": real(0, 1e6),
+    "bucket_mb": real(0, 1 << 20, strict=True), "first_bucket_mb": real(0, 1 << 20, strict=True),
+    "seed": count(0, 2**63 - 1), "log_interval": count(1, 1 << 24), "timing_warmup": count(0, 1 << 24),
+}
+
+
 def parser_for(cls, prog: str, description: str, choices: dict | None = None,
                helps: dict | None = None) -> argparse.ArgumentParser:
-    """``--field`` for every dataclass field, typed by its default, with a help line (``helps``, else
-    :data:`HELP`) and its default; bools take true/false."""
+    """``--field`` for every dataclass field, typed by :data:`TYPES` (else by its default), with a help line
+    (``helps``, else :data:`HELP`) and its default; bools take true/false."""
     p = argparse.ArgumentParser(prog=prog, description=description,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     helps = {**HELP, **(helps or {})}
     for f in dataclasses.fields(cls):
         default = f.default
-        kind = type(default)
+        kind = TYPES.get(f.name, type(default))
         if kind is bool:
             kind = lambda v: v.lower() in ("1", "true", "yes")  # noqa: E731
         p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=default,
@@ -106,6 +121,16 @@ def _emit(comm, line: str, payload: dict, path: str) -> None:
             json.dump(payload, fh, indent=1)
 
 
+def _fits(need: int, flag: str, device: str, what: str) -> None:
+    """Exit with a usage error naming ``flag`` when ``need`` bytes per rank cannot fit (before allocating)."""
+    from hpdl.runtime.limits import check_fits
+
+    try:
+        check_fits(need, flag, device="cuda" if device == "cuda" else "cpu", what=what)
+    except MemoryError as exc:
+        raise SystemExit(f"error: {exc}") from None
+
+
 def main_cg(argv=None) -> int:
     from hpdl.apps import cg
     from hpdl.apps.comm import launch
@@ -113,6 +138,8 @@ def main_cg(argv=None) -> int:
     a = parser_for(CGArgs, "cg.py", "distributed CG on the 3-D Poisson problem",
                    {"comm": COMMS, "device": ("cpu", "cuda"), "dtype": ("float64", "float32")}).parse_args(argv)
     comm = launch(a.comm, a.device, algorithm=a.algorithm, window=a.window or None)
+    _fits(6 * a.size ** 3 * getattr(torch, a.dtype).itemsize // comm.size, "--size", a.device,
+          f"CG's 6 vectors of a {a.size}^3 grid over {comm.size} rank(s)")   # x, b, r, p, Ap + halo planes
     res = cg.solve(comm, a.size, a.iters, dtype=getattr(torch, a.dtype), warmup=a.warmup, breakdown=True)
     parts = "" if res.allreduce_s is None else \
         f" (dot all-reduces {res.allreduce_s * 1e6:.1f} us, halo waits {res.halo_s * 1e6:.1f} us)"
@@ -134,6 +161,10 @@ def main_fft(argv=None) -> int:
     shape = tuple(int(s) for s in a.shape.split(","))
     grid = tuple(int(s) for s in a.grid.split(",")) if a.grid else None
     comm = launch(a.comm, a.device, alltoall_algorithm=a.algorithm, window=a.window or None)
+    if any(n < 1 for n in shape):
+        raise SystemExit(f"fft3d.py: error: argument --shape: every extent must be >= 1, got {a.shape}")
+    _fits(6 * math.prod(shape) * getattr(torch, a.dtype).itemsize // comm.size, "--shape", a.device,
+          f"a {a.shape} transform's input, output and all-to-all buffers over {comm.size} rank(s)")
     res = fft3d.run(comm, shape, a.iters, dtype=getattr(torch, a.dtype), warmup=a.warmup, grid=grid, breakdown=True)
     parts = "" if res.alltoall_s is None else (f" (local FFTs {res.fft_s * 1e3:.2f} ms, pack/unpack "
                                                f"{res.pack_s * 1e3:.2f} ms, all-to-alls {res.alltoall_s * 1e3:.2f} ms)")
