@@ -66,7 +66,7 @@ class MoECommand:
         r.add_argument("--steps", type=count(0), default=1500, help="optimizer steps (AdamW)")
         r.add_argument("--batch", type=count(1, 1 << 16), default=16, help="sequences per step")
         r.add_argument("--seq", type=count(2, 1 << 16), default=128, help="sequence length in bytes (tokens)")
-        r.add_argument("--layers", type=count(1, 1024), default=4, help="decoder layers, every one MoE")
+        r.add_argument("--layers", type=count(2, 1024), default=4, help="decoder layers, every one MoE (>= 2: affinity is between layers)")
         r.add_argument("--experts", type=count(1, 4096), default=8, help="routed experts per MoE layer")
         r.add_argument("--hidden", type=count(8, 1 << 16), default=96, help="hidden size (4 heads; a multiple of 8); experts "
                        "have 2x hidden units")
