@@ -35,7 +35,6 @@ VALID = {
     ("--workers", "0"): "load data in this process",
     ("--warmup", "0"): "no untimed call",
     ("--time-per-point", "0"): "the fewest iterations (3)",
-    ("--compute-factor", "0"): "no compute between communications",
     ("--port", "0"): "an ephemeral port",
     ("--steps", "0"): "moe train: record the initial model's affinity only",
     ("--min-bytes", "0"): "size 0 is a point of the sweep", ("--max-bytes", "0"): "size 0 is a point of the sweep",

@@ -38,10 +38,12 @@ def parse_size(text: str) -> int:
     return value
 
 
-def sizes_between(lo: int, hi: int, factor: int = 2) -> list[int]:
-    """Sizes lo, lo*factor, ... up to hi (bytes). Raises ValueError on lo > hi or factor < 2."""
+def sizes_between(lo: int, hi: int, factor: int = 2, names: tuple[str, str] = ("-b/--min-bytes", "-e/--max-bytes")
+                  ) -> list[int]:
+    """Sizes lo, lo*factor, ... up to hi (bytes). Raises ValueError on lo > hi or factor < 2, naming the flags
+    ``names`` (the command's own spelling of the smallest and largest size)."""
     if lo > hi:
-        raise ValueError(f"--min-bytes ({lo}) must not exceed --max-bytes ({hi})")
+        raise ValueError(f"{names[0]} ({lo}) must not exceed {names[1]} ({hi})")
     if factor < 2:
         raise ValueError(f"--factor must be >= 2, got {factor}")
     out, s = [], max(lo, 1)
