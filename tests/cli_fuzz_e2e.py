@@ -36,7 +36,8 @@ VALUES = ("0", "-1", HUGE)
 
 
 def bases(tmp: Path) -> dict[str, list[str]]:
-    """A fast, valid invocation of each tour command ({} fields filled with files made by ``setup``)."""
+    """A fast, valid invocation of each tour command (inputs made by ``setup``; every output path holds
+    ``@CASE@``, replaced by the case's number, so that no case sees another's files)."""
     data = sysconfig.get_paths()["stdlib"] + "/typing.py"
     return {
         "bench allreduce": ["--np", "2", "-b", "8", "-e", "64", "--iters", "3", "--warmup", "0",
@@ -46,26 +47,26 @@ def bases(tmp: Path) -> dict[str, list[str]]:
         "bench overlap": ["--np", "2", "--min", "1K", "--max", "1K", "--iters", "3", "--time-per-point", "0.01",
                           "--modes", "native"],
         "bench attention": ["--device", "cpu", "--suite", "tokens", "--min-tokens", "64", "--max-tokens", "64",
-                            "--methods", "soft", "--reps", "1", "--warmup", "0", "--out", str(tmp / "att")],
+                            "--methods", "soft", "--reps", "1", "--warmup", "0", "--out", str(tmp / "att-@CASE@")],
         "bench serve": ["--config", "llama-tiny", "--num-requests", "2", "--prompt-len", "4", "--output-len", "2",
                         "--max-seq-len", "64", "--num-slots", "2", "--systems", "flover", "--format", "json"],
         "offload jacobi": ["--np", "2", "--sizes", "2x8x8", "--steps", "2", "--repeats", "1", "--modes", "blocking"],
         "moe train": ["--steps", "1", "--batch", "2", "--seq", "16", "--hidden", "16", "--layers", "2",
-                      "--experts", "2", "--checkpoints", "2", "--max-bytes", "400000", "--out", str(tmp / "mt")],
-        "moe trace": ["--model", str(tmp / "moe"), "--tokens", "64", "--seq", "16", "--out", str(tmp / "t.npz")],
-        "moe place": [str(tmp / "trace.npz"), "--world-size", "2", "--out", str(tmp / "p.json"),
+                      "--experts", "2", "--checkpoints", "2", "--max-bytes", "400000", "--out", str(tmp / "mt-@CASE@")],
+        "moe trace": ["--model", str(tmp / "moe"), "--tokens", "64", "--seq", "16", "--out", str(tmp / "t-@CASE@.npz")],
+        "moe place": [str(tmp / "trace.npz"), "--world-size", "2", "--out", str(tmp / "p-@CASE@.json"),
                       "--method", "greedy"],
         "moe bench": ["--world-size", "2", "--experts", "2", "--batches", "1", "--hidden", "16", "--layers", "2",
                       "--expert-size", "16", "--prompt-len", "4", "--new-tokens", "1", "--repeats", "1",
-                      "--out", str(tmp / "mb.json")],
+                      "--out", str(tmp / "mb-@CASE@.json")],
         "serve": ["--config", "llama-tiny", "--port", "0", "--max-seq-len", "64", "--num-slots", "2"],
         "vision train": ["--model", "soft_tiny", "--device", "cpu", "--max-steps", "1", "--batch-size", "2",
-                         "--image-size", "32", "--workers", "0", "--out", str(tmp / "vt")],
+                         "--image-size", "32", "--workers", "0", "--out", str(tmp / "vt-@CASE@")],
         "vision evaluate": ["--model", "soft_tiny", "--checkpoint", str(tmp / "vision" / "checkpoint.pt"),
                             "--device", "cpu", "--workers", "0", "--batch-size", "4"],
-        "vision make-shapes": ["--root", str(tmp / "shapes"), "--train", "2", "--val", "1", "--image-size", "32"],
+        "vision make-shapes": ["--root", str(tmp / "shapes-@CASE@"), "--train", "2", "--val", "1", "--image-size", "32"],
         "hpo simulate": ["--pool", "2xA100", "--format", "json"],
-        "tes simulate": ["--out", str(tmp / "tes")],
+        "tes simulate": ["--out", str(tmp / "tes-@CASE@")],
         "examples/train_gpt.py": ["--steps", "2", "--n-layer", "1", "--n-embd", "16", "--n-head", "2",
                                   "--block-size", "16", "--batch-size", "2", "--data", data],
         "examples/cg.py": ["--size", "4", "--iters", "2", "--warmup", "0"],
@@ -140,11 +141,12 @@ def main() -> int:
             parser, prefix = _parser(command)
             for flag in _numeric_flags(_subparser(parser, prefix)):
                 for value in VALUES:
-                    argv = argv_of(command, base + [flag, value])
+                    case = [a.replace("@CASE@", str(len(rows))) for a in base]
+                    argv = argv_of(command, case + [flag, value])
                     err = io.StringIO()
                     try:
                         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-                            parser.parse_args(prefix + base + [flag, value])
+                            parser.parse_args(prefix + case + [flag, value])
                         parsed = True
                     except SystemExit:
                         parsed = False
