@@ -260,3 +260,62 @@ def test_graph_timing_on_two_gpus(tmp_path, collective, algorithms):
     assert data["meta"]["timing"] == "cuda-graph" and data["meta"]["ranks_per_gpu"] == (2 if shared else 1)
     assert ("are NOT multi-GPU performance" in r.stdout) == shared
     assert all(row["wrong"] == 0 and row["mode"] == "graph" and row["avg_us"] > 0 for row in data["rows"])
+
+
+# ------------------------------------------------------------------ issue 37 item 8: --tune from a noisy sweep
+def test_tune_refuses_a_sweep_its_own_footer_calls_noisy(tmp_path, monkeypatch, capsys):
+    """`--tune` wrote a table from rows whose speed-ups the footer printed as ranges (> NOISE spread); it must
+    refuse, say so, exit non-zero and leave an existing table alone. A clean sweep still writes one."""
+    import hpdl.bench.cli as bench_cli
+    from hpdl.bench.report import NoisySweepError, tuned_table
+
+    quiet = [_row("native", 10.0, speedup=1.0, s_lo=1.0, s_hi=1.0),
+             _row("ring", 5.0, speedup=2.0, s_lo=1.9, s_hi=2.1)]
+    noisy = [quiet[0], _row("ring", 5.0, lo=2.0, hi=30.0, speedup=2.0, s_lo=0.3, s_hi=5.0)]
+    assert noisy[1].noisy and not any(r.noisy for r in quiet)
+    with pytest.raises(NoisySweepError, match="64 B"):
+        tuned_table(noisy, 2, "cpu")
+    out = tmp_path / "t.json"
+    for rows, code in ((noisy, 1), (quiet, 0)):
+        out.write_text("old")
+        monkeypatch.setattr(bench_cli, "_launch", lambda cfg, args, rows=rows: (rows, 2))
+        assert main(["bench", "allreduce", "--np", "2", "-b", "64", "-e", "64", "--algorithms", "native,ring",
+                     "--tune", str(out)]) == code
+        cap = capsys.readouterr()
+        if code:
+            assert "no tuning table written" in cap.err and "noisy" in cap.err and out.read_text() == "old"
+            assert "0.30-5.00x" in cap.out   # the footer's range and the refusal come from the same rows
+        else:
+            assert "tuning table written" in cap.out and json.loads(out.read_text())["rules"]
+
+
+# ------------------------------------------------------------------ issue 37 item 5: sizes too big for the host
+@pytest.mark.parametrize("argv, flag", [
+    (["--np", "2", "-b", "32G", "-e", "32G"], "-e/--max-bytes"),
+    (["--np", "4096", "-b", "8", "-e", "8"], "--np"),
+    (["--np", "2", "-b", "8", "-e", "1024G"], "-e/--max-bytes"),
+])
+def test_sizes_too_big_for_the_host_are_refused_before_spawning(argv, flag, monkeypatch, capsys):
+    """`--np 2 -b 32G -e 32G` spawned ranks that died in an allocator (68 GB asked); it must fail before any
+    process starts, naming the flag. The host is given 16 GiB free so the verdict does not depend on this one."""
+    import hpdl.bench.cli as bench_cli
+    import psutil
+
+    real_vm = psutil.virtual_memory
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real_vm()._replace(available=16 << 30))
+    monkeypatch.setattr(bench_cli, "_launch", lambda cfg, args: pytest.fail("a rank was started"))
+    assert main(["bench", "allreduce", *argv]) == 1
+    err = capsys.readouterr().err
+    assert f"choose a smaller {flag}" in err and "free" in err
+
+
+def test_a_sweep_that_fits_is_not_refused(monkeypatch):
+    import psutil
+
+    from hpdl.bench.cli import _check_memory
+
+    real_vm = psutil.virtual_memory
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real_vm()._replace(available=16 << 30))
+    args = build_parser("bench").parse_args(["bench", "allreduce", "--np", "4", "-e", "64M"])
+    cfg = BenchConfig(collective="allreduce", sizes=[8, 64 << 20], algorithms=["native"])
+    _check_memory(cfg, args)   # 4 x (300 MB + 2 x 64 MiB) fits in 16 GiB

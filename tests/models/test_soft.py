@@ -114,6 +114,23 @@ def test_convert_official_state_dict_renames_soft_blocks_only():
     assert set(convert_official_state_dict(sd)) <= set(create("soft_tiny").state_dict()) | {"block3.4.norm2.bias"}
 
 
+def test_import_hpdl_models_registers_soft_with_timm():
+    """Issue 37 item 7: timm users write `import hpdl.models; timm.create_model("soft_tiny")`; it said
+    `Unknown model (soft_tiny)` unless hpdl.models.soft was imported by name. A fresh interpreter, since this
+    test process has imported hpdl.models.soft already."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("timm")
+    code = ("import hpdl.models, timm; m = timm.create_model('soft_tiny', num_classes=3); "
+            "print(type(m).__name__, m.num_classes)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["SoftViT", "3"]
+
+
 def test_timm_model_api_conventions():
     """forward_features unpooled / forward_head / num_features / reset_classifier(n, global_pool) / pretrained_cfg
     as timm's models have them (reset_classifier(n, pool) raised TypeError; resolve_model_data_config said 224)."""

@@ -140,18 +140,23 @@ def test_bench_spec_refused_before_spawning(tmp_path, capsys):
         check_spec(BenchSpec(world_size=2, model=str(tmp_path / "m")))
     with pytest.raises(MoEError, match="top_k=2"):
         check_spec(BenchSpec(world_size=2, experts=[4], model=str(tmp_path / "m")))
-    assert main(["moe", "bench", "--new-tokens", "0", "--out", str(tmp_path / "b.json")]) == 1
-    assert "new_tokens must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:   # a parse-time usage error now (issue 37: every count is bounded)
+        main(["moe", "bench", "--new-tokens", "0", "--out", str(tmp_path / "b.json")])
+    assert exc.value.code == 2 and "argument --new-tokens: must be an integer in [1, " in capsys.readouterr().err
 
 
 def test_cli_trace_bad_window(tmp_path, capsys):
     from hpdl.models.gpt_moe import MoEConfig, MoEDecoder, save_checkpoint
 
     save_checkpoint(MoEDecoder(MoEConfig(hidden_size=16, n_layers=2, max_position=64)), tmp_path / "m")
-    for seq, words in (("0", "--seq must be >= 1"), ("100", "exceeds the model's max_position=64")):
-        assert main(["moe", "trace", "--model", str(tmp_path / "m"), "--seq", seq, "--tokens", "256",
-                     "--out", str(tmp_path / "t.npz")]) == 1
-        assert words.replace("--seq must", "must") in capsys.readouterr().err
+    import pytest
+
+    argv = ["moe", "trace", "--model", str(tmp_path / "m"), "--tokens", "256", "--out", str(tmp_path / "t.npz")]
+    with pytest.raises(SystemExit) as exc:   # a parse-time usage error now (issue 37: every count is bounded)
+        main(argv + ["--seq", "0"])
+    assert exc.value.code == 2 and "argument --seq: must be an integer in [1, " in capsys.readouterr().err
+    assert main(argv + ["--seq", "100"]) == 1
+    assert "exceeds the model's max_position=64" in capsys.readouterr().err
 
 
 def test_cli_empty_trace(tmp_path, capsys):
@@ -161,3 +166,18 @@ def test_cli_empty_trace(tmp_path, capsys):
     assert "empty trace" in capsys.readouterr().err
     assert main(["moe", "place", str(tmp_path / "e.npz"), "--world-size", "2", "--out", str(tmp_path / "p.json")]) == 1
     assert "0 tokens" in capsys.readouterr().err
+
+
+def test_train_names_hidden_not_head_dim(tmp_path, capsys):
+    """Issue 37 item 9: `moe train --hidden 60` blamed head_dim (an internal), not the flag the user typed."""
+    assert main(["moe", "train", "--hidden", "60", "--steps", "1", "--out", str(tmp_path / "m")]) == 1
+    err = capsys.readouterr().err
+    assert "--hidden" in err and "multiple of 8" in err and "head_dim" not in err
+    assert not (tmp_path / "m").exists()
+
+
+def test_train_too_big_for_the_host_is_refused_before_allocating(tmp_path, capsys):
+    """Issue 37 item 5: a model that cannot fit in host memory fails at once, naming the flags that size it."""
+    assert main(["moe", "train", "--hidden", "65536", "--experts", "4096", "--out", str(tmp_path / "m")]) == 1
+    err = capsys.readouterr().err
+    assert "--hidden" in err and "free" in err

@@ -194,3 +194,36 @@ def test_streaming_logprobs_and_n_match_the_full_response(server):
     for j in (0, 1):
         want = full[j].logprobs.token_logprobs
         assert text[j] == full[j].text and lps[j][0] is None is want[0] and lps[j][1:] == pytest.approx(want[1:])
+
+
+def test_readme_first_request_shows_text_even_when_the_random_model_ends_at_once():
+    """Issue 37 item 4: the README's first curl against `hpdl serve --config llama-tiny` returned "text": "" (its
+    random weights can emit end-of-sequence as the first token). The README's request, sent to llama-tiny whose
+    logits are made to put <eos> first at every step (that worst case), must still show max_tokens of text."""
+    import json
+    import os
+    import re
+
+    from serve_testutil import tiny_server
+
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
+    block = readme[readme.index("hpdl serve --config llama-tiny"):]
+    body = json.loads(re.search(r"curl -s localhost:8000/v1/completions.*?-d '(\{.*?\})'", block, re.S).group(1))
+    with tiny_server(num_slots=2, max_seq_len=64) as srv:
+        eos = srv.engine.eos_token_id
+        model = srv.engine.executor.runner.model
+
+        def eos_first(_module, _inputs, logits):
+            logits = logits.clone()
+            logits[..., eos] = logits.max() + 30.0
+            return logits
+
+        handle = model.lm_head.register_forward_hook(eos_first)
+        plain = httpx.post(srv.url + "/v1/completions", json={"prompt": body["prompt"],
+                                                             "max_tokens": body["max_tokens"]}, timeout=60).json()
+        assert plain["choices"][0]["text"] == ""   # the hook does what the reporter saw
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60).json()
+        handle.remove()
+    assert r["usage"]["completion_tokens"] == body["max_tokens"] > 0
+    assert r["choices"][0]["finish_reason"] == "length"
+    assert r["choices"][0]["text"] != ""

@@ -252,3 +252,33 @@ def test_bounds_error_types_token_ids_and_chat_length(server):
     assert res["choices"][0]["finish_reason"] == "length"
     with pytest.raises(openai.BadRequestError, match="max_tokens"):  # the same through the openai client
         server.client.completions.create(model="tiny", prompt="x", max_tokens=500)
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--config", "llama-7b"], "--model/--config/--dtype"),
+    (["--config", "llama-tiny", "--num-slots", "4096", "--max-seq-len", "1000000"], "--num-slots/--max-seq-len"),
+])
+def test_a_model_too_big_for_the_host_is_refused_before_allocating(argv, flag, monkeypatch, capsys):
+    """Issue 37 item 5: `hpdl serve --config llama-7b` on a small host was silent for 35 s, then failed in an
+    allocator without naming a flag. With 16 GiB free it must fail at once, naming the flag, building nothing."""
+    import psutil
+
+    import hpdl.serve
+    from hpdl.cli import main
+
+    real_vm = psutil.virtual_memory
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real_vm()._replace(available=16 << 30))
+    monkeypatch.setattr(hpdl.serve, "LLMEngine", lambda *a, **k: pytest.fail("the engine was built"))
+    assert main(["serve", *argv]) == 1
+    err = capsys.readouterr().err
+    assert f"choose a smaller {flag}" in err and "17.2 GB free" in err   # 16 GiB
+
+
+def test_memory_estimate_counts_the_weights_it_builds():
+    from hpdl.serve.worker import ModelSpec, build_model, memory_estimate
+
+    spec = ModelSpec(config="llama-tiny")
+    n = sum(p.numel() for p in build_model(spec, "cpu").parameters())
+    est = memory_estimate(spec, num_slots=4, max_seq_len=64)
+    assert est["weights"] == 4 * n   # LLaMA: exact (no biases, untied head)
+    assert est["kv"] == 2 * 2 * 4 * 64 * 2 * 16 * 4   # layers x (k, v) x slots x positions x kv heads x head_dim

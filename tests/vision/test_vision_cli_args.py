@@ -45,3 +45,24 @@ def test_bad_numbers_are_usage_errors(flag, value, tmp_path, capsys):
               "--out", str(tmp_path / "o"), flag, value])   # where a missed check fails fast, not trains
     assert exc.value.code == 2
     assert flag in capsys.readouterr().err
+
+
+def test_evaluate_names_the_model_a_checkpoint_of_the_other_task_holds(tmp_path, capsys):
+    """Issue 37 item 9: `evaluate --model soft_tiny` on SPRNet's checkpoint said "not a checkpoint written by hpdl
+    vision train" (it is); both directions must name the model the file holds and the --model to use."""
+    import torch
+
+    from hpdl.cli import main
+
+    det = tmp_path / "sprnet.pt"
+    torch.save({"format": "hpdl.vision.detect/1", "spec": {"name": "sprnet", "num_classes": 3}, "meta": {},
+                "state_dict": {}}, det)
+    assert main(["vision", "evaluate", "--model", "soft_tiny", "--checkpoint", str(det), "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert "'sprnet'" in err and "--model sprnet" in err and "not a checkpoint written" not in err
+
+    cls = tmp_path / "checkpoint.pt"
+    torch.save({"model": "soft_tiny", "config": {}, "classes": ["a"], "state_dict": {}}, cls)
+    assert main(["vision", "evaluate", "--model", "sprnet", "--checkpoint", str(cls), "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert "'soft_tiny'" in err and "--model soft_tiny" in err

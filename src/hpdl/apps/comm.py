@@ -225,6 +225,17 @@ class MpiComm(Comm):
         self.comm.Barrier()
 
 
+def comm_label(comm_name: str, algorithm: str = "") -> str:
+    """What ran, for the result line: ``hpdl(ALGO)``, ``mpi``, or the process group's real backend for
+    ``--comm nccl`` (``gloo`` on CPU, never a ``nccl`` that did not run)."""
+    if comm_name == "hpdl":
+        return f"hpdl({algorithm})" if algorithm else "hpdl"
+    if comm_name == "nccl":
+        backend = dist.get_backend() if dist.is_initialized() else "none"
+        return backend if backend == "nccl" else f"{backend} (asked: nccl; NCCL needs --device cuda)"
+    return comm_name
+
+
 def launch(comm: str, device: str = "cpu", *, algorithm: str = "auto", alltoall_algorithm: str = "auto",
            window: int | None = None, timeout: float | None = None) -> Comm:
     """The communicator of a script started by torchrun, mpirun or srun, or of a plain single process.

@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from hpdl.apps.comm import synchronize
+from hpdl.apps.comm import comm_label, synchronize
 from hpdl.models.nanogpt import GPT, GPTConfig
 
 TRAIN_COMMS = ("hpdl", "hpdl-ddp", "nccl")
@@ -195,7 +195,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = print) -> dict:
                 recent = step_ms[-len(window):]
                 ms = statistics.median(recent)
                 log(f"step {step + 1:5d} | loss {losses[-1]:.4f} | step {ms:8.1f} ms | "
-                    f"{tokens / ms * 1e3:10.0f} tok/s | {cfg.comm} x{world} {device.type}")
+                    f"{tokens / ms * 1e3:10.0f} tok/s | {comm_label(cfg.comm)} x{world} {device.type}")
     if grads is not None:
         grads.remove()
     timed = step_ms[cfg.timing_warmup:] or step_ms

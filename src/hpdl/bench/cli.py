@@ -13,6 +13,7 @@ import torch
 
 from hpdl.bench.harness import BenchConfig, run_sweep
 from hpdl.bench.specs import SPECS
+from hpdl.runtime.limits import count, real
 
 _COLLECTIVES = {"allreduce": "allreduce", "reduce_scatter": "reduce_scatter", "all_gather": "all_gather",
                 "alltoall": "alltoall"}
@@ -37,10 +38,12 @@ def parse_size(text: str) -> int:
     return value
 
 
-def sizes_between(lo: int, hi: int, factor: int = 2) -> list[int]:
-    """Sizes lo, lo*factor, ... up to hi (bytes). Raises ValueError on lo > hi or factor < 2."""
+def sizes_between(lo: int, hi: int, factor: int = 2, names: tuple[str, str] = ("-b/--min-bytes", "-e/--max-bytes")
+                  ) -> list[int]:
+    """Sizes lo, lo*factor, ... up to hi (bytes). Raises ValueError on lo > hi or factor < 2, naming the flags
+    ``names`` (the command's own spelling of the smallest and largest size)."""
     if lo > hi:
-        raise ValueError(f"--min-bytes ({lo}) must not exceed --max-bytes ({hi})")
+        raise ValueError(f"{names[0]} ({lo}) must not exceed {names[1]} ({hi})")
     if factor < 2:
         raise ValueError(f"--factor must be >= 2, got {factor}")
     out, s = [], max(lo, 1)
@@ -85,7 +88,7 @@ class BenchCommand:
                                "algorithm, checked exactly, timed, with native (torch.distributed) as the baseline",
                                formatter_class=_HelpFormatter)
             p.set_defaults(_parser=p, op="sum", tune_path=None, graph=False, graph_calls=None)
-            p.add_argument("--np", type=int, default=4,
+            p.add_argument("--np", type=count(1, 4096), default=4,
                            help="ranks to spawn; under torchrun/mpirun the launcher's ranks are used (pass no "
                                 "--np there: torchrun reads it as its --nproc-per-node)")
             p.add_argument("--algorithms", default=_DEFAULT_ALGORITHMS.get(name, "native,auto,direct,ring"),
@@ -95,7 +98,7 @@ class BenchCommand:
                            help="smallest size in bytes (suffixes K, M, G)")
             p.add_argument("-e", "--max-bytes", dest="max_size", type=parse_size, default=64 << 20, metavar="SIZE",
                            help="largest size in bytes (suffixes K, M, G; default: 64M)")
-            p.add_argument("-f", "--factor", type=int, default=2, help="size step factor (>= 2)")
+            p.add_argument("-f", "--factor", type=count(2, 1 << 40), default=2, help="size step factor (>= 2)")
             p.add_argument("--dtype", default="float32",
                            choices=["float32", "float64", "float16", "bfloat16", "int32", "int64", "uint8"],
                            help="element type")
@@ -104,23 +107,23 @@ class BenchCommand:
                                help="reduction")
             p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                            help="cpu: gloo; cuda: NCCL and hpdl's peer-memory kernels, one GPU per rank")
-            p.add_argument("--ranks-per-gpu", type=int, default=None, metavar="N",
+            p.add_argument("--ranks-per-gpu", type=count(1, 64), default=None, metavar="N",
                            help="with --device cuda: N ranks share each GPU (rank r on cuda:(r // N); gloo, no "
                                 "NCCL) to run the multi-GPU code paths on fewer GPUs. Correctness only: its "
                                 "timings are not multi-GPU performance (default: HPDL_RANKS_PER_GPU, 1)")
-            p.add_argument("--iters", type=int, default=50, help="most timed calls per point")
-            p.add_argument("--warmup", type=int, default=2, help="untimed calls per point (after the checked one)")
-            p.add_argument("--time-per-point", type=float, default=0.1,
+            p.add_argument("--iters", type=count(1, 1 << 24), default=50, help="most timed calls per point")
+            p.add_argument("--warmup", type=count(0, 10_000), default=2, help="untimed calls per point (after the checked one)")
+            p.add_argument("--time-per-point", type=real(0, 600), default=0.1,
                            help="seconds of timing aimed at per point (iterations adapt down to 3)")
             if name in _GRAPH:
                 p.add_argument("--graph", action="store_true",
                                help="time CUDA-graph replays (calls captured once, replayed; launch overhead "
                                     "excluded, as nccl-tests -G); needs --device cuda")
-                p.add_argument("--graph-calls", type=int, default=None, metavar="N",
+                p.add_argument("--graph-calls", type=count(1, 10_000), default=None, metavar="N",
                                help="calls captured per graph (default 20 up to 16 MiB, 4 up to 256 MiB, then 1)")
-            p.add_argument("--window", type=int, default=None,
+            p.add_argument("--window", type=count(1, 1 << 20), default=None,
                            help="throttle window k of direct: peers in flight (default: the tuned value)")
-            p.add_argument("--ranks-per-node", type=int, default=None, metavar="G",
+            p.add_argument("--ranks-per-node", type=count(1, 4096), default=None, metavar="G",
                            help="emulate nodes of G ranks (what two-level algorithms see: "
                                 + {"allreduce": "two_level", "alltoall": "push, pull"}.get(name, "the topology")
                                 + ")")
@@ -133,7 +136,7 @@ class BenchCommand:
                                help="write a tuning table for algorithm='auto' from this sweep (JSON; activate it "
                                     "with HPDL_TUNING_FILE)")
             p.add_argument("--format", choices=["table", "json"], default="table", help="output on stdout")
-            p.add_argument("--timeout", type=float, default=None,
+            p.add_argument("--timeout", type=real(0, 7 * 86400, strict=True), default=None,
                            help="seconds a collective may wait for a peer before the run fails (default: "
                                 "HPDL_TIMEOUT)")
         from hpdl.comm.model import add_model_arguments
@@ -192,10 +195,15 @@ class BenchCommand:
             plot(rows, args.plot_path, f"{cfg.collective} {cfg.dtype}" + (f" {cfg.op}" if cfg.collective in _REDUCES
                  else "") + f", {world} ranks, {args.device}" + (", CUDA graph" if cfg.graph else ""))
         if args.tune_path:
-            from hpdl.bench.report import tuned_table
+            from hpdl.bench.report import NoisySweepError, tuned_table
 
+            try:
+                table = tuned_table(rows, world, args.device)
+            except NoisySweepError as exc:   # the footer above called it noisy: refuse, leave any old file
+                print(f"# --tune: no tuning table written to {args.tune_path}: {exc}", file=sys.stderr)
+                return 1
             with open(args.tune_path, "w") as fh:
-                fh.write(tuned_table(rows, world, args.device).to_json())
+                fh.write(table.to_json())
             print(f"# tuning table written to {args.tune_path}; use it with HPDL_TUNING_FILE={args.tune_path}")
         return 1 if any(r.wrong for r in rows) else 0
 
@@ -271,6 +279,35 @@ def _validate(cfg: BenchConfig, args) -> None:
         raise CLIUsageError(f"algorithms {peer} need --device cuda")
     if peer and cfg.collective != "allreduce":
         raise CLIUsageError(f"algorithms {peer} implement allreduce only")
+    _check_memory(cfg, args)
+
+
+# host memory of one spawned rank before any buffer (Python, torch, gloo): measured RSS is 250-400 MB
+_RANK_OVERHEAD = 300 << 20
+
+
+def _check_memory(cfg: BenchConfig, args) -> None:
+    """Refuse, naming the flag, a sweep whose largest point cannot fit (issue 37: `--np 2 -b 32G -e 32G` ended
+    in a worker traceback after allocating). Each rank holds its input and the expected result of the largest
+    size at once (out-of-place collectives also an output), on the device the data lives on; the algorithms'
+    scratch comes on top, so this is a lower bound that only catches what cannot fit."""
+    from hpdl.cli import CLIUsageError
+    from hpdl.runtime import detect_launcher
+    from hpdl.runtime.limits import check_fits
+
+    ranks = args.np if detect_launcher() is None else 1   # under a launcher only this process's share is known
+    size = max(cfg.sizes) if cfg.sizes else 0
+    per_rank = (3 if SPECS[cfg.collective].count_multiple_of_world else 2) * size   # those are out of place
+    try:
+        if args.device == "cuda":
+            local = max(1, -(-ranks // max(1, torch.cuda.device_count())))   # ranks sharing one GPU
+            check_fits(local * per_rank, "-e/--max-bytes", device="cuda",
+                       what=f"{local} rank(s) on one GPU with buffers of the largest size {size} B")
+        host = ranks * (_RANK_OVERHEAD + (size if args.device == "cuda" else per_rank))
+        flag = "-e/--max-bytes" if ranks * _RANK_OVERHEAD < host / 2 else "--np"
+        check_fits(host, flag, what=f"{ranks} ranks with buffers of the largest size {size} B")
+    except MemoryError as exc:
+        raise CLIUsageError(str(exc)) from None
 
 
 def _bench_worker(ctx, cfg):

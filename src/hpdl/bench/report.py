@@ -87,12 +87,32 @@ def plot(rows: Sequence[Row], path: str | Path, title: str) -> None:
     plt.close(fig)
 
 
+class NoisySweepError(ValueError):
+    """A sweep too noisy to choose algorithms from (``rows``: the noisy rows); the message says how to rerun."""
+
+    def __init__(self, message: str, rows: Sequence[Row]):
+        super().__init__(message)
+        self.rows = list(rows)
+
+
 def tuned_table(rows: Sequence[Row], world_size: int, device: str, noise: float = 0.05) -> TuningTable:
     """Fastest correct algorithm per size, merged into byte ranges, for ``world_size`` on ``device``.
 
     A non-native algorithm is chosen only when it beats native by more than ``noise`` (so that ``auto``
     never loses to the baseline within measurement noise). Rows for other worlds/devices keep the defaults.
+
+    Raises:
+        NoisySweepError: a row is :attr:`Row.noisy` (its repeats, or native's, spread by more than
+            :data:`NOISE`, the condition under which :func:`format_table`'s footer prints its speed-up as a range):
+            a choice from such numbers is a coin toss, so no table is made from them.
     """
+    noisy = [r for r in rows if r.noisy]
+    if noisy:
+        sizes = sorted({r.size for r in noisy})
+        raise NoisySweepError(
+            f"{len(noisy)} of {len(rows)} rows are noisy (their {REPEATS} repeats, or native's, spread by more than "
+            f"{NOISE:.0%}) at sizes {', '.join(map(str, sizes))} B: a table chosen from them would be noise. Rerun "
+            "with a longer --time-per-point (or only those sizes, -b/-e), on an idle host", noisy)
     best: list[tuple[int, str, int | None]] = []
     for size, group in groupby(sorted(rows, key=lambda r: r.size), key=lambda r: r.size):
         cands = [r for r in group if r.wrong == 0 and r.algorithm != "auto"]

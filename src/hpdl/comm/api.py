@@ -1,5 +1,5 @@
 """torch.distributed-shaped collectives with c10d's signatures: ``all_reduce``, ``reduce_scatter(_tensor)``,
-``all_gather(_into_tensor)``, ``all_to_all_single``.
+``all_gather(_into_tensor)``, ``all_to_all_single``, ``broadcast``, ``reduce``, ``barrier``.
 
 Each call is validate -> resolve -> run -> Work: it validates its arguments locally, picks the algorithm
 (``"auto"`` asks :func:`hpdl.comm.tuning.resolve`, the one selection table), checks (``HPDL_CHECK``) that every
@@ -679,3 +679,182 @@ def _on_side_stream(res: GroupResources, fn: Callable[[], None], device: torch.d
         t.record_stream(side)
     res.side_pending = done
     return CudaWork(done, res)
+
+
+# ---------------------------------------------------------------- broadcast, reduce, barrier (rooted / no data)
+
+def _root(name: str, value, group_name: str, group_value, group, res: GroupResources) -> int:
+    """The root as a rank of the group from c10d's pair (``src``: a global rank; ``group_src``: a rank of
+    ``group``); exactly one of them, in range. Checked before any communication."""
+    import torch.distributed as dist
+
+    if (value is None) == (group_value is None):
+        raise ValueError(f"give exactly one of {name} (a global rank) or {group_name} (a rank of the group), got "
+                         f"{name}={value!r}, {group_name}={group_value!r}")
+    given, which = (group_value, group_name) if value is None else (value, name)
+    if isinstance(given, bool) or not isinstance(given, int):
+        raise TypeError(f"{which} must be an int rank, got {given!r}")
+    if value is not None and group is not None and group is not dist.group.WORLD:
+        try:
+            root = dist.get_group_rank(group, value)
+        except (ValueError, RuntimeError):
+            root = None
+        if root is None or root < 0:
+            raise ValueError(f"{name}={value} is not a rank of the group (its global ranks are {res.global_ranks()}); "
+                             f"pass a member, or {group_name} for a rank counted inside the group")
+        return int(root)
+    if not 0 <= given < res.world_size:
+        raise ValueError(f"{which} must be a rank in [0, {res.world_size - 1}] of the group, got {given}")
+    return given
+
+
+def _rooted(what: str, tensor: torch.Tensor, root: int, op: str, res: GroupResources, algorithm: str, timeout,
+            check):
+    """validate -> resolve for broadcast / reduce; returns ``(name, timeout, verify)``."""
+    _check_tensor("tensor", tensor, res)
+    check_dtype(tensor.dtype, op)
+    timeout = _timeout(timeout)
+    name, _ = _resolve(res, algorithm, tensor, None, what, timeout)
+    mode = env.get("HPDL_CHECK") if check is None else check
+    verify = None
+    if (mode is True or (mode == "auto" and tensor.device.type == "cpu")) and res.world_size > 1:
+        fields = {"count": tensor.numel(), "dtype": _DTYPE_CODE.get(tensor.dtype, 100 + tensor.element_size()),
+                  "op": REDUCE_OPS.index(op), "device": int(tensor.device.type == "cuda"),
+                  "algorithm": list(REGISTRY).index(name), "root": root}
+
+        def verify() -> None:
+            _verify_same(res, what, fields, timeout)
+    return name, timeout, verify
+
+
+def _run_rooted(res: GroupResources, tensor: torch.Tensor, call: Callable[[torch.Tensor], "Pending | None"],
+                write_back: bool) -> "Pending | None":
+    """Run ``call`` on a flat contiguous view of ``tensor`` (a copy for a strided one, written back after when
+    ``write_back``)."""
+    if tensor.numel() == 0 or res.world_size == 1:
+        return None
+    buf = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+    pending = call(buf)
+    if write_back and not tensor.is_contiguous():
+        return _then(pending, lambda: tensor.copy_(buf.view(tensor.shape)))
+    return pending
+
+
+def broadcast(tensor: torch.Tensor, src: int | None = None, group=None, async_op: bool = False,
+              group_src: int | None = None, *, algorithm: str = "auto", timeout: float | None = None,
+              check: bool | None = None):
+    """Copy ``tensor`` of rank ``src`` into ``tensor`` of every rank of ``group``, in place.
+
+    Signature of ``torch.distributed.broadcast(tensor, src, group, async_op, group_src)``; hpdl's options are
+    keyword-only. Afterwards every rank's tensor is bitwise rank ``src``'s.
+
+    Args:
+        tensor: any shape, contiguous or not, any dtype of :data:`SUPPORTED_DTYPES`; the same count and dtype
+            on every rank. CPU with gloo, CUDA with NCCL.
+        src: the source as a global rank (as c10d); or ``group_src``, the source counted inside ``group``.
+            Exactly one of them.
+        group, async_op, timeout, check: as :func:`all_reduce`.
+        algorithm: "auto" (the tuning table; native until a measured table says otherwise), "binomial"
+            (binomial tree, :mod:`hpdl.comm.algorithms.tree`) or "native" (torch.distributed).
+
+    Returns:
+        None, or a :class:`Work` when ``async_op`` is True.
+
+    Raises:
+        TypeError / ValueError: bad tensor, dtype, root or algorithm (nothing has been communicated).
+        CollectiveMismatchError: ranks passed different counts, dtypes, roots or algorithms (``check``).
+        CollectiveTimeoutError / PeerFailedError: a peer did not answer in ``timeout`` or is gone; named.
+    """
+    _check_async(async_op, "broadcast")
+    res = _group(group)
+    _check_tensor("tensor", tensor, res)
+    root = _root("src", src, "group_src", group_src, group, res)
+    name, timeout, verify = _rooted("broadcast", tensor, root, "sum", res, algorithm, timeout, check)
+
+    def run() -> Pending | None:
+        if verify is not None:
+            verify()
+        return _run_rooted(res, tensor, lambda buf: res.algorithm(name, None, timeout).broadcast(
+            buf, root, res.comm(timeout)), write_back=res.rank != root)
+
+    return _execute(res, "broadcast", timeout, run, async_op, tensor)
+
+
+def reduce(tensor: torch.Tensor, dst: int | None = None, op="sum", group=None, async_op: bool = False,
+           group_dst: int | None = None, *, algorithm: str = "auto", timeout: float | None = None,
+           check: bool | None = None):
+    """Reduce ``tensor`` across all ranks of ``group`` into ``tensor`` of rank ``dst``, in place.
+
+    Signature of ``torch.distributed.reduce(tensor, dst, op, group, async_op, group_dst)``; hpdl's options are
+    keyword-only. Only rank ``dst`` receives the result; the other ranks' tensors are left unchanged (torch
+    leaves them unspecified).
+
+    Args:
+        tensor: as :func:`all_reduce` (dtypes, ops, 16-bit floats accumulated in float32).
+        dst: the destination as a global rank (as c10d); or ``group_dst``, counted inside ``group``.
+            Exactly one of them.
+        op: "sum", "avg" (floating dtypes), "min", "max", "product", or a ``torch.distributed.ReduceOp``.
+        group, async_op, timeout, check: as :func:`all_reduce`.
+        algorithm: "auto" (the tuning table; native until a measured table says otherwise), "binomial"
+            (binomial tree, :mod:`hpdl.comm.algorithms.tree`) or "native" (torch.distributed).
+
+    Returns:
+        None, or a :class:`Work` when ``async_op`` is True.
+
+    Raises:
+        As :func:`broadcast`, plus ValueError for an op the dtype does not support.
+    """
+    _check_async(async_op, "reduce")
+    res = _group(group)
+    _check_tensor("tensor", tensor, res)
+    root = _root("dst", dst, "group_dst", group_dst, group, res)
+    op = normalize_op(op)
+    name, timeout, verify = _rooted("reduce", tensor, root, op, res, algorithm, timeout, check)
+
+    def run() -> Pending | None:
+        if verify is not None:
+            verify()
+        return _run_rooted(res, tensor, lambda buf: res.algorithm(name, None, timeout).reduce(
+            buf, root, op, res.comm(timeout)), write_back=res.rank == root)
+
+    return _execute(res, "reduce", timeout, run, async_op, tensor)
+
+
+def barrier(group=None, async_op: bool = False, device_ids: list[int] | None = None, *, algorithm: str = "auto",
+            timeout: float | None = None):
+    """Return once every rank of ``group`` has called ``barrier``.
+
+    Signature of ``torch.distributed.barrier(group, async_op, device_ids)`` (``timeout`` is keyword-only here,
+    in seconds as everywhere in hpdl.comm). ``device_ids`` is accepted for c10d compatibility (NCCL uses it to
+    pick the device) and checked, not used: the group's transport already knows its device.
+
+    Args:
+        algorithm: "auto" (the tuning table; native until a measured table says otherwise),
+            "dissemination" (:mod:`hpdl.comm.algorithms.tree`) or "native" (``torch.distributed.barrier``).
+
+    Returns:
+        None, or a :class:`Work` when ``async_op`` is True.
+
+    Raises:
+        TypeError / ValueError: bad ``device_ids``, ``algorithm`` or ``timeout``.
+        CollectiveTimeoutError / PeerFailedError: a rank did not arrive within ``timeout``; named.
+    """
+    _check_async(async_op, "barrier")
+    if device_ids is not None and (not isinstance(device_ids, (list, tuple)) or
+                                   any(isinstance(d, bool) or not isinstance(d, int) for d in device_ids)):
+        raise TypeError(f"device_ids must be None or a list of int GPU indices, got {device_ids!r}")
+    res = _group(group)
+    timeout = _timeout(timeout)
+    device = "cuda" if res.backend == "nccl" else "cpu"
+    name = canonical(algorithm)
+    if name == "auto":
+        name, _ = tuning.resolve("barrier", 0, res.world_size, device)
+    elif not implements(name, "barrier"):
+        raise ValueError(f"algorithm={algorithm!r} has no barrier; use 'auto' or one of {algorithms_for('barrier')}")
+
+    def run() -> Pending | None:
+        if res.world_size == 1:
+            return None
+        return res.algorithm(name, None, timeout).barrier(res.comm(timeout))
+
+    return _execute(res, "barrier", timeout, run, async_op, None)

@@ -18,7 +18,8 @@ from pathlib import Path
 from hpdl.runtime import env
 
 INF = 1 << 62
-COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
+# broadcast, reduce and barrier have no default rules yet: auto runs native until a measured table says otherwise
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce", "barrier")
 _COLLECTIVE_ALIASES = {"allreduce": "all_reduce", "reducescatter": "reduce_scatter", "allgather": "all_gather",
                        "alltoall": "all_to_all", "all_to_all_single": "all_to_all",
                        "reduce_scatter_tensor": "reduce_scatter", "all_gather_into_tensor": "all_gather"}

@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from hpdl.runtime.limits import count, real
+
 
 def _text_ids(path: str | None, max_bytes: int) -> tuple["object", str]:
     import numpy as np
@@ -40,8 +42,8 @@ class MoECommand:
                        "Mixtral/Qwen2-MoE/OLMoE dir (byte-level text needs vocab >= 256, else its tokenizer)")
         t.add_argument("--text", default=None, help="text file (default: the tail of the Python stdlib source, "
                        "files `hpdl moe train` does not read)")
-        t.add_argument("--tokens", type=int, default=16384, help="tokens to trace (rounded down to whole windows)")
-        t.add_argument("--seq", type=int, default=128, help="window length in tokens")
+        t.add_argument("--tokens", type=count(1), default=16384, help="tokens to trace (rounded down to whole windows)")
+        t.add_argument("--seq", type=count(1, 1 << 16), default=128, help="window length in tokens")
         t.add_argument("--out", required=True, help="output .npz")
         a = sub.add_parser("affinity", formatter_class=F, help="affinity statistics vs shuffled baseline, heat maps")
         a.add_argument("trace", help=".npz from `hpdl moe trace`")
@@ -49,45 +51,45 @@ class MoECommand:
         a.add_argument("--json", default=None, help="write the summary here")
         p = sub.add_parser("place", formatter_class=F, help="ILP expert placement; held-out cross-GPU share")
         p.add_argument("trace", help=".npz from `hpdl moe trace`")
-        p.add_argument("--world-size", type=int, required=True, help="expert-parallel ranks (GPUs) G; must divide "
+        p.add_argument("--world-size", type=count(1, 4096), required=True, help="expert-parallel ranks (GPUs) G; must divide "
                        "the trace's expert count")
-        p.add_argument("--ranks-per-node", type=int, default=None, help="ranks per node; adds the inter-node hop "
+        p.add_argument("--ranks-per-node", type=count(1, 4096), default=None, help="ranks per node; adds the inter-node hop "
                        "cost (2x an intra-node hop); default: one node")
         p.add_argument("--method", default="auto",
                        choices=["auto", "ilp", "bisect", "two_stage", "greedy", "contiguous", "random"],
                        help="auto = two_stage with --ranks-per-node < G, else bisect for power-of-two G >= 4, else ilp "
                             "(docs/moe.md, Placement)")
-        p.add_argument("--time-limit", type=float, default=None, help="seconds for HiGHS, shared by bisection "
+        p.add_argument("--time-limit", type=real(0, 86400, strict=True), default=None, help="seconds for HiGHS, shared by bisection "
                        "(default HPDL_MOE_ILP_TIME_LIMIT, 60)")
-        p.add_argument("--train-fraction", type=float, default=0.5, help="fit on this head of the trace, report "
+        p.add_argument("--train-fraction", type=real(0, 1, strict=True), default=0.5, help="fit on this head of the trace, report "
                        "on the rest")
         p.add_argument("--out", required=True, help="placement JSON for MoEEngine")
         r = sub.add_parser("train", formatter_class=F, help="train a tiny MoE on stdlib source; affinity per checkpoint")
-        r.add_argument("--steps", type=int, default=1500, help="optimizer steps (AdamW)")
-        r.add_argument("--batch", type=int, default=16, help="sequences per step")
-        r.add_argument("--seq", type=int, default=128, help="sequence length in bytes (tokens)")
-        r.add_argument("--layers", type=int, default=4, help="decoder layers, every one MoE")
-        r.add_argument("--experts", type=int, default=8, help="routed experts per MoE layer")
-        r.add_argument("--hidden", type=int, default=96, help="hidden size (4 heads; a multiple of 8); experts "
+        r.add_argument("--steps", type=count(0), default=1500, help="optimizer steps (AdamW)")
+        r.add_argument("--batch", type=count(1, 1 << 16), default=16, help="sequences per step")
+        r.add_argument("--seq", type=count(2, 1 << 16), default=128, help="sequence length in bytes (tokens)")
+        r.add_argument("--layers", type=count(2, 1024), default=4, help="decoder layers, every one MoE (>= 2: affinity is between layers)")
+        r.add_argument("--experts", type=count(1, 4096), default=8, help="routed experts per MoE layer")
+        r.add_argument("--hidden", type=count(8, 1 << 16), default=96, help="hidden size (4 heads; a multiple of 8); experts "
                        "have 2x hidden units")
-        r.add_argument("--top-k", type=int, default=1, help="experts per token (ExFlow mode needs 1)")
-        r.add_argument("--checkpoints", type=int, default=11, help="evenly spaced steps (0 and the last included) "
+        r.add_argument("--top-k", type=count(1, 4096), default=1, help="experts per token (ExFlow mode needs 1)")
+        r.add_argument("--checkpoints", type=count(1, 10_000), default=11, help="evenly spaced steps (0 and the last included) "
                        "at which affinity of held-out text is recorded")
-        r.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
-        r.add_argument("--max-bytes", type=int, default=6_000_000, help="bytes of the stdlib source read (head "
+        r.add_argument("--lr", type=real(0, 10, strict=True), default=3e-3, help="AdamW learning rate")
+        r.add_argument("--max-bytes", type=count(1, 1 << 34), default=6_000_000, help="bytes of the stdlib source read (head "
                        "in sorted path order; the last 1%% + trace tokens are held out)")
         r.add_argument("--out", required=True, help="directory: hpdl_moe.pt, history.json, affinity.png")
         b = sub.add_parser("bench", formatter_class=F, help="tokens/s ExFlow vs 2-Alltoall baseline (gloo ranks)")
-        b.add_argument("--world-size", type=int, default=4, help="gloo ranks (processes) spawned; must divide "
+        b.add_argument("--world-size", type=count(1, 64), default=4, help="gloo ranks (processes) spawned; must divide "
                        "every expert count")
         b.add_argument("--experts", default="8,16,32", help="comma-separated expert counts E, one model each")
         b.add_argument("--batches", default="1,4,16,64", help="comma-separated requests per rank (each >= 1)")
-        b.add_argument("--hidden", type=int, default=256, help="hidden size (8 query / 2 KV heads)")
-        b.add_argument("--layers", type=int, default=8, help="decoder layers, every one MoE")
-        b.add_argument("--expert-size", type=int, default=512, help="hidden units of each expert's SwiGLU")
-        b.add_argument("--prompt-len", type=int, default=16, help="prompt length in tokens (bytes of stdlib text)")
-        b.add_argument("--new-tokens", type=int, default=16, help="greedy tokens generated per request (>= 1)")
-        b.add_argument("--repeats", type=int, default=10, help="timed runs per point after one warm-up, modes interleaved (median and IQR)")
+        b.add_argument("--hidden", type=count(8, 1 << 16), default=256, help="hidden size (8 query / 2 KV heads)")
+        b.add_argument("--layers", type=count(1, 1024), default=8, help="decoder layers, every one MoE")
+        b.add_argument("--expert-size", type=count(1, 1 << 18), default=512, help="hidden units of each expert's SwiGLU")
+        b.add_argument("--prompt-len", type=count(1, 1 << 16), default=16, help="prompt length in tokens (bytes of stdlib text)")
+        b.add_argument("--new-tokens", type=count(1, 1 << 16), default=16, help="greedy tokens generated per request (>= 1)")
+        b.add_argument("--repeats", type=count(1, 10_000), default=10, help="timed runs per point after one warm-up, modes interleaved (median and IQR)")
         b.add_argument("--model", default=None, help="checkpoint dir instead of random init; top-1, and --experts "
                        "must be its expert count")
         b.add_argument("--out", default="moe_bench.json", help="JSON of every row")
@@ -186,9 +188,22 @@ def _place(args) -> int:
 
 
 def _train(args) -> int:
+    from hpdl.cli import CLIUsageError
     from hpdl.models.gpt_moe import MoEConfig
     from hpdl.moe.train import plot_history, train
+    from hpdl.runtime.limits import check_fits
 
+    if args.hidden % 8:   # 4 heads of an even head_dim (rotary embedding rotates pairs)
+        raise CLIUsageError(f"--hidden must be a multiple of 8 (4 attention heads, each of an even size), got "
+                            f"{args.hidden}")
+    if args.top_k > args.experts:
+        raise CLIUsageError(f"--top-k must be <= --experts={args.experts}, got {args.top_k}")
+    # weights + AdamW's two moments + gradients (fp32), the experts' SwiGLU dominating; activations of a batch
+    h = args.hidden
+    params = args.layers * (4 * h * h + args.experts * 3 * h * 2 * h) + 2 * 256 * h
+    acts = args.batch * args.seq * h * args.layers * 16
+    check_fits(4 * (4 * params + acts), "--hidden/--experts/--layers/--batch/--seq",
+               what=f"a {params / 1e6:.0f}M-parameter MoE trained at batch {args.batch} x {args.seq}")
     cfg = MoEConfig(vocab_size=256, hidden_size=args.hidden, n_layers=args.layers, n_heads=4, n_kv_heads=4,
                     n_experts=args.experts, top_k=args.top_k, expert_size=2 * args.hidden,
                     max_position=max(256, args.seq))

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from hpdl.runtime.limits import check_fits, count, real
+
 MODES = ("native", "thread", "agent")
 PATTERNS = ("alltoall", "allreduce")
 
@@ -232,18 +234,18 @@ class OverlapBenchCommand:
         from hpdl.bench.cli import parse_size
 
         p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
-        p.add_argument("--np", type=int, default=4, help="ranks to spawn")
+        p.add_argument("--np", type=count(1, 1024), default=4, help="ranks to spawn")
         p.add_argument("--pattern", default="alltoall", choices=PATTERNS,
                        help="alltoall (size = bytes per peer, as osu_ialltoall) or allreduce (bytes of the buffer)")
         p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated from {', '.join(MODES)}")
         p.add_argument("--min", dest="min_size", type=parse_size, default=1 << 10, help="smallest size (bytes)")
         p.add_argument("--max", dest="max_size", type=parse_size, default=1 << 20, help="largest size (bytes)")
-        p.add_argument("--factor", type=int, default=4, help="size step factor")
-        p.add_argument("--iters", type=int, default=50, help="most timed iterations per loop")
-        p.add_argument("--time-per-point", type=float, default=0.6, help="seconds aimed at per point")
-        p.add_argument("--compute-factor", type=float, default=1.0, help="compute = this x Pure Comm")
-        p.add_argument("--agent-threads", type=int, default=4, help="copy threads of the agent (its cores)")
-        p.add_argument("--timeout", type=float, default=120.0, help="seconds any wait may take")
+        p.add_argument("--factor", type=count(2, 1 << 40), default=4, help="size step factor")
+        p.add_argument("--iters", type=count(1, 1 << 24), default=50, help="most timed iterations per loop")
+        p.add_argument("--time-per-point", type=real(0, 600), default=0.6, help="seconds aimed at per point")
+        p.add_argument("--compute-factor", type=real(0, 1000, strict=True), default=1.0, help="compute = this x Pure Comm")
+        p.add_argument("--agent-threads", type=count(1, 1024), default=4, help="copy threads of the agent (its cores)")
+        p.add_argument("--timeout", type=real(0, 7 * 86400, strict=True), default=120.0, help="seconds any wait may take")
         p.add_argument("--out", default=None, help="folder for overlap.json and overlap.png")
         p.add_argument("--json", dest="json_path", default=None, help="write rows and metadata as JSON")
         p.add_argument("--plot", dest="plot_path", default=None, help="write the overlap plot (PNG)")
@@ -261,11 +263,14 @@ class OverlapBenchCommand:
             raise CLIUsageError(f"--modes must be from {MODES}, got {bad or modes}")
         if args.np < 2:
             raise CLIUsageError(f"--np must be >= 2, got {args.np}")
-        if args.compute_factor <= 0 or args.iters < 1:
-            raise CLIUsageError("--compute-factor must be > 0 and --iters >= 1")
         try:
-            sizes = sizes_between(args.min_size, args.max_size, args.factor)
+            sizes = sizes_between(args.min_size, args.max_size, args.factor, names=("--min", "--max"))
         except ValueError as exc:
+            raise CLIUsageError(str(exc)) from None
+        try:   # each rank's send and receive buffers and the agent's shared segments for them, before spawning
+            check_fits(args.np * (4 * max(sizes) + (300 << 20)), "--max/--np",
+                       what=f"{args.np} ranks with buffers of the largest size {max(sizes)} B")
+        except MemoryError as exc:
             raise CLIUsageError(str(exc)) from None
         cfg = {"pattern": args.pattern, "modes": modes, "sizes": sizes, "iters": args.iters,
                "time_per_point": args.time_per_point, "compute_factor": args.compute_factor,

@@ -6,6 +6,8 @@ import argparse
 import os
 import tempfile
 
+from hpdl.runtime.limits import count, real
+
 
 class OffloadCommand:
     """`hpdl offload {agent,jacobi}`."""
@@ -18,17 +20,17 @@ class OffloadCommand:
                            description="Run a progress agent. One per node: under srun/mpirun with one task per "
                                        "node the index and count come from the launcher. Ranks reach it through "
                                        "HPDL_OFFLOAD_AGENT=<address>.")
-        a.add_argument("--agents", type=int, default=None, help="number of agents (nodes); default: the "
+        a.add_argument("--agents", type=count(1, 4096), default=None, help="number of agents (nodes); default: the "
                        "launcher's task count, else 1")
-        a.add_argument("--index", type=int, default=None, help="this agent's index; default: the launcher's rank")
+        a.add_argument("--index", type=count(0, 4095), default=None, help="this agent's index; default: the launcher's rank")
         a.add_argument("--rendezvous", default=None, help="HOST:PORT where agent 0 listens for the others "
                        "(needed with more than one agent)")
         a.add_argument("--address", default=None, help="Unix socket path ranks connect to (default "
                        "HPDL_OFFLOAD_AGENT, else $TMPDIR/hpdl-offload-agent-<uid>[-<job id>].sock)")
-        a.add_argument("--threads", type=int, default=1,
+        a.add_argument("--threads", type=count(1, 1024), default=1,
                        help="copy threads: the cores it may use (copies >= 64 KiB run on them in parallel)")
-        a.add_argument("--timeout", type=float, default=300.0, help="seconds for the rendezvous and transfers")
-        a.add_argument("--spin-us", type=float, default=None, help="poll this long after activity before "
+        a.add_argument("--timeout", type=real(0, 7 * 86400, strict=True), default=300.0, help="seconds for the rendezvous and transfers")
+        a.add_argument("--spin-us", type=real(0, 1e7), default=None, help="poll this long after activity before "
                        "sleeping on the doorbell (default HPDL_OFFLOAD_SPIN_US)")
         a.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
         from hpdl.offload.jacobi import add_arguments as jacobi_args

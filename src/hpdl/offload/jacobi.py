@@ -26,23 +26,25 @@ from pathlib import Path
 
 import torch
 
+from hpdl.runtime.limits import count, real
+
 MODES = ("blocking", "agent-blocking", "agent", "thread")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--np", type=int, default=4, help="ranks to spawn")
+    p.add_argument("--np", type=count(1, 1024), default=4, help="ranks to spawn")
     p.add_argument("--sizes", default="4x256x256,6x256x256,8x256x256",
                    help="comma-separated owned block shapes ZxYxX per rank")
     p.add_argument("--grid", default=None, help="process grid PZxPYxPX (default NPx1x1: slabs along z)")
-    p.add_argument("--steps", type=int, default=30, help="timed steps per repeat")
-    p.add_argument("--repeats", type=int, default=3, help="timed repeats per mode (median reported)")
+    p.add_argument("--steps", type=count(1, 1 << 24), default=30, help="timed steps per repeat")
+    p.add_argument("--repeats", type=count(1, 10_000), default=3, help="timed repeats per mode (median reported)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated from {', '.join(MODES)}")
-    p.add_argument("--agent-threads", type=int, default=4, help="copy threads of the agent (its cores)")
+    p.add_argument("--agent-threads", type=count(1, 1024), default=4, help="copy threads of the agent (its cores)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     p.add_argument("--out", default=None, help="folder for jacobi.json and jacobi.png")
     p.add_argument("--json", dest="json_path", default=None, help="write results as JSON here")
     p.add_argument("--plot", dest="plot_path", default=None, help="write the step-time plot (PNG) here")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds any wait may take")
+    p.add_argument("--timeout", type=real(0, 7 * 86400, strict=True), default=120.0, help="seconds any wait may take")
 
 
 def parse_shape(text: str, n: int = 3) -> tuple[int, ...]:

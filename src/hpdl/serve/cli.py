@@ -8,13 +8,30 @@ import json
 import math
 import os
 
+from hpdl.runtime.limits import count, real
+
 
 def _range(text: str) -> tuple[int, int]:
+    """``LO[:HI]`` token counts, 1 <= LO <= HI <= 2**20."""
     lo, _, hi = text.partition(":")
     try:
-        return int(lo), int(hi or lo)
+        lo, hi = int(lo), int(hi or lo)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected LO[:HI] integers, got {text!r}") from None
+    if not 1 <= lo <= hi <= 1 << 20:
+        raise argparse.ArgumentTypeError(f"expected 1 <= LO <= HI <= {1 << 20}, got {text!r}")
+    return lo, hi
+
+
+def _rate(text: str) -> float:
+    """Requests per second: a positive number, or ``inf`` (every request at t = 0)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or inf, got {text!r}") from None
+    if not value > 0:   # NaN included
+        raise argparse.ArgumentTypeError(f"must be > 0 (or inf), got {text}")
+    return value
 
 
 class _HelpWithDefaults(argparse.HelpFormatter):
@@ -45,9 +62,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--config", metavar="NAME", choices=list(NAMED_CONFIGS), help=_config_help())
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights and KV")
     g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    g.add_argument("--num-slots", type=int, default=64, help="pre-allocated KV slots = max concurrent requests")
-    g.add_argument("--max-seq-len", type=int, default=1024, help="prompt + output positions per slot")
-    g.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks of one model (processes on this host)")
+    g.add_argument("--num-slots", type=count(1, 1 << 16), default=64, help="pre-allocated KV slots = max concurrent requests")
+    g.add_argument("--max-seq-len", type=count(2, 1 << 24), default=1024, help="prompt + output positions per slot")
+    g.add_argument("--tensor-parallel-size", type=count(1, 64), default=1, help="ranks of one model (processes on this host)")
     g.add_argument("--reorder", default="window", choices=["window", "prefix", "none"],
                    help="buffer reordering: window (Flover), prefix (anchored at slot 0), none")
     g.add_argument("--tp-all-reduce", default="nccl", choices=["nccl", "symm", "hpdl"],
@@ -56,7 +73,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cuda-graph", action="store_true", help="replay decode steps from CUDA graphs")
     g.add_argument("--eager-decode", action="store_true",
                    help="decode with the eager model, not the fused Triton step (the default on CUDA for LLaMA)")
-    g.add_argument("--seed", type=int, default=0, help="random-weight seed (and workload seed for bench)")
+    g.add_argument("--seed", type=count(0, 2**63 - 1), default=0, help="random-weight seed (and workload seed for bench)")
 
 
 def _engine(args):
@@ -71,11 +88,35 @@ def _engine(args):
         raise CLIUsageError(f"--device {args.device}: CUDA is not available on this machine (torch "
                             f"{torch.__version__}, {torch.cuda.device_count()} GPUs visible); use --device cpu")
     spec = ModelSpec(model=args.model, config=args.config, seed=args.seed, dtype=args.dtype)
+    _check_memory(spec, args)
     cfg = EngineConfig(num_slots=args.num_slots, max_seq_len=args.max_seq_len, device=args.device,
                        tensor_parallel_size=args.tensor_parallel_size, reorder=args.reorder,
                        cuda_graph=args.cuda_graph, tp_all_reduce=args.tp_all_reduce,
                        fused_decode=False if args.eager_decode else None)
     return spec, LLMEngine(spec, cfg)
+
+
+def _check_memory(spec, args) -> None:
+    """A model or KV cache too big for the host (or GPU) fails here, naming the flag, instead of after a silent
+    half minute in an allocator (issue 37: `--config llama-7b` on a small host)."""
+    from hpdl.cli import CLIUsageError
+    from hpdl.runtime.limits import check_fits
+    from hpdl.serve.worker import memory_estimate
+
+    try:
+        est = memory_estimate(spec, args.num_slots, args.max_seq_len, args.tensor_parallel_size)
+    except (OSError, KeyError, ValueError):   # an unreadable config.json: the loader reports it with context
+        return
+    device = "cuda" if str(args.device).startswith("cuda") else "cpu"
+    ranks = args.tensor_parallel_size if device == "cpu" else 1   # CPU ranks share the host
+    name = args.model or args.config
+    try:
+        check_fits(ranks * est["weights"], "--model/--config/--dtype", device=args.device,
+                   what=f"{name}'s weights in {args.dtype}" + (f" on {ranks} ranks" if ranks > 1 else ""))
+        check_fits(ranks * (est["weights"] + est["kv"]), "--num-slots/--max-seq-len", device=args.device,
+                   what=f"{name} with a KV cache of {args.num_slots} slots x {args.max_seq_len} positions")
+    except MemoryError as exc:
+        raise CLIUsageError(str(exc)) from None
 
 
 class ServeBenchCommand:
@@ -89,18 +130,18 @@ class ServeBenchCommand:
         _model_args(p)
         p.add_argument("--url", help="benchmark a running server at this base URL instead of in-process")
         p.add_argument("--served-model", default=None, help="model name to send with --url")
-        p.add_argument("--num-requests", type=int, default=64, help="requests in the workload")
-        p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (inf = all at t=0)")
-        p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson, < 1 burstier")
+        p.add_argument("--num-requests", type=count(1, 1 << 20), default=64, help="requests in the workload")
+        p.add_argument("--request-rate", type=_rate, default=math.inf, help="requests/s (inf = all at t=0)")
+        p.add_argument("--burstiness", type=real(0, 1e6, strict=True), default=1.0, help="gamma shape; 1 = Poisson, < 1 burstier")
         p.add_argument("--prompt-len", type=_range, default="128", help="LO[:HI] tokens, uniform")
         p.add_argument("--output-len", type=_range, default="32:512", help="LO[:HI] tokens, uniform")
         p.add_argument("--corpus", help="local text file: prompts are slices of it instead of random ids")
         p.add_argument("--systems", default="flover,sequential,static,cb",
                        help="comma list of flover, sequential, static, cb (in-process only)")
-        p.add_argument("--static-batch-size", type=int, default=16, help="batch of the static baseline")
-        p.add_argument("--max-concurrency", type=int, default=None, help="--url only: cap on in-flight requests")
-        p.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT bound (none if unset)")
-        p.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT bound (none if unset)")
+        p.add_argument("--static-batch-size", type=count(1, 1 << 16), default=16, help="batch of the static baseline")
+        p.add_argument("--max-concurrency", type=count(1, 1 << 20), default=None, help="--url only: cap on in-flight requests")
+        p.add_argument("--slo-ttft-ms", type=real(0, strict=True), default=None, help="goodput: TTFT bound (none if unset)")
+        p.add_argument("--slo-tpot-ms", type=real(0, strict=True), default=None, help="goodput: TPOT bound (none if unset)")
         p.add_argument("--format", default="table", choices=["table", "json"], help="output format")
 
     def run(self, args) -> int:
@@ -190,9 +231,9 @@ class ServeCommand:
     def add_arguments(p: argparse.ArgumentParser) -> None:
         _model_args(p)
         p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server)")
-        p.add_argument("--port", type=int, default=8000, help="TCP port")
+        p.add_argument("--port", type=count(0, 65535), default=8000, help="TCP port")
         p.add_argument("--served-model-name", default=None, help="name in /v1/models (default: the dir or config)")
-        p.add_argument("--default-max-tokens", type=int, default=16,
+        p.add_argument("--default-max-tokens", type=count(1, 1 << 24), default=16,
                        help="max_tokens of a completion request without one (OpenAI's 16); a chat request without "
                             "one may fill the context")
         sub = p.add_subparsers(dest="serve_cmd", metavar="{bench}")
@@ -212,5 +253,9 @@ class ServeCommand:
         metrics = ServeMetrics()
         print(f"hpdl serve: {name} on http://{args.host}:{args.port} (slots={args.num_slots}, "
               f"tp={args.tensor_parallel_size}, device={args.device})", flush=True)
+        if args.config:   # say it before the first reply does: random bytes, possibly an immediate <eos>
+            print(f"hpdl serve: {args.config} has random weights (seed {args.seed}): replies are random bytes and "
+                  "may stop at once on end-of-sequence; send \"min_tokens\": N to get at least N of them, "
+                  "or serve real weights with --model DIR", flush=True)
         run_server(AsyncEngine(engine, metrics), name, metrics, args.host, args.port, args.default_max_tokens)
         return 0

@@ -63,6 +63,27 @@ def build_model(spec: ModelSpec, device: str | torch.device, group=None) -> Deco
     return model.init_random(spec.seed).to(dtype).eval()
 
 
+def memory_estimate(spec: ModelSpec, num_slots: int, max_seq_len: int, tp: int = 1) -> dict[str, int]:
+    """Bytes one rank allocates for ``spec``: ``{"weights": ..., "kv": ...}`` (weights in ``spec.dtype``, the
+    slot KV cache ``[n_layers, 2, num_slots, max_seq_len, n_kv_heads / tp, head_dim]``), from the named config
+    or the directory's ``config.json`` alone, so that a model too big for the machine is refused before
+    anything is allocated. Activations and CUDA graphs come on top (a lower bound)."""
+    import json
+    from pathlib import Path
+
+    if spec.config is not None:
+        cfg = NAMED_CONFIGS[spec.config]
+    else:
+        cfg = DecoderConfig.from_hf(json.loads((Path(spec.model) / "config.json").read_text()))
+    h, inter, layers = cfg.hidden_size, cfg.intermediate_size, cfg.n_layers
+    kv_dim = cfg.n_kv_heads * cfg.head_dim
+    per_layer = h * (cfg.n_heads * cfg.head_dim) * 2 + h * kv_dim * 2 + h * inter * (3 if cfg.arch == "llama" else 2)
+    params = layers * per_layer // tp + cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2) + (2 * layers + 1) * h
+    elt = torch.empty((), dtype=DTYPES[spec.dtype]).element_size()
+    kv = layers * 2 * num_slots * max_seq_len * max(1, kv_dim // tp) * elt
+    return {"weights": params * elt, "kv": kv}
+
+
 class ModelRunner:
     """Holds the model and KV cache of one rank; ``execute(plan)`` returns logits ``[rows, vocab]``.
 

@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from hpdl.models.soft_ops import nystrom_attention, soft_attention
+from hpdl.runtime.limits import count, real
 
 METHODS = ("soft", "soft_norm", "soft_inverse", "soft_autograd", "nystrom", "sdpa", "softmax")
 _SOFT = {"soft": ("soft", "exact"), "soft_norm": ("norm", "exact"), "soft_inverse": ("soft", "inverse"),
@@ -434,27 +435,27 @@ class AttentionBenchCommand:
                        help="inputs (tokens) / autocast (model, throughput) (default: bfloat16 on CUDA, float32 CPU)")
         p.add_argument("--methods", default="soft,soft_norm,nystrom,sdpa",
                        help=f"tokens suite, from {','.join(METHODS)} (default: soft,soft_norm,nystrom,sdpa)")
-        p.add_argument("--min-tokens", type=int, default=256, help="(default: 256)")
-        p.add_argument("--max-tokens", type=int, default=None, help="(default: 65536 on CUDA, 4096 on CPU)")
-        p.add_argument("--batch", type=int, default=1, help="tokens suite batch (default: 1)")
-        p.add_argument("--heads", type=int, default=6, help="(default: 6)")
-        p.add_argument("--head-dim", type=int, default=64, help="(default: 64)")
-        p.add_argument("--landmarks", type=int, default=64, help="SOFT and Nystrom landmarks (default: 64)")
-        p.add_argument("--time-limit", type=float, default=None,
+        p.add_argument("--min-tokens", type=count(1, 1 << 24), default=256, help="(default: 256)")
+        p.add_argument("--max-tokens", type=count(1, 1 << 24), default=None, help="(default: 65536 on CUDA, 4096 on CPU)")
+        p.add_argument("--batch", type=count(1, 1 << 16), default=1, help="tokens suite batch (default: 1)")
+        p.add_argument("--heads", type=count(1, 1024), default=6, help="(default: 6)")
+        p.add_argument("--head-dim", type=count(1, 4096), default=64, help="(default: 64)")
+        p.add_argument("--landmarks", type=count(1, 1 << 16), default=64, help="SOFT and Nystrom landmarks (default: 64)")
+        p.add_argument("--time-limit", type=real(0, 86400, strict=True), default=None,
                        help="seconds per call after which a method stops growing (default: 2 on CUDA, 5 on CPU)")
         p.add_argument("--model", default="soft_tiny", help="model suite model (default: soft_tiny)")
         p.add_argument("--image-sizes", default=None, help="model suite sizes (default: 224,384,512,768 on CUDA, "
                                                             "64,128 on CPU)")
-        p.add_argument("--model-batch", type=int, default=None, help="(default: 16 on CUDA, 2 on CPU)")
+        p.add_argument("--model-batch", type=count(1, 1 << 16), default=None, help="(default: 16 on CUDA, 2 on CPU)")
         p.add_argument("--model-attentions", default="soft,soft_inverse,sdpa",
                        help=f"model suite, from {','.join(MODEL_ATTENTIONS)} (default: soft,soft_inverse,sdpa)")
         p.add_argument("--models", default="soft_tiny,soft_small", help="throughput suite SOFT models")
         p.add_argument("--baselines", default=DEFAULT_BASELINES, help=f"timm baselines (default: {DEFAULT_BASELINES})")
-        p.add_argument("--image-size", type=int, default=None, help="throughput size (default: 224 CUDA, 64 CPU)")
-        p.add_argument("--infer-batch", type=int, default=None, help="(default: 256 on CUDA, 4 on CPU)")
-        p.add_argument("--train-batch", type=int, default=None, help="(default: 128 on CUDA, 2 on CPU)")
-        p.add_argument("--warmup", type=int, default=3, help="untimed calls per point (default: 3)")
-        p.add_argument("--reps", type=int, default=10, help="timed calls per point, median reported (default: 10)")
+        p.add_argument("--image-size", type=count(8, 8192), default=None, help="throughput size (default: 224 CUDA, 64 CPU)")
+        p.add_argument("--infer-batch", type=count(1, 1 << 16), default=None, help="(default: 256 on CUDA, 4 on CPU)")
+        p.add_argument("--train-batch", type=count(1, 1 << 16), default=None, help="(default: 128 on CUDA, 2 on CPU)")
+        p.add_argument("--warmup", type=count(0, 10_000), default=3, help="untimed calls per point (default: 3)")
+        p.add_argument("--reps", type=count(1, 10_000), default=10, help="timed calls per point, median reported (default: 10)")
         p.add_argument("--out", default=None, help="folder for soft_bench.json and the PNGs (default: $OUT or .)")
 
     def run(self, args) -> int:

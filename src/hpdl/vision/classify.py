@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hpdl.models.soft import MODEL_CONFIGS, SoftConfig, SoftViT, create
+from hpdl.runtime.limits import count, real
 
 MODELS = tuple(MODEL_CONFIGS)
 OFFLINE_IMAGE_SIZE = 64
@@ -320,6 +321,11 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> tuple[SoftVi
     """Rebuild the model a checkpoint of ``hpdl vision train`` holds; returns (model, checkpoint dict).
     Raises FileNotFoundError, or ValueError if it is not such a checkpoint."""
     ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    if isinstance(ckpt, dict) and ckpt.get("format") == "hpdl.vision.detect/1":
+        # a detection checkpoint of `hpdl vision train` (SPRNet, RetinaNet, Mask R-CNN): name what it holds
+        name = (ckpt.get("spec") or {}).get("name", "?")
+        raise ValueError(f"--checkpoint {path} holds a {name!r} detection model, not a classifier: evaluate it "
+                         f"with --model {name}")
     if not isinstance(ckpt, dict) or "config" not in ckpt or "state_dict" not in ckpt:
         raise ValueError(f"--checkpoint {path}: not a checkpoint written by `hpdl vision train`")
     model = SoftViT(SoftConfig(**ckpt["config"]))
@@ -336,8 +342,8 @@ def add_arguments(group, evaluate: bool) -> None:
     group.add_argument("--attention", choices=["soft", "sdpa"], default="soft",
                        help="SOFT models: their Gaussian-kernel attention, or softmax SDPA over the same Q/K "
                             "(a baseline) (default: soft)")
-    group.add_argument("--label-smoothing", type=float, default=0.1, help="(default: 0.1)")
-    group.add_argument("--drop-path", type=float, default=None,
+    group.add_argument("--label-smoothing", type=real(0, 1), default=0.1, help="(default: 0.1)")
+    group.add_argument("--drop-path", type=real(0, 1), default=None,
                        help="stochastic depth rate (default: 0.1 for ImageFolder data, 0 for the offline set)")
     group.add_argument("--augment", choices=["basic", "deit"], default="basic",
                        help="basic: random resized crop + flip; deit: RandAugment, random erasing, Mixup/CutMix "
@@ -453,11 +459,11 @@ def evaluate(args) -> int:
 def _make_shapes_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="folder to write (default: $HPDL_DATA_DIR/shapes-v1, i.e. the "
                                                "offline default of `hpdl vision train`)")
-    p.add_argument("--train-per-class", type=int, default=300, help="(default: 300)")
-    p.add_argument("--val-per-class", type=int, default=60, help="(default: 60)")
-    p.add_argument("--image-size", type=int, default=OFFLINE_IMAGE_SIZE, help=f"(default: {OFFLINE_IMAGE_SIZE})")
-    p.add_argument("--num-classes", type=int, default=10, help="2..10 (default: 10)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--train-per-class", type=count(1, 1 << 20), default=300, help="(default: 300)")
+    p.add_argument("--val-per-class", type=count(1, 1 << 20), default=60, help="(default: 60)")
+    p.add_argument("--image-size", type=count(8, 8192), default=OFFLINE_IMAGE_SIZE, help=f"(default: {OFFLINE_IMAGE_SIZE})")
+    p.add_argument("--num-classes", type=count(2, 10), default=10, help="2..10 (default: 10)")
+    p.add_argument("--seed", type=count(0, 2**32 - 1), default=0)
     p.add_argument("--overwrite", action="store_true", help="replace a different dataset in --out")
 
 

@@ -13,6 +13,9 @@ every task shares are declared once here; a task fills in its own defaults where
 from __future__ import annotations
 
 import importlib
+import math
+
+from hpdl.runtime.limits import MAX_COUNT, count, real
 
 TASK_MODULES = ("hpdl.vision.classify", "hpdl.vision.detect")
 
@@ -29,63 +32,38 @@ def _modules():
     return mods
 
 
-def _count(minimum: int):
-    """argparse type: an int >= minimum (0 or a negative used to fall back to the task's default silently,
-    through ``args.x or default``, or fail deep inside the model)."""
-    def parse(text: str) -> int:
-        import argparse
-
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        return value
-
-    parse.__name__ = "int"
-    return parse
+def _count(minimum: int, maximum: int = MAX_COUNT):
+    """argparse type: an int in [minimum, maximum] (0 or a negative used to fall back to the task's default
+    silently, through ``args.x or default``, or fail deep inside the model; a huge one to run for ever)."""
+    return count(minimum, maximum)
 
 
-def _real(minimum: float, strict: bool = False):
-    """argparse type: a finite float >= minimum (> minimum when ``strict``). A negative clip used to switch
-    clipping off and a negative warm-up to mean none, silently; a NaN learning rate failed after data loading."""
-    def parse(text: str) -> float:
-        import argparse
-        import math
-
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not math.isfinite(value) or value < minimum or (strict and value == minimum):
-            raise argparse.ArgumentTypeError(f"must be a finite number {'>' if strict else '>='} {minimum:g}, "
-                                             f"got {text}")
-        return value
-
-    parse.__name__ = "float"
-    return parse
+def _real(minimum: float, strict: bool = False, maximum: float = math.inf):
+    """argparse type: a finite float >= minimum (> minimum when ``strict``), <= maximum. A negative clip used to
+    switch clipping off and a negative warm-up to mean none, silently; a NaN learning rate failed after data
+    loading."""
+    return real(minimum, maximum, strict=strict)
 
 
 def _common(p, evaluate: bool) -> None:
     p.add_argument("--model", required=True, help="model name, e.g. soft_tiny or sprnet")
     p.add_argument("--data", default=None, help="dataset folder (default: the task's offline set, made if absent)")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available) (default: auto)")
-    p.add_argument("--batch-size", type=_count(1), default=None, help="images per step (default: the task's)")
-    p.add_argument("--workers", type=_count(0), default=2, help="data-loader worker processes (default: 2)")
-    p.add_argument("--image-size", type=_count(1), default=None, help="input side in pixels (default: the task's)")
+    p.add_argument("--batch-size", type=_count(1, 1 << 16), default=None, help="images per step (default: the task's)")
+    p.add_argument("--workers", type=_count(0, 256), default=2, help="data-loader worker processes (default: 2)")
+    p.add_argument("--image-size", type=_count(1, 8192), default=None, help="input side in pixels (default: the task's)")
     p.add_argument("--amp", action=__import__("argparse").BooleanOptionalAction, default=None,
                    help="mixed precision (bf16 on CUDA; default: on for CUDA, off for CPU)")
-    p.add_argument("--seed", type=_count(0), default=0, help="random seed, >= 0 (default: 0)")
+    p.add_argument("--seed", type=_count(0, 2**32 - 1), default=0, help="random seed, >= 0 (default: 0)")
     if evaluate:
         p.add_argument("--checkpoint", required=True, help="checkpoint written by `hpdl vision train`")
     else:
-        p.add_argument("--epochs", type=_count(1), default=None, help="passes over the training set (default: the task's)")
+        p.add_argument("--epochs", type=_count(1, 100_000), default=None, help="passes over the training set (default: the task's)")
         p.add_argument("--max-steps", type=_count(1), default=None, help="stop after this many steps (default: no limit)")
-        p.add_argument("--lr", type=_real(0, strict=True), default=None, help="peak learning rate (default: the task's)")
-        p.add_argument("--weight-decay", type=_real(0), default=None, help="weight decay (default: the task's)")
-        p.add_argument("--warmup-epochs", type=_real(0), default=None, help="linear warm-up (default: the task's)")
-        p.add_argument("--clip-grad", type=_real(0), default=None, help="gradient-norm clip, 0: off (default: the task's)")
+        p.add_argument("--lr", type=_real(0, strict=True, maximum=10), default=None, help="peak learning rate (default: the task's)")
+        p.add_argument("--weight-decay", type=_real(0, maximum=10), default=None, help="weight decay (default: the task's)")
+        p.add_argument("--warmup-epochs", type=_real(0, maximum=100_000), default=None, help="linear warm-up (default: the task's)")
+        p.add_argument("--clip-grad", type=_real(0, maximum=1e6), default=None, help="gradient-norm clip, 0: off (default: the task's)")
         p.add_argument("--out", default="vision_out", help="folder for checkpoints and logs (default: ./vision_out)")
 
 

@@ -140,6 +140,10 @@ def load_checkpoint(path: str | Path, map_location="cpu") -> tuple[torch.nn.Modu
     except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as exc:   # truncated or foreign
         raise HpdlError(f"checkpoint={str(path)!r} cannot be read ({str(exc).splitlines()[0][:120]}); write it "
                         "again with `hpdl vision train`") from exc
+    if isinstance(ckpt, dict) and "config" in ckpt and isinstance(ckpt.get("model"), str):
+        # a classification checkpoint of `hpdl vision train` (SOFT): name what it holds
+        raise HpdlError(f"checkpoint={str(path)!r} holds a {ckpt['model']!r} classification model, not a "
+                        f"detector: evaluate it with --model {ckpt['model']}")
     if not isinstance(ckpt, dict) or ckpt.get("format") != "hpdl.vision.detect/1" or \
             not {"spec", "state_dict", "meta"} <= ckpt.keys():
         raise HpdlError(f"checkpoint={str(path)!r} is not an hpdl vision detection checkpoint")
@@ -452,7 +456,7 @@ def add_arguments(group, evaluate: bool = False) -> None:
     """Options of the detection models (the shared ones are declared in :mod:`hpdl.vision.cli`)."""
     group.add_argument("--val-split", default=None,
                        help="COCO split to evaluate on (default: val, or the checkpoint's when evaluating)")
-    group.add_argument("--pictures", type=_count(0), default=8,
+    group.add_argument("--pictures", type=_count(0, 10_000), default=8,
                        help="images in the predicted-mask picture, 0: no picture (default: 8)")
     if not evaluate:   # the rest is the model's; evaluate reads it from the checkpoint
         group.add_argument("--backbone", default="resnet50", choices=("resnet10", "resnet18", "resnet34", "resnet50", "resnet101"),
@@ -463,7 +467,7 @@ def add_arguments(group, evaluate: bool = False) -> None:
                                 "(default: random init; nothing is downloaded)")
         group.add_argument("--fpn", default="gated", choices=("gated", "sum"),
                            help="SPRNet pyramid: gated (GFPN, the paper's) or sum (default: gated)")
-        group.add_argument("--fpn-channels", type=_count(1), default=256, help="FPN width (default: 256)")
+        group.add_argument("--fpn-channels", type=_count(1, 8192), default=256, help="FPN width (default: 256)")
 
 
 def _shapes_root(args) -> Path:
@@ -587,14 +591,14 @@ def _add_make_shapes(p) -> None:
 
     d = ShapesConfig()
     p.add_argument("--root", required=True, help="output folder (COCO layout: train/, val/, annotations/)")
-    p.add_argument("--train", type=_count(0), default=d.num_train, help=f"training images (default: {d.num_train})")
-    p.add_argument("--val", type=_count(0), default=d.num_val, help=f"validation images (default: {d.num_val})")
-    p.add_argument("--image-size", type=_count(16), default=d.image_size,
+    p.add_argument("--train", type=_count(0, 1 << 24), default=d.num_train, help=f"training images (default: {d.num_train})")
+    p.add_argument("--val", type=_count(0, 1 << 24), default=d.num_val, help=f"validation images (default: {d.num_val})")
+    p.add_argument("--image-size", type=_count(16, 8192), default=d.image_size,
                    help=f"side in pixels, >= 16 (default: {d.image_size})")
-    p.add_argument("--max-instances", type=_count(1), default=d.max_instances,
+    p.add_argument("--max-instances", type=_count(1, 1000), default=d.max_instances,
                    help=f"instances an image, at most (default: {d.max_instances})")
-    p.add_argument("--seed", type=_count(0), default=d.seed, help=f"random seed, >= 0 (default: {d.seed})")
-    p.add_argument("--workers", type=_count(0), default=0, help="rendering processes (default: 0, this one)")
+    p.add_argument("--seed", type=_count(0, 2**32 - 1), default=d.seed, help=f"random seed, >= 0 (default: {d.seed})")
+    p.add_argument("--workers", type=_count(0, 256), default=0, help="rendering processes (default: 0, this one)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a different shapes set (or other files) already in --root")
 

@@ -13,7 +13,9 @@ It implements the collectives whose base it subclasses, each on flat, contiguous
 * :class:`AllGather`: ``all_gather(blocks, comm)``, ``blocks[rank]`` holds this rank's part and every other
   block is filled from its owner (block sizes may differ by rank);
 * :class:`AllToAll`: ``all_to_all(dst, src, lay, comm)`` on byte tensors and a
-  :class:`~hpdl.comm.algorithms.alltoall.Layout`.
+  :class:`~hpdl.comm.algorithms.alltoall.Layout`;
+* :class:`Broadcast`: ``broadcast(buf, root, comm)``; :class:`Reduce`: ``reduce(buf, root, op, comm)``;
+  :class:`Barrier`: ``barrier(comm)`` (``root`` is a rank of the group, not a global rank).
 
 Each method returns None when the collective is complete, or the native algorithm's
 :class:`~hpdl.comm.algorithms.native.Pending` (a torch collective issued, not yet waited).
@@ -44,6 +46,9 @@ REGISTRY: dict[str, str] = {
     "pairwise": "hpdl.comm.algorithms.alltoall:Pairwise",
     "push": "hpdl.comm.algorithms.alltoall:TwoLevelPush",
     "pull": "hpdl.comm.algorithms.alltoall:TwoLevelPull",
+    # broadcast / reduce / barrier ("native" serves them too)
+    "binomial": "hpdl.comm.algorithms.tree:BinomialTree",
+    "dissemination": "hpdl.comm.algorithms.tree:Dissemination",
 }
 PEER = ("one_shot", "two_shot")
 ALIASES = {"rd": "recursive_doubling", "nccl": "native", "torch": "native", "two_level_push": "push",
@@ -159,8 +164,34 @@ class AllToAll(Algorithm, ABC):
         return None
 
 
+class Broadcast(Algorithm, ABC):
+    """A broadcast schedule (:func:`hpdl.comm.broadcast`)."""
+
+    @abstractmethod
+    def broadcast(self, buf: torch.Tensor, root: int, comm: Transport):
+        """Copy rank ``root``'s flat, contiguous ``buf`` into every other rank's ``buf``. None or a Pending."""
+
+
+class Reduce(Algorithm, ABC):
+    """A reduce-to-one-rank schedule (:func:`hpdl.comm.reduce`)."""
+
+    @abstractmethod
+    def reduce(self, buf: torch.Tensor, root: int, op: str, comm: Transport):
+        """Rank ``root``'s ``buf`` becomes the reduction of every rank's ``buf``; the other ranks' ``buf`` are
+        not modified. None or a Pending."""
+
+
+class Barrier(Algorithm, ABC):
+    """A barrier (:func:`hpdl.comm.barrier`)."""
+
+    @abstractmethod
+    def barrier(self, comm: Transport):
+        """Return once every rank of ``comm`` has entered the barrier. None or a Pending."""
+
+
 BASES: dict[str, type[Algorithm]] = {"all_reduce": AllReduce, "reduce_scatter": ReduceScatter,
-                                     "all_gather": AllGather, "all_to_all": AllToAll}
+                                     "all_gather": AllGather, "all_to_all": AllToAll, "broadcast": Broadcast,
+                                     "reduce": Reduce, "barrier": Barrier}
 
 
 def canonical(name: str) -> str:

@@ -8,7 +8,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hpdl.comm.algorithms.base import AllGather, AllReduce, AllToAll, ReduceScatter
+from hpdl.comm.algorithms.base import AllGather, AllReduce, AllToAll, Barrier, Broadcast, Reduce, ReduceScatter
 from hpdl.comm.ops import to_torch_op
 from hpdl.comm.transport.base import Transport
 from hpdl.runtime.errors import CollectiveTimeoutError
@@ -62,7 +62,7 @@ def _avg(buf: torch.Tensor, world: int) -> None:
         buf.div_(world)
 
 
-class Native(AllReduce, ReduceScatter, AllGather, AllToAll):
+class Native(AllReduce, ReduceScatter, AllGather, AllToAll, Broadcast, Reduce, Barrier):
     """Delegates to ``torch.distributed`` on the transport's group (avg = sum then divide off NCCL).
 
     Each method issues its torch collective on the calling thread and returns a :class:`Pending` without
@@ -144,6 +144,28 @@ class Native(AllReduce, ReduceScatter, AllGather, AllToAll):
                                       None if equal else list(lay.send_len), group=getattr(comm, "group", None),
                                       async_op=True)
         return Pending(work, comm, "all_to_all_single")
+
+
+    def broadcast(self, buf: torch.Tensor, root: int, comm: Transport) -> Pending:
+        """``torch.distributed.broadcast`` with ``group_src=root`` (a rank of the group)."""
+        work = dist.broadcast(buf, group=getattr(comm, "group", None), async_op=True, group_src=root)
+        return Pending(work, comm, "broadcast")
+
+    def reduce(self, buf: torch.Tensor, root: int, op: str, comm: Transport) -> Pending:
+        """``torch.distributed.reduce`` with ``group_dst=root``; avg is a sum divided at the root. The other
+        ranks reduce a copy, so their ``buf`` is left as it was (torch leaves that unspecified)."""
+        group = getattr(comm, "group", None)
+        mine = comm.rank == root
+        tmp = buf if mine else buf.clone()
+        if op == "avg" and getattr(comm, "backend", "") == "nccl":
+            return Pending(dist.reduce(tmp, op=dist.ReduceOp.AVG, group=group, async_op=True, group_dst=root), comm,
+                           "reduce")
+        finish = (lambda: _avg(buf, comm.world_size)) if op == "avg" and mine else None
+        return Pending(dist.reduce(tmp, op=to_torch_op(op), group=group, async_op=True, group_dst=root), comm,
+                       "reduce", finish)
+
+    def barrier(self, comm: Transport) -> Pending:
+        return Pending(dist.barrier(group=getattr(comm, "group", None), async_op=True), comm, "barrier")
 
 
 def run_sync(result, timeout: float | None = None) -> None:
