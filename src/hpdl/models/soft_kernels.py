@@ -97,7 +97,8 @@ def landmark_cols_ref(q, l, x=None, a=None, b=None):
 
 if triton is not None:
     @triton.jit
-    def _nr_fused_kernel(a_ptr, v_ptr, m, reg, scale, iters, IDENTITY: tl.constexpr, BLOCK: tl.constexpr):
+    def _nr_fused_kernel(a_ptr, v_ptr, m, reg, scale, fast_iters, exact_iters, IDENTITY: tl.constexpr,
+                         PREC: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)
         r = tl.arange(0, BLOCK)
         inside = (r[:, None] < m) & (r[None, :] < m)
@@ -110,7 +111,10 @@ if triton is not None:
             v = eye / (s + reg)
         else:
             v = ar * (scale / (s * s))
-        for _ in range(iters):
+        for _ in range(fast_iters):
+            t = tl.dot(v, ar, input_precision=PREC)
+            v = 2.0 * v - tl.dot(t, v, input_precision=PREC)
+        for _ in range(exact_iters):
             t = tl.dot(v, ar, input_precision="ieee")
             v = 2.0 * v - tl.dot(t, v, input_precision="ieee")
         tl.store(v_ptr + offs, v, mask=inside)
@@ -254,21 +258,25 @@ def _bmm(x, y, z=None, alpha=1.0, beta=0.0, precision="tf32"):
     return out
 
 
-def _newton_inverse_impl(a: torch.Tensor, iters: int, reg: float, scale: float, start: str,
-                         fused: bool) -> torch.Tensor:
+def _newton_inverse_impl(a: torch.Tensor, iters: int, reg: float, scale: float, start: str, precision: str,
+                         refine: int) -> torch.Tensor:
+    """``iters - refine`` steps with ``precision`` products, then ``refine`` float32 steps (each squares the
+    residual the faster steps leave, down to float32's floor)."""
     a = a.contiguous()
     bh, m = a.shape[0], a.shape[-1]
-    if fused:
+    exact = iters if precision == "ieee" else min(refine, iters)
+    fast = iters - exact
+    if m <= FUSED_MAX_M:
         v = torch.empty_like(a)
-        _nr_fused_kernel[(bh,)](a, v, m, float(reg), float(scale), int(iters), IDENTITY=start == "identity",
-                                BLOCK=_p2(m), num_warps=4)
+        _nr_fused_kernel[(bh,)](a, v, m, float(reg), float(scale), fast, exact, IDENTITY=start == "identity",
+                                PREC=precision, BLOCK=_p2(m), num_warps=4)
         return v
     eye = torch.eye(m, device=a.device, dtype=a.dtype)
     s = a.sum(-1).amax(-1)[:, None, None]
     a_r = a + reg * eye
     v = eye / (s + reg) if start == "identity" else (scale / (s * s)) * a_r
-    for k in range(iters):  # TF32 steps, then a float32 one: it squares the residual the TF32 steps leave
-        prec = "ieee" if k == iters - 1 else "tf32"
+    for k in range(iters):
+        prec = precision if k < fast else "ieee"
         t = _bmm(v, a_r, precision=prec)
         v = _bmm(t, v, v, -1.0, 2.0, precision=prec)
     return v.contiguous()
@@ -276,12 +284,12 @@ def _newton_inverse_impl(a: torch.Tensor, iters: int, reg: float, scale: float, 
 
 if triton is not None:
     @torch.library.custom_op("hpdl::soft_newton_inverse", mutates_args=())
-    def _newton_inverse_op(a: torch.Tensor, iters: int, reg: float, scale: float, start: str,
-                           fused: bool) -> torch.Tensor:
-        return _newton_inverse_impl(a, iters, reg, scale, start, fused)
+    def _newton_inverse_op(a: torch.Tensor, iters: int, reg: float, scale: float, start: str, precision: str,
+                           refine: int) -> torch.Tensor:
+        return _newton_inverse_impl(a, iters, reg, scale, start, precision, refine)
 
     @_newton_inverse_op.register_fake
-    def _(a, iters, reg, scale, start, fused):
+    def _(a, iters, reg, scale, start, precision, refine):
         return torch.empty_like(a, memory_format=torch.contiguous_format)
 
     @torch.library.custom_op("hpdl::soft_vgv", mutates_args=())
@@ -296,18 +304,25 @@ if triton is not None:
 
 
 def newton_inverse(a: torch.Tensor, iters: int = 20, reg: float = 0.01, scale: float = 1.8,
-                   start: str = "identity") -> torch.Tensor:
+                   start: str = "identity", precision: str | None = None, refine: int = 2) -> torch.Tensor:
     """Truncated Newton-Raphson inverse of ``a + reg*I`` for a batch ``[BH, m, m]`` float32 (no autograd).
 
-    ``m <= FUSED_MAX_M`` runs fused (float32 throughout), larger ``m`` with TF32 steps and a float32 last step.
     ``start``: ``"identity"`` (V0 = I/(s+reg); needs reg > 0) or ``"official"`` (V0 = scale/s^2 (A + reg*I)).
-    Raises ValueError on a bad shape, dtype or start.
+    ``precision`` of the products of the first ``iters - refine`` steps; the last ``refine`` steps run in
+    float32. None: ``"ieee"`` (float32 throughout) where ``m <= FUSED_MAX_M`` (one program per matrix, all steps
+    on chip), ``"tf32"`` above (tiled tensor-core products). Raises ValueError on a bad shape, dtype, start or
+    precision.
     """
     if a.dim() != 3 or a.shape[-1] != a.shape[-2] or a.dtype != torch.float32:
         raise ValueError(f"a must be float32 [BH, m, m], got {a.dtype} {tuple(a.shape)}")
     if start not in ("identity", "official"):
         raise ValueError(f"start must be 'identity' or 'official', got {start!r}")
-    return _newton_inverse_op(a, int(iters), float(reg), float(scale), start, a.shape[-1] <= FUSED_MAX_M)
+    if precision is None:
+        precision = "ieee" if a.shape[-1] <= FUSED_MAX_M else "tf32"
+    _check_prec(precision)
+    if refine < 0:
+        raise ValueError(f"refine must be >= 0, got {refine}")
+    return _newton_inverse_op(a, int(iters), float(reg), float(scale), start, precision, int(refine))
 
 
 def neg_vgv(v: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
