@@ -44,13 +44,14 @@ PRECISIONS = ("tf32", "tf32x3", "ieee")
 FUSED_MAX_M = 64  # largest landmark count whose whole Newton iteration runs in one program's registers
 
 
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+# read once: Triton picks the interpreter when kernels are defined (at import), and a constant keeps
+# torch.compile free of environment guards
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def available(t: torch.Tensor) -> bool:
     """Whether the Triton kernels can run on ``t``'s device (CUDA, or any device under TRITON_INTERPRET=1)."""
-    return triton is not None and (t.is_cuda or _interpret())
+    return triton is not None and (t.is_cuda or _INTERPRET)
 
 
 # ------------------------------------------------------------------------------------------------ torch references

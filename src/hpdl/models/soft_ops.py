@@ -26,6 +26,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hpdl.models import soft_kernels
+
 __all__ = ["IMPLS", "NR_BACKWARDS", "NR_STARTS", "gaussian_kernel", "newton_pinv", "norm_alpha_scale", "nystrom_attention",
            "soft_attention"]
 
@@ -124,9 +126,7 @@ class _NewtonPinv(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, scale, iters, reg, backward, symmetric=False, start="official", kernels=False):
         alpha, s, row = _alpha(a, scale, reg, start)
-        if kernels:  # Triton: fused on chip (small m) or TF32 steps + a float32 one; same start, same alpha
-            from hpdl.models import soft_kernels
-
+        if kernels:  # Triton: fused on chip (small m) or TF32 steps + float32 ones; same start, same alpha
             shape = a.shape
             v = soft_kernels.newton_inverse(a.reshape(-1, shape[-2], shape[-1]).contiguous(), iters, reg, scale,
                                             start).reshape(shape)
@@ -144,9 +144,7 @@ class _NewtonPinv(torch.autograd.Function):
         none = (None,) * 7
         if ctx.backward == "inverse":  # the paper's: d(A^-1) for an exact inverse (ignores truncation and alpha)
             n = v.shape[-1]
-            if ctx.kernels and n > 64:   # TF32 tensor cores for large landmark counts
-                from hpdl.models import soft_kernels
-
+            if ctx.kernels and n > soft_kernels.FUSED_MAX_M:   # TF32 tensor cores for large landmark counts
                 shape = v.shape
                 return (soft_kernels.neg_vgv(v.reshape(-1, n, n), g.reshape(-1, n, n)).reshape(shape),) + none
             vt = v.transpose(-1, -2)
@@ -174,8 +172,6 @@ def _use_kernels(impl: str, t: torch.Tensor) -> bool:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "torch" or t.dtype != torch.float32:
         return False
-    from hpdl.models import soft_kernels
-
     if impl == "triton" and not soft_kernels.available(t):
         raise ValueError(f"impl='triton' needs a CUDA tensor (or TRITON_INTERPRET=1), got device {t.device}")
     return soft_kernels.available(t)
@@ -307,8 +303,7 @@ def soft_attention(q: torch.Tensor, v: torch.Tensor, landmarks: torch.Tensor, *,
             inv = newton_pinv(a, iters, 0.0, norm_alpha_scale(a), backward, symmetric=True, start=start)
             inv = d[..., :, None] * inv * d[..., None, :]
         if kernels:
-            from hpdl.models import soft_kernels as sk
-
+            sk = soft_kernels
             b, h, n, dh = qf.shape
             m = lf.shape[-2]
             q3, l3, v3 = qf.reshape(b * h, n, dh), lf.reshape(b * h, m, dh), vf.reshape(b * h, n, -1)
