@@ -96,6 +96,8 @@ def test_exact_backward_with_either_start_gradcheck(start):
 
 def test_impl_and_precision_arguments_are_checked():
     q = torch.randn(1, 1, 8, 4)
+    with pytest.raises(ValueError, match="float32/64"):
+        sk.landmark_p(q[0].half(), q[0, :2].half(), q[0, :2])
     with pytest.raises(ValueError, match="impl"):
         soft_attention(q, q, q[:, :, :2], impl="cuda")
     if not sk.available(q):
@@ -156,6 +158,14 @@ def _interpreted() -> None:
     assert _rel(outs["triton"], outs["torch"]) < 1e-5, _rel(outs["triton"], outs["torch"])
     for gt, gr in zip(grads["triton"], grads["torch"]):
         assert _rel(gt, gr) < 1e-4, _rel(gt, gr)
+    # bfloat16 inputs (autocast's): v is read by the kernels in its own dtype, q and l are centred in float32
+    qb, vb, lb = (t.detach().bfloat16().requires_grad_() for t in (q, v, lm))
+    ref = soft_attention(qb, vb, lb, impl="torch")
+    got = soft_attention(qb, vb, lb, impl="triton")
+    assert got.dtype == torch.bfloat16 and _rel(got, ref) < 1e-2, _rel(got, ref)
+    for gt, gr in zip(torch.autograd.grad(got.float().sum(), (qb, vb, lb)),
+                      torch.autograd.grad(ref.float().sum(), (qb, vb, lb))):
+        assert gt.dtype == torch.bfloat16 and _rel(gt, gr) < 2e-2, _rel(gt, gr)
     print("all kernels ok")
 
 

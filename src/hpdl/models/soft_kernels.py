@@ -37,7 +37,7 @@ try:
 except ImportError:  # pragma: no cover - triton ships with torch on Linux
     triton = None
 
-__all__ = ["FUSED_MAX_M", "PRECISIONS", "available", "landmark_cols", "landmark_cols_ref", "landmark_p",
+__all__ = ["FUSED_MAX_M", "PRECISIONS", "available", "centre", "landmark_cols", "landmark_cols_ref", "landmark_p",
            "landmark_pt", "landmark_rows", "landmark_rows_ref", "neg_vgv", "newton_inverse", "newton_inverse_ref"]
 
 PRECISIONS = ("tf32", "tf32x3", "ieee")
@@ -69,12 +69,15 @@ def newton_inverse_ref(a: torch.Tensor, iters: int, reg: float, scale: float = 1
 
 
 def _p_ref(q, l):
-    return torch.exp(-0.5 * torch.cdist(q, l) ** 2)
+    d = (q.pow(2).sum(-1)[..., :, None] + l.pow(2).sum(-1)[..., None, :] - 2 * q @ l.transpose(-1, -2))
+    return torch.exp(-0.5 * d)
 
 
 def landmark_rows_ref(q, l, y=None, a=None, b=None):
-    """``(P @ y, (P * (a b^T)) l - q rowsum(P * (a b^T)))`` with P = exp(-|q_i - l_j|^2/2); None where not asked."""
+    """``(P @ y, (P * (a b^T)) l - q rowsum(P * (a b^T)))`` with P = exp(-|q_i - l_j|^2/2); None where not asked.
+    y, a, b are read in q's dtype."""
     p = _p_ref(q, l)
+    y, a, b = (t.to(q.dtype) if t is not None else None for t in (y, a, b))
     out = p @ y if y is not None else None
     dq = None
     if a is not None:
@@ -86,6 +89,7 @@ def landmark_rows_ref(q, l, y=None, a=None, b=None):
 def landmark_cols_ref(q, l, x=None, a=None, b=None):
     """``(P^T @ x, (P * (a b^T))^T q - l colsum(P * (a b^T)))``; None where not asked."""
     p = _p_ref(q, l)
+    x, a, b = (t.to(q.dtype) if t is not None else None for t in (x, a, b))
     out = p.transpose(-1, -2) @ x if x is not None else None
     dl = None
     if a is not None:
@@ -133,9 +137,9 @@ if triton is not None:
         for k0 in range(0, n, BK):
             kk = k0 + rk
             xt = tl.load(x_ptr + b * sxb + rm[:, None] * sxr + kk[None, :] * sxc,
-                         mask=(rm[:, None] < n) & (kk[None, :] < n), other=0.0)
+                         mask=(rm[:, None] < n) & (kk[None, :] < n), other=0.0).to(tl.float32)
             yt = tl.load(y_ptr + b * syb + kk[:, None] * syr + rn[None, :] * syc,
-                         mask=(kk[:, None] < n) & (rn[None, :] < n), other=0.0)
+                         mask=(kk[:, None] < n) & (rn[None, :] < n), other=0.0).to(tl.float32)
             acc += tl.dot(xt, yt, input_precision=PREC)
         acc = alpha * acc
         inside = (rm[:, None] < n) & (rn[None, :] < n)
@@ -160,7 +164,7 @@ if triton is not None:
             acc_y = tl.zeros((BLOCK_N, BE), dtype=tl.float32)
         if HAS_DS:
             av = tl.load(a_ptr + bh * N * F + rn[:, None] * F + rf[None, :], mask=nin[:, None] & (rf[None, :] < F),
-                         other=0.0)
+                         other=0.0).to(tl.float32)
             acc_dq = tl.zeros((BLOCK_N, BD), dtype=tl.float32)
             rs = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for m0 in range(0, M, BLOCK_M):
@@ -173,11 +177,11 @@ if triton is not None:
             p = tl.where(min_[None, :], tl.exp(s), 0.0)
             if HAS_Y:
                 yt = tl.load(y_ptr + bh * M * E + rm[:, None] * E + re[None, :],
-                             mask=min_[:, None] & (re[None, :] < E), other=0.0)
+                             mask=min_[:, None] & (re[None, :] < E), other=0.0).to(tl.float32)
                 acc_y += tl.dot(p, yt, input_precision=PREC)
             if HAS_DS:
                 bt = tl.load(b_ptr + bh * M * F + rm[:, None] * F + rf[None, :],
-                             mask=min_[:, None] & (rf[None, :] < F), other=0.0)
+                             mask=min_[:, None] & (rf[None, :] < F), other=0.0).to(tl.float32)
                 ds = p * tl.dot(av, tl.trans(bt), input_precision=PREC)
                 acc_dq += tl.dot(ds, lt, input_precision=PREC)
                 rs += tl.sum(ds, 1)
@@ -206,7 +210,7 @@ if triton is not None:
             acc_x = tl.zeros((BLOCK_M, BE), dtype=tl.float32)
         if HAS_DS:
             bt = tl.load(b_ptr + bh * M * F + rm[:, None] * F + rf[None, :], mask=min_[:, None] & (rf[None, :] < F),
-                         other=0.0)
+                         other=0.0).to(tl.float32)
             acc_dl = tl.zeros((BLOCK_M, BD), dtype=tl.float32)
             cs = tl.zeros((BLOCK_M,), dtype=tl.float32)
         start = split * chunk
@@ -220,11 +224,11 @@ if triton is not None:
             p = tl.where(nin[:, None], tl.exp(s), 0.0)  # [BLOCK_N, BLOCK_M]
             if HAS_X:
                 xt = tl.load(x_ptr + bh * N * E + rn[:, None] * E + re[None, :],
-                             mask=nin[:, None] & (re[None, :] < E), other=0.0)
+                             mask=nin[:, None] & (re[None, :] < E), other=0.0).to(tl.float32)
                 acc_x += tl.dot(tl.trans(p), xt, input_precision=PREC)
             if HAS_DS:
                 av = tl.load(a_ptr + bh * N * F + rn[:, None] * F + rf[None, :],
-                             mask=nin[:, None] & (rf[None, :] < F), other=0.0)
+                             mask=nin[:, None] & (rf[None, :] < F), other=0.0).to(tl.float32)
                 ds = p * tl.dot(av, tl.trans(bt), input_precision=PREC)
                 acc_dl += tl.dot(tl.trans(ds), q, input_precision=PREC)
                 cs += tl.sum(ds, 0)
@@ -397,37 +401,43 @@ if triton is not None:
         return ox, (q.new_empty(bh, m, d) if a is not None else q.new_empty(0))
 
 
-def _prep(q: torch.Tensor, l: torch.Tensor):
-    """Centre q and l on the landmarks' mean (detached: distances do not depend on it) and form -|x|^2/2."""
-    c = l.detach().mean(-2, keepdim=True)
-    qc, lc = (q - c).contiguous(), (l - c).contiguous()
-    return qc, lc, -0.5 * qc.pow(2).sum(-1), -0.5 * lc.pow(2).sum(-1)
+def centre(q: torch.Tensor, l: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q - c, l - c)`` in float32 (float64 stays), contiguous, c the landmarks' mean (detached: distances,
+    hence P, do not depend on it). Differentiable; the products below take centred inputs."""
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    c = l.detach().to(dtype).mean(-2, keepdim=True)
+    return (q.to(dtype) - c).contiguous(), (l.to(dtype) - c).contiguous()
+
+
+def _norms(q: torch.Tensor, l: torch.Tensor):
+    return -0.5 * q.pow(2).sum(-1), -0.5 * l.pow(2).sum(-1)
 
 
 def landmark_rows(q, l, y=None, a=None, b=None, precision: str = "tf32"):
-    """Triton :func:`landmark_rows_ref`: ``q [BH, N, D]``, ``l [BH, M, D]``, ``y [BH, M, E]``, ``a [BH, N, F]``,
-    ``b [BH, M, F]`` float32 -> ``(P @ y [BH, N, E] | None, dq [BH, N, D] | None)``; q and l are centred first."""
+    """Triton :func:`landmark_rows_ref`: ``q [BH, N, D]``, ``l [BH, M, D]`` (centred first here), ``y [BH, M, E]``,
+    ``a [BH, N, F]``, ``b [BH, M, F]`` (any float dtype, read as float32) ->
+    ``(P @ y [BH, N, E] | None, dq [BH, N, D] | None)`` in float32."""
     _check_prec(precision)
-    qc, lc, qn, ln = _prep(q, l)
+    qc, lc = centre(q, l)
     c = lambda t: t.contiguous() if t is not None else None  # noqa: E731
-    oy, dq = _rows_op(qc, lc, qn, ln, c(y), c(a), c(b), precision)
+    oy, dq = _rows_op(qc, lc, *_norms(qc, lc), c(y), c(a), c(b), precision)
     return (oy if y is not None else None), (dq if a is not None else None)
 
 
 def landmark_cols(q, l, x=None, a=None, b=None, precision: str = "tf32"):
     """Triton :func:`landmark_cols_ref`: ``x [BH, N, E]``, ``a [BH, N, F]``, ``b [BH, M, F]`` ->
-    ``(P^T @ x [BH, M, E] | None, dl [BH, M, D] | None)``."""
+    ``(P^T @ x [BH, M, E] | None, dl [BH, M, D] | None)`` in float32."""
     _check_prec(precision)
-    qc, lc, qn, ln = _prep(q, l)
+    qc, lc = centre(q, l)
     c = lambda t: t.contiguous() if t is not None else None  # noqa: E731
-    ox, dl = _cols_op(qc, lc, qn, ln, c(x), c(a), c(b), precision)
+    ox, dl = _cols_op(qc, lc, *_norms(qc, lc), c(x), c(a), c(b), precision)
     return (ox if x is not None else None), (dl if a is not None else None)
 
 
 # ------------------------------------------------------------------------------------ differentiable products
 
 def _ops(kernels: bool, precision: str):
-    """(rows, cols) on prepared (centred) inputs: the Triton custom ops, or the torch references."""
+    """(rows, cols) on centred inputs with their norms: the Triton custom ops, or the torch references."""
     if kernels:
         return (lambda q, l, qn, ln, y, a, b: _rows_op(q, l, qn, ln, y, a, b, precision),
                 lambda q, l, qn, ln, x, a, b: _cols_op(q, l, qn, ln, x, a, b, precision))
@@ -437,25 +447,25 @@ def _ops(kernels: bool, precision: str):
 
 class _PT(torch.autograd.Function):
     """Z = P^T x, P = exp(-|q_i - l_j|^2/2) never stored. dL/dP_ij = x_i . dZ_j, so dx = P dZ and
-    ds = P * (x dZ^T) gives dq, dl (both recomputed tile by tile)."""
+    ds = P * (x dZ^T) gives dq, dl (both recomputed tile by tile). x is saved in its own dtype."""
 
     @staticmethod
     def forward(ctx, q, l, x, kernels, precision):
-        qc, lc, qn, ln = _prep(q, l)
+        qn, ln = _norms(q, l)
         x = x.contiguous()
-        z, _ = _ops(kernels, precision)[1](qc, lc, qn, ln, x, None, None)
-        ctx.save_for_backward(qc, lc, qn, ln, x)
+        z, _ = _ops(kernels, precision)[1](q, l, qn, ln, x, None, None)
+        ctx.save_for_backward(q, l, qn, ln, x)
         ctx.cfg = kernels, precision
         return z
 
     @staticmethod
     def backward(ctx, dz):
-        qc, lc, qn, ln, x = ctx.saved_tensors
+        q, l, qn, ln, x = ctx.saved_tensors
         rows, cols = _ops(*ctx.cfg)
         dz = dz.contiguous()
-        dx, dq = rows(qc, lc, qn, ln, dz, x, dz)
-        _, dl = cols(qc, lc, qn, ln, None, x, dz)
-        return dq, dl, dx, None, None
+        dx, dq = rows(q, l, qn, ln, dz, x, dz)
+        _, dl = cols(q, l, qn, ln, None, x, dz)
+        return dq, dl, dx.to(x.dtype), None, None
 
 
 class _P(torch.autograd.Function):
@@ -463,32 +473,42 @@ class _P(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, l, y, kernels, precision):
-        qc, lc, qn, ln = _prep(q, l)
+        qn, ln = _norms(q, l)
         y = y.contiguous()
-        out, _ = _ops(kernels, precision)[0](qc, lc, qn, ln, y, None, None)
-        ctx.save_for_backward(qc, lc, qn, ln, y)
+        out, _ = _ops(kernels, precision)[0](q, l, qn, ln, y, None, None)
+        ctx.save_for_backward(q, l, qn, ln, y)
         ctx.cfg = kernels, precision
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        qc, lc, qn, ln, y = ctx.saved_tensors
+        q, l, qn, ln, y = ctx.saved_tensors
         rows, cols = _ops(*ctx.cfg)
         dout = dout.contiguous()
-        _, dq = rows(qc, lc, qn, ln, None, dout, y)
-        dy, dl = cols(qc, lc, qn, ln, dout, dout, y)
-        return dq, dl, dy, None, None
+        _, dq = rows(q, l, qn, ln, None, dout, y)
+        dy, dl = cols(q, l, qn, ln, dout, dout, y)
+        return dq, dl, dy.to(y.dtype), None, None
+
+
+def _check_centred(q, l):
+    if q.dim() != 3 or l.dim() != 3 or q.shape[0] != l.shape[0] or q.shape[2] != l.shape[2] \
+            or q.dtype != l.dtype or q.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"q and l must be float32/64 [BH, N, D] and [BH, M, D] (see centre()), got "
+                         f"{q.dtype} {tuple(q.shape)} and {l.dtype} {tuple(l.shape)}")
 
 
 def landmark_pt(q, l, x, *, kernels: bool = True, precision: str = "tf32"):
-    """Differentiable ``P^T @ x`` (``[BH, M, E]``) for ``q [BH, N, D]``, ``l [BH, M, D]``, ``x [BH, N, E]``,
-    P = exp(-|q_i - l_j|^2/2), without an ``[N, M]`` tensor forward or backward. ``kernels=False`` runs the same
-    autograd function on the torch references (float64 gradcheck)."""
+    """Differentiable ``P^T @ x`` (``[BH, M, E]`` float32) for centred ``q [BH, N, D]``, ``l [BH, M, D]``
+    (:func:`centre`) and ``x [BH, N, E]`` (any float dtype), P = exp(-|q_i - l_j|^2/2), without an ``[N, M]``
+    tensor forward or backward. ``kernels=False`` runs the same autograd function on the torch references
+    (float64 gradcheck). Raises ValueError on bad shapes/dtypes or precision."""
     _check_prec(precision)
+    _check_centred(q, l)
     return _PT.apply(q, l, x, kernels, precision)
 
 
 def landmark_p(q, l, y, *, kernels: bool = True, precision: str = "tf32"):
-    """Differentiable ``P @ y`` (``[BH, N, E]``) for ``y [BH, M, E]``; see :func:`landmark_pt`."""
+    """Differentiable ``P @ y`` (``[BH, N, E]`` float32) for ``y [BH, M, E]``; see :func:`landmark_pt`."""
     _check_prec(precision)
+    _check_centred(q, l)
     return _P.apply(q, l, y, kernels, precision)

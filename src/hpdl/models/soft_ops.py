@@ -293,8 +293,8 @@ def soft_attention(q: torch.Tensor, v: torch.Tensor, landmarks: torch.Tensor, *,
         start = "identity" if variant == "soft" and reg > 0 else "official"
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     with torch.autocast(q.device.type, enabled=False):
-        qf, lf, vf = q.to(dtype), landmarks.to(dtype), v.to(dtype)
-        kernels = _use_kernels(impl, qf)
+        lf = landmarks.to(dtype)
+        kernels = _use_kernels(impl, lf)
         a = gaussian_kernel(lf, lf)  # [B, H, m, m]
         if variant == "soft":
             inv = newton_pinv(a, iters, reg, 1.8, backward, symmetric=True, start=start, impl=impl)
@@ -304,13 +304,16 @@ def soft_attention(q: torch.Tensor, v: torch.Tensor, landmarks: torch.Tensor, *,
             inv = d[..., :, None] * inv * d[..., None, :]
         if kernels:
             sk = soft_kernels
-            b, h, n, dh = qf.shape
+            b, h, n, dh = q.shape
             m = lf.shape[-2]
-            q3, l3, v3 = qf.reshape(b * h, n, dh), lf.reshape(b * h, m, dh), vf.reshape(b * h, n, -1)
+            # centred float32 q and l (one copy, shared by both products); v stays in its own dtype
+            q3, l3 = sk.centre(q.reshape(b * h, n, dh), landmarks.reshape(b * h, m, dh))
+            v3 = v.reshape(b * h, n, -1)
             z = sk.landmark_pt(q3, l3, v3, precision=precision)                     # [BH, m, dv]
             w = torch.bmm(inv.reshape(b * h, m, m), z)                              # [BH, m, dv]
             out = sk.landmark_p(q3, l3, w, precision=precision).view(b, h, n, -1)   # [B, H, N, dv]
         else:
+            qf, vf = q.to(dtype), v.to(dtype)
             p = gaussian_kernel(qf, lf)  # [B, H, N, m]
             out = p @ (inv @ (p.transpose(-1, -2) @ vf))
     return out.to(v.dtype)
