@@ -166,6 +166,18 @@ def _interpreted() -> None:
     for gt, gr in zip(torch.autograd.grad(got.float().sum(), (qb, vb, lb)),
                       torch.autograd.grad(ref.float().sum(), (qb, vb, lb))):
         assert gt.dtype == torch.bfloat16 and _rel(gt, gr) < 2e-2, _rel(gt, gr)
+    # torch.compile traces the model with the custom ops and autograd functions in one graph (no breaks)
+    from hpdl.models.soft import SoftConfig, SoftViT
+
+    torch.manual_seed(0)
+    model = SoftViT(SoftConfig(img_size=64, num_classes=3, embed_dims=(16, 32, 48, 64), num_heads=(2, 2, 3, 4),
+                               depths=(1, 1, 1, 1), stem_channels=8))
+    x = torch.randn(2, 3, 64, 64)
+    ref = model(x)
+    (gref,) = torch.autograd.grad(ref.sum(), model.block1[0].mha.W_q.weight)
+    out = torch.compile(model, backend="aot_eager", fullgraph=True)(x)
+    (gout,) = torch.autograd.grad(out.sum(), model.block1[0].mha.W_q.weight)
+    assert _rel(out, ref) < 1e-5 and _rel(gout, gref) < 1e-4, (_rel(out, ref), _rel(gout, gref))
     print("all kernels ok")
 
 

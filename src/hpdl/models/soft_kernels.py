@@ -12,8 +12,8 @@ Kernels (each has a torch reference ``*_ref`` of the same arithmetic; CI runs th
   (``start="identity"``, for SPD ``A_r``: the residual's eigenvalues are ``1 - mu/(s+reg)``, so the condition
   number enters linearly) or the official ``V0 = (scale/s^2) A_r`` (``start="official"``), s the largest row sum
   of A. ``m <= 64``: one program per matrix, every step on chip in float32. Larger ``m``: one tiled batched
-  matmul kernel per product, TF32 tensor cores for ``iters - 1`` steps and a float32 last step (a Newton step
-  squares the residual, so it also squares away the TF32 rounding).
+  matmul kernel per product, TF32 tensor cores for ``iters - 2`` steps and two float32 steps (a Newton step
+  squares the residual, so they square away what the TF32 rounding left, for condition numbers up to ~1e2).
 - :func:`landmark_rows`: per block of tokens, ``P @ Y`` and/or ``dq = (P * (a b^T)) l - q rowsum(P * (a b^T))``.
 - :func:`landmark_cols`: per block of landmarks (tokens split over programs, partial sums added in torch),
   ``P^T @ X`` and/or ``dl = (P * (a b^T))^T q - l colsum(P * (a b^T))``.
@@ -335,7 +335,13 @@ def neg_vgv(v: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return _vgv_op(v, g)
 
 
+def _contig(*ts):
+    """Contiguous copies where needed (a compiled graph may hand a custom op other strides than eager)."""
+    return tuple(t.contiguous() if t is not None else None for t in ts)
+
+
 def _rows_impl(q, l, qn, ln, y, a, b, precision):
+    q, l, qn, ln, y, a, b = _contig(q, l, qn, ln, y, a, b)
     bh, n, d = q.shape
     m = l.shape[1]
     e = y.shape[-1] if y is not None else 1
@@ -359,6 +365,7 @@ def _splits(bh: int, mblocks: int, n: int, block_n: int, device: torch.device) -
 
 
 def _cols_impl(q, l, qn, ln, x, a, b, precision):
+    q, l, qn, ln, x, a, b = _contig(q, l, qn, ln, x, a, b)
     bh, n, d = q.shape
     m = l.shape[1]
     e = x.shape[-1] if x is not None else 1

@@ -103,6 +103,30 @@ def run_check(device, smoke: bool) -> list[dict]:
         o_id = soft_attention(q, v, lm, impl="torch", start="identity")
         o_off = soft_attention(q, v, lm, impl="torch", start="official")
     add("output identity vs official start", f"N={n} m={m} random init", _rel(o_id, o_off), 1e-3)
+    if device.type == "cuda":  # the layer (Triton path) captured in a CUDA graph, forward and backward
+        from hpdl.models.soft import SoftAttention
+
+        class _Fixed(torch.nn.Module):   # make_graphed_callables takes tensor arguments only
+            def __init__(self):
+                super().__init__()
+                self.att = SoftAttention(384, 6, 8)
+
+            def forward(self, x):
+                return self.att(x, 64, 64)
+
+        torch.manual_seed(0)
+        layer = _Fixed().to(device)
+        x = torch.randn(1, 4096, 384, device=device, requires_grad=True)
+        ref = layer(x)
+        (gref,) = torch.autograd.grad(ref.sum(), x)
+        try:
+            graphed = torch.cuda.make_graphed_callables(layer, (x,))
+            out = graphed(x)
+            (gout,) = torch.autograd.grad(out.sum(), x)
+            add("CUDA graph capture of the layer", "out / dx vs eager", max(_rel(out, ref), _rel(gout, gref)), 1e-5)
+        except Exception as e:   # reported, not fatal: timing does not use graphs
+            rows.append({"check": "CUDA graph capture of the layer", "case": f"{type(e).__name__}: {str(e)[:60]}",
+                         "rel_err": float("inf"), "tol": 1e-5, "ok": False, "gate": False})
     return rows
 
 
