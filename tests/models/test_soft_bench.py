@@ -85,10 +85,10 @@ def test_goal_suite_layer_and_models_tables_on_cpu(tmp_path):
     assert all(r["status"] == "ok" and r["fwd_bwd_ms"] > 0 for r in layer)
     import time
 
-    models = run_models(cpu, True, 0, 1, False, time.perf_counter() + 600)
+    models = run_models(cpu, True, 0, 1, ["eager"], time.perf_counter() + 600)
     assert [(r["model"], r["status"]) for r in models] == [(n, "ok") for n in ("soft_tiny", "pvt_v2_b1",
                                                                               "soft_small", "pvt_v2_b2")]
-    skipped = run_models(cpu, True, 0, 1, False, time.perf_counter() - 1)
+    skipped = run_models(cpu, True, 0, 1, ["eager"], time.perf_counter() - 1)
     assert {r["status"] for r in skipped} == {"skipped"}
     result = {"meta": {"device_name": "cpu", "date": "now"}, "layer": layer, "models": models,
               "check": [{"check": "x", "case": "y", "rel_err": 2e-3, "tol": 1e-3, "ok": False, "gate": False}]}
@@ -101,5 +101,6 @@ def test_goal_suite_usage_errors():
     from hpdl.cli import main
 
     assert main(["bench", "attention", "--suite", "goal,tokens"]) == 1
+    assert main(["bench", "attention", "--suite", "goal", "--goal-parts", "layer,fast"]) == 1
     if not os.environ.get("TRITON_INTERPRET"):
         assert main(["bench", "attention", "--suite", "goal"]) == 1   # CPU without the interpreter: no kernels

@@ -459,8 +459,9 @@ class AttentionBenchCommand:
         p.add_argument("--out", default=None, help="folder for soft_bench.json and the PNGs (default: $OUT or .)")
         p.add_argument("--smoke", action="store_true", help="goal suite: tiny shapes (a CPU check of the code; "
                                                             "CPU needs TRITON_INTERPRET=1 for the kernel check)")
-        p.add_argument("--compile", default=None, action=argparse.BooleanOptionalAction,
-                       help="goal suite: also time torch.compile'd models (default: on CUDA only)")
+        p.add_argument("--goal-parts", default=None,
+                       help="goal suite: from layer,eager,compiled (default: all three on CUDA, no compiled on "
+                            "CPU); the kernel check always runs first")
         p.add_argument("--time-budget", type=float, default=270.0,
                        help="goal suite: seconds after which remaining model runs are skipped (default: 270)")
 
@@ -474,6 +475,10 @@ class AttentionBenchCommand:
         if "goal" in suites:
             if suites != ["goal"]:
                 raise CLIUsageError(f"--suite goal runs alone, got {suites}")
+            args.goal_parts = _csv(args.goal_parts or ("layer,eager,compiled" if cuda else "layer,eager"))
+            bad = [x for x in args.goal_parts if x not in ("layer", "eager", "compiled")]
+            if bad:
+                raise CLIUsageError(f"--goal-parts {bad} unknown; expected some of layer, eager, compiled")
             if not cuda:
                 from hpdl.models import soft_kernels
 

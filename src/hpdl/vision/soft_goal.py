@@ -1,6 +1,7 @@
 """``hpdl bench attention --suite goal``: issue 34's goal table for SOFT, side by side, in one run.
 
-    hpdl bench attention --device cuda --suite goal --out $OUT      # 1 x H200: about 4-5 minutes
+    hpdl bench attention --device cuda --suite goal --out $OUT      # 1 x H200: about 5 minutes
+    hpdl bench attention --device cuda --suite goal --goal-parts compiled --time-budget 540 --out $OUT/c
     hpdl bench attention --suite goal --smoke --out /tmp/x          # CPU: tiny shapes, a check of the code
 
 1. ``check``: the Triton kernels (:mod:`hpdl.models.soft_kernels`) against their torch references on the device,
@@ -15,6 +16,7 @@
 3. ``models``: soft_tiny vs timm pvt_v2_b1 and soft_small vs pvt_v2_b2 (random init), 224 px, bf16 autocast,
    channels_last; training (batch 128: forward, backward, no optimizer) and inference (batch 256) images/s,
    eager and ``torch.compile``d (compiled runs last, stopped by ``--time-budget``; skipped ones say so).
+   ``--goal-parts`` picks from ``layer,eager,compiled`` (the check always runs first).
 
 Writes ``soft_goal.json``, ``soft_goal.png`` and ``soft_goal.txt`` (the tables) to ``--out``; prints the tables.
 """
@@ -55,14 +57,14 @@ def run_check(device, smoke: bool) -> list[dict]:
 
     g = torch.Generator(device=device).manual_seed(0)
     shapes = ((1, 128, 20, 16), (1, 130, 70, 32)) if smoke else ((6, 4096, 64, 64), (6, 2048, 256, 64))
-    for bh, n, m, d in shapes:
+    for k, (bh, n, m, d) in enumerate(shapes):
         q = torch.randn(bh, n, d, generator=g, device=device) * d ** -0.25
         lm = q.reshape(bh, m, -1, d)[:, :, 0] if n % m == 0 else q[:, :m]
         x, a = torch.randn(bh, n, d, generator=g, device=device), torch.randn(bh, n, d, generator=g, device=device)
         y, b = torch.randn(bh, m, d, generator=g, device=device), torch.randn(bh, m, d, generator=g, device=device)
         ref_r = sk.landmark_rows_ref(q.double(), lm.double(), y.double(), a.double(), b.double())
         ref_c = sk.landmark_cols_ref(q.double(), lm.double(), x.double(), a.double(), b.double())
-        for prec, tol in (("ieee", 1e-5), ("tf32", 2e-2)):
+        for prec, tol in ((("ieee", 1e-5), ("tf32", 2e-2)) if k == 0 else (("tf32", 2e-2),)):
             got_r, got_c = sk.landmark_rows(q, lm, y, a, b, prec), sk.landmark_cols(q, lm, x, a, b, prec)
             case = f"N={n} m={m} d={d} {prec}"
             add("rows P@y", case, _rel(got_r[0], ref_r[0]), tol)
@@ -192,13 +194,13 @@ def _model(name: str, device):
     return timm.create_model(name, pretrained=False).to(device)
 
 
-def run_models(device, smoke: bool, warmup: int, reps: int, compile_: bool, budget_end: float) -> list[dict]:
+def run_models(device, smoke: bool, warmup: int, reps: int, modes, budget_end: float) -> list[dict]:
     size = 64 if smoke else 224
     tb, ib = (2, 2) if smoke else (128, 256)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows = []
     names = [n for pair in PAIRS for n in pair]
-    for mode in (("eager", "compiled") if compile_ else ("eager",)):
+    for mode in modes:
         for name in names:
             row = {"model": name, "mode": mode, "image_size": size, "train_batch": tb, "infer_batch": ib}
             if time.perf_counter() > budget_end:
@@ -343,12 +345,14 @@ def run_goal(args, device, meta: dict, out: Path) -> int:
     result["check"] = run_check(device, smoke)
     failed = [r for r in result["check"] if r["gate"] and not r["ok"]]
     print(f"# check done ({time.perf_counter() - t0:.0f} s), {len(failed)} gating failures", flush=True)
+    parts = set(args.goal_parts)
     if not failed:
-        result["layer"] = run_layer(device, smoke, args.warmup, args.reps)
-        print(f"# layer done ({time.perf_counter() - t0:.0f} s)", flush=True)
-        compile_ = args.compile if args.compile is not None else device.type == "cuda"
-        result["models"] = run_models(device, smoke, args.warmup, args.reps, compile_,
-                                      t0 + args.time_budget)
+        if "layer" in parts:
+            result["layer"] = run_layer(device, smoke, args.warmup, args.reps)
+            print(f"# layer done ({time.perf_counter() - t0:.0f} s)", flush=True)
+        modes = [m for m in ("eager", "compiled") if m in parts]
+        if modes:
+            result["models"] = run_models(device, smoke, args.warmup, args.reps, modes, t0 + args.time_budget)
     result["meta"]["seconds"] = time.perf_counter() - t0
     (out / "soft_goal.json").write_text(json.dumps(result, indent=1))
     png = plot_goal(result, out)
