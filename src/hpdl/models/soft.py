@@ -32,13 +32,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
+from hpdl.models.soft_kernels import PRECISIONS
 from hpdl.models.soft_ops import IMPLS, NR_BACKWARDS, NR_STARTS, soft_attention
 
-PRECISIONS = ("tf32", "tf32x3", "ieee")  # hpdl.models.soft_kernels.PRECISIONS (not imported: it needs triton)
-
-__all__ = ["MODEL_CONFIGS", "PAPER_PARAMS_M", "SoftAttention", "SoftConfig", "SoftViT", "convert_official_state_dict",
-           "create", "from_official", "soft_huge", "soft_large", "soft_medium", "soft_norm_huge", "soft_norm_large", "soft_norm_medium",
-           "soft_norm_small", "soft_norm_tiny", "soft_small", "soft_tiny"]
+__all__ = ["MODEL_CONFIGS", "PAPER_PARAMS_M", "SoftAttention", "SoftConfig", "SoftViT",
+           "convert_official_state_dict", "create", "from_official", "soft_huge", "soft_large", "soft_medium",
+           "soft_norm_huge", "soft_norm_large", "soft_norm_medium", "soft_norm_small", "soft_norm_tiny",
+           "soft_small", "soft_tiny"]
 
 
 @dataclass

@@ -342,7 +342,8 @@ def _contig(*ts):
 
 def _warps(d: int, grads: bool) -> int:
     """8 warps where a program holds several 64 x 64 float32 tiles (wide heads, gradient passes): fewer
-    registers per thread, no spills."""
+    registers per thread, no spills. Those passes also pipeline 2 stages, not 3: three float32 64 x 64 tiles
+    loaded per step would need ~150 KB of shared memory at 3 stages."""
     return 8 if d > 32 or grads else 4
 
 
@@ -359,7 +360,8 @@ def _rows_impl(q, l, qn, ln, y, a, b, precision):
     _rows_kernel[(bh, triton.cdiv(n, block_n))](
         q, l, qn, ln, y if y is not None else q, a if a is not None else q, b if b is not None else q, oy, dq,
         n, m, d, e, f, HAS_Y=y is not None, HAS_DS=a is not None, PREC=precision, BLOCK_N=block_n,
-        BLOCK_M=block_m, BD=_p2(d), BE=_p2(e), BF=_p2(f), num_warps=_warps(d, a is not None))
+        BLOCK_M=block_m, BD=_p2(d), BE=_p2(e), BF=_p2(f), num_warps=_warps(d, a is not None),
+        num_stages=2 if a is not None or d > 32 else 3)
     return oy, dq
 
 
@@ -386,7 +388,8 @@ def _cols_impl(q, l, qn, ln, x, a, b, precision):
     _cols_kernel[(bh, mblocks, splits)](
         q, l, qn, ln, x if x is not None else q, a if a is not None else q, b if b is not None else q, ox, dl,
         n, m, d, e, f, bh, chunk, HAS_X=x is not None, HAS_DS=a is not None, PREC=precision, BLOCK_N=block_n,
-        BLOCK_M=block_m, BD=_p2(d), BE=_p2(e), BF=_p2(f), num_warps=_warps(d, a is not None))
+        BLOCK_M=block_m, BD=_p2(d), BE=_p2(e), BF=_p2(f), num_warps=_warps(d, a is not None),
+        num_stages=2 if a is not None or d > 32 else 3)
     return (ox.sum(0) if x is not None else ox), (dl.sum(0) if a is not None else dl)
 
 

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 
 from hpdl.models import soft_kernels
 
-__all__ = ["IMPLS", "NR_BACKWARDS", "NR_STARTS", "gaussian_kernel", "newton_pinv", "norm_alpha_scale", "nystrom_attention",
+__all__ = ["IMPLS", "NR_BACKWARDS", "NR_STARTS", "gaussian_kernel", "newton_pinv", "norm_alpha_scale",
+           "nystrom_attention",
            "soft_attention"]
 
 NR_BACKWARDS = ("inverse", "exact", "autograd")

@@ -10,7 +10,8 @@ Suites (``--suite tokens,model,throughput`` or ``all``; ``--suite goal`` alone r
   (powers of 2; B x heads x head_dim = ``--batch`` x ``--heads`` x ``--head-dim``). Methods: ``soft`` (SOFT:
   Gaussian kernel through ``--landmarks`` segment-mean landmarks of q, 20 Newton steps, the paper's backward,
   Triton kernels on CUDA), ``soft_norm`` (SOFT++), ``soft_exact`` / ``soft_autograd`` (SOFT with the exact
-  backward of the truncated iteration / autograd through the 20 steps), ``nystrom`` (Nystromformer, softmax, the same landmarks, 6 steps), ``sdpa``
+  backward of the truncated iteration / autograd through the 20 steps), ``nystrom`` (Nystromformer, softmax,
+  the same landmarks, 6 steps), ``sdpa``
   (``F.scaled_dot_product_attention``; on CUDA with 16-bit inputs the flash kernel is required, so its label is
   honest) and ``softmax`` (materialised, the O(N^2) reference; off unless asked). A method stops after its first
   point that runs out of memory or takes longer than ``--time-limit`` seconds per call.

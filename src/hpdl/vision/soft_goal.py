@@ -278,8 +278,8 @@ def format_goal(result: dict) -> str:
             ratio = (rs["sdpa_flash"]["fwd_bwd_ms"] / rs["soft"]["fwd_bwd_ms"]
                      if rs.get("sdpa_flash", {}).get("status") == "ok" and rs.get("soft", {}).get("status") == "ok"
                      else None)
-            lines.append(f"{n:>7} {_f(rs.get('soft', {}).get('landmarks'), 'd'):>5} " + " ".join(f"{c:>22}" for c in cells)
-                         + f"  {_f(ratio)}x")
+            m = _f(rs.get("soft", {}).get("landmarks"), "d")
+            lines.append(f"{n:>7} {m:>5} " + " ".join(f"{c:>22}" for c in cells) + f"  {_f(ratio)}x")
     if result.get("models"):
         lines.append(f"# images/s at {result['models'][0]['image_size']} px, bf16 autocast, channels_last; train "
                      f"batch {result['models'][0]['train_batch']} (fwd+bwd), infer batch "
@@ -294,8 +294,9 @@ def format_goal(result: dict) -> str:
             for mode in ("eager", "compiled"):
                 a, b = ok.get((soft, mode)), ok.get((pvt, mode))
                 if a and b:
-                    lines.append(f"# {soft}/{pvt} {mode}: train {a['train_images_per_s'] / b['train_images_per_s']:.2f}x"
-                                 f", infer {a['infer_images_per_s'] / b['infer_images_per_s']:.2f}x")
+                    tr = a["train_images_per_s"] / b["train_images_per_s"]
+                    inf = a["infer_images_per_s"] / b["infer_images_per_s"]
+                    lines.append(f"# {soft}/{pvt} {mode}: train {tr:.2f}x, infer {inf:.2f}x")
     return "\n".join(lines)
 
 
