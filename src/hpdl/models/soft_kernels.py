@@ -366,9 +366,9 @@ def _rows_impl(q, l, qn, ln, y, a, b, precision):
 
 
 def _splits(bh: int, mblocks: int, n: int, block_n: int, device: torch.device) -> int:
-    """Token chunks per landmark block: enough programs to fill the GPU, at least 4 token blocks each."""
+    """Token chunks per landmark block: about 4 programs per SM (waves balance), at least 4 token blocks each."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    want = max(1, (2 * sms) // max(1, bh * mblocks))
+    want = max(1, (4 * sms) // max(1, bh * mblocks))
     return max(1, min(want, triton.cdiv(n, 4 * block_n)))
 
 
