@@ -146,7 +146,8 @@ def test_timm_model_api_conventions():
 @pytest.mark.parametrize("field,value", [("conv_sizes", (9, 4, 3)), ("sr_ratios", (8, 0, 2)), ("num_classes", -1),
                                          ("nr_reg", -0.1), ("nr_iters", -1), ("drop_path_rate", 1.0),
                                          ("drop_rate", 1.0), ("sr_ratios", (32, 4, 2)), ("impl", "cuda"),
-                                         ("precision", "bf16"), ("nr_start", "zero")])
+                                         ("precision", "bf16"), ("nr_start", "zero"),
+                                         ("nr_precision", "fp16")])
 def test_unchecked_settings_now_raise_naming_the_argument(field, value):
     kw = dict(img_size=64) if field == "sr_ratios" and value[0] == 32 else {}
     with pytest.raises(ValueError, match=field):
@@ -205,6 +206,7 @@ def test_from_official_reads_the_architecture_from_the_state_dict():
     model = from_official({"model": official})
     assert model.cfg.depths == (1, 3, 20, 4) and model.cfg.num_heads == (2, 4, 10, 16)
     assert (model.cfg.conv_sizes, model.cfg.sr_ratios, model.cfg.num_classes) == ((9, 5, 3), (8, 4, 2), 10)
+    assert model.cfg.nr_start == "official"   # the iteration the checkpoint was trained through
     with pytest.raises(ValueError, match="not a SOFT checkpoint"):
         from_official({"head.weight": torch.zeros(2, 2)})
 

@@ -81,7 +81,7 @@ def test_goal_suite_layer_and_models_tables_on_cpu(tmp_path):
     cpu = torch.device("cpu")
     layer = run_layer(cpu, True, 0, 1)
     assert {(r["tokens"], r["method"]) for r in layer} == {(n, m) for n in (256, 1024)
-                                                          for m in ("soft", "soft_torch_old", "sdpa_flash")}
+                                                          for m in ("soft", "soft_nr_tf32", "soft_torch_old", "sdpa_flash")}
     assert all(r["status"] == "ok" and r["fwd_bwd_ms"] > 0 for r in layer)
     import time
 

@@ -64,6 +64,7 @@ class SoftConfig:
     nr_start: str | None = None  # None: "identity" (V0 = I/(s+reg)) for SOFT, "official" for SOFT++
     impl: str = "auto"  # "auto": Triton kernels on CUDA, torch elsewhere; "torch"; "triton"
     precision: str = "tf32"  # Triton landmark products: "tf32", "tf32x3" or "ieee"
+    nr_precision: str | None = None  # Triton Newton products above 64 landmarks; None: "tf32x3" (see soft_kernels)
     drop_rate: float = 0.0
     drop_path_rate: float = 0.0
 
@@ -84,7 +85,8 @@ class SoftConfig:
                                      ("attention", self.attention, ("soft", "sdpa")),
                                      ("nr_backward", self.nr_backward, NR_BACKWARDS),
                                      ("nr_start", self.nr_start, (None,) + NR_STARTS),
-                                     ("impl", self.impl, IMPLS), ("precision", self.precision, PRECISIONS)):
+                                     ("impl", self.impl, IMPLS), ("precision", self.precision, PRECISIONS),
+                                     ("nr_precision", self.nr_precision, (None,) + PRECISIONS)):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
         if self.img_size < 32 or self.img_size % 32:
@@ -147,7 +149,7 @@ class SoftAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int, sr_ratio: int, conv_size: int = 3, *, variant: str = "soft",
                  landmark: str = "conv", attention: str = "soft", nr_iters: int = 20, nr_reg: float = 0.01,
                  nr_backward: str = "inverse", nr_start: str | None = None, impl: str = "auto",
-                 precision: str = "tf32"):
+                 precision: str = "tf32", nr_precision: str | None = None):
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"dim ({dim}) must be a multiple of num_heads ({num_heads})")
@@ -160,7 +162,7 @@ class SoftAttention(nn.Module):
         self.num_heads, self.head_dim, self.sr_ratio = num_heads, dim // num_heads, sr_ratio
         self.variant, self.landmark, self.attention = variant, landmark, attention
         self.nr_iters, self.nr_reg, self.nr_backward = nr_iters, nr_reg, nr_backward
-        self.nr_start, self.impl, self.precision = nr_start, impl, precision
+        self.nr_start, self.impl, self.precision, self.nr_precision = nr_start, impl, precision, nr_precision
         self.W_q = nn.Linear(dim, dim)
         self.W_v = nn.Linear(dim, dim)
         if attention == "soft" and landmark == "conv":
@@ -195,7 +197,7 @@ class SoftAttention(nn.Module):
             q = q * d ** -0.25
             out = soft_attention(q, v, self.landmarks(q, H, W), variant=self.variant, iters=self.nr_iters,
                                  reg=self.nr_reg, backward=self.nr_backward, start=self.nr_start,
-                                 impl=self.impl, precision=self.precision)
+                                 impl=self.impl, precision=self.precision, nr_precision=self.nr_precision)
         if self.conv is not None:  # one k x k kernel per head, shared by its d channels
             vmap = v.transpose(-1, -2).reshape(b, c, H, W)  # channel = head * d + j
             w = self.conv.weight.repeat_interleave(d, dim=0)
@@ -213,7 +215,7 @@ class SoftBlock(nn.Module):
         self.mha = SoftAttention(dim, num_heads, sr_ratio, conv_size, variant=cfg.variant, landmark=cfg.landmark,
                                  attention=cfg.attention, nr_iters=cfg.nr_iters, nr_reg=cfg.nr_reg,
                                  nr_backward=cfg.nr_backward, nr_start=cfg.nr_start, impl=cfg.impl,
-                                 precision=cfg.precision)
+                                 precision=cfg.precision, nr_precision=cfg.nr_precision)
         self.dropout1 = nn.Dropout(drop)
         self.norm1 = nn.LayerNorm(dim)
         hidden = int(dim * cfg.mlp_ratio)
@@ -552,7 +554,9 @@ def from_official(state_dict: dict, variant: str = "soft", **overrides) -> SoftV
     are read from the tensors, so e.g. the official SOFT-Small (depths 1, 3, 20, 4) loads although
     ``soft_small`` here is the paper table's (1, 3, 7, 4). ``variant`` ("soft" or "norm") is not in the weights;
     ``overrides`` set other :class:`SoftConfig` fields (an ``img_size`` other than the checkpoint's resizes the
-    position embeddings on load).
+    position embeddings on load). The Newton start is the official one (``nr_start="official"``): the checkpoint
+    was trained through that truncated iteration, and its landmark kernels are ill-conditioned enough (cond
+    ~1e3 at the official init) for the identity start's better-converged inverse to differ by ~2e-4.
 
     Raises:
         ValueError: the state dict is not a SOFT checkpoint (a key this builder needs is missing).
@@ -579,7 +583,7 @@ def from_official(state_dict: dict, variant: str = "soft", **overrides) -> SoftV
     ff1 = sd.get("block1.0.ff1.weight")
     cfg = dict(embed_dims=dims, num_heads=tuple(heads), depths=depths, sr_ratios=tuple(srs), conv_sizes=tuple(convs),
                stem_channels=sd["patch_embed1.proj.0.weight"].shape[0], num_classes=sd["head.weight"].shape[0],
-               img_size=side * 4, variant=variant,
+               img_size=side * 4, variant=variant, nr_start="official",
                mlp_ratio=ff1.shape[0] / ff1.shape[1] if ff1 is not None else 4.0)
     cfg.update(overrides)
     model = SoftViT(SoftConfig(**cfg))

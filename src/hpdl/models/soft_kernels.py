@@ -12,8 +12,9 @@ Kernels (each has a torch reference ``*_ref`` of the same arithmetic; CI runs th
   (``start="identity"``, for SPD ``A_r``: the residual's eigenvalues are ``1 - mu/(s+reg)``, so the condition
   number enters linearly) or the official ``V0 = (scale/s^2) A_r`` (``start="official"``), s the largest row sum
   of A. ``m <= 64``: one program per matrix, every step on chip in float32. Larger ``m``: one tiled batched
-  matmul kernel per product, TF32 tensor cores for ``iters - 2`` steps and two float32 steps (a Newton step
-  squares the residual, so they square away what the TF32 rounding left, for condition numbers up to ~1e2).
+  matmul kernel per product, tensor cores (3xTF32 by default, plain TF32 on request: fine for condition numbers
+  up to ~1e2) for ``iters - 2`` steps and two float32 steps (a Newton step squares the residual, so they
+  square away what the tensor-core rounding left).
 - :func:`landmark_rows`: per block of tokens, ``P @ Y`` and/or ``dq = (P * (a b^T)) l - q rowsum(P * (a b^T))``.
 - :func:`landmark_cols`: per block of landmarks (tokens split over programs, partial sums added in torch),
   ``P^T @ X`` and/or ``dl = (P * (a b^T))^T q - l colsum(P * (a b^T))``.
@@ -315,15 +316,16 @@ def newton_inverse(a: torch.Tensor, iters: int = 20, reg: float = 0.01, scale: f
     ``start``: ``"identity"`` (V0 = I/(s+reg); needs reg > 0) or ``"official"`` (V0 = scale/s^2 (A + reg*I)).
     ``precision`` of the products of the first ``iters - refine`` steps; the last ``refine`` steps run in
     float32. None: ``"ieee"`` (float32 throughout) where ``m <= FUSED_MAX_M`` (one program per matrix, all steps
-    on chip), ``"tf32"`` above (tiled tensor-core products). Raises ValueError on a bad shape, dtype, start or
-    precision.
+    on chip), ``"tf32x3"`` above (tiled tensor-core products, about float32's accuracy). ``"tf32"`` is ~3x
+    faster but its rounding (u ~ 5e-4) stalls the iteration unless cond(A + reg I) is below ~1e2; SOFT's own
+    landmark kernels reach 2e4 at 512 px. Raises ValueError on a bad shape, dtype, start or precision.
     """
     if a.dim() != 3 or a.shape[-1] != a.shape[-2] or a.dtype != torch.float32:
         raise ValueError(f"a must be float32 [BH, m, m], got {a.dtype} {tuple(a.shape)}")
     if start not in ("identity", "official"):
         raise ValueError(f"start must be 'identity' or 'official', got {start!r}")
     if precision is None:
-        precision = "ieee" if a.shape[-1] <= FUSED_MAX_M else "tf32"
+        precision = "ieee" if a.shape[-1] <= FUSED_MAX_M else "tf32x3"
     _check_prec(precision)
     if refine < 0:
         raise ValueError(f"refine must be >= 0, got {refine}")

@@ -12,7 +12,8 @@
    defaults otherwise) forward+backward under bf16 autocast, batch 1, at 4k/16k/33k/65k tokens (64x64, 128x128,
    128x256, 256x256 maps), against the same layer with flash SDPA (``attention="sdpa"``, flash required) and the
    previous torch implementation (``impl="torch"``, exact backward, official start): median ms and peak MiB
-   above the inputs.
+   above the inputs. ``soft`` is the default (Newton products above 64 landmarks in 3xTF32), ``soft_nr_tf32``
+   plain TF32 (fast; this layer's random-init landmark kernel has cond ~1, SOFT models' reach 2e4).
 3. ``models``: soft_tiny vs timm pvt_v2_b1 and soft_small vs pvt_v2_b2 (random init), 224 px, bf16 autocast,
    channels_last; training (batch 128: forward, backward, no optimizer) and inference (batch 256) images/s,
    eager and ``torch.compile``d (compiled runs last, stopped by ``--time-budget``; skipped ones say so).
@@ -78,10 +79,11 @@ def run_check(device, smoke: bool) -> list[dict]:
             cond = torch.linalg.cond(a.double()[0] + 0.01 * torch.eye(m, device=device, dtype=torch.float64)).item()
             for start in ("official", "identity"):
                 ref = newton_pinv(a.double(), 20, 0.01, 1.8, start=start)   # the official iteration (torch, fp64)
-                got = sk.newton_inverse(a, 20, 0.01, 1.8, start)
-                path = "fused fp32" if m <= sk.FUSED_MAX_M else "tiled tf32+2 fp32 steps"
-                add(f"newton {start}", f"m={m} {label} cond={cond:.1e} {path}", _rel(got, ref), 1e-3,
-                    gate=label == "random")
+                for prec in ((None,) if m <= sk.FUSED_MAX_M else (None, "tf32")):
+                    got = sk.newton_inverse(a, 20, 0.01, 1.8, start, prec)
+                    path = "fused fp32" if m <= sk.FUSED_MAX_M else f"tiled {prec or 'tf32x3'}+2 fp32"
+                    add(f"newton {start}", f"m={m} {label} cond={cond:.1e} {path}", _rel(got, ref), 1e-3,
+                        gate=label == "random")
             exact = torch.linalg.inv(a.double() + 0.01 * torch.eye(m, device=device, dtype=torch.float64))
             add("newton identity vs exact inverse", f"m={m} {label}", _rel(sk.newton_inverse(a, 20), exact), 1e-3,
                 gate=False)
@@ -150,6 +152,7 @@ def run_layer(device, smoke: bool, warmup: int, reps: int) -> list[dict]:
     maps = ((16, 16), (32, 32)) if smoke else ((64, 64), (128, 128), (128, 256), (256, 256))
     # on CPU the Triton kernels would run interpreted (slow; the check above covers them): torch there
     variants = {"soft": dict(impl="auto" if device.type == "cuda" else "torch"),
+                "soft_nr_tf32": dict(impl="auto" if device.type == "cuda" else "torch", nr_precision="tf32"),
                 "soft_torch_old": dict(impl="torch", nr_backward="exact", nr_start="official"),
                 "sdpa_flash": dict(attention="sdpa")}
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
