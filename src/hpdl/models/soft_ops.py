@@ -146,7 +146,7 @@ class _NewtonPinv(torch.autograd.Function):
         none = (None,) * 8
         if ctx.backward == "inverse":  # the paper's: d(A^-1) for an exact inverse (ignores truncation and alpha)
             n = v.shape[-1]
-            if ctx.kernels and n > soft_kernels.FUSED_MAX_M:   # TF32 tensor cores for large landmark counts
+            if ctx.kernels and n > soft_kernels.FUSED_MAX_M:   # 3xTF32 tensor cores for large landmark counts
                 shape = v.shape
                 return (soft_kernels.neg_vgv(v.reshape(-1, n, n), g.reshape(-1, n, n)).reshape(shape),) + none
             vt = v.transpose(-1, -2)
