@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -69,3 +70,37 @@ def test_flash_context_can_be_entered_many_times():
     for _ in range(3):
         with ctx():
             pass
+
+
+def test_goal_suite_layer_and_models_tables_on_cpu(tmp_path):
+    """The goal suite's timing parts and report at toy sizes (its kernel check needs CUDA or the Triton
+    interpreter: run ``TRITON_INTERPRET=1 hpdl bench attention --suite goal --smoke`` by hand, ~2 min here)."""
+    pytest.importorskip("timm")
+    from hpdl.vision.soft_goal import format_goal, plot_goal, run_layer, run_models
+
+    cpu = torch.device("cpu")
+    layer = run_layer(cpu, True, 0, 1)
+    assert {(r["tokens"], r["method"]) for r in layer} == {(n, m) for n in (256, 1024)
+                                                          for m in ("soft", "soft_nr_tf32", "soft_torch_old", "sdpa_flash")}
+    assert all(r["status"] == "ok" and r["fwd_bwd_ms"] > 0 for r in layer)
+    import time
+
+    models = run_models(cpu, True, 0, 1, ["eager"], time.perf_counter() + 600)
+    assert [(r["model"], r["status"]) for r in models] == [(n, "ok") for n in ("soft_tiny", "pvt_v2_b1",
+                                                                              "soft_small", "pvt_v2_b2")]
+    skipped = run_models(cpu, True, 0, 1, ["eager"], time.perf_counter() - 1)
+    assert {r["status"] for r in skipped} == {"skipped"}
+    result = {"meta": {"device_name": "cpu", "date": "now"}, "layer": layer, "models": models,
+              "check": [{"check": "x", "case": "y", "rel_err": 2e-3, "tol": 1e-3, "ok": False, "gate": False}]}
+    text = format_goal(result)
+    assert "sdpa/soft" in text and "soft_tiny/pvt_v2_b1 eager: train" in text and "warn x" in text
+    assert plot_goal(result, tmp_path) == "soft_goal.png" and (tmp_path / "soft_goal.png").stat().st_size > 0
+
+
+def test_goal_suite_usage_errors():
+    from hpdl.cli import main
+
+    assert main(["bench", "attention", "--suite", "goal,tokens"]) == 1
+    assert main(["bench", "attention", "--suite", "goal", "--goal-parts", "layer,fast"]) == 1
+    if not os.environ.get("TRITON_INTERPRET"):
+        assert main(["bench", "attention", "--suite", "goal"]) == 1   # CPU without the interpreter: no kernels

@@ -56,9 +56,12 @@ def _official():
     return svt
 
 
-@pytest.mark.parametrize("name,tol", [("soft_tiny", 1e-9), ("soft_norm_tiny", 1e-3)])
-def test_matches_official_forward(name, tol):
-    """SOFT: equal to rounding. SOFT++: the official code takes one alpha for the whole batch and all heads, hpdl
+@pytest.mark.parametrize("name,tol,kw", [("soft_tiny", 1e-9, dict(nr_start="official")), ("soft_tiny", 1e-3, {}),
+                                         ("soft_norm_tiny", 1e-3, {})])
+def test_matches_official_forward(name, tol, kw):
+    """SOFT with the official Newton start: equal to rounding. With hpdl's default identity start: within 1e-3
+    relative (the official init's landmark kernels have cond ~1e3, where the official 20 steps have not quite
+    converged; measured 2.2e-4). SOFT++: the official code takes one alpha for the whole batch and all heads, hpdl
     one per matrix (batch independence), so 20 steps from different starts differ slightly."""
     import warnings
 
@@ -69,8 +72,12 @@ def test_matches_official_forward(name, tol):
         svt = _official()
         torch.manual_seed(0)
         off = getattr(svt, name)(kernel_method="torch").double().eval()
-        ours = create(name).double().eval()
+        ours = create(name, **kw).double().eval()
     ours.load_state_dict(convert_official_state_dict(off.state_dict()), strict=True)
     x = torch.randn(2, 3, 224, 224, dtype=torch.float64)
     with torch.no_grad():
-        torch.testing.assert_close(ours(x), off(x), rtol=tol, atol=tol)
+        got, ref = ours(x), off(x)
+    if kw or "norm" in name:
+        torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+    else:
+        assert ((got - ref).norm() / ref.norm()).item() < tol

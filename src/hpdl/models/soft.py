@@ -30,12 +30,15 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
-from hpdl.models.soft_ops import NR_BACKWARDS, soft_attention
+from hpdl.models.soft_kernels import PRECISIONS
+from hpdl.models.soft_ops import IMPLS, NR_BACKWARDS, NR_STARTS, soft_attention
 
-__all__ = ["MODEL_CONFIGS", "PAPER_PARAMS_M", "SoftAttention", "SoftConfig", "SoftViT", "convert_official_state_dict",
-           "create", "soft_huge", "soft_large", "soft_medium", "soft_norm_huge", "soft_norm_large", "soft_norm_medium",
-           "soft_norm_small", "soft_norm_tiny", "soft_small", "soft_tiny"]
+__all__ = ["MODEL_CONFIGS", "PAPER_PARAMS_M", "SoftAttention", "SoftConfig", "SoftViT",
+           "convert_official_state_dict", "create", "from_official", "soft_huge", "soft_large", "soft_medium",
+           "soft_norm_huge", "soft_norm_large", "soft_norm_medium", "soft_norm_small", "soft_norm_tiny",
+           "soft_small", "soft_tiny"]
 
 
 @dataclass
@@ -57,7 +60,11 @@ class SoftConfig:
     attention: str = "soft"  # "soft", or "sdpa": softmax attention over the same tied Q/K (a baseline)
     nr_iters: int = 20
     nr_reg: float = 0.01
-    nr_backward: str = "exact"
+    nr_backward: str = "inverse"  # the paper's -V^T G V^T; "exact" differentiates the truncated iteration
+    nr_start: str | None = None  # None: "identity" (V0 = I/(s+reg)) for SOFT, "official" for SOFT++
+    impl: str = "auto"  # "auto": Triton kernels on CUDA, torch elsewhere; "torch"; "triton"
+    precision: str = "tf32"  # Triton landmark products: "tf32", "tf32x3" or "ieee"
+    nr_precision: str | None = None  # Triton Newton products above 64 landmarks; None: "tf32x3" (see soft_kernels)
     drop_rate: float = 0.0
     drop_path_rate: float = 0.0
 
@@ -76,11 +83,38 @@ class SoftConfig:
         for name, value, allowed in (("variant", self.variant, ("soft", "norm")),
                                      ("landmark", self.landmark, ("conv", "pool")),
                                      ("attention", self.attention, ("soft", "sdpa")),
-                                     ("nr_backward", self.nr_backward, NR_BACKWARDS)):
+                                     ("nr_backward", self.nr_backward, NR_BACKWARDS),
+                                     ("nr_start", self.nr_start, (None,) + NR_STARTS),
+                                     ("impl", self.impl, IMPLS), ("precision", self.precision, PRECISIONS),
+                                     ("nr_precision", self.nr_precision, (None,) + PRECISIONS)):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
         if self.img_size < 32 or self.img_size % 32:
             raise ValueError(f"img_size must be a multiple of 32 (>= 32), got {self.img_size}")
+        for name in ("embed_dims", "num_heads", "depths", "sr_ratios"):
+            if min(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must all be >= 1, got {getattr(self, name)}")
+        if any(k < 0 or (k and k % 2 == 0) for k in self.conv_sizes):
+            raise ValueError(f"conv_sizes must be odd (same-size output) or 0 (no conv), got {self.conv_sizes}")
+        for i, r in enumerate(self.sr_ratios):  # at least one landmark per stage at img_size
+            if (self.img_size // 4) >> i < r:
+                raise ValueError(f"sr_ratios[{i}]={r} exceeds stage {i + 1}'s {(self.img_size // 4) >> i}-token side "
+                                 f"at img_size={self.img_size}: zero landmarks")
+        if self.num_classes < 0:
+            raise ValueError(f"num_classes must be >= 0 (0: no head), got {self.num_classes}")
+        if self.in_chans < 1 or self.stem_channels < 0 or not self.mlp_ratio > 0:
+            raise ValueError(f"in_chans >= 1, stem_channels >= 0 and mlp_ratio > 0 needed, got {self.in_chans}, "
+                             f"{self.stem_channels}, {self.mlp_ratio}")
+        if self.nr_iters < 0:
+            raise ValueError(f"nr_iters must be >= 0, got {self.nr_iters}")
+        if not self.nr_reg >= 0:
+            raise ValueError(f"nr_reg must be >= 0, got {self.nr_reg}")
+        if self.nr_start == "identity" and not (self.variant == "soft" and self.nr_reg > 0):
+            raise ValueError(f"nr_start='identity' needs variant='soft' and nr_reg > 0, got {self.variant!r}, "
+                             f"{self.nr_reg}")
+        for name in ("drop_rate", "drop_path_rate"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
 
 
 # name -> overrides of SoftConfig (official zoo; embed [64,128,C3,512], heads [2,4,h3,16], head_dim 32)
@@ -114,15 +148,21 @@ class SoftAttention(nn.Module):
 
     def __init__(self, dim: int, num_heads: int, sr_ratio: int, conv_size: int = 3, *, variant: str = "soft",
                  landmark: str = "conv", attention: str = "soft", nr_iters: int = 20, nr_reg: float = 0.01,
-                 nr_backward: str = "exact"):
+                 nr_backward: str = "inverse", nr_start: str | None = None, impl: str = "auto",
+                 precision: str = "tf32", nr_precision: str | None = None):
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"dim ({dim}) must be a multiple of num_heads ({num_heads})")
         if sr_ratio < 1:
             raise ValueError(f"sr_ratio must be >= 1, got {sr_ratio}")
+        if conv_size < 0 or (conv_size and conv_size % 2 == 0):
+            raise ValueError(f"conv_size must be odd (same-size output) or 0, got {conv_size}")
+        if nr_reg < 0 or nr_iters < 0:
+            raise ValueError(f"nr_reg and nr_iters must be >= 0, got {nr_reg}, {nr_iters}")
         self.num_heads, self.head_dim, self.sr_ratio = num_heads, dim // num_heads, sr_ratio
         self.variant, self.landmark, self.attention = variant, landmark, attention
         self.nr_iters, self.nr_reg, self.nr_backward = nr_iters, nr_reg, nr_backward
+        self.nr_start, self.impl, self.precision, self.nr_precision = nr_start, impl, precision, nr_precision
         self.W_q = nn.Linear(dim, dim)
         self.W_v = nn.Linear(dim, dim)
         if attention == "soft" and landmark == "conv":
@@ -156,7 +196,8 @@ class SoftAttention(nn.Module):
         else:
             q = q * d ** -0.25
             out = soft_attention(q, v, self.landmarks(q, H, W), variant=self.variant, iters=self.nr_iters,
-                                 reg=self.nr_reg, backward=self.nr_backward)
+                                 reg=self.nr_reg, backward=self.nr_backward, start=self.nr_start,
+                                 impl=self.impl, precision=self.precision, nr_precision=self.nr_precision)
         if self.conv is not None:  # one k x k kernel per head, shared by its d channels
             vmap = v.transpose(-1, -2).reshape(b, c, H, W)  # channel = head * d + j
             w = self.conv.weight.repeat_interleave(d, dim=0)
@@ -173,7 +214,8 @@ class SoftBlock(nn.Module):
         super().__init__()
         self.mha = SoftAttention(dim, num_heads, sr_ratio, conv_size, variant=cfg.variant, landmark=cfg.landmark,
                                  attention=cfg.attention, nr_iters=cfg.nr_iters, nr_reg=cfg.nr_reg,
-                                 nr_backward=cfg.nr_backward)
+                                 nr_backward=cfg.nr_backward, nr_start=cfg.nr_start, impl=cfg.impl,
+                                 precision=cfg.precision, nr_precision=cfg.nr_precision)
         self.dropout1 = nn.Dropout(drop)
         self.norm1 = nn.LayerNorm(dim)
         hidden = int(dim * cfg.mlp_ratio)
@@ -209,7 +251,11 @@ class Attention(nn.Module):
 
 
 def drop_path(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
-    """Stochastic depth (Huang et al. 2016): zero whole samples with probability p, rescale the rest."""
+    """Stochastic depth (Huang et al. 2016): zero whole samples with probability p, rescale the rest.
+
+    Raises ValueError unless 0 <= p < 1 (p = 1 would divide by zero)."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"drop path probability p must be in [0, 1), got {p}")
     if p == 0.0 or not training:
         return x
     keep = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(1 - p)
@@ -301,7 +347,8 @@ class SoftViT(nn.Module):
             setattr(self, f"patch_embed{i + 1}", embed)
             tokens = (side >> i) ** 2 + (i == 3)  # stage 4 carries the cls token
             setattr(self, f"pos_embed{i + 1}", nn.Parameter(torch.zeros(1, tokens, dims[i])))
-            setattr(self, f"pos_drop{i + 1}", nn.Dropout(cfg.drop_rate))
+            if i < 3:  # the official stage 4 has no dropout after its position embedding
+                setattr(self, f"pos_drop{i + 1}", nn.Dropout(cfg.drop_rate))
             if i < 3:
                 blocks = [SoftBlock(dims[i], heads[i], cfg.sr_ratios[i], cfg.conv_sizes[i], cfg, dpr[cur + j])
                           for j in range(depths[i])]
@@ -311,6 +358,10 @@ class SoftViT(nn.Module):
             setattr(self, f"block{i + 1}", nn.ModuleList(blocks))
             cur += depths[i]
         self.norm = nn.LayerNorm(dims[3], eps=1e-6)
+        self.grad_checkpointing = False
+        # timm's feature metadata: one entry per stage output (forward_intermediates, features_only=True)
+        self.feature_info = [dict(num_chs=dims[i], reduction=4 * 2 ** i, module=f"block{i + 1}") for i in range(4)]
+        self.register_load_state_dict_pre_hook(self._resample_pos_embed)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dims[3]))
         self.head = nn.Linear(dims[3], cfg.num_classes) if cfg.num_classes > 0 else nn.Identity()
         for i in range(4):
@@ -332,23 +383,109 @@ class SoftViT(nn.Module):
         """Parameter names kept out of weight decay (timm's optimizer factory reads this; official: cls_token)."""
         return {"cls_token"}
 
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """``[B, 3, H, W] -> [B, 1 + N4, C4]``: stage 4's tokens (cls first) after the final LayerNorm, unpooled,
-        as timm's ``forward_features``; :meth:`forward_head` pools them (N4 = H/32 * W/32)."""
-        b = x.shape[0]
-        for i in range(3):
+    def _check_input(self, x: torch.Tensor) -> None:
+        if x.dim() != 4 or x.shape[1] != self.cfg.in_chans:
+            raise ValueError(f"x must be [B, {self.cfg.in_chans}, H, W], got shape {tuple(x.shape)}")
+        if x.shape[0] == 0:
+            raise ValueError("x holds no images (batch size 0)")
+        if x.shape[2] % 32 or x.shape[3] % 32:
+            raise ValueError(f"x's height and width must be multiples of 32 (the four stages halve them 5 times), "
+                             f"got {tuple(x.shape[2:])}")
+        ref = self.patch_embed1.proj[0].weight
+        if x.dtype != ref.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise ValueError(f"x is {x.dtype} but the model's parameters are {ref.dtype}: convert one of them or "
+                             f"run under torch.autocast")
+
+    def _stages(self, x: torch.Tensor, take: set[int], stop: int, norm: bool) -> list:
+        """Stages 0..stop; (stage index, NCHW map, final tokens or None) after each stage in ``take``."""
+        b, out = x.shape[0], []
+        for i in range(min(stop, 2) + 1):
             x, H, W = getattr(self, f"patch_embed{i + 1}")(x)
             x = getattr(self, f"pos_drop{i + 1}")(x + _resize_pos(getattr(self, f"pos_embed{i + 1}"), H, W))
             for blk in getattr(self, f"block{i + 1}"):
-                x = blk(x, H, W)
+                if self.grad_checkpointing and torch.is_grad_enabled():
+                    x = torch.utils.checkpoint.checkpoint(blk, x, H, W, use_reentrant=False)
+                else:
+                    x = blk(x, H, W)
             x = x.transpose(1, 2).reshape(b, -1, H, W)
+            if i in take:
+                out.append((i, x, None))
+        if stop < 3:
+            return out
         x, H, W = self.patch_embed4(x)
         pos = self.pos_embed4
         pos = torch.cat([pos[:, :1], _resize_pos(pos[:, 1:], H, W)], dim=1)
-        x = self.pos_drop4(torch.cat([self.cls_token.expand(b, -1, -1), x], dim=1) + pos)
+        x = torch.cat([self.cls_token.expand(b, -1, -1), x], dim=1) + pos
         for blk in self.block4:
-            x = blk(x)
-        return self.norm(x)
+            if self.grad_checkpointing and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(blk, x, use_reentrant=False)
+            else:
+                x = blk(x)
+        tokens = self.norm(x)
+        fmap = (tokens if norm else x)[:, 1:].transpose(1, 2).reshape(b, -1, H, W)
+        out.append((3, fmap, tokens))
+        return out
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, 3, H, W] -> [B, 1 + N4, C4]``: stage 4's tokens (cls first) after the final LayerNorm, unpooled,
+        as timm's ``forward_features``; :meth:`forward_head` pools them (N4 = H/32 * W/32).
+
+        Raises:
+            ValueError: x is not ``[B>0, in_chans, H, W]`` with H, W multiples of 32, or its dtype differs from
+                the parameters' outside autocast.
+        """
+        self._check_input(x)
+        return self._stages(x, {3}, 3, False)[-1][2]
+
+    def forward_intermediates(self, x: torch.Tensor, indices: int | list[int] | None = None, norm: bool = False,
+                              stop_early: bool = False, output_fmt: str = "NCHW", intermediates_only: bool = False):
+        """timm's ``forward_intermediates``: stage outputs ``[B, C_i, H/2^(i+2), W/2^(i+2)]`` (NCHW; stage 4
+        without its cls token, after the final LayerNorm if ``norm``). ``indices``: the last n stages (int), the
+        listed ones, or all (None). Returns the list, or ``(forward_features(x), list)``."""
+        if output_fmt != "NCHW":
+            raise ValueError(f"output_fmt must be 'NCHW', got {output_fmt!r}")
+        if indices is None:
+            take = [0, 1, 2, 3]
+        elif isinstance(indices, int):
+            if not 1 <= indices <= 4:
+                raise ValueError(f"indices (an int: the last n stages) must be in 1..4, got {indices}")
+            take = list(range(4 - indices, 4))
+        else:
+            take = [i % 4 for i in indices]
+            if any(not -4 <= i < 4 for i in indices):
+                raise ValueError(f"indices must be stage numbers in -4..3, got {indices}")
+        self._check_input(x)
+        stop = max(take) if stop_early or intermediates_only else 3
+        out = self._stages(x, set(take) | {stop}, stop, norm)
+        inter = [fmap for i, fmap, _ in out if i in take]
+        if intermediates_only:
+            return inter
+        return out[-1][2], inter
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute each block in the backward instead of storing its activations (timm's method)."""
+        self.grad_checkpointing = enable
+
+    def group_matcher(self, coarse: bool = False) -> dict:
+        """timm's parameter groups (layer-wise lr decay): the stem and embeddings, then each block (or stage)."""
+        return dict(stem=r"^cls_token|^pos_embed|^patch_embed1",
+                    blocks=r"^block(\d+)|^patch_embed(\d+)" if coarse else
+                    [(r"^block(\d+)\.(\d+)", None), (r"^patch_embed(\d+)", (0,)), (r"^norm", (99999,))])
+
+    def _resample_pos_embed(self, module, state_dict, prefix, *args) -> None:
+        """Load-time hook: position embeddings of another image size are resized bilinearly to this model's
+        (stage 4 keeps its cls entry), so a 224 px checkpoint loads into a model built for 384 px."""
+        for i in range(4):
+            key = f"{prefix}pos_embed{i + 1}"
+            own = getattr(self, f"pos_embed{i + 1}")
+            got = state_dict.get(key)
+            if got is None or got.shape == own.shape or got.dim() != 3 or got.shape[-1] != own.shape[-1]:
+                continue
+            side = math.isqrt(own.shape[1] - (i == 3))
+            if i == 3:
+                state_dict[key] = torch.cat([got[:, :1], _resize_pos(got[:, 1:], side, side)], dim=1)
+            else:
+                state_dict[key] = _resize_pos(got, side, side)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         """timm's ``forward_head``: tokens ``[B, 1 + N4, C4]`` -> logits ``[B, num_classes]`` (the cls token, or the
@@ -409,6 +546,51 @@ def convert_official_state_dict(state_dict: dict) -> dict:
     return out
 
 
+def from_official(state_dict: dict, variant: str = "soft", **overrides) -> SoftViT:
+    """Build the model an official fudan-zvg/SOFT checkpoint describes and load it (strict).
+
+    Depths, widths, head counts (head_dim from the landmark conv; stage 4's heads take head_dim 32 as every
+    official config), landmark strides, V-conv sizes, stem width, MLP ratio, classes and the training image size
+    are read from the tensors, so e.g. the official SOFT-Small (depths 1, 3, 20, 4) loads although
+    ``soft_small`` here is the paper table's (1, 3, 7, 4). ``variant`` ("soft" or "norm") is not in the weights;
+    ``overrides`` set other :class:`SoftConfig` fields (an ``img_size`` other than the checkpoint's resizes the
+    position embeddings on load). The Newton start is the official one (``nr_start="official"``): the checkpoint
+    was trained through that truncated iteration, and its landmark kernels are ill-conditioned enough (cond
+    ~1e3 at the official init) for the identity start's better-converged inverse to differ by ~2e-4.
+
+    Raises:
+        ValueError: the state dict is not a SOFT checkpoint (a key this builder needs is missing).
+        RuntimeError: from ``load_state_dict`` if tensors still disagree.
+    """
+    sd = convert_official_state_dict(state_dict)
+    need = [f"pos_embed{i}" for i in range(1, 5)] + ["patch_embed1.proj.0.weight", "head.weight"]
+    missing = [k for k in need if k not in sd]
+    if missing:
+        raise ValueError(f"state_dict is not a SOFT checkpoint: missing {missing}")
+    depths = tuple(1 + max((int(m.group(1)) for k in sd if (m := re.match(rf"^block{i}\.(\d+)\.", k))), default=-1)
+                   for i in range(1, 5))
+    dims = tuple(sd[f"pos_embed{i}"].shape[-1] for i in range(1, 5))
+    heads, srs, convs = [], [], []
+    for i in range(1, 4):
+        lm = sd.get(f"block{i}.0.mha.Qlandmark_op.weight")
+        hd = lm.shape[0] if lm is not None else 32
+        heads.append(dims[i - 1] // hd)
+        srs.append(lm.shape[-1] if lm is not None else SoftConfig.sr_ratios[i - 1])
+        conv = sd.get(f"block{i}.0.mha.conv.weight")
+        convs.append(conv.shape[-1] if conv is not None else 0)
+    heads.append(dims[3] // 32)
+    side = math.isqrt(sd["pos_embed1"].shape[1])
+    ff1 = sd.get("block1.0.ff1.weight")
+    cfg = dict(embed_dims=dims, num_heads=tuple(heads), depths=depths, sr_ratios=tuple(srs), conv_sizes=tuple(convs),
+               stem_channels=sd["patch_embed1.proj.0.weight"].shape[0], num_classes=sd["head.weight"].shape[0],
+               img_size=side * 4, variant=variant, nr_start="official",
+               mlp_ratio=ff1.shape[0] / ff1.shape[1] if ff1 is not None else 4.0)
+    cfg.update(overrides)
+    model = SoftViT(SoftConfig(**cfg))
+    model.load_state_dict(sd, strict=True)
+    return model
+
+
 _TIMM_KWARGS = ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir", "device", "dtype")
 
 
@@ -426,6 +608,8 @@ def create(name: str, pretrained: bool = False, **kwargs) -> SoftViT:
                          "model.load_state_dict(convert_official_state_dict(torch.load(path)))")
     device, dtype = kwargs.get("device"), kwargs.get("dtype")
     global_pool = kwargs.pop("global_pool", None)   # timm's model argument: "token" (default) or "avg"
+    features_only = kwargs.pop("features_only", False)   # timm's: a backbone returning stage maps
+    out_indices = kwargs.pop("out_indices", (0, 1, 2, 3))
     for k in _TIMM_KWARGS:
         kwargs.pop(k, None)
     fields = set(SoftConfig.__dataclass_fields__)
@@ -435,6 +619,11 @@ def create(name: str, pretrained: bool = False, **kwargs) -> SoftViT:
     model = SoftViT(SoftConfig(**{**MODEL_CONFIGS[name], **kwargs}))
     if global_pool is not None:
         model.reset_classifier(model.num_classes, global_pool)
+    if features_only:
+        from timm.models._features import FeatureGetterNet
+
+        model.reset_classifier(0)
+        model = FeatureGetterNet(model, out_indices=list(out_indices), output_fmt="NCHW", prune=False)
     return model.to(device=device, dtype=dtype) if device is not None or dtype is not None else model
 
 

@@ -3,13 +3,15 @@
     hpdl bench attention                                   # CPU, small sizes: a check of the harness
     hpdl bench attention --device cuda --suite all --out $OUT   # the device run (docs/benchmarks/soft.md)
 
-Suites (``--suite tokens,model,throughput`` or ``all``):
+Suites (``--suite tokens,model,throughput`` or ``all``; ``--suite goal`` alone runs issue 34's goal table,
+:mod:`hpdl.vision.soft_goal`: kernel check on the device, then the layer and SOFT-vs-PVTv2 tables):
 
 - ``tokens``: one attention layer, forward and forward+backward time and peak memory, tokens 256..65,536
   (powers of 2; B x heads x head_dim = ``--batch`` x ``--heads`` x ``--head-dim``). Methods: ``soft`` (SOFT:
-  Gaussian kernel through ``--landmarks`` segment-mean landmarks of q, 20 Newton steps, exact backward),
-  ``soft_norm`` (SOFT++), ``soft_inverse`` / ``soft_autograd`` (SOFT with the paper's ``-V^T G V^T`` backward /
-  autograd through the 20 steps, to price the exact backward), ``nystrom`` (Nystromformer, softmax, the same landmarks, 6 steps), ``sdpa``
+  Gaussian kernel through ``--landmarks`` segment-mean landmarks of q, 20 Newton steps, the paper's backward,
+  Triton kernels on CUDA), ``soft_norm`` (SOFT++), ``soft_exact`` / ``soft_autograd`` (SOFT with the exact
+  backward of the truncated iteration / autograd through the 20 steps), ``nystrom`` (Nystromformer, softmax,
+  the same landmarks, 6 steps), ``sdpa``
   (``F.scaled_dot_product_attention``; on CUDA with 16-bit inputs the flash kernel is required, so its label is
   honest) and ``softmax`` (materialised, the O(N^2) reference; off unless asked). A method stops after its first
   point that runs out of memory or takes longer than ``--time-limit`` seconds per call.
@@ -46,9 +48,9 @@ import torch.nn.functional as F
 from hpdl.models.soft_ops import nystrom_attention, soft_attention
 from hpdl.runtime.limits import count, real
 
-METHODS = ("soft", "soft_norm", "soft_inverse", "soft_autograd", "nystrom", "sdpa", "softmax")
-_SOFT = {"soft": ("soft", "exact"), "soft_norm": ("norm", "exact"), "soft_inverse": ("soft", "inverse"),
-         "soft_autograd": ("soft", "autograd")}  # method -> (variant, Newton backward)
+METHODS = ("soft", "soft_norm", "soft_inverse", "soft_exact", "soft_autograd", "nystrom", "sdpa", "softmax")
+_SOFT = {"soft": ("soft", "inverse"), "soft_norm": ("norm", "inverse"), "soft_inverse": ("soft", "inverse"),
+         "soft_exact": ("soft", "exact"), "soft_autograd": ("soft", "autograd")}  # method -> (variant, NR backward)
 SUITES = ("tokens", "model", "throughput")
 DEFAULT_BASELINES = "deit_tiny_patch16_224,pvt_v2_b1,pvt_v2_b2,deit_small_patch16_224"
 
@@ -457,6 +459,13 @@ class AttentionBenchCommand:
         p.add_argument("--warmup", type=count(0, 10_000), default=3, help="untimed calls per point (default: 3)")
         p.add_argument("--reps", type=count(1, 10_000), default=10, help="timed calls per point, median reported (default: 10)")
         p.add_argument("--out", default=None, help="folder for soft_bench.json and the PNGs (default: $OUT or .)")
+        p.add_argument("--smoke", action="store_true", help="goal suite: tiny shapes (a CPU check of the code; "
+                                                            "CPU needs TRITON_INTERPRET=1 for the kernel check)")
+        p.add_argument("--goal-parts", default=None,
+                       help="goal suite: from layer,eager,compiled (default: all three on CUDA, no compiled on "
+                            "CPU); the kernel check always runs first")
+        p.add_argument("--time-budget", type=float, default=270.0,
+                       help="goal suite: seconds after which remaining model runs are skipped (default: 270)")
 
     def run(self, args) -> int:
         from hpdl.cli import CLIUsageError
@@ -465,7 +474,22 @@ class AttentionBenchCommand:
         if cuda and not torch.cuda.is_available():
             raise CLIUsageError("--device cuda needs a visible GPU")
         suites = list(SUITES) if args.suite == "all" else _csv(args.suite)
-        bad = [s for s in suites if s not in SUITES]
+        if "goal" in suites:
+            if suites != ["goal"]:
+                raise CLIUsageError(f"--suite goal runs alone, got {suites}")
+            args.goal_parts = _csv(args.goal_parts or ("layer,eager,compiled" if cuda else "layer,eager"))
+            bad = [x for x in args.goal_parts if x not in ("layer", "eager", "compiled")]
+            if bad:
+                raise CLIUsageError(f"--goal-parts {bad} unknown; expected some of layer, eager, compiled")
+            if not cuda:
+                from hpdl.models import soft_kernels
+
+                if not soft_kernels.available(torch.zeros(1)):
+                    raise CLIUsageError("--suite goal checks the Triton kernels first: use --device cuda, or set "
+                                        "TRITON_INTERPRET=1 (with --smoke) on CPU")
+            if args.time_budget <= 0:
+                raise CLIUsageError(f"--time-budget must be > 0, got {args.time_budget}")
+        bad = [s for s in suites if s not in SUITES + ("goal",)]
         if bad:
             raise CLIUsageError(f"--suite {bad} unknown; expected some of {SUITES} or all")
         args.methods = _csv(args.methods)
@@ -504,6 +528,11 @@ class AttentionBenchCommand:
             meta["timm"] = timm.__version__
         except ImportError:
             pass
+        if suites == ["goal"]:
+            from hpdl.vision.soft_goal import run_goal
+
+            meta["dtype"] = "bfloat16" if cuda else "float32"
+            return run_goal(args, device, meta, out)
         result: dict = {"meta": meta}
         t0 = time.perf_counter()
         if "tokens" in suites:

@@ -1,0 +1,532 @@
+"""Triton kernels for SOFT (:mod:`hpdl.models.soft_ops`): a fused Newton-Raphson inverse and flash-style landmark
+products that never hold the ``[N, m]`` kernel matrix in memory.
+
+Lu et al., "SOFT: Softmax-free Transformer with Linear Complexity", NeurIPS 2021 (arXiv 2110.11945). The layout
+of the landmark kernels follows FlashAttention (Dao et al. 2022, arXiv 2205.14135): tiles of
+``P = exp(-|q_i - l_j|^2 / 2)`` are recomputed on chip from ``q`` and ``l`` whenever they are needed.
+
+Kernels (each has a torch reference ``*_ref`` of the same arithmetic; CI runs the kernels on CPU under
+``TRITON_INTERPRET=1`` against them, ``tests/models/test_soft_kernels.py``):
+
+- :func:`newton_inverse`: ``iters`` steps of ``V <- 2V - V A_r V`` with ``A_r = A + reg*I``, from ``V0 = I/(s+reg)``
+  (``start="identity"``, for SPD ``A_r``: the residual's eigenvalues are ``1 - mu/(s+reg)``, so the condition
+  number enters linearly) or the official ``V0 = (scale/s^2) A_r`` (``start="official"``), s the largest row sum
+  of A. ``m <= 64``: one program per matrix, every step on chip in float32. Larger ``m``: one tiled batched
+  matmul kernel per product, tensor cores (3xTF32 by default, plain TF32 on request: fine for condition numbers
+  up to ~1e2) for ``iters - 2`` steps and two float32 steps (a Newton step squares the residual, so they
+  square away what the tensor-core rounding left).
+- :func:`landmark_rows`: per block of tokens, ``P @ Y`` and/or ``dq = (P * (a b^T)) l - q rowsum(P * (a b^T))``.
+- :func:`landmark_cols`: per block of landmarks (tokens split over programs, partial sums added in torch),
+  ``P^T @ X`` and/or ``dl = (P * (a b^T))^T q - l colsum(P * (a b^T))``.
+
+The exponent ``q.l - |q|^2/2 - |l|^2/2`` is formed from *centred* q and l (the landmarks' mean subtracted: distances
+unchanged, magnitudes small) with TF32 products and float32 accumulation: the cancellation that makes a 16-bit
+exponent ~10% wrong is gone before the product. Inputs are float32 ``[BH, N, D]`` contiguous; the ops are
+``torch.library`` custom ops, so ``torch.compile`` treats them as opaque nodes and CUDA graphs capture them
+(no host synchronisation).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton ships with torch on Linux
+    triton = None
+
+__all__ = ["FUSED_MAX_M", "PRECISIONS", "available", "centre", "landmark_cols", "landmark_cols_ref", "landmark_p",
+           "landmark_pt", "landmark_rows", "landmark_rows_ref", "neg_vgv", "newton_inverse", "newton_inverse_ref"]
+
+PRECISIONS = ("tf32", "tf32x3", "ieee")
+FUSED_MAX_M = 64  # largest landmark count whose whole Newton iteration runs in one program's registers
+
+
+# read once: Triton picks the interpreter when kernels are defined (at import), and a constant keeps
+# torch.compile free of environment guards
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def available(t: torch.Tensor) -> bool:
+    """Whether the Triton kernels can run on ``t``'s device (CUDA, or any device under TRITON_INTERPRET=1)."""
+    return triton is not None and (t.is_cuda or _INTERPRET)
+
+
+# ------------------------------------------------------------------------------------------------ torch references
+
+def newton_inverse_ref(a: torch.Tensor, iters: int, reg: float, scale: float = 1.8, start: str = "identity"
+                       ) -> torch.Tensor:
+    """The iteration of :func:`newton_inverse` in plain torch: ``a [BH, m, m]`` -> ``[BH, m, m]``."""
+    eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
+    s = a.sum(-1).amax(-1)[:, None, None]
+    a_r = a + reg * eye
+    v = eye / (s + reg) if start == "identity" else (scale / (s * s)) * a_r
+    for _ in range(iters):
+        v = 2 * v - (v @ a_r) @ v
+    return v
+
+
+def _p_ref(q, l):
+    d = (q.pow(2).sum(-1)[..., :, None] + l.pow(2).sum(-1)[..., None, :] - 2 * q @ l.transpose(-1, -2))
+    return torch.exp(-0.5 * d)
+
+
+def landmark_rows_ref(q, l, y=None, a=None, b=None):
+    """``(P @ y, (P * (a b^T)) l - q rowsum(P * (a b^T)))`` with P = exp(-|q_i - l_j|^2/2); None where not asked.
+    y, a, b are read in q's dtype."""
+    p = _p_ref(q, l)
+    y, a, b = (t.to(q.dtype) if t is not None else None for t in (y, a, b))
+    out = p @ y if y is not None else None
+    dq = None
+    if a is not None:
+        ds = p * (a @ b.transpose(-1, -2))
+        dq = ds @ l - q * ds.sum(-1, keepdim=True)
+    return out, dq
+
+
+def landmark_cols_ref(q, l, x=None, a=None, b=None):
+    """``(P^T @ x, (P * (a b^T))^T q - l colsum(P * (a b^T)))``; None where not asked."""
+    p = _p_ref(q, l)
+    x, a, b = (t.to(q.dtype) if t is not None else None for t in (x, a, b))
+    out = p.transpose(-1, -2) @ x if x is not None else None
+    dl = None
+    if a is not None:
+        ds = p * (a @ b.transpose(-1, -2))
+        dl = ds.transpose(-1, -2) @ q - l * ds.sum(-2)[..., None]
+    return out, dl
+
+
+# ---------------------------------------------------------------------------------------------------- kernels
+
+if triton is not None:
+    @triton.jit
+    def _nr_fused_kernel(a_ptr, v_ptr, m, reg, scale, fast_iters, exact_iters, IDENTITY: tl.constexpr,
+                         PREC: tl.constexpr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0).to(tl.int64)
+        r = tl.arange(0, BLOCK)
+        inside = (r[:, None] < m) & (r[None, :] < m)
+        offs = pid * m * m + r[:, None] * m + r[None, :]
+        a = tl.load(a_ptr + offs, mask=inside, other=0.0)
+        s = tl.max(tl.sum(a, 1), 0)
+        eye = tl.where((r[:, None] == r[None, :]) & inside, 1.0, 0.0).to(a.dtype)
+        ar = a + reg * eye
+        if IDENTITY:
+            v = eye / (s + reg)
+        else:
+            v = ar * (scale / (s * s))
+        for _ in range(fast_iters):
+            t = tl.dot(v, ar, input_precision=PREC)
+            v = 2.0 * v - tl.dot(t, v, input_precision=PREC)
+        for _ in range(exact_iters):
+            t = tl.dot(v, ar, input_precision="ieee")
+            v = 2.0 * v - tl.dot(t, v, input_precision="ieee")
+        tl.store(v_ptr + offs, v, mask=inside)
+
+    @triton.jit
+    def _bmm_kernel(x_ptr, y_ptr, z_ptr, o_ptr, n, alpha, beta,
+                    sxb, sxr, sxc, syb, syr, syc, szb, szr, szc,
+                    HAS_Z: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """o = alpha * x @ y + beta * z for square n x n matrices (any strides; o contiguous)."""
+        b = tl.program_id(0).to(tl.int64)
+        rm = tl.program_id(1) * BM + tl.arange(0, BM)
+        rn = tl.program_id(2) * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, n, BK):
+            kk = k0 + rk
+            xt = tl.load(x_ptr + b * sxb + rm[:, None] * sxr + kk[None, :] * sxc,
+                         mask=(rm[:, None] < n) & (kk[None, :] < n), other=0.0).to(tl.float32)
+            yt = tl.load(y_ptr + b * syb + kk[:, None] * syr + rn[None, :] * syc,
+                         mask=(kk[:, None] < n) & (rn[None, :] < n), other=0.0).to(tl.float32)
+            acc += tl.dot(xt, yt, input_precision=PREC)
+        acc = alpha * acc
+        inside = (rm[:, None] < n) & (rn[None, :] < n)
+        if HAS_Z:
+            acc += beta * tl.load(z_ptr + b * szb + rm[:, None] * szr + rn[None, :] * szc, mask=inside, other=0.0)
+        tl.store(o_ptr + b * n * n + rm[:, None] * n + rn[None, :], acc, mask=inside)
+
+    @triton.jit
+    def _rows_kernel(q_ptr, l_ptr, qn_ptr, ln_ptr, y_ptr, a_ptr, b_ptr, oy_ptr, dq_ptr, N, M, D, E, F,
+                     HAS_Y: tl.constexpr, HAS_DS: tl.constexpr, PREC: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
+                     BF: tl.constexpr):
+        """One block of tokens: loop over landmark blocks, P tile on chip; P @ y and/or dq."""
+        bh = tl.program_id(0).to(tl.int64)
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rd, re, rf = tl.arange(0, BD), tl.arange(0, BE), tl.arange(0, BF)
+        nin = rn < N
+        q = tl.load(q_ptr + bh * N * D + rn[:, None] * D + rd[None, :], mask=nin[:, None] & (rd[None, :] < D),
+                    other=0.0)
+        qn = tl.load(qn_ptr + bh * N + rn, mask=nin, other=0.0)
+        if HAS_Y:
+            acc_y = tl.zeros((BLOCK_N, BE), dtype=tl.float32)
+        if HAS_DS:
+            av = tl.load(a_ptr + bh * N * F + rn[:, None] * F + rf[None, :], mask=nin[:, None] & (rf[None, :] < F),
+                         other=0.0).to(tl.float32)
+            acc_dq = tl.zeros((BLOCK_N, BD), dtype=tl.float32)
+            rs = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for m0 in range(0, M, BLOCK_M):
+            rm = m0 + tl.arange(0, BLOCK_M)
+            min_ = rm < M
+            lt = tl.load(l_ptr + bh * M * D + rm[:, None] * D + rd[None, :], mask=min_[:, None] & (rd[None, :] < D),
+                         other=0.0)
+            ln = tl.load(ln_ptr + bh * M + rm, mask=min_, other=0.0)
+            s = tl.dot(q, tl.trans(lt), input_precision=PREC) + qn[:, None] + ln[None, :]
+            p = tl.where(min_[None, :], tl.exp(s), 0.0)
+            if HAS_Y:
+                yt = tl.load(y_ptr + bh * M * E + rm[:, None] * E + re[None, :],
+                             mask=min_[:, None] & (re[None, :] < E), other=0.0).to(tl.float32)
+                acc_y += tl.dot(p, yt, input_precision=PREC)
+            if HAS_DS:
+                bt = tl.load(b_ptr + bh * M * F + rm[:, None] * F + rf[None, :],
+                             mask=min_[:, None] & (rf[None, :] < F), other=0.0).to(tl.float32)
+                ds = p * tl.dot(av, tl.trans(bt), input_precision=PREC)
+                acc_dq += tl.dot(ds, lt, input_precision=PREC)
+                rs += tl.sum(ds, 1)
+        if HAS_Y:
+            tl.store(oy_ptr + bh * N * E + rn[:, None] * E + re[None, :], acc_y,
+                     mask=nin[:, None] & (re[None, :] < E))
+        if HAS_DS:
+            tl.store(dq_ptr + bh * N * D + rn[:, None] * D + rd[None, :], acc_dq - q * rs[:, None],
+                     mask=nin[:, None] & (rd[None, :] < D))
+
+    @triton.jit
+    def _cols_kernel(q_ptr, l_ptr, qn_ptr, ln_ptr, x_ptr, a_ptr, b_ptr, ox_ptr, dl_ptr, N, M, D, E, F, BH,
+                     chunk, HAS_X: tl.constexpr, HAS_DS: tl.constexpr, PREC: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
+                     BF: tl.constexpr):
+        """One block of landmarks and one chunk of tokens: P^T @ x and/or dl, partial sums per chunk."""
+        bh = tl.program_id(0).to(tl.int64)
+        rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        split = tl.program_id(2)
+        rd, re, rf = tl.arange(0, BD), tl.arange(0, BE), tl.arange(0, BF)
+        min_ = rm < M
+        lt = tl.load(l_ptr + bh * M * D + rm[:, None] * D + rd[None, :], mask=min_[:, None] & (rd[None, :] < D),
+                     other=0.0)
+        ln = tl.load(ln_ptr + bh * M + rm, mask=min_, other=0.0)
+        if HAS_X:
+            acc_x = tl.zeros((BLOCK_M, BE), dtype=tl.float32)
+        if HAS_DS:
+            bt = tl.load(b_ptr + bh * M * F + rm[:, None] * F + rf[None, :], mask=min_[:, None] & (rf[None, :] < F),
+                         other=0.0).to(tl.float32)
+            acc_dl = tl.zeros((BLOCK_M, BD), dtype=tl.float32)
+            cs = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        start = split * chunk
+        for n0 in range(start, start + chunk, BLOCK_N):
+            rn = n0 + tl.arange(0, BLOCK_N)
+            nin = rn < N
+            q = tl.load(q_ptr + bh * N * D + rn[:, None] * D + rd[None, :], mask=nin[:, None] & (rd[None, :] < D),
+                        other=0.0)
+            qn = tl.load(qn_ptr + bh * N + rn, mask=nin, other=0.0)
+            s = tl.dot(q, tl.trans(lt), input_precision=PREC) + qn[:, None] + ln[None, :]
+            p = tl.where(nin[:, None], tl.exp(s), 0.0)  # [BLOCK_N, BLOCK_M]
+            if HAS_X:
+                xt = tl.load(x_ptr + bh * N * E + rn[:, None] * E + re[None, :],
+                             mask=nin[:, None] & (re[None, :] < E), other=0.0).to(tl.float32)
+                acc_x += tl.dot(tl.trans(p), xt, input_precision=PREC)
+            if HAS_DS:
+                av = tl.load(a_ptr + bh * N * F + rn[:, None] * F + rf[None, :],
+                             mask=nin[:, None] & (rf[None, :] < F), other=0.0).to(tl.float32)
+                ds = p * tl.dot(av, tl.trans(bt), input_precision=PREC)
+                acc_dl += tl.dot(tl.trans(ds), q, input_precision=PREC)
+                cs += tl.sum(ds, 0)
+        part = split.to(tl.int64) * BH + bh
+        if HAS_X:
+            tl.store(ox_ptr + part * M * E + rm[:, None] * E + re[None, :], acc_x,
+                     mask=min_[:, None] & (re[None, :] < E))
+        if HAS_DS:
+            tl.store(dl_ptr + part * M * D + rm[:, None] * D + rd[None, :], acc_dl - lt * cs[:, None],
+                     mask=min_[:, None] & (rd[None, :] < D))
+
+
+def _p2(n: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(int(n)))
+
+
+def _check_prec(precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+
+
+# ------------------------------------------------------------------------------------------------ launchers
+
+def _bmm(x, y, z=None, alpha=1.0, beta=0.0, precision="tf32"):
+    bh, n = x.shape[0], x.shape[-1]
+    out = torch.empty(bh, n, n, device=x.device, dtype=torch.float32)
+    blk = 64 if n > 32 else max(16, triton.next_power_of_2(n))
+    zz = z if z is not None else x
+    _bmm_kernel[(bh, triton.cdiv(n, blk), triton.cdiv(n, blk))](
+        x, y, zz, out, n, alpha, beta, *x.stride(), *y.stride(), *zz.stride(), HAS_Z=z is not None,
+        PREC=precision, BM=blk, BN=blk, BK=min(blk, 32))
+    return out
+
+
+def _newton_inverse_impl(a: torch.Tensor, iters: int, reg: float, scale: float, start: str, precision: str,
+                         refine: int) -> torch.Tensor:
+    """``iters - refine`` steps with ``precision`` products, then ``refine`` float32 steps (each squares the
+    residual the faster steps leave, down to float32's floor)."""
+    a = a.contiguous()
+    bh, m = a.shape[0], a.shape[-1]
+    exact = iters if precision == "ieee" else min(refine, iters)
+    fast = iters - exact
+    if m <= FUSED_MAX_M:
+        v = torch.empty_like(a)
+        _nr_fused_kernel[(bh,)](a, v, m, float(reg), float(scale), fast, exact, IDENTITY=start == "identity",
+                                PREC=precision, BLOCK=_p2(m), num_warps=4)
+        return v
+    eye = torch.eye(m, device=a.device, dtype=a.dtype)
+    s = a.sum(-1).amax(-1)[:, None, None]
+    a_r = a + reg * eye
+    v = eye / (s + reg) if start == "identity" else (scale / (s * s)) * a_r
+    for k in range(iters):
+        prec = precision if k < fast else "ieee"
+        t = _bmm(v, a_r, precision=prec)
+        v = _bmm(t, v, v, -1.0, 2.0, precision=prec)
+    return v.contiguous()
+
+
+if triton is not None:
+    @torch.library.custom_op("hpdl::soft_newton_inverse", mutates_args=())
+    def _newton_inverse_op(a: torch.Tensor, iters: int, reg: float, scale: float, start: str, precision: str,
+                           refine: int) -> torch.Tensor:
+        return _newton_inverse_impl(a, iters, reg, scale, start, precision, refine)
+
+    @_newton_inverse_op.register_fake
+    def _(a, iters, reg, scale, start, precision, refine):
+        return torch.empty_like(a, memory_format=torch.contiguous_format)
+
+    @torch.library.custom_op("hpdl::soft_vgv", mutates_args=())
+    def _vgv_op(v: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """-V^T G V^T (the paper's backward) on 3xTF32 tensor cores (2 products: accuracy is cheap here)."""
+        vt = v.transpose(-1, -2)
+        return _bmm(_bmm(vt, g.contiguous(), precision="tf32x3"), vt, alpha=-1.0, precision="tf32x3")
+
+    @_vgv_op.register_fake
+    def _(v, g):
+        return torch.empty_like(v, memory_format=torch.contiguous_format)
+
+
+def newton_inverse(a: torch.Tensor, iters: int = 20, reg: float = 0.01, scale: float = 1.8,
+                   start: str = "identity", precision: str | None = None, refine: int = 2) -> torch.Tensor:
+    """Truncated Newton-Raphson inverse of ``a + reg*I`` for a batch ``[BH, m, m]`` float32 (no autograd).
+
+    ``start``: ``"identity"`` (V0 = I/(s+reg); needs reg > 0) or ``"official"`` (V0 = scale/s^2 (A + reg*I)).
+    ``precision`` of the products of the first ``iters - refine`` steps; the last ``refine`` steps run in
+    float32. None: ``"ieee"`` (float32 throughout) where ``m <= FUSED_MAX_M`` (one program per matrix, all steps
+    on chip), ``"tf32x3"`` above (tiled tensor-core products, about float32's accuracy). ``"tf32"`` is ~3x
+    faster but its rounding (u ~ 5e-4) stalls the iteration unless cond(A + reg I) is below ~1e2; SOFT's own
+    landmark kernels reach 2e4 at 512 px. Raises ValueError on a bad shape, dtype, start or precision.
+    """
+    if a.dim() != 3 or a.shape[-1] != a.shape[-2] or a.dtype != torch.float32:
+        raise ValueError(f"a must be float32 [BH, m, m], got {a.dtype} {tuple(a.shape)}")
+    if start not in ("identity", "official"):
+        raise ValueError(f"start must be 'identity' or 'official', got {start!r}")
+    if precision is None:
+        precision = "ieee" if a.shape[-1] <= FUSED_MAX_M else "tf32x3"
+    _check_prec(precision)
+    if refine < 0:
+        raise ValueError(f"refine must be >= 0, got {refine}")
+    return _newton_inverse_op(a, int(iters), float(reg), float(scale), start, precision, int(refine))
+
+
+def neg_vgv(v: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``-V^T G V^T`` for ``[BH, m, m]`` float32 with 3xTF32 tensor cores (the paper's inverse backward)."""
+    return _vgv_op(v, g)
+
+
+def _contig(*ts):
+    """Contiguous copies where needed (a compiled graph may hand a custom op other strides than eager)."""
+    return tuple(t.contiguous() if t is not None else None for t in ts)
+
+
+def _warps(d: int, grads: bool) -> int:
+    """8 warps where a program holds several 64 x 64 float32 tiles (wide heads, gradient passes): fewer
+    registers per thread, no spills. Those passes also pipeline 2 stages, not 3: three float32 64 x 64 tiles
+    loaded per step would need ~150 KB of shared memory at 3 stages."""
+    return 8 if d > 32 or grads else 4
+
+
+def _rows_impl(q, l, qn, ln, y, a, b, precision):
+    q, l, qn, ln, y, a, b = _contig(q, l, qn, ln, y, a, b)
+    bh, n, d = q.shape
+    m = l.shape[1]
+    e = y.shape[-1] if y is not None else 1
+    f = a.shape[-1] if a is not None else 1
+    oy = torch.empty(bh, n, e, device=q.device, dtype=torch.float32) if y is not None else q.new_empty(0)
+    dq = torch.empty(bh, n, d, device=q.device, dtype=torch.float32) if a is not None else q.new_empty(0)
+    block_n = 64
+    block_m = 64 if m > 32 else 32
+    _rows_kernel[(bh, triton.cdiv(n, block_n))](
+        q, l, qn, ln, y if y is not None else q, a if a is not None else q, b if b is not None else q, oy, dq,
+        n, m, d, e, f, HAS_Y=y is not None, HAS_DS=a is not None, PREC=precision, BLOCK_N=block_n,
+        BLOCK_M=block_m, BD=_p2(d), BE=_p2(e), BF=_p2(f), num_warps=_warps(d, a is not None),
+        num_stages=2 if a is not None or d > 32 else 3)
+    return oy, dq
+
+
+def _splits(bh: int, mblocks: int, n: int, block_n: int, device: torch.device) -> int:
+    """Token chunks per landmark block: about 4 programs per SM (waves balance), at least 4 token blocks each."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    want = max(1, (4 * sms) // max(1, bh * mblocks))
+    return max(1, min(want, triton.cdiv(n, 4 * block_n)))
+
+
+def _cols_impl(q, l, qn, ln, x, a, b, precision):
+    q, l, qn, ln, x, a, b = _contig(q, l, qn, ln, x, a, b)
+    bh, n, d = q.shape
+    m = l.shape[1]
+    e = x.shape[-1] if x is not None else 1
+    f = a.shape[-1] if a is not None else 1
+    block_n, block_m = 64, 64 if m > 32 else 32
+    mblocks = triton.cdiv(m, block_m)
+    splits = _splits(bh, mblocks, n, block_n, q.device)
+    chunk = triton.cdiv(triton.cdiv(n, splits), block_n) * block_n
+    splits = triton.cdiv(n, chunk)
+    ox = torch.empty(splits, bh, m, e, device=q.device, dtype=torch.float32) if x is not None else q.new_empty(0)
+    dl = torch.empty(splits, bh, m, d, device=q.device, dtype=torch.float32) if a is not None else q.new_empty(0)
+    _cols_kernel[(bh, mblocks, splits)](
+        q, l, qn, ln, x if x is not None else q, a if a is not None else q, b if b is not None else q, ox, dl,
+        n, m, d, e, f, bh, chunk, HAS_X=x is not None, HAS_DS=a is not None, PREC=precision, BLOCK_N=block_n,
+        BLOCK_M=block_m, BD=_p2(d), BE=_p2(e), BF=_p2(f), num_warps=_warps(d, a is not None),
+        num_stages=2 if a is not None or d > 32 else 3)
+    return (ox.sum(0) if x is not None else ox), (dl.sum(0) if a is not None else dl)
+
+
+if triton is not None:
+    @torch.library.custom_op("hpdl::soft_landmark_rows", mutates_args=())
+    def _rows_op(q: torch.Tensor, l: torch.Tensor, qn: torch.Tensor, ln: torch.Tensor, y: torch.Tensor | None,
+                 a: torch.Tensor | None, b: torch.Tensor | None, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return _rows_impl(q, l, qn, ln, y, a, b, precision)
+
+    @_rows_op.register_fake
+    def _(q, l, qn, ln, y, a, b, precision):
+        bh, n, d = q.shape
+        oy = q.new_empty(bh, n, y.shape[-1]) if y is not None else q.new_empty(0)
+        return oy, (q.new_empty(bh, n, d) if a is not None else q.new_empty(0))
+
+    @torch.library.custom_op("hpdl::soft_landmark_cols", mutates_args=())
+    def _cols_op(q: torch.Tensor, l: torch.Tensor, qn: torch.Tensor, ln: torch.Tensor, x: torch.Tensor | None,
+                 a: torch.Tensor | None, b: torch.Tensor | None, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return _cols_impl(q, l, qn, ln, x, a, b, precision)
+
+    @_cols_op.register_fake
+    def _(q, l, qn, ln, x, a, b, precision):
+        bh, m, d = l.shape
+        ox = q.new_empty(bh, m, x.shape[-1]) if x is not None else q.new_empty(0)
+        return ox, (q.new_empty(bh, m, d) if a is not None else q.new_empty(0))
+
+
+def centre(q: torch.Tensor, l: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q - c, l - c)`` in float32 (float64 stays), contiguous, c the landmarks' mean (detached: distances,
+    hence P, do not depend on it). Differentiable; the products below take centred inputs."""
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    c = l.detach().to(dtype).mean(-2, keepdim=True)
+    return (q.to(dtype) - c).contiguous(), (l.to(dtype) - c).contiguous()
+
+
+def _norms(q: torch.Tensor, l: torch.Tensor):
+    return -0.5 * q.pow(2).sum(-1), -0.5 * l.pow(2).sum(-1)
+
+
+def landmark_rows(q, l, y=None, a=None, b=None, precision: str = "tf32"):
+    """Triton :func:`landmark_rows_ref`: ``q [BH, N, D]``, ``l [BH, M, D]`` (centred first here), ``y [BH, M, E]``,
+    ``a [BH, N, F]``, ``b [BH, M, F]`` (any float dtype, read as float32) ->
+    ``(P @ y [BH, N, E] | None, dq [BH, N, D] | None)`` in float32."""
+    _check_prec(precision)
+    qc, lc = centre(q, l)
+    c = lambda t: t.contiguous() if t is not None else None  # noqa: E731
+    oy, dq = _rows_op(qc, lc, *_norms(qc, lc), c(y), c(a), c(b), precision)
+    return (oy if y is not None else None), (dq if a is not None else None)
+
+
+def landmark_cols(q, l, x=None, a=None, b=None, precision: str = "tf32"):
+    """Triton :func:`landmark_cols_ref`: ``x [BH, N, E]``, ``a [BH, N, F]``, ``b [BH, M, F]`` ->
+    ``(P^T @ x [BH, M, E] | None, dl [BH, M, D] | None)`` in float32."""
+    _check_prec(precision)
+    qc, lc = centre(q, l)
+    c = lambda t: t.contiguous() if t is not None else None  # noqa: E731
+    ox, dl = _cols_op(qc, lc, *_norms(qc, lc), c(x), c(a), c(b), precision)
+    return (ox if x is not None else None), (dl if a is not None else None)
+
+
+# ------------------------------------------------------------------------------------ differentiable products
+
+def _ops(kernels: bool, precision: str):
+    """(rows, cols) on centred inputs with their norms: the Triton custom ops, or the torch references."""
+    if kernels:
+        return (lambda q, l, qn, ln, y, a, b: _rows_op(q, l, qn, ln, y, a, b, precision),
+                lambda q, l, qn, ln, x, a, b: _cols_op(q, l, qn, ln, x, a, b, precision))
+    return (lambda q, l, qn, ln, y, a, b: landmark_rows_ref(q, l, y, a, b),
+            lambda q, l, qn, ln, x, a, b: landmark_cols_ref(q, l, x, a, b))
+
+
+class _PT(torch.autograd.Function):
+    """Z = P^T x, P = exp(-|q_i - l_j|^2/2) never stored. dL/dP_ij = x_i . dZ_j, so dx = P dZ and
+    ds = P * (x dZ^T) gives dq, dl (both recomputed tile by tile). x is saved in its own dtype."""
+
+    @staticmethod
+    def forward(ctx, q, l, x, kernels, precision):
+        qn, ln = _norms(q, l)
+        x = x.contiguous()
+        z, _ = _ops(kernels, precision)[1](q, l, qn, ln, x, None, None)
+        ctx.save_for_backward(q, l, qn, ln, x)
+        ctx.cfg = kernels, precision
+        return z
+
+    @staticmethod
+    def backward(ctx, dz):
+        q, l, qn, ln, x = ctx.saved_tensors
+        rows, cols = _ops(*ctx.cfg)
+        dz = dz.contiguous()
+        dx, dq = rows(q, l, qn, ln, dz, x, dz)
+        _, dl = cols(q, l, qn, ln, None, x, dz)
+        return dq, dl, dx.to(x.dtype), None, None
+
+
+class _P(torch.autograd.Function):
+    """out = P y. dL/dP_ij = dout_i . y_j, so dy = P^T dout and ds = P * (dout y^T) gives dq, dl."""
+
+    @staticmethod
+    def forward(ctx, q, l, y, kernels, precision):
+        qn, ln = _norms(q, l)
+        y = y.contiguous()
+        out, _ = _ops(kernels, precision)[0](q, l, qn, ln, y, None, None)
+        ctx.save_for_backward(q, l, qn, ln, y)
+        ctx.cfg = kernels, precision
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, l, qn, ln, y = ctx.saved_tensors
+        rows, cols = _ops(*ctx.cfg)
+        dout = dout.contiguous()
+        _, dq = rows(q, l, qn, ln, None, dout, y)
+        dy, dl = cols(q, l, qn, ln, dout, dout, y)
+        return dq, dl, dy.to(y.dtype), None, None
+
+
+def _check_centred(q, l):
+    if q.dim() != 3 or l.dim() != 3 or q.shape[0] != l.shape[0] or q.shape[2] != l.shape[2] \
+            or q.dtype != l.dtype or q.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"q and l must be float32/64 [BH, N, D] and [BH, M, D] (see centre()), got "
+                         f"{q.dtype} {tuple(q.shape)} and {l.dtype} {tuple(l.shape)}")
+
+
+def landmark_pt(q, l, x, *, kernels: bool = True, precision: str = "tf32"):
+    """Differentiable ``P^T @ x`` (``[BH, M, E]`` float32) for centred ``q [BH, N, D]``, ``l [BH, M, D]``
+    (:func:`centre`) and ``x [BH, N, E]`` (any float dtype), P = exp(-|q_i - l_j|^2/2), without an ``[N, M]``
+    tensor forward or backward. ``kernels=False`` runs the same autograd function on the torch references
+    (float64 gradcheck). Raises ValueError on bad shapes/dtypes or precision."""
+    _check_prec(precision)
+    _check_centred(q, l)
+    return _PT.apply(q, l, x, kernels, precision)
+
+
+def landmark_p(q, l, y, *, kernels: bool = True, precision: str = "tf32"):
+    """Differentiable ``P @ y`` (``[BH, N, E]`` float32) for ``y [BH, M, E]``; see :func:`landmark_pt`."""
+    _check_prec(precision)
+    _check_centred(q, l)
+    return _P.apply(q, l, y, kernels, precision)

@@ -1,0 +1,370 @@
+"""``hpdl bench attention --suite goal``: issue 34's goal table for SOFT, side by side, in one run.
+
+    hpdl bench attention --device cuda --suite goal --out $OUT      # 1 x H200: about 5 minutes
+    hpdl bench attention --device cuda --suite goal --goal-parts compiled --time-budget 540 --out $OUT/c
+    hpdl bench attention --suite goal --smoke --out /tmp/x          # CPU: tiny shapes, a check of the code
+
+1. ``check``: the Triton kernels (:mod:`hpdl.models.soft_kernels`) against their torch references on the device,
+   before anything is timed: landmark products and gradients, the Newton inverse (fused and tiled, both starts)
+   against the official iteration (float64 torch) on random and on ill-conditioned (clustered) landmark sets, and
+   ``soft_attention`` Triton vs torch forward and backward. A failure on random inputs stops the run (exit 1).
+2. ``layer``: one SOFT attention layer (dim 384, 6 heads, sr_ratio 8: m = N/64 landmarks, ``SoftAttention``
+   defaults otherwise) forward+backward under bf16 autocast, batch 1, at 4k/16k/33k/65k tokens (64x64, 128x128,
+   128x256, 256x256 maps), against the same layer with flash SDPA (``attention="sdpa"``, flash required) and the
+   previous torch implementation (``impl="torch"``, exact backward, official start): median ms and peak MiB
+   above the inputs. ``soft`` is the default (Newton products above 64 landmarks in 3xTF32), ``soft_nr_tf32``
+   plain TF32 (fast; this layer's random-init landmark kernel has cond ~1, SOFT models' reach 2e4).
+3. ``models``: soft_tiny vs timm pvt_v2_b1 and soft_small vs pvt_v2_b2 (random init), 224 px, bf16 autocast,
+   channels_last; training (batch 128: forward, backward, no optimizer) and inference (batch 256) images/s,
+   eager and ``torch.compile``d (compiled runs last, stopped by ``--time-budget``; skipped ones say so).
+   ``--goal-parts`` picks from ``layer,eager,compiled`` (the check always runs first).
+
+Writes ``soft_goal.json``, ``soft_goal.png`` and ``soft_goal.txt`` (the tables) to ``--out``; prints the tables.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from hpdl.models import soft_kernels as sk
+from hpdl.models.soft_ops import gaussian_kernel, newton_pinv, soft_attention
+
+PAIRS = (("soft_tiny", "pvt_v2_b1"), ("soft_small", "pvt_v2_b2"))
+
+
+def _rel(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def _clustered(bh, m, d, spread, g, device):
+    if spread >= 1:
+        return torch.randn(bh, m, d, generator=g, device=device) * d ** -0.25
+    centres = torch.randn(bh, 2, d, generator=g, device=device) * d ** -0.25
+    return centres[:, torch.arange(m, device=device) % 2] + spread * torch.randn(bh, m, d, generator=g, device=device)
+
+
+# ------------------------------------------------------------------------------------------------------ check
+
+def run_check(device, smoke: bool) -> list[dict]:
+    """Kernel vs reference rows: name, case, relative error, tolerance, ok, gate (a failing gate stops timing)."""
+    rows = []
+
+    def add(name, case, err, tol, gate=True):
+        rows.append({"check": name, "case": case, "rel_err": err, "tol": tol, "ok": err <= tol, "gate": gate})
+
+    g = torch.Generator(device=device).manual_seed(0)
+    shapes = ((1, 128, 20, 16), (1, 130, 70, 32)) if smoke else ((6, 4096, 64, 64), (6, 2048, 256, 64))
+    for k, (bh, n, m, d) in enumerate(shapes):
+        q = torch.randn(bh, n, d, generator=g, device=device) * d ** -0.25
+        lm = q.reshape(bh, m, -1, d)[:, :, 0] if n % m == 0 else q[:, :m]
+        x, a = torch.randn(bh, n, d, generator=g, device=device), torch.randn(bh, n, d, generator=g, device=device)
+        y, b = torch.randn(bh, m, d, generator=g, device=device), torch.randn(bh, m, d, generator=g, device=device)
+        ref_r = sk.landmark_rows_ref(q.double(), lm.double(), y.double(), a.double(), b.double())
+        ref_c = sk.landmark_cols_ref(q.double(), lm.double(), x.double(), a.double(), b.double())
+        for prec, tol in ((("ieee", 1e-5), ("tf32", 2e-2)) if k == 0 else (("tf32", 2e-2),)):
+            got_r, got_c = sk.landmark_rows(q, lm, y, a, b, prec), sk.landmark_cols(q, lm, x, a, b, prec)
+            case = f"N={n} m={m} d={d} {prec}"
+            add("rows P@y", case, _rel(got_r[0], ref_r[0]), tol)
+            add("rows dq", case, _rel(got_r[1], ref_r[1]), tol)
+            add("cols P^T@x", case, _rel(got_c[0], ref_c[0]), tol)
+            add("cols dl", case, _rel(got_c[1], ref_c[1]), tol)
+    for m in ((12, 70) if smoke else (49, 64, 256, 1024)):
+        for spread, label in ((1.0, "random"), (0.05, "clustered")):
+            lmk = _clustered(2 if smoke else 4, m, 32, spread, g, device)
+            a = gaussian_kernel(lmk, lmk)
+            cond = torch.linalg.cond(a.double()[0] + 0.01 * torch.eye(m, device=device, dtype=torch.float64)).item()
+            for start in ("official", "identity"):
+                ref = newton_pinv(a.double(), 20, 0.01, 1.8, start=start)   # the official iteration (torch, fp64)
+                for prec in ((None,) if m <= sk.FUSED_MAX_M else (None, "tf32")):
+                    got = sk.newton_inverse(a, 20, 0.01, 1.8, start, prec)
+                    path = "fused fp32" if m <= sk.FUSED_MAX_M else f"tiled {prec or 'tf32x3'}+2 fp32"
+                    add(f"newton {start}", f"m={m} {label} cond={cond:.1e} {path}", _rel(got, ref), 1e-3,
+                        gate=label == "random")
+            exact = torch.linalg.inv(a.double() + 0.01 * torch.eye(m, device=device, dtype=torch.float64))
+            add("newton identity vs exact inverse", f"m={m} {label}", _rel(sk.newton_inverse(a, 20), exact), 1e-3,
+                gate=False)
+            add("newton official vs exact inverse", f"m={m} {label}",
+                _rel(sk.newton_inverse(a, 20, start="official"), exact), 1e-3, gate=False)
+    # the whole attention: Triton vs torch (both float32, same start and backward)
+    b_, h, n, d, m = (1, 2, 256, 16, 16) if smoke else (1, 6, 4096, 64, 64)
+    q = (torch.randn(b_, h, n, d, generator=g, device=device) * d ** -0.25).requires_grad_()
+    v = torch.randn(b_, h, n, d, generator=g, device=device).requires_grad_()
+    # every (n/m)-th token as a landmark: spread like the model's conv+LayerNorm landmarks at random init
+    # (cond ~2-4); segment means would crowd near the origin (cond ~m/reg), a Newton-convergence test instead
+    lm = q.detach()[:, :, :: n // m].clone().requires_grad_()
+    up = torch.randn(b_, h, n, d, generator=g, device=device)
+    res = {}
+    for impl in ("torch", "triton"):
+        out = soft_attention(q, v, lm, impl=impl if sk.available(q) or impl == "torch" else "torch")
+        res[impl] = (out, *torch.autograd.grad((out * up).sum(), (q, v, lm)))
+    for i, name in enumerate(("out", "dq", "dv", "dlandmarks")):
+        add(f"soft_attention {name}", f"N={n} m={m} d={d} triton vs torch", _rel(res["triton"][i], res["torch"][i]),
+            2e-2)
+    # identity start vs the official iteration at the output, random init (the numerics goal)
+    with torch.no_grad():
+        o_id = soft_attention(q, v, lm, impl="torch", start="identity")
+        o_off = soft_attention(q, v, lm, impl="torch", start="official")
+    add("output identity vs official start", f"N={n} m={m} random init", _rel(o_id, o_off), 1e-3)
+    if device.type == "cuda":  # the layer (Triton path) captured in a CUDA graph, forward and backward
+        from hpdl.models.soft import SoftAttention
+
+        class _Fixed(torch.nn.Module):   # make_graphed_callables takes tensor arguments only
+            def __init__(self):
+                super().__init__()
+                self.att = SoftAttention(384, 6, 8)
+
+            def forward(self, x):
+                return self.att(x, 64, 64)
+
+        torch.manual_seed(0)
+        layer = _Fixed().to(device)
+        x = torch.randn(1, 4096, 384, device=device, requires_grad=True)
+        ref = layer(x)
+        (gref,) = torch.autograd.grad(ref.sum(), x)
+        try:
+            graphed = torch.cuda.make_graphed_callables(layer, (x,))
+            out = graphed(x)
+            (gout,) = torch.autograd.grad(out.sum(), x)
+            add("CUDA graph capture of the layer", "out / dx vs eager", max(_rel(out, ref), _rel(gout, gref)), 1e-5)
+        except Exception as e:   # reported, not fatal: timing does not use graphs
+            rows.append({"check": "CUDA graph capture of the layer", "case": f"{type(e).__name__}: {str(e)[:60]}",
+                         "rel_err": float("inf"), "tol": 1e-5, "ok": False, "gate": False})
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------------ layer
+
+def _timed(fn, device, warmup, reps):
+    from hpdl.vision.bench import measure
+
+    return measure(fn, device, warmup, reps)
+
+
+def run_layer(device, smoke: bool, warmup: int, reps: int) -> list[dict]:
+    from hpdl.models.soft import SoftAttention
+    from hpdl.vision.bench import _sdpa_context
+
+    dim, heads, sr = (32, 2, 4) if smoke else (384, 6, 8)
+    maps = ((16, 16), (32, 32)) if smoke else ((64, 64), (128, 128), (128, 256), (256, 256))
+    # on CPU the Triton kernels would run interpreted (slow; the check above covers them): torch there
+    variants = {"soft": dict(impl="auto" if device.type == "cuda" else "torch"),
+                "soft_nr_tf32": dict(impl="auto" if device.type == "cuda" else "torch", nr_precision="tf32"),
+                "soft_torch_old": dict(impl="torch", nr_backward="exact", nr_start="official"),
+                "sdpa_flash": dict(attention="sdpa")}
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    ctx, _ = _sdpa_context(device, dtype)
+    rows = []
+    for H, W in maps:
+        n = H * W
+        for name, kw in variants.items():
+            torch.manual_seed(0)
+            layer = SoftAttention(dim, heads, sr, **kw).to(device)
+            x = torch.randn(1, n, dim, device=device, requires_grad=True)
+            grad = torch.randn(1, n, dim, device=device)
+
+            def step():
+                x.grad = None
+                for p in layer.parameters():
+                    p.grad = None
+                with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32), ctx():
+                    out = layer(x, H, W)
+                out.backward(grad)
+
+            row = {"tokens": n, "map": f"{H}x{W}", "method": name,
+                   "landmarks": (H // sr) * (W // sr) if name != "sdpa_flash" else None}
+            try:
+                m = _timed(step, device, warmup, reps)
+                rows.append({**row, "status": "ok", "fwd_bwd_ms": m["ms"], "peak_mib": m["peak_mib"]})
+            except torch.cuda.OutOfMemoryError:
+                rows.append({**row, "status": "oom"})
+            layer = x = grad = None
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------- models
+
+def _model(name: str, device):
+    if name.startswith("soft_"):
+        from hpdl.models.soft import create
+
+        return create(name, impl="auto" if device.type == "cuda" else "torch").to(device)
+    import timm
+
+    return timm.create_model(name, pretrained=False).to(device)
+
+
+def run_models(device, smoke: bool, warmup: int, reps: int, modes, budget_end: float) -> list[dict]:
+    size = 64 if smoke else 224
+    tb, ib = (2, 2) if smoke else (128, 256)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows = []
+    names = [n for pair in PAIRS for n in pair]
+    for mode in modes:
+        for name in names:
+            row = {"model": name, "mode": mode, "image_size": size, "train_batch": tb, "infer_batch": ib}
+            # a compile takes a minute or more: start one only with 90 s of budget left (eager: 10 s)
+            if time.perf_counter() > budget_end - (90 if mode == "compiled" and not smoke else 10 if not smoke else 0):
+                rows.append({**row, "status": "skipped", "why": "--time-budget spent"})
+                continue
+            t0 = time.perf_counter()
+            try:
+                torch.manual_seed(0)
+                model = _model(name, device).to(memory_format=torch.channels_last)
+                row["params_m"] = sum(p.numel() for p in model.parameters()) / 1e6
+                fn = torch.compile(model) if mode == "compiled" else model
+                xt = torch.randn(tb, 3, size, size, device=device).to(memory_format=torch.channels_last)
+                xi = torch.randn(ib, 3, size, size, device=device).to(memory_format=torch.channels_last)
+
+                def train():
+                    for p in model.parameters():
+                        p.grad = None
+                    with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                        loss = fn(xt).float().logsumexp(-1).mean()
+                    loss.backward()
+
+                def infer():
+                    with torch.no_grad(), torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                        fn(xi)
+
+                model.train()
+                mt = _timed(train, device, warmup, reps)
+                model.eval()
+                mi = _timed(infer, device, warmup, reps)
+                rows.append({**row, "status": "ok", "train_images_per_s": tb / mt["ms"] * 1e3,
+                             "infer_images_per_s": ib / mi["ms"] * 1e3, "train_peak_mib": mt["peak_mib"],
+                             "seconds": time.perf_counter() - t0})
+            except torch.cuda.OutOfMemoryError:
+                rows.append({**row, "status": "oom"})
+            except Exception as e:  # a compile failure is reported, not fatal: the eager rows stand
+                rows.append({**row, "status": "error", "why": f"{type(e).__name__}: {str(e)[:200]}"})
+            finally:
+                model = fn = xt = xi = None
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    return rows
+
+
+# -------------------------------------------------------------------------------------------------- reporting
+
+def _f(v, spec=".2f"):
+    return "-" if v is None else format(v, spec)
+
+
+def format_goal(result: dict) -> str:
+    lines = []
+    if result.get("check"):
+        bad = [r for r in result["check"] if not r["ok"]]
+        lines.append(f"# kernel check on {result['meta']['device_name']}: {len(result['check']) - len(bad)}/"
+                     f"{len(result['check'])} within tolerance (FAIL stops the run; warn: a known numerical limit, "
+                     f"e.g. the official start's 20 steps on ill-conditioned landmarks)")
+        for r in result["check"]:
+            lines.append(f"{'ok  ' if r['ok'] else ('FAIL' if r['gate'] else 'warn')} {r['check']:<34} "
+                         f"{r['case']:<48} rel {r['rel_err']:.2e} (tol {r['tol']:.0e})")
+    if result.get("layer"):
+        lines.append("# attention layer dim 384, 6 heads, sr_ratio 8, batch 1, fwd+bwd, bf16 autocast: ms (peak MiB)")
+        by = {}
+        for r in result["layer"]:
+            by.setdefault(r["tokens"], {})[r["method"]] = r
+        methods = list(dict.fromkeys(r["method"] for r in result["layer"]))
+        lines.append(f"{'tokens':>7} {'m':>5} " + " ".join(f"{m:>22}" for m in methods) + "  sdpa/soft")
+        for n, rs in by.items():
+            cells = []
+            for m in methods:
+                r = rs.get(m, {})
+                cells.append(f"{_f(r.get('fwd_bwd_ms')):>9} ({_f(r.get('peak_mib'), '.0f'):>8})"
+                             if r.get("status") == "ok" else f"{r.get('status', '-'):>22}")
+            ratio = (rs["sdpa_flash"]["fwd_bwd_ms"] / rs["soft"]["fwd_bwd_ms"]
+                     if rs.get("sdpa_flash", {}).get("status") == "ok" and rs.get("soft", {}).get("status") == "ok"
+                     else None)
+            m = _f(rs.get("soft", {}).get("landmarks"), "d")
+            lines.append(f"{n:>7} {m:>5} " + " ".join(f"{c:>22}" for c in cells) + f"  {_f(ratio)}x")
+    if result.get("models"):
+        lines.append(f"# images/s at {result['models'][0]['image_size']} px, bf16 autocast, channels_last; train "
+                     f"batch {result['models'][0]['train_batch']} (fwd+bwd), infer batch "
+                     f"{result['models'][0]['infer_batch']}")
+        lines.append(f"{'model':>12} {'mode':>9} {'train img/s':>12} {'infer img/s':>12}  status")
+        for r in result["models"]:
+            lines.append(f"{r['model']:>12} {r['mode']:>9} {_f(r.get('train_images_per_s'), '.0f'):>12} "
+                         f"{_f(r.get('infer_images_per_s'), '.0f'):>12}  {r['status']}"
+                         f"{' (' + r['why'] + ')' if r.get('why') else ''}")
+        ok = {(r["model"], r["mode"]): r for r in result["models"] if r["status"] == "ok"}
+        for soft, pvt in PAIRS:
+            for mode in ("eager", "compiled"):
+                a, b = ok.get((soft, mode)), ok.get((pvt, mode))
+                if a and b:
+                    tr = a["train_images_per_s"] / b["train_images_per_s"]
+                    inf = a["infer_images_per_s"] / b["infer_images_per_s"]
+                    lines.append(f"# {soft}/{pvt} {mode}: train {tr:.2f}x, infer {inf:.2f}x")
+    return "\n".join(lines)
+
+
+def plot_goal(result: dict, out: Path) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    layer = result.get("layer") or []
+    for method in dict.fromkeys(r["method"] for r in layer):
+        ok = [r for r in layer if r["method"] == method and r["status"] == "ok"]
+        if ok:
+            axes[0].plot([r["tokens"] for r in ok], [r["fwd_bwd_ms"] for r in ok], "o-", label=method)
+            if ok[0]["peak_mib"] is not None:
+                axes[1].plot([r["tokens"] for r in ok], [r["peak_mib"] for r in ok], "o-", label=method)
+    for ax, lab in zip(axes[:2], ("fwd+bwd ms", "peak MiB above inputs")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens")
+        ax.set_ylabel(lab)
+        ax.grid(True, which="both", alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+    axes[0].set_title("attention layer (dim 384, 6 heads, sr 8)")
+    models = [r for r in result.get("models") or [] if r["status"] == "ok"]
+    labels = [f"{r['model']}\n{r['mode']}" for r in models]
+    xs = range(len(models))
+    axes[2].bar([x - 0.2 for x in xs], [r["train_images_per_s"] for r in models], 0.4, label="train")
+    axes[2].bar([x + 0.2 for x in xs], [r["infer_images_per_s"] for r in models], 0.4, label="infer")
+    axes[2].set_xticks(list(xs))
+    axes[2].set_xticklabels(labels, fontsize=6, rotation=45, ha="right")
+    axes[2].set_ylabel("images/s")
+    axes[2].legend()
+    axes[2].set_title("SOFT vs PVTv2 (224 px, bf16)")
+    fig.suptitle(f"SOFT goal run: {result['meta']['device_name']}, {result['meta']['date']}")
+    fig.tight_layout()
+    fig.savefig(out / "soft_goal.png", dpi=120)
+    plt.close(fig)
+    return "soft_goal.png"
+
+
+def run_goal(args, device, meta: dict, out: Path) -> int:
+    """The whole goal run; returns the exit status (1 if a gating kernel check fails or a row is non-finite)."""
+    t0 = time.perf_counter()
+    smoke = bool(getattr(args, "smoke", False))
+    result: dict = {"meta": {**meta, "suite": "goal", "smoke": smoke}}
+    result["check"] = run_check(device, smoke)
+    failed = [r for r in result["check"] if r["gate"] and not r["ok"]]
+    print(f"# check done ({time.perf_counter() - t0:.0f} s), {len(failed)} gating failures", flush=True)
+    parts = set(args.goal_parts)
+    if not failed:
+        if "layer" in parts:
+            result["layer"] = run_layer(device, smoke, args.warmup, args.reps)
+            print(f"# layer done ({time.perf_counter() - t0:.0f} s)", flush=True)
+        modes = [m for m in ("eager", "compiled") if m in parts]
+        if modes:
+            result["models"] = run_models(device, smoke, args.warmup, args.reps, modes, t0 + args.time_budget)
+    result["meta"]["seconds"] = time.perf_counter() - t0
+    (out / "soft_goal.json").write_text(json.dumps(result, indent=1))
+    png = plot_goal(result, out)
+    text = format_goal(result)
+    (out / "soft_goal.txt").write_text(text + "\n")
+    print(text)
+    print(f"# wrote {out / 'soft_goal.json'} {out / png} {out / 'soft_goal.txt'} in {result['meta']['seconds']:.0f} s")
+    return 1 if failed else 0
