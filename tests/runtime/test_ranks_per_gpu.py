@@ -51,8 +51,55 @@ def test_ranks_per_gpu_from_argument_or_environment(monkeypatch):
 def test_rank_environment():
     assert rank_environment("cuda", 4, 30.0, {"CUDA_MPS_PIPE_DIRECTORY": "/p"}) == {
         "HPDL_TIMEOUT": "30.0", "HPDL_RANKS_PER_GPU": "4", "CUDA_MPS_PIPE_DIRECTORY": "/p"}
-    assert rank_environment("cuda", 1, 30.0) == {"HPDL_TIMEOUT": "30.0"}
-    assert rank_environment("cpu", 4, 5.0) == {"HPDL_TIMEOUT": "5.0"}
+    # always pinned, so that a value exported in the parent (another job's) never reaches hpdl.comm in the ranks
+    assert rank_environment("cuda", 1, 30.0) == {"HPDL_TIMEOUT": "30.0", "HPDL_RANKS_PER_GPU": "1"}
+    assert rank_environment("cpu", 4, 5.0) == {"HPDL_TIMEOUT": "5.0", "HPDL_RANKS_PER_GPU": "1"}
+
+
+def test_job_ranks_per_gpu_ignores_the_variable_on_cpu_and_refuses_contradictions(monkeypatch):
+    from hpdl.runtime.launch import job_ranks_per_gpu
+
+    monkeypatch.setenv("HPDL_RANKS_PER_GPU", "two")   # a GPU-only setting: a CPU job does not read it
+    assert job_ranks_per_gpu("cpu", None) == 1 and job_ranks_per_gpu("cpu", 1) == 1
+    with pytest.raises(ValueError, match="HPDL_RANKS_PER_GPU='two' is invalid"):
+        job_ranks_per_gpu("cuda", None)
+    monkeypatch.setenv("HPDL_RANKS_PER_GPU", "4")
+    assert job_ranks_per_gpu("cuda", None) == 4 and job_ranks_per_gpu("cuda", 1) == 1
+    for bad in (0, -1, True, "2", 2.0):
+        with pytest.raises(ValueError, match="ranks_per_gpu must be an int >= 1"):
+            job_ranks_per_gpu("cpu", bad)
+    with pytest.raises(ValueError, match="ranks_per_gpu=2 needs device='cuda'"):
+        job_ranks_per_gpu("cpu", 2)
+    with pytest.raises(ValueError, match="ranks_per_gpu=2 needs device='cuda'"):
+        spawn(_rank_facts, 2, device="cpu", ranks_per_gpu=2)
+    from hpdl.testing.pool import RankPool
+
+    with pytest.raises(ValueError, match="ranks_per_gpu must be an int >= 1, got '2'"):
+        RankPool(2, device="cpu", ranks_per_gpu="2")
+
+
+def test_init_from_env_pins_the_jobs_value(monkeypatch):
+    """Under torchrun a CPU job (or ``ranks_per_gpu=1``) with another job's HPDL_RANKS_PER_GPU exported: the
+    variable is the job's value afterwards, so hpdl.comm's groups see 1."""
+    import torch.distributed as dist
+
+    from hpdl.runtime import init_from_env
+    from hpdl.runtime.launch import free_port
+
+    monkeypatch.setenv("HPDL_RANKS_PER_GPU", "two")
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(k, v)
+    assert not dist.is_initialized()
+    try:
+        ctx = init_from_env("cpu", timeout=30)
+        assert ctx.ranks_per_gpu == 1 and os.environ["HPDL_RANKS_PER_GPU"] == "1"
+        from hpdl.comm.transport.resources import GroupResources
+
+        assert GroupResources(None).ranks_per_gpu == 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def test_topology_reports_shared_gpus():
@@ -77,13 +124,16 @@ def test_spawn_refuses_bad_requests_before_starting_ranks():
         RankPool(2, device="cpu", mps=True)
 
 
-def _rank_facts(ctx):
+def _rank_facts(ctx, set_env=None):
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from hpdl.comm import api
     from hpdl.comm.transport.resources import resources_of
 
+    env = os.environ.get("HPDL_RANKS_PER_GPU")
+    if set_env is not None:   # what a CUDA launch with shared GPUs sets, on this CPU job (no GPU here)
+        os.environ["HPDL_RANKS_PER_GPU"] = set_env
     res = resources_of(None)
     with FakeTensorMode():
         t = torch.empty(4, device="cuda")
@@ -93,16 +143,36 @@ def _rank_facts(ctx):
     except ValueError as exc:
         accepted = str(exc)
     return {"backend": dist.get_backend(), "cpu_group": ctx.cpu_group is None,
-            "cuda_over_gloo": res.cuda_over_gloo, "accepted": accepted, "env": os.environ.get("HPDL_RANKS_PER_GPU")}
+            "cuda_over_gloo": res.cuda_over_gloo, "accepted": accepted, "env": env}
 
 
 def test_gloo_group_takes_cuda_tensors_only_when_gpus_are_shared(monkeypatch):
-    monkeypatch.setenv("HPDL_RANKS_PER_GPU", "2")   # inherited by the spawned ranks (a CPU job here)
-    shared = spawn(_rank_facts, 2, timeout=60)
+    shared = spawn(_rank_facts, 2, args=("2",), timeout=60)
     assert all(r["backend"] == "gloo" and r["cuda_over_gloo"] and r["accepted"] is True for r in shared)
-    monkeypatch.delenv("HPDL_RANKS_PER_GPU")
-    plain = spawn(_rank_facts, 2, timeout=60)
-    assert all(not r["cuda_over_gloo"] and "backend is gloo" in r["accepted"] for r in plain)
+    # a CPU job with another job's value exported (even garbage) in the parent: the ranks see 1, nothing changes
+    for inherited in ("2",):   # "two" or "0" are pinned the same way (test_rank_environment)
+        monkeypatch.setenv("HPDL_RANKS_PER_GPU", inherited)
+        plain = spawn(_rank_facts, 2, timeout=60)
+        assert all(r["env"] == "1" and not r["cuda_over_gloo"] and "backend is gloo" in r["accepted"]
+                   for r in plain), (inherited, plain)
+
+
+def test_comm_refuses_a_nonpositive_variable(monkeypatch):
+    """A process that made its own group (not through hpdl.runtime): HPDL_RANKS_PER_GPU=0 would make ``auto``
+    see 0 GPUs and refuse the peer kernels with a message about GPU counts; it is named instead."""
+    import torch.distributed as dist
+
+    from hpdl.comm.transport.resources import GroupResources
+    from hpdl.runtime.launch import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        for bad in ("0", "-1"):
+            monkeypatch.setenv("HPDL_RANKS_PER_GPU", bad)
+            with pytest.raises(ValueError, match="HPDL_RANKS_PER_GPU must be an int >= 1"):
+                GroupResources(None)
+    finally:
+        dist.destroy_process_group()
 
 
 FAKE_MPS = """#!/bin/sh

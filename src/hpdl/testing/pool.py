@@ -67,10 +67,10 @@ class RankPool:
 
     def __init__(self, world_size: int, ranks_per_node: int | Sequence[int] | None = None, timeout: float = 120.0,
                  device: str = "cpu", ranks_per_gpu: int = 1, mps: bool = False):
-        from hpdl.runtime.launch import _maybe_mps, free_port, rank_environment, ranks_per_gpu_of
+        from hpdl.runtime.launch import _maybe_mps, free_port, job_ranks_per_gpu, rank_environment
 
         self.world_size, self.ranks_per_node, self.timeout = world_size, ranks_per_node, timeout
-        self.device, self.ranks_per_gpu = device, ranks_per_gpu_of(ranks_per_gpu) if device == "cuda" else 1
+        self.device, self.ranks_per_gpu = device, job_ranks_per_gpu(device, ranks_per_gpu)
         if mps and self.ranks_per_gpu == 1:
             raise ValueError("mps=True needs ranks sharing a GPU (device='cuda' and ranks_per_gpu > 1)")
         self._procs = []

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from hpdl.comm.transport.failure import FailureBoard, is_peer_failure
 from hpdl.comm.transport.torch_p2p import TorchTransport
 from hpdl.runtime import env
+from hpdl.runtime.launch import ranks_per_gpu_of
 
 
 class GroupResources:
@@ -42,7 +43,7 @@ class GroupResources:
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.backend = str(dist.get_backend(group))
-        self.ranks_per_gpu = int(env.get("HPDL_RANKS_PER_GPU"))
+        self.ranks_per_gpu = ranks_per_gpu_of(None)   # 0 or -1 would make "auto" see no GPUs at all
         self._comm: TorchTransport | None = None
         self._host: TorchTransport | None = None
         self._algos: dict = {}
@@ -93,7 +94,7 @@ class GroupResources:
         if self.topology is None:
             from hpdl.runtime.topology import Topology, discover
 
-            rpn, rpg = env.get("HPDL_RANKS_PER_NODE"), env.get("HPDL_RANKS_PER_GPU")
+            rpn, rpg = env.get("HPDL_RANKS_PER_NODE"), self.ranks_per_gpu
             if rpn:
                 parts = [int(x) for x in rpn.split(",")]
                 self.topology = Topology.emulate(self.world_size, parts[0] if len(parts) == 1 else parts, rpg)
