@@ -230,3 +230,89 @@ def test_bench_ranks_per_gpu_flags(argv, message, tmp_path):
     out = subprocess.run([sys.executable, "-m", "hpdl.cli", "bench", "allreduce", "--np", "4", *argv],
                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert out.returncode == 1 and message in out.stderr, (out.returncode, out.stderr[-500:])   # usage error
+
+
+def _fake_mps(tmp_path, monkeypatch):
+    """The fake control program on PATH; the pids of the daemons it starts are appended to the returned file."""
+    exe = tmp_path / "bin" / "nvidia-cuda-mps-control"
+    exe.parent.mkdir()
+    exe.write_text(FAKE_MPS.replace('  exit 0\nfi', '  echo $! >> "$FAKE_MPS_RECORD"\n  exit 0\nfi', 1))
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    record = tmp_path / "daemons"
+    record.write_text("")
+    monkeypatch.setenv("PATH", f"{exe.parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_MPS_RECORD", str(record))
+    return record
+
+
+def _left_running(record) -> list[int]:
+    from hpdl.runtime.procs import pid_alive
+
+    pids = [int(x) for x in record.read_text().split()]
+    assert pids, "the fake daemon was never started"
+    alive = [p for p in pids if pid_alive(p)]
+    for p in alive:   # do not leave the test's own fake daemons behind
+        os.kill(p, 9)
+    return alive
+
+
+def test_mps_daemon_stopped_when_start_is_interrupted(tmp_path, monkeypatch):
+    """Ctrl-C while ``start`` waits for the daemon to come up (after ``-d`` ran): it is quit, not left behind."""
+    from hpdl.runtime import mps
+
+    record = _fake_mps(tmp_path, monkeypatch)
+    real, calls = mps.daemon_pid, []
+
+    def interrupted(pipe_dir):
+        calls.append(pipe_dir)
+        if len(calls) == 2:   # the first wait for the pid file, after "-d" started the daemon
+            raise KeyboardInterrupt
+        return real(pipe_dir)
+
+    monkeypatch.setattr(mps, "daemon_pid", interrupted)
+    daemon = mps.MpsDaemon(tmp_path / "m")
+    with pytest.raises(KeyboardInterrupt):
+        daemon.start()
+    assert _left_running(record) == []
+
+
+def test_rank_pool_stops_mps_when_it_fails_before_the_ranks_answer(tmp_path, monkeypatch):
+    """RankPool with mps=True: a failure (here Ctrl-C) between the daemon's start and the ranks' start, and ranks
+    that fail at start-up (no CUDA on this machine), both leave no daemon running."""
+    import hpdl.runtime.launch as launch
+    from hpdl.runtime.errors import WorkerFailedError
+    from hpdl.testing.pool import RankPool
+
+    record = _fake_mps(tmp_path, monkeypatch)
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(launch, "free_port", interrupted)
+        # held, as an interactive session's last traceback is: the half-made pool's frame stays alive, so its
+        # MPS context is not finalised by garbage collection
+        with pytest.raises(KeyboardInterrupt) as held:
+            RankPool(2, timeout=60, device="cuda", ranks_per_gpu=2, mps=True)
+    assert _left_running(record) == [] and held.tb is not None
+    import multiprocessing.context as mpc
+
+    real_start, started = mpc.SpawnProcess.start, []
+
+    def start_then_interrupt(proc):   # Ctrl-C after the first rank started: the second one never starts
+        if started:
+            raise KeyboardInterrupt
+        started.append(proc)
+        real_start(proc)
+
+    with monkeypatch.context() as m:
+        m.setattr(mpc.SpawnProcess, "start", start_then_interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            RankPool(2, timeout=60, device="cuda", ranks_per_gpu=2, mps=True)
+    assert _left_running(record) == [] and not started[0].is_alive()
+    if not torch.cuda.is_available():
+        with pytest.raises(WorkerFailedError, match="torch.cuda.is_available"):
+            RankPool(2, timeout=60, device="cuda", ranks_per_gpu=2, mps=True)
+        with pytest.raises(WorkerFailedError, match="torch.cuda.is_available"):
+            spawn(_rank_facts, 2, device="cuda", ranks_per_gpu=2, mps=True, timeout=60)
+        assert _left_running(record) == []

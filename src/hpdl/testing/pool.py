@@ -75,24 +75,26 @@ class RankPool:
             raise ValueError("mps=True needs ranks sharing a GPU (device='cuda' and ranks_per_gpu > 1)")
         self._procs = []
         self.broken = True   # until every rank is up (close() is safe on a half-built pool)
-        self._mps = _maybe_mps(mps)
-        environ = rank_environment(device, self.ranks_per_gpu, timeout, self._mps.__enter__())
-        ctx = mp.get_context("spawn")
-        self._tasks = [ctx.Queue() for _ in range(world_size)]
-        self._results = ctx.Queue()
-        port = free_port()
-        self._procs = [ctx.Process(target=_serve, args=(r, world_size, port, device, ranks_per_node, timeout,
-                                                        self._tasks[r], self._results, self.ranks_per_gpu, environ),
-                                   daemon=True)
-                       for r in range(world_size)]
-        for p in self._procs:
-            p.start()
-        self._ids = itertools.count()
-        self.broken = False
+        mps_context = _maybe_mps(mps)
+        environ = rank_environment(device, self.ranks_per_gpu, timeout, mps_context.__enter__())
+        self._mps = mps_context   # set once started: close() stops it
         try:
+            ctx = mp.get_context("spawn")
+            self._tasks = [ctx.Queue() for _ in range(world_size)]
+            self._results = ctx.Queue()
+            port = free_port()
+            self._procs = [ctx.Process(target=_serve, args=(r, world_size, port, device, ranks_per_node, timeout,
+                                                            self._tasks[r], self._results, self.ranks_per_gpu,
+                                                            environ),
+                                       daemon=True)
+                           for r in range(world_size)]
+            for p in self._procs:
+                p.start()
+            self._ids = itertools.count()
+            self.broken = False
             self._collect(-1, timeout)
         except BaseException:
-            self.close()   # no half-started pool (or MPS daemon) is left behind
+            self.close()   # no half-started pool (or MPS daemon) is left behind, also after Ctrl-C
             raise
 
     def _collect(self, task_id: int, timeout: float) -> list[Any]:
@@ -148,6 +150,8 @@ class RankPool:
             except (OSError, ValueError):
                 pass
         for p in self._procs:
+            if p.pid is None:   # never started (start-up was interrupted): join() would raise
+                continue
             p.join(timeout=2)
             if p.is_alive():
                 p.kill()
