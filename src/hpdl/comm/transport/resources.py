@@ -32,7 +32,8 @@ class GroupResources:
         board: the group's :class:`~hpdl.comm.transport.failure.FailureBoard`; ``calls`` counts the
             collectives issued on the group (the post-mortem's call number).
         side_stream, side_pending: CUDA stream of async peer-memory calls, and the event of the last one that
-            no later call on the group has waited for yet.
+            no later call on the group has waited for yet; ``side_waited``: ``(event, stream)`` when a
+            ``CudaWork.wait`` on ``stream`` took it (a later call on another stream must still wait).
         ranks_per_gpu: ranks sharing one CUDA device in this job (``HPDL_RANKS_PER_GPU``, set in every rank by
             the launch mode). Above 1 a gloo group carries CUDA tensors: the peer-memory kernels run on them,
             every other algorithm stages them through host memory.
@@ -51,6 +52,7 @@ class GroupResources:
         self.topology = None
         self.side_stream = None
         self.side_pending = None
+        self.side_waited = None   # (event, stream) of the last side_pending that a CudaWork.wait cleared
         self.calls = 0
         ranks = self.global_ranks()
         name = "world" if group is None else str(getattr(group, "group_name", "") or "-".join(map(str, ranks)))
