@@ -150,6 +150,7 @@ def test_gloo_group_takes_cuda_tensors_only_when_gpus_are_shared(monkeypatch):
     shared = spawn(_rank_facts, 2, args=("2",), timeout=60)
     assert all(r["backend"] == "gloo" and r["cuda_over_gloo"] and r["accepted"] is True for r in shared)
     # a CPU job with another job's value exported (even garbage) in the parent: the ranks see 1, nothing changes
+    monkeypatch.setenv("HPDL_MPS", "maybe")   # GPU-sharing only: malformed, it must not fail a CPU job either
     for inherited in ("2",):   # "two" or "0" are pinned the same way (test_rank_environment)
         monkeypatch.setenv("HPDL_RANKS_PER_GPU", inherited)
         plain = spawn(_rank_facts, 2, timeout=60)
@@ -316,3 +317,15 @@ def test_rank_pool_stops_mps_when_it_fails_before_the_ranks_answer(tmp_path, mon
         with pytest.raises(WorkerFailedError, match="torch.cuda.is_available"):
             spawn(_rank_facts, 2, device="cuda", ranks_per_gpu=2, mps=True, timeout=60)
         assert _left_running(record) == []
+
+
+def test_mps_argument_must_be_a_bool(tmp_path, monkeypatch):
+    """``mps="false"`` is refused, not taken as true (it started a daemon for RankPool)."""
+    from hpdl.testing.pool import RankPool
+
+    record = _fake_mps(tmp_path, monkeypatch)
+    with pytest.raises(ValueError, match="mps must be True, False or None"):
+        RankPool(2, timeout=60, device="cuda", ranks_per_gpu=2, mps="false")
+    with pytest.raises(ValueError, match="mps must be True, False or None"):
+        spawn(_rank_facts, 2, device="cuda", ranks_per_gpu=2, mps="false")
+    assert record.read_text() == ""   # no daemon was started

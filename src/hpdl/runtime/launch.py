@@ -276,15 +276,28 @@ def spawn(fn: Callable[..., Any], nprocs: int, *, args: tuple = (), device: str 
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     rpg = job_ranks_per_gpu(device, ranks_per_gpu)
-    use_mps = bool(env.get("HPDL_MPS") if mps is None else mps)
-    if use_mps and rpg == 1:
-        if mps:
-            raise ValueError("mps=True needs ranks sharing a GPU (device='cuda' and ranks_per_gpu > 1)")
-        use_mps = False   # HPDL_MPS set for another job shape: nothing to share
+    use_mps = use_mps_for(mps, rpg)
     limit = _timeout(timeout)
     with _maybe_mps(use_mps) as mps_env:
         return _spawn(fn, nprocs, args, device, ranks_per_node, limit, job_timeout, grace, rpg,
                       rank_environment(device, rpg, limit, mps_env))
+
+
+def use_mps_for(mps: bool | None, ranks_per_gpu: int) -> bool:
+    """Whether a job of ``ranks_per_gpu`` runs under a private MPS daemon: ``mps``, or ``HPDL_MPS`` when None
+    (read only when ranks share a GPU: set for another job shape, or malformed, it does not fail this one).
+
+    Raises:
+        ValueError: ``mps`` is not True, False or None (a string such as "false" is not taken as true), or
+            ``mps=True`` with a GPU per rank or the CPU.
+    """
+    if mps is not None and not isinstance(mps, bool):
+        raise ValueError(f"mps must be True, False or None (HPDL_MPS), got {mps!r}")
+    if ranks_per_gpu == 1:
+        if mps:
+            raise ValueError("mps=True needs ranks sharing a GPU (device='cuda' and ranks_per_gpu > 1)")
+        return False
+    return bool(env.get("HPDL_MPS") if mps is None else mps)
 
 
 def _maybe_mps(use: bool):

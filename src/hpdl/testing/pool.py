@@ -67,12 +67,11 @@ class RankPool:
 
     def __init__(self, world_size: int, ranks_per_node: int | Sequence[int] | None = None, timeout: float = 120.0,
                  device: str = "cpu", ranks_per_gpu: int = 1, mps: bool = False):
-        from hpdl.runtime.launch import _maybe_mps, free_port, job_ranks_per_gpu, rank_environment
+        from hpdl.runtime.launch import _maybe_mps, free_port, job_ranks_per_gpu, rank_environment, use_mps_for
 
         self.world_size, self.ranks_per_node, self.timeout = world_size, ranks_per_node, timeout
         self.device, self.ranks_per_gpu = device, job_ranks_per_gpu(device, ranks_per_gpu)
-        if mps and self.ranks_per_gpu == 1:
-            raise ValueError("mps=True needs ranks sharing a GPU (device='cuda' and ranks_per_gpu > 1)")
+        mps = use_mps_for(False if mps is None else mps, self.ranks_per_gpu)   # checked: "false" is not true
         self._procs = []
         self.broken = True   # until every rank is up (close() is safe on a half-built pool)
         mps_context = _maybe_mps(mps)
