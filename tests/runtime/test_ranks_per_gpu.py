@@ -124,38 +124,42 @@ def test_spawn_refuses_bad_requests_before_starting_ranks():
         RankPool(2, device="cpu", mps=True)
 
 
-def _rank_facts(ctx, set_env=None):
+def _rank_facts(ctx):
+    """What hpdl.comm makes of a CUDA tensor on this rank's gloo world group: first with the environment the
+    launch gave, then with HPDL_RANKS_PER_GPU=2 (what a CUDA launch with shared GPUs sets; no GPU here)."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from hpdl.comm import api
-    from hpdl.comm.transport.resources import resources_of
+    from hpdl.comm.transport.resources import GroupResources
 
-    env = os.environ.get("HPDL_RANKS_PER_GPU")
-    if set_env is not None:   # what a CUDA launch with shared GPUs sets, on this CPU job (no GPU here)
-        os.environ["HPDL_RANKS_PER_GPU"] = set_env
-    res = resources_of(None)
     with FakeTensorMode():
         t = torch.empty(4, device="cuda")
-    try:
-        api._check_tensor("tensor", t, res)   # a CUDA tensor on the gloo group: taken only when GPUs are shared
-        accepted = True
-    except ValueError as exc:
-        accepted = str(exc)
-    return {"backend": dist.get_backend(), "cpu_group": ctx.cpu_group is None,
-            "cuda_over_gloo": res.cuda_over_gloo, "accepted": accepted, "env": env}
+    out = {"backend": dist.get_backend(), "cpu_group": ctx.cpu_group is None,
+           "env": os.environ.get("HPDL_RANKS_PER_GPU")}
+    for case in ("launched", "shared"):
+        if case == "shared":
+            os.environ["HPDL_RANKS_PER_GPU"] = "2"
+        res = GroupResources(None)
+        try:
+            api._check_tensor("tensor", t, res)   # a CUDA tensor on the gloo group: taken only when GPUs are shared
+            accepted = True
+        except ValueError as exc:
+            accepted = str(exc)
+        out[case] = {"cuda_over_gloo": res.cuda_over_gloo, "accepted": accepted}
+    return out
 
 
 def test_gloo_group_takes_cuda_tensors_only_when_gpus_are_shared(monkeypatch):
-    shared = spawn(_rank_facts, 2, args=("2",), timeout=60)
-    assert all(r["backend"] == "gloo" and r["cuda_over_gloo"] and r["accepted"] is True for r in shared)
-    # a CPU job with another job's value exported (even garbage) in the parent: the ranks see 1, nothing changes
-    monkeypatch.setenv("HPDL_MPS", "maybe")   # GPU-sharing only: malformed, it must not fail a CPU job either
-    for inherited in ("2",):   # "two" or "0" are pinned the same way (test_rank_environment)
-        monkeypatch.setenv("HPDL_RANKS_PER_GPU", inherited)
-        plain = spawn(_rank_facts, 2, timeout=60)
-        assert all(r["env"] == "1" and not r["cuda_over_gloo"] and "backend is gloo" in r["accepted"]
-                   for r in plain), (inherited, plain)
+    """A CPU job started with another job's HPDL_RANKS_PER_GPU (and a malformed HPDL_MPS, GPU sharing only)
+    exported in the parent: the ranks see 1 and nothing changes for them; with 2 a gloo group takes CUDA
+    tensors."""
+    monkeypatch.setenv("HPDL_RANKS_PER_GPU", "2")   # "two" or "0" are pinned the same way (test_rank_environment)
+    monkeypatch.setenv("HPDL_MPS", "maybe")
+    for r in spawn(_rank_facts, 2, timeout=60):
+        assert r["backend"] == "gloo" and r["env"] == "1", r
+        assert not r["launched"]["cuda_over_gloo"] and "backend is gloo" in r["launched"]["accepted"], r
+        assert r["shared"] == {"cuda_over_gloo": True, "accepted": True}, r
 
 
 def test_comm_refuses_a_nonpositive_variable(monkeypatch):
@@ -314,8 +318,6 @@ def test_rank_pool_stops_mps_when_it_fails_before_the_ranks_answer(tmp_path, mon
     if not torch.cuda.is_available():
         with pytest.raises(WorkerFailedError, match="torch.cuda.is_available"):
             RankPool(2, timeout=60, device="cuda", ranks_per_gpu=2, mps=True)
-        with pytest.raises(WorkerFailedError, match="torch.cuda.is_available"):
-            spawn(_rank_facts, 2, device="cuda", ranks_per_gpu=2, mps=True, timeout=60)
         assert _left_running(record) == []
 
 
