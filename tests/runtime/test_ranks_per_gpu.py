@@ -230,6 +230,7 @@ def test_mps_missing_names_the_program(monkeypatch, tmp_path):
     (["--device", "cpu", "--ranks-per-gpu", "2"], "--ranks-per-gpu needs --device cuda"),
     (["--device", "cuda", "--ranks-per-gpu", "0"], "--ranks-per-gpu must be an int >= 1"),
     (["--device", "cuda", "--ranks-per-gpu", "4", "--tune", "t.json"], "no tuning table is written"),
+    (["--device", "cuda", "--ranks-per-gpu", "2", "--graph"], "['native', 'direct', 'ring'] run over gloo"),
 ])
 def test_bench_ranks_per_gpu_flags(argv, message, tmp_path):
     out = subprocess.run([sys.executable, "-m", "hpdl.cli", "bench", "allreduce", "--np", "4", *argv],
