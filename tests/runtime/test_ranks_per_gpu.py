@@ -332,3 +332,18 @@ def test_mps_argument_must_be_a_bool(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="mps must be True, False or None"):
         spawn(_rank_facts, 2, device="cuda", ranks_per_gpu=2, mps="false")
     assert record.read_text() == ""   # no daemon was started
+
+
+def test_ranks_the_gpus_cannot_hold_are_refused_before_starting(tmp_path, monkeypatch):
+    """3 ranks at 2 a GPU on a one-GPU host: refused in the parent, naming rank 2 (not after starting the ranks
+    and an MPS daemon, with rank 2 failing alone). The GPU count is this host's, faked here (no GPU)."""
+    from hpdl.testing.pool import RankPool
+
+    record = _fake_mps(tmp_path, monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(RuntimeError, match=r"local rank 2 has no GPU: only 1 visible and ranks_per_gpu=2"):
+        spawn(_rank_facts, 3, device="cuda", ranks_per_gpu=2, mps=True, timeout=30, job_timeout=60)
+    with pytest.raises(RuntimeError, match=r"local rank 2 has no GPU: only 1 visible and ranks_per_gpu=2"):
+        RankPool(3, timeout=30, device="cuda", ranks_per_gpu=2, mps=True)
+    assert record.read_text() == ""   # nothing was started

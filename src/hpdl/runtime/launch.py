@@ -267,6 +267,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, *, args: tuple = (), device: str 
     Raises:
         ValueError: bad ``nprocs``, ``device`` or ``ranks_per_gpu`` (also > 1 with ``device="cpu"``), or ``mps``
             without shared GPUs.
+        RuntimeError: the visible GPUs cannot hold ``nprocs`` ranks at ``ranks_per_gpu`` each (before any starts).
         WorkerFailedError: a rank raised (its traceback is in the message) or died without a result.
         CollectiveTimeoutError: the job ran past ``job_timeout``; the message names the ranks still running.
         hpdl.runtime.mps.MpsError: ``mps`` was asked for and the daemon could not start.
@@ -276,11 +277,24 @@ def spawn(fn: Callable[..., Any], nprocs: int, *, args: tuple = (), device: str 
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     rpg = job_ranks_per_gpu(device, ranks_per_gpu)
+    check_gpus_for(device, nprocs, rpg)
     use_mps = use_mps_for(mps, rpg)
     limit = _timeout(timeout)
     with _maybe_mps(use_mps) as mps_env:
         return _spawn(fn, nprocs, args, device, ranks_per_node, limit, job_timeout, grace, rpg,
                       rank_environment(device, rpg, limit, mps_env))
+
+
+def check_gpus_for(device: str, nprocs: int, ranks_per_gpu: int) -> None:
+    """Refuse, before any rank (or MPS daemon) starts, ``nprocs`` local ranks that this host's visible GPUs
+    cannot hold at ``ranks_per_gpu`` each (e.g. 3 ranks at 2 a GPU on one GPU: rank 2 would have none). Where
+    CUDA is not available at all, each rank says so itself.
+
+    Raises:
+        RuntimeError: from :func:`device_for`, naming the rank, the GPU count and ``ranks_per_gpu``.
+    """
+    if device == "cuda" and torch.cuda.is_available():
+        device_for("cuda", nprocs - 1, ranks_per_gpu)
 
 
 def use_mps_for(mps: bool | None, ranks_per_gpu: int) -> bool:

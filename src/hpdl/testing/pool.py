@@ -67,10 +67,12 @@ class RankPool:
 
     def __init__(self, world_size: int, ranks_per_node: int | Sequence[int] | None = None, timeout: float = 120.0,
                  device: str = "cpu", ranks_per_gpu: int = 1, mps: bool = False):
-        from hpdl.runtime.launch import _maybe_mps, free_port, job_ranks_per_gpu, rank_environment, use_mps_for
+        from hpdl.runtime.launch import (_maybe_mps, check_gpus_for, free_port, job_ranks_per_gpu, rank_environment,
+                                         use_mps_for)
 
         self.world_size, self.ranks_per_node, self.timeout = world_size, ranks_per_node, timeout
         self.device, self.ranks_per_gpu = device, job_ranks_per_gpu(device, ranks_per_gpu)
+        check_gpus_for(device, world_size, self.ranks_per_gpu)
         mps = use_mps_for(False if mps is None else mps, self.ranks_per_gpu)   # checked: "false" is not true
         self._procs = []
         self.broken = True   # until every rank is up (close() is safe on a half-built pool)
