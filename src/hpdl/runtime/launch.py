@@ -343,6 +343,7 @@ def _spawn(fn, nprocs, args, device, ranks_per_node, limit, job_timeout, grace, 
     errors: dict[int, str] = {}
     deadline = time.monotonic() + job_timeout if job_timeout is not None else float("inf")
     first_error_at: float | None = None
+    aborted = False
     try:
         while len(outputs) + len(errors) < nprocs:
             now = time.monotonic()
@@ -372,9 +373,14 @@ def _spawn(fn, nprocs, args, device, ranks_per_node, limit, job_timeout, grace, 
             else:
                 errors[rank] = payload
                 first_error_at = first_error_at or time.monotonic()
+    except BaseException:
+        aborted = True   # Ctrl-C, the job timeout: the ranks get no more time
+        raise
     finally:
+        # one deadline for all ranks (joined one by one, a per-rank wait made Ctrl-C take 5 s per stuck rank)
+        end = time.monotonic() + (0.5 if errors or aborted else 5.0)
         for p in procs:
-            p.join(timeout=0.5 if errors else 5.0)
+            p.join(timeout=max(0.0, end - time.monotonic()))
         for p in procs:
             if p.is_alive():
                 p.kill()
