@@ -73,3 +73,29 @@ def test_ctrl_c_of_spawn_ends_the_ranks_at_once(tmp_path):
     finally:
         signal.signal(signal.SIGINT, previous)
     assert took < 10.0, f"spawn returned {took:.1f}s after Ctrl-C"
+
+
+def _stuck(ctx):
+    import time
+
+    time.sleep(600)
+
+
+def test_rank_pool_tears_down_stuck_ranks_at_once():
+    """A call whose ranks never answer: the pool names them after ``timeout`` and kills them together (each
+    stuck rank used to get 2 s of join in turn: 8 s for these 4, 1 + 8 s in all; 6 s leaves load margin)."""
+    import time
+
+    from hpdl.runtime import CollectiveTimeoutError
+    from hpdl.testing.pool import RankPool
+
+    pool = RankPool(4, timeout=60)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(CollectiveTimeoutError, match=r"ranks \[0, 1, 2, 3\] did not finish"):
+            pool.run(_stuck, timeout=1.0)
+        took = time.monotonic() - t0
+        assert not any(p.is_alive() for p in pool._procs)
+    finally:
+        pool.close()
+    assert took < 6.0, f"run returned {took:.1f}s after it began (timeout 1 s)"

@@ -150,10 +150,11 @@ class RankPool:
                 q.put(None)
             except (OSError, ValueError):
                 pass
+        end = time.monotonic() + 2.0   # one deadline for all ranks, not 2 s for each stuck one in turn
         for p in self._procs:
             if p.pid is None:   # never started (start-up was interrupted): join() would raise
                 continue
-            p.join(timeout=2)
+            p.join(timeout=max(0.0, end - time.monotonic()))
             if p.is_alive():
                 p.kill()
                 p.join()
