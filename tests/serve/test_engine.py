@@ -103,3 +103,10 @@ def test_engine_config_checks_ranks_per_gpu(kw, message):
     the others waiting at the rendezvous)."""
     with pytest.raises(ValueError, match=message):
         EngineConfig(device="cpu", **kw)
+
+
+def test_engine_config_checks_the_variable_for_tp_on_cuda(monkeypatch):
+    monkeypatch.setenv("HPDL_RANKS_PER_GPU", "two")
+    with pytest.raises(ValueError, match="HPDL_RANKS_PER_GPU='two' is invalid"):
+        EngineConfig(device="cuda", tensor_parallel_size=2)
+    EngineConfig(device="cpu", tensor_parallel_size=2)   # a GPU-only setting: a CPU engine does not read it
