@@ -120,6 +120,33 @@ def all_reduce_matrix(ctx):
                    for i, x in enumerate(xs))
     _case(res, "async on the side stream beside a matmul", async_side_stream)
 
+    def async_waited_on_another_stream():
+        """wait() on stream s2, the next call on the current stream: that call must still come after the async
+        one (same peer buffer). The side stream sleeps before the async kernel, so right after the next call is
+        issued the current stream must still be busy (waiting); then both results are exact."""
+        from hpdl.comm.transport.resources import resources_of
+
+        n = 1 << 16
+        x = make_input(r, n, "sum", torch.float32, seed=8, device=dev)
+        y = make_input(r, n, "sum", torch.float32, seed=9, device=dev)
+        hc.all_reduce(torch.ones(n, device=dev), async_op=True, algorithm="two_shot").wait()   # side stream made
+        hc.all_reduce(torch.ones(n, device=dev), algorithm="two_shot")
+        torch.cuda.synchronize()
+        dist.barrier()
+        side = resources_of(None).side_stream
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(500_000_000)   # ~0.25 s of GPU clock before the async kernel runs
+        w = hc.all_reduce(x, async_op=True, algorithm="two_shot")
+        s2 = torch.cuda.Stream()
+        with torch.cuda.stream(s2):
+            w.wait()
+        hc.all_reduce(y, algorithm="two_shot")
+        not_ordered = int(torch.cuda.current_stream().query())   # done already: y's kernel ran beside x's
+        torch.cuda.synchronize()
+        return (not_ordered + int((x.cpu() != expected(p, n, "sum", torch.float32, seed=8)).sum())
+                + int((y.cpu() != expected(p, n, "sum", torch.float32, seed=9)).sum()))
+    _case(res, "async waited on another stream, next call ordered after it", async_waited_on_another_stream)
+
     def graph_replay():
         from hpdl.comm.algorithms import peer
 

@@ -32,3 +32,70 @@ def test_init_from_env_destroys_its_group_at_exit(tmp_path):
                         str(script)], capture_output=True, text=True, timeout=150, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.count("rank-exit initialized=False") == 2, r.stdout[-2000:]
+
+
+def _sleep_forever(ctx, ready):
+    import time
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    if ctx.rank == 0:
+        open(ready, "w").close()
+    time.sleep(600)
+
+
+def test_ctrl_c_of_spawn_ends_the_ranks_at_once(tmp_path):
+    """Ctrl-C reaching only the parent (a scheduler's SIGINT; ranks stuck in C code, such as a peer kernel on a
+    shared GPU, see no KeyboardInterrupt either): spawn kills its ranks and returns (MPS is stopped after them).
+    Each rank used to get 5 s of join in turn: 20 s for these 4; 10 s leaves a loaded host its margin."""
+    from hpdl.runtime import spawn
+
+    import signal
+    import threading
+    import time
+
+    ready = tmp_path / "ready"
+    when: list = []
+
+    def interrupt():
+        while not ready.exists():
+            time.sleep(0.05)
+        when.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGINT)
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    threading.Thread(target=interrupt, daemon=True).start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            spawn(_sleep_forever, 4, args=(str(ready),), timeout=60, job_timeout=120)
+        took = time.monotonic() - when[0]
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert took < 10.0, f"spawn returned {took:.1f}s after Ctrl-C"
+
+
+def _stuck(ctx):
+    import time
+
+    time.sleep(600)
+
+
+def test_rank_pool_tears_down_stuck_ranks_at_once():
+    """A call whose ranks never answer: the pool names them after ``timeout`` and kills them together (each
+    stuck rank used to get 2 s of join in turn: 8 s for these 4, 1 + 8 s in all; 6 s leaves load margin)."""
+    import time
+
+    from hpdl.runtime import CollectiveTimeoutError
+    from hpdl.testing.pool import RankPool
+
+    pool = RankPool(4, timeout=60)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(CollectiveTimeoutError, match=r"ranks \[0, 1, 2, 3\] did not finish"):
+            pool.run(_stuck, timeout=1.0)
+        took = time.monotonic() - t0
+        assert not any(p.is_alive() for p in pool._procs)
+    finally:
+        pool.close()
+    assert took < 6.0, f"run returned {took:.1f}s after it began (timeout 1 s)"

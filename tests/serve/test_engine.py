@@ -90,3 +90,23 @@ def test_bad_requests_raise_and_engine_keeps_serving():
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)
     assert len(eng.generate([[1, 2]], SamplingParams(max_tokens=5, ignore_eos=True))[0].token_ids) == 5
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(ranks_per_gpu=0), "ranks_per_gpu must be an int >= 1, got 0"),
+    (dict(ranks_per_gpu="2"), "ranks_per_gpu must be an int >= 1, got '2'"),
+    (dict(ranks_per_gpu=True), "ranks_per_gpu must be an int >= 1, got True"),
+    (dict(ranks_per_gpu=2, tensor_parallel_size=2), "ranks_per_gpu=2 needs device='cuda'"),
+])
+def test_engine_config_checks_ranks_per_gpu(kw, message):
+    """Refused when the config is made, before any TP rank is started (a rank refusing it later would leave
+    the others waiting at the rendezvous)."""
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(device="cpu", **kw)
+
+
+def test_engine_config_checks_the_variable_for_tp_on_cuda(monkeypatch):
+    monkeypatch.setenv("HPDL_RANKS_PER_GPU", "two")
+    with pytest.raises(ValueError, match="HPDL_RANKS_PER_GPU='two' is invalid"):
+        EngineConfig(device="cuda", tensor_parallel_size=2)
+    EngineConfig(device="cpu", tensor_parallel_size=2)   # a GPU-only setting: a CPU engine does not read it

@@ -240,7 +240,7 @@ def _add_plugins(sub) -> None:
 def _validate(cfg: BenchConfig, args) -> None:
     """Everything the ranks would reject, checked before any process starts (one-line errors)."""
     from hpdl.cli import CLIUsageError
-    from hpdl.comm.algorithms.base import PEER, canonical
+    from hpdl.comm.algorithms.base import PEER, REGISTRY, canonical
     from hpdl.comm.ops import check_dtype
 
     try:
@@ -257,6 +257,20 @@ def _validate(cfg: BenchConfig, args) -> None:
                             "drop --graph for eager timing")
     if args.graph_calls is not None and args.graph_calls < 1:
         raise CLIUsageError(f"--graph-calls must be >= 1, got {args.graph_calls}")
+    if args.graph and args.ranks_per_gpu > 1:
+        # ranks sharing a GPU have no NCCL: every algorithm but the peer-memory kernels stages through host
+        # memory over gloo, which a CUDA graph cannot capture (found here, not after the ranks started)
+        from hpdl.comm.algorithms.base import Algorithm, get_class
+
+        def stages(name: str) -> bool:
+            n = canonical(name)
+            return n in REGISTRY and get_class(n).runs_kernel.__func__ is Algorithm.runs_kernel.__func__
+
+        host = [a for a in cfg.algorithms if stages(a)]
+        if host:
+            raise CLIUsageError(f"--graph with --ranks-per-gpu {args.ranks_per_gpu}: algorithms {host} run over gloo "
+                                "through host memory, which a CUDA graph cannot capture; pass --algorithms with "
+                                "peer-memory ones only (e.g. auto,one_shot,two_shot; push,pull for alltoall)")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise CLIUsageError("--device cuda needs a CUDA build of torch and a visible GPU")
     from hpdl.comm.algorithms.base import algorithms_for

@@ -115,16 +115,20 @@ class CudaWork:
     """Handle of an async peer-memory all-reduce on the group's side stream (like NCCL's Work):
     ``wait()`` makes the caller's current stream wait for it; ``is_completed()`` polls its event.
 
-    Once waited for, the group's later calls need not wait for it again: that matters for CUDA-graph capture,
-    where waiting on an event recorded before the capture invalidates the capture."""
+    Once waited for on a stream, the group's later calls on that stream (or under CUDA-graph capture, where
+    waiting on an event recorded before the capture invalidates it; ``torch.cuda.graph`` synchronises the
+    device first) need not wait for it again; a later call on another stream still does, or its kernel would
+    run beside this one on the group's peer buffer."""
 
     def __init__(self, event, resources: GroupResources | None = None):
         self._event, self._res = event, resources
 
     def wait(self, timeout: float | None = None) -> bool:
-        torch.cuda.current_stream().wait_event(self._event)
+        stream = torch.cuda.current_stream()
+        stream.wait_event(self._event)
         if self._res is not None and self._res.side_pending is self._event:
             self._res.side_pending = None
+            self._res.side_waited = (self._event, stream)
         return True
 
     def is_completed(self) -> bool:
@@ -316,15 +320,28 @@ _FAST: dict[tuple, object] = {}
 _FAST_MAX = 4096
 
 
+def _after_side_calls(res: GroupResources, device: torch.device) -> None:
+    """Order the current stream after the group's last async peer call (``side_pending``), unless a
+    ``CudaWork.wait`` already did so on this stream, or we are capturing a CUDA graph (see :class:`CudaWork`)."""
+    if res.side_pending is None and res.side_waited is None:
+        return
+    current = torch.cuda.current_stream(device)
+    if res.side_pending is not None:
+        current.wait_event(res.side_pending)
+    elif res.side_waited is not None:
+        event, stream = res.side_waited
+        if stream != current and not torch.cuda.is_current_stream_capturing():
+            current.wait_event(event)
+    res.side_pending = res.side_waited = None
+
+
 def _kernel_call(res: GroupResources, tensor: torch.Tensor, op: str, name: str, window, async_op: bool, fast_key,
                  timeout: float):
     """An all-reduce that is kernel launches (the peer-memory algorithms): on the current stream, after the
     group's last async call; or on the group's side stream when ``async_op``. A first synchronous call leaves
     the algorithm's launcher in the hot-path cache."""
     algo = res.algorithm(name, window, timeout)
-    if res.side_pending is not None:  # keep calls on this group in order: after the last async one
-        torch.cuda.current_stream(tensor.device).wait_event(res.side_pending)
-        res.side_pending = None
+    _after_side_calls(res, tensor.device)   # keep calls on this group in order: after the last async one
     if async_op:
         return _on_side_stream(res, lambda: algo.all_reduce(tensor, op, res.comm(timeout)), tensor.device, (tensor,))
     algo.all_reduce(tensor, op, res.comm(timeout))
@@ -372,7 +389,7 @@ def all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool = Fals
     if tensor.__class__ is torch.Tensor and tensor.is_cuda and not async_op and check is None and timeout is None \
             and isinstance(op, str):
         fast = _FAST.get(fast_key)
-        if fast is not None and fast[0].side_pending is None:
+        if fast is not None and fast[0].side_pending is None and fast[0].side_waited is None:
             fast[1](tensor)  # hot path: arguments validated by an earlier identical call; one kernel launch
             return None
     _check_async(async_op, "all_reduce")
@@ -613,7 +630,8 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
                     output.device.index, output.dtype, _split_key(output_split_sizes),
                     _split_key(input_split_sizes), os.environ.get("HPDL_CHECK"))
         fast = _FAST.get(fast_key)
-        if fast is not None and fast[0].side_pending is None and fast[1](output, input):
+        if fast is not None and fast[0].side_pending is None and fast[0].side_waited is None \
+                and fast[1](output, input):
             return None  # hot path: arguments validated by an earlier identical call; one kernel launch
     _check_async(async_op, "all_to_all_single")
     res = _group(group)
@@ -641,9 +659,8 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
         return a2a.execute(res.algorithm(name, window, timeout), res, output, input, lay, timeout)
 
     peer = get_class(name).runs_kernel(res, input, timeout)
-    if input.is_cuda and res.side_pending is not None:  # after the last async peer call on this group
-        torch.cuda.current_stream(input.device).wait_event(res.side_pending)
-        res.side_pending = None
+    if input.is_cuda:  # after the last async peer call on this group
+        _after_side_calls(res, input.device)
     if peer and async_op and verify is None:
         return _on_side_stream(res, run, input.device, (output, input))
     work = _execute(res, "all_to_all_single", timeout, run, async_op, output)

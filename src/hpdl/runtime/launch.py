@@ -113,6 +113,20 @@ def ranks_per_gpu_of(ranks_per_gpu: int | None) -> int:
     return value
 
 
+def job_ranks_per_gpu(device: str, ranks_per_gpu: int | None) -> int:
+    """The job's ranks per GPU: ``ranks_per_gpu`` (checked), or ``HPDL_RANKS_PER_GPU`` when None, on CUDA; 1 on
+    the CPU, where the variable (a GPU-only setting, perhaps left from another job) is not read.
+
+    Raises:
+        ValueError: a bad ``ranks_per_gpu`` (or variable, on CUDA), or ``ranks_per_gpu`` > 1 with a CPU device.
+    """
+    if device != "cuda":
+        if ranks_per_gpu is not None and ranks_per_gpu_of(ranks_per_gpu) > 1:
+            raise ValueError(f"ranks_per_gpu={ranks_per_gpu} needs device='cuda' (got device={device!r})")
+        return 1
+    return ranks_per_gpu_of(ranks_per_gpu)
+
+
 def device_for(device: str, local_rank: int, ranks_per_gpu: int = 1,
                device_count: int | None = None) -> tuple[torch.device, str]:
     """``(device, data backend)`` of local rank ``local_rank``, without touching CUDA (``device_count`` given)
@@ -158,9 +172,9 @@ def init_from_env(device: str = "cpu", ranks_per_node: int | Sequence[int] | Non
 
     Raises:
         RuntimeError: no launcher variables are set, mpi4py is needed and missing, or a rank has no GPU.
-        ValueError: bad ``device`` or ``ranks_per_gpu``.
+        ValueError: bad ``device`` or ``ranks_per_gpu`` (also > 1 with ``device="cpu"``).
     """
-    rpg = ranks_per_gpu_of(ranks_per_gpu)
+    rpg = job_ranks_per_gpu(device, ranks_per_gpu)
     found = detect_launcher()
     if found is None:
         raise RuntimeError("no launcher found: set RANK/WORLD_SIZE (torchrun) or run under mpirun/srun")
@@ -177,8 +191,8 @@ def init_from_env(device: str = "cpu", ranks_per_node: int | Sequence[int] | Non
         os.environ.setdefault("MASTER_ADDR", addr[0])
         os.environ.setdefault("MASTER_PORT", str(addr[1]))
     dev, backend = _resolve_device(device, local_rank, rpg)
-    if dev.type == "cuda" and rpg > 1:
-        os.environ["HPDL_RANKS_PER_GPU"] = str(rpg)
+    # hpdl.comm reads the variable: it must say this job's value, also 1 over an exported other one
+    os.environ["HPDL_RANKS_PER_GPU"] = str(rpg)
     kwargs = {"device_id": dev} if backend == "nccl" else {}
     if not dist.is_initialized():
         dist.init_process_group(backend, rank=rank, world_size=world,
@@ -200,10 +214,9 @@ def _destroy_at_exit() -> None:
 def rank_environment(device: str, ranks_per_gpu: int, timeout: float, mps_env: dict[str, str] | None = None
                      ) -> dict[str, str]:
     """Environment variables a spawned rank sets before it touches CUDA: the job's timeout (hpdl.comm's
-    default), ``HPDL_RANKS_PER_GPU`` when ranks share a GPU, and an MPS daemon's pipe/log folders."""
-    out = {"HPDL_TIMEOUT": str(timeout)}
-    if device == "cuda" and ranks_per_gpu > 1:
-        out["HPDL_RANKS_PER_GPU"] = str(ranks_per_gpu)
+    default), ``HPDL_RANKS_PER_GPU`` (the job's value, 1 on the CPU: a value the parent inherited must not
+    reach hpdl.comm in the ranks), and an MPS daemon's pipe/log folders."""
+    out = {"HPDL_TIMEOUT": str(timeout), "HPDL_RANKS_PER_GPU": str(ranks_per_gpu if device == "cuda" else 1)}
     out.update(mps_env or {})
     return out
 
@@ -252,7 +265,9 @@ def spawn(fn: Callable[..., Any], nprocs: int, *, args: tuple = (), device: str 
         grace: seconds the other ranks get to finish after one rank fails, before they are killed.
 
     Raises:
-        ValueError: bad ``nprocs``, ``device`` or ``ranks_per_gpu``, or ``mps`` without shared GPUs.
+        ValueError: bad ``nprocs``, ``device`` or ``ranks_per_gpu`` (also > 1 with ``device="cpu"``), or ``mps``
+            without shared GPUs.
+        RuntimeError: the visible GPUs cannot hold ``nprocs`` ranks at ``ranks_per_gpu`` each (before any starts).
         WorkerFailedError: a rank raised (its traceback is in the message) or died without a result.
         CollectiveTimeoutError: the job ran past ``job_timeout``; the message names the ranks still running.
         hpdl.runtime.mps.MpsError: ``mps`` was asked for and the daemon could not start.
@@ -261,16 +276,42 @@ def spawn(fn: Callable[..., Any], nprocs: int, *, args: tuple = (), device: str 
         raise ValueError(f"nprocs must be an int >= 1, got {nprocs!r}")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    rpg = ranks_per_gpu_of(ranks_per_gpu) if device == "cuda" else 1
-    use_mps = bool(env.get("HPDL_MPS") if mps is None else mps)
-    if use_mps and rpg == 1:
-        if mps:
-            raise ValueError("mps=True needs ranks sharing a GPU (device='cuda' and ranks_per_gpu > 1)")
-        use_mps = False   # HPDL_MPS set for another job shape: nothing to share
+    rpg = job_ranks_per_gpu(device, ranks_per_gpu)
+    check_gpus_for(device, nprocs, rpg)
+    use_mps = use_mps_for(mps, rpg)
     limit = _timeout(timeout)
     with _maybe_mps(use_mps) as mps_env:
         return _spawn(fn, nprocs, args, device, ranks_per_node, limit, job_timeout, grace, rpg,
                       rank_environment(device, rpg, limit, mps_env))
+
+
+def check_gpus_for(device: str, nprocs: int, ranks_per_gpu: int) -> None:
+    """Refuse, before any rank (or MPS daemon) starts, ``nprocs`` local ranks that this host's visible GPUs
+    cannot hold at ``ranks_per_gpu`` each (e.g. 3 ranks at 2 a GPU on one GPU: rank 2 would have none). Where
+    CUDA is not available at all, each rank says so itself.
+
+    Raises:
+        RuntimeError: from :func:`device_for`, naming the rank, the GPU count and ``ranks_per_gpu``.
+    """
+    if device == "cuda" and torch.cuda.is_available():
+        device_for("cuda", nprocs - 1, ranks_per_gpu)
+
+
+def use_mps_for(mps: bool | None, ranks_per_gpu: int) -> bool:
+    """Whether a job of ``ranks_per_gpu`` runs under a private MPS daemon: ``mps``, or ``HPDL_MPS`` when None
+    (read only when ranks share a GPU: set for another job shape, or malformed, it does not fail this one).
+
+    Raises:
+        ValueError: ``mps`` is not True, False or None (a string such as "false" is not taken as true), or
+            ``mps=True`` with a GPU per rank or the CPU.
+    """
+    if mps is not None and not isinstance(mps, bool):
+        raise ValueError(f"mps must be True, False or None (HPDL_MPS), got {mps!r}")
+    if ranks_per_gpu == 1:
+        if mps:
+            raise ValueError("mps=True needs ranks sharing a GPU (device='cuda' and ranks_per_gpu > 1)")
+        return False
+    return bool(env.get("HPDL_MPS") if mps is None else mps)
 
 
 def _maybe_mps(use: bool):
@@ -302,6 +343,7 @@ def _spawn(fn, nprocs, args, device, ranks_per_node, limit, job_timeout, grace, 
     errors: dict[int, str] = {}
     deadline = time.monotonic() + job_timeout if job_timeout is not None else float("inf")
     first_error_at: float | None = None
+    aborted = False
     try:
         while len(outputs) + len(errors) < nprocs:
             now = time.monotonic()
@@ -331,9 +373,14 @@ def _spawn(fn, nprocs, args, device, ranks_per_node, limit, job_timeout, grace, 
             else:
                 errors[rank] = payload
                 first_error_at = first_error_at or time.monotonic()
+    except BaseException:
+        aborted = True   # Ctrl-C, the job timeout: the ranks get no more time
+        raise
     finally:
+        # one deadline for all ranks (joined one by one, a per-rank wait made Ctrl-C take 5 s per stuck rank)
+        end = time.monotonic() + (0.5 if errors or aborted else 5.0)
         for p in procs:
-            p.join(timeout=0.5 if errors else 5.0)
+            p.join(timeout=max(0.0, end - time.monotonic()))
         for p in procs:
             if p.is_alive():
                 p.kill()

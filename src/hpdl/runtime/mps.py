@@ -141,9 +141,9 @@ class MpsDaemon:
                     raise self.error(f"{CONTROL} -d did not come up in {self.pipe_dir} within {self.timeout_s:.0f} s "
                                    f"(exit code {res.returncode}: {res.stderr.strip()[:200]}); see {self.log_dir}")
                 time.sleep(0.05)
-        except (MpsError, self.error, OSError, subprocess.SubprocessError) as exc:
+        except BaseException as exc:   # also Ctrl-C while waiting: "-d" may have started the daemon already
             self.stop()
-            if isinstance(exc, (MpsError, self.error)):
+            if isinstance(exc, (MpsError, self.error)) or not isinstance(exc, (OSError, subprocess.SubprocessError)):
                 raise
             raise self.error(f"{CONTROL} -d failed: {exc}") from exc
         self._reaper = subprocess.Popen([sys.executable, "-c", _REAPER, str(os.getpid()), str(pid), exe,

@@ -59,6 +59,11 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.cuda_graph:
             self.reorder = "prefix"
+        if self.tensor_parallel_size > 1 or self.ranks_per_gpu is not None:
+            # checked here (also HPDL_RANKS_PER_GPU on CUDA), before any TP rank starts, not inside each rank
+            from hpdl.runtime.launch import job_ranks_per_gpu
+
+            job_ranks_per_gpu("cuda" if str(self.device).startswith("cuda") else "cpu", self.ranks_per_gpu)
         if str(self.device).startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device={self.device!r} but CUDA is not available here (torch {torch.__version__}, "
                              f"{torch.cuda.device_count()} devices); use device='cpu'")

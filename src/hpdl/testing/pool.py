@@ -67,32 +67,35 @@ class RankPool:
 
     def __init__(self, world_size: int, ranks_per_node: int | Sequence[int] | None = None, timeout: float = 120.0,
                  device: str = "cpu", ranks_per_gpu: int = 1, mps: bool = False):
-        from hpdl.runtime.launch import _maybe_mps, free_port, rank_environment, ranks_per_gpu_of
+        from hpdl.runtime.launch import (_maybe_mps, check_gpus_for, free_port, job_ranks_per_gpu, rank_environment,
+                                         use_mps_for)
 
         self.world_size, self.ranks_per_node, self.timeout = world_size, ranks_per_node, timeout
-        self.device, self.ranks_per_gpu = device, ranks_per_gpu_of(ranks_per_gpu) if device == "cuda" else 1
-        if mps and self.ranks_per_gpu == 1:
-            raise ValueError("mps=True needs ranks sharing a GPU (device='cuda' and ranks_per_gpu > 1)")
+        self.device, self.ranks_per_gpu = device, job_ranks_per_gpu(device, ranks_per_gpu)
+        check_gpus_for(device, world_size, self.ranks_per_gpu)
+        mps = use_mps_for(False if mps is None else mps, self.ranks_per_gpu)   # checked: "false" is not true
         self._procs = []
         self.broken = True   # until every rank is up (close() is safe on a half-built pool)
-        self._mps = _maybe_mps(mps)
-        environ = rank_environment(device, self.ranks_per_gpu, timeout, self._mps.__enter__())
-        ctx = mp.get_context("spawn")
-        self._tasks = [ctx.Queue() for _ in range(world_size)]
-        self._results = ctx.Queue()
-        port = free_port()
-        self._procs = [ctx.Process(target=_serve, args=(r, world_size, port, device, ranks_per_node, timeout,
-                                                        self._tasks[r], self._results, self.ranks_per_gpu, environ),
-                                   daemon=True)
-                       for r in range(world_size)]
-        for p in self._procs:
-            p.start()
-        self._ids = itertools.count()
-        self.broken = False
+        mps_context = _maybe_mps(mps)
+        environ = rank_environment(device, self.ranks_per_gpu, timeout, mps_context.__enter__())
+        self._mps = mps_context   # set once started: close() stops it
         try:
+            ctx = mp.get_context("spawn")
+            self._tasks = [ctx.Queue() for _ in range(world_size)]
+            self._results = ctx.Queue()
+            port = free_port()
+            self._procs = [ctx.Process(target=_serve, args=(r, world_size, port, device, ranks_per_node, timeout,
+                                                            self._tasks[r], self._results, self.ranks_per_gpu,
+                                                            environ),
+                                       daemon=True)
+                           for r in range(world_size)]
+            for p in self._procs:
+                p.start()
+            self._ids = itertools.count()
+            self.broken = False
             self._collect(-1, timeout)
         except BaseException:
-            self.close()   # no half-started pool (or MPS daemon) is left behind
+            self.close()   # no half-started pool (or MPS daemon) is left behind, also after Ctrl-C
             raise
 
     def _collect(self, task_id: int, timeout: float) -> list[Any]:
@@ -149,8 +152,11 @@ class RankPool:
                 q.put(None)
             except (OSError, ValueError):
                 pass
+        end = time.monotonic() + 2.0   # one deadline for all ranks, not 2 s for each stuck one in turn
         for p in self._procs:
-            p.join(timeout=2)
+            if p.pid is None:   # never started (start-up was interrupted): join() would raise
+                continue
+            p.join(timeout=max(0.0, end - time.monotonic()))
             if p.is_alive():
                 p.kill()
                 p.join()

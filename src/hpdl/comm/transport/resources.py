@@ -16,6 +16,7 @@ import torch.distributed as dist
 from hpdl.comm.transport.failure import FailureBoard, is_peer_failure
 from hpdl.comm.transport.torch_p2p import TorchTransport
 from hpdl.runtime import env
+from hpdl.runtime.launch import ranks_per_gpu_of
 
 
 class GroupResources:
@@ -31,7 +32,8 @@ class GroupResources:
         board: the group's :class:`~hpdl.comm.transport.failure.FailureBoard`; ``calls`` counts the
             collectives issued on the group (the post-mortem's call number).
         side_stream, side_pending: CUDA stream of async peer-memory calls, and the event of the last one that
-            no later call on the group has waited for yet.
+            no later call on the group has waited for yet; ``side_waited``: ``(event, stream)`` when a
+            ``CudaWork.wait`` on ``stream`` took it (a later call on another stream must still wait).
         ranks_per_gpu: ranks sharing one CUDA device in this job (``HPDL_RANKS_PER_GPU``, set in every rank by
             the launch mode). Above 1 a gloo group carries CUDA tensors: the peer-memory kernels run on them,
             every other algorithm stages them through host memory.
@@ -42,7 +44,7 @@ class GroupResources:
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.backend = str(dist.get_backend(group))
-        self.ranks_per_gpu = int(env.get("HPDL_RANKS_PER_GPU"))
+        self.ranks_per_gpu = ranks_per_gpu_of(None)   # 0 or -1 would make "auto" see no GPUs at all
         self._comm: TorchTransport | None = None
         self._host: TorchTransport | None = None
         self._algos: dict = {}
@@ -50,6 +52,7 @@ class GroupResources:
         self.topology = None
         self.side_stream = None
         self.side_pending = None
+        self.side_waited = None   # (event, stream) of the last side_pending that a CudaWork.wait cleared
         self.calls = 0
         ranks = self.global_ranks()
         name = "world" if group is None else str(getattr(group, "group_name", "") or "-".join(map(str, ranks)))
@@ -93,7 +96,7 @@ class GroupResources:
         if self.topology is None:
             from hpdl.runtime.topology import Topology, discover
 
-            rpn, rpg = env.get("HPDL_RANKS_PER_NODE"), env.get("HPDL_RANKS_PER_GPU")
+            rpn, rpg = env.get("HPDL_RANKS_PER_NODE"), self.ranks_per_gpu
             if rpn:
                 parts = [int(x) for x in rpn.split(",")]
                 self.topology = Topology.emulate(self.world_size, parts[0] if len(parts) == 1 else parts, rpg)
