@@ -1,6 +1,7 @@
 """hpdl.vision.detect: the three models' outputs, a short SPRNet training run, the CLI end to end."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -126,6 +127,30 @@ def test_fit_stops_at_its_deadline_and_refuses_endless_nan():
     assert stats["stopped_early"] and stats["steps"] == 0
 
 
+def test_warmup_is_not_shortened_to_fit_a_short_run():
+    """The warm-up was cut to steps // 4: the README's 20-step smoke run reached the full learning rate after 5
+    Adam steps and its loss spiked. Adam moves a parameter whose gradient is constant by about the learning rate
+    each step, so the distance travelled is the sum of the schedule."""
+    class Lin(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(()))
+
+        def forward(self, images, targets):
+            return {"loss": self.w}
+
+    batch = ([torch.zeros(3, 8, 8)], [{}])
+    model = Lin()
+    detect.fit(model, [batch], steps=20, lr=1e-2, weight_decay=0.0, warmup_steps=100, clip=0, device="cpu",
+               progress=False)
+    lrs = [1e-2 * (s + 1) / 100 * 0.5 * (1 + math.cos(math.pi * s / 20)) for s in range(20)]   # the schedule
+    assert -float(model.w) == pytest.approx(sum(lrs), rel=0.02)      # 0.007; shortened to 5 steps: 0.085
+    model = Lin()
+    detect.fit(model, [batch], steps=20, lr=1e-2, weight_decay=0.0, warmup_steps=5, clip=0, device="cpu",
+               progress=False)
+    assert -float(model.w) > 5 * sum(lrs)                             # an explicit short warm-up still is one
+
+
 def test_cli_make_shapes_train_evaluate(tmp_path, capsys):
     from hpdl.cli import main
 
@@ -224,3 +249,20 @@ def test_unusable_out_device_and_checkpoint_files_are_named_before_any_work(tmp_
     torch.save(ckpt, path)
     with pytest.raises(HpdlError, match="weights do not fit the model its spec describes"):
         detect.load_checkpoint(path)
+
+
+def test_review_inputs_are_named_before_any_work(tmp_path, capsys):
+    """`--image-size 8` was accepted and failed in the first training step (a 1x1 batch-norm input); SPRNet's
+    enlarged mask frame cannot go through torchvision's paste, which pastes into the box itself."""
+    from hpdl.cli import main
+
+    base = ["vision", "train", "--model", "sprnet", "--data", str(tmp_path / "none"), "--workers", "0",
+            "--device", "cpu", "--out", str(tmp_path / "o")]
+    assert main([*base, "--image-size", "8"]) == 1
+    assert "--image-size 8: detection models need >= 32 pixels" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="image_size must be >= 32"):
+        detect.build_model("retinanet", 4, backbone="resnet10", image_size=16)
+    with pytest.raises(ValueError, match="paste='torchvision' pastes into the box itself"):
+        _model("sprnet", paste="torchvision")
+    assert _model("sprnet", paste="torchvision", mask_margin=1.0).transform.__class__.__name__ == \
+        "GeneralizedRCNNTransform"
