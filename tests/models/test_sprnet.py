@@ -535,6 +535,10 @@ def test_images_and_targets_must_pair_up_and_be_rgb_or_grey():
     nan[0, 3, 3] = float("nan")
     with pytest.raises(ValueError, match=r"images\[1\] has NaN"):   # returned 0 detections silently
         model([torch.rand(3, 64, 64), nan])
+    model.train()
+    with pytest.raises(ValueError, match=r"images\[1\] has NaN"):   # a NaN loss, skipped by fit
+        model([images[0], nan], targets)
+    model.eval()
     with pytest.raises(ValueError, match=r"images\[0\] is 300x2 pixels.*under one pixel"):   # interpolate crashed
         model([torch.rand(3, 2, 300)])
     with pytest.raises(ValueError, match=r"images\[0\] must be a float tensor"):

@@ -11,17 +11,23 @@ third, parallel branch, the single-pixel reconstruction (SPR) branch:
   dilated 2/4/6 (128 ch each), concatenated and ReLU'd: one 640-d vector per pixel.
 - SPR decoder: a pixel's vector alone -> a 1x1 conv -> three deconvolutions without activation (1 -> 8x8) ->
   two deconvolutions with ReLU (-> 32x32), plus a nearest-upsampled shortcut from 8x8; one 32x32 mask logit
-  map per class (on-class binary cross-entropy, as Mask R-CNN). The mask lives in the frame of the instance's
-  box: the target is the ground-truth mask cropped to its box and resampled to 32x32; at inference the mask is
-  pasted bilinearly into the detection's regressed box, so a mask is never better than its box.
+  map per class (on-class binary cross-entropy, as Mask R-CNN). In the paper the target is the ground-truth
+  mask cropped to its box, and inference pastes the mask into the detection's regressed box, so every
+  imperfect box distorts its mask (``mask_frame="gt"``, ``mask_margin=1.0`` keep that).
 - Positive pixels: a pixel is positive when any of its 9 anchors has IoU > 0.7 with a ground-truth box, and that
   anchor's best box picks the instance; at most 300 positive pixels an image are sampled.
 - Gated FPN (GFPN): the top-down sum ``y = x1 + x2`` becomes ``y = x1 * sigmoid(g(x1)) + x2 * sigmoid(g(x2))``
   with ``g`` one depthwise-separable 3x3 conv shared by all inputs. ``fpn="sum"`` keeps torchvision's FPN.
 - Total loss: classification + box regression + mask, unweighted.
 
-Our choices where the paper is silent or unverified (docs/vision.md lists them): every instance also keeps the
-pixel of its best anchor (as torchvision's low-quality matches), so an instance that no anchor covers at IoU
+Changes for Mask R-CNN's mask AP (issue 35; each a config field, docs/vision.md gives the reasons): one mask
+frame for training and inference, the anchor's decoded box (detached) enlarged ``mask_margin`` (1.2x) for the
+target and the same enlargement of the detected box for the paste; positives are anchors (IoU > 0.5, the
+pixel's vector, the anchor's frame); the decoder scales and shifts the reduced vector per anchor and has a 3x3
+conv after each upsampling (``decoder_convs``). One feature vector still gives one mask.
+
+Our choices where the paper is silent or unverified (docs/vision.md lists them): every instance also keeps
+its best anchor (as torchvision's low-quality matches), so an instance that no anchor covers at IoU
 0.7 still trains the mask; the enhancement convs read the FPN features directly, so a pixel's vector depends on
 a 13x13 window only and is computed for the selected pixels alone (``conv_at``: the same numbers as the dense
 conv, no dense mask tensor ever); gate init is PyTorch's default.
@@ -523,6 +529,16 @@ def _check_target(j: int, t: dict, image: torch.Tensor | None, num_classes: int)
                              "(leave empty instances out, as CocoInstances does)")
 
 
+def _check_finite(images, which) -> None:
+    """Raise ValueError naming the first of ``images[which]`` with NaN or infinite pixels (one host sync)."""
+    which = list(which)
+    if not which:
+        return
+    finite = torch.stack([torch.isfinite(images[i]).all() for i in which])
+    if not bool(finite.all()):   # a NaN image gave 0 detections silently, and a NaN loss in training
+        raise ValueError(f"images[{which[int((~finite).nonzero()[0, 0])]}] has NaN or infinite pixels")
+
+
 class SPRNet(RetinaNet):
     """RetinaNet with the single-pixel reconstruction branch (see the module docstring).
 
@@ -726,9 +742,8 @@ class SPRNet(RetinaNet):
             if int(min(h, w) * scale) < 1:   # interpolate failed on the 0-pixel side deep in the transform
                 raise ValueError(f"images[{j}] is {w}x{h} pixels: resized to min_size={cfg.min_size}, max_size="
                                  f"{cfg.max_size} its shorter side would be under one pixel")
-        finite = torch.stack([torch.isfinite(img).all() for img in images])
-        if not bool(finite.all()):   # one host sync for the batch; a NaN image gave 0 detections silently
-            raise ValueError(f"images[{int((~finite).nonzero()[0, 0])}] has NaN or infinite pixels")
+        if self.training:
+            _check_finite(images, range(len(images)))
         if self.training:
             if targets is None:
                 raise ValueError("targets are required in training mode (boxes, labels, masks per image)")
@@ -740,6 +755,7 @@ class SPRNet(RetinaNet):
                         raise ValueError(f"targets[{j}] lacks {key!r}; SPRNet trains on boxes, labels and masks")
                 _check_target(j, t, images[j], self.config.num_classes)
         original_sizes = [(int(img.shape[-2]), int(img.shape[-1])) for img in images]
+        images_in = images
         images, targets = self.transform(images, targets)
         features = list(self.backbone(images.tensors).values())
         head_outputs = self.head(features)
@@ -749,6 +765,8 @@ class SPRNet(RetinaNet):
         lengths = [f.shape[-2] * f.shape[-1] * self.num_anchors for f in features]
         detections, anchor_idx = self.detect(head_outputs, anchors, images.image_sizes, lengths)
         counts = [len(p) for p in anchor_idx]
+        # a NaN image has NaN scores, so no detection: checked only then (no host sync on the common path)
+        _check_finite(images_in, [i for i, n in enumerate(counts) if n == 0])
         b = torch.cat([torch.full((n,), i, dtype=torch.int64, device=p.device) for i, (n, p) in
                        enumerate(zip(counts, anchor_idx))])
         labels = torch.cat([d["labels"] for d in detections])
