@@ -585,7 +585,9 @@ class SPRNet(RetinaNet):
         row-major) of images ``b`` (int64 [P]): ``enhance(features[l])[b, :, y, x]`` for each pixel's level l.
 
         One gather for every tap of every enhancement conv on every level, then one matrix product a conv, with
-        no host synchronisation (the per-level :func:`conv_at` is the reference)."""
+        no host synchronisation: the per-level tables are made once per pyramid shape and kept on the device
+        (a host-to-device copy from pageable memory waits for the stream). The per-level :func:`conv_at` is
+        the reference."""
         convs = [(self.enhance.point, 1)] + [(c, c.dilation[0]) for c in self.enhance.dilated]
         r = max(d * (conv.weight.shape[-1] // 2) for conv, d in convs)
         dev, ch = pixels.device, features[0].shape[1]
@@ -593,14 +595,11 @@ class SPRNet(RetinaNet):
             return features[0].new_zeros((0, self.enhance.out_channels))
         padded = [F.pad(f, (r, r, r, r)) for f in features]
         flat = torch.cat([p.flatten(2) for p in padded], 2).transpose(1, 2).reshape(-1, ch)   # [B * L, C]
-        hw = torch.tensor([f.shape[-2] * f.shape[-1] for f in features], device=dev)
-        width = torch.tensor([f.shape[-1] for f in features], device=dev)
-        padded_len = torch.tensor([p.shape[-2] * p.shape[-1] for p in padded], device=dev)
-        start, padded_start = hw.cumsum(0) - hw, padded_len.cumsum(0) - padded_len
+        start, width, padded_start, total = self._level_tables(tuple(tuple(f.shape[-2:]) for f in features), r, dev)
         level = torch.searchsorted(start, pixels, right=True) - 1
         local, w = pixels - start[level], width[level]
         pw = w + 2 * r                                                   # padded width of the pixel's level
-        centre = b * int(padded_len.sum()) + padded_start[level] + (local // w + r) * pw + local % w + r
+        centre = b * total + padded_start[level] + (local // w + r) * pw + local % w + r
         offsets = []
         for conv, d in convs:                                          # tap (i, j): row/column (i|j - k//2) * d
             k = conv.weight.shape[-1]
@@ -615,6 +614,22 @@ class SPRNet(RetinaNet):
             outs.append(F.linear(taps[:, t0:t0 + k * k].reshape(len(pixels), -1), w2, conv.bias))
             t0 += k * k
         return F.relu(torch.cat(outs, 1))
+
+    def _level_tables(self, shapes: tuple, r: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """``(start, width, padded_start, padded_total)`` of pyramid levels of ``shapes`` ((H, W) each) padded by
+        ``r``: int64 [L] tensors on ``device`` (cached: a few pyramid shapes a run) and a Python int."""
+        key = (shapes, r, str(device))
+        cache = self.__dict__.setdefault("_level_cache", {})
+        if key not in cache:
+            if len(cache) > 64:   # training on many image sizes: keep the memory bounded
+                cache.clear()
+            hw = [h * w for h, w in shapes]
+            padded = [(h + 2 * r) * (w + 2 * r) for h, w in shapes]
+            starts = [sum(hw[:i]) for i in range(len(hw))]
+            padded_starts = [sum(padded[:i]) for i in range(len(padded))]
+            table = torch.tensor([starts, [w for _, w in shapes], padded_starts], dtype=torch.int64).to(device)
+            cache[key] = (table[0], table[1], table[2], sum(padded))
+        return cache[key]
 
     def pixel_features_reference(self, features, b, pixels) -> torch.Tensor:
         """:meth:`pixel_features` level by level through :func:`conv_at` (for tests)."""
