@@ -11,8 +11,8 @@ pytest.importorskip("torchvision")
 from torchvision.models.detection._utils import Matcher  # noqa: E402
 
 from hpdl.models.sprnet import (  # noqa: E402
-    MaskEnhancement, SPRDecoder, SPRNet, SPRNetConfig, conv_at, encode_masks, paste_masks, resnet_fpn,
-    retina_anchors, spr_mask_loss, spr_positives,
+    MaskEnhancement, SPRDecoder, SPRNet, SPRNetConfig, conv_at, encode_masks, mask_frame, paste_masks, resnet_fpn,
+    retina_anchors, spr_mask_loss, spr_positives, sprnet_resnet50_fpn,
 )
 from hpdl.runtime.errors import HpdlError  # noqa: E402
 
@@ -97,9 +97,41 @@ def test_bad_targets_and_config_are_named():
     with pytest.raises(ValueError, match=r"targets\[1\] lacks 'masks'"):
         model(images, targets)
     for kw, msg in (({"backbone": "vgg"}, "backbone"), ({"mask_size": 24}, "mask_size"), ({"fpn": "x"}, "fpn"),
-                    ({"num_classes": 1}, "num_classes"), ({"anchor_sizes": (8, 16)}, "anchor_sizes")):
+                    ({"num_classes": 1}, "num_classes"), ({"anchor_sizes": (8, 16)}, "anchor_sizes"),
+                    # review (issue 35): each was accepted, and trained nothing or crashed later
+                    ({"mask_samples": 0}, "mask_samples must be >= 1"),
+                    ({"mask_iou_thresh": 1.5}, r"mask_iou_thresh must be in \[0, 1\)"),
+                    ({"mask_iou_thresh": -0.1}, "mask_iou_thresh"),
+                    ({"min_size": 0}, "min_size"), ({"min_size": 900, "max_size": 800}, "min_size <= max_size"),
+                    ({"mask_margin": 0.8}, "mask_margin must be a finite number >= 1"),
+                    ({"mask_frame": "box"}, "mask_frame"), ({"decoder_convs": -1}, "decoder_convs"),
+                    ({"num_classes": 4.0}, "num_classes")):
         with pytest.raises(ValueError, match=msg):
             SPRNetConfig(**kw)
+
+
+def test_torchvision_style_builder_and_num_classes_shorthand(tmp_path):
+    """``SPRNet(4)`` was an AttributeError on fpn_channels; torchvision users expect a builder by name."""
+    assert SPRNet(4, **{k: v for k, v in SMALL.items() if k != "num_classes"}).config.num_classes == 4
+    with pytest.raises(TypeError, match="SPRNetConfig or num_classes"):
+        SPRNet("resnet50")
+    with pytest.raises(TypeError, match="not both"):
+        SPRNet(SPRNetConfig(**SMALL), fpn="sum")
+    import torchvision
+
+    src = torchvision.models.resnet50()
+    torch.save(src.state_dict(), tmp_path / "r50.pth")
+    model = sprnet_resnet50_fpn(num_classes=5, weights_backbone=str(tmp_path / "r50.pth"), min_size=64, max_size=64)
+    assert model.config.num_classes == 5 and model.config.backbone == "resnet50"
+    assert torch.equal(model.backbone.body.layer4[0].conv1.weight, src.layer4[0].conv1.weight)
+    assert not model.backbone.body.layer1[0].conv1.weight.requires_grad    # 3 trainable stages, as torchvision
+    model = sprnet_resnet50_fpn(num_classes=5, weights_backbone=src.state_dict(), trainable_backbone_layers=5)
+    assert model.backbone.body.layer1[0].conv1.weight.requires_grad
+    assert sprnet_resnet50_fpn().config.num_classes == 91
+    with pytest.raises(ValueError, match="no pretrained SPRNet weights"):
+        sprnet_resnet50_fpn(weights="COCO_V1")
+    with pytest.raises(TypeError, match="sets 'backbone'"):
+        sprnet_resnet50_fpn(backbone="resnet18")
 
 
 def test_default_is_the_papers_resnet50_gfpn_and_nothing_downloads(monkeypatch):
@@ -197,26 +229,19 @@ def test_spr_positives_against_a_brute_force_oracle_and_torchvision_matcher():
     anchors = gen(ImageList(torch.zeros(1, 3, 64, 64), [(64, 64)]), feats)[0]
     boxes = torch.tensor([[4., 4, 30, 30], [28, 20, 60, 44], [50, 50, 53, 53]])   # the last fits no anchor well
     iou = box_iou(boxes, anchors)
-    a = 9
-    pixels, inst = spr_positives(iou, a, 0.7, max_pixels=10_000)
-    oracle = {}
-    for p in range(len(anchors) // a):
-        block = iou[:, p * a:(p + 1) * a]
-        if block.max() > 0.7:
-            g_per_anchor = block.argmax(0)
-            oracle[p] = int(g_per_anchor[block.max(0).values.argmax()])
+    got, inst = spr_positives(iou, 0.5, max_samples=10_000)
+    oracle = {k: int(iou[:, k].argmax()) for k in range(iou.shape[1]) if iou[:, k].max() > 0.5}
     for g in range(len(boxes)):   # each instance's best anchor
-        oracle[int(iou[g].argmax()) // a] = g
-    assert dict(zip(pixels.tolist(), inst.tolist())) == oracle
-    assert set(inst.tolist()) == {0, 1, 2}
-    # where a pixel is positive by IoU, torchvision's Matcher (0.7, no low-quality) agrees on the instance
-    matched = Matcher(0.7, 0.7, allow_low_quality_matches=False)(iou)
-    for p, g in zip(pixels.tolist(), inst.tolist()):
-        best = iou[:, p * a:(p + 1) * a].max(0).values.argmax()
-        if matched[p * a + best] >= 0:
-            assert matched[p * a + best] == g
-    few, _ = spr_positives(iou, a, 0.7, max_pixels=2)
-    assert len(few) == 2 and set(few.tolist()) <= set(pixels.tolist())
+        oracle[int(iou[g].argmax())] = g
+    assert dict(zip(got.tolist(), inst.tolist())) == oracle
+    assert set(inst.tolist()) == {0, 1, 2} and len(got) > 3
+    # where an anchor is positive by IoU, torchvision's Matcher (0.5, no low-quality) agrees on the instance
+    matched = Matcher(0.5, 0.5, allow_low_quality_matches=False)(iou)
+    for k, g in zip(got.tolist(), inst.tolist()):
+        if matched[k] >= 0:
+            assert matched[k] == g
+    few, _ = spr_positives(iou, 0.5, max_samples=2)
+    assert len(few) == 2 and set(few.tolist()) <= set(got.tolist())
 
 
 # ---------------------------------------------------------------- encode / decode round trip
@@ -265,16 +290,28 @@ def test_a_mask_encoded_at_a_pixel_decodes_back():
     assert (back & m.bool()).sum() / (back | m.bool()).sum() > 0.95
 
 
-@pytest.mark.parametrize("mask_size", [8, 16, 32])
-def test_decoder_matrix_products_equal_the_convolution_modules(mask_size):
-    """The quad-tree matrix-product decoder is the deconvolution stack it replaced, all channels and one."""
+@pytest.mark.parametrize("mask_size,convs,anchors", [(8, 0, 0), (16, 0, 0), (32, 0, 0), (32, 1, 9), (16, 2, 3)])
+def test_decoder_matrix_products_equal_the_convolution_modules(mask_size, convs, anchors):
+    """The quad-tree matrix-product decoder is the deconvolution stack, all channels and one, with and without
+    the 3x3 convolutions and the anchor conditioning."""
     torch.manual_seed(3)
-    dec = SPRDecoder(24, num_masks=5, mask_size=mask_size, channels=(16, 8)).double()
+    dec = SPRDecoder(24, num_masks=5, mask_size=mask_size, channels=(16, 8), convs=convs,
+                     num_anchors=anchors).double()
+    assert sum(isinstance(m, torch.nn.Conv2d) for m in dec.up) == 2 * convs
     v = torch.randn(6, 24, dtype=torch.float64)
-    ref = dec.reference(v)
-    torch.testing.assert_close(dec(v), ref, rtol=0, atol=1e-12)
+    a = torch.tensor([0, 1, 2, 0, 1, 2]) if anchors else None
+    if anchors:
+        with torch.no_grad():   # zero at init (the paper's decoder); random here, so it matters
+            dec.anchor_scale.weight.normal_()
+            dec.anchor_shift.weight.normal_()
+        assert not torch.allclose(dec(v, a), dec(v, torch.zeros_like(a)))
+        with pytest.raises(ValueError, match="conditioned on anchors"):
+            dec(v)
+    ref = dec.reference(v, a)
+    torch.testing.assert_close(dec(v, a), ref, rtol=0, atol=1e-12)
     channel = torch.tensor([0, 4, 2, 2, 1, 3])
-    torch.testing.assert_close(dec.forward_channels(v, channel), ref[torch.arange(6), channel], rtol=0, atol=1e-12)
+    torch.testing.assert_close(dec.forward_channels(v, channel, a), ref[torch.arange(6), channel], rtol=0,
+                               atol=1e-12)
 
 
 def test_training_loss_and_gradients_equal_the_previous_implementation():
@@ -285,8 +322,9 @@ def test_training_loss_and_gradients_equal_the_previous_implementation():
     def run(old: bool):
         model = tiny(mask_samples=10_000).double().train()
         if old:
-            def mask_logits(features, b, pixels, labels):
-                logits = model.decoder.reference(model.pixel_features_reference(features, b, pixels))
+            def mask_logits(features, b, anchors, labels):
+                a = model.num_anchors
+                logits = model.decoder.reference(model.pixel_features_reference(features, b, anchors // a), anchors % a)
                 return logits[torch.arange(len(labels)), labels]
             model.mask_logits = mask_logits
         losses = model([im.double() for im in images], [dict(t, boxes=t["boxes"].double()) for t in targets])
@@ -308,6 +346,8 @@ def test_decoder_output_shapes():
     assert SPRDecoder(40, 7, 32, (16, 8))(v).shape == (5, 7, 32, 32)
     assert SPRDecoder(40, 1, 16, (16, 8))(v).shape == (5, 1, 16, 16)
     assert SPRDecoder(40, 2, 32, (16, 8))(v[:0]).shape == (0, 2, 32, 32)
+    assert SPRDecoder(40, 2, 32, (16, 8), convs=1, num_anchors=9)(v[:0], torch.zeros(0, dtype=torch.int64)).shape \
+        == (0, 2, 32, 32)
     assert MaskEnhancement(16, (16, 8)).out_channels == 40
 
 
@@ -319,7 +359,7 @@ def _perfect_outputs(model, images, targets):
     imgs, tgts = model.transform(images, targets)
     feats = list(model.backbone(imgs.tensors).values())
     anchors = model.anchor_generator(imgs, feats)
-    matched, spr = model.assign(tgts, anchors)
+    matched, _ = model.assign(tgts, anchors)
     heads = model.head(feats)
     cls = torch.full_like(heads["cls_logits"], -30.0)
     reg = torch.zeros_like(heads["bbox_regression"])
@@ -327,6 +367,7 @@ def _perfect_outputs(model, images, targets):
         fg = torch.where(m >= 0)[0]
         cls[i, fg, t["labels"][m[fg]]] = 30.0
         reg[i, fg] = model.box_coder.encode_single(t["boxes"][m[fg]], anchors[i][fg])
+    _, spr = model.assign(tgts, anchors, reg, imgs.image_sizes)   # the mask frames of these boxes
     return tgts, anchors, matched, spr, {"cls_logits": cls, "bbox_regression": reg}, feats
 
 
@@ -335,7 +376,7 @@ def test_loss_is_zero_for_perfect_predictions_and_positive_otherwise():
     images, targets = sample_batch()
     with torch.no_grad():
         tgts, anchors, matched, spr, perfect, feats = _perfect_outputs(model, images, targets)
-        assert len(spr["pixel"]) >= 3 and all((m >= 0).any() for m in matched)
+        assert len(spr["anchor"]) >= 3 and all((m >= 0).any() for m in matched)
         head = model.head.compute_loss(tgts, perfect, anchors, matched)
         mask = spr_mask_loss(30.0 * (2 * spr["mask"].float() - 1), spr["mask"])
         assert head["classification"] < 1e-10 and head["bbox_regression"] < 1e-6 and mask < 1e-10
@@ -345,12 +386,12 @@ def test_loss_is_zero_for_perfect_predictions_and_positive_otherwise():
         # the model's own loss, with the decoder replaced by one that outputs the targets, is zero too
         logits = 30.0 * (2 * spr["mask"].float() - 1)
         model.mask_logits = lambda f, b, p, lab: logits
-        losses = model.compute_loss(tgts, perfect, anchors, feats)
+        losses = model.compute_loss(tgts, perfect, anchors, feats, [(64, 64), (48, 80)])
         assert all(v < 1e-6 for v in losses.values()), losses
 
 
 def test_mask_targets_are_the_instances_masks_in_their_boxes():
-    model = tiny(mask_samples=10_000)
+    model = tiny(mask_samples=10_000, mask_frame="gt", mask_margin=1.0)   # the paper's frame
     images, targets = sample_batch()
     with torch.no_grad():
         tgts, _, _, spr, _, _ = _perfect_outputs(model, images, targets)
@@ -359,6 +400,53 @@ def test_mask_targets_are_the_instances_masks_in_their_boxes():
     assert spr["mask"][lab == 3].all() and not spr["mask"][lab == 1].all()
     disc_fill = spr["mask"][lab == 1].float().mean()
     assert abs(disc_fill - math.pi / 4) < 0.05    # a disc fills pi/4 of its box
+
+
+def test_mask_targets_live_in_the_enlarged_predicted_box_that_inference_pastes_into():
+    """One frame (issue 35): a target is the instance's mask cropped to its anchor's decoded box (detached)
+    enlarged 1.2x; pasting the target back into that frame gives the instance's mask, wherever the box is."""
+    model = tiny(mask_samples=10_000)
+    images, targets = sample_batch()
+    with torch.no_grad():
+        imgs, tgts = model.transform(images, targets)
+        feats = list(model.backbone(imgs.tensors).values())
+        anchors = model.anchor_generator(imgs, feats)
+        reg = torch.randn_like(model.head(feats)["bbox_regression"]) * 0.2     # imperfect boxes
+        _, spr = model.assign(tgts, anchors, reg, imgs.image_sizes)
+    assert len(spr["anchor"]) >= 4
+    from torchvision.ops import clip_boxes_to_image
+
+    for k in range(len(spr["anchor"])):
+        i, a = int(spr["image"][k]), int(spr["anchor"][k])
+        box = model.box_coder.decode_single(reg[i, a:a + 1], anchors[i][a:a + 1])
+        frame = mask_frame(clip_boxes_to_image(box, imgs.image_sizes[i]), 1.2)
+        g = int((tgts[i]["labels"] == spr["label"][k]).nonzero()[0, 0])    # labels are unique in each image
+        assert torch.equal(spr["mask"][k], encode_masks(tgts[i]["masks"], frame, 32, torch.tensor([g]))[0])
+        h, w = imgs.image_sizes[i]
+        back = paste_masks(spr["mask"][k][None, None].float(), frame, (h, w))[0, 0] >= 0.5
+        truth = tgts[i]["masks"][g].bool()
+        inside = paste_masks(torch.ones(1, 1, 32, 32), frame, (h, w))[0, 0] > 0   # the frame's pixels
+        assert (truth & inside).sum() > 50
+        iou = (back & truth & inside).sum() / ((back | truth) & inside).sum()
+        assert iou > 0.8, (k, float(iou))
+    # the frame is the enlarged box: a 10x20 box at 1.2 is 12x24 about the same centre
+    torch.testing.assert_close(mask_frame(torch.tensor([[10., 20, 20, 40]]), 1.2), torch.tensor([[9., 18, 21, 42]]))
+
+
+def test_inference_pastes_into_the_enlarged_detected_box():
+    model = tiny(score_thresh=0.0, detections_per_img=5).eval()
+    captured = {}
+    paste = model.transform.postprocess
+
+    def spy(result, sizes, originals):
+        captured["masks"] = [r["masks"].clone() for r in result]
+        return paste(result, sizes, originals)
+
+    model.transform.postprocess = spy
+    with torch.no_grad():
+        out = model([torch.rand(3, 64, 64)])[0]
+    expect = paste_masks(captured["masks"][0], mask_frame(out["boxes"], 1.2), (64, 64))
+    torch.testing.assert_close(out["masks"], expect)
 
 
 def test_bf16_autocast_trains_and_infers_with_fp32_outputs():
@@ -378,8 +466,12 @@ def test_detections_match_torchvision_retinanet_postprocessing():
     from torchvision.models.detection import RetinaNet
 
     model = tiny(score_thresh=0.02, topk_candidates=50, detections_per_img=20).eval()
-    with torch.no_grad():        # spread the scores over classes and levels
+    with torch.no_grad():        # spread the scores over classes, levels and positions: the head's std-0.01 init
+        torch.manual_seed(5)     # leaves every position at its bias, and among equal scores the order is moot
         model.head.classification_head.cls_logits.bias.normal_(-3, 1.0)
+        for m in model.head.classification_head.modules():
+            if isinstance(m, torch.nn.Conv2d):
+                torch.nn.init.kaiming_normal_(m.weight)
         images, _ = sample_batch()
         ours = model(images)
         theirs = RetinaNet.forward(model, images)
@@ -407,6 +499,11 @@ def test_detections_match_torchvision_retinanet_postprocessing():
     (lambda t: t["boxes"].__setitem__((1, 2), float("inf")), r"targets\[0\]\['boxes'\]\[1\].*finite"),
     (lambda t: t.__setitem__("labels", torch.tensor([1])), r"targets\[0\]\['labels'\] must be \[2\]"),
     (lambda t: t.__setitem__("boxes", t["boxes"].long()), "float tensor"),
+    # review (issue 35): each of these trained on garbage silently
+    (lambda t: t["masks"][1].zero_(), r"targets\[0\]\['masks'\]\[1\] is all zero"),
+    (lambda t: t.__setitem__("boxes", t["boxes"] + torch.tensor([70., 0, 70, 0])),
+     r"targets\[0\]\['boxes'\]\[0\].*entirely outside the 64x64 image"),
+    (lambda t: t.__setitem__("masks", t["masks"].float() * 0.4), r"targets\[0\]\['masks'\] must be uint8 or bool"),
 ])
 def test_malformed_targets_are_rejected_not_trained_on(edit, msg):
     """An inverted box gave a NaN box loss and a missing mask an out-of-bounds roi_align read, silently."""
@@ -434,6 +531,18 @@ def test_images_and_targets_must_pair_up_and_be_rgb_or_grey():
         model([])
     with pytest.raises(ValueError, match=r"images\[0\] must be"):
         model([torch.rand(2, 64, 64)])
+    nan = torch.rand(3, 64, 64)
+    nan[0, 3, 3] = float("nan")
+    with pytest.raises(ValueError, match=r"images\[1\] has NaN"):   # returned 0 detections silently
+        model([torch.rand(3, 64, 64), nan])
+    model.train()
+    with pytest.raises(ValueError, match=r"images\[1\] has NaN"):   # a NaN loss, skipped by fit
+        model([images[0], nan], targets)
+    model.eval()
+    with pytest.raises(ValueError, match=r"images\[0\] is 300x2 pixels.*under one pixel"):   # interpolate crashed
+        model([torch.rand(3, 2, 300)])
+    with pytest.raises(ValueError, match=r"images\[0\] must be a float tensor"):
+        model([torch.zeros(3, 64, 64, dtype=torch.uint8)])
 
 
 def test_encode_masks_rejects_non_finite_boxes_and_paste_takes_an_empty_image():

@@ -168,3 +168,21 @@ def test_an_empty_polygon_is_an_empty_mask_and_evaluation_still_runs(shapes, tmp
     outs, ids = _gt_outputs(ds)
     metrics = coco_evaluate(ds.coco, to_coco_results(outs, ids, ds.cat_ids))
     assert 0.8 < metrics["segm"]["AP"] <= 1.0
+
+
+def test_segm_size_buckets_use_the_mask_area_not_the_box(shapes):
+    """A small false-positive mask whose result carries a large bbox: pycocotools takes a result's area from
+    its bbox when it has one, so that mask was sorted out of APs as 'medium' and APs stayed 1.0."""
+    ds = CocoInstances(shapes, "val")
+    outs, ids = _gt_outputs(ds)
+    o = outs[0]
+    fp = torch.zeros(1, 1, 64, 64, dtype=torch.bool)
+    fp[0, 0, :2, :2] = True                              # 4 pixels: small, overlapping nothing much
+    outs[0] = {"boxes": torch.cat([torch.tensor([[0.0, 0, 64, 64]]), o["boxes"]]),    # box area 4096: medium
+               "labels": torch.cat([o["labels"][:1], o["labels"]]), "scores": torch.ones(len(o["boxes"]) + 1),
+               "masks": torch.cat([fp, o["masks"]])}
+    results = to_coco_results(outs, ids, ds.cat_ids)
+    assert all("bbox" in r for r in results)             # box AP still has its boxes
+    segm = coco_evaluate(ds.coco, results, ("segm",))["segm"]
+    assert segm["APm"] == -1.0                           # the split has no medium object
+    assert segm["APs"] < 1.0 and segm["AP"] == segm["APs"]   # the small false positive counts, as a small mask

@@ -11,17 +11,23 @@ third, parallel branch, the single-pixel reconstruction (SPR) branch:
   dilated 2/4/6 (128 ch each), concatenated and ReLU'd: one 640-d vector per pixel.
 - SPR decoder: a pixel's vector alone -> a 1x1 conv -> three deconvolutions without activation (1 -> 8x8) ->
   two deconvolutions with ReLU (-> 32x32), plus a nearest-upsampled shortcut from 8x8; one 32x32 mask logit
-  map per class (on-class binary cross-entropy, as Mask R-CNN). The mask lives in the frame of the instance's
-  box: the target is the ground-truth mask cropped to its box and resampled to 32x32; at inference the mask is
-  pasted bilinearly into the detection's regressed box, so a mask is never better than its box.
+  map per class (on-class binary cross-entropy, as Mask R-CNN). In the paper the target is the ground-truth
+  mask cropped to its box, and inference pastes the mask into the detection's regressed box, so every
+  imperfect box distorts its mask (``mask_frame="gt"``, ``mask_margin=1.0`` keep that).
 - Positive pixels: a pixel is positive when any of its 9 anchors has IoU > 0.7 with a ground-truth box, and that
   anchor's best box picks the instance; at most 300 positive pixels an image are sampled.
 - Gated FPN (GFPN): the top-down sum ``y = x1 + x2`` becomes ``y = x1 * sigmoid(g(x1)) + x2 * sigmoid(g(x2))``
   with ``g`` one depthwise-separable 3x3 conv shared by all inputs. ``fpn="sum"`` keeps torchvision's FPN.
 - Total loss: classification + box regression + mask, unweighted.
 
-Our choices where the paper is silent or unverified (docs/vision.md lists them): every instance also keeps the
-pixel of its best anchor (as torchvision's low-quality matches), so an instance that no anchor covers at IoU
+Changes for Mask R-CNN's mask AP (issue 35; each a config field, docs/vision.md gives the reasons): one mask
+frame for training and inference, the anchor's decoded box (detached) enlarged ``mask_margin`` (1.2x) for the
+target and the same enlargement of the detected box for the paste; positives are anchors (IoU > 0.5, the
+pixel's vector, the anchor's frame); the decoder scales and shifts the reduced vector per anchor and has a 3x3
+conv after each upsampling (``decoder_convs``). One feature vector still gives one mask.
+
+Our choices where the paper is silent or unverified (docs/vision.md lists them): every instance also keeps
+its best anchor (as torchvision's low-quality matches), so an instance that no anchor covers at IoU
 0.7 still trains the mask; the enhancement convs read the FPN features directly, so a pixel's vector depends on
 a 13x13 window only and is computed for the selected pixels alone (``conv_at``: the same numbers as the dense
 conv, no dense mask tensor ever); gate init is PyTorch's default.
@@ -61,7 +67,7 @@ class SPRNetConfig:
 
     num_classes: int = 91                  # including background (torchvision's convention): labels 1..K
     backbone: str = "resnet50"             # one of RESNETS
-    backbone_weights: str | None = None    # local torchvision ResNet state dict; None: random init, no download
+    backbone_weights: str | None = None    # local torchvision ResNet state dict file (or the dict); None: random
     trainable_backbone_layers: int | None = None   # None: all 5 from scratch, 3 with weights (torchvision)
     fpn: str = "gated"                     # "gated" (GFPN) or "sum" (torchvision's FPN)
     fpn_channels: int = 256
@@ -76,7 +82,15 @@ class SPRNetConfig:
     # 0.5 within 0.2 mask AP on COCO; at 0.5 a shapes instance gets ~11 such pixels instead of ~1.8, and the
     # 1 x H200 shapes run gained 1.8 mask AP (docs/benchmarks/sprnet.md)
     mask_iou_thresh: float = 0.5
-    mask_samples: int = 300                # positive pixels sampled an image for the mask loss
+    mask_samples: int = 300                # positive anchors sampled an image for the mask loss
+    # the mask frame (issue 35): "predicted" crops each target to the box its anchor decodes (detached),
+    # enlarged by mask_margin about its centre, and inference pastes into the same enlargement of the detected
+    # box, so training and inference share one frame; "gt" is the paper's (targets in the ground-truth box,
+    # pasted into the detected box: every imperfect box distorts its mask)
+    mask_frame: str = "predicted"
+    mask_margin: float = 1.2               # frame = box scaled by this about its centre (1.0: the box itself)
+    decoder_convs: int = 1                 # 3x3 convs (+ReLU) after each upsampling to m/2 and m (0: the paper's)
+    anchor_conditioning: bool = True       # per-anchor scale and shift of the pixel's reduced vector
     score_thresh: float = 0.05
     nms_thresh: float = 0.5
     detections_per_img: int = 100          # the paper's top-100 pixels
@@ -90,13 +104,32 @@ class SPRNetConfig:
             raise ValueError(f"backbone must be one of {RESNETS}, got {self.backbone!r}")
         if self.fpn not in ("gated", "sum"):
             raise ValueError(f"fpn must be 'gated' or 'sum', got {self.fpn!r}")
-        if self.num_classes < 2:
-            raise ValueError(f"num_classes counts background and must be >= 2, got {self.num_classes}")
+        if isinstance(self.num_classes, bool) or not isinstance(self.num_classes, int) or self.num_classes < 2:
+            raise ValueError(f"num_classes counts background and must be an int >= 2, got {self.num_classes!r}")
         m = self.mask_size
         if m < 8 or m & (m - 1):
             raise ValueError(f"mask_size must be a power of two >= 8, got {m}")
         if len(self.anchor_sizes) != 5:
             raise ValueError(f"anchor_sizes needs one size for each of P3..P7 (5), got {self.anchor_sizes}")
+        if not 1 <= self.min_size <= self.max_size:   # min_size 0 resized every image to nothing
+            raise ValueError(f"need 1 <= min_size <= max_size (pixels), got min_size={self.min_size}, "
+                             f"max_size={self.max_size}")
+        if not 0.0 <= self.mask_iou_thresh < 1.0:   # above 1 no anchor is positive: only the best ones trained
+            raise ValueError(f"mask_iou_thresh must be in [0, 1), got {self.mask_iou_thresh}")
+        if self.mask_samples < 1:   # 0 silently never trained the mask branch
+            raise ValueError(f"mask_samples must be >= 1 (positive anchors an image), got {self.mask_samples}")
+        if self.mask_frame not in ("predicted", "gt"):
+            raise ValueError(f"mask_frame must be 'predicted' or 'gt', got {self.mask_frame!r}")
+        if not (math.isfinite(self.mask_margin) and self.mask_margin >= 1.0):
+            raise ValueError(f"mask_margin must be a finite number >= 1, got {self.mask_margin}")
+        if self.decoder_convs < 0:
+            raise ValueError(f"decoder_convs must be >= 0, got {self.decoder_convs}")
+        if not 0.0 <= self.score_thresh <= 1.0 or not 0.0 <= self.nms_thresh <= 1.0:
+            raise ValueError(f"score_thresh and nms_thresh must be in [0, 1], got {self.score_thresh}, "
+                             f"{self.nms_thresh}")
+        if self.detections_per_img < 1 or self.topk_candidates < 1:
+            raise ValueError(f"detections_per_img and topk_candidates must be >= 1, got {self.detections_per_img}, "
+                             f"{self.topk_candidates}")
 
 
 # ---------------------------------------------------------------- backbone
@@ -129,16 +162,20 @@ class GatedFPN(FeaturePyramidNetwork):
         return OrderedDict(zip(names, results))
 
 
-def load_backbone_weights(net: nn.Module, path: str) -> None:
-    """Load a local torchvision ResNet state dict (``torch.save(resnet.state_dict())``; ``fc.*`` ignored).
+def load_backbone_weights(net: nn.Module, path) -> None:
+    """Load a torchvision ResNet state dict, from a local file (``torch.save(resnet.state_dict())``) or given
+    as a dict; ``fc.*`` ignored.
 
     Raises:
         HpdlError: the file is missing, or its keys or shapes do not match the ResNet (names the first few).
     """
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise HpdlError(f"backbone_weights={path!r}: no such file") from None
+    if isinstance(path, dict):
+        state, path = path, "<state dict>"
+    else:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except FileNotFoundError:
+            raise HpdlError(f"backbone_weights={str(path)!r}: no such file") from None
     if isinstance(state, dict) and isinstance(state.get("state_dict", state.get("model")), dict):
         state = state.get("state_dict", state.get("model"))
     state = {k.removeprefix("module."): v for k, v in state.items() if not k.removeprefix("module.").startswith("fc.")}
@@ -237,32 +274,51 @@ class MaskEnhancement(nn.Module):
 
 
 class SPRDecoder(nn.Module):
-    """One pixel's vector -> mask logits: [P, C'] -> [P, K, m, m] (K = classes, or 1 class-agnostic).
+    """One pixel's vector (and its anchor) -> mask logits: [P, C'], int64 [P] -> [P, K, m, m] (K classes, or 1).
 
-    The layers are 2x2 stride-2 deconvolutions (and 1x1 convs), which mix no neighbouring positions: every
-    output cell is a chain of matrix products of the pixel's vector. So the decoder runs as matrix products on
-    ``[P, positions, channels]`` with positions in quad-tree order (a cell's 4 children adjacent), which needs
-    no reordering between layers and one at the end. That is the same arithmetic as the convolution modules
-    (kept as the parameters, and as :meth:`reference`), but with no convolution kernel: cuDNN in benchmark mode
-    re-tunes every new batch size, and the number of positive pixels changes every step.
+    The paper's layers, with two additions (issue 35; both off gives the paper's decoder):
+
+    - the 1x1 reduction, then ``log2(m) - 2`` 2x2 stride-2 deconvolutions without activation (1 -> m/4); with
+      ``num_anchors``, the reduced vector is first scaled and shifted per anchor (``(1 + scale[a]) * r +
+      shift[a]``, both 0 at init), so the 9 anchors of a pixel, whose boxes frame 9 different crops of the
+      instance, decode 9 different masks from the one vector;
+    - two deconvolutions with ReLU (m/4 -> m/2 -> m), each followed by ``convs`` 3x3 convolutions with ReLU
+      (the paper's 2x2 stride-2 deconvolutions mix no neighbouring cells), then a 1x1 prediction, plus a
+      nearest-upsampled 1x1 prediction from m/4 (the shortcut).
+
+    The linear stage runs as matrix products on ``[P, positions, channels]`` with positions in quad-tree order
+    (a cell's 4 children adjacent: no reordering between layers, one at the end) rather than as deconvolution
+    kernels on 1x1 to 4x4 maps; :meth:`reference` is the same function through the modules.
     """
 
-    def __init__(self, in_channels: int, num_masks: int, mask_size: int = 32, channels=(256, 128)):
+    def __init__(self, in_channels: int, num_masks: int, mask_size: int = 32, channels=(256, 128), *,
+                 num_anchors: int = 0, convs: int = 0):
         super().__init__()
         c0, c1 = channels
         n_linear = int(math.log2(mask_size)) - 2            # 1x1 -> (m/4)x(m/4) without activation
         self.mask_size = mask_size
         self.reduce = nn.Linear(in_channels, c0)            # the 1x1 conv on a 1x1 map
+        self.anchor_scale = self.anchor_shift = None
+        if num_anchors:
+            self.anchor_scale, self.anchor_shift = nn.Embedding(num_anchors, c0), nn.Embedding(num_anchors, c0)
+            nn.init.zeros_(self.anchor_scale.weight)
+            nn.init.zeros_(self.anchor_shift.weight)
         self.linear = nn.Sequential(*[nn.ConvTranspose2d(c0, c0, 2, stride=2) for _ in range(n_linear)])
-        self.up = nn.Sequential(nn.ConvTranspose2d(c0, c1, 2, stride=2), nn.ReLU(inplace=True),
-                                nn.ConvTranspose2d(c1, c1, 2, stride=2), nn.ReLU(inplace=True))
+        up, cin = [], c0
+        for _ in range(2):
+            up += [nn.ConvTranspose2d(cin, c1, 2, stride=2), nn.ReLU(inplace=True)]
+            for _ in range(convs):
+                up += [nn.Conv2d(c1, c1, 3, padding=1), nn.ReLU(inplace=True)]
+            cin = c1
+        self.up = nn.Sequential(*up)
         self.predict = nn.Conv2d(c1, num_masks, 1)
         self.predict_shortcut = nn.Conv2d(c0, num_masks, 1)
-        # raster cell (r, c) of the m x m map -> its quad-tree position: the bits of r and c interleaved
-        levels = int(math.log2(mask_size))
-        r, c = torch.meshgrid(torch.arange(mask_size), torch.arange(mask_size), indexing="ij")
+        # raster cell (r, c) of the (m/4) x (m/4) map -> its quad-tree position: the bits of r and c interleaved
+        s = mask_size // 4
+        levels = int(math.log2(s))
+        r, c = torch.meshgrid(torch.arange(s), torch.arange(s), indexing="ij")
         tree = sum((((r >> (levels - 1 - j)) & 1) * 2 + ((c >> (levels - 1 - j)) & 1)) * 4 ** (levels - 1 - j)
-                   for j in range(levels))
+                   for j in range(levels)) if levels else torch.zeros_like(r)
         self.register_buffer("raster", tree.flatten(), persistent=False)
 
     @staticmethod
@@ -273,55 +329,72 @@ class SPRDecoder(nn.Module):
         bias = None if layer.bias is None else layer.bias.repeat(4)
         return F.linear(x, w, bias).view(x.shape[0], 4 * x.shape[1], o)
 
-    def _features(self, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[P, C'] -> the (m/4)^2 map [P, (m/4)^2, c0] (the shortcut's input) and the m^2 map [P, m^2, c1]."""
-        a = self.reduce(v)[:, None, :]                                     # [P, 1, c0]
+    def _reduced(self, v: torch.Tensor, anchor: torch.Tensor | None) -> torch.Tensor:
+        r = self.reduce(v)                                                  # [P, c0]
+        if self.anchor_scale is not None:
+            if anchor is None:
+                raise ValueError("this decoder is conditioned on anchors: give each vector's anchor (int64 [P])")
+            r = r * (1 + self.anchor_scale(anchor).to(r.dtype)) + self.anchor_shift(anchor).to(r.dtype)
+        return r
+
+    def _features(self, v: torch.Tensor, anchor: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """[P, C'] -> the (m/4)^2 map [P, c0, m/4, m/4] (the shortcut's input) and the m^2 map [P, c1, m, m]."""
+        a = self._reduced(v, anchor)[:, None, :]                           # [P, 1, c0]
         for layer in self.linear:
-            a = self._deconv(a, layer)
-        h = F.relu(self._deconv(a, self.up[0]))
-        return a, F.relu(self._deconv(h, self.up[2]))
+            a = self._deconv(a, layer)                                      # [P, 4^k, c0], quad-tree order
+        s = self.mask_size // 4
+        a = a[:, self.raster].transpose(1, 2).reshape(len(v), a.shape[-1], s, s)   # raster [P, c0, s, s]
+        return a, self.up(a)
 
-    def _to_raster(self, tree: torch.Tensor) -> torch.Tensor:
-        """[..., m^2] quad-tree order -> [..., m, m] raster."""
-        m = self.mask_size
-        return tree[..., self.raster].unflatten(-1, (m, m))
+    @staticmethod
+    def _upsample4(x: torch.Tensor) -> torch.Tensor:
+        return x.repeat_interleave(4, -1).repeat_interleave(4, -2)
 
-    def forward(self, v: torch.Tensor) -> torch.Tensor:
-        """All mask channels: [P, C'] -> [P, K, m, m]."""
-        a, h = self._features(v)
-        out = F.linear(h, self.predict.weight[:, :, 0, 0], self.predict.bias)                      # [P, m^2, K]
-        # the shortcut: 1x1 prediction at m/4, nearest-upsampled x4: each cell's 16 descendants are adjacent
-        short = F.linear(a, self.predict_shortcut.weight[:, :, 0, 0], self.predict_shortcut.bias)   # [P, S, K]
-        out = out + short.repeat_interleave(16, dim=1)
-        return self._to_raster(out.transpose(1, 2))
+    def forward(self, v: torch.Tensor, anchor: torch.Tensor | None = None) -> torch.Tensor:
+        """All mask channels: [P, C'], int64 [P] (each vector's anchor, 0..A-1) -> [P, K, m, m]."""
+        a, h = self._features(v, anchor)
+        return self.predict(h) + self._upsample4(self.predict_shortcut(a))
 
-    def forward_channels(self, v: torch.Tensor, channel: torch.Tensor) -> torch.Tensor:
-        """One channel a pixel (its class, or 0 class-agnostic): [P, C'], int64 [P] -> [P, m, m].
+    def forward_channels(self, v: torch.Tensor, channel: torch.Tensor, anchor: torch.Tensor | None = None):
+        """One channel a vector (its class, or 0 class-agnostic): [P, C'], int64 [P] -> [P, m, m].
 
-        Equal to ``forward(v)[arange(P), channel]`` without computing the other K - 1 channels."""
-        a, h = self._features(v)
+        Equal to ``forward(v, anchor)[arange(P), channel]`` without computing the other K - 1 channels."""
+        a, h = self._features(v, anchor)
         w, b = self.predict.weight[channel, :, 0, 0], self.predict.bias[channel]                 # [P, c1], [P]
         ws, bs = self.predict_shortcut.weight[channel, :, 0, 0], self.predict_shortcut.bias[channel]
-        out = torch.bmm(h, w.to(h.dtype)[:, :, None])[..., 0] + b[:, None].to(h.dtype)          # [P, m^2]
-        short = torch.bmm(a, ws.to(a.dtype)[:, :, None])[..., 0] + bs[:, None].to(a.dtype)     # [P, S]
-        return self._to_raster(out + short.repeat_interleave(16, dim=1))
+        out = torch.einsum("pchw,pc->phw", h, w.to(h.dtype)) + b[:, None, None].to(h.dtype)
+        short = torch.einsum("pchw,pc->phw", a, ws.to(a.dtype)) + bs[:, None, None].to(a.dtype)
+        return out + self._upsample4(short)
 
-    def reference(self, v: torch.Tensor) -> torch.Tensor:
-        """The same function through the convolution modules (for tests): [P, C'] -> [P, K, m, m]."""
-        a = self.linear(self.reduce(v)[:, :, None, None])   # [P, c0, m/4, m/4]
+    def reference(self, v: torch.Tensor, anchor: torch.Tensor | None = None) -> torch.Tensor:
+        """The same function through the deconvolution modules (for tests): [P, C'] -> [P, K, m, m]."""
+        a = self.linear(self._reduced(v, anchor)[:, :, None, None])   # [P, c0, m/4, m/4]
         return self.predict(self.up(a)) + F.interpolate(self.predict_shortcut(a), scale_factor=4, mode="nearest")
 
 
-def encode_masks(masks: torch.Tensor, boxes: torch.Tensor, mask_size: int) -> torch.Tensor:
-    """SPR targets: masks [N, H, W] cropped to boxes [N, 4] (x1, y1, x2, y2) -> bool [N, m, m].
+def mask_frame(boxes: torch.Tensor, margin: float = 1.0) -> torch.Tensor:
+    """The box a mask lives in: ``boxes`` [N, 4] (x1, y1, x2, y2) scaled by ``margin`` about their centres,
+    at least 1 pixel a side (a degenerate box would otherwise be a 0-pixel frame). Float [N, 4]."""
+    boxes = boxes.float()
+    centre = (boxes[:, :2] + boxes[:, 2:]) / 2
+    half = ((boxes[:, 2:] - boxes[:, :2]) * margin).clamp(min=1.0) / 2
+    return torch.cat([centre - half, centre + half], 1)
 
-    Bilinear (roi_align, aligned pixel centres, 2x2 samples a cell), then >= 0.5. :func:`paste_masks` inverts it.
+
+def encode_masks(masks: torch.Tensor, boxes: torch.Tensor, mask_size: int,
+                 index: torch.Tensor | None = None) -> torch.Tensor:
+    """SPR targets: masks [N, H, W] cropped to boxes [n, 4] (x1, y1, x2, y2) -> bool [n, m, m].
+
+    Box ``k`` crops mask ``index[k]`` (int64 [n]; default: mask ``k``, n = N). Bilinear (roi_align, aligned pixel
+    centres, 2x2 samples a cell; zero outside the image), then >= 0.5. :func:`paste_masks` inverts it.
     """
-    if len(masks) == 0:
-        return masks.new_zeros((0, mask_size, mask_size), dtype=torch.bool)
+    if index is None:
+        index = torch.arange(len(boxes), device=boxes.device)
+    if len(masks) == 0 or len(boxes) == 0:
+        return masks.new_zeros((len(boxes) if len(masks) else 0, mask_size, mask_size), dtype=torch.bool)
     if not torch.isfinite(boxes).all():   # roi_align reads out of bounds (a segfault on CPU) at NaN/inf
         raise ValueError(f"boxes must be finite, got {boxes[~torch.isfinite(boxes).all(1)][:3].tolist()}")
-    rois = torch.cat([torch.arange(len(boxes), device=boxes.device, dtype=boxes.dtype)[:, None], boxes], 1)
+    rois = torch.cat([index.to(boxes.device, boxes.dtype)[:, None], boxes], 1)
     crop = roi_align(masks[:, None].float(), rois.float(), (mask_size, mask_size), 1.0, sampling_ratio=2, aligned=True)
     return crop[:, 0] >= 0.5
 
@@ -357,7 +430,12 @@ def paste_masks(masks: torch.Tensor, boxes: torch.Tensor, image_size: tuple[int,
 
 
 class PastingTransform(GeneralizedRCNNTransform):
-    """torchvision's detection transform, its ``postprocess`` pasting masks with :func:`paste_masks`."""
+    """torchvision's detection transform, its ``postprocess`` pasting masks with :func:`paste_masks` into each
+    box's :func:`mask_frame` (``mask_margin``; 1.0: the box itself)."""
+
+    def __init__(self, *args, mask_margin: float = 1.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.mask_margin = mask_margin
 
     def postprocess(self, result, image_shapes, original_image_sizes):
         if self.training:
@@ -365,36 +443,38 @@ class PastingTransform(GeneralizedRCNNTransform):
         for pred, size, original in zip(result, image_shapes, original_image_sizes):
             pred["boxes"] = resize_boxes(pred["boxes"], size, original)
             if "masks" in pred:
-                pred["masks"] = paste_masks(pred["masks"], pred["boxes"], original)
+                pred["masks"] = paste_masks(pred["masks"], mask_frame(pred["boxes"], self.mask_margin), original)
         return result
 
 
-def spr_positives(iou: torch.Tensor, num_anchors: int, iou_thresh: float = 0.7,
-                  max_pixels: int = 300) -> tuple[torch.Tensor, torch.Tensor]:
-    """SPR positive pixels of one image and the instance each reconstructs.
+def spr_positives(iou: torch.Tensor, iou_thresh: float = 0.5,
+                  max_samples: int = 300) -> tuple[torch.Tensor, torch.Tensor]:
+    """SPR positive anchors of one image and the instance each reconstructs.
+
+    The paper makes a *pixel* positive when one of its anchors has IoU > 0.7 and trains that pixel's one mask.
+    Here each such anchor is a sample: its mask lives in the frame of its own decoded box and the decoder is
+    conditioned on the anchor (issue 35), so the 9 anchors of a pixel decode different masks from one vector.
 
     Args:
-        iou: [G, P * A] IoU of each ground-truth box with each anchor, anchors ordered pixel-major (torchvision's
-            order: anchor ``i`` belongs to pixel ``i // A`` of the levels concatenated row-major).
-        num_anchors: A, anchors a pixel.
+        iou: [G, P * A] IoU of each ground-truth box with each anchor (torchvision's order, anchor ``i`` of pixel
+            ``i // A``).
     Returns:
-        ``(pixels, instances)``, int64 [n] each, n <= max_pixels: a pixel is positive when one of its anchors
-        has IoU > ``iou_thresh``; that anchor's best box is its instance. Each instance also gets the pixel of
-        its best anchor (when that IoU is above 0). More than ``max_pixels`` positives are sampled at random.
+        ``(anchors, instances)``, int64 [n] each, n <= max_samples: an anchor is positive when its IoU with its
+        best box is above ``iou_thresh``, and that box is its instance. Each instance also keeps its best anchor
+        (when that IoU is above 0), as torchvision's low-quality matches. More positives are sampled at random.
     """
     g = iou.shape[0]
     best_iou, best_gt = iou.max(0)                                   # per anchor
-    pixel_iou, best_a = best_iou.view(-1, num_anchors).max(1)        # per pixel
-    pixel_gt = best_gt.view(-1, num_anchors).gather(1, best_a[:, None])[:, 0]
-    positive = pixel_iou > iou_thresh
+    positive = best_iou > iou_thresh
     top_iou, top = iou.max(1)                                         # each instance's best anchor
     own = top_iou > 0
-    positive[top[own] // num_anchors] = True
-    pixel_gt[top[own] // num_anchors] = torch.arange(g, device=iou.device)[own]
-    pixels = positive.nonzero()[:, 0]
-    if len(pixels) > max_pixels:
-        pixels = pixels[torch.randperm(len(pixels), device=pixels.device)[:max_pixels]]
-    return pixels, pixel_gt[pixels]
+    positive[top[own]] = True
+    best_gt = best_gt.clone()
+    best_gt[top[own]] = torch.arange(g, device=iou.device)[own]
+    anchors = positive.nonzero()[:, 0]
+    if len(anchors) > max_samples:
+        anchors = anchors[torch.randperm(len(anchors), device=anchors.device)[:max_samples]]
+    return anchors, best_gt[anchors]
 
 
 # ---------------------------------------------------------------- model
@@ -433,6 +513,30 @@ def _check_target(j: int, t: dict, image: torch.Tensor | None, num_classes: int)
     if masks.ndim != 3 or masks.shape[0] != n or tuple(masks.shape[-2:]) != size:
         raise ValueError(f"targets[{j}]['masks'] must be [{n}, {size[0]}, {size[1]}] (one per box, at the image's "
                          f"size), got {list(masks.shape)}")
+    if masks.dtype not in (torch.uint8, torch.bool):   # float masks (probabilities, 0-255) were cut at 0.5
+        raise ValueError(f"targets[{j}]['masks'] must be uint8 or bool (0/1 per pixel), got {masks.dtype}")
+    if n:
+        h, w = size
+        outside = (boxes[:, 0] >= w) | (boxes[:, 1] >= h) | (boxes[:, 2] <= 0) | (boxes[:, 3] <= 0)
+        if outside.any():   # nothing of the instance can be seen: an all-zero target that trains "no object"
+            k = int(outside.nonzero()[0, 0])
+            raise ValueError(f"targets[{j}]['boxes'][{k}] = {boxes[k].tolist()} lies entirely outside the "
+                             f"{w}x{h} image")
+        empty = masks.flatten(1).amax(1) == 0   # (any() of uint8 is uint8, and ~ of it is not a test)
+        if empty.any():   # trained the mask branch to predict nothing inside a box
+            k = int(empty.nonzero()[0, 0])
+            raise ValueError(f"targets[{j}]['masks'][{k}] is all zero: every instance needs at least one pixel "
+                             "(leave empty instances out, as CocoInstances does)")
+
+
+def _check_finite(images, which) -> None:
+    """Raise ValueError naming the first of ``images[which]`` with NaN or infinite pixels (one host sync)."""
+    which = list(which)
+    if not which:
+        return
+    finite = torch.stack([torch.isfinite(images[i]).all() for i in which])
+    if not bool(finite.all()):   # a NaN image gave 0 detections silently, and a NaN loss in training
+        raise ValueError(f"images[{which[int((~finite).nonzero()[0, 0])]}] has NaN or infinite pixels")
 
 
 class SPRNet(RetinaNet):
@@ -444,8 +548,17 @@ class SPRNet(RetinaNet):
         out = model([torch.rand(3, 128, 128)])[0]     # boxes [D, 4], labels [D], scores [D], masks [D, 1, 128, 128]
     """
 
-    def __init__(self, config: SPRNetConfig | None = None):
-        cfg = config or SPRNetConfig()
+    def __init__(self, config: SPRNetConfig | int | None = None, **overrides):
+        if config is None or isinstance(config, int) and not isinstance(config, bool):
+            # SPRNet(4) or SPRNet(num_classes=4, backbone="resnet18"): torchvision's models take num_classes
+            cfg = SPRNetConfig(**({"num_classes": config} if config is not None else {}), **overrides)
+        elif isinstance(config, SPRNetConfig):
+            if overrides:
+                raise TypeError(f"give SPRNetConfig fields in the config, or num_classes and fields, not both: "
+                                f"{sorted(overrides)}")
+            cfg = config
+        else:
+            raise TypeError(f"config must be an SPRNetConfig or num_classes (int), got {type(config).__name__}")
         c = cfg.fpn_channels
         backbone = resnet_fpn(cfg.backbone, out_channels=c, returned_layers=(2, 3, 4),
                               extra_blocks=LastLevelP6P7(c, c), weights_path=cfg.backbone_weights,
@@ -456,11 +569,12 @@ class SPRNet(RetinaNet):
                          topk_candidates=cfg.topk_candidates)
         self.config = cfg
         self.transform = PastingTransform(cfg.min_size, cfg.max_size, self.transform.image_mean,
-                                          self.transform.image_std)
+                                          self.transform.image_std, mask_margin=cfg.mask_margin)
         self.num_anchors = self.anchor_generator.num_anchors_per_location()[0]
         self.enhance = MaskEnhancement(c, cfg.enhance_channels)
         self.decoder = SPRDecoder(self.enhance.out_channels, 1 if cfg.class_agnostic else cfg.num_classes,
-                                  cfg.mask_size, cfg.decoder_channels)
+                                  cfg.mask_size, cfg.decoder_channels, convs=cfg.decoder_convs,
+                                  num_anchors=self.num_anchors if cfg.anchor_conditioning else 0)
 
     def num_parameters(self, trainable_only: bool = False) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
@@ -471,7 +585,9 @@ class SPRNet(RetinaNet):
         row-major) of images ``b`` (int64 [P]): ``enhance(features[l])[b, :, y, x]`` for each pixel's level l.
 
         One gather for every tap of every enhancement conv on every level, then one matrix product a conv, with
-        no host synchronisation (the per-level :func:`conv_at` is the reference)."""
+        no host synchronisation: the per-level tables are made once per pyramid shape and kept on the device
+        (a host-to-device copy from pageable memory waits for the stream). The per-level :func:`conv_at` is
+        the reference."""
         convs = [(self.enhance.point, 1)] + [(c, c.dilation[0]) for c in self.enhance.dilated]
         r = max(d * (conv.weight.shape[-1] // 2) for conv, d in convs)
         dev, ch = pixels.device, features[0].shape[1]
@@ -479,14 +595,11 @@ class SPRNet(RetinaNet):
             return features[0].new_zeros((0, self.enhance.out_channels))
         padded = [F.pad(f, (r, r, r, r)) for f in features]
         flat = torch.cat([p.flatten(2) for p in padded], 2).transpose(1, 2).reshape(-1, ch)   # [B * L, C]
-        hw = torch.tensor([f.shape[-2] * f.shape[-1] for f in features], device=dev)
-        width = torch.tensor([f.shape[-1] for f in features], device=dev)
-        padded_len = torch.tensor([p.shape[-2] * p.shape[-1] for p in padded], device=dev)
-        start, padded_start = hw.cumsum(0) - hw, padded_len.cumsum(0) - padded_len
+        start, width, padded_start, total = self._level_tables(tuple(tuple(f.shape[-2:]) for f in features), r, dev)
         level = torch.searchsorted(start, pixels, right=True) - 1
         local, w = pixels - start[level], width[level]
         pw = w + 2 * r                                                   # padded width of the pixel's level
-        centre = b * int(padded_len.sum()) + padded_start[level] + (local // w + r) * pw + local % w + r
+        centre = b * total + padded_start[level] + (local // w + r) * pw + local % w + r
         offsets = []
         for conv, d in convs:                                          # tap (i, j): row/column (i|j - k//2) * d
             k = conv.weight.shape[-1]
@@ -501,6 +614,22 @@ class SPRNet(RetinaNet):
             outs.append(F.linear(taps[:, t0:t0 + k * k].reshape(len(pixels), -1), w2, conv.bias))
             t0 += k * k
         return F.relu(torch.cat(outs, 1))
+
+    def _level_tables(self, shapes: tuple, r: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """``(start, width, padded_start, padded_total)`` of pyramid levels of ``shapes`` ((H, W) each) padded by
+        ``r``: int64 [L] tensors on ``device`` (cached: a few pyramid shapes a run) and a Python int."""
+        key = (shapes, r, str(device))
+        cache = self.__dict__.setdefault("_level_cache", {})
+        if key not in cache:
+            if len(cache) > 64:   # training on many image sizes: keep the memory bounded
+                cache.clear()
+            hw = [h * w for h, w in shapes]
+            padded = [(h + 2 * r) * (w + 2 * r) for h, w in shapes]
+            starts = [sum(hw[:i]) for i in range(len(hw))]
+            padded_starts = [sum(padded[:i]) for i in range(len(padded))]
+            table = torch.tensor([starts, [w for _, w in shapes], padded_starts], dtype=torch.int64).to(device)
+            cache[key] = (table[0], table[1], table[2], sum(padded))
+        return cache[key]
 
     def pixel_features_reference(self, features, b, pixels) -> torch.Tensor:
         """:meth:`pixel_features` level by level through :func:`conv_at` (for tests)."""
@@ -519,53 +648,70 @@ class SPRNet(RetinaNet):
         out[torch.cat(order)] = torch.cat(parts)
         return out
 
-    def mask_logits(self, features, b, pixels, labels) -> torch.Tensor:
-        """[P] pixels and their labels -> the labels' mask logits [P, m, m] (channel 0 when class-agnostic)."""
+    def mask_logits(self, features, b, anchors, labels) -> torch.Tensor:
+        """Anchors (int64 [P], indices into the levels' anchors concatenated, pixel-major) of images ``b`` and
+        their labels -> the labels' mask logits [P, m, m] (channel 0 when class-agnostic). One vector a pixel:
+        the anchors of a pixel share its vector and differ by the anchor conditioning and their frames."""
         channel = torch.zeros_like(labels) if self.config.class_agnostic else labels
-        return self.decoder.forward_channels(self.pixel_features(features, b, pixels), channel)
+        a = self.num_anchors
+        slot = anchors % a if self.config.anchor_conditioning else None
+        return self.decoder.forward_channels(self.pixel_features(features, b, anchors // a), channel, slot)
 
     # ---- training
-    def assign(self, targets, anchors) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    def assign(self, targets, anchors, box_regression=None, image_sizes=None):
         """Training assignments of a batch (boxes and masks in the transformed frame).
 
+        Args:
+            box_regression: [B, P * A, 4] the head's output, whose decoded boxes (detached, clipped to
+                ``image_sizes``) frame the mask targets when ``mask_frame="predicted"``; None: the anchors.
         Returns:
             ``(matched, spr)``: ``matched`` per image, int64 [P * A], the box each anchor is matched to by
             RetinaNet's Matcher (IoU >= 0.5; -1 background, -2 ignored in (0.4, 0.5)); ``spr`` the SPR
-            positives of the whole batch: ``image``, ``pixel``, ``label`` int64 [n] and ``mask`` bool [n, m, m]
-            (:func:`spr_positives`, :func:`encode_masks`).
+            positives of the whole batch: ``image``, ``anchor``, ``label`` int64 [n] and ``mask`` bool [n, m, m],
+            the instance's mask in the anchor's frame (:func:`spr_positives`, :func:`mask_frame`,
+            :func:`encode_masks`).
         """
-        matched, spr = [], {"image": [], "pixel": [], "label": [], "mask": []}
+        cfg = self.config
+        matched, spr = [], {"image": [], "anchor": [], "label": [], "mask": []}
         for i, (anchors_i, t) in enumerate(zip(anchors, targets)):
             if t["boxes"].numel() == 0:
                 matched.append(torch.full((len(anchors_i),), -1, dtype=torch.int64, device=anchors_i.device))
                 continue
             iou = box_ops.box_iou(t["boxes"], anchors_i)
             matched.append(self.proposal_matcher(iou))
-            pixels, gt = spr_positives(iou, self.num_anchors, self.config.mask_iou_thresh, self.config.mask_samples)
-            spr["image"].append(torch.full_like(pixels, i))
-            spr["pixel"].append(pixels)
+            idx, gt = spr_positives(iou, cfg.mask_iou_thresh, cfg.mask_samples)
+            if cfg.mask_frame == "gt":
+                boxes = t["boxes"][gt]
+            else:   # the box this anchor regresses now, as inference will paste into it (no gradient through it)
+                boxes = anchors_i[idx] if box_regression is None else \
+                    self.box_coder.decode_single(box_regression[i, idx].detach().float(), anchors_i[idx])
+                if image_sizes is not None:
+                    boxes = box_ops.clip_boxes_to_image(boxes, image_sizes[i])
+            frame = mask_frame(boxes, cfg.mask_margin)
+            spr["image"].append(torch.full_like(idx, i))
+            spr["anchor"].append(idx)
             spr["label"].append(t["labels"][gt])
-            spr["mask"].append(encode_masks(t["masks"], t["boxes"], self.config.mask_size)[gt])
-        if not spr["pixel"]:
-            z, m = torch.zeros(0, dtype=torch.int64, device=anchors[0].device), self.config.mask_size
-            return matched, {"image": z, "pixel": z, "label": z, "mask": z.new_zeros((0, m, m), dtype=torch.bool)}
+            spr["mask"].append(encode_masks(t["masks"], frame, cfg.mask_size, index=gt))
+        if not spr["anchor"]:
+            z, m = torch.zeros(0, dtype=torch.int64, device=anchors[0].device), cfg.mask_size
+            return matched, {"image": z, "anchor": z, "label": z, "mask": z.new_zeros((0, m, m), dtype=torch.bool)}
         return matched, {k: torch.cat(v) for k, v in spr.items()}
 
-    def compute_loss(self, targets, head_outputs, anchors, features):
+    def compute_loss(self, targets, head_outputs, anchors, features, image_sizes=None):
         """``{"classification", "bbox_regression"}`` (torchvision's RetinaNet heads) and ``"mask"``
-        (:func:`spr_mask_loss` of the decoded positive pixels)."""
-        matched, spr = self.assign(targets, anchors)
+        (:func:`spr_mask_loss` of the decoded positive anchors)."""
+        matched, spr = self.assign(targets, anchors, head_outputs["bbox_regression"], image_sizes)
         losses = self.head.compute_loss(targets, {k: v.float() for k, v in head_outputs.items()}, anchors, matched)
-        if len(spr["pixel"]) == 0:   # keep the branch in the graph (DDP) with a zero loss
+        if len(spr["anchor"]) == 0:   # keep the branch in the graph (DDP) with a zero loss
             losses["mask"] = sum(p.sum() for p in (*self.enhance.parameters(), *self.decoder.parameters())) * 0.0
         else:
-            losses["mask"] = spr_mask_loss(self.mask_logits(features, spr["image"], spr["pixel"], spr["label"]),
+            losses["mask"] = spr_mask_loss(self.mask_logits(features, spr["image"], spr["anchor"], spr["label"]),
                                            spr["mask"])
         return losses
 
     # ---- inference
     def detect(self, head_outputs, anchors, image_sizes, level_lengths) -> tuple[list[dict], list[torch.Tensor]]:
-        """torchvision RetinaNet's post-processing, also returning each detection's pixel index.
+        """torchvision RetinaNet's post-processing, also returning each detection's anchor index.
 
         Per level the ``topk_candidates`` best (anchor, class) scores above ``score_thresh`` (taken as the
         top-k of the level, then thresholded: the same set as torchvision's threshold-then-top-k, with one
@@ -593,16 +739,26 @@ class SPRNet(RetinaNet):
             boxes = box_ops.clip_boxes_to_image(boxes, image_size)
             keep = box_ops.batched_nms(boxes, scores, labels, self.nms_thresh)[: self.detections_per_img]
             detections.append({"boxes": boxes[keep], "scores": scores[keep], "labels": labels[keep]})
-            pixels.append(anchor_idx[keep] // self.num_anchors)
+            pixels.append(anchor_idx[keep])
         return detections, pixels
 
     def forward(self, images: list[torch.Tensor], targets: list[dict] | None = None):
         """Training (``model.train()``, targets required): the loss dict. Inference: one dict an image."""
         if not isinstance(images, torch.Tensor) and len(images) == 0:
             raise ValueError("images is empty: give a list of at least one float [C, H, W] tensor")
+        cfg = self.config
         for j, img in enumerate(images):
-            if img.ndim == 3 and img.shape[0] not in (1, 3):   # 1: grey, broadcast by the normalisation
+            if img.ndim != 3 or img.shape[0] not in (1, 3):   # 1: grey, broadcast by the normalisation
                 raise ValueError(f"images[{j}] must be [3, H, W] (RGB) or [1, H, W] (grey), got {list(img.shape)}")
+            if not img.is_floating_point():
+                raise ValueError(f"images[{j}] must be a float tensor in 0-1, got {img.dtype}")
+            h, w = img.shape[-2:]
+            scale = min(cfg.min_size / max(1, min(h, w)), cfg.max_size / max(1, max(h, w)))
+            if int(min(h, w) * scale) < 1:   # interpolate failed on the 0-pixel side deep in the transform
+                raise ValueError(f"images[{j}] is {w}x{h} pixels: resized to min_size={cfg.min_size}, max_size="
+                                 f"{cfg.max_size} its shorter side would be under one pixel")
+        if self.training:
+            _check_finite(images, range(len(images)))
         if self.training:
             if targets is None:
                 raise ValueError("targets are required in training mode (boxes, labels, masks per image)")
@@ -614,19 +770,55 @@ class SPRNet(RetinaNet):
                         raise ValueError(f"targets[{j}] lacks {key!r}; SPRNet trains on boxes, labels and masks")
                 _check_target(j, t, images[j], self.config.num_classes)
         original_sizes = [(int(img.shape[-2]), int(img.shape[-1])) for img in images]
+        images_in = images
         images, targets = self.transform(images, targets)
         features = list(self.backbone(images.tensors).values())
         head_outputs = self.head(features)
         anchors = self.anchor_generator(images, features)
         if self.training:
-            return self.compute_loss(targets, head_outputs, anchors, features)
+            return self.compute_loss(targets, head_outputs, anchors, features, images.image_sizes)
         lengths = [f.shape[-2] * f.shape[-1] * self.num_anchors for f in features]
-        detections, pixels = self.detect(head_outputs, anchors, images.image_sizes, lengths)
-        counts = [len(p) for p in pixels]
+        detections, anchor_idx = self.detect(head_outputs, anchors, images.image_sizes, lengths)
+        counts = [len(p) for p in anchor_idx]
+        # a NaN image has NaN scores, so no detection: checked only then (no host sync on the common path)
+        _check_finite(images_in, [i for i, n in enumerate(counts) if n == 0])
         b = torch.cat([torch.full((n,), i, dtype=torch.int64, device=p.device) for i, (n, p) in
-                       enumerate(zip(counts, pixels))])
+                       enumerate(zip(counts, anchor_idx))])
         labels = torch.cat([d["labels"] for d in detections])
-        masks = torch.sigmoid(self.mask_logits(features, b, torch.cat(pixels), labels).float())[:, None]
+        masks = torch.sigmoid(self.mask_logits(features, b, torch.cat(anchor_idx), labels).float())[:, None]
         for d, m in zip(detections, masks.split(counts)):
             d["masks"] = m
         return self.transform.postprocess(detections, images.image_sizes, original_sizes)
+
+
+def sprnet_resnet50_fpn(*, weights=None, progress: bool = True, num_classes: int | None = None,
+                        weights_backbone=None, trainable_backbone_layers: int | None = None, **kwargs) -> SPRNet:
+    """SPRNet R50-GFPN, built like torchvision's ``retinanet_resnet50_fpn`` (keyword arguments only).
+
+    Args:
+        weights: pretrained SPRNet weights; none are published, so only None is accepted.
+        num_classes: including background (default 91, COCO's torchvision convention).
+        weights_backbone: ImageNet ResNet-50 weights: None (random init, the default: nothing is downloaded,
+            unlike torchvision's builder), a local state-dict file, a state dict, or a torchvision
+            ``ResNet50_Weights`` member (torchvision downloads it to its cache, ``progress`` shown).
+        trainable_backbone_layers: 0-5 stages that train (default: 3 with weights, 5 without).
+        kwargs: further :class:`SPRNetConfig` fields (``fpn="sum"``, ``min_size=512``, ...).
+    Raises:
+        ValueError: ``weights`` given, or a bad config field (named).
+
+    Example::
+
+        model = sprnet_resnet50_fpn(num_classes=4, min_size=256, max_size=426).eval()
+    """
+    if weights is not None:
+        raise ValueError(f"weights={weights!r}: no pretrained SPRNet weights exist; use weights_backbone")
+    if weights_backbone is not None and hasattr(weights_backbone, "get_state_dict"):   # a torchvision WeightsEnum
+        weights_backbone = weights_backbone.get_state_dict(progress=progress)
+    for key in ("backbone", "backbone_weights", "trainable_backbone_layers"):
+        if key in kwargs:
+            raise TypeError(f"sprnet_resnet50_fpn sets {key!r} itself (a ResNet-50; use weights_backbone, "
+                            "trainable_backbone_layers); build SPRNet(SPRNetConfig(...)) for others")
+    cfg = SPRNetConfig(num_classes=91 if num_classes is None else num_classes, backbone="resnet50",
+                       backbone_weights=weights_backbone, trainable_backbone_layers=trainable_backbone_layers,
+                       **kwargs)
+    return SPRNet(cfg)

@@ -242,7 +242,8 @@ def coco_evaluate(coco_gt, results: list[dict], iou_types=("bbox", "segm"), imag
 
     Returns:
         ``{iou_type: {"AP", "AP50", "AP75", "APs", "APm", "APl"}}`` as fractions in [0, 1] (-1 where the
-        split has no object of that size). Results that are empty, or lack the type's field, are scored as
+        split has no object of that size). "segm" is scored without the results' ``bbox`` field, so a mask's
+        size bucket is its mask area. Results that are empty, or lack the type's field, are scored as
         no detections (0 where the split has objects; ``loadRes`` itself cannot take an empty list).
     """
     from pycocotools.coco import COCO
@@ -252,6 +253,10 @@ def coco_evaluate(coco_gt, results: list[dict], iou_types=("bbox", "segm"), imag
     for iou_type in iou_types:
         field = "segmentation" if iou_type == "segm" else "bbox"
         usable = [r for r in results if field in r]
+        if iou_type == "segm":
+            # without "bbox", loadRes takes a detection's area from its mask: with it, from the box, and the
+            # size buckets (APs/APm/APl) would sort unmatched masks by their boxes' area (detectron2 drops it too)
+            usable = [{k: v for k, v in r.items() if k != "bbox"} for r in usable]
         with _quiet():
             if usable:
                 coco_dt = coco_gt.loadRes([dict(r) for r in usable])   # loadRes adds fields to the dicts it gets

@@ -27,6 +27,7 @@ from hpdl.runtime.errors import HpdlError
 from hpdl.vision.cli import _count
 
 MODELS = ("sprnet", "maskrcnn", "retinanet")
+MIN_IMAGE_SIZE = 32   # the pyramid's P7 is 1/128 of the input: below 32 px a 1x1 batch-norm input fails in training
 MASK_MODELS = ("sprnet", "maskrcnn")
 DEFAULTS = {"image_size": 256, "batch_size": 8, "epochs": 12, "lr": 5e-4, "weight_decay": 1e-4,
             "warmup_steps": 100, "clip": 10.0}
@@ -76,6 +77,8 @@ def build_model(name: str, num_classes: int, *, backbone: str = "resnet50", imag
         raise ValueError(f"paste must be 'auto', 'batched' or 'torchvision', got {paste!r}")
     if sprnet_overrides and name != "sprnet":
         raise ValueError(f"{sorted(sprnet_overrides)} are SPRNet settings, not {name}'s")
+    if image_size < MIN_IMAGE_SIZE:
+        raise ValueError(f"image_size must be >= {MIN_IMAGE_SIZE} pixels for the detection models, got {image_size}")
     sizes = tuple(anchor_sizes or default_anchor_sizes(image_size))
     min_size, max_size = image_size, int(round(image_size * 1333 / 800))
     common = {"min_size": min_size, "max_size": max_size, "detections_per_img": 100}
@@ -103,6 +106,10 @@ def build_model(name: str, num_classes: int, *, backbone: str = "resnet50", imag
     elif paste == "torchvision" and name == "sprnet":
         from torchvision.models.detection.transform import GeneralizedRCNNTransform
 
+        if model.config.mask_margin != 1.0:
+            raise ValueError(f"paste='torchvision' pastes into the box itself, but SPRNet's masks live in a frame "
+                             f"mask_margin={model.config.mask_margin} times it: use paste='batched' (or "
+                             "mask_margin=1.0)")
         t = model.transform
         model.transform = GeneralizedRCNNTransform(t.min_size, t.max_size, t.image_mean, t.image_std)
     model.hpdl_spec = {"name": name, "num_classes": num_classes, "backbone": backbone, "image_size": image_size,
@@ -230,8 +237,8 @@ def fit(model: torch.nn.Module, loader, *, steps: int, lr: float = DEFAULTS["lr"
         deadline: float | None = None, progress: bool = True, label: str = "train") -> dict:
     """Train a torchvision-style detection model for ``steps`` optimizer steps.
 
-    AdamW over the trainable parameters; the learning rate rises linearly over ``warmup_steps`` and decays
-    by a cosine to 0 at ``steps``; gradients are clipped to norm ``clip``; the forward runs under bf16
+    AdamW over the trainable parameters; the learning rate rises linearly over ``warmup_steps`` (never
+    shortened: a shorter run ends before the peak) times a cosine decay to 0 at ``steps``; gradients are clipped to norm ``clip``; the forward runs under bf16
     autocast when ``amp`` (default: on for CUDA). A step whose loss is not finite is skipped.
 
     Args:
@@ -249,7 +256,10 @@ def fit(model: torch.nn.Module, loader, *, steps: int, lr: float = DEFAULTS["lr"
     params = [p for p in model.parameters() if p.requires_grad]
     fused = device.type == "cuda"
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused, foreach=None if fused else True)
-    warm = max(1, min(warmup_steps, steps // 4))
+    # the warm-up is never shortened to fit a short run: it was cut to steps // 4 (5 steps of a 20-step smoke
+    # test), and the full learning rate after 5 Adam steps on a from-scratch network spiked the loss. A run
+    # shorter than warmup_steps ends before the peak
+    warm = max(1, warmup_steps)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (
         1 + math.cos(math.pi * min(1.0, s / max(1, steps)))))
     bar = _Progress(steps, label, progress)
@@ -507,6 +517,8 @@ def train(args) -> int:
 
     from hpdl.vision.coco import CocoInstances, collate
 
+    if args.image_size is not None and args.image_size < MIN_IMAGE_SIZE:   # before any data is made or read
+        raise HpdlError(f"--image-size {args.image_size}: detection models need >= {MIN_IMAGE_SIZE} pixels")
     torch.manual_seed(args.seed)
     device = resolve_device(args.device)
     out = _writable_folder(Path(args.out))
