@@ -110,30 +110,54 @@ def run_check(device, smoke: bool) -> list[dict]:
         o_off = soft_attention(q, v, lm, impl="torch", start="official")
     add("output identity vs official start", f"N={n} m={m} random init", _rel(o_id, o_off), 1e-3)
     if device.type == "cuda":  # the layer (Triton path) captured in a CUDA graph, forward and backward
-        from hpdl.models.soft import SoftAttention
+        # in a child process: a capture that fails part-way leaves this process's CUDA generator inside a
+        # capture ("Offset increment outside graph capture" at the next random op), which would end the run
+        import json
+        import subprocess
+        import sys
 
-        class _Fixed(torch.nn.Module):   # make_graphed_callables takes tensor arguments only
-            def __init__(self):
-                super().__init__()
-                self.att = SoftAttention(384, 6, 8)
-
-            def forward(self, x):
-                return self.att(x, 64, 64)
-
-        torch.manual_seed(0)
-        layer = _Fixed().to(device)
-        x = torch.randn(1, 4096, 384, device=device, requires_grad=True)
-        ref = layer(x)
-        (gref,) = torch.autograd.grad(ref.sum(), x)
         try:
-            graphed = torch.cuda.make_graphed_callables(layer, (x,))
-            out = graphed(x)
-            (gout,) = torch.autograd.grad(out.sum(), x)
-            add("CUDA graph capture of the layer", "out / dx vs eager", max(_rel(out, ref), _rel(gout, gref)), 1e-5)
-        except Exception as e:   # reported, not fatal: timing does not use graphs
-            rows.append({"check": "CUDA graph capture of the layer", "case": f"{type(e).__name__}: {str(e)[:60]}",
+            done = subprocess.run([sys.executable, "-c", _GRAPH_CHECK], capture_output=True, text=True, timeout=240)
+            got = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else None
+        except (subprocess.TimeoutExpired, ValueError, IndexError) as e:
+            done, got = None, None
+            why = f"{type(e).__name__}"
+        if got is not None and "rel_err" in got:
+            add("CUDA graph capture of the layer", "out / dx vs eager", got["rel_err"], 1e-5)
+        else:   # reported, not fatal: timing does not use graphs
+            if got is not None:
+                why = got.get("error", "?")
+            elif done is not None:
+                why = (done.stderr.strip().splitlines() or ["exit %d" % done.returncode])[-1]
+            rows.append({"check": "CUDA graph capture of the layer", "case": str(why)[:80],
                          "rel_err": float("inf"), "tol": 1e-5, "ok": False, "gate": False})
     return rows
+
+
+_GRAPH_CHECK = """
+import json, torch
+from hpdl.models.soft import SoftAttention
+class Fixed(torch.nn.Module):   # make_graphed_callables takes tensor arguments only
+    def __init__(self):
+        super().__init__()
+        self.att = SoftAttention(384, 6, 8)
+    def forward(self, x):
+        return self.att(x, 64, 64)
+def rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+try:
+    torch.manual_seed(0)
+    layer = Fixed().cuda()
+    x = torch.randn(1, 4096, 384, device="cuda", requires_grad=True)
+    ref = layer(x)
+    (gref,) = torch.autograd.grad(ref.sum(), x)
+    graphed = torch.cuda.make_graphed_callables(layer, (x,))
+    out = graphed(x)
+    (gout,) = torch.autograd.grad(out.sum(), x)
+    print(json.dumps({"rel_err": max(rel(out, ref), rel(gout, gref))}))
+except Exception as e:
+    print(json.dumps({"error": f"{type(e).__name__}: {str(e)[:120]}"}))
+"""
 
 
 # ------------------------------------------------------------------------------------------------------ layer
