@@ -212,17 +212,31 @@ class HpoCommand:
         from hpdl.hpo.report import plot_best_vs_time
         from hpdl.hpo.simulator import load_trials, pool_from_spec, resample, simulate, synthetic_trials
 
-        trials = load_trials(args.trials) if args.trials else synthetic_trials()
-        pool = pool_from_spec(args.pool)
-        if args.trials_per_gpu:
-            trials = resample(trials, args.trials_per_gpu * len(pool))
+        from hpdl.cli import CLIUsageError
+        from hpdl.hpo.errors import HpoConfigError
+
+        try:  # a bad value is a usage error naming its flag (`--pool 0xA100` used to spin forever)
+            trials = load_trials(args.trials) if args.trials else synthetic_trials()
+            pool = pool_from_spec(args.pool)
+            if args.trials_per_gpu:
+                trials = resample(trials, args.trials_per_gpu * len(pool))
+        except HpoConfigError as exc:
+            flag = "--trials-per-gpu" if "resample" in str(exc) else "--trials" if "trace" in str(exc) else "--pool"
+            raise CLIUsageError(f"{flag}: {exc}") from None
         rows, curves = [], {}
         for name in args.policies.split(","):
             kw = {"fraction": args.fraction} if name == "fixed_fraction" else {}
             if name.startswith("pack") and args.max_compute is not None:
                 kw["max_compute"] = args.max_compute
-            r = simulate(trials, pool, name, startup_s=args.startup_s, overhead=args.overhead, mps=args.mps,
-                         mps_capacity=args.mps_capacity, **kw)
+            try:
+                r = simulate(trials, pool, name, startup_s=args.startup_s, overhead=args.overhead, mps=args.mps,
+                             mps_capacity=args.mps_capacity, **kw)
+            except HpoConfigError as exc:
+                arg = str(exc).split("=", 1)[0].split(" ")[-1].split(":")[0]
+                flag = {"policy": "--policies", "mps_capacity": "--mps-capacity", "startup_s": "--startup-s",
+                        "max_compute": "--max-compute", "fraction": "--fraction", "overhead": "--overhead",
+                        "trials": "--trials-per-gpu"}.get(arg, "--policies")
+                raise CLIUsageError(f"{flag}: {exc}") from None
             rows.append({"policy": name, "makespan_s": r.makespan_s, "oom": r.oom, "max_colocated": r.max_colocated})
             curves[name] = r.history
         base = next((r["makespan_s"] for r in rows if r["policy"] == "one_per_gpu"), None)
