@@ -250,3 +250,29 @@ sys.exit(main(["hpo", "run", "--run-dir", {str(tmp_path / "run")!r}, "--no-progr
     assert p.returncode == 128 + sig, (p.returncode, p.stderr[-2000:])
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "during start-up" in lines[0] and signal.Signals(sig).name in lines[0], p.stderr
+
+
+@pytest.mark.timeout(150)
+def test_run_on_a_finished_study_names_overwrite_which_starts_afresh(tmp_path, capsys):
+    """Issue 37: `hpo run` on a finished study said only "use resume" (which has nothing left to do)."""
+    d = spec_dict(tmp_path, n_trials=1, max_retries=0, fixed={**FIXED, "steps": 10, "eval_every": 5})
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(d))
+    spec = StudySpec.from_dict(d)
+    first = run_study(spec)
+    assert first.complete == 1
+    old_ckpts = list((tmp_path / "run" / "checkpoints").iterdir())
+    assert len(old_ckpts) == 1
+    with pytest.raises(HpoError, match=r"already exists .*\(1/1 configurations finished\); `hpdl hpo resume` "
+                                       r"continues it, `hpdl hpo run --overwrite` deletes it and starts afresh"):
+        run_study(spec)
+    with pytest.raises(HpoError, match="exclude each other"):
+        run_study(spec, resume=True, overwrite=True)
+    parser = argparse.ArgumentParser()
+    HpoCommand.add_arguments(parser)
+    args = parser.parse_args(["run", str(path), "--no-progress", "--overwrite", "--format", "json"])
+    assert HpoCommand().run(args) == 0
+    capsys.readouterr()
+    trials = trials_of(spec)
+    assert [t.state.name for t in trials] == ["COMPLETE"] and trials[0].number == 0  # a new study, not appended
+    assert not old_ckpts[0].exists()  # the deleted study's checkpoints went with it

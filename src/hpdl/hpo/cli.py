@@ -42,6 +42,10 @@ class HpoCommand:
             p.add_argument("--out", help="write the result as JSON to this file (default: none)")
             p.add_argument("--format", choices=("table", "json"), default="table",
                            help="output format (default: %(default)s)")
+            if name == "run":
+                p.add_argument("--overwrite", action="store_true",
+                               help="delete a stored study of the same name (its trials and checkpoints) and "
+                                    "start afresh (default: an existing study is an error naming `resume`)")
         h = "trial counts, best value and running trials of a study"
         p = sub.add_parser("status", help=h, description=h)
         p.add_argument("study_file", nargs="?", help="YAML study file (or give --storage and --study; default: the "
@@ -129,7 +133,8 @@ class HpoCommand:
             from hpdl.hpo.driver import run_study
 
             spec = self._spec(args)
-            res = run_study(spec, resume=resume, progress=not args.no_progress, exit_deadline_s=_EXIT_DEADLINE_S)
+            res = run_study(spec, resume=resume, progress=not args.no_progress, exit_deadline_s=_EXIT_DEADLINE_S,
+                            overwrite=getattr(args, "overwrite", False))
         except HpoInterrupted as exc:  # one line, and the shell's status for the signal
             print(f"hpdl hpo: {exc}", file=sys.stderr)
             sys.stdout.flush()
