@@ -4,9 +4,9 @@ and recovers from every failure it can see.
 Loop (one thread; every wait has a timeout): read the pool (elasticity) -> drain worker messages ->
 reap dead workers -> ``policy.place`` the sampled trials -> start assignments -> sample more while the
 budget allows -> render progress. The Optuna storage is the source of truth: a driver that was killed is
-restarted with ``resume=True`` and finishes the same budget (trials it left RUNNING are marked FAIL and
-re-queued without spending an attempt, to continue from their configuration's last checkpoint; their
-processes died with it).
+restarted with ``resume=True`` and finishes the same budget (trials it left RUNNING go back to WAITING,
+Optuna's state for a trial that waits to run, without spending an attempt, and continue from their
+configuration's last checkpoint; their processes died with it).
 
 Budget: ``n_trials`` configurations ("lineages"). A configuration is finished when one attempt completes
 or is pruned, or after ``max_retries`` failed retries. Retries are ``study.enqueue_trial`` with the same

@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +89,11 @@ class TrialContext:
         """Record an intermediate ``value`` at ``step`` (Optuna's order: value, then step)."""
         if self._profiler is not None:
             self._profiler.interrupt()  # evaluation synchronised the device
-        self._trial.report(float(value), int(step))
+        with warnings.catch_warnings():
+            # a trial re-queued after an interrupt keeps its values: a step reported before the stop and
+            # reached again from an older checkpoint is kept as first reported (Optuna warns and ignores it)
+            warnings.filterwarnings("ignore", message="The reported value is ignored because", category=UserWarning)
+            self._trial.report(float(value), int(step))
 
     def should_prune(self) -> bool:
         """The study's pruner decision for the latest reported value."""
