@@ -122,6 +122,7 @@ class Driver(PlacementMixin, FaultsMixin):
             raise HpoError("resume and overwrite exclude each other: resume continues the stored study, "
                            "overwrite deletes it")
         self.overwrite = overwrite
+        self.host_name = socket.gethostname()
         import optuna
 
         self.exit_deadline_s = exit_deadline_s
@@ -247,7 +248,14 @@ class Driver(PlacementMixin, FaultsMixin):
 
         import optuna
 
+        from hpdl.hpo.lock import live_drivers
+
         old = optuna.load_study(study_name=spec.study, storage=self.storage)
+        live = [d for d in live_drivers(old.user_attrs) if not (d["host"] == self.host_name and
+                                                               int(d.get("pid", 0)) == os.getpid())]
+        if live:  # a driver of another host shares this store (many nodes): its study is not ours to delete
+            raise HpoError(f"study {spec.study!r} is being run by a live driver on {live[0]['host']} (pid "
+                           f"{live[0].get('pid')}); stop it before `hpdl hpo run --overwrite`")
         uid = old.user_attrs.get("hpdl_uid")
         optuna.delete_study(study_name=spec.study, storage=self.storage)
         if uid:
