@@ -278,3 +278,31 @@ def test_run_on_a_finished_study_names_overwrite_which_starts_afresh(tmp_path, c
     trials = trials_of(spec)
     assert [t.state.name for t in trials] == ["COMPLETE"] and trials[0].number == 0  # a new study, not appended
     assert not old_ckpts[0].exists()  # the deleted study's checkpoints went with it
+
+
+def test_a_signal_that_lands_where_python_ignores_exceptions_still_stops_the_start_up(tmp_path):
+    """Issue 37's sweep: SIGINT landed in a weakref callback, whose exception Python prints as "Exception
+    ignored" and drops; the start-up went on and the study ran to its end with exit 0."""
+    script = f"""
+import os, signal, sys, time, weakref
+import hpdl.hpo.driver as driver
+class X: pass
+def slow_start(spec, **kw):   # stands in for the start-up; a weakref callback runs in the middle of it
+    x = X()
+    def callback(_ref):
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(10000): pass   # the handler runs here, inside the callback
+    ref = weakref.ref(x, callback)
+    del x
+    for _ in range(300): time.sleep(0.01)
+    raise SystemExit(7)
+driver.run_study = slow_start
+from hpdl.cli import main
+sys.exit(main(["hpo", "run", "--run-dir", {str(tmp_path / "run")!r}, "--no-progress"]))
+"""
+    env = {**os.environ, "HPDL_HPO_START_METHOD": "spawn"}
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    assert p.returncode == 130, (p.returncode, p.stderr[-2000:])
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("hpdl hpo: interrupted by SIGINT: ") and "start-up" in lines[0], \
+        p.stderr

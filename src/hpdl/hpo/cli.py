@@ -195,10 +195,13 @@ class HpoCommand:
 
         def unraisable(u) -> None:
             # the signal landed in a weakref callback or __del__: Python prints "Exception ignored in ..." and
-            # goes on with the start-up (seen once in 3 tries at one moment). Deliver it again instead: the
-            # handler raises at the next bytecode of the main flow
+            # goes on with the start-up (seen once in 3 tries at one moment). Deliver it again, from another
+            # thread a moment later: the handler then raises in the main flow, or, once the driver's loop took
+            # over, sets its stop flag. (os.kill from here ran the handler inside this hook: swallowed again.)
             if isinstance(u.exc_value, _StartupStop) and not stop.get("exiting"):
-                os.kill(os.getpid(), u.exc_value.signum)
+                again = threading.Timer(0.01, os.kill, (os.getpid(), u.exc_value.signum))
+                again.daemon = True
+                again.start()
                 return
             previous_hook(u)
 
