@@ -114,7 +114,12 @@ def interrupt_once(delay_s: float, folder: Path, study: Path | None, resume_time
         problems.append("a traceback or error on stderr")
     if len(lines) != 1 or not LINE.match(lines[0]):
         problems.append(f"{len(lines)} stderr lines, expected the one 'hpdl hpo: interrupted by SIGINT' line")
-    verb = "resume" if proc.returncode == 0 else ("resume" if "`hpdl hpo resume" in text else "run")
+    if "`hpdl hpo resume" in text:
+        verb = "resume"
+    elif "`hpdl hpo run" in text:
+        verb = "run"
+    else:  # the line names no command (the study had finished): `resume` of a stored study reports it
+        verb = "resume" if (run_dir / "study.db").exists() else "run"
     if proc.returncode == 0:
         verb = None  # nothing to continue
     if verb is not None:

@@ -165,8 +165,8 @@ class HpoCommand:
         return StudySpec.from_dict(d)
 
     def _run(self, args, resume: bool = False) -> int:
-        from dataclasses import asdict
-
+        # the `hpdl` program itself (not a caller in this process, e.g. a test): it exits as soon as it is done
+        program = bool(getattr(args, "_program", False))
         # nothing here imports hpdl.hpo.errors (hence hpdl.runtime, hence torch: seconds) before the handler below
         stop: dict = {"signum": None, "spec": None}
 
@@ -175,6 +175,9 @@ class HpoCommand:
 
         def startup_line() -> str:
             spec, again = stop["spec"], _again(args, stop["spec"])
+            if stop.get("done"):  # while the finished study's result was printed
+                return line(stop["signum"], f"study {spec.study!r} had finished its budget; nothing to continue "
+                                            f"(`hpdl hpo status` shows it)")
             name = f"study {spec.study!r}: " if spec is not None else ""
             return line(stop["signum"], f"{name}stopped during start-up, before any trial started (nothing to "
                                         f"re-queue); `{again}` continues")
@@ -221,6 +224,15 @@ class HpoCommand:
             spec = stop["spec"] = self._spec(args)
             res = run_study(spec, resume=resume, progress=not args.no_progress, exit_deadline_s=_EXIT_DEADLINE_S,
                             overwrite=getattr(args, "overwrite", False))
+            stop["done"] = True
+            code = self._finished(args, spec, res)
+            if program:
+                # the study is done and printed: exit now, as the interrupt path does. A Ctrl-C during the
+                # interpreter's teardown (seconds with torch loaded) ended the process by the signal, silently
+                stop["exiting"] = True
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
         except (_StartupStop, Exception) as exc:  # an interrupt: one line, and the shell's status for the signal
             stop["exiting"] = True
             if isinstance(exc, _StartupStop):  # (no import here: hpdl.hpo.errors may not be loaded yet)
@@ -241,6 +253,13 @@ class HpoCommand:
             for sig, h in outer.items():
                 signal.signal(sig, h)
             sys.unraisablehook = previous_hook
+        return code
+
+    @staticmethod
+    def _finished(args, spec, res) -> int:
+        """Print (and write) a finished study's result; the exit status."""
+        from dataclasses import asdict
+
         out = asdict(res)
         if args.out:
             with open(args.out, "w") as f:
