@@ -72,10 +72,21 @@ def _group_of(argv: list[str]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    program = argv is None  # the command line itself: a group may exit at once when done (hpo run)
     argv = sys.argv[1:] if argv is None else list(argv)
     group = _group_of(argv)
+    try:
+        return _main(argv, group, program)
+    except KeyboardInterrupt:  # Ctrl-C anywhere a group does not handle it itself: one line, no traceback
+        name = f"hpdl {group}" if group in GROUPS else "hpdl"
+        print(f"{name}: interrupted by SIGINT", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str], group: str | None, program: bool = False) -> int:
     parser = build_parser(group if group in GROUPS else None)
     args = parser.parse_args(argv)
+    args._program = program
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     if args.group is None:
@@ -90,8 +101,6 @@ def main(argv: list[str] | None = None) -> int:
         args._parser.print_usage(sys.stderr)
         print(f"hpdl {args.group}: error: {exc} (see hpdl {args.group} --help)", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        return 130
     except ModuleNotFoundError as exc:  # an optional dependency imported late, inside the command
         if args.debug:
             raise

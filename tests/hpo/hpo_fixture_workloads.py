@@ -134,3 +134,12 @@ class AlwaysRaiseCNN(VisionCNN):
 
     def train(self, ctx):
         raise ValueError("this configuration always fails")
+
+
+def quadratic(trial):
+    """A plain Optuna objective (define-by-run) for ``hpdl.hpo.optimize``: minimum 0 at x = 1."""
+    x = trial.suggest_float("x", -3.0, 3.0)
+    kind = trial.suggest_categorical("kind", ["a", "b"])
+    for step in range(3):
+        trial.report((x - 1.0) ** 2 + 1.0 / (step + 1), step)
+    return (x - 1.0) ** 2 + (0.0 if kind == "a" else 0.5)

@@ -10,6 +10,14 @@ def study():
     return optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
 
 
+def rdb_study(tmp_path):
+    """A study on SQLite, as the driver keeps them: Optuna's in-memory storage looks for WAITING trials only
+    after the last one it popped, so it never sees a trial that went back to WAITING."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0),
+                               storage=f"sqlite:///{tmp_path / 's.db'}")
+
+
 def ask(s, ledger):
     t = s.ask({"x": optuna.distributions.FloatDistribution(0, 1)})
     t.set_user_attr("hpdl_lineage", t.user_attrs.get("hpdl_lineage", t.number))
@@ -31,18 +39,20 @@ def test_failure_is_retried_with_same_params_until_max_retries_then_finished():
     assert s.trials[1].user_attrs["hpdl_gave_up"] is True
 
 
-def test_not_started_is_requeued_without_using_an_attempt_and_too_big_gives_up():
-    s = study()
+def test_not_started_is_requeued_without_using_an_attempt_and_too_big_gives_up(tmp_path):
+    s = rdb_study(tmp_path)
     lg = Ledger(s, max_retries=0, host="h")
     t0 = ask(s, lg)
     lg.fail(t0.number, t0.params, {**t0.user_attrs, "hpdl_attempt": -1}, "not_started", "driver died first")
-    assert lg.lineages() == (set(), {0}) and lg.failures == {}
+    assert lg.lineages() == (set(), {0}) and lg.failures == {} and lg.waiting == 1
+    assert s.trials[0].state.name == "WAITING"  # not FAIL: the same trial waits to run again (issue 37)
     t1 = ask(s, lg)
+    assert t1.number == t0.number and t1.params == t0.params  # ask takes it again, with its parameters
     s.tell(t1, 0.5)
     lg.dirty = True
     t2 = ask(s, lg)
     lg.fail(t2.number, t2.params, t2.user_attrs, "too_big", "80 GiB", retry=False)
-    assert lg.lineages() == ({0, 2}, set())
+    assert lg.lineages() == ({0, 1}, set()) and len(s.trials) == 2
 
 
 def test_asked_and_closed_keep_the_counts_a_reread_gives():
@@ -131,7 +141,30 @@ def test_recover_never_kills_a_process_that_got_a_dead_workers_pid_later(tmp_pat
         assert other.poll() is None, "recover killed a process that is not the trial's worker"
         assert not _is_our_worker(other.pid, time.time() - 3600)
         assert _is_our_worker(other.pid, time.time() + 5)  # started before the trial: a real worker
-        assert s.trials[0].state.name == "FAIL" and lg.requeued == {"driver_died": 1}
+        assert s.trials[0].state.name == "WAITING" and lg.requeued == {"driver_died": 1}
     finally:
         other.kill()
         other.wait()
+
+
+def test_interrupted_trials_wait_as_themselves_so_a_study_counts_one_trial_per_configuration(tmp_path):
+    """Issue 37: after Ctrl-C and resume, 6 configurations showed as 12 trials, 6 of them FAIL. An
+    interrupted trial now goes back to WAITING with its values and is asked again as itself."""
+    s = rdb_study(tmp_path)
+    lg = Ledger(s, max_retries=2, host="h")
+    ts = [ask(s, lg) for _ in range(3)]
+    ts[0].report(0.25, 10)
+    for t in ts[:2]:
+        lg.fail(t.number, t.params, t.user_attrs, "interrupted", "the driver stopped")
+    assert [t.state.name for t in s.trials] == ["WAITING", "WAITING", "RUNNING"]
+    assert lg.requeued == {"interrupted": 2} and lg.failures == {}
+    again = [ask(s, lg) for _ in range(2)]
+    assert sorted(t.number for t in again) == [0, 1]
+    for t in again + [ts[2]]:
+        s.tell(t, 0.5)
+    trials = s.get_trials()
+    assert len(trials) == 3 and {t.state.name for t in trials} == {"COMPLETE"}
+    assert trials[0].intermediate_values == {10: 0.25}
+    assert trials[0].user_attrs["hpdl_requeued"] == ["interrupted: the driver stopped"]
+    lg.dirty = True
+    assert lg.lineages() == ({0, 1, 2}, set())

@@ -137,3 +137,30 @@ def test_status_reads_the_store_of_a_study_run_with_run_dir(tmp_path, capsys):
     for argv in (["status", str(f), "--run-dir", str(run)], ["status", "--run-dir", str(run), "--study", "s"]):
         assert HpoCommand().run(parser.parse_args(argv)) == 0
         assert "2/3 configurations finished" in capsys.readouterr().out
+
+
+def test_status_of_a_trial_no_worker_started_names_it_so(tmp_path, capsys):
+    """Issue 37: a trial asked but not yet started printed "running on None/None at step None"."""
+    url = _study(tmp_path)
+    s = optuna.load_study(study_name="s", storage=make_storage(url))
+    s.ask()  # trial 3: asked by a live driver, no worker has taken it yet
+    parser = argparse.ArgumentParser()
+    HpoCommand.add_arguments(parser)
+    HpoCommand().run(parser.parse_args(["status", "--storage", url, "--study", "s"]))
+    out = capsys.readouterr().out
+    assert "None" not in out and "trial 3" in out and "(asked, not yet started on a worker)" in out, out
+    assert "trial 2 was running on " in out and "at step 20" in out
+
+
+def test_status_lists_trials_requeued_as_waiting(tmp_path, capsys):
+    url = _study(tmp_path)
+    st = make_storage(url)
+    s = optuna.load_study(study_name="s", storage=st)
+    from hpdl.hpo.ledger import Ledger
+
+    t = s.ask()
+    Ledger(s, 0, "h", storage=st).requeue(t.number, "interrupted", "the driver stopped; checkpointed")
+    rep = study_status(url, "s")
+    assert rep["requeued"] == [{"number": 3, "state": "WAITING", "reason": "interrupted: the driver stopped; "
+                                                                          "checkpointed"}]
+    assert rep["states"].get("FAIL") == 1 and rep["failures"][0]["number"] == 0

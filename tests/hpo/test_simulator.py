@@ -105,3 +105,28 @@ def test_simulator_gives_policies_what_the_driver_gives():
     first = {t.key: t for t in reversed(seen) if not t.profiled}
     assert {k: (t.steps, t.work_s) for k, t in first.items()} == {k: (100 * (k + 1), (k + 1) * 1.0) for k in range(3)}
     assert observed == [pytest.approx(0.02)] * 3   # 20 ms a step: the placeholder is not the truth
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("flags,named", [
+    (["--pool", "0xA100"], "--pool: pool spec part '0xA100': count 0"),  # spun at 100 % CPU forever
+    (["--pool", "99999999xA100"], "--pool"),
+    (["--trials-per-gpu", "100000000"], "--trials-per-gpu"),
+    (["--overhead", "nan"], "--overhead"), (["--overhead", "inf"], "--overhead"), (["--overhead", "-1"], "--overhead"),
+    (["--startup-s", "inf"], "--startup-s"), (["--startup-s", "1e300"], "--startup-s"),
+    (["--mps", "--mps-capacity", "nan"], "--mps-capacity"), (["--max-compute", "nan"], "--max-compute"),
+])
+def test_cli_simulate_values_that_hung_are_usage_errors(flags, named, capsys):
+    from hpdl.cli import main
+
+    assert main(["hpo", "simulate", "--policies", "one_per_gpu,pack", *flags]) == 1
+    err = capsys.readouterr().err
+    assert f"hpdl hpo: error: {named}" in err and "usage:" in err, err
+
+
+def test_simulate_api_rejects_an_empty_pool_and_unbounded_numbers():
+    trials = synthetic_trials(4)
+    with pytest.raises(HpoConfigError, match="devices: the simulated pool is empty"):
+        simulate(trials, [], "pack")
+    with pytest.raises(HpoConfigError, match="overhead=inf"):
+        simulate(trials, pool_from_spec("1xH100"), "pack", overhead=float("inf"))

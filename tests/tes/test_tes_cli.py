@@ -127,3 +127,18 @@ def test_safety_report_alone_flags_saturation():
     bad = {c["name"]: c for c in rep["checks"] if not c["ok"]}
     assert bad["max channel current (requested)"]["value"] == pytest.approx(3.0)
     assert bad["DAC saturation"]["value"] > 0
+
+
+def test_check_of_a_long_protocol_covers_it_all_and_fails_late_breaches(tmp_path, capsys):
+    """Issue 37: a protocol longer than 2e6 samples was checked over its first 0.2 s only, marked PASS, exit 0."""
+    f = tmp_path / "late.yaml"  # 2.5e6 samples; the channels reach +-0.8 mA (total 0.8 > 0.5 mA) after 0.21 s
+    f.write_text(SHORT.replace("duration_s: 0.05", "duration_s: 0.25\nsample_rate_hz: 1.0e7")
+                 .replace("{type: sine, amplitude_ma: 0.5, freq_hz: 100}",
+                          "{type: ramp, start_ma: 0, end_ma: 0.8, t0_s: 0.21, t1_s: 0.22}")
+                 .replace("{type: sine, amplitude_ma: 0.5, freq_hz: 100, phase_deg: 180}",
+                          "{type: ramp, start_ma: 0, end_ma: -0.8, t0_s: 0.21, t1_s: 0.22}")
+                 + "limits: {max_total_current_ma: 0.5}\n")
+    assert run(["check", str(f)]) == 1
+    out = capsys.readouterr().out
+    assert "checked every sample of the protocol: 0.25 s at 1e+07 Hz (2500000 samples per channel)" in out
+    assert "were checked" not in out

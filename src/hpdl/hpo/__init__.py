@@ -6,6 +6,10 @@ train, checkpoint and report; the Optuna RDB storage lets a killed study resume.
 
     >>> from hpdl.hpo import StudySpec, run_study          # doctest: +SKIP
     >>> run_study(StudySpec.from_yaml("study.yaml"))        # doctest: +SKIP
+
+An Optuna objective gets the same machinery with :func:`optimize` (see :mod:`hpdl.hpo.api`):
+
+    >>> study = hpdl.hpo.optimize(objective, n_trials=64, gpus=2)   # doctest: +SKIP
 """
 
 # Every name loads on first use: importing hpdl.hpo (e.g. hpdl.hpo._prestart, which the CLI runs before
@@ -14,9 +18,16 @@ _LAZY = {"HpoConfigError": "errors", "HpoError": "errors", "HpoInterrupted": "er
          "Assignment": "scheduler", "Device": "scheduler", "DeviceState": "scheduler", "FixedFraction": "scheduler",
          "OnePerGpu": "scheduler", "Pack": "scheduler", "PackHetero": "scheduler",
          "SchedulingPolicy": "scheduler", "TrialDemand": "scheduler", "get_policy": "scheduler",
-         "StudySpec": "spec", "run_study": "driver", "study_status": "report", "simulate": "simulator"}
+         "StudySpec": "spec", "run_study": "driver", "StudyResult": "driver", "study_status": "report",
+         "simulate": "simulator", "optimize": "api", "Workload": "workloads", "ObjectiveWorkload": "workloads",
+         "TrialContext": "worker"}
 
 __all__ = sorted(_LAZY)
+
+
+def __dir__():
+    # the names load lazily, so they are not module attributes yet: list them (dir(hpdl.hpo) was empty)
+    return sorted(set(globals()) | set(__all__))
 
 
 def __getattr__(name):

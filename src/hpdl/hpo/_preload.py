@@ -11,7 +11,13 @@ from __future__ import annotations
 import atexit
 import importlib
 import os
+import signal
 import warnings
+
+# Ctrl-C reaches the whole process group: the server (and every worker forked from it, which inherits this)
+# ignores it, the driver decides. A KeyboardInterrupt here, while torch imports, killed the server and the
+# driver's next worker start failed with "EOFError: unexpected EOF".
+signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 MODULES = ("torch", "torch._dynamo", "optuna", "sqlalchemy", "alembic.migration", "hpdl.hpo.profiler",
            "hpdl.hpo.spec", "hpdl.hpo.worker", "hpdl.hpo.workloads")

@@ -9,8 +9,11 @@ through ``hpdl.runtime``).
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
+import signal
+import threading
 
 
 def start_forkserver() -> bool:
@@ -25,5 +28,33 @@ def start_forkserver() -> bool:
     from multiprocessing import forkserver
 
     mp.get_context("forkserver").set_forkserver_preload(["hpdl.hpo._preload"])  # read when the server starts
-    forkserver.ensure_running()  # returns at once; the server imports the preload in the background
+    with children_ignore_sigint():  # Ctrl-C during its start-up killed it (EOFError at the first worker)
+        forkserver.ensure_running()  # returns at once; the server imports the preload in the background
     return True
+
+
+@contextlib.contextmanager
+def children_ignore_sigint():
+    """Processes started (fork and exec) inside this block start with SIGINT ignored, so Ctrl-C, which
+    reaches the whole foreground process group, cannot kill them during their interpreter start-up (the
+    driver alone decides: it tells them to stop). The disposition SIG_IGN survives exec; a blocked signal
+    mask does not (``_posixsubprocess`` clears it). This process loses no signal: SIGINT is blocked while
+    it is ignored here (Linux keeps a blocked signal pending even when ignored), then the handler is
+    restored and the signal delivered. Does nothing outside the main thread or while other threads run (one
+    of them could take the signal while it is ignored)."""
+    if (threading.current_thread() is not threading.main_thread() or threading.active_count() > 1
+            or not hasattr(signal, "pthread_sigmask")):
+        yield
+        return
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    if signal.SIGINT in signal.sigpending():  # it came already: ignoring it now would drop it
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGINT, old)
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)

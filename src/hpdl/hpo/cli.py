@@ -12,10 +12,60 @@ import json
 import os
 import signal
 import sys
+import threading
 from importlib import resources
 
 
 _EXIT_DEADLINE_S = 4.5  # after SIGINT/SIGTERM the command exits within this, stopped cleanly or not
+
+
+class _StartupStop(BaseException):
+    """SIGINT/SIGTERM before the driver's loop took over: a BaseException, so that no ``except Exception``
+    of the start-up can swallow it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _again(args, spec) -> str:
+    """The command that continues after an interrupt: ``resume`` once the study is in its store (read with
+    the standard library's sqlite3, so an exiting process does not wait on a storage layer), else ``run``
+    (nothing was stored). A server storage is assumed to hold it once the spec was read."""
+    stored = False
+    if spec is not None:
+        from hpdl.hpo.spec import sqlite_path
+
+        db = sqlite_path(spec.storage)
+        if db is None:
+            stored = True
+        elif db.exists():
+            import sqlite3
+
+            try:
+                con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=0.2)
+                try:
+                    stored = con.execute("SELECT 1 FROM studies WHERE study_name = ?", (spec.study,)).fetchone() \
+                        is not None
+                finally:
+                    con.close()
+            except sqlite3.Error:
+                stored = False
+    cmd = "hpdl hpo " + ("resume" if stored else "run")
+    if args.study_file:
+        cmd += f" {args.study_file}"
+    if getattr(args, "run_dir", None):
+        cmd += f" --run-dir {args.run_dir}"
+    return cmd
+
+
+def _where(r: dict) -> str:
+    """Where a running trial is, for ``status``: asked but not yet started by a worker has no host, device or
+    step (this printed "on None/None at step None")."""
+    if r["host"] is None:
+        return "(asked, not yet started on a worker)"
+    step = f"at step {r['last_step']}" if r["last_step"] is not None else "before its first report"
+    return f"on {r['host']}/{r['device']} {step}"
 
 
 def _example() -> str:
@@ -42,6 +92,10 @@ class HpoCommand:
             p.add_argument("--out", help="write the result as JSON to this file (default: none)")
             p.add_argument("--format", choices=("table", "json"), default="table",
                            help="output format (default: %(default)s)")
+            if name == "run":
+                p.add_argument("--overwrite", action="store_true",
+                               help="delete a stored study of the same name (its trials and checkpoints) and "
+                                    "start afresh (default: an existing study is an error naming `resume`)")
         h = "trial counts, best value and running trials of a study"
         p = sub.add_parser("status", help=h, description=h)
         p.add_argument("study_file", nargs="?", help="YAML study file (or give --storage and --study; default: the "
@@ -111,16 +165,55 @@ class HpoCommand:
         return StudySpec.from_dict(d)
 
     def _run(self, args, resume: bool = False) -> int:
-        from dataclasses import asdict
+        # the `hpdl` program itself (not a caller in this process, e.g. a test): it exits as soon as it is done
+        program = bool(getattr(args, "_program", False))
+        # nothing here imports hpdl.hpo.errors (hence hpdl.runtime, hence torch: seconds) before the handler below
+        stop: dict = {"signum": None, "spec": None}
 
-        from hpdl.hpo.errors import HpoInterrupted
+        def line(signum: int, detail: str) -> str:  # the one line every interrupt of `run`/`resume` prints
+            return f"hpdl hpo: interrupted by {signal.Signals(signum).name}: {detail}"
+
+        def startup_line() -> str:
+            spec, again = stop["spec"], _again(args, stop["spec"])
+            if stop.get("done"):  # while the finished study's result was printed
+                return line(stop["signum"], f"study {spec.study!r} had finished its budget; nothing to continue "
+                                            f"(`hpdl hpo status` shows it)")
+            name = f"study {spec.study!r}: " if spec is not None else ""
+            return line(stop["signum"], f"{name}stopped during start-up, before any trial started (nothing to "
+                                        f"re-queue); `{again}` continues")
+
+        def exit_now() -> None:  # the start-up did not unwind within the deadline (a blocking call)
+            print(startup_line(), file=sys.stderr, flush=True)
+            os._exit(128 + stop["signum"])
 
         def startup_signal(signum, _frame):
-            raise HpoInterrupted(f"stopped by {signal.Signals(signum).name} during start-up, before any trial "
-                                 "started (nothing to re-queue)", signum)
+            if stop.get("exiting"):
+                return  # caught already: a second Ctrl-C must not interrupt the exit with a traceback
+            if stop["signum"] is None:
+                stop["signum"] = signum
+                timer = threading.Timer(_EXIT_DEADLINE_S, exit_now)
+                timer.daemon = True
+                timer.start()
+            raise _StartupStop(signum)
+
+        def unraisable(u) -> None:
+            # the signal landed in a weakref callback or __del__: Python prints "Exception ignored in ..." and
+            # goes on with the start-up (seen once in 3 tries at one moment). Deliver it again, from another
+            # thread a moment later: the handler then raises in the main flow, or, once the driver's loop took
+            # over, sets its stop flag. (os.kill from here ran the handler inside this hook: swallowed again.)
+            if isinstance(u.exc_value, _StartupStop) and not stop.get("exiting"):
+                again = threading.Timer(0.01, os.kill, (os.getpid(), u.exc_value.signum))
+                again.daemon = True
+                again.start()
+                return
+            previous_hook(u)
+
+        previous_hook, sys.unraisablehook = sys.unraisablehook, unraisable
 
         # until the driver's loop takes over (it sets a flag instead), a signal stops the start-up at once;
-        # installed even where SIGINT was inherited ignored (a background job of a script), as the loop's is
+        # installed even where SIGINT was inherited ignored (a background job of a script), as the loop's is.
+        # It raises a BaseException: an HpoError (an Exception) raised here was swallowed by an
+        # `except Exception` of the start-up (a workload's estimate), and the study ran to its end, exit 0.
         outer = {sig: signal.signal(sig, startup_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             from hpdl.hpo._prestart import start_forkserver
@@ -128,18 +221,45 @@ class HpoCommand:
             start_forkserver()  # first: the workers' server imports torch while this process does
             from hpdl.hpo.driver import run_study
 
-            spec = self._spec(args)
-            res = run_study(spec, resume=resume, progress=not args.no_progress, exit_deadline_s=_EXIT_DEADLINE_S)
-        except HpoInterrupted as exc:  # one line, and the shell's status for the signal
-            print(f"hpdl hpo: {exc}", file=sys.stderr)
+            spec = stop["spec"] = self._spec(args)
+            res = run_study(spec, resume=resume, progress=not args.no_progress, exit_deadline_s=_EXIT_DEADLINE_S,
+                            overwrite=getattr(args, "overwrite", False))
+            stop["done"] = True
+            code = self._finished(args, spec, res)
+            if program:
+                # the study is done and printed: exit now, as the interrupt path does. A Ctrl-C during the
+                # interpreter's teardown (seconds with torch loaded) ended the process by the signal, silently
+                stop["exiting"] = True
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        except (_StartupStop, Exception) as exc:  # an interrupt: one line, and the shell's status for the signal
+            stop["exiting"] = True
+            if isinstance(exc, _StartupStop):  # (no import here: hpdl.hpo.errors may not be loaded yet)
+                text, code = startup_line(), 128 + exc.signum
+            else:
+                from hpdl.hpo.errors import HpoInterrupted
+
+                if not isinstance(exc, HpoInterrupted):
+                    raise
+                text, code = f"hpdl hpo: {exc}", exc.exit_code
+            print(text, file=sys.stderr)
             sys.stdout.flush()
             sys.stderr.flush()
             # everything is stored, the workers are gone and the lock is released: skip the interpreter's
             # teardown (unloading torch took 3-6 s on a loaded 2-core machine), the user asked to stop now
-            os._exit(exc.exit_code)
+            os._exit(code)
         finally:
             for sig, h in outer.items():
                 signal.signal(sig, h)
+            sys.unraisablehook = previous_hook
+        return code
+
+    @staticmethod
+    def _finished(args, spec, res) -> int:
+        """Print (and write) a finished study's result; the exit status."""
+        from dataclasses import asdict
+
         out = asdict(res)
         if args.out:
             with open(args.out, "w") as f:
@@ -197,10 +317,10 @@ class HpoCommand:
         print(f"best value {s['best_value']} with {s['best_params']}" if s["best_params"] is not None
               else "no configuration has completed yet")
         for r in s["running"]:
-            print(f"  running trial {r['number']} on {r['host']}/{r['device']} at step {r['last_step']}")
+            print(f"  running trial {r['number']} {_where(r)}")
         for r in s["orphaned"]:
-            print(f"  trial {r['number']} was running on {r['host']}/{r['device']} at step {r['last_step']} when "
-                  "its driver died; `hpdl hpo resume` re-queues it (no attempt spent)")
+            print(f"  trial {r['number']} was running {_where(r)} when its driver died; `hpdl hpo resume` "
+                  "re-queues it (no attempt spent)")
         for r in s["failures"]:
             print(f"  failed trial {r['number']}: {r['reason']}")
         if s["requeued"]:
@@ -212,17 +332,31 @@ class HpoCommand:
         from hpdl.hpo.report import plot_best_vs_time
         from hpdl.hpo.simulator import load_trials, pool_from_spec, resample, simulate, synthetic_trials
 
-        trials = load_trials(args.trials) if args.trials else synthetic_trials()
-        pool = pool_from_spec(args.pool)
-        if args.trials_per_gpu:
-            trials = resample(trials, args.trials_per_gpu * len(pool))
+        from hpdl.cli import CLIUsageError
+        from hpdl.hpo.errors import HpoConfigError
+
+        try:  # a bad value is a usage error naming its flag (`--pool 0xA100` used to spin forever)
+            trials = load_trials(args.trials) if args.trials else synthetic_trials()
+            pool = pool_from_spec(args.pool)
+            if args.trials_per_gpu:
+                trials = resample(trials, args.trials_per_gpu * len(pool))
+        except HpoConfigError as exc:
+            flag = "--trials-per-gpu" if "resample" in str(exc) else "--trials" if "trace" in str(exc) else "--pool"
+            raise CLIUsageError(f"{flag}: {exc}") from None
         rows, curves = [], {}
         for name in args.policies.split(","):
             kw = {"fraction": args.fraction} if name == "fixed_fraction" else {}
             if name.startswith("pack") and args.max_compute is not None:
                 kw["max_compute"] = args.max_compute
-            r = simulate(trials, pool, name, startup_s=args.startup_s, overhead=args.overhead, mps=args.mps,
-                         mps_capacity=args.mps_capacity, **kw)
+            try:
+                r = simulate(trials, pool, name, startup_s=args.startup_s, overhead=args.overhead, mps=args.mps,
+                             mps_capacity=args.mps_capacity, **kw)
+            except HpoConfigError as exc:
+                arg = str(exc).split("=", 1)[0].split(" ")[-1].split(":")[0]
+                flag = {"policy": "--policies", "mps_capacity": "--mps-capacity", "startup_s": "--startup-s",
+                        "max_compute": "--max-compute", "fraction": "--fraction", "overhead": "--overhead",
+                        "trials": "--trials-per-gpu"}.get(arg, "--policies")
+                raise CLIUsageError(f"{flag}: {exc}") from None
             rows.append({"policy": name, "makespan_s": r.makespan_s, "oom": r.oom, "max_colocated": r.max_colocated})
             curves[name] = r.history
         base = next((r["makespan_s"] for r in rows if r["policy"] == "one_per_gpu"), None)

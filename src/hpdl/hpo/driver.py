@@ -4,9 +4,9 @@ and recovers from every failure it can see.
 Loop (one thread; every wait has a timeout): read the pool (elasticity) -> drain worker messages ->
 reap dead workers -> ``policy.place`` the sampled trials -> start assignments -> sample more while the
 budget allows -> render progress. The Optuna storage is the source of truth: a driver that was killed is
-restarted with ``resume=True`` and finishes the same budget (trials it left RUNNING are marked FAIL and
-re-queued without spending an attempt, to continue from their configuration's last checkpoint; their
-processes died with it).
+restarted with ``resume=True`` and finishes the same budget (trials it left RUNNING go back to WAITING,
+Optuna's state for a trial that waits to run, without spending an attempt, and continue from their
+configuration's last checkpoint; their processes died with it).
 
 Budget: ``n_trials`` configurations ("lineages"). A configuration is finished when one attempt completes
 or is pruned, or after ``max_retries`` failed retries. Retries are ``study.enqueue_trial`` with the same
@@ -107,12 +107,22 @@ class Driver(PlacementMixin, FaultsMixin):
         spec: the study (:class:`StudySpec`).
         resume: load the existing study and recover it; without it an existing study is an error.
         progress: show a live table in the terminal (rich).
+        overwrite: (without ``resume``) delete a study of the same name in the storage, with its
+            checkpoints, and start afresh (``hpdl hpo run --overwrite``), as ``optuna.delete_study`` then
+            ``optuna.create_study``; done while holding the study's lock, so a live driver's study is never
+            deleted.
     Raises:
-        HpoError: the study exists and ``resume`` is False, or does not exist and ``resume`` is True.
+        HpoError: the study exists and neither ``resume`` nor ``overwrite`` is given, or does not exist and
+            ``resume`` is True; ``resume`` and ``overwrite`` together.
     """
 
     def __init__(self, spec: StudySpec, *, resume: bool = False, progress: bool = False,
-                 exit_deadline_s: float | None = None):
+                 exit_deadline_s: float | None = None, overwrite: bool = False):
+        if resume and overwrite:
+            raise HpoError("resume and overwrite exclude each other: resume continues the stored study, "
+                           "overwrite deletes it")
+        self.overwrite = overwrite
+        self.host_name = socket.gethostname()
         import optuna
 
         self.exit_deadline_s = exit_deadline_s
@@ -152,8 +162,12 @@ class Driver(PlacementMixin, FaultsMixin):
         names = [s.study_name for s in optuna.get_all_study_summaries(storage)]
         if resume and spec.study not in names:
             raise HpoError(f"study {spec.study!r} not found in {spec.storage}; use `hpdl hpo run` to start it")
-        if not resume and spec.study in names:
-            raise HpoError(f"study {spec.study!r} already exists in {spec.storage}; use `hpdl hpo resume`")
+        if not resume and spec.study in names and self.overwrite:
+            self._delete_study(spec)
+        elif not resume and spec.study in names:
+            raise HpoError(f"study {spec.study!r} already exists in {spec.storage} ({self._finished(spec)}); "
+                           "`hpdl hpo resume` continues it, `hpdl hpo run --overwrite` deletes it and starts "
+                           "afresh (or give the study another name)")
         sampler, pruner = make_sampler(spec.sampler, spec.space), make_pruner(spec.pruner)  # fail before Ray
         if spec.backend.get("name", "local") == "ray":  # joins or starts Ray: only once the study checks passed
             from hpdl.hpo.ray_backend import RayBackend
@@ -217,6 +231,35 @@ class Driver(PlacementMixin, FaultsMixin):
         self.ledger = Ledger(self.study, spec.max_retries, self.host, storage=self.storage)
         if resume:
             self.ledger.recover()  # safe: this driver holds the study's lock, no live driver runs its trials
+
+    def _finished(self, spec: StudySpec) -> str:
+        """``"k/n configurations finished"`` of the stored study ``spec.study`` (for messages)."""
+        import optuna
+
+        old = optuna.load_study(study_name=spec.study, storage=self.storage)
+        finished, _ = Ledger(old, spec.max_retries, socket.gethostname(), storage=self.storage).lineages()
+        n = old.user_attrs.get("hpdl_spec", {}).get("n_trials", spec.n_trials)
+        return f"{len(finished)}/{n} configurations finished"
+
+    def _delete_study(self, spec: StudySpec) -> None:
+        """``overwrite``: delete the stored study of this name and its checkpoint folder (this driver holds
+        the study's lock: no live driver runs it)."""
+        import shutil
+
+        import optuna
+
+        from hpdl.hpo.lock import live_drivers
+
+        old = optuna.load_study(study_name=spec.study, storage=self.storage)
+        live = [d for d in live_drivers(old.user_attrs) if not (d["host"] == self.host_name and
+                                                               int(d.get("pid", 0)) == os.getpid())]
+        if live:  # a driver of another host shares this store (many nodes): its study is not ours to delete
+            raise HpoError(f"study {spec.study!r} is being run by a live driver on {live[0]['host']} (pid "
+                           f"{live[0].get('pid')}); stop it before `hpdl hpo run --overwrite`")
+        uid = old.user_attrs.get("hpdl_uid")
+        optuna.delete_study(study_name=spec.study, storage=self.storage)
+        if uid:
+            shutil.rmtree(checkpoint_dir(self.run_dir, spec.study, uid), ignore_errors=True)
 
     @property
     def workers(self) -> list[WorkerHandle]:
@@ -382,7 +425,7 @@ def _phases(startups: list[dict]) -> dict[str, dict[str, float]]:
 
 
 def run_study(spec: StudySpec, *, resume: bool = False, progress: bool = False,
-              exit_deadline_s: float | None = None) -> StudyResult:
+              exit_deadline_s: float | None = None, overwrite: bool = False) -> StudyResult:
     """Run (or, with ``resume``, continue) the study described by ``spec`` to its budget.
 
     SIGINT/SIGTERM (main thread only) stop it: every worker is told at once to checkpoint and stop, the
@@ -392,10 +435,14 @@ def run_study(spec: StudySpec, *, resume: bool = False, progress: bool = False,
     the summary line and end the process (``os._exit``); a later ``resume`` re-queues what was left RUNNING,
     without spending an attempt.
 
+    ``overwrite`` (not with ``resume``): delete a stored study of the same name and its checkpoints first.
+
     Returns:
         StudyResult with wall time (s), counts, best value/params and best-so-far history.
     Raises:
-        HpoError: study exists (without ``resume``) or is missing (with it), or ``timeout_s`` passed.
+        HpoError: study exists (without ``resume`` or ``overwrite``) or is missing (with ``resume``), or
+            ``timeout_s`` passed.
         HpoConfigError: invalid spec, pool or policy.
     """
-    return Driver(spec, resume=resume, progress=progress, exit_deadline_s=exit_deadline_s).run()
+    return Driver(spec, resume=resume, progress=progress, exit_deadline_s=exit_deadline_s,
+                  overwrite=overwrite).run()

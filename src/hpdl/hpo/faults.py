@@ -184,10 +184,10 @@ class FaultsMixin:
             with contextlib.suppress(Exception):
                 w.proc.kill()
         self.lock.release()
-        print(f"hpdl hpo: study {self.spec.study!r} interrupted by {signal.Signals(self._signal).name}: the "
+        print(f"hpdl hpo: interrupted by {signal.Signals(self._signal).name}: study {self.spec.study!r}: the "
               f"driver did not stop within {self.exit_deadline_s:.1f} s; its workers were killed and "
-              f"{len(self.running) + len(self.pending)} trials left for `hpdl hpo resume` to re-queue (no "
-              "attempt spent)", file=sys.stderr, flush=True)
+              f"{len(self.running) + len(self.pending)} trials left for a resume to re-queue (no attempt spent); "
+              "`hpdl hpo resume` continues", file=sys.stderr, flush=True)
         os._exit(128 + self._signal)
 
     def _interrupted(self, stopped: int, took_s: float) -> HpoInterrupted:
@@ -195,9 +195,9 @@ class FaultsMixin:
         finished, _ = self.ledger.lineages(0.0)
         best = self.result().best_value
         return HpoInterrupted(
-            f"study {self.spec.study!r} interrupted by {name}: stopped {stopped} running trials in {took_s:.1f} s "
-            f"(checkpointed and re-queued, no attempt spent), {len(finished)}/{self.spec.n_trials} configurations "
-            f"finished, best {best}; `hpdl hpo resume` continues", self._signal)
+            f"interrupted by {name}: study {self.spec.study!r}: stopped {stopped} running trials in {took_s:.1f} s "
+            f"(checkpointed and back to WAITING, no attempt spent), {len(finished)}/{self.spec.n_trials} "
+            f"configurations finished, best {best}; `hpdl hpo resume` continues", self._signal)
 
     def _stop_workers(self, limit_s: float = _STOP_TIMEOUT_S) -> int:
         """Tell every worker at once to checkpoint and stop, handle what they answer for ``limit_s`` seconds,

@@ -188,7 +188,13 @@ class LocalLauncher(Launcher):
         parent, child = self.ctx.Pipe()
         proc = self.ctx.Process(target=worker_main, daemon=True, name=f"hpdl-hpo-worker-{device.id}",
                                 args=(child, device.__dict__, self.spec, sm_percent, time.time(), dict(os.environ)))
-        proc.start()
+        if self.ctx.get_start_method() == "spawn":  # a fresh interpreter: Ctrl-C must not kill its start-up
+            from hpdl.hpo._prestart import children_ignore_sigint
+
+            with children_ignore_sigint():
+                proc.start()
+        else:  # forked from the forkserver, which ignores SIGINT (hpdl.hpo._preload)
+            proc.start()
         child.close()
         w = WorkerHandle(proc, parent, device.id, sm_percent)
         self.workers.append(w)

@@ -4,6 +4,15 @@ A configuration's first trial is its lineage; a retry is ``study.enqueue_trial``
 and ``user_attrs`` ``hpdl_lineage`` and ``hpdl_attempt``. A lineage is finished when one attempt completes
 or is pruned, when it failed more than ``max_retries`` times, or when a failure gave up on it
 (``hpdl_gave_up``: too big for any device). Reading the storage is the truth after any restart.
+
+A trial stopped for a reason that is not its own (Ctrl-C or SIGTERM, the driver killed, the run folder, or
+never started) is not a failure: it goes back to ``WAITING``, Optuna's state for a trial that waits to run
+(as an enqueued one), keeping its trial number, parameters and intermediate values, and the next ``ask``
+takes it again (:meth:`Ledger.requeue`). So an interrupted study that is resumed shows one trial per
+configuration, as an uninterrupted one does, never a FAIL for the interrupt. (Optuna's own
+``Study.optimize`` stores a trial interrupted by Ctrl-C as FAIL, and its ``RetryFailedTrialCallback`` clones
+stale trials into new ones; both count an interrupt as a failed trial, which misreads a study's
+failures.) ``hpdl_requeued`` on the trial lists each such stop as ``"<kind>: <why>"``.
 """
 
 from __future__ import annotations
@@ -83,9 +92,9 @@ class Ledger:
         return self.storage.get_trial_id_from_study_id_trial_number(self.study_id, number)
 
     def recover(self) -> None:
-        """Trials left RUNNING by a dead driver of this host: kill leftover worker processes, mark the trials
-        FAIL (``driver_died`` if a worker had started them, else ``not_started``) and re-queue them with the
-        same attempt number: the driver's death spends no attempt, and a started trial continues from its
+        """Trials left RUNNING by a dead driver of this host: kill leftover worker processes and put the
+        trials back to WAITING (:meth:`requeue`; ``driver_died`` if a worker had started them, else
+        ``not_started``): the driver's death spends no attempt, and a started trial continues from its
         configuration's checkpoint. Call it only while holding the study's lock
         (:class:`hpdl.hpo.lock.StudyLock`): the trials of a live driver must not be touched."""
         from optuna.trial import TrialState
@@ -149,13 +158,35 @@ class Ledger:
             self._cache[0].add(lineage)
             self._cache[1].discard(lineage)
 
+    def requeue(self, number: int, kind: str, message: str) -> None:
+        """Put trial ``number`` (RUNNING) back to ``WAITING`` for a reason that is not its own (``kind`` in
+        :data:`REQUEUE_KINDS`): no attempt is spent, and the next ``ask`` takes the same trial again, with
+        its parameters, intermediate values and its configuration's checkpoint. Appends
+        ``"<kind>: <message>"`` to its ``hpdl_requeued`` list. Needs an RDB storage, as the driver's: Optuna's
+        in-memory storage looks for WAITING trials only after the last one it handed out."""
+        from optuna.trial import TrialState
+
+        self.dirty = True
+        if kind != "not_started":
+            self.requeued[kind] = self.requeued.get(kind, 0) + 1
+        tid = self.trial_id(number)
+        attrs = self.storage.get_trial(tid).user_attrs
+        if "hpdl_lineage" not in attrs:  # asked, then stopped before the driver labelled it: its own lineage
+            self.storage.set_trial_user_attr(tid, "hpdl_lineage", number)
+        self.storage.set_trial_user_attr(tid, "hpdl_requeued",
+                                         list(attrs.get("hpdl_requeued", [])) + [f"{kind}: {message[-300:]}"])
+        self.storage.set_trial_state_values(tid, TrialState.WAITING)
+
     def fail(self, number: int, params: dict, attrs: dict, kind: str, message: str, retry: bool = True) -> None:
         """Tell trial ``number`` FAIL with ``hpdl_failure = "<kind>: <message>"`` and, while attempts are left
         and ``retry``, enqueue the configuration again (``attrs`` carry its lineage and attempt).
-        Kinds: oom, error, died, too_big, nan, checkpoint (the trial's own: they spend an attempt), and
-        :data:`REQUEUE_KINDS` (always re-queued with the same attempt number)."""
+        Kinds: oom, error, died, too_big, nan, checkpoint (the trial's own: they spend an attempt). A kind
+        of :data:`REQUEUE_KINDS` is no failure: the trial goes back to WAITING (:meth:`requeue`)."""
         from optuna.trial import TrialState
 
+        if kind in REQUEUE_KINDS:
+            self.requeue(number, kind, message)
+            return
         self.dirty = True
         own = kind not in REQUEUE_KINDS
         if own:

@@ -120,7 +120,9 @@ class PlacementMixin:
             lin = int(trial.user_attrs.get("hpdl_lineage", trial.number))
             self.ledger.asked(lin)
             waiting -= popped
-            if lin == trial.number:  # a new configuration: it uses the budget
+            # a new configuration uses the budget; a retry, or a trial re-queued as WAITING after an interrupt
+            # (labelled when first asked, and counted active since), does not
+            if "hpdl_lineage" not in trial.user_attrs:
                 trial.set_user_attr("hpdl_lineage", lin)
                 budget -= 1
             skey = self.workload.structural_key({**self.spec.fixed, **trial.params})

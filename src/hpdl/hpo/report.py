@@ -20,7 +20,8 @@ def _reason(failure: str) -> str:
 def study_status(storage: str, study: str) -> dict[str, Any]:
     """Counts by trial state, best value and parameters, the trials now running with their device, and the
     failed ones with their reason (``failures``: the trial's own, each spent an attempt; ``requeued``: stopped
-    by an interrupt, a driver's death or the run folder, no attempt spent). Counts configurations as the driver does (:class:`hpdl.hpo.ledger.Ledger`:
+    by an interrupt, a driver's death or the run folder and put back to WAITING, no attempt spent). A RUNNING
+    trial that no worker has started yet has ``host``, ``device`` and ``last_step`` None. Counts configurations as the driver does (:class:`hpdl.hpo.ledger.Ledger`:
     a configuration given up after its retries is finished). A RUNNING trial of a driver on this host
     whose heartbeat is gone (killed) is listed under ``orphaned``, not ``running``: ``resume`` re-queues it.
 
@@ -65,9 +66,13 @@ def study_status(storage: str, study: str) -> dict[str, Any]:
             "live_drivers": sorted(live_hosts), "running": running, "orphaned": orphaned,
             "failures": [{"number": t.number, "reason": _reason(t.user_attrs.get("hpdl_failure", ""))}
                          for t in fails if counts_as_attempt(t.user_attrs.get("hpdl_failure", ""))],
-            # stored FAIL by Optuna, but not the trial's fault: its configuration was re-queued, no attempt spent
-            "requeued": [{"number": t.number, "reason": _reason(t.user_attrs.get("hpdl_failure", ""))}
-                         for t in fails if not counts_as_attempt(t.user_attrs.get("hpdl_failure", ""))]}
+            # stopped for a reason not their own and put back to WAITING (the same trial runs again, no attempt
+            # spent); stores written before 2026-12-04 hold such trials as FAIL with a re-queued copy
+            "requeued": [{"number": t.number, "state": t.state.name,
+                          "reason": _reason(t.user_attrs["hpdl_requeued"][-1])}
+                         for t in trials if t.user_attrs.get("hpdl_requeued")]
+            + [{"number": t.number, "state": t.state.name, "reason": _reason(t.user_attrs.get("hpdl_failure", ""))}
+               for t in fails if not counts_as_attempt(t.user_attrs.get("hpdl_failure", ""))]}
 
 
 def plot_best_vs_time(curves: dict[str, Sequence[tuple[float, float]]], path: str, title: str,

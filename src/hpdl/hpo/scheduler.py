@@ -264,8 +264,8 @@ class Pack(SchedulingPolicy):
         if order not in ("memory", "longest"):
             raise HpoConfigError(f"order={order!r}, expected 'memory' or 'longest'")
         self.order = order
-        if max_compute is not None and max_compute <= 0:
-            raise HpoConfigError(f"max_compute={max_compute}, expected > 0")
+        if max_compute is not None and not 0 < max_compute < math.inf:  # nan and inf too
+            raise HpoConfigError(f"max_compute={max_compute}, expected a finite number > 0")
         if not 0 < light_below <= 1:
             raise HpoConfigError(f"light_below={light_below}, expected in (0, 1]")
         self.light_below = light_below

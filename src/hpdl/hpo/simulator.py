@@ -26,6 +26,12 @@ from typing import Sequence
 from hpdl.hpo.errors import HpoConfigError
 from hpdl.hpo.scheduler import GIB, SMALL_BYTES, Device, DeviceState, SchedulingPolicy, TrialDemand, get_policy
 
+# Bounds of a replay, so that every argument value ends in a result or an error within seconds to minutes
+MAX_SIM_DEVICES = 4096       # simulated devices in a pool
+MAX_SIM_TRIALS = 4096        # trials in one replay (6400 took 50 s for four policies on a 2-core CPU)
+MAX_OVERHEAD = 10.0          # slowdown per extra co-located trial
+MAX_STARTUP_S = 86_400.0     # dispatch time of a trial, s
+
 
 @dataclass
 class SimTrial:
@@ -71,6 +77,11 @@ def pool_from_spec(spec: str, memory_gb: dict[str, float] | None = None,
         n, _, kind = part.strip().partition("x")
         if not n.isdigit() or kind not in mem or kind not in spd:
             raise HpoConfigError(f"pool spec part {part!r}: expected '<count>x<kind>' with kind in {sorted(mem)}")
+        # 0 devices left the replay waiting forever for a device to place on
+        if not 1 <= int(n) <= MAX_SIM_DEVICES:
+            raise HpoConfigError(f"pool spec part {part!r}: count {int(n)}, expected 1..{MAX_SIM_DEVICES} devices")
+        if len(devices) + int(n) > MAX_SIM_DEVICES:
+            raise HpoConfigError(f"pool spec {spec!r}: more than {MAX_SIM_DEVICES} devices in all")
         for _ in range(int(n)):
             devices.append(Device(f"{kind}-{len(devices)}", kind, int(mem[kind] * GIB), spd[kind]))
     return devices
@@ -90,8 +101,18 @@ def simulate(trials: Sequence[SimTrial], devices: Sequence[Device], policy: str 
         SimResult. Raises AssertionError if a policy that respects memory over-fills a device's
         profiled memory, or a trial does not reach exactly one terminal state.
     """
-    if mps_capacity <= 0:
-        raise HpoConfigError(f"mps_capacity={mps_capacity}, expected > 0")
+    # every number is checked: nan, inf or a huge start-up/overhead made simulated time stop advancing (a hang)
+    if not devices:
+        raise HpoConfigError("devices: the simulated pool is empty, expected at least one device")
+    if not 0 < mps_capacity < math.inf:
+        raise HpoConfigError(f"mps_capacity={mps_capacity}, expected a finite number > 0")
+    if not 0 <= overhead <= MAX_OVERHEAD:
+        raise HpoConfigError(f"overhead={overhead}, expected 0 <= overhead <= {MAX_OVERHEAD:g} (slowdown per extra "
+                             "co-located trial)")
+    if not 0 <= startup_s <= MAX_STARTUP_S:
+        raise HpoConfigError(f"startup_s={startup_s}, expected 0 <= startup_s <= {MAX_STARTUP_S:g} seconds")
+    if len(trials) > MAX_SIM_TRIALS:
+        raise HpoConfigError(f"trials: {len(trials)} trials, expected at most {MAX_SIM_TRIALS}")
     pol = get_policy(policy, **policy_kwargs)
     if mps and hasattr(pol, "mps"):
         pol.mps = True
@@ -196,8 +217,9 @@ def resample(trials: Sequence[SimTrial], n: int, seed: int = 0) -> list[SimTrial
     Raises:
         HpoConfigError: ``n < 1`` or no trials to draw from.
     """
-    if n < 1 or not trials:
-        raise HpoConfigError(f"resample: n={n} from {len(trials)} trials, expected n >= 1 and a non-empty trace")
+    if not 1 <= n <= MAX_SIM_TRIALS or not trials:
+        raise HpoConfigError(f"resample: n={n} from {len(trials)} trials, expected 1 <= n <= {MAX_SIM_TRIALS} and a "
+                             "non-empty trace")
     rng = random.Random(seed)
     return [SimTrial(**{**rng.choice(list(trials)).__dict__, "key": k}) for k in range(n)]
 

@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -84,11 +85,20 @@ class TrialContext:
         self._parent = parent_pid
         self.state_fn = None  # set by the training loop: step -> checkpoint state, used on preemption
 
+    @property
+    def trial(self):
+        """The ``optuna.trial.Trial`` itself (what an Optuna objective receives)."""
+        return self._trial
+
     def report(self, value: float, step: int) -> None:
         """Record an intermediate ``value`` at ``step`` (Optuna's order: value, then step)."""
         if self._profiler is not None:
             self._profiler.interrupt()  # evaluation synchronised the device
-        self._trial.report(float(value), int(step))
+        with warnings.catch_warnings():
+            # a trial re-queued after an interrupt keeps its values: a step reported before the stop and
+            # reached again from an older checkpoint is kept as first reported (Optuna warns and ignores it)
+            warnings.filterwarnings("ignore", message="The reported value is ignored because", category=UserWarning)
+            self._trial.report(float(value), int(step))
 
     def should_prune(self) -> bool:
         """The study's pruner decision for the latest reported value."""
@@ -221,12 +231,20 @@ class _Env:
         import optuna.storages  # noqa: F401 - imported here, not in two threads at once
         import sqlalchemy.orm  # noqa: F401
 
+        if getattr(self.workload, "define_by_run", False):  # an objective(trial) draws its parameters here
+            from hpdl.hpo.spec import make_sampler
+
+            sampler = make_sampler(spec["sampler"], spec.get("space") or {})
+            sampler.reseed_rng()  # each worker process its own stream, as Optuna's n_jobs threads do
+        else:  # parameters come with the task; nothing is sampled here
+            sampler = optuna.samplers.RandomSampler()
+
         def load() -> None:  # storage I/O and SQLAlchemy set-up: overlaps the CUDA start-up below
             t_load = time.monotonic()
             try:
                 loaded["study"] = optuna.load_study(
                     study_name=spec["study"], storage=make_storage(spec["storage"], attach=True),
-                    sampler=optuna.samplers.RandomSampler(), pruner=make_pruner(spec["pruner"]))
+                    sampler=sampler, pruner=make_pruner(spec["pruner"]))
             except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread below
                 loaded["error"] = exc
             loaded["seconds"] = time.monotonic() - t_load

@@ -320,14 +320,122 @@ def _lm_loss(logits, y):
 WORKLOADS: dict[str, type[Workload]] = {"cnn": VisionCNN, "gpt": LanguageGPT}
 
 
+OBJECTIVE_PREFIX = "objective:"
+_OBJECTIVES: dict[str, Callable] = {}  # objectives handed to hpdl.hpo.optimize in this process, by reference
+
+
+class ObjectiveWorkload(Workload):
+    """An Optuna objective ``objective(trial) -> float`` run as a workload (:func:`hpdl.hpo.optimize`).
+
+    The objective is Optuna's define-by-run function: it calls ``trial.suggest_*`` (the study's sampler runs in
+    the worker process, reseeded per process so that workers do not draw the same values),
+    ``trial.report`` / ``trial.should_prune`` and may raise ``optuna.TrialPruned``. It has no parameters of
+    its own to resolve, no model the driver could trace, and no checkpoint: a trial stopped by an interrupt
+    or a removed device runs again from its start, with the parameters it had already drawn. Every trial
+    shares one profile key, and since nothing here marks training steps the trials are placed on the
+    policy's guess for unprofiled trials (``pack``: ``unprofiled_compute`` 0.25, so up to four per GPU
+    time-sliced); use a :class:`Workload` for measured packing and checkpoints.
+    """
+
+    name = "objective"
+    direction = "minimize"
+    define_by_run = True
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+    def resolve(self, params: dict[str, Any]) -> dict[str, Any]:
+        return dict(params)
+
+    def structural_key(self, params: dict[str, Any]) -> str:
+        return "objective"
+
+    def build(self, params, device):  # pragma: no cover - train() never builds
+        raise HpoConfigError("an objective(trial) workload has no model to build")
+
+    def estimate(self, params: dict[str, Any]) -> dict[str, float]:
+        return {"param_bytes": 0, "activation_bytes": 0, "flops": 0.0}  # unknown: measured by running
+
+    @staticmethod
+    def schedule(p: dict[str, Any]) -> tuple[int, int]:
+        return 1, 1
+
+    def train(self, ctx) -> float:
+        import warnings
+
+        with warnings.catch_warnings():  # a trial run again re-reports steps it reported before its stop
+            warnings.filterwarnings("ignore", message="The reported value is ignored because", category=UserWarning)
+            return float(self.fn(ctx.trial))
+
+
+def objective_ref(fn: Callable) -> str:
+    """The workload name under which worker processes find ``fn``: ``"objective:module:qualname"``, or
+    ``"objective:file=/path/script.py:qualname"`` for a function of the script being run (``__main__``,
+    imported again by path in each worker, so its ``optimize`` call must sit under
+    ``if __name__ == "__main__":``, as with ``multiprocessing``).
+
+    Raises:
+        HpoConfigError: ``fn`` is not a module-level function (a lambda, a nested function, or one typed
+            into an interactive session), which a worker process could not import.
+    """
+    import os
+    import sys
+
+    qual = getattr(fn, "__qualname__", "")
+    if not callable(fn) or not qual or "<" in qual:
+        raise HpoConfigError(f"objective={fn!r}: expected a module-level function objective(trial) -> float "
+                             "(worker processes import it; lambdas and nested functions cannot be imported)")
+    mod = getattr(fn, "__module__", None)
+    if mod == "__main__":
+        path = getattr(sys.modules["__main__"], "__file__", None)
+        if not path:
+            raise HpoConfigError("objective: defined in an interactive session; define it in a module or a "
+                                 "script file (worker processes import it)")
+        ref = f"{OBJECTIVE_PREFIX}file={os.path.abspath(path)}:{qual}"
+    else:
+        ref = f"{OBJECTIVE_PREFIX}{mod}:{qual}"
+    _OBJECTIVES[ref] = fn
+    return ref
+
+
+def _load_objective(name: str) -> Callable:
+    import importlib.util
+    import sys
+
+    ref = name[len(OBJECTIVE_PREFIX):]
+    where, _, qual = ref.rpartition(":")
+    try:
+        if where.startswith("file="):
+            key = "__hpdl_objective_main__"
+            mod = sys.modules.get(key)
+            if mod is None or getattr(mod, "__file__", None) != where[5:]:
+                spec = importlib.util.spec_from_file_location(key, where[5:])
+                if spec is None or spec.loader is None:
+                    raise ImportError(f"cannot load {where[5:]!r}")
+                mod = importlib.util.module_from_spec(spec)
+                sys.modules[key] = mod
+                spec.loader.exec_module(mod)
+        else:
+            mod = importlib.import_module(where)
+        obj = mod
+        for part in qual.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError, OSError) as exc:
+        raise HpoConfigError(f"workload={name!r} cannot be imported: {exc}") from None
+    return obj
+
+
 def get_workload(name: str) -> Workload:
-    """``"cnn"``, ``"gpt"`` or ``"package.module:Class"`` (a :class:`Workload` subclass) -> instance.
+    """``"cnn"``, ``"gpt"``, ``"package.module:Class"`` (a :class:`Workload` subclass) or an objective
+    reference made by :func:`objective_ref` -> instance.
 
     Raises:
         HpoConfigError: unknown name, unimportable path, or a class that is not a Workload.
     """
     if name in WORKLOADS:
         return WORKLOADS[name]()
+    if name.startswith(OBJECTIVE_PREFIX):
+        return ObjectiveWorkload(_OBJECTIVES.get(name) or _load_objective(name))
     if ":" not in name:
         raise HpoConfigError(f"workload={name!r}, expected one of {sorted(WORKLOADS)} or 'module:Class'")
     mod, _, cls = name.partition(":")

@@ -96,6 +96,8 @@ class TesCommand:
                    _checks_rows(rep["checks"]), args.format)
             for w in rep["warnings"]:
                 print(f"warning: {w}")
+            print(f"checked every sample of the protocol: {rep['duration_s']:g} s at {rep['sample_rate_hz']:g} Hz "
+                  f"({rep['samples_checked']} samples per channel)")
         return 0 if rep["ok"] else 1
 
     def _simulate(self, args) -> int:

@@ -259,6 +259,11 @@ def _cross_check(p: ProtocolSpec) -> None:
                     raise ValueError(f"tissue.edges.{i}: unknown electrode {x!r}")
             if not r > 0:
                 raise ValueError(f"tissue.edges.{i}: resistance must be > 0, got {r}")
+    # a limit above the chip's own range is meaningless and would read as "allowed up to X mA"
+    full_ma = 1e3 * p.model.dac.get("full_scale_a", DacParams.full_scale_a)
+    if p.limits.max_channel_current_ma > full_ma * (1 + 1e-9):
+        raise ValueError(f"limits.max_channel_current_ma: {p.limits.max_channel_current_ma:g} mA is above the "
+                         f"chip's range of {full_ma:g} mA per channel; set it to at most {full_ma:g}")
     for section, cls in (("dac", DacParams), ("adc", AdcParams), ("cmvh", CmvhParams), ("ocp", OcpParams)):
         known = {f.name for f in fields(cls)}
         for key in getattr(p.model, section):

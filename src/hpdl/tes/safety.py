@@ -20,7 +20,7 @@ from hpdl.tes.protocol import LimitsSpec, ProtocolSpec, to_scenario
 from hpdl.tes.simulate import G_LEAK_S, Scenario, SimResult
 from hpdl.tes.waveforms import Sine
 
-_MAX_CHECK_SAMPLES = 2_000_000
+_CHECK_CHUNK = 1 << 17  # samples per pass of check_protocol: bounded memory on any protocol length
 
 
 def period_charges(i_a: np.ndarray, fs_hz: float, period_s: float) -> np.ndarray:
@@ -77,40 +77,103 @@ def _signed_peak(w) -> float:
     return float(x[np.argmax(np.abs(x))]) if x.size else 0.0
 
 
+class _PeriodCharges:
+    """Streaming :func:`period_charges`: feed (K_i, C) current chunks in order; keeps the largest |charge| of a
+    whole period per channel without holding the record (a 600 s protocol at MHz rates has 10^8+ samples)."""
+
+    def __init__(self, periods_s: list[float | None], fs_hz: float) -> None:
+        self.periods, self.fs = periods_s, fs_hz
+        c = len(periods_s)
+        self.q0 = np.zeros(c)               # cumulative charge (C) at the start of the next chunk
+        self.n0 = 0                         # sample index at the start of the next chunk
+        self.next_b = np.zeros(c, np.int64)  # next period boundary to evaluate, per channel
+        self.last_qb = np.zeros(c)          # cumulative charge at the previous boundary
+        self.max_abs = np.zeros(c)
+        self.any = np.zeros(c, bool)
+
+    def feed(self, i_a: np.ndarray) -> None:
+        n = i_a.shape[0]
+        q = self.q0 + np.concatenate([np.zeros((1, i_a.shape[1])), np.cumsum(i_a, axis=0) / self.fs])
+        tq = (self.n0 + np.arange(n + 1)) / self.fs
+        for ch, period in enumerate(self.periods):
+            if not period:
+                continue
+            # boundaries b * period inside [tq[0], tq[-1]] (the 1e-9 as in period_charges)
+            last = int(np.floor(tq[-1] / period + 1e-9))
+            b = np.arange(self.next_b[ch], last + 1)
+            if b.size == 0:
+                continue
+            qb = np.interp(b * period, tq, q[:, ch])
+            if self.next_b[ch] == 0:
+                self.last_qb[ch] = qb[0]
+                qb, b = qb[1:], b[1:]
+            if qb.size:
+                d = np.diff(np.concatenate([[self.last_qb[ch]], qb]))
+                self.max_abs[ch] = max(self.max_abs[ch], float(np.abs(d).max()))
+                self.any[ch] = True
+                self.last_qb[ch] = qb[-1]
+            self.next_b[ch] = last + 1
+        self.q0 = q[-1]
+        self.n0 += n
+
+
 def check_protocol(p: ProtocolSpec) -> dict:
     """Static safety check of a validated protocol (waveforms on the DAC grid, ideal DAC, nominal load).
 
-    Returns a dict: ``ok``, ``checks`` (list of check dicts), ``warnings`` (list of str), ``channels`` and
-    ``electrodes`` (lists of row dicts). Long protocols are checked over their first 2e6 samples.
+    Every sample of the whole protocol is checked, streamed in chunks of ``_CHECK_CHUNK`` samples so memory
+    stays bounded; a check never covers only part of a protocol. (How long a protocol can be is bounded
+    where it is parsed: ``duration_s`` x the sample rate must fit the simulator's record, see
+    :meth:`hpdl.tes.simulate.Scenario.validate`.)
+
+    Returns a dict: ``ok``, ``checks`` (list of check dicts), ``warnings`` (list of str; an amplitude off the
+    DAC's 10 uA step is named with the field and the current the chip will deliver instead), ``samples_checked``
+    and ``samples_total`` (equal), ``duration_s`` and ``sample_rate_hz`` (Hz) of the checked grid, ``channels``
+    and ``electrodes`` (lists of row dicts).
     """
     sc = to_scenario(p)
     lim: LimitsSpec = p.limits
-    k = min(int(round(sc.duration_s * sc.fs_hz)), _MAX_CHECK_SAMPLES)
-    t = np.arange(k) / sc.fs_hz
+    k_total = int(round(sc.duration_s * sc.fs_hz))
     chips = sc.channel_chip or [0] * len(sc.channels)
-    target = np.stack([w(sc.clocks[chips[ch]].chip_time(t), sc.duration_s) for ch, w in enumerate(sc.waveforms)], 1)
-    i = quantize(target, sc.dac) * sc.dac.lsb_a
-    warnings: list[str] = []
+    c, n_el = len(sc.channels), len(sc.electrodes)
+    term = np.asarray(sc.channel_terminal)
+    peak_req, peak_dac, sum_i = np.zeros(c), np.zeros(c), np.zeros(c)
+    total_max, residual = 0.0, 0.0
+    el_peak, el_sum = np.zeros(n_el), np.zeros(n_el)
+    charges = _PeriodCharges([w.period_s for w in sc.waveforms], sc.fs_hz)
+    done = 0
+    for start in range(0, k_total, _CHECK_CHUNK):
+        t = np.arange(start, min(start + _CHECK_CHUNK, k_total)) / sc.fs_hz
+        target = np.stack([w(sc.clocks[chips[ch]].chip_time(t), sc.duration_s)
+                           for ch, w in enumerate(sc.waveforms)], 1)
+        i = quantize(target, sc.dac) * sc.dac.lsb_a
+        peak_req = np.maximum(peak_req, np.abs(target).max(axis=0))
+        peak_dac = np.maximum(peak_dac, np.abs(i).max(axis=0))
+        sum_i += i.sum(axis=0)
+        total_max = max(total_max, float(np.clip(target, 0, None).sum(axis=1).max()))
+        net = i.sum(axis=1)
+        residual = max(residual, float(np.abs(net).max()))
+        ie = np.zeros((t.size, n_el))
+        ie[:, term] = i
+        if sc.reference is not None:
+            ie[:, sc.reference] = -net
+        el_peak = np.maximum(el_peak, np.abs(ie).max(axis=0))
+        el_sum += ie.sum(axis=0)
+        charges.feed(i)
+        done += t.size
+    if done != k_total:  # pragma: no cover - the loop above covers every sample by construction
+        raise RuntimeError(f"check_protocol covered {done} of {k_total} samples")
+    warnings: list[str] = _rounding_warnings(p, sc)
     checks: list[dict] = []
-    if k < int(round(sc.duration_s * sc.fs_hz)):
-        warnings.append(f"only the first {k / sc.fs_hz:.3g} s of {sc.duration_s} s were checked")
     rows = []
     vpk = predicted_peak_voltages(sc)
     for ch, name in enumerate(sc.channels):
-        w = sc.waveforms[ch]
         e = sc.channel_terminal[ch]
-        peak_req = float(np.abs(target[:, ch]).max())
-        q = period_charges(i[:, ch], sc.fs_hz, w.period_s) if w.period_s else np.zeros(0)
-        rows.append({"channel": name, "electrode": sc.electrodes[e].name, "peak_ma": 1e3 * peak_req,
-                     "peak_after_dac_ma": 1e3 * float(np.abs(i[:, ch]).max()), "dc_ua": 1e6 * float(i[:, ch].mean()),
-                     "max_period_charge_nc": 1e9 * float(np.abs(q).max()) if q.size else None,
+        rows.append({"channel": name, "electrode": sc.electrodes[e].name, "peak_ma": 1e3 * float(peak_req[ch]),
+                     "peak_after_dac_ma": 1e3 * float(peak_dac[ch]), "dc_ua": 1e6 * float(sum_i[ch] / k_total),
+                     "max_period_charge_nc": 1e9 * float(charges.max_abs[ch]) if charges.any[ch] else None,
                      "predicted_peak_v": float(vpk[e]), "headroom_v": sc.dac.compliance_v - float(vpk[e])})
-        if peak_req > sc.dac.full_scale_a * (1 + 1e-9):
-            warnings.append(f"channel {name}: {1e3 * peak_req:.3f} mA exceeds the DAC range and would saturate")
-        step = np.abs(target[:, ch] - i[:, ch]).max()
-        steps = w.amplitude_a / sc.dac.lsb_a if isinstance(w, Sine) else 0.0
-        if steps and abs(steps - round(steps)) > 1e-6:
-            warnings.append(f"channel {name}: amplitude is not a multiple of 10 uA (max rounding {1e6 * step:.1f} uA)")
+        if peak_req[ch] > sc.dac.full_scale_a * (1 + 1e-9):
+            warnings.append(f"channel {name}: {1e3 * peak_req[ch]:.3f} mA exceeds the DAC range and would saturate")
     peak_ch = max(r["peak_ma"] for r in rows)
     # the chip's own range is a hard limit that a protocol's `limits` cannot raise
     full_ma = 1e3 * sc.dac.full_scale_a
@@ -118,7 +181,7 @@ def check_protocol(p: ProtocolSpec) -> dict:
                          peak_ch <= full_ma * (1 + 1e-9)))
     checks.append(_check("max channel current", peak_ch, lim.max_channel_current_ma, "mA",
                          peak_ch <= lim.max_channel_current_ma + 1e-9))
-    total = float(np.clip(target, 0, None).sum(axis=1).max()) * 1e3  # as requested, like the channel peaks
+    total = total_max * 1e3  # as requested, like the channel peaks
     checks.append(_check("total current", total, lim.max_total_current_ma, "mA",
                          total <= lim.max_total_current_ma + 1e-9))
     qmax = max([r["max_period_charge_nc"] or 0.0 for r in rows])
@@ -127,7 +190,6 @@ def check_protocol(p: ProtocolSpec) -> dict:
     headroom = min(r["headroom_v"] for r in rows)
     checks.append(_check("compliance headroom (predicted)", headroom, lim.min_compliance_headroom_v, "V",
                          headroom >= lim.min_compliance_headroom_v))
-    residual = np.abs(i.sum(axis=1)).max()
     if residual > 0.5 * sc.dac.lsb_a:
         where = f"the reference {sc.electrodes[sc.reference].name}" if sc.reference is not None else "nowhere"
         warnings.append(f"channel currents do not sum to zero (up to {1e3 * residual:.3f} mA); "
@@ -135,21 +197,48 @@ def check_protocol(p: ProtocolSpec) -> dict:
         if sc.reference is None:
             checks.append(_check("Kirchhoff residual without reference", 1e3 * residual, 1e3 * sc.dac.lsb_a,
                                  "mA", False))
-    erows = _electrode_rows(sc, i)
+    erows = [{"electrode": el.name, "position": el.position, "area_cm2": el.area_cm2,
+              "peak_ma": 1e3 * float(el_peak[e]), "peak_density_ma_cm2": 1e3 * float(el_peak[e]) / el.area_cm2,
+              "dc_ua": 1e6 * float(el_sum[e] / k_total)} for e, el in enumerate(sc.electrodes)]
     dens = max(r["peak_density_ma_cm2"] for r in erows)
     checks.append(_check("current density", dens, lim.max_current_density_ma_cm2, "mA/cm^2",
                          dens <= lim.max_current_density_ma_cm2 + 1e-9))
     return {"protocol": p.name, "ok": all(c["ok"] for c in checks), "checks": checks, "warnings": warnings,
+            "samples_checked": done, "samples_total": k_total, "duration_s": sc.duration_s, "sample_rate_hz": sc.fs_hz,
             "channels": rows, "electrodes": erows}
 
 
-def _electrode_rows(sc: Scenario, i_ch: np.ndarray) -> list[dict]:
-    n = len(sc.electrodes)
-    ie = np.zeros((i_ch.shape[0], n))
-    ie[:, np.asarray(sc.channel_terminal)] = i_ch
-    if sc.reference is not None:
-        ie[:, sc.reference] = -i_ch.sum(axis=1)
-    return _rows_from_pins(sc, ie)
+def _rounding_warnings(p: ProtocolSpec, sc: Scenario) -> list[str]:
+    """One warning per current value of the protocol that is not a whole number of DAC steps (10 uA by
+    default), naming the field, the value asked and the value the chip delivers (nearest code). Values between
+    a ramp's end points are interpolated by design and not reported."""
+    lsb_ma = 1e3 * sc.dac.lsb_a
+    out = []
+
+    def off_step(value_ma: float) -> bool:
+        steps = value_ma / lsb_ma
+        return abs(steps - round(steps)) > 1e-6
+
+    def look(field: str, value_ma: float, more: str = "") -> None:
+        if off_step(value_ma):
+            got = float(quantize(np.array([value_ma * 1e-3]), sc.dac)[0]) * lsb_ma
+            out.append(f"{field}: {value_ma:g} mA is not a multiple of the DAC step ({1e3 * lsb_ma:g} uA); "
+                       f"the chip delivers {got:g} mA (rounded to the nearest code){more}")
+
+    for name, w in p.waveforms.items():
+        keys = {"dc": ("amplitude_ma",), "sine": ("amplitude_ma", "offset_ma"), "ramp": ("start_ma", "end_ma"),
+                "arbitrary": ()}[w.type]
+        for key in keys:
+            look(f"waveforms.{name}.{key}", getattr(w, key))
+        if w.type == "arbitrary":  # one warning per waveform, not per sample
+            off = [j for j, x in enumerate(w.samples_ma) if off_step(x)]
+            if off:
+                look(f"waveforms.{name}.samples_ma.{off[0]}", w.samples_ma[off[0]],
+                     f"; {len(off)} of {len(w.samples_ma)} samples are off the step" if len(off) > 1 else "")
+    for j, t in enumerate(p.ti_pairs):
+        for key in ("amplitude1_ma", "amplitude2_ma"):
+            look(f"ti_pairs.{j}.{key}", getattr(t, key))
+    return out
 
 
 def _rows_from_pins(sc: Scenario, ie: np.ndarray) -> list[dict]:
