@@ -206,7 +206,10 @@ class FusedOptimizer:
                 self.state[n] = {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
 
     def _col(self, values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32).to(self.device, non_blocking=True)
+        t = torch.tensor(values, dtype=torch.float32)
+        if self.device.type == "cuda":  # pinned: the copy is queued behind the step, the host does not wait
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
 
     @staticmethod
     def _b(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
