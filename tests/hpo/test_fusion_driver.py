@@ -65,6 +65,27 @@ def test_fused_study_values_equal_lone_trials(tmp_path):
         assert t.value == pytest.approx(value, abs=1.01 / FIXED["val_size"])  # one image of 128 at most
 
 
+@pytest.mark.timeout(180)
+def test_same_shape_asks_batch_a_mixed_space(tmp_path):
+    """With same_shape_asks, TPE's asks come in batches of one shape (width), each fused as one group."""
+    spec = StudySpec.from_dict({
+        "study": "mixed", "workload": "cnn", "n_trials": 6, "run_dir": str(tmp_path / "run"),
+        "sampler": {"name": "tpe", "seed": 1},
+        "space": {"lr": {"type": "float", "low": 0.02, "high": 0.2, "log": True},
+                  "width": {"type": "categorical", "choices": [4, 8, 12, 16]}},
+        "fixed": {**{k: v for k, v in FIXED.items() if k != "width"}, "steps": 10, "eval_every": 5}, "pool": {"fake": 2, "memory_gb": 2}, "lookahead": 6,
+        "policy": {"name": "pack", "max_trials_per_device": 1},
+        "fuse": {"max_trials": 3, "wait_s": 5.0, "same_shape_asks": True}})
+    res = run_study(spec)
+    assert res.complete == 6
+    trials = sorted(optuna.load_study(study_name="mixed", storage=make_storage(spec.storage)).get_trials(),
+                    key=lambda t: t.number)
+    widths = [t.params["width"] for t in trials]
+    assert widths[0] == widths[1] == widths[2] and widths[3] == widths[4] == widths[5]
+    assert len({t.params["lr"] for t in trials}) == 6  # the sampler still chose every learning rate
+    assert all(t.user_attrs.get("hpdl_fused") == 3 for t in trials)
+
+
 class T:
     def __init__(self, key, since=0.0):
         self.key, self.since = key, since
@@ -82,9 +103,11 @@ def test_form_groups_fills_holds_and_limits():
 
 def test_fuse_options_and_keys():
     assert FuseOptions.parse(False) is None and FuseOptions.parse(None) is None
-    assert FuseOptions.parse(True) == FuseOptions(16, 0.5)
+    assert FuseOptions.parse(True) == FuseOptions(16, 0.5, False)
+    assert FuseOptions.parse({"same_shape_asks": True}).same_shape_asks
     assert FuseOptions.parse({"max_trials": 8}) == FuseOptions(8, 0.5)
     for bad, word in (({"max_trials": 1}, "max_trials"), ({"wait_s": -1}, "wait_s"), ({"k": 2}, "unknown"),
+                      ({"same_shape_asks": "yes"}, "same_shape_asks"),
                       ("yes", "expected false")):
         with pytest.raises(HpoConfigError, match=word):
             FuseOptions.parse(bad)

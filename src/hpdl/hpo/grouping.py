@@ -29,10 +29,15 @@ class FuseOptions:
     Attributes:
         max_trials: most trials in one fused model (>= 2).
         wait_s: seconds a group smaller than ``max_trials`` may wait for the sampler's next asks (>= 0).
+        same_shape_asks: ask in batches of ``max_trials`` configurations of one shape: after a new configuration,
+            the next ``max_trials - 1`` asks get its parameters outside ``fuse_vary`` fixed
+            (``study.enqueue_trial`` with those, the sampler choosing the rest), so a space of many shapes still
+            forms full groups. Changes what is sampled (shapes come in batches); off by default.
     """
 
     max_trials: int = 16
     wait_s: float = 0.5
+    same_shape_asks: bool = False
 
     @classmethod
     def parse(cls, value: Any) -> "FuseOptions | None":
@@ -46,17 +51,21 @@ class FuseOptions:
         if value is True:
             return cls()
         if not isinstance(value, dict):
-            raise HpoConfigError(f"fuse={value!r}, expected false, true or {{max_trials: N, wait_s: S}}")
-        unknown = set(value) - {"max_trials", "wait_s"}
-        if unknown:
-            raise HpoConfigError(f"fuse has unknown keys {sorted(unknown)}; allowed: ['max_trials', 'wait_s']")
+            raise HpoConfigError(f"fuse={value!r}, expected false, true or {{max_trials: N, wait_s: S, "
+                                 "same_shape_asks: B}")
+        allowed = {"max_trials", "wait_s", "same_shape_asks"}
+        if set(value) - allowed:
+            raise HpoConfigError(f"fuse has unknown keys {sorted(set(value) - allowed)}; allowed: {sorted(allowed)}")
         k = value.get("max_trials", cls.max_trials)
         if type(k) is not int or k < 2:
             raise HpoConfigError(f"fuse max_trials={k!r}, expected an int >= 2")
         w = value.get("wait_s", cls.wait_s)
         if isinstance(w, bool) or not isinstance(w, (int, float)) or w < 0:
             raise HpoConfigError(f"fuse wait_s={w!r}, expected seconds >= 0")
-        return cls(k, float(w))
+        same = value.get("same_shape_asks", False)
+        if type(same) is not bool:
+            raise HpoConfigError(f"fuse same_shape_asks={same!r}, expected true or false (unquoted)")
+        return cls(k, float(w), same)
 
 
 def group_skey(structural_key: str, k: int) -> str:

@@ -172,6 +172,7 @@ class PlacementMixin:
                 self._short = True  # the next tick goes on sampling without waiting for a message
                 return
             popped = waiting > 0  # Optuna's ask takes a waiting trial (a retry, or one a user enqueued) first
+            shaped = not popped and budget > 0 and self._shape_ask()
             trial = self.study.ask(self.dists)
             lin = int(trial.user_attrs.get("hpdl_lineage", trial.number))
             self.ledger.asked(lin)
@@ -179,11 +180,34 @@ class PlacementMixin:
             if lin == trial.number:  # a new configuration: it uses the budget
                 trial.set_user_attr("hpdl_lineage", lin)
                 budget -= 1
+                self._shape_asked(trial.params, shaped)
             skey = self.workload.structural_key({**self.spec.fixed, **trial.params})
             self.pending.append(_Trial(trial.number, self.ledger.trial_id(trial.number), lin, dict(trial.params),
                                        skey, time.monotonic(), attempt=int(trial.user_attrs.get("hpdl_attempt", 0))))
             asked = True
         self._short = asked  # place what this tick sampled without waiting for a message
+
+    def _shape_ask(self) -> bool:
+        """``fuse: {same_shape_asks: true}``: fix the shape of the next ask to that of the last new one while
+        its batch (``max_trials``) is not full: ``enqueue_trial`` with the parameters outside ``fuse_vary``, so
+        the sampler (TPE, random) chooses only the others and the trials can be fused. True if it did."""
+        fuse = self._fuse
+        params, left = getattr(self, "_shape", (None, 0))
+        if fuse is None or not fuse.same_shape_asks or not params or left <= 0:
+            return False
+        self.study.enqueue_trial(params, skip_if_exists=False)  # the ask below pops it
+        return True
+
+    def _shape_asked(self, params: dict, shaped: bool) -> None:
+        """Count a new configuration in the current same-shape batch, or start a batch with its shape."""
+        fuse = self._fuse
+        if fuse is None or not fuse.same_shape_asks:
+            return
+        if shaped:
+            self._shape = (self._shape[0], self._shape[1] - 1)
+        else:
+            self._shape = ({k: v for k, v in params.items() if k not in self.workload.fuse_vary},
+                           fuse.max_trials - 1)
 
     def _rebind(self) -> None:
         """Move each trial still queued on a starting worker to an idle ready worker of the same device (a
