@@ -161,6 +161,34 @@ def test_fusion_refuses_what_it_cannot_fuse():
         FusedOptimizer(damp, m)
 
 
+def test_fused_optimizer_follows_the_optimizers_parameter_order():
+    """An optimizer built over the parameters in another order than the model's: states map by tensor."""
+    torch.manual_seed(0)
+    nets = [torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)) for _ in range(2)]
+    opts = [torch.optim.Adam(list(n[1].parameters()) + list(n[0].parameters()), lr=0.01 * (i + 1))
+            for i, n in enumerate(nets)]
+    m = FusedModel(nets)
+    fo = FusedOptimizer(opts, m)
+    assert fo.order == ["1.weight", "1.bias", "0.weight", "0.bias"]
+    x, y = torch.randn(2, 5, 3), torch.randn(2, 5, 2)
+    for _ in range(3):
+        for k in range(2):
+            opts[k].zero_grad()
+            torch.nn.functional.mse_loss(nets[k](x[k]), y[k]).backward()
+            opts[k].step()
+        fo.zero_grad()
+        m.losses(torch.nn.functional.mse_loss, x, y, False).sum().backward()
+        fo.step([0.01, 0.02])
+    for k in range(2):
+        for name, p in nets[k].named_parameters():
+            assert torch.allclose(m.params[name][k], p, rtol=1e-5, atol=1e-7)
+        sd, ref = fo.state_dict(k), opts[k].state_dict()
+        for i in ref["state"]:
+            assert torch.allclose(sd["state"][i]["exp_avg"], ref["state"][i]["exp_avg"], rtol=1e-5, atol=1e-8)
+    with pytest.raises(HpoConfigError, match="optimized once"):
+        FusedOptimizer([torch.optim.SGD(n[0].parameters(), lr=0.1) for n in nets], m)
+
+
 def test_workload_fusion_keys():
     w = get_workload("cnn")
     assert w.fusion_key({"lr": 0.1, "seed": 3}) == w.fusion_key({"lr": 0.2, "momentum": 0.5})

@@ -63,6 +63,7 @@ class FusedModel:
                 raise HpoConfigError(f"FusedModel: model {i} differs from model 0 in a parameter or buffer name or "
                                      "shape; only trials of one model shape can be fused")
         self.params, self.buffers = stack_module_state(list(models))  # leaves (K, ...), requires_grad
+        self.param_ids = {id(p): n for n, p in ref.named_parameters()}  # model 0's tensors -> names
         # tied parameters (GPT's head and embedding) appear once in named_parameters(); the meta copy below
         # loses the tie, so every alias is passed explicitly
         first: dict[int, str] = {}
@@ -181,12 +182,11 @@ class FusedOptimizer:
             groups.append({k: v for k, v in g.items() if k != "params"})
         self.groups = groups
         self.model = model
-        ref = optimizers[0].param_groups[0]["params"]
-        by_id = {id(p): n for n, p in zip(model.params, ref)}  # parameter order of the workload's optimizer
-        if len(ref) != len(model.params):
+        ref = optimizers[0].param_groups[0]["params"]  # model 0's tensors, in the optimizer's order
+        if len(ref) != len(model.params) or any(id(p) not in model.param_ids for p in ref):
             raise HpoConfigError(f"fusion: the optimizer holds {len(ref)} tensors, the model {len(model.params)} "
-                                 "parameters; every parameter must be optimized")
-        self.order = [by_id[id(p)] for p in ref]
+                                 "parameters; each parameter of the model must be optimized once")
+        self.order = [model.param_ids[id(p)] for p in ref]  # state dict index i -> parameter name
         dev = next(iter(model.params.values())).device
         self.device = dev
         if self.kind == "sgd":
