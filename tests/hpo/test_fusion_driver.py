@@ -66,6 +66,35 @@ def test_fused_study_values_equal_lone_trials(tmp_path):
 
 
 @pytest.mark.timeout(180)
+def test_pruned_trials_leave_their_group_and_the_others_finish_as_alone(tmp_path):
+    """GPT trials fused 3 at a time; the threshold pruner stops those with the tiny learning rate at step 10,
+    which leave their group, while the others in it finish with the values they have alone."""
+    gpt = {"n_embd": 32, "n_layer": 1, "n_head": 2, "block_size": 16, "batch_size": 8, "steps": 20,
+           "eval_every": 10, "val_batches": 2}
+    spec = StudySpec.from_dict({
+        "study": "pr", "workload": "gpt", "n_trials": 6, "run_dir": str(tmp_path / "run"),
+        "sampler": {"name": "random", "seed": 0},
+        "space": {"lr": {"type": "categorical", "choices": [1e-6, 1e-2]},
+                  "seed": {"type": "int", "low": 0, "high": 5}},
+        "pruner": {"name": "threshold", "upper": 5.0}, "fixed": gpt, "pool": {"fake": 2, "memory_gb": 2},
+        "lookahead": 6, "policy": {"name": "pack", "max_trials_per_device": 1},
+        "fuse": {"max_trials": 3, "wait_s": 5.0}})
+    res = run_study(spec)
+    trials = optuna.load_study(study_name="pr", storage=make_storage(spec.storage)).get_trials()
+    assert res.complete + res.pruned == 6 and not res.failures
+    assert all(t.user_attrs.get("hpdl_fused") == 3 for t in trials)
+    slow = [t for t in trials if t.params["lr"] == 1e-6]
+    fast = [t for t in trials if t.params["lr"] == 1e-2]
+    assert slow and fast  # the seed samples both
+    assert all(t.state.name == "PRUNED" and sorted(t.intermediate_values) == [10] for t in slow)
+    torch.set_num_threads(1)
+    w = get_workload("gpt")
+    for t in fast:
+        assert t.state.name == "COMPLETE" and sorted(t.intermediate_values) == [10, 20]
+        assert t.value == pytest.approx(w.train(Ctx({**gpt, **t.params})), rel=1e-5)
+
+
+@pytest.mark.timeout(180)
 def test_same_shape_asks_batch_a_mixed_space(tmp_path):
     """With same_shape_asks, TPE's asks come in batches of one shape (width), each fused as one group."""
     spec = StudySpec.from_dict({

@@ -307,12 +307,18 @@ class PlacementMixin:
         """Replace the pending trials of one fusion key by fused groups (:func:`hpdl.hpo.grouping.form_groups`);
         a trial held back for a fuller group is in neither result this tick."""
         fuse, kinds = self._fuse, {d.kind for d in devices}
+        demands = dict(demands)
+        for t in self.pending:  # the estimate budget left some out: a structure estimated once serves them all
+            if t.number not in demands and self.profiles.get(t.skey, "static") is not None:
+                demands[t.number] = self._demand(t, kinds)
+        units = {t.number: t for t in self.pending if t.number in demands}  # asking order
+        missing = any(t.number not in demands for t in self.pending)  # more may join their groups next tick
         biggest = max(d.memory_bytes for d in devices)
         ctx = CONTEXT_BYTES if self._cuda else 0
         fixed = self.spec.fixed
         keys = {n: self.workload.fusion_key({**fixed, **t.params}) for n, t in units.items()}
         groups = grouping.form_groups(
-            list(units.values()), lambda t: keys[t.number], fuse.max_trials, fuse.wait_s, self._short,
+            list(units.values()), lambda t: keys[t.number], fuse.max_trials, fuse.wait_s, self._short or missing,
             time.monotonic(),
             limit=lambda t: grouping.largest_group(demands[t.number].memory_bytes, biggest, ctx)
             if self.policy.uses_profiles else fuse.max_trials)

@@ -8,7 +8,7 @@ A study file (``hpdl hpo run study.yaml``; example in ``hpdl/hpo/examples/quick.
     run_dir: hpo-runs/quick # checkpoints, profiles, worker logs; default hpo-runs/<study>
     storage: null           # SQLAlchemy URL; default sqlite:///<run_dir>/study.db (postgresql://... for many nodes)
     sampler: {name: tpe, seed: 0}          # tpe | random | grid | cmaes | qmc, plus keyword options
-    pruner: {name: median, n_warmup_steps: 50}  # none | median | percentile | asha | hyperband
+    pruner: {name: median, n_warmup_steps: 50}  # none | median | percentile | asha | hyperband | threshold
     space:                  # Optuna distributions
       lr: {type: float, low: 0.001, high: 0.3, log: true}
       width: {type: categorical, choices: [8, 16, 32]}
@@ -242,7 +242,7 @@ def _sampler(optuna, name: str, cfg: dict, space: dict):
 
 def make_pruner(cfg: dict):
     """Optuna pruner from ``{"name": ..., **options}``: none, median, percentile, asha
-    (SuccessiveHalvingPruner), hyperband.
+    (SuccessiveHalvingPruner), hyperband, threshold (``lower``/``upper`` bounds on the reported value).
 
     Raises:
         HpoConfigError: unknown name.
@@ -254,7 +254,7 @@ def make_pruner(cfg: dict):
     table = {"none": optuna.pruners.NopPruner, "median": optuna.pruners.MedianPruner,
              "percentile": optuna.pruners.PercentilePruner, "asha": optuna.pruners.SuccessiveHalvingPruner,
              "successive_halving": optuna.pruners.SuccessiveHalvingPruner,
-             "hyperband": optuna.pruners.HyperbandPruner}
+             "hyperband": optuna.pruners.HyperbandPruner, "threshold": optuna.pruners.ThresholdPruner}
     if name not in table:
         raise HpoConfigError(f"pruner.name={name!r}, expected one of {sorted(table)}")
     try:
