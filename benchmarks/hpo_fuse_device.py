@@ -46,6 +46,9 @@ EQ_TRIALS = [{"lr": 0.1, "weight_decay": 5e-4, "seed": 0}, {"lr": 0.01, "weight_
              {"lr": 0.2, "weight_decay": 1e-3, "warmup_steps": 50, "seed": 2},
              {"lr": 0.03, "weight_decay": 1e-5, "lr_schedule": "cosine", "seed": 3}]
 EQ_STEPS = 100
+EQ_GPT = {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 64, "batch_size": 16, "val_batches": 2}
+EQ_GPT_TRIALS = [{"lr": 3e-3, "seed": 0}, {"lr": 1e-3, "weight_decay": 0.1, "beta1": 0.8, "warmup_steps": 10,
+                                          "seed": 1}]
 
 
 def log(out: str, msg: str) -> None:
@@ -87,26 +90,33 @@ def equality(device: str, fixed: dict) -> dict:
         def load_checkpoint(self):
             return None
 
-    w = get_workload("cnn")
-    p = {**fixed, "steps": EQ_STEPS, "evals": 0, "eval_every": EQ_STEPS // 4}
-    t0 = time.monotonic()
-    alone = []
-    for t in EQ_TRIALS:
-        c = Ctx({**p, **t})
-        w.train(c)
-        alone.append(c)
-    t1 = time.monotonic()
-    fused = [Ctx({**p, **t}) for t in EQ_TRIALS]
-    train_fused(w, fused, torch.device(device), lambda *a: None)
-    t2 = time.monotonic()
-    rel = []
-    for a, f in zip(alone, fused):
-        la, lf = torch.stack(a.losses).double().cpu(), torch.stack(f.losses).double().cpu()
-        rel.append(float(((la - lf).abs() / la.abs().clamp_min(1e-12)).max()))
-    return {"trials": EQ_TRIALS, "steps": EQ_STEPS, "max_rel_loss_diff": rel, "passes_1e-5": max(rel) <= 1e-5,
-            "final_metric_alone": [a.reports[-1][1] for a in alone],
-            "final_metric_fused": [f.reports[-1][1] for f in fused], "alone_s": t1 - t0, "fused_s": t2 - t1,
-            "device": device, "tf32": False}
+    def check(name: str, p: dict, trials: list[dict]) -> dict:
+        w = get_workload(name)
+        t0 = time.monotonic()
+        alone = []
+        for t in trials:
+            c = Ctx({**p, **t})
+            w.train(c)
+            alone.append(c)
+        t1 = time.monotonic()
+        fused = [Ctx({**p, **t}) for t in trials]
+        train_fused(w, fused, torch.device(device), lambda *a: None)
+        t2 = time.monotonic()
+        rel = []
+        for a, f in zip(alone, fused):
+            la, lf = torch.stack(a.losses).double().cpu(), torch.stack(f.losses).double().cpu()
+            rel.append(float(((la - lf).abs() / la.abs().clamp_min(1e-12)).max()))
+        return {"trials": trials, "steps": p["steps"], "max_rel_loss_diff": rel, "passes_1e-5": max(rel) <= 1e-5,
+                "final_metric_alone": [a.reports[-1][1] for a in alone],
+                "final_metric_fused": [f.reports[-1][1] for f in fused], "alone_s": t1 - t0, "fused_s": t2 - t1}
+
+    cnn = check("cnn", {**fixed, "steps": EQ_STEPS, "evals": 0, "eval_every": EQ_STEPS // 4}, EQ_TRIALS)
+    out = {**cnn, "device": device, "tf32": False}
+    try:  # the GPT under vmap (attention's batching rule on this device) on the same terms
+        out["gpt"] = check("gpt", {**EQ_GPT, "steps": 30, "evals": 0, "eval_every": 10}, EQ_GPT_TRIALS)
+    except Exception as exc:  # noqa: BLE001 - recorded; the CNN check stands
+        out["gpt"] = {"error": f"{type(exc).__name__}: {exc}"}
+    return out
 
 
 def run_one(tag: str, gpus: list[int], n_trials: int, scratch: str, timeout_s: float, smoke: bool) -> dict:
@@ -208,7 +218,10 @@ def main() -> None:
     except Exception as exc:  # noqa: BLE001 - record it and go on with the studies
         meta["equality"] = {"error": f"{type(exc).__name__}: {exc}",
                             "stderr": getattr(exc, "stderr", "")[-1500:] if getattr(exc, "stderr", "") else ""}
-    log(args.out, f"[{time.monotonic() - t0:6.1f} s] equality on {dev}: {meta['equality']}")
+    eq = meta["equality"]
+    log(args.out, f"[{time.monotonic() - t0:6.1f} s] equality on {dev}: cnn max rel loss diff "
+                  f"{eq.get('max_rel_loss_diff')}, alone {eq.get('alone_s', 0):.1f} s / fused {eq.get('fused_s', 0):.1f} s; "
+                  f"gpt {eq.get('gpt', {}).get('max_rel_loss_diff', eq.get('gpt', eq.get('error')))}")
     t = time.monotonic()  # the forkserver's imports, before the first study (no run pays them)
     ctx = worker_context()
     if ctx.get_start_method() == "forkserver":
