@@ -134,3 +134,24 @@ class AlwaysRaiseCNN(VisionCNN):
 
     def train(self, ctx):
         raise ValueError("this configuration always fails")
+
+
+class SlowFusableCNN(VisionCNN):
+    """The small CNN with ``sleep_s`` of sleep in every batch it makes: fused groups of it stay busy long
+    enough to be interrupted (``SlowCNN`` sleeps in the solo loop, which a fused group does not run)."""
+
+    name = "slow_fusable_cnn"
+    defaults = {**VisionCNN.defaults, "sleep_s": 0.05}
+
+    def build(self, p, device):
+        import time
+
+        parts = super().build(p, device)
+        inner = parts.batch
+
+        def batch(step):
+            time.sleep(float(p["sleep_s"]))
+            return inner(step)
+
+        parts.batch = batch
+        return parts

@@ -102,7 +102,8 @@ def test_same_shape_asks_batch_a_mixed_space(tmp_path):
         "sampler": {"name": "tpe", "seed": 1},
         "space": {"lr": {"type": "float", "low": 0.02, "high": 0.2, "log": True},
                   "width": {"type": "categorical", "choices": [4, 8, 12, 16]}},
-        "fixed": {**{k: v for k, v in FIXED.items() if k != "width"}, "steps": 10, "eval_every": 5}, "pool": {"fake": 2, "memory_gb": 2}, "lookahead": 6,
+        "fixed": {**{k: v for k, v in FIXED.items() if k != "width"}, "steps": 10, "eval_every": 5},
+        "pool": {"fake": 2, "memory_gb": 2}, "lookahead": 6,
         "policy": {"name": "pack", "max_trials_per_device": 1},
         "fuse": {"max_trials": 3, "wait_s": 5.0, "same_shape_asks": True}})
     res = run_study(spec)

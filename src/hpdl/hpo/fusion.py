@@ -364,7 +364,8 @@ def train_fused(workload, ctxs: Sequence[Any], device: torch.device, on_outcome:
     ps = [workload.resolve(c.params) for c in ctxs]
     keys = {workload.fusion_key(p) for p in ps}
     if len(keys) != 1:
-        raise HpoConfigError(f"fusion: {len(keys)} different fusion keys in one group, expected one: {sorted(keys)[:2]}")
+        raise HpoConfigError(f"fusion: {len(keys)} different fusion keys in one group, expected one: "
+                             f"{sorted(keys)[:2]}")
     members = []
     for c, p in zip(ctxs, ps):
         torch.manual_seed(int(p.get("seed", 0)))  # each trial's initialisation as alone
