@@ -35,8 +35,6 @@ class FaultsMixin:
     def _on_message(self, w: WorkerHandle, msg: protocol.Message) -> None:
         """Handle one record from ``w`` (see :mod:`hpdl.hpo.protocol`); a record about a trial other than the
         one ``w`` runs now (a late one) is ignored."""
-        from optuna.trial import TrialState
-
         protocol.check(msg)
         t = w.trial
         if isinstance(msg, protocol.Ready):
