@@ -338,7 +338,7 @@ class _Member:
 
 def train_fused(workload, ctxs: Sequence[Any], device: torch.device, on_outcome: Callable[..., None],
                 step_ctx: Callable[[int], Any] | None = None, state_sink: Callable[[Callable], None] | None = None,
-                ) -> None:
+                on_sync: Callable[[], None] | None = None) -> None:
     """Train the trials of ``ctxs`` as one fused model to their last step.
 
     Args:
@@ -353,6 +353,7 @@ def train_fused(workload, ctxs: Sequence[Any], device: torch.device, on_outcome:
         step_ctx: ``step_ctx(i)`` wraps fused step ``i`` (a context manager: profiling, preemption); None: none.
         state_sink: given a function ``save_all(i)`` that checkpoints every trial still training at fused step
             ``i`` (what a preemption calls).
+        on_sync: called after each evaluation (it synchronised the device; a profiler drops that interval).
     Raises:
         HpoConfigError: the trials do not share a fusion key, or the workload is not fusable.
         Any error of the fused step itself (every trial still training then failed with it; the caller reports).
@@ -451,6 +452,8 @@ def train_fused(workload, ctxs: Sequence[Any], device: torch.device, on_outcome:
                 chunk = max(1, (len(live) * bsz) // vsz)
             values = _evaluate(model, [members[idx] for idx in live], [data_keys[idx] for idx in live], evals,
                                chunk)
+            if on_sync is not None:
+                on_sync()
             leaving = []
             for r, v in zip(evals, values):
                 m = members[live[r]]
@@ -561,7 +564,7 @@ def run_group(env, conn, task, parent_pid: int | None) -> bool:
             torch.cuda.reset_peak_memory_stats(dev)
             cap_memory(dev, task.memory_cap, int(task.context_bytes))
         group = _GroupStep(conn, task, dev, prof, parent_pid)
-        train_fused(env.workload, ctxs, dev, outcome, group.step, group.sink)
+        train_fused(env.workload, ctxs, dev, outcome, group.step, group.sink, group.interrupt)
     except Preempted as exc:
         for ctx in ctxs:
             if ctx._task.trial_id not in sent:
@@ -605,6 +608,10 @@ class _GroupStep:
 
     def sink(self, save_all: Callable[[int], None]) -> None:
         self.save_all = save_all
+
+    def interrupt(self) -> None:
+        if self.profiler is not None:
+            self.profiler.interrupt()  # an evaluation synchronised the device between two steps
 
     @contextlib.contextmanager
     def step(self, i: int):
