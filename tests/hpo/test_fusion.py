@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 
+from hpdl.hpo.checkpoint import CheckpointMismatch
 from hpdl.hpo.errors import HpoConfigError
 from hpdl.hpo.fusion import FusedModel, FusedOptimizer, train_fused
 from hpdl.hpo.workloads import get_workload
@@ -33,7 +34,7 @@ class Ctx:
 
     def load_checkpoint(self):
         if self.fail_load:
-            raise RuntimeError("not this trial's checkpoint")
+            raise CheckpointMismatch("not this trial's checkpoint")
         return copy.deepcopy(self.store.get("ckpt"))
 
     def save_checkpoint(self, state):
@@ -102,7 +103,7 @@ def test_pruned_and_failed_trials_leave_the_others_unchanged():
     out = _fused(w, ctxs)
     kinds = {id(c): (k, p) for c, k, p in out}
     assert kinds[id(ctxs[1])][0] == "pruned" and kinds[id(ctxs[0])][0] == "done"
-    assert kinds[id(ctxs[2])] == ("failed", ("error", "not this trial's checkpoint"))
+    assert kinds[id(ctxs[2])] == ("failed", ("checkpoint", "not this trial's checkpoint"))
     assert len(ctxs[1].losses) == 8 and ctxs[2].losses == []
     assert _rel(alone[0].losses, ctxs[0].losses) < 1e-5
     assert _rel(alone[1].losses[:8], ctxs[1].losses) < 1e-5

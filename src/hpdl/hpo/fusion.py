@@ -40,6 +40,7 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call, stack_module_state, vmap
 
+from hpdl.hpo.checkpoint import CheckpointMismatch
 from hpdl.hpo.errors import HpoConfigError
 
 
@@ -397,8 +398,8 @@ def train_fused(workload, ctxs: Sequence[Any], device: torch.device, on_outcome:
         m = members[i]
         try:
             state = m.ctx.load_checkpoint()
-        except Exception as exc:  # noqa: BLE001 - checkpoint.CheckpointMismatch and a broken file alike
-            kind = "checkpoint" if type(exc).__name__ == "CheckpointMismatch" else "error"
+        except Exception as exc:  # noqa: BLE001 - someone else's checkpoint, or a file that cannot be read
+            kind = "checkpoint" if isinstance(exc, CheckpointMismatch) else "error"
             on_outcome(m.ctx, "failed", (kind, str(exc)))
             failed.append(r)
             continue
