@@ -46,6 +46,7 @@ EQ_TRIALS = [{"lr": 0.1, "weight_decay": 5e-4, "seed": 0}, {"lr": 0.01, "weight_
              {"lr": 0.2, "weight_decay": 1e-3, "warmup_steps": 50, "seed": 2},
              {"lr": 0.03, "weight_decay": 1e-5, "lr_schedule": "cosine", "seed": 3}]
 EQ_STEPS = 100
+STEP_PROBE, STEP_PROBE_K = 100, (1, 4, 16, 64)  # timed steps; trials per model (1: the solo loop)
 EQ_GPT = {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 64, "batch_size": 16, "val_batches": 2}
 EQ_GPT_TRIALS = [{"lr": 3e-3, "seed": 0}, {"lr": 1e-3, "weight_decay": 0.1, "beta1": 0.8, "warmup_steps": 10,
                                           "seed": 1}]
@@ -112,6 +113,31 @@ def equality(device: str, fixed: dict) -> dict:
 
     cnn = check("cnn", {**fixed, "steps": EQ_STEPS, "evals": 0, "eval_every": EQ_STEPS // 4}, EQ_TRIALS)
     out = {**cnn, "device": device, "tf32": False}
+    # step time of the benchmark's architecture alone and fused K at a time (TF32 on, as in the workers)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    w = get_workload("cnn")
+    p = {**fixed, "steps": STEP_PROBE + 10, "evals": 0, "eval_every": 10 ** 6}
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    probe = {}
+    for k in STEP_PROBE_K:
+        ctxs = [Ctx({**p, "lr": 0.01 * (1 + i % 7), "seed": i}) for i in range(k)]
+        marks = []
+
+        @contextlib.contextmanager
+        def mark(i):
+            if i in (10, STEP_PROBE + 10 - 1):
+                sync()
+                marks.append(time.perf_counter())
+            yield
+
+        if k == 1:
+            ctxs[0].step = mark
+            w.train(ctxs[0])
+        else:
+            train_fused(w, ctxs, torch.device(device), lambda *a: None, step_ctx=mark)
+        ms = (marks[1] - marks[0]) / (STEP_PROBE - 1) * 1e3
+        probe[f"{'alone' if k == 1 else 'fused'}{k}"] = {"ms_per_step": ms, "trial_steps_per_s": k * 1e3 / ms}
+    out["step_probe"] = probe
     try:  # the GPT under vmap (attention's batching rule on this device) on the same terms
         out["gpt"] = check("gpt", {**EQ_GPT, "steps": 30, "evals": 0, "eval_every": 10}, EQ_GPT_TRIALS)
     except Exception as exc:  # noqa: BLE001 - recorded; the CNN check stands
@@ -221,7 +247,8 @@ def main() -> None:
     eq = meta["equality"]
     log(args.out, f"[{time.monotonic() - t0:6.1f} s] equality on {dev}: cnn max rel loss diff "
                   f"{eq.get('max_rel_loss_diff')}, alone {eq.get('alone_s', 0):.1f} s / fused {eq.get('fused_s', 0):.1f} s; "
-                  f"gpt {eq.get('gpt', {}).get('max_rel_loss_diff', eq.get('gpt', eq.get('error')))}")
+                  f"gpt {eq.get('gpt', {}).get('max_rel_loss_diff', eq.get('gpt', eq.get('error')))}; "
+                  f"step probe {eq.get('step_probe')}")
     t = time.monotonic()  # the forkserver's imports, before the first study (no run pays them)
     ctx = worker_context()
     if ctx.get_start_method() == "forkserver":

@@ -152,8 +152,9 @@ class FusedOptimizer:
     on a :class:`FusedModel`'s stacked parameters, with every hyper-parameter per trial.
 
     The arithmetic is that of ``torch.optim``'s single-tensor and for-each paths (same operations in the same
-    order), with a trial's scalar replaced by its entry of a (K, 1, ...) tensor; bias corrections are computed
-    per trial in float64 on the host, as torch does.
+    order, ``addcmul`` where torch multiplies by a scalar inside an add, so that the rounding is the same),
+    with a trial's scalar replaced by its entry of a (K, 1, ...) tensor; bias corrections are computed per
+    trial in float64 on the host, as torch does.
 
     Args:
         optimizers: the K optimizers the workload built for the K trials (only their type, hyper-parameters
@@ -235,14 +236,14 @@ class FusedOptimizer:
             for n in self.order:
                 p = self.model.params[n]
                 grad = p.grad
-                if any_wd:
-                    grad = grad + self._b(wd, p) * p  # torch: grad.add(param, alpha=weight_decay)
+                if any_wd:  # torch: grad.add(param, alpha=weight_decay); addcmul rounds as that does (one FMA)
+                    grad = torch.addcmul(grad, self._b(wd, p), p)
                 if any_mom:
                     buf = self.state[n]["momentum_buffer"]
                     # first step: torch starts the buffer at grad; 0 * momentum + grad is exactly that
                     buf.mul_(self._b(mom, p)).add_(grad)
                     grad = grad + self._b(mom, p) * buf if self.nesterov else buf
-                p.add_(grad * self._b(-lr, p))
+                p.addcmul_(self._b(-lr, p), grad)  # torch: param.add_(grad, alpha=-lr)
             return
         b1 = [x["betas"][0] for x in g]
         b2 = [x["betas"][1] for x in g]
@@ -262,11 +263,12 @@ class FusedOptimizer:
                 if self.decoupled:
                     p.mul_(self._b(decay, p))
                 else:
-                    grad = grad + self._b(wd, p) * p
+                    grad = torch.addcmul(grad, self._b(wd, p), p)
             st["exp_avg"].lerp_(grad, self._b(w1, p))
-            st["exp_avg_sq"].mul_(self._b(beta2, p)).add_(grad * grad * self._b(w2, p))
+            # torch: addcmul_(grad, grad, value=1 - beta2), i.e. ((1 - beta2) * grad) * grad + exp_avg_sq
+            st["exp_avg_sq"].mul_(self._b(beta2, p)).addcmul_(self._b(w2, p) * grad, grad)
             denom = (st["exp_avg_sq"].sqrt() / self._b(bc2_sqrt, p)).add_(self._b(eps, p))
-            p.add_(st["exp_avg"] / denom * self._b(step_size, p))
+            p.addcmul_(st["exp_avg"] / denom, self._b(step_size, p))  # torch: addcdiv_(exp_avg, denom, value=-step)
 
     def keep(self, rows: Sequence[int]) -> None:
         """Keep only trials ``rows`` (call after :meth:`FusedModel.keep` with the same rows)."""
