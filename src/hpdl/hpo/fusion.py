@@ -242,7 +242,7 @@ class FusedOptimizer:
                     buf = self.state[n]["momentum_buffer"]
                     # first step: torch starts the buffer at grad; 0 * momentum + grad is exactly that
                     buf.mul_(self._b(mom, p)).add_(grad)
-                    grad = grad + self._b(mom, p) * buf if self.nesterov else buf
+                    grad = torch.addcmul(grad, self._b(mom, p), buf) if self.nesterov else buf
                 p.addcmul_(self._b(-lr, p), grad)  # torch: param.add_(grad, alpha=-lr)
             return
         b1 = [x["betas"][0] for x in g]
