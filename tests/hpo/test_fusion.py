@@ -201,6 +201,27 @@ def test_fused_optimizer_follows_the_optimizers_parameter_order():
         sd, ref = fo.state_dict(k), opts[k].state_dict()
         for i in ref["state"]:
             assert torch.allclose(sd["state"][i]["exp_avg"], ref["state"][i]["exp_avg"], rtol=1e-5, atol=1e-8)
+    # SGD with Nesterov momentum and weight decay, and Adam with L2 weight decay, per trial
+    for make in (lambda ps, i: torch.optim.SGD(ps, lr=0.1 / (i + 1), momentum=0.5 + 0.3 * i, nesterov=True,
+                                               weight_decay=1e-3 * i),
+                 lambda ps, i: torch.optim.Adam(ps, lr=0.01 * (i + 1), betas=(0.8 + 0.1 * i, 0.99),
+                                                weight_decay=0.01 * i)):
+        torch.manual_seed(1)
+        nets = [torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)) for _ in range(2)]
+        opts = [make(n.parameters(), i) for i, n in enumerate(nets)]
+        m = FusedModel(nets)
+        fo = FusedOptimizer(opts, m)
+        for _ in range(4):
+            for k in range(2):
+                opts[k].zero_grad()
+                torch.nn.functional.mse_loss(nets[k](x[k]), y[k]).backward()
+                opts[k].step()
+            fo.zero_grad()
+            m.losses(torch.nn.functional.mse_loss, x, y, False).sum().backward()
+            fo.step([o.param_groups[0]["lr"] for o in opts])
+        for k in range(2):
+            for name, p in nets[k].named_parameters():
+                assert torch.allclose(m.params[name][k], p, rtol=1e-6, atol=1e-8), (make, name)
     with pytest.raises(HpoConfigError, match="optimized once"):
         FusedOptimizer([torch.optim.SGD(n[0].parameters(), lr=0.1) for n in nets], m)
 
