@@ -33,6 +33,7 @@ import copy
 import os
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -361,8 +362,6 @@ def train_fused(workload, ctxs: Sequence[Any], device: torch.device, on_outcome:
         HpoConfigError: the trials do not share a fusion key, or the workload is not fusable.
         Any error of the fused step itself (every trial still training then failed with it; the caller reports).
     """
-    import optuna
-
     if not workload.fuse_vary:
         raise HpoConfigError(f"workload {workload.name!r} is not fusable: it lists no fuse_vary parameters")
     ps = [workload.resolve(c.params) for c in ctxs]
@@ -430,56 +429,74 @@ def train_fused(workload, ctxs: Sequence[Any], device: torch.device, on_outcome:
 
     if state_sink is not None:
         state_sink(save_all)
-    chunk = None
     model.train(True)
-    i = 0
-    while live:
-        wrap = step_ctx(i) if step_ctx is not None else contextlib.nullcontext()
-        with wrap:
-            rows_steps = [members[idx].start + i for idx in live]
-            x, y, shared = _batches([members[idx] for idx in live], [data_keys[idx] for idx in live], rows_steps)
-            losses = model.losses(members[live[0]].parts.loss, x, y, shared)
-            opt.zero_grad()
-            losses.sum().backward()
-            opt.step([opt.base_lr(r) * workload.lr_scale(members[idx].p, s)
-                      for r, (idx, s) in enumerate(zip(live, rows_steps))])
-        for r, idx in enumerate(live):
-            rec = getattr(members[idx].ctx, "losses", None)
-            if rec is not None:
-                rec.append(losses[r].detach())
-        evals = [r for r, s in enumerate(rows_steps) if (s + 1) % every == 0 or s + 1 == steps]
-        if evals:
-            if chunk is None:  # evaluate no more samples at once than a training step holds
-                bsz = int(x.shape[1] if not shared else x.shape[0])
-                vsz = max(1, int(members[live[0]].parts.val[0].shape[0]))
-                chunk = max(1, (len(live) * bsz) // vsz)
-            values = _evaluate(model, [members[idx] for idx in live], [data_keys[idx] for idx in live], evals,
-                               chunk)
-            if on_sync is not None:
-                on_sync()
-            leaving = []
-            for r, v in zip(evals, values):
-                m = members[live[r]]
-                done = rows_steps[r] + 1
-                m.value = v
-                try:
-                    m.ctx.report(v, done)
-                    if m.ctx.should_prune():
-                        on_outcome(m.ctx, "pruned", f"pruned at step {done} with value {v:.4g}")
+    # each trial's reports, pruning decisions and checkpoints run in these threads (storage and file I/O)
+    with ThreadPoolExecutor(max_workers=min(8, max(1, len(live))), thread_name_prefix="hpdl-fused-io") as io:
+        chunk = None
+        i = 0
+        while live:
+            wrap = step_ctx(i) if step_ctx is not None else contextlib.nullcontext()
+            with wrap:
+                rows_steps = [members[idx].start + i for idx in live]
+                x, y, shared = _batches([members[idx] for idx in live], [data_keys[idx] for idx in live],
+                                        rows_steps)
+                losses = model.losses(members[live[0]].parts.loss, x, y, shared)
+                opt.zero_grad()
+                losses.sum().backward()
+                opt.step([opt.base_lr(r) * workload.lr_scale(members[idx].p, s)
+                          for r, (idx, s) in enumerate(zip(live, rows_steps))])
+            for r, idx in enumerate(live):
+                rec = getattr(members[idx].ctx, "losses", None)
+                if rec is not None:
+                    rec.append(losses[r].detach())
+            evals = [r for r, s in enumerate(rows_steps) if (s + 1) % every == 0 or s + 1 == steps]
+            if evals:
+                if chunk is None:  # evaluate no more samples at once than a training step holds
+                    bsz = int(x.shape[1] if not shared else x.shape[0])
+                    vsz = max(1, int(members[live[0]].parts.val[0].shape[0]))
+                    chunk = max(1, (len(live) * bsz) // vsz)
+                values = _evaluate(model, [members[idx] for idx in live], [data_keys[idx] for idx in live], evals,
+                                   chunk)
+                if on_sync is not None:
+                    on_sync()
+                jobs = []
+                for r, v in zip(evals, values):
+                    m = members[live[r]]
+                    done = rows_steps[r] + 1
+                    m.value = v
+                    # taken now (training goes on in place), written only if the pruner lets the trial go on
+                    keep = m.ctx.checkpoint_every and (done // every) % m.ctx.checkpoint_every == 0
+                    jobs.append((r, m, v, done, member_state(r, done) if keep else None))
+                # overlapped across the trials, each trial's in its own order; outcomes go out from here, in order
+                results = list(io.map(lambda j: _report(*j[1:]), jobs))
+                leaving = []
+                for (r, m, v, done, _), (kind, payload) in zip(jobs, results):
+                    if kind != "ok":
+                        on_outcome(m.ctx, kind, payload)
                         leaving.append(r)
-                        continue
-                    if m.ctx.checkpoint_every and (done // every) % m.ctx.checkpoint_every == 0:
-                        m.ctx.save_checkpoint(member_state(r, done))
-                except optuna.exceptions.OptunaError as exc:
-                    on_outcome(m.ctx, "failed", ("error", f"{type(exc).__name__}: {exc}"))
-                    leaving.append(r)
-                    continue
-                if done >= steps:
-                    on_outcome(m.ctx, "done", v)
-                    leaving.append(r)
-            if leaving:
-                leave(leaving)
-        i += 1
+                    elif done >= steps:
+                        on_outcome(m.ctx, "done", v)
+                        leaving.append(r)
+                if leaving:
+                    leave(leaving)
+            i += 1
+
+
+def _report(m: _Member, value: float, done: int, state: dict | None) -> tuple[str, Any]:
+    """Report ``value`` at step ``done`` for one trial, ask its pruner, then write ``state`` (if any) as its
+    checkpoint: ``("ok", None)``, ``("pruned", message)`` or ``("failed", (kind, message))`` for a storage
+    error of that trial. A checkpoint that cannot be written raises (the run folder's fault, not the trial's)."""
+    import optuna
+
+    try:
+        m.ctx.report(value, done)
+        if m.ctx.should_prune():
+            return "pruned", f"pruned at step {done} with value {value:.4g}"
+        if state is not None:
+            m.ctx.save_checkpoint(state)
+    except optuna.exceptions.OptunaError as exc:
+        return "failed", ("error", f"{type(exc).__name__}: {exc}")
+    return "ok", None
 
 
 def _batches(ms: list[_Member], keys: list, steps: list[int]):

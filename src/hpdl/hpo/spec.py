@@ -127,9 +127,10 @@ class StudySpec:
         if FuseOptions.parse(self.fuse) is not None and not w.fuse_vary:
             raise HpoConfigError(f"fuse={self.fuse!r} with workload {self.workload!r}: the workload lists no "
                                  "fuse_vary parameters, so it cannot be fused (docs/hpo.md, Fusing trials)")
-        if set(w.fuse_vary) & set(w.structural):
-            raise HpoConfigError(f"workload {self.workload!r}: fuse_vary {sorted(set(w.fuse_vary) & set(w.structural))} "
-                                 "are structural (they change a shape); fused trials must share them")
+        both = sorted(set(w.fuse_vary) & set(w.structural))
+        if both:
+            raise HpoConfigError(f"workload {self.workload!r}: fuse_vary {both} are structural (they change a "
+                                 "shape); fused trials must share them")
         overlap = set(self.space) & set(self.fixed)
         if overlap:
             raise HpoConfigError(f"parameters {sorted(overlap)} are both in space and fixed")
