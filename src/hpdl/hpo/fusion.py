@@ -378,8 +378,8 @@ def train_fused(workload, ctxs: Sequence[Any], device: torch.device, on_outcome:
         members.append(_Member(c, p, parts))
     model = FusedModel([m.parts.model for m in members])
     opt = FusedOptimizer([m.parts.optimizer for m in members], model)
-    for m in members:  # the solo model and optimizer are not used again
-        m.parts.model = m.parts.optimizer = None
+    for m in members:  # the lone model, its optimizer and evaluate() (which holds the model) are not used again
+        m.parts.model = m.parts.optimizer = m.parts.evaluate = None
     steps, every = workload.schedule(ps[0])
     data_keys = [workload.data_key(p) for p in ps]
     live = list(range(len(members)))  # live[r]: the member in row r of the fused tensors
