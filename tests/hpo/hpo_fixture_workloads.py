@@ -143,3 +143,24 @@ def quadratic(trial):
     for step in range(3):
         trial.report((x - 1.0) ** 2 + 1.0 / (step + 1), step)
     return (x - 1.0) ** 2 + (0.0 if kind == "a" else 0.5)
+
+
+class SlowFusableCNN(VisionCNN):
+    """The small CNN with ``sleep_s`` of sleep in every batch it makes: fused groups of it stay busy long
+    enough to be interrupted (``SlowCNN`` sleeps in the solo loop, which a fused group does not run)."""
+
+    name = "slow_fusable_cnn"
+    defaults = {**VisionCNN.defaults, "sleep_s": 0.05}
+
+    def build(self, p, device):
+        import time
+
+        parts = super().build(p, device)
+        inner = parts.batch
+
+        def batch(step):
+            time.sleep(float(p["sleep_s"]))
+            return inner(step)
+
+        parts.batch = batch
+        return parts

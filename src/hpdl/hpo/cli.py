@@ -3,7 +3,7 @@
     hpdl hpo run [study.yaml] [--policy pack] [--no-progress]   # default: the shipped CPU example
     hpdl hpo resume study.yaml
     hpdl hpo status study.yaml | --storage URL --study NAME [--format json]
-    hpdl hpo simulate --pool 12xA100,4xH100 [--trials trace.json] [--mps] [--plot out.png]
+    hpdl hpo simulate --pool 12xA100,4xH100 [--trials trace.json] [--mps] [--plot out.png] [--policies pack+fuse]
 """
 
 from __future__ import annotations
@@ -133,6 +133,9 @@ class HpoCommand:
                        help="dispatch of a trial to a warm worker, s (default: %(default)s)")
         p.add_argument("--max-compute", type=float, default=None,
                        help="pack/pack_hetero's summed busy fraction cap (default: the policy's, 2.0 or 8.0 with --mps)")
+        p.add_argument("--fuse", type=int, default=16,
+                       help="trials per fused model for policies named <policy>+fuse, e.g. pack+fuse (default: "
+                            "%(default)s)")
         p.add_argument("--format", choices=("table", "json"), default="table",
                        help="output format (default: %(default)s)")
 
@@ -348,14 +351,16 @@ class HpoCommand:
             kw = {"fraction": args.fraction} if name == "fixed_fraction" else {}
             if name.startswith("pack") and args.max_compute is not None:
                 kw["max_compute"] = args.max_compute
+            if name.endswith("+fuse"):  # the policy with trials fused --fuse at a time
+                kw["fuse"] = args.fuse
             try:
-                r = simulate(trials, pool, name, startup_s=args.startup_s, overhead=args.overhead, mps=args.mps,
-                             mps_capacity=args.mps_capacity, **kw)
+                r = simulate(trials, pool, name.removesuffix("+fuse"), startup_s=args.startup_s,
+                             overhead=args.overhead, mps=args.mps, mps_capacity=args.mps_capacity, **kw)
             except HpoConfigError as exc:
                 arg = str(exc).split("=", 1)[0].split(" ")[-1].split(":")[0]
                 flag = {"policy": "--policies", "mps_capacity": "--mps-capacity", "startup_s": "--startup-s",
                         "max_compute": "--max-compute", "fraction": "--fraction", "overhead": "--overhead",
-                        "trials": "--trials-per-gpu"}.get(arg, "--policies")
+                        "trials": "--trials-per-gpu", "fuse": "--fuse"}.get(arg, "--policies")
                 raise CLIUsageError(f"{flag}: {exc}") from None
             rows.append({"policy": name, "makespan_s": r.makespan_s, "oom": r.oom, "max_colocated": r.max_colocated})
             curves[name] = r.history

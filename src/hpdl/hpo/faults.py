@@ -20,7 +20,9 @@ from hpdl.hpo.launch import WorkerHandle, send
 from hpdl.hpo.profiler import TrialProfile
 from hpdl.hpo.scheduler import SMALL_BYTES
 
-from hpdl.hpo.placement import _Trial
+from hpdl.hpo.placement import _Group, _Trial, members
+
+_OUTCOMES = (protocol.Done, protocol.Pruned, protocol.Halted, protocol.Failed)
 
 _PREEMPT_TIMEOUT_S = 30.0
 _STOP_TIMEOUT_S = 3.0  # SIGINT/SIGTERM: workers get this long to checkpoint; the driver exits within 5 s
@@ -33,13 +35,14 @@ class FaultsMixin:
     def _on_message(self, w: WorkerHandle, msg: protocol.Message) -> None:
         """Handle one record from ``w`` (see :mod:`hpdl.hpo.protocol`); a record about a trial other than the
         one ``w`` runs now (a late one) is ignored."""
-        from optuna.trial import TrialState
-
         protocol.check(msg)
         t = w.trial
         if isinstance(msg, protocol.Ready):
             self._start_failures.pop((w.device_id, w.sm_percent), None)
             self.launcher.on_ready(w)
+            return
+        if isinstance(t, _Group) and isinstance(msg, _OUTCOMES):
+            self._on_member(w, t, msg)
             return
         if t is None or not isinstance(msg, protocol.TrialMessage) or msg.trial_id != t.trial_id:
             return
@@ -62,6 +65,36 @@ class FaultsMixin:
             return
         self.running.pop(t.number, None)
         w.trial, w.idle_since = None, time.monotonic()
+        self._outcome(w, t, msg)
+
+    def _on_member(self, w: WorkerHandle, g: _Group, msg: protocol.TrialMessage) -> None:
+        """The outcome of one trial of fused group ``g``: it leaves the group (the others train on); the worker
+        is free once the last one left. A failure of the whole group arrives as one per trial; the worker
+        then exits, so it gets no further trial."""
+        m = next((x for x in g.members if x.trial_id == msg.trial_id), None)
+        if m is None:
+            return  # a late record
+        g.members.remove(m)
+        if not g.members:
+            self.running.pop(g.number, None)
+            w.trial, w.idle_since = None, time.monotonic()
+            w.stopping = w.stopping or isinstance(msg, protocol.Failed)
+        if isinstance(msg, protocol.Failed) and msg.kind == "oom" and not g.oom_seen:
+            g.oom_seen = True  # once per group, not once per trial
+            self._grow_after_oom(g)
+        self._outcome(w, m, msg, in_group=True)
+
+    def _grow_after_oom(self, t: _Trial) -> None:
+        """The profile under-estimated: never place this configuration (or group size) so tightly again."""
+        for k, p in self.profiles.items():
+            if k.endswith("|" + t.skey):
+                p.memory_bytes = int(p.memory_bytes * 1.5)
+                self.profiles.put(t.skey, p)
+
+    def _outcome(self, w: WorkerHandle, t: _Trial, msg: protocol.TrialMessage, in_group: bool = False) -> None:
+        """Tell the store trial ``t``'s outcome ``msg`` (retry, re-queue or stop as its kind says)."""
+        from optuna.trial import TrialState
+
         if isinstance(msg, protocol.Done) and math.isnan(msg.value):  # diverged: Optuna cannot complete a NaN
             self.ledger.fail(t.number, t.params, {"hpdl_lineage": t.lineage}, "nan", "objective returned NaN",
                              retry=False)
@@ -77,12 +110,10 @@ class FaultsMixin:
             self.preempted += 1
             self._requeue(t)
         elif isinstance(msg, protocol.Failed):
-            w.stopping = True  # a worker exits after a failure: never give it another trial
-            if msg.kind == "oom":  # the profile under-estimated: never place this configuration so tightly again
-                for k, p in self.profiles.items():
-                    if k.endswith("|" + t.skey):
-                        p.memory_bytes = int(p.memory_bytes * 1.5)
-                        self.profiles.put(t.skey, p)
+            if not in_group:  # a group's worker is marked once its last trial left (_on_member)
+                w.stopping = True  # a worker exits after a failure: never give it another trial
+                if msg.kind == "oom":
+                    self._grow_after_oom(t)
             if msg.kind == "checkpoint_write":
                 # the run folder cannot take checkpoints (removed, read-only, full): every trial would fail
                 # alike and spend its configuration's attempts; re-queue this one as it was and stop the study
@@ -135,8 +166,9 @@ class FaultsMixin:
                 if t.preempt_at:  # killed on purpose after a preempt timeout: run it elsewhere
                     self._requeue(t)
                 else:
-                    self.ledger.fail(t.number, t.params, {"hpdl_lineage": t.lineage, "hpdl_attempt": t.attempt},
-                                     "died", f"worker exited with code {w.proc.exitcode}")
+                    for m in members(t):  # every trial of a fused group died with it
+                        self.ledger.fail(m.number, m.params, {"hpdl_lineage": m.lineage, "hpdl_attempt": m.attempt},
+                                         "died", f"worker exited with code {w.proc.exitcode}")
 
     def _drain(self, w: WorkerHandle) -> None:
         """Handle what a worker whose process ended left in its channel, up to end of file. A Ray task's
@@ -233,8 +265,9 @@ class FaultsMixin:
 
     def _release(self, t: _Trial, kind: str, why: str) -> None:
         """Fail ``t`` as ``kind`` (one of :data:`hpdl.hpo.ledger.REQUEUE_KINDS`) and re-queue its
-        configuration with the same attempt number."""
-        self.ledger.fail(t.number, t.params, {"hpdl_lineage": t.lineage, "hpdl_attempt": t.attempt}, kind, why)
+        configuration with the same attempt number (each trial of a fused group)."""
+        for m in members(t):
+            self.ledger.fail(m.number, m.params, {"hpdl_lineage": m.lineage, "hpdl_attempt": m.attempt}, kind, why)
 
     def _release_pending(self) -> None:
         """After an error (e.g. the pool did not start, a timeout): trials that wait to start or to continue

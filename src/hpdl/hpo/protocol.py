@@ -34,7 +34,9 @@ class Task:
     fixed ones); ``profile``: measure the first steps (``static``: the meta-device estimate, a
     :class:`hpdl.hpo.profiler.TrialProfile` as a dict); ``memory_cap``: bytes with the context, or None;
     ``context_bytes``: a CUDA context's bytes (0 on CPU); ``study_uid`` and ``checkpoint_dir``: whose
-    checkpoints the trial may read and where (:mod:`hpdl.hpo.checkpoint`)."""
+    checkpoints the trial may read and where (:mod:`hpdl.hpo.checkpoint`); ``fused``: a fused group's trials,
+    one task each (:mod:`hpdl.hpo.fusion`), this task then standing for the group (its profile, memory cap and
+    ``trial_id`` for group-wide messages)."""
 
     trial_id: int
     number: int
@@ -48,6 +50,7 @@ class Task:
     static: dict | None = None
     context_bytes: int = 0
     memory_cap: int | None = None
+    fused: tuple = ()
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,6 +13,13 @@ memory; if the true memory on the device then exceeds its capacity the newest tr
 out-of-memory error at the end of its start-up and is retried later. Until one trial of a configuration
 has started, the scheduler sees its static memory bound and no compute share (as the real driver does).
 The same :mod:`hpdl.hpo.scheduler` policy objects as the driver make every placement.
+
+Fusion (``fuse=K``, :mod:`hpdl.hpo.fusion`): trials of one structure (``skey``) are fused K at a time, in
+sampling order, into one trial of the simulation (:func:`fuse_trials`): the host time of a step stays (one
+set of kernel launches drives K trials), the GPU time of a step grows K-fold (an upper bound: a fused kernel
+is wider, not longer per trial), memory is one context plus K times the rest. Groups are formed from the
+whole trace at once (the driver forms them from what the sampler asked; with a lookahead as large as the
+budget, as in the fusion benchmark, that is the same).
 """
 
 from __future__ import annotations
@@ -87,10 +94,45 @@ def pool_from_spec(spec: str, memory_gb: dict[str, float] | None = None,
     return devices
 
 
+def fuse_trials(trials: Sequence[SimTrial], k: int, direction: str = "maximize",
+                context_bytes: int = 600 << 20) -> list[SimTrial]:
+    """``trials`` fused ``k`` at a time per structure (module docstring); a group's key is its first trial's,
+    its value the best of its trials (they finish together), its steps the most of them.
+
+    Raises:
+        HpoConfigError: ``k < 1``.
+    """
+    if k < 1:
+        raise HpoConfigError(f"fuse={k}, expected an int >= 1 (1: no fusion)")
+    groups: list[list[SimTrial]] = []
+    open_: dict[str, list[SimTrial]] = {}
+    for t in trials:
+        sk = t.skey or f"#{t.key}"
+        g = open_.get(sk)
+        if g is None or len(g) >= k:
+            g = open_[sk] = []
+            groups.append(g)
+        g.append(t)
+    best = max if direction == "maximize" else min
+    out = []
+    for g in groups:
+        n, one = len(g), g[0]
+        mem = max(t.memory_bytes for t in g)
+        stat = max(t.static_memory_bytes for t in g)
+        out.append(SimTrial(one.key, max(t.cpu_s for t in g), sum(t.gpu_s for t in g),
+                            int(context_bytes + n * max(0, mem - context_bytes)), max(t.steps for t in g),
+                            best(t.value for t in g), f"fused{n}|{one.skey}" if one.skey else "",
+                            int(context_bytes + n * max(0, stat - context_bytes)) if stat else 0,
+                            sum(t.flops for t in g)))
+    return out
+
+
 def simulate(trials: Sequence[SimTrial], devices: Sequence[Device], policy: str | SchedulingPolicy,
              startup_s: float = 1.0, max_retries: int = 2, lookahead: int = 0, direction: str = "maximize",
-             overhead: float = 0.0, mps: bool = False, mps_capacity: float = 2.0, **policy_kwargs) -> SimResult:
+             overhead: float = 0.0, mps: bool = False, mps_capacity: float = 2.0, fuse: int = 1,
+             **policy_kwargs) -> SimResult:
     """Replay ``trials`` (in sampling order) on ``devices`` under ``policy``; see the module docstring.
+    ``fuse``: trials per fused model (1: none; :func:`fuse_trials`); ``finished`` still counts trials.
 
     ``overhead`` is a co-location cost calibrated on measured runs: with ``n`` trials running on a GPU each
     advances ``1 + overhead * (n - 1)`` times slower on top of time-slicing (context switches, host
@@ -113,6 +155,12 @@ def simulate(trials: Sequence[SimTrial], devices: Sequence[Device], policy: str 
         raise HpoConfigError(f"startup_s={startup_s}, expected 0 <= startup_s <= {MAX_STARTUP_S:g} seconds")
     if len(trials) > MAX_SIM_TRIALS:
         raise HpoConfigError(f"trials: {len(trials)} trials, expected at most {MAX_SIM_TRIALS}")
+    if fuse != 1:
+        groups = fuse_trials(trials, fuse, direction)
+        res = simulate(groups, devices, policy, startup_s, max_retries, lookahead, direction, overhead, mps,
+                       mps_capacity, 1, **policy_kwargs)
+        res.finished = len(trials)  # simulate asserts that every group (so every trial) finished
+        return res
     pol = get_policy(policy, **policy_kwargs)
     if mps and hasattr(pol, "mps"):
         pol.mps = True

@@ -8,7 +8,7 @@ A study file (``hpdl hpo run study.yaml``; example in ``hpdl/hpo/examples/quick.
     run_dir: hpo-runs/quick # checkpoints, profiles, worker logs; default hpo-runs/<study>
     storage: null           # SQLAlchemy URL; default sqlite:///<run_dir>/study.db (postgresql://... for many nodes)
     sampler: {name: tpe, seed: 0}          # tpe | random | grid | cmaes | qmc, plus keyword options
-    pruner: {name: median, n_warmup_steps: 50}  # none | median | percentile | asha | hyperband
+    pruner: {name: median, n_warmup_steps: 50}  # none | median | percentile | asha | hyperband | threshold
     space:                  # Optuna distributions
       lr: {type: float, low: 0.001, high: 0.3, log: true}
       width: {type: categorical, choices: [8, 16, 32]}
@@ -21,6 +21,8 @@ A study file (``hpdl hpo run study.yaml``; example in ``hpdl/hpo/examples/quick.
     warm_workers: auto      # worker processes started per GPU before the clock starts (auto: the policy's
                             # concurrency per GPU, at most 8; none on fake CPU devices), or an int
     backend: {name: local}  # local (worker processes on this host) | ray (Ray tasks; address, init options)
+    fuse: false             # true or {max_trials: 16, wait_s: 0.5}: train trials of one model shape K at a time
+                            # as one fused model (hpdl.hpo.fusion; the workload must list fuse_vary)
     mps: auto               # NVIDIA MPS for co-located trials: auto (use a running daemon if one is found),
                             # start (a private daemon for this study, stopped at its end; local backend),
                             # true (a daemon runs: trust it), false (processes time-slice the GPU)
@@ -41,7 +43,7 @@ from hpdl.hpo.errors import HpoConfigError
 
 _SPEC_KEYS = {"study", "workload", "n_trials", "run_dir", "storage", "sampler", "pruner", "space", "fixed",
               "policy", "pool", "max_retries", "checkpoint_every", "direction", "lookahead", "timeout_s",
-              "warm_workers", "backend", "mps"}
+              "warm_workers", "backend", "mps", "fuse"}
 
 
 @dataclass
@@ -67,6 +69,7 @@ class StudySpec:
     warm_workers: int | str = "auto"
     backend: dict = field(default_factory=lambda: {"name": "local"})
     mps: bool | str = "auto"
+    fuse: bool | dict | None = False
 
     def __post_init__(self):
         if not self.study or not isinstance(self.study, str):
@@ -120,6 +123,14 @@ class StudySpec:
         if ray_pool != (self.backend.get("name", "local") == "ray"):
             raise HpoConfigError(f"pool={self.pool!r} with backend={self.backend!r}: a {{ray: all | N}} pool "
                                  "goes with backend {name: ray}, and backend ray needs a ray pool")
+        from hpdl.hpo.grouping import FuseOptions
+        if FuseOptions.parse(self.fuse) is not None and not w.fuse_vary:
+            raise HpoConfigError(f"fuse={self.fuse!r} with workload {self.workload!r}: the workload lists no "
+                                 "fuse_vary parameters, so it cannot be fused (docs/hpo.md, Fusing trials)")
+        both = sorted(set(w.fuse_vary) & set(w.structural))
+        if both:
+            raise HpoConfigError(f"workload {self.workload!r}: fuse_vary {both} are structural (they change a "
+                                 "shape); fused trials must share them")
         overlap = set(self.space) & set(self.fixed)
         if overlap:
             raise HpoConfigError(f"parameters {sorted(overlap)} are both in space and fixed")
@@ -232,7 +243,7 @@ def _sampler(optuna, name: str, cfg: dict, space: dict):
 
 def make_pruner(cfg: dict):
     """Optuna pruner from ``{"name": ..., **options}``: none, median, percentile, asha
-    (SuccessiveHalvingPruner), hyperband.
+    (SuccessiveHalvingPruner), hyperband, threshold (``lower``/``upper`` bounds on the reported value).
 
     Raises:
         HpoConfigError: unknown name.
@@ -244,7 +255,7 @@ def make_pruner(cfg: dict):
     table = {"none": optuna.pruners.NopPruner, "median": optuna.pruners.MedianPruner,
              "percentile": optuna.pruners.PercentilePruner, "asha": optuna.pruners.SuccessiveHalvingPruner,
              "successive_halving": optuna.pruners.SuccessiveHalvingPruner,
-             "hyperband": optuna.pruners.HyperbandPruner}
+             "hyperband": optuna.pruners.HyperbandPruner, "threshold": optuna.pruners.ThresholdPruner}
     if name not in table:
         raise HpoConfigError(f"pruner.name={name!r}, expected one of {sorted(table)}")
     try:

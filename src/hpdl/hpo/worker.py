@@ -272,6 +272,9 @@ def run_task(env: _Env, conn, task: protocol.Task, parent_pid: int | None) -> bo
 
     from hpdl.hpo.profiler import StepProfiler, TrialProfile
 
+    if task.fused:  # K trials as one fused model (hpdl.hpo.fusion)
+        from hpdl.hpo.fusion import run_group
+        return run_group(env, conn, task, parent_pid)
     tid, dev = task.trial_id, env.dev
     try:
         trial = optuna.trial.Trial(env.study, tid)

@@ -8,7 +8,10 @@
 
 A workload is an object with ``build(params, device) -> Parts`` and the shared training loop ``train(ctx)``;
 the loop reports every ``eval_every`` steps, honours pruning, checkpoints every ``ctx.checkpoint_every`` evaluations
-and resumes exactly (data is a pure function of (seed, step)). ``estimate(params)`` measures parameter
+and resumes exactly (data is a pure function of (seed, step)); ``lr_scale`` gives every trial a learning-rate
+warm-up and schedule (``warmup_steps``, ``lr_schedule``). A workload that lists ``fuse_vary`` (the parameters
+that may differ between trials of one model shape) can be trained K trials at a time as one fused model
+(:mod:`hpdl.hpo.fusion`). ``estimate(params)`` measures parameter
 bytes, activation bytes and FLOPs per step on the meta device (no memory is allocated), which the driver
 uses before a trial is profiled. Any ``"module:Class"`` path naming a :class:`Workload` subclass works too.
 """
@@ -40,6 +43,10 @@ class Parts:
     batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     evaluate: Callable[[], float]
+    # Fusion (optional; both needed to fuse): validation inputs and targets, and the metric of the model's
+    # output on them as a 0-d tensor (``evaluate()`` must equal ``metric(model(val[0]), val[1])`` in eval mode)
+    val: tuple[torch.Tensor, torch.Tensor] | None = None
+    metric: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 class Workload(ABC):
@@ -54,6 +61,37 @@ class Workload(ABC):
     direction = "maximize"
     defaults: dict[str, Any] = {}
     structural: tuple[str, ...] = ()
+    # Fusion (opt-in, :mod:`hpdl.hpo.fusion`): the parameters that may differ between the trials of one fused
+    # model (optimizer hyper-parameters, schedule, seeds). Every other parameter must be equal: it may change
+    # a shape. Empty: the workload is not fusable.
+    fuse_vary: tuple[str, ...] = ()
+
+    def fusion_key(self, params: dict[str, Any]) -> str:
+        """Trials with equal keys can be trained as one fused model: the workload and every resolved parameter
+        not in ``fuse_vary``."""
+        p = self.resolve(params)
+        return self.name + "|" + ",".join(f"{k}={p[k]!r}" for k in sorted(p) if k not in self.fuse_vary)
+
+    def data_key(self, params: dict[str, Any]) -> Any:
+        """Trials of one fused model with equal non-None keys get the same ``batch(step)`` and ``val``, so the
+        fused loop makes them once (a promise of the workload). Default None: each trial its own."""
+        return None
+
+    @staticmethod
+    def lr_scale(p: dict[str, Any], step: int) -> float:
+        """Factor on the base learning rate at ``step`` (0-based) of resolved parameters ``p``: a linear
+        warm-up over ``warmup_steps`` (``(step + 1) / warmup_steps``), then constant (``lr_schedule:
+        constant``) or a cosine decay to 0 at the last step (``cosine``). 1.0 when neither is set."""
+        warm = int(p.get("warmup_steps", 0) or 0)
+        scale = min(1.0, (step + 1) / warm) if warm > 0 else 1.0
+        sched = p.get("lr_schedule", "constant")
+        if sched == "cosine":
+            steps = Workload.schedule(p)[0]
+            frac = min(1.0, max(0.0, (step - warm) / max(1, steps - warm)))
+            scale *= 0.5 * (1.0 + math.cos(math.pi * frac))
+        elif sched != "constant":
+            raise HpoConfigError(f"lr_schedule={sched!r}, expected 'constant' or 'cosine'")
+        return scale
 
     def resolve(self, params: dict[str, Any]) -> dict[str, Any]:
         unknown = set(params) - set(self.defaults)
@@ -88,6 +126,8 @@ class Workload(ABC):
         # what to save if the driver preempts the trial between steps (device removed, migration)
         ctx.state_fn = lambda step: {"model": parts.model.state_dict(), "optimizer": parts.optimizer.state_dict(),
                                      "step": step, "value": value}
+        losses = getattr(ctx, "losses", None)  # a list: the training loss of every step is kept (tests)
+        base_lr = [g.setdefault("initial_lr", g["lr"]) for g in parts.optimizer.param_groups]
         parts.model.train()
         for step in range(start, steps):
             with ctx.step(step):
@@ -95,7 +135,12 @@ class Workload(ABC):
                 loss = parts.loss(parts.model(x), y)
                 parts.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
+                scale = self.lr_scale(p, step)
+                for g, lr in zip(parts.optimizer.param_groups, base_lr):
+                    g["lr"] = lr * scale
                 parts.optimizer.step()
+                if losses is not None:
+                    losses.append(loss.detach())
             done = step + 1
             if done % every == 0 or done == steps:
                 value = parts.evaluate()
@@ -198,8 +243,13 @@ class VisionCNN(Workload):
     direction = "maximize"
     defaults = {"width": 32, "depth": 2, "batch_size": 128, "image_size": 32, "lr": 0.05, "momentum": 0.9,
                 "weight_decay": 5e-4, "steps": 100, "eval_every": 25, "seed": 0, "data_seed": 7,
-                "noise": 1.0, "val_size": 512, "samples": 0, "min_steps": 20, "evals": 0}
+                "noise": 1.0, "val_size": 512, "samples": 0, "min_steps": 20, "evals": 0, "warmup_steps": 0,
+                "lr_schedule": "constant"}
     structural = ("width", "depth", "batch_size", "image_size")
+    fuse_vary = ("lr", "momentum", "weight_decay", "warmup_steps", "lr_schedule", "seed", "data_seed")
+
+    def data_key(self, params):
+        return int(self.resolve(params)["data_seed"])  # batches and validation set depend on it alone
 
     def build(self, p, device):
         model = SmallCNN(int(p["width"]), int(p["depth"])).to(device)
@@ -211,12 +261,17 @@ class VisionCNN(Workload):
         def evaluate() -> float:
             model.eval()
             with torch.no_grad():
-                acc = float((model(val[0]).argmax(1) == val[1]).float().mean())
+                acc = float(_accuracy(model(val[0]), val[1]))
             model.train()
             return acc
 
         return Parts(model, opt, lambda s: synthetic_images(ds, s, int(p["batch_size"]), size, device, noise),
-                     F.cross_entropy, evaluate)
+                     F.cross_entropy, evaluate, val, _accuracy)
+
+
+def _accuracy(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Fraction of rows of ``logits`` (N, classes) whose arg-max is ``y`` (N,), a 0-d float32 tensor."""
+    return (logits.argmax(-1) == y).float().mean()
 
 
 # ---------------------------------------------------------------- language: tiny GPT on the shipped corpus
@@ -273,14 +328,20 @@ class LanguageGPT(Workload):
     name = "gpt"
     direction = "minimize"
     defaults = {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 64, "batch_size": 32, "lr": 3e-3,
-                "weight_decay": 0.0, "steps": 100, "eval_every": 25, "seed": 0, "val_batches": 8, "samples": 0,
-                "min_steps": 20, "evals": 0}
+                "weight_decay": 0.0, "beta1": 0.9, "beta2": 0.999, "steps": 100, "eval_every": 25, "seed": 0,
+                "val_batches": 8, "samples": 0, "min_steps": 20, "evals": 0, "warmup_steps": 0,
+                "lr_schedule": "constant"}
     structural = ("n_layer", "n_head", "n_embd", "block_size", "batch_size")
+    fuse_vary = ("lr", "weight_decay", "beta1", "beta2", "warmup_steps", "lr_schedule", "seed")
+
+    def data_key(self, params):
+        return int(self.resolve(params)["seed"])  # the batch order; the validation windows are fixed
 
     def build(self, p, device):
         T, B = int(p["block_size"]), int(p["batch_size"])
         model = TinyGPT(int(p["n_layer"]), int(p["n_head"]), int(p["n_embd"]), T).to(device)
-        opt = torch.optim.AdamW(model.parameters(), lr=float(p["lr"]), weight_decay=float(p["weight_decay"]))
+        opt = torch.optim.AdamW(model.parameters(), lr=float(p["lr"]), weight_decay=float(p["weight_decay"]),
+                                betas=(float(p["beta1"]), float(p["beta2"])))
         if device.type == "meta":
             def batch(_s):
                 t = torch.empty(B, T, dtype=torch.long, device=device)
@@ -310,7 +371,7 @@ class LanguageGPT(Workload):
             model.train()
             return loss
 
-        return Parts(model, opt, batch, _lm_loss, evaluate)
+        return Parts(model, opt, batch, _lm_loss, evaluate, (vx, vy), _lm_loss)
 
 
 def _lm_loss(logits, y):
