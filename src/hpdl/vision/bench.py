@@ -464,7 +464,7 @@ class AttentionBenchCommand:
         p.add_argument("--goal-parts", default=None,
                        help="goal suite: from layer,eager,compiled (default: all three on CUDA, no compiled on "
                             "CPU); the kernel check always runs first")
-        p.add_argument("--time-budget", type=float, default=270.0,
+        p.add_argument("--time-budget", type=real(0, 86400, strict=True), default=270.0,
                        help="goal suite: seconds after which remaining model runs are skipped (default: 270)")
 
     def run(self, args) -> int:
