@@ -83,6 +83,16 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def _subcommand_parser(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser:
+    """The parser of the subcommand named in ``argv`` (e.g. ``hpdl hpo simulate``), else ``parser``."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for tok in argv:
+                if tok in action.choices:
+                    return action.choices[tok]
+    return parser
+
+
 def _main(argv: list[str], group: str | None, program: bool = False) -> int:
     parser = build_parser(group if group in GROUPS else None)
     args = parser.parse_args(argv)
@@ -98,8 +108,9 @@ def _main(argv: list[str], group: str | None, program: bool = False) -> int:
     try:
         return int(args._cls().run(args) or 0)
     except CLIUsageError as exc:
-        args._parser.print_usage(sys.stderr)
-        print(f"hpdl {args.group}: error: {exc} (see hpdl {args.group} --help)", file=sys.stderr)
+        sub = _subcommand_parser(args._parser, argv)  # `hpdl hpo simulate`'s usage, not `hpdl hpo`'s
+        sub.print_usage(sys.stderr)
+        print(f"{sub.prog}: error: {exc} (see {sub.prog} --help)", file=sys.stderr)
         return 1
     except ModuleNotFoundError as exc:  # an optional dependency imported late, inside the command
         if args.debug:

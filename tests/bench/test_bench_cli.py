@@ -319,3 +319,24 @@ def test_a_sweep_that_fits_is_not_refused(monkeypatch):
     args = build_parser("bench").parse_args(["bench", "allreduce", "--np", "4", "-e", "64M"])
     cfg = BenchConfig(collective="allreduce", sizes=[8, 64 << 20], algorithms=["native"])
     _check_memory(cfg, args)   # 4 x (300 MB + 2 x 64 MiB) fits in 16 GiB
+
+
+def test_output_paths_are_checked_and_their_folders_made_before_the_sweep(tmp_path, monkeypatch, capsys):
+    # before: --json/--plot/--tune in a missing folder ended the whole sweep in "FileNotFoundError" after it ran
+    import hpdl.bench.cli as bench_cli
+
+    def no_sweep(cfg, args):
+        raise AssertionError("the sweep ran before the output paths were checked")
+
+    monkeypatch.setattr(bench_cli, "_launch", no_sweep)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    for flag in ("--json", "--plot", "--tune"):
+        assert main(["bench", "allreduce", "--np", "1", "-b", "8", "-e", "8", flag, str(blocker / "r.out")]) == 1
+        err = capsys.readouterr().err
+        assert flag in err and "cannot make its folder" in err and "Traceback" not in err
+    assert main(["bench", "allreduce", "--np", "1", "-b", "8", "-e", "8", "--json", str(tmp_path)]) == 1
+    assert "is a folder" in capsys.readouterr().err
+    # a missing folder is made, then the sweep runs (here: the stand-in that refuses)
+    main(["bench", "allreduce", "--np", "1", "-b", "8", "-e", "8", "--json", str(tmp_path / "new" / "a.json")])
+    assert "the sweep ran" in capsys.readouterr().err and (tmp_path / "new").is_dir()

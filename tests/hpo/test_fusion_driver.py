@@ -11,7 +11,7 @@ import torch
 from hpdl.hpo.driver import run_study
 from hpdl.hpo.errors import HpoConfigError
 from hpdl.hpo.grouping import FuseOptions, form_groups, group_skey, largest_group, parse_group_skey, scale_profile
-from hpdl.hpo.simulator import SimTrial, fuse_trials, pool_from_spec, simulate
+from hpdl.hpo.simulator import SimTrial, fuse_trials, pool_from_spec, simulate, synthetic_trials
 from hpdl.hpo.spec import StudySpec, make_storage
 from hpdl.hpo.workloads import VisionCNN, get_workload
 
@@ -208,3 +208,20 @@ def test_simulator_fusion_model():
     fused = simulate(trials, pool, "one_per_gpu", startup_s=0.0, fuse=4)
     assert fused.finished == alone.finished == 8
     assert fused.makespan_s == pytest.approx(alone.makespan_s / 4)  # launch-bound: 4 trials for the host time of one
+
+
+def test_simulator_fusion_groups_fit_the_largest_device():
+    # as the driver (grouping.largest_group): a group holds no more trials than fit in the largest GPU's
+    # memory; before, `hpdl hpo simulate --policies pack+fuse --fuse 16` (docs/hpo.md) failed with
+    # "trial 32 fits on no device of the pool" on the synthetic trace
+    gib = 1 << 30
+    trials = [SimTrial(k, 0.01, 0.001, 11 * gib, 100, value=k, skey="s", static_memory_bytes=12 * gib)
+              for k in range(16)]
+    groups = fuse_trials(trials, 16, context_bytes=gib, device_bytes=80 * gib)
+    assert [int(g.skey.split("|")[0][5:]) for g in groups] == [7, 7, 2]  # 1 + 7 x 11 GiB <= 80 GiB
+    assert all(max(g.memory_bytes, g.static_memory_bytes) <= 80 * gib for g in groups)
+    res = simulate(trials, pool_from_spec("2xA100"), "pack", startup_s=0.0, fuse=16)
+    assert res.finished == 16
+    synthetic = synthetic_trials(64)
+    for pool in ("12xA100,4xH100", "2xH200"):
+        assert simulate(synthetic, pool_from_spec(pool), "pack", startup_s=0.05, fuse=16).finished == 64

@@ -36,8 +36,11 @@ def test_optimize_runs_an_objective_in_workers_and_continues_a_stored_study(tmp_
     xs = [t.params["x"] for t in trials]
     assert len(set(xs)) == 4  # each worker reseeds its sampler: no two draw the same values
     assert study.best_value == min(t.value for t in trials) and study.direction.name == "MINIMIZE"
-    with pytest.raises(HpoError, match="already exists"):
+    # the advice is the API's (load_if_exists / study_name), not CLI commands that do not apply to it
+    with pytest.raises(HpoError, match="already exists") as e:
         hpdl.hpo.optimize(quadratic, n_trials=4, pool=POOL, run_dir=run)
+    assert "load_if_exists=True" in str(e.value) and "study_name=" in str(e.value)
+    assert "hpdl hpo" not in str(e.value)
     # an interrupted run left a trial WAITING: continuing runs it as itself and finishes the budget
     from hpdl.hpo.ledger import Ledger
     from hpdl.hpo.spec import make_storage

@@ -121,7 +121,9 @@ def test_cli_simulate_values_that_hung_are_usage_errors(flags, named, capsys):
 
     assert main(["hpo", "simulate", "--policies", "one_per_gpu,pack", *flags]) == 1
     err = capsys.readouterr().err
-    assert f"hpdl hpo: error: {named}" in err and "usage:" in err, err
+    # the subcommand's usage and help, where its flags are (before: `hpdl hpo`'s, which lists none of them)
+    assert f"hpdl hpo simulate: error: {named}" in err and "usage: hpdl hpo simulate" in err, err
+    assert "see hpdl hpo simulate --help" in err
 
 
 def test_simulate_api_rejects_an_empty_pool_and_unbounded_numbers():

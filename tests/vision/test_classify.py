@@ -82,3 +82,16 @@ def test_data_parallel_fit_keeps_ranks_identical():
     assert r0["steps"] == r1["steps"] == 3
     torch.testing.assert_close(r0["params"], r1["params"], rtol=0, atol=0)
     assert r0["val_images"] == r1["val_images"] == 11 and r0["val_top1"] == r1["val_top1"]
+
+
+def test_a_file_that_is_no_checkpoint_is_named_as_such(tmp_path):
+    # before: torch's UnpicklingError advising weights_only=False (unsafe, and no fix) reached the user
+    from hpdl.vision.classify import load_checkpoint
+
+    bad = tmp_path / "metrics.jsonl"
+    bad.write_text('{"step": 1}\n')
+    with pytest.raises(ValueError, match="not a checkpoint written by `hpdl vision train`") as e:
+        load_checkpoint(bad)
+    assert "weights_only" not in str(e.value) and str(bad) in str(e.value)
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        load_checkpoint(tmp_path / "missing.pt")

@@ -182,6 +182,7 @@ class BenchCommand:
             raise CLIUsageError("--tune needs 'native' among --algorithms (auto must never lose to it)")
         _check_ranks_per_gpu(args)
         _validate(cfg, args)
+        _check_outputs(args)
         rows, world = _launch(cfg, args)
         meta = _meta(cfg, args, world)
         _print(rows, meta, args)
@@ -235,6 +236,31 @@ def _add_plugins(sub) -> None:
             continue
         cls.add_arguments(p)
         p.set_defaults(_plugin_cls=cls)
+
+
+def _check_outputs(args) -> None:
+    """Make the folders of --json, --plot and --tune before the sweep, so that a path in a missing folder does
+    not end a sweep of minutes in a FileNotFoundError after it ran.
+
+    Raises:
+        CLIUsageError: a path is a folder, or its folder cannot be made or written, naming the flag.
+    """
+    from pathlib import Path
+
+    from hpdl.cli import CLIUsageError
+
+    for flag, path in (("--json", args.json_path), ("--plot", args.plot_path), ("--tune", args.tune_path)):
+        if not path:
+            continue
+        p = Path(path)
+        if p.is_dir():
+            raise CLIUsageError(f"{flag} {path}: is a folder, expected a file path")
+        try:
+            p.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CLIUsageError(f"{flag} {path}: cannot make its folder ({exc.strerror or exc})") from None
+        if not os.access(p.parent, os.W_OK):
+            raise CLIUsageError(f"{flag} {path}: its folder {str(p.parent)!r} is not writable")
 
 
 def _validate(cfg: BenchConfig, args) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from hpdl.hpo.errors import HpoConfigError
+from hpdl.hpo.errors import HpoConfigError, HpoError
 
 
 def _pool(gpus) -> dict:
@@ -105,13 +105,17 @@ def optimize(objective: Callable[[Any], float], *, n_trials: int, gpus: int | li
         "policy": conf(policy, {"name": "pack"}), "pool": pool if pool is not None else _pool(gpus),
         "max_retries": max_retries, "run_dir": run_dir or "", "storage": storage or "", "timeout_s": timeout_s,
         "checkpoint_every": 0})
-    resume = False
-    if load_if_exists:
-        from hpdl.hpo.spec import sqlite_path
+    from hpdl.hpo.spec import sqlite_path
 
-        db = sqlite_path(spec.storage)
-        if db is None or db.exists():
-            names = [s.study_name for s in optuna.get_all_study_summaries(make_storage(spec.storage))]
-            resume = spec.study in names
+    resume = False
+    db = sqlite_path(spec.storage)
+    if db is None or db.exists():
+        names = [s.study_name for s in optuna.get_all_study_summaries(make_storage(spec.storage))]
+        resume = load_if_exists and spec.study in names
+        if spec.study in names and not load_if_exists:
+            # the driver's own message names CLI commands, which do not apply to an objective's study
+            raise HpoError(f"study {spec.study!r} already exists in {spec.storage}; pass load_if_exists=True to "
+                           "continue it, another study_name= to start a new one, or delete it first "
+                           f"(optuna.delete_study(study_name={spec.study!r}, storage=...))")
     run_study(spec, resume=resume, progress=progress)
     return optuna.load_study(study_name=spec.study, storage=make_storage(spec.storage))

@@ -95,21 +95,34 @@ def pool_from_spec(spec: str, memory_gb: dict[str, float] | None = None,
 
 
 def fuse_trials(trials: Sequence[SimTrial], k: int, direction: str = "maximize",
-                context_bytes: int = 600 << 20) -> list[SimTrial]:
+                context_bytes: int = 600 << 20, device_bytes: int = 0) -> list[SimTrial]:
     """``trials`` fused ``k`` at a time per structure (module docstring); a group's key is its first trial's,
-    its value the best of its trials (they finish together), its steps the most of them.
+    its value the best of its trials (they finish together), its steps the most of them. With
+    ``device_bytes`` > 0 (the largest device's memory), a group also holds no more trials than fit in it
+    (profiled and static bound), as the driver caps groups (:func:`hpdl.hpo.grouping.largest_group`).
 
     Raises:
         HpoConfigError: ``k < 1``.
     """
     if k < 1:
         raise HpoConfigError(f"fuse={k}, expected an int >= 1 (1: no fusion)")
+
+    def fits(g: list[SimTrial], t: SimTrial) -> bool:
+        if device_bytes <= 0:
+            return True
+        n = len(g) + 1
+        for attr in ("memory_bytes", "static_memory_bytes"):
+            per = max(0, max(getattr(x, attr) for x in (*g, t)) - context_bytes)
+            if context_bytes + n * per > device_bytes:
+                return False
+        return True
+
     groups: list[list[SimTrial]] = []
     open_: dict[str, list[SimTrial]] = {}
     for t in trials:
         sk = t.skey or f"#{t.key}"
         g = open_.get(sk)
-        if g is None or len(g) >= k:
+        if g is None or len(g) >= k or not fits(g, t):
             g = open_[sk] = []
             groups.append(g)
         g.append(t)
@@ -156,7 +169,7 @@ def simulate(trials: Sequence[SimTrial], devices: Sequence[Device], policy: str 
     if len(trials) > MAX_SIM_TRIALS:
         raise HpoConfigError(f"trials: {len(trials)} trials, expected at most {MAX_SIM_TRIALS}")
     if fuse != 1:
-        groups = fuse_trials(trials, fuse, direction)
+        groups = fuse_trials(trials, fuse, direction, device_bytes=max(d.memory_bytes for d in devices))
         res = simulate(groups, devices, policy, startup_s, max_retries, lookahead, direction, overhead, mps,
                        mps_capacity, 1, **policy_kwargs)
         res.finished = len(trials)  # simulate asserts that every group (so every trial) finished

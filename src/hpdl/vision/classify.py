@@ -319,8 +319,17 @@ def save_checkpoint(path: str | os.PathLike, model: SoftViT, name: str, classes:
 
 def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> tuple[SoftViT, dict]:
     """Rebuild the model a checkpoint of ``hpdl vision train`` holds; returns (model, checkpoint dict).
-    Raises FileNotFoundError, or ValueError if it is not such a checkpoint."""
-    ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    Raises FileNotFoundError, or ValueError if it is not such a checkpoint (also a file torch cannot load: its
+    own message advises ``weights_only=False``, which is unsafe and no fix for a file that is not one)."""
+    import pickle
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"--checkpoint {path}: no such file")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as exc:   # truncated or foreign
+        raise ValueError(f"--checkpoint {path}: not a checkpoint written by `hpdl vision train` (torch.load "
+                         f"could not read it: {type(exc).__name__})") from exc
     if isinstance(ckpt, dict) and ckpt.get("format") == "hpdl.vision.detect/1":
         # a detection checkpoint of `hpdl vision train` (SPRNet, RetinaNet, Mask R-CNN): name what it holds
         name = (ckpt.get("spec") or {}).get("name", "?")
