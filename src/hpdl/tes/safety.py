@@ -18,7 +18,7 @@ from hpdl.tes.channel import quantize
 from hpdl.tes.network import Network
 from hpdl.tes.protocol import LimitsSpec, ProtocolSpec, to_scenario
 from hpdl.tes.simulate import G_LEAK_S, Scenario, SimResult
-from hpdl.tes.waveforms import Sine
+from hpdl.tes.waveforms import Dc, Sine
 
 _CHECK_CHUNK = 1 << 17  # samples per pass of check_protocol: bounded memory on any protocol length
 
@@ -147,6 +147,13 @@ def check_protocol(p: ProtocolSpec) -> dict:
                            for ch, w in enumerate(sc.waveforms)], 1)
         i = quantize(target, sc.dac) * sc.dac.lsb_a
         peak_req = np.maximum(peak_req, np.abs(target).max(axis=0))
+        # a sine peaks between grid points (up to 1 - cos(pi f / fs) lower on the grid): hold the requested
+        # peak as its envelope, |offset| + |amplitude| times the on/off ramp
+        for ch, w in enumerate(sc.waveforms):
+            if isinstance(w, Sine):
+                env = Dc(amplitude_a=w.peak_a, ramp_up_s=w.ramp_up_s, ramp_down_s=w.ramp_down_s)
+                tc = sc.clocks[chips[ch]].chip_time(t)
+                peak_req[ch] = max(peak_req[ch], float(env(tc, sc.duration_s).max()))
         peak_dac = np.maximum(peak_dac, np.abs(i).max(axis=0))
         sum_i += i.sum(axis=0)
         total_max = max(total_max, float(np.clip(target, 0, None).sum(axis=1).max()))
