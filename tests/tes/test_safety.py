@@ -198,3 +198,18 @@ def test_non_finite_currents_are_refused_naming_the_field(value):
     d = _two_channel(waveforms={"A": {"type": "dc", "amplitude_ma": value}, "B": {"type": "dc", "amplitude_ma": 0}})
     with pytest.raises(protocol.ProtocolError, match="waveforms.A.dc.amplitude_ma"):
         protocol.parse(d)
+
+
+def test_a_model_override_that_raises_the_chips_range_is_reported():
+    # model.dac may model a larger chip (a design choice), but 40 mA DC then passed with no word at all
+    d = _two_channel(model={"dac": {"full_scale_a": 0.1, "compliance_v": 1000.0}},
+                     limits={"max_channel_current_ma": 50, "max_total_current_ma": 60,
+                             "max_current_density_ma_cm2": 60},
+                     waveforms={"A": {"type": "dc", "amplitude_ma": 40.0}, "B": {"type": "dc", "amplitude_ma": -40.0}})
+    rep = safety.check_protocol(protocol.parse(d))
+    text = " ".join(rep["warnings"])
+    assert "model.dac.full_scale_a" in text and "2.5 mA" in text
+    assert "model.dac.compliance_v" in text and "13 V" in text
+    plain = safety.check_protocol(protocol.parse(_two_channel(waveforms={"A": {"type": "dc", "amplitude_ma": 1.0},
+                                                                         "B": {"type": "dc", "amplitude_ma": -1.0}})))
+    assert not any("model.dac" in w for w in plain["warnings"])

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hpdl.tes.channel import quantize
+from hpdl.tes.channel import DacParams, quantize
 from hpdl.tes.network import Network
 from hpdl.tes.protocol import LimitsSpec, ProtocolSpec, to_scenario
 from hpdl.tes.simulate import G_LEAK_S, Scenario, SimResult
@@ -170,6 +170,15 @@ def check_protocol(p: ProtocolSpec) -> dict:
     if done != k_total:  # pragma: no cover - the loop above covers every sample by construction
         raise RuntimeError(f"check_protocol covered {done} of {k_total} samples")
     warnings: list[str] = _rounding_warnings(p, sc)
+    # model.dac may describe a larger chip than the specified one; a reader of the report must see that the
+    # range and compliance checks below hold against the override, not the chip's specification
+    spec = DacParams()
+    if sc.dac.full_scale_a > spec.full_scale_a * (1 + 1e-9):
+        warnings.append(f"model.dac.full_scale_a = {1e3 * sc.dac.full_scale_a:g} mA is above the specified chip's "
+                        f"{1e3 * spec.full_scale_a:g} mA range; currents are checked against the override")
+    if sc.dac.compliance_v > spec.compliance_v * (1 + 1e-9):
+        warnings.append(f"model.dac.compliance_v = {sc.dac.compliance_v:g} V is above the specified chip's "
+                        f"{spec.compliance_v:g} V; the headroom is checked against the override")
     checks: list[dict] = []
     rows = []
     vpk = predicted_peak_voltages(sc)
