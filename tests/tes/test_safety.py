@@ -175,6 +175,7 @@ def test_sine_peak_between_samples_is_the_requested_peak():
     by = {c["name"]: c for c in rep["checks"]}
     assert by["max channel current"]["value"] == pytest.approx(2.6)
     assert not by["max channel current"]["ok"] and not rep["ok"]
+    assert by["current density"]["value"] == pytest.approx(2.6) and not by["current density"]["ok"]  # 1 cm^2
 
 
 def test_arbitrary_samples_faster_than_the_check_rate_are_refused():
