@@ -214,3 +214,13 @@ def test_a_model_override_that_raises_the_chips_range_is_reported():
     plain = safety.check_protocol(protocol.parse(_two_channel(waveforms={"A": {"type": "dc", "amplitude_ma": 1.0},
                                                                          "B": {"type": "dc", "amplitude_ma": -1.0}})))
     assert not any("model.dac" in w for w in plain["warnings"])
+
+
+@pytest.mark.parametrize("t_end", [float("nan"), 0.0005])
+def test_a_fault_must_end_after_it_starts(t_end):
+    d = _two_channel(waveforms={"A": {"type": "dc", "amplitude_ma": 1.0}, "B": {"type": "dc", "amplitude_ma": -1.0}},
+                     faults=[{"channel": "A", "t_start_s": 0.001, "t_end_s": t_end}])
+    with pytest.raises(protocol.ProtocolError, match=r"faults\.0\.t_end_s"):
+        protocol.parse(d)
+    d["faults"][0]["t_end_s"] = float("inf")  # to the end of the protocol
+    assert protocol.parse(d).faults[0].t_end_s == float("inf")

@@ -262,6 +262,8 @@ def _cross_check(p: ProtocolSpec) -> None:
     for i, f in enumerate(p.faults):
         if f.channel not in chans:
             raise ValueError(f"faults.{i}.channel: unknown channel {f.channel!r}")
+        if not f.t_end_s > f.t_start_s:  # nan too (t_end_s alone may be .inf)
+            raise ValueError(f"faults.{i}.t_end_s: must be > t_start_s ({f.t_start_s:g} s), got {f.t_end_s}")
     if p.tissue.model == "edges":
         for i, (a, b, r) in enumerate(p.tissue.edges):
             for x in (a, b):
