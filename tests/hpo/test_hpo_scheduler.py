@@ -375,6 +375,6 @@ def test_pack_hetero_scores_an_unprofiled_trial_by_its_estimated_run_time():
                                      ({"starve_after_s": -5}, "starve_after_s"),
                                      ({"starve_after_s": float("nan")}, "starve_after_s")])
 def test_pack_refuses_shares_and_waits_out_of_range(kw, name):
-    # unprofiled_compute 0 (or nan) placed every unprofiled trial on one device at once; a nan wait never starved
+    # unprofiled_compute 0 (or nan) packed unprofiled trials up to the memory limit; a nan wait never starved
     with pytest.raises(HpoConfigError, match=name):
         Pack(**kw)
