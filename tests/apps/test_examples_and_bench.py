@@ -123,3 +123,16 @@ def test_example_help_describes_every_option(script, capsys):
         assert len(flat) > len(name) + 12, f"{script} {name} has no description: {flat!r}"
         if name not in ("-h,", "--json"):
             assert "(default:" in flat, f"{script} {name} shows no default: {flat!r}"
+
+
+@pytest.mark.parametrize("argv,flag", [(["--shape", "8,8"], "--shape"), (["--shape", "a,b,c"], "--shape"),
+                                       (["--shape", "0,8,8"], "--shape"), (["--grid", "x"], "--grid"),
+                                       (["--grid", "1,0"], "--grid"), (["--grid", "1,1,1"], "--grid")])
+def test_fft3d_shape_and_grid_are_usage_errors_naming_the_flag(argv, flag, capsys):
+    # "8,8" and "a,b,c" ended in a rank traceback / a ValueError traceback instead of a usage error
+    from hpdl.apps import cli
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main_fft(argv)
+    assert exc.value.code == 2
+    assert f"argument {flag}" in capsys.readouterr().err

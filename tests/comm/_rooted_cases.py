@@ -202,3 +202,27 @@ def barrier_waits(ctx, algorithm, use_async, folder):
     seen = sorted(int(n) for n in os.listdir(folder) if n.isdigit())
     hc.barrier(algorithm=algorithm)   # nobody removes or rewrites while a peer still looks
     return seen
+
+
+def outside_and_numpy_roots(ctx):
+    """As c10d: a rank outside ``group`` gets None from broadcast/reduce/barrier (a warning, no error), and a
+    numpy integer root is a rank like an int."""
+    import warnings
+
+    import numpy as np
+
+    p, r = ctx.world_size, ctx.rank
+    out = {}
+    x = torch.full((3,), float(r))
+    out["numpy_src"] = _catch(lambda: hc.broadcast(x, np.int64(p - 1)))
+    out["numpy_value"] = x.tolist()
+    g = dist.new_group([0, 1])
+    y = torch.full((2,), float(r))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out["broadcast"] = _catch(lambda: hc.broadcast(y, 0, g))
+        out["reduce"] = _catch(lambda: hc.reduce(y, group=g, group_dst=0))
+        out["barrier"] = _catch(lambda: hc.barrier(g))
+    out["y"] = y.tolist()
+    hc.barrier()
+    return out

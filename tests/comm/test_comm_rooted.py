@@ -59,3 +59,14 @@ def test_exported_like_torch_distributed():
         ours = list(inspect.signature(getattr(hc, name)).parameters)
         theirs = [p for p in inspect.signature(getattr(dist, name)).parameters if p != "timeout"]
         assert ours[:len(theirs)] == theirs, (name, ours, theirs)
+
+
+@pytest.mark.timeout(240)
+def test_ranks_outside_the_group_and_numpy_roots_as_c10d():
+    results = get_pool(3).run(R.outside_and_numpy_roots)
+    for r, out in enumerate(results):
+        assert out["numpy_src"] == (None, ""), out["numpy_src"]     # was TypeError: src must be an int rank
+        assert out["numpy_value"] == [2.0] * 3
+        for what in ("broadcast", "reduce", "barrier"):               # was ValueError on rank 2
+            assert out[what] == (None, ""), (r, what, out[what])
+        assert out["y"] == ([0.0, 0.0] if r < 2 else [2.0, 2.0])   # broadcast 0 in {0, 1}, summed at 0; 2 untouched

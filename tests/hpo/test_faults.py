@@ -126,6 +126,8 @@ def test_second_driver_refused_then_sigint_stops_busy_workers_fast_and_resume_co
     assert proc.returncode == 130 and took < 5.0, (proc.returncode, took, err)
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(lines) == 1 and "interrupted by SIGINT" in lines[0] and f"stopped {n} running trials" in lines[0], err
+    # the command named resumes *this* study (a bare `hpdl hpo resume` resumed the shipped example instead)
+    assert lines[0].endswith(f"`hpdl hpo resume {path}` continues"), err
     trials = trials_of(spec)
     assert not [t for t in trials if t.state.name in ("RUNNING", "FAIL")]  # an interrupt is no failure
     waiting = [t for t in trials if t.state.name == "WAITING"]

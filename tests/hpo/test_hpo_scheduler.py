@@ -367,3 +367,14 @@ def test_pack_hetero_scores_an_unprofiled_trial_by_its_estimated_run_time():
     busy = TrialDemand(9, GIB, compute=0.5, work_s=1.0, profiled=True)
     assert p._work(heavy) == pytest.approx(1.92)
     assert [a.device_id for a in p.place([heavy], [DeviceState(fast, [busy]), DeviceState(slow)])] == ["fast"]
+
+
+@pytest.mark.parametrize("kw,name", [({"unprofiled_compute": 0}, "unprofiled_compute"),
+                                     ({"unprofiled_compute": -1}, "unprofiled_compute"),
+                                     ({"unprofiled_compute": float("nan")}, "unprofiled_compute"),
+                                     ({"starve_after_s": -5}, "starve_after_s"),
+                                     ({"starve_after_s": float("nan")}, "starve_after_s")])
+def test_pack_refuses_shares_and_waits_out_of_range(kw, name):
+    # unprofiled_compute 0 (or nan) packed unprofiled trials up to the memory limit; a nan wait never starved
+    with pytest.raises(HpoConfigError, match=name):
+        Pack(**kw)

@@ -150,3 +150,9 @@ def test_attach_storage_opens_the_drivers_store_and_creates_nothing(tmp_path):
     with pytest.raises(Exception) as err:  # optuna wraps the SQL error in a StorageInternalError
         optuna.load_study(study_name="s", storage=make_storage(fresh, attach=True))
     assert "no such table" in f"{err.value} {err.value.__cause__}"
+
+
+def test_timeout_nan_is_refused():
+    # nan >= 0 is False, so a nan timeout never fired: the study ran with no limit
+    with pytest.raises(HpoConfigError, match="timeout_s=nan"):
+        StudySpec.from_dict({**BASE, "timeout_s": float("nan")})

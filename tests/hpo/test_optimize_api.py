@@ -66,6 +66,9 @@ def test_optimize_rejects_what_workers_could_not_import_and_bad_arguments(tmp_pa
         hpdl.hpo.optimize(quadratic, n_trials=0, pool=POOL, run_dir=str(tmp_path))
     with pytest.raises(HpoConfigError, match="direction"):
         hpdl.hpo.optimize(quadratic, n_trials=1, pool=POOL, run_dir=str(tmp_path), direction="down")
+    for key in ("sampler", "pruner", "policy"):  # a non-mapping failed as "'int' object is not iterable"
+        with pytest.raises(HpoConfigError, match=f"{key}=5"):
+            hpdl.hpo.optimize(quadratic, n_trials=1, pool=POOL, run_dir=str(tmp_path), **{key: 5})
 
 
 @pytest.mark.timeout(240)

@@ -153,3 +153,74 @@ def test_amplitudes_off_the_dac_step_are_reported_with_the_delivered_value(examp
     w = [x for x in safety.check_protocol(protocol.parse(d))["warnings"] if "DAC step" in x]
     assert w == ["ti_pairs.0.amplitude2_ma: 1.0005 mA is not a multiple of the DAC step (10 uA); the chip "
                  "delivers 1 mA (rounded to the nearest code)"]
+
+
+def _two_channel(**over):
+    d = dict(name="t", duration_s=0.01, chips=[{"name": "c0"}],
+             electrodes=[{"name": "E1", "area_cm2": 1.0}, {"name": "E2", "area_cm2": 1.0},
+                         {"name": "R", "area_cm2": 3.0}],
+             reference="R", channels=[{"name": "A", "chip": "c0", "electrode": "E1"},
+                                      {"name": "B", "chip": "c0", "electrode": "E2"}], waveforms={})
+    d.update(over)
+    return d
+
+
+def test_sine_peak_between_samples_is_the_requested_peak():
+    # 2.6 mA at 2 kHz sampled at 20 kHz with an 18 deg phase: every sample is at most cos(18 deg) x 2.6 = 2.47 mA,
+    # but the protocol asks for 2.6 mA (above the chip's 2.5 mA range and the limit)
+    d = _two_channel(sample_rate_hz=20000, waveforms={
+        "A": {"type": "sine", "amplitude_ma": 2.6, "freq_hz": 2000, "phase_deg": 18},
+        "B": {"type": "sine", "amplitude_ma": 2.6, "freq_hz": 2000, "phase_deg": 198}})
+    rep = safety.check_protocol(protocol.parse(d))
+    by = {c["name"]: c for c in rep["checks"]}
+    assert by["max channel current"]["value"] == pytest.approx(2.6)
+    assert not by["max channel current"]["ok"] and not rep["ok"]
+    assert by["current density"]["value"] == pytest.approx(2.6) and not by["current density"]["ok"]  # 1 cm^2
+
+
+def test_arbitrary_samples_faster_than_the_check_rate_are_refused():
+    # one 5 mA sample in 100 played at 1 MHz: a 20 kHz check grid never lands on it
+    d = _two_channel(sample_rate_hz=20000, waveforms={
+        "A": {"type": "arbitrary", "samples_ma": [0.0] * 99 + [5.0], "sample_rate_hz": 1e6},
+        "B": {"type": "dc", "amplitude_ma": 0.0}})
+    with pytest.raises(protocol.ProtocolError, match="sample_rate_hz"):
+        protocol.parse(d)
+
+
+def test_a_protocol_shorter_than_one_sample_is_refused():
+    d = _two_channel(duration_s=1e-6, waveforms={"A": {"type": "dc", "amplitude_ma": 2.0},
+                                                 "B": {"type": "dc", "amplitude_ma": -2.0}})
+    with pytest.raises(protocol.ProtocolError, match="duration_s"):
+        protocol.parse(d)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_currents_are_refused_naming_the_field(value):
+    d = _two_channel(waveforms={"A": {"type": "dc", "amplitude_ma": value}, "B": {"type": "dc", "amplitude_ma": 0}})
+    with pytest.raises(protocol.ProtocolError, match="waveforms.A.dc.amplitude_ma"):
+        protocol.parse(d)
+
+
+def test_a_model_override_that_raises_the_chips_range_is_reported():
+    # model.dac may model a larger chip (a design choice), but 40 mA DC then passed with no word at all
+    d = _two_channel(model={"dac": {"full_scale_a": 0.1, "compliance_v": 1000.0}},
+                     limits={"max_channel_current_ma": 50, "max_total_current_ma": 60,
+                             "max_current_density_ma_cm2": 60},
+                     waveforms={"A": {"type": "dc", "amplitude_ma": 40.0}, "B": {"type": "dc", "amplitude_ma": -40.0}})
+    rep = safety.check_protocol(protocol.parse(d))
+    text = " ".join(rep["warnings"])
+    assert "model.dac.full_scale_a" in text and "2.5 mA" in text
+    assert "model.dac.compliance_v" in text and "13 V" in text
+    plain = safety.check_protocol(protocol.parse(_two_channel(waveforms={"A": {"type": "dc", "amplitude_ma": 1.0},
+                                                                         "B": {"type": "dc", "amplitude_ma": -1.0}})))
+    assert not any("model.dac" in w for w in plain["warnings"])
+
+
+@pytest.mark.parametrize("t_end", [float("nan"), 0.0005])
+def test_a_fault_must_end_after_it_starts(t_end):
+    d = _two_channel(waveforms={"A": {"type": "dc", "amplitude_ma": 1.0}, "B": {"type": "dc", "amplitude_ma": -1.0}},
+                     faults=[{"channel": "A", "t_start_s": 0.001, "t_end_s": t_end}])
+    with pytest.raises(protocol.ProtocolError, match=r"faults\.0\.t_end_s"):
+        protocol.parse(d)
+    d["faults"][0]["t_end_s"] = float("inf")  # to the end of the protocol
+    assert protocol.parse(d).faults[0].t_end_s == float("inf")

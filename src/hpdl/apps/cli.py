@@ -155,14 +155,23 @@ def main_fft(argv=None) -> int:
     from hpdl.apps import fft3d
     from hpdl.apps.comm import launch
 
-    a = parser_for(FFTArgs, "fft3d.py", "pencil-decomposed 3-D FFT",
-                   {"comm": COMMS, "device": ("cpu", "cuda"), "dtype": ("complex64", "complex128")}
-                   ).parse_args(argv)
-    shape = tuple(int(s) for s in a.shape.split(","))
-    grid = tuple(int(s) for s in a.grid.split(",")) if a.grid else None
+    p = parser_for(FFTArgs, "fft3d.py", "pencil-decomposed 3-D FFT",
+                   {"comm": COMMS, "device": ("cpu", "cuda"), "dtype": ("complex64", "complex128")})
+    a = p.parse_args(argv)
+
+    def extents(flag: str, text: str, n: int) -> tuple[int, ...]:
+        # a usage error (exit 2) naming the flag, before any rank starts: '8,8' and 'a,b,c' ended in tracebacks
+        try:
+            out = tuple(int(s) for s in text.split(","))
+        except ValueError:
+            out = ()
+        if len(out) != n or any(v < 1 for v in out):
+            p.error(f"argument {flag}: expected {n} comma-separated integers >= 1, got {text!r}")
+        return out
+
+    shape = extents("--shape", a.shape, 3)
+    grid = extents("--grid", a.grid, 2) if a.grid else None
     comm = launch(a.comm, a.device, alltoall_algorithm=a.algorithm, window=a.window or None)
-    if any(n < 1 for n in shape):
-        raise SystemExit(f"fft3d.py: error: argument --shape: every extent must be >= 1, got {a.shape}")
     _fits(6 * math.prod(shape) * getattr(torch, a.dtype).itemsize // comm.size, "--shape", a.device,
           f"a {a.shape} transform's input, output and all-to-all buffers over {comm.size} rank(s)")
     res = fft3d.run(comm, shape, a.iters, dtype=getattr(torch, a.dtype), warmup=a.warmup, grid=grid, breakdown=True)

@@ -21,6 +21,7 @@ peer kernels run on a side stream (:class:`CudaWork`). A failed collective runs 
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from datetime import timedelta
 from typing import Callable
@@ -700,6 +701,22 @@ def _on_side_stream(res: GroupResources, fn: Callable[[], None], device: torch.d
 
 # ---------------------------------------------------------------- broadcast, reduce, barrier (rooted / no data)
 
+def _outside(group, what: str) -> bool:
+    """True (with c10d's warning) when this rank is not a member of ``group``: c10d's collectives return None
+    there without communicating, and a drop-in must too."""
+    import torch.distributed as dist
+
+    if group is None or group is dist.group.WORLD:
+        return False
+    if group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(group) < 0:
+        import warnings
+
+        warnings.warn(f"hpdl.comm.{what}: global rank {dist.get_rank()} is not in the given group; nothing to do "
+                      "(as torch.distributed)", UserWarning, stacklevel=3)
+        return True
+    return False
+
+
 def _root(name: str, value, group_name: str, group_value, group, res: GroupResources) -> int:
     """The root as a rank of the group from c10d's pair (``src``: a global rank; ``group_src``: a rank of
     ``group``); exactly one of them, in range. Checked before any communication."""
@@ -709,8 +726,11 @@ def _root(name: str, value, group_name: str, group_value, group, res: GroupResou
         raise ValueError(f"give exactly one of {name} (a global rank) or {group_name} (a rank of the group), got "
                          f"{name}={value!r}, {group_name}={group_value!r}")
     given, which = (group_value, group_name) if value is None else (value, name)
-    if isinstance(given, bool) or not isinstance(given, int):
+    if isinstance(given, bool) or not isinstance(given, numbers.Integral):  # numpy ints too, as c10d
         raise TypeError(f"{which} must be an int rank, got {given!r}")
+    given = int(given)
+    if value is not None:
+        value = given
     if value is not None and group is not None and group is not dist.group.WORLD:
         try:
             root = dist.get_group_rank(group, value)
@@ -783,6 +803,8 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group=None, async_op
         CollectiveTimeoutError / PeerFailedError: a peer did not answer in ``timeout`` or is gone; named.
     """
     _check_async(async_op, "broadcast")
+    if _outside(group, "broadcast"):
+        return None
     res = _group(group)
     _check_tensor("tensor", tensor, res)
     root = _root("src", src, "group_src", group_src, group, res)
@@ -822,6 +844,8 @@ def reduce(tensor: torch.Tensor, dst: int | None = None, op="sum", group=None, a
         As :func:`broadcast`, plus ValueError for an op the dtype does not support.
     """
     _check_async(async_op, "reduce")
+    if _outside(group, "reduce"):
+        return None
     res = _group(group)
     _check_tensor("tensor", tensor, res)
     root = _root("dst", dst, "group_dst", group_dst, group, res)
@@ -860,6 +884,8 @@ def barrier(group=None, async_op: bool = False, device_ids: list[int] | None = N
     if device_ids is not None and (not isinstance(device_ids, (list, tuple)) or
                                    any(isinstance(d, bool) or not isinstance(d, int) for d in device_ids)):
         raise TypeError(f"device_ids must be None or a list of int GPU indices, got {device_ids!r}")
+    if _outside(group, "barrier"):
+        return None
     res = _group(group)
     timeout = _timeout(timeout)
     device = "cuda" if res.backend == "nccl" else "cpu"

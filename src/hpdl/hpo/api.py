@@ -96,13 +96,19 @@ def optimize(objective: Callable[[Any], float], *, n_trials: int, gpus: int | li
         raise HpoConfigError("give gpus or pool, not both")
     name = study_name or getattr(objective, "__name__", "objective")
 
-    def conf(x, default):
-        return default if x is None else ({"name": x} if isinstance(x, str) else dict(x))
+    def conf(key, x, default):
+        if x is None:
+            return default
+        if isinstance(x, str):
+            return {"name": x}
+        if not isinstance(x, dict):
+            raise HpoConfigError(f"{key}={x!r}, expected a name or a mapping like {{'name': ..., **options}}")
+        return dict(x)
 
     spec = StudySpec.from_dict({
         "study": name, "workload": objective_ref(objective), "n_trials": n_trials, "direction": direction,
-        "sampler": conf(sampler, {"name": "tpe", "seed": 0}), "pruner": conf(pruner, {"name": "none"}),
-        "policy": conf(policy, {"name": "pack"}), "pool": pool if pool is not None else _pool(gpus),
+        "sampler": conf("sampler", sampler, {"name": "tpe", "seed": 0}),
+        "pruner": conf("pruner", pruner, {"name": "none"}), "policy": conf("policy", policy, {"name": "pack"}), "pool": pool if pool is not None else _pool(gpus),
         "max_retries": max_retries, "run_dir": run_dir or "", "storage": storage or "", "timeout_s": timeout_s,
         "checkpoint_every": 0})
     from hpdl.hpo.spec import sqlite_path

@@ -51,7 +51,13 @@ def _again(args, spec) -> str:
                     con.close()
             except sqlite3.Error:
                 stored = False
-    cmd = "hpdl hpo " + ("resume" if stored else "run")
+    return _command(args, "resume" if stored else "run")
+
+
+def _command(args, verb: str) -> str:
+    """``hpdl hpo VERB`` with the study file and ``--run-dir`` this command was given (a bare ``hpdl hpo resume``
+    would continue the shipped example, not this study)."""
+    cmd = f"hpdl hpo {verb}"
     if args.study_file:
         cmd += f" {args.study_file}"
     if getattr(args, "run_dir", None):
@@ -246,6 +252,9 @@ class HpoCommand:
                 if not isinstance(exc, HpoInterrupted):
                     raise
                 text, code = f"hpdl hpo: {exc}", exc.exit_code
+                bare = "`hpdl hpo resume` continues"  # the driver does not know this command line; name it here
+                if text.endswith(bare):
+                    text = text[:-len(bare)] + f"`{_command(args, 'resume')}` continues"
             print(text, file=sys.stderr)
             sys.stdout.flush()
             sys.stderr.flush()

@@ -271,6 +271,11 @@ class Pack(SchedulingPolicy):
         self.light_below = light_below
         if max_trials_per_device is not None and max_trials_per_device < 1:
             raise HpoConfigError(f"max_trials_per_device={max_trials_per_device}, expected >= 1")
+        if isinstance(unprofiled_compute, bool) or not 0 < unprofiled_compute < math.inf:  # nan too
+            raise HpoConfigError(f"unprofiled_compute={unprofiled_compute}, expected a finite share > 0 "
+                                 "(0 packs unprofiled trials up to the memory limit: 32 on 2 GPUs instead of 8)")
+        if isinstance(starve_after_s, bool) or not starve_after_s >= 0:  # nan too; inf: never reserve
+            raise HpoConfigError(f"starve_after_s={starve_after_s}, expected seconds >= 0")
         self._max_compute = max_compute
         self.max_trials_per_device = max_trials_per_device
         self.unprofiled_compute = unprofiled_compute

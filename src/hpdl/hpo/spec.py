@@ -79,7 +79,7 @@ class StudySpec:
             if type(v) is not int or v < low:
                 raise HpoConfigError(f"{key}={v!r}, expected an int >= {low}")
         if self.timeout_s is not None and (isinstance(self.timeout_s, bool) or not isinstance(
-                self.timeout_s, (int, float)) or self.timeout_s < 0):
+                self.timeout_s, (int, float)) or not self.timeout_s >= 0):  # nan too
             raise HpoConfigError(f"timeout_s={self.timeout_s!r}, expected seconds >= 0 (0 or absent: no limit)")
         self.run_dir = self.run_dir or os.path.join("hpo-runs", self.study)
         self.storage = self.storage or f"sqlite:///{Path(self.run_dir).resolve() / 'study.db'}"

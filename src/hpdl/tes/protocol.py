@@ -34,7 +34,8 @@ class ProtocolError(HpdlError, ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # NaN or inf in a current, time or limit makes every comparison of a check False or crashes the DAC model
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class DriftSpec(_Strict):
@@ -152,7 +153,7 @@ class ModelSpec(_Strict):
 class FaultSpec(_Strict):
     channel: str
     t_start_s: float = Field(ge=0)
-    t_end_s: float = math.inf
+    t_end_s: float = Field(default=math.inf, allow_inf_nan=True)  # inf: the fault lasts to the end
     v_rail_v: float = 15.0
     r_ohm: float = Field(default=10.0, gt=0)
 
@@ -246,12 +247,23 @@ def _cross_check(p: ProtocolSpec) -> None:
         if p.sample_rate_hz < 10 * top:
             raise ValueError(f"sample_rate_hz: {p.sample_rate_hz:g} Hz is below 10 x the highest carrier "
                              f"({top:g} Hz); the model needs the carriers well resolved")
+        # an arbitrary waveform's samples must each land on the grid, or a check never sees some of them
+        arb = max([w.sample_rate_hz for w in p.waveforms.values() if isinstance(w, ArbitrarySpec)], default=0.0)
+        if p.sample_rate_hz < 5 * arb:
+            raise ValueError(f"sample_rate_hz: {p.sample_rate_hz:g} Hz is below 5 x the fastest arbitrary "
+                             f"waveform's sample rate ({arb:g} Hz); samples between grid points would go unchecked")
+    k = round(p.duration_s * default_sample_rate(p))
+    if k < 1:
+        raise ValueError(f"duration_s: {p.duration_s:g} s is shorter than one sample at "
+                         f"{default_sample_rate(p):g} Hz; nothing would be checked")
     for i, w in enumerate(p.waveforms.values()):
         if isinstance(w, RampSpec) and not w.t1_s > w.t0_s:
             raise ValueError(f"waveforms.{list(p.waveforms)[i]}.t1_s: must be > t0_s")
     for i, f in enumerate(p.faults):
         if f.channel not in chans:
             raise ValueError(f"faults.{i}.channel: unknown channel {f.channel!r}")
+        if not f.t_end_s > f.t_start_s:  # nan too (t_end_s alone may be .inf)
+            raise ValueError(f"faults.{i}.t_end_s: must be > t_start_s ({f.t_start_s:g} s), got {f.t_end_s}")
     if p.tissue.model == "edges":
         for i, (a, b, r) in enumerate(p.tissue.edges):
             for x in (a, b):

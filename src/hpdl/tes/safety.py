@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from hpdl.tes.channel import quantize
+from hpdl.tes.channel import DacParams, quantize
 from hpdl.tes.network import Network
 from hpdl.tes.protocol import LimitsSpec, ProtocolSpec, to_scenario
 from hpdl.tes.simulate import G_LEAK_S, Scenario, SimResult
-from hpdl.tes.waveforms import Sine
+from hpdl.tes.waveforms import Dc, Sine
 
 _CHECK_CHUNK = 1 << 17  # samples per pass of check_protocol: bounded memory on any protocol length
 
@@ -147,6 +147,13 @@ def check_protocol(p: ProtocolSpec) -> dict:
                            for ch, w in enumerate(sc.waveforms)], 1)
         i = quantize(target, sc.dac) * sc.dac.lsb_a
         peak_req = np.maximum(peak_req, np.abs(target).max(axis=0))
+        # a sine peaks between grid points (up to 1 - cos(pi f / fs) lower on the grid): hold the requested
+        # peak as its envelope, |offset| + |amplitude| times the on/off ramp
+        for ch, w in enumerate(sc.waveforms):
+            if isinstance(w, Sine):
+                env = Dc(amplitude_a=w.peak_a, ramp_up_s=w.ramp_up_s, ramp_down_s=w.ramp_down_s)
+                tc = sc.clocks[chips[ch]].chip_time(t)
+                peak_req[ch] = max(peak_req[ch], float(env(tc, sc.duration_s).max()))
         peak_dac = np.maximum(peak_dac, np.abs(i).max(axis=0))
         sum_i += i.sum(axis=0)
         total_max = max(total_max, float(np.clip(target, 0, None).sum(axis=1).max()))
@@ -163,6 +170,15 @@ def check_protocol(p: ProtocolSpec) -> dict:
     if done != k_total:  # pragma: no cover - the loop above covers every sample by construction
         raise RuntimeError(f"check_protocol covered {done} of {k_total} samples")
     warnings: list[str] = _rounding_warnings(p, sc)
+    # model.dac may describe a larger chip than the specified one; a reader of the report must see that the
+    # range and compliance checks below hold against the override, not the chip's specification
+    spec = DacParams()
+    if sc.dac.full_scale_a > spec.full_scale_a * (1 + 1e-9):
+        warnings.append(f"model.dac.full_scale_a = {1e3 * sc.dac.full_scale_a:g} mA is above the specified chip's "
+                        f"{1e3 * spec.full_scale_a:g} mA range; currents are checked against the override")
+    if sc.dac.compliance_v > spec.compliance_v * (1 + 1e-9):
+        warnings.append(f"model.dac.compliance_v = {sc.dac.compliance_v:g} V is above the specified chip's "
+                        f"{spec.compliance_v:g} V; the headroom is checked against the override")
     checks: list[dict] = []
     rows = []
     vpk = predicted_peak_voltages(sc)
@@ -197,6 +213,8 @@ def check_protocol(p: ProtocolSpec) -> dict:
         if sc.reference is None:
             checks.append(_check("Kirchhoff residual without reference", 1e3 * residual, 1e3 * sc.dac.lsb_a,
                                  "mA", False))
+    # a driven electrode carries its channel's requested peak, which may fall between grid points (see above)
+    el_peak[term] = np.maximum(el_peak[term], peak_req)
     erows = [{"electrode": el.name, "position": el.position, "area_cm2": el.area_cm2,
               "peak_ma": 1e3 * float(el_peak[e]), "peak_density_ma_cm2": 1e3 * float(el_peak[e]) / el.area_cm2,
               "dc_ua": 1e6 * float(el_sum[e] / k_total)} for e, el in enumerate(sc.electrodes)]
