@@ -78,7 +78,8 @@ def check_store(run_dir: Path, study: Path | None) -> tuple[bool, str]:
     return ok, f"{len(trials)} trials for {d['n_trials']} configurations, states {sorted(states)}"
 
 
-def interrupt_once(delay_s: float, folder: Path, study: Path | None, resume_timeout_s: float = 300.0) -> dict:
+def interrupt_once(delay_s: float, folder: Path, study: Path | None, resume_timeout_s: float = 300.0,
+                   exit_limit_s: float = EXIT_LIMIT_S) -> dict:
     """One try: start, SIGINT the process group after ``delay_s``, check the exit, continue, check the store."""
     run_dir = folder / f"run-{int(delay_s * 1000)}ms-{time.monotonic_ns()}"
     err_path = folder / f"{run_dir.name}.err"
@@ -93,7 +94,7 @@ def interrupt_once(delay_s: float, folder: Path, study: Path | None, resume_time
         t0 = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)
         try:
-            proc.wait(EXIT_LIMIT_S + 10)
+            proc.wait(exit_limit_s + 10)
         except subprocess.TimeoutExpired:
             pass
         took = time.monotonic() - t0
@@ -108,8 +109,8 @@ def interrupt_once(delay_s: float, folder: Path, study: Path | None, resume_time
         problems.append("the interrupt was swallowed: the study ran to its end, exit 0")
     elif proc.returncode != 130:
         problems.append(f"exit status {proc.returncode}, expected 130")
-    if took > EXIT_LIMIT_S:
-        problems.append(f"took {took:.1f} s to exit (> {EXIT_LIMIT_S} s)")
+    if took > exit_limit_s:
+        problems.append(f"took {took:.1f} s to exit (> {exit_limit_s} s)")
     if "Traceback" in text or "Error" in text:
         problems.append("a traceback or error on stderr")
     if len(lines) != 1 or not LINE.match(lines[0]):

@@ -18,5 +18,6 @@ _spec.loader.exec_module(sweep)
 def test_sigint_to_the_process_group_during_start_up(tmp_path, delay_s):
     # 0.2 s: interpreter and imports; 1.5 s: torch import, forkserver start; 4 s: study, pool or first trials
     # (how far it got depends on the machine's load: each moment must hold whatever it hits)
-    row = sweep.interrupt_once(delay_s, tmp_path, sweep.study_file(tmp_path, tiny=True))
+    # the exit-time bound here is loose (a loaded CI host); the 5 s goal is what the sweep script measures
+    row = sweep.interrupt_once(delay_s, tmp_path, sweep.study_file(tmp_path, tiny=True), exit_limit_s=30.0)
     assert row["ok"], row

@@ -72,7 +72,7 @@ def test_ctrl_c_of_spawn_ends_the_ranks_at_once(tmp_path):
         took = time.monotonic() - when[0]
     finally:
         signal.signal(signal.SIGINT, previous)
-    assert took < 10.0, f"spawn returned {took:.1f}s after Ctrl-C"
+    assert took < 15.0, f"spawn returned {took:.1f}s after Ctrl-C"   # one 0.5 s deadline; it was 5 s per rank (>= 20 s)
 
 
 def _stuck(ctx):
@@ -83,7 +83,7 @@ def _stuck(ctx):
 
 def test_rank_pool_tears_down_stuck_ranks_at_once():
     """A call whose ranks never answer: the pool names them after ``timeout`` and kills them together (each
-    stuck rank used to get 2 s of join in turn: 8 s for these 4, 1 + 8 s in all; 6 s leaves load margin)."""
+    stuck rank used to get 2 s of join in turn: 8 s for these 4, 1 + 8 s in all; now 1 + 2 s)."""
     import time
 
     from hpdl.runtime import CollectiveTimeoutError
@@ -98,4 +98,4 @@ def test_rank_pool_tears_down_stuck_ranks_at_once():
         assert not any(p.is_alive() for p in pool._procs)
     finally:
         pool.close()
-    assert took < 6.0, f"run returned {took:.1f}s after it began (timeout 1 s)"
+    assert took < 7.5, f"run returned {took:.1f}s after it began (timeout 1 s)"   # about 3 s now; >= 9 s before
