@@ -270,8 +270,8 @@ def launch(comm: str, device: str = "cpu", *, algorithm: str = "auto", alltoall_
                 torch.cuda.set_device(0)
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                                     timeout=timedelta(seconds=timeout or 300))
-    from hpdl.runtime.launch import device_for, ranks_per_gpu_of
+    from hpdl.runtime.launch import device_for, job_ranks_per_gpu
 
     local = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
-    dev = device_for(device, local, ranks_per_gpu_of(None) if device == "cuda" else 1)[0]   # shared GPUs too
+    dev = device_for(device, local, job_ranks_per_gpu(device, None))[0]   # shared GPUs too
     return TorchComm(comm == "hpdl", dev, algorithm=algorithm, alltoall_algorithm=alltoall_algorithm, window=window)

@@ -137,10 +137,9 @@ def resolve_auto(collective: str, nbytes: int, world: int, device: str,
     import hpdl.comm as hc
 
     input_bytes = nbytes // world if collective == "all_gather" else nbytes
-    from hpdl.runtime import env
+    from hpdl.runtime.launch import gpu_slots
 
-    gpus = torch.cuda.device_count() * int(env.get("HPDL_RANKS_PER_GPU"))   # ranks sharing a GPU count as GPUs
-    return hc.resolve(collective, input_bytes, world, device, dtype=dtype, gpus=gpus)
+    return hc.resolve(collective, input_bytes, world, device, dtype=dtype, gpus=gpu_slots())
 
 
 def _resolved_name(algorithm: str, nbytes: int, world: int, device: str, collective: str = "allreduce",

@@ -127,6 +127,12 @@ def job_ranks_per_gpu(device: str, ranks_per_gpu: int | None) -> int:
     return ranks_per_gpu_of(ranks_per_gpu)
 
 
+def gpu_slots() -> int:
+    """Ranks this host's visible GPUs hold: ``torch.cuda.device_count()`` times ``HPDL_RANKS_PER_GPU`` (what the
+    peer-memory algorithms compare a group's size with; ranks sharing a GPU count as that many GPUs)."""
+    return torch.cuda.device_count() * ranks_per_gpu_of(None)
+
+
 def device_for(device: str, local_rank: int, ranks_per_gpu: int = 1,
                device_count: int | None = None) -> tuple[torch.device, str]:
     """``(device, data backend)`` of local rank ``local_rank``, without touching CUDA (``device_count`` given)
@@ -141,8 +147,7 @@ def device_for(device: str, local_rank: int, ranks_per_gpu: int = 1,
         return torch.device("cpu"), "gloo"
     if device != "cuda":
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    if isinstance(ranks_per_gpu, bool) or not isinstance(ranks_per_gpu, int) or ranks_per_gpu < 1:
-        raise ValueError(f"ranks_per_gpu must be an int >= 1, got {ranks_per_gpu!r}")
+    ranks_per_gpu_of(ranks_per_gpu)   # the argument check
     count = torch.cuda.device_count() if device_count is None else device_count
     index = local_rank // ranks_per_gpu
     if index >= count:

@@ -376,14 +376,15 @@ def _split(args, split: str, image_size: int, augment: str = "basic"):
 def _init_distributed(device: torch.device) -> None:
     import torch.distributed as dist
 
-    from hpdl.runtime.launch import ranks_per_gpu_of
+    from hpdl.runtime.launch import device_for, job_ranks_per_gpu
 
     if int(os.environ.get("WORLD_SIZE", 1)) > 1 and not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        # ranks sharing a GPU (HPDL_RANKS_PER_GPU > 1) cannot use NCCL: DDP then runs over gloo
-        nccl = device.type == "cuda" and ranks_per_gpu_of(None) == 1
-        dist.init_process_group("nccl" if nccl else "gloo")
+        # the launch mode's backend: NCCL, or gloo when ranks share a GPU (HPDL_RANKS_PER_GPU > 1)
+        _, backend = device_for(device.type, int(os.environ.get("LOCAL_RANK", 0)),
+                                job_ranks_per_gpu(device.type, None))
+        dist.init_process_group(backend)
 
 
 def train(args) -> int:

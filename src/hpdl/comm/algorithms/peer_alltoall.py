@@ -197,10 +197,10 @@ def available(tensor: torch.Tensor, world_size: int) -> bool:
     for each (one GPU per process, as with per-rank ``CUDA_VISIBLE_DEVICES``, cannot map peers' memory; ranks
     sharing a GPU, ``HPDL_RANKS_PER_GPU``, count as that many); that the ranks share a host is checked,
     collectively, at the first call."""
-    from hpdl.runtime import env
+    from hpdl.runtime.launch import gpu_slots
 
     return (tensor.is_cuda and torch.version.cuda is not None and 2 <= world_size <= MAX_RANKS
-            and world_size <= torch.cuda.device_count() * int(env.get("HPDL_RANKS_PER_GPU")))
+            and world_size <= gpu_slots())
 
 
 def peer_all_to_all(dst: torch.Tensor, src: torch.Tensor, lay: Layout, group, algorithm: str,
