@@ -250,7 +250,6 @@ def all_to_all_matrix(ctx):
         _case(res, f"all_to_all {algo} uneven", run)
 
     def equal_noncontig():
-        inp, _, _, _ = _a2a_inputs(r, p, 3, False, 6, torch.float32, dev)
         inp = torch.arange(4 * p * 6, dtype=torch.float32, device=dev).view(4 * p, 6) + 1000 * r
         want = torch.empty(4 * p, 6)
         dist.all_to_all_single(want, inp.cpu())
