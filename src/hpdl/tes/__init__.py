@@ -10,7 +10,8 @@ from hpdl.tes.cmvh import CmvhParams, calibrate, common_mode
 from hpdl.tes.impedance import AdcParams
 from hpdl.tes.load import Drift, Electrode, Tissue, randles_impedance
 from hpdl.tes.ocp import OcpParams
-from hpdl.tes.simulate import Fault, Scenario, SimResult, TiPair, simulate
+from hpdl.tes.scenario import Fault, Scenario, SimResult, TiPair
+from hpdl.tes.simulate import simulate
 from hpdl.tes.ti import envelope, max_modulation, measure_envelope, modulation_along, modulation_depth
 
 __all__ = [

@@ -9,7 +9,7 @@ import numpy as np
 from hpdl.tes import impedance as im
 from hpdl.tes.cmvh import common_mode
 from hpdl.tes.network import Network
-from hpdl.tes.simulate import SimResult, ground_paths
+from hpdl.tes.scenario import SimResult, ground_paths
 from hpdl.tes.ti import max_modulation, measure_envelope, modulation_along
 from hpdl.tes.waveforms import Sine
 

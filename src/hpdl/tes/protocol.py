@@ -24,7 +24,7 @@ from hpdl.tes.cmvh import CmvhParams
 from hpdl.tes.impedance import AdcParams
 from hpdl.tes.load import Drift, Electrode, Tissue
 from hpdl.tes.ocp import OcpParams
-from hpdl.tes.simulate import Fault, Scenario, TiPair
+from hpdl.tes.scenario import Fault, Scenario, TiPair
 
 EXAMPLE = "ti_hd.yaml"
 

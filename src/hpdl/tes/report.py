@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hpdl.tes.simulate import SimResult
+from hpdl.tes.scenario import SimResult
 
 
 def _jsonable(x):

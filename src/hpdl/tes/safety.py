@@ -17,7 +17,7 @@ import numpy as np
 from hpdl.tes.channel import DacParams, quantize
 from hpdl.tes.network import Network
 from hpdl.tes.protocol import LimitsSpec, ProtocolSpec, to_scenario
-from hpdl.tes.simulate import G_LEAK_S, Scenario, SimResult
+from hpdl.tes.scenario import G_LEAK_S, Scenario, SimResult
 from hpdl.tes.waveforms import Dc, Sine
 
 _CHECK_CHUNK = 1 << 17  # samples per pass of check_protocol: bounded memory on any protocol length

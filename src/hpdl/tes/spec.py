@@ -18,7 +18,8 @@ from hpdl.tes.channel import ChipClock, DacParams
 from hpdl.tes.cmvh import CmvhParams
 from hpdl.tes.load import Electrode, Tissue, randles_impedance
 from hpdl.tes.ocp import OcpParams
-from hpdl.tes.simulate import Fault, Scenario, TiPair, simulate
+from hpdl.tes.scenario import Fault, Scenario, TiPair
+from hpdl.tes.simulate import simulate
 from hpdl.tes.waveforms import Arbitrary, Dc, Sine
 
 CM_BOUND_MV = 10.0  # our reading of "near 0 V" (the abstract gives no number): |DC common mode| <= 10 mV
