@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from hpdl.hpo.errors import HpoError
+from hpdl.runtime.procs import pid_alive
 
 HEARTBEAT_S = 5.0   # a live driver writes its heartbeat this often
 STALE_S = 30.0      # a heartbeat older than this is a dead (or hung) driver's
@@ -67,17 +68,12 @@ def heartbeat_key(host: str) -> str:
     return f"hpdl_driver@{host}"
 
 
-def pid_alive(pid: int) -> bool:
-    """True when ``pid`` runs on this host and is not a zombie."""
+def _pid_alive(pid) -> bool:
+    """A heartbeat's ``pid`` field (any JSON value) names a live process of this host."""
     try:
-        with open(f"/proc/{int(pid)}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, ValueError, IndexError):
-        try:
-            os.kill(int(pid), 0)
-            return True
-        except (OSError, ValueError):
-            return False
+        return int(pid) > 0 and pid_alive(int(pid))
+    except (TypeError, ValueError):
+        return False
 
 
 def live_drivers(user_attrs: dict, now: float | None = None) -> list[dict]:
@@ -91,7 +87,7 @@ def live_drivers(user_attrs: dict, now: float | None = None) -> list[dict]:
             continue
         host = key.partition("@")[2]
         age = now - float(v["beat_at"])
-        if age > STALE_S or (host == me and not pid_alive(int(v.get("pid", 0)))):
+        if age > STALE_S or (host == me and not _pid_alive(v.get("pid"))):
             continue
         out.append({**v, "host": host, "age_s": age})
     return out

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
+import psutil
 
 
 def pid_alive(pid: int) -> bool:
-    """True while process ``pid`` runs on this host: it exists and is not a zombie (exited, not yet reaped,
-    which still answers ``kill(pid, 0)``). A process of another user counts as alive.
+    """True while process ``pid`` runs on this host: it exists and is not a zombie (exited, not yet reaped). A
+    process of another user counts as alive.
 
     Raises:
         ValueError: ``pid <= 0`` (0 and negative values address process groups, not one process).
@@ -15,13 +15,8 @@ def pid_alive(pid: int) -> bool:
     if pid <= 0:
         raise ValueError(f"pid={pid}, expected a process id > 0")
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):  # no /proc (macOS) or an unreadable entry: kill(pid, 0) said it exists
+    except psutil.AccessDenied:  # it exists, owned by someone else
         return True

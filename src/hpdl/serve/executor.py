@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import queue
-import socket
 import threading
 import traceback
 from datetime import timedelta
@@ -24,6 +23,7 @@ import torch.multiprocessing as mp
 
 from hpdl.runtime import env
 from hpdl.runtime.errors import WorkerFailedError
+from hpdl.runtime.launch import free_port
 from hpdl.serve.scheduler import StepPlan
 from hpdl.serve.worker import ModelRunner, ModelSpec, build_model
 
@@ -60,12 +60,6 @@ class UniprocExecutor:
 
     def shutdown(self) -> None:
         pass
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _init_rank(rank: int, world: int, port: int, device: str, ranks_per_gpu: int | None = None) -> str:
@@ -136,7 +130,7 @@ class TPExecutor:
         if world < 2:
             raise ValueError(f"tensor_parallel_size must be >= 2 for TPExecutor, got {world}")
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         pipes = [ctx.Pipe(duplex=False) for _ in range(world - 1)]  # (receive end, send end)
         self.inboxes = [send for _, send in pipes]
         self.errors = ctx.Queue()
