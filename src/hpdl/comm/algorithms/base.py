@@ -13,7 +13,7 @@ It implements the collectives whose base it subclasses, each on flat, contiguous
 * :class:`AllGather`: ``all_gather(blocks, comm)``, ``blocks[rank]`` holds this rank's part and every other
   block is filled from its owner (block sizes may differ by rank);
 * :class:`AllToAll`: ``all_to_all(dst, src, lay, comm)`` on byte tensors and a
-  :class:`~hpdl.comm.algorithms.alltoall.Layout`;
+  :class:`~hpdl.comm.algorithms.layout.Layout`;
 * :class:`Broadcast`: ``broadcast(buf, root, comm)``; :class:`Reduce`: ``reduce(buf, root, op, comm)``;
   :class:`Barrier`: ``barrier(comm)`` (``root`` is a rank of the group, not a global rank).
 

@@ -27,7 +27,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from hpdl.comm.algorithms.alltoall import Layout
+from hpdl.comm.algorithms.layout import Layout
 from hpdl.comm.transport.resources import GroupResources, lookup, resources_of
 
 ALGORITHMS = {"push": 0, "pull": 1}
@@ -210,7 +210,7 @@ def peer_all_to_all(dst: torch.Tensor, src: torch.Tensor, lay: Layout, group, al
     Args:
         dst, src: flat uint8 CUDA tensors on this rank's device (output and input of all_to_all_single viewed
             as bytes), not overlapping.
-        lay: byte offsets and lengths per peer (:func:`hpdl.comm.algorithms.alltoall.make_layout`); rank i's
+        lay: byte offsets and lengths per peer (:func:`hpdl.comm.algorithms.layout.make_layout`); rank i's
             ``recv_len[j]`` must equal rank j's ``send_len[i]`` (a mismatch makes the pair's rounds differ and
             the kernel times out after ``HPDL_TIMEOUT``, printing the rank it waited for).
         group: process group of ranks on one host (None = default group), 2..8 ranks.
