@@ -159,7 +159,7 @@ def test_killed_trial_process_is_failed_retried_and_resumes_from_checkpoint(tmp_
     assert not any(alive(t.user_attrs["hpdl_pid"]) for t in trials)
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(900)  # the bound of a hung run only: the waits below end on events, not on the clock
 def test_scheduler_killed_then_resumed_loses_nothing_and_leaves_nothing_running(tmp_path):
     """With max_retries 0 a kill -9 of the driver gives up no configuration: its death is not the trials'
     failure (before: the killed trials' configurations were given up and `resume` reported done)."""
@@ -170,9 +170,8 @@ def test_scheduler_killed_then_resumed_loses_nothing_and_leaves_nothing_running(
     make_storage(spec.storage)  # create the schema before two processes race to do it
     proc = start_driver(f"StudySpec.from_yaml({str(path)!r})")
     try:
-        deadline = time.monotonic() + 120
         running = []
-        while time.monotonic() < deadline:
+        while proc.poll() is None:  # however loaded the machine, until a trial runs or the driver ends
             time.sleep(0.5)
             try:
                 trials = trials_of(spec)
@@ -181,17 +180,17 @@ def test_scheduler_killed_then_resumed_loses_nothing_and_leaves_nothing_running(
             running = [t for t in trials if t.state.name == "RUNNING" and t.last_step and "hpdl_pid" in t.user_attrs]
             if running:
                 break
-        assert running, "no trial started within 120 s"
+        assert running, f"the driver ended (exit {proc.returncode}) before a trial reported a step"
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
     finally:
         if proc.poll() is None:
             proc.kill()
     pids = {t.user_attrs["hpdl_pid"] for t in trials_of(spec) if "hpdl_pid" in t.user_attrs}
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + 120  # they notice the driver's death within a second or two when idle
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not any(alive(p) for p in pids), "worker processes outlived the killed driver"
+    assert not any(alive(p) for p in pids), "worker processes outlived the killed driver by 120 s"
     res = run_study(spec, resume=True)
     trials = trials_of(spec)
     assert not [t for t in trials if t.state.name in ("RUNNING", "WAITING")]
