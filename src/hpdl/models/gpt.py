@@ -25,6 +25,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hpdl.models.layers import RMSNorm, rotate_half
+
 
 @dataclass
 class DecoderConfig:
@@ -159,24 +161,6 @@ class RowParallelLinear(nn.Linear):
         return y + self.bias if self.bias is not None else y
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
-
-    def forward(self, x):  # normalise in float32 as HF Llama does
-        if x.dtype != torch.float32:  # half precision: torch's fused kernel (float32 inside), far fewer launches
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
-
-def _rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 # --- attention with the slot KV cache ----------------------------------------------------------------
 @dataclass
 class Batch:
@@ -217,7 +201,7 @@ class Attention(nn.Module):
         qk, v = qkv[:, :, : self.h + self.hkv], qkv[:, :, self.h + self.hkv:]
         if rope is not None:  # rotate q and k together: (B, T, h + hkv, d)
             cos, sin = rope  # (B, T, 1, d)
-            qk = qk * cos + _rotate_half(qk) * sin
+            qk = qk * cos + rotate_half(qk) * sin
         q = qk[:, :, : self.h].transpose(1, 2)  # (B, h, T, d)
         k = qk[:, :, self.h:].transpose(1, 2)  # (B, hkv, T, d)
         v = v.transpose(1, 2)

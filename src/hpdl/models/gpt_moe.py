@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hpdl.models.layers import RMSNorm, rotate_half
 from hpdl.runtime.errors import HpdlError
 
 
@@ -167,30 +168,13 @@ class MoEConfig:
                                         norm_topk_prob=self.norm_topk_prob, attention_bias=self.attention_bias)
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    h = x.shape[-1] // 2
-    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
-
-
 def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotary embedding (half-split, as Llama/Mixtral): ``x [..., N, heads, d]`` at integer positions ``pos [..., N]``."""
     d = x.shape[-1]
     inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=x.device).float() / d))
     ang = pos.float()[..., None] * inv  # [..., N, d/2]
     emb = torch.cat((ang, ang), dim=-1)[..., None, :]  # broadcast over heads
-    return (x.float() * emb.cos() + _rotate_half(x.float()) * emb.sin()).to(x.dtype)
+    return (x.float() * emb.cos() + rotate_half(x.float()) * emb.sin()).to(x.dtype)
 
 
 class SwiGLU(nn.Module):
