@@ -56,3 +56,26 @@ def test_hpdl_hpo_run_reports_ready_and_counted_in_clocks(tmp_path):
     assert r["counted_from"] <= r["started_at"] - r["setup_s"] + 0.01  # the origin lies before the ready clock
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("clocks:"))
     assert f"ready {r['wall_s']:.1f} s" in line and f"counted in {r['counted_s']:.1f} s" in line
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("policy, traces", [("one_per_gpu", False), ("pack", True)])
+def test_only_a_policy_that_places_by_estimates_traces_one(tmp_path, policy, traces):
+    """The first meta-device trace costs the driver seconds before its pool is ready (it imports
+    ``torch._dynamo`` through the workload's optimizer); the baselines never use an estimate
+    (placement: they place blind), so they must not pay it. Before 2026-12-04 every policy traced one."""
+    import hpo_fixture_workloads as fx
+
+    from hpdl.hpo.driver import run_study
+    from hpdl.hpo.spec import StudySpec
+
+    fx.ESTIMATES.clear()
+    res = run_study(StudySpec.from_dict({
+        "study": "est", "workload": "hpo_fixture_workloads:EstimateRecordingCNN", "n_trials": 2,
+        "run_dir": str(tmp_path / "run"), "sampler": {"name": "random", "seed": 0},
+        "space": {"lr": {"type": "float", "low": 0.02, "high": 0.2, "log": True}},
+        "fixed": {"width": 4, "depth": 1, "batch_size": 8, "image_size": 8, "steps": 4, "eval_every": 2,
+                  "val_size": 16},
+        "pool": {"fake": 1, "memory_gb": 2}, "policy": {"name": policy}, "warm_workers": 1, "mps": False}))
+    assert res.complete == 2
+    assert bool(fx.ESTIMATES) is traces, fx.ESTIMATES

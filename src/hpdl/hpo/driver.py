@@ -401,13 +401,14 @@ class Driver(PlacementMixin, FaultsMixin):
         return now
 
     def _spawn_pool_and_estimate(self) -> None:
-        """Start the warm pool's processes and, meanwhile, trace the first meta-device estimate in this process.
+        """Start the warm pool's processes and, meanwhile, trace the first meta-device estimate in this process
+        (only for a policy that places by profiles: the others never trace one).
 
         The estimate's first trace imports much of torch and, through the workload's optimizer,
-        ``torch._dynamo`` (2 s on the 2-core CPU machine; 3.6-6.2 s per process on the H200 host): paid in
-        the driver's set-up it delayed the pool's start by as much. A worker's start under ``forkserver``
-        blocks until the server has imported its preload, so the processes are started from a thread (it
-        waits on a pipe, without the GIL) while this one traces."""
+        ``torch._dynamo`` (0.9-2 s on the 2-core CPU machine; 3.6-6.2 s per process on the H200 host): paid
+        in the driver's set-up it delayed the pool's start by as much, for every policy. A worker's start
+        under ``forkserver`` blocks until the server has imported its preload, so the processes are started
+        from a thread (it waits on a pipe, without the GIL) while this one traces."""
         devices = self.pool.devices()
         threaded = self.backend is None and self.launcher.ctx.get_start_method() == "forkserver"
         errors: list[BaseException] = []
@@ -421,12 +422,11 @@ class Driver(PlacementMixin, FaultsMixin):
         starter = threading.Thread(target=spawn, name="hpdl-hpo-pool-start", daemon=True) if threaded else None
         if starter is not None:
             starter.start()
-        t = time.monotonic()
-        try:
-            self.workload.estimate(dict(self.spec.fixed))
-        except Exception:  # noqa: BLE001 - warm-up only; a workload that cannot build fails in its trials
-            pass
-        self._lap("prepare", t)
+        if self.policy.uses_profiles:  # the baselines place blind (placement._demand): nothing to warm up
+            try:  # inside warmup_s, as before in no phase of driver_s (it is no trial's estimate)
+                self.workload.estimate(dict(self.spec.fixed))
+            except Exception:  # noqa: BLE001 - warm-up only; a workload that cannot build fails in its trials
+                pass
         if starter is not None:
             starter.join()
         if errors:
