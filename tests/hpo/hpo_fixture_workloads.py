@@ -164,3 +164,14 @@ class SlowFusableCNN(VisionCNN):
 
         parts.batch = batch
         return parts
+
+
+ESTIMATES: list[dict] = []  # the parameters of every estimate EstimateRecordingCNN traced in this process
+
+
+class EstimateRecordingCNN(VisionCNN):
+    """The CNN; records each meta-device estimate the driver (this process) traces."""
+
+    def estimate(self, params):
+        ESTIMATES.append(dict(params))
+        return super().estimate(params)

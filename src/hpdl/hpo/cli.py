@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from importlib import resources
 
 
@@ -63,6 +64,16 @@ def _command(args, verb: str) -> str:
     if getattr(args, "run_dir", None):
         cmd += f" --run-dir {args.run_dir}"
     return cmd
+
+
+def _clocks_line(res) -> str:
+    """The run summary's two clocks (:class:`hpdl.hpo.driver.StudyResult`): ready (from a ready warm pool to
+    the budget's end) and counted in (from the process's start to the end of the teardown), and what lies
+    between them."""
+    ph = res.setup_phases
+    return (f"clocks: ready {res.wall_s:.1f} s, counted in {res.counted_s:.1f} s (before ready {res.setup_s:.1f} s: "
+            f"start-up and imports {ph.get('before_driver', 0.0):.1f}, study set-up {ph.get('driver', 0.0):.1f}, "
+            f"warm pool {ph.get('pool', res.warmup_s):.1f}; teardown {res.teardown_s:.1f} s)")
 
 
 def _where(r: dict) -> str:
@@ -225,14 +236,16 @@ class HpoCommand:
         # `except Exception` of the start-up (a workload's estimate), and the study ran to its end, exit 0.
         outer = {sig: signal.signal(sig, startup_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            from hpdl.hpo._prestart import start_forkserver
+            from hpdl.hpo._prestart import process_started_at, start_forkserver
 
             start_forkserver()  # first: the workers' server imports torch while this process does
+            # the counted-in clock: from this process's start when it is the `hpdl` program, else from here
+            started = process_started_at() if program else time.time()
             from hpdl.hpo.driver import run_study
 
             spec = stop["spec"] = self._spec(args)
             res = run_study(spec, resume=resume, progress=not args.no_progress, exit_deadline_s=_EXIT_DEADLINE_S,
-                            overwrite=getattr(args, "overwrite", False))
+                            overwrite=getattr(args, "overwrite", False), started=started)
             stop["done"] = True
             code = self._finished(args, spec, res)
             if program:
@@ -280,8 +293,8 @@ class HpoCommand:
             print(json.dumps(out, indent=1))
         else:
             print(f"study {res.study} [{res.policy}]: {res.complete} complete, {res.pruned} pruned, "
-                  f"failures {res.failures or 'none'}, wall {res.wall_s:.1f} s "
-                  f"(+ {res.warmup_s:.1f} s warm pool start-up)")
+                  f"failures {res.failures or 'none'}")
+            print(_clocks_line(res))
             if res.requeued:
                 print(f"re-queued without spending an attempt: {res.requeued}")
             print(f"best value {res.best_value} with {res.best_params}")

@@ -79,7 +79,16 @@ class StudyResult:
     messages and joins, and the budget), ``place`` (estimates, placement, starts), ``sample`` (``ask``)
     and ``other`` (pool changes, worker replenishment, ``pack_hetero`` migration); everything but
     ``wait`` delays the next start. ``prepare`` is the asks and estimates the driver made while the pool
-    was starting (inside ``warmup_s``, not ``wall_s``)."""
+    was starting (inside ``warmup_s``, not ``wall_s``).
+
+    Two clocks: **ready** (``wall_s``, above) and **counted in** (``counted_s``: from ``counted_from``, Unix
+    time, until the teardown ended; ``hpdl hpo run`` counts from its process's start, so the interpreter, the
+    imports and the study's set-up are in it; :func:`run_study` called from Python counts from the call).
+    ``setup_s`` is the part before the ready clock started (``counted_from`` to a ready pool; ``warmup_s`` is
+    in it), so ``counted_s`` is ``setup_s + wall_s + teardown_s`` up to the bookkeeping between them.
+    ``setup_phases`` splits ``setup_s``: ``before_driver`` (the interpreter's start, imports and the study
+    file, until the driver was constructed), ``driver`` (the study's store, the study, the pool, the MPS daemon's
+    start, until :meth:`Driver.run`) and ``pool`` (``warmup_s``)."""
 
     study: str
     policy: str
@@ -98,6 +107,10 @@ class StudyResult:
     started_at: float = 0.0
     warmup_phases: dict[str, dict[str, float]] = field(default_factory=dict)
     driver_s: dict[str, float] = field(default_factory=dict)
+    counted_s: float = 0.0
+    setup_s: float = 0.0
+    counted_from: float = 0.0
+    setup_phases: dict[str, float] = field(default_factory=dict)
 
 
 class Driver(PlacementMixin, FaultsMixin):
@@ -111,13 +124,20 @@ class Driver(PlacementMixin, FaultsMixin):
             checkpoints, and start afresh (``hpdl hpo run --overwrite``), as ``optuna.delete_study`` then
             ``optuna.create_study``; done while holding the study's lock, so a live driver's study is never
             deleted.
+        started: the Unix time the counted-in clock starts from (``StudyResult.counted_s``); default: now.
     Raises:
         HpoError: the study exists and neither ``resume`` nor ``overwrite`` is given, or does not exist and
             ``resume`` is True; ``resume`` and ``overwrite`` together.
     """
 
     def __init__(self, spec: StudySpec, *, resume: bool = False, progress: bool = False,
-                 exit_deadline_s: float | None = None, overwrite: bool = False):
+                 exit_deadline_s: float | None = None, overwrite: bool = False, started: float | None = None):
+        self._t_init = time.time()
+        self._counted_from = self._t_init if started is None else float(started)
+        self._t_run = self._t_ready = self._t_end = 0.0
+        self.mps_daemon = None  # mps: start -> hpdl.hpo.mps.MpsDaemon, started beside the study's set-up
+        self._mps_start: threading.Thread | None = None
+        self._mps_error: BaseException | None = None
         if resume and overwrite:
             raise HpoError("resume and overwrite exclude each other: resume continues the stored study, "
                            "overwrite deletes it")
@@ -143,7 +163,12 @@ class Driver(PlacementMixin, FaultsMixin):
         try:
             self._open(spec, resume, progress)
         except BaseException:
-            self.lock.release()
+            try:
+                self._join_mps()
+                if self.mps_daemon is not None:
+                    self.mps_daemon.stop()
+            finally:
+                self.lock.release()
             raise
 
     def _open(self, spec: StudySpec, resume: bool, progress: bool) -> None:
@@ -157,6 +182,7 @@ class Driver(PlacementMixin, FaultsMixin):
         self.backend = None
         if spec.backend.get("name", "local") != "ray":
             self.pool = PoolSource(spec.pool)  # a bad pool fails before the study is created
+            self._begin_mps()  # the daemon comes up while the store and the study are opened
         self.profiles = ProfileCache(self.run_dir / "profiles.json")
         self.storage = storage = make_storage(spec.storage)
         names = [s.study_name for s in optuna.get_all_study_summaries(storage)]
@@ -217,13 +243,8 @@ class Driver(PlacementMixin, FaultsMixin):
         self._by_id: dict[str, Any] = {}
         if spec.mps in (True, "auto"):
             self.policy.set_mps(spec.mps is True or mps_active())
-        self.mps_daemon = None  # mps: start -> hpdl.hpo.mps.MpsDaemon, started in run()
         self.launcher = self.backend or LocalLauncher(self._spec_dict, spec.warm_workers,
                                                       self.policy.max_concurrency())
-        try:  # the first meta-device trace imports much of torch (seconds): pay it here, not in the first tick
-            self.workload.estimate(dict(spec.fixed))
-        except Exception:  # noqa: BLE001 - warm-up only; a workload that cannot build fails in its trials
-            pass
         from optuna.trial import TrialState
 
         done = [t.value for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))]
@@ -282,18 +303,20 @@ class Driver(PlacementMixin, FaultsMixin):
         from hpdl.hpo.progress import Progress
 
         view = None
+        self._t_run = time.time()
         previous = self._catch_signals()
         try:
             self._by_id = {d.id: d for d in self.pool.devices()}
             t = time.monotonic()
-            self._start_mps()  # its start-up counts as the pool's
+            self._start_mps()  # waits for the daemon started beside the study's set-up; counts as the pool's
             self.launcher.stop_requested = lambda: self._signal is not None
+            self._spawn_pool_and_estimate()
             self.launcher.warm_up(self.pool.devices(), min(WARM_TIMEOUT_S, self.spec.timeout_s or WARM_TIMEOUT_S),
                                   idle=self._prepare)
             self.warmup_s = time.monotonic() - t
             self.warmup_phases = _phases([w.startup for w in self.launcher.workers])
             self._t0 = time.monotonic()  # wall time counts from a ready pool, for every policy alike
-            self._started_at = time.time()
+            self._started_at = self._t_ready = time.time()
             view = Progress(self) if self.progress else None
             while self._signal is None:
                 tick = time.monotonic()
@@ -349,6 +372,7 @@ class Driver(PlacementMixin, FaultsMixin):
             self._release_pending()
             self.shutdown()
             self._teardown_s = time.monotonic() - t
+            self._t_end = time.time()
             self._restore_signals(previous)
         if self._signal is not None:
             raise self._interrupted(stopped, time.monotonic() - self._t_signal)
@@ -376,17 +400,83 @@ class Driver(PlacementMixin, FaultsMixin):
         self._phase_s[phase] = self._phase_s.get(phase, 0.0) + now - since
         return now
 
-    def _start_mps(self) -> None:
-        """``mps: start``: a private MPS daemon for this study's worker processes (local GPUs only)."""
-        if self.spec.mps != "start" or self.backend is not None or self.mps_daemon:
-            return
-        if not self._cuda:
-            logging.getLogger("hpdl.hpo").warning("mps: start ignored: the pool has no CUDA device")
+    def _spawn_pool_and_estimate(self) -> None:
+        """Start the warm pool's processes and, meanwhile, trace the first meta-device estimate in this process
+        (only for a policy that places by profiles: the others never trace one).
+
+        The estimate's first trace imports much of torch and, through the workload's optimizer,
+        ``torch._dynamo`` (0.9-2 s on the 2-core CPU machine; 3.6-6.2 s per process on the H200 host): paid
+        in the driver's set-up it delayed the pool's start by as much, for every policy. A worker's start
+        under ``forkserver`` blocks until the server has imported its preload, so the processes are started
+        from a thread (it waits on a pipe, without the GIL) while this one traces."""
+        devices = self.pool.devices()
+        threaded = self.backend is None and self.launcher.ctx.get_start_method() == "forkserver"
+        errors: list[BaseException] = []
+
+        def spawn() -> None:
+            try:
+                self.launcher.replenish(devices)
+            except BaseException as exc:  # noqa: BLE001 - raised below, in the driver's thread
+                errors.append(exc)
+
+        starter = threading.Thread(target=spawn, name="hpdl-hpo-pool-start", daemon=True) if threaded else None
+        if starter is not None:
+            starter.start()
+        if self.policy.uses_profiles:  # the baselines place blind (placement._demand): nothing to warm up
+            try:  # inside warmup_s, as before in no phase of driver_s (it is no trial's estimate)
+                self.workload.estimate(dict(self.spec.fixed))
+            except Exception:  # noqa: BLE001 - warm-up only; a workload that cannot build fails in its trials
+                pass
+        if starter is not None:
+            starter.join()
+        if errors:
+            raise errors[0]
+
+    def _begin_mps(self) -> None:
+        """``mps: start`` on a local CUDA pool: start the daemon in a thread, beside the study's set-up
+        (``nvidia-cuda-mps-control -d`` and the wait for its pid file); :meth:`_start_mps` waits for it."""
+        if (self.spec.mps != "start" or self.spec.backend.get("name", "local") == "ray"
+                or not any(d.torch_device.startswith("cuda") for d in self.pool.devices())):
             return
         from hpdl.hpo.mps import MpsDaemon
 
         self.mps_daemon = MpsDaemon(self.run_dir / "mps")  # set first: shutdown() stops a half-started one
-        self.mps_daemon.start()
+
+        def start() -> None:
+            try:
+                self.mps_daemon.start()
+            except BaseException as exc:  # noqa: BLE001 - raised by _start_mps in the driver's thread
+                self._mps_error = exc
+
+        self._mps_start = threading.Thread(target=start, name="hpdl-hpo-mps-start", daemon=True)
+        self._mps_start.start()
+
+    def _join_mps(self) -> None:
+        """Wait for the daemon's start begun by :meth:`_begin_mps` (bounded by its own timeout)."""
+        if self._mps_start is not None:
+            self._mps_start.join()
+            self._mps_start = None
+
+    def _start_mps(self) -> None:
+        """``mps: start``: a private MPS daemon for this study's worker processes (local GPUs only); waits
+        for the start begun beside the study's set-up, or starts it now.
+
+        Raises:
+            HpoError, HpoConfigError: the daemon did not start (see :class:`hpdl.hpo.mps.MpsDaemon`)."""
+        self._join_mps()
+        if self._mps_error is not None:
+            exc, self._mps_error = self._mps_error, None
+            raise exc
+        if self.spec.mps != "start" or self.backend is not None:
+            return
+        if self.mps_daemon is None:
+            if not self._cuda:
+                logging.getLogger("hpdl.hpo").warning("mps: start ignored: the pool has no CUDA device")
+                return
+            from hpdl.hpo.mps import MpsDaemon
+
+            self.mps_daemon = MpsDaemon(self.run_dir / "mps")  # set first: shutdown() stops a half-started one
+            self.mps_daemon.start()
         self._spec_dict["mps_env"] = self.mps_daemon.env  # workers set it before creating a CUDA context
         self.policy.set_mps(True)
 
@@ -395,6 +485,7 @@ class Driver(PlacementMixin, FaultsMixin):
         daemon started by ``mps: start``, and release the study's lock; idempotent."""
         try:
             self.launcher.shutdown()
+            self._join_mps()
             if self.mps_daemon is not None:
                 self.mps_daemon.stop()
         finally:
@@ -414,7 +505,20 @@ class Driver(PlacementMixin, FaultsMixin):
                            len(done), sum(t.state == TrialState.PRUNED for t in trials), dict(self.ledger.failures),
                            best.value if best else None, dict(best.params) if best else None, list(self.history),
                            self.preempted, self.warmup_s, self._teardown_s, self._started_at,
-                           self.warmup_phases, {k: round(v, 4) for k, v in self._phase_s.items()})
+                           self.warmup_phases, {k: round(v, 4) for k, v in self._phase_s.items()},
+                           **self.clocks())
+
+    def clocks(self) -> dict[str, Any]:
+        """``counted_s``, ``setup_s``, ``counted_from`` and ``setup_phases`` of :class:`StudyResult` (seconds;
+        before the teardown ended, ``counted_s`` runs to now)."""
+        end = self._t_end or time.time()
+        ready = self._t_ready or end
+        before = max(0.0, self._t_init - self._counted_from)
+        driver = max(0.0, (self._t_run or ready) - self._t_init)
+        return {"counted_s": end - self._counted_from, "setup_s": ready - self._counted_from,
+                "counted_from": self._counted_from,
+                "setup_phases": {"before_driver": round(before, 4), "driver": round(driver, 4),
+                                 "pool": round(self.warmup_s, 4)}}
 
 
 def _phases(startups: list[dict]) -> dict[str, dict[str, float]]:
@@ -425,7 +529,8 @@ def _phases(startups: list[dict]) -> dict[str, dict[str, float]]:
 
 
 def run_study(spec: StudySpec, *, resume: bool = False, progress: bool = False,
-              exit_deadline_s: float | None = None, overwrite: bool = False) -> StudyResult:
+              exit_deadline_s: float | None = None, overwrite: bool = False,
+              started: float | None = None) -> StudyResult:
     """Run (or, with ``resume``, continue) the study described by ``spec`` to its budget.
 
     SIGINT/SIGTERM (main thread only) stop it: every worker is told at once to checkpoint and stop, the
@@ -437,6 +542,9 @@ def run_study(spec: StudySpec, *, resume: bool = False, progress: bool = False,
 
     ``overwrite`` (not with ``resume``): delete a stored study of the same name and its checkpoints first.
 
+    ``started`` (Unix time): where the counted-in clock (``StudyResult.counted_s``) starts; default: this call.
+    ``hpdl hpo run`` gives its process's start time.
+
     Returns:
         StudyResult with wall time (s), counts, best value/params and best-so-far history.
     Raises:
@@ -444,5 +552,6 @@ def run_study(spec: StudySpec, *, resume: bool = False, progress: bool = False,
             ``timeout_s`` passed.
         HpoConfigError: invalid spec, pool or policy.
     """
+    started = time.time() if started is None else started
     return Driver(spec, resume=resume, progress=progress, exit_deadline_s=exit_deadline_s,
-                  overwrite=overwrite).run()
+                  overwrite=overwrite, started=started).run()
