@@ -11,8 +11,13 @@ count (issue 28). Here one layer is:
     -> GEMM o -> add_rmsnorm (residual add fused with the next RMSNorm) -> GEMM gate|up -> silu_mul
     -> GEMM down -> add_rmsnorm (the next layer's input norm, or the final norm)
 
-then the LM head GEMM and, for greedy rows, the argmax inside the same (CUDA-graph) step. The GEMMs stay in
-cuBLAS (they are the bandwidth-bound part and cuBLAS reaches it); every other op is one Triton kernel.
+then the LM head GEMM and, for greedy rows, the argmax inside the same (CUDA-graph) step. With ``gemm="cublas"``
+the GEMMs are cuBLAS's and every other op is one Triton kernel. cuBLAS reaches only 57% of copy bandwidth on these
+decode GEMMs (issue 38), so ``gemm="stream"`` uses ``hpdl.serve.stream_gemm`` instead, with the residual adds,
+the SiLU-mul and (for few rows) the RMSNorms fused into the GEMMs:
+
+    GEMM qkv (RMSNorm prologue) -> rope_kv -> decode_attention -> GEMM o (+ residual)
+    -> GEMM gate|up (RMSNorm prologue, SiLU-mul epilogue) -> GEMM down (+ residual)
 
 Each kernel has a torch reference (``*_ref``) with the eager model's arithmetic; on CPU the references run
 (the Triton kernels also run on CPU tensors under ``TRITON_INTERPRET=1``, which the tests use). Decode
@@ -289,9 +294,13 @@ def supports(model: DecoderLM) -> str | None:
     return None
 
 
+GEMMS = ("cublas", "stream")
+NORM_PROLOGUE_ROWS = 16  # provisional: benchmarks/serve_decode_kernels.py measures both sides of it
+
+
 @torch.inference_mode()
 def fused_decode(model: DecoderLM, cache: KVCache, tokens: torch.Tensor, pos: torch.Tensor, start: int,
-                 kv_len: int, greedy: bool = True):
+                 kv_len: int, greedy: bool = True, gemm: str = "cublas", norm_prologue_rows: int | None = None):
     """One decode step of a LLaMA ``DecoderLM`` with the fused kernels; same contract as
     ``model(tokens[:, None], cache, Batch(positions=pos[:, None], start=start, kv_len=kv_len))``.
 
@@ -299,14 +308,24 @@ def fused_decode(model: DecoderLM, cache: KVCache, tokens: torch.Tensor, pos: to
         tokens, pos: ``[n]`` int64 on the model's device; row i is slot ``start + i`` at position ``pos[i]``.
         kv_len: an upper bound of ``pos + 1`` (sets the attention's KV chunking; fixed per CUDA graph).
         greedy: also return each row's argmax token (computed on the device, inside the same graph).
+        gemm: "cublas" (``F.linear``, with separate add+RMSNorm and SiLU-mul kernels: 9 kernels a layer plus
+            cuBLAS's split-K reductions) or "stream" (``hpdl.serve.stream_gemm``: residual add, SiLU-mul and,
+            for up to ``norm_prologue_rows`` rows, the RMSNorm fused into the GEMMs: 6-7 kernels a layer).
+        norm_prologue_rows: with "stream", the most rows for which the next RMSNorm runs inside the GEMM
+            (each GEMM program re-reads its rows); above it one RMSNorm kernel runs first. None: the default.
     Returns:
         logits ``[n, vocab]`` in the model dtype, and the argmax ``[n]`` int64 (None unless ``greedy``).
     Raises:
-        ValueError: ``supports(model)`` is not None.
+        ValueError: ``supports(model)`` is not None, or ``gemm`` is not one of ``GEMMS``.
     """
     why = supports(model)
     if why is not None:
         raise ValueError(f"fused decode cannot run this model: {why}")
+    if gemm not in GEMMS:
+        raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
+    if gemm == "stream":
+        rows = NORM_PROLOGUE_ROWS if norm_prologue_rows is None else norm_prologue_rows
+        return _stream_decode(model, cache, tokens, pos, start, kv_len, greedy, tokens.shape[0] <= rows)
     cfg = model.cfg
     h, hkv = cfg.n_heads, cfg.n_kv_heads
     x = model.embed_tokens(tokens)  # [n, C]
@@ -327,6 +346,34 @@ def fused_decode(model: DecoderLM, cache: KVCache, tokens: torch.Tensor, pos: to
     return logits, (logits.argmax(dim=-1) if greedy else None)
 
 
+def _stream_decode(model: DecoderLM, cache: KVCache, tokens, pos, start: int, kv_len: int, greedy: bool,
+                   norm_in_gemm: bool):
+    """``fused_decode`` with ``hpdl.serve.stream_gemm``: per layer qkv (+ RMSNorm prologue), rope_kv,
+    attention, o (+ residual), gate|up (+ RMSNorm prologue, SiLU-mul epilogue), down (+ residual). Without
+    ``norm_in_gemm`` the RMSNorms run as their own kernel before qkv and gate|up."""
+    from hpdl.serve.stream_gemm import stream_gemm
+
+    cfg = model.cfg
+    h, hkv, eps = cfg.n_heads, cfg.n_kv_heads, cfg.norm_eps
+
+    def normed(x, w, weight, **kw):
+        if norm_in_gemm:
+            return stream_gemm(x, w, norm_weight=weight, eps=eps, **kw)
+        return stream_gemm(add_rmsnorm(x, None, weight, eps)[1], w, **kw)
+
+    res = model.embed_tokens(tokens)  # [n, C]; every GEMM writes a new tensor, so the table is never touched
+    for i, layer in enumerate(model.layers):
+        a, mlp = layer.attn, layer.mlp
+        qkv = normed(res, a.qkv_proj.weight, layer.ln_1.weight)
+        q = rope_kv(qkv, model.cos, model.sin, pos, cache.k[i], cache.v[i], start, h, hkv)
+        o = decode_attention(q, cache.k[i], cache.v[i], pos, start, kv_len)
+        res = stream_gemm(o.view(o.shape[0], h * cfg.head_dim), a.o_proj.weight, residual=res)
+        act = normed(res, mlp.up_proj.weight, layer.ln_2.weight, silu_mul=True)
+        res = stream_gemm(act, mlp.down_proj.weight, residual=res)
+    logits = normed(res, model.lm_head.weight, model.norm.weight)[:, : cfg.vocab_size]
+    return logits, (logits.argmax(dim=-1) if greedy else None)
+
+
 def step_bytes(model: DecoderLM, cache: KVCache, n: int, mean_len: float) -> float:
     """HBM bytes one fused decode step must move at least: every weight once (the embedding: n rows), each row's
     K and V for its ``mean_len`` cached positions in every layer, and its new K/V written (the roofline)."""
@@ -339,6 +386,6 @@ def step_bytes(model: DecoderLM, cache: KVCache, n: int, mean_len: float) -> flo
     return float(weights + embed + kv)
 
 
-__all__ = ["add_rmsnorm", "add_rmsnorm_ref", "attention_splits", "decode_attention", "decode_attention_ref",
+__all__ = ["GEMMS", "NORM_PROLOGUE_ROWS", "add_rmsnorm", "add_rmsnorm_ref", "attention_splits", "decode_attention", "decode_attention_ref",
            "fused_decode", "rope_kv", "rope_kv_ref", "silu_mul", "silu_mul_ref", "step_bytes", "supports",
            "use_triton"]
