@@ -168,23 +168,24 @@ def m_bucket(m: int) -> int:
     return 256
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) per M bucket; a small set, so tuning on the device
-# (compile + time each) stays within seconds per shape
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, programs per SM; 0: no split]) per M bucket; a small set, so tuning on
+# the device (compile + time each) stays within seconds per shape. The GEMV configs' loads are not pipelined by
+# Triton (no tl.dot), so small programs with more of them resident per SM are among the candidates.
 _CANDIDATES = {
-    1: [(1, 32, 512, 4, 3), (1, 64, 256, 4, 4), (1, 16, 512, 2, 4)],
+    1: [(1, 32, 512, 4, 3), (1, 64, 256, 4, 4), (1, 16, 512, 2, 4), (1, 16, 512, 2, 4, 6), (1, 32, 512, 4, 3, 4)],
     16: [(16, 32, 256, 4, 4), (16, 64, 128, 4, 4), (16, 64, 256, 4, 3)],
     32: [(32, 32, 256, 4, 4), (32, 64, 128, 4, 4), (16, 64, 256, 4, 3)],
-    64: [(64, 32, 256, 4, 3), (64, 64, 128, 4, 4), (32, 64, 128, 4, 4)],
-    128: [(64, 64, 128, 4, 4), (128, 64, 64, 4, 4), (128, 32, 128, 4, 3)],
-    256: [(64, 64, 128, 4, 4), (128, 64, 64, 4, 4), (128, 64, 128, 8, 3)],
+    64: [(64, 32, 256, 4, 3), (64, 64, 128, 4, 4), (32, 64, 128, 4, 4), (64, 64, 128, 4, 4, 0)],
+    128: [(64, 64, 128, 4, 4), (128, 64, 64, 4, 4), (128, 32, 128, 4, 3), (128, 64, 64, 4, 4, 0)],
+    256: [(64, 64, 128, 4, 4), (128, 64, 64, 4, 4), (128, 64, 128, 8, 3), (128, 64, 64, 4, 4, 0)],
 }
 
 
-def split_k(m: int, n: int, k: int, block_m: int, block_n: int, block_k: int, sms: int) -> int:
-    """Split count: enough programs for about two per SM (several resident programs per SM keep loads in
-    flight), each split at least one ``block_k`` step long."""
+def split_k(m: int, n: int, k: int, block_m: int, block_n: int, block_k: int, sms: int, per_sm: int = 2) -> int:
+    """Split count: enough programs for about ``per_sm`` per SM (several resident programs per SM keep loads
+    in flight), each split at least one ``block_k`` step long."""
     tiles = -(-n // block_n) * -(-m // block_m)
-    want = -(-2 * sms // tiles)
+    want = -(-per_sm * sms // tiles)
     return max(1, min(want, k // block_k))
 
 
@@ -192,10 +193,10 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[dict]:
     """Configs tried for an ``[m, k] x [n, k]`` GEMM (``n``: output columns) on a device with ``sms`` SMs."""
     out = []
     mb = m_bucket(m)
-    for bm, bn, bk, warps, stages in _CANDIDATES[mb]:
+    for bm, bn, bk, warps, stages, *per_sm in _CANDIDATES[mb]:
         bk = min(bk, max(16, triton.next_power_of_2(k)) if triton is not None else bk)
         out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
-                        SPLIT_K=split_k(mb, n, k, bm, bn, bk, sms)))
+                        SPLIT_K=split_k(mb, n, k, bm, bn, bk, sms, *per_sm)))
     return out
 
 
