@@ -15,7 +15,8 @@ decode_kernels.png and log.txt. Parts, in order; one that would start past the t
    rows, 264 cached positions each, CUDA graph: eager model, current fused step (cuBLAS), new step (stream GEMMs)
    with the RMSNorm in the GEMM prologue and without; TPOT = step time, tok/s = rows / step time, and the
    roofline (bytes the step must move, ``fused.step_bytes``, over its time, against the copy bandwidth); kernels
-   per step (torch.profiler) and the new step's logits against the eager step's (max abs, argmax agreement).
+   per step (torch.profiler: count, summed durations, the longest 8) and the new step's logits against the eager
+   step's (max abs, argmax agreement).
 3. gemm (a + c): the 1.1B model's decode GEMMs (qkv, o, gate_up, down, lm_head) at M = 1, 16, 64, 256 rows:
    cuBLAS (``F.linear``), stream_gemm, and stream_gemm with the epilogue/prologue the new step uses. Each time is
    one GEMM of a CUDA graph that runs it over 22 distinct weight copies (lm_head: 4), as a decode step does, so
@@ -240,7 +241,9 @@ def _n_layers() -> int:
 
 
 # --- 3. whole decode step ------------------------------------------------------------------------------------
-def _kernels(fn, device) -> int | None:
+def _kernels(fn, device) -> dict | None:
+    """Device kernels of one call of ``fn`` run outside a graph (torch.profiler): their count, the sum of their
+    durations (against the graph's step time: what launch gaps cost) and the 8 names that took longest."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -251,7 +254,16 @@ def _kernels(fn, device) -> int | None:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    by_name: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            v = by_name.setdefault(e.name[:60], [0, 0.0])
+            v[0] += 1
+            v[1] += e.time_range.elapsed_us()
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:8]
+    return {"count": sum(v[0] for v in by_name.values()),
+            "sum_us": round(sum(v[1] for v in by_name.values()), 1),
+            "top": [[name, n, round(us, 1)] for name, (n, us) in top]}
 
 
 def steps(device, copy_bw: float) -> None:
@@ -350,8 +362,9 @@ def table() -> str:
     if RES.get("step"):
         lines.append("step rows path                  ms      tok/s   frac_copy kernels")
         for r in RES["step"]:
+            k = r.get("kernels") or {}
             lines.append(f"     {r['rows']:4d} {r['path']:20s} {r['step_ms']:7.3f} {r['tok_per_s']:10.0f} "
-                         f"{r['frac_copy']:6.2f} {r['kernels']}")
+                         f"{r['frac_copy']:6.2f} {k.get('count')} ({k.get('sum_us')} us of kernels)")
     return "\n".join(lines)
 
 
