@@ -307,7 +307,8 @@ def steps(device, copy_bw: float) -> None:
                 kern = _kernels(run, device) if n in (1, 64) else None
             need = fz.step_bytes(model, cache, n, CTX)
             r = {"rows": n, "path": name, "step_ms": round(ms, 4), "tok_per_s": round(n / ms * 1e3, 1),
-                 "min_bytes": need, "GBps": round(need / ms / 1e6, 1), "frac_copy": round(need / (ms * 1e-3) / copy_bw, 3),
+                 "min_bytes": need, "GBps": round(need / ms / 1e6, 1),
+                 "frac_copy": round(need / (ms * 1e-3) / copy_bw, 3),
                  "kernels": kern}
             if "eager" in outs and name != "eager":
                 d = (outs[name] - outs["eager"]).abs()

@@ -139,6 +139,11 @@ def _interpreted_check() -> None:
     ref = fz.decode_attention_ref(q, kc, vc, pos, 2)
     for splits in (1, 2, 3):  # one pass, and split-K with empty chunks for the short rows
         torch.testing.assert_close(fz.decode_attention(q, kc, vc, pos, 2, 151, splits=splits, block_n=16), ref)
+        for _ in range(2):  # the chunks combined by the last program; counters left at 0 for the second call
+            torch.testing.assert_close(fz.decode_attention(q, kc, vc, pos, 2, 151, splits=splits, block_n=16,
+                                                           fuse_combine=True), ref)
+    from hpdl.serve.stream_gemm import counters
+    assert int(counters(q.device).abs().sum()) == 0
     gu = torch.randn(n, 400)
     torch.testing.assert_close(fz.silu_mul(gu), fz.silu_mul_ref(gu))
     for kw in STREAM:  # whole steps: cuBLAS-path kernels, then the stream GEMMs without and with the norm prologue

@@ -82,7 +82,8 @@ if triton is not None:
     @triton.jit
     def _stream_gemm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, part_ptr, cnt_ptr,
                             M, N, K, stride_xm, stride_wn, stride_om, stride_rm, eps, SPLIT_K,
-                            EPI: tl.constexpr, NORM: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+                            EPI: tl.constexpr, NORM: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+                            UPCAST: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_s = tl.program_id(1)
@@ -168,9 +169,9 @@ def m_bucket(m: int) -> int:
     return 256
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, programs per SM; 0: no split]) per M bucket; a small set, so tuning on
-# the device (compile + time each) stays within seconds per shape. The GEMV configs' loads are not pipelined by
-# Triton (no tl.dot), so small programs with more of them resident per SM are among the candidates.
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, programs per SM; 0: no split]) per M bucket; a small set,
+# so tuning on the device (compile + time each) stays within seconds per shape. The GEMV configs' loads are not
+# pipelined by Triton (no tl.dot), so small programs with more of them resident per SM are among the candidates.
 _CANDIDATES = {
     1: [(1, 32, 512, 4, 3), (1, 64, 256, 4, 4), (1, 16, 512, 2, 4), (1, 16, 512, 2, 4, 6), (1, 32, 512, 4, 3, 4)],
     16: [(16, 32, 256, 4, 4), (16, 64, 128, 4, 4), (16, 64, 256, 4, 3)],
@@ -200,9 +201,12 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[dict]:
     return out
 
 
-def _counters(device: torch.device) -> torch.Tensor:
+def counters(device: torch.device) -> torch.Tensor:
+    """The device's int32 counter buffer (``[65536]``, zeroed once) for in-kernel split reductions: a kernel
+    that uses it leaves every counter it touched at 0 again (also ``fused.decode_attention(fuse_combine=True)``).
+    Allocate it before a CUDA-graph capture (any launch does); kernels using it must not run concurrently."""
     c = _COUNTERS.get(device)
-    if c is None:  # zeroed once; each split-K launch leaves its counters at 0 again
+    if c is None:
         c = _COUNTERS[device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
     return c
 
@@ -218,7 +222,7 @@ def _launch(x, w, out, res, nw, eps, epi: int, cfg: dict) -> None:
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), sk, triton.cdiv(M, cfg["BLOCK_M"]))
     interp = not x.is_cuda
     _stream_gemm_kernel[grid](
-        x, w, out, res if res is not None else out, nw if nw is not None else x, part, _counters(x.device),
+        x, w, out, res if res is not None else out, nw if nw is not None else x, part, counters(x.device),
         M, N, K, x.stride(0), w.stride(0), out.stride(0), res.stride(0) if res is not None else 0, eps, sk,
         EPI=epi, NORM=nw is not None, DOT=cfg["BLOCK_M"] > 1,
         PREC="ieee" if x.dtype == torch.float32 or interp else "tf32", UPCAST=interp and x.dtype != torch.float32,
@@ -307,4 +311,5 @@ def stream_gemm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None 
     return out
 
 
-__all__ = ["TUNE", "candidates", "m_bucket", "split_k", "stream_gemm", "stream_gemm_ref", "tuned_configs"]
+__all__ = ["TUNE", "candidates", "counters", "m_bucket", "split_k", "stream_gemm", "stream_gemm_ref",
+           "tuned_configs"]
