@@ -3,6 +3,7 @@
     python3 benchmarks/serve_fused_bench.py --out $OUT            # device: JSON (+ PNG) into $OUT
     python3 benchmarks/serve_fused_bench.py --plot DIR            # here: the PNG from a fetched fused.json
     python3 benchmarks/serve_fused_bench.py --smoke --out /tmp/x  # CPU plumbing check, llama-tiny
+    python3 benchmarks/serve_fused_bench.py --fused-gemm stream --parts fused --out $OUT  # the stream GEMM step
 
 Parts, each saved into fused.json as soon as it is done (a timeout keeps what finished):
 1. correctness: greedy tokens of the fused and eager paths through ``LLMEngine`` (CUDA graphs on) in float32;
@@ -28,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 MODEL, DTYPE, SLOTS, MAX_LEN, PROMPT, OUT_LEN = "llama-1b", "bfloat16", 256, 640, 128, (32, 512)
 CONCURRENCY, B1_TOKENS, ROOF_ROWS = [16, 64, 256], 256, [1, 64, 256]
 GOALS = {"64": 25000, "256": 60000, "tpot_b1_ms": 1.0}
+FUSED_GEMM = "cublas"  # --fused-gemm stream: the fused path with hpdl.serve.stream_gemm (issue 38)
 SMOKE = dict(MODEL="llama-tiny", DTYPE="float32", SLOTS=8, MAX_LEN=160, PROMPT=16, OUT_LEN=(4, 24),
              CONCURRENCY=[4, 8], B1_TOKENS=16, ROOF_ROWS=[1, 8])
 _T0 = time.perf_counter()
@@ -45,7 +47,8 @@ def _engine(device, fused, dtype=None, slots=None, max_len=None, model=None):
 
     return LLMEngine(ModelSpec(config=model or MODEL, dtype=dtype or DTYPE),
                      EngineConfig(num_slots=slots or SLOTS, max_seq_len=max_len or MAX_LEN, device=device,
-                                  cuda_graph=True, fused_decode=fused, max_prefill_tokens=PROMPT * 256))
+                                  cuda_graph=True, fused_decode=fused, max_prefill_tokens=PROMPT * 256,
+                                  fused_gemm=FUSED_GEMM if fused else "cublas"))
 
 
 def _free(eng) -> None:
@@ -134,7 +137,7 @@ def correctness(out: Path, device: str) -> None:
             pos = torch.tensor([len(p) for p in prompts[:n]], device=r.device)
             tk = torch.tensor([5, 6, 7, 8], device=r.device)
             ref = r.model(tk[:, None], r.cache, Batch(positions=pos[:, None], start=0, kv_len=int(pos.max()) + 1))
-            got, top = fused_decode(r.model, r.cache, tk, pos, 0, 128)
+            got, top = fused_decode(r.model, r.cache, tk, pos, 0, 128, gemm=FUSED_GEMM)
         d = (got.float() - ref.float()).abs()
         _save(out, f"logits_{dtype}", {"max_abs_diff": d.max().item(), "mean_abs_diff": d.mean().item(),
                                        "ref_std": ref.float().std().item(),
@@ -157,6 +160,7 @@ def throughput(out: Path, device: str, fused: bool) -> None:
     for n in [1] + CONCURRENCY:  # every prefill shape measured below, once (cuBLAS heuristics, lazy loading)
         bench.run_engine(eng, bench.make_workload(n, (PROMPT, PROMPT), (2, 2), math.inf, vocab_size=vocab, seed=9))
     _save(out, f"{name}_setup", {"graphs": graphs, "seconds": time.perf_counter() - t, "fused": r.fused,
+                                 "fused_gemm": r.fused_gemm,
                                  "cuda_graph": r.cuda_graph, "graph_error": r.graph_error})
     res = {}
     w1 = bench.make_workload(1, (PROMPT, PROMPT), (B1_TOKENS, B1_TOKENS), math.inf, vocab_size=vocab, seed=0)
@@ -236,7 +240,10 @@ def main() -> None:
     ap.add_argument("--plot", type=Path, help="only make the PNG from DIR/fused.json")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--parts", default="kernels,correctness,fused,eager")
+    ap.add_argument("--fused-gemm", default="cublas", choices=["cublas", "stream"],
+                    help="GEMMs of the fused path (stream: hpdl.serve.stream_gemm, issue 38)")
     args = ap.parse_args()
+    globals()["FUSED_GEMM"] = args.fused_gemm
     if args.plot:
         return plot(args.plot)
     if args.smoke:
@@ -251,7 +258,8 @@ def main() -> None:
                                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                  "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
                                  "triton": __import__("triton").__version__ if device == "cuda" else None,
-                                 "model": MODEL, "dtype": DTYPE, "slots": SLOTS, "max_seq_len": MAX_LEN})
+                                 "model": MODEL, "dtype": DTYPE, "slots": SLOTS, "max_seq_len": MAX_LEN,
+                                 "fused_gemm": FUSED_GEMM})
     for part in args.parts.split(","):
         try:
             if part == "kernels":

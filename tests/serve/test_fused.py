@@ -34,7 +34,7 @@ def _prefilled(seed=0, dtype=torch.float32, slots=6, L=200):
     return model, cache, torch.tensor(lens)
 
 
-def _decode_both(model, cache, pos, steps=4):
+def _decode_both(model, cache, pos, steps=4, **kw):
     """Decode ``steps`` greedy steps of slots 1..4 eagerly and fused from the same cache; the tokens and logits."""
     ce = KVCache(CFG, cache.num_slots, cache.max_seq_len, cache.k.dtype, "cpu")
     ce.k.copy_(cache.k), ce.v.copy_(cache.v)
@@ -44,16 +44,20 @@ def _decode_both(model, cache, pos, steps=4):
         for _ in range(steps):
             kv = int(pos.max()) + 1
             a = model(te[:, None], ce, Batch(positions=pos[:, None], start=1, kv_len=kv))
-            b, top = fz.fused_decode(model, cache, tf, pos, 1, kv)
+            b, top = fz.fused_decode(model, cache, tf, pos, 1, kv, **kw)
             le.append(a), lf.append(b)
             te, tf, pos = a.argmax(-1), top, pos + 1
             assert torch.equal(top, b.argmax(-1))
     return le, lf, ce
 
 
-def test_references_match_eager_decode_float32():
+STREAM = [{}, dict(gemm="stream", norm_prologue_rows=0), dict(gemm="stream", norm_prologue_rows=256)]
+
+
+@pytest.mark.parametrize("kw", STREAM, ids=["cublas", "stream", "stream-norm-prologue"])
+def test_references_match_eager_decode_float32(kw):
     model, cache, lens = _prefilled()
-    le, lf, ce = _decode_both(model, cache, lens.clone())
+    le, lf, ce = _decode_both(model, cache, lens.clone(), **kw)
     for a, b in zip(le, lf):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
         assert torch.equal(a.argmax(-1), b.argmax(-1))
@@ -61,9 +65,10 @@ def test_references_match_eager_decode_float32():
     torch.testing.assert_close(cache.v, ce.v, rtol=1e-4, atol=1e-5)
 
 
-def test_references_match_eager_decode_bfloat16():
+@pytest.mark.parametrize("kw", STREAM, ids=["cublas", "stream", "stream-norm-prologue"])
+def test_references_match_eager_decode_bfloat16(kw):
     model, cache, lens = _prefilled(dtype=torch.bfloat16)
-    le, lf, _ = _decode_both(model, cache, lens.clone(), steps=1)
+    le, lf, _ = _decode_both(model, cache, lens.clone(), steps=1, **kw)
     torch.testing.assert_close(lf[0].float(), le[0].float(), rtol=0.05, atol=0.05)
 
 
@@ -83,16 +88,23 @@ def test_supports_and_engine_flag():
         LLMEngine(ModelSpec(config="gpt2-tiny"), EngineConfig(num_slots=2, max_seq_len=32, fused_decode=True))
     eng = LLMEngine(ModelSpec(config="llama-tiny"), EngineConfig(num_slots=2, max_seq_len=32))
     assert eng.executor.runner.fused is False  # CPU default: the eager reference
+    with pytest.raises(ValueError, match="fused_gemm"):
+        EngineConfig(fused_gemm="cutlass")
+    model, cache, lens = _prefilled()
+    with pytest.raises(ValueError, match="gemm must be one of"):
+        fz.fused_decode(model, cache, torch.tensor([1]), torch.tensor([3]), 1, 4, gemm="cutlass")
 
 
-def test_engine_fused_greedy_equals_hf(hf_dir):
+@pytest.mark.parametrize("gemm", ["cublas", "stream"])
+def test_engine_fused_greedy_equals_hf(hf_dir, gemm):
     arch, path, hf = hf_dir
     if arch != "llama":
         pytest.skip("the fused step is LLaMA's")
     prompts = [[5, 6, 7], [9] * 30, [1], [200, 100, 50, 25]]
     maxt = [20, 7, 33, 12]
-    eng = LLMEngine(ModelSpec(model=path), EngineConfig(num_slots=3, max_seq_len=64, fused_decode=True))
-    assert eng.executor.runner.fused
+    eng = LLMEngine(ModelSpec(model=path), EngineConfig(num_slots=3, max_seq_len=64, fused_decode=True,
+                                                        fused_gemm=gemm))
+    assert eng.executor.runner.fused and eng.executor.runner.fused_gemm == gemm
     outs = eng.generate(prompts, [SamplingParams(max_tokens=m) for m in maxt])
     for p, m, o in zip(prompts, maxt, outs):
         assert o.token_ids == hf_greedy(hf, p, m), (p, m)
@@ -127,14 +139,20 @@ def _interpreted_check() -> None:
     ref = fz.decode_attention_ref(q, kc, vc, pos, 2)
     for splits in (1, 2, 3):  # one pass, and split-K with empty chunks for the short rows
         torch.testing.assert_close(fz.decode_attention(q, kc, vc, pos, 2, 151, splits=splits, block_n=16), ref)
+        for _ in range(2):  # the chunks combined by the last program; counters left at 0 for the second call
+            torch.testing.assert_close(fz.decode_attention(q, kc, vc, pos, 2, 151, splits=splits, block_n=16,
+                                                           fuse_combine=True), ref)
+    from hpdl.serve.stream_gemm import counters
+    assert int(counters(q.device).abs().sum()) == 0
     gu = torch.randn(n, 400)
     torch.testing.assert_close(fz.silu_mul(gu), fz.silu_mul_ref(gu))
-    model, cache, lens = _prefilled()
-    le, lf, ce = _decode_both(model, cache, lens.clone(), steps=3)
-    for a, b in zip(le, lf):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
-        assert torch.equal(a.argmax(-1), b.argmax(-1))
-    torch.testing.assert_close(cache.k, ce.k, rtol=1e-4, atol=1e-5)
+    for kw in STREAM:  # whole steps: cuBLAS-path kernels, then the stream GEMMs without and with the norm prologue
+        model, cache, lens = _prefilled()
+        le, lf, ce = _decode_both(model, cache, lens.clone(), steps=3 if not kw else 2, **kw)
+        for a, b in zip(le, lf):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+            assert torch.equal(a.argmax(-1), b.argmax(-1))
+        torch.testing.assert_close(cache.k, ce.k, rtol=1e-4, atol=1e-5)
     print("ok")
 
 

@@ -32,6 +32,24 @@ def test_filters_restrict_the_support():
     assert s.sample(logits, [_req("g", SamplingParams(temperature=1.0, top_p=1e-6, seed=3))]).tokens == [0]
 
 
+def test_extreme_top_p_and_repetition_penalty_sample_instead_of_failing():
+    """Issue 38: top_p = 5e-324 (0 in float32) dropped every token, and repetition_penalty = 1e-40 overflowed the
+    seen tokens' logits to +inf; both gave NaN probabilities and the request failed with a 500."""
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    for tp in (5e-324, 1e-300):
+        out = Sampler().sample(logits, [_req("p", SamplingParams(temperature=1.0, top_p=tp, seed=1))])
+        assert not out.errors and out.tokens == [0]
+    # tokens 1 and 2 were seen (prompt): dividing their positive logits by 1e-40 makes them the only candidates
+    logits = torch.tensor([[3.0, 2.0, 1.0, 4.0]])
+    seen = set()
+    for i in range(60):
+        out = Sampler().sample(logits, [_req(f"r{i}", SamplingParams(temperature=1.0, repetition_penalty=1e-40,
+                                                                     seed=i), prompt=(1, 2))])
+        assert not out.errors, out.errors
+        seen.add(out.tokens[0])
+    assert seen == {1, 2}
+
+
 def test_seeded_rows_are_reproducible_and_greedy_rows_argmax():
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     rows = [_req("a", SamplingParams(temperature=0.9, seed=7)), _req("b", SamplingParams()), None]

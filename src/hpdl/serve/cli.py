@@ -73,6 +73,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cuda-graph", action="store_true", help="replay decode steps from CUDA graphs")
     g.add_argument("--eager-decode", action="store_true",
                    help="decode with the eager model, not the fused Triton step (the default on CUDA for LLaMA)")
+    g.add_argument("--fused-gemm", default="cublas", choices=["cublas", "stream"],
+                   help="GEMMs of the fused decode step: cuBLAS, or hpdl's weight-streaming Triton GEMMs with the "
+                        "residual add, SiLU-mul and RMSNorm fused in (hpdl.serve.stream_gemm)")
     g.add_argument("--seed", type=count(0, 2**63 - 1), default=0, help="random-weight seed (and workload seed for bench)")
 
 
@@ -92,7 +95,7 @@ def _engine(args):
     cfg = EngineConfig(num_slots=args.num_slots, max_seq_len=args.max_seq_len, device=args.device,
                        tensor_parallel_size=args.tensor_parallel_size, reorder=args.reorder,
                        cuda_graph=args.cuda_graph, tp_all_reduce=args.tp_all_reduce,
-                       fused_decode=False if args.eager_decode else None)
+                       fused_decode=False if args.eager_decode else None, fused_gemm=args.fused_gemm)
     return spec, LLMEngine(spec, cfg)
 
 

@@ -37,6 +37,8 @@ class EngineConfig:
         (hpdl.comm's peer-memory all-reduce on CUDA, every size); NCCL where the fast one is unavailable.
     fused_decode: decode with the fused Triton kernels (``hpdl.serve.fused``); None = on CUDA for LLaMA models
         on one device, the eager step elsewhere (the CPU reference). True where unsupported is a ValueError.
+    fused_gemm: the fused step's GEMMs: "cublas" or "stream" (``hpdl.serve.stream_gemm``, weight-streaming
+        Triton GEMMs with the residual adds, SiLU-mul and RMSNorms fused in; ``hpdl.serve.fused.fused_decode``).
     ranks_per_gpu: tensor-parallel ranks that share one GPU (None: ``HPDL_RANKS_PER_GPU``, 1), e.g. TP = 4 on
         one GPU with 4: the code path of a 4-GPU node (gloo instead of NCCL), for correctness, not speed.
     """
@@ -51,8 +53,11 @@ class EngineConfig:
     tp_all_reduce: str = "nccl"
     fused_decode: bool | None = None
     ranks_per_gpu: int | None = None
+    fused_gemm: str = "cublas"
 
     def __post_init__(self):
+        if self.fused_gemm not in ("cublas", "stream"):
+            raise ValueError(f"fused_gemm must be 'cublas' or 'stream', got {self.fused_gemm!r}")
         if self.tp_all_reduce not in ("nccl", "symm", "hpdl"):
             raise ValueError(f"tp_all_reduce must be 'nccl', 'symm' or 'hpdl', got {self.tp_all_reduce!r}")
         if self.tensor_parallel_size < 1:
@@ -129,7 +134,7 @@ class LLMEngine:
     def __init__(self, spec: ModelSpec, config: EngineConfig | None = None, tokenizer=None):
         self.config = config = config or EngineConfig()
         args = RunnerArgs(config.num_slots, config.max_seq_len, config.device, config.cuda_graph, config.tp_all_reduce,
-                          config.fused_decode, config.ranks_per_gpu)
+                          config.fused_decode, config.ranks_per_gpu, config.fused_gemm)
         self.executor = UniprocExecutor(spec, args) if config.tensor_parallel_size == 1 else \
             TPExecutor(spec, args, config.tensor_parallel_size)
         self.model_config = self.executor.config

@@ -37,6 +37,7 @@ class RunnerArgs:
     tp_all_reduce: str = "nccl"
     fused_decode: bool | None = None
     ranks_per_gpu: int | None = None   # TP ranks sharing one GPU (None: HPDL_RANKS_PER_GPU); see _init_rank
+    fused_gemm: str = "cublas"
 
 
 class UniprocExecutor:
@@ -52,7 +53,7 @@ class UniprocExecutor:
     def __init__(self, spec: ModelSpec, args: RunnerArgs):
         model = build_model(spec, args.device)
         self.runner = ModelRunner(model, args.num_slots, args.max_seq_len, 1, args.cuda_graph,
-                                  fused=args.fused_decode)
+                                  fused=args.fused_decode, fused_gemm=args.fused_gemm)
         self.config = model.cfg
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
@@ -92,7 +93,7 @@ def _worker_main(rank: int, world: int, port: int, spec: ModelSpec, args: Runner
         device = _init_rank(rank, world, port, args.device, args.ranks_per_gpu)
         model = build_model(spec, device, dist.group.WORLD)
         runner = ModelRunner(model, args.num_slots, args.max_seq_len, world, args.cuda_graph, args.tp_all_reduce,
-                             fused=args.fused_decode)
+                             fused=args.fused_decode, fused_gemm=args.fused_gemm)
         errors.put((rank, None))  # ready
         while True:
             if not inbox.poll(5.0):
@@ -142,7 +143,7 @@ class TPExecutor:
         device = _init_rank(0, world, port, args.device, args.ranks_per_gpu)
         model = build_model(spec, device, dist.group.WORLD)
         self.runner = ModelRunner(model, args.num_slots, args.max_seq_len, world, args.cuda_graph, args.tp_all_reduce,
-                             fused=args.fused_decode)
+                             fused=args.fused_decode, fused_gemm=args.fused_gemm)
         self.config = model.cfg
         ready = set()
         while len(ready) < world - 1:

@@ -11,8 +11,13 @@ count (issue 28). Here one layer is:
     -> GEMM o -> add_rmsnorm (residual add fused with the next RMSNorm) -> GEMM gate|up -> silu_mul
     -> GEMM down -> add_rmsnorm (the next layer's input norm, or the final norm)
 
-then the LM head GEMM and, for greedy rows, the argmax inside the same (CUDA-graph) step. The GEMMs stay in
-cuBLAS (they are the bandwidth-bound part and cuBLAS reaches it); every other op is one Triton kernel.
+then the LM head GEMM and, for greedy rows, the argmax inside the same (CUDA-graph) step. With ``gemm="cublas"``
+the GEMMs are cuBLAS's and every other op is one Triton kernel. cuBLAS reaches only 57% of copy bandwidth on these
+decode GEMMs (issue 38), so ``gemm="stream"`` uses ``hpdl.serve.stream_gemm`` instead, with the residual adds,
+the SiLU-mul and (for few rows) the RMSNorms fused into the GEMMs:
+
+    GEMM qkv (RMSNorm prologue) -> rope_kv -> decode_attention (chunks combined in-kernel) -> GEMM o (+ residual)
+    -> GEMM gate|up (RMSNorm prologue, SiLU-mul epilogue) -> GEMM down (+ residual)
 
 Each kernel has a torch reference (``*_ref``) with the eager model's arithmetic; on CPU the references run
 (the Triton kernels also run on CPU tensors under ``TRITON_INTERPRET=1``, which the tests use). Decode
@@ -136,10 +141,10 @@ if triton is not None:
         tl.store(dst + D // 2 + half, o2.to(dt))
 
     @triton.jit
-    def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, part_acc_ptr, part_ml_ptr, start, scale,
-                            s_slot, s_head, s_pos, H, HKV, CHUNK,
+    def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, part_acc_ptr, part_ml_ptr, cnt_ptr, start,
+                            scale, s_slot, s_head, s_pos, H, HKV, CHUNK,
                             G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                            SPLIT: tl.constexpr, PREC: tl.constexpr):
+                            SPLIT: tl.constexpr, PREC: tl.constexpr, COMBINE: tl.constexpr = False):
         row = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -175,6 +180,28 @@ if triton is not None:
             tl.store(part_acc_ptr + pidx[:, None] * D + dd[None, :], acc, mask=gm[:, None])
             tl.store(part_ml_ptr + pidx * 2, m_i, mask=gm)
             tl.store(part_ml_ptr + pidx * 2 + 1, l_i, mask=gm)
+            if COMBINE:  # the last program of this (row, kv head) combines the splits (no second kernel)
+                tl.debug_barrier()  # every thread's partial is written before the release below
+                done = tl.atomic_add(cnt_ptr + row * HKV + kvh, 1, sem="acq_rel")
+                if done == nsplit - 1:
+                    mx = tl.full([GP], float("-inf"), tl.float32)
+                    for sp in range(0, nsplit):  # split 0 always holds position 0, so mx ends finite
+                        mx = tl.maximum(mx, tl.load(part_ml_ptr + (oh * nsplit + sp) * 2, mask=gm,
+                                                    other=float("-inf"), cache_modifier=".cg"))
+                    num = tl.zeros([GP, D], tl.float32)
+                    den = tl.zeros([GP], tl.float32)
+                    for sp in range(0, nsplit):  # split order, as _combine_kernel sums
+                        pi = oh * nsplit + sp
+                        w = tl.exp(tl.load(part_ml_ptr + pi * 2, mask=gm, other=float("-inf"),
+                                           cache_modifier=".cg") - mx)
+                        w = tl.where(gm, w, 0.0)
+                        den += tl.load(part_ml_ptr + pi * 2 + 1, mask=gm, other=0.0, cache_modifier=".cg") * w
+                        num += tl.load(part_acc_ptr + pi[:, None] * D + dd[None, :], mask=gm[:, None], other=0.0,
+                                       cache_modifier=".cg") * w[:, None]
+                    o = num / tl.where(gm, den, 1.0)[:, None]
+                    tl.store(out_ptr + oh[:, None] * D + dd[None, :], o.to(out_ptr.dtype.element_ty),
+                             mask=gm[:, None])
+                    tl.atomic_xchg(cnt_ptr + row * HKV + kvh, 0)  # ready for the next launch
         else:
             o = acc / l_i[:, None]
             tl.store(out_ptr + oh[:, None] * D + dd[None, :], o.to(out_ptr.dtype.element_ty), mask=gm[:, None])
@@ -238,10 +265,13 @@ def attention_splits(n: int, hkv: int, kv_len: int, block_n: int = 64, target: i
     return max(1, min(want, -(-kv_len // block_n)))
 
 
-def decode_attention(q, kc, vc, pos, start: int, kv_len: int, splits: int | None = None, block_n: int = 64):
+def decode_attention(q, kc, vc, pos, start: int, kv_len: int, splits: int | None = None, block_n: int = 64,
+                     fuse_combine: bool = False):
     """Triton ``decode_attention_ref``: each program reads one (row, kv head, KV chunk) and serves all
     ``h / hkv`` query heads of that kv head; chunks combine by their log-sum-exp (flash-decoding).
-    ``kv_len``: an upper bound of ``pos + 1`` (fixed per CUDA graph), which sets the chunking."""
+    ``kv_len``: an upper bound of ``pos + 1`` (fixed per CUDA graph), which sets the chunking.
+    ``fuse_combine``: the last program of each (row, kv head) combines the chunks (a per-pair counter, as in
+    ``hpdl.serve.stream_gemm``) instead of a second kernel; the same arithmetic, summed in split order."""
     if not use_triton(q):
         return decode_attention_ref(q, kc, vc, pos, start)
     n, h, d = q.shape
@@ -255,14 +285,22 @@ def decode_attention(q, kc, vc, pos, start: int, kv_len: int, splits: int | None
     args = dict(G=G, GP=max(16, triton.next_power_of_2(G)), D=d, BLOCK_N=block_n,
                 PREC="ieee" if q.dtype == torch.float32 else "tf32")
     if splits == 1:
-        _decode_attn_kernel[(n, hkv, 1)](q, kc, vc, pos, out, out, out, start, d ** -0.5, kc.stride(0),
+        _decode_attn_kernel[(n, hkv, 1)](q, kc, vc, pos, out, out, out, out, start, d ** -0.5, kc.stride(0),
                                          kc.stride(1), kc.stride(2), h, hkv, chunk, SPLIT=False, **args)
         return out
     acc = torch.empty(n * h * splits, d, dtype=torch.float32, device=q.device)
     ml = torch.empty(n * h * splits, 2, dtype=torch.float32, device=q.device)
-    _decode_attn_kernel[(n, hkv, splits)](q, kc, vc, pos, out, acc, ml, start, d ** -0.5, kc.stride(0),
-                                          kc.stride(1), kc.stride(2), h, hkv, chunk, SPLIT=True, **args)
-    _combine_kernel[(n * h,)](acc, ml, out, splits, SP=triton.next_power_of_2(splits), D=d)
+    if fuse_combine:
+        from hpdl.serve.stream_gemm import counters
+
+        if n * hkv > counters(q.device).numel():
+            raise ValueError(f"fuse_combine: {n} rows x {hkv} kv heads exceed the counter buffer")
+    cnt = counters(q.device) if fuse_combine else out
+    _decode_attn_kernel[(n, hkv, splits)](q, kc, vc, pos, out, acc, ml, cnt, start, d ** -0.5, kc.stride(0),
+                                          kc.stride(1), kc.stride(2), h, hkv, chunk, SPLIT=True,
+                                          COMBINE=fuse_combine, **args)
+    if not fuse_combine:
+        _combine_kernel[(n * h,)](acc, ml, out, splits, SP=triton.next_power_of_2(splits), D=d)
     return out
 
 
@@ -289,9 +327,13 @@ def supports(model: DecoderLM) -> str | None:
     return None
 
 
+GEMMS = ("cublas", "stream")
+NORM_PROLOGUE_ROWS = 16  # provisional: benchmarks/serve_decode_kernels.py measures both sides of it
+
+
 @torch.inference_mode()
 def fused_decode(model: DecoderLM, cache: KVCache, tokens: torch.Tensor, pos: torch.Tensor, start: int,
-                 kv_len: int, greedy: bool = True):
+                 kv_len: int, greedy: bool = True, gemm: str = "cublas", norm_prologue_rows: int | None = None):
     """One decode step of a LLaMA ``DecoderLM`` with the fused kernels; same contract as
     ``model(tokens[:, None], cache, Batch(positions=pos[:, None], start=start, kv_len=kv_len))``.
 
@@ -299,14 +341,25 @@ def fused_decode(model: DecoderLM, cache: KVCache, tokens: torch.Tensor, pos: to
         tokens, pos: ``[n]`` int64 on the model's device; row i is slot ``start + i`` at position ``pos[i]``.
         kv_len: an upper bound of ``pos + 1`` (sets the attention's KV chunking; fixed per CUDA graph).
         greedy: also return each row's argmax token (computed on the device, inside the same graph).
+        gemm: "cublas" (``F.linear``, with separate add+RMSNorm and SiLU-mul kernels: 9 kernels a layer plus
+            cuBLAS's split-K reductions) or "stream" (``hpdl.serve.stream_gemm``: residual add, SiLU-mul and,
+            for up to ``norm_prologue_rows`` rows, the RMSNorm fused into the GEMMs; the attention's split
+            combine in the attention kernel: 6 kernels a layer, 8 above ``norm_prologue_rows``).
+        norm_prologue_rows: with "stream", the most rows for which the next RMSNorm runs inside the GEMM
+            (each GEMM program re-reads its rows); above it one RMSNorm kernel runs first. None: the default.
     Returns:
         logits ``[n, vocab]`` in the model dtype, and the argmax ``[n]`` int64 (None unless ``greedy``).
     Raises:
-        ValueError: ``supports(model)`` is not None.
+        ValueError: ``supports(model)`` is not None, or ``gemm`` is not one of ``GEMMS``.
     """
     why = supports(model)
     if why is not None:
         raise ValueError(f"fused decode cannot run this model: {why}")
+    if gemm not in GEMMS:
+        raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
+    if gemm == "stream":
+        rows = NORM_PROLOGUE_ROWS if norm_prologue_rows is None else norm_prologue_rows
+        return _stream_decode(model, cache, tokens, pos, start, kv_len, greedy, tokens.shape[0] <= rows)
     cfg = model.cfg
     h, hkv = cfg.n_heads, cfg.n_kv_heads
     x = model.embed_tokens(tokens)  # [n, C]
@@ -327,6 +380,35 @@ def fused_decode(model: DecoderLM, cache: KVCache, tokens: torch.Tensor, pos: to
     return logits, (logits.argmax(dim=-1) if greedy else None)
 
 
+def _stream_decode(model: DecoderLM, cache: KVCache, tokens, pos, start: int, kv_len: int, greedy: bool,
+                   norm_in_gemm: bool):
+    """``fused_decode`` with ``hpdl.serve.stream_gemm``: per layer qkv (+ RMSNorm prologue), rope_kv,
+    attention (split chunks combined by the last program), o (+ residual), gate|up (+ RMSNorm prologue,
+    SiLU-mul epilogue), down (+ residual). Without ``norm_in_gemm`` the RMSNorms run as their own kernel before
+    qkv and gate|up."""
+    from hpdl.serve.stream_gemm import stream_gemm
+
+    cfg = model.cfg
+    h, hkv, eps = cfg.n_heads, cfg.n_kv_heads, cfg.norm_eps
+
+    def normed(x, w, weight, **kw):
+        if norm_in_gemm:
+            return stream_gemm(x, w, norm_weight=weight, eps=eps, **kw)
+        return stream_gemm(add_rmsnorm(x, None, weight, eps)[1], w, **kw)
+
+    res = model.embed_tokens(tokens)  # [n, C]; every GEMM writes a new tensor, so the table is never touched
+    for i, layer in enumerate(model.layers):
+        a, mlp = layer.attn, layer.mlp
+        qkv = normed(res, a.qkv_proj.weight, layer.ln_1.weight)
+        q = rope_kv(qkv, model.cos, model.sin, pos, cache.k[i], cache.v[i], start, h, hkv)
+        o = decode_attention(q, cache.k[i], cache.v[i], pos, start, kv_len, fuse_combine=True)
+        res = stream_gemm(o.view(o.shape[0], h * cfg.head_dim), a.o_proj.weight, residual=res)
+        act = normed(res, mlp.up_proj.weight, layer.ln_2.weight, silu_mul=True)
+        res = stream_gemm(act, mlp.down_proj.weight, residual=res)
+    logits = normed(res, model.lm_head.weight, model.norm.weight)[:, : cfg.vocab_size]
+    return logits, (logits.argmax(dim=-1) if greedy else None)
+
+
 def step_bytes(model: DecoderLM, cache: KVCache, n: int, mean_len: float) -> float:
     """HBM bytes one fused decode step must move at least: every weight once (the embedding: n rows), each row's
     K and V for its ``mean_len`` cached positions in every layer, and its new K/V written (the roofline)."""
@@ -339,6 +421,6 @@ def step_bytes(model: DecoderLM, cache: KVCache, n: int, mean_len: float) -> flo
     return float(weights + embed + kv)
 
 
-__all__ = ["add_rmsnorm", "add_rmsnorm_ref", "attention_splits", "decode_attention", "decode_attention_ref",
-           "fused_decode", "rope_kv", "rope_kv_ref", "silu_mul", "silu_mul_ref", "step_bytes", "supports",
-           "use_triton"]
+__all__ = ["GEMMS", "NORM_PROLOGUE_ROWS", "add_rmsnorm", "add_rmsnorm_ref", "attention_splits", "decode_attention",
+           "decode_attention_ref", "fused_decode", "rope_kv", "rope_kv_ref", "silu_mul", "silu_mul_ref", "step_bytes",
+           "supports", "use_triton"]

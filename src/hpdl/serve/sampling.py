@@ -273,6 +273,9 @@ class Sampler:
         if p.greedy:
             return int(x.argmax())
         x = x / p.temperature
+        if bool(x.max() == float("inf")):  # a logit overflowed float32 (a repetition_penalty near 0 divides by
+            # it): those tokens are infinitely likelier than the rest and share the mass (softmax would give NaN)
+            x = torch.where(x == float("inf"), 0.0, float("-inf"))
         if 0 < p.top_k < x.numel():
             kth = torch.topk(x, p.top_k).values[-1]
             x = x.masked_fill(x < kth, float("-inf"))
@@ -280,6 +283,7 @@ class Sampler:
             sx, idx = torch.sort(x, descending=True)
             probs = torch.softmax(sx, -1)
             drop = probs.cumsum(-1) - probs >= p.top_p
+            drop[0] = False  # the likeliest token always stays (a top_p below float32's smallest value rounds to 0)
             x = x.scatter(0, idx, sx.masked_fill(drop, float("-inf")))
         st = self._state.setdefault(req.request_id, _RowState())
         if st.generator is None:

@@ -92,6 +92,7 @@ class ModelRunner:
         fused: decode with ``hpdl.serve.fused`` (Triton kernels, ~9 per layer instead of ~25); None = on CUDA
             for the models it supports (``fused.supports``), eager elsewhere. ``self.fused`` says which runs
             and ``self.fused_reason`` why not.
+        fused_gemm: the fused step's GEMMs, "cublas" or "stream" (``hpdl.serve.fused.fused_decode``'s ``gemm``).
         tp_all_reduce: "nccl"; "symm" (torch symmetric-memory one-shot all-reduce for decode); or "hpdl"
             (hpdl.comm's all-reduce: on CUDA the peer-memory kernels, one launch per call at every size; on CPU
             hpdl's tuned algorithms over gloo). "symm" and "hpdl" fall back to the process group's own
@@ -102,7 +103,8 @@ class ModelRunner:
     KV_BUCKET = 128
 
     def __init__(self, model: DecoderLM, num_slots: int, max_seq_len: int, tp_world: int = 1,
-                 cuda_graph: bool = False, tp_all_reduce: str = "nccl", fused: bool | None = None):
+                 cuda_graph: bool = False, tp_all_reduce: str = "nccl", fused: bool | None = None,
+                 fused_gemm: str = "cublas"):
         from hpdl.serve import fused as fz
 
         self.model = model
@@ -120,13 +122,16 @@ class ModelRunner:
         if fused and self.fused_reason is not None:
             raise ValueError(f"fused=True but the fused decode cannot run this model: {self.fused_reason}")
         self.fused = bool(fused if fused is not None else self.device.type == "cuda" and self.fused_reason is None)
+        if fused_gemm not in fz.GEMMS:
+            raise ValueError(f"fused_gemm must be one of {fz.GEMMS}, got {fused_gemm!r}")
+        self.fused_gemm = fused_gemm
 
     def _decode(self, toks: torch.Tensor, pos: torch.Tensor, start: int, kv_len: int):
         """Logits ``[n, vocab]`` of one decode step and, on the fused path, the greedy argmax ``[n]``."""
         if self.fused:
             from hpdl.serve.fused import fused_decode
 
-            return fused_decode(self.model, self.cache, toks[:, 0], pos[:, 0], start, kv_len)
+            return fused_decode(self.model, self.cache, toks[:, 0], pos[:, 0], start, kv_len, gemm=self.fused_gemm)
         return self.model(toks, self.cache, Batch(positions=pos, start=start, kv_len=kv_len)), None
 
     @torch.inference_mode()

@@ -1,0 +1,453 @@
+"""Issue 38: hpdl's weight-streaming decode GEMMs (``hpdl.serve.stream_gemm``) against cuBLAS, and the decode step
+built on them against the current fused step (cuBLAS GEMMs) and the eager step, in one device run (1 x H200).
+
+    python3 benchmarks/serve_decode_kernels.py --out $OUT/serve          # device, about 3-4 minutes
+    python3 benchmarks/serve_decode_kernels.py --smoke --out /tmp/sdk    # CPU plumbing check: tiny shapes, torch
+                                                                         # fallback (TRITON_INTERPRET=1: the kernels)
+    python3 benchmarks/serve_decode_kernels.py --plot DIR                # the PNG from DIR/decode_kernels.json
+
+Writes 3 files into --out: decode_kernels.json (saved after every part, so a timeout keeps what finished),
+decode_kernels.png and log.txt. Parts, in order; one that would start past the time budget is skipped and says so:
+0. compile: every stream_gemm variant the parts below launch, compiled in a process pool into Triton's on-disk
+   cache (the main process then loads instead of compiling, one kernel after another).
+1. copy bandwidth (``hpdl.serve.bench.hbm_bandwidth``, the reference of every "% of copy" below).
+2. step (b; first, as the issue's goal): one decode step of ``llama-1b`` (bf16, random weights) at 1, 64 and 256
+   rows, 264 cached positions each, CUDA graph: eager model, current fused step (cuBLAS), new step (stream GEMMs)
+   with the RMSNorm in the GEMM prologue and without; TPOT = step time, tok/s = rows / step time, and the
+   roofline (bytes the step must move, ``fused.step_bytes``, over its time, against the copy bandwidth); kernels
+   per step (torch.profiler: count, summed durations, the longest 8) and the new step's logits against the eager
+   step's (max abs, argmax agreement).
+3. gemm (a + c): the 1.1B model's decode GEMMs (qkv, o, gate_up, down, lm_head) at M = 1, 16, 64, 256 rows:
+   cuBLAS (``F.linear``), stream_gemm, and stream_gemm with the epilogue/prologue the new step uses. Each time is
+   one GEMM of a CUDA graph that runs it over 22 distinct weight copies (lm_head: 4), as a decode step does, so
+   weights come from HBM, not L2; GB/s counts weight + input + output bytes. Max abs error against torch on the
+   device (bf16) for each, and the torch reference's own error against float32 for scale.
+4. greedy_float32: 8 requests x 48 greedy tokens through ``LLMEngine`` (float32 llama-1b, CUDA graphs), stream
+   step vs eager step: identical tokens? (stream_gemm.TUNE off: one compile per variant.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+MODEL, DTYPE, ROWS, STEP_ROWS, CTX, KV_LEN, SLOTS, MAX_LEN = "llama-1b", "bfloat16", [1, 16, 64, 256], [1, 64, 256], \
+    264, 384, 256, 640
+COPIES, LM_COPIES, REPS, BUDGET_S, JOBS, COMPILE_S = 22, 4, 30, 225.0, 12, 75.0
+SMOKE = dict(MODEL="llama-tiny", DTYPE="float32", ROWS=[1, 4], STEP_ROWS=[1, 4], CTX=20, KV_LEN=32, SLOTS=4,
+             MAX_LEN=64, COPIES=2, LM_COPIES=1, REPS=3, JOBS=2)  # the pool runs under TRITON_INTERPRET=1 only
+_T0 = time.perf_counter()
+RES: dict = {}
+OUT: Path = Path(".")
+
+
+def _log(msg: str) -> None:
+    line = f"[{time.perf_counter() - _T0:6.1f}s] {msg}"
+    print(line, flush=True)
+    with open(OUT / "log.txt", "a") as f:
+        f.write(line + "\n")
+
+
+def _save(key: str, val) -> None:
+    RES[key] = val
+    (OUT / "decode_kernels.json").write_text(json.dumps(RES, indent=1, default=str))
+    _log(f"{key}: {json.dumps(val[-1] if isinstance(val, list) and val else val, default=str)[:400]}")
+
+
+def _left() -> float:
+    return BUDGET_S - (time.perf_counter() - _T0)
+
+
+def gemm_shapes() -> dict[str, tuple[int, int, dict]]:
+    """name -> (weight rows, K, the fused variant's stream_gemm kwargs besides tensors)."""
+    from hpdl.serve.worker import NAMED_CONFIGS
+
+    c = NAMED_CONFIGS[MODEL]
+    qkv = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
+    return {"qkv": (qkv, c.hidden_size, {"norm": True}), "o": (c.hidden_size, c.n_heads * c.head_dim, {"res": True}),
+            "gate_up": (2 * c.intermediate_size, c.hidden_size, {"norm": True, "silu": True}),
+            "down": (c.hidden_size, c.intermediate_size, {"res": True}),
+            "lm_head": (c.vocab_size, c.hidden_size, {"norm": True})}
+
+
+def _args(x, w, fused: dict, dev, dt):
+    """stream_gemm keyword arguments of the fused variant for input ``x`` and weight ``w``."""
+    import torch
+
+    kw = {}
+    n = w.shape[0] // 2 if fused.get("silu") else w.shape[0]
+    if fused.get("res"):
+        kw["residual"] = torch.randn(x.shape[0], n, device=dev, dtype=dt)
+    if fused.get("norm"):
+        kw["norm_weight"] = torch.rand(x.shape[1], device=dev, dtype=dt) + 0.5
+        kw["eps"] = 1e-5
+    if fused.get("silu"):
+        kw["silu_mul"] = True
+    return kw
+
+
+# --- 0. compile farm -----------------------------------------------------------------------------------------
+def _compile_job(job) -> str:
+    """In a pool worker: launch every candidate config of one (shape, rows, variant), which compiles it into
+    Triton's on-disk cache (shared with the main process)."""
+    import torch
+
+    from hpdl.serve import stream_gemm as sg
+
+    nw, K, M, fused, norm_rows, dev, dtype = job
+    dev, dt = torch.device(dev), getattr(torch, dtype)
+    x = torch.randn(M, K, device=dev, dtype=dt)
+    w = torch.randn(nw, K, device=dev, dtype=dt) * 0.02
+    kw = _args(x, w, fused, dev, dt)
+    if M > norm_rows:
+        kw.pop("norm_weight", None)
+    epi = 2 if kw.get("silu_mul") else (1 if "residual" in kw else 0)
+    n = nw // 2 if epi == 2 else nw
+    out = torch.empty(M, n, device=dev, dtype=dt)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
+    for cfg in sg.candidates(M, n, K, sms):
+        sg._launch(x, w, out, kw.get("residual"), kw.get("norm_weight"), kw.get("eps", 1e-6), epi, cfg)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    return f"{nw}x{K} M={M} {fused}"
+
+
+def compile_all(device) -> None:
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor, wait
+
+    import os
+
+    if JOBS <= 0 or not (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+        return _save("compile", "skipped (CPU without TRITON_INTERPRET=1)")
+    t = time.perf_counter()
+    jobs = []
+    for name, (nw, K, fused) in gemm_shapes().items():
+        for M in sorted(set(ROWS) | set(STEP_ROWS)):
+            jobs.append((nw, K, M, {}, 0, str(device), DTYPE))
+            jobs.append((nw, K, M, fused, 1 << 30, str(device), DTYPE))  # with the norm prologue
+            if fused.get("norm"):
+                jobs.append((nw, K, M, fused, 0, str(device), DTYPE))    # the step without it
+    # ProcessPoolExecutor, not Pool: a worker that dies raises BrokenProcessPool instead of hanging the map
+    ex = ProcessPoolExecutor(min(JOBS, len(jobs)), mp_context=mp.get_context("spawn"))
+    futs = [ex.submit(_compile_job, j) for j in jobs]
+    done, late = wait(futs, timeout=COMPILE_S)
+    errors = [repr(f.exception())[:300] for f in done if f.exception() is not None]
+    if late:  # give up on the rest: the main process compiles what is missing
+        for f in late:
+            f.cancel()
+        for proc in list(getattr(ex, "_processes", {}).values()):  # our own workers, by object
+            proc.terminate()
+    ex.shutdown(wait=not late, cancel_futures=True)
+    _save("compile", {"jobs": len(jobs), "finished": len(done) - len(errors), "errors": errors[:5],
+                      "unfinished": len(late), "seconds": round(time.perf_counter() - t, 1)})
+
+
+# --- 2. per-GEMM table -----------------------------------------------------------------------------------------
+def _graph_ms(fn, reps: int, device) -> float:
+    """Milliseconds per call of ``fn`` replayed from a CUDA graph (on CPU: plain calls)."""
+    import torch
+
+    fn()
+    if device.type != "cuda":
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t) / reps * 1e3
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        g.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / reps
+
+
+def gemms(device, copy_bw: float) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    from hpdl.serve import stream_gemm as sg
+
+    dt = getattr(torch, DTYPE)
+    torch.manual_seed(0)
+    rows, total = [], {}
+    for name, (nw, K, fused) in gemm_shapes().items():
+        copies = LM_COPIES if name == "lm_head" else COPIES
+        ws = [torch.randn(nw, K, device=device, dtype=dt) * 0.02 for _ in range(copies)]
+        for M in ROWS:
+            if _left() < 50:
+                _save(f"gemm_skipped_{name}_{M}", "time budget")
+                continue
+            x = torch.randn(M, K, device=device, dtype=dt)
+            kw = _args(x, ws[0], fused, device, dt)
+            nout = nw // 2 if fused.get("silu") else nw
+            r = {"gemm": name, "M": M, "N": nw, "K": K}
+            # (c) errors, on the first weight copy
+            ref = F.linear(x, ws[0])
+            exact = (x.float() @ ws[0].float().T)
+            r["err_stream"] = (sg.stream_gemm(x, ws[0]).float() - ref.float()).abs().max().item()
+            r["err_ref_vs_fp32"] = (ref.float() - exact).abs().max().item()
+            fref = sg.stream_gemm_ref(x, ws[0], kw.get("residual"), kw.get("norm_weight"), kw.get("eps", 1e-6),
+                                      kw.get("silu_mul", False))
+            r["err_stream_fused"] = (sg.stream_gemm(x, ws[0], **kw).float() - fref.float()).abs().max().item()
+            # (a) times: one GEMM of a graph over every copy
+            wbytes = nw * K * dt.itemsize
+            for impl, fn in (("cublas", lambda: [F.linear(x, w) for w in ws]),
+                             ("stream", lambda: [sg.stream_gemm(x, w) for w in ws]),
+                             ("stream_fused", lambda: [sg.stream_gemm(x, w, **kw) for w in ws])):
+                ms = _graph_ms(fn, REPS, device) / copies
+                io = (M * K + M * (nout if impl == "stream_fused" else nw)) * dt.itemsize
+                r[f"{impl}_us"] = round(ms * 1e3, 2)
+                r[f"{impl}_GBps"] = round((wbytes + io) / ms / 1e6, 1)
+                r[f"{impl}_frac_copy"] = round((wbytes + io) / (ms * 1e-3) / copy_bw, 3)
+                per_step = 1 if name == "lm_head" else _n_layers()
+                total.setdefault(f"{impl}_M{M}_ms", 0.0)
+                total[f"{impl}_M{M}_ms"] += ms * per_step
+            rows.append(r)
+            _save("gemm", rows)
+        ws.clear()  # free this shape's weights before the next
+    w_all = sum(nw * K * (1 if n == "lm_head" else _n_layers()) for n, (nw, K, _) in gemm_shapes().items())
+    total["weight_bytes"] = w_all * dt.itemsize
+    for k in list(total):
+        if k.endswith("_ms"):
+            total[k.replace("_ms", "_frac_copy")] = round(total["weight_bytes"] / (total[k] * 1e-3) / copy_bw, 3)
+            total[k] = round(total[k], 4)
+    _save("gemm_step_total", total)
+    _save("tuned_configs", sg.tuned_configs())
+
+
+def _n_layers() -> int:
+    from hpdl.serve.worker import NAMED_CONFIGS
+
+    return NAMED_CONFIGS[MODEL].n_layers
+
+
+# --- 3. whole decode step ------------------------------------------------------------------------------------
+def _kernels(fn, device) -> dict | None:
+    """Device kernels of one call of ``fn`` run outside a graph (torch.profiler): their count, the sum of their
+    durations (against the graph's step time: what launch gaps cost) and the 8 names that took longest."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    if device.type != "cuda":
+        return None
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    by_name: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            v = by_name.setdefault(e.name[:60], [0, 0.0])
+            v[0] += 1
+            v[1] += e.time_range.elapsed_us()
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:8]
+    return {"count": sum(v[0] for v in by_name.values()),
+            "sum_us": round(sum(v[1] for v in by_name.values()), 1),
+            "top": [[name, n, round(us, 1)] for name, (n, us) in top]}
+
+
+def steps(device, copy_bw: float) -> None:
+    import torch
+
+    from hpdl.models.gpt import Batch, KVCache
+    from hpdl.serve import fused as fz
+    from hpdl.serve.worker import ModelSpec, build_model
+
+    model = build_model(ModelSpec(config=MODEL, dtype=DTYPE), device)
+    cfg = model.cfg
+    cache = KVCache(cfg, SLOTS, MAX_LEN, model.embed_tokens.weight.dtype, device)
+    torch.manual_seed(1)
+    cache.k.normal_(), cache.v.normal_()
+    big = 1 << 30
+    paths = {"eager": None, "fused_cublas": dict(gemm="cublas"),
+             "stream_norm_in_gemm": dict(gemm="stream", norm_prologue_rows=big),
+             "stream_norm_kernel": dict(gemm="stream", norm_prologue_rows=0)}
+    res = []
+    for n in STEP_ROWS:
+        toks = torch.randint(0, cfg.vocab_size, (n,), device=device)
+        pos = torch.full((n,), CTX, device=device)
+        outs = {}
+        for name, kw in paths.items():
+            if _left() < 25:
+                _save(f"step_skipped_{n}_{name}", "time budget")
+                continue
+            if kw is None:
+                def fn(toks=toks, pos=pos):
+                    return model(toks[:, None], cache, Batch(positions=pos[:, None], start=0, kv_len=KV_LEN))
+            else:
+                def fn(toks=toks, pos=pos, kw=kw):
+                    return fz.fused_decode(model, cache, toks, pos, 0, KV_LEN, **kw)[0]
+            box = {}
+
+            def run(fn=fn, box=box):
+                box["out"] = fn()
+            with torch.inference_mode():
+                ms = _graph_ms(run, REPS, device)
+                outs[name] = box["out"].float().clone()
+                kern = _kernels(run, device) if n in (1, 64) else None
+            need = fz.step_bytes(model, cache, n, CTX)
+            r = {"rows": n, "path": name, "step_ms": round(ms, 4), "tok_per_s": round(n / ms * 1e3, 1),
+                 "min_bytes": need, "GBps": round(need / ms / 1e6, 1),
+                 "frac_copy": round(need / (ms * 1e-3) / copy_bw, 3),
+                 "kernels": kern}
+            if "eager" in outs and name != "eager":
+                d = (outs[name] - outs["eager"]).abs()
+                r["max_abs_logit_diff_vs_eager"] = d.max().item()
+                r["argmax_equal_vs_eager"] = int((outs[name].argmax(-1) == outs["eager"].argmax(-1)).sum())
+            res.append(r)
+            _save("step", res)
+    _save("step_tuned_configs", __import__("hpdl.serve.stream_gemm", fromlist=["x"]).tuned_configs())
+
+
+# --- 4. float32 greedy tokens through the engine -----------------------------------------------------------
+def greedy_float32(device) -> None:
+    import random
+
+    from hpdl.serve import EngineConfig, LLMEngine, ModelSpec, SamplingParams
+    from hpdl.serve import stream_gemm as sg
+
+    if _left() < 45:
+        return _save("greedy_float32", "skipped: time budget")
+    sg.TUNE = False
+    rng = random.Random(0)
+    vocab = 32000 if MODEL == "llama-1b" else 256
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(8, 60))] for _ in range(8)]
+    params = [SamplingParams(max_tokens=48, ignore_eos=True, detokenize=False)] * len(prompts)
+    toks, state = {}, {}
+    for name, kw in (("stream", dict(fused_decode=True, fused_gemm="stream")), ("eager", dict(fused_decode=False))):
+        eng = LLMEngine(ModelSpec(config=MODEL, dtype="float32"),
+                        EngineConfig(num_slots=8, max_seq_len=128, device=str(device),
+                                     cuda_graph=device.type == "cuda", **kw))
+        toks[name] = [o.token_ids for o in eng.generate(prompts, params)]
+        r = eng.executor.runner
+        state[name] = {"fused": r.fused, "gemm": r.fused_gemm, "cuda_graph": r.cuda_graph, "graph_error": r.graph_error}
+        eng.shutdown()
+        eng.executor.runner.close()
+        del eng
+    same = sum(a == b for a, b in zip(toks["stream"], toks["eager"]))
+    first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+             for a, b in zip(toks["stream"], toks["eager"])]
+    _save("greedy_float32", {"requests": len(prompts), "tokens_each": 48, "identical_requests": same,
+                             "first_differing_token": first, "runners": state})
+
+
+# --- report --------------------------------------------------------------------------------------------------
+def table() -> str:
+    lines = []
+    if RES.get("gemm"):
+        lines.append("gemm     M    cublas us (frac)   stream us (frac)   fused us (frac)  err stream/fused")
+        for r in RES["gemm"]:
+            lines.append(f"{r['gemm']:8s} {r['M']:3d}  {r['cublas_us']:8.2f} ({r['cublas_frac_copy']:.2f})  "
+                         f"{r['stream_us']:8.2f} ({r['stream_frac_copy']:.2f})  {r['stream_fused_us']:8.2f} "
+                         f"({r['stream_fused_frac_copy']:.2f})  {r['err_stream']:.2g}/{r['err_stream_fused']:.2g}")
+    if RES.get("step"):
+        lines.append("step rows path                  ms      tok/s   frac_copy kernels")
+        for r in RES["step"]:
+            k = r.get("kernels") or {}
+            lines.append(f"     {r['rows']:4d} {r['path']:20s} {r['step_ms']:7.3f} {r['tok_per_s']:10.0f} "
+                         f"{r['frac_copy']:6.2f} {k.get('count')} ({k.get('sum_us')} us of kernels)")
+    return "\n".join(lines)
+
+
+def plot(d: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = json.loads((d / "decode_kernels.json").read_text())
+    fig, axs = plt.subplots(1, 2, figsize=(11, 4))
+    g = res.get("gemm", [])
+    labels = [f"{r['gemm']}\nM={r['M']}" for r in g]
+    xs = range(len(g))
+    for off, impl in ((-0.27, "cublas"), (0, "stream"), (0.27, "stream_fused")):
+        axs[0].bar([x + off for x in xs], [r[f"{impl}_frac_copy"] for r in g], width=0.27, label=impl)
+    axs[0].set_xticks(list(xs), labels, fontsize=6)
+    axs[0].set(ylabel="fraction of copy bandwidth", title="decode GEMMs (graph of weight copies)")
+    axs[0].legend(fontsize=7)
+    st = res.get("step", [])
+    for path in dict.fromkeys(r["path"] for r in st):
+        pts = [(r["rows"], r["step_ms"]) for r in st if r["path"] == path]
+        axs[1].plot(*zip(*pts), "o-", label=path)
+    axs[1].set(xscale="log", yscale="log", xlabel="rows", ylabel="decode step ms (CUDA graph)",
+               title=f"{res.get('versions', {}).get('model')} decode step")
+    axs[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(d / "decode_kernels.png", dpi=110)
+    print(f"wrote {d / 'decode_kernels.png'}")
+
+
+def main() -> None:
+    global OUT
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--plot", type=Path, help="only make the PNG from DIR/decode_kernels.json")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (plumbing check)")
+    ap.add_argument("--parts", default="compile,gemm,step,greedy")
+    args = ap.parse_args()
+    if args.plot:
+        return plot(args.plot)
+    if args.out is None:
+        ap.error("--out DIR is required")
+    if args.smoke:
+        globals().update(SMOKE)
+    OUT = args.out
+    OUT.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    from hpdl.serve.bench import hbm_bandwidth
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    import triton
+
+    _save("versions", {"torch": torch.__version__, "triton": triton.__version__, "model": MODEL, "dtype": DTYPE,
+                       "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                       "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else None,
+                       "ctx": CTX, "kv_len": KV_LEN, "budget_s": BUDGET_S})
+    parts = args.parts.split(",")
+    if "compile" in parts:
+        try:
+            compile_all(device)
+        except Exception:  # noqa: BLE001 - the main process compiles what the pool did not
+            _save("compile_error", traceback.format_exc()[-2000:])
+    copy_bw = hbm_bandwidth(device)
+    _save("copy_bandwidth_GBps", round(copy_bw / 1e9, 1))
+    for part, fn in (("step", lambda: steps(device, copy_bw)), ("gemm", lambda: gemms(device, copy_bw)),
+                     ("greedy", lambda: greedy_float32(device))):
+        if part not in parts:
+            continue
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - keep the other parts' results
+            _save(f"{part}_error", traceback.format_exc()[-3000:])
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    try:
+        plot(OUT)
+    except Exception:  # noqa: BLE001
+        _log(traceback.format_exc()[-1000:])
+    _log("done\n" + table())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,315 @@
+"""Weight-streaming GEMM for decode: ``y = x @ w.T`` with ``x [M, K]`` small (M = 1..256 rows), ``w [N, K]`` large.
+
+A decode step's GEMMs are bound by reading ``w`` once from HBM. cuBLAS reaches 57% of the H200's copy bandwidth
+on the 1.1B model's decode GEMMs (issue 38): at M = 1 its tiles leave most SMs idle or add a separate split-K
+reduction kernel. Here each program streams one ``[BLOCK_N, K / SPLIT_K]`` slab of ``w`` with wide contiguous
+loads, and the split count is chosen so the grid covers every SM about twice. The split-K partials are reduced
+inside the same kernel, deterministically: every program writes its float32 partial to a workspace, then bumps a
+per-tile counter (an acq_rel atomic after a CTA barrier, CUTLASS's semaphore pattern); the program that arrives
+last sums the ``SPLIT_K`` partials in split order (so the result does not depend on which program was last),
+runs the epilogue, and resets the counter to 0 for the next launch (also inside a CUDA graph: no memset).
+
+Epilogues and prologue fused into the GEMM (each reproduces the eager model's rounding in the model dtype):
+  * ``residual``: ``y + residual`` (the residual stream's add after o_proj and down_proj);
+  * ``silu_mul``: ``w`` is gate|up ``[2N, K]``; each program reads both halves' rows and writes
+    ``silu(gate) * up [M, N]`` (LLaMA's SwiGLU), so the ``[M, 2N]`` intermediate never reaches HBM;
+  * ``norm_weight``: RMSNorm of ``x`` (the GEMM's input) as a prologue: each program first reads its rows of
+    ``x`` whole (``M x K`` from L2) for the row's scale. Cheap at a few rows, costly at hundreds (every program
+    re-reads all its rows), so the caller chooses by row count (``hpdl.serve.fused``).
+
+Configs: ``BLOCK_M = 1`` uses a multiply-and-sum GEMV (no tensor cores, no padding); larger buckets use
+``tl.dot``. Candidates per M bucket are timed once per (bucket, N, K, epilogue, dtype) on the device with
+``triton.testing.do_bench`` (L2 flushed between runs, as in a real decode step where no weight is cached) and
+the fastest is kept (``tuned_configs``). ``triton.autotune`` is not used because the split count and the
+workspace depend on the shape and must be known before launch. During CUDA-graph capture an untuned shape uses
+its first candidate (no timing is possible there); ``ModelRunner`` runs each shape twice before capturing.
+
+The counter buffer is shared by every launch on a device: launches must not run concurrently on two streams.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_MAX_TILES = 1 << 16
+_TUNED: dict[tuple, dict] = {}
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    import os
+
+    return triton is not None and (t.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+def stream_gemm_ref(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
+                    norm_weight: torch.Tensor | None = None, eps: float = 1e-6, silu_mul: bool = False):
+    """The eager model's arithmetic, op for op: ``rmsnorm(x) * norm_weight`` (if given), ``F.linear``,
+    ``silu(gate) * up`` (if ``silu_mul``), ``+ residual`` (if given); every op rounds to the model dtype."""
+    if norm_weight is not None:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        x = norm_weight * h.to(x.dtype)
+    y = F.linear(x, w)
+    if silu_mul:
+        g, u = y.chunk(2, dim=-1)
+        y = F.silu(g) * u
+    return y if residual is None else y + residual
+
+
+if triton is not None:
+    @triton.jit
+    def _epilogue(acc, acc2, rm, rn, mask, out_ptr, res_ptr, stride_om, stride_rm, EPI: tl.constexpr):
+        dt = out_ptr.dtype.element_ty
+        if EPI == 2:  # silu(gate) * up, each rounded as F.silu and the product are in eager
+            g = acc.to(dt).to(tl.float32)
+            u = acc2.to(dt).to(tl.float32)
+            y = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u
+        elif EPI == 1:  # the GEMM's output rounds to the model dtype before the residual add (eager)
+            r = tl.load(res_ptr + rm[:, None].to(tl.int64) * stride_rm + rn[None, :], mask=mask, other=0.0)
+            y = acc.to(dt).to(tl.float32) + r.to(tl.float32)
+        else:
+            y = acc
+        tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :], y.to(dt), mask=mask)
+
+    @triton.jit
+    def _stream_gemm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, part_ptr, cnt_ptr,
+                            M, N, K, stride_xm, stride_wn, stride_om, stride_rm, eps, SPLIT_K,
+                            EPI: tl.constexpr, NORM: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+                            UPCAST: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        pid_m = tl.program_id(2)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        mm = rm < M
+        nm = rn < N
+        dt = x_ptr.dtype.element_ty
+        xrow = x_ptr + rm[:, None].to(tl.int64) * stride_xm
+        if NORM:  # the row's RMS over all of K, before this program's K slice
+            ss = tl.zeros([BLOCK_M], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + rk
+                xv = tl.load(xrow + kk[None, :], mask=mm[:, None] & (kk[None, :] < K), other=0.0).to(tl.float32)
+                ss += tl.sum(xv * xv, axis=1)
+            rs = 1.0 / tl.sqrt(ss / K + eps)
+        k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+        k_lo = pid_s * k_per
+        k_hi = tl.minimum(k_lo + k_per, K)
+        wrow = w_ptr + rn[:, None].to(tl.int64) * stride_wn
+        wrow2 = w_ptr + (rn[:, None] + N).to(tl.int64) * stride_wn  # the up half (EPI == 2)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            kk = k0 + rk
+            km = kk < k_hi
+            xv = tl.load(xrow + kk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
+            if NORM:  # eager: w * (x * rsqrt(...)).to(dtype), the product rounded to the dtype
+                nw = tl.load(nw_ptr + kk, mask=km, other=0.0).to(tl.float32)
+                xv = (nw[None, :] * (xv.to(tl.float32) * rs[:, None]).to(dt).to(tl.float32)).to(dt)
+            wm = nm[:, None] & km[None, :]
+            wv = tl.load(wrow + kk[None, :], mask=wm, other=0.0)
+            if UPCAST:  # the interpreter's bf16 tl.dot is wrong; bf16 products are exact in float32 anyway
+                xv = xv.to(tl.float32)
+                wv = wv.to(tl.float32)
+            if DOT:
+                acc += tl.dot(xv, tl.trans(wv), input_precision=PREC)
+            else:  # BLOCK_M == 1: a GEMV row, [1, BK] * [BN, BK] summed over K
+                acc += tl.sum(xv.to(tl.float32) * wv.to(tl.float32), axis=1)[None, :]
+            if EPI == 2:
+                wv2 = tl.load(wrow2 + kk[None, :], mask=wm, other=0.0)
+                if UPCAST:
+                    wv2 = wv2.to(tl.float32)
+                if DOT:
+                    acc2 += tl.dot(xv, tl.trans(wv2), input_precision=PREC)
+                else:
+                    acc2 += tl.sum(xv.to(tl.float32) * wv2.to(tl.float32), axis=1)[None, :]
+        mask = mm[:, None] & nm[None, :]
+        if SPLIT_K == 1:
+            _epilogue(acc, acc2, rm, rn, mask, out_ptr, res_ptr, stride_om, stride_rm, EPI)
+        else:
+            # partials [SPLIT_K, 2, M, N] float32; the last program of this tile reduces them in split order
+            offs = rm[:, None].to(tl.int64) * N + rn[None, :]
+            MN = M * N  # < 2^31: M <= a few hundred rows
+            pbase = part_ptr + offs + pid_s * 2 * MN
+            tl.store(pbase, acc, mask=mask)
+            if EPI == 2:
+                tl.store(pbase + MN, acc2, mask=mask)
+            tl.debug_barrier()  # every thread's partial is written before the release below
+            tile = pid_m * tl.num_programs(0) + pid_n
+            done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+            if done == SPLIT_K - 1:
+                acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                for s in range(0, SPLIT_K):
+                    pbase = part_ptr + offs + s * 2 * MN  # offs is int64; s * 2 * MN < 2^31
+                    acc += tl.load(pbase, mask=mask, other=0.0, cache_modifier=".cg")
+                    if EPI == 2:
+                        acc2 += tl.load(pbase + MN, mask=mask, other=0.0, cache_modifier=".cg")
+                _epilogue(acc, acc2, rm, rn, mask, out_ptr, res_ptr, stride_om, stride_rm, EPI)
+                tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch (and the next graph replay)
+
+
+def m_bucket(m: int) -> int:
+    """Rows -> the bucket that configs are tuned for: 1, 16, 32, 64, 128 or 256 (every M > 128)."""
+    if m == 1:
+        return 1
+    for b in (16, 32, 64, 128):
+        if m <= b:
+            return b
+    return 256
+
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, programs per SM; 0: no split]) per M bucket; a small set,
+# so tuning on the device (compile + time each) stays within seconds per shape. The GEMV configs' loads are not
+# pipelined by Triton (no tl.dot), so small programs with more of them resident per SM are among the candidates.
+_CANDIDATES = {
+    1: [(1, 32, 512, 4, 3), (1, 64, 256, 4, 4), (1, 16, 512, 2, 4), (1, 16, 512, 2, 4, 6), (1, 32, 512, 4, 3, 4)],
+    16: [(16, 32, 256, 4, 4), (16, 64, 128, 4, 4), (16, 64, 256, 4, 3)],
+    32: [(32, 32, 256, 4, 4), (32, 64, 128, 4, 4), (16, 64, 256, 4, 3)],
+    64: [(64, 32, 256, 4, 3), (64, 64, 128, 4, 4), (32, 64, 128, 4, 4), (64, 64, 128, 4, 4, 0)],
+    128: [(64, 64, 128, 4, 4), (128, 64, 64, 4, 4), (128, 32, 128, 4, 3), (128, 64, 64, 4, 4, 0)],
+    256: [(64, 64, 128, 4, 4), (128, 64, 64, 4, 4), (128, 64, 128, 8, 3), (128, 64, 64, 4, 4, 0)],
+}
+
+
+def split_k(m: int, n: int, k: int, block_m: int, block_n: int, block_k: int, sms: int, per_sm: int = 2) -> int:
+    """Split count: enough programs for about ``per_sm`` per SM (several resident programs per SM keep loads
+    in flight), each split at least one ``block_k`` step long."""
+    tiles = -(-n // block_n) * -(-m // block_m)
+    want = -(-per_sm * sms // tiles)
+    return max(1, min(want, k // block_k))
+
+
+def candidates(m: int, n: int, k: int, sms: int) -> list[dict]:
+    """Configs tried for an ``[m, k] x [n, k]`` GEMM (``n``: output columns) on a device with ``sms`` SMs."""
+    out = []
+    mb = m_bucket(m)
+    for bm, bn, bk, warps, stages, *per_sm in _CANDIDATES[mb]:
+        bk = min(bk, max(16, triton.next_power_of_2(k)) if triton is not None else bk)
+        out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+                        SPLIT_K=split_k(mb, n, k, bm, bn, bk, sms, *per_sm)))
+    return out
+
+
+def counters(device: torch.device) -> torch.Tensor:
+    """The device's int32 counter buffer (``[65536]``, zeroed once) for in-kernel split reductions: a kernel
+    that uses it leaves every counter it touched at 0 again (also ``fused.decode_attention(fuse_combine=True)``).
+    Allocate it before a CUDA-graph capture (any launch does); kernels using it must not run concurrently."""
+    c = _COUNTERS.get(device)
+    if c is None:
+        c = _COUNTERS[device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
+    return c
+
+
+def _launch(x, w, out, res, nw, eps, epi: int, cfg: dict) -> None:
+    M, K = x.shape
+    N = out.shape[1]
+    sk = cfg["SPLIT_K"]
+    tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
+    if sk > 1 and tiles > _MAX_TILES:
+        raise ValueError(f"stream_gemm: {tiles} output tiles exceed the counter buffer ({_MAX_TILES})")
+    part = torch.empty(sk * 2 * M * N if sk > 1 else 1, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(N, cfg["BLOCK_N"]), sk, triton.cdiv(M, cfg["BLOCK_M"]))
+    interp = not x.is_cuda
+    _stream_gemm_kernel[grid](
+        x, w, out, res if res is not None else out, nw if nw is not None else x, part, counters(x.device),
+        M, N, K, x.stride(0), w.stride(0), out.stride(0), res.stride(0) if res is not None else 0, eps, sk,
+        EPI=epi, NORM=nw is not None, DOT=cfg["BLOCK_M"] > 1,
+        PREC="ieee" if x.dtype == torch.float32 or interp else "tf32", UPCAST=interp and x.dtype != torch.float32,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+TUNE = True  # False: always the first candidate (no timing; one compile per shape class)
+
+
+def _tune(key, cands, run) -> dict:
+    cfg = _TUNED.get(key)
+    if cfg is not None:
+        return cfg
+    if (not TUNE or len(cands) == 1 or not torch.cuda.is_available()
+            or torch.cuda.is_current_stream_capturing()):
+        return cands[0]  # nothing to time here (CPU interpreter, or inside a graph capture)
+    from triton.testing import do_bench
+
+    times = []
+    for c in cands:
+        try:
+            times.append(do_bench(lambda c=c: run(c), warmup=5, rep=20))
+        except Exception as exc:  # noqa: BLE001 - a config this device cannot compile (shared memory) is skipped
+            if isinstance(exc, (KeyboardInterrupt, torch.cuda.OutOfMemoryError)):
+                raise
+            times.append(float("inf"))
+    best = min(range(len(cands)), key=times.__getitem__)
+    if times[best] == float("inf"):
+        raise RuntimeError(f"stream_gemm: no config of {cands} runs for shape key {key}")
+    _TUNED[key] = dict(cands[best], us=round(times[best] * 1e3, 2))
+    return _TUNED[key]
+
+
+def tuned_configs() -> dict[str, dict]:
+    """Every tuned shape so far: ``"M-bucket x N x K epi/norm dtype" -> config`` (with its time ``us``)."""
+    return {f"{k[0]}x{k[1]}x{k[2]} epi{k[3]} norm{int(k[4])} {k[5]}": v for k, v in _TUNED.items()}
+
+
+def stream_gemm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
+                norm_weight: torch.Tensor | None = None, eps: float = 1e-6, silu_mul: bool = False,
+                config: dict | None = None) -> torch.Tensor:
+    """``y = x @ w.T`` for decode-sized ``x``, with optional fused prologue and epilogues.
+
+    Args:
+        x: ``[M, K]`` (row stride free, unit column stride), float32 / bfloat16 / float16.
+        w: ``[N, K]`` contiguous rows, same dtype; with ``silu_mul`` ``[2N, K]`` (gate rows, then up rows).
+        residual: ``[M, N]``, added to the product (the product rounded to the dtype first, as eager does).
+        norm_weight: ``[K]``: ``x`` is RMS-normalised (``eps``, float32 statistics) and scaled by it first.
+        silu_mul: return ``silu(x @ gate.T) * (x @ up.T)`` ``[M, N]`` (not with ``residual``).
+        config: a fixed config (keys of ``candidates``); None = the tuned one on CUDA, the first candidate
+            elsewhere. The tests use it to cover every code path under TRITON_INTERPRET=1.
+    Returns:
+        ``[M, N]`` in ``x``'s dtype, a new tensor. Off CUDA and without the interpreter: ``stream_gemm_ref``.
+    Raises:
+        ValueError: shapes, dtypes or layouts that do not fit, naming the argument.
+    """
+    if x.dim() != 2 or w.dim() != 2:
+        raise ValueError(f"x and w must be 2-D, got x {tuple(x.shape)} and w {tuple(w.shape)}")
+    M, K = x.shape
+    if w.shape[1] != K:
+        raise ValueError(f"w must be [N, {K}] to match x [{M}, {K}], got {tuple(w.shape)}")
+    if w.dtype != x.dtype:
+        raise ValueError(f"w dtype must equal x dtype {x.dtype}, got {w.dtype}")
+    if silu_mul and w.shape[0] % 2:
+        raise ValueError(f"silu_mul needs w of 2N rows (gate | up), got {w.shape[0]} rows")
+    if silu_mul and residual is not None:
+        raise ValueError("silu_mul and residual cannot be combined (LLaMA adds the residual after down_proj)")
+    N = w.shape[0] // 2 if silu_mul else w.shape[0]
+    if residual is not None and (tuple(residual.shape) != (M, N) or residual.dtype != x.dtype):
+        raise ValueError(f"residual must be [{M}, {N}] {x.dtype}, got {tuple(residual.shape)} {residual.dtype}")
+    if norm_weight is not None and tuple(norm_weight.shape) != (K,):
+        raise ValueError(f"norm_weight must be [{K}], got {tuple(norm_weight.shape)}")
+    if not _use_triton(x):
+        return stream_gemm_ref(x, w, residual, norm_weight, eps, silu_mul)
+    if x.stride(1) != 1 or w.stride(1) != 1 or (residual is not None and residual.stride(1) != 1):
+        raise ValueError("x, w and residual need unit stride along their last dimension")
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    epi = 2 if silu_mul else (1 if residual is not None else 0)
+    if config is None:
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+        key = (m_bucket(M), N, K, epi, norm_weight is not None, str(x.dtype).split(".")[-1])
+        config = _tune(key, candidates(M, N, K, sms),
+                       lambda c: _launch(x, w, out, residual, norm_weight, eps, epi, c))
+    _launch(x, w, out, residual, norm_weight, eps, epi, config)
+    return out
+
+
+__all__ = ["TUNE", "candidates", "counters", "m_bucket", "split_k", "stream_gemm", "stream_gemm_ref",
+           "tuned_configs"]
