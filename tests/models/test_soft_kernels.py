@@ -149,8 +149,9 @@ def _interpreted() -> None:
     # (A ~ I, the goal layer at random init) need 1-3 steps from the identity start (the official one, with
     # I - 1.8 A^2/s^2 ~ -0.8, about 7); clustered ones (cond ~1e3) most of the 20; the
     # result is the full iteration's to float32 rounding either way
-    for m in (49, 80):
-        for spread, most in ((3.0, 3), (0.05, 20)):
+    # (the tiled kernels on clustered landmarks: the goal suite's GPU check; interpreted they take too long)
+    for m, cases in ((49, ((3.0, 3), (0.05, 20))), (80, ((3.0, 3),))):
+        for spread, most in cases:
             lmk = _landmarks(2, m, 8, min(spread, 1.0), 7) * (spread if spread > 1 else 1.0)
             a = gaussian_kernel(lmk, lmk)
             for start in ("identity", "official"):
@@ -159,11 +160,10 @@ def _interpreted() -> None:
                 assert steps.dtype == torch.int32 and steps.shape == (2,)
                 assert int(steps.max()) <= (most if start == "identity" else 2 * most + 2) and (spread > 1 or int(steps.min()) >= 10), (m, spread, steps)
                 assert _rel(got, ref) < (1e-6 if spread > 1 else 1e-3), (m, spread, start, _rel(got, ref))
-                if spread > 1 or m > sk.FUSED_MAX_M:
+                if spread < 1 or m > sk.FUSED_MAX_M:
                     continue
-                # tol=0 and no stall possible (plain-TF32 steps only): every step runs
-                _, all_steps = sk.newton_inverse(a, 20, 0.01, 1.8, start, "tf32", refine=0, tol=0.0,
-                                                 return_steps=True)
+                # tol=0: early exit off, every step runs
+                _, all_steps = sk.newton_inverse(a, 20, 0.01, 1.8, start, tol=0.0, return_steps=True)
                 assert all_steps.tolist() == [20, 20], all_steps
     # the whole attention, forward and backward, Triton vs torch (same start, same backward)
     q = (0.5 * torch.randn(1, 2, 96, 16, generator=g)).requires_grad_()

@@ -110,8 +110,8 @@ if triton is not None:
         return (r1 <= tol) | (stall & (r1 <= 1e-3) & (r1 >= 0.25 * r2))
 
     @triton.jit
-    def _nr_fused_kernel(a_ptr, v_ptr, steps_ptr, m, reg, scale, tol, fast_iters, exact_iters,
-                         IDENTITY: tl.constexpr, PREC: tl.constexpr, FAST_STALL: tl.constexpr, BLOCK: tl.constexpr):
+    def _nr_fused_kernel(a_ptr, v_ptr, steps_ptr, m, reg, scale, tol, fast_iters, exact_iters, stall_fast,
+                         stall_exact, IDENTITY: tl.constexpr, PREC: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)
         r = tl.arange(0, BLOCK)
         inside = (r[:, None] < m) & (r[None, :] < m)
@@ -140,7 +140,8 @@ if triton is not None:
             r2 = r1
             r1 = tl.sum(tl.sum(res * res, 1), 0)
             k += 1
-            done = _nr_done(r1, r2, tol, FAST_STALL | (k > fast_iters))
+            # a stall compares two float32 steps' residuals, never a TF32 one with the first float32 one
+            done = _nr_done(r1, r2, tol, (k > fast_iters + 1) & (stall_exact != 0) | (stall_fast != 0))
         tl.store(v_ptr + offs, v, mask=inside)
         tl.store(steps_ptr + pid, k)
 
@@ -318,12 +319,13 @@ def _newton_inverse_impl(a: torch.Tensor, iters: int, reg: float, scale: float, 
     bh, m = a.shape[0], a.shape[-1]
     exact = iters if precision == "ieee" else min(refine, iters)
     fast = iters - exact
-    fast_stall = precision != "tf32"  # plain TF32 stalls far above float32: its floor is for the fp32 steps
+    # plain TF32 stalls far above float32 (the fp32 steps remove that floor); tol = 0: no early exit at all
+    fast_stall, exact_stall = tol > 0 and precision != "tf32", tol > 0
     if m <= FUSED_MAX_M:
         v = torch.empty_like(a)
         steps = torch.empty(bh, device=a.device, dtype=torch.int32)
         _nr_fused_kernel[(bh,)](a, v, steps, m, float(reg), float(scale), float(tol), fast, exact,
-                                IDENTITY=start == "identity", PREC=precision, FAST_STALL=fast_stall,
+                                int(fast_stall), int(exact_stall), IDENTITY=start == "identity", PREC=precision,
                                 BLOCK=_p2(m), num_warps=4)
         return v, steps
     eye = torch.eye(m, device=a.device, dtype=a.dtype)
@@ -333,7 +335,7 @@ def _newton_inverse_impl(a: torch.Tensor, iters: int, reg: float, scale: float, 
     res = torch.zeros(bh, max(iters, 1), device=a.device, dtype=torch.float32)
     for k in range(iters):
         prec = precision if k < fast else "ieee"
-        stall = fast_stall or k >= fast
+        stall = fast_stall or (exact_stall and k >= fast + 2)  # as in the fused kernel
         t = _bmm(v, a_r, precision=prec, res=res, step=k, resid=True, gate=k > 0, tol=tol, stall=stall)
         v = _bmm(t, v, v, -1.0, 2.0, precision=prec, res=res, step=k, gate=k > 0, tol=tol, stall=stall)
     # a step ran iff its residual was written (skipped steps leave 0; a converged residual is never exactly 0
@@ -380,7 +382,8 @@ def newton_inverse(a: torch.Tensor, iters: int = 20, reg: float = 0.01, scale: f
     ``||I - V_{k+1} A_r||_2 <= r_k``: a Newton step squares the residual) or has stalled at the products'
     rounding floor (``r_k <= 1e-3`` but not 4x below ``r_{k-1}``; never in the plain-TF32 steps, whose floor the
     float32 steps remove). Until convergence the steps are those of the full iteration, so the result agrees
-    with it to float32 rounding; ``tol=0`` without a stall runs every step. Quadratic convergence: from the
+    with it to float32 rounding; ``tol=0`` turns the early exit off (every step runs unless a residual is
+    exactly 0, after which steps change nothing). Quadratic convergence: from the
     identity start about ``log2(cond * ln(1/tol))`` steps (cond ~1: 1-2 steps; cond 2e4: ~19).
     ``return_steps``: also return the steps each matrix ran (``[BH]`` int32, a diagnostic).
 
