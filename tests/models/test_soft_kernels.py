@@ -46,6 +46,30 @@ def test_pt_and_p_backward_formulas_gradcheck_float64():
     assert torch.autograd.gradcheck(lambda a, b, c: sk.landmark_p(a, b, c, kernels=False), (q, lm, y))
 
 
+def test_soft_core_gradcheck_and_equal_to_the_chained_torch_path_float64():
+    """soft_core (one autograd node, dA = -dZ W^T) is the paper's inverse backward of the chained torch path:
+    gradcheck where the iteration has converged (float64, 40 steps, spread landmarks), and equal to
+    soft_attention(impl="torch") forward and backward to rounding."""
+    g = torch.Generator().manual_seed(0)
+    q = (0.5 * torch.randn(2, 12, 4, generator=g, dtype=f64)).requires_grad_()
+    lm = (0.5 * torch.randn(2, 5, 4, generator=g, dtype=f64) + torch.arange(5, dtype=f64)[:, None]).requires_grad_()
+    v = torch.randn(2, 12, 3, generator=g, dtype=f64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda q, l, v: sk.soft_core(q, l, v, iters=40, kernels=False), (q, lm, v))
+    q4, l4, v4 = (t.detach().view(1, 2, *t.shape[1:]).requires_grad_() for t in (q, lm, v))
+    ref = soft_attention(q4, v4, l4, impl="torch", iters=40)
+    qc, lc = sk.centre(q4.view(2, 12, 4), l4.view(2, 5, 4))
+    got = sk.soft_core(qc, lc, v4.view(2, 12, 3), iters=40, kernels=False).view(1, 2, 12, 3)
+    up = torch.randn(ref.shape, generator=g, dtype=f64)
+    assert _rel(got, ref) < 1e-12
+    for a, b in zip(torch.autograd.grad((got * up).sum(), (q4, v4, l4)),
+                    torch.autograd.grad((ref * up).sum(), (q4, v4, l4))):
+        assert _rel(a, b) < 1e-12
+    with pytest.raises(ValueError, match="v must be"):
+        sk.soft_core(qc, lc, v4.view(2, 12, 3)[:, :5], kernels=False)
+    with pytest.raises(ValueError, match="start"):
+        sk.soft_core(qc, lc, v4.view(2, 12, 3), start="zero", kernels=False)
+
+
 def test_references_are_the_products_they_claim():
     g = torch.Generator().manual_seed(1)
     q, lm, x = torch.randn(1, 6, 3, generator=g, dtype=f64), torch.randn(1, 4, 3, generator=g, dtype=f64), \

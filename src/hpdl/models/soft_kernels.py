@@ -39,7 +39,8 @@ except ImportError:  # pragma: no cover - triton ships with torch on Linux
     triton = None
 
 __all__ = ["FUSED_MAX_M", "PRECISIONS", "available", "centre", "landmark_cols", "landmark_cols_ref", "landmark_p",
-           "landmark_pt", "landmark_rows", "landmark_rows_ref", "neg_vgv", "newton_inverse", "newton_inverse_ref"]
+           "landmark_pt", "landmark_rows", "landmark_rows_ref", "neg_vgv", "newton_inverse", "newton_inverse_ref",
+           "soft_core"]
 
 PRECISIONS = ("tf32", "tf32x3", "ieee")
 FUSED_MAX_M = 64  # largest landmark count whose whole Newton iteration runs in one program's registers
@@ -607,3 +608,64 @@ def landmark_p(q, l, y, *, kernels: bool = True, precision: str = "tf32"):
     _check_prec(precision)
     _check_centred(q, l)
     return _P.apply(q, l, y, kernels, precision)
+
+
+class _SoftCore(torch.autograd.Function):
+    """``out = P (NR(A + reg I) (P^T v))`` as one autograd node (fewer host-side ops than the chain of
+    :func:`landmark_pt`, the Newton function and :func:`landmark_p`). The backward is the paper's derivative of
+    an exact inverse, ``dA = -V^T dV V^T``; with ``W = V Z``, ``dV = dW Z^T``, so ``dA = -(V^T dW)(V Z)^T =
+    -dZ W^T``: a rank-``dv`` outer product instead of two ``m x m x m`` products."""
+
+    @staticmethod
+    def forward(ctx, q, l, v, iters, reg, start, precision, nr_precision, tol, kernels):
+        with torch.autocast(q.device.type, enabled=False):   # l l^T in float32 even when called under autocast
+            return _SoftCore._forward(ctx, q, l, v, iters, reg, start, precision, nr_precision, tol, kernels)
+
+    @staticmethod
+    def _forward(ctx, q, l, v, iters, reg, start, precision, nr_precision, tol, kernels):
+        qn, ln = _norms(q, l)
+        rows, cols = _ops(kernels, precision)
+        v = v.contiguous()
+        z, _ = cols(q, l, qn, ln, v, None, None)                               # [BH, m, dv] = P^T v
+        a = torch.exp(ln[..., :, None] + ln[..., None, :] + l @ l.transpose(-1, -2))  # [BH, m, m] from centred l
+        if kernels:
+            vinv = newton_inverse(a, iters, reg, 1.8, start, nr_precision, tol=tol)
+        else:
+            vinv = newton_inverse_ref(a, iters, reg, 1.8, start)
+        w = torch.bmm(vinv, z)                                                 # [BH, m, dv]
+        out, _ = rows(q, l, qn, ln, w, None, None)                             # [BH, N, dv] = P W
+        ctx.save_for_backward(q, l, qn, ln, v, a, vinv, w)
+        ctx.cfg = kernels, precision
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, l, qn, ln, v, a, vinv, w = ctx.saved_tensors
+        rows, cols = _ops(*ctx.cfg)
+        dout = dout.contiguous()
+        dw, dl = cols(q, l, qn, ln, dout, dout, w)          # out = P W: dW = P^T dout, dS = P * (dout W^T)
+        _, dq = rows(q, l, qn, ln, None, dout, w)
+        dz = torch.bmm(vinv.transpose(-1, -2), dw)          # W = V Z
+        dv, dq2 = rows(q, l, qn, ln, dz, v, dz)             # Z = P^T v: dv = P dZ, dS = P * (v dZ^T)
+        _, dl2 = cols(q, l, qn, ln, None, v, dz)
+        ds = a * torch.bmm(dz, w.transpose(-1, -2)).neg_()  # A = exp(-|l_i - l_j|^2 / 2), dA = -dZ W^T
+        dl3 = torch.baddbmm(torch.bmm(ds, l), ds.transpose(-1, -2), l) - l * (ds.sum(-1) + ds.sum(-2))[..., None]
+        return dq + dq2, dl + dl2 + dl3, dv.to(v.dtype), None, None, None, None, None, None, None
+
+
+def soft_core(q, l, v, *, iters: int = 20, reg: float = 0.01, start: str = "identity", precision: str = "tf32",
+              nr_precision: str | None = None, tol: float = NR_TOL, kernels: bool = True):
+    """SOFT's landmark attention ``P @ NR(A + reg I) @ (P^T @ v)`` for centred ``q [BH, N, D]``, ``l [BH, M, D]``
+    (:func:`centre`, float32; float64 with ``kernels=False``) and ``v [BH, N, E]`` (any float dtype) ->
+    ``[BH, N, E]`` float32, differentiable in q, l and v with the paper's inverse backward. P and A are never
+    stored as ``[N, M]``; the Newton inverse is :func:`newton_inverse` (early exit ``tol``; ``kernels=False``:
+    the torch references, all ``iters`` steps). Raises ValueError on bad shapes, dtypes, start or precision."""
+    _check_prec(precision)
+    _check_centred(q, l)
+    if v.dim() != 3 or v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"v must be [BH, N, E] with q's BH and N {tuple(q.shape[:2])}, got {tuple(v.shape)}")
+    if start not in ("identity", "official"):
+        raise ValueError(f"start must be 'identity' or 'official', got {start!r}")
+    if nr_precision is not None:
+        _check_prec(nr_precision)
+    return _SoftCore.apply(q, l, v, int(iters), float(reg), start, precision, nr_precision, float(tol), kernels)

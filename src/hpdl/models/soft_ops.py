@@ -305,6 +305,15 @@ def soft_attention(q: torch.Tensor, v: torch.Tensor, landmarks: torch.Tensor, *,
     with torch.autocast(q.device.type, enabled=False):
         lf = landmarks.to(dtype)
         kernels = _use_kernels(impl, lf)
+        if kernels and variant == "soft" and backward == "inverse":
+            # the default on CUDA: one autograd node for the kernel, the inverse and both products
+            sk = soft_kernels
+            b, h, n, dh = q.shape
+            m = lf.shape[-2]
+            q3, l3 = sk.centre(q.reshape(b * h, n, dh), landmarks.reshape(b * h, m, dh))
+            out = sk.soft_core(q3, l3, v.reshape(b * h, n, -1), iters=iters, reg=reg, start=start,
+                               precision=precision, nr_precision=nr_precision, tol=nr_tol)
+            return out.view(b, h, n, -1).to(v.dtype)
         a = gaussian_kernel(lf, lf)  # [B, H, m, m]
         if variant == "soft":
             inv = newton_pinv(a, iters, reg, 1.8, backward, symmetric=True, start=start, impl=impl,
