@@ -210,6 +210,14 @@ def _interpreted() -> None:
     for gt, gr in zip(torch.autograd.grad(got.float().sum(), (qb, vb, lb)),
                       torch.autograd.grad(ref.float().sum(), (qb, vb, lb))):
         assert gt.dtype == torch.bfloat16 and _rel(gt, gr) < 2e-2, _rel(gt, gr)
+    # the goal suite's report of the Newton steps a layer runs (early exit on, and off with nr_tol=0)
+    from hpdl.models.soft import SoftAttention
+    from hpdl.vision.soft_goal import _newton_steps
+
+    x = torch.randn(1, 256, 32, generator=g)
+    assert 1 <= _newton_steps(SoftAttention(32, 2, 4), x, 16, 16, torch.float32) < 20
+    assert _newton_steps(SoftAttention(32, 2, 4, nr_tol=0.0), x, 16, 16, torch.float32) == 20
+    assert _newton_steps(SoftAttention(32, 2, 4, impl="torch"), x, 16, 16, torch.float32) is None
     # torch.compile traces the model with the custom ops and autograd functions in one graph (no breaks)
     from hpdl.models.soft import SoftConfig, SoftViT
 

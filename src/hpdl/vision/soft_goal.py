@@ -122,7 +122,7 @@ def run_check(device, smoke: bool) -> list[dict]:
         for mode in ("global", "thread_local"):
             try:
                 done = subprocess.run([sys.executable, "-c", _GRAPH_CHECK, mode], capture_output=True, text=True,
-                                      timeout=120)
+                                      timeout=60)
                 got = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else {
                     "error": (done.stderr.strip().splitlines() or ["exit %d" % done.returncode])[-1]}
             except (subprocess.TimeoutExpired, ValueError, IndexError) as e:
@@ -279,8 +279,9 @@ def _newton_steps(layer, x, H, W, dtype) -> int | None:
     with torch.no_grad(), torch.autocast(x.device.type, dtype=dtype, enabled=dtype != torch.float32):
         q = layer.W_q(x).view(b, n, h, d).transpose(1, 2) * d ** -0.25
         lm = layer.landmarks(q, H, W).float()
-    a = gaussian_kernel(lm, lm)
-    _, steps = sk.newton_inverse(a.reshape(-1, a.shape[-1], a.shape[-1]).contiguous(), layer.nr_iters,
+    _, lc = sk.centre(lm[..., :1, :].flatten(0, 1), lm.flatten(0, 1))   # as soft_core builds A
+    a = gaussian_kernel(lc, lc)
+    _, steps = sk.newton_inverse(a.contiguous(), layer.nr_iters,
                                  layer.nr_reg, 1.8, "identity", layer.nr_precision,
                                  tol=sk.NR_TOL if layer.nr_tol is None else layer.nr_tol, return_steps=True)
     return int(steps.max())
