@@ -427,13 +427,14 @@ def _warps(d: int, grads: bool) -> int:
     return 8 if d > 32 or grads else 4
 
 
-def _rows_impl(q, l, qn, ln, y, a, b, precision):
+def _rows_impl(q, l, qn, ln, y, a, b, precision, out_dtype="float32"):
     q, l, qn, ln, y, a, b = _contig(q, l, qn, ln, y, a, b)
     bh, n, d = q.shape
     m = l.shape[1]
     e = y.shape[-1] if y is not None else 1
     f = a.shape[-1] if a is not None else 1
-    oy = torch.empty(bh, n, e, device=q.device, dtype=torch.float32) if y is not None else q.new_empty(0)
+    oy = (torch.empty(bh, n, e, device=q.device, dtype=getattr(torch, out_dtype)) if y is not None
+          else q.new_empty(0))   # P @ y stored in out_dtype (the store rounds the float32 accumulator)
     dq = torch.empty(bh, n, d, device=q.device, dtype=torch.float32) if a is not None else q.new_empty(0)
     block_n = 64
     block_m = 64 if m > 32 else 32
@@ -476,13 +477,14 @@ def _cols_impl(q, l, qn, ln, x, a, b, precision):
 if triton is not None:
     @torch.library.custom_op("hpdl::soft_landmark_rows", mutates_args=())
     def _rows_op(q: torch.Tensor, l: torch.Tensor, qn: torch.Tensor, ln: torch.Tensor, y: torch.Tensor | None,
-                 a: torch.Tensor | None, b: torch.Tensor | None, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
-        return _rows_impl(q, l, qn, ln, y, a, b, precision)
+                 a: torch.Tensor | None, b: torch.Tensor | None, precision: str, out_dtype: str = "float32"
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        return _rows_impl(q, l, qn, ln, y, a, b, precision, out_dtype)
 
     @_rows_op.register_fake
-    def _(q, l, qn, ln, y, a, b, precision):
+    def _(q, l, qn, ln, y, a, b, precision, out_dtype="float32"):
         bh, n, d = q.shape
-        oy = q.new_empty(bh, n, y.shape[-1]) if y is not None else q.new_empty(0)
+        oy = q.new_empty(bh, n, y.shape[-1], dtype=getattr(torch, out_dtype)) if y is not None else q.new_empty(0)
         return oy, (q.new_empty(bh, n, d) if a is not None else q.new_empty(0))
 
     @torch.library.custom_op("hpdl::soft_landmark_cols", mutates_args=())
@@ -535,9 +537,10 @@ def landmark_cols(q, l, x=None, a=None, b=None, precision: str = "tf32"):
 def _ops(kernels: bool, precision: str):
     """(rows, cols) on centred inputs with their norms: the Triton custom ops, or the torch references."""
     if kernels:
-        return (lambda q, l, qn, ln, y, a, b: _rows_op(q, l, qn, ln, y, a, b, precision),
+        return (lambda q, l, qn, ln, y, a, b, out_dtype="float32": _rows_op(q, l, qn, ln, y, a, b, precision,
+                                                                            out_dtype),
                 lambda q, l, qn, ln, x, a, b: _cols_op(q, l, qn, ln, x, a, b, precision))
-    return (lambda q, l, qn, ln, y, a, b: landmark_rows_ref(q, l, y, a, b),
+    return (lambda q, l, qn, ln, y, a, b, out_dtype=None: landmark_rows_ref(q, l, y, a, b),
             lambda q, l, qn, ln, x, a, b: landmark_cols_ref(q, l, x, a, b))
 
 
@@ -633,7 +636,8 @@ class _SoftCore(torch.autograd.Function):
         else:
             vinv = newton_inverse_ref(a, iters, reg, 1.8, start)
         w = torch.bmm(vinv, z)                                                 # [BH, m, dv]
-        out, _ = rows(q, l, qn, ln, w, None, None)                             # [BH, N, dv] = P W
+        # P W stored in v's dtype (bf16 under autocast): no float32 [N, dv] copy, forward or (dout) backward
+        out, _ = rows(q, l, qn, ln, w, None, None, _dtype_name(v))             # [BH, N, dv] = P W
         ctx.save_for_backward(q, l, qn, ln, v, a, vinv, w)
         ctx.cfg = kernels, precision
         return out
@@ -646,18 +650,22 @@ class _SoftCore(torch.autograd.Function):
         dw, dl = cols(q, l, qn, ln, dout, dout, w)          # out = P W: dW = P^T dout, dS = P * (dout W^T)
         _, dq = rows(q, l, qn, ln, None, dout, w)
         dz = torch.bmm(vinv.transpose(-1, -2), dw)          # W = V Z
-        dv, dq2 = rows(q, l, qn, ln, dz, v, dz)             # Z = P^T v: dv = P dZ, dS = P * (v dZ^T)
+        dv, dq2 = rows(q, l, qn, ln, dz, v, dz, _dtype_name(v))  # Z = P^T v: dv = P dZ, dS = P * (v dZ^T)
         _, dl2 = cols(q, l, qn, ln, None, v, dz)
         ds = a * torch.bmm(dz, w.transpose(-1, -2)).neg_()  # A = exp(-|l_i - l_j|^2 / 2), dA = -dZ W^T
         dl3 = torch.baddbmm(torch.bmm(ds, l), ds.transpose(-1, -2), l) - l * (ds.sum(-1) + ds.sum(-2))[..., None]
-        return dq + dq2, dl + dl2 + dl3, dv.to(v.dtype), None, None, None, None, None, None, None
+        return dq.add_(dq2), dl + dl2 + dl3, dv.to(v.dtype), None, None, None, None, None, None, None
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(t.dtype, "float32")
 
 
 def soft_core(q, l, v, *, iters: int = 20, reg: float = 0.01, start: str = "identity", precision: str = "tf32",
               nr_precision: str | None = None, tol: float = NR_TOL, kernels: bool = True):
     """SOFT's landmark attention ``P @ NR(A + reg I) @ (P^T @ v)`` for centred ``q [BH, N, D]``, ``l [BH, M, D]``
     (:func:`centre`, float32; float64 with ``kernels=False``) and ``v [BH, N, E]`` (any float dtype) ->
-    ``[BH, N, E]`` float32, differentiable in q, l and v with the paper's inverse backward. P and A are never
+    ``[BH, N, E]`` (kernels: in v's dtype if bf16/fp16, else float32; the references: q's dtype), differentiable in q, l and v with the paper's inverse backward. P and A are never
     stored as ``[N, M]``; the Newton inverse is :func:`newton_inverse` (early exit ``tol``; ``kernels=False``:
     the torch references, all ``iters`` steps). Raises ValueError on bad shapes, dtypes, start or precision."""
     _check_prec(precision)
