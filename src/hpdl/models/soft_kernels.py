@@ -504,7 +504,9 @@ def centre(q: torch.Tensor, l: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     hence P, do not depend on it). Differentiable; the products below take centred inputs."""
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     c = l.detach().to(dtype).mean(-2, keepdim=True)
-    return (q.to(dtype) - c).contiguous(), (l.to(dtype) - c).contiguous()
+    # contiguous in q's own dtype first, then one promoting subtraction: the float32 copy is written once
+    # (q.to(float32) - c of a transposed bf16 q would write a strided float32 copy, then a contiguous one)
+    return torch.sub(q.contiguous(), c).contiguous(), torch.sub(l.contiguous(), c).contiguous()
 
 
 def _norms(q: torch.Tensor, l: torch.Tensor):
