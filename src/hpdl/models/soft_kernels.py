@@ -146,7 +146,7 @@ if triton is not None:
         tl.store(v_ptr + offs, v, mask=inside)
         tl.store(steps_ptr + pid, k)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["step"])  # one compiled variant for every Newton step, not one per 1 / 16k
     def _bmm_kernel(x_ptr, y_ptr, z_ptr, o_ptr, res_ptr, n, alpha, beta, step, res_stride, tol, stall,
                     sxb, sxr, sxc, syb, syr, syc, szb, szr, szc,
                     HAS_Z: tl.constexpr, RESID: tl.constexpr, GATE: tl.constexpr, PREC: tl.constexpr,
@@ -162,11 +162,11 @@ if triton is not None:
         rk = tl.arange(0, BK)
         inside = (rm[:, None] < n) & (rn[None, :] < n)
         done = step < 0
-        if GATE:
-            r1 = tl.load(res_ptr + b * res_stride + step - 1)
+        if GATE:  # step 0 never skips (a runtime test: the same variant serves every step)
+            r1 = tl.load(res_ptr + b * res_stride + tl.maximum(step - 1, 0))
             r2 = tl.load(res_ptr + b * res_stride + tl.maximum(step - 2, 0))
             r2 = tl.where(step >= 2, r2, float("inf"))
-            done = _nr_done(r1, r2, tol, stall != 0)
+            done = (step > 0) & _nr_done(r1, r2, tol, stall != 0)
         if done:
             if HAS_Z:
                 zt = tl.load(z_ptr + b * szb + rm[:, None] * szr + rn[None, :] * szc, mask=inside, other=0.0)
@@ -337,8 +337,8 @@ def _newton_inverse_impl(a: torch.Tensor, iters: int, reg: float, scale: float, 
     for k in range(iters):
         prec = precision if k < fast else "ieee"
         stall = fast_stall or (exact_stall and k >= fast + 2)  # as in the fused kernel
-        t = _bmm(v, a_r, precision=prec, res=res, step=k, resid=True, gate=k > 0, tol=tol, stall=stall)
-        v = _bmm(t, v, v, -1.0, 2.0, precision=prec, res=res, step=k, gate=k > 0, tol=tol, stall=stall)
+        t = _bmm(v, a_r, precision=prec, res=res, step=k, resid=True, gate=True, tol=tol, stall=stall)
+        v = _bmm(t, v, v, -1.0, 2.0, precision=prec, res=res, step=k, gate=True, tol=tol, stall=stall)
     # a step ran iff its residual was written (skipped steps leave 0; a converged residual is never exactly 0
     # before the step that finds it below tol, after which the rest are skipped)
     steps = torch.zeros(bh, device=a.device, dtype=torch.int32) if iters == 0 else _steps_taken(res, tol)
