@@ -228,10 +228,14 @@ def run_layer(device, smoke: bool, warmup: int, reps: int) -> list[dict]:
                    "landmarks": (H // sr) * (W // sr) if name != "sdpa_flash" else None}
             try:
                 m = _timed(step, device, warmup, reps)
-                rows.append({**row, "status": "ok", "fwd_bwd_ms": m["ms"], "peak_mib": m["peak_mib"],
-                             "nr_steps": _newton_steps(layer, x, H, W, dtype)})
-                if device.type == "cuda" and name == "soft" and n <= 16384:  # where it is launch-bound
-                    rows[-1]["profile"] = profile_step(step)
+                rows.append({**row, "status": "ok", "fwd_bwd_ms": m["ms"], "peak_mib": m["peak_mib"]})
+                # diagnostics: never fatal to the timed rows
+                try:
+                    rows[-1]["nr_steps"] = _newton_steps(layer, x, H, W, dtype)
+                    if device.type == "cuda" and name == "soft" and n <= 16384:  # where it is launch-bound
+                        rows[-1]["profile"] = profile_step(step)
+                except Exception as e:  # noqa: BLE001 - reported in the JSON
+                    rows[-1]["diagnostics_error"] = f"{type(e).__name__}: {str(e)[:160]}"
             except torch.cuda.OutOfMemoryError:
                 rows.append({**row, "status": "oom"})
             layer = x = grad = None
@@ -415,6 +419,8 @@ def format_goal(result: dict) -> str:
             st = _f(rs.get("soft", {}).get("nr_steps"), "d")   # Newton steps the default ran (of 20)
             lines.append(f"{n:>7} {m:>5} {st:>5} " + " ".join(f"{c:>22}" for c in cells) + f"  {_f(ratio)}x")
     for r in result.get("layer") or []:
+        if r.get("diagnostics_error"):
+            lines.append(f"# {r['method']} at {r['tokens']} tokens: steps/profile failed: {r['diagnostics_error']}")
         if r.get("profile"):
             pr = r["profile"]
             lines.append(f"# profile, {r['method']} at {r['tokens']} tokens, one fwd+bwd: host {pr['host_ms']:.2f} ms to "
