@@ -81,7 +81,7 @@ def test_goal_suite_layer_and_models_tables_on_cpu(tmp_path):
     cpu = torch.device("cpu")
     layer = run_layer(cpu, True, 0, 1)
     assert {(r["tokens"], r["method"]) for r in layer} == {(n, m) for n in (256, 1024)
-                                                          for m in ("soft", "soft_nr_tf32", "soft_torch_old", "sdpa_flash")}
+                                                          for m in ("soft", "soft_newton20", "sdpa_flash")}
     assert all(r["status"] == "ok" and r["fwd_bwd_ms"] > 0 for r in layer)
     import time
 
@@ -104,3 +104,36 @@ def test_goal_suite_usage_errors():
     assert main(["bench", "attention", "--suite", "goal", "--goal-parts", "layer,fast"]) == 1
     if not os.environ.get("TRITON_INTERPRET"):
         assert main(["bench", "attention", "--suite", "goal"]) == 1   # CPU without the interpreter: no kernels
+
+
+def test_goal_compile_blocks_compiles_each_block_and_keeps_outputs():
+    """Regional compilation of the goal suite's compiled rows: every transformer block compiled in place
+    (SOFT's SoftBlock and stage-4 Block), outputs unchanged (dynamo only: backend="eager")."""
+    import torch._dynamo
+
+    from hpdl.models.soft import SoftConfig, SoftViT
+    from hpdl.vision.soft_goal import compile_blocks
+
+    torch.manual_seed(0)
+    model = SoftViT(SoftConfig(img_size=64, num_classes=3, embed_dims=(16, 32, 48, 64), num_heads=(2, 2, 3, 4),
+                               depths=(1, 1, 1, 1), stem_channels=8)).eval()
+    x = torch.randn(2, 3, 64, 64)
+    ref = model(x)
+    torch._dynamo.reset()
+    assert compile_blocks(model, backend="eager") == 4
+    assert all(hasattr(b, "_compiled_call_impl") and b._compiled_call_impl is not None for b in model.block2)
+    assert torch.allclose(model(x), ref, atol=1e-6)
+
+
+def test_goal_profile_step_and_its_report():
+    from hpdl.vision.soft_goal import format_goal, profile_step
+
+    a = torch.randn(64, 64)
+    pr = profile_step(lambda: a @ a, calls=2)
+    assert pr["host_ms"] > 0 and pr["kernels"] == (0 if not torch.cuda.is_available() else pr["kernels"])
+    row = {"tokens": 4096, "method": "soft", "status": "ok", "landmarks": 64, "fwd_bwd_ms": 1.0, "peak_mib": 1.0,
+           "nr_steps": 2, "profile": {"host_ms": 3.0, "device_ms": 1.5, "kernels": 90,
+                                      "top": [{"kernel": "_rows_kernel", "ms": 0.5, "count": 3}]}}
+    text = format_goal({"meta": {"device_name": "x"}, "layer": [row]})
+    assert "host 3.00 ms to issue, device 1.50 ms in 90 kernels" in text and "_rows_kernel" in text
+    assert "4096    64     2" in text   # tokens, landmarks, Newton steps

@@ -46,6 +46,30 @@ def test_pt_and_p_backward_formulas_gradcheck_float64():
     assert torch.autograd.gradcheck(lambda a, b, c: sk.landmark_p(a, b, c, kernels=False), (q, lm, y))
 
 
+def test_soft_core_gradcheck_and_equal_to_the_chained_torch_path_float64():
+    """soft_core (one autograd node, dA = -dZ W^T) is the paper's inverse backward of the chained torch path:
+    gradcheck where the iteration has converged (float64, 40 steps, spread landmarks), and equal to
+    soft_attention(impl="torch") forward and backward to rounding."""
+    g = torch.Generator().manual_seed(0)
+    q = (0.5 * torch.randn(2, 12, 4, generator=g, dtype=f64)).requires_grad_()
+    lm = (0.5 * torch.randn(2, 5, 4, generator=g, dtype=f64) + torch.arange(5, dtype=f64)[:, None]).requires_grad_()
+    v = torch.randn(2, 12, 3, generator=g, dtype=f64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda q, l, v: sk.soft_core(q, l, v, iters=40, kernels=False), (q, lm, v))
+    q4, l4, v4 = (t.detach().view(1, 2, *t.shape[1:]).requires_grad_() for t in (q, lm, v))
+    ref = soft_attention(q4, v4, l4, impl="torch", iters=40)
+    qc, lc = sk.centre(q4.view(2, 12, 4), l4.view(2, 5, 4))
+    got = sk.soft_core(qc, lc, v4.view(2, 12, 3), iters=40, kernels=False).view(1, 2, 12, 3)
+    up = torch.randn(ref.shape, generator=g, dtype=f64)
+    assert _rel(got, ref) < 1e-12
+    for a, b in zip(torch.autograd.grad((got * up).sum(), (q4, v4, l4)),
+                    torch.autograd.grad((ref * up).sum(), (q4, v4, l4))):
+        assert _rel(a, b) < 1e-12
+    with pytest.raises(ValueError, match="v must be"):
+        sk.soft_core(qc, lc, v4.view(2, 12, 3)[:, :5], kernels=False)
+    with pytest.raises(ValueError, match="start"):
+        sk.soft_core(qc, lc, v4.view(2, 12, 3), start="zero", kernels=False)
+
+
 def test_references_are_the_products_they_claim():
     g = torch.Generator().manual_seed(1)
     q, lm, x = torch.randn(1, 6, 3, generator=g, dtype=f64), torch.randn(1, 4, 3, generator=g, dtype=f64), \
@@ -145,6 +169,26 @@ def _interpreted() -> None:
                 got = sk.newton_inverse(a, iters, 0.01, 1.8, start)
                 ref = newton_pinv(a.double(), iters, 0.01, 1.8, start=start).float()
                 assert _rel(got, ref) < 1e-3, (m, spread, start, _rel(got, ref))
+    # early exit on the device: steps stop once the residual says converged, and only then. Far-apart landmarks
+    # (A ~ I, the goal layer at random init) need 1-3 steps from the identity start (the official one, with
+    # I - 1.8 A^2/s^2 ~ -0.8, about 7); clustered ones (cond ~1e3) most of the 20; the
+    # result is the full iteration's to float32 rounding either way
+    # (the tiled kernels on clustered landmarks: the goal suite's GPU check; interpreted they take too long)
+    for m, cases in ((49, ((3.0, 3), (0.05, 20))), (80, ((3.0, 3),))):
+        for spread, most in cases:
+            lmk = _landmarks(2, m, 8, min(spread, 1.0), 7) * (spread if spread > 1 else 1.0)
+            a = gaussian_kernel(lmk, lmk)
+            for start in ("identity", "official"):
+                got, steps = sk.newton_inverse(a, 20, 0.01, 1.8, start, return_steps=True)
+                ref = newton_pinv(a.double(), 20, 0.01, 1.8, start=start).float()
+                assert steps.dtype == torch.int32 and steps.shape == (2,)
+                assert int(steps.max()) <= (most if start == "identity" else 2 * most + 2) and (spread > 1 or int(steps.min()) >= 10), (m, spread, steps)
+                assert _rel(got, ref) < (1e-6 if spread > 1 else 1e-3), (m, spread, start, _rel(got, ref))
+                if spread < 1 or m > sk.FUSED_MAX_M:
+                    continue
+                # tol=0: early exit off, every step runs
+                _, all_steps = sk.newton_inverse(a, 20, 0.01, 1.8, start, tol=0.0, return_steps=True)
+                assert all_steps.tolist() == [20, 20], all_steps
     # the whole attention, forward and backward, Triton vs torch (same start, same backward)
     q = (0.5 * torch.randn(1, 2, 96, 16, generator=g)).requires_grad_()
     v = torch.randn(1, 2, 96, 16, generator=g).requires_grad_()
@@ -166,6 +210,14 @@ def _interpreted() -> None:
     for gt, gr in zip(torch.autograd.grad(got.float().sum(), (qb, vb, lb)),
                       torch.autograd.grad(ref.float().sum(), (qb, vb, lb))):
         assert gt.dtype == torch.bfloat16 and _rel(gt, gr) < 2e-2, _rel(gt, gr)
+    # the goal suite's report of the Newton steps a layer runs (early exit on, and off with nr_tol=0)
+    from hpdl.models.soft import SoftAttention
+    from hpdl.vision.soft_goal import _newton_steps
+
+    x = torch.randn(1, 256, 32, generator=g)
+    assert 1 <= _newton_steps(SoftAttention(32, 2, 4), x, 16, 16, torch.float32) < 20
+    assert _newton_steps(SoftAttention(32, 2, 4, nr_tol=0.0), x, 16, 16, torch.float32) == 20
+    assert _newton_steps(SoftAttention(32, 2, 4, impl="torch"), x, 16, 16, torch.float32) is None
     # torch.compile traces the model with the custom ops and autograd functions in one graph (no breaks)
     from hpdl.models.soft import SoftConfig, SoftViT
 

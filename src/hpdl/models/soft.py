@@ -149,7 +149,7 @@ class SoftAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int, sr_ratio: int, conv_size: int = 3, *, variant: str = "soft",
                  landmark: str = "conv", attention: str = "soft", nr_iters: int = 20, nr_reg: float = 0.01,
                  nr_backward: str = "inverse", nr_start: str | None = None, impl: str = "auto",
-                 precision: str = "tf32", nr_precision: str | None = None):
+                 precision: str = "tf32", nr_precision: str | None = None, nr_tol: float | None = None):
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"dim ({dim}) must be a multiple of num_heads ({num_heads})")
@@ -159,10 +159,13 @@ class SoftAttention(nn.Module):
             raise ValueError(f"conv_size must be odd (same-size output) or 0, got {conv_size}")
         if nr_reg < 0 or nr_iters < 0:
             raise ValueError(f"nr_reg and nr_iters must be >= 0, got {nr_reg}, {nr_iters}")
+        if nr_tol is not None and not nr_tol >= 0:
+            raise ValueError(f"nr_tol must be None or >= 0, got {nr_tol}")
         self.num_heads, self.head_dim, self.sr_ratio = num_heads, dim // num_heads, sr_ratio
         self.variant, self.landmark, self.attention = variant, landmark, attention
         self.nr_iters, self.nr_reg, self.nr_backward = nr_iters, nr_reg, nr_backward
         self.nr_start, self.impl, self.precision, self.nr_precision = nr_start, impl, precision, nr_precision
+        self.nr_tol = nr_tol  # None: soft_kernels.NR_TOL (Triton Newton early exit); 0: all nr_iters steps
         self.W_q = nn.Linear(dim, dim)
         self.W_v = nn.Linear(dim, dim)
         if attention == "soft" and landmark == "conv":
@@ -197,7 +200,8 @@ class SoftAttention(nn.Module):
             q = q * d ** -0.25
             out = soft_attention(q, v, self.landmarks(q, H, W), variant=self.variant, iters=self.nr_iters,
                                  reg=self.nr_reg, backward=self.nr_backward, start=self.nr_start,
-                                 impl=self.impl, precision=self.precision, nr_precision=self.nr_precision)
+                                 impl=self.impl, precision=self.precision, nr_precision=self.nr_precision,
+                                 **({} if self.nr_tol is None else {"nr_tol": self.nr_tol}))
         if self.conv is not None:  # one k x k kernel per head, shared by its d channels
             vmap = v.transpose(-1, -2).reshape(b, c, H, W)  # channel = head * d + j
             w = self.conv.weight.repeat_interleave(d, dim=0)

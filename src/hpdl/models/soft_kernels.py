@@ -39,7 +39,8 @@ except ImportError:  # pragma: no cover - triton ships with torch on Linux
     triton = None
 
 __all__ = ["FUSED_MAX_M", "PRECISIONS", "available", "centre", "landmark_cols", "landmark_cols_ref", "landmark_p",
-           "landmark_pt", "landmark_rows", "landmark_rows_ref", "neg_vgv", "newton_inverse", "newton_inverse_ref"]
+           "landmark_pt", "landmark_rows", "landmark_rows_ref", "neg_vgv", "newton_inverse", "newton_inverse_ref",
+           "soft_core"]
 
 PRECISIONS = ("tf32", "tf32x3", "ieee")
 FUSED_MAX_M = 64  # largest landmark count whose whole Newton iteration runs in one program's registers
@@ -103,8 +104,15 @@ def landmark_cols_ref(q, l, x=None, a=None, b=None):
 
 if triton is not None:
     @triton.jit
-    def _nr_fused_kernel(a_ptr, v_ptr, m, reg, scale, fast_iters, exact_iters, IDENTITY: tl.constexpr,
-                         PREC: tl.constexpr, BLOCK: tl.constexpr):
+    def _nr_done(r1, r2, tol, stall):
+        """Newton can stop: the residual ``r1 = ||I - V_k A_r||_F^2`` of the last step is below ``tol`` (V_{k+1}'s
+        is below r1^2 <= tol), or (``stall``) r1 is small yet fell less than 4x since ``r2``: the products'
+        rounding floor, where more steps change nothing."""
+        return (r1 <= tol) | (stall & (r1 <= 1e-3) & (r1 >= 0.25 * r2))
+
+    @triton.jit
+    def _nr_fused_kernel(a_ptr, v_ptr, steps_ptr, m, reg, scale, tol, fast_iters, exact_iters, stall_fast,
+                         stall_exact, IDENTITY: tl.constexpr, PREC: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)
         r = tl.arange(0, BLOCK)
         inside = (r[:, None] < m) & (r[None, :] < m)
@@ -117,36 +125,69 @@ if triton is not None:
             v = eye / (s + reg)
         else:
             v = ar * (scale / (s * s))
-        for _ in range(fast_iters):
-            t = tl.dot(v, ar, input_precision=PREC)
-            v = 2.0 * v - tl.dot(t, v, input_precision=PREC)
-        for _ in range(exact_iters):
-            t = tl.dot(v, ar, input_precision="ieee")
-            v = 2.0 * v - tl.dot(t, v, input_precision="ieee")
+        # steps until the residual says converged (no host sync: the loop condition lives on chip)
+        k = tl.full((), 0, tl.int32)
+        r1 = s * 0.0 + float("inf")
+        r2 = r1
+        done = r1 < 0.0
+        while (k < fast_iters + exact_iters) & (done == 0):
+            if k < fast_iters:
+                t = tl.dot(v, ar, input_precision=PREC)
+                v = 2.0 * v - tl.dot(t, v, input_precision=PREC)
+            else:
+                t = tl.dot(v, ar, input_precision="ieee")
+                v = 2.0 * v - tl.dot(t, v, input_precision="ieee")
+            res = tl.where(inside, eye - t, 0.0)
+            r2 = r1
+            r1 = tl.sum(tl.sum(res * res, 1), 0)
+            k += 1
+            # a stall compares two float32 steps' residuals, never a TF32 one with the first float32 one
+            done = _nr_done(r1, r2, tol, (k > fast_iters + 1) & (stall_exact != 0) | (stall_fast != 0))
         tl.store(v_ptr + offs, v, mask=inside)
+        tl.store(steps_ptr + pid, k)
 
-    @triton.jit
-    def _bmm_kernel(x_ptr, y_ptr, z_ptr, o_ptr, n, alpha, beta,
+    @triton.jit(do_not_specialize=["step"])  # one compiled variant for every Newton step, not one per 1 / 16k
+    def _bmm_kernel(x_ptr, y_ptr, z_ptr, o_ptr, res_ptr, n, alpha, beta, step, res_stride, tol, stall,
                     sxb, sxr, sxc, syb, syr, syc, szb, szr, szc,
-                    HAS_Z: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        """o = alpha * x @ y + beta * z for square n x n matrices (any strides; o contiguous)."""
+                    HAS_Z: tl.constexpr, RESID: tl.constexpr, GATE: tl.constexpr, PREC: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """o = alpha * x @ y + beta * z for square n x n matrices (any strides; o contiguous).
+
+        Newton steps: ``RESID`` adds ``||I - o||_F^2`` of this tile to ``res[b, step]`` (atomics, zero-initialised);
+        ``GATE`` reads ``res[b, step-1]``, ``res[b, step-2]`` and, where :func:`_nr_done` says the iteration has
+        converged, skips the product (o = z copied when HAS_Z: the iterate passes through unchanged)."""
         b = tl.program_id(0).to(tl.int64)
         rm = tl.program_id(1) * BM + tl.arange(0, BM)
         rn = tl.program_id(2) * BN + tl.arange(0, BN)
         rk = tl.arange(0, BK)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, n, BK):
-            kk = k0 + rk
-            xt = tl.load(x_ptr + b * sxb + rm[:, None] * sxr + kk[None, :] * sxc,
-                         mask=(rm[:, None] < n) & (kk[None, :] < n), other=0.0).to(tl.float32)
-            yt = tl.load(y_ptr + b * syb + kk[:, None] * syr + rn[None, :] * syc,
-                         mask=(kk[:, None] < n) & (rn[None, :] < n), other=0.0).to(tl.float32)
-            acc += tl.dot(xt, yt, input_precision=PREC)
-        acc = alpha * acc
         inside = (rm[:, None] < n) & (rn[None, :] < n)
-        if HAS_Z:
-            acc += beta * tl.load(z_ptr + b * szb + rm[:, None] * szr + rn[None, :] * szc, mask=inside, other=0.0)
-        tl.store(o_ptr + b * n * n + rm[:, None] * n + rn[None, :], acc, mask=inside)
+        done = step < 0
+        if GATE:  # step 0 never skips (a runtime test: the same variant serves every step)
+            r1 = tl.load(res_ptr + b * res_stride + tl.maximum(step - 1, 0))
+            r2 = tl.load(res_ptr + b * res_stride + tl.maximum(step - 2, 0))
+            r2 = tl.where(step >= 2, r2, float("inf"))
+            done = (step > 0) & _nr_done(r1, r2, tol, stall != 0)
+        if done:
+            if HAS_Z:
+                zt = tl.load(z_ptr + b * szb + rm[:, None] * szr + rn[None, :] * szc, mask=inside, other=0.0)
+                tl.store(o_ptr + b * n * n + rm[:, None] * n + rn[None, :], zt, mask=inside)
+        else:
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for k0 in range(0, n, BK):
+                kk = k0 + rk
+                xt = tl.load(x_ptr + b * sxb + rm[:, None] * sxr + kk[None, :] * sxc,
+                             mask=(rm[:, None] < n) & (kk[None, :] < n), other=0.0).to(tl.float32)
+                yt = tl.load(y_ptr + b * syb + kk[:, None] * syr + rn[None, :] * syc,
+                             mask=(kk[:, None] < n) & (rn[None, :] < n), other=0.0).to(tl.float32)
+                acc += tl.dot(xt, yt, input_precision=PREC)
+            acc = alpha * acc
+            if HAS_Z:
+                acc += beta * tl.load(z_ptr + b * szb + rm[:, None] * szr + rn[None, :] * szc, mask=inside,
+                                      other=0.0)
+            tl.store(o_ptr + b * n * n + rm[:, None] * n + rn[None, :], acc, mask=inside)
+            if RESID:
+                e = tl.where(inside, tl.where(rm[:, None] == rn[None, :], 1.0, 0.0) - acc, 0.0)
+                tl.atomic_add(res_ptr + b * res_stride + step, tl.sum(tl.sum(e * e, 1), 0))
 
     @triton.jit
     def _rows_kernel(q_ptr, l_ptr, qn_ptr, ln_ptr, y_ptr, a_ptr, b_ptr, oy_ptr, dq_ptr, N, M, D, E, F,
@@ -253,50 +294,72 @@ def _check_prec(precision: str) -> None:
 
 # ------------------------------------------------------------------------------------------------ launchers
 
-def _bmm(x, y, z=None, alpha=1.0, beta=0.0, precision="tf32"):
+def _bmm(x, y, z=None, alpha=1.0, beta=0.0, precision="tf32", res=None, step=0, resid=False, gate=False,
+         tol=0.0, stall=False):
     bh, n = x.shape[0], x.shape[-1]
     out = torch.empty(bh, n, n, device=x.device, dtype=torch.float32)
     blk = 64 if n > 32 else max(16, triton.next_power_of_2(n))
     zz = z if z is not None else x
+    rr = res if res is not None else out
     _bmm_kernel[(bh, triton.cdiv(n, blk), triton.cdiv(n, blk))](
-        x, y, zz, out, n, alpha, beta, *x.stride(), *y.stride(), *zz.stride(), HAS_Z=z is not None,
+        x, y, zz, out, rr, n, alpha, beta, step, rr.shape[-1] if res is not None else 0, tol, int(stall),
+        *x.stride(), *y.stride(), *zz.stride(), HAS_Z=z is not None, RESID=resid, GATE=gate,
         PREC=precision, BM=blk, BN=blk, BK=min(blk, 32))
     return out
 
 
+NR_TOL = 1e-8  # stop once ||I - V_k A_r||_F^2 <= NR_TOL: V_{k+1}'s residual is then below 1e-8 (float32: converged)
+
+
 def _newton_inverse_impl(a: torch.Tensor, iters: int, reg: float, scale: float, start: str, precision: str,
-                         refine: int) -> torch.Tensor:
+                         refine: int, tol: float = NR_TOL) -> tuple[torch.Tensor, torch.Tensor]:
     """``iters - refine`` steps with ``precision`` products, then ``refine`` float32 steps (each squares the
-    residual the faster steps leave, down to float32's floor)."""
+    residual the faster steps leave, down to float32's floor); steps after convergence (:func:`_nr_done`) are
+    skipped on the device. Returns (V, steps taken [BH] int32)."""
     a = a.contiguous()
     bh, m = a.shape[0], a.shape[-1]
     exact = iters if precision == "ieee" else min(refine, iters)
     fast = iters - exact
+    # plain TF32 stalls far above float32 (the fp32 steps remove that floor); tol = 0: no early exit at all
+    fast_stall, exact_stall = tol > 0 and precision != "tf32", tol > 0
     if m <= FUSED_MAX_M:
         v = torch.empty_like(a)
-        _nr_fused_kernel[(bh,)](a, v, m, float(reg), float(scale), fast, exact, IDENTITY=start == "identity",
-                                PREC=precision, BLOCK=_p2(m), num_warps=4)
-        return v
+        steps = torch.empty(bh, device=a.device, dtype=torch.int32)
+        _nr_fused_kernel[(bh,)](a, v, steps, m, float(reg), float(scale), float(tol), fast, exact,
+                                int(fast_stall), int(exact_stall), IDENTITY=start == "identity", PREC=precision,
+                                BLOCK=_p2(m), num_warps=4)
+        return v, steps
     eye = torch.eye(m, device=a.device, dtype=a.dtype)
     s = a.sum(-1).amax(-1)[:, None, None]
     a_r = a + reg * eye
     v = eye / (s + reg) if start == "identity" else (scale / (s * s)) * a_r
+    res = torch.zeros(bh, max(iters, 1), device=a.device, dtype=torch.float32)
     for k in range(iters):
         prec = precision if k < fast else "ieee"
-        t = _bmm(v, a_r, precision=prec)
-        v = _bmm(t, v, v, -1.0, 2.0, precision=prec)
-    return v.contiguous()
+        stall = fast_stall or (exact_stall and k >= fast + 2)  # as in the fused kernel
+        t = _bmm(v, a_r, precision=prec, res=res, step=k, resid=True, gate=True, tol=tol, stall=stall)
+        v = _bmm(t, v, v, -1.0, 2.0, precision=prec, res=res, step=k, gate=True, tol=tol, stall=stall)
+    # a step ran iff its residual was written (skipped steps leave 0; a converged residual is never exactly 0
+    # before the step that finds it below tol, after which the rest are skipped)
+    steps = torch.zeros(bh, device=a.device, dtype=torch.int32) if iters == 0 else _steps_taken(res, tol)
+    return v.contiguous(), steps
+
+
+def _steps_taken(res: torch.Tensor, tol: float) -> torch.Tensor:
+    """Steps run, from the per-step residuals (0 where skipped)."""
+    return (res != 0).sum(-1).to(torch.int32).clamp_min(1)
 
 
 if triton is not None:
     @torch.library.custom_op("hpdl::soft_newton_inverse", mutates_args=())
     def _newton_inverse_op(a: torch.Tensor, iters: int, reg: float, scale: float, start: str, precision: str,
-                           refine: int) -> torch.Tensor:
-        return _newton_inverse_impl(a, iters, reg, scale, start, precision, refine)
+                           refine: int, tol: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return _newton_inverse_impl(a, iters, reg, scale, start, precision, refine, tol)
 
     @_newton_inverse_op.register_fake
-    def _(a, iters, reg, scale, start, precision, refine):
-        return torch.empty_like(a, memory_format=torch.contiguous_format)
+    def _(a, iters, reg, scale, start, precision, refine, tol):
+        return (torch.empty_like(a, memory_format=torch.contiguous_format),
+                a.new_empty(a.shape[0], dtype=torch.int32))
 
     @torch.library.custom_op("hpdl::soft_vgv", mutates_args=())
     def _vgv_op(v: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -310,8 +373,20 @@ if triton is not None:
 
 
 def newton_inverse(a: torch.Tensor, iters: int = 20, reg: float = 0.01, scale: float = 1.8,
-                   start: str = "identity", precision: str | None = None, refine: int = 2) -> torch.Tensor:
+                   start: str = "identity", precision: str | None = None, refine: int = 2, tol: float = NR_TOL,
+                   return_steps: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Truncated Newton-Raphson inverse of ``a + reg*I`` for a batch ``[BH, m, m]`` float32 (no autograd).
+
+    At most ``iters`` steps; each matrix stops early, on the device (no host synchronisation: the skipped steps
+    are launched and exit at once, so CUDA graphs capture a fixed launch sequence), once the residual
+    ``r_k = ||I - V_k A_r||_F^2`` of a step (a by-product of its first product) is ``<= tol`` (then
+    ``||I - V_{k+1} A_r||_2 <= r_k``: a Newton step squares the residual) or has stalled at the products'
+    rounding floor (``r_k <= 1e-3`` but not 4x below ``r_{k-1}``; never in the plain-TF32 steps, whose floor the
+    float32 steps remove). Until convergence the steps are those of the full iteration, so the result agrees
+    with it to float32 rounding; ``tol=0`` turns the early exit off (every step runs unless a residual is
+    exactly 0, after which steps change nothing). Quadratic convergence: from the
+    identity start about ``log2(cond * ln(1/tol))`` steps (cond ~1: 1-2 steps; cond 2e4: ~19).
+    ``return_steps``: also return the steps each matrix ran (``[BH]`` int32, a diagnostic).
 
     ``start``: ``"identity"`` (V0 = I/(s+reg); needs reg > 0) or ``"official"`` (V0 = scale/s^2 (A + reg*I)).
     ``precision`` of the products of the first ``iters - refine`` steps; the last ``refine`` steps run in
@@ -329,7 +404,10 @@ def newton_inverse(a: torch.Tensor, iters: int = 20, reg: float = 0.01, scale: f
     _check_prec(precision)
     if refine < 0:
         raise ValueError(f"refine must be >= 0, got {refine}")
-    return _newton_inverse_op(a, int(iters), float(reg), float(scale), start, precision, int(refine))
+    if not tol >= 0:
+        raise ValueError(f"tol must be >= 0, got {tol}")
+    v, steps = _newton_inverse_op(a, int(iters), float(reg), float(scale), start, precision, int(refine), float(tol))
+    return (v, steps) if return_steps else v
 
 
 def neg_vgv(v: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -349,13 +427,14 @@ def _warps(d: int, grads: bool) -> int:
     return 8 if d > 32 or grads else 4
 
 
-def _rows_impl(q, l, qn, ln, y, a, b, precision):
+def _rows_impl(q, l, qn, ln, y, a, b, precision, out_dtype="float32"):
     q, l, qn, ln, y, a, b = _contig(q, l, qn, ln, y, a, b)
     bh, n, d = q.shape
     m = l.shape[1]
     e = y.shape[-1] if y is not None else 1
     f = a.shape[-1] if a is not None else 1
-    oy = torch.empty(bh, n, e, device=q.device, dtype=torch.float32) if y is not None else q.new_empty(0)
+    oy = (torch.empty(bh, n, e, device=q.device, dtype=getattr(torch, out_dtype)) if y is not None
+          else q.new_empty(0))   # P @ y stored in out_dtype (the store rounds the float32 accumulator)
     dq = torch.empty(bh, n, d, device=q.device, dtype=torch.float32) if a is not None else q.new_empty(0)
     block_n = 64
     block_m = 64 if m > 32 else 32
@@ -398,13 +477,14 @@ def _cols_impl(q, l, qn, ln, x, a, b, precision):
 if triton is not None:
     @torch.library.custom_op("hpdl::soft_landmark_rows", mutates_args=())
     def _rows_op(q: torch.Tensor, l: torch.Tensor, qn: torch.Tensor, ln: torch.Tensor, y: torch.Tensor | None,
-                 a: torch.Tensor | None, b: torch.Tensor | None, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
-        return _rows_impl(q, l, qn, ln, y, a, b, precision)
+                 a: torch.Tensor | None, b: torch.Tensor | None, precision: str, out_dtype: str = "float32"
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        return _rows_impl(q, l, qn, ln, y, a, b, precision, out_dtype)
 
     @_rows_op.register_fake
-    def _(q, l, qn, ln, y, a, b, precision):
+    def _(q, l, qn, ln, y, a, b, precision, out_dtype="float32"):
         bh, n, d = q.shape
-        oy = q.new_empty(bh, n, y.shape[-1]) if y is not None else q.new_empty(0)
+        oy = q.new_empty(bh, n, y.shape[-1], dtype=getattr(torch, out_dtype)) if y is not None else q.new_empty(0)
         return oy, (q.new_empty(bh, n, d) if a is not None else q.new_empty(0))
 
     @torch.library.custom_op("hpdl::soft_landmark_cols", mutates_args=())
@@ -424,7 +504,9 @@ def centre(q: torch.Tensor, l: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     hence P, do not depend on it). Differentiable; the products below take centred inputs."""
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     c = l.detach().to(dtype).mean(-2, keepdim=True)
-    return (q.to(dtype) - c).contiguous(), (l.to(dtype) - c).contiguous()
+    # contiguous in q's own dtype first, then one promoting subtraction: the float32 copy is written once
+    # (q.to(float32) - c of a transposed bf16 q would write a strided float32 copy, then a contiguous one)
+    return torch.sub(q.contiguous(), c).contiguous(), torch.sub(l.contiguous(), c).contiguous()
 
 
 def _norms(q: torch.Tensor, l: torch.Tensor):
@@ -457,9 +539,10 @@ def landmark_cols(q, l, x=None, a=None, b=None, precision: str = "tf32"):
 def _ops(kernels: bool, precision: str):
     """(rows, cols) on centred inputs with their norms: the Triton custom ops, or the torch references."""
     if kernels:
-        return (lambda q, l, qn, ln, y, a, b: _rows_op(q, l, qn, ln, y, a, b, precision),
+        return (lambda q, l, qn, ln, y, a, b, out_dtype="float32": _rows_op(q, l, qn, ln, y, a, b, precision,
+                                                                            out_dtype),
                 lambda q, l, qn, ln, x, a, b: _cols_op(q, l, qn, ln, x, a, b, precision))
-    return (lambda q, l, qn, ln, y, a, b: landmark_rows_ref(q, l, y, a, b),
+    return (lambda q, l, qn, ln, y, a, b, out_dtype=None: landmark_rows_ref(q, l, y, a, b),
             lambda q, l, qn, ln, x, a, b: landmark_cols_ref(q, l, x, a, b))
 
 
@@ -530,3 +613,69 @@ def landmark_p(q, l, y, *, kernels: bool = True, precision: str = "tf32"):
     _check_prec(precision)
     _check_centred(q, l)
     return _P.apply(q, l, y, kernels, precision)
+
+
+class _SoftCore(torch.autograd.Function):
+    """``out = P (NR(A + reg I) (P^T v))`` as one autograd node (fewer host-side ops than the chain of
+    :func:`landmark_pt`, the Newton function and :func:`landmark_p`). The backward is the paper's derivative of
+    an exact inverse, ``dA = -V^T dV V^T``; with ``W = V Z``, ``dV = dW Z^T``, so ``dA = -(V^T dW)(V Z)^T =
+    -dZ W^T``: a rank-``dv`` outer product instead of two ``m x m x m`` products."""
+
+    @staticmethod
+    def forward(ctx, q, l, v, iters, reg, start, precision, nr_precision, tol, kernels):
+        with torch.autocast(q.device.type, enabled=False):   # l l^T in float32 even when called under autocast
+            return _SoftCore._forward(ctx, q, l, v, iters, reg, start, precision, nr_precision, tol, kernels)
+
+    @staticmethod
+    def _forward(ctx, q, l, v, iters, reg, start, precision, nr_precision, tol, kernels):
+        qn, ln = _norms(q, l)
+        rows, cols = _ops(kernels, precision)
+        v = v.contiguous()
+        z, _ = cols(q, l, qn, ln, v, None, None)                               # [BH, m, dv] = P^T v
+        a = torch.exp(ln[..., :, None] + ln[..., None, :] + l @ l.transpose(-1, -2))  # [BH, m, m] from centred l
+        if kernels:
+            vinv = newton_inverse(a, iters, reg, 1.8, start, nr_precision, tol=tol)
+        else:
+            vinv = newton_inverse_ref(a, iters, reg, 1.8, start)
+        w = torch.bmm(vinv, z)                                                 # [BH, m, dv]
+        # P W stored in v's dtype (bf16 under autocast): no float32 [N, dv] copy, forward or (dout) backward
+        out, _ = rows(q, l, qn, ln, w, None, None, _dtype_name(v))             # [BH, N, dv] = P W
+        ctx.save_for_backward(q, l, qn, ln, v, a, vinv, w)
+        ctx.cfg = kernels, precision
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, l, qn, ln, v, a, vinv, w = ctx.saved_tensors
+        rows, cols = _ops(*ctx.cfg)
+        dout = dout.contiguous()
+        dw, dl = cols(q, l, qn, ln, dout, dout, w)          # out = P W: dW = P^T dout, dS = P * (dout W^T)
+        _, dq = rows(q, l, qn, ln, None, dout, w)
+        dz = torch.bmm(vinv.transpose(-1, -2), dw)          # W = V Z
+        dv, dq2 = rows(q, l, qn, ln, dz, v, dz, _dtype_name(v))  # Z = P^T v: dv = P dZ, dS = P * (v dZ^T)
+        _, dl2 = cols(q, l, qn, ln, None, v, dz)
+        ds = a * torch.bmm(dz, w.transpose(-1, -2)).neg_()  # A = exp(-|l_i - l_j|^2 / 2), dA = -dZ W^T
+        dl3 = torch.baddbmm(torch.bmm(ds, l), ds.transpose(-1, -2), l) - l * (ds.sum(-1) + ds.sum(-2))[..., None]
+        return dq.add_(dq2), dl + dl2 + dl3, dv.to(v.dtype), None, None, None, None, None, None, None
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(t.dtype, "float32")
+
+
+def soft_core(q, l, v, *, iters: int = 20, reg: float = 0.01, start: str = "identity", precision: str = "tf32",
+              nr_precision: str | None = None, tol: float = NR_TOL, kernels: bool = True):
+    """SOFT's landmark attention ``P @ NR(A + reg I) @ (P^T @ v)`` for centred ``q [BH, N, D]``, ``l [BH, M, D]``
+    (:func:`centre`, float32; float64 with ``kernels=False``) and ``v [BH, N, E]`` (any float dtype) ->
+    ``[BH, N, E]`` (kernels: in v's dtype if bf16/fp16, else float32; the references: q's dtype), differentiable in q, l and v with the paper's inverse backward. P and A are never
+    stored as ``[N, M]``; the Newton inverse is :func:`newton_inverse` (early exit ``tol``; ``kernels=False``:
+    the torch references, all ``iters`` steps). Raises ValueError on bad shapes, dtypes, start or precision."""
+    _check_prec(precision)
+    _check_centred(q, l)
+    if v.dim() != 3 or v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"v must be [BH, N, E] with q's BH and N {tuple(q.shape[:2])}, got {tuple(v.shape)}")
+    if start not in ("identity", "official"):
+        raise ValueError(f"start must be 'identity' or 'official', got {start!r}")
+    if nr_precision is not None:
+        _check_prec(nr_precision)
+    return _SoftCore.apply(q, l, v, int(iters), float(reg), start, precision, nr_precision, float(tol), kernels)

@@ -126,12 +126,12 @@ class _NewtonPinv(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, a, scale, iters, reg, backward, symmetric=False, start="official", kernels=False,
-                precision=None):
+                precision=None, tol=soft_kernels.NR_TOL):
         alpha, s, row = _alpha(a, scale, reg, start)
         if kernels:  # Triton: fused on chip (small m) or TF32 steps + float32 ones; same start, same alpha
             shape = a.shape
             v = soft_kernels.newton_inverse(a.reshape(-1, shape[-2], shape[-1]).contiguous(), iters, reg, scale,
-                                            start, precision).reshape(shape)
+                                            start, precision, tol=tol).reshape(shape)
         else:
             eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
             v = _nr_loop(a + reg * eye if reg else a, alpha, iters, start)
@@ -143,7 +143,7 @@ class _NewtonPinv(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         a, v, alpha, s, row = ctx.saved_tensors
-        none = (None,) * 8
+        none = (None,) * 9
         if ctx.backward == "inverse":  # the paper's: d(A^-1) for an exact inverse (ignores truncation and alpha)
             n = v.shape[-1]
             if ctx.kernels and n > soft_kernels.FUSED_MAX_M:   # 3xTF32 tensor cores for large landmark counts
@@ -181,7 +181,7 @@ def _use_kernels(impl: str, t: torch.Tensor) -> bool:
 
 def newton_pinv(a: torch.Tensor, iters: int = 20, reg: float = 0.01, scale: float | torch.Tensor = 1.8,
                 backward: str = "inverse", symmetric: bool = False, start: str = "official",
-                impl: str = "torch", precision: str | None = None) -> torch.Tensor:
+                impl: str = "torch", precision: str | None = None, tol: float = soft_kernels.NR_TOL) -> torch.Tensor:
     """Newton-Raphson approximation of the Moore-Penrose inverse of ``a + reg*I``, SOFT's initialisation.
 
     Args:
@@ -208,6 +208,8 @@ def newton_pinv(a: torch.Tensor, iters: int = 20, reg: float = 0.01, scale: floa
             CUDA unless TRITON_INTERPRET=1) or ``"auto"`` (Triton where it can run on float32, else torch).
         precision: Triton products for n > 64 (see ``soft_kernels.newton_inverse``): None (``"tf32x3"``),
             ``"tf32"`` (fast; condition numbers up to ~1e2 only) or ``"ieee"``.
+        tol: Triton only: each matrix stops once a step's residual ``||I - V A_r||_F^2 <= tol`` or stalls at the
+            rounding floor (``soft_kernels.newton_inverse``); 0 runs every step. The torch path always runs all.
 
     Returns:
         ``[..., n, n]`` in a's dtype: the iterate ``V_iters``; each matrix of the batch is handled alone.
@@ -232,7 +234,8 @@ def newton_pinv(a: torch.Tensor, iters: int = 20, reg: float = 0.01, scale: floa
     if kernels and (not isinstance(scale, (int, float)) or backward == "autograd"):
         kernels = False  # per-matrix scales (SOFT++) and recorded steps stay in torch
     if kernels:  # a python float: the kernel takes it as an argument
-        return _NewtonPinv.apply(a, float(scale), iters, reg, backward, symmetric, start, kernels, precision)
+        return _NewtonPinv.apply(a, float(scale), iters, reg, backward, symmetric, start, kernels, precision,
+                                 float(tol))
     scale_t = torch.as_tensor(scale, dtype=a.dtype, device=a.device).expand(a.shape[:-2])
     if backward == "autograd":
         a_r = a + reg * torch.eye(a.shape[-1], dtype=a.dtype, device=a.device) if reg else a
@@ -260,7 +263,8 @@ def norm_alpha_scale(a: torch.Tensor, halvings: int = 10, tol: float = 1.01) -> 
 
 def soft_attention(q: torch.Tensor, v: torch.Tensor, landmarks: torch.Tensor, *, variant: str = "soft",
                    iters: int = 20, reg: float = 0.01, backward: str = "inverse", start: str | None = None,
-                   impl: str = "auto", precision: str = "tf32", nr_precision: str | None = None) -> torch.Tensor:
+                   impl: str = "auto", precision: str = "tf32", nr_precision: str | None = None,
+                   nr_tol: float = soft_kernels.NR_TOL) -> torch.Tensor:
     """SOFT attention through landmarks: ``P @ NR(A) @ (P^T @ v)``, linear in N for a fixed landmark count.
 
     Args:
@@ -281,6 +285,7 @@ def soft_attention(q: torch.Tensor, v: torch.Tensor, landmarks: torch.Tensor, *,
             are recomputed in two passes (``Z = P^T v``, then ``out = P (NR(A) Z)``) forward and backward.
         precision: Triton landmark products, ``"tf32"`` (default), ``"tf32x3"`` (about float32) or ``"ieee"``.
         nr_precision: Triton Newton products above 64 landmarks (:func:`newton_pinv`'s ``precision``).
+        nr_tol: Triton Newton early exit (:func:`newton_pinv`'s ``tol``; 0: all ``iters`` steps).
 
     Returns:
         ``[B, H, N, dv]`` in v's dtype. The kernel, the inverse and the products run in float32 (TF32 tensor
@@ -300,10 +305,19 @@ def soft_attention(q: torch.Tensor, v: torch.Tensor, landmarks: torch.Tensor, *,
     with torch.autocast(q.device.type, enabled=False):
         lf = landmarks.to(dtype)
         kernels = _use_kernels(impl, lf)
+        if kernels and variant == "soft" and backward == "inverse":
+            # the default on CUDA: one autograd node for the kernel, the inverse and both products
+            sk = soft_kernels
+            b, h, n, dh = q.shape
+            m = lf.shape[-2]
+            q3, l3 = sk.centre(q.reshape(b * h, n, dh), landmarks.reshape(b * h, m, dh))
+            out = sk.soft_core(q3, l3, v.reshape(b * h, n, -1), iters=iters, reg=reg, start=start,
+                               precision=precision, nr_precision=nr_precision, tol=nr_tol)
+            return out.view(b, h, n, -1).to(v.dtype)
         a = gaussian_kernel(lf, lf)  # [B, H, m, m]
         if variant == "soft":
             inv = newton_pinv(a, iters, reg, 1.8, backward, symmetric=True, start=start, impl=impl,
-                              precision=nr_precision)
+                              precision=nr_precision, tol=nr_tol)
         else:
             d = a.sum(-1).rsqrt()
             inv = newton_pinv(a, iters, 0.0, norm_alpha_scale(a), backward, symmetric=True, start=start)

@@ -1,22 +1,23 @@
 """``hpdl bench attention --suite goal``: issue 34's goal table for SOFT, side by side, in one run.
 
-    hpdl bench attention --device cuda --suite goal --out $OUT      # 1 x H200: about 5 minutes
-    hpdl bench attention --device cuda --suite goal --goal-parts compiled --time-budget 540 --out $OUT/c
+    NCCL_NVLS_ENABLE=0 hpdl bench attention --device cuda --suite goal --time-budget 200 --out $OUT/soft
     hpdl bench attention --suite goal --smoke --out /tmp/x          # CPU: tiny shapes, a check of the code
 
 1. ``check``: the Triton kernels (:mod:`hpdl.models.soft_kernels`) against their torch references on the device,
-   before anything is timed: landmark products and gradients, the Newton inverse (fused and tiled, both starts)
-   against the official iteration (float64 torch) on random and on ill-conditioned (clustered) landmark sets, and
-   ``soft_attention`` Triton vs torch forward and backward. A failure on random inputs stops the run (exit 1).
+   before anything is timed: landmark products and gradients, the Newton inverse (fused and tiled, both starts,
+   early exit on, the steps it ran in the case column) against the official 20-step iteration (float64 torch) on
+   random and on ill-conditioned (clustered) landmark sets, and ``soft_attention`` Triton vs torch forward and
+   backward. A failure on random inputs stops the run (exit 1). Then the layer's training step captured in a
+   CUDA graph (child process; a failure reports its stage and innermost frames, not fatal).
 2. ``layer``: one SOFT attention layer (dim 384, 6 heads, sr_ratio 8: m = N/64 landmarks, ``SoftAttention``
    defaults otherwise) forward+backward under bf16 autocast, batch 1, at 4k/16k/33k/65k tokens (64x64, 128x128,
-   128x256, 256x256 maps), against the same layer with flash SDPA (``attention="sdpa"``, flash required) and the
-   previous torch implementation (``impl="torch"``, exact backward, official start): median ms and peak MiB
-   above the inputs. ``soft`` is the default (Newton products above 64 landmarks in 3xTF32), ``soft_nr_tf32``
-   plain TF32 (fast; this layer's random-init landmark kernel has cond ~1, SOFT models' reach 2e4).
+   128x256, 256x256 maps), against the same layer with flash SDPA (``attention="sdpa"``, flash required): median
+   ms and peak MiB above the inputs. ``soft`` is the default (Newton stops on the device once converged; the
+   ``steps`` column: steps it ran), ``soft_newton20`` all 20 steps (``nr_tol=0``, the previous default).
 3. ``models``: soft_tiny vs timm pvt_v2_b1 and soft_small vs pvt_v2_b2 (random init), 224 px, bf16 autocast,
    channels_last; training (batch 128: forward, backward, no optimizer) and inference (batch 256) images/s,
-   eager and ``torch.compile``d (compiled runs last, stopped by ``--time-budget``; skipped ones say so).
+   eager and compiled (:func:`compile_blocks`: every transformer block, both models alike; compiled runs last,
+   pair by pair, each started only with ``COMPILE_MARGIN_S`` of ``--time-budget`` left; skipped ones say so).
    ``--goal-parts`` picks from ``layer,eager,compiled`` (the check always runs first).
 
 Writes ``soft_goal.json``, ``soft_goal.png`` and ``soft_goal.txt`` (the tables) to ``--out``; prints the tables.
@@ -80,10 +81,11 @@ def run_check(device, smoke: bool) -> list[dict]:
             for start in ("official", "identity"):
                 ref = newton_pinv(a.double(), 20, 0.01, 1.8, start=start)   # the official iteration (torch, fp64)
                 for prec in ((None,) if m <= sk.FUSED_MAX_M else (None, "tf32")):
-                    got = sk.newton_inverse(a, 20, 0.01, 1.8, start, prec)
+                    # early exit on (the default): the steps each matrix ran are in the case column
+                    got, steps = sk.newton_inverse(a, 20, 0.01, 1.8, start, prec, return_steps=True)
                     path = "fused fp32" if m <= sk.FUSED_MAX_M else f"tiled {prec or 'tf32x3'}+2 fp32"
-                    add(f"newton {start}", f"m={m} {label} cond={cond:.1e} {path}", _rel(got, ref), 1e-3,
-                        gate=label == "random")
+                    add(f"newton {start}", f"m={m} {label} cond={cond:.1e} {path} steps {int(steps.max())}",
+                        _rel(got, ref), 1e-3, gate=label == "random")
             exact = torch.linalg.inv(a.double() + 0.01 * torch.eye(m, device=device, dtype=torch.float64))
             add("newton identity vs exact inverse", f"m={m} {label}", _rel(sk.newton_inverse(a, 20), exact), 1e-3,
                 gate=False)
@@ -110,53 +112,76 @@ def run_check(device, smoke: bool) -> list[dict]:
         o_off = soft_attention(q, v, lm, impl="torch", start="official")
     add("output identity vs official start", f"N={n} m={m} random init", _rel(o_id, o_off), 1e-3)
     if device.type == "cuda":  # the layer (Triton path) captured in a CUDA graph, forward and backward
-        # in a child process: a capture that fails part-way leaves this process's CUDA generator inside a
-        # capture ("Offset increment outside graph capture" at the next random op), which would end the run
-        import json
+        # in child processes: a capture that fails part-way leaves the process's CUDA generator inside a capture
+        # ("Offset increment outside graph capture" at the next random op), which would end the run. First the
+        # whole training step (forward + backward) in one graph, as PyTorch's whole-network recipe; if that
+        # fails, the same with thread-local capture errors (the backward runs on autograd's device thread)
         import subprocess
         import sys
 
-        try:
-            done = subprocess.run([sys.executable, "-c", _GRAPH_CHECK], capture_output=True, text=True, timeout=240)
-            got = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else None
-        except (subprocess.TimeoutExpired, ValueError, IndexError) as e:
-            done, got = None, None
-            why = f"{type(e).__name__}"
-        if got is not None and "rel_err" in got:
-            add("CUDA graph capture of the layer", "out / dx vs eager", got["rel_err"], 1e-5)
-        else:   # reported, not fatal: timing does not use graphs
-            if got is not None:
-                why = got.get("error", "?")
-            elif done is not None:
-                why = (done.stderr.strip().splitlines() or ["exit %d" % done.returncode])[-1]
-            rows.append({"check": "CUDA graph capture of the layer", "case": str(why)[:80],
-                         "rel_err": float("inf"), "tol": 1e-5, "ok": False, "gate": False})
+        for mode in ("global", "thread_local"):
+            try:
+                done = subprocess.run([sys.executable, "-c", _GRAPH_CHECK, mode], capture_output=True, text=True,
+                                      timeout=60)
+                got = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else {
+                    "error": (done.stderr.strip().splitlines() or ["exit %d" % done.returncode])[-1]}
+            except (subprocess.TimeoutExpired, ValueError, IndexError) as e:
+                got = {"error": type(e).__name__}
+            if "rel_err" in got:
+                add("CUDA graph capture of the layer", f"fwd+bwd step, {mode} capture: out, dx vs eager",
+                    got["rel_err"], 1e-5, gate=False)
+                break
+            # reported, not fatal (timing does not use graphs); where = the innermost frames of the failure
+            rows.append({"check": "CUDA graph capture of the layer", "case": f"{mode}: {got.get('error', '?')}"[:80],
+                         "rel_err": float("inf"), "tol": 1e-5, "ok": False, "gate": False,
+                         "detail": got})
     return rows
 
 
 _GRAPH_CHECK = """
-import json, torch
+import json, sys, traceback, torch
 from hpdl.models.soft import SoftAttention
-class Fixed(torch.nn.Module):   # make_graphed_callables takes tensor arguments only
-    def __init__(self):
-        super().__init__()
-        self.att = SoftAttention(384, 6, 8)
-    def forward(self, x):
-        return self.att(x, 64, 64)
+mode = sys.argv[1]
 def rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+stage = "setup"
 try:
     torch.manual_seed(0)
-    layer = Fixed().cuda()
+    layer = SoftAttention(384, 6, 8).cuda()
     x = torch.randn(1, 4096, 384, device="cuda", requires_grad=True)
-    ref = layer(x)
-    (gref,) = torch.autograd.grad(ref.sum(), x)
-    graphed = torch.cuda.make_graphed_callables(layer, (x,))
-    out = graphed(x)
-    (gout,) = torch.autograd.grad(out.sum(), x)
-    print(json.dumps({"rel_err": max(rel(out, ref), rel(gout, gref))}))
+    up = torch.randn(1, 4096, 384, device="cuda")
+    def step():
+        x.grad = None
+        out = layer(x, 64, 64)
+        out.backward(up)
+        return out
+    ref = step().detach().clone()
+    gref = x.grad.clone()
+    stage = "host syncs (set_sync_debug_mode error)"
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    step()
+    torch.cuda.set_sync_debug_mode(0)
+    stage = "warm-up on a side stream"
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    stage = "capture"
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, capture_error_mode=mode):
+        out = step()
+    stage = "replay"
+    x.grad.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    print(json.dumps({"rel_err": max(rel(out, ref), rel(x.grad, gref))}))
 except Exception as e:
-    print(json.dumps({"error": f"{type(e).__name__}: {str(e)[:120]}"}))
+    torch.cuda.set_sync_debug_mode(0)
+    frames = [f"{f.filename.split('/')[-1]}:{f.lineno} {f.name}" for f in traceback.extract_tb(e.__traceback__)]
+    print(json.dumps({"error": f"{stage}: {type(e).__name__}: {str(e)[:160]}", "where": frames[-6:]}))
 """
 
 
@@ -175,9 +200,10 @@ def run_layer(device, smoke: bool, warmup: int, reps: int) -> list[dict]:
     dim, heads, sr = (32, 2, 4) if smoke else (384, 6, 8)
     maps = ((16, 16), (32, 32)) if smoke else ((64, 64), (128, 128), (128, 256), (256, 256))
     # on CPU the Triton kernels would run interpreted (slow; the check above covers them): torch there
-    variants = {"soft": dict(impl="auto" if device.type == "cuda" else "torch"),
-                "soft_nr_tf32": dict(impl="auto" if device.type == "cuda" else "torch", nr_precision="tf32"),
-                "soft_torch_old": dict(impl="torch", nr_backward="exact", nr_start="official"),
+    impl = "auto" if device.type == "cuda" else "torch"
+    # soft: the default (Newton stops on the device once converged); soft_newton20: every one of the 20 steps
+    # (nr_tol=0, the previous default), to show what the early exit buys in the same run
+    variants = {"soft": dict(impl=impl), "soft_newton20": dict(impl=impl, nr_tol=0.0),
                 "sdpa_flash": dict(attention="sdpa")}
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     ctx, _ = _sdpa_context(device, dtype)
@@ -203,12 +229,66 @@ def run_layer(device, smoke: bool, warmup: int, reps: int) -> list[dict]:
             try:
                 m = _timed(step, device, warmup, reps)
                 rows.append({**row, "status": "ok", "fwd_bwd_ms": m["ms"], "peak_mib": m["peak_mib"]})
+                # diagnostics: never fatal to the timed rows
+                try:
+                    rows[-1]["nr_steps"] = _newton_steps(layer, x, H, W, dtype)
+                    if device.type == "cuda" and name == "soft" and n <= 16384:  # where it is launch-bound
+                        rows[-1]["profile"] = profile_step(step)
+                except Exception as e:  # noqa: BLE001 - reported in the JSON
+                    rows[-1]["diagnostics_error"] = f"{type(e).__name__}: {str(e)[:160]}"
             except torch.cuda.OutOfMemoryError:
                 rows.append({**row, "status": "oom"})
             layer = x = grad = None
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return rows
+
+
+def profile_step(step, calls: int = 3, top: int = 8) -> dict:
+    """Where one call of ``step`` goes on CUDA (torch.profiler, ``calls`` calls after the timed ones): host
+    milliseconds to issue it, device milliseconds of its kernels (summed), kernels launched, and the ``top``
+    kernels by device time. Host >= device means launch-bound. Times are under the profiler (a little slower)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            step()
+        host = time.perf_counter() - t0
+        sync()
+    per = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            t = getattr(e, "device_time", None)
+            t = e.cuda_time if t is None else t
+            k = per.setdefault(e.name[:60], [0.0, 0])
+            k[0] += t / 1e3 / calls
+            k[1] += 1
+    ranked = sorted(per.items(), key=lambda kv: -kv[1][0])
+    return {"host_ms": host * 1e3 / calls, "device_ms": sum(v[0] for v in per.values()),
+            "kernels": sum(v[1] for v in per.values()) // calls,
+            "top": [{"kernel": k, "ms": v[0], "count": v[1] // calls} for k, v in ranked[:top]]}
+
+
+def _newton_steps(layer, x, H, W, dtype) -> int | None:
+    """Most Newton steps any head of this layer's landmark kernel runs (Triton path only; None otherwise)."""
+    if layer.attention != "soft" or not sk.available(x) or layer.impl == "torch":
+        return None
+    b, n, c = x.shape
+    h, d = layer.num_heads, layer.head_dim
+    with torch.no_grad(), torch.autocast(x.device.type, dtype=dtype, enabled=dtype != torch.float32):
+        q = layer.W_q(x).view(b, n, h, d).transpose(1, 2) * d ** -0.25
+        lm = layer.landmarks(q, H, W).float()
+    _, lc = sk.centre(lm[..., :1, :].flatten(0, 1), lm.flatten(0, 1))   # as soft_core builds A
+    a = gaussian_kernel(lc, lc)
+    _, steps = sk.newton_inverse(a.contiguous(), layer.nr_iters,
+                                 layer.nr_reg, 1.8, "identity", layer.nr_precision,
+                                 tol=sk.NR_TOL if layer.nr_tol is None else layer.nr_tol, return_steps=True)
+    return int(steps.max())
 
 
 # ----------------------------------------------------------------------------------------------------- models
@@ -223,17 +303,39 @@ def _model(name: str, device):
     return timm.create_model(name, pretrained=False).to(device)
 
 
+COMPILE_MARGIN_S = 40.0  # a compiled model (per-block compile, train + inference graphs) starts only this early
+
+
+def compile_blocks(model: torch.nn.Module, **compile_kwargs) -> int:
+    """Regional compilation (PyTorch's recipe for cold-start time): ``torch.compile`` every transformer block
+    in place (modules whose class name ends in ``Block``: SOFT's ``SoftBlock``/``Block``, timm PVTv2's ``Block``)
+    instead of the whole model; identical blocks share one compiled graph, so the compile time grows with the
+    number of stages, not the depth. ``compile_kwargs`` go to ``torch.compile``. Returns the number of blocks
+    compiled."""
+    blocks = [m for m in model.modules() if type(m).__name__.endswith("Block")]
+    for m in blocks:
+        m.compile(**compile_kwargs)
+    return len(blocks)
+
+
 def run_models(device, smoke: bool, warmup: int, reps: int, modes, budget_end: float) -> list[dict]:
     size = 64 if smoke else 224
     tb, ib = (2, 2) if smoke else (128, 256)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows = []
     names = [n for pair in PAIRS for n in pair]
+    if "compiled" in modes:  # blocks of 4 stages x train/eval each recompile once: room for all of them
+        import torch._dynamo.config as dcfg
+
+        for key in ("cache_size_limit", "recompile_limit"):
+            if hasattr(dcfg, key):
+                setattr(dcfg, key, max(getattr(dcfg, key), 64))
     for mode in modes:
         for name in names:
             row = {"model": name, "mode": mode, "image_size": size, "train_batch": tb, "infer_batch": ib}
-            # a compile takes a minute or more: start one only with 90 s of budget left (eager: 10 s)
-            if time.perf_counter() > budget_end - (90 if mode == "compiled" and not smoke else 10 if not smoke else 0):
+            # a compile takes half a minute or so: start one only with COMPILE_MARGIN_S of budget left (eager: 10 s)
+            margin = 0 if smoke else COMPILE_MARGIN_S if mode == "compiled" else 10
+            if time.perf_counter() > budget_end - margin:
                 rows.append({**row, "status": "skipped", "why": "--time-budget spent"})
                 continue
             t0 = time.perf_counter()
@@ -241,7 +343,10 @@ def run_models(device, smoke: bool, warmup: int, reps: int, modes, budget_end: f
                 torch.manual_seed(0)
                 model = _model(name, device).to(memory_format=torch.channels_last)
                 row["params_m"] = sum(p.numel() for p in model.parameters()) / 1e6
-                fn = torch.compile(model) if mode == "compiled" else model
+                fn = model
+                if mode == "compiled":
+                    torch._dynamo.reset()
+                    row["compiled_blocks"] = compile_blocks(model, dynamic=False)  # one graph per stage
                 xt = torch.randn(tb, 3, size, size, device=device).to(memory_format=torch.channels_last)
                 xi = torch.randn(ib, 3, size, size, device=device).to(memory_format=torch.channels_last)
 
@@ -290,13 +395,17 @@ def format_goal(result: dict) -> str:
         for r in result["check"]:
             lines.append(f"{'ok  ' if r['ok'] else ('FAIL' if r['gate'] else 'warn')} {r['check']:<34} "
                          f"{r['case']:<48} rel {r['rel_err']:.2e} (tol {r['tol']:.0e})")
+            if r.get("detail"):
+                lines.append(f"     {r['detail'].get('error', '')}")
+                lines.extend(f"     at {w}" for w in r["detail"].get("where", []))
     if result.get("layer"):
         lines.append("# attention layer dim 384, 6 heads, sr_ratio 8, batch 1, fwd+bwd, bf16 autocast: ms (peak MiB)")
         by = {}
         for r in result["layer"]:
             by.setdefault(r["tokens"], {})[r["method"]] = r
         methods = list(dict.fromkeys(r["method"] for r in result["layer"]))
-        lines.append(f"{'tokens':>7} {'m':>5} " + " ".join(f"{m:>22}" for m in methods) + "  sdpa/soft")
+        lines.append(f"{'tokens':>7} {'m':>5} {'steps':>5} " + " ".join(f"{m:>22}" for m in methods)
+                     + "  sdpa/soft")
         for n, rs in by.items():
             cells = []
             for m in methods:
@@ -307,11 +416,21 @@ def format_goal(result: dict) -> str:
                      if rs.get("sdpa_flash", {}).get("status") == "ok" and rs.get("soft", {}).get("status") == "ok"
                      else None)
             m = _f(rs.get("soft", {}).get("landmarks"), "d")
-            lines.append(f"{n:>7} {m:>5} " + " ".join(f"{c:>22}" for c in cells) + f"  {_f(ratio)}x")
+            st = _f(rs.get("soft", {}).get("nr_steps"), "d")   # Newton steps the default ran (of 20)
+            lines.append(f"{n:>7} {m:>5} {st:>5} " + " ".join(f"{c:>22}" for c in cells) + f"  {_f(ratio)}x")
+    for r in result.get("layer") or []:
+        if r.get("diagnostics_error"):
+            lines.append(f"# {r['method']} at {r['tokens']} tokens: steps/profile failed: {r['diagnostics_error']}")
+        if r.get("profile"):
+            pr = r["profile"]
+            lines.append(f"# profile, {r['method']} at {r['tokens']} tokens, one fwd+bwd: host {pr['host_ms']:.2f} ms to "
+                         f"issue, device {pr['device_ms']:.2f} ms in {pr['kernels']} kernels; top:")
+            lines.extend(f"#   {k['ms']:7.3f} ms x{k['count']:<3} {k['kernel']}" for k in pr["top"])
     if result.get("models"):
         lines.append(f"# images/s at {result['models'][0]['image_size']} px, bf16 autocast, channels_last; train "
                      f"batch {result['models'][0]['train_batch']} (fwd+bwd), infer batch "
                      f"{result['models'][0]['infer_batch']}")
+        lines.append("# compiled: torch.compile of every transformer block (regional compilation), both models")
         lines.append(f"{'model':>12} {'mode':>9} {'train img/s':>12} {'infer img/s':>12}  status")
         for r in result["models"]:
             lines.append(f"{r['model']:>12} {r['mode']:>9} {_f(r.get('train_images_per_s'), '.0f'):>12} "
