@@ -228,3 +228,21 @@ def peer_freed_before_start(ctx):
     if ctx.rank != 1:
         req.free()
     return res
+
+
+def free_after_timeout(ctx):
+    """Rank 3 never starts: the others' wait() times out, and then free() cancels the request instead of
+    raising 'free() of an active request' for ever (a timed-out request could never be released)."""
+    g = dist.new_group(list(range(ctx.world_size)))  # its transport keeps the cancelled transfers' posts
+    P = ctx.world_size
+    inp, out = torch.full((P, 2), float(ctx.rank)), torch.zeros(P, 2)
+    req = ho.alltoall_init(inp, out, group=g, progress="thread", timeout=0.3)
+    res = None
+    if ctx.rank != 3:
+        req.start()
+        timed = _err(req.wait)[0]
+        res = (timed, _err(req.free)[:2], req.freed)
+    dist.barrier()
+    if ctx.rank == 3:
+        req.free()
+    return res

@@ -215,3 +215,10 @@ def test_a_start_after_a_same_node_peer_freed_fails_at_once():
     kind, msg, elapsed = pool().run(M.peer_freed_before_start)[0]
     assert kind == "OffloadError" and "rank 1" in msg and "freed its request" in msg, msg
     assert "will never come" in msg and elapsed < 10, (msg, elapsed)
+
+
+def test_a_request_that_timed_out_can_be_freed():
+    res = pool().run(M.free_after_timeout)
+    assert res[3] is None
+    for r in res[:3]:
+        assert r == ("OffloadTimeoutError", (None, None), True), r

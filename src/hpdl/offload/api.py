@@ -345,6 +345,7 @@ class PersistentRequest:
         self.active = False
         self.freed = False
         self._failed: str | None = None
+        self._timed_out = False  # the running start passed its timeout: free() may cancel it
         self._cuda = any(t.is_cuda for t in buffers.values())
         self.timeout = float(env.get("HPDL_TIMEOUT") if timeout is None else timeout)
         self.progress = backend.kind
@@ -372,6 +373,7 @@ class PersistentRequest:
             raise OffloadError(f"plan {self.plan.name!r}: start() after {self._backend.describe()} was stopped "
                                "(compile the plan again under a running agent)")
         self._gen += 1
+        self._timed_out = False
         self._done.clear()
         self.active = True
         self._t_start = time.monotonic()
@@ -462,6 +464,7 @@ class PersistentRequest:
             note = f" ({exc})"
         else:
             note = ""
+        self._timed_out = True
         peers = sorted({p.peer for p in pending if p.peer is not None})
         picked = "" if self._mb[shm.PICKED] == self._gen else " The executor never took this start up."
         listing = "; ".join(str(p) for p in pending[:8]) + (f"; ... {len(pending) - 8} more" if len(pending) > 8
@@ -484,13 +487,20 @@ class PersistentRequest:
     def free(self) -> None:
         """Release the request (``MPI_Request_free``); allocated buffers go when no tensor refers to them.
 
+        After an :class:`OffloadTimeoutError` the running start may be cancelled by freeing: the executor drops
+        its outstanding operations, and the ranks whose messages it would have exchanged fail with an error
+        naming this rank (their requests cannot complete any more). Copies already under way may still land
+        in this request's receive buffers.
+
         Raises:
-            OffloadError: the request is active (wait for it first).
+            OffloadError: the request is active and has not timed out (wait for it first).
         """
         if self.freed:
             return
-        if self.active and not self._poll():
-            raise OffloadError(f"plan {self.plan.name!r}: free() of an active request: wait() for it first")
+        if self.active and not self._timed_out and not self._poll():
+            raise OffloadError(f"plan {self.plan.name!r}: free() of an active request: wait() for it first "
+                               "(a request whose wait() or test() raised OffloadTimeoutError may be freed)")
+        self.active = False
         self.freed = True
         self._backend.free(self._handle, self._slot)
 
