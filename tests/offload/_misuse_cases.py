@@ -246,3 +246,17 @@ def free_after_timeout(ctx):
     if ctx.rank == 3:
         req.free()
     return res
+
+
+def rank_never_compiles(ctx):
+    """Rank 3 never calls compile(): the others raise OffloadTimeoutError naming it after the request's
+    timeout, instead of sitting in compile's gathers for the process group's timeout."""
+    g = dist.new_group(list(range(ctx.world_size)), timeout=__import__("datetime").timedelta(seconds=60))
+    P = ctx.world_size
+    res = None
+    if ctx.rank != 3:
+        res = _err(lambda: ho.alltoall_init(torch.zeros(P, 2), torch.zeros(P, 2), group=g, progress="thread",
+                                            timeout=1.0))
+        res = (res[0], res[1], res[2] < 30)
+    dist.barrier()
+    return res

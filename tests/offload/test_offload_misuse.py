@@ -222,3 +222,10 @@ def test_a_request_that_timed_out_can_be_freed():
     assert res[3] is None
     for r in res[:3]:
         assert r == ("OffloadTimeoutError", (None, None), True), r
+
+
+def test_a_rank_that_never_compiles_is_named_within_the_timeout():
+    res = pool().run(M.rank_never_compiles)
+    assert res[3] is None
+    for kind, msg, quick in res[:3]:
+        assert kind == "OffloadTimeoutError" and "rank(s) [3]" in msg and quick, msg

@@ -161,6 +161,44 @@ def _gather(value, group) -> list:
     return out
 
 
+_ARRIVALS: dict[str, int] = {}  # group name -> compiles this process entered on it (collective: in step)
+
+
+def _await_arrivals(group, rank: int, world: int, timeout: float) -> None:
+    """Wait until every rank of ``group`` has entered this compile, through the job's key-value store, for at
+    most ``timeout`` seconds: a rank that never calls compile() is named (``missing_ranks``) instead of
+    leaving the others in the gathers below for the process group's own (long) timeout.
+
+    Without a store (an MPI launch) it returns at once. Raises:
+        OffloadTimeoutError: ranks that did not arrive in time (the group's compiles are then out of step).
+    """
+    import torch.distributed as dist
+
+    if world <= 1:
+        return
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        name = (group if group is not None else dist.group.WORLD).group_name
+    except Exception:  # noqa: BLE001 - no store or no group name: the gathers' own timeout applies
+        return
+    n = _ARRIVALS.get(name, 0) + 1
+    _ARRIVALS[name] = n
+    prefix = f"hpdl/offload/arrive/{name}/{n}/"
+    keys = [prefix + str(q) for q in range(world)]
+    store.set(keys[rank], b"1")
+    try:
+        store.wait(keys, timedelta(seconds=timeout))
+        return
+    except Exception:  # noqa: BLE001 - torch raises a DistStoreError/RuntimeError on a timeout
+        pass
+    missing = [q for q in range(world) if not store.check([keys[q]])]
+    if not missing:
+        return
+    raise OffloadTimeoutError(f"compile on rank {rank}: rank(s) {missing} of the group did not call compile() "
+                              f"within {timeout:.1f}s (every rank of the group compiles the plan together)",
+                              missing_ranks=missing)
+
+
 def _bind(specs: Sequence[BufferSpec], buffers: dict | None, mode: str) -> dict[str, torch.Tensor]:
     """Tensors for every registered buffer: the caller's (checked, viewed to the registered shape) or new ones
     (in shared memory for a CPU agent; on the caller's device otherwise)."""
@@ -267,6 +305,7 @@ def _compile(plan, buffers, group, progress, timeout, pre_error: str | None) -> 
     except ValueError as exc:
         mode, client = "error", None
         error = error or str(exc)
+    _await_arrivals(group, rank, world, float(env.get("HPDL_TIMEOUT") if timeout is None else timeout))
     # before any backend work: every rank learns every rank's early problem, and ranks agree on who executes
     modes = _gather((mode, agent_error, error), group)
     for q, (_, _, e) in enumerate(modes):
