@@ -229,3 +229,40 @@ def test_a_rank_that_never_compiles_is_named_within_the_timeout():
     assert res[3] is None
     for kind, msg, quick in res[:3]:
         assert kind == "OffloadTimeoutError" and "rank(s) [3]" in msg and quick, msg
+
+
+def test_files_of_killed_agents_are_swept_and_live_ones_kept(tmp_path):
+    """A killed job leaves hpdl-offload-*.sock and its .status/.bell/.key/.log behind; sweep_stale removes
+    the set whose agent pid is dead (or, without a status, that nobody serves and is old) and keeps a live
+    agent's files."""
+    import numpy as np
+
+    from hpdl.offload import agent as A
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+
+    def make(base, pid, status=True):
+        addr = tmp_path / base
+        for suffix in ("", ".bell", ".key", ".log"):
+            (tmp_path / (base + suffix)).write_bytes(b"")
+        if status:
+            st = np.zeros(A.STATUS_WORDS, dtype=np.int64)
+            st[A.PID], st[A.STATE] = pid, A.READY
+            st.tofile(str(addr) + ".status")
+        return addr
+
+    dead = make("hpdl-offload-aa11-0.sock", gone.pid)
+    live = make("hpdl-offload-bb22-0.sock", os.getpid())
+    orphan = make("hpdl-offload-agent-0-cc.sock", 0, status=False)  # killed before it wrote its status
+    old = time.time() - 3600
+    for p in tmp_path.iterdir():
+        if p.name.startswith("hpdl-offload-agent-0-cc"):
+            os.utime(p, (old, old))
+    (tmp_path / "unrelated.sock").write_bytes(b"")
+    removed = A.sweep_stale(str(tmp_path))
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert not any(n.startswith("hpdl-offload-aa11") or n.startswith("hpdl-offload-agent-0-cc") for n in left), left
+    assert sorted(n for n in left if n.startswith("hpdl-offload-bb22")) == sorted(
+        live.name + s for s in ("", ".bell", ".key", ".log", ".status"))
+    assert "unrelated.sock" in left and str(dead) + ".status" in removed and str(orphan) in removed

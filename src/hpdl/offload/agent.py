@@ -17,6 +17,7 @@ import os
 import secrets
 import signal
 import socket
+import tempfile
 import threading
 import time
 from datetime import timedelta
@@ -184,6 +185,70 @@ def cleanup(address: str) -> None:
             pass
 
 
+SUFFIXES = ("", ".status", ".bell", ".key", ".log")
+
+
+def sweep_stale(directory: str | None = None, *, min_age_s: float = 60.0) -> list[str]:
+    """Remove the files of agents that are gone: sockets ``hpdl-offload-*.sock`` and their ``.status``,
+    ``.bell``, ``.key`` and ``.log`` files, left behind when a job (or its agent) was killed.
+
+    An agent is gone when its status block names a pid that no longer runs, or, without a status block, when
+    nobody accepts connections on its socket and its files are older than ``min_age_s`` (an agent that is
+    still starting has written no status yet). Files of live agents are never touched. Returns the paths
+    removed.
+    """
+    from hpdl.runtime.procs import pid_alive
+
+    d = directory or tempfile.gettempdir()
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return []
+    bases = set()
+    for n in names:
+        if n.startswith("hpdl-offload-") and ".sock" in n:
+            base = n[:n.index(".sock") + len(".sock")]
+            if n[len(base):] in SUFFIXES:
+                bases.add(base)
+    removed = []
+    now = time.time()
+    for base in sorted(bases):
+        address = os.path.join(d, base)
+        try:
+            st = np.fromfile(address + ".status", dtype=np.int64, count=STATUS_WORDS)
+        except (OSError, ValueError):
+            st = None
+        if st is not None and len(st) == STATUS_WORDS and st[PID] > 0:
+            if pid_alive(int(st[PID])):
+                continue
+        else:
+            ages = [now - os.path.getmtime(address + s) for s in SUFFIXES if os.path.exists(address + s)]
+            if not ages or min(ages) < min_age_s or _accepts(address):
+                continue
+        for suffix in SUFFIXES:
+            try:
+                os.unlink(address + suffix)
+                removed.append(address + suffix)
+            except OSError:
+                pass
+    return removed
+
+
+def _accepts(address: str) -> bool:
+    """Whether a process listens on the Unix socket ``address``."""
+    if not os.path.exists(address):
+        return False
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.settimeout(1.0)
+        s.connect(address)
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
 def _refuse_live(address: str, index: int) -> None:
     """Raise AgentError when a running agent already serves ``address`` (another job on this host with the
     same path): starting would delete its socket, key and doorbell under it."""
@@ -220,6 +285,10 @@ def run_agent(*, index: int, agents: int, rendezvous: str, address: str, authkey
 
     _refuse_live(address, index)
     cleanup(address)
+    try:
+        sweep_stale(os.path.dirname(os.path.abspath(address)))  # files of agents killed in earlier jobs
+    except Exception:  # noqa: BLE001 - cleaning up after others must never stop this agent
+        log.exception("agent %d: sweeping stale agent files failed", index)
     authkey = authkey or secrets.token_bytes(16)
     fd = os.open(address + ".key", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as fh:
