@@ -45,3 +45,43 @@ def _gpu_plans(ctx, mode):
 @pytest.mark.parametrize("mode", ["agent", "thread"])
 def test_cuda_buffers_exact(mode):
     assert spawn(_gpu_plans, 2, args=(mode,), timeout=120) == [0, 0]
+
+
+def _start_without_host_sync(ctx, mode):
+    """start() right after a long kernel queued on the application's stream returns at once (no stream
+    synchronisation on the host), and the executor's copies still see what the stream wrote (an event)."""
+    import time
+
+    import torch.distributed as dist
+
+    import hpdl.offload as ho
+
+    dev = torch.device("cuda", 0)
+    agent = ho.Agent(timeout=60).start() if mode == "agent" else None
+    try:
+        P, r = ctx.world_size, ctx.rank
+        inp = torch.zeros(P, 1 << 16, device=dev)
+        out = torch.zeros(P, 1 << 16, device=dev)
+        slow, wrong = [], 0
+        with ho.alltoall_init(inp, out, progress=mode) as req:
+            for i in range(5):
+                torch.cuda.synchronize()
+                dist.barrier()
+                torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time on the application's stream
+                inp.fill_(1000 * r + i)         # queued behind it: the executor must read these values
+                t0 = time.perf_counter()
+                req.start()
+                slow.append(time.perf_counter() - t0)
+                req.wait(timeout=60)
+                want = torch.tensor([1000.0 * q + i for q in range(P)], device=dev)[:, None].expand(P, 1 << 16)
+                wrong += int((out != want).sum())
+        return wrong, min(slow)
+    finally:
+        if agent is not None:
+            agent.stop()
+
+
+@pytest.mark.parametrize("mode", ["agent", "thread"])
+def test_start_queues_an_event_instead_of_synchronising_the_stream(mode):
+    for wrong, start_s in spawn(_start_without_host_sync, 2, args=(mode,), timeout=120):
+        assert wrong == 0 and start_s < 0.02, (wrong, start_s)

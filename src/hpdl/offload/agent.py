@@ -131,6 +131,12 @@ class _Server:
                                     tensors[n] = h
                             inst = Instance(msg.plan, tensors, boxes.array, msg.slot, self.transport, "agent",
                                             f"{label} (rank {msg.plan.rank} of the plan's group)")
+                            if msg.ready_event is not None:
+                                import torch
+
+                                dev, handle = msg.ready_event
+                                inst.ready_event = torch.cuda.Event.from_ipc_handle(torch.device("cuda", dev),
+                                                                                    handle)
                             self.executor.register(inst)
                         except BaseException:
                             self.mapper.release(paths)

@@ -64,9 +64,10 @@ class _ThreadBackend:
         self.state[1] += 1  # compile is collective on the group: the counter moves in step on every rank
         return self.state[1]
 
-    def register(self, plan: CompiledPlan, tensors: dict, slot: int, done: threading.Event):
+    def register(self, plan: CompiledPlan, tensors: dict, slot: int, done: threading.Event, event=None):
         inst = Instance(plan, tensors, self.mailboxes.array, slot, self.transport, id(self.state), f"rank {self.rank}")
         inst.on_done = done.set
+        inst.ready_event = event
         self.executor.register(inst)
         return inst
 
@@ -120,11 +121,16 @@ class _AgentBackend:
     def new_key(self) -> int:
         return int(self.client.request(P.NewKey()))
 
-    def register(self, plan: CompiledPlan, tensors: dict, slot: int, done):
+    def register(self, plan: CompiledPlan, tensors: dict, slot: int, done, event=None):
         handles = {}
         for name, t in tensors.items():
             handles[name] = t if t.is_cuda else shm.handle_of(t)
-        self.client.request(P.Register(slot, plan, handles))
+        ready = None
+        if event is not None:
+            dev = next(t.device.index for t in tensors.values() if t.is_cuda)
+            with torch.cuda.device(dev):  # the event is created on the buffers' GPU
+                ready = (dev, event.ipc_handle())
+        self.client.request(P.Register(slot, plan, handles, ready))
         return slot
 
     def ring(self) -> None:
@@ -345,9 +351,12 @@ def _compile(plan, buffers, group, progress, timeout, pre_error: str | None) -> 
     compiled = compile_group([i["data"] for i in infos], infos[0]["key"], [i["endpoint"] for i in infos])[rank]
     done = threading.Event()
     error, handle, slot = None, None, None
+    cuda = next((t.device for t in tensors.values() if t.is_cuda), None) if tensors else None
+    # start() records it on the application's stream; the executor's copies wait for it on the GPU
+    event = torch.cuda.Event(interprocess=mode == "agent") if cuda is not None else None
     try:
         slot = backend.mailboxes.take()
-        handle = backend.register(compiled, tensors, slot, done)
+        handle = backend.register(compiled, tensors, slot, done, event)
     except (OffloadError, ValueError) as exc:
         error = f"rank {rank}: {exc}"
     errors = [e for e in _gather(error, group) if e]
@@ -357,7 +366,9 @@ def _compile(plan, buffers, group, progress, timeout, pre_error: str | None) -> 
         elif slot is not None:
             backend.mailboxes.give_back(slot)
         raise OffloadError(f"registering plan {data.name!r} failed: " + "; ".join(errors))
-    return PersistentRequest(compiled, tensors, backend, handle, slot, done, timeout)
+    req = PersistentRequest(compiled, tensors, backend, handle, slot, done, timeout)
+    req._event = event
+    return req
 
 
 class PersistentRequest:
@@ -385,7 +396,8 @@ class PersistentRequest:
         self.freed = False
         self._failed: str | None = None
         self._timed_out = False  # the running start passed its timeout: free() may cancel it
-        self._cuda = any(t.is_cuda for t in buffers.values())
+        self._cuda = next((t.device for t in buffers.values() if t.is_cuda), None)
+        self._event = None  # set by compile for CUDA buffers
         self.timeout = float(env.get("HPDL_TIMEOUT") if timeout is None else timeout)
         self.progress = backend.kind
         self._t_start = self._next_check = 0.0
@@ -406,8 +418,11 @@ class PersistentRequest:
             raise OffloadError(f"plan {self.plan.name!r}: start() of an active request: wait() for it first")
         if self._failed:
             raise OffloadError(f"plan {self.plan.name!r} failed earlier and cannot restart: {self._failed}")
-        if self._cuda:
-            torch.cuda.current_stream().synchronize()  # the executor reads what the stream wrote
+        if self._cuda is not None:  # the executor's copies wait on the GPU for what this stream queued so far
+            if self._event is None:
+                torch.cuda.current_stream(self._cuda).synchronize()
+            else:
+                self._event.record(torch.cuda.current_stream(self._cuda))
         if self._backend.closed:
             raise OffloadError(f"plan {self.plan.name!r}: start() after {self._backend.describe()} was stopped "
                                "(compile the plan again under a running agent)")

@@ -228,6 +228,12 @@ class Instance:
                                    f"{b.shape}, got {t.dtype} {tuple(t.shape)} contiguous={t.is_contiguous()}")
         self.tensors = tensors
         self.cuda = any(t.is_cuda for t in tensors.values())
+        # every GPU whose streams carry copies into this rank's buffers: its own, and its peers' (a match copy
+        # from another device); _finish synchronises all of them before DONE
+        self.devices = {t.device.index for t in tensors.values() if t.is_cuda}
+        # set by the application's side (api): an event it records on its stream at every start(); the executor
+        # makes its copy streams wait for it (no host synchronisation in start())
+        self.ready_event = None
         me = plan.endpoints[plan.rank]
         users: list[list[int]] = [[] for _ in plan.ops]
         for op in plan.ops:
@@ -562,6 +568,8 @@ class Executor:
             if m.send is not None and m.recv is not None:
                 (si, so), (ri, ro) = m.send, m.recv
                 m.fn = _copy_fn(ri.ops[ro].dst, si.ops[so].src)
+                ri.devices |= si.devices  # a copy from the sender's GPU lands in the receiver's buffer
+                si.devices |= ri.devices
 
     def _free(self, inst: Instance, reason: str = "") -> None:
         arr, seen, slots = self._boxes.get(id(inst.mailbox), (None, None, {}))
@@ -614,6 +622,9 @@ class Executor:
         mb = inst.mailbox[inst.slot]
         mb[shm.T_PICKED] = time.monotonic_ns()
         mb[shm.PICKED] = gen
+        if inst.ready_event is not None:  # copies of this start wait (on the GPU) for what the application queued
+            for d in inst.devices:
+                torch.cuda.current_stream(d).wait_event(inst.ready_event)
         for o in inst.ops:
             o.state = ""
         if not inst.ops:
@@ -747,8 +758,8 @@ class Executor:
             self._finish(inst)
 
     def _finish(self, inst: Instance) -> None:
-        if inst.cuda:
-            torch.cuda.synchronize()
+        for d in sorted(inst.devices):  # each GPU the copies ran on, not only this thread's current device
+            torch.cuda.synchronize(d)
         inst.active = False
         mb = inst.mailbox[inst.slot]
         mb[shm.T_DONE] = time.monotonic_ns()

@@ -44,6 +44,7 @@ class Register:
     slot: int
     plan: CompiledPlan
     buffers: dict[str, Any] = field(default_factory=dict)
+    ready_event: tuple[int, bytes] | None = None  # (device, CUDA IPC handle) of the event start() records
 
 
 @dataclass(frozen=True)
