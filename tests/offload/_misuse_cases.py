@@ -260,3 +260,29 @@ def rank_never_compiles(ctx):
         res = (res[0], res[1], res[2] < 30)
     dist.barrier()
     return res
+
+
+def remote_rank_dies(ctx, path):
+    """Two emulated nodes of one rank each; rank 1 (its node's agent leader) dies while rank 0 waits for its
+    message: rank 0 gets OffloadPeerError naming rank 1, not an AgentError blaming agent 1 (which only stopped
+    because the rank that started it died). Rank 0 writes what it got to ``path``."""
+    import json
+
+    a = ho.Agent(ranks_per_node=1, timeout=60).start()
+    P = ctx.world_size
+    inp, out = ho.empty((P, 4), torch.float32), ho.empty((P, 4), torch.float32)
+    req = ho.alltoall_init(inp, out, progress="agent", timeout=30)
+    dist.barrier()
+    if ctx.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    req.start()
+    kind, msg, took = _err(lambda: req.wait(timeout=30))
+    missing = None
+    try:
+        req.wait(timeout=0)
+    except ho.OffloadError as exc:
+        missing = getattr(exc, "missing_ranks", None)
+    with open(path, "w") as fh:
+        json.dump([kind, msg, took, missing], fh)
+    a.stop(clean=False)
+    return kind

@@ -266,3 +266,17 @@ def test_files_of_killed_agents_are_swept_and_live_ones_kept(tmp_path):
     assert sorted(n for n in left if n.startswith("hpdl-offload-bb22")) == sorted(
         live.name + s for s in ("", ".bell", ".key", ".log", ".status"))
     assert "unrelated.sock" in left and str(dead) + ".status" in removed and str(orphan) in removed
+
+
+def test_a_rank_that_dies_on_another_node_is_named_not_its_agent(tmp_path):
+    import json
+
+    from hpdl.runtime import spawn
+    from hpdl.runtime.errors import WorkerFailedError
+
+    path = tmp_path / "rank0.json"
+    with pytest.raises(WorkerFailedError):
+        spawn(M.remote_rank_dies, 2, args=(str(path),), timeout=90)
+    kind, msg, took, _ = json.loads(path.read_text())
+    assert kind == "OffloadPeerError" and "rank 1 (pid" in msg and "died" in msg, (kind, msg)
+    assert took < 20, took

@@ -35,6 +35,11 @@ KEY_COUNTER = "hpdl_offload_plan_key"
 AUTHKEY_ENV = "HPDL_OFFLOAD_AUTHKEY"
 
 
+def exit_key(index: int) -> str:
+    """Store key where agent ``index`` says why it stopped when a rank's death stopped it."""
+    return f"hpdl_offload_agent{index}_exit"
+
+
 def describe(index: int, pid: int | str = "?", address: str = "") -> str:
     """How errors name an agent: ``offload agent 1 (pid 4242, /tmp/hpdl-offload-ab-1.sock)``."""
     return f"offload agent {index} (pid {pid}{', ' + address if address else ''})"
@@ -61,6 +66,7 @@ class _Server:
         self.mapper = shm.Mapper()
         self.listener = Listener(address, family="AF_UNIX", authkey=authkey)
         self._last_beat = self._last_parent_check = 0
+        self.labels: dict[int, str] = {}  # client pid -> its label ("rank 3"), to name a parent that died
 
     def _beat(self) -> None:
         now = time.monotonic_ns()
@@ -74,6 +80,12 @@ class _Server:
             self._last_parent_check = now
             if not pid_alive(self.parent_pid):  # the rank that started us died: nobody will stop us
                 log.warning("agent %d: parent %d is gone, stopping", self.index, self.parent_pid)
+                who = self.labels.get(self.parent_pid, "the rank that started it")
+                try:  # before our connections close: other agents blame that rank, not this agent
+                    self.store.set(exit_key(self.index), f"{who} (pid {self.parent_pid}) on {socket.gethostname()} "
+                                                         "died")
+                except Exception:  # noqa: BLE001 - the store may be gone too
+                    pass
                 self.executor.request_stop()
 
     def serve(self) -> None:
@@ -116,6 +128,7 @@ class _Server:
                     if isinstance(msg, P.Hello):
                         boxes = shm.Mailboxes(msg.slots, path=msg.mailbox_path)
                         label = msg.label
+                        self.labels[msg.pid] = label
                         value = P.Welcome(self.index, self.agents, os.getpid(), socket.gethostname(),
                                           self.address + ".status", self.address + ".bell")
                     elif isinstance(msg, P.NewKey):
@@ -306,7 +319,9 @@ def run_agent(*, index: int, agents: int, rendezvous: str, address: str, authkey
         store.set(f"hpdl_offload_agent{index}", f"{os.getpid()} {socket.gethostname()}")
         peers = [store.get(f"hpdl_offload_agent{e}").decode().split(" ", 1) for e in range(agents)]
         transport = GlooTransport.create(store, index, agents, timeout,
-                                         describe=lambda e: f"{describe(e, peers[e][0])} on {peers[e][1]}")
+                                         describe=lambda e: f"{describe(e, peers[e][0])} on {peers[e][1]}",
+                                         explain=lambda e: store.get(exit_key(e)).decode()
+                                         if store.check([exit_key(e)]) else None)
     except Exception as exc:  # noqa: BLE001 - whatever the rendezvous raised, say which agent and where
         cleanup(address)
         from hpdl.offload.errors import AgentError

@@ -26,7 +26,7 @@ from hpdl.offload import client as client_mod
 from hpdl.offload import protocol as P
 from hpdl.offload import shm
 from hpdl.offload.compiler import CompiledPlan, check_plan, compile_group
-from hpdl.offload.errors import AgentError, OffloadError, OffloadTimeoutError, PlanError
+from hpdl.offload.errors import AgentError, OffloadError, OffloadPeerError, OffloadTimeoutError, PlanError
 from hpdl.offload.executor import Executor, GlooTransport, Instance, Status
 from hpdl.offload.plan import BufferSpec, Plan, PlanData, torch_dtype
 from hpdl.runtime import env
@@ -501,11 +501,13 @@ class PersistentRequest:
         self.active = False
         try:
             st = self._backend.query(self._handle)
-            err, culprit = st.error or "unknown error", st.culprit
+            err, culprit, dead = st.error or "unknown error", st.culprit, list(st.dead_ranks)
         except OffloadError as exc:
-            err, culprit = f"(its error could not be read: {exc})", None
+            err, culprit, dead = f"(its error could not be read: {exc})", None, []
         self._failed = err
         msg = f"plan {self.plan.name!r} failed on rank {self.plan.rank}: {err}"
+        if dead:  # a rank's process died (its agent stopped with it): the rank is to blame
+            raise OffloadPeerError(msg, missing_ranks=dead)
         if self._backend.kind == "agent" and culprit:  # the agents' network failed: name the agent to blame
             raise AgentError(msg, agent=culprit)
         raise OffloadError(msg)
