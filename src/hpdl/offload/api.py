@@ -647,26 +647,33 @@ def allreduce_init(tensor: torch.Tensor, op: str = "sum", *, group=None, algorit
 
 def simulate(plans: Sequence[Plan | PlanData], buffers: Sequence[dict[str, torch.Tensor]], *, starts: int = 1,
              timeout: float = 30.0, copy_threads: int = 1, copy_min_bytes: int = 65536,
-             stats: dict | None = None) -> list[dict[str, torch.Tensor]]:
+             stats: dict | None = None, engine: str = "python") -> list[dict[str, torch.Tensor]]:
     """Run a whole group's plans in this process, without processes or a network: ``plans[q]`` and
     ``buffers[q]`` are rank q's (unbound buffers are allocated). One executor serves every rank, as an agent
     serves a node. For testing and debugging plans; returns every rank's bound buffers.
 
-    ``copy_threads`` and ``copy_min_bytes`` are the executor's (an agent's ``threads``: copies of at least
-    ``copy_min_bytes`` bytes run on that many copy threads); ``stats``, if given, is updated with the
-    executor's counters (:attr:`Executor.stats <hpdl.offload.executor.Executor>`).
+    ``engine`` is ``"python"`` (:class:`~hpdl.offload.executor.Executor`) or ``"native"`` (the C engine of
+    :mod:`hpdl.offload.native`, which agents use for intra-node CPU plans; raises
+    :class:`~hpdl.offload.native.NativeUnavailable` where it cannot be built). ``copy_threads`` are the
+    executor's (an agent's ``threads``; for the Python one, copies of at least ``copy_min_bytes`` bytes run on
+    them); ``stats``, if given, is updated with the executor's counters.
 
     Raises:
         PlanError: as :func:`compile`. OffloadTimeoutError: not done within ``timeout`` (a bug in a plan
         that passed validation, or in the executor), listing the outstanding operations.
     """
+    if engine not in ("python", "native"):
+        raise ValueError(f"engine must be 'python' or 'native', got {engine!r}")
     datas = [p.data() if isinstance(p, Plan) else p for p in plans]
     compiled = compile_group(datas, key=1, endpoints=[0] * len(datas))
     tensors = [_bind(d.buffers, b, "thread") for d, b in zip(datas, buffers)]
-    ex = Executor(copy_threads=copy_threads, copy_min_bytes=copy_min_bytes)
     boxes = shm.Mailboxes(max(1, len(datas)), shared=False)
     insts = [Instance(c, t, boxes.array, q, None, "simulate", f"rank {q}") for q, (c, t) in enumerate(zip(compiled,
                                                                                                         tensors))]
+    if engine == "native":
+        _simulate_native(insts, boxes, datas[0].name, starts, timeout, copy_threads, stats)
+        return tensors
+    ex = Executor(copy_threads=copy_threads, copy_min_bytes=copy_min_bytes)
     for inst in insts:
         ex.register(inst)
     try:
@@ -689,3 +696,42 @@ def simulate(plans: Sequence[Plan | PlanData], buffers: Sequence[dict[str, torch
         if stats is not None:
             stats.update(ex.stats)
     return tensors
+
+
+def _simulate_native(insts, boxes, name, starts, timeout, threads, stats) -> None:
+    import numpy as np
+
+    from hpdl.offload import native
+
+    lib = native.load()
+    if lib is None:
+        raise native.NativeUnavailable("the native executor is unavailable here (see the log line above)")
+    bell = np.zeros(2, dtype=np.uint32)
+    eng = native.NativeEngine(lib, bell.ctypes.data, threads=threads, parallel_min_bytes=0 if threads > 1 else 1 << 62)
+    try:
+        ids = [eng.register(inst) for inst in insts]
+        for g in range(1, starts + 1):
+            boxes.array[:, shm.START] = g
+            eng.ring()
+            deadline = time.monotonic() + timeout
+            while (boxes.array[:, shm.DONE] != g).any():
+                failed = np.flatnonzero(boxes.array[:, shm.FAILED] == g)
+                if len(failed):
+                    raise OffloadError(eng.status(ids[int(failed[0])]).error)
+                if time.monotonic() > deadline:
+                    stuck = [f"rank {q}: " + "; ".join(map(str, eng.status(i).pending)) for q, i in enumerate(ids)]
+                    raise OffloadTimeoutError(f"simulated plan {name!r} start {g} not done after {timeout}s: "
+                                              + " | ".join(stuck))
+                left = np.flatnonzero(boxes.array[:, shm.DONE] != g)
+                if not len(left):
+                    break
+                q = int(left[0])
+                seq = int(boxes.array.view(np.uint32)[q, 2 * native.SEQ])
+                if boxes.array[q, shm.DONE] != g and boxes.array[q, shm.FAILED] != g:
+                    native.futex_wait(native.seq_address(boxes.array, q), seq, 0.05)
+        for i in ids:
+            eng.free(i)
+    finally:
+        if stats is not None:
+            stats.update(eng.stats())
+        eng.close()
