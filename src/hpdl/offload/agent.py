@@ -27,8 +27,8 @@ import numpy as np
 
 log = logging.getLogger("hpdl.offload.agent")
 
-# status block words
-PID, HEARTBEAT, STATE, INDEX, AGENTS = range(5)
+# status block words (BELL: low 32 bits are the native executor's doorbell futex)
+PID, HEARTBEAT, STATE, INDEX, AGENTS, BELL = range(6)
 STATUS_WORDS = 8
 STARTING, READY, STOPPED = 0, 1, 2
 KEY_COUNTER = "hpdl_offload_plan_key"
@@ -62,6 +62,15 @@ class _Server:
         self.executor = ex.Executor(bell=self.bell, spin_us=spin_us, copy_threads=threads,
                                     name=f"hpdl-offload-agent{index}")
         self.executor.heartbeat = self._beat
+        self.native = None
+        from hpdl.offload import native
+
+        lib = native.load()  # None (logged once) without a compiler: every plan runs on the Python executor
+        if lib is not None:
+            cpus = native.default_cpus(threads, index)
+            self.native = native.NativeEngine(lib, self.status.ctypes.data + BELL * 8, threads=threads, cpus=cpus,
+                                              spin_us=spin_us)
+            log.info("agent %d: native executor, %d thread(s), cores %s", index, threads, cpus or "not pinned")
         self.transport = transport
         self.mapper = shm.Mapper()
         self.listener = Listener(address, family="AF_UNIX", authkey=authkey)
@@ -98,6 +107,8 @@ class _Server:
         finally:
             self.status[STATE] = STOPPED
             self.listener.close()
+            if self.native is not None:
+                self.native.close()
 
     def _accept(self) -> None:
         while True:
@@ -111,7 +122,14 @@ class _Server:
                 continue
             threading.Thread(target=self._client, args=(conn,), name="hpdl-offload-client", daemon=True).start()
 
+    def _free(self, inst, reason: str) -> None:
+        if isinstance(inst, tuple):  # ("native", engine id)
+            self.native.free(inst[1], reason)
+        else:
+            self.executor.free(inst, reason)
+
     def _client(self, conn) -> None:
+        from hpdl.offload import native as native_mod
         from hpdl.offload import protocol as P
         from hpdl.offload import shm
         from hpdl.offload.executor import Instance
@@ -150,21 +168,26 @@ class _Server:
                                 dev, handle = msg.ready_event
                                 inst.ready_event = torch.cuda.Event.from_ipc_handle(torch.device("cuda", dev),
                                                                                     handle)
-                            self.executor.register(inst)
+                            if self.native is not None and native_mod.eligible(msg.plan, tensors) is None:
+                                inst = ("native", self.native.register(inst))
+                                value = "native"
+                            else:
+                                self.executor.register(inst)
+                                value = None
                         except BaseException:
                             self.mapper.release(paths)
                             raise
                         insts[msg.slot] = (inst, paths)
-                        value = None
                     elif isinstance(msg, P.Free):
                         inst, paths = insts.pop(msg.slot, (None, ()))
                         if inst is not None:
-                            self.executor.free(inst, "freed its request")
+                            self._free(inst, "freed its request")
                         self.mapper.release(paths)
                         value = None
                     elif isinstance(msg, P.Query):
                         inst = insts.get(msg.slot, (None,))[0]
-                        value = self.executor.call(inst.status) if inst else None
+                        value = None if inst is None else self.native.status(inst[1]) if isinstance(inst, tuple) \
+                            else self.executor.call(inst.status)
                     elif isinstance(msg, P.Shutdown):
                         conn.send((seq, P.Reply(True)))
                         self.executor.request_stop()
@@ -184,7 +207,7 @@ class _Server:
         finally:  # a client that left (or died) takes its requests with it
             for inst, paths in insts.values():
                 try:
-                    self.executor.free(inst, "left (its process ended or disconnected)")
+                    self._free(inst, "left (its process ended or disconnected)")
                 except Exception:  # noqa: BLE001 - best effort while the agent may be stopping
                     pass
                 self.mapper.release(paths)

@@ -20,9 +20,11 @@ import time
 from datetime import timedelta
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from hpdl.offload import client as client_mod
+from hpdl.offload import native
 from hpdl.offload import protocol as P
 from hpdl.offload import shm
 from hpdl.offload.compiler import CompiledPlan, check_plan, compile_group
@@ -71,7 +73,7 @@ class _ThreadBackend:
         self.executor.register(inst)
         return inst
 
-    def ring(self) -> None:
+    def ring(self, handle=None) -> None:
         self.executor.bell.ring()
 
     def free(self, inst, slot: int) -> None:
@@ -117,6 +119,7 @@ class _AgentBackend:
         self.client = client
         self.endpoint = client.agent
         self.mailboxes = client.mailboxes
+        self.native: set[int] = set()  # slots the agent runs on its native executor
 
     def new_key(self) -> int:
         return int(self.client.request(P.NewKey()))
@@ -130,13 +133,18 @@ class _AgentBackend:
             dev = next(t.device.index for t in tensors.values() if t.is_cuda)
             with torch.cuda.device(dev):  # the event is created on the buffers' GPU
                 ready = (dev, event.ipc_handle())
-        self.client.request(P.Register(slot, plan, handles, ready))
+        if self.client.request(P.Register(slot, plan, handles, ready)) == "native":
+            self.native.add(slot)
         return slot
 
-    def ring(self) -> None:
-        self.client.bell.ring()
+    def ring(self, handle=None) -> None:
+        if handle in self.native:
+            self.client.ring_native()
+        else:
+            self.client.bell.ring()
 
     def free(self, inst, slot: int) -> None:
+        self.native.discard(slot)
         try:
             self.client.request(P.Free(slot))
         finally:
@@ -433,7 +441,7 @@ class PersistentRequest:
         self._t_start = time.monotonic()
         self._next_check = self._t_start + 0.01
         self._mb[shm.START] = self._gen
-        self._backend.ring()
+        self._backend.ring(self._handle)
 
     def test(self) -> bool:
         """True when the last start has completed (and for an inactive request), like ``MPI_Test``. Reads
@@ -481,10 +489,18 @@ class PersistentRequest:
         t0 = time.monotonic()
         deadline, next_check, spins = t0 + timeout, t0 + 0.01, 0
         threaded = self._backend.kind == "thread"
-        while not self._poll():
+        futex = not threaded and native.futex_ok()
+        seq_words = self._backend.mailboxes.array.view(np.uint32)
+        seq_addr = native.seq_address(self._backend.mailboxes.array, self._slot)
+        while True:
+            seq = int(seq_words[self._slot, 2 * native.SEQ])  # read before DONE: a later bump wakes the futex
+            if self._poll():
+                return
             now = time.monotonic()
             if threaded:  # the GIL: sleep on the completion event instead of spinning against the thread
                 self._done.wait(min(0.01, max(deadline - now, 0)))
+            elif futex:  # block (GIL released, no core burnt) until the executor bumps the word, <= 10 ms
+                native.futex_wait(seq_addr, seq, min(0.01, max(deadline - now, 0.0)))
             else:
                 spins += 1
                 if spins > 20000:

@@ -69,6 +69,10 @@ class AgentClient:
         self.desc = agent_mod.describe(w.agent, w.pid, address)
         self.status = np.memmap(w.status_path, dtype=np.int64, mode="r", shape=(agent_mod.STATUS_WORDS,))
         self.bell = shm.RemoteBell(w.bell_path)
+        # the native executor's doorbell: a futex word in the status block (see ring_native)
+        self._native_bell = np.memmap(w.status_path, dtype=np.uint32, mode="r+", offset=agent_mod.BELL * 8,
+                                      shape=(1,))
+        self._bell_token = (os.getpid() << 12) & 0xFFFFFFFF
         self.closed = False
 
     def request(self, msg, timeout: float | None = None):
@@ -96,6 +100,15 @@ class AgentClient:
         if not reply.ok:
             raise AgentError(f"{self.desc}: {reply.error}", agent=self.desc)
         return reply.value
+
+    def ring_native(self) -> None:
+        """Wake the agent's native executor: write a value no other client writes (so that a dispatcher about
+        to sleep on the old value never misses it), then FUTEX_WAKE."""
+        from hpdl.offload import native
+
+        self._bell_token = (self._bell_token + 1) & 0xFFFFFFFF
+        self._native_bell[0] = self._bell_token
+        native.futex_wake(self._native_bell.ctypes.data, 1)
 
     def alive(self) -> bool:
         return pid_alive(self.pid) and self.status[agent_mod.STATE] != agent_mod.STOPPED

@@ -29,7 +29,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from hpdl.offload import shm
+from hpdl.offload import native, shm
 from hpdl.offload.compiler import CompiledPlan
 from hpdl.offload.errors import OffloadError
 
@@ -786,6 +786,7 @@ class Executor:
         mb = inst.mailbox[inst.slot]
         mb[shm.T_DONE] = time.monotonic_ns()
         mb[shm.DONE] = inst.gen
+        native.signal(inst.mailbox, inst.slot)  # wake the rank blocked on its futex
         if inst.on_done is not None:
             inst.on_done()
 
@@ -794,6 +795,7 @@ class Executor:
         inst.error = msg
         inst.active = False
         inst.mailbox[inst.slot][shm.FAILED] = inst.gen
+        native.signal(inst.mailbox, inst.slot)
         if inst.on_done is not None:
             inst.on_done()
 
