@@ -1,0 +1,302 @@
+"""Issue 41's offload measurement, in one command: does the offload engine make programs faster?
+
+On the 16-core host of the 1 x H200 machine, 8 ranks (CPU; the agent runs single-node plans on the native
+executor when gcc exists, which the log says), one spawn and one agent for everything, every point repeated
+``--repeats`` times with the modes interleaved inside each repeat (so a noisy minute hits all modes alike):
+
+1. 3-D Jacobi (7-point stencil, slabs along z, ``hpdl.offload.jacobi``'s kernels): ``blocking``
+   (torch.distributed isend/irecv of the halos, wait, whole update), ``agent-blocking`` (the offloaded
+   exchange started and waited at once: the engine's communication time) and ``agent`` (start, interior,
+   wait, boundary shell). Median step time per mode and the per-repeat ratio agent / blocking (median,
+   min-max). Every mode's final field is compared bit for bit with ``blocking`` (#wrong).
+2. OSU ``osu_ialltoall`` at 64 KiB / 256 KiB / 1 MiB per peer: plain torch.distributed
+   (``all_to_all_single(async_op=True)``, gloo) against the agent's persistent Alltoall: Pure Comm, Overall
+   (start, compute, wait), the compute timed alone, OSU's overlap and the effective overlap (against the
+   compute alone). Checked against torch.distributed (#wrong).
+
+Writes ``offload.json`` (every repeat's numbers), ``offload.log`` (the table) under ``--out``; prints the goal
+lines last. The GPU copy-engine path (4 ranks on one GPU) is not built yet and is reported as such.
+
+    NCCL_NVLS_ENABLE=0 PYTHONPATH=src python3 benchmarks/offload_device.py --out $OUT/offload
+    PYTHONPATH=src python3 benchmarks/offload_device.py --smoke --out /tmp/offload   # CPU plumbing check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+GOAL_JACOBI = 0.8      # agent step <= 0.8x blocking at every block size
+GOAL_PURE_64K = 1.2    # agent Pure Comm at 64 KiB <= 1.2x native's
+GOAL_EFFECTIVE = 80.0  # effective overlap (vs compute alone) >= 80 % at >= 64 KiB
+
+
+def _jacobi_modes(ctx, shape, steps, repeats, timeout):
+    """{mode: [step seconds per repeat]} and #wrong per mode for one block shape, modes interleaved."""
+    import torch.distributed as dist
+
+    import hpdl.offload as ho
+    from hpdl.offload import plans
+    from hpdl.offload.jacobi import _blocking_exchange, _initial, boxes, stencil
+
+    P, r = ctx.world_size, ctx.rank
+    grid = (P, 1, 1)
+    dtype = torch.float32
+    periodic = tuple(g > 1 for g in grid)
+    plan = plans.halo3d(shape, grid, r, dtype, periodic=periodic)
+    inner, shell = boxes(shape, periodic)
+    full = tuple(slice(1, n + 1) for n in shape)
+    u0, b = _initial(shape, grid, r, dtype)
+    padded = tuple(n + 2 for n in shape)
+    tmp = {op.name: torch.empty(op.dst.numel, dtype=dtype) for op in plan.ops if op.kind == "recv"}
+    modes = ("blocking", "agent-blocking", "agent")
+    fields = {m: [ho.empty(padded, dtype), ho.empty(padded, dtype)] for m in modes}
+    reqs = {m: [ho.compile(plan, {"u": t}, progress="agent", timeout=timeout) for t in fields[m]]
+            for m in modes if m != "blocking"}
+    native = all(q._handle in q._backend.native for m in reqs for q in reqs[m])
+
+    def run(mode):
+        us = fields[mode]
+        for t in us:
+            t.zero_()
+        us[0][1:-1, 1:-1, 1:-1] = u0
+        dist.barrier()
+        t0 = time.perf_counter()
+        for k in range(steps):
+            cur, nxt = us[k % 2], us[(k + 1) % 2]
+            if mode == "blocking":
+                _blocking_exchange(cur, plan.data(), list(range(P)), tmp)
+                stencil(cur, nxt, b, full)
+            elif mode == "agent-blocking":
+                q = reqs[mode][k % 2]
+                q.start()
+                q.wait()
+                stencil(cur, nxt, b, full)
+            else:
+                q = reqs[mode][k % 2]
+                q.start()
+                stencil(cur, nxt, b, inner)
+                q.wait()
+                for bx in shell:
+                    stencil(cur, nxt, b, bx)
+        t = torch.tensor([(time.perf_counter() - t0) / steps], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
+        return float(t), us[steps % 2][1:-1, 1:-1, 1:-1].clone()
+
+    times = {m: [] for m in modes}
+    finals = {}
+    for m in modes:  # warm-up, and the checked fields
+        finals[m] = run(m)[1]
+    for _ in range(repeats):
+        for m in modes:
+            times[m].append(run(m)[0])
+    wrong = {}
+    for m in modes:
+        w = torch.tensor([float((finals[m] != finals["blocking"]).sum())])
+        dist.all_reduce(w)
+        wrong[m] = int(w.item())
+    for m in reqs:
+        for q in reqs[m]:
+            q.free()
+    return times, wrong, native
+
+
+def _osu(ctx, size, repeats, iters, timeout):
+    """{mode: {pure, overall, compute, alone: [us per repeat]}} for one size, modes interleaved per repeat."""
+    import torch.distributed as dist
+
+    from hpdl.offload.bench import Dummy, _setup
+
+    def avg(v):
+        t = torch.tensor([v], dtype=torch.float64)
+        dist.all_reduce(t)
+        return float(t.item()) / ctx.world_size
+
+    def med(xs):
+        return statistics.median(xs)
+
+    dummy = Dummy()
+    modes = ("native", "agent")
+    setups = {m: _setup("alltoall", m, size, ctx, timeout) for m in modes}
+    wrong = {m: int(avg(setups[m][2]()) * ctx.world_size) for m in modes}
+    out = {m: {"pure": [], "overall": [], "compute": [], "alone": []} for m in modes}
+    n_compute = {}
+    for m in modes:
+        start, wait = setups[m][0], setups[m][1]
+        for _ in range(5):
+            start()
+            wait()
+    for _ in range(repeats):
+        for m in modes:
+            start, wait = setups[m][0], setups[m][1]
+            pure = []
+            for _ in range(iters):
+                dist.barrier()
+                t0 = time.perf_counter()
+                start()
+                wait()
+                pure.append(time.perf_counter() - t0)
+            pure_us = avg(med(pure)) * 1e6
+            # OSU: the compute lasts this mode's Pure Comm (of the first repeat, then fixed)
+            n = n_compute.setdefault(m, None) or dummy.iterations(pure_us)
+            n_compute[m] = n
+            alone, both = [], []
+            for _ in range(iters):
+                dist.barrier()
+                t0 = time.perf_counter()
+                dummy.run(n)
+                alone.append(time.perf_counter() - t0)
+            for _ in range(iters):
+                dist.barrier()
+                t0 = time.perf_counter()
+                start()
+                c0 = time.perf_counter()
+                dummy.run(n)
+                c1 = time.perf_counter()
+                wait()
+                both.append((time.perf_counter() - t0, c1 - c0))
+            out[m]["pure"].append(pure_us)
+            out[m]["alone"].append(avg(med(alone)) * 1e6)
+            out[m]["overall"].append(avg(med([o for o, _ in both])) * 1e6)
+            out[m]["compute"].append(avg(med([c for _, c in both])) * 1e6)
+    for m in modes:
+        if setups[m][3] is not None:
+            setups[m][3].free()
+    return out, wrong
+
+
+def rank_main(ctx, cfg):
+    import hpdl.offload as ho
+
+    torch.set_num_threads(1)
+    res = {"jacobi": {}, "osu": {}}
+    with ho.Agent(threads=cfg["agent_threads"], timeout=cfg["timeout"]):
+        for shape in cfg["sizes"]:
+            t0 = time.perf_counter()
+            times, wrong, native = _jacobi_modes(ctx, shape, cfg["steps"], cfg["repeats"], cfg["timeout"])
+            res["jacobi"]["x".join(map(str, shape))] = {"times_s": times, "wrong": wrong, "native": native}
+            if ctx.rank == 0:
+                print(f"# jacobi {shape}: {time.perf_counter() - t0:.1f}s (native executor: {native})", flush=True)
+        for size in cfg["osu_sizes"]:
+            t0 = time.perf_counter()
+            out, wrong = _osu(ctx, size, cfg["repeats"], cfg["iters"], cfg["timeout"])
+            res["osu"][str(size)] = {"us": out, "wrong": wrong}
+            if ctx.rank == 0:
+                print(f"# osu {size} B: {time.perf_counter() - t0:.1f}s", flush=True)
+    return res
+
+
+def _spread(xs):
+    return f"{statistics.median(xs):.3f} [{min(xs):.3f}-{max(xs):.3f}]"
+
+
+def _overlap(overall, compute, pure):
+    from hpdl.offload.bench import overlap_pct
+
+    return overlap_pct(overall, compute, pure)
+
+
+def report(res, cfg) -> tuple[list[str], dict]:
+    lines, goals = [], {}
+    lines.append(f"# Jacobi, {cfg['np']} ranks, slabs along z, {cfg['steps']} steps x {cfg['repeats']} interleaved "
+                 "repeats: step ms median [min-max]; ratio = agent / blocking per repeat")
+    lines.append(f"  {'block':>12} {'mode':>15} {'step ms':>24} {'vs blocking':>24} {'#wrong':>7}")
+    ratios_all = {}
+    for shape, r in res["jacobi"].items():
+        t = r["times_s"]
+        for m, xs in t.items():
+            ratio = [a / b for a, b in zip(xs, t["blocking"])]
+            ratios_all.setdefault(shape, {})[m] = ratio
+            lines.append(f"  {shape:>12} {m:>15} {_spread([x * 1e3 for x in xs]):>24} {_spread(ratio):>24} "
+                         f"{r['wrong'][m]:>7}")
+    lines.append(f"# OSU ialltoall, {cfg['np']} ranks: us median [min-max] over repeats; Ovl = OSU's overlap, "
+                 "Eff = against the compute alone")
+    lines.append(f"  {'size':>8} {'mode':>7} {'Pure Comm':>24} {'Overall':>24} {'Compute':>10} {'alone':>10} "
+                 f"{'Ovl%':>6} {'Eff%':>6} {'#wrong':>7}")
+    osu_summary = {}
+    for size, r in res["osu"].items():
+        for m, d in r["us"].items():
+            pm, om, cm, am = (statistics.median(d[k]) for k in ("pure", "overall", "compute", "alone"))
+            ovl, eff = _overlap(om, cm, pm), _overlap(om, am, pm)
+            effs = [_overlap(o, a, p) for o, a, p in zip(d["overall"], d["alone"], d["pure"])]
+            osu_summary.setdefault(size, {})[m] = {"pure": pm, "overall": om, "eff": eff, "effs": effs,
+                                                   "pures": d["pure"]}
+            lines.append(f"  {size:>8} {m:>7} {_spread(d['pure']):>24} {_spread(d['overall']):>24} {cm:>10.1f} "
+                         f"{am:>10.1f} {ovl:>6.1f} {eff:>6.1f} {r['wrong'][m]:>7}")
+    jac = {s: statistics.median(v["agent"]) for s, v in ratios_all.items()}
+    goals["jacobi"] = all(x <= GOAL_JACOBI for x in jac.values())
+    lines.append(f"GOAL Jacobi agent <= {GOAL_JACOBI}x blocking at every block: "
+                 f"{'MET' if goals['jacobi'] else 'MISSED'} (" + ", ".join(f"{s} {x:.2f}x" for s, x in jac.items())
+                 + ")")
+    k64 = str(64 * 1024) if str(64 * 1024) in osu_summary else min(osu_summary, key=int)
+    per = [a / n for a, n in zip(osu_summary[k64]["agent"]["pures"], osu_summary[k64]["native"]["pures"])]
+    pr = statistics.median(per)
+    goals["pure_64k"] = pr <= GOAL_PURE_64K
+    lines.append(f"GOAL agent Pure Comm at {k64} B <= {GOAL_PURE_64K}x native: {'MET' if goals['pure_64k'] else 'MISSED'} "
+                 f"({pr:.2f}x, per repeat {min(per):.2f}-{max(per):.2f})")
+    effs = {s: v["agent"]["eff"] for s, v in osu_summary.items() if int(s) >= 64 * 1024 or cfg["smoke"]}
+    goals["effective"] = all(e >= GOAL_EFFECTIVE for e in effs.values())
+    lines.append(f"GOAL agent effective overlap >= {GOAL_EFFECTIVE:.0f}% at >= 64 KiB: "
+                 f"{'MET' if goals['effective'] else 'MISSED'} (" + ", ".join(f"{s} B {e:.1f}%" for s, e in effs.items())
+                 + ")")
+    lines.append("GOAL 4 ranks on one GPU, device-buffer plan overlapping a kernel >= 80%: NOT BUILT (no GPU "
+                 "copy-engine path in this branch)")
+    wrong = sum(sum(r["wrong"].values()) for r in res["jacobi"].values()) + \
+        sum(sum(r["wrong"].values()) for r in res["osu"].values())
+    lines.append(f"# #wrong total: {wrong}")
+    goals["wrong"] = wrong
+    return lines, goals
+
+
+def main(argv=None) -> int:
+    from hpdl.bench.report import source_commit
+    from hpdl.offload import native
+    from hpdl.runtime.launch import spawn
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="folder for offload.json and offload.log")
+    p.add_argument("--np", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--iters", type=int, default=15, help="timed iterations per OSU loop and repeat")
+    p.add_argument("--agent-threads", type=int, default=4)
+    p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--smoke", action="store_true", help="tiny CPU plumbing check (2 ranks, small blocks)")
+    args = p.parse_args(argv)
+    sizes = [(4, 256, 256), (6, 256, 256), (8, 256, 256)]
+    osu_sizes = [64 << 10, 256 << 10, 1 << 20]
+    if args.smoke:
+        args.np, args.repeats, args.steps, args.iters, args.agent_threads = 2, 2, 3, 3, 2
+        sizes, osu_sizes = [(2, 16, 16), (3, 16, 16)], [1 << 10, 4 << 10]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    built = native.load() is not None
+    cfg = {"np": args.np, "repeats": args.repeats, "steps": args.steps, "iters": args.iters,
+           "agent_threads": args.agent_threads, "timeout": args.timeout, "sizes": sizes, "osu_sizes": osu_sizes,
+           "smoke": args.smoke}
+    t0 = time.perf_counter()
+    res = spawn(rank_main, args.np, args=(cfg,), timeout=args.timeout)[0]
+    lines, goals = report(res, cfg)
+    meta = {"command": "benchmarks/offload_device.py " + " ".join(sys.argv[1:]), "np": args.np,
+            "native_built": built, "torch": torch.__version__, "cpus": os.cpu_count(),
+            "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "commit": source_commit(),
+            "seconds": round(time.perf_counter() - t0, 1), "loadavg_after": list(os.getloadavg())}
+    (out / "offload.json").write_text(json.dumps({"meta": meta, "config": cfg, "results": res, "goals": goals},
+                                                 indent=1, default=str))
+    head = f"# offload_device: {meta['date_utc']} UTC, commit {meta['commit']}, {meta['cpus']} cpus, " \
+           f"native executor built: {built}, {meta['seconds']}s"
+    (out / "offload.log").write_text("\n".join([head, *lines]) + "\n")
+    print(head)
+    print("\n".join(lines))
+    return 1 if goals["wrong"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
