@@ -280,12 +280,14 @@ class NativeEngine:
         self._gone: dict[tuple, str] = {}
 
     def ring(self) -> None:
-        self.lib.hpe_ring(self.handle)
+        if self.handle:
+            self.lib.hpe_ring(self.handle)
 
     def close(self) -> None:
-        if self.handle:
-            self.lib.hpe_destroy(self.handle)
-            self.handle = None
+        with self._lock:  # no call may reach the library once its engine is destroyed
+            if self.handle:
+                self.lib.hpe_destroy(self.handle)
+                self.handle = None
 
     def register(self, inst) -> int:
         """Register an :class:`~hpdl.offload.executor.Instance` (built for its checks and buffer views);
@@ -317,6 +319,8 @@ class NativeEngine:
         segs_arr = np.ascontiguousarray(segs_arr, dtype=np.int64)
         row_addr = inst.mailbox.ctypes.data + inst.slot * shm.SLOT_WORDS * 8
         with self._lock:
+            if not self.handle:
+                raise OffloadError(f"{inst.label}: the native executor is stopped")
             id_ = self.lib.hpe_add_inst(self.handle, ctypes.c_void_p(row_addr), len(inst.ops),
                                         desc.ctypes.data, users_arr.ctypes.data, len(users), segs_arr.ctypes.data,
                                         nseg)
@@ -339,7 +343,7 @@ class NativeEngine:
         """Unregister; requests waiting for one of its messages fail at once, naming its rank and ``reason``."""
         with self._lock:
             rec = self._natives.pop(id_, None)
-            if rec is None:
+            if rec is None or not self.handle:
                 return
             orphans = (ctypes.c_int32 * 256)()
             n = self.lib.hpe_remove_inst(self.handle, id_, orphans, 256)
@@ -362,7 +366,7 @@ class NativeEngine:
 
         with self._lock:
             rec = self._natives.get(id_)
-            if rec is None:
+            if rec is None or not self.handle:
                 return None
             n = len(rec.inst.ops)
             states = np.zeros(max(1, n), dtype=np.int8)
@@ -386,7 +390,8 @@ class NativeEngine:
 
     def stats(self) -> dict:
         out = (ctypes.c_int64 * 4)()
-        self.lib.hpe_stats(self.handle, out)
+        if self.handle:
+            self.lib.hpe_stats(self.handle, out)
         return {"passes": out[0], "wakeups": out[1], "parallel_jobs": out[2], "bytes": out[3]}
 
 
