@@ -249,7 +249,7 @@ static void add_pieces(engine_t *e, const seg_t *segs, int nseg, int dtype, int 
     for (int k = 0; k < nseg; k++) {
         int64_t off = 0, n = segs[k].n;
         while (off < n) {
-            int64_t len = n - off > 2 * PIECE ? PIECE : n - off;
+            int64_t len = n - off < PIECE + PIECE / 2 ? n - off : PIECE; /* equal pieces, no tiny tail */
             GROW(e->pieces, e->npieces, e->cap_pieces, 1);
             piece_t *p = &e->pieces[e->npieces++];
             p->src = segs[k].src + off;
