@@ -12,7 +12,8 @@
  * futex word of the agent's status block (clients write it and FUTEX_WAKE after writing START); workers sleep
  * on a futex of their own. The GIL is never involved: these are plain pthreads.
  *
- * Memory ordering: x86-64 and aarch64 both covered by the __atomic builtins used on every shared word.
+ * Memory ordering: the engine publishes DONE/FAILED/SEQ and reads START with __atomic acquire/release; the
+ * ranks' side (numpy words in Python) still relies on x86-64's total store order (docs/offload.md, Limits).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -484,8 +485,8 @@ int hpe_add_match(engine_t *e, int s_inst, int s_op, int r_inst, int r_op, const
     if (nseg) memcpy(m->segs, segs, sizeof(seg_t) * (size_t)nseg);
     e->insts[s_inst].ops[s_op].match = id;
     e->insts[r_inst].ops[r_op].match = id;
-    /* a half that became ready before its partner registered: it never can (every rank registers before any
-       start), but re-check rather than lose it */
+    /* no half can be ready yet: compile() returns on every rank only after all of them registered, and a
+       half issued without its match fails its request (FAIL_PARTNER) rather than waiting for ever */
     pthread_mutex_unlock(&e->mu);
     return id;
 }
