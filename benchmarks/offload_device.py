@@ -16,6 +16,9 @@ executor when gcc exists, which the log says), one spawn and one agent for every
    (start, compute, wait), the compute timed alone, OSU's overlap and the effective overlap (against the
    compute alone). Checked against torch.distributed (#wrong).
 
+The agent runs ``--agent-threads`` native threads pinned to the last cores (``Agent(reserve_cores=True)``):
+the offloaded modes run the ranks on the other cores, the baselines (``blocking``, ``native``) on all of them.
+
 Writes ``offload.json`` (every repeat's numbers), ``offload.log`` (the table) under ``--out``; prints the goal
 lines last.
 4. Where a GPU is visible: 4 ranks on one GPU (``ranks_per_gpu=4``), the agent's persistent Alltoall of 4 MiB
@@ -42,6 +45,13 @@ import torch
 GOAL_JACOBI = 0.8      # agent step <= 0.8x blocking at every block size
 GOAL_PURE_64K = 1.2    # agent Pure Comm at 64 KiB <= 1.2x native's
 GOAL_EFFECTIVE = 80.0  # effective overlap (vs compute alone) >= 80 % at >= 64 KiB
+_AFFINITY: dict[str, set] = {}  # "all": every core of the rank; "app": without the agent's reserved cores
+
+
+def _cores_for(mode: str) -> None:
+    """Baselines (no offload) run on every core; offloaded modes leave the agent's reserved cores alone."""
+    if _AFFINITY:
+        os.sched_setaffinity(0, _AFFINITY["all" if mode in ("blocking", "native") else "app"])
 
 
 def _jacobi_modes(ctx, shape, steps, repeats, timeout):
@@ -69,6 +79,7 @@ def _jacobi_modes(ctx, shape, steps, repeats, timeout):
     native = all(q._handle in q._backend.native for m in reqs for q in reqs[m])
 
     def run(mode):
+        _cores_for(mode)
         us = fields[mode]
         for t in us:
             t.zero_()
@@ -141,6 +152,7 @@ def _osu(ctx, size, repeats, iters, timeout):
             wait()
     for _ in range(repeats):
         for m in modes:
+            _cores_for(m)
             start, wait = setups[m][0], setups[m][1]
             pure = []
             for _ in range(iters):
@@ -198,6 +210,7 @@ def _fft(ctx, shape, repeats, iters, chunks, timeout):
     times = {m: [] for m in fns}
     for _ in range(repeats):
         for m, f in fns.items():
+            _cores_for(m)
             dist.barrier()
             t0 = time.perf_counter()
             for _ in range(iters):
@@ -230,7 +243,7 @@ def gpu_rank(ctx, cfg):
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t)
 
-    with ho.Agent(threads=1, timeout=cfg["timeout"]):
+    with ho.Agent(threads=1, timeout=cfg["timeout"], reserve_cores=True):
         inp = (torch.arange(P * count, dtype=torch.float32, device=dev) % 4093 + 10000 * r).view(P, count)
         out = torch.zeros_like(inp)
         req = ho.alltoall_init(inp, out, progress="agent", timeout=cfg["timeout"])
@@ -288,7 +301,11 @@ def rank_main(ctx, cfg):
 
     torch.set_num_threads(1)
     res = {"jacobi": {}, "osu": {}}
-    with ho.Agent(threads=cfg["agent_threads"], timeout=cfg["timeout"]):
+    every = set(os.sched_getaffinity(0))
+    with ho.Agent(threads=cfg["agent_threads"], timeout=cfg["timeout"], reserve_cores=True) as agent:
+        if agent.client.cores:
+            _AFFINITY.update({"all": every, "app": set(os.sched_getaffinity(0))})
+        res["agent_cores"] = list(agent.client.cores)
         for shape in cfg["sizes"]:
             t0 = time.perf_counter()
             times, wrong, native = _jacobi_modes(ctx, shape, cfg["steps"], cfg["repeats"], cfg["timeout"])
@@ -449,7 +466,7 @@ def main(argv=None) -> int:
     (out / "offload.json").write_text(json.dumps({"meta": meta, "config": cfg, "results": res, "goals": goals},
                                                  indent=1, default=str))
     head = f"# offload_device: {meta['date_utc']} UTC, commit {meta['commit']}, {meta['cpus']} cpus, " \
-           f"native executor built: {built}, {meta['seconds']}s"
+           f"native executor built: {built}, agent cores {res.get('agent_cores') or 'not pinned'}, {meta['seconds']}s"
     (out / "offload.log").write_text("\n".join([head, *lines]) + "\n")
     print(head)
     print("\n".join(lines))

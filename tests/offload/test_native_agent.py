@@ -105,3 +105,23 @@ def _two_nodes(ctx):
 
 def test_plans_spanning_nodes_stay_on_the_python_executor():
     assert pool().run(_two_nodes) == [(False, True)] * 4
+
+
+def _reserved(ctx):
+    import os
+
+    os.environ["HPDL_OFFLOAD_CORES"] = "1"  # the agent (spawned with this environment) pins its thread to core 1
+    before = os.sched_getaffinity(0)
+    try:
+        a = ho.Agent(threads=1, timeout=60, reserve_cores=True).start()
+        during, cores = os.sched_getaffinity(0), a.client.cores
+        a.stop()
+    finally:
+        del os.environ["HPDL_OFFLOAD_CORES"]
+    return cores, sorted(during), os.sched_getaffinity(0) == before
+
+
+@pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="needs 2 cores")
+def test_reserve_cores_takes_the_agents_cores_out_of_the_ranks_affinity():
+    for cores, during, restored in pool().run(_reserved):
+        assert cores == (1,) and 1 not in during and during and restored, (cores, during, restored)

@@ -148,7 +148,8 @@ class _Server:
                         label = msg.label
                         self.labels[msg.pid] = label
                         value = P.Welcome(self.index, self.agents, os.getpid(), socket.gethostname(),
-                                          self.address + ".status", self.address + ".bell")
+                                          self.address + ".status", self.address + ".bell",
+                                          tuple(self.native.cpus) if self.native is not None else ())
                     elif isinstance(msg, P.NewKey):
                         value = int(self.store.add(KEY_COUNTER, 1))
                     elif isinstance(msg, P.Register):

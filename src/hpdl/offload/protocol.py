@@ -30,6 +30,7 @@ class Welcome:
     node: str           # hostname
     status_path: str
     bell_path: str
+    cores: tuple[int, ...] = ()  # cores the agent's native executor is pinned to (empty: none)
 
 
 @dataclass(frozen=True)
