@@ -286,3 +286,9 @@ def remote_rank_dies(ctx, path):
         json.dump([kind, msg, took, missing], fh)
     a.stop(clean=False)
     return kind
+
+
+def graph_needs_cuda(ctx):
+    """progress='graph' on CPU buffers: a PlanError on every rank, at once."""
+    P = ctx.world_size
+    return _err(lambda: ho.alltoall_init(torch.zeros(P, 2), torch.zeros(P, 2), progress="graph"))[:2]

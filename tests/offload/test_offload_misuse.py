@@ -280,3 +280,8 @@ def test_a_rank_that_dies_on_another_node_is_named_not_its_agent(tmp_path):
     kind, msg, took, _ = json.loads(path.read_text())
     assert kind == "OffloadPeerError" and "rank 1 (pid" in msg and "died" in msg, (kind, msg)
     assert took < 20, took
+
+
+def test_graph_progress_on_cpu_buffers_is_a_plan_error_on_every_rank():
+    for kind, msg in pool().run(M.graph_needs_cuda):
+        assert kind == "PlanError" and "progress='graph' needs every buffer on one CUDA device" in msg, msg

@@ -40,3 +40,24 @@ def test_a_cpu_request_synchronises_no_device(monkeypatch):
     finally:
         ex.stop()
     assert calls == [] and box.array[0, shm.DONE] == 1
+
+
+def test_graph_progress_accepts_single_phase_plans_only():
+    import pytest
+
+    from hpdl.offload import plans
+    from hpdl.offload.compiler import compile_group
+    from hpdl.offload.errors import PlanError
+    from hpdl.offload.graph import check_single_phase
+
+    def group(make, P=4):
+        return compile_group([make(r).data() for r in range(P)], 0, [0] * P)
+
+    check_single_phase(group(lambda r: plans.alltoall(r, 4, 8, torch.float32)))
+    check_single_phase(group(lambda r: plans.halo((3, 4), (2, 2), r, torch.float32, corners=False)))
+    with pytest.raises(PlanError, match="reductions need progress='agent'"):
+        check_single_phase(group(lambda r: plans.allreduce(r, 4, 8, torch.float32)))
+    with pytest.raises(PlanError, match="without after= dependencies"):
+        check_single_phase(group(lambda r: plans.alltoall(r, 4, 8, torch.float32, window=1)))
+    with pytest.raises(PlanError, match="without after= dependencies"):
+        check_single_phase(group(lambda r: plans.halo((3, 4), (2, 2), r, torch.float32, corners=True)))

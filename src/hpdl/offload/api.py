@@ -33,7 +33,7 @@ from hpdl.offload.executor import Executor, GlooTransport, Instance, Status
 from hpdl.offload.plan import BufferSpec, Plan, PlanData, torch_dtype
 from hpdl.runtime import env
 
-PROGRESS = ("auto", "agent", "thread")
+PROGRESS = ("auto", "agent", "thread", "graph")
 
 
 class _ThreadBackend:
@@ -254,6 +254,8 @@ def _resolve_progress(progress: str | None) -> tuple[str, client_mod.AgentClient
     mode = (progress or env.get("HPDL_OFFLOAD_PROGRESS")).strip().lower()
     if mode not in PROGRESS:
         raise PlanError(f"progress must be one of {PROGRESS}, got {progress!r}")
+    if mode == "graph":  # the GPU's copy engines, driven by the ranks themselves (hpdl.offload.graph)
+        return "graph", None
     c = client_mod.current() if mode in ("auto", "agent") else None
     if mode == "agent" and c is None:
         raise AgentError("progress='agent' but this process has no agent: start one with hpdl.offload.Agent(...) "
@@ -339,14 +341,17 @@ def _compile(plan, buffers, group, progress, timeout, pre_error: str | None) -> 
     wait_s = float(env.get("HPDL_TIMEOUT") if timeout is None else timeout)
     # the private transport outlives this plan: its set-up gets the job's timeout, not this request's
     setup_s = max(wait_s, float(env.get("HPDL_TIMEOUT")))
-    backend = _AgentBackend(client) if mode == "agent" else _ThreadBackend(group, rank, world, setup_s)
-    key = None
-    if rank == 0 or mode == "thread":
+    if mode == "graph":
+        backend = None
+    else:
+        backend = _AgentBackend(client) if mode == "agent" else _ThreadBackend(group, rank, world, setup_s)
+    key = 0 if mode == "graph" else None
+    if mode != "graph" and (rank == 0 or mode == "thread"):
         try:
             key = backend.new_key()
         except OffloadError as exc:  # e.g. the agent went away: every rank must hear of it
             error = error or OffloadError(str(exc))
-    infos = _gather({"data": data, "endpoint": backend.endpoint, "key": key,
+    infos = _gather({"data": data, "endpoint": backend.endpoint if backend is not None else 0, "key": key,
                      "error": None if error is None else (str(error), getattr(error, "op", None),
                                                           type(error).__name__)}, group)
     for q, info in enumerate(infos):
@@ -356,6 +361,11 @@ def _compile(plan, buffers, group, progress, timeout, pre_error: str | None) -> 
             if kind == "PlanError":
                 raise PlanError(msg, op=op, rank=q)
             raise AgentError(msg) if mode == "agent" else OffloadError(msg)
+    if mode == "graph":
+        from hpdl.offload.graph import GraphRequest
+
+        every = compile_group([i["data"] for i in infos], 0, [0] * len(infos))
+        return GraphRequest(every, rank, tensors, group, wait_s)
     compiled = compile_group([i["data"] for i in infos], infos[0]["key"], [i["endpoint"] for i in infos])[rank]
     done = threading.Event()
     error, handle, slot = None, None, None
