@@ -15,7 +15,7 @@ def pool():
 
 
 pytestmark = [pytest.mark.timeout(240),
-              pytest.mark.skipif(native.load() is None, reason="no C compiler: the native executor is not built")]
+              pytest.mark.skipif(native.load() is None, reason="native executor unavailable (no C compiler, or HPDL_OFFLOAD_NATIVE=0)")]
 
 
 def _native_plans(ctx):

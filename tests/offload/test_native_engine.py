@@ -12,7 +12,7 @@ from hpdl.offload import native, plans
 
 import _oracles as O
 
-needs_native = pytest.mark.skipif(native.load() is None, reason="no C compiler: the native executor is not built")
+needs_native = pytest.mark.skipif(native.load() is None, reason="native executor unavailable (no C compiler, or HPDL_OFFLOAD_NATIVE=0)")
 THREADS = [1, 3]
 
 
@@ -145,6 +145,7 @@ def test_a_waiting_half_fails_when_its_partner_is_freed():
 
 def test_without_a_compiler_the_python_executor_is_used_with_one_log_line(monkeypatch, tmp_path, caplog):
     monkeypatch.setattr(native, "_LIB", [])
+    monkeypatch.setenv("HPDL_OFFLOAD_NATIVE", "auto")
     monkeypatch.setenv("CC", "/nonexistent/gcc")
     monkeypatch.setenv("PATH", str(tmp_path))  # no gcc, no cc
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
