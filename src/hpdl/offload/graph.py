@@ -147,7 +147,8 @@ class GraphRequest:
         pulls = [(d, s) for d, s in pulls if d.numel()]
         if pulls:
             self._graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self._graph, stream=self._stream):
+            # thread_local: other requests' launcher threads may touch CUDA while this one captures
+            with torch.cuda.graph(self._graph, stream=self._stream, capture_error_mode="thread_local"):
                 for d, s in pulls:
                     d.copy_(s.reshape(d.shape))
         self._npulls = len(pulls)
