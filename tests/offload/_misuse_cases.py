@@ -228,3 +228,67 @@ def peer_freed_before_start(ctx):
     if ctx.rank != 1:
         req.free()
     return res
+
+
+def free_after_timeout(ctx):
+    """Rank 3 never starts: the others' wait() times out, and then free() cancels the request instead of
+    raising 'free() of an active request' for ever (a timed-out request could never be released)."""
+    g = dist.new_group(list(range(ctx.world_size)))  # its transport keeps the cancelled transfers' posts
+    P = ctx.world_size
+    inp, out = torch.full((P, 2), float(ctx.rank)), torch.zeros(P, 2)
+    req = ho.alltoall_init(inp, out, group=g, progress="thread", timeout=0.3)
+    res = None
+    if ctx.rank != 3:
+        req.start()
+        timed = _err(req.wait)[0]
+        res = (timed, _err(req.free)[:2], req.freed)
+    dist.barrier()
+    if ctx.rank == 3:
+        req.free()
+    return res
+
+
+def rank_never_compiles(ctx):
+    """Rank 3 never calls compile(): the others raise OffloadTimeoutError naming it after the request's
+    timeout, instead of sitting in compile's gathers for the process group's timeout."""
+    g = dist.new_group(list(range(ctx.world_size)), timeout=__import__("datetime").timedelta(seconds=60))
+    P = ctx.world_size
+    res = None
+    if ctx.rank != 3:
+        res = _err(lambda: ho.alltoall_init(torch.zeros(P, 2), torch.zeros(P, 2), group=g, progress="thread",
+                                            timeout=1.0))
+        res = (res[0], res[1], res[2] < 30)
+    dist.barrier()
+    return res
+
+
+def remote_rank_dies(ctx, path):
+    """Two emulated nodes of one rank each; rank 1 (its node's agent leader) dies while rank 0 waits for its
+    message: rank 0 gets OffloadPeerError naming rank 1, not an AgentError blaming agent 1 (which only stopped
+    because the rank that started it died). Rank 0 writes what it got to ``path``."""
+    import json
+
+    a = ho.Agent(ranks_per_node=1, timeout=60).start()
+    P = ctx.world_size
+    inp, out = ho.empty((P, 4), torch.float32), ho.empty((P, 4), torch.float32)
+    req = ho.alltoall_init(inp, out, progress="agent", timeout=30)
+    dist.barrier()
+    if ctx.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    req.start()
+    kind, msg, took = _err(lambda: req.wait(timeout=30))
+    missing = None
+    try:
+        req.wait(timeout=0)
+    except ho.OffloadError as exc:
+        missing = getattr(exc, "missing_ranks", None)
+    with open(path, "w") as fh:
+        json.dump([kind, msg, took, missing], fh)
+    a.stop(clean=False)
+    return kind
+
+
+def graph_needs_cuda(ctx):
+    """progress='graph' on CPU buffers: a PlanError on every rank, at once."""
+    P = ctx.world_size
+    return _err(lambda: ho.alltoall_init(torch.zeros(P, 2), torch.zeros(P, 2), progress="graph"))[:2]

@@ -39,3 +39,18 @@ def test_interior_and_shell_cover_the_block_once_and_compute_the_same_bits(shape
 def test_command_usage_errors(argv, msg, capsys):
     assert main(argv) == 1
     assert msg in capsys.readouterr().err
+
+
+def test_overlap_table_reports_effective_overlap_against_compute_alone():
+    from hpdl.offload.bench import format_table, overlap_pct
+
+    # progress slowed the compute from 1000 to 1400 us: OSU's number credits that, the effective one does not
+    row = {"size": 65536, "mode": "agent", "overall_us": 1500.0, "compute_us": 1400.0, "pure_comm_us": 500.0,
+           "overlap_pct": overlap_pct(1500.0, 1400.0, 500.0), "compute_alone_us": 1000.0, "wrong": 0}
+    assert row["overlap_pct"] == 80.0
+    assert overlap_pct(1500.0, 1000.0, 500.0) == 0.0
+    assert overlap_pct(1200.0, 1000.0, 500.0) == 60.0
+    assert overlap_pct(1.0, 1.0, 0.0) == 0.0
+    text = format_table([row])
+    assert "Eff.ovl(%)" in text.splitlines()[0]
+    assert text.splitlines()[1].split()[-2] == "0.0"  # the effective column, before #wrong

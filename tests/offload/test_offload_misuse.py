@@ -215,3 +215,73 @@ def test_a_start_after_a_same_node_peer_freed_fails_at_once():
     kind, msg, elapsed = pool().run(M.peer_freed_before_start)[0]
     assert kind == "OffloadError" and "rank 1" in msg and "freed its request" in msg, msg
     assert "will never come" in msg and elapsed < 10, (msg, elapsed)
+
+
+def test_a_request_that_timed_out_can_be_freed():
+    res = pool().run(M.free_after_timeout)
+    assert res[3] is None
+    for r in res[:3]:
+        assert r == ("OffloadTimeoutError", (None, None), True), r
+
+
+def test_a_rank_that_never_compiles_is_named_within_the_timeout():
+    res = pool().run(M.rank_never_compiles)
+    assert res[3] is None
+    for kind, msg, quick in res[:3]:
+        assert kind == "OffloadTimeoutError" and "rank(s) [3]" in msg and quick, msg
+
+
+def test_files_of_killed_agents_are_swept_and_live_ones_kept(tmp_path):
+    """A killed job leaves hpdl-offload-*.sock and its .status/.bell/.key/.log behind; sweep_stale removes
+    the set whose agent pid is dead (or, without a status, that nobody serves and is old) and keeps a live
+    agent's files."""
+    import numpy as np
+
+    from hpdl.offload import agent as A
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+
+    def make(base, pid, status=True):
+        addr = tmp_path / base
+        for suffix in ("", ".bell", ".key", ".log"):
+            (tmp_path / (base + suffix)).write_bytes(b"")
+        if status:
+            st = np.zeros(A.STATUS_WORDS, dtype=np.int64)
+            st[A.PID], st[A.STATE] = pid, A.READY
+            st.tofile(str(addr) + ".status")
+        return addr
+
+    dead = make("hpdl-offload-aa11-0.sock", gone.pid)
+    live = make("hpdl-offload-bb22-0.sock", os.getpid())
+    orphan = make("hpdl-offload-agent-0-cc.sock", 0, status=False)  # killed before it wrote its status
+    old = time.time() - 3600
+    for p in tmp_path.iterdir():
+        if p.name.startswith("hpdl-offload-agent-0-cc"):
+            os.utime(p, (old, old))
+    (tmp_path / "unrelated.sock").write_bytes(b"")
+    removed = A.sweep_stale(str(tmp_path))
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert not any(n.startswith("hpdl-offload-aa11") or n.startswith("hpdl-offload-agent-0-cc") for n in left), left
+    assert sorted(n for n in left if n.startswith("hpdl-offload-bb22")) == sorted(
+        live.name + s for s in ("", ".bell", ".key", ".log", ".status"))
+    assert "unrelated.sock" in left and str(dead) + ".status" in removed and str(orphan) in removed
+
+
+def test_a_rank_that_dies_on_another_node_is_named_not_its_agent(tmp_path):
+    import json
+
+    from hpdl.runtime import spawn
+    from hpdl.runtime.errors import WorkerFailedError
+
+    path = tmp_path / "rank0.json"
+    with pytest.raises(WorkerFailedError):
+        spawn(M.remote_rank_dies, 2, args=(str(path),), timeout=90)
+    kind, msg, took, _ = json.loads(path.read_text())
+    assert kind == "OffloadPeerError" and "rank 1 (pid" in msg and "died" in msg, (kind, msg)
+    assert took < 20, took
+
+
+def test_graph_progress_on_cpu_buffers_is_a_plan_error_on_every_rank():
+    for kind, msg in pool().run(M.graph_needs_cuda):
+        assert kind == "PlanError" and "progress='graph' needs every buffer on one CUDA device" in msg, msg

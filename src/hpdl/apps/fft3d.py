@@ -181,3 +181,119 @@ def run(comm: Comm, shape: tuple[int, int, int], iters: int, *, dtype=torch.comp
                      tm["alltoall"] / n if timed else None,
                      {"shape": list(fft.shape), "grid": list(fft.grid), "ranks": comm.size, "comm": comm.name,
                       "dtype": str(dtype).removeprefix("torch.")})
+
+
+class OffloadPencilFFT:
+    """:class:`PencilFFT` with its two transposes offloaded and pipelined (the P3DFFT case of Suresh et al.,
+    IPDPS 2023, on hpdl.offload): the local array is cut into ``chunks`` slabs along dimension 0, which
+    neither transpose splits; as soon as a slab's 1-D FFTs are written into the shared send buffer its part
+    of the transpose starts (a persistent request on the node's agent, or the progress thread), and the next
+    slab's FFTs run meanwhile. Each transpose is one plan per slab, its blocks strided boxes read in place
+    (no packing): rank ``(r0, r1)`` sends ``a[slab, :, block q of dim 2]`` to row peer ``(r0, q)``, whose
+    ``b[slab, rows of r1 in dim 1, :]`` receives it; then ``c[slab, block q of dim 1, :]`` to column peer
+    ``(q, r1)``, into its ``d[rows of the slab in dim 0, :, :]``.
+
+    Collective over the world group (torch.distributed); the result equals :class:`PencilFFT`'s bit for bit
+    (the transposes move data only).
+
+    Args:
+        shape, grid: as :class:`PencilFFT` (the world group is the process grid).
+        dtype: complex64 or complex128.
+        chunks: slabs per transpose (>= 1; more overlap, more messages).
+        progress: hpdl.offload's ``progress=`` ("agent" needs an :class:`hpdl.offload.Agent`).
+        timeout: seconds a transpose may take.
+
+    Raises:
+        ValueError: as :class:`PencilFFT`, a non-complex dtype, or ``chunks < 1``.
+    """
+
+    def __init__(self, shape: tuple[int, int, int], grid: tuple[int, int] | None = None, *,
+                 dtype=torch.complex64, chunks: int = 4, progress: str | None = None, timeout: float | None = None):
+        import torch.distributed as dist
+
+        import hpdl.offload as ho
+
+        if dtype not in (torch.complex64, torch.complex128):
+            raise ValueError(f"dtype must be torch.complex64 or torch.complex128, got {dtype}")
+        if chunks < 1:
+            raise ValueError(f"chunks must be >= 1, got {chunks}")
+        size, rank = dist.get_world_size(), dist.get_rank()
+        self.shape = tuple(int(s) for s in shape)
+        self.grid = tuple(grid) if grid is not None else process_grid(size)
+        p0, p1 = self.grid
+        if len(self.shape) != 3 or p0 < 1 or p1 < 1 or p0 * p1 != size:
+            raise ValueError(f"need a 3-D shape and a grid of positive P0, P1 with P0*P1 == {size} ranks, got "
+                             f"shape={shape} grid={grid}")
+        n0, n1, n2 = self.shape
+        for name, n, p in (("N0", n0, p0), ("N1", n1, max(p0, p1)), ("N2", n2, p1)):
+            if n < p:
+                raise ValueError(f"{name}={n} is split over {p} ranks and must be >= {p}")
+        self.rank, self.dtype, self.chunks = rank, dtype, chunks
+        self.r0, self.r1 = divmod(rank, p1)
+        real = torch.float32 if dtype == torch.complex64 else torch.float64
+        l0s, l1s, m2s, k1s = _sizes(n0, p0), _sizes(n1, p1), _sizes(n2, p1), _sizes(n1, p0)
+        l0, l1, m2, k1 = l0s[self.r0], l1s[self.r1], m2s[self.r1], k1s[self.r0]
+        off = lambda sizes, q: sum(sizes[:q])  # noqa: E731
+        alloc = ho.empty if (progress or "auto") != "thread" else (lambda s, d: torch.zeros(s, dtype=d))
+        self._a = alloc((l0, l1, n2, 2), real)   # FFT along 2, sent by the row transpose
+        self._b = alloc((l0, n1, m2, 2), real)   # received: dim 1 whole, dim 2 split
+        self._c = alloc((l0, n1, m2, 2), real)   # FFT along 1, sent by the column transpose
+        self._d = alloc((n0, k1, m2, 2), real)   # received: dim 0 whole, dim 1 split over P0
+        self._slabs = [slab(l0, chunks, c) for c in range(chunks)]
+        self.row_reqs, self.col_reqs = [], []
+        for c, (s0, s1) in enumerate(self._slabs):
+            p = ho.Plan(f"fft-row-{c}", rank=rank, world_size=size)
+            a = p.buffer("a", self._a.shape, real)
+            b = p.buffer("b", self._b.shape, real)
+            for q in range(p1):
+                peer = self.r0 * p1 + q
+                if q == self.r1:
+                    p.copy(b[s0:s1, off(l1s, q):off(l1s, q) + l1, :, :], a[s0:s1, :, off(m2s, q):off(m2s, q) + m2s[q], :])
+                    continue
+                p.send(a[s0:s1, :, off(m2s, q):off(m2s, q) + m2s[q], :], peer)
+                p.recv(b[s0:s1, off(l1s, q):off(l1s, q) + l1s[q], :, :], peer)
+            self.row_reqs.append(ho.compile(p, {"a": self._a, "b": self._b}, progress=progress, timeout=timeout))
+            p = ho.Plan(f"fft-col-{c}", rank=rank, world_size=size)
+            cc = p.buffer("c", self._c.shape, real)
+            d = p.buffer("d", self._d.shape, real)
+            for q in range(p0):
+                peer = q * p1 + self.r1
+                q0, q1 = slab(l0s[q], chunks, c)  # the sender's slab c, in the receiver's global dim 0
+                if q == self.r0:
+                    p.copy(d[off(l0s, q) + s0:off(l0s, q) + s1, :, :, :], cc[s0:s1, off(k1s, q):off(k1s, q) + k1s[q], :, :])
+                    continue
+                p.send(cc[s0:s1, off(k1s, q):off(k1s, q) + k1s[q], :, :], peer)
+                p.recv(d[off(l0s, q) + q0:off(l0s, q) + q1, :, :, :], peer)
+            self.col_reqs.append(ho.compile(p, {"c": self._c, "d": self._d}, progress=progress, timeout=timeout))
+
+    def input_box(self) -> tuple[slice, slice, slice]:
+        p0, p1 = self.grid
+        return (slice(*slab(self.shape[0], p0, self.r0)), slice(*slab(self.shape[1], p1, self.r1)), slice(None))
+
+    def output_box(self) -> tuple[slice, slice, slice]:
+        p0, p1 = self.grid
+        return (slice(None), slice(*slab(self.shape[1], p0, self.r0)), slice(*slab(self.shape[2], p1, self.r1)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: complex ``[len(input_box)]`` -> complex ``[len(output_box)]`` (a new tensor), as
+        :meth:`PencilFFT.forward`."""
+        a, b = torch.view_as_complex(self._a), torch.view_as_complex(self._b)
+        c, d = torch.view_as_complex(self._c), torch.view_as_complex(self._d)
+        x = x.to(self.dtype)
+        for (s0, s1), req in zip(self._slabs, self.row_reqs):
+            if s1 > s0:  # an empty slab (more slabs than rows) still starts: its peers' parts may not be empty
+                torch.fft.fft(x[s0:s1], dim=2, out=a[s0:s1])
+            req.start()  # this slab travels while the next one's FFTs run
+        for (s0, s1), rreq, creq in zip(self._slabs, self.row_reqs, self.col_reqs):
+            rreq.wait()
+            if s1 > s0:
+                torch.fft.fft(b[s0:s1], dim=1, out=c[s0:s1])
+            creq.start()
+        for creq in self.col_reqs:
+            creq.wait()
+        return torch.fft.fft(d, dim=0)
+
+    def free(self) -> None:
+        for r in self.row_reqs + self.col_reqs:
+            r.free()
+        self.row_reqs, self.col_reqs = [], []

@@ -13,12 +13,12 @@ from hpdl.offload.api import (PersistentRequest, allreduce_init, alltoall_init, 
                               testall, waitall)
 from hpdl.offload.client import Agent, AgentClient, connect
 from hpdl.offload.compiler import CompiledPlan, check_plan, compile_group
-from hpdl.offload.errors import AgentError, OffloadError, OffloadTimeoutError, PlanError
+from hpdl.offload.errors import AgentError, OffloadError, OffloadPeerError, OffloadTimeoutError, PlanError
 from hpdl.offload.plan import BufferRef, OpRef, Plan, PlanData, Region
 from hpdl.offload.shm import empty, zeros
 
 __all__ = [
-    "Agent", "AgentClient", "AgentError", "BufferRef", "CompiledPlan", "OffloadError", "OffloadTimeoutError",
+    "Agent", "AgentClient", "AgentError", "BufferRef", "CompiledPlan", "OffloadError", "OffloadPeerError", "OffloadTimeoutError",
     "OpRef", "PersistentRequest", "Plan", "PlanData", "PlanError", "Region", "allreduce_init", "alltoall_init",
     "check_plan", "compile", "compile_group", "connect", "empty", "plans", "simulate", "startall", "testall",
     "waitall", "zeros",

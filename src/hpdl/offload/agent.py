@@ -17,6 +17,7 @@ import os
 import secrets
 import signal
 import socket
+import tempfile
 import threading
 import time
 from datetime import timedelta
@@ -26,12 +27,17 @@ import numpy as np
 
 log = logging.getLogger("hpdl.offload.agent")
 
-# status block words
-PID, HEARTBEAT, STATE, INDEX, AGENTS = range(5)
+# status block words (BELL: low 32 bits are the native executor's doorbell futex)
+PID, HEARTBEAT, STATE, INDEX, AGENTS, BELL = range(6)
 STATUS_WORDS = 8
 STARTING, READY, STOPPED = 0, 1, 2
 KEY_COUNTER = "hpdl_offload_plan_key"
 AUTHKEY_ENV = "HPDL_OFFLOAD_AUTHKEY"
+
+
+def exit_key(index: int) -> str:
+    """Store key where agent ``index`` says why it stopped when a rank's death stopped it."""
+    return f"hpdl_offload_agent{index}_exit"
 
 
 def describe(index: int, pid: int | str = "?", address: str = "") -> str:
@@ -56,10 +62,20 @@ class _Server:
         self.executor = ex.Executor(bell=self.bell, spin_us=spin_us, copy_threads=threads,
                                     name=f"hpdl-offload-agent{index}")
         self.executor.heartbeat = self._beat
+        self.native = None
+        from hpdl.offload import native
+
+        lib = native.load()  # None (logged once) without a compiler: every plan runs on the Python executor
+        if lib is not None:
+            cpus = native.default_cpus(threads, index)
+            self.native = native.NativeEngine(lib, self.status.ctypes.data + BELL * 8, threads=threads, cpus=cpus,
+                                              spin_us=spin_us)
+            log.info("agent %d: native executor, %d thread(s), cores %s", index, threads, cpus or "not pinned")
         self.transport = transport
         self.mapper = shm.Mapper()
         self.listener = Listener(address, family="AF_UNIX", authkey=authkey)
         self._last_beat = self._last_parent_check = 0
+        self.labels: dict[int, str] = {}  # client pid -> its label ("rank 3"), to name a parent that died
 
     def _beat(self) -> None:
         now = time.monotonic_ns()
@@ -73,6 +89,12 @@ class _Server:
             self._last_parent_check = now
             if not pid_alive(self.parent_pid):  # the rank that started us died: nobody will stop us
                 log.warning("agent %d: parent %d is gone, stopping", self.index, self.parent_pid)
+                who = self.labels.get(self.parent_pid, "the rank that started it")
+                try:  # before our connections close: other agents blame that rank, not this agent
+                    self.store.set(exit_key(self.index), f"{who} (pid {self.parent_pid}) on {socket.gethostname()} "
+                                                         "died")
+                except Exception:  # noqa: BLE001 - the store may be gone too
+                    pass
                 self.executor.request_stop()
 
     def serve(self) -> None:
@@ -85,6 +107,8 @@ class _Server:
         finally:
             self.status[STATE] = STOPPED
             self.listener.close()
+            if self.native is not None:
+                self.native.close()
 
     def _accept(self) -> None:
         while True:
@@ -98,7 +122,14 @@ class _Server:
                 continue
             threading.Thread(target=self._client, args=(conn,), name="hpdl-offload-client", daemon=True).start()
 
+    def _free(self, inst, reason: str) -> None:
+        if isinstance(inst, tuple):  # ("native", engine id)
+            self.native.free(inst[1], reason)
+        else:
+            self.executor.free(inst, reason)
+
     def _client(self, conn) -> None:
+        from hpdl.offload import native as native_mod
         from hpdl.offload import protocol as P
         from hpdl.offload import shm
         from hpdl.offload.executor import Instance
@@ -115,8 +146,10 @@ class _Server:
                     if isinstance(msg, P.Hello):
                         boxes = shm.Mailboxes(msg.slots, path=msg.mailbox_path)
                         label = msg.label
+                        self.labels[msg.pid] = label
                         value = P.Welcome(self.index, self.agents, os.getpid(), socket.gethostname(),
-                                          self.address + ".status", self.address + ".bell")
+                                          self.address + ".status", self.address + ".bell",
+                                          tuple(self.native.cpus) if self.native is not None else ())
                     elif isinstance(msg, P.NewKey):
                         value = int(self.store.add(KEY_COUNTER, 1))
                     elif isinstance(msg, P.Register):
@@ -130,21 +163,32 @@ class _Server:
                                     tensors[n] = h
                             inst = Instance(msg.plan, tensors, boxes.array, msg.slot, self.transport, "agent",
                                             f"{label} (rank {msg.plan.rank} of the plan's group)")
-                            self.executor.register(inst)
+                            if msg.ready_event is not None:
+                                import torch
+
+                                dev, handle = msg.ready_event
+                                inst.ready_event = torch.cuda.Event.from_ipc_handle(torch.device("cuda", dev),
+                                                                                    handle)
+                            if self.native is not None and native_mod.eligible(msg.plan, tensors) is None:
+                                inst = ("native", self.native.register(inst))
+                                value = "native"
+                            else:
+                                self.executor.register(inst)
+                                value = None
                         except BaseException:
                             self.mapper.release(paths)
                             raise
                         insts[msg.slot] = (inst, paths)
-                        value = None
                     elif isinstance(msg, P.Free):
                         inst, paths = insts.pop(msg.slot, (None, ()))
                         if inst is not None:
-                            self.executor.free(inst, "freed its request")
+                            self._free(inst, "freed its request")
                         self.mapper.release(paths)
                         value = None
                     elif isinstance(msg, P.Query):
                         inst = insts.get(msg.slot, (None,))[0]
-                        value = self.executor.call(inst.status) if inst else None
+                        value = None if inst is None else self.native.status(inst[1]) if isinstance(inst, tuple) \
+                            else self.executor.call(inst.status)
                     elif isinstance(msg, P.Shutdown):
                         conn.send((seq, P.Reply(True)))
                         self.executor.request_stop()
@@ -164,7 +208,7 @@ class _Server:
         finally:  # a client that left (or died) takes its requests with it
             for inst, paths in insts.values():
                 try:
-                    self.executor.free(inst, "left (its process ended or disconnected)")
+                    self._free(inst, "left (its process ended or disconnected)")
                 except Exception:  # noqa: BLE001 - best effort while the agent may be stopping
                     pass
                 self.mapper.release(paths)
@@ -182,6 +226,70 @@ def cleanup(address: str) -> None:
             os.unlink(address + suffix)
         except OSError:
             pass
+
+
+SUFFIXES = ("", ".status", ".bell", ".key", ".log")
+
+
+def sweep_stale(directory: str | None = None, *, min_age_s: float = 60.0) -> list[str]:
+    """Remove the files of agents that are gone: sockets ``hpdl-offload-*.sock`` and their ``.status``,
+    ``.bell``, ``.key`` and ``.log`` files, left behind when a job (or its agent) was killed.
+
+    An agent is gone when its status block names a pid that no longer runs, or, without a status block, when
+    nobody accepts connections on its socket and its files are older than ``min_age_s`` (an agent that is
+    still starting has written no status yet). Files of live agents are never touched. Returns the paths
+    removed.
+    """
+    from hpdl.runtime.procs import pid_alive
+
+    d = directory or tempfile.gettempdir()
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return []
+    bases = set()
+    for n in names:
+        if n.startswith("hpdl-offload-") and ".sock" in n:
+            base = n[:n.index(".sock") + len(".sock")]
+            if n[len(base):] in SUFFIXES:
+                bases.add(base)
+    removed = []
+    now = time.time()
+    for base in sorted(bases):
+        address = os.path.join(d, base)
+        try:
+            st = np.fromfile(address + ".status", dtype=np.int64, count=STATUS_WORDS)
+        except (OSError, ValueError):
+            st = None
+        if st is not None and len(st) == STATUS_WORDS and st[PID] > 0:
+            if pid_alive(int(st[PID])):
+                continue
+        else:
+            ages = [now - os.path.getmtime(address + s) for s in SUFFIXES if os.path.exists(address + s)]
+            if not ages or min(ages) < min_age_s or _accepts(address):
+                continue
+        for suffix in SUFFIXES:
+            try:
+                os.unlink(address + suffix)
+                removed.append(address + suffix)
+            except OSError:
+                pass
+    return removed
+
+
+def _accepts(address: str) -> bool:
+    """Whether a process listens on the Unix socket ``address``."""
+    if not os.path.exists(address):
+        return False
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.settimeout(1.0)
+        s.connect(address)
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
 
 
 def _refuse_live(address: str, index: int) -> None:
@@ -220,6 +328,10 @@ def run_agent(*, index: int, agents: int, rendezvous: str, address: str, authkey
 
     _refuse_live(address, index)
     cleanup(address)
+    try:
+        sweep_stale(os.path.dirname(os.path.abspath(address)))  # files of agents killed in earlier jobs
+    except Exception:  # noqa: BLE001 - cleaning up after others must never stop this agent
+        log.exception("agent %d: sweeping stale agent files failed", index)
     authkey = authkey or secrets.token_bytes(16)
     fd = os.open(address + ".key", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as fh:
@@ -231,7 +343,9 @@ def run_agent(*, index: int, agents: int, rendezvous: str, address: str, authkey
         store.set(f"hpdl_offload_agent{index}", f"{os.getpid()} {socket.gethostname()}")
         peers = [store.get(f"hpdl_offload_agent{e}").decode().split(" ", 1) for e in range(agents)]
         transport = GlooTransport.create(store, index, agents, timeout,
-                                         describe=lambda e: f"{describe(e, peers[e][0])} on {peers[e][1]}")
+                                         describe=lambda e: f"{describe(e, peers[e][0])} on {peers[e][1]}",
+                                         explain=lambda e: store.get(exit_key(e)).decode()
+                                         if store.check([exit_key(e)]) else None)
     except Exception as exc:  # noqa: BLE001 - whatever the rendezvous raised, say which agent and where
         cleanup(address)
         from hpdl.offload.errors import AgentError

@@ -20,18 +20,20 @@ import time
 from datetime import timedelta
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from hpdl.offload import client as client_mod
+from hpdl.offload import native
 from hpdl.offload import protocol as P
 from hpdl.offload import shm
 from hpdl.offload.compiler import CompiledPlan, check_plan, compile_group
-from hpdl.offload.errors import AgentError, OffloadError, OffloadTimeoutError, PlanError
+from hpdl.offload.errors import AgentError, OffloadError, OffloadPeerError, OffloadTimeoutError, PlanError
 from hpdl.offload.executor import Executor, GlooTransport, Instance, Status
 from hpdl.offload.plan import BufferSpec, Plan, PlanData, torch_dtype
 from hpdl.runtime import env
 
-PROGRESS = ("auto", "agent", "thread")
+PROGRESS = ("auto", "agent", "thread", "graph")
 
 
 class _ThreadBackend:
@@ -64,13 +66,14 @@ class _ThreadBackend:
         self.state[1] += 1  # compile is collective on the group: the counter moves in step on every rank
         return self.state[1]
 
-    def register(self, plan: CompiledPlan, tensors: dict, slot: int, done: threading.Event):
+    def register(self, plan: CompiledPlan, tensors: dict, slot: int, done: threading.Event, event=None):
         inst = Instance(plan, tensors, self.mailboxes.array, slot, self.transport, id(self.state), f"rank {self.rank}")
         inst.on_done = done.set
+        inst.ready_event = event
         self.executor.register(inst)
         return inst
 
-    def ring(self) -> None:
+    def ring(self, handle=None) -> None:
         self.executor.bell.ring()
 
     def free(self, inst, slot: int) -> None:
@@ -116,21 +119,32 @@ class _AgentBackend:
         self.client = client
         self.endpoint = client.agent
         self.mailboxes = client.mailboxes
+        self.native: set[int] = set()  # slots the agent runs on its native executor
 
     def new_key(self) -> int:
         return int(self.client.request(P.NewKey()))
 
-    def register(self, plan: CompiledPlan, tensors: dict, slot: int, done):
+    def register(self, plan: CompiledPlan, tensors: dict, slot: int, done, event=None):
         handles = {}
         for name, t in tensors.items():
             handles[name] = t if t.is_cuda else shm.handle_of(t)
-        self.client.request(P.Register(slot, plan, handles))
+        ready = None
+        if event is not None:
+            dev = next(t.device.index for t in tensors.values() if t.is_cuda)
+            with torch.cuda.device(dev):  # the event is created on the buffers' GPU
+                ready = (dev, event.ipc_handle())
+        if self.client.request(P.Register(slot, plan, handles, ready)) == "native":
+            self.native.add(slot)
         return slot
 
-    def ring(self) -> None:
-        self.client.bell.ring()
+    def ring(self, handle=None) -> None:
+        if handle in self.native:
+            self.client.ring_native()
+        else:
+            self.client.bell.ring()
 
     def free(self, inst, slot: int) -> None:
+        self.native.discard(slot)
         try:
             self.client.request(P.Free(slot))
         finally:
@@ -159,6 +173,44 @@ def _gather(value, group) -> list:
     out = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, value, group=group)
     return out
+
+
+_ARRIVALS: dict[str, int] = {}  # group name -> compiles this process entered on it (collective: in step)
+
+
+def _await_arrivals(group, rank: int, world: int, timeout: float) -> None:
+    """Wait until every rank of ``group`` has entered this compile, through the job's key-value store, for at
+    most ``timeout`` seconds: a rank that never calls compile() is named (``missing_ranks``) instead of
+    leaving the others in the gathers below for the process group's own (long) timeout.
+
+    Without a store (an MPI launch) it returns at once. Raises:
+        OffloadTimeoutError: ranks that did not arrive in time (the group's compiles are then out of step).
+    """
+    import torch.distributed as dist
+
+    if world <= 1:
+        return
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        name = (group if group is not None else dist.group.WORLD).group_name
+    except Exception:  # noqa: BLE001 - no store or no group name: the gathers' own timeout applies
+        return
+    n = _ARRIVALS.get(name, 0) + 1
+    _ARRIVALS[name] = n
+    prefix = f"hpdl/offload/arrive/{name}/{n}/"
+    keys = [prefix + str(q) for q in range(world)]
+    store.set(keys[rank], b"1")
+    try:
+        store.wait(keys, timedelta(seconds=timeout))
+        return
+    except Exception:  # noqa: BLE001 - torch raises a DistStoreError/RuntimeError on a timeout
+        pass
+    missing = [q for q in range(world) if not store.check([keys[q]])]
+    if not missing:
+        return
+    raise OffloadTimeoutError(f"compile on rank {rank}: rank(s) {missing} of the group did not call compile() "
+                              f"within {timeout:.1f}s (every rank of the group compiles the plan together)",
+                              missing_ranks=missing)
 
 
 def _bind(specs: Sequence[BufferSpec], buffers: dict | None, mode: str) -> dict[str, torch.Tensor]:
@@ -202,6 +254,8 @@ def _resolve_progress(progress: str | None) -> tuple[str, client_mod.AgentClient
     mode = (progress or env.get("HPDL_OFFLOAD_PROGRESS")).strip().lower()
     if mode not in PROGRESS:
         raise PlanError(f"progress must be one of {PROGRESS}, got {progress!r}")
+    if mode == "graph":  # the GPU's copy engines, driven by the ranks themselves (hpdl.offload.graph)
+        return "graph", None
     c = client_mod.current() if mode in ("auto", "agent") else None
     if mode == "agent" and c is None:
         raise AgentError("progress='agent' but this process has no agent: start one with hpdl.offload.Agent(...) "
@@ -267,6 +321,7 @@ def _compile(plan, buffers, group, progress, timeout, pre_error: str | None) -> 
     except ValueError as exc:
         mode, client = "error", None
         error = error or str(exc)
+    _await_arrivals(group, rank, world, float(env.get("HPDL_TIMEOUT") if timeout is None else timeout))
     # before any backend work: every rank learns every rank's early problem, and ranks agree on who executes
     modes = _gather((mode, agent_error, error), group)
     for q, (_, _, e) in enumerate(modes):
@@ -286,14 +341,17 @@ def _compile(plan, buffers, group, progress, timeout, pre_error: str | None) -> 
     wait_s = float(env.get("HPDL_TIMEOUT") if timeout is None else timeout)
     # the private transport outlives this plan: its set-up gets the job's timeout, not this request's
     setup_s = max(wait_s, float(env.get("HPDL_TIMEOUT")))
-    backend = _AgentBackend(client) if mode == "agent" else _ThreadBackend(group, rank, world, setup_s)
-    key = None
-    if rank == 0 or mode == "thread":
+    if mode == "graph":
+        backend = None
+    else:
+        backend = _AgentBackend(client) if mode == "agent" else _ThreadBackend(group, rank, world, setup_s)
+    key = 0 if mode == "graph" else None
+    if mode != "graph" and (rank == 0 or mode == "thread"):
         try:
             key = backend.new_key()
         except OffloadError as exc:  # e.g. the agent went away: every rank must hear of it
             error = error or OffloadError(str(exc))
-    infos = _gather({"data": data, "endpoint": backend.endpoint, "key": key,
+    infos = _gather({"data": data, "endpoint": backend.endpoint if backend is not None else 0, "key": key,
                      "error": None if error is None else (str(error), getattr(error, "op", None),
                                                           type(error).__name__)}, group)
     for q, info in enumerate(infos):
@@ -303,12 +361,20 @@ def _compile(plan, buffers, group, progress, timeout, pre_error: str | None) -> 
             if kind == "PlanError":
                 raise PlanError(msg, op=op, rank=q)
             raise AgentError(msg) if mode == "agent" else OffloadError(msg)
+    if mode == "graph":
+        from hpdl.offload.graph import GraphRequest
+
+        every = compile_group([i["data"] for i in infos], 0, [0] * len(infos))
+        return GraphRequest(every, rank, tensors, group, wait_s)
     compiled = compile_group([i["data"] for i in infos], infos[0]["key"], [i["endpoint"] for i in infos])[rank]
     done = threading.Event()
     error, handle, slot = None, None, None
+    cuda = next((t.device for t in tensors.values() if t.is_cuda), None) if tensors else None
+    # start() records it on the application's stream; the executor's copies wait for it on the GPU
+    event = torch.cuda.Event(interprocess=mode == "agent") if cuda is not None else None
     try:
         slot = backend.mailboxes.take()
-        handle = backend.register(compiled, tensors, slot, done)
+        handle = backend.register(compiled, tensors, slot, done, event)
     except (OffloadError, ValueError) as exc:
         error = f"rank {rank}: {exc}"
     errors = [e for e in _gather(error, group) if e]
@@ -318,7 +384,9 @@ def _compile(plan, buffers, group, progress, timeout, pre_error: str | None) -> 
         elif slot is not None:
             backend.mailboxes.give_back(slot)
         raise OffloadError(f"registering plan {data.name!r} failed: " + "; ".join(errors))
-    return PersistentRequest(compiled, tensors, backend, handle, slot, done, timeout)
+    req = PersistentRequest(compiled, tensors, backend, handle, slot, done, timeout)
+    req._event = event
+    return req
 
 
 class PersistentRequest:
@@ -345,7 +413,9 @@ class PersistentRequest:
         self.active = False
         self.freed = False
         self._failed: str | None = None
-        self._cuda = any(t.is_cuda for t in buffers.values())
+        self._timed_out = False  # the running start passed its timeout: free() may cancel it
+        self._cuda = next((t.device for t in buffers.values() if t.is_cuda), None)
+        self._event = None  # set by compile for CUDA buffers
         self.timeout = float(env.get("HPDL_TIMEOUT") if timeout is None else timeout)
         self.progress = backend.kind
         self._t_start = self._next_check = 0.0
@@ -366,18 +436,22 @@ class PersistentRequest:
             raise OffloadError(f"plan {self.plan.name!r}: start() of an active request: wait() for it first")
         if self._failed:
             raise OffloadError(f"plan {self.plan.name!r} failed earlier and cannot restart: {self._failed}")
-        if self._cuda:
-            torch.cuda.current_stream().synchronize()  # the executor reads what the stream wrote
+        if self._cuda is not None:  # the executor's copies wait on the GPU for what this stream queued so far
+            if self._event is None:
+                torch.cuda.current_stream(self._cuda).synchronize()
+            else:
+                self._event.record(torch.cuda.current_stream(self._cuda))
         if self._backend.closed:
             raise OffloadError(f"plan {self.plan.name!r}: start() after {self._backend.describe()} was stopped "
                                "(compile the plan again under a running agent)")
         self._gen += 1
+        self._timed_out = False
         self._done.clear()
         self.active = True
         self._t_start = time.monotonic()
         self._next_check = self._t_start + 0.01
         self._mb[shm.START] = self._gen
-        self._backend.ring()
+        self._backend.ring(self._handle)
 
     def test(self) -> bool:
         """True when the last start has completed (and for an inactive request), like ``MPI_Test``. Reads
@@ -425,10 +499,18 @@ class PersistentRequest:
         t0 = time.monotonic()
         deadline, next_check, spins = t0 + timeout, t0 + 0.01, 0
         threaded = self._backend.kind == "thread"
-        while not self._poll():
+        futex = not threaded and native.futex_ok()
+        seq_words = self._backend.mailboxes.array.view(np.uint32)
+        seq_addr = native.seq_address(self._backend.mailboxes.array, self._slot)
+        while True:
+            seq = int(seq_words[self._slot, 2 * native.SEQ])  # read before DONE: a later bump wakes the futex
+            if self._poll():
+                return
             now = time.monotonic()
             if threaded:  # the GIL: sleep on the completion event instead of spinning against the thread
                 self._done.wait(min(0.01, max(deadline - now, 0)))
+            elif futex:  # block (GIL released, no core burnt) until the executor bumps the word, <= 10 ms
+                native.futex_wait(seq_addr, seq, min(0.01, max(deadline - now, 0.0)))
             else:
                 spins += 1
                 if spins > 20000:
@@ -445,11 +527,13 @@ class PersistentRequest:
         self.active = False
         try:
             st = self._backend.query(self._handle)
-            err, culprit = st.error or "unknown error", st.culprit
+            err, culprit, dead = st.error or "unknown error", st.culprit, list(st.dead_ranks)
         except OffloadError as exc:
-            err, culprit = f"(its error could not be read: {exc})", None
+            err, culprit, dead = f"(its error could not be read: {exc})", None, []
         self._failed = err
         msg = f"plan {self.plan.name!r} failed on rank {self.plan.rank}: {err}"
+        if dead:  # a rank's process died (its agent stopped with it): the rank is to blame
+            raise OffloadPeerError(msg, missing_ranks=dead)
         if self._backend.kind == "agent" and culprit:  # the agents' network failed: name the agent to blame
             raise AgentError(msg, agent=culprit)
         raise OffloadError(msg)
@@ -462,6 +546,7 @@ class PersistentRequest:
             note = f" ({exc})"
         else:
             note = ""
+        self._timed_out = True
         peers = sorted({p.peer for p in pending if p.peer is not None})
         picked = "" if self._mb[shm.PICKED] == self._gen else " The executor never took this start up."
         listing = "; ".join(str(p) for p in pending[:8]) + (f"; ... {len(pending) - 8} more" if len(pending) > 8
@@ -484,13 +569,20 @@ class PersistentRequest:
     def free(self) -> None:
         """Release the request (``MPI_Request_free``); allocated buffers go when no tensor refers to them.
 
+        After an :class:`OffloadTimeoutError` the running start may be cancelled by freeing: the executor drops
+        its outstanding operations, and the ranks whose messages it would have exchanged fail with an error
+        naming this rank (their requests cannot complete any more). Copies already under way may still land
+        in this request's receive buffers.
+
         Raises:
-            OffloadError: the request is active (wait for it first).
+            OffloadError: the request is active and has not timed out (wait for it first).
         """
         if self.freed:
             return
-        if self.active and not self._poll():
-            raise OffloadError(f"plan {self.plan.name!r}: free() of an active request: wait() for it first")
+        if self.active and not self._timed_out and not self._poll():
+            raise OffloadError(f"plan {self.plan.name!r}: free() of an active request: wait() for it first "
+                               "(a request whose wait() or test() raised OffloadTimeoutError may be freed)")
+        self.active = False
         self.freed = True
         self._backend.free(self._handle, self._slot)
 
@@ -581,26 +673,33 @@ def allreduce_init(tensor: torch.Tensor, op: str = "sum", *, group=None, algorit
 
 def simulate(plans: Sequence[Plan | PlanData], buffers: Sequence[dict[str, torch.Tensor]], *, starts: int = 1,
              timeout: float = 30.0, copy_threads: int = 1, copy_min_bytes: int = 65536,
-             stats: dict | None = None) -> list[dict[str, torch.Tensor]]:
+             stats: dict | None = None, engine: str = "python") -> list[dict[str, torch.Tensor]]:
     """Run a whole group's plans in this process, without processes or a network: ``plans[q]`` and
     ``buffers[q]`` are rank q's (unbound buffers are allocated). One executor serves every rank, as an agent
     serves a node. For testing and debugging plans; returns every rank's bound buffers.
 
-    ``copy_threads`` and ``copy_min_bytes`` are the executor's (an agent's ``threads``: copies of at least
-    ``copy_min_bytes`` bytes run on that many copy threads); ``stats``, if given, is updated with the
-    executor's counters (:attr:`Executor.stats <hpdl.offload.executor.Executor>`).
+    ``engine`` is ``"python"`` (:class:`~hpdl.offload.executor.Executor`) or ``"native"`` (the C engine of
+    :mod:`hpdl.offload.native`, which agents use for intra-node CPU plans; raises
+    :class:`~hpdl.offload.native.NativeUnavailable` where it cannot be built). ``copy_threads`` are the
+    executor's (an agent's ``threads``; for the Python one, copies of at least ``copy_min_bytes`` bytes run on
+    them); ``stats``, if given, is updated with the executor's counters.
 
     Raises:
         PlanError: as :func:`compile`. OffloadTimeoutError: not done within ``timeout`` (a bug in a plan
         that passed validation, or in the executor), listing the outstanding operations.
     """
+    if engine not in ("python", "native"):
+        raise ValueError(f"engine must be 'python' or 'native', got {engine!r}")
     datas = [p.data() if isinstance(p, Plan) else p for p in plans]
     compiled = compile_group(datas, key=1, endpoints=[0] * len(datas))
     tensors = [_bind(d.buffers, b, "thread") for d, b in zip(datas, buffers)]
-    ex = Executor(copy_threads=copy_threads, copy_min_bytes=copy_min_bytes)
     boxes = shm.Mailboxes(max(1, len(datas)), shared=False)
     insts = [Instance(c, t, boxes.array, q, None, "simulate", f"rank {q}") for q, (c, t) in enumerate(zip(compiled,
                                                                                                         tensors))]
+    if engine == "native":
+        _simulate_native(insts, boxes, datas[0].name, starts, timeout, copy_threads, stats)
+        return tensors
+    ex = Executor(copy_threads=copy_threads, copy_min_bytes=copy_min_bytes)
     for inst in insts:
         ex.register(inst)
     try:
@@ -623,3 +722,42 @@ def simulate(plans: Sequence[Plan | PlanData], buffers: Sequence[dict[str, torch
         if stats is not None:
             stats.update(ex.stats)
     return tensors
+
+
+def _simulate_native(insts, boxes, name, starts, timeout, threads, stats) -> None:
+    import numpy as np
+
+    from hpdl.offload import native
+
+    lib = native.load()
+    if lib is None:
+        raise native.NativeUnavailable("the native executor is unavailable here (see the log line above)")
+    bell = np.zeros(2, dtype=np.uint32)
+    eng = native.NativeEngine(lib, bell.ctypes.data, threads=threads, parallel_min_bytes=0 if threads > 1 else 1 << 62)
+    try:
+        ids = [eng.register(inst) for inst in insts]
+        for g in range(1, starts + 1):
+            boxes.array[:, shm.START] = g
+            eng.ring()
+            deadline = time.monotonic() + timeout
+            while (boxes.array[:, shm.DONE] != g).any():
+                failed = np.flatnonzero(boxes.array[:, shm.FAILED] == g)
+                if len(failed):
+                    raise OffloadError(eng.status(ids[int(failed[0])]).error)
+                if time.monotonic() > deadline:
+                    stuck = [f"rank {q}: " + "; ".join(map(str, eng.status(i).pending)) for q, i in enumerate(ids)]
+                    raise OffloadTimeoutError(f"simulated plan {name!r} start {g} not done after {timeout}s: "
+                                              + " | ".join(stuck))
+                left = np.flatnonzero(boxes.array[:, shm.DONE] != g)
+                if not len(left):
+                    break
+                q = int(left[0])
+                seq = int(boxes.array.view(np.uint32)[q, 2 * native.SEQ])
+                if boxes.array[q, shm.DONE] != g and boxes.array[q, shm.FAILED] != g:
+                    native.futex_wait(native.seq_address(boxes.array, q), seq, 0.05)
+        for i in ids:
+            eng.free(i)
+    finally:
+        if stats is not None:
+            stats.update(eng.stats())
+        eng.close()

@@ -66,9 +66,14 @@ class AgentClient:
         self.mailboxes = shm.Mailboxes(slots, shared=True)
         w = self.request(P.Hello(label, os.getpid(), self.mailboxes.path, slots))
         self.agent, self.agents, self.pid = w.agent, w.agents, w.pid
+        self.cores = tuple(w.cores)  # the agent's pinned cores (its native executor's), () if not pinned
         self.desc = agent_mod.describe(w.agent, w.pid, address)
         self.status = np.memmap(w.status_path, dtype=np.int64, mode="r", shape=(agent_mod.STATUS_WORDS,))
         self.bell = shm.RemoteBell(w.bell_path)
+        # the native executor's doorbell: a futex word in the status block (see ring_native)
+        self._native_bell = np.memmap(w.status_path, dtype=np.uint32, mode="r+", offset=agent_mod.BELL * 8,
+                                      shape=(1,))
+        self._bell_token = (os.getpid() << 12) & 0xFFFFFFFF
         self.closed = False
 
     def request(self, msg, timeout: float | None = None):
@@ -96,6 +101,15 @@ class AgentClient:
         if not reply.ok:
             raise AgentError(f"{self.desc}: {reply.error}", agent=self.desc)
         return reply.value
+
+    def ring_native(self) -> None:
+        """Wake the agent's native executor: write a value no other client writes (so that a dispatcher about
+        to sleep on the old value never misses it), then FUTEX_WAKE."""
+        from hpdl.offload import native
+
+        self._bell_token = (self._bell_token + 1) & 0xFFFFFFFF
+        self._native_bell[0] = self._bell_token
+        native.futex_wake(self._native_bell.ctypes.data, 1)
 
     def alive(self) -> bool:
         return pid_alive(self.pid) and self.status[agent_mod.STATE] != agent_mod.STOPPED
@@ -160,14 +174,20 @@ class Agent:
         spin_us: how long an agent keeps polling after activity before it sleeps on its doorbell.
         timeout: seconds for the agents' rendezvous and for transfers between agents (default HPDL_TIMEOUT).
         start_timeout: seconds an agent may take to start before every rank gets an :class:`AgentError`.
+        reserve_cores: each rank takes the cores its agent's native executor is pinned to out of its own CPU
+            affinity while the agent runs (restored by :meth:`stop`), as a DPU's cores are not the host's:
+            the ranks' threads then never share a core with the agent's copies.
 
     Raises:
         AgentError: an agent did not start (its log's last lines are in the message) or cannot be reached.
     """
 
     def __init__(self, group=None, *, ranks_per_node: int | Sequence[int] | None = None, threads: int = 1,
-                 spin_us: float | None = None, timeout: float | None = None, start_timeout: float = 120.0):
+                 spin_us: float | None = None, timeout: float | None = None, start_timeout: float = 120.0,
+                 reserve_cores: bool = False):
         self.group, self.ranks_per_node, self.threads = group, ranks_per_node, threads
+        self.reserve_cores = reserve_cores
+        self._affinity: set[int] | None = None  # this rank's CPU affinity before reserve_cores took cores out
         self.spin_us = float(env.get("HPDL_OFFLOAD_SPIN_US") if spin_us is None else spin_us)
         self.timeout = float(env.get("HPDL_TIMEOUT") if timeout is None else timeout)
         self.start_timeout = start_timeout
@@ -230,6 +250,12 @@ class Agent:
             self.stop(clean=False)
             raise AgentError(errs[0][0], agent=errs[0][1])
         _CURRENT.append(self.client)
+        if self.reserve_cores and self.client.cores and hasattr(os, "sched_setaffinity"):
+            mine = set(os.sched_getaffinity(0))
+            left = mine - set(self.client.cores)
+            if left and left != mine:
+                self._affinity = mine
+                os.sched_setaffinity(0, left)
         return self
 
     def _spawn(self, index: int, agents: int, rendezvous: str, key: bytes) -> None:
@@ -271,6 +297,12 @@ class Agent:
         c = self.client
         if c in _CURRENT:
             _CURRENT.remove(c)
+        if self._affinity is not None:
+            try:
+                os.sched_setaffinity(0, self._affinity)
+            except OSError:
+                pass
+            self._affinity = None
         if c is not None and self.proc is None:
             c.close()
         if clean and dist.is_initialized():

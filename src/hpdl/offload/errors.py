@@ -3,7 +3,7 @@ agent), and failed or timed-out requests (naming the operations and peers still 
 
 from __future__ import annotations
 
-from hpdl.runtime.errors import CollectiveTimeoutError, HpdlError
+from hpdl.runtime.errors import CollectiveTimeoutError, HpdlError, PeerFailedError
 
 
 class OffloadError(HpdlError):
@@ -35,3 +35,8 @@ class AgentError(OffloadError):
 class OffloadTimeoutError(OffloadError, CollectiveTimeoutError):
     """``wait()`` ran past its timeout; the message lists the operations still outstanding and their peers,
     and ``missing_ranks`` the peers they wait for."""
+
+
+class OffloadPeerError(OffloadError, PeerFailedError):
+    """A peer rank's process died while a request needed it (on another node: its agent stopped with it);
+    the message names the dead process, ``missing_ranks`` the plan's ranks whose messages were lost."""

@@ -29,7 +29,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from hpdl.offload import shm
+from hpdl.offload import native, shm
 from hpdl.offload.compiler import CompiledPlan
 from hpdl.offload.errors import OffloadError
 
@@ -63,6 +63,11 @@ class Transport:
     def describe(self, endpoint: int) -> str:
         return f"endpoint {endpoint}"
 
+    def explain(self, endpoint: int) -> str | None:
+        """Why ``endpoint`` went away, when it said so before going (e.g. "rank 3 (pid 42) on node-b died"):
+        a failure is then blamed on that rank rather than on the endpoint; None when unknown."""
+        return None
+
 
 # How long a posted transfer may wait for its peer. Not HPDL_TIMEOUT: a persistent request's peer may start
 # it much later (load imbalance), and a Gloo wait that times out closes the pair for good, breaking every
@@ -92,20 +97,23 @@ class GlooTransport(Transport):
     :data:`TRANSFER_WAIT_S`.
     """
 
-    def __init__(self, pg, describe: Callable[[int], str] | None = None):
+    def __init__(self, pg, describe: Callable[[int], str] | None = None,
+                 explain: Callable[[int], str | None] | None = None):
         self.pg = pg
         self._describe = describe
+        self._explain = explain
 
     @classmethod
     def create(cls, store, rank: int, size: int, timeout: float, prefix: str = "hpdl-offload",
-               describe: Callable[[int], str] | None = None) -> "GlooTransport":
+               describe: Callable[[int], str] | None = None,
+               explain: Callable[[int], str | None] | None = None) -> "GlooTransport":
         """Collective over the ``size`` processes that share ``store``."""
         from datetime import timedelta
 
         import torch.distributed as dist
 
         pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, timedelta(seconds=timeout))
-        return cls(pg, describe)
+        return cls(pg, describe, explain)
 
     def isend(self, tensor, endpoint, tag):
         return _GlooWork(self.pg.send([tensor], endpoint, tag))
@@ -115,6 +123,14 @@ class GlooTransport(Transport):
 
     def describe(self, endpoint):
         return self._describe(endpoint) if self._describe else f"rank {endpoint}"
+
+    def explain(self, endpoint):
+        if self._explain is None:
+            return None
+        try:
+            return self._explain(endpoint)
+        except Exception:  # noqa: BLE001 - the store may have gone with the endpoint: no explanation
+            return None
 
 
 def _reshaped(src: torch.Tensor, shape) -> Callable[[], torch.Tensor]:
@@ -181,6 +197,7 @@ class Status:
     error: str | None
     culprit: str | None
     pending: tuple[Pending, ...]
+    dead_ranks: tuple[int, ...] = ()  # group ranks whose process died (culprit None then)
 
 
 class _Op:
@@ -228,6 +245,12 @@ class Instance:
                                    f"{b.shape}, got {t.dtype} {tuple(t.shape)} contiguous={t.is_contiguous()}")
         self.tensors = tensors
         self.cuda = any(t.is_cuda for t in tensors.values())
+        # every GPU whose streams carry copies into this rank's buffers: its own, and its peers' (a match copy
+        # from another device); _finish synchronises all of them before DONE
+        self.devices = {t.device.index for t in tensors.values() if t.is_cuda}
+        # set by the application's side (api): an event it records on its stream at every start(); the executor
+        # makes its copy streams wait for it (no host synchronisation in start())
+        self.ready_event = None
         me = plan.endpoints[plan.rank]
         users: list[list[int]] = [[] for _ in plan.ops]
         for op in plan.ops:
@@ -259,10 +282,11 @@ class Instance:
         self.left = 0
         self.error: str | None = None
         self.culprit: str | None = None
+        self.dead_ranks: tuple[int, ...] = ()
         self.on_done: Callable[[], None] | None = None  # called by the dispatcher after DONE or FAILED
 
     def status(self) -> Status:
-        return Status(self.error, self.culprit, tuple(self.pending()))
+        return Status(self.error, self.culprit, tuple(self.pending()), self.dead_ranks)
 
     def pending(self) -> list[Pending]:
         """Operations of the running generation that are not done, with what each waits for."""
@@ -478,7 +502,11 @@ class Executor:
             if err is not None:
                 o = inst.ops[i]
                 peer = f" talking to {inst.transport.describe(o.endpoint)}" if o.remote else ""
-                if o.remote:
+                why = inst.transport.explain(o.endpoint) if o.remote else None
+                if why:  # the endpoint stopped because a rank of its node died: blame the rank, not the agent
+                    inst.dead_ranks = (o.peer,)
+                    err = f"{why}, and {inst.transport.describe(o.endpoint)} stopped with it ({err})"
+                elif o.remote:
                     inst.culprit = inst.transport.describe(o.endpoint)
                 self._fail(inst, f"{inst.label} plan {inst.plan.name!r} op {o.describe()} failed{peer}: {err}")
             else:
@@ -562,6 +590,8 @@ class Executor:
             if m.send is not None and m.recv is not None:
                 (si, so), (ri, ro) = m.send, m.recv
                 m.fn = _copy_fn(ri.ops[ro].dst, si.ops[so].src)
+                ri.devices |= si.devices  # a copy from the sender's GPU lands in the receiver's buffer
+                si.devices |= ri.devices
 
     def _free(self, inst: Instance, reason: str = "") -> None:
         arr, seen, slots = self._boxes.get(id(inst.mailbox), (None, None, {}))
@@ -614,6 +644,9 @@ class Executor:
         mb = inst.mailbox[inst.slot]
         mb[shm.T_PICKED] = time.monotonic_ns()
         mb[shm.PICKED] = gen
+        if inst.ready_event is not None:  # copies of this start wait (on the GPU) for what the application queued
+            for d in inst.devices:
+                torch.cuda.current_stream(d).wait_event(inst.ready_event)
         for o in inst.ops:
             o.state = ""
         if not inst.ops:
@@ -747,12 +780,13 @@ class Executor:
             self._finish(inst)
 
     def _finish(self, inst: Instance) -> None:
-        if inst.cuda:
-            torch.cuda.synchronize()
+        for d in sorted(inst.devices):  # each GPU the copies ran on, not only this thread's current device
+            torch.cuda.synchronize(d)
         inst.active = False
         mb = inst.mailbox[inst.slot]
         mb[shm.T_DONE] = time.monotonic_ns()
         mb[shm.DONE] = inst.gen
+        native.signal(inst.mailbox, inst.slot)  # wake the rank blocked on its futex
         if inst.on_done is not None:
             inst.on_done()
 
@@ -761,6 +795,7 @@ class Executor:
         inst.error = msg
         inst.active = False
         inst.mailbox[inst.slot][shm.FAILED] = inst.gen
+        native.signal(inst.mailbox, inst.slot)
         if inst.on_done is not None:
             inst.on_done()
 

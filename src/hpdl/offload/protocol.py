@@ -30,6 +30,7 @@ class Welcome:
     node: str           # hostname
     status_path: str
     bell_path: str
+    cores: tuple[int, ...] = ()  # cores the agent's native executor is pinned to (empty: none)
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class Register:
     slot: int
     plan: CompiledPlan
     buffers: dict[str, Any] = field(default_factory=dict)
+    ready_event: tuple[int, bytes] | None = None  # (device, CUDA IPC handle) of the event start() records
 
 
 @dataclass(frozen=True)

@@ -87,6 +87,13 @@ _declare("HPDL_OFFLOAD_AGENT", str, "", "Unix socket of a running `hpdl offload 
          "connects to (empty: only agents started with hpdl.offload.Agent).")
 _declare("HPDL_OFFLOAD_SPIN_US", float, 50.0,
          "Microseconds an offload executor keeps polling after activity before it sleeps on its doorbell.")
+_declare("HPDL_OFFLOAD_NATIVE", str, "auto",
+         "hpdl.offload agents run intra-node CPU plans on the native executor (a C engine built with gcc on first "
+         "use): `auto` (when it builds, else the Python executor, with one log line), `1` (required: error if it "
+         "cannot be built) or `0` (always the Python executor).")
+_declare("HPDL_OFFLOAD_CORES", str, "",
+         "Comma-separated cores an offload agent's native executor pins its threads to (default: the last "
+         "`threads` cores of the process's affinity when as many are left for the ranks, else not pinned).")
 _declare("HPDL_OFFLOAD_SHM_DIR", str, "", "Directory of hpdl.offload's shared-memory files (default /dev/shm).")
 _declare("HPDL_MOE_ILP_TIME_LIMIT", float, 60.0,
          "Seconds HiGHS may spend on one hpdl.moe placement (shared by the sub-programs of a bisection) when "

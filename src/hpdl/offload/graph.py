@@ -1,0 +1,274 @@
+"""The GPU copy engines as the offload engine (``progress="graph"``): a plan on CUDA buffers of ranks of one
+host becomes, on every rank, one CUDA graph of device-to-device copies that *pull* its receive boxes straight
+from its peers' buffers (CUDA IPC), replayed on a copy stream; ``start()`` and ``wait()`` are stream events,
+never a synchronisation of the GPU with the host.
+
+Per rank r and generation g:
+
+- ``start()``: record ``ready[r]`` on the application's current stream (its buffers are written), publish
+  ``g`` in r's shared flag word and wake r's peers; returns at once.
+- r's launcher thread (GIL released while it sleeps on futexes): once every rank r pulls from has published
+  ``g`` (their ``ready`` events hold generation g), the copy stream waits for those events and for r's own,
+  replays the graph and records ``pulled[r]``, then publishes "enqueued g".
+- ``wait()``: waits on the host only until r and every rank that pulls from r have *enqueued* generation g
+  (microseconds after the last start), then makes the application's stream wait for their ``pulled`` events:
+  receive boxes are filled and send boxes free for reuse in stream order, with no host synchronisation.
+
+A stale event is never waited: a peer re-records ``ready`` only after its own ``wait(g)``, which requires
+every puller of its data to have enqueued generation g first, and re-records ``pulled`` only after all its
+sources started g + 1. Plans must be single-phase: sends, receives and copies without ``after=`` dependencies
+whose read boxes no operation of the plan writes (Alltoall, halo exchanges without corners, the FFT's
+transposes); multi-step plans (ring Allreduce) need the agent.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from hpdl.offload import native, shm
+from hpdl.offload.compiler import CompiledPlan
+from hpdl.offload.errors import OffloadError, OffloadTimeoutError, PlanError
+
+START, ENQUEUED = 0, 1  # int64 words of a rank's flag block (shared memory); futexes on their low halves
+
+
+def check_single_phase(plans: list[CompiledPlan]) -> None:
+    """Raise :class:`PlanError` unless every rank's plan is single-phase (see the module docstring)."""
+    from hpdl.offload.compiler import _overlap
+
+    for p in plans:  # the most fundamental problem first: kinds, then dependencies, then hazards
+        for o in p.ops:
+            if o.kind not in ("send", "recv", "copy"):
+                raise PlanError(f"rank {p.rank} op {o.describe()}: progress='graph' runs sends, receives and copies "
+                                "only (reductions need progress='agent' or 'thread')", op=o.name, rank=p.rank)
+    for p in plans:
+        for o in p.ops:
+            if o.deps:
+                raise PlanError(f"rank {p.rank} op {o.describe()}: progress='graph' runs single-phase plans, without "
+                                "after= dependencies (use progress='agent' for multi-step plans)", op=o.name,
+                                rank=p.rank)
+    for p in plans:
+        writes = [o.dst for o in p.ops if o.kind in ("recv", "copy")]
+        for o in p.ops:
+            src = o.src if o.kind in ("send", "copy") else None
+            if src is not None and any(_overlap(src, w) for w in writes):
+                raise PlanError(f"rank {p.rank} op {o.describe()}: reads {src}, which the plan also writes; "
+                                "progress='graph' needs read boxes that no operation writes", op=o.name, rank=p.rank)
+
+
+def _gather(value, group):
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
+class GraphRequest:
+    """A persistent request run by the GPU's copy engines (``compile(..., progress="graph")``); the same
+    interface as :class:`~hpdl.offload.api.PersistentRequest` (``start``, ``test``, ``wait``, ``free``,
+    ``buffers``, ``plan``, ``progress``). Collective to build (inside ``compile``).
+
+    Raises (at build): PlanError: buffers not all on one CUDA device, or a plan that is not single-phase.
+    """
+
+    progress = "graph"
+
+    def __init__(self, plans: list[CompiledPlan], rank: int, tensors: dict[str, torch.Tensor], group,
+                 timeout: float):
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        self.plan = plans[rank]
+        self.buffers = tensors
+        self.timeout = timeout
+        self.active = self.freed = False
+        self._gen = 0
+        self._t_start = 0.0
+        devs = {t.device for t in tensors.values()}
+        err = None
+        if len(devs) != 1 or next(iter(devs)).type != "cuda":
+            err = f"rank {rank}: progress='graph' needs every buffer on one CUDA device, got {sorted(map(str, devs))}"
+        else:
+            try:
+                check_single_phase(plans)
+            except PlanError as exc:
+                err = str(exc)
+        import socket
+
+        got = _gather((err, socket.gethostname()), group)
+        errs = [e for e, _ in got if e]
+        if not errs and len({h for _, h in got}) > 1:
+            errs = [f"progress='graph' needs every rank on one host (CUDA IPC), got hosts {sorted({h for _, h in got})}"]
+        if errs:
+            raise PlanError(errs[0])
+        self.device = next(iter(devs))
+        torch.cuda.set_device(self.device)
+        self._flags = shm.empty((4,), torch.int64)
+        self.ready = torch.cuda.Event(interprocess=True)
+        self.pulled = torch.cuda.Event(interprocess=True)
+        with torch.cuda.device(self.device):
+            mine = {"buffers": {n: reduce_tensor(t) for n, t in tensors.items()},
+                    "flags": shm.handle_of(self._flags), "ready": self.ready.ipc_handle(),
+                    "pulled": self.pulled.ipc_handle()}
+        everyone = _gather(mine, group)
+        self._mapper = shm.Mapper()
+        world = len(plans)
+        self._peer_flags, self._peer_ready, self._peer_pulled, peer_bufs = {}, {}, {}, {}
+        sources = sorted({o.peer for o in self.plan.ops if o.kind == "recv" and o.peer != rank})
+        pullers = sorted({o.peer for o in self.plan.ops if o.kind == "send" and o.peer != rank})
+        for q in set(sources) | set(pullers):
+            info = everyone[q]
+            self._peer_flags[q] = self._mapper.tensor(info["flags"])
+            if q in sources:
+                self._peer_ready[q] = torch.cuda.Event.from_ipc_handle(self.device, info["ready"])
+                peer_bufs[q] = {n: fn(*args) for n, (fn, args) in info["buffers"].items()}
+            if q in pullers:
+                self._peer_pulled[q] = torch.cuda.Event.from_ipc_handle(self.device, info["pulled"])
+        self.sources, self.pullers = sources, pullers
+        # the pulls: (dst view in my buffer, src view in the sender's)
+        sends = {}
+        for q in range(world):
+            for o in plans[q].ops:
+                if o.kind == "send":
+                    sends[o.message] = (q, o)
+        pulls = []
+        for o in self.plan.ops:
+            if o.kind == "copy":
+                pulls.append((tensors[o.dst.buffer][o.dst.slices()], tensors[o.src.buffer][o.src.slices()]))
+            elif o.kind == "recv":
+                q, so = sends[o.message]
+                src_t = tensors if q == rank else peer_bufs[q]
+                pulls.append((tensors[o.dst.buffer][o.dst.slices()], src_t[so.src.buffer][so.src.slices()]))
+        self._stream = torch.cuda.Stream(self.device)
+        self._graph = None
+        pulls = [(d, s) for d, s in pulls if d.numel()]
+        if pulls:
+            self._graph = torch.cuda.CUDAGraph()
+            # thread_local: other requests' launcher threads may touch CUDA while this one captures
+            with torch.cuda.graph(self._graph, stream=self._stream, capture_error_mode="thread_local"):
+                for d, s in pulls:
+                    d.copy_(s.reshape(d.shape))
+        self._npulls = len(pulls)
+        self._go = threading.Event()
+        self._stop = False
+        self._error: str | None = None
+        self._thread = threading.Thread(target=self._launcher, name=f"hpdl-offload-graph-{rank}", daemon=True)
+        self._thread.start()
+        _gather(None, group)  # every rank's graph is captured and its launcher runs before any start
+
+    # ---- the launcher thread ---------------------------------------------------------------------------
+    def _wait_word(self, t: torch.Tensor, word: int, g: int, deadline: float) -> bool:
+        addr = t.data_ptr() + 8 * word
+        while int(t[word]) < g:
+            if self._stop or time.monotonic() > deadline:
+                return False
+            native.futex_wait(addr, int(t[word]) & 0xFFFFFFFF, 0.01)
+        return True
+
+    def _launcher(self) -> None:
+        torch.cuda.set_device(self.device)
+        done = 0
+        while not self._stop:
+            self._go.wait(0.1)
+            self._go.clear()  # before reading _gen: a start after this sets it again (no lost wake-up)
+            while not self._stop and done < self._gen:
+                g = done + 1  # generations strictly in order: start(g + 1) needs wait(g), which needs this one
+                deadline = time.monotonic() + max(self.timeout, 1.0)
+                if not all(self._wait_word(self._peer_flags[q], START, g, deadline) for q in self.sources):
+                    break  # a late source: try again on the next round (wait() reports the timeout)
+                try:
+                    for q in self.sources:
+                        self._stream.wait_event(self._peer_ready[q])
+                    self._stream.wait_event(self.ready)
+                    if self._graph is not None:
+                        with torch.cuda.stream(self._stream):
+                            self._graph.replay()
+                    self.pulled.record(self._stream)
+                except Exception as exc:  # noqa: BLE001 - reported by wait()/test()
+                    self._error = f"{type(exc).__name__}: {exc}"
+                done = g
+                self._publish(ENQUEUED, g)
+
+    def _publish(self, word: int, g: int) -> None:
+        self._flags[word] = g
+        if native.futex_ok():
+            native.futex_wake(self._flags.data_ptr() + 8 * word)
+
+    # ---- the request -----------------------------------------------------------------------------------
+    def start(self) -> None:
+        """``MPI_Start``: record the application stream's ready event and publish the generation; at once."""
+        if self.freed:
+            raise OffloadError(f"plan {self.plan.name!r}: start() of a freed request")
+        if self.active:
+            raise OffloadError(f"plan {self.plan.name!r}: start() of an active request: wait() for it first")
+        self._gen += 1
+        self.active = True
+        self._t_start = time.monotonic()
+        self.ready.record(torch.cuda.current_stream(self.device))
+        self._publish(START, self._gen)
+        self._go.set()
+
+    def _enqueued(self, deadline: float | None) -> bool:
+        g = self._gen
+        for t in [self._flags] + [self._peer_flags[q] for q in self.pullers]:
+            if deadline is None:
+                if int(t[ENQUEUED]) < g:
+                    return False
+            elif not self._wait_word(t, ENQUEUED, g, deadline):
+                missing = [q for q in self.pullers if int(self._peer_flags[q][ENQUEUED]) < g] + \
+                    [q for q in self.sources if int(self._peer_flags[q][START]) < g]
+                raise OffloadTimeoutError(f"plan {self.plan.name!r} on rank {self.plan.rank} (progress='graph'): "
+                                          f"ranks {sorted(set(missing))} did not start or enqueue generation {g} "
+                                          "in time", missing_ranks=sorted(set(missing)))
+        return True
+
+    def _order(self) -> None:
+        if self._error:
+            raise OffloadError(f"plan {self.plan.name!r} on rank {self.plan.rank}: {self._error}")
+        s = torch.cuda.current_stream(self.device)
+        s.wait_event(self.pulled)
+        for q in self.pullers:
+            s.wait_event(self._peer_pulled[q])
+        self.active = False
+
+    def wait(self, timeout: float | None = None) -> None:
+        """``MPI_Wait`` in stream order: the application's current stream waits for this rank's pulls and for
+        its peers' pulls of its send boxes. The host waits only for the peers to *enqueue* them."""
+        if not self.active:
+            return
+        self._enqueued(time.monotonic() + (self.timeout if timeout is None else timeout))
+        self._order()
+
+    def test(self) -> bool:
+        """True when every copy of the last start has run on the GPU (then as :meth:`wait`)."""
+        if not self.active:
+            return True
+        if not self._enqueued(None):
+            return False
+        if not self.pulled.query() or not all(self._peer_pulled[q].query() for q in self.pullers):
+            return False
+        self._order()
+        return True
+
+    def free(self) -> None:
+        if self.freed:
+            return
+        if self.active:
+            raise OffloadError(f"plan {self.plan.name!r}: free() of an active request: wait() for it first")
+        self.freed = True
+        self._stop = True
+        self._go.set()
+        self._thread.join(timeout=5)
+        self._graph = None
+
+    def __enter__(self) -> "GraphRequest":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None and self.active:
+            self.wait()
+        if not self.active:
+            self.free()
