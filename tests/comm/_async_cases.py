@@ -1,0 +1,111 @@
+"""Rank-side bodies for test_comm_async.py: ``async_op=True`` of hpdl's CPU schedules runs on the group's
+worker while the caller computes (issue 41)."""
+
+import torch
+import torch.distributed as dist
+
+import hpdl.comm as hc
+
+
+def _store():
+    return dist.distributed_c10d._get_default_store()
+
+
+def returns_before_peer_calls(ctx, key, algorithm):
+    """Rank 0 issues an async all-reduce, then tells the others (through the store) to issue theirs: a call that
+    blocked until every rank joined would never return on rank 0 (the others wait for its signal)."""
+    x = torch.full((1000,), float(ctx.rank + 1))
+    if ctx.rank == 0:
+        w = hc.all_reduce(x, async_op=True, algorithm=algorithm, timeout=30)
+        _store().set(key, "issued")
+    else:
+        _store().wait([key])
+        w = hc.all_reduce(x, async_op=True, algorithm=algorithm, timeout=30)
+    w.wait()
+    return x.tolist() == [float(sum(range(1, ctx.world_size + 1)))] * 1000
+
+
+def overlap_exact(ctx, algorithms, sizes):
+    """Async all-reduces of integer-valued floats issued before a compute loop (matmuls, which release the GIL)
+    that polls ``is_completed``; results exact and bit-identical on every rank."""
+    p, r = ctx.world_size, ctx.rank
+    works, tensors = [], []
+    for i, (algo, n) in enumerate((a, n) for a in algorithms for n in sizes):
+        t = (torch.arange(n, dtype=torch.float32) % 97 + 1000 * r + i)
+        tensors.append(t)
+        works.append(hc.all_reduce(t, async_op=True, algorithm=algo))
+    a = torch.randn(128, 128)
+    steps = 0
+    while not all(w.is_completed() for w in works) and steps < 100000:
+        a = torch.tanh(a @ a)   # the caller's computation, meanwhile
+        steps += 1
+    for w in works:
+        w.wait()
+    wrong = 0
+    for i, ((algo, n), t) in enumerate(zip(((a, n) for a in algorithms for n in sizes), tensors)):
+        want = (torch.arange(n, dtype=torch.float32) % 97) * p + 1000 * sum(range(p)) + i * p
+        wrong += int((t != want).sum())
+    digest = torch.cat(tensors)
+    everyone = [torch.empty_like(digest) for _ in range(p)]
+    dist.all_gather(everyone, digest)
+    identical = all(bool(torch.equal(e, digest)) for e in everyone)
+    return wrong, identical
+
+
+def many_outstanding(ctx, count):
+    """``count`` async calls of several schedules, sizes, ops and collectives in flight at once, mixed with
+    native async calls and synchronous calls; every result exact, in any wait order."""
+    p, r = ctx.world_size, ctx.rank
+    algos = ["direct", "ring", "recursive_doubling", "native", "auto"]
+    pending = []
+    for i in range(count):
+        algo = algos[i % len(algos)]
+        n = 1 + (i * 37) % 3000
+        if i % 7 == 3:    # a synchronous call in the middle runs after the queued ones
+            t = torch.full((n,), float(r + i))
+            hc.all_reduce(t, algorithm=algo)
+            pending.append((None, t, float(sum(q + i for q in range(p)))))
+        elif i % 7 == 5:  # max, so the order of different ops matters too
+            t = torch.full((n,), float(r * 3 + i))
+            pending.append((hc.all_reduce(t, op="max", async_op=True, algorithm=algo), t, float(3 * (p - 1) + i)))
+        elif i % 7 == 6:  # an all-gather on the same worker
+            out = torch.empty(p * n)
+            w = hc.all_gather_into_tensor(out, torch.full((n,), float(r + i)), async_op=True,
+                                          algorithm="direct" if algo != "native" else "native")
+            pending.append((w, out, torch.arange(p, dtype=torch.float32).repeat_interleave(n) + i))
+        else:
+            t = torch.full((n,), float(r + i))
+            pending.append((hc.all_reduce(t, async_op=True, algorithm=algo), t, float(sum(q + i for q in range(p)))))
+    wrong = 0
+    for w, t, want in reversed(pending):   # waited in reverse: completion does not depend on wait order
+        if w is not None:
+            w.wait()
+        wrong += int((t != want).sum())
+    return wrong
+
+
+def error_at_wait(ctx):
+    """A mismatch (rank 1 passes another count) raises at ``wait()`` on every rank, not at the call; the group
+    stays usable for the next call; a future carries the error too."""
+    from hpdl.runtime.errors import CollectiveMismatchError
+
+    r = ctx.rank
+    n = 10 + (r == 1)
+    w = hc.all_reduce(torch.ones(n), async_op=True, algorithm="direct", check=True)
+    issued = True
+    w2 = hc.all_reduce(torch.ones(n), async_op=True, algorithm="ring", check=True)
+    fut = w2.get_future()
+    raised = []
+    for work in (w, w2):
+        try:
+            work.wait()
+        except CollectiveMismatchError as exc:
+            raised.append("count" in str(exc))
+    try:
+        fut.wait()
+        fut_error = False
+    except Exception as exc:  # noqa: BLE001 - the future carries the collective's error
+        fut_error = "differs across ranks" in str(exc)
+    again = torch.full((4,), float(r))
+    hc.all_reduce(again, async_op=True, algorithm="direct").wait()
+    return issued, raised, fut_error, again.tolist() == [float(sum(range(ctx.world_size)))] * 4

@@ -1,0 +1,79 @@
+"""``async_op=True`` for hpdl's own CPU schedules is asynchronous (issue 41): queued on the group's worker in
+call order, overlapping the caller's computation, exact, with errors at ``wait()``."""
+
+import threading
+import uuid
+
+import pytest
+import torch
+
+from hpdl.comm.transport.worker import GroupWorker, Job, WorkerClosedError
+from hpdl.testing import get_pool
+
+import _async_cases as A
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("algorithm", ["direct", "ring", "recursive_doubling"])
+def test_async_call_returns_before_peers_join(algorithm):
+    # before the worker, rank 0's call ran the schedule to completion and waited 30 s for the others
+    assert get_pool(3).run(A.returns_before_peer_calls, f"async-{uuid.uuid4().hex}", algorithm) == [True] * 3
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 4])
+def test_async_overlaps_compute_exactly(world):
+    results = get_pool(world).run(A.overlap_exact, ["direct", "ring", "recursive_doubling", "auto"],
+                                  [2, 1000, 65536])
+    assert results == [(0, True)] * world
+
+
+@pytest.mark.timeout(120)
+def test_many_outstanding_calls_stay_ordered():
+    assert get_pool(3).run(A.many_outstanding, 60) == [0] * 3
+
+
+@pytest.mark.timeout(120)
+def test_errors_surface_at_wait_on_every_rank():
+    assert get_pool(3).run(A.error_at_wait) == [(True, [True, True], True, True)] * 3
+
+
+def test_worker_runs_in_order_and_close_fails_queued_jobs():
+    w = GroupWorker("unit")
+    started, release, order = threading.Event(), threading.Event(), []
+
+    def blocker():
+        started.set()
+        release.wait(10)
+        order.append("first")
+    first = w.submit(Job(blocker, "first"))
+    second = w.submit(Job(lambda: order.append("second"), "second", result=torch.ones(1)))
+    assert started.wait(10)
+    assert not first.is_completed() and w.outstanding == 2
+    release.set()
+    second.wait(10)
+    assert order == ["first", "second"] and second.get_future().wait().tolist() == [1.0]
+
+    def boom():
+        raise ValueError("bad call")
+    bad = w.submit(Job(boom, "bad"))
+    with pytest.raises(ValueError, match="bad call"):
+        bad.wait(10)
+    with pytest.raises(ValueError, match="bad call"):   # every wait raises it
+        bad.wait(10)
+    with pytest.raises(ValueError):
+        bad.get_future().wait()
+
+    release2, started2 = threading.Event(), threading.Event()
+    running = w.submit(Job(lambda: (started2.set(), release2.wait(10)), "running"))
+    queued = w.submit(Job(lambda: order.append("never"), "queued"))
+    assert started2.wait(10)
+    threading.Timer(0.2, release2.set).start()
+    w.close(join_s=10)
+    with pytest.raises(WorkerClosedError):
+        queued.wait(1)
+    running.wait(1)
+    assert "never" not in order and w.outstanding == 0
+    late = w.submit(Job(lambda: None, "late"))
+    with pytest.raises(WorkerClosedError):
+        late.wait(1)
