@@ -175,8 +175,9 @@ class GroupResources:
     def close(self) -> None:
         """Free every algorithm's buffers (shared memory of the two-level algorithms) and forget the peer-memory
         registrations, stop the worker (queued calls that did not start fail); no communication."""
-        if self._worker is not None:
-            self._worker.close()
+        worker = getattr(self, "_worker", None)   # absent on resources built without __init__ (tests' fakes)
+        if worker is not None:
+            worker.close()
             self._worker = None
         for algo in self._algos.values():
             algo.close()
