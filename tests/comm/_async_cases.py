@@ -109,3 +109,51 @@ def error_at_wait(ctx):
     again = torch.full((4,), float(r))
     hc.all_reduce(again, async_op=True, algorithm="direct").wait()
     return issued, raised, fut_error, again.tolist() == [float(sum(range(ctx.world_size)))] * 4
+
+
+def cpu_call_path(ctx):
+    """A CPU all-reduce never asks torch.cuda for the GPU count (uncached before CUDA is initialised, it loads
+    and queries NVML on every call); identical calls that resolved to native take the hot path, which a new
+    selection table or a check request leaves."""
+    import hpdl.comm.api as api
+    from hpdl.comm import tuning
+    from hpdl.comm.transport.resources import resources_of
+
+    p, r = ctx.world_size, ctx.rank
+    asked = [0]
+    real = torch.cuda.device_count
+
+    def counting(*a, **k):
+        asked[0] += 1
+        return real(*a, **k)
+    torch.cuda.device_count = counting
+    out = {}
+    try:
+        x = torch.full((2,), float(r))
+        for _ in range(5):
+            hc.all_reduce(x, check=False)
+            x.fill_(float(r))
+        out["device_count_calls"] = asked[0]
+    finally:
+        torch.cuda.device_count = real
+    api._CPU_NATIVE.clear()
+    x = torch.full((3,), float(r + 1))
+    hc.all_reduce(x, check=False)
+    out["cached"] = len(api._CPU_NATIVE) == 1
+    sums = []
+    for i in range(10):
+        x = torch.full((3,), float(r + i))
+        w = hc.all_reduce(x, check=False, async_op=bool(i % 2))
+        if w is not None:
+            w.wait()
+        sums.append(x.tolist() == [float(sum(q + i for q in range(p)))] * 3)
+    out["hot_exact"] = all(sums)
+    tuning.set_table(tuning.TuningTable([tuning.Rule("cpu", tuning.INF, "recursive_doubling")], "test"))
+    try:
+        x = torch.full((3,), float(r + 1))
+        hc.all_reduce(x, check=False)
+        out["new_table"] = (x.tolist() == [float(sum(range(1, p + 1)))] * 3 and
+                            any(k[0] == "recursive_doubling" for k in resources_of(None)._algos))
+    finally:
+        tuning.set_table(None)
+    return out

@@ -77,3 +77,10 @@ def test_worker_runs_in_order_and_close_fails_queued_jobs():
     late = w.submit(Job(lambda: None, "late"))
     with pytest.raises(WorkerClosedError):
         late.wait(1)
+
+
+@pytest.mark.timeout(120)
+def test_cpu_all_reduce_skips_gpu_count_and_caches_native_calls():
+    # before: every call's selection asked torch.cuda.device_count() (5 calls -> 5 NVML queries)
+    want = {"device_count_calls": 0, "cached": True, "hot_exact": True, "new_table": True}
+    assert get_pool(2).run(A.cpu_call_path) == [want] * 2

@@ -217,11 +217,13 @@ def forget_group(group) -> None:
     res = _resources.forget(group)
     for k in [k for k, v in _FAST.items() if res is not None and v[0] is res]:
         del _FAST[k]
+    _CPU_NATIVE.clear()
 
 
 def reset() -> None:
     """Drop cached transports and buffers of every group (call after destroying process groups)."""
     _FAST.clear()
+    _CPU_NATIVE.clear()
     _resources.forget_all()
 
 
@@ -318,7 +320,11 @@ def _resolve(res: GroupResources, algorithm: str, tensor: torch.Tensor, window: 
     name = canonical(algorithm)
     # ranks sharing a GPU count as that many GPUs: the same code paths run as on a real node (the topology
     # records the sharing; benchmarks say the timings are not multi-GPU performance)
-    facts = {"dtype": tensor.dtype, "gpus": torch.cuda.device_count() * res.ranks_per_gpu, "topology": res.topology}
+    # the GPU count only matters to CUDA tensors; on a CPU tensor it is not asked for, because
+    # torch.cuda.device_count() is not cached before CUDA is initialised: every call would load and query NVML
+    # (74 us here without a driver, more with one), which was most of a CPU all-reduce call's overhead
+    facts = {"dtype": tensor.dtype, "gpus": torch.cuda.device_count() * res.ranks_per_gpu if tensor.is_cuda else None,
+             "topology": res.topology}
     nbytes = tensor.numel() * tensor.element_size()
     if name == "auto":
         name, tuned = tuning.resolve(collective, nbytes, res.world_size, tensor.device.type, **facts)
@@ -367,6 +373,8 @@ def _prepare(what: str, tensor: torch.Tensor, op, group, algorithm: str, window,
 
 _FAST: dict[tuple, object] = {}
 _FAST_MAX = 4096
+# CPU all-reduces that resolved to native without a check: (arguments) -> (issue function, table it was resolved by)
+_CPU_NATIVE: dict[tuple, tuple] = {}
 
 
 def _after_side_calls(res: GroupResources, device: torch.device) -> None:
@@ -442,9 +450,22 @@ def all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool = Fals
         if fast is not None and fast[0].side_pending is None and fast[0].side_waited is None:
             fast[1](tensor)  # hot path: arguments validated by an earlier identical call; one kernel launch
             return None
+    cpu_key = None
+    if tensor.__class__ is torch.Tensor and not tensor.is_cuda and timeout is None and isinstance(op, str) \
+            and check is not True and async_op.__class__ is bool:
+        cpu_key = (group, op, algorithm, window, tensor.dtype, tensor.numel(), check, os.environ.get("HPDL_CHECK"),
+                   os.environ.get("HPDL_TIMEOUT"))
+        hot = _CPU_NATIVE.get(cpu_key)
+        if hot is not None and hot[1] is tuning.active_table() and tensor.is_contiguous():
+            return hot[0](tensor, async_op)
     _check_async(async_op, "all_reduce")
     res, op, name, window, timeout, verify = _prepare("all_reduce", tensor, op, group, algorithm, window, timeout,
                                                       check)
+    if cpu_key is not None and verify is None and name == "native" and op != "avg" and res.world_size > 1 \
+            and res.backend == "gloo" and tensor.numel() > 0:
+        if len(_CPU_NATIVE) > _FAST_MAX:
+            _CPU_NATIVE.clear()
+        _CPU_NATIVE[cpu_key] = (_native_call(res, op, timeout), tuning.active_table())
     if get_class(name).runs_kernel(res, tensor, timeout):
         if verify is not None:   # host exchange: a dead or missing peer is named by the group's post-mortem
             res.calls += 1
@@ -464,6 +485,29 @@ def all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool = Fals
         return pending
 
     return _execute(res, "all_reduce", timeout, run, async_op, tensor, name != "native", not tensor.is_cuda)
+
+
+def _native_call(res: GroupResources, op: str, timeout: float):
+    """The hot path of a CPU all-reduce that resolved to ``native`` without an argument check: torch's
+    collective issued at once (validation, selection and the per-call closures were done by an identical
+    earlier call), waited for as the general path does, errors diagnosed by the group's post-mortem."""
+    import torch.distributed as dist
+
+    from hpdl.comm.algorithms.native import wait_native
+    from hpdl.comm.ops import to_torch_op
+
+    torch_op, group, comm = to_torch_op(op), res.group, res.comm(timeout)
+
+    def call(tensor: torch.Tensor, async_op: bool):
+        res.calls += 1
+        guard = res.guard("all_reduce", res.calls, timeout)
+        work = guard(lambda: dist.all_reduce(tensor, op=torch_op, group=group, async_op=True))
+        pending = Pending(work, comm, "all_reduce")
+        if async_op:
+            return Work(tensor, pending, guard)
+        guard(lambda: wait_native(work, comm, "all_reduce", timeout))
+        return None
+    return call
 
 
 def _then(pending: Pending | None, fn: Callable[[], object]) -> Pending | None:
