@@ -157,3 +157,27 @@ def cpu_call_path(ctx):
     finally:
         tuning.set_table(None)
     return out
+
+
+def timeout_at_wait(ctx, key):
+    """Rank 1 never calls: ``wait()`` on rank 0's async call raises CollectiveTimeoutError
+    naming rank 1 after the call's timeout (the post-mortem runs on the worker). On a group of its own, dropped
+    afterwards; the world group is still usable."""
+    from hpdl.runtime.errors import CollectiveTimeoutError
+
+    g = dist.new_group(list(range(ctx.world_size)))
+    out = None
+    if ctx.rank == 0:
+        w = hc.all_reduce(torch.ones(4), group=g, async_op=True, algorithm="direct", timeout=2)
+        try:
+            w.wait()
+            out = "no error"
+        except CollectiveTimeoutError as exc:
+            out = list(exc.missing_ranks)
+        _store().set(key, "done")
+    else:
+        _store().wait([key])
+    hc.forget_group(g)
+    x = torch.full((2,), 1.0)
+    hc.all_reduce(x, algorithm="direct")
+    return out, x.tolist() == [float(ctx.world_size)] * 2

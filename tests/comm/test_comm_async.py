@@ -84,3 +84,9 @@ def test_cpu_all_reduce_skips_gpu_count_and_caches_native_calls():
     # before: every call's selection asked torch.cuda.device_count() (5 calls -> 5 NVML queries)
     want = {"device_count_calls": 0, "cached": True, "hot_exact": True, "new_table": True}
     assert get_pool(2).run(A.cpu_call_path) == [want] * 2
+
+
+@pytest.mark.timeout(120)
+def test_timeout_surfaces_at_wait_naming_the_missing_rank():
+    results = get_pool(2).run(A.timeout_at_wait, f"timeout-{uuid.uuid4().hex}")
+    assert results == [([1], True), (None, True)]
