@@ -181,3 +181,18 @@ def timeout_at_wait(ctx, key):
     x = torch.full((2,), 1.0)
     hc.all_reduce(x, algorithm="direct")
     return out, x.tolist() == [float(ctx.world_size)] * 2
+
+
+def callback_issues_call(ctx):
+    """A future's callback (run on the group's worker) issues a synchronous hpdl call on the same group, as
+    DDP hooks that chain ``then`` do: it runs in order instead of waiting for the worker it runs on."""
+    p, r = ctx.world_size, ctx.rank
+    x = torch.full((5,), float(r))
+    y = torch.full((3,), float(r + 1))
+
+    def chained(fut):
+        hc.all_reduce(y, algorithm="direct")
+        return fut.value()
+    fut = hc.all_reduce(x, async_op=True, algorithm="ring").get_future().then(chained)
+    fut.wait()
+    return x.tolist() == [float(sum(range(p)))] * 5 and y.tolist() == [float(sum(range(1, p + 1)))] * 3

@@ -90,3 +90,9 @@ def test_cpu_all_reduce_skips_gpu_count_and_caches_native_calls():
 def test_timeout_surfaces_at_wait_naming_the_missing_rank():
     results = get_pool(2).run(A.timeout_at_wait, f"timeout-{uuid.uuid4().hex}")
     assert results == [([1], True), (None, True)]
+
+
+@pytest.mark.timeout(120)
+def test_future_callback_may_issue_a_call_on_the_same_group():
+    # before the drain guard the callback waited for the worker it was running on
+    assert get_pool(2).run(A.callback_issues_call, timeout=60) == [True] * 2

@@ -124,7 +124,9 @@ class GroupWorker:
         name: the group's name (the thread is ``hpdl-comm-<name>``).
 
     ``outstanding`` counts jobs queued or running; :meth:`drain` waits until it is zero, which a synchronous
-    call on the same group does first so that it runs after every earlier asynchronous one.
+    call on the same group does first so that it runs after every earlier asynchronous one. Futures of jobs
+    (``Work.get_future()``) complete on the worker thread, so their callbacks run there, between two jobs: a
+    callback may issue calls on the group, but must not wait for a Work issued after its own.
     """
 
     def __init__(self, name: str):
@@ -175,7 +177,9 @@ class GroupWorker:
         Raises:
             CollectiveTimeoutError: jobs still running after ``timeout`` seconds.
         """
-        if self.outstanding == 0:
+        if self.outstanding == 0 or self.is_current():
+            # on the worker itself (a future's callback issuing a synchronous call) the earlier jobs are done
+            # and the later ones have not started: the call runs in order right here
             return
         end = None if timeout is None else time.monotonic() + timeout
         with self._cv:
