@@ -22,7 +22,7 @@ import time
 import weakref
 from typing import Callable
 
-from hpdl.runtime.errors import CollectiveTimeoutError
+from hpdl.runtime.errors import CollectiveTimeoutError, HpdlError
 
 
 class Job:
@@ -113,7 +113,7 @@ class Job:
         return fut
 
 
-class WorkerClosedError(RuntimeError):
+class WorkerClosedError(HpdlError):
     """A queued call that never started: its group's worker was closed (``forget_group``, ``reset``, exit)."""
 
 
