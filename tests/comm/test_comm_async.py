@@ -96,3 +96,40 @@ def test_timeout_surfaces_at_wait_naming_the_missing_rank():
 def test_future_callback_may_issue_a_call_on_the_same_group():
     # before the drain guard the callback waited for the worker it was running on
     assert get_pool(2).run(A.callback_issues_call, timeout=60) == [True] * 2
+
+
+EXIT_SCRIPT = """
+import sys
+import torch
+import hpdl.comm as hc
+from hpdl.runtime import init_from_env
+
+ctx = init_from_env("cpu")
+x = torch.full((1000,), float(ctx.rank + 1))
+hc.all_reduce(x, async_op=True, algorithm="direct").wait()
+assert x[0].item() == 3.0
+# leave one in flight and exit: rank 0 at once, before rank 1 has issued its own
+works = [hc.all_reduce(torch.ones(1 << 16), async_op=True, algorithm="ring") for _ in range(3)]
+if ctx.rank == 1:
+    works[-1].wait()
+print(f"rank {ctx.rank} exits", flush=True)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_exit_with_async_work_in_flight_is_clean(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "job.py"
+    script.write_text(EXIT_SCRIPT)
+    env = dict(os.environ, OMP_NUM_THREADS="1", HPDL_TIMEOUT="20")
+    src = os.path.join(os.path.dirname(__file__), "..", "..", "src")
+    env["PYTHONPATH"] = os.path.abspath(src) + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        str(script)], capture_output=True, text=True, timeout=150, env=env)
+    out = r.stdout + r.stderr
+    # rank 0 leaves at once; rank 1 finishes, or its wait() names rank 0 as gone; nothing hangs or aborts
+    assert "rank 0 exits" in out and "terminate called" not in out and "Segmentation" not in out, out[-3000:]
+    assert "rank 1 exits" in out or "PeerFailedError" in out and "lost rank(s) [0]" in out, out[-3000:]
