@@ -196,3 +196,38 @@ def callback_issues_call(ctx):
     fut = hc.all_reduce(x, async_op=True, algorithm="ring").get_future().then(chained)
     fut.wait()
     return x.tolist() == [float(sum(range(p)))] * 5 and y.tolist() == [float(sum(range(1, p + 1)))] * 3
+
+
+def hot_path_timeout(ctx, key):
+    """A CPU all-reduce on the hot path (an identical call resolved to native before) whose peer never calls
+    raises CollectiveTimeoutError naming it, as the general path does."""
+    import os
+
+    import hpdl.comm.api as api
+    from hpdl.runtime.errors import CollectiveTimeoutError
+
+    g = dist.new_group(list(range(ctx.world_size)))
+    old = os.environ.get("HPDL_TIMEOUT")
+    os.environ["HPDL_TIMEOUT"] = "3"
+    out = None
+    try:
+        x = torch.ones(2)
+        hc.all_reduce(x, group=g, check=False)
+        cached = any(k[0] is g for k in api._CPU_NATIVE)
+        if ctx.rank == 0:
+            try:
+                hc.all_reduce(x, group=g, check=False)
+                out = (cached, "no error")
+            except CollectiveTimeoutError as exc:
+                out = (cached, list(exc.missing_ranks))
+            _store().set(key, "done")
+        else:
+            _store().wait([key])
+            out = (cached, None)
+    finally:
+        if old is None:
+            del os.environ["HPDL_TIMEOUT"]
+        else:
+            os.environ["HPDL_TIMEOUT"] = old
+    hc.forget_group(g)
+    return out

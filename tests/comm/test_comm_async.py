@@ -133,3 +133,8 @@ def test_exit_with_async_work_in_flight_is_clean(tmp_path):
     # rank 0 leaves at once; rank 1 finishes, or its wait() names rank 0 as gone; nothing hangs or aborts
     assert "rank 0 exits" in out and "terminate called" not in out and "Segmentation" not in out, out[-3000:]
     assert "rank 1 exits" in out or "PeerFailedError" in out and "lost rank(s) [0]" in out, out[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_hot_path_timeout_names_the_missing_rank():
+    assert get_pool(2).run(A.hot_path_timeout, f"hot-{uuid.uuid4().hex}") == [(True, [1]), (True, None)]

@@ -462,7 +462,7 @@ def all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool = Fals
     res, op, name, window, timeout, verify = _prepare("all_reduce", tensor, op, group, algorithm, window, timeout,
                                                       check)
     if cpu_key is not None and verify is None and name == "native" and op != "avg" and res.world_size > 1 \
-            and res.backend == "gloo" and tensor.numel() > 0:
+            and res.backend == "gloo" and tensor.numel() > 0 and not tensor.is_complex() and tensor.dtype != torch.bool:
         if len(_CPU_NATIVE) > _FAST_MAX:
             _CPU_NATIVE.clear()
         _CPU_NATIVE[cpu_key] = (_native_call(res, op, timeout), tuning.active_table())
@@ -488,25 +488,36 @@ def all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool = Fals
 
 
 def _native_call(res: GroupResources, op: str, timeout: float):
-    """The hot path of a CPU all-reduce that resolved to ``native`` without an argument check: torch's
-    collective issued at once (validation, selection and the per-call closures were done by an identical
-    earlier call), waited for as the general path does, errors diagnosed by the group's post-mortem."""
+    """The hot path of a CPU all-reduce that resolved to ``native`` without an argument check: the group's
+    ``ProcessGroup.allreduce`` issued at once, as DDP's reducer does (validation, selection and c10d's Python
+    wrapper were done by an identical earlier call), waited for within ``timeout``; an error goes through the
+    general path's conversion and the group's post-mortem."""
     import torch.distributed as dist
 
     from hpdl.comm.algorithms.native import wait_native
     from hpdl.comm.ops import to_torch_op
 
-    torch_op, group, comm = to_torch_op(op), res.group, res.comm(timeout)
+    pg = res.group if res.group is not None else dist.group.WORLD
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = to_torch_op(op)
+    comm, limit = res.comm(timeout), timedelta(seconds=timeout)
 
     def call(tensor: torch.Tensor, async_op: bool):
         res.calls += 1
-        guard = res.guard("all_reduce", res.calls, timeout)
-        work = guard(lambda: dist.all_reduce(tensor, op=torch_op, group=group, async_op=True))
-        pending = Pending(work, comm, "all_reduce")
-        if async_op:
-            return Work(tensor, pending, guard)
-        guard(lambda: wait_native(work, comm, "all_reduce", timeout))
-        return None
+        work = None
+        try:
+            work = pg.allreduce([tensor], opts)
+            if async_op:
+                return Work(tensor, Pending(work, comm, "all_reduce"), res.guard("all_reduce", res.calls, timeout))
+            work.wait(limit)
+            return None
+        except Exception as exc:  # noqa: BLE001 - the general path's conversion (timeout) and post-mortem
+            def again():
+                if work is None:
+                    raise exc
+                wait_native(work, comm, "all_reduce", timeout)   # a failed Work raises its error again
+            res.guard("all_reduce", res.calls, timeout)(again)
+            raise
     return call
 
 
