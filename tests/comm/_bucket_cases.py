@@ -194,3 +194,67 @@ def frozen_unused_unfrozen_sparse(ctx):
         sparse = str(exc)
     sync.remove()
     return bool(frozen_ok), bool(unused_ok), unfrozen, sparse
+
+
+def backward_overlaps_buckets(ctx, key, algorithm):
+    """Rank 0 finishes ``backward()`` before any other rank starts its own (a store key orders them): only a
+    bucket launch that does not block inside the gradient hook lets that happen (before issue 41 the first
+    bucket's schedule ran inside backward and waited for the others). The averaged buckets must equal, bit for
+    bit, the same schedule run synchronously on copies of the local gradients. Returns #wrong."""
+    import copy
+
+    import torch.distributed as dist
+
+    import hpdl.comm as hc
+
+    store = dist.distributed_c10d._get_default_store()
+    model = _mlp(seed=0)
+    twin = copy.deepcopy(model)
+    sync = BucketAllReduce(model.parameters(), bucket_cap_mb=0.001, first_bucket_mb=0.0005, algorithm=algorithm)
+    assert len(sync.buckets) >= 3
+    g = torch.Generator().manual_seed(100 + ctx.rank)
+    x, y = torch.randn(8, 16, generator=g), torch.randint(0, 3, (8,), generator=g)
+    for m in (twin, ):
+        torch.nn.functional.cross_entropy(m(x), y).backward()
+    local = {id(p): q.grad.clone() for p, q in zip(model.parameters(), twin.parameters())}
+    if ctx.rank != 0:
+        store.wait([key])
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    if ctx.rank == 0:
+        store.set(key, "backward done")
+    sync.wait()
+    wrong = 0
+    for b in sync.buckets:   # the synchronous schedule on the same bucket layout
+        ref = torch.cat([local[id(p)].reshape(-1) for p in b.params] + [torch.ones(len(b.params))])
+        hc.all_reduce(ref, op="avg", group=sync.group, algorithm=algorithm)
+        wrong += int((ref != b.buffer).sum())
+    sync.remove()
+    return wrong
+
+
+def ddp_hook_checks_once(ctx, algorithm, steps=4):
+    """DDP with hpdl's hook: the argument check (a blocking exchange) runs on the first step (and after DDP's
+    bucket rebuild), never in later steps. Returns the verify exchanges per step."""
+    import hpdl.comm.api as api
+    from hpdl.comm.hooks import register
+
+    calls = [0]
+    real = api._verify_same
+
+    def counting(*a, **k):
+        calls[0] += 1
+        return real(*a, **k)
+    api._verify_same = counting
+    try:
+        model = torch.nn.parallel.DistributedDataParallel(_mlp(seed=0), bucket_cap_mb=0.001)
+        register(model, algorithm=algorithm)
+        g = torch.Generator().manual_seed(100 + ctx.rank)
+        per_step = []
+        for _ in range(steps):
+            before = calls[0]
+            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 3, (8,), generator=g)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            per_step.append(calls[0] - before)
+    finally:
+        api._verify_same = real
+    return per_step

@@ -48,3 +48,17 @@ def test_frozen_unused_unfrozen_and_sparse_parameters():
         assert frozen_ok and unused_ok
         assert unfrozen and "requires_grad=False when BucketAllReduce was built" in unfrozen
         assert sparse and "dense gradients only" in sparse
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("algorithm", ["direct", "ring", "native"])
+def test_buckets_reduce_while_backward_runs(algorithm):
+    import uuid
+
+    assert get_pool(3).run(C.backward_overlaps_buckets, f"bucket-{uuid.uuid4().hex}", algorithm) == [0] * 3
+
+
+@pytest.mark.timeout(120)
+def test_ddp_hook_checks_arguments_once_per_bucket_layout():
+    for per_step in get_pool(2).run(C.ddp_hook_checks_once, "direct"):
+        assert per_step[0] > 0 and per_step[2:] == [0, 0]

@@ -6,7 +6,8 @@ from hpdl.comm.ops import normalize_op, shard_bounds
 
 def test_default_table_picks_by_size_and_device():
     t = tuning.default_table()
-    assert t.select(8, 4, "cpu")[0] == "recursive_doubling"
+    assert t.select(8, 4, "cpu")[0] == "native"     # CG's 8-byte dot products: gloo's C++ all-reduce (issue 41)
+    assert t.select(8, 8, "cpu")[0] == "native" and t.select(48 << 10, 8, "cpu")[0] == "native"
     assert t.select(256 << 10, 4, "cpu")[0] == "direct"
     assert t.select(64 << 20, 4, "cpu")[0] == "native"
     assert t.select(8, 1, "cpu")[0] == "native"

@@ -9,8 +9,9 @@ from hpdl.comm.api import (CudaWork, Work, all_gather, all_gather_into_tensor, a
                            barrier, broadcast, forget_group, reduce, reduce_scatter, reduce_scatter_tensor, reset,
                            set_topology)
 from hpdl.comm.ops import REDUCE_OPS, SUPPORTED_DTYPES
+from hpdl.comm.transport.worker import WorkerClosedError
 from hpdl.comm.tuning import resolve
 
 __all__ = ["CudaWork", "REDUCE_OPS", "SUPPORTED_DTYPES", "Work", "all_gather", "all_gather_into_tensor", "all_reduce",
            "all_to_all_single", "barrier", "broadcast", "forget_group", "reduce", "reduce_scatter",
-           "reduce_scatter_tensor", "reset", "resolve", "set_topology"]
+           "reduce_scatter_tensor", "reset", "resolve", "set_topology", "WorkerClosedError"]

@@ -10,12 +10,15 @@ go straight to the launcher it handed out after a first checked call. Results ar
 ``torch.distributed``; non-contiguous tensors are handled through a contiguous copy written back into the
 caller's tensor.
 
-Ordering: every communication call is issued on the caller's thread, at the call, in call order, as torch
-does, so hpdl's collectives and torch's own on the same group match across ranks in program order.
-``async_op=True`` returns a :class:`Work`: for ``native`` it holds torch's Work in flight; hpdl's own
-point-to-point schedules run to completion inside the call (their Work is complete when returned); the CUDA
-peer kernels run on a side stream (:class:`CudaWork`). A failed collective runs a post-mortem
-(:mod:`hpdl.comm.transport.failure`) so that the error names the rank that is gone or stuck.
+Ordering and asynchrony: torch's own collectives (``native``) are issued on the caller's thread, at the call,
+in call order, as torch does, so hpdl's calls and torch's own on the same group match across ranks in program
+order; ``async_op=True`` returns a :class:`Work` holding torch's Work in flight. hpdl's own point-to-point
+schedules on CPU tensors with ``async_op=True`` are queued on the group's worker
+(:mod:`hpdl.comm.transport.worker`: one thread per group, first in first out, so every rank runs them in call
+order) and return at once; ``Work.wait()`` blocks until the result is in place and raises the call's error on
+every rank that waits. A synchronous hpdl schedule first waits for the group's queued ones, then runs on the
+caller's thread. The CUDA peer kernels run on a side stream (:class:`CudaWork`). A failed collective runs a
+post-mortem (:mod:`hpdl.comm.transport.failure`) so that the error names the rank that is gone or stuck.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from hpdl.comm.algorithms.native import Pending
 from hpdl.comm.ops import check_dtype, normalize_op, REDUCE_OPS, SUPPORTED_DTYPES
 from hpdl.comm.transport import resources as _resources
 from hpdl.comm.transport.resources import GroupResources
+from hpdl.comm.transport.worker import Job
 from hpdl.runtime import env
 from hpdl.runtime.errors import CollectiveMismatchError, CollectiveTimeoutError
 
@@ -49,12 +53,23 @@ class Work:
     ``wait(timeout=None)`` blocks until the result is in the caller's tensor (re-raising the collective's
     error, a typed one naming the rank where the post-mortem can tell); ``is_completed()`` polls;
     ``get_future()`` returns a ``torch.futures.Future`` of the result tensor (for DDP communication hooks).
-    A Work of hpdl's own point-to-point schedules is complete when returned (they ran inside the call).
+    A Work of hpdl's own CPU schedules holds the :class:`~hpdl.comm.transport.worker.Job` queued on the group's
+    worker; the tensor must not be modified before ``wait()`` returns (as with torch's async collectives).
     """
 
-    def __init__(self, result: torch.Tensor | None = None, pending: Pending | None = None, guard=None):
-        self._result, self._pending, self._guard = result, pending, guard
+    def __init__(self, result: torch.Tensor | None = None, pending: Pending | None = None, guard=None,
+                 job: Job | None = None):
+        self._result, self._pending, self._guard, self._job = result, pending, guard, job
         self._error: BaseException | None = None
+
+    def _then(self, fn: Callable[[], object]) -> None:
+        """Run ``fn`` once the collective succeeded (now when it already has)."""
+        if self._job is not None:
+            self._job.then(fn)
+        elif self._pending is not None:
+            self._pending.then(fn)
+        elif self._error is None:
+            fn()
 
     def wait(self, timeout: float | timedelta | None = None) -> bool:
         """Block until the collective finished; raises what it raised. ``timeout`` in seconds (or a
@@ -63,6 +78,16 @@ class Work:
             timeout = timeout.total_seconds()
         if self._error is not None:
             raise self._error
+        if self._job is not None:
+            try:
+                self._job.wait(timeout)
+            except CollectiveTimeoutError:
+                raise   # still running: a later wait() may succeed
+            except BaseException as exc:
+                self._error = exc
+                raise
+            self._job = None
+            return True
         pending = self._pending
         if pending is None:
             return True
@@ -81,6 +106,14 @@ class Work:
         """True once the result is in the caller's tensor (or the collective failed: ``wait()`` raises its
         error). When torch's collective has completed, the finishing steps (avg division, copies back) run here,
         on the polling thread, so that ``while not work.is_completed(): ...`` ends with the result in place."""
+        if self._job is not None:
+            if not self._job.is_completed():
+                return False
+            try:
+                self.wait()
+            except BaseException:  # noqa: BLE001 - kept in self._error; wait() raises it
+                pass
+            return True
         pending = self._pending
         if pending is None:
             return True
@@ -95,6 +128,8 @@ class Work:
     def get_future(self) -> torch.futures.Future:
         """A Future completed with the result tensor once the collective finished (its finishing steps, the
         avg division and copy-back, run in the callback)."""
+        if self._job is not None:
+            return self._job.get_future()
         pending = self._pending
         if pending is None:
             fut: torch.futures.Future = torch.futures.Future()
@@ -142,11 +177,22 @@ def _group(group) -> GroupResources:
 
 
 def _execute(res: GroupResources, what: str, timeout: float, run: Callable[[], "Pending | None"], async_op: bool,
-             result: torch.Tensor | None) -> Work | None:
-    """Issue ``run`` now, on this thread (it returns a :class:`Pending` torch collective or None when done);
-    wait for it unless ``async_op``. Peer failures are diagnosed by the group's failure board."""
+             result: torch.Tensor | None, schedule: bool = False, cpu: bool = True) -> Work | None:
+    """Issue ``run`` (it returns a :class:`Pending` torch collective, or None when done) and wait for it unless
+    ``async_op``. torch's collectives (``schedule`` False) are issued now, on this thread. hpdl's own schedules
+    (``schedule`` True) run after the group's queued async calls: an async one on CPU tensors is queued on the
+    group's worker, a synchronous one waits for the queue and runs here. Peer failures are diagnosed by the
+    group's failure board."""
     res.calls += 1
     guard = res.guard(what, res.calls, timeout)
+    if schedule and async_op and cpu and res.world_size > 1:
+        def job() -> None:
+            pending = guard(run)
+            if pending is not None:
+                guard(lambda: pending.wait(timeout))
+        return Work(result, job=res.worker.submit(Job(job, what, result)))
+    if schedule:
+        res.drain()
     pending = guard(run)
     if not async_op:
         if pending is not None:
@@ -171,11 +217,13 @@ def forget_group(group) -> None:
     res = _resources.forget(group)
     for k in [k for k, v in _FAST.items() if res is not None and v[0] is res]:
         del _FAST[k]
+    _CPU_NATIVE.clear()
 
 
 def reset() -> None:
     """Drop cached transports and buffers of every group (call after destroying process groups)."""
     _FAST.clear()
+    _CPU_NATIVE.clear()
     _resources.forget_all()
 
 
@@ -236,7 +284,9 @@ def _verify_same(res: GroupResources, what: str, fields: dict[str, int], timeout
     """Exchange the call's signature with every peer; raise on any difference, naming the field and ranks."""
     host = res.host(timeout)
     try:
-        theirs = host.exchange_all(torch.tensor(list(fields.values()), dtype=torch.int64), tag=99)
+        # the worker's exchanges use their own tag: a native call's check may run on the caller's thread meanwhile
+        theirs = host.exchange_all(torch.tensor(list(fields.values()), dtype=torch.int64),
+                                   tag=199 if res.on_worker() else 99)
     except CollectiveTimeoutError as exc:
         missing = exc.missing_ranks[:1]
         raise CollectiveTimeoutError(f"{what}: rank {host.rank} waited {timeout:.0f}s for rank {missing[0]}, which "
@@ -270,7 +320,11 @@ def _resolve(res: GroupResources, algorithm: str, tensor: torch.Tensor, window: 
     name = canonical(algorithm)
     # ranks sharing a GPU count as that many GPUs: the same code paths run as on a real node (the topology
     # records the sharing; benchmarks say the timings are not multi-GPU performance)
-    facts = {"dtype": tensor.dtype, "gpus": torch.cuda.device_count() * res.ranks_per_gpu, "topology": res.topology}
+    # the GPU count only matters to CUDA tensors; on a CPU tensor it is not asked for, because
+    # torch.cuda.device_count() is not cached before CUDA is initialised: every call would load and query NVML
+    # (74 us here without a driver, more with one), which was most of a CPU all-reduce call's overhead
+    facts = {"dtype": tensor.dtype, "gpus": torch.cuda.device_count() * res.ranks_per_gpu if tensor.is_cuda else None,
+             "topology": res.topology}
     nbytes = tensor.numel() * tensor.element_size()
     if name == "auto":
         name, tuned = tuning.resolve(collective, nbytes, res.world_size, tensor.device.type, **facts)
@@ -319,6 +373,8 @@ def _prepare(what: str, tensor: torch.Tensor, op, group, algorithm: str, window,
 
 _FAST: dict[tuple, object] = {}
 _FAST_MAX = 4096
+# CPU all-reduces that resolved to native without a check: (arguments) -> (issue function, table it was resolved by)
+_CPU_NATIVE: dict[tuple, tuple] = {}
 
 
 def _after_side_calls(res: GroupResources, device: torch.device) -> None:
@@ -365,9 +421,10 @@ def all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool = Fals
             complex64 (sum and avg only, as torch.distributed); CPU with gloo, CUDA with NCCL.
         op: "sum", "avg" (floating dtypes only), "min", "max", "product", or a ``torch.distributed.ReduceOp``.
         group: process group (None = world).
-        async_op: return a :class:`Work` handle (for the peer kernels a :class:`CudaWork`: the call runs on a
-            side stream and ``wait()`` orders the caller's current stream after it). The communication is
-            issued now, on this thread, in call order with torch's own collectives.
+        async_op: return a :class:`Work` handle at once (for the peer kernels a :class:`CudaWork`: the call runs
+            on a side stream and ``wait()`` orders the caller's current stream after it). ``native`` issues
+            torch's collective now, on this thread; hpdl's schedules on CPU tensors are queued on the group's
+            worker thread, in call order, and run while the caller computes; ``wait()`` raises their errors.
         algorithm: "auto" (tuning table), "direct" (throttled Direct Sendrecv), "ring",
             "recursive_doubling", "staged" (CPU staging), "two_level", "native" (torch.distributed), or for CUDA
             tensors of one node "one_shot" / "two_shot" (peer-memory kernels, one launch per call).
@@ -393,9 +450,22 @@ def all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool = Fals
         if fast is not None and fast[0].side_pending is None and fast[0].side_waited is None:
             fast[1](tensor)  # hot path: arguments validated by an earlier identical call; one kernel launch
             return None
+    cpu_key = None
+    if tensor.__class__ is torch.Tensor and not tensor.is_cuda and timeout is None and isinstance(op, str) \
+            and check is not True and async_op.__class__ is bool:
+        cpu_key = (group, op, algorithm, window, tensor.dtype, tensor.numel(), check, os.environ.get("HPDL_CHECK"),
+                   os.environ.get("HPDL_TIMEOUT"))
+        hot = _CPU_NATIVE.get(cpu_key)
+        if hot is not None and hot[1] is tuning.active_table() and tensor.is_contiguous():
+            return hot[0](tensor, async_op)
     _check_async(async_op, "all_reduce")
     res, op, name, window, timeout, verify = _prepare("all_reduce", tensor, op, group, algorithm, window, timeout,
                                                       check)
+    if cpu_key is not None and verify is None and name == "native" and op != "avg" and res.world_size > 1 \
+            and res.backend == "gloo" and tensor.numel() > 0 and not tensor.is_complex() and tensor.dtype != torch.bool:
+        if len(_CPU_NATIVE) > _FAST_MAX:
+            _CPU_NATIVE.clear()
+        _CPU_NATIVE[cpu_key] = (_native_call(res, op, timeout), tuning.active_table())
     if get_class(name).runs_kernel(res, tensor, timeout):
         if verify is not None:   # host exchange: a dead or missing peer is named by the group's post-mortem
             res.calls += 1
@@ -414,7 +484,41 @@ def all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool = Fals
             return _then(pending, lambda: tensor.copy_(buf.view(tensor.shape)))
         return pending
 
-    return _execute(res, "all_reduce", timeout, run, async_op, tensor)
+    return _execute(res, "all_reduce", timeout, run, async_op, tensor, name != "native", not tensor.is_cuda)
+
+
+def _native_call(res: GroupResources, op: str, timeout: float):
+    """The hot path of a CPU all-reduce that resolved to ``native`` without an argument check: the group's
+    ``ProcessGroup.allreduce`` issued at once, as DDP's reducer does (validation, selection and c10d's Python
+    wrapper were done by an identical earlier call), waited for within ``timeout``; an error goes through the
+    general path's conversion and the group's post-mortem."""
+    import torch.distributed as dist
+
+    from hpdl.comm.algorithms.native import wait_native
+    from hpdl.comm.ops import to_torch_op
+
+    pg = res.group if res.group is not None else dist.group.WORLD
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = to_torch_op(op)
+    comm, limit = res.comm(timeout), timedelta(seconds=timeout)
+
+    def call(tensor: torch.Tensor, async_op: bool):
+        res.calls += 1
+        work = None
+        try:
+            work = pg.allreduce([tensor], opts)
+            if async_op:
+                return Work(tensor, Pending(work, comm, "all_reduce"), res.guard("all_reduce", res.calls, timeout))
+            work.wait(limit)
+            return None
+        except Exception as exc:  # noqa: BLE001 - the general path's conversion (timeout) and post-mortem
+            def again():
+                if work is None:
+                    raise exc
+                wait_native(work, comm, "all_reduce", timeout)   # a failed Work raises its error again
+            res.guard("all_reduce", res.calls, timeout)(again)
+            raise
+    return call
 
 
 def _then(pending: Pending | None, fn: Callable[[], object]) -> Pending | None:
@@ -506,7 +610,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op="sum", g
             return _then(pending, lambda: output.copy_(out.view(output.shape)))
         return pending
 
-    return _execute(res, "reduce_scatter", timeout, run, async_op, output)
+    return _execute(res, "reduce_scatter", timeout, run, async_op, output, name != "native", not input.is_cuda)
 
 
 def reduce_scatter(output: torch.Tensor, input, op="sum", group=None, async_op: bool = False, *,
@@ -556,7 +660,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None
             return _then(pending, lambda: output.copy_(flat.view(output.shape)))
         return pending
 
-    return _execute(res, "all_gather", timeout, run, async_op, output)
+    return _execute(res, "all_gather", timeout, run, async_op, output, name != "native", not input.is_cuda)
 
 
 def all_gather(output, input: torch.Tensor, group=None, async_op: bool = False, *, algorithm: str = "auto",
@@ -579,10 +683,7 @@ def all_gather(output, input: torch.Tensor, group=None, async_op: bool = False, 
     if work is None:
         scatter()
         return None
-    if work._pending is None:
-        scatter()
-    else:
-        work._pending.then(scatter)
+    work._then(scatter)
     return work
 
 
@@ -652,7 +753,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
 
         def verify() -> None:
             _verify_same(res, "all_to_all_single", fields, timeout)
-            a2a.verify_splits(res.host(timeout), osp, isp)
+            a2a.verify_splits(res.host(timeout), osp, isp, tag=198 if res.on_worker() else 98)
 
     def run() -> Pending | None:
         if verify is not None:
@@ -664,7 +765,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
         _after_side_calls(res, input.device)
     if peer and async_op and verify is None:
         return _on_side_stream(res, run, input.device, (output, input))
-    work = _execute(res, "all_to_all_single", timeout, run, async_op, output)
+    work = _execute(res, "all_to_all_single", timeout, run, async_op, output, name != "native", not input.is_cuda)
     if fast_key is not None and peer and verify is None and str(env.get("HPDL_CHECK")) == "auto":
         if len(_FAST) > _FAST_MAX:  # uneven splits that change every call would grow it without bound
             _FAST.clear()
@@ -816,7 +917,7 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group=None, async_op
         return _run_rooted(res, tensor, lambda buf: res.algorithm(name, None, timeout).broadcast(
             buf, root, res.comm(timeout)), write_back=res.rank != root)
 
-    return _execute(res, "broadcast", timeout, run, async_op, tensor)
+    return _execute(res, "broadcast", timeout, run, async_op, tensor, name != "native", not tensor.is_cuda)
 
 
 def reduce(tensor: torch.Tensor, dst: int | None = None, op="sum", group=None, async_op: bool = False,
@@ -858,7 +959,7 @@ def reduce(tensor: torch.Tensor, dst: int | None = None, op="sum", group=None, a
         return _run_rooted(res, tensor, lambda buf: res.algorithm(name, None, timeout).reduce(
             buf, root, op, res.comm(timeout)), write_back=res.rank == root)
 
-    return _execute(res, "reduce", timeout, run, async_op, tensor)
+    return _execute(res, "reduce", timeout, run, async_op, tensor, name != "native", not tensor.is_cuda)
 
 
 def barrier(group=None, async_op: bool = False, device_ids: list[int] | None = None, *, algorithm: str = "auto",
@@ -900,4 +1001,4 @@ def barrier(group=None, async_op: bool = False, device_ids: list[int] | None = N
             return None
         return res.algorithm(name, None, timeout).barrier(res.comm(timeout))
 
-    return _execute(res, "barrier", timeout, run, async_op, None)
+    return _execute(res, "barrier", timeout, run, async_op, None, name != "native", device == "cpu")

@@ -6,16 +6,18 @@
 The hook averages each bucket like DDP's default (sum, then divide by world size) with the algorithm of
 ``HookState``. Every bucket's communication is issued inside the hook, on DDP's thread, in bucket order, so
 it matches DDP's own collectives (the unused-parameter bitmap of ``find_unused_parameters=True``) across
-ranks. CPU buckets return the Work's future (``native``: torch's collective in flight; hpdl's schedules:
-complete); CUDA buckets run on the current stream (the peer kernels are stream-ordered, so the returned future
-is complete when the work is queued, as NCCL's is).
+ranks. CPU buckets return the Work's future at once (``native``: torch's collective in flight; hpdl's
+schedules: queued on the group's worker), so backward continues while buckets are reduced; CUDA buckets run on
+the current stream (the peer kernels are stream-ordered, so the returned future is complete when the work is
+queued, as NCCL's is). The argument check (``HPDL_CHECK``, a blocking exchange) runs on the first call of each
+bucket layout only (DDP rebuilds its buckets once, after the first step); later calls of the same bucket skip it.
 """
 
 # no `from __future__ import annotations`: DDP inspects the hook's annotations at registration
 
 import contextlib
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -26,11 +28,22 @@ import hpdl.comm as hc
 @dataclass
 class HookState:
     """Arguments of every bucket's all-reduce: ``algorithm``, ``window`` and ``group``, which must be the DDP
-    model's own process group (None means the default world group; :func:`register` fills it in)."""
+    model's own process group (None means the default world group; :func:`register` fills it in).
+    ``checked`` holds the bucket layouts ``(index, numel, dtype)`` whose arguments were verified across ranks."""
 
     algorithm: str = "auto"
     group: object = None
     window: int | None = None
+    checked: set = field(default_factory=set)
+
+    def check_for(self, bucket: dist.GradBucket, buf: torch.Tensor):
+        """None (``HPDL_CHECK``) on the first call of this bucket layout, False afterwards: every rank's DDP
+        has the same buckets, so once a layout was verified the exchange would only add latency."""
+        key = (bucket.index(), buf.numel(), buf.dtype)
+        if key in self.checked:
+            return False
+        self.checked.add(key)
+        return None
 
 
 def allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -39,13 +52,14 @@ def allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.F
     Raises: what :func:`hpdl.comm.all_reduce` raises, directly for CUDA buckets and through the future for CPU.
     """
     buf = bucket.buffer()
+    check = state.check_for(bucket, buf)
     if buf.is_cuda:
-        hc.all_reduce(buf, op="avg", group=state.group, algorithm=state.algorithm, window=state.window)
+        hc.all_reduce(buf, op="avg", group=state.group, algorithm=state.algorithm, window=state.window, check=check)
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(buf)
         return fut
     work = hc.all_reduce(buf, op="avg", group=state.group, async_op=True, algorithm=state.algorithm,
-                         window=state.window)
+                         window=state.window, check=check)
     return work.get_future()
 
 
@@ -83,8 +97,9 @@ class _Bucket:
 
 class BucketAllReduce:
     """Average the gradients of ``params`` over ``group`` in size-capped buckets, each all-reduced through
-    :func:`hpdl.comm.all_reduce` (``async_op=True``) as soon as its last gradient is accumulated, so that
-    communication overlaps the rest of backward; :meth:`wait` finishes them before the optimizer step.
+    :func:`hpdl.comm.all_reduce` (``async_op=True``: torch's collective in flight, or hpdl's schedule queued on
+    the group's worker thread) as soon as its last gradient is accumulated, so that communication overlaps the
+    rest of backward; :meth:`wait` finishes them all before the optimizer step.
 
     This is what DDP's reducer does (Li et al., "PyTorch Distributed", VLDB 2020), for a loop that keeps the
     plain module: parameters go into buckets in reverse registration order (roughly the order backward
@@ -124,9 +139,9 @@ class BucketAllReduce:
 
     With ``group=None`` the buckets are all-reduced on a private copy of the world group (made here, so
     construction is collective over the world), so that the caller's own collectives between ``backward()``
-    and :meth:`wait` (a loss all-reduce for logging) are kept apart from the buckets'. (hpdl.comm issues
-    every collective on the caller's thread in call order, so an explicit ``group`` works too, provided every
-    rank issues its other collectives on it in the same order relative to backward.)
+    and :meth:`wait` (a loss all-reduce for logging) are kept apart from the buckets'. (hpdl.comm keeps every
+    group's calls in call order, so an explicit ``group`` works too, provided every rank issues its other
+    collectives on it in the same order relative to backward.)
 
     Parameters are tracked as they were at construction. A tracked parameter that gets no gradient on any
     rank in a step (unused, or frozen since) keeps ``p.grad`` None, so optimizers skip it as without

@@ -151,9 +151,14 @@ class TuningTable:
         return TuningTable(rules, self.source)
 
 
-# CPU (gloo) defaults from docs/benchmarks/comm.md, history (4 and 8 processes, 32-core host, 2026-11-29):
-# recursive doubling 2-4.6x native up to 32 KiB; direct 1.2-1.8x native from 64 KiB to 512 KiB (4 ranks)
-# and 1 MiB (8 ranks); above that gloo's own chunked C++ all-reduce is faster, so auto uses it.
+# CPU (gloo) defaults. Up to 48 KiB gloo's own all-reduce: in the applications (docs/benchmarks/apps.md, 16-core
+# host, 8 ranks, 2026-12-02) CG's 8-byte all-reduces with recursive doubling made an iteration 1.27-1.68x
+# native's (issue 41), and on a loaded 2-core host recursive doubling is 10x slower than gloo at 8 bytes: a
+# schedule posted from Python loses to gloo's C++ one at every latency-bound size. (The isolated 32-core sweep
+# of 2026-11-29, docs/benchmarks/comm.md history, had recursive doubling 2-4.6x faster; its hpdl calls and
+# the apps' also paid an NVML query per call, since removed.) Direct 1.2-1.8x native from 64 KiB to 512 KiB
+# (4 ranks) and 1 MiB (8 ranks) on that 32-core host; above that gloo's own chunked C++ all-reduce is faster,
+# so auto uses it. benchmarks/comm_apps_device.py measures every CPU rule on the 16-core host against native.
 # CUDA, one node: peer-memory kernels (docs/benchmarks/comm.md, 2 x H200: one-shot up to 1 MiB, then
 # two-shot; NCCL never faster from 8 B to 1 GiB). Above 2 GPUs the one-shot limits follow vLLM's custom
 # all-reduce and are not yet measured here. Calls the kernels cannot take (float64, uint8, more ranks than
@@ -166,7 +171,7 @@ DEFAULT_RULES = [
     Rule("cuda", 256 << 10, "one_shot", min_world=5, max_world=8),
     Rule("cuda", INF, "two_shot", min_world=5, max_world=8),
     Rule("cpu", INF, "native", min_world=1, max_world=1),
-    Rule("cpu", 48 << 10, "recursive_doubling"),
+    Rule("cpu", 48 << 10, "native"),
     Rule("cpu", 768 << 10, "direct", window=4, max_world=4),
     Rule("cpu", 1536 << 10, "direct", window=4, min_world=5),
     Rule("cpu", INF, "native"),

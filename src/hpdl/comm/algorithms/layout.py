@@ -76,7 +76,7 @@ def make_layout(output: torch.Tensor, input: torch.Tensor, output_split_sizes, i
     return lay, osp, isp
 
 
-def verify_splits(comm: Transport, osp: Sequence[int], isp: Sequence[int]) -> None:
+def verify_splits(comm: Transport, osp: Sequence[int], isp: Sequence[int], tag: int = 98) -> None:
     """Collective: every rank checks that rank i's output split j equals rank j's input split i, for all i, j.
 
     Raises:
@@ -84,7 +84,7 @@ def verify_splits(comm: Transport, osp: Sequence[int], isp: Sequence[int]) -> No
     """
     p = comm.world_size
     mine = torch.tensor(list(isp) + list(osp), dtype=torch.int64)
-    rows = comm.exchange_all(mine, tag=98)
+    rows = comm.exchange_all(mine, tag=tag)
     m = torch.stack(rows)  # m[i, :p] = input splits of rank i, m[i, p:] = output splits of rank i
     bad = (m[:, p:] != m[:, :p].t()).nonzero()
     if len(bad):

@@ -31,6 +31,8 @@ class GroupResources:
             use by the two-level algorithms.
         board: the group's :class:`~hpdl.comm.transport.failure.FailureBoard`; ``calls`` counts the
             collectives issued on the group (the post-mortem's call number).
+        worker: the thread that runs the group's ``async_op=True`` CPU schedules in call order (made at first
+            use; :meth:`drain` waits for it).
         side_stream, side_pending: CUDA stream of async peer-memory calls, and the event of the last one that
             no later call on the group has waited for yet; ``side_waited``: ``(event, stream)`` when a
             ``CudaWork.wait`` on ``stream`` took it (a later call on another stream must still wait).
@@ -54,9 +56,31 @@ class GroupResources:
         self.side_pending = None
         self.side_waited = None   # (event, stream) of the last side_pending that a CudaWork.wait cleared
         self.calls = 0
+        self._worker = None
         ranks = self.global_ranks()
         name = "world" if group is None else str(getattr(group, "group_name", "") or "-".join(map(str, ranks)))
         self.board = FailureBoard(name, ranks, self.rank)
+        self.name = name
+
+    @property
+    def worker(self):
+        """The group's :class:`~hpdl.comm.transport.worker.GroupWorker` (async CPU schedules, in call order),
+        made at first use."""
+        if self._worker is None:
+            from hpdl.comm.transport.worker import GroupWorker
+
+            self._worker = GroupWorker(self.name)
+        return self._worker
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait for the group's queued async calls (before a call that must run after them)."""
+        if self._worker is not None:
+            self._worker.drain(timeout)
+
+    def on_worker(self) -> bool:
+        """True on the group's worker thread (its metadata exchanges use their own tags there)."""
+        w = self._worker
+        return w is not None and w.is_current()
 
     @property
     def cuda_over_gloo(self) -> bool:
@@ -150,7 +174,11 @@ class GroupResources:
 
     def close(self) -> None:
         """Free every algorithm's buffers (shared memory of the two-level algorithms) and forget the peer-memory
-        registrations; no communication."""
+        registrations, stop the worker (queued calls that did not start fail); no communication."""
+        worker = getattr(self, "_worker", None)   # absent on resources built without __init__ (tests' fakes)
+        if worker is not None:
+            worker.close()
+            self._worker = None
         for algo in self._algos.values():
             algo.close()
         self._algos.clear()

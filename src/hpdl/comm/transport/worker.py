@@ -1,0 +1,215 @@
+"""The group's worker: one thread per process group that runs hpdl's own asynchronous CPU schedules in call order.
+
+``async_op=True`` on a CPU tensor with one of hpdl's point-to-point schedules (direct, ring, recursive
+doubling, two-level, pairwise ...) queues the whole call (argument check, schedule, copy-back) on the group's
+:class:`GroupWorker` and returns at once; :class:`Job` is what the returned ``Work`` waits on. One thread per
+group, taking jobs first in, first out, keeps every rank's schedules on the group in the order they were
+called, which is what matches them across ranks (their messages are paired by peer and tag in posting order).
+The heavy parts (gloo's sends, receives and waits; torch's reductions) release the GIL, so the caller's
+computation (a backward pass, a stencil) runs meanwhile.
+
+The thread starts at the first queued job and is a daemon; :meth:`GroupWorker.close` (``hpdl.comm.forget_group``,
+``hpdl.comm.reset``, interpreter exit) fails the jobs not yet started and lets the running one finish within
+its own timeouts, so Ctrl-C and teardown never wait on a queue.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import threading
+import time
+import weakref
+from typing import Callable
+
+from hpdl.runtime.errors import CollectiveTimeoutError, HpdlError
+
+
+class Job:
+    """One queued call: ``fn()`` runs on the worker, then the finishing steps added with :meth:`then`.
+
+    ``wait(timeout)`` blocks until done and re-raises the call's exception (on every waiter, every time);
+    ``is_completed()`` polls; ``get_future()`` is a ``torch.futures.Future`` completed with ``result`` (or the
+    exception) by the worker thread.
+    """
+
+    def __init__(self, fn: Callable[[], object], what: str, result=None):
+        self.fn, self.what, self.result = fn, what, result
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._finish: list[Callable[[], object]] = []
+        self._futures: list = []
+
+    def run(self) -> None:
+        try:
+            self.fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiters
+            self.error = exc
+        self.fn = None   # drop the closure (tensors) as soon as it ran
+        self._complete()
+
+    def fail(self, exc: BaseException) -> None:
+        """Complete without running (the worker was closed before this job started)."""
+        self.error, self.fn = exc, None
+        self._complete()
+
+    def _complete(self) -> None:
+        with self._lock:
+            fns, self._finish = self._finish, []
+        if self.error is None:
+            try:
+                for f in fns:
+                    f()
+            except BaseException as exc:  # noqa: BLE001
+                self.error = exc
+        with self._lock:
+            self._done.set()
+            futures, self._futures = self._futures, []
+        for fut in futures:
+            self._settle(fut)
+
+    def _settle(self, fut) -> None:
+        if self.error is not None:
+            fut.set_exception(self.error)
+        else:
+            fut.set_result(self.result)
+
+    def then(self, fn: Callable[[], object]) -> "Job":
+        """Run ``fn`` after the call succeeded: on the worker, or now when the job is already complete."""
+        with self._lock:
+            if not self._done.is_set():
+                self._finish.append(fn)
+                return self
+        if self.error is None:
+            fn()
+        return self
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the job finished (``timeout`` seconds at most, None = as long as its own waits take);
+        re-raise its error. Interruptible (Ctrl-C) in the main thread.
+
+        Raises:
+            CollectiveTimeoutError: still running (or queued) after ``timeout`` seconds.
+        """
+        if not self._done.wait(timeout):
+            raise CollectiveTimeoutError(f"{self.what} (async, on the group's worker) did not complete within "
+                                         f"{timeout:.0f}s")
+        if self.error is not None:
+            raise self.error
+
+    def get_future(self):
+        import torch
+
+        fut = torch.futures.Future()
+        with self._lock:
+            if not self._done.is_set():
+                self._futures.append(fut)
+                return fut
+        self._settle(fut)
+        return fut
+
+
+class WorkerClosedError(HpdlError):
+    """A queued call that never started: its group's worker was closed (``forget_group``, ``reset``, exit)."""
+
+
+class GroupWorker:
+    """A FIFO of :class:`Job` and the one daemon thread that runs it.
+
+    Args:
+        name: the group's name (the thread is ``hpdl-comm-<name>``).
+
+    ``outstanding`` counts jobs queued or running; :meth:`drain` waits until it is zero, which a synchronous
+    call on the same group does first so that it runs after every earlier asynchronous one. Futures of jobs
+    (``Work.get_future()``) complete on the worker thread, so their callbacks run there, between two jobs: a
+    callback may issue calls on the group, but must not wait for a Work issued after its own.
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+        self._queue: collections.deque[Job] = collections.deque()
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.outstanding = 0
+        _LIVE.add(self)
+
+    def submit(self, job: Job) -> Job:
+        with self._cv:
+            if self._closed:
+                job.fail(WorkerClosedError(f"{job.what}: the group's worker is closed (hpdl.comm.forget_group / "
+                                           "reset was called, or the process is exiting)"))
+                return job
+            self._queue.append(job)
+            self.outstanding += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=f"hpdl-comm-{self.name}", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+        return job
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                job = self._queue.popleft()
+            try:
+                job.run()
+            finally:
+                with self._cv:
+                    self.outstanding -= 1
+                    self._cv.notify_all()
+
+    def is_current(self) -> bool:
+        """True when called on this worker's thread."""
+        return self._thread is not None and self._thread is threading.current_thread()
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait until every job submitted so far has finished (their errors stay with their Works).
+
+        Raises:
+            CollectiveTimeoutError: jobs still running after ``timeout`` seconds.
+        """
+        if self.outstanding == 0 or self.is_current():
+            # on the worker itself (a future's callback issuing a synchronous call) the earlier jobs are done
+            # and the later ones have not started: the call runs in order right here
+            return
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while self.outstanding:
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    raise CollectiveTimeoutError(f"{self.outstanding} earlier async call(s) on group {self.name} "
+                                                 f"did not finish within {timeout:.0f}s")
+                self._cv.wait(left)
+
+    def close(self, join_s: float = 1.0) -> None:
+        """Fail the jobs not yet started, stop the thread after the running job; no communication."""
+        with self._cv:
+            self._closed = True
+            dropped = list(self._queue)
+            self._queue.clear()
+            self.outstanding -= len(dropped)
+            self._cv.notify_all()
+            thread = self._thread
+        for job in dropped:
+            job.fail(WorkerClosedError(f"{job.what}: not started; the group's worker was closed"))
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(join_s)
+        _LIVE.discard(self)
+
+
+_LIVE: "weakref.WeakSet[GroupWorker]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:   # before torch tears the process groups down under a running job
+    for w in list(_LIVE):
+        w.close(join_s=0.5)
