@@ -12,6 +12,9 @@ import logging
 import sys
 
 from hpdl import __version__
+from hpdl.runtime.errors import CLIUsageError
+
+__all__ = ["CLIUsageError", "GROUPS", "build_parser", "main"]
 
 # name -> ("module:Class", one-line help, the extra that installs its dependencies). Only the group being run
 # is imported, so a missing optional dependency breaks that group alone, with an install hint.
@@ -34,8 +37,6 @@ GROUPS: dict[str, tuple[str, str, str | None]] = {
 }
 
 
-class CLIUsageError(ValueError):
-    """Bad command-line usage: prints the sub-command's help and exits 1."""
 
 
 def _load(path: str):

@@ -13,6 +13,7 @@ import torch
 
 from hpdl.bench.harness import BenchConfig, run_sweep
 from hpdl.bench.specs import SPECS
+from hpdl.runtime.errors import CLIUsageError
 from hpdl.runtime.limits import count, real
 
 _COLLECTIVES = {"allreduce": "allreduce", "reduce_scatter": "reduce_scatter", "all_gather": "all_gather",
@@ -146,8 +147,6 @@ class BenchCommand:
         _add_plugins(sub)
 
     def run(self, args) -> int:
-        from hpdl.cli import CLIUsageError
-
         if args.collective == "model":
             from hpdl.comm.model import run_model_command
 
@@ -247,7 +246,6 @@ def _check_outputs(args) -> None:
     """
     from pathlib import Path
 
-    from hpdl.cli import CLIUsageError
 
     for flag, path in (("--json", args.json_path), ("--plot", args.plot_path), ("--tune", args.tune_path)):
         if not path:
@@ -265,7 +263,6 @@ def _check_outputs(args) -> None:
 
 def _validate(cfg: BenchConfig, args) -> None:
     """Everything the ranks would reject, checked before any process starts (one-line errors)."""
-    from hpdl.cli import CLIUsageError
     from hpdl.comm.algorithms.base import PEER, REGISTRY, canonical
     from hpdl.comm.ops import check_dtype
 
@@ -331,7 +328,6 @@ def _check_memory(cfg: BenchConfig, args) -> None:
     in a worker traceback after allocating). Each rank holds its input and the expected result of the largest
     size at once (out-of-place collectives also an output), on the device the data lives on; the algorithms'
     scratch comes on top, so this is a lower bound that only catches what cannot fit."""
-    from hpdl.cli import CLIUsageError
     from hpdl.runtime import detect_launcher
     from hpdl.runtime.limits import check_fits
 
@@ -360,7 +356,6 @@ def _bench_worker(ctx, cfg):
 
 def _check_ranks_per_gpu(args) -> None:
     """--ranks-per-gpu: an int >= 1, CUDA only, never the source of a tuning table."""
-    from hpdl.cli import CLIUsageError
     from hpdl.runtime.launch import ranks_per_gpu_of
 
     if args.device != "cuda":

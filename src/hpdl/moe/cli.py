@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from hpdl.runtime.errors import CLIUsageError
 from hpdl.runtime.limits import count, real
 
 
@@ -96,8 +97,6 @@ class MoECommand:
         b.add_argument("--plot", default=None, help="PNG (default: --out with .png)")
 
     def run(self, args) -> int:
-        from hpdl.cli import CLIUsageError
-
         fn = {"trace": _trace, "affinity": _affinity, "place": _place, "train": _train, "bench": _bench}
         if args.moe_cmd not in fn:
             raise CLIUsageError("choose a sub-command: trace, affinity, place, train or bench")
@@ -188,7 +187,6 @@ def _place(args) -> int:
 
 
 def _train(args) -> int:
-    from hpdl.cli import CLIUsageError
     from hpdl.models.gpt_moe import MoEConfig
     from hpdl.moe.train import plot_history, train
     from hpdl.runtime.limits import check_fits

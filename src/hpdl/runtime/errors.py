@@ -28,3 +28,10 @@ class CollectiveMismatchError(HpdlError, ValueError):
 
 class WorkerFailedError(HpdlError):
     """A spawned rank raised or died; the message carries its rank and traceback."""
+
+
+class CLIUsageError(ValueError):
+    """Bad command-line usage: the ``hpdl`` command prints the sub-command's usage and this message, exit 1.
+
+    Raised by library code that checks values a command line gave (it lives here, not in :mod:`hpdl.cli`, so
+    that no library module imports the CLI)."""

@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from hpdl.runtime.errors import CLIUsageError
+
 
 def _table(title: str, columns: list[str], rows: list[list], fmt: str) -> None:
     if fmt == "json":
@@ -72,8 +74,6 @@ class TesCommand:
     def run(self, args) -> int:
         cmd = getattr(args, "tes_cmd", None)
         if cmd is None:
-            from hpdl.cli import CLIUsageError
-
             raise CLIUsageError("choose a sub-command: simulate, check or spec")
         from hpdl.tes.protocol import ProtocolError
 

@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hpdl.models.soft import MODEL_CONFIGS, SoftConfig, SoftViT, create
+from hpdl.runtime.errors import CLIUsageError
 from hpdl.runtime.limits import count, real
 
 MODELS = tuple(MODEL_CONFIGS)
@@ -363,7 +364,6 @@ def add_arguments(group, evaluate: bool) -> None:
 
 def _split(args, split: str, image_size: int, augment: str = "basic"):
     """The ImageFolder ``split`` of --data (default: the offline shapes set) with its transforms."""
-    from hpdl.cli import CLIUsageError
     from hpdl.vision.datasets import classification_transforms, image_folder, write_shapes
 
     root = Path(args.data) if args.data else write_shapes()
@@ -388,8 +388,6 @@ def _init_distributed(device: torch.device) -> None:
 
 
 def train(args) -> int:
-    from hpdl.cli import CLIUsageError
-
     try:
         device = resolve_device(args.device)
     except ValueError as exc:
@@ -443,8 +441,6 @@ def train(args) -> int:
 
 
 def evaluate(args) -> int:
-    from hpdl.cli import CLIUsageError
-
     try:
         device = resolve_device(args.device)
         model, ckpt = load_checkpoint(args.checkpoint)
@@ -478,7 +474,6 @@ def _make_shapes_args(p: argparse.ArgumentParser) -> None:
 
 
 def _make_shapes(args) -> int:
-    from hpdl.cli import CLIUsageError
     from hpdl.vision.datasets import write_shapes
 
     try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import math
 
+from hpdl.runtime.errors import CLIUsageError
 from hpdl.runtime.limits import MAX_COUNT, count, real
 
 TASK_MODULES = ("hpdl.vision.classify", "hpdl.vision.detect")
@@ -84,8 +85,6 @@ class VisionCommand:
                 add(sub.add_parser(name, help=text, description=text))
 
     def run(self, args) -> int:
-        from hpdl.cli import CLIUsageError
-
         cmd = getattr(args, "vision_cmd", None)
         if cmd is None:
             raise CLIUsageError("give a sub-command: train, evaluate, or one of the dataset commands")
