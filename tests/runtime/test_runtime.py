@@ -69,7 +69,8 @@ def test_spawn_reports_dead_rank():
 
 @pytest.mark.timeout(120)
 def test_spawn_timeout_names_stuck_rank():
-    with pytest.raises(CollectiveTimeoutError, match=r"ranks still running: \[1\]"):
+    # rank 1 never returns; rank 0 returns once started, which a loaded machine may not manage in 15 s
+    with pytest.raises(CollectiveTimeoutError, match=r"ranks still running: \[(0, )?1\]"):
         spawn(R.hang_on_rank, 2, args=(1,), job_timeout=15)
 
 
