@@ -158,6 +158,35 @@ def test_warmup_is_not_shortened_to_fit_a_short_run():
     assert -float(model.w) > 5 * sum(lrs)                             # an explicit short warm-up still is one
 
 
+def test_trainer_steps_on_given_batches_and_a_replan_moves_the_cosine_end():
+    """Lock-step training (the device benchmark): ``step(batch)`` trains on that batch, and ``set_steps`` ends
+    the cosine at the new count, so the learning rate reaches 0 there and the trainer is done."""
+    class Lin(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(()))
+
+        def forward(self, images, targets):
+            return {"loss": self.w * targets[0]["x"], "other": self.w * 0.0}
+
+    own = ([torch.zeros(1)], [{"x": torch.tensor(1.0)}])
+    trainer = detect.Trainer(Lin(), [own], steps=100, lr=1e-2, weight_decay=0.0, warmup_steps=1, clip=0,
+                             device="cpu", progress=False)
+    trainer.step(([torch.zeros(1)], [{"x": torch.tensor(-1.0)}]))   # the given batch: w moves up, not down
+    up = float(trainer.model.w)
+    assert up > 0
+    trainer.step()                                                   # the loader's batch: w moves down
+    assert float(trainer.model.w) < up
+    trainer.set_steps(10)
+    while not trainer.done:
+        trainer.step()
+    assert trainer.step_count == 10 and trainer.opt.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)
+    out = trainer.result()
+    assert out["steps"] == 10 and len(out["curves"]["loss"]) == 10 and set(out["losses"]) == {"loss", "other"}
+    trainer.set_steps(5)                                             # never below the steps taken
+    assert trainer.steps == 10 and trainer.done
+
+
 def test_cli_make_shapes_train_evaluate(tmp_path, capsys):
     from hpdl.cli import main
 
