@@ -24,7 +24,9 @@ Changes for Mask R-CNN's mask AP (issue 35; each a config field, docs/vision.md 
 frame for training and inference, the anchor's decoded box (detached) enlarged ``mask_margin`` (1.2x) for the
 target and the same enlargement of the detected box for the paste; positives are anchors (IoU > 0.5, the
 pixel's vector, the anchor's frame); the decoder scales and shifts the reduced vector per anchor and has a 3x3
-conv after each upsampling (``decoder_convs``). One feature vector still gives one mask.
+conv after each upsampling (``decoder_convs``). Second session: the decoder is also told its frame (the box's
+deltas from the anchor scale and shift the reduced vector, ``frame_conditioning``) and starts from a
+variance-preserving init (``decoder_init``). One feature vector still gives one mask.
 
 Our choices where the paper is silent or unverified (docs/vision.md lists them): every instance also keeps
 its best anchor (as torchvision's low-quality matches), so an instance that no anchor covers at IoU
@@ -92,8 +94,8 @@ class SPRNetConfig:
     decoder_convs: int = 1                 # 3x3 convs (+ReLU) after each upsampling to m/2 and m (0: the paper's)
     # the decoder's weight init: "scaled" keeps a unit signal through every layer (variance-preserving for the
     # linear deconvolutions, Kaiming for the ReLU ones, as torchvision's Mask R-CNN head); "torch" is PyTorch's
-    # default, under which the vector-dependent part of the logits is ~1e-4 at init (the chain of 2x2
-    # deconvolutions shrinks it ~12x a layer), so the mask learned slowly (issue 35, second session)
+    # default, under which the logits' spread across input vectors is ~0.004 at init (each 2x2
+    # deconvolution keeps 1/12 of the variance), so the mask learned slowly (issue 35, second session)
     decoder_init: str = "scaled"
     anchor_conditioning: bool = True       # per-anchor scale and shift of the pixel's reduced vector
     # scale and shift of the reduced vector from the mask frame's box relative to the anchor (the box coder's
