@@ -8,7 +8,8 @@ Goals (issue 35; both models from scratch, same backbone, equal steps, one run):
 - inference images/s at batch 1 and 8 with the trained weights (same resize, same detection caps: score 0.05,
   100 detections) >= 1.3x Mask R-CNN's (torchvision's as shipped, and with SPRNet's batched paste).
 
-Launch (repository root; results land in $OUT, default ./out/sprnet_device; pycocotools must be importable):
+Launch (repository root; results land in --out, else $OUT, else ./out/sprnet_device; pycocotools must be
+importable):
     PYTHONPATH=src python3 benchmarks/sprnet_device.py                   # 1 x H200, about 8 minutes (480 s)
     PYTHONPATH=src python3 benchmarks/sprnet_device.py --budget-s 200    # shorter: fewer training steps
     PYTHONPATH=src python3 benchmarks/sprnet_device.py --data /coco      # a COCO-layout set instead of shapes
@@ -45,6 +46,7 @@ import torch
 class Settings:
     budget_s: float = 480.0        # whole run, data generation included (plus ~15 s of start-up outside it)
     data: str = ""                 # COCO-layout folder; empty: generate shapes
+    out: str = ""                  # results folder; empty: $OUT, or ./out/sprnet_device without it
     train_images: int = 2000
     val_images: int = 300
     image_size: int = 256          # shapes are drawn at this size, and the models take it as input
@@ -112,7 +114,7 @@ def main() -> int:
     s = parse()
     t_start = time.monotonic()
     deadline = t_start + s.budget_s
-    out = Path(os.environ.get("OUT", "out/sprnet_device"))
+    out = Path(s.out or os.environ.get("OUT", "out/sprnet_device"))
     out.mkdir(parents=True, exist_ok=True)
     global LOG_FILE
     LOG_FILE = out / "sprnet_device.log"

@@ -105,6 +105,7 @@ def test_bad_targets_and_config_are_named():
                     ({"min_size": 0}, "min_size"), ({"min_size": 900, "max_size": 800}, "min_size <= max_size"),
                     ({"mask_margin": 0.8}, "mask_margin must be a finite number >= 1"),
                     ({"mask_frame": "box"}, "mask_frame"), ({"decoder_convs": -1}, "decoder_convs"),
+                    ({"decoder_init": "xavier"}, "decoder_init must be 'scaled' or 'torch'"),
                     ({"num_classes": 4.0}, "num_classes")):
         with pytest.raises(ValueError, match=msg):
             SPRNetConfig(**kw)
