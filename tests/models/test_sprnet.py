@@ -430,8 +430,10 @@ def test_mask_targets_are_the_instances_masks_in_their_boxes():
 
 def test_mask_targets_live_in_the_enlarged_predicted_box_that_inference_pastes_into():
     """One frame (issue 35): a target is the instance's mask cropped to its anchor's decoded box (detached)
-    enlarged 1.2x; pasting the target back into that frame gives the instance's mask, wherever the box is."""
+    enlarged mask_margin (1.3x); pasting the target back into that frame gives the instance's mask, wherever the
+    box is."""
     model = tiny(mask_samples=10_000)
+    assert model.config.mask_margin == 1.3
     images, targets = sample_batch()
     with torch.no_grad():
         imgs, tgts = model.transform(images, targets)
@@ -446,7 +448,7 @@ def test_mask_targets_live_in_the_enlarged_predicted_box_that_inference_pastes_i
         i, a = int(spr["image"][k]), int(spr["anchor"][k])
         box = clip_boxes_to_image(model.box_coder.decode_single(reg[i, a:a + 1], anchors[i][a:a + 1]),
                                   imgs.image_sizes[i])
-        frame = mask_frame(box, 1.2)
+        frame = mask_frame(box, model.config.mask_margin)
         # the decoder is told that box, as the box coder's deltas from the anchor
         torch.testing.assert_close(spr["frame"][k], model.box_coder.encode_single(box, anchors[i][a:a + 1])[0])
         g = int((tgts[i]["labels"] == spr["label"][k]).nonzero()[0, 0])    # labels are unique in each image
@@ -500,7 +502,7 @@ def test_inference_pastes_into_the_enlarged_detected_box():
     model.transform.postprocess = spy
     with torch.no_grad():
         out = model([torch.rand(3, 64, 64)])[0]
-    expect = paste_masks(captured["masks"][0], mask_frame(out["boxes"], 1.2), (64, 64))
+    expect = paste_masks(captured["masks"][0], mask_frame(out["boxes"], model.config.mask_margin), (64, 64))
     torch.testing.assert_close(out["masks"], expect)
 
 
