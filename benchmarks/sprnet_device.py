@@ -62,7 +62,7 @@ class Settings:
     timing_reserve_s: float = 40.0
     mask_iou_thresh: float = 0.5   # SPRNet's (SPRNetConfig.mask_iou_thresh); the paper's is 0.7
     mask_frame: str = "predicted"  # SPRNetConfig.mask_frame: "predicted" (issue 35) or "gt" (the paper's)
-    mask_margin: float = 1.3       # SPRNetConfig.mask_margin
+    mask_margin: float = 1.2       # SPRNetConfig.mask_margin
     decoder_convs: int = 1         # SPRNetConfig.decoder_convs (0: the paper's decoder)
     cudnn_benchmark: bool = False  # the heads see a new batch size every step (positives, RoIs): see below
     timing_batches: str = "1,8"    # images per inference call; the first is the goal's

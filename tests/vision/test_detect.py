@@ -90,8 +90,9 @@ def test_short_training_raises_sprnet_mask_ap_well_above_zero(shapes, tmp_path):
     """End to end on CPU: a seeded 300-step run lifts SPRNet's mask AP from chance (0) to far above MIN_MASK_AP.
 
     Everything random is seeded (weights, shuffling, flips), so the verdict depends on no timing; the margin
-    is wide: 27.6, 33.4 and 38.4 mask AP in three seeds of this setting (benchmarks/sprnet_cpu_ablation.py,
-    2026-12-04), against 10. Training is 51-55 s of CPU on one thread, so about 40 s on 2 idle cores."""
+    is wide: 53.5 and 28.9 mask AP in two seeds of this setting (benchmarks/sprnet_cpu_ablation.py, 2026-12-04,
+    second session's defaults; 27.6, 33.4 and 38.4 before), against 10. Training is 55-60 s of CPU on one
+    thread, so about 40 s on 2 idle cores."""
     ds = CocoInstances(shapes, "train", train=True, cache=True)
     ev = CocoInstances(shapes, "train", cache=True)
     model = _model("sprnet")
