@@ -602,7 +602,7 @@ def train(args) -> int:
                               else int(round(warm_epochs * max(1, len(loader))))),
                 label=f"train {args.model}")
     meta = {"categories": train_ds.categories, "data": str(data.resolve()), "val_split": val_split,
-            "train": {k: v for k, v in stats.items() if k != "history"}}
+            "train": {k: v for k, v in stats.items() if k not in ("history", "curves")}}
     ckpt = out / f"{args.model}.pt"
     save_checkpoint(ckpt, model, meta)
     metrics = evaluate_model(model, val_ds, batch_size=batch_size, device=device, amp=amp, workers=args.workers)
