@@ -105,6 +105,7 @@ def test_bad_targets_and_config_are_named():
                     ({"min_size": 0}, "min_size"), ({"min_size": 900, "max_size": 800}, "min_size <= max_size"),
                     ({"mask_margin": 0.8}, "mask_margin must be a finite number >= 1"),
                     ({"mask_frame": "box"}, "mask_frame"), ({"decoder_convs": -1}, "decoder_convs"),
+                    ({"decoder_init": "xavier"}, "decoder_init must be 'scaled' or 'torch'"),
                     ({"num_classes": 4.0}, "num_classes")):
         with pytest.raises(ValueError, match=msg):
             SPRNetConfig(**kw)
@@ -290,28 +291,52 @@ def test_a_mask_encoded_at_a_pixel_decodes_back():
     assert (back & m.bool()).sum() / (back | m.bool()).sum() > 0.95
 
 
-@pytest.mark.parametrize("mask_size,convs,anchors", [(8, 0, 0), (16, 0, 0), (32, 0, 0), (32, 1, 9), (16, 2, 3)])
-def test_decoder_matrix_products_equal_the_convolution_modules(mask_size, convs, anchors):
+@pytest.mark.parametrize("mask_size,convs,anchors,init,frame", [(8, 0, 0, "torch", False), (16, 0, 0, "scaled", False),
+                                                                (32, 0, 0, "torch", False), (32, 1, 9, "scaled", True),
+                                                                (16, 2, 3, "torch", True)])
+def test_decoder_matrix_products_equal_the_convolution_modules(mask_size, convs, anchors, init, frame):
     """The quad-tree matrix-product decoder is the deconvolution stack, all channels and one, with and without
-    the 3x3 convolutions and the anchor conditioning."""
+    the 3x3 convolutions and the anchor and frame conditioning."""
     torch.manual_seed(3)
     dec = SPRDecoder(24, num_masks=5, mask_size=mask_size, channels=(16, 8), convs=convs,
-                     num_anchors=anchors).double()
+                     num_anchors=anchors, init=init, frame_conditioning=frame).double()
     assert sum(isinstance(m, torch.nn.Conv2d) for m in dec.up) == 2 * convs
     v = torch.randn(6, 24, dtype=torch.float64)
     a = torch.tensor([0, 1, 2, 0, 1, 2]) if anchors else None
+    f = torch.randn(6, 4, dtype=torch.float64) if frame else None
     if anchors:
         with torch.no_grad():   # zero at init (the paper's decoder); random here, so it matters
             dec.anchor_scale.weight.normal_()
             dec.anchor_shift.weight.normal_()
-        assert not torch.allclose(dec(v, a), dec(v, torch.zeros_like(a)))
+        assert not torch.allclose(dec(v, a, f), dec(v, torch.zeros_like(a), f))
         with pytest.raises(ValueError, match="conditioned on anchors"):
-            dec(v)
-    ref = dec.reference(v, a)
-    torch.testing.assert_close(dec(v, a), ref, rtol=0, atol=1e-12)
+            dec(v, None, f)
+    if frame:
+        assert torch.equal(dec(v, a, f), dec(v, a, torch.zeros_like(f)))   # no effect at init (zero last layer)
+        with torch.no_grad():
+            dec.frame_film[2].weight.normal_()
+        assert not torch.allclose(dec(v, a, f), dec(v, a, torch.zeros_like(f)))
+        with pytest.raises(ValueError, match="conditioned on the mask frame"):
+            dec(v, a)
+    ref = dec.reference(v, a, f)
+    torch.testing.assert_close(dec(v, a, f), ref, rtol=0, atol=1e-12)
     channel = torch.tensor([0, 4, 2, 2, 1, 3])
-    torch.testing.assert_close(dec.forward_channels(v, channel, a), ref[torch.arange(6), channel], rtol=0,
+    torch.testing.assert_close(dec.forward_channels(v, channel, a, f), ref[torch.arange(6), channel], rtol=0,
                                atol=1e-12)
+
+
+def test_scaled_init_keeps_the_vector_in_the_logits():
+    """Under PyTorch's default init the chain of 2x2 deconvolutions shrank the logits' spread across input
+    vectors to ~0.004 for unit-scale inputs (the decoder ignored its input at the start); the scaled init
+    keeps it at ~0.3."""
+    torch.manual_seed(0)
+    v = torch.relu(torch.randn(64, 640))
+    spread = {}
+    for init in ("torch", "scaled"):
+        dec = SPRDecoder(640, 4, 32, (256, 128), num_anchors=9, convs=1, init=init)
+        with torch.no_grad():
+            spread[init] = float(dec(v, torch.zeros(64, dtype=torch.long)).std(0).mean())   # across vectors
+    assert spread["torch"] < 0.01 < 0.1 < spread["scaled"] < 2.0, spread
 
 
 def test_training_loss_and_gradients_equal_the_previous_implementation():
@@ -322,9 +347,10 @@ def test_training_loss_and_gradients_equal_the_previous_implementation():
     def run(old: bool):
         model = tiny(mask_samples=10_000).double().train()
         if old:
-            def mask_logits(features, b, anchors, labels):
+            def mask_logits(features, b, anchors, labels, frames):
                 a = model.num_anchors
-                logits = model.decoder.reference(model.pixel_features_reference(features, b, anchors // a), anchors % a)
+                logits = model.decoder.reference(model.pixel_features_reference(features, b, anchors // a),
+                                                 anchors % a, frames)
                 return logits[torch.arange(len(labels)), labels]
             model.mask_logits = mask_logits
         losses = model([im.double() for im in images], [dict(t, boxes=t["boxes"].double()) for t in targets])
@@ -385,7 +411,7 @@ def test_loss_is_zero_for_perfect_predictions_and_positive_otherwise():
         assert spr_mask_loss(torch.zeros_like(spr["mask"], dtype=torch.float32), spr["mask"]) > 0.5
         # the model's own loss, with the decoder replaced by one that outputs the targets, is zero too
         logits = 30.0 * (2 * spr["mask"].float() - 1)
-        model.mask_logits = lambda f, b, p, lab: logits
+        model.mask_logits = lambda f, b, p, lab, frames: logits
         losses = model.compute_loss(tgts, perfect, anchors, feats, [(64, 64), (48, 80)])
         assert all(v < 1e-6 for v in losses.values()), losses
 
@@ -404,8 +430,10 @@ def test_mask_targets_are_the_instances_masks_in_their_boxes():
 
 def test_mask_targets_live_in_the_enlarged_predicted_box_that_inference_pastes_into():
     """One frame (issue 35): a target is the instance's mask cropped to its anchor's decoded box (detached)
-    enlarged 1.2x; pasting the target back into that frame gives the instance's mask, wherever the box is."""
+    enlarged mask_margin (1.2x); pasting the target back into that frame gives the instance's mask, wherever the
+    box is."""
     model = tiny(mask_samples=10_000)
+    assert model.config.mask_margin == 1.2
     images, targets = sample_batch()
     with torch.no_grad():
         imgs, tgts = model.transform(images, targets)
@@ -418,8 +446,11 @@ def test_mask_targets_live_in_the_enlarged_predicted_box_that_inference_pastes_i
 
     for k in range(len(spr["anchor"])):
         i, a = int(spr["image"][k]), int(spr["anchor"][k])
-        box = model.box_coder.decode_single(reg[i, a:a + 1], anchors[i][a:a + 1])
-        frame = mask_frame(clip_boxes_to_image(box, imgs.image_sizes[i]), 1.2)
+        box = clip_boxes_to_image(model.box_coder.decode_single(reg[i, a:a + 1], anchors[i][a:a + 1]),
+                                  imgs.image_sizes[i])
+        frame = mask_frame(box, model.config.mask_margin)
+        # the decoder is told that box, as the box coder's deltas from the anchor
+        torch.testing.assert_close(spr["frame"][k], model.box_coder.encode_single(box, anchors[i][a:a + 1])[0])
         g = int((tgts[i]["labels"] == spr["label"][k]).nonzero()[0, 0])    # labels are unique in each image
         assert torch.equal(spr["mask"][k], encode_masks(tgts[i]["masks"], frame, 32, torch.tensor([g]))[0])
         h, w = imgs.image_sizes[i]
@@ -431,6 +462,32 @@ def test_mask_targets_live_in_the_enlarged_predicted_box_that_inference_pastes_i
         assert iou > 0.8, (k, float(iou))
     # the frame is the enlarged box: a 10x20 box at 1.2 is 12x24 about the same centre
     torch.testing.assert_close(mask_frame(torch.tensor([[10., 20, 20, 40]]), 1.2), torch.tensor([[9., 18, 21, 42]]))
+
+
+def test_inference_tells_the_decoder_the_detected_box_as_training_does():
+    """The decoder's frame input at inference is the detected (clipped) box relative to its anchor, the same
+    quantity training gives it for the anchor's decoded box."""
+    model = tiny(score_thresh=0.0, detections_per_img=5).eval()
+    seen, detect, decode = {}, model.detect, model.decoder.forward_channels
+
+    def spy_detect(*args):
+        dets, pixels = detect(*args)
+        seen["boxes"], seen["anchor"] = dets[0]["boxes"].clone(), pixels[0]
+        return dets, pixels
+
+    def spy_decode(v, channel, anchor=None, frame=None):
+        seen["frame"] = frame
+        return decode(v, channel, anchor, frame)
+
+    model.detect, model.decoder.forward_channels = spy_detect, spy_decode
+    image = torch.rand(3, 64, 64)
+    with torch.no_grad():
+        model([image])
+        imgs, _ = model.transform([image])
+        anchors = model.anchor_generator(imgs, list(model.backbone(imgs.tensors).values()))[0][seen["anchor"]]
+    assert len(seen["boxes"]) == 5 and seen["frame"].shape == (5, 4)
+    torch.testing.assert_close(model.box_coder.decode_single(seen["frame"], anchors), seen["boxes"])
+    assert tiny(frame_conditioning=False).frame_deltas(seen["boxes"], anchors) is None
 
 
 def test_inference_pastes_into_the_enlarged_detected_box():
@@ -445,7 +502,7 @@ def test_inference_pastes_into_the_enlarged_detected_box():
     model.transform.postprocess = spy
     with torch.no_grad():
         out = model([torch.rand(3, 64, 64)])[0]
-    expect = paste_masks(captured["masks"][0], mask_frame(out["boxes"], 1.2), (64, 64))
+    expect = paste_masks(captured["masks"][0], mask_frame(out["boxes"], model.config.mask_margin), (64, 64))
     torch.testing.assert_close(out["masks"], expect)
 
 

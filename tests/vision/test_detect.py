@@ -90,8 +90,9 @@ def test_short_training_raises_sprnet_mask_ap_well_above_zero(shapes, tmp_path):
     """End to end on CPU: a seeded 300-step run lifts SPRNet's mask AP from chance (0) to far above MIN_MASK_AP.
 
     Everything random is seeded (weights, shuffling, flips), so the verdict depends on no timing; the margin
-    is wide: 27.6, 33.4 and 38.4 mask AP in three seeds of this setting (benchmarks/sprnet_cpu_ablation.py,
-    2026-12-04), against 10. Training is 51-55 s of CPU on one thread, so about 40 s on 2 idle cores."""
+    is wide: 53.5 and 28.9 mask AP in two seeds of this setting (benchmarks/sprnet_cpu_ablation.py, 2026-12-04,
+    second session's defaults; 27.6, 33.4 and 38.4 before), against 10. Training is 55-60 s of CPU on one
+    thread, so about 40 s on 2 idle cores."""
     ds = CocoInstances(shapes, "train", train=True, cache=True)
     ev = CocoInstances(shapes, "train", cache=True)
     model = _model("sprnet")
@@ -156,6 +157,35 @@ def test_warmup_is_not_shortened_to_fit_a_short_run():
     detect.fit(model, [batch], steps=20, lr=1e-2, weight_decay=0.0, warmup_steps=5, clip=0, device="cpu",
                progress=False)
     assert -float(model.w) > 5 * sum(lrs)                             # an explicit short warm-up still is one
+
+
+def test_trainer_steps_on_given_batches_and_a_replan_moves_the_cosine_end():
+    """Lock-step training (the device benchmark): ``step(batch)`` trains on that batch, and ``set_steps`` ends
+    the cosine at the new count, so the learning rate reaches 0 there and the trainer is done."""
+    class Lin(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(()))
+
+        def forward(self, images, targets):
+            return {"loss": self.w * targets[0]["x"], "other": self.w * 0.0}
+
+    own = ([torch.zeros(1)], [{"x": torch.tensor(1.0)}])
+    trainer = detect.Trainer(Lin(), [own], steps=100, lr=1e-2, weight_decay=0.0, warmup_steps=1, clip=0,
+                             device="cpu", progress=False)
+    trainer.step(([torch.zeros(1)], [{"x": torch.tensor(-1.0)}]))   # the given batch: w moves up, not down
+    up = float(trainer.model.w)
+    assert up > 0
+    trainer.step()                                                   # the loader's batch: w moves down
+    assert float(trainer.model.w) < up
+    trainer.set_steps(10)
+    while not trainer.done:
+        trainer.step()
+    assert trainer.step_count == 10 and trainer.opt.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)
+    out = trainer.result()
+    assert out["steps"] == 10 and len(out["curves"]["loss"]) == 10 and set(out["losses"]) == {"loss", "other"}
+    trainer.set_steps(5)                                             # never below the steps taken
+    assert trainer.steps == 10 and trainer.done
 
 
 def test_cli_make_shapes_train_evaluate(tmp_path, capsys):

@@ -24,7 +24,9 @@ Changes for Mask R-CNN's mask AP (issue 35; each a config field, docs/vision.md 
 frame for training and inference, the anchor's decoded box (detached) enlarged ``mask_margin`` (1.2x) for the
 target and the same enlargement of the detected box for the paste; positives are anchors (IoU > 0.5, the
 pixel's vector, the anchor's frame); the decoder scales and shifts the reduced vector per anchor and has a 3x3
-conv after each upsampling (``decoder_convs``). One feature vector still gives one mask.
+conv after each upsampling (``decoder_convs``). Second session: the decoder is also told its frame (the box's
+deltas from the anchor scale and shift the reduced vector, ``frame_conditioning``) and starts from a
+variance-preserving init (``decoder_init``). One feature vector still gives one mask.
 
 Our choices where the paper is silent or unverified (docs/vision.md lists them): every instance also keeps
 its best anchor (as torchvision's low-quality matches), so an instance that no anchor covers at IoU
@@ -88,9 +90,20 @@ class SPRNetConfig:
     # box, so training and inference share one frame; "gt" is the paper's (targets in the ground-truth box,
     # pasted into the detected box: every imperfect box distorts its mask)
     mask_frame: str = "predicted"
-    mask_margin: float = 1.2               # frame = box scaled by this about its centre (1.0: the box itself)
+    # frame = box scaled by this about its centre (1.0: the box itself). 1.3 gave slightly better masks on CPU
+    # (docs/benchmarks/sprnet.md) but the CI test's seed then learned no detector at all: kept at 1.2
+    mask_margin: float = 1.2
     decoder_convs: int = 1                 # 3x3 convs (+ReLU) after each upsampling to m/2 and m (0: the paper's)
+    # the decoder's weight init: "scaled" keeps a unit signal through every layer (variance-preserving for the
+    # linear deconvolutions, Kaiming for the ReLU ones, as torchvision's Mask R-CNN head); "torch" is PyTorch's
+    # default, under which the logits' spread across input vectors is ~0.004 at init (each 2x2
+    # deconvolution keeps 1/12 of the variance), so the mask learned slowly (issue 35, second session)
+    decoder_init: str = "scaled"
     anchor_conditioning: bool = True       # per-anchor scale and shift of the pixel's reduced vector
+    # scale and shift of the reduced vector from the mask frame's box relative to the anchor (the box coder's
+    # (dx, dy, dw, dh), detached): the frame is the regressed box, and without it the decoder had to re-derive
+    # the box head's output to place the shape in it (issue 35, second session)
+    frame_conditioning: bool = True
     score_thresh: float = 0.05
     nms_thresh: float = 0.5
     detections_per_img: int = 100          # the paper's top-100 pixels
@@ -124,6 +137,8 @@ class SPRNetConfig:
             raise ValueError(f"mask_margin must be a finite number >= 1, got {self.mask_margin}")
         if self.decoder_convs < 0:
             raise ValueError(f"decoder_convs must be >= 0, got {self.decoder_convs}")
+        if self.decoder_init not in ("scaled", "torch"):
+            raise ValueError(f"decoder_init must be 'scaled' or 'torch', got {self.decoder_init!r}")
         if not 0.0 <= self.score_thresh <= 1.0 or not 0.0 <= self.nms_thresh <= 1.0:
             raise ValueError(f"score_thresh and nms_thresh must be in [0, 1], got {self.score_thresh}, "
                              f"{self.nms_thresh}")
@@ -292,7 +307,7 @@ class SPRDecoder(nn.Module):
     """
 
     def __init__(self, in_channels: int, num_masks: int, mask_size: int = 32, channels=(256, 128), *,
-                 num_anchors: int = 0, convs: int = 0):
+                 num_anchors: int = 0, convs: int = 0, init: str = "torch", frame_conditioning: bool = False):
         super().__init__()
         c0, c1 = channels
         n_linear = int(math.log2(mask_size)) - 2            # 1x1 -> (m/4)x(m/4) without activation
@@ -303,6 +318,11 @@ class SPRDecoder(nn.Module):
             self.anchor_scale, self.anchor_shift = nn.Embedding(num_anchors, c0), nn.Embedding(num_anchors, c0)
             nn.init.zeros_(self.anchor_scale.weight)
             nn.init.zeros_(self.anchor_shift.weight)
+        self.frame_film = None
+        if frame_conditioning:   # (dx, dy, dw, dh) -> (scale, shift) of the reduced vector; 0 at init
+            self.frame_film = nn.Sequential(nn.Linear(4, 64), nn.ReLU(inplace=True), nn.Linear(64, 2 * c0))
+            nn.init.zeros_(self.frame_film[2].weight)
+            nn.init.zeros_(self.frame_film[2].bias)
         self.linear = nn.Sequential(*[nn.ConvTranspose2d(c0, c0, 2, stride=2) for _ in range(n_linear)])
         up, cin = [], c0
         for _ in range(2):
@@ -320,6 +340,35 @@ class SPRDecoder(nn.Module):
         tree = sum((((r >> (levels - 1 - j)) & 1) * 2 + ((c >> (levels - 1 - j)) & 1)) * 4 ** (levels - 1 - j)
                    for j in range(levels)) if levels else torch.zeros_like(r)
         self.register_buffer("raster", tree.flatten(), persistent=False)
+        if init == "scaled":
+            self._scaled_init()
+        elif init != "torch":
+            raise ValueError(f"init must be 'scaled' or 'torch', got {init!r}")
+
+    @torch.no_grad()
+    def _scaled_init(self) -> None:
+        """Normal weights of variance gain / fan_in, zero biases: gain 1 into a linear layer (the reduction's
+        input and the prediction's are ReLU outputs, which halve the second moment: gain 2 there), gain 2 into a
+        ReLU (He et al. 2015). A 2x2 stride-2 deconvolution's output cell reads one tap of each input channel
+        (fan_in = input channels); a 3x3 conv's nine. PyTorch's default (1/3 of that variance, and fan-in taken
+        from the deconvolution's output channels) loses ~12x of the signal per deconvolution."""
+        def normal(w: torch.Tensor, fan_in: int, gain: float) -> None:
+            w.normal_(0.0, math.sqrt(gain / fan_in))
+
+        normal(self.reduce.weight, self.reduce.in_features, 2.0)
+        for layer in self.linear:
+            normal(layer.weight, layer.weight.shape[0], 1.0)          # ConvTranspose2d weight: [in, out, 2, 2]
+        for layer in self.up:
+            if isinstance(layer, nn.ConvTranspose2d):
+                normal(layer.weight, layer.weight.shape[0], 2.0)
+            elif isinstance(layer, nn.Conv2d):
+                normal(layer.weight, layer.weight[0].numel(), 2.0)
+        # the logits start at std ~0.5 (~1 would start the loss well above log 2)
+        normal(self.predict.weight, self.predict.in_channels, 0.1 * 2.0)
+        normal(self.predict_shortcut.weight, self.predict_shortcut.in_channels, 0.1)
+        for m in [self.reduce, *self.linear, *self.up, self.predict, self.predict_shortcut]:
+            if getattr(m, "bias", None) is not None:
+                m.bias.zero_()
 
     @staticmethod
     def _deconv(x: torch.Tensor, layer: nn.ConvTranspose2d) -> torch.Tensor:
@@ -329,17 +378,25 @@ class SPRDecoder(nn.Module):
         bias = None if layer.bias is None else layer.bias.repeat(4)
         return F.linear(x, w, bias).view(x.shape[0], 4 * x.shape[1], o)
 
-    def _reduced(self, v: torch.Tensor, anchor: torch.Tensor | None) -> torch.Tensor:
+    def _reduced(self, v: torch.Tensor, anchor: torch.Tensor | None, frame: torch.Tensor | None) -> torch.Tensor:
         r = self.reduce(v)                                                  # [P, c0]
+        scale = shift = None
         if self.anchor_scale is not None:
             if anchor is None:
                 raise ValueError("this decoder is conditioned on anchors: give each vector's anchor (int64 [P])")
-            r = r * (1 + self.anchor_scale(anchor).to(r.dtype)) + self.anchor_shift(anchor).to(r.dtype)
-        return r
+            scale, shift = self.anchor_scale(anchor).to(r.dtype), self.anchor_shift(anchor).to(r.dtype)
+        if self.frame_film is not None:
+            if frame is None:
+                raise ValueError("this decoder is conditioned on the mask frame: give each vector's frame "
+                                 "(float [P, 4], the box coder's deltas of the frame's box from the anchor)")
+            fs, fb = self.frame_film(frame.to(self.frame_film[0].weight.dtype)).to(r.dtype).chunk(2, 1)
+            scale, shift = (fs, fb) if scale is None else (scale + fs, shift + fb)
+        return r if scale is None else r * (1 + scale) + shift
 
-    def _features(self, v: torch.Tensor, anchor: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _features(self, v: torch.Tensor, anchor: torch.Tensor | None,
+                  frame: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """[P, C'] -> the (m/4)^2 map [P, c0, m/4, m/4] (the shortcut's input) and the m^2 map [P, c1, m, m]."""
-        a = self._reduced(v, anchor)[:, None, :]                           # [P, 1, c0]
+        a = self._reduced(v, anchor, frame)[:, None, :]                           # [P, 1, c0]
         for layer in self.linear:
             a = self._deconv(a, layer)                                      # [P, 4^k, c0], quad-tree order
         s = self.mask_size // 4
@@ -350,25 +407,29 @@ class SPRDecoder(nn.Module):
     def _upsample4(x: torch.Tensor) -> torch.Tensor:
         return x.repeat_interleave(4, -1).repeat_interleave(4, -2)
 
-    def forward(self, v: torch.Tensor, anchor: torch.Tensor | None = None) -> torch.Tensor:
-        """All mask channels: [P, C'], int64 [P] (each vector's anchor, 0..A-1) -> [P, K, m, m]."""
-        a, h = self._features(v, anchor)
+    def forward(self, v: torch.Tensor, anchor: torch.Tensor | None = None,
+                frame: torch.Tensor | None = None) -> torch.Tensor:
+        """All mask channels: [P, C'], int64 [P] (each vector's anchor, 0..A-1), float [P, 4] (its frame's box
+        coder deltas from the anchor) -> [P, K, m, m]."""
+        a, h = self._features(v, anchor, frame)
         return self.predict(h) + self._upsample4(self.predict_shortcut(a))
 
-    def forward_channels(self, v: torch.Tensor, channel: torch.Tensor, anchor: torch.Tensor | None = None):
+    def forward_channels(self, v: torch.Tensor, channel: torch.Tensor, anchor: torch.Tensor | None = None,
+                         frame: torch.Tensor | None = None):
         """One channel a vector (its class, or 0 class-agnostic): [P, C'], int64 [P] -> [P, m, m].
 
-        Equal to ``forward(v, anchor)[arange(P), channel]`` without computing the other K - 1 channels."""
-        a, h = self._features(v, anchor)
+        Equal to ``forward(v, anchor, frame)[arange(P), channel]`` without computing the other K - 1 channels."""
+        a, h = self._features(v, anchor, frame)
         w, b = self.predict.weight[channel, :, 0, 0], self.predict.bias[channel]                 # [P, c1], [P]
         ws, bs = self.predict_shortcut.weight[channel, :, 0, 0], self.predict_shortcut.bias[channel]
         out = torch.einsum("pchw,pc->phw", h, w.to(h.dtype)) + b[:, None, None].to(h.dtype)
         short = torch.einsum("pchw,pc->phw", a, ws.to(a.dtype)) + bs[:, None, None].to(a.dtype)
         return out + self._upsample4(short)
 
-    def reference(self, v: torch.Tensor, anchor: torch.Tensor | None = None) -> torch.Tensor:
+    def reference(self, v: torch.Tensor, anchor: torch.Tensor | None = None,
+                  frame: torch.Tensor | None = None) -> torch.Tensor:
         """The same function through the deconvolution modules (for tests): [P, C'] -> [P, K, m, m]."""
-        a = self.linear(self._reduced(v, anchor)[:, :, None, None])   # [P, c0, m/4, m/4]
+        a = self.linear(self._reduced(v, anchor, frame)[:, :, None, None])   # [P, c0, m/4, m/4]
         return self.predict(self.up(a)) + F.interpolate(self.predict_shortcut(a), scale_factor=4, mode="nearest")
 
 
@@ -574,6 +635,7 @@ class SPRNet(RetinaNet):
         self.enhance = MaskEnhancement(c, cfg.enhance_channels)
         self.decoder = SPRDecoder(self.enhance.out_channels, 1 if cfg.class_agnostic else cfg.num_classes,
                                   cfg.mask_size, cfg.decoder_channels, convs=cfg.decoder_convs,
+                                  init=cfg.decoder_init, frame_conditioning=cfg.frame_conditioning,
                                   num_anchors=self.num_anchors if cfg.anchor_conditioning else 0)
 
     def num_parameters(self, trainable_only: bool = False) -> int:
@@ -648,14 +710,23 @@ class SPRNet(RetinaNet):
         out[torch.cat(order)] = torch.cat(parts)
         return out
 
-    def mask_logits(self, features, b, anchors, labels) -> torch.Tensor:
-        """Anchors (int64 [P], indices into the levels' anchors concatenated, pixel-major) of images ``b`` and
-        their labels -> the labels' mask logits [P, m, m] (channel 0 when class-agnostic). One vector a pixel:
-        the anchors of a pixel share its vector and differ by the anchor conditioning and their frames."""
+    def frame_deltas(self, boxes: torch.Tensor, anchor_boxes: torch.Tensor) -> torch.Tensor | None:
+        """The decoder's frame input: the box coder's (dx, dy, dw, dh) of the frames' boxes [P, 4] (before the
+        margin, at least 1 pixel a side) from their anchors' boxes [P, 4]; float32 [P, 4], None when the decoder
+        takes no frame (``frame_conditioning=False``)."""
+        if not self.config.frame_conditioning:
+            return None
+        return self.box_coder.encode_single(mask_frame(boxes, 1.0), anchor_boxes.float())
+
+    def mask_logits(self, features, b, anchors, labels, frames: torch.Tensor | None = None) -> torch.Tensor:
+        """Anchors (int64 [P], indices into the levels' anchors concatenated, pixel-major) of images ``b``, their
+        labels and frames (:meth:`frame_deltas`) -> the labels' mask logits [P, m, m] (channel 0 when
+        class-agnostic). One vector a pixel: the anchors of a pixel share its vector and differ by the anchor
+        and frame conditioning and their frames."""
         channel = torch.zeros_like(labels) if self.config.class_agnostic else labels
         a = self.num_anchors
         slot = anchors % a if self.config.anchor_conditioning else None
-        return self.decoder.forward_channels(self.pixel_features(features, b, anchors // a), channel, slot)
+        return self.decoder.forward_channels(self.pixel_features(features, b, anchors // a), channel, slot, frames)
 
     # ---- training
     def assign(self, targets, anchors, box_regression=None, image_sizes=None):
@@ -669,10 +740,11 @@ class SPRNet(RetinaNet):
             RetinaNet's Matcher (IoU >= 0.5; -1 background, -2 ignored in (0.4, 0.5)); ``spr`` the SPR
             positives of the whole batch: ``image``, ``anchor``, ``label`` int64 [n] and ``mask`` bool [n, m, m],
             the instance's mask in the anchor's frame (:func:`spr_positives`, :func:`mask_frame`,
-            :func:`encode_masks`).
+            :func:`encode_masks`), and ``frame`` float [n, 4] (:meth:`frame_deltas`; absent without frame
+            conditioning).
         """
         cfg = self.config
-        matched, spr = [], {"image": [], "anchor": [], "label": [], "mask": []}
+        matched, spr = [], {"image": [], "anchor": [], "label": [], "mask": [], "frame": []}
         for i, (anchors_i, t) in enumerate(zip(anchors, targets)):
             if t["boxes"].numel() == 0:
                 matched.append(torch.full((len(anchors_i),), -1, dtype=torch.int64, device=anchors_i.device))
@@ -688,6 +760,8 @@ class SPRNet(RetinaNet):
                 if image_sizes is not None:
                     boxes = box_ops.clip_boxes_to_image(boxes, image_sizes[i])
             frame = mask_frame(boxes, cfg.mask_margin)
+            if cfg.frame_conditioning:
+                spr["frame"].append(self.frame_deltas(boxes, anchors_i[idx]))
             spr["image"].append(torch.full_like(idx, i))
             spr["anchor"].append(idx)
             spr["label"].append(t["labels"][gt])
@@ -695,7 +769,7 @@ class SPRNet(RetinaNet):
         if not spr["anchor"]:
             z, m = torch.zeros(0, dtype=torch.int64, device=anchors[0].device), cfg.mask_size
             return matched, {"image": z, "anchor": z, "label": z, "mask": z.new_zeros((0, m, m), dtype=torch.bool)}
-        return matched, {k: torch.cat(v) for k, v in spr.items()}
+        return matched, {k: torch.cat(v) for k, v in spr.items() if v}
 
     def compute_loss(self, targets, head_outputs, anchors, features, image_sizes=None):
         """``{"classification", "bbox_regression"}`` (torchvision's RetinaNet heads) and ``"mask"``
@@ -705,7 +779,8 @@ class SPRNet(RetinaNet):
         if len(spr["anchor"]) == 0:   # keep the branch in the graph (DDP) with a zero loss
             losses["mask"] = sum(p.sum() for p in (*self.enhance.parameters(), *self.decoder.parameters())) * 0.0
         else:
-            losses["mask"] = spr_mask_loss(self.mask_logits(features, spr["image"], spr["anchor"], spr["label"]),
+            losses["mask"] = spr_mask_loss(self.mask_logits(features, spr["image"], spr["anchor"], spr["label"],
+                                                            spr.get("frame")),
                                            spr["mask"])
         return losses
 
@@ -785,7 +860,9 @@ class SPRNet(RetinaNet):
         b = torch.cat([torch.full((n,), i, dtype=torch.int64, device=p.device) for i, (n, p) in
                        enumerate(zip(counts, anchor_idx))])
         labels = torch.cat([d["labels"] for d in detections])
-        masks = torch.sigmoid(self.mask_logits(features, b, torch.cat(anchor_idx), labels).float())[:, None]
+        frames = self.frame_deltas(torch.cat([d["boxes"] for d in detections]),
+                                   torch.cat([a[p] for a, p in zip(anchors, anchor_idx)]))
+        masks = torch.sigmoid(self.mask_logits(features, b, torch.cat(anchor_idx), labels, frames).float())[:, None]
         for d, m in zip(detections, masks.split(counts)):
             d["masks"] = m
         return self.transform.postprocess(detections, images.image_sizes, original_sizes)

@@ -231,76 +231,125 @@ def _batches(loader):
                             "batch_size with drop_last")
 
 
+class Trainer:
+    """:func:`fit` one optimizer step at a time, so that several models can train in lock-step (the device
+    benchmark gives every model the same number of steps whatever its speed).
+
+    AdamW over the trainable parameters; the learning rate rises linearly over ``warmup_steps`` times a cosine
+    decay to 0 at ``steps``. ``steps`` may be changed between steps (:meth:`set_steps`): the cosine then ends at
+    the new count (the benchmark re-plans once, when the warm-up ends, from the measured step times). Arguments
+    as :func:`fit`.
+    """
+
+    def __init__(self, model: torch.nn.Module, loader, *, steps: int, lr: float = DEFAULTS["lr"],
+                 weight_decay: float = DEFAULTS["weight_decay"], warmup_steps: int = DEFAULTS["warmup_steps"],
+                 clip: float = DEFAULTS["clip"], device: str | torch.device = "auto", amp: bool | None = None,
+                 progress: bool = True, label: str = "train"):
+        self.device = resolve_device(device) if isinstance(device, str) else device
+        self.amp = self.device.type == "cuda" if amp is None else amp
+        self.model, self.lr, self.clip, self.label = model.to(self.device).train(), lr, clip, label
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        fused = self.device.type == "cuda"
+        self.opt = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay, fused=fused,
+                                     foreach=None if fused else True)
+        # the warm-up is never shortened to fit a short run: it was cut to steps // 4 (5 steps of a 20-step smoke
+        # test), and the full learning rate after 5 Adam steps on a from-scratch network spiked the loss. A run
+        # shorter than warmup_steps ends before the peak
+        warm = max(1, warmup_steps)
+        self.steps = steps
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (
+            1 + math.cos(math.pi * min(1.0, s / max(1, self.steps)))))
+        self.bar = _Progress(steps, label, progress)
+        self.history, self.curves, self.skipped, self.bad_run, self.step_count = [], {}, 0, 0, 0
+        self.batches = _batches(loader)
+        self.t0 = time.monotonic()
+
+    @property
+    def done(self) -> bool:
+        return self.step_count >= self.steps
+
+    def set_steps(self, steps: int) -> None:
+        """End the schedule (the cosine, and :attr:`done`) at ``steps`` instead (>= the steps taken)."""
+        self.steps = self.bar.total = max(steps, self.step_count)
+        if self.bar.tty:
+            self.bar.bar.update(self.bar.task, total=self.steps)
+
+    def step(self, batch: tuple[list, list] | None = None) -> float:
+        """One optimizer step (batches whose loss is not finite are skipped, up to 20 in a row): the loss.
+
+        ``batch``: ``(images, targets)`` to train on first (models in lock-step share each batch); the loader
+        gives the next one when it is not given, or its loss was not finite."""
+        while True:
+            images, targets = batch if batch is not None else next(self.batches)
+            batch = None
+            images = [im.to(self.device, non_blocking=True) for im in images]
+            targets = _to(targets, self.device)
+            with _autocast(self.device, self.amp):
+                losses = self.model(images, targets)
+            loss = sum(v.float() for v in losses.values())
+            if torch.isfinite(loss):
+                break
+            self.skipped, self.bad_run = self.skipped + 1, self.bad_run + 1
+            self.opt.zero_grad(set_to_none=True)
+            if self.bad_run >= 20:
+                raise HpdlError(f"{self.label}: 20 consecutive non-finite losses at step {self.step_count}; "
+                                f"lower lr={self.lr}")
+        self.bad_run = 0
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.clip > 0:  # 0 turns clipping off (`--clip-grad 0`)
+            torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+        self.opt.step()
+        self.sched.step()
+        self.step_count += 1
+        value = float(loss.detach())
+        self.history.append(value)
+        for k, v in losses.items():
+            self.curves.setdefault(k, []).append(float(v.detach()))
+        self.bar.update(self.step_count, f"loss {value:.3f}")
+        return value
+
+    def result(self, stopped_early: bool = False) -> dict:
+        """The summary :func:`fit` returns (closes the progress bar)."""
+        self.bar.close()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        tail = max(1, self.step_count // 10)
+        return {"steps": self.step_count, "seconds": time.monotonic() - self.t0, "skipped": self.skipped,
+                "stopped_early": stopped_early,
+                "losses": {k: sum(v[-tail:]) / len(v[-tail:]) for k, v in self.curves.items()},
+                "history": self.history, "curves": self.curves}
+
+
 def fit(model: torch.nn.Module, loader, *, steps: int, lr: float = DEFAULTS["lr"],
         weight_decay: float = DEFAULTS["weight_decay"], warmup_steps: int = DEFAULTS["warmup_steps"],
         clip: float = DEFAULTS["clip"], device: str | torch.device = "auto", amp: bool | None = None,
         deadline: float | None = None, progress: bool = True, label: str = "train") -> dict:
-    """Train a torchvision-style detection model for ``steps`` optimizer steps.
+    """Train a torchvision-style detection model for ``steps`` optimizer steps (a :class:`Trainer`).
 
     AdamW over the trainable parameters; the learning rate rises linearly over ``warmup_steps`` (never
-    shortened: a shorter run ends before the peak) times a cosine decay to 0 at ``steps``; gradients are clipped to norm ``clip``; the forward runs under bf16
-    autocast when ``amp`` (default: on for CUDA). A step whose loss is not finite is skipped.
+    shortened: a shorter run ends before the peak) times a cosine decay to 0 at ``steps``; gradients are clipped
+    to norm ``clip``; the forward runs under bf16 autocast when ``amp`` (default: on for CUDA). A step whose
+    loss is not finite is skipped.
 
     Args:
         loader: yields ``(images, targets)`` (lists, as :func:`hpdl.vision.coco.collate`); cycled as needed.
         deadline: ``time.monotonic()`` value after which training stops early (the result says so).
     Returns:
-        ``{"steps", "seconds", "losses" (mean of each loss over the last 10% of steps), "skipped",
-        "stopped_early", "history" (per-step total loss)}``.
+        ``{"steps", "seconds", "losses" (mean of each loss over the last 10% of the steps taken), "skipped",
+        "stopped_early", "history" (per-step total loss), "curves" (per-step value of each loss)}``.
     Raises:
         HpdlError: 20 consecutive non-finite losses; a loader that yields no batch.
     """
-    device = resolve_device(device) if isinstance(device, str) else device
-    amp = device.type == "cuda" if amp is None else amp
-    model.to(device).train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    fused = device.type == "cuda"
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused, foreach=None if fused else True)
-    # the warm-up is never shortened to fit a short run: it was cut to steps // 4 (5 steps of a 20-step smoke
-    # test), and the full learning rate after 5 Adam steps on a from-scratch network spiked the loss. A run
-    # shorter than warmup_steps ends before the peak
-    warm = max(1, warmup_steps)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (
-        1 + math.cos(math.pi * min(1.0, s / max(1, steps)))))
-    bar = _Progress(steps, label, progress)
-    history, tail, skipped, bad_run, stopped, step = [], {}, 0, 0, False, 0
-    t0 = time.monotonic()
-    batches = _batches(loader)
-    while step < steps:
+    trainer = Trainer(model, loader, steps=steps, lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps,
+                      clip=clip, device=device, amp=amp, progress=progress, label=label)
+    stopped = False
+    while not trainer.done:
         if deadline is not None and time.monotonic() > deadline:
             stopped = True
             break
-        images, targets = next(batches)
-        images = [im.to(device, non_blocking=True) for im in images]
-        targets = _to(targets, device)
-        with _autocast(device, amp):
-            losses = model(images, targets)
-        loss = sum(v.float() for v in losses.values())
-        if not torch.isfinite(loss):
-            skipped, bad_run = skipped + 1, bad_run + 1
-            opt.zero_grad(set_to_none=True)
-            if bad_run >= 20:
-                raise HpdlError(f"{label}: 20 consecutive non-finite losses at step {step}; lower lr={lr}")
-            continue
-        bad_run = 0
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if clip > 0:  # 0 turns clipping off (`--clip-grad 0`)
-            torch.nn.utils.clip_grad_norm_(params, clip)
-        opt.step()
-        sched.step()
-        step += 1
-        value = float(loss.detach())
-        history.append(value)
-        if step > steps - max(1, steps // 10):
-            for k, v in losses.items():
-                tail.setdefault(k, []).append(float(v.detach()))
-        bar.update(step, f"loss {value:.3f}")
-    bar.close()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return {"steps": step, "seconds": time.monotonic() - t0, "skipped": skipped, "stopped_early": stopped,
-            "losses": {k: sum(v) / len(v) for k, v in tail.items()}, "history": history}
+        trainer.step()
+    return trainer.result(stopped)
 
 
 @torch.no_grad()
@@ -553,7 +602,7 @@ def train(args) -> int:
                               else int(round(warm_epochs * max(1, len(loader))))),
                 label=f"train {args.model}")
     meta = {"categories": train_ds.categories, "data": str(data.resolve()), "val_split": val_split,
-            "train": {k: v for k, v in stats.items() if k != "history"}}
+            "train": {k: v for k, v in stats.items() if k not in ("history", "curves")}}
     ckpt = out / f"{args.model}.pt"
     save_checkpoint(ckpt, model, meta)
     metrics = evaluate_model(model, val_ds, batch_size=batch_size, device=device, amp=amp, workers=args.workers)
