@@ -512,10 +512,12 @@ def _native_call(res: GroupResources, op: str, timeout: float):
             work.wait(limit)
             return None
         except Exception as exc:  # noqa: BLE001 - the general path's conversion (timeout) and post-mortem
+            error, issued = exc, work
+
             def again():
-                if work is None:
-                    raise exc
-                wait_native(work, comm, "all_reduce", timeout)   # a failed Work raises its error again
+                if issued is None:
+                    raise error
+                wait_native(issued, comm, "all_reduce", timeout)   # a failed Work raises its error again
             res.guard("all_reduce", res.calls, timeout)(again)
             raise
     return call
