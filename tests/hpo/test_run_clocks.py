@@ -79,3 +79,30 @@ def test_only_a_policy_that_places_by_estimates_traces_one(tmp_path, policy, tra
         "pool": {"fake": 1, "memory_gb": 2}, "policy": {"name": policy}, "warm_workers": 1, "mps": False}))
     assert res.complete == 2
     assert bool(fx.ESTIMATES) is traces, fx.ESTIMATES
+
+
+def test_hpdl_hpo_run_starts_the_forkserver_before_anything_imports_torch(tmp_path):
+    """The workers' server imports torch and ``torch._dynamo`` (about 9 s on the H200 host, the longest path
+    before ready): it must start before the `hpdl hpo run` process imports torch itself, so that the two
+    import side by side. The command is stopped where it would start the server."""
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump({"study": "s", "workload": "cnn", "n_trials": 1, "run_dir": str(tmp_path / "r"),
+                                    "space": {"lr": {"type": "float", "low": 0.01, "high": 0.1}},
+                                    "pool": {"fake": 1}}))
+    code = ("import sys\n"
+            "import hpdl.hpo._prestart as prestart\n"
+            "class Stop(BaseException):\n"
+            "    pass\n"
+            "def start():\n"
+            "    print(sorted(m for m in ('torch', 'optuna', 'hpdl.hpo.driver', 'hpdl.runtime') if m in sys.modules))\n"
+            "    raise Stop\n"
+            "prestart.start_forkserver = start\n"
+            "from hpdl.cli import main\n"
+            "try:\n"
+            "    main(['hpo', 'run', %r, '--no-progress'])\n"
+            "except Stop:\n"
+            "    print('stopped')\n") % str(path)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["[]", "stopped"], proc.stdout

@@ -39,6 +39,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.func import functional_call, stack_module_state, vmap
 
 from hpdl.hpo.checkpoint import CheckpointMismatch
@@ -141,6 +142,77 @@ class FusedModel:
                 p[k].copy_(state[name])
             for name, b in self.buffers.items():
                 b[k].copy_(state[name])
+
+
+def _is_batched(t: torch.Tensor) -> bool:
+    """True when ``t`` is a tensor of a ``torch.func.vmap`` level (its trial dimension is hidden)."""
+    check = getattr(torch._C._functorch, "is_batchedtensor", None)  # torch 2.0-2.14; absent: assume batched
+    return True if check is None else bool(check(t))
+
+
+def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
+                                 is_causal: bool = False, scale: float | None = None) -> torch.Tensor:
+    """``torch.nn.functional.scaled_dot_product_attention`` (no mask, no dropout) that also trains under the
+    ``vmap`` of a fused model. Use it in a workload's model in place of the torch function (the ``gpt``
+    workload does); alone it is the torch function itself.
+
+    Why: inside ``vmap`` the batched query does not report ``requires_grad`` (the gradient is recorded on the
+    stacked tensors underneath), so SDPA's memory-efficient CUDA kernel, the one float32 takes, is asked not to
+    compute the log-sum-exp (``should_compute_logsumexp`` in ATen); its backward then gets an empty one and
+    fails with ``LSE is not correctly aligned (strideH)``. Under ``vmap`` this function therefore folds the
+    trial dimension into the batch dimension and calls SDPA once on the stacked tensors themselves,
+    (K, B, H, T, D) -> (K * B, H, T, D), a view with each sample's strides unchanged (so each trial's attention
+    is the kernel call its trial alone makes, on K times the batch), which require grad: the kernel keeps the
+    log-sum-exp and autograd records its own backward. On CPU the same fold replaces vmap's fallback, a loop of
+    K SDPA calls.
+
+    Args:
+        query, key, value: (..., L, E), (..., S, E), (..., S, Ev) as for the torch function, float.
+        is_causal, scale: as for the torch function.
+    Returns:
+        (..., L, Ev), the dtype of ``query``.
+    """
+    if _is_batched(query) or _is_batched(key) or _is_batched(value):
+        return _FoldedAttention.apply(query, key, value, is_causal, scale)
+    return F.scaled_dot_product_attention(query, key, value, is_causal=is_causal, scale=scale)
+
+
+class _FoldedAttention(torch.autograd.Function):
+    """SDPA whose ``vmap`` rule folds the vmapped dimension into the batch dimension (see
+    :func:`scaled_dot_product_attention`). Outside ``vmap`` (never reached from that function when torch says
+    which tensors are batched) it is SDPA with a backward that recomputes the forward."""
+
+    generate_vmap_rule = False
+
+    @staticmethod
+    def forward(query, key, value, is_causal, scale):
+        return F.scaled_dot_product_attention(query, key, value, is_causal=is_causal, scale=scale)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        query, key, value, ctx.is_causal, ctx.scale = inputs
+        ctx.save_for_backward(query, key, value)
+
+    @staticmethod
+    def backward(ctx, grad):
+        leaves = [t.detach().requires_grad_(True) for t in ctx.saved_tensors]
+        with torch.enable_grad():
+            out = F.scaled_dot_product_attention(*leaves, is_causal=ctx.is_causal, scale=ctx.scale)
+        return (*torch.autograd.grad(out, leaves, grad), None, None)
+
+    @staticmethod
+    def vmap(info, in_dims, query, key, value, is_causal, scale):
+        k = info.batch_size
+
+        def fold(t: torch.Tensor, dim: int | None) -> torch.Tensor:
+            t = t.expand(k, *t.shape) if dim is None else t.movedim(dim, 0)  # (K, *logical shape)
+            # (K, B, ...) -> (K * B, ...): a view when B's stride times B is K's (vmap's stacked layout)
+            return t.reshape(k * t.shape[1], *t.shape[2:]) if t.dim() >= 4 else t
+
+        q, kk, v = (fold(t, d) for t, d in zip((query, key, value), in_dims[:3]))
+        out = scaled_dot_product_attention(q, kk, v, is_causal=is_causal, scale=scale)  # an outer vmap: again
+        folded = query.dim() - (in_dims[0] is not None) >= 3  # the query's own (logical) rank
+        return (out.reshape(k, -1, *out.shape[1:]) if folded else out), 0
 
 
 def _signature(m: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
@@ -670,4 +742,5 @@ def fused_memory(single_bytes: int, k: int, context_bytes: int) -> int:
     return int(context_bytes + k * max(0, single_bytes - context_bytes))
 
 
-__all__ = ["FusedModel", "FusedOptimizer", "train_fused", "run_group", "fused_memory"]
+__all__ = ["FusedModel", "FusedOptimizer", "scaled_dot_product_attention", "train_fused", "run_group",
+           "fused_memory"]

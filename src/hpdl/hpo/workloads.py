@@ -32,6 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hpdl.hpo.errors import HpoConfigError
+from hpdl.hpo.fusion import scaled_dot_product_attention
 
 
 @dataclass
@@ -287,7 +288,8 @@ class Block(nn.Module):
         B, T, C = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
+        # fusion's SDPA: the torch function alone; under a fused model's vmap, one call on (K * B, nh, T, hs)
+        a = scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
         x = x + self.proj(a)
         return x + self.mlp(self.ln2(x))
 
