@@ -89,6 +89,43 @@ def test_pencil_transposes(global_shape, grid):
             assert torch.equal(bufs[r][which], O.pencil(G, global_shape, grid, r, which)), (name, r)
 
 
+@needs_native
+@pytest.mark.parametrize("threads", THREADS)
+def test_many_small_segments_grouped_into_pieces(threads):
+    """Strided boxes of 32-byte runs (4096 of them, 128 KiB: several grouped pieces, as the FFT's row
+    transpose), a contiguous 256 KiB message (cut into pieces) and a reduction over strided boxes, in one
+    pass: exact, and every byte counted once."""
+    rows = 4096
+    ps, bufs = [], []
+    for r in range(2):
+        p = ho.Plan("small", rank=r, world_size=2)
+        x = p.buffer("x", (rows, 16), torch.float32)
+        y = p.buffer("y", (rows, 8), torch.float32)
+        z = p.buffer("z", (rows, 16), torch.float32)
+        big = p.buffer("big", (1 << 16,), torch.float32)
+        p.send(x[:, 4:12], 1 - r)
+        p.recv(y[...], 1 - r)
+        p.send(big[...], 1 - r, tag=1)
+        p.recv(z[:, 0:16], 1 - r, tag=1)
+        p.reduce(x[:, 12:16], x[:, 0:4], "sum")
+        ps.append(p)
+        bufs.append({"x": torch.arange(rows * 16, dtype=torch.float32).view(rows, 16) + 1e6 * r,
+                     "y": torch.zeros(rows, 8), "z": torch.zeros(rows, 16),
+                     "big": torch.arange(1 << 16, dtype=torch.float32) - r})
+    want = [{k: v.clone() for k, v in b.items()} for b in bufs]
+    stats = {}
+    out = ho.simulate(ps, bufs, engine="native", copy_threads=threads, stats=stats)
+    for r in range(2):
+        q = 1 - r
+        assert torch.equal(out[r]["y"], want[q]["x"][:, 4:12])
+        assert torch.equal(out[r]["z"].view(-1), want[q]["big"])
+        assert torch.equal(out[r]["x"][:, 12:16], want[r]["x"][:, 12:16] + want[r]["x"][:, 0:4])
+        assert torch.equal(out[r]["x"][:, :12], want[r]["x"][:, :12])
+    assert stats["bytes"] == 2 * (rows * 8 * 4 + (1 << 16) * 4 + rows * 4 * 4)
+    # a worker takes ~64 KiB per atomic, not one 32-byte run: 2 x (2 + 4 + 1) pieces, not 2 x (4096 + 4 + 4096)
+    assert stats["pieces"] <= 2 * (2 + 4 + 1), stats
+
+
 @pytest.mark.parametrize("dst_box,src_box", [
     ((slice(1, 3), slice(0, 4)), (slice(0, 2), slice(0, 4))),   # whole rows: one segment
     ((slice(0, 4), slice(1, 2)), (slice(2, 3), slice(0, 4))),   # a column <- a row

@@ -89,7 +89,9 @@ def test_start_queues_an_event_instead_of_synchronising_the_stream(mode):
 
 def _graph_plans(ctx):
     """progress='graph': the copy engines pull every receive box from the peers' buffers (CUDA IPC) in a
-    replayed CUDA graph; start/wait are stream events. Alltoall and a halo exchange, many starts, exact."""
+    replayed CUDA graph; start/wait are stream events. Alltoall (buffers are views at storage offsets) and a
+    halo exchange, many starts, exact; the peers' mappings live as long as the requests (the first device run
+    died here with an illegal memory access: they were closed right after capture)."""
     import torch.distributed as dist
 
     import hpdl.offload as ho
@@ -97,8 +99,11 @@ def _graph_plans(ctx):
 
     dev = torch.device("cuda", 0)
     P, r = ctx.world_size, ctx.rank
-    inp = torch.zeros(P, 4096, device=dev)
-    out = torch.zeros(P, 4096, device=dev)
+    # views with storage offsets, different on every rank (the pulls must add the peer's offsets)
+    inp_base = torch.full((P * 4096 + 37 + r,), -7.0, device=dev)
+    inp = inp_base[37 + r:].view(P, 4096)
+    out_base = torch.full((P * 4096 + 5 + 3 * r + 11,), -7.0, device=dev)
+    out = out_base[5 + 3 * r:5 + 3 * r + P * 4096].view(P, 4096)
     u = torch.zeros(4, 6, 6, device=dev)
     wrong = 0
     a2a = ho.alltoall_init(inp, out, progress="graph", timeout=60)
@@ -116,6 +121,8 @@ def _graph_plans(ctx):
         wrong += int((got.view(-1) != want).sum())
         wrong += int((got_u[0, 1:-1, 1:-1] != 100 * ((r - 1) % P) + i).sum())
         wrong += int((got_u[-1, 1:-1, 1:-1] != 100 * ((r + 1) % P) + i).sum())
+        rest = out_base.cpu()  # nothing written outside the receive box
+        wrong += int((rest[:5 + 3 * r] != -7).sum()) + int((rest[5 + 3 * r + P * 4096:] != -7).sum())
     a2a.free()
     halo.free()
     dist.barrier()

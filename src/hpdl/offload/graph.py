@@ -23,8 +23,10 @@ transposes); multi-step plans (ring Allreduce) need the agent.
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -57,6 +59,121 @@ def check_single_phase(plans: list[CompiledPlan]) -> None:
             if src is not None and any(_overlap(src, w) for w in writes):
                 raise PlanError(f"rank {p.rank} op {o.describe()}: reads {src}, which the plan also writes; "
                                 "progress='graph' needs read boxes that no operation writes", op=o.name, rank=p.rank)
+
+
+@dataclass(frozen=True)
+class BufferLayout:
+    """Where a registered buffer lies in its storage, in the units torch uses: ``shape`` and ``stride`` in
+    elements, ``offset`` the tensor's storage offset in elements, ``itemsize`` bytes per element,
+    ``storage_nbytes`` the storage's size in bytes and ``storage_offset_bytes`` the storage's offset inside the
+    CUDA allocation that an IPC handle opens (``cudaIpcOpenMemHandle`` maps the caching allocator's whole
+    segment; torch sub-allocates blocks in it). 0 for a local tensor (its storage is not opened by handle)."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    itemsize: int
+    storage_nbytes: int
+    storage_offset_bytes: int = 0
+
+    @classmethod
+    def of_tensor(cls, t: torch.Tensor) -> "BufferLayout":
+        return cls(tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.element_size(),
+                   t.untyped_storage().nbytes())
+
+    @classmethod
+    def of_ipc(cls, rebuild, args) -> "BufferLayout":
+        """From ``torch.multiprocessing.reductions.reduce_tensor``'s ``(rebuild, args)`` of a CUDA tensor: the
+        arguments are read by name (``tensor_size``, ``tensor_stride``, ``tensor_offset``, ``dtype``,
+        ``storage_size_bytes``, ``storage_offset_bytes``), not by position, so a reordering across torch
+        versions cannot shift them. Raises OffloadError if ``rebuild`` does not take those names."""
+        try:
+            a = inspect.signature(rebuild).bind(*args).arguments
+            return cls(tuple(a["tensor_size"]), tuple(a["tensor_stride"]), int(a["tensor_offset"]),
+                       torch.empty((), dtype=a["dtype"]).element_size(), int(a["storage_size_bytes"]),
+                       int(a["storage_offset_bytes"]))
+        except (TypeError, KeyError) as exc:
+            raise OffloadError(f"cannot read a CUDA IPC handle made by {getattr(rebuild, '__name__', rebuild)!r} "
+                               f"({type(exc).__name__}: {exc}); progress='graph' expects torch's "
+                               "rebuild_cuda_tensor arguments") from exc
+
+    def extent(self, box: tuple[tuple[int, int], ...]) -> tuple[int, int]:
+        """``(first byte, bytes spanned)`` of ``box`` (``[start, stop)`` per dimension), counted from the start of
+        the storage; an empty box spans 0 bytes at its first element's position."""
+        first = self.offset + sum(a * s for (a, _), s in zip(box, self.stride))
+        if any(b <= a for a, b in box):
+            return first * self.itemsize, 0
+        last = first + sum((b - a - 1) * s for (a, b), s in zip(box, self.stride))
+        return first * self.itemsize, (last - first + 1) * self.itemsize
+
+
+@dataclass(frozen=True)
+class Pull:
+    """One copy of a rank's graph: ``nbytes`` from ``src_buffer`` of rank ``src_rank`` (bytes
+    ``[src_off, src_off + src_span)`` of its storage, which starts ``src_storage_offset_bytes`` into the opened
+    allocation) into ``dst_buffer`` of this rank (``[dst_off, dst_off + dst_span)`` of its storage). ``op`` is
+    the plan operation (recv or copy) that the copy completes. Spans equal ``nbytes`` for contiguous boxes."""
+
+    op: str
+    src_rank: int
+    src_buffer: str
+    src_box: tuple[tuple[int, int], ...]
+    src_off: int
+    src_span: int
+    src_storage_offset_bytes: int
+    dst_buffer: str
+    dst_box: tuple[tuple[int, int], ...]
+    dst_off: int
+    dst_span: int
+    nbytes: int
+
+
+def plan_pulls(plans: list[CompiledPlan], rank: int, layouts: dict[int, dict[str, BufferLayout]]) -> list[Pull]:
+    """The copies of ``rank``'s graph with their byte ranges, every one checked to lie inside its storage
+    (so inside the peer's allocation that the IPC handle opened) before anything is captured.
+
+    Args:
+        plans: every rank's compiled plan (single-phase, see :func:`check_single_phase`).
+        layouts: ``layouts[q][buffer]`` for ``rank`` and every rank it receives from.
+
+    Returns: one :class:`Pull` per non-empty receive or local copy, in plan order.
+    Raises: PlanError (naming the rank, the operation, the buffer, the byte range and the storage size) when a
+    box leaves its buffer's shape or storage, when both ends disagree on bytes, or a layout is missing.
+    """
+    sends = {o.message: (q, o) for q in range(len(plans)) for o in plans[q].ops if o.kind == "send"}
+    out = []
+    for o in plans[rank].ops:
+        if o.kind == "copy":
+            q, src = rank, o.src
+        elif o.kind == "recv":
+            q, so = sends[o.message]
+            src = so.src
+        else:
+            continue
+        ends = []
+        for who, region, role in ((q, src, "src"), (rank, o.dst, "dst")):
+            lay = layouts.get(who, {}).get(region.buffer)
+            if lay is None:
+                raise PlanError(f"rank {rank} op {o.describe()}: no layout of rank {who}'s buffer {region.buffer!r}",
+                                op=o.name, rank=rank)
+            if len(region.box) != len(lay.shape) or any(not 0 <= a <= b <= n for (a, b), n in
+                                                        zip(region.box, lay.shape)):
+                raise PlanError(f"rank {rank} op {o.describe()}: {role} {region} of rank {who} leaves its buffer "
+                                f"of shape {lay.shape}", op=o.name, rank=rank)
+            off, span = lay.extent(region.box)
+            if off < 0 or off + span > lay.storage_nbytes:
+                raise PlanError(f"rank {rank} op {o.describe()}: {role} {region} of rank {who} covers bytes "
+                                f"[{off}, {off + span}) of a storage of {lay.storage_nbytes} bytes (at byte "
+                                f"{lay.storage_offset_bytes} of its allocation)", op=o.name, rank=rank)
+            ends.append((lay, off, span, region.numel * lay.itemsize))
+        (sl, soff, sspan, sbytes), (dl, doff, dspan, dbytes) = ends
+        if sbytes != dbytes:
+            raise PlanError(f"rank {rank} op {o.describe()}: {sbytes} bytes from rank {q}'s {src} into {dbytes} "
+                            f"bytes of {o.dst}", op=o.name, rank=rank)
+        if dbytes:
+            out.append(Pull(o.name, q, src.buffer, src.box, soff, sspan, sl.storage_offset_bytes, o.dst.buffer,
+                            o.dst.box, doff, dspan, dbytes))
+    return out
 
 
 def _gather(value, group):
@@ -115,49 +232,75 @@ class GraphRequest:
                     "pulled": self.pulled.ipc_handle()}
         everyone = _gather(mine, group)
         self._mapper = shm.Mapper()
-        world = len(plans)
-        self._peer_flags, self._peer_ready, self._peer_pulled, peer_bufs = {}, {}, {}, {}
+        self._peer_flags, self._peer_ready, self._peer_pulled = {}, {}, {}
+        # the peers' buffers opened by CUDA IPC: held for the request's life. The graph keeps raw addresses
+        # only; dropping the last tensor of an opened allocation closes its mapping (cudaIpcCloseMemHandle), and
+        # a replay then reads unmapped memory (the illegal memory access of the first device run)
+        self._peer_bufs: dict[int, dict[str, torch.Tensor]] = {}
         sources = sorted({o.peer for o in self.plan.ops if o.kind == "recv" and o.peer != rank})
         pullers = sorted({o.peer for o in self.plan.ops if o.kind == "send" and o.peer != rank})
+        layouts = {rank: {n: BufferLayout.of_tensor(t) for n, t in tensors.items()}}
         for q in set(sources) | set(pullers):
             info = everyone[q]
             self._peer_flags[q] = self._mapper.tensor(info["flags"])
             if q in sources:
                 self._peer_ready[q] = torch.cuda.Event.from_ipc_handle(self.device, info["ready"])
-                peer_bufs[q] = {n: fn(*args) for n, (fn, args) in info["buffers"].items()}
-            if q in pullers:
-                self._peer_pulled[q] = torch.cuda.Event.from_ipc_handle(self.device, info["pulled"])
+                self._peer_bufs[q] = {n: fn(*args) for n, (fn, args) in info["buffers"].items()}
+                layouts[q] = {n: BufferLayout.of_ipc(fn, args) for n, (fn, args) in info["buffers"].items()}
         self.sources, self.pullers = sources, pullers
-        # the pulls: (dst view in my buffer, src view in the sender's)
-        sends = {}
-        for q in range(world):
-            for o in plans[q].ops:
-                if o.kind == "send":
-                    sends[o.message] = (q, o)
-        pulls = []
-        for o in self.plan.ops:
-            if o.kind == "copy":
-                pulls.append((tensors[o.dst.buffer][o.dst.slices()], tensors[o.src.buffer][o.src.slices()]))
-            elif o.kind == "recv":
-                q, so = sends[o.message]
-                src_t = tensors if q == rank else peer_bufs[q]
-                pulls.append((tensors[o.dst.buffer][o.dst.slices()], src_t[so.src.buffer][so.src.slices()]))
         self._stream = torch.cuda.Stream(self.device)
         self._graph = None
-        pulls = [(d, s) for d, s in pulls if d.numel()]
-        if pulls:
-            self._graph = torch.cuda.CUDAGraph()
-            # thread_local: other requests' launcher threads may touch CUDA while this one captures
-            with torch.cuda.graph(self._graph, stream=self._stream, capture_error_mode="thread_local"):
-                for d, s in pulls:
-                    d.copy_(s.reshape(d.shape))
-        self._npulls = len(pulls)
+        self._pulls: list[Pull] = []
         self._go = threading.Event()
         self._stop = False
         self._error: str | None = None
+        err = None
+        try:
+            for q in sources:
+                bufs = everyone[q]["buffers"]
+                layouts[q] = {n: BufferLayout.of_ipc(fn, args) for n, (fn, args) in bufs.items()}
+                self._peer_bufs[q] = {n: fn(*args) for n, (fn, args) in bufs.items()}
+                for n, t in self._peer_bufs[q].items():  # the opened tensor is the one the handle describes
+                    want = layouts[q][n]
+                    got = BufferLayout.of_tensor(t)
+                    if (got.shape, got.stride, got.offset, got.storage_nbytes) != \
+                            (want.shape, want.stride, want.offset, want.storage_nbytes):
+                        raise OffloadError(f"rank {q}'s buffer {n!r} opened by CUDA IPC as {got}, its handle "
+                                           f"says {want}")
+            self._pulls = plan_pulls(plans, rank, layouts)
+            views = [self._views(p, tensors) for p in self._pulls]
+            if views:
+                self._graph = torch.cuda.CUDAGraph()
+                # thread_local: other requests' launcher threads may touch CUDA while this one captures
+                with torch.cuda.graph(self._graph, stream=self._stream, capture_error_mode="thread_local"):
+                    for d, src in views:
+                        d.copy_(src.reshape(d.shape))
+        except (PlanError, OffloadError, RuntimeError) as exc:
+            msg = str(exc) if str(exc).startswith("rank ") else f"rank {rank}: {exc}"
+            err = (msg, isinstance(exc, PlanError))
+        self._npulls = len(self._pulls)
+        errs = [e for e in _gather(err, group) if e]  # every rank learns of any rank's failure, none hangs
+        if errs:
+            self._graph, self._peer_bufs = None, {}
+            raise (PlanError if errs[0][1] else OffloadError)(errs[0][0])
         self._thread = threading.Thread(target=self._launcher, name=f"hpdl-offload-graph-{rank}", daemon=True)
         self._thread.start()
         _gather(None, group)  # every rank's graph is captured and its launcher runs before any start
+
+    def _views(self, p: Pull, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (dst, src) tensor views of one planned copy, checked against the planned byte offsets (torch's
+        view arithmetic and :func:`plan_pulls` must agree before a raw address enters a graph)."""
+        src_t = tensors if p.src_rank == self.plan.rank else self._peer_bufs[p.src_rank]
+        pairs = ((tensors[p.dst_buffer], p.dst_box, p.dst_off, "dst"),
+                 (src_t[p.src_buffer], p.src_box, p.src_off, "src"))
+        out = []
+        for t, box, off, role in pairs:
+            v = t[tuple(slice(a, b) for a, b in box)]
+            got = v.data_ptr() - v.untyped_storage().data_ptr()
+            if got != off:
+                raise OffloadError(f"op {p.op!r}: {role} view starts at byte {got} of its storage, planned {off}")
+            out.append(v)
+        return out[0], out[1]
 
     # ---- the launcher thread ---------------------------------------------------------------------------
     def _wait_word(self, t: torch.Tensor, word: int, g: int, deadline: float) -> bool:
@@ -262,7 +405,10 @@ class GraphRequest:
         self._stop = True
         self._go.set()
         self._thread.join(timeout=5)
+        # the last replay may still be reading the peers' memory: let it finish before their mappings close
+        self._stream.synchronize()
         self._graph = None
+        self._peer_bufs = {}
 
     def __enter__(self) -> "GraphRequest":
         return self

@@ -389,10 +389,10 @@ class NativeEngine:
         return Status(error, None, tuple(pending))
 
     def stats(self) -> dict:
-        out = (ctypes.c_int64 * 4)()
+        out = (ctypes.c_int64 * 5)()
         if self.handle:
             self.lib.hpe_stats(self.handle, out)
-        return {"passes": out[0], "wakeups": out[1], "parallel_jobs": out[2], "bytes": out[3]}
+        return {"passes": out[0], "wakeups": out[1], "parallel_jobs": out[2], "bytes": out[3], "pieces": out[4]}
 
 
 def default_cpus(threads: int, index: int = 0) -> list[int]:

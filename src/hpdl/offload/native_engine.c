@@ -59,7 +59,10 @@ typedef struct {
     seg_t *segs;
 } match_t;
 
-typedef struct { int64_t src, dst, n; int dtype, redop; } piece_t;
+/* a piece: one span [src, src + n) -> dst, or (segs != NULL) a run of nseg small segments copied one after
+ * another: the unit a worker takes with one atomic. Strided boxes (the FFT's row transpose: 256-byte runs)
+ * made one piece per segment, and the shared counter's cache line then cost more than the copies. */
+typedef struct { int64_t src, dst, n; int dtype, redop; const seg_t *segs; int nseg; } piece_t;
 typedef struct { int inst, op, match; } done_t;
 
 typedef struct engine engine_t;
@@ -83,7 +86,7 @@ struct engine {
     int job_next, job_left;    /* next piece to take; workers still in the job */
     uint32_t job_done;         /* futex: the dispatcher waits for it to change */
     int dispatcher_cpu;
-    int64_t passes, wakeups, jobs, bytes;
+    int64_t passes, wakeups, jobs, bytes, pieces_run;
 };
 
 static int64_t now_ns(void) {
@@ -122,10 +125,10 @@ static void pin(int cpu) {
 /* ---- element kernels ------------------------------------------------------------------------------ */
 #define REDUCE_LOOP(T, FLOAT)                                                            \
     {                                                                                    \
-        T *d = (T *)(intptr_t)p->dst;                                                    \
-        const T *s = (const T *)(intptr_t)p->src;                                        \
-        int64_t n = p->n / (int64_t)sizeof(T);                                           \
-        switch (p->redop) {                                                              \
+        T *d = (T *)(intptr_t)dst;                                                       \
+        const T *s = (const T *)(intptr_t)src;                                           \
+        int64_t n = nbytes / (int64_t)sizeof(T);                                         \
+        switch (redop) {                                                                 \
         case 0: for (int64_t i = 0; i < n; i++) d[i] = d[i] + s[i]; break;               \
         case 1: for (int64_t i = 0; i < n; i++) d[i] = d[i] * s[i]; break;               \
         case 2: for (int64_t i = 0; i < n; i++) {                                        \
@@ -139,17 +142,25 @@ static void pin(int cpu) {
         }                                                                                \
     }
 
-static void run_piece(const piece_t *p) {
-    if (p->redop < 0) {
-        memcpy((void *)(intptr_t)p->dst, (const void *)(intptr_t)p->src, (size_t)p->n);
+static void run_span(int64_t src, int64_t dst, int64_t nbytes, int dtype, int redop) {
+    if (redop < 0) {
+        memcpy((void *)(intptr_t)dst, (const void *)(intptr_t)src, (size_t)nbytes);
         return;
     }
-    switch (p->dtype) {
+    switch (dtype) {
     case 0: REDUCE_LOOP(float, 1) break;
     case 1: REDUCE_LOOP(double, 1) break;
     case 2: REDUCE_LOOP(int32_t, 0) break;
     case 3: REDUCE_LOOP(int64_t, 0) break;
     }
+}
+
+static void run_piece(const piece_t *p) {
+    if (p->segs == NULL) {
+        run_span(p->src, p->dst, p->n, p->dtype, p->redop);
+        return;
+    }
+    for (int k = 0; k < p->nseg; k++) run_span(p->segs[k].src, p->segs[k].dst, p->segs[k].n, p->dtype, p->redop);
 }
 
 static void run_pieces(engine_t *e) {
@@ -246,19 +257,48 @@ static void begin(engine_t *e, int ii, int64_t gen) {
         if (in->ops[i].ndeps == 0) push_ready(e, ii, i);
 }
 
+static piece_t *new_piece(engine_t *e, int dtype, int redop) {
+    GROW(e->pieces, e->npieces, e->cap_pieces, 1);
+    piece_t *p = &e->pieces[e->npieces++];
+    p->dtype = dtype;
+    p->redop = redop;
+    p->segs = NULL;
+    p->nseg = 0;
+    return p;
+}
+
+/* segments of at least PIECE bytes are cut into equal pieces (no tiny tail); runs of smaller consecutive
+ * segments are grouped into pieces of about PIECE bytes. The segs arrays stay put while the job runs (it runs
+ * under the engine's lock, which registration and freeing take). */
 static void add_pieces(engine_t *e, const seg_t *segs, int nseg, int dtype, int redop) {
-    for (int k = 0; k < nseg; k++) {
-        int64_t off = 0, n = segs[k].n;
-        while (off < n) {
-            int64_t len = n - off < PIECE + PIECE / 2 ? n - off : PIECE; /* equal pieces, no tiny tail */
-            GROW(e->pieces, e->npieces, e->cap_pieces, 1);
-            piece_t *p = &e->pieces[e->npieces++];
-            p->src = segs[k].src + off;
-            p->dst = segs[k].dst + off;
-            p->n = len;
-            p->dtype = dtype;
-            p->redop = redop;
-            off += len;
+    int k = 0;
+    while (k < nseg) {
+        int64_t n = segs[k].n;
+        if (n >= PIECE) {
+            int64_t off = 0;
+            while (off < n) {
+                int64_t len = n - off < PIECE + PIECE / 2 ? n - off : PIECE;
+                piece_t *p = new_piece(e, dtype, redop);
+                p->src = segs[k].src + off;
+                p->dst = segs[k].dst + off;
+                p->n = len;
+                off += len;
+            }
+            k++;
+            continue;
+        }
+        int k0 = k;
+        int64_t total = 0;
+        while (k < nseg && segs[k].n < PIECE && total < PIECE) total += segs[k++].n;
+        piece_t *p = new_piece(e, dtype, redop);
+        if (k - k0 == 1) {
+            p->src = segs[k0].src;
+            p->dst = segs[k0].dst;
+            p->n = segs[k0].n;
+        } else {
+            p->segs = segs + k0;
+            p->nseg = k - k0;
+            p->n = total;
         }
     }
 }
@@ -308,6 +348,7 @@ static void run_job(engine_t *e) {
     int64_t total = 0;
     for (int i = 0; i < e->npieces; i++) total += e->pieces[i].n;
     e->bytes += total;
+    e->pieces_run += e->npieces;
     e->job_next = 0;
     if (e->nworkers > 0 && total >= e->par_min && e->npieces > 1) {
         e->jobs++;
@@ -544,5 +585,5 @@ int hpe_query(engine_t *e, int id, int8_t *out, int32_t *counts) {
 }
 
 void hpe_stats(engine_t *e, int64_t *out) {
-    out[0] = e->passes; out[1] = e->wakeups; out[2] = e->jobs; out[3] = e->bytes;
+    out[0] = e->passes; out[1] = e->wakeups; out[2] = e->jobs; out[3] = e->bytes; out[4] = e->pieces_run;
 }
