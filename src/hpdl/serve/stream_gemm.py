@@ -163,17 +163,30 @@ if triton is not None:
             rs = 1.0 / tl.sqrt_rn(ss / K + eps)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc, acc2 = _mac(acc, acc2, xrow, nw_ptr, rs, wv0, wv0b, k_lo, k_hi, rk, mm,
-                         EPI, NORM, DOT, PREC, UPCAST)
-        for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
-            kk = k0 + rk
-            wm = nm[:, None] & (kk < k_hi)[None, :]
-            wv = tl.load(wrow + kk[None, :], mask=wm, other=0.0)
-            wv2 = wv
-            if EPI == 2:
-                wv2 = tl.load(wrow2 + kk[None, :], mask=wm, other=0.0)
-            acc, acc2 = _mac(acc, acc2, xrow, nw_ptr, rs, wv, wv2, k0, k_hi, rk, mm,
+        if DOT:  # Triton's pipeliner stages the tiles of the loop through shared memory
+            acc, acc2 = _mac(acc, acc2, xrow, nw_ptr, rs, wv0, wv0b, k_lo, k_hi, rk, mm,
                              EPI, NORM, DOT, PREC, UPCAST)
+            for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+                kk = k0 + rk
+                wm = nm[:, None] & (kk < k_hi)[None, :]
+                wv = tl.load(wrow + kk[None, :], mask=wm, other=0.0)
+                wv2 = wv
+                if EPI == 2:
+                    wv2 = tl.load(wrow2 + kk[None, :], mask=wm, other=0.0)
+                acc, acc2 = _mac(acc, acc2, xrow, nw_ptr, rs, wv, wv2, k0, k_hi, rk, mm,
+                                 EPI, NORM, DOT, PREC, UPCAST)
+        else:  # the GEMV is not pipelined by Triton: prefetch the next weight tile into registers by hand
+            wv, wv2 = wv0, wv0b
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                kn = k0 + BLOCK_K + rk
+                wmn = nm[:, None] & (kn < k_hi)[None, :]  # all false after the last tile: no traffic
+                wn = tl.load(wrow + kn[None, :], mask=wmn, other=0.0)
+                wn2 = wn
+                if EPI == 2:
+                    wn2 = tl.load(wrow2 + kn[None, :], mask=wmn, other=0.0)
+                acc, acc2 = _mac(acc, acc2, xrow, nw_ptr, rs, wv, wv2, k0, k_hi, rk, mm,
+                                 EPI, NORM, DOT, PREC, UPCAST)
+                wv, wv2 = wn, wn2
         mask = mm[:, None] & nm[None, :]
         if SPLIT_K == 1:
             _epilogue(acc, acc2, rm, rn, mask, out_ptr, res_ptr, stride_om, stride_rm, EPI)
@@ -211,11 +224,13 @@ def m_bucket(m: int) -> int:
 
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, programs per SM; 0: no split]) per M bucket; a small set,
-# so tuning on the device (compile + time each) stays within seconds per shape. The GEMV configs' loads are not
-# pipelined by Triton (no tl.dot; sm_90 compiles give them no shared memory), so small programs with more of them
-# resident per SM, and one large program per SM, are among the candidates.
+# so tuning on the device (compile + time each) stays within seconds per shape. The GEMV configs (BLOCK_M = 1)
+# are not pipelined by Triton (no tl.dot; sm_90 compiles give them no shared memory) but prefetch the next weight
+# tile into registers, so each thread holds 2 x BLOCK_N x BLOCK_K / threads weights: the tiles are kept at 16-64
+# elements a thread (ptxas for sm_90: no spills with the SiLU-mul epilogue and the norm prologue, except the 4th
+# candidate there; the 32 x 512 / 4-warp tiles of the first version spilled), with 2-8 programs per SM.
 _CANDIDATES = {
-    1: [(1, 32, 512, 4, 3), (1, 64, 256, 4, 4), (1, 16, 512, 2, 4, 6), (1, 32, 512, 4, 3, 4), (1, 64, 512, 8, 1, 1)],
+    1: [(1, 16, 256, 4, 1, 4), (1, 32, 256, 8, 1, 2), (1, 8, 512, 4, 1, 4), (1, 32, 256, 4, 1, 2), (1, 16, 256, 4, 1, 8)],
     16: [(16, 32, 256, 4, 4), (16, 64, 128, 4, 4), (16, 64, 256, 4, 3)],
     32: [(32, 32, 256, 4, 4), (32, 64, 128, 4, 4), (16, 64, 256, 4, 3)],
     64: [(64, 32, 256, 4, 3), (64, 64, 128, 4, 4), (32, 64, 128, 4, 4), (64, 64, 128, 4, 4, 0)],
