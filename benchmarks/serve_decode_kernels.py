@@ -2,6 +2,8 @@
 built on them against the current fused step (cuBLAS GEMMs) and the eager step, in one device run (1 x H200).
 
     python3 benchmarks/serve_decode_kernels.py --out $OUT/serve          # device, about 3-4 minutes
+    python3 benchmarks/serve_decode_kernels.py --quick --parts compile,greedy,step,gemm --out $OUT/serve
+                                                                         # device, about 2 minutes: rows 1, 64
     python3 benchmarks/serve_decode_kernels.py --smoke --out /tmp/sdk    # CPU plumbing check: tiny shapes, torch
                                                                          # fallback (TRITON_INTERPRET=1: the kernels)
     python3 benchmarks/serve_decode_kernels.py --plot DIR                # the PNG from DIR/decode_kernels.json
@@ -23,7 +25,13 @@ decode_kernels.png and log.txt. Parts, in order; one that would start past the t
    weights come from HBM, not L2; GB/s counts weight + input + output bytes. Max abs error against torch on the
    device (bf16) for each, and the torch reference's own error against float32 for scale.
 4. greedy_float32: 8 requests x 48 greedy tokens through ``LLMEngine`` (float32 llama-1b, CUDA graphs), stream
-   step vs eager step: identical tokens? (stream_gemm.TUNE off: one compile per variant.)
+   step (and with PDL) vs eager step: identical tokens? (stream_gemm.TUNE off: one compile per variant.)
+
+"stream_pdl" (step path, GEMM column, greedy runner) is the stream path with ``stream_gemm.PDL = True``
+(Programmatic Dependent Launch), for the rows in PDL_ROWS; ``tuned_us`` is the tuner's own time for the plain
+stream GEMM's chosen config, to compare with the table's ``stream_us``. ``--parts`` runs compile first, the rest
+in the order given; ``--quick`` (rows 1 and 64; eager, cuBLAS fused, stream and stream_pdl steps; PDL at 1 row;
+greedy with PDL only) fits a 150 s command.
 """
 
 from __future__ import annotations
@@ -40,12 +48,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 MODEL, DTYPE, ROWS, STEP_ROWS, CTX, KV_LEN, SLOTS, MAX_LEN = "llama-1b", "bfloat16", [1, 16, 64, 256], [1, 64, 256], \
     264, 384, 256, 640
 COPIES, LM_COPIES, REPS, BUDGET_S, JOBS, COMPILE_S = 22, 4, 30, 225.0, 12, 75.0
+NORM_PROLOGUE_ROWS = 16  # hpdl.serve.fused.NORM_PROLOGUE_ROWS (checked in main)
 PDL_ROWS, PARTS = [1, 8, 16, 64, 256], ""  # rows whose stream GEMMs are also measured with PDL; --parts
-PDL_ON, STEP_PATHS, GREEDY = True, "eager,fused_cublas,stream_norm_in_gemm,stream_norm_kernel,stream_pdl", \
-    "stream,stream_pdl"
+PDL_ON, GREEDY = True, "stream,stream_pdl"
+STEP_PATHS = "eager,fused_cublas,stream,stream_norm_in_gemm,stream_norm_kernel,stream_pdl"
 # --quick: the one-command device check after the fixes of 2026-12-04 (fits ~120 s of a 150 s command)
 QUICK = dict(ROWS=[1, 64], STEP_ROWS=[1, 64], COPIES=16, REPS=20, BUDGET_S=128.0, COMPILE_S=40.0, JOBS=14,
-             STEP_PATHS="eager,fused_cublas,stream_norm_in_gemm,stream_pdl", GREEDY="stream_pdl", PDL_ROWS=[1, 8])
+             STEP_PATHS="eager,fused_cublas,stream,stream_pdl", GREEDY="stream_pdl", PDL_ROWS=[1, 8])
 SMOKE = dict(MODEL="llama-tiny", DTYPE="float32", ROWS=[1, 4], STEP_ROWS=[1, 4], CTX=20, KV_LEN=32, SLOTS=4,
              MAX_LEN=64, COPIES=2, LM_COPIES=1, REPS=3, JOBS=2)  # the pool runs under TRITON_INTERPRET=1 only
 _T0 = time.perf_counter()
@@ -142,7 +151,7 @@ def compile_all(device) -> None:
         for M in sorted(set(ROWS) | set(STEP_ROWS)):
             jobs.append((nw, K, M, {}, 0, str(device), DTYPE, False))
             jobs.append((nw, K, M, fused, 1 << 30, str(device), DTYPE, False))  # with the norm prologue
-            if fused.get("norm") and "stream_norm_kernel" in STEP_PATHS:
+            if fused.get("norm") and ("stream_norm_kernel" in STEP_PATHS or M > NORM_PROLOGUE_ROWS):
                 jobs.append((nw, K, M, fused, 0, str(device), DTYPE, False))    # the step without it
         if "greedy" in PARTS:  # the float32 engine's variants (TUNE off: the first candidate), 8 and 1 rows
             for M in (1, 8):
@@ -319,7 +328,8 @@ def steps(device, copy_bw: float) -> None:
     paths = {"eager": None, "fused_cublas": dict(gemm="cublas"),
              "stream_norm_in_gemm": dict(gemm="stream", norm_prologue_rows=big),
              "stream_norm_kernel": dict(gemm="stream", norm_prologue_rows=0),
-             "stream_pdl": dict(gemm="stream", norm_prologue_rows=big)}  # stream_gemm.PDL on
+             "stream": dict(gemm="stream"),  # the RMSNorm in the GEMMs up to fused.NORM_PROLOGUE_ROWS rows
+             "stream_pdl": dict(gemm="stream")}  # the same with stream_gemm.PDL on
     want = STEP_PATHS.split(",")
     paths = {k: v for k, v in paths.items() if k in want and (k != "stream_pdl" or sg.pdl_supported(device))}
     res = []
@@ -506,6 +516,10 @@ def main() -> None:
                        "ctx": CTX, "kv_len": KV_LEN, "budget_s": BUDGET_S})
     parts = args.parts.split(",")
     globals()["PARTS"] = parts
+    from hpdl.serve import fused as fz
+
+    if fz.NORM_PROLOGUE_ROWS != NORM_PROLOGUE_ROWS:
+        raise SystemExit(f"update NORM_PROLOGUE_ROWS here to {fz.NORM_PROLOGUE_ROWS} (the compile pool's variants)")
     if "compile" in parts:
         try:
             compile_all(device)
