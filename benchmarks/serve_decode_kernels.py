@@ -115,7 +115,7 @@ def _compile_job(job) -> str:
 
     from hpdl.serve import stream_gemm as sg
 
-    nw, K, M, fused, norm_rows, dev, dtype, first_only = job
+    nw, K, M, fused, norm_rows, dev, dtype, first_only, pdl_too = job  # pdl_too: also the PDL variants
     dev, dt = torch.device(dev), getattr(torch, dtype)
     x = torch.randn(M, K, device=dev, dtype=dt)
     w = torch.randn(nw, K, device=dev, dtype=dt) * 0.02
@@ -129,7 +129,7 @@ def _compile_job(job) -> str:
     cands = sg.candidates(M, n, K, sms, x.element_size(), epi, "norm_weight" in kw, sg.shared_memory_limit(dev))
     for cfg in cands[:1] if first_only else cands:
         sg._launch(x, w, out, kw.get("residual"), kw.get("norm_weight"), kw.get("eps", 1e-6), epi, cfg)
-        if PDL_ON and sg.pdl_supported(dev) and M in PDL_ROWS:  # and its PDL variant (another compile: PDL is a constexpr)
+        if pdl_too and sg.pdl_supported(dev):  # its PDL variant (PDL is a constexpr: another compile)
             sg._launch(x, w, out, kw.get("residual"), kw.get("norm_weight"), kw.get("eps", 1e-6), epi, cfg,
                        pdl=True)
     if dev.type == "cuda":
@@ -149,13 +149,14 @@ def compile_all(device) -> None:
     jobs = []
     for name, (nw, K, fused) in gemm_shapes().items():
         for M in sorted(set(ROWS) | set(STEP_ROWS)):
-            jobs.append((nw, K, M, {}, 0, str(device), DTYPE, False))
-            jobs.append((nw, K, M, fused, 1 << 30, str(device), DTYPE, False))  # with the norm prologue
+            pdl = PDL_ON and M in PDL_ROWS
+            jobs.append((nw, K, M, {}, 0, str(device), DTYPE, False, pdl))
+            jobs.append((nw, K, M, fused, 1 << 30, str(device), DTYPE, False, pdl))  # with the norm prologue
             if fused.get("norm") and ("stream_norm_kernel" in STEP_PATHS or M > NORM_PROLOGUE_ROWS):
-                jobs.append((nw, K, M, fused, 0, str(device), DTYPE, False))    # the step without it
+                jobs.append((nw, K, M, fused, 0, str(device), DTYPE, False, pdl))    # the step without it
         if "greedy" in PARTS:  # the float32 engine's variants (TUNE off: the first candidate), 8 and 1 rows
             for M in (1, 8):
-                jobs.append((nw, K, M, fused, 1 << 30, str(device), "float32", True))
+                jobs.append((nw, K, M, fused, 1 << 30, str(device), "float32", True, "stream_pdl" in GREEDY))
     # ProcessPoolExecutor, not Pool: a worker that dies raises BrokenProcessPool instead of hanging the map
     ex = ProcessPoolExecutor(min(JOBS, len(jobs)), mp_context=mp.get_context("spawn"))
     futs = [ex.submit(_compile_job, j) for j in jobs]
@@ -426,12 +427,14 @@ def greedy_float32(device) -> None:
 def table() -> str:
     lines = []
     if RES.get("gemm"):
-        lines.append("gemm     M  cublas us (frac)  stream us (frac)  pdl us   fused us (frac)  tuner us  err str/fused")
+        lines.append("gemm     M  cublas us (frac)  stream us (frac)  pdl us   fused us (frac)  tuner us  "
+                     "err str/fused")
         for r in RES["gemm"]:
             pdl = r.get("stream_pdl_us")
             lines.append(f"{r['gemm']:8s} {r['M']:3d}  {r['cublas_us']:7.2f} ({r['cublas_frac_copy']:.2f})  "
                          f"{r.get('stream_us', float('nan')):7.2f} ({r.get('stream_frac_copy', 0):.2f})  "
-                         f"{pdl if pdl is not None else float('nan'):7.2f}  {r.get('stream_fused_us', float('nan')):7.2f} "
+                         f"{pdl if pdl is not None else float('nan'):7.2f}  "
+                         f"{r.get('stream_fused_us', float('nan')):7.2f} "
                          f"({r.get('stream_fused_frac_copy', 0):.2f})  {r.get('tuned_us')}  "
                          f"{r['err_stream']:.2g}/{r['err_stream_fused']:.2g}")
     if RES.get("step"):

@@ -230,7 +230,8 @@ def m_bucket(m: int) -> int:
 # elements a thread (ptxas for sm_90: no spills with the SiLU-mul epilogue and the norm prologue, except the 4th
 # candidate there; the 32 x 512 / 4-warp tiles of the first version spilled), with 2-8 programs per SM.
 _CANDIDATES = {
-    1: [(1, 16, 256, 4, 1, 4), (1, 32, 256, 8, 1, 2), (1, 8, 512, 4, 1, 4), (1, 32, 256, 4, 1, 2), (1, 16, 256, 4, 1, 8)],
+    1: [(1, 16, 256, 4, 1, 4), (1, 32, 256, 8, 1, 2), (1, 8, 512, 4, 1, 4), (1, 32, 256, 4, 1, 2),
+        (1, 16, 256, 4, 1, 8)],
     16: [(16, 32, 256, 4, 4), (16, 64, 128, 4, 4), (16, 64, 256, 4, 3)],
     32: [(32, 32, 256, 4, 4), (32, 64, 128, 4, 4), (16, 64, 256, 4, 3)],
     64: [(64, 32, 256, 4, 3), (64, 64, 128, 4, 4), (32, 64, 128, 4, 4), (64, 64, 128, 4, 4, 0)],
