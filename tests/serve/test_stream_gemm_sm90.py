@@ -44,3 +44,24 @@ def test_shared_memory_bound_holds_for_sm90_compiles():
     ptx = _compile_sm90(cases[2][0], "bf16", 2, True, pdl=True).asm["ptx"]
     assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
     assert "griddepcontrol" not in compiled[2].asm["ptx"]
+
+
+def test_rope_kv_pdl_variant_compiles_for_sm90():
+    """With ``stream_gemm.PDL`` the fused step launches rope_kv with PDL too: it waits first, then releases."""
+    pytest.importorskip("triton")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from hpdl.serve import fused as fz
+
+    sig = dict(qkv_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32", pos_ptr="*i64", q_ptr="*bf16", kc_ptr="*bf16",
+               vc_ptr="*bf16", start="i32", s_slot="i32", s_head="i32", s_pos="i32", H="i32", HKV="i32",
+               D="constexpr", PDL="constexpr")
+    try:
+        k = triton.compile(ASTSource(fz._rope_kv_kernel, sig, constexprs=dict(D=64, PDL=True)),
+                           target=GPUTarget("cuda", 90, 32))
+    except Exception as exc:  # noqa: BLE001 - an install without the CUDA backend's tools
+        pytest.skip(f"cannot compile for sm_90 here: {exc!r}"[:200])
+    ptx = k.asm["ptx"]
+    assert ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents")
