@@ -48,12 +48,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 MODEL, DTYPE, ROWS, STEP_ROWS, CTX, KV_LEN, SLOTS, MAX_LEN = "llama-1b", "bfloat16", [1, 16, 64, 256], [1, 64, 256], \
     264, 384, 256, 640
 COPIES, LM_COPIES, REPS, BUDGET_S, JOBS, COMPILE_S = 22, 4, 30, 225.0, 12, 75.0
+GEMM_LEFT_S = 50.0  # the gemm part starts no (GEMM, rows) row with less time left
 NORM_PROLOGUE_ROWS = 16  # hpdl.serve.fused.NORM_PROLOGUE_ROWS (checked in main)
 PDL_ROWS, PARTS = [1, 8, 16, 64, 256], ""  # rows whose stream GEMMs are also measured with PDL; --parts
 PDL_ON, GREEDY = True, "stream,stream_pdl"
 STEP_PATHS = "eager,fused_cublas,stream,stream_norm_in_gemm,stream_norm_kernel,stream_pdl"
 # --quick: the one-command device check after the fixes of 2026-12-04 (fits ~120 s of a 150 s command)
 QUICK = dict(ROWS=[1, 64], STEP_ROWS=[1, 64], COPIES=16, REPS=20, BUDGET_S=128.0, COMPILE_S=40.0, JOBS=14,
+             GEMM_LEFT_S=8.0,
              STEP_PATHS="eager,fused_cublas,stream,stream_pdl", GREEDY="stream_pdl", PDL_ROWS=[1, 8])
 SMOKE = dict(MODEL="llama-tiny", DTYPE="float32", ROWS=[1, 4], STEP_ROWS=[1, 4], CTX=20, KV_LEN=32, SLOTS=4,
              MAX_LEN=64, COPIES=2, LM_COPIES=1, REPS=3, JOBS=2)  # the pool runs under TRITON_INTERPRET=1 only
@@ -216,7 +218,7 @@ def gemms(device, copy_bw: float) -> None:
         copies = LM_COPIES if name == "lm_head" else COPIES
         ws = [torch.randn(nw, K, device=device, dtype=dt) * 0.02 for _ in range(copies)]
         for M in ROWS:
-            if _left() < 50:
+            if _left() < GEMM_LEFT_S:
                 _save(f"gemm_skipped_{name}_{M}", "time budget")
                 continue
             x = torch.randn(M, K, device=device, dtype=dt)
