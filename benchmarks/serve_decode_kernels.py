@@ -2,6 +2,8 @@
 built on them against the current fused step (cuBLAS GEMMs) and the eager step, in one device run (1 x H200).
 
     python3 benchmarks/serve_decode_kernels.py --out $OUT/serve          # device, about 3-4 minutes
+    python3 benchmarks/serve_decode_kernels.py --quick --parts compile,greedy,step,gemm --out $OUT/serve
+                                                                         # device, about 2 minutes: rows 1, 64
     python3 benchmarks/serve_decode_kernels.py --smoke --out /tmp/sdk    # CPU plumbing check: tiny shapes, torch
                                                                          # fallback (TRITON_INTERPRET=1: the kernels)
     python3 benchmarks/serve_decode_kernels.py --plot DIR                # the PNG from DIR/decode_kernels.json
@@ -23,7 +25,13 @@ decode_kernels.png and log.txt. Parts, in order; one that would start past the t
    weights come from HBM, not L2; GB/s counts weight + input + output bytes. Max abs error against torch on the
    device (bf16) for each, and the torch reference's own error against float32 for scale.
 4. greedy_float32: 8 requests x 48 greedy tokens through ``LLMEngine`` (float32 llama-1b, CUDA graphs), stream
-   step vs eager step: identical tokens? (stream_gemm.TUNE off: one compile per variant.)
+   step (and with PDL) vs eager step: identical tokens? (stream_gemm.TUNE off: one compile per variant.)
+
+"stream_pdl" (step path, GEMM column, greedy runner) is the stream path with ``stream_gemm.PDL = True``
+(Programmatic Dependent Launch), for the rows in PDL_ROWS; ``tuned_us`` is the tuner's own time for the plain
+stream GEMM's chosen config, to compare with the table's ``stream_us``. ``--parts`` runs compile first, the rest
+in the order given; ``--quick`` (rows 1 and 64; eager, cuBLAS fused, stream and stream_pdl steps; PDL at 1 row;
+greedy with PDL only) fits a 150 s command.
 """
 
 from __future__ import annotations
@@ -40,6 +48,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 MODEL, DTYPE, ROWS, STEP_ROWS, CTX, KV_LEN, SLOTS, MAX_LEN = "llama-1b", "bfloat16", [1, 16, 64, 256], [1, 64, 256], \
     264, 384, 256, 640
 COPIES, LM_COPIES, REPS, BUDGET_S, JOBS, COMPILE_S = 22, 4, 30, 225.0, 12, 75.0
+GEMM_LEFT_S = 50.0  # the gemm part starts no (GEMM, rows) row with less time left
+NORM_PROLOGUE_ROWS = 16  # hpdl.serve.fused.NORM_PROLOGUE_ROWS (checked in main)
+PDL_ROWS, PARTS = [1, 8, 16, 64, 256], ""  # rows whose stream GEMMs are also measured with PDL; --parts
+PDL_ON, GREEDY = True, "stream,stream_pdl"
+STEP_PATHS = "eager,fused_cublas,stream,stream_norm_in_gemm,stream_norm_kernel,stream_pdl"
+# --quick: the one-command device check after the fixes of 2026-12-04 (fits ~120 s of a 150 s command)
+QUICK = dict(ROWS=[1, 64], STEP_ROWS=[1, 64], COPIES=16, REPS=20, BUDGET_S=128.0, COMPILE_S=40.0, JOBS=14,
+             GEMM_LEFT_S=8.0,
+             STEP_PATHS="eager,fused_cublas,stream,stream_pdl", GREEDY="stream_pdl", PDL_ROWS=[1, 8])
 SMOKE = dict(MODEL="llama-tiny", DTYPE="float32", ROWS=[1, 4], STEP_ROWS=[1, 4], CTX=20, KV_LEN=32, SLOTS=4,
              MAX_LEN=64, COPIES=2, LM_COPIES=1, REPS=3, JOBS=2)  # the pool runs under TRITON_INTERPRET=1 only
 _T0 = time.perf_counter()
@@ -100,7 +117,7 @@ def _compile_job(job) -> str:
 
     from hpdl.serve import stream_gemm as sg
 
-    nw, K, M, fused, norm_rows, dev, dtype = job
+    nw, K, M, fused, norm_rows, dev, dtype, first_only, pdl_too = job  # pdl_too: also the PDL variants
     dev, dt = torch.device(dev), getattr(torch, dtype)
     x = torch.randn(M, K, device=dev, dtype=dt)
     w = torch.randn(nw, K, device=dev, dtype=dt) * 0.02
@@ -111,8 +128,12 @@ def _compile_job(job) -> str:
     n = nw // 2 if epi == 2 else nw
     out = torch.empty(M, n, device=dev, dtype=dt)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
-    for cfg in sg.candidates(M, n, K, sms):
+    cands = sg.candidates(M, n, K, sms, x.element_size(), epi, "norm_weight" in kw, sg.shared_memory_limit(dev))
+    for cfg in cands[:1] if first_only else cands:
         sg._launch(x, w, out, kw.get("residual"), kw.get("norm_weight"), kw.get("eps", 1e-6), epi, cfg)
+        if pdl_too and sg.pdl_supported(dev):  # its PDL variant (PDL is a constexpr: another compile)
+            sg._launch(x, w, out, kw.get("residual"), kw.get("norm_weight"), kw.get("eps", 1e-6), epi, cfg,
+                       pdl=True)
     if dev.type == "cuda":
         torch.cuda.synchronize()
     return f"{nw}x{K} M={M} {fused}"
@@ -130,10 +151,14 @@ def compile_all(device) -> None:
     jobs = []
     for name, (nw, K, fused) in gemm_shapes().items():
         for M in sorted(set(ROWS) | set(STEP_ROWS)):
-            jobs.append((nw, K, M, {}, 0, str(device), DTYPE))
-            jobs.append((nw, K, M, fused, 1 << 30, str(device), DTYPE))  # with the norm prologue
-            if fused.get("norm"):
-                jobs.append((nw, K, M, fused, 0, str(device), DTYPE))    # the step without it
+            pdl = PDL_ON and M in PDL_ROWS
+            jobs.append((nw, K, M, {}, 0, str(device), DTYPE, False, pdl))
+            jobs.append((nw, K, M, fused, 1 << 30, str(device), DTYPE, False, pdl))  # with the norm prologue
+            if fused.get("norm") and ("stream_norm_kernel" in STEP_PATHS or M > NORM_PROLOGUE_ROWS):
+                jobs.append((nw, K, M, fused, 0, str(device), DTYPE, False, pdl))    # the step without it
+        if "greedy" in PARTS:  # the float32 engine's variants (TUNE off: the first candidate), 8 and 1 rows
+            for M in (1, 8):
+                jobs.append((nw, K, M, fused, 1 << 30, str(device), "float32", True, "stream_pdl" in GREEDY))
     # ProcessPoolExecutor, not Pool: a worker that dies raises BrokenProcessPool instead of hanging the map
     ex = ProcessPoolExecutor(min(JOBS, len(jobs)), mp_context=mp.get_context("spawn"))
     futs = [ex.submit(_compile_job, j) for j in jobs]
@@ -193,7 +218,7 @@ def gemms(device, copy_bw: float) -> None:
         copies = LM_COPIES if name == "lm_head" else COPIES
         ws = [torch.randn(nw, K, device=device, dtype=dt) * 0.02 for _ in range(copies)]
         for M in ROWS:
-            if _left() < 50:
+            if _left() < GEMM_LEFT_S:
                 _save(f"gemm_skipped_{name}_{M}", "time budget")
                 continue
             x = torch.randn(M, K, device=device, dtype=dt)
@@ -210,10 +235,20 @@ def gemms(device, copy_bw: float) -> None:
             r["err_stream_fused"] = (sg.stream_gemm(x, ws[0], **kw).float() - fref.float()).abs().max().item()
             # (a) times: one GEMM of a graph over every copy
             wbytes = nw * K * dt.itemsize
-            for impl, fn in (("cublas", lambda: [F.linear(x, w) for w in ws]),
-                             ("stream", lambda: [sg.stream_gemm(x, w) for w in ws]),
-                             ("stream_fused", lambda: [sg.stream_gemm(x, w, **kw) for w in ws])):
-                ms = _graph_ms(fn, REPS, device) / copies
+            impls = [("cublas", lambda: [F.linear(x, w) for w in ws]),
+                     ("stream", lambda: [sg.stream_gemm(x, w) for w in ws]),
+                     ("stream_fused", lambda: [sg.stream_gemm(x, w, **kw) for w in ws])]
+            if PDL_ON and sg.pdl_supported(device) and M in PDL_ROWS:
+                impls.append(("stream_pdl", lambda: [sg.stream_gemm(x, w) for w in ws]))
+            for impl, fn in impls:
+                sg.PDL = impl == "stream_pdl"
+                try:
+                    ms = _graph_ms(fn, REPS, device) / copies
+                except Exception as exc:  # noqa: BLE001 - e.g. a PDL launch that graph capture refuses
+                    r[f"{impl}_error"] = repr(exc)[:300]
+                    continue
+                finally:
+                    sg.PDL = False
                 io = (M * K + M * (nout if impl == "stream_fused" else nw)) * dt.itemsize
                 r[f"{impl}_us"] = round(ms * 1e3, 2)
                 r[f"{impl}_GBps"] = round((wbytes + io) / ms / 1e6, 1)
@@ -221,6 +256,19 @@ def gemms(device, copy_bw: float) -> None:
                 per_step = 1 if name == "lm_head" else _n_layers()
                 total.setdefault(f"{impl}_M{M}_ms", 0.0)
                 total[f"{impl}_M{M}_ms"] += ms * per_step
+            # the tuner's own time for the plain stream GEMM's chosen config, against the table's (sanity check)
+            r["tuned_us"] = sg.tuned_configs().get(f"{sg.m_bucket(M)}x{nw}x{K} epi0 norm0 {DTYPE}", {}).get("us")
+            if "stream_pdl_us" in r:  # the PDL launch gives the same numbers
+                sg.PDL = True
+                try:
+                    with_pdl = sg.stream_gemm(x, ws[0], **kw).float()
+                    sg.PDL = False
+                    r["err_stream_pdl_vs_stream"] = (with_pdl - sg.stream_gemm(x, ws[0], **kw).float()
+                                                     ).abs().max().item()
+                except Exception as exc:  # noqa: BLE001
+                    r["stream_pdl_error"] = repr(exc)[:300]
+                finally:
+                    sg.PDL = False
             rows.append(r)
             _save("gemm", rows)
         ws.clear()  # free this shape's weights before the next
@@ -271,6 +319,7 @@ def steps(device, copy_bw: float) -> None:
 
     from hpdl.models.gpt import Batch, KVCache
     from hpdl.serve import fused as fz
+    from hpdl.serve import stream_gemm as sg
     from hpdl.serve.worker import ModelSpec, build_model
 
     model = build_model(ModelSpec(config=MODEL, dtype=DTYPE), device)
@@ -281,7 +330,11 @@ def steps(device, copy_bw: float) -> None:
     big = 1 << 30
     paths = {"eager": None, "fused_cublas": dict(gemm="cublas"),
              "stream_norm_in_gemm": dict(gemm="stream", norm_prologue_rows=big),
-             "stream_norm_kernel": dict(gemm="stream", norm_prologue_rows=0)}
+             "stream_norm_kernel": dict(gemm="stream", norm_prologue_rows=0),
+             "stream": dict(gemm="stream"),  # the RMSNorm in the GEMMs up to fused.NORM_PROLOGUE_ROWS rows
+             "stream_pdl": dict(gemm="stream")}  # the same with stream_gemm.PDL on
+    want = STEP_PATHS.split(",")
+    paths = {k: v for k, v in paths.items() if k in want and (k != "stream_pdl" or sg.pdl_supported(device))}
     res = []
     for n in STEP_ROWS:
         toks = torch.randint(0, cfg.vocab_size, (n,), device=device)
@@ -290,6 +343,8 @@ def steps(device, copy_bw: float) -> None:
         for name, kw in paths.items():
             if _left() < 25:
                 _save(f"step_skipped_{n}_{name}", "time budget")
+                continue
+            if name == "stream_pdl" and n not in PDL_ROWS:
                 continue
             if kw is None:
                 def fn(toks=toks, pos=pos):
@@ -301,10 +356,18 @@ def steps(device, copy_bw: float) -> None:
 
             def run(fn=fn, box=box):
                 box["out"] = fn()
-            with torch.inference_mode():
-                ms = _graph_ms(run, REPS, device)
-                outs[name] = box["out"].float().clone()
-                kern = _kernels(run, device) if n in (1, 64) else None
+            sg.PDL = name == "stream_pdl"
+            try:
+                with torch.inference_mode():
+                    ms = _graph_ms(run, REPS, device)
+                    outs[name] = box["out"].float().clone()
+                    kern = _kernels(run, device) if n in (1, 64) else None
+            except Exception as exc:  # noqa: BLE001 - one path's failure (a PDL capture) keeps the others
+                res.append({"rows": n, "path": name, "error": repr(exc)[:400]})
+                _save("step", res)
+                continue
+            finally:
+                sg.PDL = False
             need = fz.step_bytes(model, cache, n, CTX)
             r = {"rows": n, "path": name, "step_ms": round(ms, 4), "tok_per_s": round(n / ms * 1e3, 1),
                  "min_bytes": need, "GBps": round(need / ms / 1e6, 1),
@@ -334,7 +397,14 @@ def greedy_float32(device) -> None:
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(8, 60))] for _ in range(8)]
     params = [SamplingParams(max_tokens=48, ignore_eos=True, detokenize=False)] * len(prompts)
     toks, state = {}, {}
-    for name, kw in (("stream", dict(fused_decode=True, fused_gemm="stream")), ("eager", dict(fused_decode=False))):
+    names = [g if g != "stream_pdl" or sg.pdl_supported(device) else "stream" for g in GREEDY.split(",")]
+    runs = [(g, dict(fused_decode=True, fused_gemm="stream")) for g in dict.fromkeys(names) if g.startswith("stream")]
+    runs += [("fused_cublas", dict(fused_decode=True, fused_gemm="cublas"))] if "fused_cublas" in GREEDY else []
+    for name, kw in [("eager", dict(fused_decode=False))] + runs:
+        if name != "eager" and _left() < 20:
+            state[name] = "skipped: time budget"
+            continue
+        sg.PDL = name == "stream_pdl"
         eng = LLMEngine(ModelSpec(config=MODEL, dtype="float32"),
                         EngineConfig(num_slots=8, max_seq_len=128, device=str(device),
                                      cuda_graph=device.type == "cuda", **kw))
@@ -343,29 +413,50 @@ def greedy_float32(device) -> None:
         state[name] = {"fused": r.fused, "gemm": r.fused_gemm, "cuda_graph": r.cuda_graph, "graph_error": r.graph_error}
         eng.shutdown()
         eng.executor.runner.close()
+        sg.PDL = False
         del eng
-    same = sum(a == b for a, b in zip(toks["stream"], toks["eager"]))
-    first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-             for a, b in zip(toks["stream"], toks["eager"])]
-    _save("greedy_float32", {"requests": len(prompts), "tokens_each": 48, "identical_requests": same,
-                             "first_differing_token": first, "runners": state})
+    out = {"requests": len(prompts), "tokens_each": 48, "runners": state}
+    for name in toks:
+        if name == "eager":
+            continue
+        out[f"{name}_identical_requests"] = sum(a == b for a, b in zip(toks[name], toks["eager"]))
+        out[f"{name}_first_differing_token"] = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                                                for a, b in zip(toks[name], toks["eager"])]
+    _save("greedy_float32", out)
 
 
 # --- report --------------------------------------------------------------------------------------------------
 def table() -> str:
     lines = []
     if RES.get("gemm"):
-        lines.append("gemm     M    cublas us (frac)   stream us (frac)   fused us (frac)  err stream/fused")
+        lines.append("gemm     M  cublas us (frac)  stream us (frac)  pdl us   fused us (frac)  tuner us  "
+                     "err str/fused")
         for r in RES["gemm"]:
-            lines.append(f"{r['gemm']:8s} {r['M']:3d}  {r['cublas_us']:8.2f} ({r['cublas_frac_copy']:.2f})  "
-                         f"{r['stream_us']:8.2f} ({r['stream_frac_copy']:.2f})  {r['stream_fused_us']:8.2f} "
-                         f"({r['stream_fused_frac_copy']:.2f})  {r['err_stream']:.2g}/{r['err_stream_fused']:.2g}")
+            pdl = r.get("stream_pdl_us")
+            lines.append(f"{r['gemm']:8s} {r['M']:3d}  {r['cublas_us']:7.2f} ({r['cublas_frac_copy']:.2f})  "
+                         f"{r.get('stream_us', float('nan')):7.2f} ({r.get('stream_frac_copy', 0):.2f})  "
+                         f"{pdl if pdl is not None else float('nan'):7.2f}  "
+                         f"{r.get('stream_fused_us', float('nan')):7.2f} "
+                         f"({r.get('stream_fused_frac_copy', 0):.2f})  {r.get('tuned_us')}  "
+                         f"{r['err_stream']:.2g}/{r['err_stream_fused']:.2g}")
     if RES.get("step"):
         lines.append("step rows path                  ms      tok/s   frac_copy kernels")
+        best: dict = {}
         for r in RES["step"]:
+            if "error" in r:
+                lines.append(f"     {r['rows']:4d} {r['path']:20s} ERROR {r['error'][:80]}")
+                continue
             k = r.get("kernels") or {}
             lines.append(f"     {r['rows']:4d} {r['path']:20s} {r['step_ms']:7.3f} {r['tok_per_s']:10.0f} "
                          f"{r['frac_copy']:6.2f} {k.get('count')} ({k.get('sum_us')} us of kernels)")
+            if r["path"] != "eager" and r["step_ms"] < best.get(r["rows"], ("", 1e9))[1]:
+                best[r["rows"]] = (r["path"], r["step_ms"])
+        lines.append("fastest fused step: " + ", ".join(f"{n} rows {p} {ms:.3f} ms" for n, (p, ms) in best.items()))
+    g = RES.get("greedy_float32")
+    if isinstance(g, dict):
+        lines.append("greedy float32 identical to eager: " + ", ".join(
+            f"{k.replace('_identical_requests', '')} {v}/{g['requests']}" for k, v in g.items()
+            if k.endswith("_identical_requests")))
     return "\n".join(lines)
 
 
@@ -403,12 +494,16 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot", type=Path, help="only make the PNG from DIR/decode_kernels.json")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (plumbing check)")
-    ap.add_argument("--parts", default="compile,gemm,step,greedy")
+    ap.add_argument("--parts", default="compile,gemm,step,greedy", help="comma-separated subset of compile, step, "
+                    "gemm, greedy; compile runs first, the others in the order given")
+    ap.add_argument("--quick", action="store_true", help="the ~2-minute device check: rows 1 and 64, fewer paths")
     args = ap.parse_args()
     if args.plot:
         return plot(args.plot)
     if args.out is None:
         ap.error("--out DIR is required")
+    if args.quick:
+        globals().update(QUICK)
     if args.smoke:
         globals().update(SMOKE)
     OUT = args.out
@@ -425,6 +520,11 @@ def main() -> None:
                        "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else None,
                        "ctx": CTX, "kv_len": KV_LEN, "budget_s": BUDGET_S})
     parts = args.parts.split(",")
+    globals()["PARTS"] = parts
+    from hpdl.serve import fused as fz
+
+    if fz.NORM_PROLOGUE_ROWS != NORM_PROLOGUE_ROWS:
+        raise SystemExit(f"update NORM_PROLOGUE_ROWS here to {fz.NORM_PROLOGUE_ROWS} (the compile pool's variants)")
     if "compile" in parts:
         try:
             compile_all(device)
@@ -432,9 +532,11 @@ def main() -> None:
             _save("compile_error", traceback.format_exc()[-2000:])
     copy_bw = hbm_bandwidth(device)
     _save("copy_bandwidth_GBps", round(copy_bw / 1e9, 1))
-    for part, fn in (("step", lambda: steps(device, copy_bw)), ("gemm", lambda: gemms(device, copy_bw)),
-                     ("greedy", lambda: greedy_float32(device))):
-        if part not in parts:
+    fns = {"step": lambda: steps(device, copy_bw), "gemm": lambda: gemms(device, copy_bw),
+           "greedy": lambda: greedy_float32(device)}
+    for part in parts:
+        fn = fns.get(part)
+        if fn is None:
             continue
         try:
             fn()

@@ -54,6 +54,22 @@ def test_buckets_and_split_counts():
             assert c["SPLIT_K"] >= 1 and c["BLOCK_M"] <= max(16, sg.m_bucket(m))
 
 
+def test_candidates_fit_shared_memory():
+    # the H200 run: float32 16-row SiLU-mul configs with the prologue asked for 265216 B of 232448
+    bad = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4)
+    assert sg.shared_memory_bytes(bad, 4, epi=2, norm=True) > sg.SHARED_MEMORY_H200
+    fit = sg.fit_shared_memory(bad, 4, 2, True, sg.SHARED_MEMORY_H200)
+    assert fit["num_stages"] < 4 and sg.shared_memory_bytes(fit, 4, 2, True) <= sg.SHARED_MEMORY_H200
+    assert sg.fit_shared_memory(bad, 2, 2, True, sg.SHARED_MEMORY_H200) == bad  # bf16 fits as it is
+    assert sg.fit_shared_memory(bad, 4, 2, True, 1000) is None
+    for m, isz, epi, norm in itertools.product((1, 16, 32, 64, 128, 256), (2, 4), (0, 1, 2), (False, True)):
+        cands = sg.candidates(m, 11264 if epi == 2 else 2560, 2048, 132, isz, epi, norm, sg.SHARED_MEMORY_H200)
+        assert cands and all(sg.shared_memory_bytes(c, isz, epi, norm) <= sg.SHARED_MEMORY_H200 for c in cands)
+        assert len({tuple(sorted(c.items())) for c in cands}) == len(cands)
+    with pytest.raises(ValueError, match="no config fits"):
+        sg.candidates(16, 2560, 2048, 132, 4, 2, True, smem_limit=1000)
+
+
 def test_triton_kernel_interpreted_matches_reference():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(sys.path))

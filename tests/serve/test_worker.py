@@ -65,3 +65,42 @@ def test_warm_up_captures_every_bucket(monkeypatch):
     r.cuda_graph = True
     assert r.warm_up() == 4 * 2  # batch buckets 1, 2, 4, 6 x KV buckets 128, 160
     assert set(ModelRunner.captured) == {(nb, kb) for nb in (1, 2, 4, 6) for kb in (128, 160)}
+
+
+class _LaunchFailure(Exception):
+    """Stands for Triton's OutOfResources: not a RuntimeError, so the engine retries each row alone."""
+
+
+def _failing_capture(self, nb, kb):
+    """The real capture's warm-up (writes K/V position 0 of slots [0, nb)), then, for more than one row, a
+    kernel that cannot launch (as the float32 multi-row stream-GEMM configs did; one row worked)."""
+    toks = torch.zeros(nb, 1, dtype=torch.long)
+    if nb == 1:
+        return _fake_capture(self, nb, kb)
+    with self._position0_kept(nb):
+        self._decode(toks, toks.clone(), 0, kb)
+        raise _LaunchFailure("shared memory")
+
+
+def test_failed_capture_keeps_live_kv_and_tokens(monkeypatch):
+    """On the H200 a stream-GEMM config over the shared-memory limit failed inside the capture's warm-up after
+    it had overwritten the running requests' position-0 K/V: float32 greedy tokens then diverged from eager at
+    token 1-3. The warm-up's K/V writes must be undone whatever happens."""
+    rng = random.Random(1)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(2, 30))] for _ in range(4)]
+    params = [SamplingParams(max_tokens=12, ignore_eos=True) for _ in prompts]
+    spec = ModelSpec(config="llama-tiny")
+    ref = LLMEngine(spec, EngineConfig(num_slots=4, max_seq_len=64)).generate(prompts, params)
+    monkeypatch.setattr(ModelRunner, "_capture", _failing_capture)
+    monkeypatch.setattr(ModelRunner, "captured", [], raising=False)
+    eng = LLMEngine(spec, EngineConfig(num_slots=4, max_seq_len=64, cuda_graph=True))
+    eng.executor.runner.cuda_graph = True  # CPU: force the graph path (every capture fails)
+    outs = eng.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    r = eng.executor.runner
+    k0 = r.cache.k[:, :2, :, 0].clone()
+    with pytest.raises(_LaunchFailure):
+        with r._position0_kept(2):
+            r.cache.k[:, :2, :, 0] = 7.0
+            raise _LaunchFailure("x")
+    assert torch.equal(r.cache.k[:, :2, :, 0], k0)

@@ -36,6 +36,10 @@ try:  # Triton ships with CUDA builds of torch; CPU-only installs use the torch 
     import triton.language as tl
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
+try:  # Programmatic Dependent Launch's device side (stream_gemm.PDL; Triton >= 3.4, sm_90+)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - depends on the install
+    gdc_launch_dependents = gdc_wait = None
 
 
 def _interpret() -> bool:
@@ -115,7 +119,10 @@ if triton is not None:
 
     @triton.jit
     def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, start,
-                        s_slot, s_head, s_pos, H, HKV, D: tl.constexpr):
+                        s_slot, s_head, s_pos, H, HKV, D: tl.constexpr, PDL: tl.constexpr = False):
+        if PDL:  # launched with PDL: wait for the qkv GEMM, then let the attention kernel launch
+            gdc_wait()
+            gdc_launch_dependents()
         row = tl.program_id(0)
         head = tl.program_id(1)  # 0..H-1: q heads, H..H+HKV-1: k heads, then v heads
         half = tl.arange(0, D // 2)
@@ -144,7 +151,11 @@ if triton is not None:
     def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, part_acc_ptr, part_ml_ptr, cnt_ptr, start,
                             scale, s_slot, s_head, s_pos, H, HKV, CHUNK,
                             G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                            SPLIT: tl.constexpr, PREC: tl.constexpr, COMBINE: tl.constexpr = False):
+                            SPLIT: tl.constexpr, PREC: tl.constexpr, COMBINE: tl.constexpr = False,
+                            PDL: tl.constexpr = False):
+        if PDL:  # launched with PDL: wait for rope_kv, then let the o GEMM launch and load its weights
+            gdc_wait()
+            gdc_launch_dependents()
         row = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -246,15 +257,22 @@ def add_rmsnorm(x, res, w, eps, out=None):
     return (res if res is not None else x), y
 
 
-def rope_kv(qkv, cos, sin, pos, kc, vc, start: int, h: int, hkv: int):
+def _pdl_args(pdl: bool) -> dict:
+    """Launch keywords for a kernel with a ``PDL`` constexpr: Programmatic Dependent Launch where
+    ``hpdl.serve.stream_gemm.pdl_supported`` (see ``stream_gemm.PDL``), nothing otherwise."""
+    return dict(PDL=True, launch_pdl=True) if pdl else {}
+
+
+def rope_kv(qkv, cos, sin, pos, kc, vc, start: int, h: int, hkv: int, pdl: bool = False):
     """Triton ``rope_kv_ref`` (one kernel: q rotated, k rotated and stored, v stored). It reads the first half
-    of each cos/sin row only: the tables must repeat their halves (``hpdl.models.gpt._rope_tables`` does)."""
+    of each cos/sin row only: the tables must repeat their halves (``hpdl.models.gpt._rope_tables`` does).
+    ``pdl``: launch with Programmatic Dependent Launch (callers check ``stream_gemm.pdl_supported``)."""
     if not use_triton(qkv):
         return rope_kv_ref(qkv, cos, sin, pos, kc, vc, start, h, hkv)
     n, d = qkv.shape[0], kc.shape[-1]
     q = torch.empty(n, h, d, dtype=qkv.dtype, device=qkv.device)
     _rope_kv_kernel[(n, h + 2 * hkv)](qkv, cos, sin, pos, q, kc, vc, start, kc.stride(0), kc.stride(1),
-                                      kc.stride(2), h, hkv, D=d)
+                                      kc.stride(2), h, hkv, D=d, **_pdl_args(pdl))
     return q
 
 
@@ -266,12 +284,14 @@ def attention_splits(n: int, hkv: int, kv_len: int, block_n: int = 64, target: i
 
 
 def decode_attention(q, kc, vc, pos, start: int, kv_len: int, splits: int | None = None, block_n: int = 64,
-                     fuse_combine: bool = False):
+                     fuse_combine: bool = False, pdl: bool = False):
     """Triton ``decode_attention_ref``: each program reads one (row, kv head, KV chunk) and serves all
     ``h / hkv`` query heads of that kv head; chunks combine by their log-sum-exp (flash-decoding).
     ``kv_len``: an upper bound of ``pos + 1`` (fixed per CUDA graph), which sets the chunking.
     ``fuse_combine``: the last program of each (row, kv head) combines the chunks (a per-pair counter, as in
-    ``hpdl.serve.stream_gemm``) instead of a second kernel; the same arithmetic, summed in split order."""
+    ``hpdl.serve.stream_gemm``) instead of a second kernel; the same arithmetic, summed in split order.
+    ``pdl``: launch with Programmatic Dependent Launch (with ``fuse_combine``: one kernel, so the next one may
+    overlap it; callers check ``stream_gemm.pdl_supported``)."""
     if not use_triton(q):
         return decode_attention_ref(q, kc, vc, pos, start)
     n, h, d = q.shape
@@ -298,7 +318,7 @@ def decode_attention(q, kc, vc, pos, start: int, kv_len: int, splits: int | None
     cnt = counters(q.device) if fuse_combine else out
     _decode_attn_kernel[(n, hkv, splits)](q, kc, vc, pos, out, acc, ml, cnt, start, d ** -0.5, kc.stride(0),
                                           kc.stride(1), kc.stride(2), h, hkv, chunk, SPLIT=True,
-                                          COMBINE=fuse_combine, **args)
+                                          COMBINE=fuse_combine, **args, **_pdl_args(pdl and fuse_combine))
     if not fuse_combine:
         _combine_kernel[(n * h,)](acc, ml, out, splits, SP=triton.next_power_of_2(splits), D=d)
     return out
@@ -386,10 +406,14 @@ def _stream_decode(model: DecoderLM, cache: KVCache, tokens, pos, start: int, kv
     attention (split chunks combined by the last program), o (+ residual), gate|up (+ RMSNorm prologue,
     SiLU-mul epilogue), down (+ residual). Without ``norm_in_gemm`` the RMSNorms run as their own kernel before
     qkv and gate|up."""
+    from hpdl.serve import stream_gemm as sg
     from hpdl.serve.stream_gemm import stream_gemm
 
     cfg = model.cfg
     h, hkv, eps = cfg.n_heads, cfg.n_kv_heads, cfg.norm_eps
+    # with stream_gemm.PDL, rope_kv and the attention launch with PDL too: every kernel of a layer then overlaps
+    # the previous one's tail (the o GEMM loads its weights while the attention runs)
+    pdl = sg.PDL and sg.pdl_supported(tokens.device)
 
     def normed(x, w, weight, **kw):
         if norm_in_gemm:
@@ -400,8 +424,8 @@ def _stream_decode(model: DecoderLM, cache: KVCache, tokens, pos, start: int, kv
     for i, layer in enumerate(model.layers):
         a, mlp = layer.attn, layer.mlp
         qkv = normed(res, a.qkv_proj.weight, layer.ln_1.weight)
-        q = rope_kv(qkv, model.cos, model.sin, pos, cache.k[i], cache.v[i], start, h, hkv)
-        o = decode_attention(q, cache.k[i], cache.v[i], pos, start, kv_len, fuse_combine=True)
+        q = rope_kv(qkv, model.cos, model.sin, pos, cache.k[i], cache.v[i], start, h, hkv, pdl=pdl)
+        o = decode_attention(q, cache.k[i], cache.v[i], pos, start, kv_len, fuse_combine=True, pdl=pdl)
         res = stream_gemm(o.view(o.shape[0], h * cfg.head_dim), a.o_proj.weight, residual=res)
         act = normed(res, mlp.up_proj.weight, layer.ln_2.weight, silu_mul=True)
         res = stream_gemm(act, mlp.down_proj.weight, residual=res)

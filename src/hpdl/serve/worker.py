@@ -8,6 +8,7 @@ of its ~300 kernels, so eager mode would be launch-bound.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -207,19 +208,31 @@ class ModelRunner:
         graph.replay()
         return with_argmax(out[: plan.n], top[: plan.n] if top is not None else None)
 
+    @contextlib.contextmanager
+    def _position0_kept(self, nb: int):
+        """Save position 0 of the K/V of slots ``[0, nb)`` and put it back on exit, also on an exception (on
+        the current stream: the saved copy is taken before, and restored after, whatever runs inside)."""
+        saved = (self.cache.k[:, :nb, :, 0].clone(), self.cache.v[:, :nb, :, 0].clone())
+        try:
+            yield
+        finally:
+            self.cache.k[:, :nb, :, 0], self.cache.v[:, :nb, :, 0] = saved
+
     def _capture(self, nb: int, kb: int):
         toks = torch.zeros(nb, 1, dtype=torch.long, device=self.device)
         pos = torch.zeros(nb, 1, dtype=torch.long, device=self.device)
         # warm-up outside the graph (allocator, cuBLAS handles); it writes position 0 of slots [0, nb), which
-        # may be live, so save those entries first (on this stream, before the side stream starts) and restore.
-        saved = (self.cache.k[:, :nb, :, 0].clone(), self.cache.v[:, :nb, :, 0].clone())
+        # may be live: _position0_kept restores them even when the warm-up raises (a failed capture left
+        # requests' first K/V overwritten before, and float32 greedy tokens diverged from eager on the H200).
         s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):  # also compiles and tunes the Triton kernels for these shapes
-                self._decode(toks, pos, 0, kb)
-        torch.cuda.current_stream().wait_stream(s)
-        self.cache.k[:, :nb, :, 0], self.cache.v[:, :nb, :, 0] = saved
+        with self._position0_kept(nb):
+            s.wait_stream(torch.cuda.current_stream())
+            try:
+                with torch.cuda.stream(s):
+                    for _ in range(2):  # also compiles and tunes the Triton kernels for these shapes
+                        self._decode(toks, pos, 0, kb)
+            finally:
+                torch.cuda.current_stream().wait_stream(s)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
