@@ -189,6 +189,37 @@ def _interpreted() -> None:
                 # tol=0: early exit off, every step runs
                 _, all_steps = sk.newton_inverse(a, 20, 0.01, 1.8, start, tol=0.0, return_steps=True)
                 assert all_steps.tolist() == [20, 20], all_steps
+    # eager tiled Newton: the host reads the residuals back and stops launching once the device would skip every
+    # remaining step: the same V and steps as launching all 2 x 20 products (gated), with far fewer launches
+    launches = []
+    bmm = sk._bmm
+
+    def counted(*args, **kw):
+        launches.append(kw.get("step"))
+        return bmm(*args, **kw)
+
+    a = gaussian_kernel(*(2 * [3.0 * _landmarks(2, 80, 8, 1.0, 7)]))
+    sk._bmm = counted
+    try:
+        runs = {}
+        for host_exit in (False, True):
+            launches.clear()
+            runs[host_exit] = (*sk._newton_inverse_impl(a, 20, 0.01, 1.8, "identity", "tf32x3", 2,
+                                                        host_exit=host_exit), len(launches))
+        # eager public calls take the direct path (no custom op) with the host exit on
+        launches.clear()
+        _, steps_pub = sk.newton_inverse(a, 20, return_steps=True)
+        public_launches = len(launches)
+    finally:
+        sk._bmm = bmm
+    (v_all, s_all, n_all), (v_host, s_host, n_host) = runs[False], runs[True]
+    assert n_all == 40 and n_host < 10 and public_launches == n_host, (n_all, n_host, public_launches)
+    assert torch.equal(v_all, v_host) and torch.equal(s_all, s_host) and torch.equal(steps_pub, s_host)
+    assert sk._direct(a)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:   # traced calls keep the opaque custom op
+        assert not sk._direct(mode.from_tensor(a))
     # the whole attention, forward and backward, Triton vs torch (same start, same backward)
     q = (0.5 * torch.randn(1, 2, 96, 16, generator=g)).requires_grad_()
     v = torch.randn(1, 2, 96, 16, generator=g).requires_grad_()

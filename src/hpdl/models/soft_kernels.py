@@ -28,9 +28,11 @@ exponent ~10% wrong is gone before the product. Inputs are float32 ``[BH, N, D]`
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 try:
     import triton
@@ -54,6 +56,15 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 def available(t: torch.Tensor) -> bool:
     """Whether the Triton kernels can run on ``t``'s device (CUDA, or any device under TRITON_INTERPRET=1)."""
     return triton is not None and (t.is_cuda or _INTERPRET)
+
+
+def _direct(t: torch.Tensor) -> bool:
+    """An eager call on a plain tensor: the launchers run as Python functions, not through their
+    ``torch.library`` custom ops. In eager mode the op only adds host time (dispatcher -> Python autograd shim ->
+    redispatch -> Python backend -> a dynamo-disable wrapper: 20-35 us a call on a busy CPU, measured, against
+    ~3 us for the direct call); traced or compiled calls (dynamo, fake or functional tensors, a dispatch mode)
+    keep the opaque op, so ``torch.compile`` sees the same graph as before."""
+    return type(t) is torch.Tensor and not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
 
 
 # ------------------------------------------------------------------------------------------------ torch references
@@ -311,11 +322,38 @@ def _bmm(x, y, z=None, alpha=1.0, beta=0.0, precision="tf32", res=None, step=0, 
 NR_TOL = 1e-8  # stop once ||I - V_k A_r||_F^2 <= NR_TOL: V_{k+1}'s residual is then below 1e-8 (float32: converged)
 
 
+HOST_EXIT_AFTER = frozenset({1, 2, 3, 5, 7, 10, 13, 16})  # eager tiled Newton: steps (0-based) after which it looks
+
+
+def _host_exit_allowed(a: torch.Tensor) -> bool:
+    """A host look at the residuals may synchronise: not while a CUDA graph captures, not under
+    ``torch.cuda.set_sync_debug_mode`` (a user asking to find syncs gets none from here)."""
+    if not a.is_cuda:
+        return True
+    return not torch.cuda.is_current_stream_capturing() and torch.cuda.get_sync_debug_mode() == 0
+
+
+def _all_done(res: torch.Tensor, k: int, tol: float, stall: bool) -> bool:
+    """Whether step ``k + 1``'s gate (:func:`_nr_done` in :func:`_bmm_kernel`) skips every matrix: then every later
+    step is skipped too (a skipped step leaves its residual 0 <= tol), so no more launches are needed."""
+    r1 = res[:, k]
+    done = r1 <= tol
+    if stall:
+        done |= (r1 <= 1e-3) & (r1 >= 0.25 * res[:, k - 1])
+    return bool(done.all())
+
+
 def _newton_inverse_impl(a: torch.Tensor, iters: int, reg: float, scale: float, start: str, precision: str,
-                         refine: int, tol: float = NR_TOL) -> tuple[torch.Tensor, torch.Tensor]:
+                         refine: int, tol: float = NR_TOL, host_exit: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``iters - refine`` steps with ``precision`` products, then ``refine`` float32 steps (each squares the
     residual the faster steps leave, down to float32's floor); steps after convergence (:func:`_nr_done`) are
-    skipped on the device. Returns (V, steps taken [BH] int32)."""
+    skipped on the device. Returns (V, steps taken [BH] int32).
+
+    ``host_exit`` (eager calls only, never inside a compiled graph or a CUDA-graph capture): the tiled path reads
+    the residuals back after the steps in ``HOST_EXIT_AFTER`` (one host synchronisation each) and stops launching
+    once the device would skip every remaining step, the same result without ~2 launches a skipped step (36 of
+    the 40 at SOFT's random-init spectrum, which converges in 2). Eager SOFT is host-bound below ~32k tokens, so
+    the sync costs less than the launches it saves."""
     a = a.contiguous()
     bh, m = a.shape[0], a.shape[-1]
     exact = iters if precision == "ieee" else min(refine, iters)
@@ -334,15 +372,25 @@ def _newton_inverse_impl(a: torch.Tensor, iters: int, reg: float, scale: float, 
     a_r = a + reg * eye
     v = eye / (s + reg) if start == "identity" else (scale / (s * s)) * a_r
     res = torch.zeros(bh, max(iters, 1), device=a.device, dtype=torch.float32)
+    look = host_exit and tol > 0 and _host_exit_allowed(a)
     for k in range(iters):
         prec = precision if k < fast else "ieee"
         stall = fast_stall or (exact_stall and k >= fast + 2)  # as in the fused kernel
         t = _bmm(v, a_r, precision=prec, res=res, step=k, resid=True, gate=True, tol=tol, stall=stall)
         v = _bmm(t, v, v, -1.0, 2.0, precision=prec, res=res, step=k, gate=True, tol=tol, stall=stall)
+        if look and k in HOST_EXIT_AFTER and k + 1 < iters and _all_done(
+                res, k, tol, fast_stall or (exact_stall and k + 1 >= fast + 2)):
+            break
     # a step ran iff its residual was written (skipped steps leave 0; a converged residual is never exactly 0
     # before the step that finds it below tol, after which the rest are skipped)
     steps = torch.zeros(bh, device=a.device, dtype=torch.int32) if iters == 0 else _steps_taken(res, tol)
     return v.contiguous(), steps
+
+
+def _vgv_impl(v: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """-V^T G V^T (the paper's backward) on 3xTF32 tensor cores (2 products: accuracy is cheap here)."""
+    vt = v.transpose(-1, -2)
+    return _bmm(_bmm(vt, g.contiguous(), precision="tf32x3"), vt, alpha=-1.0, precision="tf32x3")
 
 
 def _steps_taken(res: torch.Tensor, tol: float) -> torch.Tensor:
@@ -363,9 +411,7 @@ if triton is not None:
 
     @torch.library.custom_op("hpdl::soft_vgv", mutates_args=())
     def _vgv_op(v: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        """-V^T G V^T (the paper's backward) on 3xTF32 tensor cores (2 products: accuracy is cheap here)."""
-        vt = v.transpose(-1, -2)
-        return _bmm(_bmm(vt, g.contiguous(), precision="tf32x3"), vt, alpha=-1.0, precision="tf32x3")
+        return _vgv_impl(v, g)
 
     @_vgv_op.register_fake
     def _(v, g):
@@ -406,13 +452,18 @@ def newton_inverse(a: torch.Tensor, iters: int = 20, reg: float = 0.01, scale: f
         raise ValueError(f"refine must be >= 0, got {refine}")
     if not tol >= 0:
         raise ValueError(f"tol must be >= 0, got {tol}")
-    v, steps = _newton_inverse_op(a, int(iters), float(reg), float(scale), start, precision, int(refine), float(tol))
+    if _direct(a):
+        v, steps = _newton_inverse_impl(a, int(iters), float(reg), float(scale), start, precision, int(refine),
+                                        float(tol), host_exit=True)
+    else:
+        v, steps = _newton_inverse_op(a, int(iters), float(reg), float(scale), start, precision, int(refine),
+                                      float(tol))
     return (v, steps) if return_steps else v
 
 
 def neg_vgv(v: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """``-V^T G V^T`` for ``[BH, m, m]`` float32 with 3xTF32 tensor cores (the paper's inverse backward)."""
-    return _vgv_op(v, g)
+    return _vgv_impl(v, g) if _direct(v) else _vgv_op(v, g)
 
 
 def _contig(*ts):
@@ -446,9 +497,14 @@ def _rows_impl(q, l, qn, ln, y, a, b, precision, out_dtype="float32"):
     return oy, dq
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
 def _splits(bh: int, mblocks: int, n: int, block_n: int, device: torch.device) -> int:
     """Token chunks per landmark block: about 4 programs per SM (waves balance), at least 4 token blocks each."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    sms = _sm_count(device)
     want = max(1, (4 * sms) // max(1, bh * mblocks))
     return max(1, min(want, triton.cdiv(n, 4 * block_n)))
 
@@ -499,6 +555,20 @@ if triton is not None:
         return ox, (q.new_empty(bh, m, d) if a is not None else q.new_empty(0))
 
 
+def _rows(q, l, qn, ln, y, a, b, precision, out_dtype="float32"):
+    """:func:`_rows_impl` directly in eager mode (:func:`_direct`), else through its custom op."""
+    if _direct(q):
+        return _rows_impl(q, l, qn, ln, y, a, b, precision, out_dtype)
+    return _rows_op(q, l, qn, ln, y, a, b, precision, out_dtype)
+
+
+def _cols(q, l, qn, ln, x, a, b, precision):
+    """:func:`_cols_impl` directly in eager mode (:func:`_direct`), else through its custom op."""
+    if _direct(q):
+        return _cols_impl(q, l, qn, ln, x, a, b, precision)
+    return _cols_op(q, l, qn, ln, x, a, b, precision)
+
+
 def centre(q: torch.Tensor, l: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q - c, l - c)`` in float32 (float64 stays), contiguous, c the landmarks' mean (detached: distances,
     hence P, do not depend on it). Differentiable; the products below take centred inputs."""
@@ -520,7 +590,7 @@ def landmark_rows(q, l, y=None, a=None, b=None, precision: str = "tf32"):
     _check_prec(precision)
     qc, lc = centre(q, l)
     c = lambda t: t.contiguous() if t is not None else None  # noqa: E731
-    oy, dq = _rows_op(qc, lc, *_norms(qc, lc), c(y), c(a), c(b), precision)
+    oy, dq = _rows(qc, lc, *_norms(qc, lc), c(y), c(a), c(b), precision)
     return (oy if y is not None else None), (dq if a is not None else None)
 
 
@@ -530,7 +600,7 @@ def landmark_cols(q, l, x=None, a=None, b=None, precision: str = "tf32"):
     _check_prec(precision)
     qc, lc = centre(q, l)
     c = lambda t: t.contiguous() if t is not None else None  # noqa: E731
-    ox, dl = _cols_op(qc, lc, *_norms(qc, lc), c(x), c(a), c(b), precision)
+    ox, dl = _cols(qc, lc, *_norms(qc, lc), c(x), c(a), c(b), precision)
     return (ox if x is not None else None), (dl if a is not None else None)
 
 
@@ -539,9 +609,9 @@ def landmark_cols(q, l, x=None, a=None, b=None, precision: str = "tf32"):
 def _ops(kernels: bool, precision: str):
     """(rows, cols) on centred inputs with their norms: the Triton custom ops, or the torch references."""
     if kernels:
-        return (lambda q, l, qn, ln, y, a, b, out_dtype="float32": _rows_op(q, l, qn, ln, y, a, b, precision,
-                                                                            out_dtype),
-                lambda q, l, qn, ln, x, a, b: _cols_op(q, l, qn, ln, x, a, b, precision))
+        return (lambda q, l, qn, ln, y, a, b, out_dtype="float32": _rows(q, l, qn, ln, y, a, b, precision,
+                                                                         out_dtype),
+                lambda q, l, qn, ln, x, a, b: _cols(q, l, qn, ln, x, a, b, precision))
     return (lambda q, l, qn, ln, y, a, b, out_dtype=None: landmark_rows_ref(q, l, y, a, b),
             lambda q, l, qn, ln, x, a, b: landmark_cols_ref(q, l, x, a, b))
 
