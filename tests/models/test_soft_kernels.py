@@ -157,6 +157,17 @@ def _interpreted() -> None:
             assert _rel(got, ref) < 1e-5, (bh, n, m, "rows", _rel(got, ref))
         for got, ref in zip(sk.landmark_cols(q, lm, x, a, b), sk.landmark_cols_ref(q, lm, x, a, b)):
             assert _rel(got, ref) < 1e-5, (bh, n, m, "cols", _rel(got, ref))
+        # two gradients through P in one pass (soft_core's backward): ds = P * (a b^T + a2 b2^T), f2 != f
+        a2, b2 = torch.randn(bh, n, e + 3, generator=g), torch.randn(bh, m, e + 3, generator=g)
+        qc, lc = sk.centre(q, lm)
+        nq, nl = sk._norms(qc, lc)
+        got_r = sk._rows(qc, lc, nq, nl, y, a, b, "ieee", "float32", a2, b2)
+        got_c = sk._cols(qc, lc, nq, nl, x, a, b, "ieee", a2, b2)
+        for got, ref in zip(got_r + got_c, sk.landmark_rows_ref(qc, lc, y, a, b, a2, b2)
+                            + sk.landmark_cols_ref(qc, lc, x, a, b, a2, b2)):
+            assert _rel(got, ref) < 1e-5, (bh, n, m, "ds2", _rel(got, ref))
+        ds_sum = sk.landmark_rows_ref(qc, lc, None, torch.cat([a, a2], -1), torch.cat([b, b2], -1))[1]
+        assert _rel(got_r[1], ds_sum) < 1e-5   # the reference's a2 term is the concatenated product
         # single outputs (the flags that skip work)
         assert _rel(sk.landmark_rows(q, lm, y)[0], sk.landmark_rows_ref(q, lm, y)[0]) < 1e-5
         assert sk.landmark_cols(q, lm, x)[1] is None

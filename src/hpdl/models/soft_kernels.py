@@ -86,27 +86,33 @@ def _p_ref(q, l):
     return torch.exp(-0.5 * d)
 
 
-def landmark_rows_ref(q, l, y=None, a=None, b=None):
-    """``(P @ y, (P * (a b^T)) l - q rowsum(P * (a b^T)))`` with P = exp(-|q_i - l_j|^2/2); None where not asked.
-    y, a, b are read in q's dtype."""
+def _ab(q, a, b, a2, b2):
+    """``a b^T (+ a2 b2^T)`` in q's dtype."""
+    a, b = a.to(q.dtype), b.to(q.dtype)
+    ab = a @ b.transpose(-1, -2)
+    return ab if a2 is None else ab + a2.to(q.dtype) @ b2.to(q.dtype).transpose(-1, -2)
+
+
+def landmark_rows_ref(q, l, y=None, a=None, b=None, a2=None, b2=None):
+    """``(P @ y, (P * (a b^T)) l - q rowsum(P * (a b^T)))`` with P = exp(-|q_i - l_j|^2/2); None where not asked;
+    ``a2 b2^T`` is added to ``a b^T`` where given. y, a, b, a2, b2 are read in q's dtype."""
     p = _p_ref(q, l)
-    y, a, b = (t.to(q.dtype) if t is not None else None for t in (y, a, b))
-    out = p @ y if y is not None else None
+    out = p @ y.to(q.dtype) if y is not None else None
     dq = None
     if a is not None:
-        ds = p * (a @ b.transpose(-1, -2))
+        ds = p * _ab(q, a, b, a2, b2)
         dq = ds @ l - q * ds.sum(-1, keepdim=True)
     return out, dq
 
 
-def landmark_cols_ref(q, l, x=None, a=None, b=None):
-    """``(P^T @ x, (P * (a b^T))^T q - l colsum(P * (a b^T)))``; None where not asked."""
+def landmark_cols_ref(q, l, x=None, a=None, b=None, a2=None, b2=None):
+    """``(P^T @ x, (P * (a b^T))^T q - l colsum(P * (a b^T)))``; None where not asked; ``a2 b2^T`` added as in
+    :func:`landmark_rows_ref`."""
     p = _p_ref(q, l)
-    x, a, b = (t.to(q.dtype) if t is not None else None for t in (x, a, b))
-    out = p.transpose(-1, -2) @ x if x is not None else None
+    out = p.transpose(-1, -2) @ x.to(q.dtype) if x is not None else None
     dl = None
     if a is not None:
-        ds = p * (a @ b.transpose(-1, -2))
+        ds = p * _ab(q, a, b, a2, b2)
         dl = ds.transpose(-1, -2) @ q - l * ds.sum(-2)[..., None]
     return out, dl
 
@@ -201,11 +207,12 @@ if triton is not None:
                 tl.atomic_add(res_ptr + b * res_stride + step, tl.sum(tl.sum(e * e, 1), 0))
 
     @triton.jit
-    def _rows_kernel(q_ptr, l_ptr, qn_ptr, ln_ptr, y_ptr, a_ptr, b_ptr, oy_ptr, dq_ptr, N, M, D, E, F,
-                     HAS_Y: tl.constexpr, HAS_DS: tl.constexpr, PREC: tl.constexpr,
+    def _rows_kernel(q_ptr, l_ptr, qn_ptr, ln_ptr, y_ptr, a_ptr, b_ptr, a2_ptr, b2_ptr, oy_ptr, dq_ptr, N, M, D,
+                     E, F, F2, HAS_Y: tl.constexpr, HAS_DS: tl.constexpr, HAS_DS2: tl.constexpr, PREC: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
-                     BF: tl.constexpr):
-        """One block of tokens: loop over landmark blocks, P tile on chip; P @ y and/or dq."""
+                     BF: tl.constexpr, BF2: tl.constexpr):
+        """One block of tokens: loop over landmark blocks, P tile on chip; P @ y and/or dq (ds = P * (a b^T), plus
+        a2 b2^T with HAS_DS2: two gradients through P in one pass)."""
         bh = tl.program_id(0).to(tl.int64)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         rd, re, rf = tl.arange(0, BD), tl.arange(0, BE), tl.arange(0, BF)
@@ -220,6 +227,10 @@ if triton is not None:
                          other=0.0).to(tl.float32)
             acc_dq = tl.zeros((BLOCK_N, BD), dtype=tl.float32)
             rs = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        if HAS_DS2:
+            rf2 = tl.arange(0, BF2)
+            av2 = tl.load(a2_ptr + bh * N * F2 + rn[:, None] * F2 + rf2[None, :],
+                          mask=nin[:, None] & (rf2[None, :] < F2), other=0.0).to(tl.float32)
         for m0 in range(0, M, BLOCK_M):
             rm = m0 + tl.arange(0, BLOCK_M)
             min_ = rm < M
@@ -235,7 +246,12 @@ if triton is not None:
             if HAS_DS:
                 bt = tl.load(b_ptr + bh * M * F + rm[:, None] * F + rf[None, :],
                              mask=min_[:, None] & (rf[None, :] < F), other=0.0).to(tl.float32)
-                ds = p * tl.dot(av, tl.trans(bt), input_precision=PREC)
+                ab = tl.dot(av, tl.trans(bt), input_precision=PREC)
+                if HAS_DS2:
+                    bt2 = tl.load(b2_ptr + bh * M * F2 + rm[:, None] * F2 + rf2[None, :],
+                                  mask=min_[:, None] & (rf2[None, :] < F2), other=0.0).to(tl.float32)
+                    ab += tl.dot(av2, tl.trans(bt2), input_precision=PREC)
+                ds = p * ab
                 acc_dq += tl.dot(ds, lt, input_precision=PREC)
                 rs += tl.sum(ds, 1)
         if HAS_Y:
@@ -246,10 +262,10 @@ if triton is not None:
                      mask=nin[:, None] & (rd[None, :] < D))
 
     @triton.jit
-    def _cols_kernel(q_ptr, l_ptr, qn_ptr, ln_ptr, x_ptr, a_ptr, b_ptr, ox_ptr, dl_ptr, N, M, D, E, F, BH,
-                     chunk, HAS_X: tl.constexpr, HAS_DS: tl.constexpr, PREC: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
-                     BF: tl.constexpr):
+    def _cols_kernel(q_ptr, l_ptr, qn_ptr, ln_ptr, x_ptr, a_ptr, b_ptr, a2_ptr, b2_ptr, ox_ptr, dl_ptr, N, M, D,
+                     E, F, F2, BH, chunk, HAS_X: tl.constexpr, HAS_DS: tl.constexpr, HAS_DS2: tl.constexpr,
+                     PREC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BD: tl.constexpr,
+                     BE: tl.constexpr, BF: tl.constexpr, BF2: tl.constexpr):
         """One block of landmarks and one chunk of tokens: P^T @ x and/or dl, partial sums per chunk."""
         bh = tl.program_id(0).to(tl.int64)
         rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -266,6 +282,10 @@ if triton is not None:
                          other=0.0).to(tl.float32)
             acc_dl = tl.zeros((BLOCK_M, BD), dtype=tl.float32)
             cs = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        if HAS_DS2:
+            rf2 = tl.arange(0, BF2)
+            bt2 = tl.load(b2_ptr + bh * M * F2 + rm[:, None] * F2 + rf2[None, :],
+                          mask=min_[:, None] & (rf2[None, :] < F2), other=0.0).to(tl.float32)
         start = split * chunk
         for n0 in range(start, start + chunk, BLOCK_N):
             rn = n0 + tl.arange(0, BLOCK_N)
@@ -282,7 +302,12 @@ if triton is not None:
             if HAS_DS:
                 av = tl.load(a_ptr + bh * N * F + rn[:, None] * F + rf[None, :],
                              mask=nin[:, None] & (rf[None, :] < F), other=0.0).to(tl.float32)
-                ds = p * tl.dot(av, tl.trans(bt), input_precision=PREC)
+                ab = tl.dot(av, tl.trans(bt), input_precision=PREC)
+                if HAS_DS2:
+                    av2 = tl.load(a2_ptr + bh * N * F2 + rn[:, None] * F2 + rf2[None, :],
+                                  mask=nin[:, None] & (rf2[None, :] < F2), other=0.0).to(tl.float32)
+                    ab += tl.dot(av2, tl.trans(bt2), input_precision=PREC)
+                ds = p * ab
                 acc_dl += tl.dot(tl.trans(ds), q, input_precision=PREC)
                 cs += tl.sum(ds, 0)
         part = split.to(tl.int64) * BH + bh
@@ -478,21 +503,24 @@ def _warps(d: int, grads: bool) -> int:
     return 8 if d > 32 or grads else 4
 
 
-def _rows_impl(q, l, qn, ln, y, a, b, precision, out_dtype="float32"):
-    q, l, qn, ln, y, a, b = _contig(q, l, qn, ln, y, a, b)
+def _rows_impl(q, l, qn, ln, y, a, b, precision, out_dtype="float32", a2=None, b2=None):
+    q, l, qn, ln, y, a, b, a2, b2 = _contig(q, l, qn, ln, y, a, b, a2, b2)
     bh, n, d = q.shape
     m = l.shape[1]
     e = y.shape[-1] if y is not None else 1
     f = a.shape[-1] if a is not None else 1
+    f2 = a2.shape[-1] if a2 is not None else 1
+    ds2 = a is not None and a2 is not None
     oy = (torch.empty(bh, n, e, device=q.device, dtype=getattr(torch, out_dtype)) if y is not None
           else q.new_empty(0))   # P @ y stored in out_dtype (the store rounds the float32 accumulator)
     dq = torch.empty(bh, n, d, device=q.device, dtype=torch.float32) if a is not None else q.new_empty(0)
     block_n = 64
     block_m = 64 if m > 32 else 32
     _rows_kernel[(bh, triton.cdiv(n, block_n))](
-        q, l, qn, ln, y if y is not None else q, a if a is not None else q, b if b is not None else q, oy, dq,
-        n, m, d, e, f, HAS_Y=y is not None, HAS_DS=a is not None, PREC=precision, BLOCK_N=block_n,
-        BLOCK_M=block_m, BD=_p2(d), BE=_p2(e), BF=_p2(f), num_warps=_warps(d, a is not None),
+        q, l, qn, ln, y if y is not None else q, a if a is not None else q, b if b is not None else q,
+        a2 if ds2 else q, b2 if ds2 else q, oy, dq, n, m, d, e, f, f2, HAS_Y=y is not None, HAS_DS=a is not None,
+        HAS_DS2=ds2, PREC=precision, BLOCK_N=block_n,
+        BLOCK_M=block_m, BD=_p2(d), BE=_p2(e), BF=_p2(f), BF2=_p2(f2), num_warps=_warps(d, a is not None),
         num_stages=2 if a is not None or d > 32 else 3)
     return oy, dq
 
@@ -509,12 +537,14 @@ def _splits(bh: int, mblocks: int, n: int, block_n: int, device: torch.device) -
     return max(1, min(want, triton.cdiv(n, 4 * block_n)))
 
 
-def _cols_impl(q, l, qn, ln, x, a, b, precision):
-    q, l, qn, ln, x, a, b = _contig(q, l, qn, ln, x, a, b)
+def _cols_impl(q, l, qn, ln, x, a, b, precision, a2=None, b2=None):
+    q, l, qn, ln, x, a, b, a2, b2 = _contig(q, l, qn, ln, x, a, b, a2, b2)
     bh, n, d = q.shape
     m = l.shape[1]
     e = x.shape[-1] if x is not None else 1
     f = a.shape[-1] if a is not None else 1
+    f2 = a2.shape[-1] if a2 is not None else 1
+    ds2 = a is not None and a2 is not None
     block_n, block_m = 64, 64 if m > 32 else 32
     mblocks = triton.cdiv(m, block_m)
     splits = _splits(bh, mblocks, n, block_n, q.device)
@@ -523,9 +553,10 @@ def _cols_impl(q, l, qn, ln, x, a, b, precision):
     ox = torch.empty(splits, bh, m, e, device=q.device, dtype=torch.float32) if x is not None else q.new_empty(0)
     dl = torch.empty(splits, bh, m, d, device=q.device, dtype=torch.float32) if a is not None else q.new_empty(0)
     _cols_kernel[(bh, mblocks, splits)](
-        q, l, qn, ln, x if x is not None else q, a if a is not None else q, b if b is not None else q, ox, dl,
-        n, m, d, e, f, bh, chunk, HAS_X=x is not None, HAS_DS=a is not None, PREC=precision, BLOCK_N=block_n,
-        BLOCK_M=block_m, BD=_p2(d), BE=_p2(e), BF=_p2(f), num_warps=_warps(d, a is not None),
+        q, l, qn, ln, x if x is not None else q, a if a is not None else q, b if b is not None else q,
+        a2 if ds2 else q, b2 if ds2 else q, ox, dl, n, m, d, e, f, f2, bh, chunk, HAS_X=x is not None,
+        HAS_DS=a is not None, HAS_DS2=ds2, PREC=precision, BLOCK_N=block_n,
+        BLOCK_M=block_m, BD=_p2(d), BE=_p2(e), BF=_p2(f), BF2=_p2(f2), num_warps=_warps(d, a is not None),
         num_stages=2 if a is not None or d > 32 else 3)
     return (ox.sum(0) if x is not None else ox), (dl.sum(0) if a is not None else dl)
 
@@ -533,40 +564,42 @@ def _cols_impl(q, l, qn, ln, x, a, b, precision):
 if triton is not None:
     @torch.library.custom_op("hpdl::soft_landmark_rows", mutates_args=())
     def _rows_op(q: torch.Tensor, l: torch.Tensor, qn: torch.Tensor, ln: torch.Tensor, y: torch.Tensor | None,
-                 a: torch.Tensor | None, b: torch.Tensor | None, precision: str, out_dtype: str = "float32"
+                 a: torch.Tensor | None, b: torch.Tensor | None, precision: str, out_dtype: str = "float32",
+                 a2: torch.Tensor | None = None, b2: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        return _rows_impl(q, l, qn, ln, y, a, b, precision, out_dtype)
+        return _rows_impl(q, l, qn, ln, y, a, b, precision, out_dtype, a2, b2)
 
     @_rows_op.register_fake
-    def _(q, l, qn, ln, y, a, b, precision, out_dtype="float32"):
+    def _(q, l, qn, ln, y, a, b, precision, out_dtype="float32", a2=None, b2=None):
         bh, n, d = q.shape
         oy = q.new_empty(bh, n, y.shape[-1], dtype=getattr(torch, out_dtype)) if y is not None else q.new_empty(0)
         return oy, (q.new_empty(bh, n, d) if a is not None else q.new_empty(0))
 
     @torch.library.custom_op("hpdl::soft_landmark_cols", mutates_args=())
     def _cols_op(q: torch.Tensor, l: torch.Tensor, qn: torch.Tensor, ln: torch.Tensor, x: torch.Tensor | None,
-                 a: torch.Tensor | None, b: torch.Tensor | None, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
-        return _cols_impl(q, l, qn, ln, x, a, b, precision)
+                 a: torch.Tensor | None, b: torch.Tensor | None, precision: str, a2: torch.Tensor | None = None,
+                 b2: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return _cols_impl(q, l, qn, ln, x, a, b, precision, a2, b2)
 
     @_cols_op.register_fake
-    def _(q, l, qn, ln, x, a, b, precision):
+    def _(q, l, qn, ln, x, a, b, precision, a2=None, b2=None):
         bh, m, d = l.shape
         ox = q.new_empty(bh, m, x.shape[-1]) if x is not None else q.new_empty(0)
         return ox, (q.new_empty(bh, m, d) if a is not None else q.new_empty(0))
 
 
-def _rows(q, l, qn, ln, y, a, b, precision, out_dtype="float32"):
+def _rows(q, l, qn, ln, y, a, b, precision, out_dtype="float32", a2=None, b2=None):
     """:func:`_rows_impl` directly in eager mode (:func:`_direct`), else through its custom op."""
     if _direct(q):
-        return _rows_impl(q, l, qn, ln, y, a, b, precision, out_dtype)
-    return _rows_op(q, l, qn, ln, y, a, b, precision, out_dtype)
+        return _rows_impl(q, l, qn, ln, y, a, b, precision, out_dtype, a2, b2)
+    return _rows_op(q, l, qn, ln, y, a, b, precision, out_dtype, a2, b2)
 
 
-def _cols(q, l, qn, ln, x, a, b, precision):
+def _cols(q, l, qn, ln, x, a, b, precision, a2=None, b2=None):
     """:func:`_cols_impl` directly in eager mode (:func:`_direct`), else through its custom op."""
     if _direct(q):
-        return _cols_impl(q, l, qn, ln, x, a, b, precision)
-    return _cols_op(q, l, qn, ln, x, a, b, precision)
+        return _cols_impl(q, l, qn, ln, x, a, b, precision, a2, b2)
+    return _cols_op(q, l, qn, ln, x, a, b, precision, a2, b2)
 
 
 def centre(q: torch.Tensor, l: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -609,11 +642,11 @@ def landmark_cols(q, l, x=None, a=None, b=None, precision: str = "tf32"):
 def _ops(kernels: bool, precision: str):
     """(rows, cols) on centred inputs with their norms: the Triton custom ops, or the torch references."""
     if kernels:
-        return (lambda q, l, qn, ln, y, a, b, out_dtype="float32": _rows(q, l, qn, ln, y, a, b, precision,
-                                                                         out_dtype),
-                lambda q, l, qn, ln, x, a, b: _cols(q, l, qn, ln, x, a, b, precision))
-    return (lambda q, l, qn, ln, y, a, b, out_dtype=None: landmark_rows_ref(q, l, y, a, b),
-            lambda q, l, qn, ln, x, a, b: landmark_cols_ref(q, l, x, a, b))
+        return (lambda q, l, qn, ln, y, a, b, out_dtype="float32", a2=None, b2=None: _rows(
+                    q, l, qn, ln, y, a, b, precision, out_dtype, a2, b2),
+                lambda q, l, qn, ln, x, a, b, a2=None, b2=None: _cols(q, l, qn, ln, x, a, b, precision, a2, b2))
+    return (lambda q, l, qn, ln, y, a, b, out_dtype=None, a2=None, b2=None: landmark_rows_ref(q, l, y, a, b, a2, b2),
+            lambda q, l, qn, ln, x, a, b, a2=None, b2=None: landmark_cols_ref(q, l, x, a, b, a2, b2))
 
 
 class _PT(torch.autograd.Function):
@@ -719,14 +752,16 @@ class _SoftCore(torch.autograd.Function):
         q, l, qn, ln, v, a, vinv, w = ctx.saved_tensors
         rows, cols = _ops(*ctx.cfg)
         dout = dout.contiguous()
-        dw, dl = cols(q, l, qn, ln, dout, dout, w)          # out = P W: dW = P^T dout, dS = P * (dout W^T)
-        _, dq = rows(q, l, qn, ln, None, dout, w)
+        # out = P W: dW = P^T dout, dS1 = P * (dout W^T); Z = P^T v: dv = P dZ, dS2 = P * (v dZ^T). dS1 and dS2
+        # reach q and l through the same P tiles, so each of dq, dl is one pass over dS1 + dS2 (3 passes, not 4,
+        # and one float32 [N, d] gradient held, not two)
+        dw, _ = cols(q, l, qn, ln, dout, None, None)
         dz = torch.bmm(vinv.transpose(-1, -2), dw)          # W = V Z
-        dv, dq2 = rows(q, l, qn, ln, dz, v, dz, _dtype_name(v))  # Z = P^T v: dv = P dZ, dS = P * (v dZ^T)
-        _, dl2 = cols(q, l, qn, ln, None, v, dz)
+        dv, dq = rows(q, l, qn, ln, dz, dout, w, _dtype_name(v), a2=v, b2=dz)
+        _, dl = cols(q, l, qn, ln, None, dout, w, a2=v, b2=dz)
         ds = a * torch.bmm(dz, w.transpose(-1, -2)).neg_()  # A = exp(-|l_i - l_j|^2 / 2), dA = -dZ W^T
         dl3 = torch.baddbmm(torch.bmm(ds, l), ds.transpose(-1, -2), l) - l * (ds.sum(-1) + ds.sum(-2))[..., None]
-        return dq.add_(dq2), dl + dl2 + dl3, dv.to(v.dtype), None, None, None, None, None, None, None
+        return dq, dl.add_(dl3), dv.to(v.dtype), None, None, None, None, None, None, None
 
 
 def _dtype_name(t: torch.Tensor) -> str:
