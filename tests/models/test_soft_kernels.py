@@ -158,11 +158,16 @@ def _interpreted() -> None:
         for got, ref in zip(sk.landmark_cols(q, lm, x, a, b), sk.landmark_cols_ref(q, lm, x, a, b)):
             assert _rel(got, ref) < 1e-5, (bh, n, m, "cols", _rel(got, ref))
         # two gradients through P in one pass (soft_core's backward): ds = P * (a b^T + a2 b2^T), f2 != f
-        a2, b2 = torch.randn(bh, n, e + 3, generator=g), torch.randn(bh, m, e + 3, generator=g)
+        # token-side operands read in their own strides (a head view of a [N, BH*F] projection: no copy)
+        a2 = torch.randn(n, bh, e + 3, generator=g).transpose(0, 1)
+        b2 = torch.randn(bh, m, e + 3, generator=g)
+        xs = torch.randn(n, bh, e, generator=g).transpose(0, 1)
+        assert bh == 1 or not (a2.is_contiguous() or xs.is_contiguous())
         qc, lc = sk.centre(q, lm)
         nq, nl = sk._norms(qc, lc)
-        got_r = sk._rows(qc, lc, nq, nl, y, a, b, "ieee", "float32", a2, b2)
-        got_c = sk._cols(qc, lc, nq, nl, x, a, b, "ieee", a2, b2)
+        got_r = sk._rows(qc, lc, nq, nl, y, xs, b, "ieee", "float32", a2, b2)
+        got_c = sk._cols(qc, lc, nq, nl, xs, xs, b, "ieee", a2, b2)
+        a, x = xs, xs
         for got, ref in zip(got_r + got_c, sk.landmark_rows_ref(qc, lc, y, a, b, a2, b2)
                             + sk.landmark_cols_ref(qc, lc, x, a, b, a2, b2)):
             assert _rel(got, ref) < 1e-5, (bh, n, m, "ds2", _rel(got, ref))

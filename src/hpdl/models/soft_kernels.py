@@ -208,7 +208,7 @@ if triton is not None:
 
     @triton.jit
     def _rows_kernel(q_ptr, l_ptr, qn_ptr, ln_ptr, y_ptr, a_ptr, b_ptr, a2_ptr, b2_ptr, oy_ptr, dq_ptr, N, M, D,
-                     E, F, F2, HAS_Y: tl.constexpr, HAS_DS: tl.constexpr, HAS_DS2: tl.constexpr, PREC: tl.constexpr,
+                     E, F, F2, sab, san, sa2b, sa2n, HAS_Y: tl.constexpr, HAS_DS: tl.constexpr, HAS_DS2: tl.constexpr, PREC: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
                      BF: tl.constexpr, BF2: tl.constexpr):
         """One block of tokens: loop over landmark blocks, P tile on chip; P @ y and/or dq (ds = P * (a b^T), plus
@@ -223,13 +223,13 @@ if triton is not None:
         if HAS_Y:
             acc_y = tl.zeros((BLOCK_N, BE), dtype=tl.float32)
         if HAS_DS:
-            av = tl.load(a_ptr + bh * N * F + rn[:, None] * F + rf[None, :], mask=nin[:, None] & (rf[None, :] < F),
+            av = tl.load(a_ptr + bh * sab + rn[:, None] * san + rf[None, :], mask=nin[:, None] & (rf[None, :] < F),
                          other=0.0).to(tl.float32)
             acc_dq = tl.zeros((BLOCK_N, BD), dtype=tl.float32)
             rs = tl.zeros((BLOCK_N,), dtype=tl.float32)
         if HAS_DS2:
             rf2 = tl.arange(0, BF2)
-            av2 = tl.load(a2_ptr + bh * N * F2 + rn[:, None] * F2 + rf2[None, :],
+            av2 = tl.load(a2_ptr + bh * sa2b + rn[:, None] * sa2n + rf2[None, :],
                           mask=nin[:, None] & (rf2[None, :] < F2), other=0.0).to(tl.float32)
         for m0 in range(0, M, BLOCK_M):
             rm = m0 + tl.arange(0, BLOCK_M)
@@ -263,7 +263,7 @@ if triton is not None:
 
     @triton.jit
     def _cols_kernel(q_ptr, l_ptr, qn_ptr, ln_ptr, x_ptr, a_ptr, b_ptr, a2_ptr, b2_ptr, ox_ptr, dl_ptr, N, M, D,
-                     E, F, F2, BH, chunk, HAS_X: tl.constexpr, HAS_DS: tl.constexpr, HAS_DS2: tl.constexpr,
+                     E, F, F2, sxb, sxn, sab, san, sa2b, sa2n, BH, chunk, HAS_X: tl.constexpr, HAS_DS: tl.constexpr, HAS_DS2: tl.constexpr,
                      PREC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BD: tl.constexpr,
                      BE: tl.constexpr, BF: tl.constexpr, BF2: tl.constexpr):
         """One block of landmarks and one chunk of tokens: P^T @ x and/or dl, partial sums per chunk."""
@@ -296,15 +296,15 @@ if triton is not None:
             s = tl.dot(q, tl.trans(lt), input_precision=PREC) + qn[:, None] + ln[None, :]
             p = tl.where(nin[:, None], tl.exp(s), 0.0)  # [BLOCK_N, BLOCK_M]
             if HAS_X:
-                xt = tl.load(x_ptr + bh * N * E + rn[:, None] * E + re[None, :],
+                xt = tl.load(x_ptr + bh * sxb + rn[:, None] * sxn + re[None, :],
                              mask=nin[:, None] & (re[None, :] < E), other=0.0).to(tl.float32)
                 acc_x += tl.dot(tl.trans(p), xt, input_precision=PREC)
             if HAS_DS:
-                av = tl.load(a_ptr + bh * N * F + rn[:, None] * F + rf[None, :],
+                av = tl.load(a_ptr + bh * sab + rn[:, None] * san + rf[None, :],
                              mask=nin[:, None] & (rf[None, :] < F), other=0.0).to(tl.float32)
                 ab = tl.dot(av, tl.trans(bt), input_precision=PREC)
                 if HAS_DS2:
-                    av2 = tl.load(a2_ptr + bh * N * F2 + rn[:, None] * F2 + rf2[None, :],
+                    av2 = tl.load(a2_ptr + bh * sa2b + rn[:, None] * sa2n + rf2[None, :],
                                   mask=nin[:, None] & (rf2[None, :] < F2), other=0.0).to(tl.float32)
                     ab += tl.dot(av2, tl.trans(bt2), input_precision=PREC)
                 ds = p * ab
@@ -503,8 +503,18 @@ def _warps(d: int, grads: bool) -> int:
     return 8 if d > 32 or grads else 4
 
 
-def _rows_impl(q, l, qn, ln, y, a, b, precision, out_dtype="float32", a2=None, b2=None):
-    q, l, qn, ln, y, a, b, a2, b2 = _contig(q, l, qn, ln, y, a, b, a2, b2)
+def _tokens_side(t, dummy):
+    """A ``[BH, N, F]`` operand read with its own batch and token strides (a transposed head view of a
+    ``[B, N, H*F]`` projection needs no copy); a copy only where the last dimension is strided."""
+    if t is None:
+        return dummy, 0, 0
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    return t, t.stride(0), t.stride(1)
+
+
+def _rows_impl(q, l, qn, ln, y, a, b, precision, out_dtype="float32", a2=None, b2=None, dq_dtype="float32"):
+    q, l, qn, ln, y, b, b2 = _contig(q, l, qn, ln, y, b, b2)
     bh, n, d = q.shape
     m = l.shape[1]
     e = y.shape[-1] if y is not None else 1
@@ -513,15 +523,20 @@ def _rows_impl(q, l, qn, ln, y, a, b, precision, out_dtype="float32", a2=None, b
     ds2 = a is not None and a2 is not None
     oy = (torch.empty(bh, n, e, device=q.device, dtype=getattr(torch, out_dtype)) if y is not None
           else q.new_empty(0))   # P @ y stored in out_dtype (the store rounds the float32 accumulator)
-    dq = torch.empty(bh, n, d, device=q.device, dtype=torch.float32) if a is not None else q.new_empty(0)
+    # dq stored in dq_dtype (the store rounds the float32 accumulator): bf16 where the gradient goes to a bf16 q
+    dq = (torch.empty(bh, n, d, device=q.device, dtype=getattr(torch, dq_dtype)) if a is not None
+          else q.new_empty(0))
     block_n = 64
     block_m = 64 if m > 32 else 32
+    has_ds = a is not None
+    a, sab, san = _tokens_side(a, q)
+    a2, sa2b, sa2n = _tokens_side(a2 if ds2 else None, q)
     _rows_kernel[(bh, triton.cdiv(n, block_n))](
-        q, l, qn, ln, y if y is not None else q, a if a is not None else q, b if b is not None else q,
-        a2 if ds2 else q, b2 if ds2 else q, oy, dq, n, m, d, e, f, f2, HAS_Y=y is not None, HAS_DS=a is not None,
+        q, l, qn, ln, y if y is not None else q, a, b if b is not None else q,
+        a2, b2 if ds2 else q, oy, dq, n, m, d, e, f, f2, sab, san, sa2b, sa2n, HAS_Y=y is not None, HAS_DS=has_ds,
         HAS_DS2=ds2, PREC=precision, BLOCK_N=block_n,
-        BLOCK_M=block_m, BD=_p2(d), BE=_p2(e), BF=_p2(f), BF2=_p2(f2), num_warps=_warps(d, a is not None),
-        num_stages=2 if a is not None or d > 32 else 3)
+        BLOCK_M=block_m, BD=_p2(d), BE=_p2(e), BF=_p2(f), BF2=_p2(f2), num_warps=_warps(d, has_ds),
+        num_stages=2 if has_ds or d > 32 else 3)
     return oy, dq
 
 
@@ -538,7 +553,7 @@ def _splits(bh: int, mblocks: int, n: int, block_n: int, device: torch.device) -
 
 
 def _cols_impl(q, l, qn, ln, x, a, b, precision, a2=None, b2=None):
-    q, l, qn, ln, x, a, b, a2, b2 = _contig(q, l, qn, ln, x, a, b, a2, b2)
+    q, l, qn, ln, b, b2 = _contig(q, l, qn, ln, b, b2)
     bh, n, d = q.shape
     m = l.shape[1]
     e = x.shape[-1] if x is not None else 1
@@ -552,28 +567,32 @@ def _cols_impl(q, l, qn, ln, x, a, b, precision, a2=None, b2=None):
     splits = triton.cdiv(n, chunk)
     ox = torch.empty(splits, bh, m, e, device=q.device, dtype=torch.float32) if x is not None else q.new_empty(0)
     dl = torch.empty(splits, bh, m, d, device=q.device, dtype=torch.float32) if a is not None else q.new_empty(0)
+    has_ds = a is not None
+    xs, sxb, sxn = _tokens_side(x, q)
+    a, sab, san = _tokens_side(a, q)
+    a2, sa2b, sa2n = _tokens_side(a2 if ds2 else None, q)
     _cols_kernel[(bh, mblocks, splits)](
-        q, l, qn, ln, x if x is not None else q, a if a is not None else q, b if b is not None else q,
-        a2 if ds2 else q, b2 if ds2 else q, ox, dl, n, m, d, e, f, f2, bh, chunk, HAS_X=x is not None,
-        HAS_DS=a is not None, HAS_DS2=ds2, PREC=precision, BLOCK_N=block_n,
-        BLOCK_M=block_m, BD=_p2(d), BE=_p2(e), BF=_p2(f), BF2=_p2(f2), num_warps=_warps(d, a is not None),
-        num_stages=2 if a is not None or d > 32 else 3)
-    return (ox.sum(0) if x is not None else ox), (dl.sum(0) if a is not None else dl)
+        q, l, qn, ln, xs, a, b if b is not None else q,
+        a2, b2 if ds2 else q, ox, dl, n, m, d, e, f, f2, sxb, sxn, sab, san, sa2b, sa2n, bh, chunk, HAS_X=x is not None,
+        HAS_DS=has_ds, HAS_DS2=ds2, PREC=precision, BLOCK_N=block_n,
+        BLOCK_M=block_m, BD=_p2(d), BE=_p2(e), BF=_p2(f), BF2=_p2(f2), num_warps=_warps(d, has_ds),
+        num_stages=2 if has_ds or d > 32 else 3)
+    return (ox.sum(0) if x is not None else ox), (dl.sum(0) if has_ds else dl)
 
 
 if triton is not None:
     @torch.library.custom_op("hpdl::soft_landmark_rows", mutates_args=())
     def _rows_op(q: torch.Tensor, l: torch.Tensor, qn: torch.Tensor, ln: torch.Tensor, y: torch.Tensor | None,
                  a: torch.Tensor | None, b: torch.Tensor | None, precision: str, out_dtype: str = "float32",
-                 a2: torch.Tensor | None = None, b2: torch.Tensor | None = None
+                 a2: torch.Tensor | None = None, b2: torch.Tensor | None = None, dq_dtype: str = "float32"
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        return _rows_impl(q, l, qn, ln, y, a, b, precision, out_dtype, a2, b2)
+        return _rows_impl(q, l, qn, ln, y, a, b, precision, out_dtype, a2, b2, dq_dtype)
 
     @_rows_op.register_fake
-    def _(q, l, qn, ln, y, a, b, precision, out_dtype="float32", a2=None, b2=None):
+    def _(q, l, qn, ln, y, a, b, precision, out_dtype="float32", a2=None, b2=None, dq_dtype="float32"):
         bh, n, d = q.shape
         oy = q.new_empty(bh, n, y.shape[-1], dtype=getattr(torch, out_dtype)) if y is not None else q.new_empty(0)
-        return oy, (q.new_empty(bh, n, d) if a is not None else q.new_empty(0))
+        return oy, (q.new_empty(bh, n, d, dtype=getattr(torch, dq_dtype)) if a is not None else q.new_empty(0))
 
     @torch.library.custom_op("hpdl::soft_landmark_cols", mutates_args=())
     def _cols_op(q: torch.Tensor, l: torch.Tensor, qn: torch.Tensor, ln: torch.Tensor, x: torch.Tensor | None,
@@ -588,11 +607,11 @@ if triton is not None:
         return ox, (q.new_empty(bh, m, d) if a is not None else q.new_empty(0))
 
 
-def _rows(q, l, qn, ln, y, a, b, precision, out_dtype="float32", a2=None, b2=None):
+def _rows(q, l, qn, ln, y, a, b, precision, out_dtype="float32", a2=None, b2=None, dq_dtype="float32"):
     """:func:`_rows_impl` directly in eager mode (:func:`_direct`), else through its custom op."""
     if _direct(q):
-        return _rows_impl(q, l, qn, ln, y, a, b, precision, out_dtype, a2, b2)
-    return _rows_op(q, l, qn, ln, y, a, b, precision, out_dtype, a2, b2)
+        return _rows_impl(q, l, qn, ln, y, a, b, precision, out_dtype, a2, b2, dq_dtype)
+    return _rows_op(q, l, qn, ln, y, a, b, precision, out_dtype, a2, b2, dq_dtype)
 
 
 def _cols(q, l, qn, ln, x, a, b, precision, a2=None, b2=None):
@@ -642,10 +661,11 @@ def landmark_cols(q, l, x=None, a=None, b=None, precision: str = "tf32"):
 def _ops(kernels: bool, precision: str):
     """(rows, cols) on centred inputs with their norms: the Triton custom ops, or the torch references."""
     if kernels:
-        return (lambda q, l, qn, ln, y, a, b, out_dtype="float32", a2=None, b2=None: _rows(
-                    q, l, qn, ln, y, a, b, precision, out_dtype, a2, b2),
+        return (lambda q, l, qn, ln, y, a, b, out_dtype="float32", a2=None, b2=None, dq_dtype="float32": _rows(
+                    q, l, qn, ln, y, a, b, precision, out_dtype, a2, b2, dq_dtype),
                 lambda q, l, qn, ln, x, a, b, a2=None, b2=None: _cols(q, l, qn, ln, x, a, b, precision, a2, b2))
-    return (lambda q, l, qn, ln, y, a, b, out_dtype=None, a2=None, b2=None: landmark_rows_ref(q, l, y, a, b, a2, b2),
+    return (lambda q, l, qn, ln, y, a, b, out_dtype=None, a2=None, b2=None, dq_dtype=None: landmark_rows_ref(
+                q, l, y, a, b, a2, b2),
             lambda q, l, qn, ln, x, a, b, a2=None, b2=None: landmark_cols_ref(q, l, x, a, b, a2, b2))
 
 
@@ -725,15 +745,20 @@ class _SoftCore(torch.autograd.Function):
     -dZ W^T``: a rank-``dv`` outer product instead of two ``m x m x m`` products."""
 
     @staticmethod
-    def forward(ctx, q, l, v, iters, reg, start, precision, nr_precision, tol, kernels):
+    def forward(ctx, q, l, v, iters, reg, start, precision, nr_precision, tol, kernels, centre=None):
         with torch.autocast(q.device.type, enabled=False):   # l l^T in float32 even when called under autocast
-            return _SoftCore._forward(ctx, q, l, v, iters, reg, start, precision, nr_precision, tol, kernels)
+            return _SoftCore._forward(ctx, q, l, v, iters, reg, start, precision, nr_precision, tol, kernels,
+                                      centre)
 
     @staticmethod
-    def _forward(ctx, q, l, v, iters, reg, start, precision, nr_precision, tol, kernels):
+    def _forward(ctx, q, l, v, iters, reg, start, precision, nr_precision, tol, kernels, centre):
+        ctx.q_dtype = q.dtype
+        if centre is not None:   # q - c written once, contiguous, in l's dtype, from q in its own dtype and strides
+            qc = torch.empty(q.shape, dtype=l.dtype, device=q.device)
+            q = torch.sub(q, centre, out=qc)
         qn, ln = _norms(q, l)
         rows, cols = _ops(kernels, precision)
-        v = v.contiguous()
+        # v and (backward) dout are read by the kernels in their own strides: no contiguous copies held
         z, _ = cols(q, l, qn, ln, v, None, None)                               # [BH, m, dv] = P^T v
         a = torch.exp(ln[..., :, None] + ln[..., None, :] + l @ l.transpose(-1, -2))  # [BH, m, m] from centred l
         if kernels:
@@ -751,36 +776,54 @@ class _SoftCore(torch.autograd.Function):
     def backward(ctx, dout):
         q, l, qn, ln, v, a, vinv, w = ctx.saved_tensors
         rows, cols = _ops(*ctx.cfg)
-        dout = dout.contiguous()
         # out = P W: dW = P^T dout, dS1 = P * (dout W^T); Z = P^T v: dv = P dZ, dS2 = P * (v dZ^T). dS1 and dS2
         # reach q and l through the same P tiles, so each of dq, dl is one pass over dS1 + dS2 (3 passes, not 4,
         # and one float32 [N, d] gradient held, not two)
         dw, _ = cols(q, l, qn, ln, dout, None, None)
         dz = torch.bmm(vinv.transpose(-1, -2), dw)          # W = V Z
-        dv, dq = rows(q, l, qn, ln, dz, dout, w, _dtype_name(v), a2=v, b2=dz)
+        # dq stored in q's dtype (bf16 under autocast: half the float32 [N, d] at the backward's peak)
+        dv, dq = rows(q, l, qn, ln, dz, dout, w, _dtype_name(v), a2=v, b2=dz, dq_dtype=_dtype_name(ctx.q_dtype))
         _, dl = cols(q, l, qn, ln, None, dout, w, a2=v, b2=dz)
         ds = a * torch.bmm(dz, w.transpose(-1, -2)).neg_()  # A = exp(-|l_i - l_j|^2 / 2), dA = -dZ W^T
         dl3 = torch.baddbmm(torch.bmm(ds, l), ds.transpose(-1, -2), l) - l * (ds.sum(-1) + ds.sum(-2))[..., None]
-        return dq, dl.add_(dl3), dv.to(v.dtype), None, None, None, None, None, None, None
+        return (dq.to(ctx.q_dtype), dl.add_(dl3), dv.to(v.dtype)) + (None,) * 8
 
 
-def _dtype_name(t: torch.Tensor) -> str:
-    return {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(t.dtype, "float32")
+def _dtype_name(t: torch.Tensor | torch.dtype) -> str:
+    dtype = t if isinstance(t, torch.dtype) else t.dtype
+    return {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "float32")
 
 
 def soft_core(q, l, v, *, iters: int = 20, reg: float = 0.01, start: str = "identity", precision: str = "tf32",
-              nr_precision: str | None = None, tol: float = NR_TOL, kernels: bool = True):
+              nr_precision: str | None = None, tol: float = NR_TOL, kernels: bool = True,
+              centre: torch.Tensor | None = None):
     """SOFT's landmark attention ``P @ NR(A + reg I) @ (P^T @ v)`` for centred ``q [BH, N, D]``, ``l [BH, M, D]``
     (:func:`centre`, float32; float64 with ``kernels=False``) and ``v [BH, N, E]`` (any float dtype) ->
-    ``[BH, N, E]`` (kernels: in v's dtype if bf16/fp16, else float32; the references: q's dtype), differentiable in q, l and v with the paper's inverse backward. P and A are never
+    ``[BH, N, E]`` (kernels: in v's dtype if bf16/fp16, else float32; the references: q's dtype),
+    differentiable in q, l and v with the paper's inverse backward. P and A are never
     stored as ``[N, M]``; the Newton inverse is :func:`newton_inverse` (early exit ``tol``; ``kernels=False``:
-    the torch references, all ``iters`` steps). Raises ValueError on bad shapes, dtypes, start or precision."""
+    the torch references, all ``iters`` steps).
+
+    ``centre`` (``[BH, 1, D]`` in l's dtype, the centre already subtracted from l, treated as a constant): q is
+    then the uncentred queries in any float dtype and layout; ``q - centre`` is formed inside (one float32 copy,
+    contiguous) and q's gradient is returned in q's dtype straight from the kernel (bf16 under autocast: no
+    float32 ``[N, D]`` gradient held). Raises ValueError on bad shapes, dtypes, start or precision."""
     _check_prec(precision)
-    _check_centred(q, l)
+    if centre is not None:
+        if centre.dtype != l.dtype or centre.shape != (l.shape[0], 1, l.shape[2]) or q.dim() != 3 \
+                or not q.is_floating_point() or q.shape[0] != l.shape[0] or q.shape[2] != l.shape[2]:
+            raise ValueError(f"with centre, q must be float [BH, N, D] and centre {l.dtype} [BH, 1, D] for l "
+                             f"{tuple(l.shape)}, got q {q.dtype} {tuple(q.shape)}, centre {centre.dtype} "
+                             f"{tuple(centre.shape)}")
+        _check_centred(l.new_empty(q.shape[0], 0, q.shape[2]), l)
+        centre = centre.detach()
+    else:
+        _check_centred(q, l)
     if v.dim() != 3 or v.shape[:2] != q.shape[:2]:
         raise ValueError(f"v must be [BH, N, E] with q's BH and N {tuple(q.shape[:2])}, got {tuple(v.shape)}")
     if start not in ("identity", "official"):
         raise ValueError(f"start must be 'identity' or 'official', got {start!r}")
     if nr_precision is not None:
         _check_prec(nr_precision)
-    return _SoftCore.apply(q, l, v, int(iters), float(reg), start, precision, nr_precision, float(tol), kernels)
+    return _SoftCore.apply(q, l, v, int(iters), float(reg), start, precision, nr_precision, float(tol), kernels,
+                           centre)
