@@ -254,6 +254,15 @@ def _interpreted() -> None:
     ref = soft_attention(qb, vb, lb, impl="torch")
     got = soft_attention(qb, vb, lb, impl="triton")
     assert got.dtype == torch.bfloat16 and _rel(got, ref) < 1e-2, _rel(got, ref)
+    # q and v as head views of [B, N, H*d] projections (the layer's layout): read in their strides, centred on
+    # chip; same result and gradients as contiguous inputs
+    qs, vs = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (qb, vb))
+    assert not qs.is_contiguous()
+    got_s = soft_attention(qs, vs, lb, impl="triton")
+    assert _rel(got_s, got) < 1e-6, _rel(got_s, got)
+    gs = torch.autograd.grad(got_s.float().sum(), (qs, vs))
+    gc = torch.autograd.grad(soft_attention(qb, vb, lb, impl="triton").float().sum(), (qb, vb))
+    assert all(_rel(a_, b_) < 1e-6 for a_, b_ in zip(gs, gc))
     for gt, gr in zip(torch.autograd.grad(got.float().sum(), (qb, vb, lb)),
                       torch.autograd.grad(ref.float().sum(), (qb, vb, lb))):
         assert gt.dtype == torch.bfloat16 and _rel(gt, gr) < 2e-2, _rel(gt, gr)

@@ -207,8 +207,22 @@ if triton is not None:
                 tl.atomic_add(res_ptr + b * res_stride + step, tl.sum(tl.sum(e * e, 1), 0))
 
     @triton.jit
-    def _rows_kernel(q_ptr, l_ptr, qn_ptr, ln_ptr, y_ptr, a_ptr, b_ptr, a2_ptr, b2_ptr, oy_ptr, dq_ptr, N, M, D,
-                     E, F, F2, sab, san, sa2b, sa2n, HAS_Y: tl.constexpr, HAS_DS: tl.constexpr, HAS_DS2: tl.constexpr, PREC: tl.constexpr,
+    def _q_tile(q_ptr, qn_ptr, c_ptr, bh, rn, rd, N, D, sqb, sqn, CENTRE: tl.constexpr):
+        """A tile of queries in float32 and its ``-|q|^2/2``: centred on chip (``q - c``, from q in its own dtype
+        and strides: no float32 copy in memory) with CENTRE, else read centred with its norms."""
+        inside = (rn[:, None] < N) & (rd[None, :] < D)
+        q = tl.load(q_ptr + bh * sqb + rn[:, None] * sqn + rd[None, :], mask=inside, other=0.0).to(tl.float32)
+        if CENTRE:
+            c = tl.load(c_ptr + bh * D + rd, mask=rd < D, other=0.0)
+            q = tl.where(inside, q - c[None, :], 0.0)
+            qn = -0.5 * tl.sum(q * q, 1)
+        else:
+            qn = tl.load(qn_ptr + bh * N + rn, mask=rn < N, other=0.0)
+        return q, qn
+
+    @triton.jit
+    def _rows_kernel(q_ptr, l_ptr, qn_ptr, ln_ptr, c_ptr, y_ptr, a_ptr, b_ptr, a2_ptr, b2_ptr, oy_ptr, dq_ptr, N,
+                     M, D, E, F, F2, sqb, sqn, sab, san, sa2b, sa2n, CENTRE: tl.constexpr, HAS_Y: tl.constexpr, HAS_DS: tl.constexpr, HAS_DS2: tl.constexpr, PREC: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
                      BF: tl.constexpr, BF2: tl.constexpr):
         """One block of tokens: loop over landmark blocks, P tile on chip; P @ y and/or dq (ds = P * (a b^T), plus
@@ -217,9 +231,7 @@ if triton is not None:
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         rd, re, rf = tl.arange(0, BD), tl.arange(0, BE), tl.arange(0, BF)
         nin = rn < N
-        q = tl.load(q_ptr + bh * N * D + rn[:, None] * D + rd[None, :], mask=nin[:, None] & (rd[None, :] < D),
-                    other=0.0)
-        qn = tl.load(qn_ptr + bh * N + rn, mask=nin, other=0.0)
+        q, qn = _q_tile(q_ptr, qn_ptr, c_ptr, bh, rn, rd, N, D, sqb, sqn, CENTRE)
         if HAS_Y:
             acc_y = tl.zeros((BLOCK_N, BE), dtype=tl.float32)
         if HAS_DS:
@@ -262,8 +274,9 @@ if triton is not None:
                      mask=nin[:, None] & (rd[None, :] < D))
 
     @triton.jit
-    def _cols_kernel(q_ptr, l_ptr, qn_ptr, ln_ptr, x_ptr, a_ptr, b_ptr, a2_ptr, b2_ptr, ox_ptr, dl_ptr, N, M, D,
-                     E, F, F2, sxb, sxn, sab, san, sa2b, sa2n, BH, chunk, HAS_X: tl.constexpr, HAS_DS: tl.constexpr, HAS_DS2: tl.constexpr,
+    def _cols_kernel(q_ptr, l_ptr, qn_ptr, ln_ptr, c_ptr, x_ptr, a_ptr, b_ptr, a2_ptr, b2_ptr, ox_ptr, dl_ptr, N,
+                     M, D, E, F, F2, sqb, sqn, sxb, sxn, sab, san, sa2b, sa2n, BH, chunk, CENTRE: tl.constexpr,
+                     HAS_X: tl.constexpr, HAS_DS: tl.constexpr, HAS_DS2: tl.constexpr,
                      PREC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BD: tl.constexpr,
                      BE: tl.constexpr, BF: tl.constexpr, BF2: tl.constexpr):
         """One block of landmarks and one chunk of tokens: P^T @ x and/or dl, partial sums per chunk."""
@@ -290,9 +303,7 @@ if triton is not None:
         for n0 in range(start, start + chunk, BLOCK_N):
             rn = n0 + tl.arange(0, BLOCK_N)
             nin = rn < N
-            q = tl.load(q_ptr + bh * N * D + rn[:, None] * D + rd[None, :], mask=nin[:, None] & (rd[None, :] < D),
-                        other=0.0)
-            qn = tl.load(qn_ptr + bh * N + rn, mask=nin, other=0.0)
+            q, qn = _q_tile(q_ptr, qn_ptr, c_ptr, bh, rn, rd, N, D, sqb, sqn, CENTRE)
             s = tl.dot(q, tl.trans(lt), input_precision=PREC) + qn[:, None] + ln[None, :]
             p = tl.where(nin[:, None], tl.exp(s), 0.0)  # [BLOCK_N, BLOCK_M]
             if HAS_X:
@@ -513,8 +524,11 @@ def _tokens_side(t, dummy):
     return t, t.stride(0), t.stride(1)
 
 
-def _rows_impl(q, l, qn, ln, y, a, b, precision, out_dtype="float32", a2=None, b2=None, dq_dtype="float32"):
-    q, l, qn, ln, y, b, b2 = _contig(q, l, qn, ln, y, b, b2)
+def _rows_impl(q, l, qn, ln, y, a, b, precision, out_dtype="float32", a2=None, b2=None, dq_dtype="float32",
+               c=None):
+    l, ln, y, b, b2, c = _contig(l, ln, y, b, b2, c)
+    q, sqb, sqn = _tokens_side(q, None)
+    qn = qn.contiguous() if qn is not None else ln   # c given: norms formed on chip, qn unused
     bh, n, d = q.shape
     m = l.shape[1]
     e = y.shape[-1] if y is not None else 1
@@ -532,8 +546,8 @@ def _rows_impl(q, l, qn, ln, y, a, b, precision, out_dtype="float32", a2=None, b
     a, sab, san = _tokens_side(a, q)
     a2, sa2b, sa2n = _tokens_side(a2 if ds2 else None, q)
     _rows_kernel[(bh, triton.cdiv(n, block_n))](
-        q, l, qn, ln, y if y is not None else q, a, b if b is not None else q,
-        a2, b2 if ds2 else q, oy, dq, n, m, d, e, f, f2, sab, san, sa2b, sa2n, HAS_Y=y is not None, HAS_DS=has_ds,
+        q, l, qn, ln, c if c is not None else ln, y if y is not None else q, a, b if b is not None else q,
+        a2, b2 if ds2 else q, oy, dq, n, m, d, e, f, f2, sqb, sqn, sab, san, sa2b, sa2n, CENTRE=c is not None, HAS_Y=y is not None, HAS_DS=has_ds,
         HAS_DS2=ds2, PREC=precision, BLOCK_N=block_n,
         BLOCK_M=block_m, BD=_p2(d), BE=_p2(e), BF=_p2(f), BF2=_p2(f2), num_warps=_warps(d, has_ds),
         num_stages=2 if has_ds or d > 32 else 3)
@@ -552,8 +566,10 @@ def _splits(bh: int, mblocks: int, n: int, block_n: int, device: torch.device) -
     return max(1, min(want, triton.cdiv(n, 4 * block_n)))
 
 
-def _cols_impl(q, l, qn, ln, x, a, b, precision, a2=None, b2=None):
-    q, l, qn, ln, b, b2 = _contig(q, l, qn, ln, b, b2)
+def _cols_impl(q, l, qn, ln, x, a, b, precision, a2=None, b2=None, c=None):
+    l, ln, b, b2, c = _contig(l, ln, b, b2, c)
+    q, sqb, sqn = _tokens_side(q, None)
+    qn = qn.contiguous() if qn is not None else ln   # c given: norms formed on chip, qn unused
     bh, n, d = q.shape
     m = l.shape[1]
     e = x.shape[-1] if x is not None else 1
@@ -572,8 +588,9 @@ def _cols_impl(q, l, qn, ln, x, a, b, precision, a2=None, b2=None):
     a, sab, san = _tokens_side(a, q)
     a2, sa2b, sa2n = _tokens_side(a2 if ds2 else None, q)
     _cols_kernel[(bh, mblocks, splits)](
-        q, l, qn, ln, xs, a, b if b is not None else q,
-        a2, b2 if ds2 else q, ox, dl, n, m, d, e, f, f2, sxb, sxn, sab, san, sa2b, sa2n, bh, chunk, HAS_X=x is not None,
+        q, l, qn, ln, c if c is not None else ln, xs, a, b if b is not None else q,
+        a2, b2 if ds2 else q, ox, dl, n, m, d, e, f, f2, sqb, sqn, sxb, sxn, sab, san, sa2b, sa2n, bh, chunk, CENTRE=c is not None,
+        HAS_X=x is not None,
         HAS_DS=has_ds, HAS_DS2=ds2, PREC=precision, BLOCK_N=block_n,
         BLOCK_M=block_m, BD=_p2(d), BE=_p2(e), BF=_p2(f), BF2=_p2(f2), num_warps=_warps(d, has_ds),
         num_stages=2 if has_ds or d > 32 else 3)
@@ -582,43 +599,43 @@ def _cols_impl(q, l, qn, ln, x, a, b, precision, a2=None, b2=None):
 
 if triton is not None:
     @torch.library.custom_op("hpdl::soft_landmark_rows", mutates_args=())
-    def _rows_op(q: torch.Tensor, l: torch.Tensor, qn: torch.Tensor, ln: torch.Tensor, y: torch.Tensor | None,
+    def _rows_op(q: torch.Tensor, l: torch.Tensor, qn: torch.Tensor | None, ln: torch.Tensor, y: torch.Tensor | None,
                  a: torch.Tensor | None, b: torch.Tensor | None, precision: str, out_dtype: str = "float32",
-                 a2: torch.Tensor | None = None, b2: torch.Tensor | None = None, dq_dtype: str = "float32"
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        return _rows_impl(q, l, qn, ln, y, a, b, precision, out_dtype, a2, b2, dq_dtype)
+                 a2: torch.Tensor | None = None, b2: torch.Tensor | None = None, dq_dtype: str = "float32",
+                 c: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return _rows_impl(q, l, qn, ln, y, a, b, precision, out_dtype, a2, b2, dq_dtype, c)
 
     @_rows_op.register_fake
-    def _(q, l, qn, ln, y, a, b, precision, out_dtype="float32", a2=None, b2=None, dq_dtype="float32"):
+    def _(q, l, qn, ln, y, a, b, precision, out_dtype="float32", a2=None, b2=None, dq_dtype="float32", c=None):
         bh, n, d = q.shape
         oy = q.new_empty(bh, n, y.shape[-1], dtype=getattr(torch, out_dtype)) if y is not None else q.new_empty(0)
         return oy, (q.new_empty(bh, n, d, dtype=getattr(torch, dq_dtype)) if a is not None else q.new_empty(0))
 
     @torch.library.custom_op("hpdl::soft_landmark_cols", mutates_args=())
-    def _cols_op(q: torch.Tensor, l: torch.Tensor, qn: torch.Tensor, ln: torch.Tensor, x: torch.Tensor | None,
+    def _cols_op(q: torch.Tensor, l: torch.Tensor, qn: torch.Tensor | None, ln: torch.Tensor, x: torch.Tensor | None,
                  a: torch.Tensor | None, b: torch.Tensor | None, precision: str, a2: torch.Tensor | None = None,
-                 b2: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        return _cols_impl(q, l, qn, ln, x, a, b, precision, a2, b2)
+                 b2: torch.Tensor | None = None, c: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return _cols_impl(q, l, qn, ln, x, a, b, precision, a2, b2, c)
 
     @_cols_op.register_fake
-    def _(q, l, qn, ln, x, a, b, precision, a2=None, b2=None):
+    def _(q, l, qn, ln, x, a, b, precision, a2=None, b2=None, c=None):
         bh, m, d = l.shape
         ox = q.new_empty(bh, m, x.shape[-1]) if x is not None else q.new_empty(0)
         return ox, (q.new_empty(bh, m, d) if a is not None else q.new_empty(0))
 
 
-def _rows(q, l, qn, ln, y, a, b, precision, out_dtype="float32", a2=None, b2=None, dq_dtype="float32"):
+def _rows(q, l, qn, ln, y, a, b, precision, out_dtype="float32", a2=None, b2=None, dq_dtype="float32", c=None):
     """:func:`_rows_impl` directly in eager mode (:func:`_direct`), else through its custom op."""
     if _direct(q):
-        return _rows_impl(q, l, qn, ln, y, a, b, precision, out_dtype, a2, b2, dq_dtype)
-    return _rows_op(q, l, qn, ln, y, a, b, precision, out_dtype, a2, b2, dq_dtype)
+        return _rows_impl(q, l, qn, ln, y, a, b, precision, out_dtype, a2, b2, dq_dtype, c)
+    return _rows_op(q, l, qn, ln, y, a, b, precision, out_dtype, a2, b2, dq_dtype, c)
 
 
-def _cols(q, l, qn, ln, x, a, b, precision, a2=None, b2=None):
+def _cols(q, l, qn, ln, x, a, b, precision, a2=None, b2=None, c=None):
     """:func:`_cols_impl` directly in eager mode (:func:`_direct`), else through its custom op."""
     if _direct(q):
-        return _cols_impl(q, l, qn, ln, x, a, b, precision, a2, b2)
-    return _cols_op(q, l, qn, ln, x, a, b, precision, a2, b2)
+        return _cols_impl(q, l, qn, ln, x, a, b, precision, a2, b2, c)
+    return _cols_op(q, l, qn, ln, x, a, b, precision, a2, b2, c)
 
 
 def centre(q: torch.Tensor, l: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -661,12 +678,14 @@ def landmark_cols(q, l, x=None, a=None, b=None, precision: str = "tf32"):
 def _ops(kernels: bool, precision: str):
     """(rows, cols) on centred inputs with their norms: the Triton custom ops, or the torch references."""
     if kernels:
-        return (lambda q, l, qn, ln, y, a, b, out_dtype="float32", a2=None, b2=None, dq_dtype="float32": _rows(
-                    q, l, qn, ln, y, a, b, precision, out_dtype, a2, b2, dq_dtype),
-                lambda q, l, qn, ln, x, a, b, a2=None, b2=None: _cols(q, l, qn, ln, x, a, b, precision, a2, b2))
-    return (lambda q, l, qn, ln, y, a, b, out_dtype=None, a2=None, b2=None, dq_dtype=None: landmark_rows_ref(
+        return (lambda q, l, qn, ln, y, a, b, out_dtype="float32", a2=None, b2=None, dq_dtype="float32", c=None:
+                _rows(q, l, qn, ln, y, a, b, precision, out_dtype, a2, b2, dq_dtype, c),
+                lambda q, l, qn, ln, x, a, b, a2=None, b2=None, c=None: _cols(q, l, qn, ln, x, a, b, precision,
+                                                                             a2, b2, c))
+    # the references take centred q (soft_core centres it for them: c is always None here)
+    return (lambda q, l, qn, ln, y, a, b, out_dtype=None, a2=None, b2=None, dq_dtype=None, c=None: landmark_rows_ref(
                 q, l, y, a, b, a2, b2),
-            lambda q, l, qn, ln, x, a, b, a2=None, b2=None: landmark_cols_ref(q, l, x, a, b, a2, b2))
+            lambda q, l, qn, ln, x, a, b, a2=None, b2=None, c=None: landmark_cols_ref(q, l, x, a, b, a2, b2))
 
 
 class _PT(torch.autograd.Function):
@@ -753,13 +772,17 @@ class _SoftCore(torch.autograd.Function):
     @staticmethod
     def _forward(ctx, q, l, v, iters, reg, start, precision, nr_precision, tol, kernels, centre):
         ctx.q_dtype = q.dtype
-        if centre is not None:   # q - c written once, contiguous, in l's dtype, from q in its own dtype and strides
-            qc = torch.empty(q.shape, dtype=l.dtype, device=q.device)
-            q = torch.sub(q, centre, out=qc)
-        qn, ln = _norms(q, l)
+        c = None
+        if centre is not None and kernels:   # the kernels centre each q tile on chip: no float32 copy of q
+            c = centre
+            qn, ln = None, -0.5 * l.pow(2).sum(-1)
+        else:
+            if centre is not None:   # the references: q - c, once, in l's dtype
+                q = torch.sub(q, centre, out=torch.empty(q.shape, dtype=l.dtype, device=q.device))
+            qn, ln = _norms(q, l)
         rows, cols = _ops(kernels, precision)
         # v and (backward) dout are read by the kernels in their own strides: no contiguous copies held
-        z, _ = cols(q, l, qn, ln, v, None, None)                               # [BH, m, dv] = P^T v
+        z, _ = cols(q, l, qn, ln, v, None, None, c=c)                          # [BH, m, dv] = P^T v
         a = torch.exp(ln[..., :, None] + ln[..., None, :] + l @ l.transpose(-1, -2))  # [BH, m, m] from centred l
         if kernels:
             vinv = newton_inverse(a, iters, reg, 1.8, start, nr_precision, tol=tol)
@@ -767,23 +790,24 @@ class _SoftCore(torch.autograd.Function):
             vinv = newton_inverse_ref(a, iters, reg, 1.8, start)
         w = torch.bmm(vinv, z)                                                 # [BH, m, dv]
         # P W stored in v's dtype (bf16 under autocast): no float32 [N, dv] copy, forward or (dout) backward
-        out, _ = rows(q, l, qn, ln, w, None, None, _dtype_name(v))             # [BH, N, dv] = P W
-        ctx.save_for_backward(q, l, qn, ln, v, a, vinv, w)
+        out, _ = rows(q, l, qn, ln, w, None, None, _dtype_name(v), c=c)        # [BH, N, dv] = P W
+        ctx.save_for_backward(q, l, qn, ln, v, a, vinv, w, c)
         ctx.cfg = kernels, precision
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, l, qn, ln, v, a, vinv, w = ctx.saved_tensors
+        q, l, qn, ln, v, a, vinv, w, c = ctx.saved_tensors
         rows, cols = _ops(*ctx.cfg)
         # out = P W: dW = P^T dout, dS1 = P * (dout W^T); Z = P^T v: dv = P dZ, dS2 = P * (v dZ^T). dS1 and dS2
         # reach q and l through the same P tiles, so each of dq, dl is one pass over dS1 + dS2 (3 passes, not 4,
         # and one float32 [N, d] gradient held, not two)
-        dw, _ = cols(q, l, qn, ln, dout, None, None)
+        dw, _ = cols(q, l, qn, ln, dout, None, None, c=c)
         dz = torch.bmm(vinv.transpose(-1, -2), dw)          # W = V Z
         # dq stored in q's dtype (bf16 under autocast: half the float32 [N, d] at the backward's peak)
-        dv, dq = rows(q, l, qn, ln, dz, dout, w, _dtype_name(v), a2=v, b2=dz, dq_dtype=_dtype_name(ctx.q_dtype))
-        _, dl = cols(q, l, qn, ln, None, dout, w, a2=v, b2=dz)
+        dv, dq = rows(q, l, qn, ln, dz, dout, w, _dtype_name(v), a2=v, b2=dz, dq_dtype=_dtype_name(ctx.q_dtype),
+                      c=c)
+        _, dl = cols(q, l, qn, ln, None, dout, w, a2=v, b2=dz, c=c)
         ds = a * torch.bmm(dz, w.transpose(-1, -2)).neg_()  # A = exp(-|l_i - l_j|^2 / 2), dA = -dZ W^T
         dl3 = torch.baddbmm(torch.bmm(ds, l), ds.transpose(-1, -2), l) - l * (ds.sum(-1) + ds.sum(-2))[..., None]
         return (dq.to(ctx.q_dtype), dl.add_(dl3), dv.to(v.dtype)) + (None,) * 8
