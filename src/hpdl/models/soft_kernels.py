@@ -784,7 +784,7 @@ class _SoftCore(torch.autograd.Function):
         rows, cols = _ops(kernels, precision)
         # v and (backward) dout are read by the kernels in their own strides: no contiguous copies held
         z, _ = cols(q, l, qn, ln, v, None, None, c=c)                          # [BH, m, dv] = P^T v
-        a = torch.exp(ln[..., :, None] + ln[..., None, :] + l @ l.transpose(-1, -2))  # [BH, m, m] from centred l
+        a = torch.baddbmm(ln[..., :, None] + ln[..., None, :], l, l.transpose(-1, -2)).exp_()  # [BH, m, m], centred l
         if kernels:
             vinv = newton_inverse(a, iters, reg, 1.8, start, nr_precision, tol=tol)
         else:
@@ -809,9 +809,12 @@ class _SoftCore(torch.autograd.Function):
         dv, dq = rows(q, l, qn, ln, dz, dout, w, _dtype_name(v), a2=v, b2=dz, dq_dtype=_dtype_name(ctx.q_dtype),
                       c=c)
         _, dl = cols(q, l, qn, ln, None, dout, w, a2=v, b2=dz, c=c)
-        ds = a * torch.bmm(dz, w.transpose(-1, -2)).neg_()  # A = exp(-|l_i - l_j|^2 / 2), dA = -dZ W^T
-        dl3 = torch.baddbmm(torch.bmm(ds, l), ds.transpose(-1, -2), l) - l * (ds.sum(-1) + ds.sum(-2))[..., None]
-        return (dq.to(ctx.q_dtype), dl.add_(dl3), dv.to(v.dtype)) + (None,) * 8
+        # A = exp(-|l_i - l_j|^2 / 2), dA = -dZ W^T, dS = A * dA: dl += S l - l rowsum(S) with S = dS + dS^T;
+        # g = -S formed in place (6 small ops instead of 12: the layer is host-bound at small N)
+        g = torch.bmm(dz, w.transpose(-1, -2)).mul_(a)
+        g = g + g.transpose(-1, -2)
+        dl.baddbmm_(g, l, alpha=-1.0).addcmul_(l, g.sum(-1, keepdim=True))
+        return (dq.to(ctx.q_dtype), dl, dv.to(v.dtype)) + (None,) * 8
 
 
 def _dtype_name(t: torch.Tensor | torch.dtype) -> str:
