@@ -107,6 +107,17 @@ def run_check(device, smoke: bool) -> list[dict]:
     for i, name in enumerate(("out", "dq", "dv", "dlandmarks")):
         add(f"soft_attention {name}", f"N={n} m={m} d={d} triton vs torch", _rel(res["triton"][i], res["torch"][i]),
             2e-2)
+    # the layer's layout: bf16 q and v as head views of [B, N, H*d] projections (read in their strides, q centred
+    # on chip, dq stored in bf16) against the torch path on the same bf16 inputs
+    qb, vb = (t.detach().bfloat16().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (q, v))
+    lb = lm.detach().bfloat16().requires_grad_()
+    res = {}
+    for impl in ("torch", "triton"):
+        out = soft_attention(qb, vb, lb, impl=impl if sk.available(q) or impl == "torch" else "torch")
+        res[impl] = (out, *torch.autograd.grad((out.float() * up).sum(), (qb, vb, lb)))
+    for i, name in enumerate(("out", "dq", "dv", "dlandmarks")):
+        add(f"soft_attention bf16 views {name}", f"N={n} m={m} d={d} triton vs torch",
+            _rel(res["triton"][i], res["torch"][i]), 3e-2)
     # identity start vs the official iteration at the output, random init (the numerics goal)
     with torch.no_grad():
         o_id = soft_attention(q, v, lm, impl="torch", start="identity")
