@@ -102,6 +102,8 @@ def test_goal_suite_usage_errors():
 
     assert main(["bench", "attention", "--suite", "goal,tokens"]) == 1
     assert main(["bench", "attention", "--suite", "goal", "--goal-parts", "layer,fast"]) == 1
+    assert main(["bench", "attention", "--suite", "goal", "--goal-pairs", "small,big"]) == 1
+    assert main(["bench", "attention", "--suite", "goal", "--goal-pairs", "small,small"]) == 1
     if not os.environ.get("TRITON_INTERPRET"):
         assert main(["bench", "attention", "--suite", "goal"]) == 1   # CPU without the interpreter: no kernels
 
@@ -137,3 +139,38 @@ def test_goal_profile_step_and_its_report():
     text = format_goal({"meta": {"device_name": "x"}, "layer": [row]})
     assert "host 3.00 ms to issue, device 1.50 ms in 90 kernels" in text and "_rows_kernel" in text
     assert "4096    64     2" in text   # tokens, landmarks, Newton steps
+
+
+def test_goal_models_pairs_and_mode_order():
+    """--goal-parts compiled,eager --goal-pairs small: the compiled soft_small/pvt_v2_b2 rows come first (a spent
+    budget then skips eager rows, not them); rows say skipped once the budget is spent."""
+    import time
+
+    from hpdl.vision.soft_goal import PAIRS, run_models
+
+    rows = run_models(torch.device("cpu"), True, 0, 1, ["compiled", "eager"], time.perf_counter() - 1, [PAIRS[1]])
+    assert [(r["model"], r["mode"], r["status"]) for r in rows] == [
+        ("soft_small", "compiled", "skipped"), ("pvt_v2_b2", "compiled", "skipped"),
+        ("soft_small", "eager", "skipped"), ("pvt_v2_b2", "eager", "skipped")]
+
+
+def test_goal_graphed_layer_table():
+    """The CUDA-graphed columns (replay ms, graph MiB) beside the eager ratio, and a failed capture reported."""
+    from hpdl.vision.soft_goal import format_goal
+
+    def row(n, method, ms, gms=None, err=None):
+        r = {"tokens": n, "method": method, "status": "ok", "landmarks": n // 64 if method != "sdpa_flash" else None,
+             "fwd_bwd_ms": ms, "peak_mib": 1.0}
+        if gms is not None:
+            r.update(graph_ms=gms, graph_mib=5.0)
+        if err:
+            r["graph_error"] = err
+        return r
+
+    layer = [row(4096, "soft", 4.0, 0.5), row(4096, "soft_newton20", 5.0), row(4096, "sdpa_flash", 2.0, 2.0),
+             row(16384, "soft", 8.0, err="RuntimeError: capture"), row(16384, "sdpa_flash", 6.0, 6.0)]
+    text = format_goal({"meta": {"device_name": "x"}, "layer": layer})
+    assert "captured in one CUDA graph" in text and "sdpa/soft > 1: SOFT faster" in text
+    line4k = next(ln for ln in text.splitlines() if ln.strip().startswith("4096") and "(0.50x)" in ln)
+    assert "4.00x" in line4k and "0.50" in line4k, line4k     # graphed 2.0 / 0.5 = 4x; eager 2 / 4 = 0.5x
+    assert "graph soft at 16384 tokens: RuntimeError: capture" in text

@@ -157,6 +157,22 @@ def _interpreted() -> None:
             assert _rel(got, ref) < 1e-5, (bh, n, m, "rows", _rel(got, ref))
         for got, ref in zip(sk.landmark_cols(q, lm, x, a, b), sk.landmark_cols_ref(q, lm, x, a, b)):
             assert _rel(got, ref) < 1e-5, (bh, n, m, "cols", _rel(got, ref))
+        # two gradients through P in one pass (soft_core's backward): ds = P * (a b^T + a2 b2^T), f2 != f
+        # token-side operands read in their own strides (a head view of a [N, BH*F] projection: no copy)
+        a2 = torch.randn(n, bh, e + 3, generator=g).transpose(0, 1)
+        b2 = torch.randn(bh, m, e + 3, generator=g)
+        xs = torch.randn(n, bh, e, generator=g).transpose(0, 1)
+        assert bh == 1 or not (a2.is_contiguous() or xs.is_contiguous())
+        qc, lc = sk.centre(q, lm)
+        nq, nl = sk._norms(qc, lc)
+        got_r = sk._rows(qc, lc, nq, nl, y, xs, b, "ieee", "float32", a2, b2)
+        got_c = sk._cols(qc, lc, nq, nl, xs, xs, b, "ieee", a2, b2)
+        a, x = xs, xs
+        for got, ref in zip(got_r + got_c, sk.landmark_rows_ref(qc, lc, y, a, b, a2, b2)
+                            + sk.landmark_cols_ref(qc, lc, x, a, b, a2, b2)):
+            assert _rel(got, ref) < 1e-5, (bh, n, m, "ds2", _rel(got, ref))
+        ds_sum = sk.landmark_rows_ref(qc, lc, None, torch.cat([a, a2], -1), torch.cat([b, b2], -1))[1]
+        assert _rel(got_r[1], ds_sum) < 1e-5   # the reference's a2 term is the concatenated product
         # single outputs (the flags that skip work)
         assert _rel(sk.landmark_rows(q, lm, y)[0], sk.landmark_rows_ref(q, lm, y)[0]) < 1e-5
         assert sk.landmark_cols(q, lm, x)[1] is None
@@ -189,6 +205,37 @@ def _interpreted() -> None:
                 # tol=0: early exit off, every step runs
                 _, all_steps = sk.newton_inverse(a, 20, 0.01, 1.8, start, tol=0.0, return_steps=True)
                 assert all_steps.tolist() == [20, 20], all_steps
+    # eager tiled Newton: the host reads the residuals back and stops launching once the device would skip every
+    # remaining step: the same V and steps as launching all 2 x 20 products (gated), with far fewer launches
+    launches = []
+    bmm = sk._bmm
+
+    def counted(*args, **kw):
+        launches.append(kw.get("step"))
+        return bmm(*args, **kw)
+
+    a = gaussian_kernel(*(2 * [3.0 * _landmarks(2, 80, 8, 1.0, 7)]))
+    sk._bmm = counted
+    try:
+        runs = {}
+        for host_exit in (False, True):
+            launches.clear()
+            runs[host_exit] = (*sk._newton_inverse_impl(a, 20, 0.01, 1.8, "identity", "tf32x3", 2,
+                                                        host_exit=host_exit), len(launches))
+        # eager public calls take the direct path (no custom op) with the host exit on
+        launches.clear()
+        _, steps_pub = sk.newton_inverse(a, 20, return_steps=True)
+        public_launches = len(launches)
+    finally:
+        sk._bmm = bmm
+    (v_all, s_all, n_all), (v_host, s_host, n_host) = runs[False], runs[True]
+    assert n_all == 40 and n_host < 10 and public_launches == n_host, (n_all, n_host, public_launches)
+    assert torch.equal(v_all, v_host) and torch.equal(s_all, s_host) and torch.equal(steps_pub, s_host)
+    assert sk._direct(a)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:   # traced calls keep the opaque custom op
+        assert not sk._direct(mode.from_tensor(a))
     # the whole attention, forward and backward, Triton vs torch (same start, same backward)
     q = (0.5 * torch.randn(1, 2, 96, 16, generator=g)).requires_grad_()
     v = torch.randn(1, 2, 96, 16, generator=g).requires_grad_()
@@ -207,6 +254,15 @@ def _interpreted() -> None:
     ref = soft_attention(qb, vb, lb, impl="torch")
     got = soft_attention(qb, vb, lb, impl="triton")
     assert got.dtype == torch.bfloat16 and _rel(got, ref) < 1e-2, _rel(got, ref)
+    # q and v as head views of [B, N, H*d] projections (the layer's layout): read in their strides, centred on
+    # chip; same result and gradients as contiguous inputs
+    qs, vs = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (qb, vb))
+    assert not qs.is_contiguous()
+    got_s = soft_attention(qs, vs, lb, impl="triton")
+    assert _rel(got_s, got) < 1e-6, _rel(got_s, got)
+    gs = torch.autograd.grad(got_s.float().sum(), (qs, vs))
+    gc = torch.autograd.grad(soft_attention(qb, vb, lb, impl="triton").float().sum(), (qb, vb))
+    assert all(_rel(a_, b_) < 1e-6 for a_, b_ in zip(gs, gc))
     for gt, gr in zip(torch.autograd.grad(got.float().sum(), (qb, vb, lb)),
                       torch.autograd.grad(ref.float().sum(), (qb, vb, lb))):
         assert gt.dtype == torch.bfloat16 and _rel(gt, gr) < 2e-2, _rel(gt, gr)

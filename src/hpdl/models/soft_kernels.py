@@ -28,9 +28,11 @@ exponent ~10% wrong is gone before the product. Inputs are float32 ``[BH, N, D]`
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 try:
     import triton
@@ -56,6 +58,16 @@ def available(t: torch.Tensor) -> bool:
     return triton is not None and (t.is_cuda or _INTERPRET)
 
 
+def _direct(t: torch.Tensor) -> bool:
+    """An eager call on a plain tensor: the launchers run as Python functions, not through their
+    ``torch.library`` custom ops. In eager mode the op only adds host time (dispatcher -> Python autograd shim ->
+    redispatch -> Python backend -> a dynamo-disable wrapper: 20-35 us a call on a busy CPU, measured, against
+    ~3 us for the direct call); traced or compiled calls (dynamo, fake or functional tensors, a dispatch mode)
+    keep the opaque op, so ``torch.compile`` sees the same graph as before."""
+    return (type(t) is torch.Tensor and not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
+            and not torch.jit.is_tracing())
+
+
 # ------------------------------------------------------------------------------------------------ torch references
 
 def newton_inverse_ref(a: torch.Tensor, iters: int, reg: float, scale: float = 1.8, start: str = "identity"
@@ -75,27 +87,33 @@ def _p_ref(q, l):
     return torch.exp(-0.5 * d)
 
 
-def landmark_rows_ref(q, l, y=None, a=None, b=None):
-    """``(P @ y, (P * (a b^T)) l - q rowsum(P * (a b^T)))`` with P = exp(-|q_i - l_j|^2/2); None where not asked.
-    y, a, b are read in q's dtype."""
+def _ab(q, a, b, a2, b2):
+    """``a b^T (+ a2 b2^T)`` in q's dtype."""
+    a, b = a.to(q.dtype), b.to(q.dtype)
+    ab = a @ b.transpose(-1, -2)
+    return ab if a2 is None else ab + a2.to(q.dtype) @ b2.to(q.dtype).transpose(-1, -2)
+
+
+def landmark_rows_ref(q, l, y=None, a=None, b=None, a2=None, b2=None):
+    """``(P @ y, (P * (a b^T)) l - q rowsum(P * (a b^T)))`` with P = exp(-|q_i - l_j|^2/2); None where not asked;
+    ``a2 b2^T`` is added to ``a b^T`` where given. y, a, b, a2, b2 are read in q's dtype."""
     p = _p_ref(q, l)
-    y, a, b = (t.to(q.dtype) if t is not None else None for t in (y, a, b))
-    out = p @ y if y is not None else None
+    out = p @ y.to(q.dtype) if y is not None else None
     dq = None
     if a is not None:
-        ds = p * (a @ b.transpose(-1, -2))
+        ds = p * _ab(q, a, b, a2, b2)
         dq = ds @ l - q * ds.sum(-1, keepdim=True)
     return out, dq
 
 
-def landmark_cols_ref(q, l, x=None, a=None, b=None):
-    """``(P^T @ x, (P * (a b^T))^T q - l colsum(P * (a b^T)))``; None where not asked."""
+def landmark_cols_ref(q, l, x=None, a=None, b=None, a2=None, b2=None):
+    """``(P^T @ x, (P * (a b^T))^T q - l colsum(P * (a b^T)))``; None where not asked; ``a2 b2^T`` added as in
+    :func:`landmark_rows_ref`."""
     p = _p_ref(q, l)
-    x, a, b = (t.to(q.dtype) if t is not None else None for t in (x, a, b))
-    out = p.transpose(-1, -2) @ x if x is not None else None
+    out = p.transpose(-1, -2) @ x.to(q.dtype) if x is not None else None
     dl = None
     if a is not None:
-        ds = p * (a @ b.transpose(-1, -2))
+        ds = p * _ab(q, a, b, a2, b2)
         dl = ds.transpose(-1, -2) @ q - l * ds.sum(-2)[..., None]
     return out, dl
 
@@ -190,25 +208,42 @@ if triton is not None:
                 tl.atomic_add(res_ptr + b * res_stride + step, tl.sum(tl.sum(e * e, 1), 0))
 
     @triton.jit
-    def _rows_kernel(q_ptr, l_ptr, qn_ptr, ln_ptr, y_ptr, a_ptr, b_ptr, oy_ptr, dq_ptr, N, M, D, E, F,
-                     HAS_Y: tl.constexpr, HAS_DS: tl.constexpr, PREC: tl.constexpr,
+    def _q_tile(q_ptr, qn_ptr, c_ptr, bh, rn, rd, N, D, sqb, sqn, CENTRE: tl.constexpr):
+        """A tile of queries in float32 and its ``-|q|^2/2``: centred on chip (``q - c``, from q in its own dtype
+        and strides: no float32 copy in memory) with CENTRE, else read centred with its norms."""
+        inside = (rn[:, None] < N) & (rd[None, :] < D)
+        q = tl.load(q_ptr + bh * sqb + rn[:, None] * sqn + rd[None, :], mask=inside, other=0.0).to(tl.float32)
+        if CENTRE:
+            c = tl.load(c_ptr + bh * D + rd, mask=rd < D, other=0.0)
+            q = tl.where(inside, q - c[None, :], 0.0)
+            qn = -0.5 * tl.sum(q * q, 1)
+        else:
+            qn = tl.load(qn_ptr + bh * N + rn, mask=rn < N, other=0.0)
+        return q, qn
+
+    @triton.jit
+    def _rows_kernel(q_ptr, l_ptr, qn_ptr, ln_ptr, c_ptr, y_ptr, a_ptr, b_ptr, a2_ptr, b2_ptr, oy_ptr, dq_ptr, N,
+                     M, D, E, F, F2, sqb, sqn, sab, san, sa2b, sa2n, CENTRE: tl.constexpr, HAS_Y: tl.constexpr, HAS_DS: tl.constexpr, HAS_DS2: tl.constexpr, PREC: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
-                     BF: tl.constexpr):
-        """One block of tokens: loop over landmark blocks, P tile on chip; P @ y and/or dq."""
+                     BF: tl.constexpr, BF2: tl.constexpr):
+        """One block of tokens: loop over landmark blocks, P tile on chip; P @ y and/or dq (ds = P * (a b^T), plus
+        a2 b2^T with HAS_DS2: two gradients through P in one pass)."""
         bh = tl.program_id(0).to(tl.int64)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         rd, re, rf = tl.arange(0, BD), tl.arange(0, BE), tl.arange(0, BF)
         nin = rn < N
-        q = tl.load(q_ptr + bh * N * D + rn[:, None] * D + rd[None, :], mask=nin[:, None] & (rd[None, :] < D),
-                    other=0.0)
-        qn = tl.load(qn_ptr + bh * N + rn, mask=nin, other=0.0)
+        q, qn = _q_tile(q_ptr, qn_ptr, c_ptr, bh, rn, rd, N, D, sqb, sqn, CENTRE)
         if HAS_Y:
             acc_y = tl.zeros((BLOCK_N, BE), dtype=tl.float32)
         if HAS_DS:
-            av = tl.load(a_ptr + bh * N * F + rn[:, None] * F + rf[None, :], mask=nin[:, None] & (rf[None, :] < F),
+            av = tl.load(a_ptr + bh * sab + rn[:, None] * san + rf[None, :], mask=nin[:, None] & (rf[None, :] < F),
                          other=0.0).to(tl.float32)
             acc_dq = tl.zeros((BLOCK_N, BD), dtype=tl.float32)
             rs = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        if HAS_DS2:
+            rf2 = tl.arange(0, BF2)
+            av2 = tl.load(a2_ptr + bh * sa2b + rn[:, None] * sa2n + rf2[None, :],
+                          mask=nin[:, None] & (rf2[None, :] < F2), other=0.0).to(tl.float32)
         for m0 in range(0, M, BLOCK_M):
             rm = m0 + tl.arange(0, BLOCK_M)
             min_ = rm < M
@@ -224,7 +259,12 @@ if triton is not None:
             if HAS_DS:
                 bt = tl.load(b_ptr + bh * M * F + rm[:, None] * F + rf[None, :],
                              mask=min_[:, None] & (rf[None, :] < F), other=0.0).to(tl.float32)
-                ds = p * tl.dot(av, tl.trans(bt), input_precision=PREC)
+                ab = tl.dot(av, tl.trans(bt), input_precision=PREC)
+                if HAS_DS2:
+                    bt2 = tl.load(b2_ptr + bh * M * F2 + rm[:, None] * F2 + rf2[None, :],
+                                  mask=min_[:, None] & (rf2[None, :] < F2), other=0.0).to(tl.float32)
+                    ab += tl.dot(av2, tl.trans(bt2), input_precision=PREC)
+                ds = p * ab
                 acc_dq += tl.dot(ds, lt, input_precision=PREC)
                 rs += tl.sum(ds, 1)
         if HAS_Y:
@@ -235,10 +275,11 @@ if triton is not None:
                      mask=nin[:, None] & (rd[None, :] < D))
 
     @triton.jit
-    def _cols_kernel(q_ptr, l_ptr, qn_ptr, ln_ptr, x_ptr, a_ptr, b_ptr, ox_ptr, dl_ptr, N, M, D, E, F, BH,
-                     chunk, HAS_X: tl.constexpr, HAS_DS: tl.constexpr, PREC: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
-                     BF: tl.constexpr):
+    def _cols_kernel(q_ptr, l_ptr, qn_ptr, ln_ptr, c_ptr, x_ptr, a_ptr, b_ptr, a2_ptr, b2_ptr, ox_ptr, dl_ptr, N,
+                     M, D, E, F, F2, sqb, sqn, sxb, sxn, sab, san, sa2b, sa2n, BH, chunk, CENTRE: tl.constexpr,
+                     HAS_X: tl.constexpr, HAS_DS: tl.constexpr, HAS_DS2: tl.constexpr,
+                     PREC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BD: tl.constexpr,
+                     BE: tl.constexpr, BF: tl.constexpr, BF2: tl.constexpr):
         """One block of landmarks and one chunk of tokens: P^T @ x and/or dl, partial sums per chunk."""
         bh = tl.program_id(0).to(tl.int64)
         rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -255,23 +296,30 @@ if triton is not None:
                          other=0.0).to(tl.float32)
             acc_dl = tl.zeros((BLOCK_M, BD), dtype=tl.float32)
             cs = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        if HAS_DS2:
+            rf2 = tl.arange(0, BF2)
+            bt2 = tl.load(b2_ptr + bh * M * F2 + rm[:, None] * F2 + rf2[None, :],
+                          mask=min_[:, None] & (rf2[None, :] < F2), other=0.0).to(tl.float32)
         start = split * chunk
         for n0 in range(start, start + chunk, BLOCK_N):
             rn = n0 + tl.arange(0, BLOCK_N)
             nin = rn < N
-            q = tl.load(q_ptr + bh * N * D + rn[:, None] * D + rd[None, :], mask=nin[:, None] & (rd[None, :] < D),
-                        other=0.0)
-            qn = tl.load(qn_ptr + bh * N + rn, mask=nin, other=0.0)
+            q, qn = _q_tile(q_ptr, qn_ptr, c_ptr, bh, rn, rd, N, D, sqb, sqn, CENTRE)
             s = tl.dot(q, tl.trans(lt), input_precision=PREC) + qn[:, None] + ln[None, :]
             p = tl.where(nin[:, None], tl.exp(s), 0.0)  # [BLOCK_N, BLOCK_M]
             if HAS_X:
-                xt = tl.load(x_ptr + bh * N * E + rn[:, None] * E + re[None, :],
+                xt = tl.load(x_ptr + bh * sxb + rn[:, None] * sxn + re[None, :],
                              mask=nin[:, None] & (re[None, :] < E), other=0.0).to(tl.float32)
                 acc_x += tl.dot(tl.trans(p), xt, input_precision=PREC)
             if HAS_DS:
-                av = tl.load(a_ptr + bh * N * F + rn[:, None] * F + rf[None, :],
+                av = tl.load(a_ptr + bh * sab + rn[:, None] * san + rf[None, :],
                              mask=nin[:, None] & (rf[None, :] < F), other=0.0).to(tl.float32)
-                ds = p * tl.dot(av, tl.trans(bt), input_precision=PREC)
+                ab = tl.dot(av, tl.trans(bt), input_precision=PREC)
+                if HAS_DS2:
+                    av2 = tl.load(a2_ptr + bh * sa2b + rn[:, None] * sa2n + rf2[None, :],
+                                  mask=nin[:, None] & (rf2[None, :] < F2), other=0.0).to(tl.float32)
+                    ab += tl.dot(av2, tl.trans(bt2), input_precision=PREC)
+                ds = p * ab
                 acc_dl += tl.dot(tl.trans(ds), q, input_precision=PREC)
                 cs += tl.sum(ds, 0)
         part = split.to(tl.int64) * BH + bh
@@ -311,11 +359,38 @@ def _bmm(x, y, z=None, alpha=1.0, beta=0.0, precision="tf32", res=None, step=0, 
 NR_TOL = 1e-8  # stop once ||I - V_k A_r||_F^2 <= NR_TOL: V_{k+1}'s residual is then below 1e-8 (float32: converged)
 
 
+HOST_EXIT_AFTER = frozenset({1, 2, 3, 5, 7, 10, 13, 16})  # eager tiled Newton: steps (0-based) after which it looks
+
+
+def _host_exit_allowed(a: torch.Tensor) -> bool:
+    """A host look at the residuals may synchronise: not while a CUDA graph captures, not under
+    ``torch.cuda.set_sync_debug_mode`` (a user asking to find syncs gets none from here)."""
+    if not a.is_cuda:
+        return True
+    return not torch.cuda.is_current_stream_capturing() and torch.cuda.get_sync_debug_mode() == 0
+
+
+def _all_done(res: torch.Tensor, k: int, tol: float, stall: bool) -> bool:
+    """Whether step ``k + 1``'s gate (:func:`_nr_done` in :func:`_bmm_kernel`) skips every matrix: then every later
+    step is skipped too (a skipped step leaves its residual 0 <= tol), so no more launches are needed."""
+    r1 = res[:, k]
+    done = r1 <= tol
+    if stall:
+        done |= (r1 <= 1e-3) & (r1 >= 0.25 * res[:, k - 1])
+    return bool(done.all())
+
+
 def _newton_inverse_impl(a: torch.Tensor, iters: int, reg: float, scale: float, start: str, precision: str,
-                         refine: int, tol: float = NR_TOL) -> tuple[torch.Tensor, torch.Tensor]:
+                         refine: int, tol: float = NR_TOL, host_exit: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``iters - refine`` steps with ``precision`` products, then ``refine`` float32 steps (each squares the
     residual the faster steps leave, down to float32's floor); steps after convergence (:func:`_nr_done`) are
-    skipped on the device. Returns (V, steps taken [BH] int32)."""
+    skipped on the device. Returns (V, steps taken [BH] int32).
+
+    ``host_exit`` (eager calls only, never inside a compiled graph or a CUDA-graph capture): the tiled path reads
+    the residuals back after the steps in ``HOST_EXIT_AFTER`` (one host synchronisation each) and stops launching
+    once the device would skip every remaining step, the same result without ~2 launches a skipped step (36 of
+    the 40 at SOFT's random-init spectrum, which converges in 2). Eager SOFT is host-bound below ~32k tokens, so
+    the sync costs less than the launches it saves."""
     a = a.contiguous()
     bh, m = a.shape[0], a.shape[-1]
     exact = iters if precision == "ieee" else min(refine, iters)
@@ -334,15 +409,25 @@ def _newton_inverse_impl(a: torch.Tensor, iters: int, reg: float, scale: float, 
     a_r = a + reg * eye
     v = eye / (s + reg) if start == "identity" else (scale / (s * s)) * a_r
     res = torch.zeros(bh, max(iters, 1), device=a.device, dtype=torch.float32)
+    look = host_exit and tol > 0 and _host_exit_allowed(a)
     for k in range(iters):
         prec = precision if k < fast else "ieee"
         stall = fast_stall or (exact_stall and k >= fast + 2)  # as in the fused kernel
         t = _bmm(v, a_r, precision=prec, res=res, step=k, resid=True, gate=True, tol=tol, stall=stall)
         v = _bmm(t, v, v, -1.0, 2.0, precision=prec, res=res, step=k, gate=True, tol=tol, stall=stall)
+        if look and k in HOST_EXIT_AFTER and k + 1 < iters and _all_done(
+                res, k, tol, fast_stall or (exact_stall and k + 1 >= fast + 2)):
+            break
     # a step ran iff its residual was written (skipped steps leave 0; a converged residual is never exactly 0
     # before the step that finds it below tol, after which the rest are skipped)
     steps = torch.zeros(bh, device=a.device, dtype=torch.int32) if iters == 0 else _steps_taken(res, tol)
     return v.contiguous(), steps
+
+
+def _vgv_impl(v: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """-V^T G V^T (the paper's backward) on 3xTF32 tensor cores (2 products: accuracy is cheap here)."""
+    vt = v.transpose(-1, -2)
+    return _bmm(_bmm(vt, g.contiguous(), precision="tf32x3"), vt, alpha=-1.0, precision="tf32x3")
 
 
 def _steps_taken(res: torch.Tensor, tol: float) -> torch.Tensor:
@@ -363,9 +448,7 @@ if triton is not None:
 
     @torch.library.custom_op("hpdl::soft_vgv", mutates_args=())
     def _vgv_op(v: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        """-V^T G V^T (the paper's backward) on 3xTF32 tensor cores (2 products: accuracy is cheap here)."""
-        vt = v.transpose(-1, -2)
-        return _bmm(_bmm(vt, g.contiguous(), precision="tf32x3"), vt, alpha=-1.0, precision="tf32x3")
+        return _vgv_impl(v, g)
 
     @_vgv_op.register_fake
     def _(v, g):
@@ -406,13 +489,18 @@ def newton_inverse(a: torch.Tensor, iters: int = 20, reg: float = 0.01, scale: f
         raise ValueError(f"refine must be >= 0, got {refine}")
     if not tol >= 0:
         raise ValueError(f"tol must be >= 0, got {tol}")
-    v, steps = _newton_inverse_op(a, int(iters), float(reg), float(scale), start, precision, int(refine), float(tol))
+    if _direct(a):
+        v, steps = _newton_inverse_impl(a, int(iters), float(reg), float(scale), start, precision, int(refine),
+                                        float(tol), host_exit=True)
+    else:
+        v, steps = _newton_inverse_op(a, int(iters), float(reg), float(scale), start, precision, int(refine),
+                                      float(tol))
     return (v, steps) if return_steps else v
 
 
 def neg_vgv(v: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """``-V^T G V^T`` for ``[BH, m, m]`` float32 with 3xTF32 tensor cores (the paper's inverse backward)."""
-    return _vgv_op(v, g)
+    return _vgv_impl(v, g) if _direct(v) else _vgv_op(v, g)
 
 
 def _contig(*ts):
@@ -427,38 +515,68 @@ def _warps(d: int, grads: bool) -> int:
     return 8 if d > 32 or grads else 4
 
 
-def _rows_impl(q, l, qn, ln, y, a, b, precision, out_dtype="float32"):
-    q, l, qn, ln, y, a, b = _contig(q, l, qn, ln, y, a, b)
+def _tokens_side(t, dummy):
+    """A ``[BH, N, F]`` operand read with its own batch and token strides (a transposed head view of a
+    ``[B, N, H*F]`` projection needs no copy); a copy only where the last dimension is strided."""
+    if t is None:
+        return dummy, 0, 0
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    return t, t.stride(0), t.stride(1)
+
+
+def _rows_impl(q, l, qn, ln, y, a, b, precision, out_dtype="float32", a2=None, b2=None, dq_dtype="float32",
+               c=None):
+    l, ln, y, b, b2, c = _contig(l, ln, y, b, b2, c)
+    q, sqb, sqn = _tokens_side(q, None)
+    qn = qn.contiguous() if qn is not None else ln   # c given: norms formed on chip, qn unused
     bh, n, d = q.shape
     m = l.shape[1]
     e = y.shape[-1] if y is not None else 1
     f = a.shape[-1] if a is not None else 1
+    f2 = a2.shape[-1] if a2 is not None else 1
+    ds2 = a is not None and a2 is not None
     oy = (torch.empty(bh, n, e, device=q.device, dtype=getattr(torch, out_dtype)) if y is not None
           else q.new_empty(0))   # P @ y stored in out_dtype (the store rounds the float32 accumulator)
-    dq = torch.empty(bh, n, d, device=q.device, dtype=torch.float32) if a is not None else q.new_empty(0)
+    # dq stored in dq_dtype (the store rounds the float32 accumulator): bf16 where the gradient goes to a bf16 q
+    dq = (torch.empty(bh, n, d, device=q.device, dtype=getattr(torch, dq_dtype)) if a is not None
+          else q.new_empty(0))
     block_n = 64
     block_m = 64 if m > 32 else 32
+    has_ds = a is not None
+    a, sab, san = _tokens_side(a, q)
+    a2, sa2b, sa2n = _tokens_side(a2 if ds2 else None, q)
     _rows_kernel[(bh, triton.cdiv(n, block_n))](
-        q, l, qn, ln, y if y is not None else q, a if a is not None else q, b if b is not None else q, oy, dq,
-        n, m, d, e, f, HAS_Y=y is not None, HAS_DS=a is not None, PREC=precision, BLOCK_N=block_n,
-        BLOCK_M=block_m, BD=_p2(d), BE=_p2(e), BF=_p2(f), num_warps=_warps(d, a is not None),
-        num_stages=2 if a is not None or d > 32 else 3)
+        q, l, qn, ln, c if c is not None else ln, y if y is not None else q, a, b if b is not None else q,
+        a2, b2 if ds2 else q, oy, dq, n, m, d, e, f, f2, sqb, sqn, sab, san, sa2b, sa2n, CENTRE=c is not None, HAS_Y=y is not None, HAS_DS=has_ds,
+        HAS_DS2=ds2, PREC=precision, BLOCK_N=block_n,
+        BLOCK_M=block_m, BD=_p2(d), BE=_p2(e), BF=_p2(f), BF2=_p2(f2), num_warps=_warps(d, has_ds),
+        num_stages=2 if has_ds or d > 32 else 3)
     return oy, dq
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def _splits(bh: int, mblocks: int, n: int, block_n: int, device: torch.device) -> int:
     """Token chunks per landmark block: about 4 programs per SM (waves balance), at least 4 token blocks each."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    sms = _sm_count(device)
     want = max(1, (4 * sms) // max(1, bh * mblocks))
     return max(1, min(want, triton.cdiv(n, 4 * block_n)))
 
 
-def _cols_impl(q, l, qn, ln, x, a, b, precision):
-    q, l, qn, ln, x, a, b = _contig(q, l, qn, ln, x, a, b)
+def _cols_impl(q, l, qn, ln, x, a, b, precision, a2=None, b2=None, c=None):
+    l, ln, b, b2, c = _contig(l, ln, b, b2, c)
+    q, sqb, sqn = _tokens_side(q, None)
+    qn = qn.contiguous() if qn is not None else ln   # c given: norms formed on chip, qn unused
     bh, n, d = q.shape
     m = l.shape[1]
     e = x.shape[-1] if x is not None else 1
     f = a.shape[-1] if a is not None else 1
+    f2 = a2.shape[-1] if a2 is not None else 1
+    ds2 = a is not None and a2 is not None
     block_n, block_m = 64, 64 if m > 32 else 32
     mblocks = triton.cdiv(m, block_m)
     splits = _splits(bh, mblocks, n, block_n, q.device)
@@ -466,37 +584,59 @@ def _cols_impl(q, l, qn, ln, x, a, b, precision):
     splits = triton.cdiv(n, chunk)
     ox = torch.empty(splits, bh, m, e, device=q.device, dtype=torch.float32) if x is not None else q.new_empty(0)
     dl = torch.empty(splits, bh, m, d, device=q.device, dtype=torch.float32) if a is not None else q.new_empty(0)
+    has_ds = a is not None
+    xs, sxb, sxn = _tokens_side(x, q)
+    a, sab, san = _tokens_side(a, q)
+    a2, sa2b, sa2n = _tokens_side(a2 if ds2 else None, q)
     _cols_kernel[(bh, mblocks, splits)](
-        q, l, qn, ln, x if x is not None else q, a if a is not None else q, b if b is not None else q, ox, dl,
-        n, m, d, e, f, bh, chunk, HAS_X=x is not None, HAS_DS=a is not None, PREC=precision, BLOCK_N=block_n,
-        BLOCK_M=block_m, BD=_p2(d), BE=_p2(e), BF=_p2(f), num_warps=_warps(d, a is not None),
-        num_stages=2 if a is not None or d > 32 else 3)
-    return (ox.sum(0) if x is not None else ox), (dl.sum(0) if a is not None else dl)
+        q, l, qn, ln, c if c is not None else ln, xs, a, b if b is not None else q,
+        a2, b2 if ds2 else q, ox, dl, n, m, d, e, f, f2, sqb, sqn, sxb, sxn, sab, san, sa2b, sa2n, bh, chunk, CENTRE=c is not None,
+        HAS_X=x is not None,
+        HAS_DS=has_ds, HAS_DS2=ds2, PREC=precision, BLOCK_N=block_n,
+        BLOCK_M=block_m, BD=_p2(d), BE=_p2(e), BF=_p2(f), BF2=_p2(f2), num_warps=_warps(d, has_ds),
+        num_stages=2 if has_ds or d > 32 else 3)
+    return (ox.sum(0) if x is not None else ox), (dl.sum(0) if has_ds else dl)
 
 
 if triton is not None:
     @torch.library.custom_op("hpdl::soft_landmark_rows", mutates_args=())
-    def _rows_op(q: torch.Tensor, l: torch.Tensor, qn: torch.Tensor, ln: torch.Tensor, y: torch.Tensor | None,
-                 a: torch.Tensor | None, b: torch.Tensor | None, precision: str, out_dtype: str = "float32"
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        return _rows_impl(q, l, qn, ln, y, a, b, precision, out_dtype)
+    def _rows_op(q: torch.Tensor, l: torch.Tensor, qn: torch.Tensor | None, ln: torch.Tensor, y: torch.Tensor | None,
+                 a: torch.Tensor | None, b: torch.Tensor | None, precision: str, out_dtype: str = "float32",
+                 a2: torch.Tensor | None = None, b2: torch.Tensor | None = None, dq_dtype: str = "float32",
+                 c: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return _rows_impl(q, l, qn, ln, y, a, b, precision, out_dtype, a2, b2, dq_dtype, c)
 
     @_rows_op.register_fake
-    def _(q, l, qn, ln, y, a, b, precision, out_dtype="float32"):
+    def _(q, l, qn, ln, y, a, b, precision, out_dtype="float32", a2=None, b2=None, dq_dtype="float32", c=None):
         bh, n, d = q.shape
         oy = q.new_empty(bh, n, y.shape[-1], dtype=getattr(torch, out_dtype)) if y is not None else q.new_empty(0)
-        return oy, (q.new_empty(bh, n, d) if a is not None else q.new_empty(0))
+        return oy, (q.new_empty(bh, n, d, dtype=getattr(torch, dq_dtype)) if a is not None else q.new_empty(0))
 
     @torch.library.custom_op("hpdl::soft_landmark_cols", mutates_args=())
-    def _cols_op(q: torch.Tensor, l: torch.Tensor, qn: torch.Tensor, ln: torch.Tensor, x: torch.Tensor | None,
-                 a: torch.Tensor | None, b: torch.Tensor | None, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
-        return _cols_impl(q, l, qn, ln, x, a, b, precision)
+    def _cols_op(q: torch.Tensor, l: torch.Tensor, qn: torch.Tensor | None, ln: torch.Tensor, x: torch.Tensor | None,
+                 a: torch.Tensor | None, b: torch.Tensor | None, precision: str, a2: torch.Tensor | None = None,
+                 b2: torch.Tensor | None = None, c: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return _cols_impl(q, l, qn, ln, x, a, b, precision, a2, b2, c)
 
     @_cols_op.register_fake
-    def _(q, l, qn, ln, x, a, b, precision):
+    def _(q, l, qn, ln, x, a, b, precision, a2=None, b2=None, c=None):
         bh, m, d = l.shape
         ox = q.new_empty(bh, m, x.shape[-1]) if x is not None else q.new_empty(0)
         return ox, (q.new_empty(bh, m, d) if a is not None else q.new_empty(0))
+
+
+def _rows(q, l, qn, ln, y, a, b, precision, out_dtype="float32", a2=None, b2=None, dq_dtype="float32", c=None):
+    """:func:`_rows_impl` directly in eager mode (:func:`_direct`), else through its custom op."""
+    if _direct(q):
+        return _rows_impl(q, l, qn, ln, y, a, b, precision, out_dtype, a2, b2, dq_dtype, c)
+    return _rows_op(q, l, qn, ln, y, a, b, precision, out_dtype, a2, b2, dq_dtype, c)
+
+
+def _cols(q, l, qn, ln, x, a, b, precision, a2=None, b2=None, c=None):
+    """:func:`_cols_impl` directly in eager mode (:func:`_direct`), else through its custom op."""
+    if _direct(q):
+        return _cols_impl(q, l, qn, ln, x, a, b, precision, a2, b2, c)
+    return _cols_op(q, l, qn, ln, x, a, b, precision, a2, b2, c)
 
 
 def centre(q: torch.Tensor, l: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -520,7 +660,7 @@ def landmark_rows(q, l, y=None, a=None, b=None, precision: str = "tf32"):
     _check_prec(precision)
     qc, lc = centre(q, l)
     c = lambda t: t.contiguous() if t is not None else None  # noqa: E731
-    oy, dq = _rows_op(qc, lc, *_norms(qc, lc), c(y), c(a), c(b), precision)
+    oy, dq = _rows(qc, lc, *_norms(qc, lc), c(y), c(a), c(b), precision)
     return (oy if y is not None else None), (dq if a is not None else None)
 
 
@@ -530,7 +670,7 @@ def landmark_cols(q, l, x=None, a=None, b=None, precision: str = "tf32"):
     _check_prec(precision)
     qc, lc = centre(q, l)
     c = lambda t: t.contiguous() if t is not None else None  # noqa: E731
-    ox, dl = _cols_op(qc, lc, *_norms(qc, lc), c(x), c(a), c(b), precision)
+    ox, dl = _cols(qc, lc, *_norms(qc, lc), c(x), c(a), c(b), precision)
     return (ox if x is not None else None), (dl if a is not None else None)
 
 
@@ -539,11 +679,14 @@ def landmark_cols(q, l, x=None, a=None, b=None, precision: str = "tf32"):
 def _ops(kernels: bool, precision: str):
     """(rows, cols) on centred inputs with their norms: the Triton custom ops, or the torch references."""
     if kernels:
-        return (lambda q, l, qn, ln, y, a, b, out_dtype="float32": _rows_op(q, l, qn, ln, y, a, b, precision,
-                                                                            out_dtype),
-                lambda q, l, qn, ln, x, a, b: _cols_op(q, l, qn, ln, x, a, b, precision))
-    return (lambda q, l, qn, ln, y, a, b, out_dtype=None: landmark_rows_ref(q, l, y, a, b),
-            lambda q, l, qn, ln, x, a, b: landmark_cols_ref(q, l, x, a, b))
+        return (lambda q, l, qn, ln, y, a, b, out_dtype="float32", a2=None, b2=None, dq_dtype="float32", c=None:
+                _rows(q, l, qn, ln, y, a, b, precision, out_dtype, a2, b2, dq_dtype, c),
+                lambda q, l, qn, ln, x, a, b, a2=None, b2=None, c=None: _cols(q, l, qn, ln, x, a, b, precision,
+                                                                             a2, b2, c))
+    # the references take centred q (soft_core centres it for them: c is always None here)
+    return (lambda q, l, qn, ln, y, a, b, out_dtype=None, a2=None, b2=None, dq_dtype=None, c=None: landmark_rows_ref(
+                q, l, y, a, b, a2, b2),
+            lambda q, l, qn, ln, x, a, b, a2=None, b2=None, c=None: landmark_cols_ref(q, l, x, a, b, a2, b2))
 
 
 class _PT(torch.autograd.Function):
@@ -622,60 +765,93 @@ class _SoftCore(torch.autograd.Function):
     -dZ W^T``: a rank-``dv`` outer product instead of two ``m x m x m`` products."""
 
     @staticmethod
-    def forward(ctx, q, l, v, iters, reg, start, precision, nr_precision, tol, kernels):
+    def forward(ctx, q, l, v, iters, reg, start, precision, nr_precision, tol, kernels, centre=None):
         with torch.autocast(q.device.type, enabled=False):   # l l^T in float32 even when called under autocast
-            return _SoftCore._forward(ctx, q, l, v, iters, reg, start, precision, nr_precision, tol, kernels)
+            return _SoftCore._forward(ctx, q, l, v, iters, reg, start, precision, nr_precision, tol, kernels,
+                                      centre)
 
     @staticmethod
-    def _forward(ctx, q, l, v, iters, reg, start, precision, nr_precision, tol, kernels):
-        qn, ln = _norms(q, l)
+    def _forward(ctx, q, l, v, iters, reg, start, precision, nr_precision, tol, kernels, centre):
+        ctx.q_dtype = q.dtype
+        c = None
+        if centre is not None and kernels:   # the kernels centre each q tile on chip: no float32 copy of q
+            c = centre
+            qn, ln = None, -0.5 * l.pow(2).sum(-1)
+        else:
+            if centre is not None:   # the references: q - c, once, in l's dtype
+                q = torch.sub(q, centre, out=torch.empty(q.shape, dtype=l.dtype, device=q.device))
+            qn, ln = _norms(q, l)
         rows, cols = _ops(kernels, precision)
-        v = v.contiguous()
-        z, _ = cols(q, l, qn, ln, v, None, None)                               # [BH, m, dv] = P^T v
-        a = torch.exp(ln[..., :, None] + ln[..., None, :] + l @ l.transpose(-1, -2))  # [BH, m, m] from centred l
+        # v and (backward) dout are read by the kernels in their own strides: no contiguous copies held
+        z, _ = cols(q, l, qn, ln, v, None, None, c=c)                          # [BH, m, dv] = P^T v
+        a = torch.baddbmm(ln[..., :, None] + ln[..., None, :], l, l.transpose(-1, -2)).exp_()  # [BH, m, m], centred l
         if kernels:
             vinv = newton_inverse(a, iters, reg, 1.8, start, nr_precision, tol=tol)
         else:
             vinv = newton_inverse_ref(a, iters, reg, 1.8, start)
         w = torch.bmm(vinv, z)                                                 # [BH, m, dv]
         # P W stored in v's dtype (bf16 under autocast): no float32 [N, dv] copy, forward or (dout) backward
-        out, _ = rows(q, l, qn, ln, w, None, None, _dtype_name(v))             # [BH, N, dv] = P W
-        ctx.save_for_backward(q, l, qn, ln, v, a, vinv, w)
+        out, _ = rows(q, l, qn, ln, w, None, None, _dtype_name(v), c=c)        # [BH, N, dv] = P W
+        ctx.save_for_backward(q, l, qn, ln, v, a, vinv, w, c)
         ctx.cfg = kernels, precision
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, l, qn, ln, v, a, vinv, w = ctx.saved_tensors
+        q, l, qn, ln, v, a, vinv, w, c = ctx.saved_tensors
         rows, cols = _ops(*ctx.cfg)
-        dout = dout.contiguous()
-        dw, dl = cols(q, l, qn, ln, dout, dout, w)          # out = P W: dW = P^T dout, dS = P * (dout W^T)
-        _, dq = rows(q, l, qn, ln, None, dout, w)
+        # out = P W: dW = P^T dout, dS1 = P * (dout W^T); Z = P^T v: dv = P dZ, dS2 = P * (v dZ^T). dS1 and dS2
+        # reach q and l through the same P tiles, so each of dq, dl is one pass over dS1 + dS2 (3 passes, not 4,
+        # and one float32 [N, d] gradient held, not two)
+        dw, _ = cols(q, l, qn, ln, dout, None, None, c=c)
         dz = torch.bmm(vinv.transpose(-1, -2), dw)          # W = V Z
-        dv, dq2 = rows(q, l, qn, ln, dz, v, dz, _dtype_name(v))  # Z = P^T v: dv = P dZ, dS = P * (v dZ^T)
-        _, dl2 = cols(q, l, qn, ln, None, v, dz)
-        ds = a * torch.bmm(dz, w.transpose(-1, -2)).neg_()  # A = exp(-|l_i - l_j|^2 / 2), dA = -dZ W^T
-        dl3 = torch.baddbmm(torch.bmm(ds, l), ds.transpose(-1, -2), l) - l * (ds.sum(-1) + ds.sum(-2))[..., None]
-        return dq.add_(dq2), dl + dl2 + dl3, dv.to(v.dtype), None, None, None, None, None, None, None
+        # dq stored in q's dtype (bf16 under autocast: half the float32 [N, d] at the backward's peak)
+        dv, dq = rows(q, l, qn, ln, dz, dout, w, _dtype_name(v), a2=v, b2=dz, dq_dtype=_dtype_name(ctx.q_dtype),
+                      c=c)
+        _, dl = cols(q, l, qn, ln, None, dout, w, a2=v, b2=dz, c=c)
+        # A = exp(-|l_i - l_j|^2 / 2), dA = -dZ W^T, dS = A * dA: dl += S l - l rowsum(S) with S = dS + dS^T;
+        # g = -S formed in place (6 small ops instead of 12: the layer is host-bound at small N)
+        g = torch.bmm(dz, w.transpose(-1, -2)).mul_(a)
+        g = g + g.transpose(-1, -2)
+        dl.baddbmm_(g, l, alpha=-1.0).addcmul_(l, g.sum(-1, keepdim=True))
+        return (dq.to(ctx.q_dtype), dl, dv.to(v.dtype)) + (None,) * 8
 
 
-def _dtype_name(t: torch.Tensor) -> str:
-    return {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(t.dtype, "float32")
+def _dtype_name(t: torch.Tensor | torch.dtype) -> str:
+    dtype = t if isinstance(t, torch.dtype) else t.dtype
+    return {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "float32")
 
 
 def soft_core(q, l, v, *, iters: int = 20, reg: float = 0.01, start: str = "identity", precision: str = "tf32",
-              nr_precision: str | None = None, tol: float = NR_TOL, kernels: bool = True):
+              nr_precision: str | None = None, tol: float = NR_TOL, kernels: bool = True,
+              centre: torch.Tensor | None = None):
     """SOFT's landmark attention ``P @ NR(A + reg I) @ (P^T @ v)`` for centred ``q [BH, N, D]``, ``l [BH, M, D]``
     (:func:`centre`, float32; float64 with ``kernels=False``) and ``v [BH, N, E]`` (any float dtype) ->
-    ``[BH, N, E]`` (kernels: in v's dtype if bf16/fp16, else float32; the references: q's dtype), differentiable in q, l and v with the paper's inverse backward. P and A are never
+    ``[BH, N, E]`` (kernels: in v's dtype if bf16/fp16, else float32; the references: q's dtype),
+    differentiable in q, l and v with the paper's inverse backward. P and A are never
     stored as ``[N, M]``; the Newton inverse is :func:`newton_inverse` (early exit ``tol``; ``kernels=False``:
-    the torch references, all ``iters`` steps). Raises ValueError on bad shapes, dtypes, start or precision."""
+    the torch references, all ``iters`` steps).
+
+    ``centre`` (``[BH, 1, D]`` in l's dtype, the centre already subtracted from l, treated as a constant): q is
+    then the uncentred queries in any float dtype and layout; ``q - centre`` is formed inside (one float32 copy,
+    contiguous) and q's gradient is returned in q's dtype straight from the kernel (bf16 under autocast: no
+    float32 ``[N, D]`` gradient held). Raises ValueError on bad shapes, dtypes, start or precision."""
     _check_prec(precision)
-    _check_centred(q, l)
+    if centre is not None:
+        if centre.dtype != l.dtype or centre.shape != (l.shape[0], 1, l.shape[2]) or q.dim() != 3 \
+                or not q.is_floating_point() or q.shape[0] != l.shape[0] or q.shape[2] != l.shape[2]:
+            raise ValueError(f"with centre, q must be float [BH, N, D] and centre {l.dtype} [BH, 1, D] for l "
+                             f"{tuple(l.shape)}, got q {q.dtype} {tuple(q.shape)}, centre {centre.dtype} "
+                             f"{tuple(centre.shape)}")
+        _check_centred(l.new_empty(q.shape[0], 0, q.shape[2]), l)
+        centre = centre.detach()
+    else:
+        _check_centred(q, l)
     if v.dim() != 3 or v.shape[:2] != q.shape[:2]:
         raise ValueError(f"v must be [BH, N, E] with q's BH and N {tuple(q.shape[:2])}, got {tuple(v.shape)}")
     if start not in ("identity", "official"):
         raise ValueError(f"start must be 'identity' or 'official', got {start!r}")
     if nr_precision is not None:
         _check_prec(nr_precision)
-    return _SoftCore.apply(q, l, v, int(iters), float(reg), start, precision, nr_precision, float(tol), kernels)
+    return _SoftCore.apply(q, l, v, int(iters), float(reg), start, precision, nr_precision, float(tol), kernels,
+                           centre)

@@ -310,9 +310,12 @@ def soft_attention(q: torch.Tensor, v: torch.Tensor, landmarks: torch.Tensor, *,
             sk = soft_kernels
             b, h, n, dh = q.shape
             m = lf.shape[-2]
-            q3, l3 = sk.centre(q.reshape(b * h, n, dh), landmarks.reshape(b * h, m, dh))
-            out = sk.soft_core(q3, l3, v.reshape(b * h, n, -1), iters=iters, reg=reg, start=start,
-                               precision=precision, nr_precision=nr_precision, tol=nr_tol)
+            # q centred inside soft_core (its float32 copy written once from q's own layout, its gradient
+            # returned in q's dtype); the landmarks' centre is a constant (distances do not depend on it)
+            l3 = lf.reshape(b * h, m, dh)
+            c = l3.detach().mean(-2, keepdim=True)
+            out = sk.soft_core(q.reshape(b * h, n, dh), l3 - c, v.reshape(b * h, n, -1), iters=iters, reg=reg,
+                               start=start, precision=precision, nr_precision=nr_precision, tol=nr_tol, centre=c)
             return out.view(b, h, n, -1).to(v.dtype)
         a = gaussian_kernel(lf, lf)  # [B, H, m, m]
         if variant == "soft":

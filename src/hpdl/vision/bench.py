@@ -462,8 +462,12 @@ class AttentionBenchCommand:
         p.add_argument("--smoke", action="store_true", help="goal suite: tiny shapes (a CPU check of the code; "
                                                             "CPU needs TRITON_INTERPRET=1 for the kernel check)")
         p.add_argument("--goal-parts", default=None,
-                       help="goal suite: from layer,eager,compiled (default: all three on CUDA, no compiled on "
-                            "CPU); the kernel check always runs first")
+                       help="goal suite: from layer,eager,compiled (models = eager,compiled), run in the order "
+                            "given (default: layer,eager,compiled on CUDA, no compiled on CPU); the kernel check "
+                            "always runs first. layer alone: check + eager and CUDA-graphed layer tables")
+        p.add_argument("--goal-pairs", default="tiny,small",
+                       help="goal suite: model pairs and their order, from tiny (soft_tiny/pvt_v2_b1) and small "
+                            "(soft_small/pvt_v2_b2) (default: tiny,small)")
         p.add_argument("--time-budget", type=real(0, 86400, strict=True), default=270.0,
                        help="goal suite: seconds after which remaining model runs are skipped (default: 270)")
 
@@ -477,10 +481,17 @@ class AttentionBenchCommand:
         if "goal" in suites:
             if suites != ["goal"]:
                 raise CLIUsageError(f"--suite goal runs alone, got {suites}")
-            args.goal_parts = _csv(args.goal_parts or ("layer,eager,compiled" if cuda else "layer,eager"))
-            bad = [x for x in args.goal_parts if x not in ("layer", "eager", "compiled")]
+            parts = _csv(args.goal_parts or ("layer,eager,compiled" if cuda else "layer,eager"))
+            bad = [x for x in parts if x not in ("layer", "eager", "compiled", "models")]
             if bad:
-                raise CLIUsageError(f"--goal-parts {bad} unknown; expected some of layer, eager, compiled")
+                raise CLIUsageError(f"--goal-parts {bad} unknown; expected some of layer, eager, compiled, models")
+            expanded = [y for x in parts for y in (("eager", "compiled") if x == "models" else (x,))]
+            args.goal_parts = list(dict.fromkeys(expanded))
+            args.goal_pairs = _csv(args.goal_pairs)
+            bad = [x for x in args.goal_pairs if x not in ("tiny", "small")] or (
+                ["(none)"] if not args.goal_pairs else [])
+            if bad or len(set(args.goal_pairs)) != len(args.goal_pairs):
+                raise CLIUsageError(f"--goal-pairs must list tiny and/or small once each, got {args.goal_pairs}")
             if not cuda:
                 from hpdl.models import soft_kernels
 

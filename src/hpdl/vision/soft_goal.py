@@ -35,6 +35,7 @@ from hpdl.models import soft_kernels as sk
 from hpdl.models.soft_ops import gaussian_kernel, newton_pinv, soft_attention
 
 PAIRS = (("soft_tiny", "pvt_v2_b1"), ("soft_small", "pvt_v2_b2"))
+PAIRS_BY_NAME = (("tiny", PAIRS[0]), ("small", PAIRS[1]))  # --goal-pairs names
 
 
 def _rel(a, b) -> float:
@@ -106,6 +107,17 @@ def run_check(device, smoke: bool) -> list[dict]:
     for i, name in enumerate(("out", "dq", "dv", "dlandmarks")):
         add(f"soft_attention {name}", f"N={n} m={m} d={d} triton vs torch", _rel(res["triton"][i], res["torch"][i]),
             2e-2)
+    # the layer's layout: bf16 q and v as head views of [B, N, H*d] projections (read in their strides, q centred
+    # on chip, dq stored in bf16) against the torch path on the same bf16 inputs
+    qb, vb = (t.detach().bfloat16().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (q, v))
+    lb = lm.detach().bfloat16().requires_grad_()
+    res = {}
+    for impl in ("torch", "triton"):
+        out = soft_attention(qb, vb, lb, impl=impl if sk.available(q) or impl == "torch" else "torch")
+        res[impl] = (out, *torch.autograd.grad((out.float() * up).sum(), (qb, vb, lb)))
+    for i, name in enumerate(("out", "dq", "dv", "dlandmarks")):
+        add(f"soft_attention bf16 views {name}", f"N={n} m={m} d={d} triton vs torch",
+            _rel(res["triton"][i], res["torch"][i]), 3e-2)
     # identity start vs the official iteration at the output, random init (the numerics goal)
     with torch.no_grad():
         o_id = soft_attention(q, v, lm, impl="torch", start="identity")
@@ -193,7 +205,39 @@ def _timed(fn, device, warmup, reps):
     return measure(fn, device, warmup, reps)
 
 
-def run_layer(device, smoke: bool, warmup: int, reps: int) -> list[dict]:
+def graphed(step, device, warmup: int, reps: int) -> dict:
+    """``step`` (a whole forward+backward) captured once in a CUDA graph, then its replay timed as
+    :func:`hpdl.vision.bench.measure` times eager calls (CUDA events, median of ``reps`` after ``warmup``): what a
+    user of CUDA graphs or ``torch.compile(mode="reduce-overhead")`` sees, with the host's launch cost gone.
+    Warm-up before the capture on a side stream (PyTorch's recipe); the inputs and every tensor the step creates
+    (activations, gradients) live in the graph's pool, replays overwrite them in place. Returns ``ms``,
+    ``ms_min`` and ``graph_mib`` (the most the allocator held above its start during the capture: the graph's
+    working memory, the peak of the replay). Raises whatever the capture raises (the caller reports it)."""
+    from hpdl.vision.bench import measure
+
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    torch.cuda.synchronize(device)
+    mib = (torch.cuda.max_memory_allocated(device) - base) / 2 ** 20
+    m = measure(g.replay, device, warmup, reps)
+    del g
+    return {"ms": m["ms"], "ms_min": m["ms_min"], "graph_mib": mib}
+
+
+GRAPHED = ("soft", "sdpa_flash")  # the layer variants also timed as one CUDA graph (the default SOFT and SDPA)
+
+
+def run_layer(device, smoke: bool, warmup: int, reps: int, graphs: bool | None = None) -> list[dict]:
     from hpdl.models.soft import SoftAttention
     from hpdl.vision.bench import _sdpa_context
 
@@ -207,6 +251,8 @@ def run_layer(device, smoke: bool, warmup: int, reps: int) -> list[dict]:
                 "sdpa_flash": dict(attention="sdpa")}
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     ctx, _ = _sdpa_context(device, dtype)
+    graphs = device.type == "cuda" if graphs is None else graphs
+    graph_error = None   # after a failed capture the process's CUDA state is suspect: no more captures
     rows = []
     for H, W in maps:
         n = H * W
@@ -229,6 +275,16 @@ def run_layer(device, smoke: bool, warmup: int, reps: int) -> list[dict]:
             try:
                 m = _timed(step, device, warmup, reps)
                 rows.append({**row, "status": "ok", "fwd_bwd_ms": m["ms"], "peak_mib": m["peak_mib"]})
+                if graphs and name in GRAPHED:
+                    if graph_error is None:
+                        try:
+                            gm = graphed(step, device, warmup, reps)
+                            rows[-1].update(graph_ms=gm["ms"], graph_mib=gm["graph_mib"])
+                        except Exception as e:  # noqa: BLE001 - reported; the eager rows stand
+                            graph_error = f"{type(e).__name__}: {str(e)[:160]}"
+                            rows[-1]["graph_error"] = graph_error
+                    else:
+                        rows[-1]["graph_error"] = "skipped after an earlier capture failed"
                 # diagnostics: never fatal to the timed rows
                 try:
                     rows[-1]["nr_steps"] = _newton_steps(layer, x, H, W, dtype)
@@ -269,9 +325,13 @@ def profile_step(step, calls: int = 3, top: int = 8) -> dict:
             k[0] += t / 1e3 / calls
             k[1] += 1
     ranked = sorted(per.items(), key=lambda kv: -kv[1][0])
+    # where the host's time goes: operators by self CPU time (ms per step), the issue cost of each kind of call
+    host_ops = sorted(((a.key, a.self_cpu_time_total / 1e3 / calls, a.count // calls)
+                       for a in prof.key_averages()), key=lambda t: -t[1])
     return {"host_ms": host * 1e3 / calls, "device_ms": sum(v[0] for v in per.values()),
             "kernels": sum(v[1] for v in per.values()) // calls,
-            "top": [{"kernel": k, "ms": v[0], "count": v[1] // calls} for k, v in ranked[:top]]}
+            "top": [{"kernel": k, "ms": v[0], "count": v[1] // calls} for k, v in ranked[:top]],
+            "host_top": [{"op": k[:60], "ms": ms, "count": c} for k, ms, c in host_ops[:top]]}
 
 
 def _newton_steps(layer, x, H, W, dtype) -> int | None:
@@ -318,12 +378,14 @@ def compile_blocks(model: torch.nn.Module, **compile_kwargs) -> int:
     return len(blocks)
 
 
-def run_models(device, smoke: bool, warmup: int, reps: int, modes, budget_end: float) -> list[dict]:
+def run_models(device, smoke: bool, warmup: int, reps: int, modes, budget_end: float, pairs=PAIRS) -> list[dict]:
+    """Images/s of each model of ``pairs`` (SOFT, PVTv2), mode by mode in the order of ``modes`` (``"compiled"``
+    first puts the compiled pairs before the eager ones: the budget then skips eager rows, not compiled ones)."""
     size = 64 if smoke else 224
     tb, ib = (2, 2) if smoke else (128, 256)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows = []
-    names = [n for pair in PAIRS for n in pair]
+    names = [n for pair in pairs for n in pair]
     if "compiled" in modes:  # blocks of 4 stages x train/eval each recompile once: room for all of them
         import torch._dynamo.config as dcfg
 
@@ -418,6 +480,26 @@ def format_goal(result: dict) -> str:
             m = _f(rs.get("soft", {}).get("landmarks"), "d")
             st = _f(rs.get("soft", {}).get("nr_steps"), "d")   # Newton steps the default ran (of 20)
             lines.append(f"{n:>7} {m:>5} {st:>5} " + " ".join(f"{c:>22}" for c in cells) + f"  {_f(ratio)}x")
+    graph_rows = [r for r in result.get("layer") or [] if "graph_ms" in r or "graph_error" in r]
+    if graph_rows:
+        lines.append("# the same layers, fwd+bwd captured in one CUDA graph, replay timed (torch.compile "
+                     "mode='reduce-overhead' / CUDA-graph users; no host launch cost): ms (graph MiB); "
+                     "sdpa/soft > 1: SOFT faster")
+        lines.append(f"{'tokens':>7} " + " ".join(f"{m + '_graph':>22}" for m in GRAPHED) + "  sdpa/soft  (eager)")
+        by = {}
+        for r in graph_rows:
+            by.setdefault(r["tokens"], {})[r["method"]] = r
+        for n, rs in by.items():
+            cells = [f"{_f(rs[m]['graph_ms']):>9} ({_f(rs[m].get('graph_mib'), '.0f'):>8})" if "graph_ms" in
+                     rs.get(m, {}) else f"{'failed' if m in rs else '-':>22}" for m in GRAPHED]
+            ok = all("graph_ms" in rs.get(m, {}) for m in GRAPHED)
+            ratio = rs["sdpa_flash"]["graph_ms"] / rs["soft"]["graph_ms"] if ok else None
+            eager = (rs["sdpa_flash"]["fwd_bwd_ms"] / rs["soft"]["fwd_bwd_ms"]
+                     if all(rs.get(m, {}).get("status") == "ok" for m in GRAPHED) else None)
+            lines.append(f"{n:>7} " + " ".join(f"{c:>22}" for c in cells) + f"  {_f(ratio):>8}x  ({_f(eager)}x)")
+        for r in graph_rows:
+            if r.get("graph_error"):
+                lines.append(f"# graph {r['method']} at {r['tokens']} tokens: {r['graph_error']}")
     for r in result.get("layer") or []:
         if r.get("diagnostics_error"):
             lines.append(f"# {r['method']} at {r['tokens']} tokens: steps/profile failed: {r['diagnostics_error']}")
@@ -426,6 +508,9 @@ def format_goal(result: dict) -> str:
             lines.append(f"# profile, {r['method']} at {r['tokens']} tokens, one fwd+bwd: host {pr['host_ms']:.2f} ms to "
                          f"issue, device {pr['device_ms']:.2f} ms in {pr['kernels']} kernels; top:")
             lines.extend(f"#   {k['ms']:7.3f} ms x{k['count']:<3} {k['kernel']}" for k in pr["top"])
+            if pr.get("host_top"):
+                lines.append("#   host (self CPU ms per step, under the profiler):")
+                lines.extend(f"#   {k['ms']:7.3f} ms x{k['count']:<3} {k['op']}" for k in pr["host_top"])
     if result.get("models"):
         lines.append(f"# images/s at {result['models'][0]['image_size']} px, bf16 autocast, channels_last; train "
                      f"batch {result['models'][0]['train_batch']} (fwd+bwd), infer batch "
@@ -461,6 +546,9 @@ def plot_goal(result: dict, out: Path) -> str:
             axes[0].plot([r["tokens"] for r in ok], [r["fwd_bwd_ms"] for r in ok], "o-", label=method)
             if ok[0]["peak_mib"] is not None:
                 axes[1].plot([r["tokens"] for r in ok], [r["peak_mib"] for r in ok], "o-", label=method)
+            gr = [r for r in ok if "graph_ms" in r]
+            if gr:
+                axes[0].plot([r["tokens"] for r in gr], [r["graph_ms"] for r in gr], "s--", label=method + " graph")
     for ax, lab in zip(axes[:2], ("fwd+bwd ms", "peak MiB above inputs")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -495,14 +583,22 @@ def run_goal(args, device, meta: dict, out: Path) -> int:
     result["check"] = run_check(device, smoke)
     failed = [r for r in result["check"] if r["gate"] and not r["ok"]]
     print(f"# check done ({time.perf_counter() - t0:.0f} s), {len(failed)} gating failures", flush=True)
-    parts = set(args.goal_parts)
+    parts = list(args.goal_parts)
     if not failed:
         if "layer" in parts:
-            result["layer"] = run_layer(device, smoke, args.warmup, args.reps)
+            # graphed rows only where the check's capture of the layer worked (a failed capture mid-run can leave
+            # the process's CUDA state unusable for the rows after it)
+            cap = [r for r in result["check"] if r["check"] == "CUDA graph capture of the layer"]
+            graphs = device.type == "cuda" and bool(cap) and cap[-1]["ok"]
+            result["layer"] = run_layer(device, smoke, args.warmup, args.reps, graphs=graphs)
+            if device.type == "cuda" and not graphs:
+                result["meta"]["graphs"] = "skipped: the check's CUDA-graph capture of the layer failed"
             print(f"# layer done ({time.perf_counter() - t0:.0f} s)", flush=True)
-        modes = [m for m in ("eager", "compiled") if m in parts]
+        modes = [m for m in parts if m in ("eager", "compiled")]   # in the order asked
         if modes:
-            result["models"] = run_models(device, smoke, args.warmup, args.reps, modes, t0 + args.time_budget)
+            pairs = [dict(PAIRS_BY_NAME)[p] for p in getattr(args, "goal_pairs", None) or ("tiny", "small")]
+            result["models"] = run_models(device, smoke, args.warmup, args.reps, modes, t0 + args.time_budget,
+                                          pairs)
     result["meta"]["seconds"] = time.perf_counter() - t0
     (out / "soft_goal.json").write_text(json.dumps(result, indent=1))
     png = plot_goal(result, out)
