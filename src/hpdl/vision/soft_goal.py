@@ -538,7 +538,9 @@ def plot_goal(result: dict, out: Path) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    models = [r for r in result.get("models") or [] if r["status"] == "ok"]
+    # no model rows (e.g. --goal-parts layer): two panels, not an empty third one
+    fig, axes = plt.subplots(1, 3 if models else 2, figsize=(16, 4.5) if models else (11, 4.5))
     layer = result.get("layer") or []
     for method in dict.fromkeys(r["method"] for r in layer):
         ok = [r for r in layer if r["method"] == method and r["status"] == "ok"]
@@ -558,7 +560,8 @@ def plot_goal(result: dict, out: Path) -> str:
         if ax.get_legend_handles_labels()[0]:
             ax.legend()
     axes[0].set_title("attention layer (dim 384, 6 heads, sr 8)")
-    models = [r for r in result.get("models") or [] if r["status"] == "ok"]
+    if not models:
+        return _finish_plot(fig, plt, result, out)
     labels = [f"{r['model']}\n{r['mode']}" for r in models]
     xs = range(len(models))
     axes[2].bar([x - 0.2 for x in xs], [r["train_images_per_s"] for r in models], 0.4, label="train")
@@ -568,6 +571,10 @@ def plot_goal(result: dict, out: Path) -> str:
     axes[2].set_ylabel("images/s")
     axes[2].legend()
     axes[2].set_title("SOFT vs PVTv2 (224 px, bf16)")
+    return _finish_plot(fig, plt, result, out)
+
+
+def _finish_plot(fig, plt, result: dict, out: Path) -> str:
     fig.suptitle(f"SOFT goal run: {result['meta']['device_name']}, {result['meta']['date']}")
     fig.tight_layout()
     fig.savefig(out / "soft_goal.png", dpi=120)
