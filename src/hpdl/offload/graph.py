@@ -243,10 +243,10 @@ class GraphRequest:
         for q in set(sources) | set(pullers):
             info = everyone[q]
             self._peer_flags[q] = self._mapper.tensor(info["flags"])
-            if q in sources:
+            if q in sources:  # its buffers are opened below, where a failure reaches every rank
                 self._peer_ready[q] = torch.cuda.Event.from_ipc_handle(self.device, info["ready"])
-                self._peer_bufs[q] = {n: fn(*args) for n, (fn, args) in info["buffers"].items()}
-                layouts[q] = {n: BufferLayout.of_ipc(fn, args) for n, (fn, args) in info["buffers"].items()}
+            if q in pullers:  # _order waits for the pulls of our buffers by every puller
+                self._peer_pulled[q] = torch.cuda.Event.from_ipc_handle(self.device, info["pulled"])
         self.sources, self.pullers = sources, pullers
         self._stream = torch.cuda.Stream(self.device)
         self._graph = None
