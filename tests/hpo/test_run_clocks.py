@@ -84,7 +84,8 @@ def test_only_a_policy_that_places_by_estimates_traces_one(tmp_path, policy, tra
 def test_hpdl_hpo_run_starts_the_forkserver_before_anything_imports_torch(tmp_path):
     """The workers' server imports torch and ``torch._dynamo`` (about 9 s on the H200 host, the longest path
     before ready): it must start before the `hpdl hpo run` process imports torch itself, so that the two
-    import side by side. The command is stopped where it would start the server."""
+    import side by side (hpdl.runtime itself is torch-free: its launch module is the one that imports torch).
+    The command is stopped where it would start the server."""
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump({"study": "s", "workload": "cnn", "n_trials": 1, "run_dir": str(tmp_path / "r"),
                                     "space": {"lr": {"type": "float", "low": 0.01, "high": 0.1}},
@@ -94,7 +95,7 @@ def test_hpdl_hpo_run_starts_the_forkserver_before_anything_imports_torch(tmp_pa
             "class Stop(BaseException):\n"
             "    pass\n"
             "def start():\n"
-            "    print(sorted(m for m in ('torch', 'optuna', 'hpdl.hpo.driver', 'hpdl.runtime') if m in sys.modules))\n"
+            "    print(sorted(m for m in ('torch', 'optuna', 'hpdl.hpo.driver', 'hpdl.runtime.launch') if m in sys.modules))\n"
             "    raise Stop\n"
             "prestart.start_forkserver = start\n"
             "from hpdl.cli import main\n"

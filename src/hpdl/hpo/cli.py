@@ -16,6 +16,8 @@ import threading
 import time
 from importlib import resources
 
+from hpdl.runtime.errors import CLIUsageError
+
 
 _EXIT_DEADLINE_S = 4.5  # after SIGINT/SIGTERM the command exits within this, stopped cleanly or not
 
@@ -157,8 +159,6 @@ class HpoCommand:
                        help="output format (default: %(default)s)")
 
     def run(self, args) -> int:
-        from hpdl.cli import CLIUsageError
-
         cmd = getattr(args, "hpo_cmd", None)
         if cmd is None:
             raise CLIUsageError("choose one of run, resume, status, simulate")
@@ -309,7 +309,6 @@ class HpoCommand:
         return self._run(args, resume=True)
 
     def _status(self, args) -> int:
-        from hpdl.cli import CLIUsageError
         from hpdl.hpo.report import study_status
 
         if args.study_file:
@@ -357,7 +356,6 @@ class HpoCommand:
         from hpdl.hpo.report import plot_best_vs_time
         from hpdl.hpo.simulator import load_trials, pool_from_spec, resample, simulate, synthetic_trials
 
-        from hpdl.cli import CLIUsageError
         from hpdl.hpo.errors import HpoConfigError
 
         try:  # a bad value is a usage error naming its flag (`--pool 0xA100` used to spin forever)

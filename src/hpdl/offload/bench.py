@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from hpdl.runtime.errors import CLIUsageError
 from hpdl.runtime.limits import check_fits, count, real
 
 MODES = ("native", "thread", "agent")
@@ -272,7 +273,6 @@ class OverlapBenchCommand:
     def run(self, args) -> int:
         from hpdl.bench.cli import sizes_between
         from hpdl.bench.report import source_commit
-        from hpdl.cli import CLIUsageError
         from hpdl.runtime.launch import spawn
 
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]

@@ -6,6 +6,7 @@ import argparse
 import os
 import tempfile
 
+from hpdl.runtime.errors import CLIUsageError
 from hpdl.runtime.limits import count, real
 
 
@@ -40,8 +41,6 @@ class OffloadCommand:
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter))
 
     def run(self, args) -> int:
-        from hpdl.cli import CLIUsageError
-
         if args.offload_cmd == "agent":
             return _agent(args)
         if args.offload_cmd == "jacobi":
@@ -59,7 +58,6 @@ def default_address() -> str:
 
 
 def _agent(args) -> int:
-    from hpdl.cli import CLIUsageError
     from hpdl.offload.agent import AUTHKEY_ENV, run_agent
     from hpdl.runtime import env
     from hpdl.runtime.launch import detect_launcher, free_port

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from hpdl.runtime.errors import CLIUsageError
 from hpdl.runtime.limits import count, real
 
 MODES = ("blocking", "agent-blocking", "agent", "thread")
@@ -214,7 +215,6 @@ def _measure(ctx, shape, grid, modes, steps, repeats, dtype, timeout):
 
 def run_command(args) -> int:
     from hpdl.bench.report import source_commit
-    from hpdl.cli import CLIUsageError
     from hpdl.runtime.launch import spawn
 
     try:

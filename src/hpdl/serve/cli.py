@@ -8,6 +8,7 @@ import json
 import math
 import os
 
+from hpdl.runtime.errors import CLIUsageError
 from hpdl.runtime.limits import count, real
 
 
@@ -82,7 +83,6 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 def _engine(args):
     import torch
 
-    from hpdl.cli import CLIUsageError
     from hpdl.serve import EngineConfig, LLMEngine, ModelSpec
 
     if (args.model is None) == (args.config is None):
@@ -102,7 +102,6 @@ def _engine(args):
 def _check_memory(spec, args) -> None:
     """A model or KV cache too big for the host (or GPU) fails here, naming the flag, instead of after a silent
     half minute in an allocator (issue 37: `--config llama-7b` on a small host)."""
-    from hpdl.cli import CLIUsageError
     from hpdl.runtime.limits import check_fits
     from hpdl.serve.worker import memory_estimate
 

@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from hpdl.models.soft_ops import nystrom_attention, soft_attention
+from hpdl.runtime.errors import CLIUsageError
 from hpdl.runtime.limits import count, real
 
 METHODS = ("soft", "soft_norm", "soft_inverse", "soft_exact", "soft_autograd", "nystrom", "sdpa", "softmax")
@@ -472,8 +473,6 @@ class AttentionBenchCommand:
                        help="goal suite: seconds after which remaining model runs are skipped (default: 270)")
 
     def run(self, args) -> int:
-        from hpdl.cli import CLIUsageError
-
         cuda = args.device == "cuda"
         if cuda and not torch.cuda.is_available():
             raise CLIUsageError("--device cuda needs a visible GPU")
