@@ -13,12 +13,9 @@ Every per-row stage runs under its own ``try``: an exception for one request is 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
-
-if TYPE_CHECKING:  # the scheduler's Request: request_id, params, prompt_ids, output_ids
-    from hpdl.serve.scheduler import Request
 
 SEED_RANGE = (-2**63, 2**64 - 1)  # what torch.Generator.manual_seed accepts
 MIN_TEMPERATURE = 1e-5  # below it a request is greedy (vLLM's _SAMPLING_EPS): 1/T would overflow the logits
@@ -137,6 +134,17 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
 
+class SampledRequest(Protocol):
+    """What the sampler reads of a request (the scheduler's :class:`hpdl.serve.scheduler.Request` has it): its id
+    (per-request generator seeds), its :class:`SamplingParams`, and the prompt and output token ids so far
+    (repetition, frequency and presence penalties)."""
+
+    request_id: str
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int]
+
+
 @dataclass(slots=True)
 class TokenLogprob:
     """One token's log-probability and the ``top`` alternatives ``[(token_id, logprob), ...]``, most likely first."""
@@ -234,7 +242,7 @@ class Sampler:
     def release(self, request_id: str) -> None:
         self._state.pop(request_id, None)
 
-    def sample(self, logits: torch.Tensor, rows: list[Request | None]) -> SampleOutput:
+    def sample(self, logits: torch.Tensor, rows: list[SampledRequest | None]) -> SampleOutput:
         """One token per row; ``rows[i]`` is the request of logits row i (None: a hole, skipped)."""
         n = len(rows)
         plain = all(r is None or (r.params.greedy and not r.params.has_processors and r.params.logprobs is None)
@@ -257,7 +265,7 @@ class Sampler:
                 errors[i], tokens[i] = exc, -1
         return SampleOutput(tokens, self._logprobs(logits, rows, tokens, errors), errors)
 
-    def _sample_row(self, row: torch.Tensor, req: Request) -> int:
+    def _sample_row(self, row: torch.Tensor, req: SampledRequest) -> int:
         p = req.params
         x = row.to(torch.float32, copy=True)
         if p.has_processors:
@@ -293,7 +301,7 @@ class Sampler:
         return int(torch.multinomial(probs, 1, generator=st.generator).item())
 
     @staticmethod
-    def _counts(st: _RowState, req: Request, x: torch.Tensor) -> torch.Tensor:
+    def _counts(st: _RowState, req: SampledRequest, x: torch.Tensor) -> torch.Tensor:
         """Output-token counts, updated with the tokens added since the last step (O(new tokens) per step)."""
         vocab, device = x.numel(), x.device
         if st.counts is None:
