@@ -63,7 +63,7 @@ def test_flash_context_can_be_entered_many_times():
     context manager can be entered only once, so the helper must hand out a fresh one each time."""
     import torch
 
-    from hpdl.vision.bench import _sdpa_context
+    from hpdl.vision.timing import _sdpa_context
 
     ctx, label = _sdpa_context(torch.device("cuda"), torch.bfloat16)  # builds no CUDA state
     assert label == "flash"

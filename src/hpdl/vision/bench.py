@@ -36,7 +36,6 @@ import json
 import math
 import os
 import platform
-import statistics
 import sys
 import time
 from datetime import datetime, timezone
@@ -48,54 +47,13 @@ import torch.nn.functional as F
 from hpdl.models.soft_ops import nystrom_attention, soft_attention
 from hpdl.runtime.errors import CLIUsageError
 from hpdl.runtime.limits import count, real
+from hpdl.vision.timing import _free, _sdpa_context, measure
 
 METHODS = ("soft", "soft_norm", "soft_inverse", "soft_exact", "soft_autograd", "nystrom", "sdpa", "softmax")
 _SOFT = {"soft": ("soft", "inverse"), "soft_norm": ("norm", "inverse"), "soft_inverse": ("soft", "inverse"),
          "soft_exact": ("soft", "exact"), "soft_autograd": ("soft", "autograd")}  # method -> (variant, NR backward)
 SUITES = ("tokens", "model", "throughput")
 DEFAULT_BASELINES = "deit_tiny_patch16_224,pvt_v2_b1,pvt_v2_b2,deit_small_patch16_224"
-
-
-# ------------------------------------------------------------------------------------------------ timing helpers
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def measure(fn, device: torch.device, warmup: int = 2, reps: int = 5) -> dict:
-    """Median / min milliseconds of ``fn()`` over ``reps`` calls after ``warmup``, and peak MiB above the
-    allocation before one more call (CUDA; None on CPU)."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    peak = None
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        fn()
-        torch.cuda.synchronize(device)
-        peak = (torch.cuda.max_memory_allocated(device) - base) / 2 ** 20
-    return {"ms": statistics.median(times), "ms_min": min(times), "peak_mib": peak}
-
-
-def _free(device):
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 # ------------------------------------------------------------------------------------------------- tokens suite
@@ -115,18 +73,6 @@ def attention(method: str, q, k, v, landmarks: int):
     if method == "softmax":
         return torch.softmax((q @ k.transpose(-1, -2)) * d ** -0.5, dim=-1) @ v
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-
-
-def _sdpa_context(device, dtype):
-    """Flash attention required on CUDA with 16-bit inputs (so 'sdpa' means flash there), the default elsewhere."""
-    import contextlib
-
-    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        # a factory: sdpa_kernel's context manager is generator-based and can be entered only once
-        return (lambda: sdpa_kernel([SDPBackend.FLASH_ATTENTION])), "flash"
-    return contextlib.nullcontext, "default"
 
 
 def run_tokens(args, device, dtype) -> list[dict]:

@@ -200,7 +200,7 @@ except Exception as e:
 # ------------------------------------------------------------------------------------------------------ layer
 
 def _timed(fn, device, warmup, reps):
-    from hpdl.vision.bench import measure
+    from hpdl.vision.timing import measure
 
     return measure(fn, device, warmup, reps)
 
@@ -213,7 +213,7 @@ def graphed(step, device, warmup: int, reps: int) -> dict:
     (activations, gradients) live in the graph's pool, replays overwrite them in place. Returns ``ms``,
     ``ms_min`` and ``graph_mib`` (the most the allocator held above its start during the capture: the graph's
     working memory, the peak of the replay). Raises whatever the capture raises (the caller reports it)."""
-    from hpdl.vision.bench import measure
+    from hpdl.vision.timing import measure
 
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
@@ -239,7 +239,7 @@ GRAPHED = ("soft", "sdpa_flash")  # the layer variants also timed as one CUDA gr
 
 def run_layer(device, smoke: bool, warmup: int, reps: int, graphs: bool | None = None) -> list[dict]:
     from hpdl.models.soft import SoftAttention
-    from hpdl.vision.bench import _sdpa_context
+    from hpdl.vision.timing import _sdpa_context
 
     dim, heads, sr = (32, 2, 4) if smoke else (384, 6, 8)
     maps = ((16, 16), (32, 32)) if smoke else ((64, 64), (128, 128), (128, 256), (256, 256))
