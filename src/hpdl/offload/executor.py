@@ -22,7 +22,6 @@ import select
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
@@ -30,6 +29,7 @@ import numpy as np
 import torch
 
 from hpdl.offload import native, shm
+from hpdl.offload.status import Pending, Status
 from hpdl.offload.compiler import CompiledPlan
 from hpdl.offload.errors import OffloadError
 
@@ -175,29 +175,6 @@ def _reduce_fn(dst: torch.Tensor, src: torch.Tensor, op: str) -> Callable[[], No
     if op == "min":
         return lambda: torch.minimum(dst, get(), out=dst)
     return lambda: torch.maximum(dst, get(), out=dst)
-
-
-@dataclass(frozen=True)
-class Pending:
-    """An operation of a running request that is not done: its description, peer, and what it waits for."""
-
-    op: str
-    peer: int | None
-    state: str
-
-    def __str__(self) -> str:
-        return f"{self.op} {self.state}"
-
-
-@dataclass(frozen=True)
-class Status:
-    """What a request's executor knows: its error (None if none), the remote endpoint blamed for it (a
-    transport failure), and the operations still outstanding."""
-
-    error: str | None
-    culprit: str | None
-    pending: tuple[Pending, ...]
-    dead_ranks: tuple[int, ...] = ()  # group ranks whose process died (culprit None then)
 
 
 class _Op:

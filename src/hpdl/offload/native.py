@@ -37,6 +37,7 @@ import torch
 
 from hpdl.offload import shm
 from hpdl.offload.errors import OffloadError
+from hpdl.offload.status import Pending, Status
 from hpdl.runtime import env
 
 log = logging.getLogger("hpdl.offload")
@@ -361,9 +362,7 @@ class NativeEngine:
                     log.warning("%s", other.error)
 
     def status(self, id_: int):
-        """The :class:`~hpdl.offload.executor.Status` of a request (error, outstanding operations)."""
-        from hpdl.offload.executor import Pending, Status
-
+        """The :class:`~hpdl.offload.status.Status` of a request (error, outstanding operations)."""
         with self._lock:
             rec = self._natives.get(id_)
             if rec is None or not self.handle:
