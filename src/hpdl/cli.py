@@ -7,11 +7,11 @@ path so that a group's imports (and optional dependencies) are needed only when 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import sys
 
 from hpdl import __version__
+from hpdl.runtime.commands import attach
 from hpdl.runtime.errors import CLIUsageError
 
 __all__ = ["CLIUsageError", "GROUPS", "build_parser", "main"]
@@ -39,11 +39,6 @@ GROUPS: dict[str, tuple[str, str, str | None]] = {
 
 
 
-def _load(path: str):
-    module, _, cls = path.partition(":")
-    return getattr(importlib.import_module(module), cls)
-
-
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The ``hpdl`` parser; with ``only``, just that group's arguments are loaded (the others list their help)."""
     parser = argparse.ArgumentParser(prog="hpdl", description="hpdl: fast collectives, scheduling and serving "
@@ -56,15 +51,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         p.set_defaults(_parser=p)
         if only not in (None, name):
             continue
-        try:
-            cls = _load(path)
-        except ModuleNotFoundError as exc:
-            hint = f"pip install 'hpdl[{extra}]'" if extra else "reinstall hpdl"
-            p.set_defaults(_missing=f"hpdl {name} needs the module {exc.name!r}: {hint}")
-            p.add_argument("rest", nargs=argparse.REMAINDER)
-            continue
-        cls.add_arguments(p)
-        p.set_defaults(_cls=cls)
+        attach(p, path, f"hpdl {name}", extra, "_missing", "_cls")
     return parser
 
 

@@ -13,6 +13,7 @@ import torch
 
 from hpdl.bench.harness import BenchConfig, run_sweep
 from hpdl.bench.specs import SPECS
+from hpdl.runtime.commands import attach
 from hpdl.runtime.errors import CLIUsageError
 from hpdl.runtime.limits import count, real
 
@@ -220,21 +221,10 @@ PLUGINS: dict[str, tuple[str, str, str | None]] = {
 
 
 def _add_plugins(sub) -> None:
-    import importlib
-
     for name, (path, help_, extra) in PLUGINS.items():
         p = sub.add_parser(name, help=help_, description=help_)
         p.set_defaults(_parser=p)
-        module, _, cls_name = path.partition(":")
-        try:
-            cls = getattr(importlib.import_module(module), cls_name)
-        except ModuleNotFoundError as exc:
-            hint = f"pip install 'hpdl[{extra}]'" if extra else "reinstall hpdl"
-            p.set_defaults(_plugin_missing=f"hpdl bench {name} needs the module {exc.name!r}: {hint}")
-            p.add_argument("rest", nargs=argparse.REMAINDER)
-            continue
-        cls.add_arguments(p)
-        p.set_defaults(_plugin_cls=cls)
+        attach(p, path, f"hpdl bench {name}", extra, "_plugin_missing", "_plugin_cls")
 
 
 def _check_outputs(args) -> None:

@@ -9,24 +9,13 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+from hpdl.comm.ops import shard_bounds
 from hpdl.offload.plan import Plan, dtype_name
 
 
 def _check_rank(rank: int, world_size: int) -> None:
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size), got rank={rank} world_size={world_size}")
-
-
-def blocks(count: int, parts: int) -> list[tuple[int, int]]:
-    """``parts`` contiguous ``[start, stop)`` ranges covering ``count``; the first ``count % parts`` are one
-    longer (the split of MPI_Reduce_scatter_block-style schedules for counts not divisible by ``parts``)."""
-    q, r = divmod(count, parts)
-    out, a = [], 0
-    for i in range(parts):
-        b = a + q + (1 if i < r else 0)
-        out.append((a, b))
-        a = b
-    return out
 
 
 def alltoall(rank: int, world_size: int, count: int, dtype, *, window: int | None = None) -> Plan:
@@ -74,7 +63,7 @@ def allreduce(rank: int, world_size: int, count: int, dtype, *, op: str = "sum",
         raise ValueError(f"algorithm must be 'ring' or 'direct', got {algorithm!r}")
     p = Plan(f"allreduce_{algorithm}", rank=rank, world_size=world_size)
     P, r = world_size, rank
-    blk = blocks(count, P)
+    blk = shard_bounds(count, P)  # the first count % P blocks one longer (MPI_Reduce_scatter_block style)
     width = max((b - a for a, b in blk), default=0)
     data = p.buffer("data", (count,), dtype)
     if P == 1:
