@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import hpdl.hpo.worker as worker
+import hpdl.hpo.trial as trial
 from hpdl.hpo.profiler import TrialProfile
 from hpdl.hpo.protocol import ProfileReport, Task
 
@@ -23,10 +23,10 @@ def fractions(monkeypatch):
 
 def test_cap_becomes_the_allocator_fraction_without_the_context(fractions):
     dev = torch.device("cuda", 0)
-    worker.cap_memory(dev, 10 * GIB, GIB)
-    worker.cap_memory(dev, None)              # the next trial on a reused worker: no cap left over
-    worker.cap_memory(dev, 200 * GIB, GIB)    # over the device: the whole device
-    worker.cap_memory(dev, GIB, GIB)          # nothing left after the context: a floor, never 0
+    trial.cap_memory(dev, 10 * GIB, GIB)
+    trial.cap_memory(dev, None)              # the next trial on a reused worker: no cap left over
+    trial.cap_memory(dev, 200 * GIB, GIB)    # over the device: the whole device
+    trial.cap_memory(dev, GIB, GIB)          # nothing left after the context: a floor, never 0
     assert fractions[:3] == [pytest.approx(0.09), 1.0, 1.0]
     assert fractions[3] == pytest.approx((64 << 20) / (100 * GIB))
 
@@ -48,10 +48,10 @@ class _Profiler:
                                                   ("cuda", None, None), ("cpu", 6 * GIB, None)])
 def test_capped_cuda_trial_is_held_to_its_profile_once_measured(monkeypatch, tmp_path, device, cap, lowered):
     calls, sent = [], []
-    monkeypatch.setattr(worker, "cap_memory", lambda dev, b, ctx=0: calls.append((b, ctx)))
+    monkeypatch.setattr(trial, "cap_memory", lambda dev, b, ctx=0: calls.append((b, ctx)))
     conn = SimpleNamespace(send=sent.append, poll=lambda: False)
     task = Task(7, 0, 0, {}, memory_cap=cap, context_bytes=GIB // 2)
-    ctx = worker.TrialContext(None, {}, torch.device(device), conn, task, tmp_path, 1, _Profiler())
+    ctx = trial.TrialContext(None, {}, torch.device(device), conn, task, tmp_path, 1, _Profiler())
     with ctx.step(0):
         pass
     assert isinstance(sent[0], ProfileReport) and sent[0].trial_id == 7

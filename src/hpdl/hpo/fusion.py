@@ -614,7 +614,7 @@ def run_group(env, conn, task, parent_pid: int | None) -> bool:
     from hpdl.hpo.checkpoint import CheckpointWriteError
     from hpdl.hpo.errors import Preempted
     from hpdl.hpo.profiler import StepProfiler, TrialProfile
-    from hpdl.hpo.worker import TrialContext, cap_memory
+    from hpdl.hpo.trial import TrialContext, cap_memory
 
     dev = env.dev
     ctxs, open_ids = [], []
@@ -690,7 +690,7 @@ def _fail_rest(conn, ctxs, sent: set, task, kind: str, message: str) -> None:
 
 
 class _GroupStep:
-    """What :meth:`hpdl.hpo.worker.TrialContext.step` does for one trial, for a fused group: the parent
+    """What :meth:`hpdl.hpo.trial.TrialContext.step` does for one trial, for a fused group: the parent
     check, preemption (every trial still training checkpoints, then :class:`Preempted`) and the in-place
     profile of the group's first steps, reported for the group (``task.trial_id``)."""
 
@@ -709,7 +709,7 @@ class _GroupStep:
     def step(self, i: int):
         from hpdl.hpo import protocol
         from hpdl.hpo.errors import Preempted
-        from hpdl.hpo.worker import cap_memory
+        from hpdl.hpo.trial import cap_memory
 
         if self.parent is not None and os.getppid() != self.parent:
             os._exit(3)  # the driver died: never leave trials running

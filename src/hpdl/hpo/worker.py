@@ -26,13 +26,13 @@ import sys
 import threading
 import time
 import traceback
-import warnings
 from pathlib import Path
 from typing import Any
 
-from hpdl.hpo import checkpoint, protocol
+from hpdl.hpo import protocol
 from hpdl.hpo.checkpoint import CheckpointMismatch, CheckpointWriteError
 from hpdl.hpo.errors import Preempted
+from hpdl.hpo.trial import TrialContext, cap_memory
 
 
 def _die_with_parent() -> None:
@@ -61,100 +61,6 @@ def _exit_with_driver() -> None:
         os._exit(3)
 
     threading.Thread(target=watch, name="hpdl-driver-watch", daemon=True).start()
-
-
-class TrialContext:
-    """What a workload's training loop sees of its trial (Optuna-like).
-
-    Attributes:
-        params: resolved parameters (search space sample + fixed values).
-        device: ``torch.device`` to train on.
-        number: Optuna trial number; ``lineage`` is the number of the configuration's first attempt.
-        checkpoint_every: evaluations between checkpoints (0 = never).
-    """
-
-    def __init__(self, trial, params: dict, device, conn, task: dict, run_dir: Path, checkpoint_every: int,
-                 profiler=None, parent_pid: int | None = None):
-        self._trial, self._conn, self._task = trial, conn, task
-        self.params, self.device = params, device
-        self.number, self.lineage = task.number, task.lineage
-        self.checkpoint_every = checkpoint_every
-        self._ckpt = Path(task.checkpoint_dir) / f"lineage-{self.lineage}.pt"
-        self._meta = {"study_uid": task.study_uid, "lineage": self.lineage, "params": dict(params)}
-        self._profiler = profiler
-        self._parent = parent_pid
-        self.state_fn = None  # set by the training loop: step -> checkpoint state, used on preemption
-
-    @property
-    def trial(self):
-        """The ``optuna.trial.Trial`` itself (what an Optuna objective receives)."""
-        return self._trial
-
-    def report(self, value: float, step: int) -> None:
-        """Record an intermediate ``value`` at ``step`` (Optuna's order: value, then step)."""
-        if self._profiler is not None:
-            self._profiler.interrupt()  # evaluation synchronised the device
-        with warnings.catch_warnings():
-            # a trial re-queued after an interrupt keeps its values: a step reported before the stop and
-            # reached again from an older checkpoint is kept as first reported (Optuna warns and ignores it)
-            warnings.filterwarnings("ignore", message="The reported value is ignored because", category=UserWarning)
-            self._trial.report(float(value), int(step))
-
-    def should_prune(self) -> bool:
-        """The study's pruner decision for the latest reported value."""
-        return self._trial.should_prune()
-
-    @contextlib.contextmanager
-    def step(self, step: int):
-        """Wrap one training step: profiling windows, preemption and parent-death checks."""
-        if self._parent is not None and os.getppid() != self._parent:
-            os._exit(3)  # the driver died: never leave a trial running
-        if self._conn is not None and self._conn.poll():
-            msg = protocol.check(self._conn.recv())
-            if isinstance(msg, (protocol.Preempt, protocol.Stop)):
-                if self.state_fn is not None and self.checkpoint_every:
-                    self.save_checkpoint(self.state_fn(step))  # nothing is lost: continue from this step
-                raise Preempted(f"trial {self.number} preempted at step {step}",
-                                stop=isinstance(msg, protocol.Stop))
-        if self._profiler is not None:
-            self._profiler.before(step)
-        yield
-        if self._profiler is not None:
-            self._profiler.after(step)
-            if self._profiler.done:
-                from dataclasses import asdict
-                res = self._profiler.result
-                self._conn.send(protocol.ProfileReport(trial_id=self._task.trial_id, profile=asdict(res)))
-                if self._task.memory_cap and self.device.type == "cuda":
-                    # the driver plans with the measured peak from now on: hold the trial to it
-                    cap_memory(self.device, min(int(self._task.memory_cap), res.memory_bytes),
-                               int(self._task.context_bytes))
-                self._profiler = None
-
-    def load_checkpoint(self) -> dict | None:
-        """The configuration's latest checkpoint (any earlier attempt of this study's lineage), or None.
-
-        Raises:
-            hpdl.hpo.checkpoint.CheckpointMismatch: the file was written for another study, lineage or
-                parameters (the trial then fails for good: see :mod:`hpdl.hpo.checkpoint`).
-        """
-        return checkpoint.load(self._ckpt, self._meta, map_location=self.device)
-
-    def save_checkpoint(self, state: dict) -> None:
-        """Write ``state`` atomically (temporary file, then rename), with the trial's owner record."""
-        checkpoint.save(self._ckpt, state, self._meta)
-
-
-def cap_memory(device, cap_bytes: int | None, context_bytes: int = 0) -> None:
-    """Hold this process's caching allocator on ``device`` to ``cap_bytes - context_bytes`` (bytes;
-    ``None``: the whole device), with ``torch.cuda.set_per_process_memory_fraction``. An allocation over
-    the cap first frees cached blocks, then raises ``torch.cuda.OutOfMemoryError``, which cuDNN takes as
-    "try an algorithm with a smaller workspace". The cap counts reserved bytes, as profiles do."""
-    import torch
-
-    total = torch.cuda.get_device_properties(device).total_memory
-    frac = 1.0 if not cap_bytes else min(1.0, max(cap_bytes - context_bytes, 64 << 20) / total)
-    torch.cuda.set_per_process_memory_fraction(frac, device)
 
 
 def warm_cuda(device) -> None:
