@@ -92,8 +92,8 @@ def test_supports_and_engine_flag():
         EngineConfig(fused_gemm="cutlass")
     # stream GEMMs live inside the fused step: on the eager step (CPU default, --eager-decode, GPT-2) they were
     # silently ignored and the run reported the eager step's numbers
-    for spec, kw, why in (("llama-tiny", {}, "default on cpu"), ("llama-tiny", dict(fused_decode=False), "eager-decode"),
-                          ("gpt2-tiny", {}, "LLaMA's")):
+    for spec, kw, why in (("llama-tiny", {}, "default on cpu"), ("gpt2-tiny", {}, "LLaMA's"),
+                          ("llama-tiny", dict(fused_decode=False), "eager-decode")):
         with pytest.raises(ValueError, match=f"fused_gemm='stream'.*{why}"):
             LLMEngine(ModelSpec(config=spec), EngineConfig(num_slots=2, max_seq_len=32, fused_gemm="stream", **kw))
     model, cache, lens = _prefilled()

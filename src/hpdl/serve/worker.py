@@ -130,9 +130,9 @@ class ModelRunner:
             why = (self.fused_reason if self.fused_reason is not None else
                    "fused_decode=False (--eager-decode)" if fused is False else
                    f"the eager step is the default on {self.device.type}")
-            raise ValueError(f"fused_gemm={fused_gemm!r} (--fused-gemm {fused_gemm}) needs the fused decode step, which "
-                             f"this engine does not run: {why}; set fused_decode=True (LLaMA on one device) or "
-                             f"leave fused_gemm='cublas'")
+            raise ValueError(f"fused_gemm={fused_gemm!r} (--fused-gemm {fused_gemm}) needs the fused decode step, "
+                             f"which this engine does not run: {why}; set fused_decode=True (LLaMA on one device) "
+                             f"or leave fused_gemm='cublas'")
         self.fused_gemm = fused_gemm
 
     def _decode(self, toks: torch.Tensor, pos: torch.Tensor, start: int, kv_len: int):
