@@ -106,8 +106,11 @@ def test_step_profiler_on_cpu_and_cache(tmp_path: Path):
 def test_bad_workload_names():
     with pytest.raises(HpoConfigError, match="expected one of"):
         get_workload("resnet")
-    with pytest.raises(HpoConfigError, match="cannot be imported"):
-        get_workload("no_such_module:X")
+    with pytest.raises(HpoConfigError, match="cannot be imported.*PYTHONPATH=. hpdl hpo run"):
+        get_workload("no_such_module:X")   # a module beside the study file: the `hpdl` script does not see it
+    with pytest.raises(HpoConfigError, match="cannot be imported") as info:
+        get_workload("hpdl.hpo.workloads:NoSuchClass")
+    assert "PYTHONPATH" not in str(info.value)   # the module was found: no path hint
     with pytest.raises(HpoConfigError, match="unknown parameters"):
         get_workload("cnn").resolve({"widht": 3})
 

@@ -164,11 +164,23 @@ def test_timm_model_api_conventions():
                                          ("nr_reg", -0.1), ("nr_iters", -1), ("drop_path_rate", 1.0),
                                          ("drop_rate", 1.0), ("sr_ratios", (32, 4, 2)), ("impl", "cuda"),
                                          ("precision", "bf16"), ("nr_start", "zero"),
-                                         ("nr_precision", "fp16")])
+                                         ("nr_precision", "fp16"), ("nr_tol", -1e-3)])
 def test_unchecked_settings_now_raise_naming_the_argument(field, value):
     kw = dict(img_size=64) if field == "sr_ratios" and value[0] == 32 else {}
     with pytest.raises(ValueError, match=field):
         SoftConfig(**{field: value}, **kw)
+
+
+def test_nr_tol_is_a_model_setting_through_create_and_timm():
+    # docs/vision.md documents nr_tol= beside nr_precision=; before the fix only SoftAttention took it, and
+    # create(..., nr_tol=...) / timm.create_model(..., nr_tol=...) raised "unknown SoftConfig fields"
+    import timm
+
+    for model in (create("soft_tiny", num_classes=3, img_size=64, nr_tol=0.0, **MICRO),
+                  timm.create_model("soft_tiny", num_classes=3, img_size=64, nr_tol=1e-6, **MICRO)):
+        tols = {m.nr_tol for m in model.modules() if isinstance(m, SoftAttention)}
+        assert tols == {model.cfg.nr_tol}
+    assert SoftConfig().nr_tol is None
 
 
 def test_drop_path_of_one_raises_instead_of_dividing_by_zero():

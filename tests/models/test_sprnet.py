@@ -133,6 +133,8 @@ def test_torchvision_style_builder_and_num_classes_shorthand(tmp_path):
         sprnet_resnet50_fpn(weights="COCO_V1")
     with pytest.raises(TypeError, match="sets 'backbone'"):
         sprnet_resnet50_fpn(backbone="resnet18")
+    with pytest.raises(HpdlError, match="weights_backbone=.*no such file"):    # the argument the user passed
+        sprnet_resnet50_fpn(num_classes=5, weights_backbone=str(tmp_path / "missing.pth"))
 
 
 def test_default_is_the_papers_resnet50_gfpn_and_nothing_downloads(monkeypatch):

@@ -27,7 +27,7 @@ def _native_plans(ctx):
         a2a = ho.alltoall_init(inp, out, timeout=60)
         ar = ho.allreduce_init(data, "max", algorithm="ring", timeout=60)
         halo = ho.compile(plans.halo3d((4, 16, 16), (P, 1, 1), r, torch.float32), {"u": u}, timeout=60)
-        natives = [req._handle in req._backend.native for req in (a2a, ar, halo)]
+        natives = [req.executor == "native" for req in (a2a, ar, halo)]
         wrong = 0
         for i in range(8):
             inp.copy_(torch.arange(P * 40000, dtype=torch.float32).view(P, 40000) % 997 + 1000 * r + i)
@@ -97,7 +97,8 @@ def _two_nodes(ctx):
         with ho.alltoall_init(inp, out, timeout=60) as req:
             req.start()
             req.wait()
-            on_native = req._handle in req._backend.native
+            on_native = req.executor == "native"
+            assert req.executor == "agent"  # the Python executor, public name
         ok = bool((out == torch.arange(P, dtype=torch.float32)[:, None]).all())
         dist.barrier()
     return on_native, ok
@@ -125,3 +126,20 @@ def _reserved(ctx):
 def test_reserve_cores_takes_the_agents_cores_out_of_the_ranks_affinity():
     for cores, during, restored in pool().run(_reserved):
         assert cores == (1,) and 1 not in during and during and restored, (cores, during, restored)
+
+
+def test_jacobi_says_which_executor_ran_each_mode(tmp_path, capsys):
+    """`hpdl offload jacobi` reports the executor of each mode (table column and JSON), so a run whose agent
+    fell back to the Python executor cannot pass for a native one."""
+    import json
+
+    from hpdl.cli import main
+
+    rc = main(["offload", "jacobi", "--np", "2", "--sizes", "2x8x8", "--steps", "2", "--repeats", "1",
+               "--agent-threads", "1", "--timeout", "100", "--out", str(tmp_path)])
+    assert rc == 0
+    rows = json.loads((tmp_path / "jacobi.json").read_text())["rows"]
+    assert {r["mode"]: r["executor"] for r in rows} == {"blocking": "torch.distributed", "agent-blocking": "native",
+                                                        "agent": "native", "thread": "thread"}
+    table = capsys.readouterr().out
+    assert table.splitlines()[-len(rows) - 2].split()[-1] == "executor"

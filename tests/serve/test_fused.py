@@ -90,6 +90,12 @@ def test_supports_and_engine_flag():
     assert eng.executor.runner.fused is False  # CPU default: the eager reference
     with pytest.raises(ValueError, match="fused_gemm"):
         EngineConfig(fused_gemm="cutlass")
+    # stream GEMMs live inside the fused step: on the eager step (CPU default, --eager-decode, GPT-2) they were
+    # silently ignored and the run reported the eager step's numbers
+    for spec, kw, why in (("llama-tiny", {}, "default on cpu"), ("gpt2-tiny", {}, "LLaMA's"),
+                          ("llama-tiny", dict(fused_decode=False), "eager-decode")):
+        with pytest.raises(ValueError, match=f"fused_gemm='stream'.*{why}"):
+            LLMEngine(ModelSpec(config=spec), EngineConfig(num_slots=2, max_seq_len=32, fused_gemm="stream", **kw))
     model, cache, lens = _prefilled()
     with pytest.raises(ValueError, match="gemm must be one of"):
         fz.fused_decode(model, cache, torch.tensor([1]), torch.tensor([3]), 1, 4, gemm="cutlass")

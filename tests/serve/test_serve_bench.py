@@ -126,3 +126,14 @@ def test_cli_device_cuda_without_cuda_names_the_option(capsys):
     assert main(["serve", "--config", "llama-tiny", "--device", "cuda"]) == 1
     err = capsys.readouterr().err
     assert "--device cuda" in err and "CUDA is not available" in err and "Traceback" not in err
+
+
+def test_bench_lengths_over_max_seq_len_are_a_usage_error_naming_the_flags(capsys):
+    """Was an InvalidParamError from the engine after it was built ("prompt (128 tokens) + max_tokens ..."),
+    naming none of the bench's flags."""
+    from hpdl.cli import main
+
+    assert main(["serve", "bench", "--config", "llama-tiny", "--num-requests", "2", "--output-len", "4:8",
+                 "--max-seq-len", "64"]) != 0
+    err = capsys.readouterr().err
+    assert "--prompt-len up to 128 + --output-len up to 8 = 136 positions exceed --max-seq-len 64" in err

@@ -505,7 +505,10 @@ def get_workload(name: str) -> Workload:
     try:
         obj = getattr(importlib.import_module(mod), cls)
     except (ImportError, AttributeError) as exc:
-        raise HpoConfigError(f"workload={name!r} cannot be imported: {exc}") from None
+        # the `hpdl` script, unlike `python -m`, does not put the current directory on sys.path
+        hint = (f" (the driver and its workers import it from sys.path: put its directory there, e.g. "
+                f"`PYTHONPATH=. hpdl hpo run ...`)" if isinstance(exc, ModuleNotFoundError) else "")
+        raise HpoConfigError(f"workload={name!r} cannot be imported: {exc}{hint}") from None
     if not (isinstance(obj, type) and issubclass(obj, Workload)):
         raise HpoConfigError(f"workload={name!r} is not a hpdl.hpo.workloads.Workload subclass")
     return obj()

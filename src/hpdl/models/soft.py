@@ -65,6 +65,7 @@ class SoftConfig:
     impl: str = "auto"  # "auto": Triton kernels on CUDA, torch elsewhere; "torch"; "triton"
     precision: str = "tf32"  # Triton landmark products: "tf32", "tf32x3" or "ieee"
     nr_precision: str | None = None  # Triton Newton products above 64 landmarks; None: "tf32x3" (see soft_kernels)
+    nr_tol: float | None = None  # Triton Newton early exit; None: soft_kernels.NR_TOL, 0: all nr_iters steps
     drop_rate: float = 0.0
     drop_path_rate: float = 0.0
 
@@ -109,6 +110,8 @@ class SoftConfig:
             raise ValueError(f"nr_iters must be >= 0, got {self.nr_iters}")
         if not self.nr_reg >= 0:
             raise ValueError(f"nr_reg must be >= 0, got {self.nr_reg}")
+        if self.nr_tol is not None and not self.nr_tol >= 0:
+            raise ValueError(f"nr_tol must be None or >= 0, got {self.nr_tol}")
         if self.nr_start == "identity" and not (self.variant == "soft" and self.nr_reg > 0):
             raise ValueError(f"nr_start='identity' needs variant='soft' and nr_reg > 0, got {self.variant!r}, "
                              f"{self.nr_reg}")
@@ -219,7 +222,7 @@ class SoftBlock(nn.Module):
         self.mha = SoftAttention(dim, num_heads, sr_ratio, conv_size, variant=cfg.variant, landmark=cfg.landmark,
                                  attention=cfg.attention, nr_iters=cfg.nr_iters, nr_reg=cfg.nr_reg,
                                  nr_backward=cfg.nr_backward, nr_start=cfg.nr_start, impl=cfg.impl,
-                                 precision=cfg.precision, nr_precision=cfg.nr_precision)
+                                 precision=cfg.precision, nr_precision=cfg.nr_precision, nr_tol=cfg.nr_tol)
         self.dropout1 = nn.Dropout(drop)
         self.norm1 = nn.LayerNorm(dim)
         hidden = int(dim * cfg.mlp_ratio)

@@ -43,6 +43,7 @@ float [N, 4] (x1, y1, x2, y2), ``labels`` int64 [N] in 1..K, ``masks`` uint8 [N,
 from __future__ import annotations
 
 import math
+import os
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -882,6 +883,7 @@ def sprnet_resnet50_fpn(*, weights=None, progress: bool = True, num_classes: int
         kwargs: further :class:`SPRNetConfig` fields (``fpn="sum"``, ``min_size=512``, ...).
     Raises:
         ValueError: ``weights`` given, or a bad config field (named).
+        HpdlError: ``weights_backbone`` names a file that does not exist, or one that does not fit a ResNet-50.
 
     Example::
 
@@ -891,6 +893,9 @@ def sprnet_resnet50_fpn(*, weights=None, progress: bool = True, num_classes: int
         raise ValueError(f"weights={weights!r}: no pretrained SPRNet weights exist; use weights_backbone")
     if weights_backbone is not None and hasattr(weights_backbone, "get_state_dict"):   # a torchvision WeightsEnum
         weights_backbone = weights_backbone.get_state_dict(progress=progress)
+    elif isinstance(weights_backbone, (str, os.PathLike)) and not os.path.isfile(weights_backbone):
+        # name the builder's argument, not the config field the file is passed on to
+        raise HpdlError(f"weights_backbone={os.fspath(weights_backbone)!r}: no such file")
     for key in ("backbone", "backbone_weights", "trainable_backbone_layers"):
         if key in kwargs:
             raise TypeError(f"sprnet_resnet50_fpn sets {key!r} itself (a ResNet-50; use weights_backbone, "

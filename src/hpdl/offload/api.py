@@ -402,6 +402,8 @@ class PersistentRequest:
         buffers: registered buffer name -> tensor (the bound and the allocated ones).
         plan: the rank's :class:`~hpdl.offload.compiler.CompiledPlan`.
         progress: "agent" or "thread".
+        executor: which executor runs it: "native" (the agent's C executor), "agent" (the agent's Python
+            executor: plans spanning nodes, CUDA buffers, or no native executor) or "thread".
     """
 
     def __init__(self, plan: CompiledPlan, buffers, backend, handle, slot: int, done: threading.Event,
@@ -560,6 +562,13 @@ class PersistentRequest:
     def picked_at(self) -> float:
         """CLOCK_MONOTONIC seconds when the executor took the last start up (0 if not yet)."""
         return int(self._mb[shm.T_PICKED]) / 1e9 if self._mb[shm.PICKED] == self._gen else 0.0
+
+    @property
+    def executor(self) -> str:
+        """``"native"``, ``"agent"`` (the agent's Python executor) or ``"thread"``: decided at compile time."""
+        if self._backend.kind == "agent" and self._handle in self._backend.native:
+            return "native"
+        return self._backend.kind
 
     @property
     def done_at(self) -> float:

@@ -207,7 +207,9 @@ def _measure(ctx, shape, grid, modes, steps, repeats, dtype, timeout):
         dist.all_reduce(wrong)
         results[mode] = {"step_ms": sorted(times)[len(times) // 2] * 1e3, "steps_ms": [x * 1e3 for x in times],
                          "comm_ms": sorted(comms)[len(comms) // 2] * 1e3, "wrong": int(wrong.item()),
-                         "reference": modes[0]}
+                         "reference": modes[0],
+                         # which executor ran the exchange (the agent falls back to Python without a C compiler)
+                         "executor": "torch.distributed" if reqs is None else reqs[0].executor}
         for q in reqs or ():
             q.free()
     return results
@@ -269,11 +271,11 @@ def _argv(args) -> str:
 
 def format_table(rows, base: str) -> str:
     lines = [f"# {'block':>12} {'mode':>15} {'step(ms)':>10} {'comm(ms)':>10} {'comm %':>7} "
-             f"{'vs ' + base:>12} {'#wrong':>7}"]
+             f"{'vs ' + base:>12} {'#wrong':>7}  executor"]
     for r in rows:
         frac = f"{100 * r['comm_fraction']:.0f}" if r["comm_fraction"] is not None else "-"
         lines.append(f"  {r['shape']:>12} {r['mode']:>15} {r['step_ms']:>10.3f} {r['comm_ms']:>10.3f} {frac:>7} "
-                     f"{r['vs_' + base]:>11.2f}x {r['wrong']:>7}")
+                     f"{r['vs_' + base]:>11.2f}x {r['wrong']:>7}  {r.get('executor', '-')}")
     lines.append("# comm: exchange time per step (blocking modes: all of it; overlapped modes: the exposed part "
                  "left after the interior update)")
     return "\n".join(lines)

@@ -161,8 +161,15 @@ class ServeBenchCommand:
             recs = asyncio.run(bench.run_http(args.url.rstrip("/"), args.served_model, wl, args.max_concurrency))
             results = {"server": bench.summarize(recs, args.slo_ttft_ms, args.slo_tpot_ms)}
         else:
+            from hpdl.cli import CLIUsageError
             from hpdl.serve.baselines import compare
 
+            # before the engine is built: the engine would reject the first too-long request at run time
+            longest = args.prompt_len[1] + args.output_len[1]
+            if longest > args.max_seq_len:
+                raise CLIUsageError(f"--prompt-len up to {args.prompt_len[1]} + --output-len up to "
+                                    f"{args.output_len[1]} = {longest} positions exceed --max-seq-len "
+                                    f"{args.max_seq_len}")
             spec, engine = _engine(args)
             try:
                 wl = bench.make_workload(args.num_requests, args.prompt_len, args.output_len, args.request_rate,

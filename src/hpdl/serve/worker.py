@@ -125,6 +125,14 @@ class ModelRunner:
         self.fused = bool(fused if fused is not None else self.device.type == "cuda" and self.fused_reason is None)
         if fused_gemm not in fz.GEMMS:
             raise ValueError(f"fused_gemm must be one of {fz.GEMMS}, got {fused_gemm!r}")
+        if fused_gemm != "cublas" and not self.fused:
+            # the GEMM choice only exists inside the fused step: ignoring it would report eager numbers as stream's
+            why = (self.fused_reason if self.fused_reason is not None else
+                   "fused_decode=False (--eager-decode)" if fused is False else
+                   f"the eager step is the default on {self.device.type}")
+            raise ValueError(f"fused_gemm={fused_gemm!r} (--fused-gemm {fused_gemm}) needs the fused decode step, "
+                             f"which this engine does not run: {why}; set fused_decode=True (LLaMA on one device) "
+                             f"or leave fused_gemm='cublas'")
         self.fused_gemm = fused_gemm
 
     def _decode(self, toks: torch.Tensor, pos: torch.Tensor, start: int, kv_len: int):

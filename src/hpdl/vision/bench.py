@@ -377,8 +377,8 @@ class AttentionBenchCommand:
 
     @staticmethod
     def add_arguments(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--suite", default="tokens", help="comma-separated from tokens, model, throughput, or all "
-                                                         "(default: tokens)")
+        p.add_argument("--suite", default="tokens", help="comma-separated from tokens, model, throughput, or all; "
+                                                         "goal alone: kernel check + goal tables (default: tokens)")
         p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="(default: cpu)")
         p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                        help="inputs (tokens) / autocast (model, throughput) (default: bfloat16 on CUDA, float32 CPU)")
