@@ -38,6 +38,12 @@ def test_errors_surface_at_wait_on_every_rank():
     assert get_pool(3).run(A.error_at_wait) == [(True, [True, True], True, True)] * 3
 
 
+@pytest.mark.timeout(120)
+def test_torch_call_between_async_call_and_wait():
+    # the first async two_level call discovered the topology on the worker, racing the caller's dist.all_reduce
+    assert get_pool(2, timeout=60).run(A.torch_call_between) == [True, True]
+
+
 def test_worker_runs_in_order_and_close_fails_queued_jobs():
     w = GroupWorker("unit")
     started, release, order = threading.Event(), threading.Event(), []
