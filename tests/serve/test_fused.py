@@ -95,6 +95,21 @@ def test_supports_and_engine_flag():
         fz.fused_decode(model, cache, torch.tensor([1]), torch.tensor([3]), 1, 4, gemm="cutlass")
 
 
+def test_stream_gemm_where_the_fused_step_does_not_run_is_an_error(capsys):
+    # it was silently ignored: the eager step ran and the caller believed it measured the stream GEMMs
+    from hpdl.cli import main
+
+    with pytest.raises(ValueError, match="fused_gemm='stream'.*fused_decode=False"):
+        EngineConfig(fused_gemm="stream", fused_decode=False)
+    with pytest.raises(ValueError, match="fused_gemm='stream' needs the fused decode step.*CUDA only"):
+        LLMEngine(ModelSpec(config="llama-tiny"), EngineConfig(num_slots=2, max_seq_len=32, fused_gemm="stream"))
+    with pytest.raises(ValueError, match="fused_gemm='stream' needs the fused decode step.*gpt2"):
+        LLMEngine(ModelSpec(config="gpt2-tiny"), EngineConfig(num_slots=2, max_seq_len=32, fused_gemm="stream"))
+    assert main(["serve", "--config", "llama-tiny", "--fused-gemm", "stream"]) == 1
+    err = capsys.readouterr().err
+    assert "usage: hpdl serve" in err and "--fused-gemm stream" in err and "--device cuda" in err
+
+
 @pytest.mark.parametrize("gemm", ["cublas", "stream"])
 def test_engine_fused_greedy_equals_hf(hf_dir, gemm):
     arch, path, hf = hf_dir

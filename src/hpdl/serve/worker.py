@@ -125,6 +125,10 @@ class ModelRunner:
         self.fused = bool(fused if fused is not None else self.device.type == "cuda" and self.fused_reason is None)
         if fused_gemm not in fz.GEMMS:
             raise ValueError(f"fused_gemm must be one of {fz.GEMMS}, got {fused_gemm!r}")
+        if fused_gemm == "stream" and not self.fused:   # asked for, never run: say so instead of going eager
+            why = self.fused_reason or ("fused=False" if fused is False else
+                                        f"the fused step runs by default on CUDA only (device {self.device})")
+            raise ValueError(f"fused_gemm='stream' needs the fused decode step, which is off: {why}")
         self.fused_gemm = fused_gemm
 
     def _decode(self, toks: torch.Tensor, pos: torch.Tensor, start: int, kv_len: int):
