@@ -79,12 +79,14 @@ class Work:
         if self._error is not None:
             raise self._error
         if self._job is not None:
+            job = self._job
             try:
-                self._job.wait(timeout)
-            except CollectiveTimeoutError:
-                raise   # still running: a later wait() may succeed
+                job.wait(timeout)
             except BaseException as exc:
-                self._error = exc
+                # only the call's own error is kept: after this wait's timeout or a Ctrl-C (KeyboardInterrupt
+                # in the waiting thread) the call still runs on the worker, and a later wait() may succeed
+                if job.is_completed() and exc is job.error:
+                    self._error = exc
                 raise
             self._job = None
             return True
@@ -97,7 +99,8 @@ class Work:
             else:
                 pending.wait(timeout)
         except BaseException as exc:
-            self._error = exc
+            if isinstance(exc, Exception):   # a Ctrl-C interrupted this wait, not torch's collective
+                self._error = exc
             raise
         self._pending = None
         return True
