@@ -231,3 +231,26 @@ def hot_path_timeout(ctx, key):
             os.environ["HPDL_TIMEOUT"] = old
     hc.forget_group(g)
     return out
+
+
+def torch_call_between(ctx):
+    """torch.distributed's own all-reduce on the same (sub)group between an async hpdl call and its wait, with
+    rank 0 computing a while first: the async call's first use of two_level discovers the topology (an
+    all-gather over the group), which must be issued in program order on the caller's thread, not race the
+    caller's torch call from the worker (ranks matched different collectives and hung)."""
+    import time
+
+    p, r = ctx.world_size, ctx.rank
+    g = dist.new_group(list(range(p)))
+    try:
+        x = torch.full((1000,), float(r + 1))
+        w = hc.all_reduce(x, group=g, async_op=True, algorithm="two_level", timeout=20)
+        if r == 0:
+            time.sleep(1.0)   # the caller's computation: rank 0's worker reaches its first exchange first
+        y = torch.full((3,), float(10 * (r + 1)))
+        dist.all_reduce(y, group=g)
+        w.wait()
+        w.wait()   # a second wait returns at once
+        return x.tolist() == [float(sum(range(1, p + 1)))] * 1000 and y.tolist() == [10.0 * sum(range(1, p + 1))] * 3
+    finally:
+        hc.forget_group(g)

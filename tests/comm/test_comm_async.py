@@ -38,6 +38,12 @@ def test_errors_surface_at_wait_on_every_rank():
     assert get_pool(3).run(A.error_at_wait) == [(True, [True, True], True, True)] * 3
 
 
+@pytest.mark.timeout(120)
+def test_torch_call_between_async_call_and_wait():
+    # the first async two_level call discovered the topology on the worker, racing the caller's dist.all_reduce
+    assert get_pool(2, timeout=60).run(A.torch_call_between) == [True, True]
+
+
 def test_worker_runs_in_order_and_close_fails_queued_jobs():
     w = GroupWorker("unit")
     started, release, order = threading.Event(), threading.Event(), []
@@ -138,3 +144,22 @@ def test_exit_with_async_work_in_flight_is_clean(tmp_path):
 @pytest.mark.timeout(120)
 def test_hot_path_timeout_names_the_missing_rank():
     assert get_pool(2).run(A.hot_path_timeout, f"hot-{uuid.uuid4().hex}") == [(True, [1]), (True, None)]
+
+
+def test_ctrl_c_in_wait_is_not_the_calls_error():
+    # a KeyboardInterrupt that ended one wait() was kept as the Work's error: every later wait() raised it
+    # again although the call went on and completed on the worker
+    import signal
+
+    from hpdl.comm.api import Work
+
+    w = GroupWorker("ctrl-c")
+    release = threading.Event()
+    result = torch.zeros(2)
+    work = Work(result, job=w.submit(Job(lambda: (release.wait(30), result.fill_(7.0)), "blocked", result)))
+    threading.Timer(0.3, lambda: signal.raise_signal(signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        work.wait()
+    release.set()
+    assert work.wait(10) is True and result.tolist() == [7.0, 7.0]
+    w.close()

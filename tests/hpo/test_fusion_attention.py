@@ -105,3 +105,19 @@ def test_folded_attention_matches_torch_under_vmap_and_alone(in_dims, rank):
     b = fusion._FoldedAttention.apply(*plain, False, 0.3)
     torch.testing.assert_close(a, b)
     torch.testing.assert_close(torch.autograd.grad(a.sum(), plain), torch.autograd.grad(b.sum(), plain))
+
+
+@pytest.mark.parametrize("kv_shape", [(2, 5, 4), (1, 2, 5, 4), (5, 4)])
+def test_folded_attention_broadcasts_batch_dims_like_torch(kv_shape):
+    # SDPA broadcasts key/value batch dims against the query's; the fold put K into different dims of each
+    torch.manual_seed(0)
+    k = 3
+    q = torch.randn(k, 2, 2, 5, 4, dtype=torch.float64, requires_grad=True)
+    kk = torch.randn(k, *kv_shape, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(k, *kv_shape, dtype=torch.float64, requires_grad=True)
+    out = vmap(lambda a, b, c: scaled_dot_product_attention(a, b, c, is_causal=True))(q, kk, v)
+    want = torch.stack([F.scaled_dot_product_attention(q[i], kk[i], v[i], is_causal=True) for i in range(k)])
+    torch.testing.assert_close(out, want)
+    for g, wg in zip(torch.autograd.grad(out.square().sum(), (q, kk, v)),
+                     torch.autograd.grad(want.square().sum(), (q, kk, v))):
+        torch.testing.assert_close(g, wg)

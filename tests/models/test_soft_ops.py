@@ -219,3 +219,24 @@ def test_errors_name_the_argument():
         soft_attention(torch.ones(1, 1, 4, 2), torch.ones(1, 1, 4, 2), torch.ones(1, 1, 2, 2), variant="x")
     with pytest.raises(ValueError, match="multiple of num_landmarks"):
         nystrom_attention(*(torch.ones(1, 1, 10, 2),) * 3, num_landmarks=4)
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan")])
+def test_bad_nr_tol_raises_on_the_torch_path_too(bad):
+    # the torch path ignored tol: a value the Triton path refuses passed on CPU and failed only on CUDA
+    from hpdl.models import soft_kernels as sk
+
+    q = torch.randn(1, 2, 8, 4) * 0.5
+    v, lm = torch.randn(1, 2, 8, 3), q[:, :, ::2]
+    with pytest.raises(ValueError, match="nr_tol"):
+        soft_attention(q, v, lm, impl="torch", nr_tol=bad)
+    with pytest.raises(ValueError, match="tol"):
+        newton_pinv(torch.eye(3), 5, 0.1, tol=bad)
+    with pytest.raises(ValueError, match="reg"):
+        newton_pinv(torch.eye(3), 5, float("nan"))
+    l3 = lm.reshape(2, 4, 4) - lm.reshape(2, 4, 4).mean(1, keepdim=True)
+    with pytest.raises(ValueError, match="tol"):
+        sk.soft_core(q.reshape(2, 8, 4) - lm.reshape(2, 4, 4).mean(1, keepdim=True), l3, v.reshape(2, 8, 3),
+                     kernels=False, tol=bad)
+    with pytest.raises(ValueError, match="landmark"):
+        soft_attention(q, v, lm[:, :, :0], impl="torch")

@@ -609,3 +609,14 @@ def test_encode_masks_rejects_non_finite_boxes_and_paste_takes_an_empty_image():
     with pytest.raises(ValueError, match="boxes must be finite"):
         encode_masks(m, torch.tensor([[float("nan"), 10.0, 30.0, 30.0]]), 8)   # was a segfault in roi_align
     assert paste_masks(torch.rand(1, 1, 8, 8), torch.tensor([[1.0, 1, 5, 5]]), (0, 64)).shape == (1, 1, 0, 64)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("mask_size", 8.0), ("frame_conditioning", "no"), ("anchor_conditioning", 1),
+    ("anchor_sizes", (0, 64, 128, 256, 512)),
+    ("fpn_channels", 0), ("enhance_channels", (16,)), ("decoder_channels", (0, 8)), ("decoder_convs", 1.5),
+    ("mask_samples", 2.5), ("detections_per_img", float("nan"))])
+def test_bad_config_types_and_sizes_are_named(field, value):
+    # these were a bare TypeError/IndexError/ZeroDivisionError deep in the build, or accepted ("no" was True)
+    with pytest.raises(ValueError, match=field):
+        SPRNetConfig(**{field: value})

@@ -202,3 +202,21 @@ def test_without_a_compiler_the_python_executor_is_used_with_one_log_line(monkey
 def test_native_off_by_environment(monkeypatch):
     monkeypatch.setenv("HPDL_OFFLOAD_NATIVE", "0")
     assert native.load() is None
+
+
+@pytest.mark.parametrize("value", ["2", "maybe", "native"])
+def test_bad_native_setting_is_named(monkeypatch, value):
+    # it was taken as auto without a word
+    monkeypatch.setenv("HPDL_OFFLOAD_NATIVE", value)
+    with pytest.raises(ValueError, match="HPDL_OFFLOAD_NATIVE must be auto, 1.*or 0"):
+        native.load()
+
+
+@pytest.mark.parametrize("value", ["a,b", "0,100000", "-1"])
+def test_bad_core_list_is_named(monkeypatch, value):
+    # "a,b" raised int()'s bare message; cores off this host were passed to the engine, which pinned nothing
+    monkeypatch.setenv("HPDL_OFFLOAD_CORES", value)
+    with pytest.raises(ValueError, match="HPDL_OFFLOAD_CORES"):
+        native.default_cpus(1)
+    monkeypatch.setenv("HPDL_OFFLOAD_CORES", "0")
+    assert native.default_cpus(1) == [0]

@@ -268,6 +268,35 @@ def test_files_of_killed_agents_are_swept_and_live_ones_kept(tmp_path):
     assert "unrelated.sock" in left and str(dead) + ".status" in removed and str(orphan) in removed
 
 
+def test_sweep_keeps_the_files_of_an_agent_still_in_its_rendezvous(tmp_path):
+    """An agent waits up to its timeout for the other nodes' agents before it serves; its key (written before)
+    grew older than the sweep's 60 s meanwhile, with no status and no listener, and another job's agent
+    starting on the host deleted it (ranks then cannot read the key). The agent names its pid from the start."""
+    from hpdl.offload import agent as A
+    from hpdl.runtime.launch import free_port
+
+    address = str(tmp_path / "hpdl-offload-rdv-0.sock")
+    code = ("import sys; from hpdl.offload.agent import run_agent; "
+            f"run_agent(index=0, agents=2, rendezvous='127.0.0.1:{free_port()}', address={address!r}, timeout=60)")
+    proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(address + ".key"):   # it is in its rendezvous once its key exists
+            assert proc.poll() is None and time.monotonic() < deadline, "the agent did not start"
+            time.sleep(0.1)
+        time.sleep(0.5)
+        old = time.time() - 3600   # as if the other agents took longer than a minute to come up
+        for p in tmp_path.iterdir():
+            os.utime(p, (old, old))
+        assert proc.poll() is None
+        removed = A.sweep_stale(str(tmp_path))
+        assert removed == [] and os.path.exists(address + ".key"), removed
+    finally:
+        proc.kill()
+        proc.wait()
+    assert A.sweep_stale(str(tmp_path)) and not os.path.exists(address + ".key")   # once it is gone: swept
+
+
 def test_a_rank_that_dies_on_another_node_is_named_not_its_agent(tmp_path):
     import json
 

@@ -93,12 +93,27 @@ def test_supports_and_engine_flag():
     # stream GEMMs live inside the fused step: on the eager step (CPU default, --eager-decode, GPT-2) they were
     # silently ignored and the run reported the eager step's numbers
     for spec, kw, why in (("llama-tiny", {}, "default on cpu"), ("gpt2-tiny", {}, "LLaMA's"),
-                          ("llama-tiny", dict(fused_decode=False), "eager-decode")):
+                          ("llama-tiny", dict(fused_decode=False), "fused_decode=False")):
         with pytest.raises(ValueError, match=f"fused_gemm='stream'.*{why}"):
             LLMEngine(ModelSpec(config=spec), EngineConfig(num_slots=2, max_seq_len=32, fused_gemm="stream", **kw))
     model, cache, lens = _prefilled()
     with pytest.raises(ValueError, match="gemm must be one of"):
         fz.fused_decode(model, cache, torch.tensor([1]), torch.tensor([3]), 1, 4, gemm="cutlass")
+
+
+def test_stream_gemm_where_the_fused_step_does_not_run_is_an_error(capsys):
+    # it was silently ignored: the eager step ran and the caller believed it measured the stream GEMMs
+    from hpdl.cli import main
+
+    with pytest.raises(ValueError, match="fused_gemm='stream'.*fused_decode=False"):
+        EngineConfig(fused_gemm="stream", fused_decode=False)
+    with pytest.raises(ValueError, match="fused_gemm='stream'.*needs the fused decode step.*default on cpu"):
+        LLMEngine(ModelSpec(config="llama-tiny"), EngineConfig(num_slots=2, max_seq_len=32, fused_gemm="stream"))
+    with pytest.raises(ValueError, match="fused_gemm='stream'.*needs the fused decode step.*LLaMA's"):
+        LLMEngine(ModelSpec(config="gpt2-tiny"), EngineConfig(num_slots=2, max_seq_len=32, fused_gemm="stream"))
+    assert main(["serve", "--config", "llama-tiny", "--fused-gemm", "stream"]) == 1
+    err = capsys.readouterr().err
+    assert "usage: hpdl serve" in err and "--fused-gemm stream" in err and "--device cuda" in err
 
 
 @pytest.mark.parametrize("gemm", ["cublas", "stream"])

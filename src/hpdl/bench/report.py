@@ -94,6 +94,9 @@ class NoisySweepError(ValueError):
         super().__init__(message)
         self.rows = list(rows)
 
+    def __reduce__(self):   # pickled across processes: Exception's default passes only the message back
+        return type(self), (str(self), self.rows), self.__dict__
+
 
 def tuned_table(rows: Sequence[Row], world_size: int, device: str, noise: float = 0.05) -> TuningTable:
     """Fastest correct algorithm per size, merged into byte ranges, for ``world_size`` on ``device``.

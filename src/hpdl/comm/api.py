@@ -79,12 +79,14 @@ class Work:
         if self._error is not None:
             raise self._error
         if self._job is not None:
+            job = self._job
             try:
-                self._job.wait(timeout)
-            except CollectiveTimeoutError:
-                raise   # still running: a later wait() may succeed
+                job.wait(timeout)
             except BaseException as exc:
-                self._error = exc
+                # only the call's own error is kept: after this wait's timeout or a Ctrl-C (KeyboardInterrupt
+                # in the waiting thread) the call still runs on the worker, and a later wait() may succeed
+                if job.is_completed() and exc is job.error:
+                    self._error = exc
                 raise
             self._job = None
             return True
@@ -97,7 +99,8 @@ class Work:
             else:
                 pending.wait(timeout)
         except BaseException as exc:
-            self._error = exc
+            if isinstance(exc, Exception):   # a Ctrl-C interrupted this wait, not torch's collective
+                self._error = exc
             raise
         self._pending = None
         return True
@@ -177,15 +180,21 @@ def _group(group) -> GroupResources:
 
 
 def _execute(res: GroupResources, what: str, timeout: float, run: Callable[[], "Pending | None"], async_op: bool,
-             result: torch.Tensor | None, schedule: bool = False, cpu: bool = True) -> Work | None:
+             result: torch.Tensor | None, schedule: bool = False, cpu: bool = True,
+             algo: tuple | None = None) -> Work | None:
     """Issue ``run`` (it returns a :class:`Pending` torch collective, or None when done) and wait for it unless
     ``async_op``. torch's collectives (``schedule`` False) are issued now, on this thread. hpdl's own schedules
     (``schedule`` True) run after the group's queued async calls: an async one on CPU tensors is queued on the
     group's worker, a synchronous one waits for the queue and runs here. Peer failures are diagnosed by the
-    group's failure board."""
+    group's failure board. ``algo`` is the ``(name, window)`` the schedule runs: a queued call builds it here,
+    on the caller's thread, because a first build may communicate over the group with torch's collectives
+    (two_level's topology discovery is an all-gather): on the worker it would race the caller's own torch calls
+    on the group, and ranks whose threads interleaved differently would match different collectives (a hang)."""
     res.calls += 1
     guard = res.guard(what, res.calls, timeout)
     if schedule and async_op and cpu and res.world_size > 1:
+        if algo is not None:
+            guard(lambda: res.algorithm(algo[0], algo[1], timeout))
         def job() -> None:
             pending = guard(run)
             if pending is not None:
@@ -484,7 +493,8 @@ def all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool = Fals
             return _then(pending, lambda: tensor.copy_(buf.view(tensor.shape)))
         return pending
 
-    return _execute(res, "all_reduce", timeout, run, async_op, tensor, name != "native", not tensor.is_cuda)
+    return _execute(res, "all_reduce", timeout, run, async_op, tensor, name != "native", not tensor.is_cuda,
+                    (name, window))
 
 
 def _native_call(res: GroupResources, op: str, timeout: float):
@@ -612,7 +622,8 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op="sum", g
             return _then(pending, lambda: output.copy_(out.view(output.shape)))
         return pending
 
-    return _execute(res, "reduce_scatter", timeout, run, async_op, output, name != "native", not input.is_cuda)
+    return _execute(res, "reduce_scatter", timeout, run, async_op, output, name != "native", not input.is_cuda,
+                    (name, window))
 
 
 def reduce_scatter(output: torch.Tensor, input, op="sum", group=None, async_op: bool = False, *,
@@ -662,7 +673,8 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None
             return _then(pending, lambda: output.copy_(flat.view(output.shape)))
         return pending
 
-    return _execute(res, "all_gather", timeout, run, async_op, output, name != "native", not input.is_cuda)
+    return _execute(res, "all_gather", timeout, run, async_op, output, name != "native", not input.is_cuda,
+                    (name, window))
 
 
 def all_gather(output, input: torch.Tensor, group=None, async_op: bool = False, *, algorithm: str = "auto",
@@ -767,7 +779,8 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
         _after_side_calls(res, input.device)
     if peer and async_op and verify is None:
         return _on_side_stream(res, run, input.device, (output, input))
-    work = _execute(res, "all_to_all_single", timeout, run, async_op, output, name != "native", not input.is_cuda)
+    work = _execute(res, "all_to_all_single", timeout, run, async_op, output, name != "native", not input.is_cuda,
+                    (name, window))
     if fast_key is not None and peer and verify is None and str(env.get("HPDL_CHECK")) == "auto":
         if len(_FAST) > _FAST_MAX:  # uneven splits that change every call would grow it without bound
             _FAST.clear()
@@ -919,7 +932,8 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group=None, async_op
         return _run_rooted(res, tensor, lambda buf: res.algorithm(name, None, timeout).broadcast(
             buf, root, res.comm(timeout)), write_back=res.rank != root)
 
-    return _execute(res, "broadcast", timeout, run, async_op, tensor, name != "native", not tensor.is_cuda)
+    return _execute(res, "broadcast", timeout, run, async_op, tensor, name != "native", not tensor.is_cuda,
+                    (name, None))
 
 
 def reduce(tensor: torch.Tensor, dst: int | None = None, op="sum", group=None, async_op: bool = False,
@@ -961,7 +975,8 @@ def reduce(tensor: torch.Tensor, dst: int | None = None, op="sum", group=None, a
         return _run_rooted(res, tensor, lambda buf: res.algorithm(name, None, timeout).reduce(
             buf, root, op, res.comm(timeout)), write_back=res.rank == root)
 
-    return _execute(res, "reduce", timeout, run, async_op, tensor, name != "native", not tensor.is_cuda)
+    return _execute(res, "reduce", timeout, run, async_op, tensor, name != "native", not tensor.is_cuda,
+                    (name, None))
 
 
 def barrier(group=None, async_op: bool = False, device_ids: list[int] | None = None, *, algorithm: str = "auto",
@@ -1003,4 +1018,4 @@ def barrier(group=None, async_op: bool = False, device_ids: list[int] | None = N
             return None
         return res.algorithm(name, None, timeout).barrier(res.comm(timeout))
 
-    return _execute(res, "barrier", timeout, run, async_op, None, name != "native", device == "cpu")
+    return _execute(res, "barrier", timeout, run, async_op, None, name != "native", device == "cpu", (name, None))

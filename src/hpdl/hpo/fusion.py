@@ -203,16 +203,21 @@ class _FoldedAttention(torch.autograd.Function):
     @staticmethod
     def vmap(info, in_dims, query, key, value, is_causal, scale):
         k = info.batch_size
+        q, kk, v = (t.expand(k, *t.shape) if d is None else t.movedim(d, 0)  # (K, *logical shape)
+                    for t, d in zip((query, key, value), in_dims[:3]))
+        # SDPA broadcasts the batch dimensions of query, key and value (a key of (H, S, E) beside a query of
+        # (B, H, L, E)): give all three the common batch shape first, so that K folds into the same dimension
+        batch = torch.broadcast_shapes(q.shape[1:-2], kk.shape[1:-2], v.shape[1:-2])
 
-        def fold(t: torch.Tensor, dim: int | None) -> torch.Tensor:
-            t = t.expand(k, *t.shape) if dim is None else t.movedim(dim, 0)  # (K, *logical shape)
+        def fold(t: torch.Tensor) -> torch.Tensor:
+            t = t[(slice(None),) + (None,) * (len(batch) + 3 - t.dim())]   # batch dims aligned from the right
+            t = t.expand(k, *batch, *t.shape[-2:])   # no-op when the shapes already agree
             # (K, B, ...) -> (K * B, ...): a view when B's stride times B is K's (vmap's stacked layout)
-            return t.reshape(k * t.shape[1], *t.shape[2:]) if t.dim() >= 4 else t
+            return t.reshape(k * batch[0], *t.shape[2:]) if batch else t
 
-        q, kk, v = (fold(t, d) for t, d in zip((query, key, value), in_dims[:3]))
-        out = scaled_dot_product_attention(q, kk, v, is_causal=is_causal, scale=scale)  # an outer vmap: again
-        folded = query.dim() - (in_dims[0] is not None) >= 3  # the query's own (logical) rank
-        return (out.reshape(k, -1, *out.shape[1:]) if folded else out), 0
+        out = scaled_dot_product_attention(fold(q), fold(kk), fold(v), is_causal=is_causal,
+                                           scale=scale)  # an outer vmap: again
+        return (out.reshape(k, -1, *out.shape[1:]) if batch else out), 0
 
 
 def _signature(m: nn.Module) -> list[tuple[str, tuple[int, ...]]]:

@@ -853,5 +853,7 @@ def soft_core(q, l, v, *, iters: int = 20, reg: float = 0.01, start: str = "iden
         raise ValueError(f"start must be 'identity' or 'official', got {start!r}")
     if nr_precision is not None:
         _check_prec(nr_precision)
+    if not tol >= 0:   # the references (kernels=False) ignore it: checked here so both paths agree
+        raise ValueError(f"tol must be >= 0, got {tol}")
     return _SoftCore.apply(q, l, v, int(iters), float(reg), start, precision, nr_precision, float(tol), kernels,
                            centre)

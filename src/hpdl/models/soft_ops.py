@@ -215,15 +215,17 @@ def newton_pinv(a: torch.Tensor, iters: int = 20, reg: float = 0.01, scale: floa
         ``[..., n, n]`` in a's dtype: the iterate ``V_iters``; each matrix of the batch is handled alone.
 
     Raises:
-        ValueError: a is not a batch of square matrices, iters < 0, reg < 0, backward/start/impl unknown, or the
-            identity start without reg > 0 (its iterate would double on a null space).
+        ValueError: a is not a batch of square matrices, iters < 0, reg or tol < 0 or NaN, backward/start/impl
+            unknown, or the identity start without reg > 0 (its iterate would double on a null space).
     """
     if a.dim() < 2 or a.shape[-1] != a.shape[-2]:
         raise ValueError(f"a must be [..., n, n], got shape {tuple(a.shape)}")
     if iters < 0:
         raise ValueError(f"iters must be >= 0, got {iters}")
-    if reg < 0:
+    if not reg >= 0:   # NaN too
         raise ValueError(f"reg must be >= 0, got {reg}")
+    if not tol >= 0:   # checked on every path, not only the Triton one that uses it
+        raise ValueError(f"tol must be >= 0, got {tol}")
     if backward not in NR_BACKWARDS:
         raise ValueError(f"backward must be one of {NR_BACKWARDS}, got {backward!r}")
     if start not in NR_STARTS:
@@ -292,13 +294,17 @@ def soft_attention(q: torch.Tensor, v: torch.Tensor, landmarks: torch.Tensor, *,
         cores in the Triton path) with autocast off; float64 inputs run in float64 on torch.
 
     Raises:
-        ValueError: shapes disagree, variant/start/impl/precision unknown.
+        ValueError: shapes disagree, no landmarks, nr_tol < 0 or NaN, variant/start/impl/precision unknown.
     """
     if variant not in ("soft", "norm"):
         raise ValueError(f"variant must be 'soft' or 'norm', got {variant!r}")
     if q.dim() != 4 or q.shape[:-2] != v.shape[:-2] or q.shape[-2] != v.shape[-2] \
             or landmarks.shape[:-2] != q.shape[:-2] or landmarks.shape[-1] != q.shape[-1]:
         raise ValueError(f"shapes disagree: q {tuple(q.shape)}, v {tuple(v.shape)}, landmarks {tuple(landmarks.shape)}")
+    if landmarks.shape[-2] < 1:
+        raise ValueError(f"landmarks must hold at least one landmark (m >= 1), got {tuple(landmarks.shape)}")
+    if not nr_tol >= 0:   # checked on every path: a value the torch path ignores must not fail only on CUDA
+        raise ValueError(f"nr_tol must be >= 0, got {nr_tol}")
     if start is None:
         start = "identity" if variant == "soft" and reg > 0 else "official"
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32

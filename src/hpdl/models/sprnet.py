@@ -120,8 +120,23 @@ class SPRNetConfig:
             raise ValueError(f"fpn must be 'gated' or 'sum', got {self.fpn!r}")
         if isinstance(self.num_classes, bool) or not isinstance(self.num_classes, int) or self.num_classes < 2:
             raise ValueError(f"num_classes counts background and must be an int >= 2, got {self.num_classes!r}")
+        def whole(name, v, lo):   # bools, floats and NaN failed later with unrelated messages, or not at all
+            return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+        for name in ("class_agnostic", "anchor_conditioning", "frame_conditioning"):
+            if not isinstance(getattr(self, name), bool):   # a string such as "no" was truthy: silently on
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for name, lo in (("fpn_channels", 1), ("decoder_convs", 0), ("detections_per_img", 1), ("topk_candidates", 1)):
+            if not whole(name, getattr(self, name), lo):
+                raise ValueError(f"{name} must be an int >= {lo}, got {getattr(self, name)!r}")
+        for name in ("enhance_channels", "decoder_channels"):
+            v = getattr(self, name)
+            if len(v) != 2 or not all(whole(name, c, 1) for c in v):
+                raise ValueError(f"{name} must be two ints >= 1, got {v}")
+        if not all(whole("anchor_sizes", a, 1) for a in self.anchor_sizes):
+            raise ValueError(f"anchor_sizes must be ints >= 1 (pixels), got {self.anchor_sizes}")
         m = self.mask_size
-        if m < 8 or m & (m - 1):
+        if not whole("mask_size", m, 8) or m & (m - 1):
             raise ValueError(f"mask_size must be a power of two >= 8, got {m}")
         if len(self.anchor_sizes) != 5:
             raise ValueError(f"anchor_sizes needs one size for each of P3..P7 (5), got {self.anchor_sizes}")
@@ -130,8 +145,8 @@ class SPRNetConfig:
                              f"max_size={self.max_size}")
         if not 0.0 <= self.mask_iou_thresh < 1.0:   # above 1 no anchor is positive: only the best ones trained
             raise ValueError(f"mask_iou_thresh must be in [0, 1), got {self.mask_iou_thresh}")
-        if self.mask_samples < 1:   # 0 silently never trained the mask branch
-            raise ValueError(f"mask_samples must be >= 1 (positive anchors an image), got {self.mask_samples}")
+        if not whole("mask_samples", self.mask_samples, 1):   # 0 silently never trained the mask branch
+            raise ValueError(f"mask_samples must be >= 1 (an int: positive anchors an image), got {self.mask_samples}")
         if self.mask_frame not in ("predicted", "gt"):
             raise ValueError(f"mask_frame must be 'predicted' or 'gt', got {self.mask_frame!r}")
         if not (math.isfinite(self.mask_margin) and self.mask_margin >= 1.0):

@@ -332,6 +332,12 @@ def run_agent(*, index: int, agents: int, rendezvous: str, address: str, authkey
         sweep_stale(os.path.dirname(os.path.abspath(address)))  # files of agents killed in earlier jobs
     except Exception:  # noqa: BLE001 - cleaning up after others must never stop this agent
         log.exception("agent %d: sweeping stale agent files failed", index)
+    # the status block names this pid from the start (state STARTING): the rendezvous may wait minutes for
+    # the other nodes' agents, and without it another job's sweep_stale took the key for a dead agent's
+    st = np.memmap(address + ".status", dtype=np.int64, mode="w+", shape=(STATUS_WORDS,))
+    st[PID], st[INDEX], st[AGENTS], st[STATE] = os.getpid(), index, agents, STARTING
+    st.flush()
+    del st
     authkey = authkey or secrets.token_bytes(16)
     fd = os.open(address + ".key", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as fh:

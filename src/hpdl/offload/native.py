@@ -157,8 +157,11 @@ def load() -> ctypes.CDLL | None:
 
     Raises:
         NativeUnavailable: ``HPDL_OFFLOAD_NATIVE=1`` (required) and it cannot be built or loaded.
+        ValueError: ``HPDL_OFFLOAD_NATIVE`` is none of auto, 1/on/true/yes, 0/off/false/no.
     """
     want = str(env.get("HPDL_OFFLOAD_NATIVE")).strip().lower()
+    if want not in ("", "auto", "1", "on", "true", "yes", "0", "off", "false", "no"):   # not silently auto
+        raise ValueError(f"HPDL_OFFLOAD_NATIVE must be auto, 1 (required) or 0 (off), got {want!r}")
     if want in ("0", "off", "false", "no"):
         return None
     with _LOCK:
@@ -397,10 +400,22 @@ class NativeEngine:
 def default_cpus(threads: int, index: int = 0) -> list[int]:
     """Cores for an agent's ``threads``: ``HPDL_OFFLOAD_CORES`` (comma-separated) if set, else the last
     ``threads`` of this process's cores (shifted by ``index`` agents on one host) when at least as many are
-    left for the ranks; else none (not pinned)."""
+    left for the ranks; else none (not pinned).
+
+    Raises:
+        ValueError: ``HPDL_OFFLOAD_CORES`` holds something else than core numbers of this host.
+    """
     text = str(env.get("HPDL_OFFLOAD_CORES")).strip()
     if text:
-        return [int(x) for x in text.split(",") if x.strip()]
+        try:
+            cores = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"HPDL_OFFLOAD_CORES must be comma-separated core numbers, got {text!r}") from None
+        n = os.cpu_count() or 1
+        bad = [c for c in cores if not 0 <= c < n]
+        if bad:   # the engine would pin nothing (silently) while reserve_cores took them from the ranks
+            raise ValueError(f"HPDL_OFFLOAD_CORES: {bad} are not cores of this host (0..{n - 1}), got {text!r}")
+        return cores
     try:
         cores = sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):

@@ -90,6 +90,9 @@ def _engine(args):
     if str(args.device).startswith("cuda") and not torch.cuda.is_available():
         raise CLIUsageError(f"--device {args.device}: CUDA is not available on this machine (torch "
                             f"{torch.__version__}, {torch.cuda.device_count()} GPUs visible); use --device cpu")
+    if args.fused_gemm == "stream" and (args.eager_decode or not str(args.device).startswith("cuda")):
+        raise CLIUsageError("--fused-gemm stream is the fused decode step's GEMM: it needs --device cuda and no "
+                            "--eager-decode")
     spec = ModelSpec(model=args.model, config=args.config, seed=args.seed, dtype=args.dtype)
     _check_memory(spec, args)
     cfg = EngineConfig(num_slots=args.num_slots, max_seq_len=args.max_seq_len, device=args.device,

@@ -39,6 +39,8 @@ class EngineConfig:
         on one device, the eager step elsewhere (the CPU reference). True where unsupported is a ValueError.
     fused_gemm: the fused step's GEMMs: "cublas" or "stream" (``hpdl.serve.stream_gemm``, weight-streaming
         Triton GEMMs with the residual adds, SiLU-mul and RMSNorms fused in; ``hpdl.serve.fused.fused_decode``).
+        "stream" where the fused step does not run (fused_decode False, or None resolving to eager) is a
+        ValueError rather than silently eager.
     ranks_per_gpu: tensor-parallel ranks that share one GPU (None: ``HPDL_RANKS_PER_GPU``, 1), e.g. TP = 4 on
         one GPU with 4: the code path of a 4-GPU node (gloo instead of NCCL), for correctness, not speed.
     """
@@ -58,6 +60,9 @@ class EngineConfig:
     def __post_init__(self):
         if self.fused_gemm not in ("cublas", "stream"):
             raise ValueError(f"fused_gemm must be 'cublas' or 'stream', got {self.fused_gemm!r}")
+        if self.fused_gemm == "stream" and self.fused_decode is False:
+            raise ValueError("fused_gemm='stream' selects the fused decode step's GEMMs, but fused_decode=False "
+                             "runs the eager step; use fused_gemm='cublas' or fused_decode=None/True")
         if self.tp_all_reduce not in ("nccl", "symm", "hpdl"):
             raise ValueError(f"tp_all_reduce must be 'nccl', 'symm' or 'hpdl', got {self.tp_all_reduce!r}")
         if self.tensor_parallel_size < 1:

@@ -30,6 +30,9 @@ class InvalidParamError(ValueError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self):   # pickled across processes: Exception's default passes only the message back
+        return type(self), (self.param, str(self)), self.__dict__
+
 
 def _int(name: str, v, lo: int, hi: int | None = None) -> None:
     if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):

@@ -32,6 +32,9 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
 
+    def __reduce__(self):   # pickled across processes: Exception's default passes only the message back
+        return type(self), (self.status, self.message, self.param), self.__dict__
+
     def body(self) -> dict:
         return error_body(self.message, self.status, self.param)
 
