@@ -164,7 +164,6 @@ class ServeBenchCommand:
             recs = asyncio.run(bench.run_http(args.url.rstrip("/"), args.served_model, wl, args.max_concurrency))
             results = {"server": bench.summarize(recs, args.slo_ttft_ms, args.slo_tpot_ms)}
         else:
-            from hpdl.cli import CLIUsageError
             from hpdl.serve.baselines import compare
 
             # before the engine is built: the engine would reject the first too-long request at run time
