@@ -36,6 +36,13 @@ def _sizes(n: int, p: int) -> list[int]:
     return [slab(n, p, q)[1] - slab(n, p, q)[0] for q in range(p)]
 
 
+def pencil_boxes(shape, grid, r0: int, r1: int) -> tuple[tuple[slice, slice, slice], tuple[slice, slice, slice]]:
+    """The (input z-pencil, output x-pencil) boxes of rank ``(r0, r1)`` of a ``grid = (P0, P1)`` decomposition of
+    a global ``shape = (N0, N1, N2)`` array: input dims 0 and 1 split over P0 and P1, output dims 1 and 2."""
+    p0, p1 = grid
+    return ((slice(*slab(shape[0], p0, r0)), slice(*slab(shape[1], p1, r1)), slice(None)),
+            (slice(None), slice(*slab(shape[1], p0, r0)), slice(*slab(shape[2], p1, r1))))
+
 class PencilFFT:
     """Forward 3-D FFT of a pencil-distributed array (``torch.fft.fftn`` of the global array).
 
@@ -69,13 +76,11 @@ class PencilFFT:
 
     def input_box(self) -> tuple[slice, slice, slice]:
         """This rank's part of the global input (z-pencil)."""
-        p0, p1 = self.grid
-        return (slice(*slab(self.shape[0], p0, self.r0)), slice(*slab(self.shape[1], p1, self.r1)), slice(None))
+        return pencil_boxes(self.shape, self.grid, self.r0, self.r1)[0]
 
     def output_box(self) -> tuple[slice, slice, slice]:
         """This rank's part of the global output (x-pencil)."""
-        p0, p1 = self.grid
-        return (slice(None), slice(*slab(self.shape[1], p0, self.r0)), slice(*slab(self.shape[2], p1, self.r1)))
+        return pencil_boxes(self.shape, self.grid, self.r0, self.r1)[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: complex ``[len(input_box)]`` -> complex ``[len(output_box)]`` of the global 3-D DFT (unnormalised)."""
@@ -267,12 +272,12 @@ class OffloadPencilFFT:
             self.col_reqs.append(ho.compile(p, {"c": self._c, "d": self._d}, progress=progress, timeout=timeout))
 
     def input_box(self) -> tuple[slice, slice, slice]:
-        p0, p1 = self.grid
-        return (slice(*slab(self.shape[0], p0, self.r0)), slice(*slab(self.shape[1], p1, self.r1)), slice(None))
+        """This rank's part of the global input (z-pencil), as :meth:`PencilFFT.input_box`."""
+        return pencil_boxes(self.shape, self.grid, self.r0, self.r1)[0]
 
     def output_box(self) -> tuple[slice, slice, slice]:
-        p0, p1 = self.grid
-        return (slice(None), slice(*slab(self.shape[1], p0, self.r0)), slice(*slab(self.shape[2], p1, self.r1)))
+        """This rank's part of the global output (x-pencil), as :meth:`PencilFFT.output_box`."""
+        return pencil_boxes(self.shape, self.grid, self.r0, self.r1)[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: complex ``[len(input_box)]`` -> complex ``[len(output_box)]`` (a new tensor), as
