@@ -115,28 +115,14 @@ def equality(device: str, fixed: dict, probe: bool = True) -> dict:
     import torch
 
     from hpdl.hpo.fusion import train_fused
+    from hpdl.hpo.trial import LocalTrial
     from hpdl.hpo.workloads import get_workload
 
     if device == "cpu":
         torch.set_num_threads(1)
 
-    class Ctx:
-        def __init__(self, params):
-            self.params, self.device, self.lineage, self.checkpoint_every = params, torch.device(device), 0, 0
-            self.reports, self.losses = [], []
-
-        def report(self, value, step):
-            self.reports.append((step, value))
-
-        def should_prune(self):
-            return False
-
-        @contextlib.contextmanager
-        def step(self, s):
-            yield
-
-        def load_checkpoint(self):
-            return None
+    def Ctx(params):  # the trial alone, in memory, with every step's loss
+        return LocalTrial(params, device)
 
     def check(name: str, p: dict, trials: list[dict]) -> dict:
         w = get_workload(name)

@@ -10,35 +10,25 @@ import torch
 from hpdl.hpo.checkpoint import CheckpointMismatch
 from hpdl.hpo.errors import HpoConfigError
 from hpdl.hpo.fusion import FusedModel, FusedOptimizer, train_fused
+from hpdl.hpo.trial import LocalTrial
 from hpdl.hpo.workloads import get_workload
 
 
-class Ctx:
-    """A trial context in memory: reports, a checkpoint slot, every step's training loss (``losses``)."""
+class Ctx(LocalTrial):
+    """hpdl.hpo.LocalTrial (reports, every step's loss, a checkpoint every evaluation) that can prune at a step
+    or fail its checkpoint load."""
 
     def __init__(self, params, prune_at=None, store=None, fail_load=False):
-        self.params, self.device, self.lineage = params, torch.device("cpu"), 0
-        self.checkpoint_every, self.reports, self.losses = 1, [], []
-        self.store = store if store is not None else {}
+        super().__init__(params, checkpoint_every=1, store=store)
         self.prune_at, self.fail_load = prune_at, fail_load
-
-    def report(self, value, step):
-        self.reports.append((step, value))
 
     def should_prune(self):
         return self.prune_at is not None and self.reports[-1][0] >= self.prune_at
 
-    @contextlib.contextmanager
-    def step(self, s):
-        yield
-
     def load_checkpoint(self):
         if self.fail_load:
             raise CheckpointMismatch("not this trial's checkpoint")
-        return copy.deepcopy(self.store.get("ckpt"))
-
-    def save_checkpoint(self, state):
-        self.store["ckpt"] = copy.deepcopy(state)
+        return super().load_checkpoint()
 
 
 CNN = {"width": 8, "depth": 2, "batch_size": 16, "image_size": 16, "steps": 24, "eval_every": 8, "val_size": 64}

@@ -1,7 +1,6 @@
 """Fused groups in a real study (2 fake CPU devices), group formation and sizing, the fusion options of the
 study file, and the simulator's fusion model."""
 
-import contextlib
 import math
 
 import optuna
@@ -13,29 +12,14 @@ from hpdl.hpo.errors import HpoConfigError
 from hpdl.hpo.grouping import FuseOptions, form_groups, group_skey, largest_group, parse_group_skey, scale_profile
 from hpdl.hpo.simulator import SimTrial, fuse_trials, pool_from_spec, simulate, synthetic_trials
 from hpdl.hpo.spec import StudySpec, make_storage
+from hpdl.hpo.trial import LocalTrial
 from hpdl.hpo.workloads import VisionCNN, get_workload
 
 FIXED = {"depth": 1, "width": 8, "batch_size": 16, "image_size": 8, "steps": 30, "eval_every": 10,
          "val_size": 128}
 
 
-class Ctx:
-    def __init__(self, params):
-        self.params, self.device, self.lineage, self.checkpoint_every = params, torch.device("cpu"), 0, 0
-        self.reports = []
-
-    def report(self, value, step):
-        self.reports.append((step, value))
-
-    def should_prune(self):
-        return False
-
-    @contextlib.contextmanager
-    def step(self, s):
-        yield
-
-    def load_checkpoint(self):
-        return None
+Ctx = LocalTrial  # the trial alone, in memory
 
 
 @pytest.mark.timeout(180)

@@ -11,35 +11,22 @@ import torch
 
 from hpdl.hpo.errors import HpoConfigError
 from hpdl.hpo.profiler import ProfileCache, StepProfiler, static_profile
+from hpdl.hpo.trial import LocalTrial
 from hpdl.hpo.workloads import get_workload
 
 
-class Ctx:
-    """A TrialContext stand-in that keeps reports and checkpoints in memory; optionally stops at a step."""
+class Ctx(LocalTrial):
+    """hpdl.hpo.LocalTrial with a checkpoint every evaluation that optionally stops (dies) at a step."""
 
     def __init__(self, params, stop_at=None, store=None):
-        self.params, self.device, self.lineage = params, torch.device("cpu"), 0
-        self.checkpoint_every, self.reports, self.stop_at = 1, [], stop_at
-        self.store = store if store is not None else {}
-
-    def report(self, value, step):
-        self.reports.append((step, value))
-
-    def should_prune(self):
-        return False
+        super().__init__(params, checkpoint_every=1, store=store)
+        self.stop_at = stop_at
 
     @contextlib.contextmanager
     def step(self, s):
         if s == self.stop_at:
             raise KeyboardInterrupt  # simulate the process dying here
         yield
-
-    def load_checkpoint(self):
-        return self.store.get("ckpt")
-
-    def save_checkpoint(self, state):
-        self.store["ckpt"] = {k: (v if not isinstance(v, dict) else __import__("copy").deepcopy(v))
-                              for k, v in state.items()}
 
 
 CNN = {"width": 8, "depth": 1, "batch_size": 32, "image_size": 16, "steps": 40, "eval_every": 10, "lr": 0.1}

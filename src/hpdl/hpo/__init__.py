@@ -20,7 +20,7 @@ _LAZY = {"HpoConfigError": "errors", "HpoError": "errors", "HpoInterrupted": "er
          "SchedulingPolicy": "scheduler", "TrialDemand": "scheduler", "get_policy": "scheduler",
          "StudySpec": "spec", "run_study": "driver", "StudyResult": "driver", "study_status": "report",
          "simulate": "simulator", "optimize": "api", "Workload": "workloads", "ObjectiveWorkload": "workloads",
-         "TrialContext": "trial"}
+         "TrialContext": "trial", "LocalTrial": "trial"}
 
 __all__ = sorted(_LAZY)
 

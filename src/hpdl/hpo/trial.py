@@ -105,3 +105,51 @@ def cap_memory(device, cap_bytes: int | None, context_bytes: int = 0) -> None:
     total = torch.cuda.get_device_properties(device).total_memory
     frac = 1.0 if not cap_bytes else min(1.0, max(cap_bytes - context_bytes, 64 << 20) / total)
     torch.cuda.set_per_process_memory_fraction(frac, device)
+
+
+class LocalTrial:
+    """A trial run outside the driver (a script, a notebook, a test, the fused-vs-alone check): the context a
+    workload's ``train(ctx)`` reads, kept in memory, as :class:`TrialContext` offers it under the driver.
+
+    Args:
+        params: resolved parameters (the search space's sample and the fixed values).
+        device: where to train (``torch.device`` or its name).
+        checkpoint_every: save a checkpoint every this many evaluations into ``store["ckpt"]`` (0: none); a
+            later ``LocalTrial`` given the same ``store`` resumes from it.
+        store: the dict that holds the checkpoint (default: a new one).
+
+    Attributes:
+        reports: ``[(step, value)]``, every evaluation; the trial is never pruned.
+        losses: every step's training loss (0-d tensors), as the shipped workloads and fused groups record it.
+    """
+
+    lineage = 0
+
+    def __init__(self, params: dict, device="cpu", *, checkpoint_every: int = 0, store: dict | None = None):
+        import torch
+
+        self.params, self.device = params, torch.device(device)
+        self.checkpoint_every = checkpoint_every
+        self.store = store if store is not None else {}
+        self.reports: list[tuple[int, float]] = []
+        self.losses: list = []
+
+    def report(self, value: float, step: int) -> None:
+        self.reports.append((step, value))
+
+    def should_prune(self) -> bool:
+        return False
+
+    @contextlib.contextmanager
+    def step(self, step: int):
+        yield
+
+    def load_checkpoint(self) -> dict | None:
+        import copy
+
+        return copy.deepcopy(self.store.get("ckpt"))
+
+    def save_checkpoint(self, state: dict) -> None:
+        import copy
+
+        self.store["ckpt"] = copy.deepcopy(state)  # the state dicts hold the live tensors
