@@ -29,3 +29,36 @@ def exit_on_rank(ctx, bad):
     if ctx.rank == bad:
         os._exit(3)
     return ctx.rank
+
+
+def pid_and_sum(ctx, value):
+    """(pid, all-reduced value, world_size): shows a WorkerGroup's ranks are the same processes call after call."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(value)])
+    dist.all_reduce(t)
+    return os.getpid(), t.item(), dist.get_world_size()
+
+
+def standalone_world():
+    """init_from_env(standalone=True) without launcher variables: a world of one rank on this process."""
+    import os
+
+    import torch.distributed as dist
+
+    from hpdl.runtime import init_from_env
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(k, None)
+    ctx = init_from_env("cpu", standalone=True)
+    return ctx.rank, ctx.world_size, dist.get_world_size()
+
+
+def raise_on_rank(ctx, bad):
+    """Rank ``bad`` raises, the others return: every rank answers, so the group stays usable."""
+    if ctx.rank == bad:
+        raise ValueError(f"boom on {ctx.rank}")
+    return ctx.rank

@@ -63,7 +63,7 @@ def test_spawn_reports_failed_rank_with_traceback():
 
 @pytest.mark.timeout(120)
 def test_spawn_reports_dead_rank():
-    with pytest.raises(WorkerFailedError, match="rank 0 exited with code 3"):
+    with pytest.raises(WorkerFailedError, match="rank 0 died: exited with code 3"):
         spawn(R.exit_on_rank, 2, args=(0,), timeout=60, grace=2)
 
 

@@ -11,7 +11,6 @@ the collectives.
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 from typing import Sequence
 
 import torch
@@ -259,17 +258,10 @@ def launch(comm: str, device: str = "cpu", *, algorithm: str = "auto", alltoall_
             torch.cuda.set_device(dev)
         c.device = dev
         return c
-    from hpdl.runtime import detect_launcher, free_port, init_from_env
+    from hpdl.runtime import init_from_env
 
-    if not dist.is_initialized():
-        if detect_launcher() is not None:
-            init_from_env(device, timeout=timeout)
-        else:
-            backend = "nccl" if device == "cuda" else "gloo"
-            if device == "cuda":
-                torch.cuda.set_device(0)
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                                    timeout=timedelta(seconds=timeout or 300))
+    if not dist.is_initialized():   # under a launcher its job; otherwise a job of one rank
+        init_from_env(device, timeout=timeout, standalone=True)
     from hpdl.runtime.launch import device_for, job_ranks_per_gpu
 
     local = int(os.environ.get("LOCAL_RANK", dist.get_rank()))

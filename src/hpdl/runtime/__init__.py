@@ -13,7 +13,7 @@ _WHERE = {
     "CLIUsageError": "errors", "CollectiveMismatchError": "errors", "CollectiveTimeoutError": "errors",
     "HpdlError": "errors", "PeerFailedError": "errors", "WorkerFailedError": "errors",
     "Context": "launch", "detect_launcher": "launch", "free_port": "launch", "init_from_env": "launch",
-    "spawn": "launch", "Topology": "topology", "discover": "topology",
+    "spawn": "launch", "WorkerGroup": "launch", "Topology": "topology", "discover": "topology",
 }
 
 __all__ = sorted(_WHERE)
@@ -21,7 +21,7 @@ __all__ = sorted(_WHERE)
 if TYPE_CHECKING:
     from hpdl.runtime.errors import (CLIUsageError, CollectiveMismatchError, CollectiveTimeoutError, HpdlError,
                                      PeerFailedError, WorkerFailedError)
-    from hpdl.runtime.launch import Context, detect_launcher, free_port, init_from_env, spawn
+    from hpdl.runtime.launch import Context, WorkerGroup, detect_launcher, free_port, init_from_env, spawn
     from hpdl.runtime.topology import Topology, discover
 
 

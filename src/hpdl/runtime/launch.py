@@ -2,7 +2,9 @@
 
 Every entry point returns a :class:`Context`: rank, world size, device, topology and two groups, the
 ``group`` that carries data (gloo for CPU, NCCL for CUDA) and a gloo ``cpu_group`` for host-side work
-(argument checks, CPU staging). ``spawn`` is what the CLI's embedded default and the tests use.
+(argument checks, CPU staging). Local ranks are started in one place, :class:`WorkerGroup` (live ranks that
+run functions on request); ``spawn`` (one function, then teardown) is what the CLI's embedded default uses, and
+the test suite's rank pool is a ``WorkerGroup`` kept alive between tests.
 
 Ranks sharing a GPU (``ranks_per_gpu`` > 1, or ``HPDL_RANKS_PER_GPU``): local rank r uses
 ``cuda:(r // ranks_per_gpu)`` and no NCCL group is made (NCCL refuses two ranks on one device): the data group
@@ -16,11 +18,13 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import logging
 import multiprocessing as mp
 import os
 import queue as queue_mod
 import socket
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -167,8 +171,10 @@ def _resolve_device(device: str, local_rank: int, ranks_per_gpu: int = 1) -> tup
 
 
 def init_from_env(device: str = "cpu", ranks_per_node: int | Sequence[int] | None = None,
-                  timeout: float | None = None, ranks_per_gpu: int | None = None) -> Context:
-    """Join the job that torchrun, mpirun or srun started.
+                  timeout: float | None = None, ranks_per_gpu: int | None = None, standalone: bool = False
+                  ) -> Context:
+    """Join the job that torchrun, mpirun or srun started (with ``standalone``, and no launcher, a job of one
+    rank on this process, as ``torchrun --standalone --nproc-per-node 1``).
 
     MASTER_ADDR/MASTER_PORT come from the environment; under mpirun without them, rank 0's host and a free
     port are broadcast through mpi4py (``pip install hpdl[mpi]``). ``ranks_per_gpu`` (default
@@ -181,10 +187,13 @@ def init_from_env(device: str = "cpu", ranks_per_node: int | Sequence[int] | Non
     """
     rpg = job_ranks_per_gpu(device, ranks_per_gpu)
     found = detect_launcher()
-    if found is None:
+    if found is None and not standalone:
         raise RuntimeError("no launcher found: set RANK/WORLD_SIZE (torchrun) or run under mpirun/srun")
-    launcher, rank, world, local_rank = found
-    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+    launcher, rank, world, local_rank = found or ("standalone", 0, 1, 0)
+    init_method = None
+    if launcher == "standalone":
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+    elif "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
         if launcher == "torchrun":
             raise RuntimeError("RANK/WORLD_SIZE are set but MASTER_ADDR/MASTER_PORT are not")
         try:
@@ -200,7 +209,7 @@ def init_from_env(device: str = "cpu", ranks_per_node: int | Sequence[int] | Non
     os.environ["HPDL_RANKS_PER_GPU"] = str(rpg)
     kwargs = {"device_id": dev} if backend == "nccl" else {}
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=rank, world_size=world,
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=_timeout(timeout)), **kwargs)
         atexit.register(_destroy_at_exit)
     return _make_context(rank, world, local_rank, dev, backend, ranks_per_node, rpg)
@@ -226,27 +235,202 @@ def rank_environment(device: str, ranks_per_gpu: int, timeout: float, mps_env: d
     return out
 
 
-def _worker(rank, nprocs, port, fn, args, device, ranks_per_node, timeout, results, ranks_per_gpu=1,
-            environ=None) -> None:
+def _rank_main(rank, world, port, device, ranks_per_node, timeout, ranks_per_gpu, environ, threads, tasks,
+               results) -> None:
+    """A :class:`WorkerGroup` rank: bootstrap, say ready, then run ``(task_id, fn, args)`` items until ``None``."""
+    os.environ.update(environ)
+    torch.set_num_threads(threads)
     try:
-        os.environ.update(environ or {"HPDL_TIMEOUT": str(timeout)})
-        threads = max(1, (os.cpu_count() or 1) // nprocs)
-        torch.set_num_threads(threads)
         dev, backend = _resolve_device(device, rank, ranks_per_gpu)
         kwargs = {"device_id": dev} if backend == "nccl" else {}
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nprocs,
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout), **kwargs)
-        ctx = _make_context(rank, nprocs, rank, dev, backend, ranks_per_node, ranks_per_gpu)
-        out = fn(ctx, *args)
-        results.put((rank, "ok", out))
-    except BaseException:  # noqa: BLE001 - report every failure to the parent with its traceback
-        results.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
+        ctx = _make_context(rank, world, rank, dev, backend, ranks_per_node, ranks_per_gpu)
+        results.put((_READY, rank, "ok", None))
+    except BaseException:  # noqa: BLE001 - report a start-up failure to the parent with its traceback
+        results.put((_READY, rank, "error", traceback.format_exc()))
+        _destroy_at_exit()
+        return
+    try:
+        while True:
+            item = tasks.get()
+            if item is None:
+                break
+            task_id, fn, args = item
             try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - best effort while tearing down after an error
+                results.put((task_id, rank, "ok", fn(ctx, *args)))
+            except BaseException:  # noqa: BLE001 - every failure goes back to the parent with its traceback
+                results.put((task_id, rank, "error", traceback.format_exc()))
+    finally:
+        comm = sys.modules.get("hpdl.comm")
+        if comm is not None:   # hpdl.comm's cached groups and peer buffers go before the process group
+            comm.reset()
+        _destroy_at_exit()
+
+
+_READY = -1
+
+
+class WorkerGroup:
+    """``world_size`` local ranks, spawned once, each in one process group, running functions on request.
+
+    The one place hpdl starts local ranks: :func:`spawn` (one function, then teardown) and the test suite's rank
+    pool (many functions on live ranks, :mod:`hpdl.testing.pool`) are both this class. Each rank bootstraps as
+    :func:`spawn` documents (device, backend, ``HPDL_*`` environment, an optional private MPS daemon owned by the
+    group), then waits for work; :meth:`run` sends ``fn(ctx, *args)`` to every rank and collects the results by
+    rank, naming the ranks that failed, died or did not answer.
+
+    Args:
+        world_size: ranks to start (>= 1).
+        device, ranks_per_gpu, ranks_per_node, mps: as :func:`spawn`.
+        timeout: seconds any one collective may wait inside the ranks (default ``HPDL_TIMEOUT``).
+        start_timeout: seconds the ranks may take to start and meet (default ``timeout``).
+        threads: torch intra-op threads per rank (default: this host's cores shared evenly).
+
+    Use as a context manager, or call :meth:`close`; Ctrl-C during start-up or a call leaves no rank (and no MPS
+    daemon) behind.
+
+    Raises:
+        ValueError, RuntimeError: as :func:`spawn`, before any rank starts.
+        WorkerFailedError: a rank failed to start (its traceback in the message).
+        CollectiveTimeoutError: ranks did not start within ``start_timeout``; they are named.
+    """
+
+    def __init__(self, world_size: int, *, device: str = "cpu", ranks_per_gpu: int | None = None,
+                 ranks_per_node: int | Sequence[int] | None = None, timeout: float | None = None,
+                 mps: bool | None = None, threads: int | None = None, start_timeout: float | None = None):
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        self.world_size, self.device, self.ranks_per_node = world_size, device, ranks_per_node
+        self.ranks_per_gpu = job_ranks_per_gpu(device, ranks_per_gpu)
+        check_gpus_for(device, world_size, self.ranks_per_gpu)
+        use_mps = use_mps_for(mps, self.ranks_per_gpu)
+        self.timeout = _timeout(timeout)
+        threads = max(1, (os.cpu_count() or 1) // world_size) if threads is None else threads
+        self.broken = True   # until every rank is up (close() is safe on a half-built group)
+        self._procs: list = []
+        self._tasks: list = []
+        self._ids = itertools.count()
+        self._mps = _maybe_mps(use_mps)
+        environ = rank_environment(device, self.ranks_per_gpu, self.timeout, self._mps.__enter__())
+        try:
+            ctx = mp.get_context("spawn")
+            self._tasks = [ctx.Queue() for _ in range(world_size)]
+            self._results = ctx.Queue()
+            port = free_port()
+            self._procs = [ctx.Process(target=_rank_main, name=f"hpdl-rank{r}", daemon=True,
+                                       args=(r, world_size, port, device, ranks_per_node, self.timeout,
+                                             self.ranks_per_gpu, environ, threads, self._tasks[r], self._results))
+                           for r in range(world_size)]
+            for p in self._procs:
+                p.start()
+            self.broken = False
+            self._collect(_READY, self.timeout if start_timeout is None else start_timeout, grace=0.0,
+                          what="start")
+        except BaseException:
+            self.close(abort=True)
+            raise
+
+    def __enter__(self) -> "WorkerGroup":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(abort=exc_type is not None)
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, grace: float = 3.0
+            ) -> list[Any]:
+        """``[fn(ctx, *args) on rank r for r in range(world_size)]``; ``fn`` must be a module-level function.
+
+        Args:
+            timeout: seconds the whole call may take (default: no limit beyond the ranks' collective timeouts).
+            grace: seconds the other ranks get to answer once one has failed.
+
+        Raises:
+            WorkerFailedError: a rank raised or died; the message holds the first failure's traceback. The group
+                stays usable when every rank answered; otherwise it is torn down (:attr:`broken`).
+            CollectiveTimeoutError: ranks did not answer within ``timeout``; they are named; the group is torn
+                down (a rank stuck in a collective cannot be trusted again).
+            RuntimeError: the group was torn down or closed before.
+        """
+        if self.broken:
+            raise RuntimeError("this WorkerGroup was torn down after a failure or closed; start a new one")
+        task_id = next(self._ids)
+        try:
+            for q in self._tasks:
+                q.put((task_id, fn, args))
+            return self._collect(task_id, float("inf") if timeout is None else timeout, grace, "run")
+        except BaseException as exc:
+            if not isinstance(exc, WorkerFailedError):   # Ctrl-C, a timeout: the ranks get no more time
+                self.close(abort=True)
+            raise
+
+    def _collect(self, task_id: int, timeout: float, grace: float, what: str) -> list[Any]:
+        out: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        first_error_at: float | None = None
+        while len(out) + len(errors) < self.world_size:
+            now = time.monotonic()
+            if first_error_at is not None and now > first_error_at + grace:
+                break
+            if now > deadline:
+                missing = [r for r in range(self.world_size) if r not in out and r not in errors]
+                self.close(abort=True)
+                raise CollectiveTimeoutError(
+                    f"{what} timed out after {timeout:.0f}s (world_size={self.world_size}); ranks still running: "
+                    f"{missing}; the worker group was torn down", missing_ranks=missing)
+            try:
+                tid, rank, status, payload = self._results.get(timeout=min(0.2, max(deadline - now, 0.001)))
+            except queue_mod.Empty:
+                for r, p in enumerate(self._procs):
+                    if not p.is_alive() and r not in out and r not in errors:
+                        # its queue feeder may still be flushing a result: a moment before calling it dead
+                        try:
+                            tid, rank, status, payload = self._results.get(timeout=1.0)
+                        except queue_mod.Empty:
+                            errors[r] = f"rank {r} died: exited with code {p.exitcode} without a result"
+                            first_error_at = first_error_at or time.monotonic()
+                            continue
+                        if tid == task_id:
+                            (out if status == "ok" else errors)[rank] = payload
+                            if status != "ok":
+                                first_error_at = first_error_at or time.monotonic()
+                        break
+                continue
+            if tid != task_id:
+                continue   # a straggler from an earlier, failed call
+            (out if status == "ok" else errors)[rank] = payload
+            if status != "ok":
+                first_error_at = first_error_at or time.monotonic()
+        if errors:
+            if len(out) + len(errors) < self.world_size or any(not p.is_alive() for p in self._procs):
+                self.close(abort=True)   # a rank died or is left inside a collective: no later call can trust it
+            first = next(iter(errors))  # the first failure reported is the cause; the others usually follow
+            raise WorkerFailedError(f"rank {first} failed (failed ranks: {sorted(errors)}):\n{errors[first]}")
+        return [out[r] for r in range(self.world_size)]
+
+    def close(self, abort: bool = False) -> None:
+        """Stop every rank (their process groups destroyed) and the MPS daemon; idempotent. Ranks get 5 s to
+        finish (0.5 s with ``abort``), one deadline for all, then they are killed."""
+        self.broken = True
+        for q in self._tasks:
+            try:
+                q.put(None)
+            except (OSError, ValueError):
                 pass
+        end = time.monotonic() + (0.5 if abort else 5.0)
+        for p in self._procs:
+            if p.pid is not None:   # never started (start-up was interrupted): join() would raise
+                p.join(timeout=max(0.0, end - time.monotonic()))
+        for p in self._procs:
+            if p.pid is not None and p.is_alive():
+                p.kill()
+                p.join()
+        mps, self._mps = self._mps, None
+        if mps is not None:
+            mps.__exit__(None, None, None)
 
 
 def spawn(fn: Callable[..., Any], nprocs: int, *, args: tuple = (), device: str = "cpu",
@@ -279,15 +463,11 @@ def spawn(fn: Callable[..., Any], nprocs: int, *, args: tuple = (), device: str 
     """
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs must be an int >= 1, got {nprocs!r}")
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    rpg = job_ranks_per_gpu(device, ranks_per_gpu)
-    check_gpus_for(device, nprocs, rpg)
-    use_mps = use_mps_for(mps, rpg)
-    limit = _timeout(timeout)
-    with _maybe_mps(use_mps) as mps_env:
-        return _spawn(fn, nprocs, args, device, ranks_per_node, limit, job_timeout, grace, rpg,
-                      rank_environment(device, rpg, limit, mps_env))
+    started = time.monotonic()
+    with WorkerGroup(nprocs, device=device, ranks_per_gpu=ranks_per_gpu, ranks_per_node=ranks_per_node,
+                     timeout=timeout, mps=mps, start_timeout=job_timeout) as group:
+        left = None if job_timeout is None else max(0.0, job_timeout - (time.monotonic() - started))
+        return group.run(fn, *args, timeout=left, grace=grace)
 
 
 def check_gpus_for(device: str, nprocs: int, ranks_per_gpu: int) -> None:
@@ -333,64 +513,3 @@ def _maybe_mps(use: bool):
             with MpsDaemon(root) as daemon:
                 yield daemon.env
     return run()
-
-
-def _spawn(fn, nprocs, args, device, ranks_per_node, limit, job_timeout, grace, rpg, environ) -> list[Any]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, nprocs, port, fn, args, device, ranks_per_node, limit, results,
-                                               rpg, environ),
-                         daemon=True, name=f"hpdl-rank{r}") for r in range(nprocs)]
-    for p in procs:
-        p.start()
-    outputs: dict[int, Any] = {}
-    errors: dict[int, str] = {}
-    deadline = time.monotonic() + job_timeout if job_timeout is not None else float("inf")
-    first_error_at: float | None = None
-    aborted = False
-    try:
-        while len(outputs) + len(errors) < nprocs:
-            now = time.monotonic()
-            if first_error_at is not None and now > first_error_at + grace:
-                break
-            if now > deadline:
-                missing = [r for r in range(nprocs) if r not in outputs and r not in errors]
-                raise CollectiveTimeoutError(f"spawned job timed out after {job_timeout:.0f}s; ranks still running: "
-                                             f"{missing}", missing_ranks=missing)
-            try:
-                rank, status, payload = results.get(timeout=0.2)
-            except queue_mod.Empty:
-                for r, p in enumerate(procs):
-                    if not p.is_alive() and r not in outputs and r not in errors:
-                        # the queue feeder may still be flushing; give it a moment before calling it dead
-                        try:
-                            rank, status, payload = results.get(timeout=1.0)
-                        except queue_mod.Empty:
-                            errors[r] = f"rank {r} exited with code {p.exitcode} without a result"
-                            first_error_at = first_error_at or time.monotonic()
-                        else:
-                            (outputs if status == "ok" else errors)[rank] = payload
-                        break
-                continue
-            if status == "ok":
-                outputs[rank] = payload
-            else:
-                errors[rank] = payload
-                first_error_at = first_error_at or time.monotonic()
-    except BaseException:
-        aborted = True   # Ctrl-C, the job timeout: the ranks get no more time
-        raise
-    finally:
-        # one deadline for all ranks (joined one by one, a per-rank wait made Ctrl-C take 5 s per stuck rank)
-        end = time.monotonic() + (0.5 if errors or aborted else 5.0)
-        for p in procs:
-            p.join(timeout=max(0.0, end - time.monotonic()))
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-    if errors:
-        first = next(iter(errors))  # the first failure reported is the cause; the others usually follow from it
-        raise WorkerFailedError(f"rank {first} failed (failed ranks: {sorted(errors)}):\n{errors[first]}")
-    return [outputs[r] for r in range(nprocs)]

@@ -376,15 +376,11 @@ def _split(args, split: str, image_size: int, augment: str = "basic"):
 def _init_distributed(device: torch.device) -> None:
     import torch.distributed as dist
 
-    from hpdl.runtime.launch import device_for, job_ranks_per_gpu
+    from hpdl.runtime.launch import init_from_env
 
     if int(os.environ.get("WORLD_SIZE", 1)) > 1 and not dist.is_initialized():
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        # the launch mode's backend: NCCL, or gloo when ranks share a GPU (HPDL_RANKS_PER_GPU > 1)
-        _, backend = device_for(device.type, int(os.environ.get("LOCAL_RANK", 0)),
-                                job_ranks_per_gpu(device.type, None))
-        dist.init_process_group(backend)
+        # the launch mode's backend and device: NCCL, or gloo when ranks share a GPU (HPDL_RANKS_PER_GPU > 1)
+        init_from_env(device.type)
 
 
 def train(args) -> int:
