@@ -235,16 +235,28 @@ def rank_environment(device: str, ranks_per_gpu: int, timeout: float, mps_env: d
     return out
 
 
+def join_local(rank: int, world: int, port: int, device: str, ranks_per_gpu: int = 1,
+               timeout: float | None = None) -> tuple[torch.device, str]:
+    """Join a local job of ``world`` ranks meeting at ``tcp://127.0.0.1:port`` as ``rank``: the rank's device
+    selected (``cuda:(rank // ranks_per_gpu)``), its backend (NCCL with a GPU per rank, else gloo), the group's
+    timeout (default ``HPDL_TIMEOUT``). Every locally spawned rank in hpdl joins through here.
+
+    Returns ``(device, backend)``. Raises RuntimeError (no such GPU) and what ``init_process_group`` raises.
+    """
+    dev, backend = _resolve_device(device, rank, ranks_per_gpu)
+    kwargs = {"device_id": dev} if backend == "nccl" else {}   # an eager NCCL communicator
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=_timeout(timeout)), **kwargs)
+    return dev, backend
+
+
 def _rank_main(rank, world, port, device, ranks_per_node, timeout, ranks_per_gpu, environ, threads, tasks,
                results) -> None:
     """A :class:`WorkerGroup` rank: bootstrap, say ready, then run ``(task_id, fn, args)`` items until ``None``."""
     os.environ.update(environ)
     torch.set_num_threads(threads)
     try:
-        dev, backend = _resolve_device(device, rank, ranks_per_gpu)
-        kwargs = {"device_id": dev} if backend == "nccl" else {}
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout), **kwargs)
+        dev, backend = join_local(rank, world, port, device, ranks_per_gpu, timeout)
         ctx = _make_context(rank, world, rank, dev, backend, ranks_per_node, ranks_per_gpu)
         results.put((_READY, rank, "ok", None))
     except BaseException:  # noqa: BLE001 - report a start-up failure to the parent with its traceback

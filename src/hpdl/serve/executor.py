@@ -15,7 +15,6 @@ import os
 import queue
 import threading
 import traceback
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -67,18 +66,13 @@ def _init_rank(rank: int, world: int, port: int, device: str, ranks_per_gpu: int
     """Join the TP group: rank r on ``cuda:(r // ranks_per_gpu)`` with NCCL, or, when ranks share a GPU
     (``ranks_per_gpu`` > 1, for correctness runs of TP on fewer GPUs), with gloo (the row-parallel all-reduce
     then runs over gloo, or hpdl.comm's peer kernels with ``tp_all_reduce="hpdl"``)."""
-    from hpdl.runtime.launch import device_for, job_ranks_per_gpu
+    from hpdl.runtime.launch import job_ranks_per_gpu, join_local
 
     kind = "cuda" if device.startswith("cuda") else "cpu"
     rpg = job_ranks_per_gpu(kind, ranks_per_gpu)
-    dev, backend = device_for(kind, rank, rpg)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
     # hpdl.comm reads it (above 1 it takes CUDA tensors on the gloo group): this job's value, also when 1
     os.environ["HPDL_RANKS_PER_GPU"] = str(rpg)
-    kw = {"device_id": dev} if backend == "nccl" else {}  # eager NCCL communicator
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=world, timeout=timedelta(seconds=env.get("HPDL_TIMEOUT")), **kw)
+    dev, _ = join_local(rank, world, port, kind, rpg)
     return str(dev)
 
 
