@@ -26,6 +26,10 @@ NAMED_CONFIGS: dict[str, DecoderConfig] = {
     # The benchmark model: TinyLlama-1.1B shape (hidden 2048, 22 layers, 32 heads, 4 KV heads).
     "llama-1b": DecoderConfig(arch="llama", vocab_size=32000, hidden_size=2048, n_layers=22, n_heads=32, n_kv_heads=4,
                               intermediate_size=5632, max_position=2048, bos_token_id=1, eos_token_id=2),
+    # The same shape with an 8k context (random weights: only the RoPE table grows), for long-prompt benchmarks.
+    "llama-1b-8k": DecoderConfig(arch="llama", vocab_size=32000, hidden_size=2048, n_layers=22, n_heads=32,
+                                 n_kv_heads=4, intermediate_size=5632, max_position=8192, bos_token_id=1,
+                                 eos_token_id=2),
     # LLaMA-2-7B shape, where weight reads dominate a batch-1 step (the tensor-parallel benchmark).
     "llama-7b": DecoderConfig(arch="llama", vocab_size=32000, hidden_size=4096, n_layers=32, n_heads=32, n_kv_heads=32,
                               intermediate_size=11008, max_position=4096, bos_token_id=1, eos_token_id=2),
