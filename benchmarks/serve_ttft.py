@@ -34,7 +34,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-MODEL, LONG_MODEL, DTYPE, SLOTS, MAX_LEN, PROMPT, OUT_LEN = "llama-1b", "llama-1b-8k", "bfloat16", 256, 640, 128, (32, 512)
+MODEL, LONG_MODEL, DTYPE = "llama-1b", "llama-1b-8k", "bfloat16"
+SLOTS, MAX_LEN, PROMPT, OUT_LEN = 256, 640, 128, (32, 512)
 RATE, N_POISSON, OFFLINE, BUDGET = 16.0, 200, [64, 256], 2048
 LONG = dict(running=32, run_out=400, prompt=4096, out=16, arrival=0.15, slots=64, max_len=4224, budgets=[512, 2048])
 CHECK = dict(model="llama-1b", lens=[5, 300, 17, 64, 129, 1, 250, 40], tokens=32, budget=96)
@@ -155,7 +156,8 @@ def serving(out: Path, device: str) -> None:
         base = eng.stats()
         recs = bench.run_engine(eng, poisson)
         st = {k: eng.stats()[k] - base[k] for k in ("prefill_tokens", "prefill_positions_computed")}
-        _save(out, f"poisson_{mode}", _summ(recs, st) | {"rate": RATE, "ttft_ms": [round(x.ttft * 1e3, 3) for x in recs]})
+        _save(out, f"poisson_{mode}", _summ(recs, st) | {"rate": RATE,
+                                                          "ttft_ms": [round(x.ttft * 1e3, 3) for x in recs]})
         for n in OFFLINE:
             wl = bench.make_workload(n, (PROMPT, PROMPT), OUT_LEN, math.inf, vocab_size=vocab, seed=0)
             _save(out, f"offline{n}_{mode}", _summ(bench.run_engine(eng, wl)))
@@ -236,7 +238,7 @@ def table(out: Path) -> None:
             if r:
                 rows.append(f"{case:10s} {mode:9s} tok/s {r['output_throughput']:9.0f}  TTFT p50 "
                             f"{r['median_ttft_ms']:8.2f} p99 {r['p99_ttft_ms']:8.2f} ms  TPOT p50 "
-                            f"{r.get('median_tpot_ms', float('nan')):6.3f} p99 {r.get('p99_tpot_ms', float('nan')):6.3f} ms")
+                            f"{r.get('median_tpot_ms', math.nan):6.3f} p99 {r.get('p99_tpot_ms', math.nan):6.3f} ms")
     for key in sorted(k for k in RES if k.startswith("long_")):
         r = RES[key]
         rows.append(f"{key:20s} running ITL max {r['running_max_itl_ms']:8.2f} p99 {r['running_p99_itl_ms']:6.2f} "

@@ -53,7 +53,8 @@ def test_packed_and_chunked_forward_equal_the_padded_prefill(config):
         part = pieces[:2] if len(pieces) > 1 and pieces[0][0] != pieces[1][0] else pieces[:1]
         del pieces[: len(part)]
         s = pf.PackedSeqs([slots[i] for i, _, _ in part], [st for _, st, _ in part], [n for _, _, n in part])
-        out = pf.packed_forward(model, c_chunk, torch.tensor([t for i, st, n in part for t in prompts[i][st:st + n]]), s)
+        toks = torch.tensor([t for i, st, n in part for t in prompts[i][st:st + n]])
+        out = pf.packed_forward(model, c_chunk, toks, s)
         for (i, st, n), row in zip(part, out):
             if st + n == len(prompts[i]):
                 last[i] = row

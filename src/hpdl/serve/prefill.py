@@ -195,7 +195,8 @@ def varlen_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, seqs: 
     _varlen_attn_kernel[(n_blocks, h)](
         q, kc, vc, out, meta, n_blocks, len(seqs.lens), d ** -0.5, h // kc.shape[1],
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), out.stride(0), out.stride(1),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D=d, PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D=d, PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=2)
     return out
 
 
