@@ -250,6 +250,15 @@ def table(out: Path) -> None:
         _say(out, line)
 
 
+def _version(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path)
@@ -272,8 +281,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     _save(args.out, "meta", {"torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                              "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
-                             "triton": getattr(sys.modules.get("triton"), "__version__", None) or
-                             __import__("importlib").util.find_spec("triton") and __import__("triton").__version__,
+                             "triton": _version("triton"),
                              "model": MODEL, "dtype": DTYPE, "slots": SLOTS, "max_seq_len": MAX_LEN, "rate": RATE,
                              "requests": N_POISSON, "chunk_budget": BUDGET, "long": LONG})
     for part, fn in (("kernel", kernel), ("serving", serving), ("long", long_prompt)):
