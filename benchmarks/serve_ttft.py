@@ -15,7 +15,9 @@ shapes run once before anything is timed. Parts, each saved to serve_ttft.json a
    and float32 greedy tokens of 8 requests (prompts 5..300 tokens) through the engine, chunked vs padded.
 2. ``poisson``: 200 requests arriving Poisson at 16 requests/s (seeded; the same arrivals for both paths),
    128-token prompts, outputs uniform in 32..512: TTFT p50/p99, TPOT p50/p99, output tokens/s.
-3. ``offline``: 64 and 256 requests at t = 0 (same lengths): output tokens/s, TTFT p50/p99.
+3. ``offline``: 64 and 256 requests at t = 0 (same lengths): output tokens/s, TTFT p50/p99; and 64 requests
+   with prompts uniform in 16..512 and outputs in 32..128 (``varlen64``), where padding costs: the padded
+   path computes every prompt to the longest of its batch (``prefill_padding_tokens``).
 4. ``long``: 32 running requests (128-token prompts, 400 outputs) when a 4096-token prompt arrives at 0.15 s
    (``llama-1b-8k``: the same weights' shape with an 8k context): the running requests' inter-token latency
    (max, p99) and TPOT, and the long request's TTFT; padded vs chunked at budgets 512 and 2048. Each path runs
@@ -37,10 +39,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 MODEL, LONG_MODEL, DTYPE = "llama-1b", "llama-1b-8k", "bfloat16"
 SLOTS, MAX_LEN, PROMPT, OUT_LEN = 256, 640, 128, (32, 512)
 RATE, N_POISSON, OFFLINE, BUDGET = 16.0, 200, [64, 256], 2048
+VARLEN = dict(n=64, prompt=(16, 512), out=(32, 128))  # mixed prompt lengths: where padding costs
 LONG = dict(running=32, run_out=400, prompt=4096, out=16, arrival=0.15, slots=64, max_len=4224, budgets=[512, 2048])
 CHECK = dict(model="llama-1b", lens=[5, 300, 17, 64, 129, 1, 250, 40], tokens=32, budget=96)
 SMOKE = dict(MODEL="llama-tiny", LONG_MODEL="llama-tiny", DTYPE="float32", SLOTS=8, MAX_LEN=160, PROMPT=16,
              OUT_LEN=(4, 24), RATE=50.0, N_POISSON=12, OFFLINE=[4, 8], BUDGET=40,
+             VARLEN=dict(n=6, prompt=(2, 100), out=(2, 8)),
              LONG=dict(running=4, run_out=40, prompt=300, out=4, arrival=0.01, slots=8, max_len=400, budgets=[24, 64]),
              CHECK=dict(model="llama-tiny", lens=[5, 60, 17, 1], tokens=8, budget=12))
 _T0 = time.perf_counter()
@@ -151,6 +155,8 @@ def serving(out: Path, device: str) -> None:
         graphs = r.warm_up()
         for n in [1, 2] + OFFLINE:  # every prefill shape below once (cuBLAS heuristics, Triton compiles)
             bench.run_engine(eng, bench.make_workload(n, (PROMPT, PROMPT), (2, 2), math.inf, vocab_size=vocab, seed=9))
+        bench.run_engine(eng, bench.make_workload(VARLEN["n"], VARLEN["prompt"], (2, 2), math.inf, vocab_size=vocab,
+                                                  seed=0))
         _save(out, f"{mode}_setup", {"graphs": graphs, "seconds": time.perf_counter() - t, "fused": r.fused,
                                      "cuda_graph": r.cuda_graph, "budget": budget})
         base = eng.stats()
@@ -161,6 +167,11 @@ def serving(out: Path, device: str) -> None:
         for n in OFFLINE:
             wl = bench.make_workload(n, (PROMPT, PROMPT), OUT_LEN, math.inf, vocab_size=vocab, seed=0)
             _save(out, f"offline{n}_{mode}", _summ(bench.run_engine(eng, wl)))
+        wl = bench.make_workload(VARLEN["n"], VARLEN["prompt"], VARLEN["out"], math.inf, vocab_size=vocab, seed=0)
+        base = eng.stats()
+        recs = bench.run_engine(eng, wl)
+        st = {k: eng.stats()[k] - base[k] for k in ("prefill_tokens", "prefill_positions_computed")}
+        _save(out, f"varlen{VARLEN['n']}_{mode}", _summ(recs, st) | {"prompt_tokens": st["prefill_tokens"]})
         RES[f"{mode}_final_state"] = {"cuda_graph": r.cuda_graph, "graph_error": r.graph_error}
         _free(eng)
 
@@ -232,13 +243,14 @@ def plot(d: Path) -> None:
 
 def table(out: Path) -> None:
     rows = []
-    for case in ["poisson"] + [f"offline{n}" for n in OFFLINE]:
+    for case in ["poisson"] + [f"offline{n}" for n in OFFLINE] + [f"varlen{VARLEN['n']}"]:
         for mode in ("padded", "chunked"):
             r = RES.get(f"{case}_{mode}")
             if r:
                 rows.append(f"{case:10s} {mode:9s} tok/s {r['output_throughput']:9.0f}  TTFT p50 "
                             f"{r['median_ttft_ms']:8.2f} p99 {r['p99_ttft_ms']:8.2f} ms  TPOT p50 "
-                            f"{r.get('median_tpot_ms', math.nan):6.3f} p99 {r.get('p99_tpot_ms', math.nan):6.3f} ms")
+                            f"{r.get('median_tpot_ms', math.nan):6.3f} p99 {r.get('p99_tpot_ms', math.nan):6.3f} ms"
+                            + (f"  padding {r['prefill_padding_tokens']}" if "prefill_padding_tokens" in r else ""))
     for key in sorted(k for k in RES if k.startswith("long_")):
         r = RES[key]
         rows.append(f"{key:20s} running ITL max {r['running_max_itl_ms']:8.2f} p99 {r['running_p99_itl_ms']:6.2f} "
