@@ -7,6 +7,7 @@ are defined). Its bfloat16 case runs on the device only: Triton 3.8's interprete
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -130,6 +131,52 @@ def test_chunked_equals_unchunked_and_prompt_logprobs_work():
     assert len(a) == len(b) == len(prompts[4]) and a[0] is None
     for x, y in zip(a[1:], b[1:]):
         assert abs(x.logprob - y.logprob) < 1e-4
+
+
+def test_http_server_with_chunked_prefill(hf_dir, tmp_path):
+    """Concurrent clients of a live server on chunked prefill (budget 9 tokens, 4 slots) get their solo HF greedy
+    text; a stream equals the non-streamed reply; echo + logprobs (never chunked) match the non-chunked server's."""
+    import asyncio
+
+    import httpx
+
+    from serve_testutil import Server
+
+    arch, path, hf = hf_dir
+    if arch != "llama":
+        pytest.skip("one architecture is enough over HTTP")
+    servers = {mode: Server(LLMEngine(ModelSpec(model=path), EngineConfig(num_slots=4, max_seq_len=96, prefill=mode,
+                                                                         max_prefill_tokens=budget)))
+               for mode, budget in (("chunked", 9), ("padded", 8192))}
+    try:
+        url = servers["chunked"].url
+        prompts = [[(11 * i + j) % 256 for j in range(2 + 4 * i)] for i in range(8)]
+
+        async def go():
+            async with httpx.AsyncClient(timeout=120) as c:
+                rs = await asyncio.gather(*(c.post(f"{url}/v1/completions", json={
+                    "prompt": p, "max_tokens": 6 + i, "temperature": 0, "ignore_eos": True})
+                    for i, p in enumerate(prompts)))
+                return [r.json() for r in rs]
+
+        from hpdl.serve.tokenizer import ByteTokenizer
+
+        for i, (p, res) in enumerate(zip(prompts, asyncio.run(go()))):
+            ref = hf_greedy(hf, p, 6 + i)
+            assert res["choices"][0]["text"] == ByteTokenizer().decode([t for t in ref if t != 257]), i
+        body = {"prompt": "chunked prefill over http", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        full = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        s = httpx.post(f"{url}/v1/completions", json=body | {"stream": True}, timeout=60).text
+        chunks = [json.loads(ln[6:]) for ln in s.splitlines() if ln.startswith("data: ") and ln != "data: [DONE]"]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == full
+        echo = body | {"echo": True, "logprobs": 2, "max_tokens": 3}
+        a, b = (httpx.post(f"{servers[m].url}/v1/completions", json=echo, timeout=60).json()["choices"][0]["logprobs"]
+                for m in ("chunked", "padded"))
+        assert a["tokens"] == b["tokens"] and a["token_logprobs"][0] is None
+        assert a["token_logprobs"][1:] == pytest.approx(b["token_logprobs"][1:], abs=1e-4)
+    finally:
+        for srv in servers.values():
+            srv.close()
 
 
 def test_triton_kernel_interpreted_matches_reference():
