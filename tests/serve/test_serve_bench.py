@@ -137,3 +137,22 @@ def test_bench_lengths_over_max_seq_len_are_a_usage_error_naming_the_flags(capsy
                  "--max-seq-len", "64"]) != 0
     err = capsys.readouterr().err
     assert "--prompt-len up to 128 + --output-len up to 8 = 136 positions exceed --max-seq-len 64" in err
+
+
+def test_bench_prefill_paths_side_by_side_and_their_usage_errors(capsys):
+    """`--prefill padded,chunked` runs the same Poisson workload through one engine per prefill path."""
+    from hpdl.cli import main
+
+    base = ["serve", "bench", "--config", "llama-tiny", "--num-requests", "6", "--prompt-len", "2:40",
+            "--output-len", "2:6", "--max-seq-len", "64", "--num-slots", "4", "--systems", "flover",
+            "--request-rate", "200", "--format", "json"]
+    assert main(base + ["--prefill", "padded,chunked", "--max-num-batched-tokens", "12"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["flover/padded"]["requests"] == out["flover/chunked"]["requests"] == 6
+    assert out["flover/chunked"]["prefill_padding"] == 0 and "p99_ttft_ms" in out["flover/chunked"]
+    assert main(base + ["--prefill", "chunked", "--max-num-batched-tokens", "4"]) != 0
+    assert "--max-num-batched-tokens > --num-slots (4)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(base + ["--prefill", "paged"])
+    assert "expected a comma list of distinct modes among padded, packed, chunked, got 'paged'" in \
+        capsys.readouterr().err

@@ -56,6 +56,25 @@ def test_padded_bucketed_decode_matches_exact_decode(monkeypatch, fused):
     assert {nb for nb, _ in keys} <= {1, 2, 4, 6} and {kb for _, kb in keys} >= {128, 160}
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_chunked_prefill_mixed_plans_on_the_graph_path(monkeypatch, fused):
+    """Mixed plans (prompt chunks + decode rows, placeholder rows for prompts still being prefilled) through the
+    padded, bucketed graph decode give the tokens of the padded prefill and exact decode."""
+    rng = random.Random(1)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(1, 60))] for _ in range(9)]
+    params = [SamplingParams(max_tokens=rng.randint(1, 40), ignore_eos=True) for _ in prompts]
+    spec = ModelSpec(config="llama-tiny")
+    ref = LLMEngine(spec, EngineConfig(num_slots=5, max_seq_len=160, reorder="prefix")).generate(prompts, params)
+    monkeypatch.setattr(ModelRunner, "_capture", _fake_capture)
+    monkeypatch.setattr(ModelRunner, "captured", [], raising=False)
+    eng = LLMEngine(spec, EngineConfig(num_slots=5, max_seq_len=160, cuda_graph=True, fused_decode=fused,
+                                       prefill="chunked", max_prefill_tokens=13))
+    eng.executor.runner.cuda_graph = True  # CPU: force the graph path
+    outs = eng.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert eng.num_steps["mixed"] > 0 and ModelRunner.captured
+
+
 def test_warm_up_captures_every_bucket(monkeypatch):
     monkeypatch.setattr(ModelRunner, "_capture", _fake_capture)
     monkeypatch.setattr(ModelRunner, "captured", [], raising=False)

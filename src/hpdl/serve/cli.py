@@ -53,7 +53,19 @@ def _config_help() -> str:
         f"{name} ({c.arch}, {c.n_layers} x {c.hidden_size}, vocab {c.vocab_size})" for name, c in NAMED_CONFIGS.items())
 
 
-def _model_args(p: argparse.ArgumentParser) -> None:
+def _prefill_modes(text: str) -> list[str]:
+    """A comma list of prefill modes (``hpdl.serve.scheduler.PREFILL_MODES``), each once."""
+    from hpdl.serve.scheduler import PREFILL_MODES
+
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in PREFILL_MODES]
+    if not modes or bad or len(set(modes)) != len(modes):
+        raise argparse.ArgumentTypeError(f"expected a comma list of distinct modes among {', '.join(PREFILL_MODES)}, "
+                                         f"got {text!r}")
+    return modes
+
+
+def _model_args(p: argparse.ArgumentParser, bench: bool = False) -> None:
     from hpdl.serve.worker import NAMED_CONFIGS
 
     p.formatter_class = _HelpWithDefaults
@@ -78,9 +90,22 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="GEMMs of the fused decode step: cuBLAS, or hpdl's weight-streaming Triton GEMMs with the "
                         "residual add, SiLU-mul and RMSNorm fused in (hpdl.serve.stream_gemm)")
     g.add_argument("--seed", type=count(0, 2**63 - 1), default=0, help="random-weight seed (and workload seed for bench)")
+    if bench:
+        g.add_argument("--prefill", type=_prefill_modes, default="padded",
+                       help="prefill path, or a comma list run one after another and reported side by side "
+                            "(flover/MODE): padded (prompts padded to the longest), packed (no padding, one varlen "
+                            "attention launch per layer), chunked (packed, split into chunks mixed into decode steps)")
+    else:
+        g.add_argument("--prefill", default="padded", choices=["padded", "packed", "chunked"],
+                       help="padded (prompts padded to the longest), packed (no padding, one varlen attention launch "
+                            "per layer), chunked (packed, split into chunks mixed into decode steps under "
+                            "--max-num-batched-tokens)")
+    g.add_argument("--max-num-batched-tokens", type=count(1, 1 << 24), default=8192,
+                   help="prefill token budget: padded tokens of a prefill batch (padded), prompt tokens (packed), or "
+                        "decode rows + prompt-chunk tokens of a step (chunked; must exceed --num-slots)")
 
 
-def _engine(args):
+def _engine(args, prefill: str | None = None):
     import torch
 
     from hpdl.serve import EngineConfig, LLMEngine, ModelSpec
@@ -93,12 +118,18 @@ def _engine(args):
     if args.fused_gemm == "stream" and (args.eager_decode or not str(args.device).startswith("cuda")):
         raise CLIUsageError("--fused-gemm stream is the fused decode step's GEMM: it needs --device cuda and no "
                             "--eager-decode")
+    prefill = prefill or args.prefill
+    if prefill == "chunked" and args.max_num_batched_tokens <= args.num_slots:
+        raise CLIUsageError(f"--prefill chunked needs --max-num-batched-tokens > --num-slots ({args.num_slots}): each "
+                            f"decoding request takes one token of a step's budget, prompt chunks the rest; got "
+                            f"{args.max_num_batched_tokens}")
     spec = ModelSpec(model=args.model, config=args.config, seed=args.seed, dtype=args.dtype)
     _check_memory(spec, args)
     cfg = EngineConfig(num_slots=args.num_slots, max_seq_len=args.max_seq_len, device=args.device,
                        tensor_parallel_size=args.tensor_parallel_size, reorder=args.reorder,
                        cuda_graph=args.cuda_graph, tp_all_reduce=args.tp_all_reduce,
-                       fused_decode=False if args.eager_decode else None, fused_gemm=args.fused_gemm)
+                       fused_decode=False if args.eager_decode else None, fused_gemm=args.fused_gemm,
+                       prefill=prefill, max_prefill_tokens=args.max_num_batched_tokens)
     return spec, LLMEngine(spec, cfg)
 
 
@@ -132,7 +163,7 @@ class ServeBenchCommand:
 
     @staticmethod
     def add_arguments(p: argparse.ArgumentParser) -> None:
-        _model_args(p)
+        _model_args(p, bench=True)
         p.add_argument("--url", help="benchmark a running server at this base URL instead of in-process")
         p.add_argument("--served-model", default=None, help="model name to send with --url")
         p.add_argument("--num-requests", type=count(1, 1 << 20), default=64, help="requests in the workload")
@@ -172,20 +203,30 @@ class ServeBenchCommand:
                 raise CLIUsageError(f"--prompt-len up to {args.prompt_len[1]} + --output-len up to "
                                     f"{args.output_len[1]} = {longest} positions exceed --max-seq-len "
                                     f"{args.max_seq_len}")
-            spec, engine = _engine(args)
-            try:
-                wl = bench.make_workload(args.num_requests, args.prompt_len, args.output_len, args.request_rate,
-                                         args.burstiness, engine.model_config.vocab_size, corpus, args.seed)
-                systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-                hf = _hf_model(spec, engine.model_config, args.device) if set(systems) - {"flover"} else None
-                results = compare(engine, hf, wl, systems, args.static_batch_size, args.slo_ttft_ms, args.slo_tpot_ms)
-                if "flover" in systems:  # every result says how far its decode step is from the bandwidth limit
-                    ctx = int(sum(len(w.prompt) + w.output_len / 2 for w in wl) / len(wl))
-                    roof = bench.decode_roofline(engine, min(len(wl), args.num_slots), ctx)
-                    if roof is not None:
-                        results["roofline"] = roof
-            finally:
-                engine.shutdown()
+            systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+            modes = args.prefill if isinstance(args.prefill, list) else [args.prefill]
+            results = {}
+            for k, mode in enumerate(modes):  # one engine per prefill path, on the same workload
+                spec, engine = _engine(args, mode)
+                try:
+                    wl = bench.make_workload(args.num_requests, args.prompt_len, args.output_len, args.request_rate,
+                                             args.burstiness, engine.model_config.vocab_size, corpus, args.seed)
+                    run = systems if k == 0 else [s for s in systems if s == "flover"]
+                    hf = _hf_model(spec, engine.model_config, args.device) if set(run) - {"flover"} else None
+                    res = compare(engine, hf, wl, run, args.static_batch_size, args.slo_ttft_ms, args.slo_tpot_ms)
+                    if "flover" in res:
+                        st = engine.stats()
+                        res["flover"]["prefill_padding"] = st["prefill_positions_computed"] - st["prefill_tokens"]
+                        if len(modes) > 1:
+                            res = {(f"flover/{mode}" if name == "flover" else name): r for name, r in res.items()}
+                    results |= res
+                    if "flover" in systems and "roofline" not in results:  # how far decode is from bandwidth
+                        ctx = int(sum(len(w.prompt) + w.output_len / 2 for w in wl) / len(wl))
+                        roof = bench.decode_roofline(engine, min(len(wl), args.num_slots), ctx)
+                        if roof is not None:
+                            results["roofline"] = roof
+                finally:
+                    engine.shutdown()
         _print(results, args.format)
         return 0
 
@@ -215,8 +256,9 @@ def _print(results: dict[str, dict], fmt: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    cols = ["requests", "output_throughput", "request_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
-            "p99_tpot_ms", "p99_itl_ms", "median_e2el_ms", "p99_e2el_ms", "goodput", "makespan_s"]
+    cols = ["requests", "output_throughput", "request_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
+            "median_tpot_ms", "mean_tpot_ms",
+            "p99_tpot_ms", "p99_itl_ms", "median_e2el_ms", "p99_e2el_ms", "goodput", "makespan_s", "prefill_padding"]
     t = Table(title="hpdl serve bench")  # one column per system: narrow enough for a terminal
     t.add_column("metric")
     for name, r in results.items():

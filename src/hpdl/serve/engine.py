@@ -31,7 +31,13 @@ class EngineConfig:
 
     num_slots: pre-allocated KV slots, the most requests decoded together [max_num_seqs].
     max_seq_len: positions per slot, prompt + output [max_model_len].
-    max_prefill_tokens: padded tokens per batched prefill [max_num_batched_tokens].
+    max_prefill_tokens: the prefill token budget [max_num_batched_tokens]: padded tokens per batched prefill
+        (``prefill="padded"``), prompt tokens per packed prefill ("packed"), or decode rows plus prompt-chunk
+        tokens per step ("chunked"; must exceed num_slots).
+    prefill: "padded" (prompts right-padded to the longest, the eager model's batch), "packed" (no padding,
+        ``hpdl.serve.prefill``: one varlen attention launch per layer) or "chunked" (packed, and split into
+        chunks mixed into every decode step under the budget, so running requests keep decoding while a long
+        prompt is prefilled; ``Scheduler.schedule_mixed``).
     reorder: "window" (Flover), "prefix" (anchored at slot 0; forced with CUDA graphs) or "none".
     tp_all_reduce: "nccl", "symm" (torch's one-shot symmetric-memory all-reduce for decode on CUDA) or "hpdl"
         (hpdl.comm's peer-memory all-reduce on CUDA, every size); NCCL where the fast one is unavailable.
@@ -56,8 +62,14 @@ class EngineConfig:
     fused_decode: bool | None = None
     ranks_per_gpu: int | None = None
     fused_gemm: str = "cublas"
+    prefill: str = "padded"
 
     def __post_init__(self):
+        from hpdl.serve.scheduler import check_prefill
+
+        if isinstance(self.num_slots, bool) or not isinstance(self.num_slots, int) or self.num_slots < 1:
+            raise ValueError(f"num_slots must be an int >= 1, got {self.num_slots!r}")
+        check_prefill(self.prefill, self.max_prefill_tokens, self.num_slots)
         if self.fused_gemm not in ("cublas", "stream"):
             raise ValueError(f"fused_gemm must be 'cublas' or 'stream', got {self.fused_gemm!r}")
         if self.fused_gemm == "stream" and self.fused_decode is False:
@@ -146,13 +158,14 @@ class LLMEngine:
         self.tokenizer = tokenizer or load_tokenizer(spec.model)
         eos = self.model_config.eos_token_id
         self.eos_token_id = eos if eos is not None else getattr(self.tokenizer, "eos_token_id", None)
-        self.scheduler = Scheduler(config.num_slots, config.max_seq_len, config.max_prefill_tokens, config.reorder)
+        self.scheduler = Scheduler(config.num_slots, config.max_seq_len, config.max_prefill_tokens, config.reorder,
+                                   config.prefill)
         self.sampler = Sampler(self.eos_token_id)
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._aborted: list[Request] = []
-        self.num_steps = {"prefill": 0, "decode": 0}
+        self.num_steps = {"prefill": 0, "decode": 0, "mixed": 0}
 
     # --- requests ---------------------------------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -216,6 +229,13 @@ class LLMEngine:
         for req in self._aborted:
             outs[req.request_id] = self._output(req, [])
         self._aborted.clear()
+        if self.config.prefill == "chunked":  # one mixed plan: decode rows + prompt chunks under the budget
+            plan = self.scheduler.schedule_mixed()
+            if plan is not None:
+                self.num_steps["mixed" if plan.is_prefill and plan.n else "prefill" if plan.is_prefill
+                               else "decode"] += 1
+                self._apply(plan, *self._forward(plan, outs), outs)
+            return list(outs.values())
         plan = self.scheduler.schedule_prefill()
         if plan is not None:
             self.num_steps["prefill"] += 1
@@ -268,7 +288,7 @@ class LLMEngine:
         return torch.stack([g if g is not None else torch.zeros_like(like) for g in got])
 
     def _apply(self, plan: StepPlan, logits: torch.Tensor, full: torch.Tensor | None, outs: dict) -> None:
-        rows = [r if r is not None and r.finish_reason is None else None for r in plan.requests]
+        rows = [r if r is not None and r.finish_reason is None else None for r in plan.sampled()]
         res = self.sampler.sample(logits, rows)
         for i, exc in res.errors.items():
             self._fail(rows[i], exc, outs)
@@ -352,11 +372,14 @@ class LLMEngine:
         return [final[i] for i in ids]
 
     def stats(self) -> dict:
-        """Queue length, running requests, KV slots used/total, reorder moves so far."""
+        """Queue length, running requests, KV slots used/total, reorder moves so far; prompt tokens prefilled and
+        the positions the prefill forwards computed for them (padding included: equal when packed)."""
         s = self.scheduler
         running = len(s.running)
         return {"waiting": len(s.waiting), "running": running, "kv_slots_used": running,
-                "kv_slots_total": s.num_slots, "reorder_moves": s.num_moves, "decode_rows": s.computed_rows, "live_rows": s.live_rows}
+                "kv_slots_total": s.num_slots, "reorder_moves": s.num_moves, "decode_rows": s.computed_rows,
+                "live_rows": s.live_rows, "prefill_tokens": s.prefill_tokens,
+                "prefill_positions_computed": s.padded_prefill_tokens}
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -19,6 +19,7 @@ from itertools import accumulate
 from hpdl.serve.sampling import SamplingParams
 
 REORDER_MODES = ("window", "prefix", "none")
+PREFILL_MODES = ("padded", "packed", "chunked")
 
 
 def plan_compaction(live: list[bool], anchor: int | None = None) -> tuple[int, list[tuple[int, int]]]:
@@ -64,21 +65,29 @@ class Request:
     finish_time: float | None = None
     error: str | None = None  # set when finish_reason is "error": what failed for this request alone
     cumulative_logprob: float = 0.0  # sum of the output tokens' logprobs (when params.logprobs is set)
+    num_prefilled: int | None = None  # chunked prefill: prompt positions written (or planned); None = all
 
     @property
     def num_cached(self) -> int:
-        """KV positions written for this request: the prompt plus every output token except the newest."""
-        return len(self.prompt_ids) + max(len(self.output_ids) - 1, 0)
+        """KV positions written for this request: the prompt (its prefilled part, while chunks remain) plus every
+        output token except the newest."""
+        done = len(self.prompt_ids) if self.num_prefilled is None else self.num_prefilled
+        return done + max(len(self.output_ids) - 1, 0)
 
 
 @dataclass
 class StepPlan:
-    """What the workers run in one forward: slot moves first, then a prefill or a fused decode.
+    """What the workers run in one step: slot moves first, then a prefill, a fused decode, or both (mixed).
 
-    prefill: ``prefill_tokens`` (one list per new request) into ``prefill_slots``; with ``prompt_logprobs`` the
+    prefill: ``prefill_tokens`` (one list per sequence) into ``prefill_slots``; with ``prompt_logprobs`` the
     forward returns logits at every prompt position ``[rows, T, vocab]`` instead of ``[rows, vocab]``.
+    ``packed``: the sequences run packed (``hpdl.serve.prefill``, no padding); sequence i may be a chunk of a
+    prompt, its tokens at positions ``prefill_starts[i] ..``, and only chunks with ``prefill_final[i]`` (the
+    prompt's last chunk) are sampled.
     decode: rows are slots ``[start, start + n)``; ``decode_tokens[i]`` at ``decode_positions[i]``; rows whose
-    slot is free (``reorder='none'`` leaves holes) carry token 0 at position 0 and are ignored.
+    slot is free (``reorder='none'`` leaves holes) carry token 0 at position 0, rows of a request still being
+    prefilled carry token 0 at the position its next chunk writes first; both are ignored.
+    Logits rows (and ``requests``) are the prefill sequences first, then the decode rows.
     """
 
     moves: list[tuple[int, int, int]] = field(default_factory=list)  # (src, dst, length)
@@ -90,20 +99,36 @@ class StepPlan:
     decode_positions: list[int] = field(default_factory=list)
     requests: list[Request | None] = field(default_factory=list)  # row -> request (engine side only)
     prompt_logprobs: bool = False
+    packed: bool = False
+    prefill_starts: list[int] = field(default_factory=list)
+    prefill_final: list[bool] = field(default_factory=list)
 
     @property
     def is_prefill(self) -> bool:
         return bool(self.prefill_slots)
 
+    @property
+    def num_prefill_rows(self) -> int:
+        return len(self.prefill_slots)
+
+    def sampled(self) -> list[Request | None]:
+        """``requests`` with None for rows that produce no token (a prompt chunk that is not the last)."""
+        k = len(self.prefill_final)
+        return [None if i < k and not self.prefill_final[i] else r for i, r in enumerate(self.requests)]
+
     def single(self, row: int) -> StepPlan:
         """Row ``row`` of this plan alone (the engine retries a failed forward request by request). The moves are
-        kept: each copies a live slot into a hole, so running them again copies the same data."""
-        if self.is_prefill:
+        kept: each copies a live slot into a hole, so running them again copies the same data; so are K/V writes."""
+        k = self.num_prefill_rows
+        if row < k:
             return StepPlan(moves=self.moves, prefill_tokens=[self.prefill_tokens[row]],
                             prefill_slots=[self.prefill_slots[row]], requests=[self.requests[row]],
-                            prompt_logprobs=self.prompt_logprobs)
+                            prompt_logprobs=self.prompt_logprobs, packed=self.packed,
+                            prefill_starts=self.prefill_starts[row:row + 1],
+                            prefill_final=self.prefill_final[row:row + 1])
+        row -= k
         return StepPlan(moves=self.moves, start=self.start + row, n=1, decode_tokens=[self.decode_tokens[row]],
-                        decode_positions=[self.decode_positions[row]], requests=[self.requests[row]])
+                        decode_positions=[self.decode_positions[row]], requests=[self.requests[k + row]])
 
 
 class Scheduler:
@@ -112,16 +137,25 @@ class Scheduler:
     Args:
         num_slots: pre-allocated KV slots = the most requests decoded together (``max_num_seqs``).
         max_seq_len: positions per slot; a request needs ``len(prompt) + max_tokens <= max_seq_len``.
-        max_prefill_tokens: padded tokens (rows x longest prompt) one batched prefill may hold.
+        max_prefill_tokens: ``prefill="padded"``: padded tokens (rows x longest prompt) one batched prefill may
+            hold; ``"packed"``: prompt tokens one packed prefill may hold; ``"chunked"``: the token budget of a step,
+            decode rows (one token each) plus prefill chunk tokens [vLLM's max_num_batched_tokens].
+        prefill: ``"padded"`` (a right-padded batch, then a decode, each step), ``"packed"`` (prompts packed
+            without padding, then a decode) or ``"chunked"`` (one mixed plan a step: every running request
+            decodes, and the budget left over goes to prompt chunks, oldest first, so a long prompt is prefilled
+            over several steps and never stalls the running requests; Sarathi-Serve, OSDI 2024).
         reorder: ``"window"`` (Flover, the range slides), ``"prefix"`` (range anchored at slot 0, needed by
             CUDA graphs), or ``"none"`` (no moves; the decode covers the span of live slots, holes included).
     """
 
-    def __init__(self, num_slots: int, max_seq_len: int, max_prefill_tokens: int = 8192, reorder: str = "window"):
+    def __init__(self, num_slots: int, max_seq_len: int, max_prefill_tokens: int = 8192, reorder: str = "window",
+                 prefill: str = "padded"):
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         if reorder not in REORDER_MODES:
             raise ValueError(f"reorder must be one of {REORDER_MODES}, got {reorder!r}")
+        check_prefill(prefill, max_prefill_tokens, num_slots)
+        self.prefill = prefill
         self.num_slots, self.max_seq_len, self.reorder = num_slots, max_seq_len, reorder
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Request] = deque()
@@ -132,6 +166,9 @@ class Scheduler:
         self.live_rows = 0  # decode rows that belonged to a running request
         self._pending_moves: list[tuple[int, int, int]] = []
         self._holes = False  # a slot was freed since the last compaction
+        self._prefilling: list[Request] = []  # admitted, prompt not yet fully prefilled (chunked), oldest first
+        self.prefill_tokens = 0  # prompt tokens prefilled so far
+        self.padded_prefill_tokens = 0  # positions the prefill forwards computed (padding included)
 
     # --- queue ------------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -158,6 +195,8 @@ class Scheduler:
             req.finish_reason = reason
             return
         req.finish_reason, req.finish_time = reason, time.perf_counter()
+        if req in self._prefilling:
+            self._prefilling.remove(req)
         if req.slot is not None:
             self.slots[req.slot] = None
             req.slot, self._holes = None, True
@@ -200,13 +239,15 @@ class Scheduler:
     def schedule_prefill(self) -> StepPlan | None:
         """Admit waiting requests FIFO into free slots (one batched prefill), or None if none can start."""
         moves = self._compact()
-        plan = StepPlan(moves=moves)
-        longest = 0
+        plan = StepPlan(moves=moves, packed=self.prefill == "packed")
+        longest = total = 0
         while self.waiting:
             req = self.waiting[0]
             longest2 = max(longest, len(req.prompt_ids))
-            if plan.prefill_slots and longest2 * (len(plan.prefill_slots) + 1) > self.max_prefill_tokens:
+            cost = total + len(req.prompt_ids) if plan.packed else longest2 * (len(plan.prefill_slots) + 1)
+            if plan.prefill_slots and cost > self.max_prefill_tokens:
                 break
+            total += len(req.prompt_ids)
             slot = self._free_slot()
             if slot is None:
                 break
@@ -214,12 +255,100 @@ class Scheduler:
             self.slots[slot], req.slot, longest = req, slot, longest2
             plan.prefill_slots.append(slot)
             plan.prefill_tokens.append(req.prompt_ids)
+            plan.prefill_starts.append(0)
+            plan.prefill_final.append(True)
             plan.requests.append(req)
             plan.prompt_logprobs |= req.params.prompt_logprobs is not None
         if not plan.prefill_slots:
             self._pending_moves = moves
             return None
+        self._count_prefill(plan)
         return plan
+
+    def _count_prefill(self, plan: StepPlan) -> None:
+        lens = [len(t) for t in plan.prefill_tokens]
+        self.prefill_tokens += sum(lens)
+        self.padded_prefill_tokens += sum(lens) if plan.packed else len(lens) * max(lens)
+
+    def _take_slot(self, req: Request) -> bool:
+        slot = self._free_slot()
+        if slot is None:
+            return False
+        self.waiting.popleft()
+        self.slots[slot], req.slot, req.num_prefilled = req, slot, 0
+        self._prefilling.append(req)
+        return True
+
+    def schedule_mixed(self) -> StepPlan | None:
+        """``prefill="chunked"``: one plan for this step, or None if nothing runs.
+
+        Every request that has output tokens decodes (one row each, as ``schedule_decode``); the rest of the
+        ``max_prefill_tokens`` budget goes to prompt chunks: first the request whose prompt is partly prefilled,
+        then waiting requests FIFO as slots allow. A request asking for prompt logprobs is never chunked: it is
+        prefilled whole in a plan of its own (no decode rows that step).
+        """
+        moves = self._pending_moves + self._compact()
+        self._pending_moves = []
+        plan = StepPlan(moves=moves, packed=True)
+        decoding = sum(1 for r in self.slots if r is not None and r.output_ids)
+        budget = self.max_prefill_tokens - decoding
+        if self.waiting and self.waiting[0].params.prompt_logprobs is not None and not self._prefilling:
+            req = self.waiting[0]
+            if self._take_slot(req):
+                self._add_chunk(plan, req, len(req.prompt_ids))
+                plan.prompt_logprobs = True
+                self._count_prefill(plan)
+                return plan
+        for req in list(self._prefilling):
+            if budget <= 0:
+                break
+            take = min(budget, len(req.prompt_ids) - req.num_prefilled)
+            self._add_chunk(plan, req, take)
+            budget -= take
+        while budget > 0 and self.waiting and self.waiting[0].params.prompt_logprobs is None:
+            req = self.waiting[0]
+            if not self._take_slot(req):
+                break
+            take = min(budget, len(req.prompt_ids))
+            self._add_chunk(plan, req, take)
+            budget -= take
+        if plan.prefill_slots:
+            self._count_prefill(plan)
+        self._decode_rows(plan, [i for i, r in enumerate(self.slots) if r is not None])
+        if not plan.prefill_slots and plan.n == 0:
+            return None
+        return plan
+
+    def _add_chunk(self, plan: StepPlan, req: Request, take: int) -> None:
+        st = req.num_prefilled
+        req.num_prefilled = st + take
+        final = req.num_prefilled == len(req.prompt_ids)
+        if final:
+            self._prefilling.remove(req)
+        plan.prefill_slots.append(req.slot)
+        plan.prefill_tokens.append(req.prompt_ids[st:st + take])
+        plan.prefill_starts.append(st)
+        plan.prefill_final.append(final)
+        plan.requests.append(req)
+
+    def _decode_rows(self, plan: StepPlan, idx: list[int]) -> None:
+        """Append the decode rows over the live slot range to ``plan`` (n = 0 when no request has a token yet)."""
+        if not any(self.slots[i].output_ids for i in idx):
+            return
+        start, stop = (idx[0], idx[-1] + 1) if self.reorder == "none" else (self.start, self.start + len(idx))
+        plan.start, plan.n = start, stop - start
+        for i in range(start, stop):
+            req = self.slots[i]
+            if req is not None and not req.output_ids:  # still prefilling: a harmless write its next chunk redoes
+                plan.requests.append(None)
+                plan.decode_tokens.append(0)
+                plan.decode_positions.append(min(req.num_prefilled, self.max_seq_len - 1))
+                continue
+            plan.requests.append(req)
+            plan.decode_tokens.append(req.output_ids[-1] if req else 0)
+            plan.decode_positions.append(req.num_cached if req else 0)
+        self.computed_rows += plan.n
+        self.live_rows += sum(1 for r in plan.requests[len(plan.prefill_slots):] if r is not None)
 
     def schedule_decode(self) -> StepPlan | None:
         """One fused decode step over every running request, or None if nothing runs."""
@@ -246,7 +375,7 @@ class Scheduler:
         """
         now = time.perf_counter()
         touched = []
-        for req, tok in zip(plan.requests, tokens):
+        for req, tok in zip(plan.sampled(), tokens):
             if req is None or req.finish_reason is not None:
                 continue
             req.output_ids.append(tok)
@@ -259,3 +388,15 @@ class Scheduler:
                 self.finish(req, "length")
             touched.append(req)
         return touched
+
+
+def check_prefill(prefill: str, max_prefill_tokens: int, num_slots: int) -> None:
+    """Raise ValueError naming the argument for a bad prefill mode or token budget."""
+    if prefill not in PREFILL_MODES:
+        raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
+    if isinstance(max_prefill_tokens, bool) or not isinstance(max_prefill_tokens, int) or max_prefill_tokens < 1:
+        raise ValueError(f"max_prefill_tokens must be an int >= 1, got {max_prefill_tokens!r}")
+    if prefill == "chunked" and max_prefill_tokens <= num_slots:
+        raise ValueError(f"max_prefill_tokens must be > num_slots ({num_slots}) with prefill='chunked': each of up "
+                         f"to num_slots decoding requests takes one token of the step budget, and prompt chunks "
+                         f"need the rest; got {max_prefill_tokens}")

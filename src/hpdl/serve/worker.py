@@ -26,6 +26,10 @@ NAMED_CONFIGS: dict[str, DecoderConfig] = {
     # The issue's benchmark model: TinyLlama-1.1B shape (hidden 2048, 22 layers, 32 heads, 4 KV heads).
     "llama-1b": DecoderConfig(arch="llama", vocab_size=32000, hidden_size=2048, n_layers=22, n_heads=32, n_kv_heads=4,
                               intermediate_size=5632, max_position=2048, bos_token_id=1, eos_token_id=2),
+    # The same shape with an 8k context (random weights: only the RoPE table grows), for long-prompt benchmarks.
+    "llama-1b-8k": DecoderConfig(arch="llama", vocab_size=32000, hidden_size=2048, n_layers=22, n_heads=32,
+                                 n_kv_heads=4, intermediate_size=5632, max_position=8192, bos_token_id=1,
+                                 eos_token_id=2),
     # LLaMA-2-7B shape, where weight reads dominate a batch-1 step (the tensor-parallel benchmark).
     "llama-7b": DecoderConfig(arch="llama", vocab_size=32000, hidden_size=4096, n_layers=32, n_heads=32, n_kv_heads=32,
                               intermediate_size=11008, max_position=4096, bos_token_id=1, eos_token_id=2),
@@ -148,6 +152,14 @@ class ModelRunner:
         for src, dst, length in plan.moves:
             self.cache.move(src, dst, length)
         dev = self.device
+        if plan.packed and plan.is_prefill:
+            logits = self._packed(plan)
+            if plan.n == 0:
+                return logits
+            dec = self._decode_plan(plan)
+            out = torch.cat([logits.to(dec.dtype), dec])
+            top = getattr(dec, "argmax_tokens", None)
+            return with_argmax(out, None if top is None else torch.cat([logits.argmax(-1), top]))
         if plan.is_prefill:
             B, T = len(plan.prefill_tokens), max(map(len, plan.prefill_tokens))
             toks = torch.zeros(B, T, dtype=torch.long)
@@ -158,6 +170,28 @@ class ModelRunner:
                       last=torch.tensor([len(t) - 1 for t in plan.prefill_tokens], device=dev),
                       all_positions=plan.prompt_logprobs)
             return self.model(toks.to(dev, non_blocking=True), self.cache, b)
+        return self._decode_plan(plan)
+
+    def _packed(self, plan: StepPlan) -> torch.Tensor:
+        """The plan's prefill sequences packed (``hpdl.serve.prefill``): logits ``[sequences, vocab]``, or with
+        prompt logprobs every position's, right-padded to ``[sequences, T, vocab]`` as the padded path returns."""
+        from hpdl.serve.prefill import PackedSeqs, packed_forward
+
+        seqs = PackedSeqs(list(plan.prefill_slots), list(plan.prefill_starts) or [0] * len(plan.prefill_slots),
+                          [len(t) for t in plan.prefill_tokens])
+        toks = torch.tensor([t for seq in plan.prefill_tokens for t in seq], dtype=torch.long)
+        logits = packed_forward(self.model, self.cache, toks.to(self.device, non_blocking=True), seqs,
+                                all_positions=plan.prompt_logprobs)
+        if not plan.prompt_logprobs:
+            return logits
+        cu, T = seqs.cu, max(seqs.lens)
+        out = logits.new_zeros(len(seqs.lens), T, logits.shape[-1])
+        for i, n in enumerate(seqs.lens):
+            out[i, :n] = logits[cu[i]:cu[i + 1]]
+        return out
+
+    def _decode_plan(self, plan: StepPlan) -> torch.Tensor:
+        dev = self.device
         kv_len = max(plan.decode_positions) + 1
         if self.cuda_graph and plan.start == 0:  # graphs read slots from 0 (a retried single row may not)
             try:
