@@ -1,0 +1,65 @@
+"""hpdl.offload.cecopy on CPU: the C struct's layout and the call's arguments for both runtime signatures
+(CUDA 12.8-12.9 with failIdx, 13.x without), against a stand-in runtime that records the call."""
+
+import ctypes
+
+import pytest
+
+from hpdl.offload import cecopy
+from hpdl.offload.errors import OffloadError
+
+
+def test_attributes_match_the_c_struct():
+    # driver_types.h: enum srcAccessOrder; cudaMemLocation srcLocHint {enum type; int id}; dstLocHint; uint flags
+    A = cecopy.MemcpyAttributes
+    assert ctypes.sizeof(A) == 24
+    assert [getattr(A, f).offset for f in ("srcAccessOrder", "srcLocHint_type", "srcLocHint_id",
+                                           "dstLocHint_type", "dstLocHint_id", "flags")] == [0, 4, 8, 12, 16, 20]
+
+
+class _Runtime:
+    """Stands in for libcudart: records cudaMemcpyBatchAsync's arguments, returns ``rc``."""
+
+    def __init__(self, rc=0):
+        self.calls, self.rc = [], rc
+        outer = self
+
+        class Fn:
+            restype = None
+
+            def __call__(self, *args):
+                outer.calls.append(args)
+                return outer.rc
+
+        self.cudaMemcpyBatchAsync = Fn()
+        self.cudaGetErrorString = lambda rc: b"invalid argument"
+
+
+@pytest.mark.parametrize("version,nargs", [(13000, 8), (12080, 9)])
+def test_call_has_the_signature_of_the_runtime(version, nargs):
+    rt = _Runtime()
+    b = cecopy.BatchCopy([0x1000, 0x2000], [0x3000, 0x4000], [64, 128], lib=rt, version=version)
+    b.issue(0xABC)
+    (args,) = rt.calls
+    assert len(args) == nargs
+    dsts, srcs, sizes, count, attrs, idx, nattrs = args[:7]
+    assert list(dsts) == [0x1000, 0x2000] and list(srcs) == [0x3000, 0x4000] and list(sizes) == [64, 128]
+    assert count.value == 2 and nattrs.value == 1 and list(idx) == [0]
+    a = attrs._obj
+    assert a.srcAccessOrder == cecopy.SRC_ACCESS_ORDER_STREAM and a.flags == cecopy.FLAG_PREFER_OVERLAP_WITH_COMPUTE
+    assert args[-1].value == 0xABC
+
+
+def test_errors_are_named():
+    rt = _Runtime(rc=1)
+    b = cecopy.BatchCopy([1], [2], [8], lib=rt, version=13000)
+    with pytest.raises(OffloadError, match="error 1 invalid argument"):
+        b.issue(5)
+    with pytest.raises(OffloadError, match="legacy default stream"):
+        b.issue(0)
+    with pytest.raises(OffloadError, match="as many dsts"):
+        cecopy.BatchCopy([1, 2], [2], [8], lib=rt, version=13000)
+    with pytest.raises(OffloadError, match="> 0 bytes"):
+        cecopy.BatchCopy([1], [2], [0], lib=rt, version=13000)
+    b = cecopy.BatchCopy([1], [2], [8], lib=rt, version=13000, prefer_copy_engine=False)
+    assert b._attrs.flags == 0
