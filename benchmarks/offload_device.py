@@ -489,6 +489,25 @@ def report(res, cfg) -> tuple[list[str], dict]:
     return [x for x in lines if not x.startswith("GOAL")] + [x for x in lines if x.startswith("GOAL")], goals
 
 
+def _comm_part(out: Path, smoke: bool, timeout: float) -> list[str]:
+    """Run benchmarks/comm_apps_device.py (its own spawn of 8 ranks, ~60-100 s) into ``out``; its goal lines,
+    prefixed, or why there are none."""
+    import subprocess
+
+    script = Path(__file__).resolve().parent / "comm_apps_device.py"
+    cmd = [sys.executable, str(script), "--out", str(out)] + (["--smoke"] if smoke else [])
+    t0 = time.perf_counter()
+    try:
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=max(timeout, 240.0))
+    except subprocess.TimeoutExpired:
+        return [f"GOAL comm: NOT MEASURED (comm_apps_device.py ran past {max(timeout, 240.0):.0f} s)"]
+    got = [f"GOAL comm: {x[5:]}" for x in run.stdout.splitlines() if x.startswith("GOAL ")]
+    print(f"# comm: comm_apps_device.py exit {run.returncode}, {time.perf_counter() - t0:.1f}s, see {out}", flush=True)
+    if run.returncode or not got:
+        got.append(f"GOAL comm: comm_apps_device.py exit {run.returncode}: {run.stderr.strip()[-300:]}")
+    return got
+
+
 def main(argv=None) -> int:
     from hpdl.bench.report import source_commit
     from hpdl.offload import native
@@ -508,12 +527,14 @@ def main(argv=None) -> int:
                    help="gpu part: without MPS, under a private MPS daemon, or both side by side (default)")
     p.add_argument("--gpu-matmul", type=int, default=1024, help="gpu part: the compute's square fp32 matmul size")
     p.add_argument("--smoke", action="store_true", help="tiny CPU plumbing check (2 ranks, small blocks)")
-    p.add_argument("--parts", default="jacobi,fft,osu,gpu",
-                   help="comma-separated parts to run: jacobi, fft, osu (8 CPU ranks), gpu (4 ranks on one GPU)")
+    p.add_argument("--parts", default="jacobi,fft,osu,gpu,comm",
+                   help="comma-separated parts to run: jacobi, fft, osu (8 CPU ranks), gpu (4 ranks on one GPU, "
+                        "with and without MPS), comm (benchmarks/comm_apps_device.py: hpdl.comm auto against native, "
+                        "CG, GPT; into OUT/comm)")
     args = p.parse_args(argv)
     parts = {x.strip() for x in args.parts.split(",") if x.strip()}
-    if not parts or parts - {"jacobi", "fft", "osu", "gpu"}:
-        p.error(f"--parts takes a comma-separated subset of jacobi,fft,osu,gpu, got {args.parts!r}")
+    if not parts or parts - {"jacobi", "fft", "osu", "gpu", "comm"}:
+        p.error(f"--parts takes a comma-separated subset of jacobi,fft,osu,gpu,comm, got {args.parts!r}")
     sizes = [(4, 256, 256), (6, 256, 256), (8, 256, 256)]
     osu_sizes = [64 << 10, 256 << 10, 1 << 20]
     fft_shapes = [(128, 128, 128)]
@@ -539,7 +560,10 @@ def main(argv=None) -> int:
     else:  # side by side: the ranks' contexts time-sliced (no MPS) and sharing the SMs (a private MPS daemon)
         res["gpu"] = {name: _gpu_run(cfg, on) for name, on in (("no-MPS", False), ("MPS", True))
                       if args.gpu_mps in ("both", "on" if on else "off")}
+    comm_goals = _comm_part(out / "comm", args.smoke, args.timeout) if "comm" in parts else ["GOAL comm: NOT RUN (--parts)"]
     lines, goals = report(res, cfg)
+    lines += comm_goals
+    goals["comm"] = comm_goals
     meta = {"command": "benchmarks/offload_device.py " + " ".join(sys.argv[1:]), "np": args.np,
             "native_built": built, "torch": torch.__version__, "cpus": os.cpu_count(),
             "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "commit": source_commit(),
