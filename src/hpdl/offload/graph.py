@@ -284,9 +284,10 @@ class GraphRequest:
             self._pulls = plan_pulls(plans, rank, layouts)
             views = [self._views(p, tensors) for p in self._pulls]
             if self.copy == "ce":  # contiguous pulls go to the copy engines in one batch; strided ones stay below
-                flat = [(d, s_) for (d, s_), p in zip(views, self._pulls)
-                        if p.src_span == p.nbytes == p.dst_span and d.is_contiguous() and s_.is_contiguous()]
-                views = [v for v in views if not any(v is f for f in flat)]
+                ce = [p.src_span == p.nbytes == p.dst_span and d.is_contiguous() and s_.is_contiguous()
+                      for (d, s_), p in zip(views, self._pulls)]
+                flat = [v for v, c in zip(views, ce) if c]
+                views = [v for v, c in zip(views, ce) if not c]
                 if flat:
                     from hpdl.offload.cecopy import BatchCopy
 
