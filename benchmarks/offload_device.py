@@ -22,14 +22,21 @@ the offloaded modes run the ranks on the other cores, the baselines (``blocking`
 Writes ``offload.json`` (every repeat's numbers), ``offload.log`` (the table) under ``--out``; prints the goal
 lines last.
 4. Where a GPU is visible: 4 ranks on one GPU (``ranks_per_gpu=4``), a persistent Alltoall of 4 MiB per peer
-   on device buffers, run by the agent (CUDA IPC, device-to-device copies) and by ``progress="graph"`` (each
-   rank's CUDA graph pulls its rows on a copy stream; start/wait are stream events), against matmuls on each
-   rank's stream: Pure Comm, the compute alone, Overall and the effective overlap. Correctness and overlap
-   only (ranks time-slice one GPU; not a multi-GPU bandwidth).
+   on device buffers, run by the agent (CUDA IPC, device-to-device copies), by ``progress="graph"`` with the
+   pulls captured in a CUDA graph (``graph``: ``cudaMemcpyAsync``, which the driver may run on the SMs) and
+   with one ``cudaMemcpyBatchAsync`` preferring the copy engines (``graph-ce``), against 1024^2 fp32 matmuls
+   on each rank's stream: Pure Comm, the compute alone, Overall and the effective overlap. One matmul count
+   for every mode (the compute alone lasts at least the slowest mode's Pure Comm), modes interleaved per
+   repeat. Run twice, without MPS (the ranks' contexts time-slice the GPU) and under a private MPS daemon
+   (their kernels share the SMs), side by side. Correctness and overlap only (not a multi-GPU bandwidth).
+5. ``comm``: ``benchmarks/comm_apps_device.py`` (hpdl.comm ``auto`` against gloo from 8 B to 4 MiB, CG, GPT
+   with ``BucketAllReduce``; 8 ranks) into ``OUT/comm``; its goal lines are copied to the end.
 
-    NCCL_NVLS_ENABLE=0 PYTHONPATH=src python3 benchmarks/offload_device.py --out $OUT/offload
-    ... --parts fft,gpu      # only some parts (jacobi, fft, osu, gpu); the goal lines of the others say NOT RUN
-    PYTHONPATH=src python3 benchmarks/offload_device.py --smoke --out /tmp/offload   # CPU plumbing check
+    NCCL_NVLS_ENABLE=0 PYTHONPATH=src python3 benchmarks/offload_device.py --out $OUT/offload --repeats 5
+        # every part, about 3-4 minutes on the 1 x H200 machine; at most 5 files under $OUT/offload
+    ... --parts fft,gpu      # only some parts (jacobi, fft, osu, gpu, comm); the goal lines of the others say NOT RUN
+    ... --gpu-mps off        # the GPU part without MPS only (on: only under MPS)
+    PYTHONPATH=src python3 benchmarks/offload_device.py --smoke --out /tmp/offload   # CPU plumbing check (~1 min)
 """
 
 from __future__ import annotations
