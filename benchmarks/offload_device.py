@@ -347,7 +347,8 @@ def _gpu_run(cfg, mps: bool):
     from hpdl.runtime.launch import spawn
 
     try:  # the CPU results stand whatever happens here
-        return spawn(gpu_rank, 4, args=(cfg,), device="cuda", ranks_per_gpu=4, mps=mps, timeout=cfg["timeout"])[0]
+        return spawn(gpu_rank, 4, args=(cfg,), device="cuda", ranks_per_gpu=4, mps=mps,
+                     timeout=min(cfg["timeout"], 100.0))[0]  # a hung mode must leave time for the rest
     except Exception as exc:  # noqa: BLE001 - reported in the goal line and the JSON
         return f"failed: {type(exc).__name__}: {str(exc)[:400]}"
 
