@@ -63,3 +63,27 @@ def test_errors_are_named():
         cecopy.BatchCopy([1], [2], [0], lib=rt, version=13000)
     b = cecopy.BatchCopy([1], [2], [8], lib=rt, version=13000, prefer_copy_engine=False)
     assert b._attrs.flags == 0
+
+
+def _bad_copy_mode(ctx):
+    import os
+
+    import torch
+
+    import hpdl.offload as ho
+    from hpdl.offload.errors import PlanError
+
+    os.environ["HPDL_OFFLOAD_GRAPH_COPY"] = "dma" if ctx.rank == 0 else "kernel"  # one rank's typo
+    x = torch.zeros(2, 4)
+    try:
+        ho.alltoall_init(x, torch.zeros(2, 4), progress="graph", timeout=30)
+    except PlanError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_bad_copy_mode_is_an_error_on_every_rank():
+    from hpdl.runtime import spawn
+
+    for msg in spawn(_bad_copy_mode, 2, timeout=120):
+        assert "HPDL_OFFLOAD_GRAPH_COPY must be one of ('kernel', 'ce'), got 'dma'" in msg and "rank 0" in msg, msg
