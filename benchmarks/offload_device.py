@@ -24,7 +24,8 @@ lines last.
 4. Where a GPU is visible: 4 ranks on one GPU (``ranks_per_gpu=4``), a persistent Alltoall of 4 MiB per peer
    on device buffers, run by the agent (CUDA IPC, device-to-device copies), by ``progress="graph"`` with the
    pulls captured in a CUDA graph (``graph``: ``cudaMemcpyAsync``, which the driver may run on the SMs) and
-   with one ``cudaMemcpyBatchAsync`` preferring the copy engines (``graph-ce``), against 1024^2 fp32 matmuls
+   with one ``cudaMemcpyBatchAsync`` preferring the copy engines (``graph-ce``), and by a second agent whose
+   copies prefer the copy engines (``agent-ce``), against 1024^2 fp32 matmuls
    on each rank's stream: Pure Comm, the compute alone, Overall and the effective overlap. One matmul count
    for every mode (the compute alone lasts at least the slowest mode's Pure Comm), modes interleaved per
    repeat. Run twice, without MPS (the ranks' contexts time-slice the GPU) and under a private MPS daemon
@@ -231,20 +232,25 @@ def _fft(ctx, shape, repeats, iters, chunks, timeout):
     return times, int(w.item()), native
 
 
-GPU_MODES = ("agent", "graph", "graph-ce")  # graph: HPDL_OFFLOAD_GRAPH_COPY=kernel; graph-ce: =ce
+GPU_MODES = ("agent", "graph", "graph-ce", "agent-ce")
+# HPDL_OFFLOAD_CUDA_COPY per mode: graph-ce pulls and agent-ce's agent copies on the copy engines
+_COPY = {"agent": "kernel", "graph": "kernel", "graph-ce": "ce", "agent-ce": "ce"}
 
 
 def gpu_rank(ctx, cfg):
-    """4 ranks on one GPU (``ranks_per_gpu``): a persistent Alltoall on device buffers, run by the agent
-    (``agent``: CUDA IPC, device-to-device copies in the agent's own context, host-side completion), by each
-    rank's CUDA graph of captured ``cudaMemcpyAsync`` pulls (``graph``: the driver runs them as SM copy
-    kernels) and by one ``cudaMemcpyBatchAsync`` per start preferring the copy engines (``graph-ce``), while
-    each rank's stream runs matmuls. OSU's numbers per repeat with the compute timed alone; #wrong against gloo
-    on host copies. A mode that fails is reported with its error; the others stand.
+    """4 ranks on one GPU (``ranks_per_gpu``): a persistent Alltoall on device buffers, while each rank's stream
+    runs matmuls, run by
 
-    The compute is the same for every mode (one matmul count, sized so that the compute alone lasts at least
-    the slowest mode's Pure Comm, OSU's rule), and the modes are interleaved inside each repeat, so ``alone``
-    is one measurement taken three times, not three differently sized computations."""
+    - ``agent``: the agent process (CUDA IPC, ``cudaMemcpyAsync`` in its own context, host-side completion);
+    - ``graph``: each rank's CUDA graph of captured ``cudaMemcpyAsync`` pulls (start/wait as stream events);
+    - ``graph-ce``: the same pulls issued as one ``cudaMemcpyBatchAsync`` preferring the copy engines;
+    - ``agent-ce``: a second agent, started with ``HPDL_OFFLOAD_CUDA_COPY=ce`` (measured after the others with
+      the same compute: an agent reads the variable when it starts).
+
+    OSU's numbers per repeat with the compute timed alone; #wrong against gloo on host copies. A mode that
+    fails is reported with its error; the others stand. One matmul count for every mode, sized so that the
+    compute alone lasts at least the slowest mode's Pure Comm (OSU's rule), and the first three modes are
+    interleaved inside each repeat, so ``alone`` is one computation measured for each mode."""
     import math
 
     import torch.distributed as dist
@@ -277,56 +283,57 @@ def gpu_rank(ctx, cfg):
         torch.cuda.synchronize()
         return all_max(time.perf_counter() - t0) * 1e6
 
+    def pure_of(req):
+        def pure():
+            req.start()
+            req.wait()
+        return pure
+
+    def both_of(req, n):
+        def both():
+            req.start()
+            kernel(n)
+            req.wait()
+        return both
+
     res, reqs = {}, {}
-    with ho.Agent(threads=1, timeout=cfg["timeout"], reserve_cores=True):
-        for mode in GPU_MODES:
-            err = None
-            try:
-                os.environ["HPDL_OFFLOAD_GRAPH_COPY"] = "ce" if mode == "graph-ce" else "kernel"
-                inp = (torch.arange(P * count, dtype=torch.float32, device=dev) % 4093 + 10000 * r).view(P, count)
-                out = torch.zeros_like(inp)
-                req = ho.alltoall_init(inp, out, progress="agent" if mode == "agent" else "graph",
-                                       timeout=cfg["timeout"])
-                req.start()
-                req.wait()
-                want = torch.empty(P * count)
-                dist.all_to_all_single(want, inp.view(-1).cpu())
-                wrong = int((out.view(-1).cpu() != want).sum())
-                reqs[mode] = req
-                res[mode] = {"pure_us": [], "alone_us": [], "overall_us": [], "overlap_pct": [], "wrong": wrong}
-            except Exception as exc:  # noqa: BLE001 - reported in the goal line
-                err = f"failed: {type(exc).__name__}: {str(exc)[:300]}"
-            ok = [None] * P
-            dist.all_gather_object(ok, err)
-            bad = next((e for e in ok if e), None)
-            if bad:
-                res[mode] = err or f"failed on another rank: {bad}"
-                if mode in reqs:
+
+    def build(mode):
+        """Compile and check ``mode``'s request (collective; a failure anywhere is this mode's result)."""
+        err = None
+        try:
+            inp = (torch.arange(P * count, dtype=torch.float32, device=dev) % 4093 + 10000 * r).view(P, count)
+            out = torch.zeros_like(inp)
+            req = ho.alltoall_init(inp, out, progress="graph" if mode.startswith("graph") else "agent",
+                                   timeout=cfg["timeout"])
+            reqs[mode] = req
+            req.start()
+            req.wait()
+            want = torch.empty(P * count)
+            dist.all_to_all_single(want, inp.view(-1).cpu())
+            res[mode] = {"pure_us": [], "alone_us": [], "overall_us": [], "overlap_pct": [],
+                         "wrong": int((out.view(-1).cpu() != want).sum())}
+        except Exception as exc:  # noqa: BLE001 - reported in the goal line
+            err = f"failed: {type(exc).__name__}: {str(exc)[:300]}"
+        ok = [None] * P
+        dist.all_gather_object(ok, err)
+        bad = next((e for e in ok if e), None)
+        if bad:
+            res[mode] = err or f"failed on another rank: {bad}"
+            if mode in reqs:
+                try:
                     reqs.pop(mode).free()
-            dist.barrier()
-
-        def pure_of(req):
-            def pure():
-                req.start()
-                req.wait()
-            return pure
-
-        def both_of(req, n):
-            def both():
-                req.start()
-                kernel(n)
-                req.wait()
-            return both
-
-        for req in reqs.values():
+                except Exception:  # noqa: BLE001 - an active request after a failed wait: dropped
+                    pass
+        dist.barrier()
+        if mode in reqs:
             for _ in range(3):
-                pure_of(req)()
-        pure0 = {m: statistics.median([timed(pure_of(q)) for _ in range(5)]) for m, q in reqs.items()}
-        kernel(3)
-        one = statistics.median([timed(lambda: kernel(20)) for _ in range(3)]) / 20
-        n = max(1, math.ceil(max(pure0.values(), default=one) / max(one, 1e-3)))
+                pure_of(reqs[mode])()
+
+    def measure(modes, n):
         for _ in range(cfg["repeats"]):
-            for m, q in reqs.items():
+            for m in modes:
+                q = reqs[m]
                 p = statistics.median([timed(pure_of(q)) for _ in range(cfg["iters"])])
                 al = statistics.median([timed(lambda: kernel(n)) for _ in range(cfg["iters"])])
                 ov = statistics.median([timed(both_of(q, n)) for _ in range(cfg["iters"])])
@@ -334,11 +341,36 @@ def gpu_rank(ctx, cfg):
                 res[m]["alone_us"].append(al)
                 res[m]["overall_us"].append(ov)
                 res[m]["overlap_pct"].append(overlap_pct(ov, al, p))
-        for m, q in reqs.items():
+        for m in modes:
             res[m]["kernel_iters"] = n
             res[m]["matmul_us"] = one
-            q.free()
+            reqs.pop(m).free()
+
+    kernel(3)
+    torch.cuda.synchronize()
+    one = statistics.median([timed(lambda: kernel(20)) for _ in range(3)]) / 20
+    first = [m for m in GPU_MODES if m != "agent-ce"]
+    with ho.Agent(threads=1, timeout=cfg["timeout"], reserve_cores=True):
+        for mode in first:
+            os.environ["HPDL_OFFLOAD_CUDA_COPY"] = _COPY[mode]
+            build(mode)
+        live = [m for m in first if m in reqs]
+        pure0 = [statistics.median([timed(pure_of(reqs[m])) for _ in range(5)]) for m in live]
+        n = max(1, math.ceil(max(pure0, default=one) / max(one, 1e-3)))
+        measure(live, n)
         dist.barrier()
+    os.environ["HPDL_OFFLOAD_CUDA_COPY"] = "ce"  # the second agent inherits it
+    try:
+        with ho.Agent(threads=1, timeout=cfg["timeout"], reserve_cores=True):
+            build("agent-ce")
+            if "agent-ce" in reqs:
+                p0 = statistics.median([timed(pure_of(reqs["agent-ce"])) for _ in range(5)])
+                measure(["agent-ce"], max(n, math.ceil(p0 / max(one, 1e-3))))  # compute >= its Pure Comm too
+            dist.barrier()
+    except Exception as exc:  # noqa: BLE001 - the agent did not start: the other modes stand
+        res["agent-ce"] = f"failed: {type(exc).__name__}: {str(exc)[:300]}"
+    finally:
+        os.environ["HPDL_OFFLOAD_CUDA_COPY"] = "kernel"
     return res
 
 

@@ -73,7 +73,7 @@ def _bad_copy_mode(ctx):
     import hpdl.offload as ho
     from hpdl.offload.errors import PlanError
 
-    os.environ["HPDL_OFFLOAD_GRAPH_COPY"] = "dma" if ctx.rank == 0 else "kernel"  # one rank's typo
+    os.environ["HPDL_OFFLOAD_CUDA_COPY"] = "dma" if ctx.rank == 0 else "kernel"  # one rank's typo
     x = torch.zeros(2, 4)
     try:
         ho.alltoall_init(x, torch.zeros(2, 4), progress="graph", timeout=30)
@@ -86,4 +86,17 @@ def test_bad_copy_mode_is_an_error_on_every_rank():
     from hpdl.runtime import spawn
 
     for msg in spawn(_bad_copy_mode, 2, timeout=120):
-        assert "HPDL_OFFLOAD_GRAPH_COPY must be one of ('kernel', 'ce'), got 'dma'" in msg and "rank 0" in msg, msg
+        assert "HPDL_OFFLOAD_CUDA_COPY must be one of ('kernel', 'ce'), got 'dma'" in msg and "rank 0" in msg, msg
+
+
+def test_cpu_copies_ignore_the_cuda_copy_mode(monkeypatch):
+    import torch
+
+    from hpdl.offload.executor import _copy_fn
+
+    for mode in ("ce", "bogus"):  # only copies between buffers of one GPU read it
+        monkeypatch.setenv("HPDL_OFFLOAD_CUDA_COPY", mode)
+        dst, src = torch.zeros(2, 3), torch.arange(6.0)
+        fn = _copy_fn(dst, src)
+        fn()
+        assert fn.pair is not None and dst.view(-1).tolist() == src.tolist()

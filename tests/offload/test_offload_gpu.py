@@ -11,10 +11,14 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def _gpu_plans(ctx, mode):
+    import os
+
     import torch.distributed as dist
 
     import hpdl.offload as ho
 
+    if mode == "agent-ce":  # the agent (started below, inheriting it) copies contiguous boxes on the copy engines
+        os.environ["HPDL_OFFLOAD_CUDA_COPY"], mode = "ce", "agent"
     dev = torch.device("cuda", 0)
     agent = ho.Agent(timeout=60).start() if mode == "agent" else None
     try:
@@ -42,7 +46,7 @@ def _gpu_plans(ctx, mode):
             agent.stop()
 
 
-@pytest.mark.parametrize("mode", ["agent", "thread"])
+@pytest.mark.parametrize("mode", ["agent", "thread", "agent-ce"])
 def test_cuda_buffers_exact(mode):
     assert spawn(_gpu_plans, 2, args=(mode,), timeout=120) == [0, 0]
 
@@ -99,7 +103,7 @@ def _graph_plans(ctx, copy="kernel"):
     import hpdl.offload as ho
     from hpdl.offload import plans
 
-    os.environ["HPDL_OFFLOAD_GRAPH_COPY"] = copy  # ce: contiguous pulls on the copy engines (one batch call)
+    os.environ["HPDL_OFFLOAD_CUDA_COPY"] = copy  # ce: contiguous pulls on the copy engines (one batch call)
     dev = torch.device("cuda", 0)
     P, r = ctx.world_size, ctx.rank
     # views with storage offsets, different on every rank (the pulls must add the peer's offsets)

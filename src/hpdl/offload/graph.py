@@ -201,7 +201,7 @@ class GraphRequest:
 
         from hpdl.runtime import env
 
-        self.copy = (copy or env.get("HPDL_OFFLOAD_GRAPH_COPY")).strip().lower()
+        self.copy = (copy or env.get("HPDL_OFFLOAD_CUDA_COPY")).strip().lower()
         self.plan = plans[rank]
         self.buffers = tensors
         self.timeout = timeout
@@ -211,12 +211,12 @@ class GraphRequest:
         devs = {t.device for t in tensors.values()}
         err = None
         if self.copy not in COPY_MODES:
-            err = f"rank {rank}: HPDL_OFFLOAD_GRAPH_COPY must be one of {COPY_MODES}, got {self.copy!r}"
+            err = f"rank {rank}: HPDL_OFFLOAD_CUDA_COPY must be one of {COPY_MODES}, got {self.copy!r}"
         elif self.copy == "ce":
             from hpdl.offload.cecopy import unavailable_reason
 
             if torch.cuda.is_available() and unavailable_reason():
-                err = f"rank {rank}: HPDL_OFFLOAD_GRAPH_COPY=ce: {unavailable_reason()}"
+                err = f"rank {rank}: HPDL_OFFLOAD_CUDA_COPY=ce: {unavailable_reason()}"
         if err is None and (len(devs) != 1 or next(iter(devs)).type != "cuda"):
             err = f"rank {rank}: progress='graph' needs every buffer on one CUDA device, got {sorted(map(str, devs))}"
         elif err is None:
