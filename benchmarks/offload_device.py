@@ -586,7 +586,8 @@ def main(argv=None) -> int:
     built = native.load() is not None
     cfg = {"np": args.np, "repeats": args.repeats, "steps": args.steps, "iters": args.iters,
            "agent_threads": args.agent_threads, "timeout": args.timeout, "sizes": sizes, "osu_sizes": osu_sizes,
-           "fft_shapes": fft_shapes, "gpu_count": 1 << 20, "gpu_matmul": args.gpu_matmul, "fft_iters": args.fft_iters, "fft_chunks": args.fft_chunks,
+           "fft_shapes": fft_shapes, "gpu_count": 1 << 20, "gpu_matmul": args.gpu_matmul,
+           "fft_iters": args.fft_iters, "fft_chunks": args.fft_chunks,
            "smoke": args.smoke, "parts": sorted(parts)}
     t0 = time.perf_counter()
     if parts & {"jacobi", "fft", "osu"}:
@@ -600,7 +601,8 @@ def main(argv=None) -> int:
     else:  # side by side: the ranks' contexts time-sliced (no MPS) and sharing the SMs (a private MPS daemon)
         res["gpu"] = {name: _gpu_run(cfg, on) for name, on in (("no-MPS", False), ("MPS", True))
                       if args.gpu_mps in ("both", "on" if on else "off")}
-    comm_goals = _comm_part(out / "comm", args.smoke, args.timeout) if "comm" in parts else ["GOAL comm: NOT RUN (--parts)"]
+    comm_goals = (_comm_part(out / "comm", args.smoke, args.timeout) if "comm" in parts
+                  else ["GOAL comm: NOT RUN (--parts)"])
     lines, goals = report(res, cfg)
     lines += comm_goals
     goals["comm"] = comm_goals
