@@ -22,14 +22,22 @@ the offloaded modes run the ranks on the other cores, the baselines (``blocking`
 Writes ``offload.json`` (every repeat's numbers), ``offload.log`` (the table) under ``--out``; prints the goal
 lines last.
 4. Where a GPU is visible: 4 ranks on one GPU (``ranks_per_gpu=4``), a persistent Alltoall of 4 MiB per peer
-   on device buffers, run by the agent (CUDA IPC, device-to-device copies) and by ``progress="graph"`` (each
-   rank's CUDA graph pulls its rows on a copy stream; start/wait are stream events), against matmuls on each
-   rank's stream: Pure Comm, the compute alone, Overall and the effective overlap. Correctness and overlap
-   only (ranks time-slice one GPU; not a multi-GPU bandwidth).
+   on device buffers, run by the agent (CUDA IPC, device-to-device copies), by ``progress="graph"`` with the
+   pulls captured in a CUDA graph (``graph``: ``cudaMemcpyAsync``, which the driver may run on the SMs) and
+   with one ``cudaMemcpyBatchAsync`` preferring the copy engines (``graph-ce``), and by a second agent whose
+   copies prefer the copy engines (``agent-ce``), against 1024^2 fp32 matmuls
+   on each rank's stream: Pure Comm, the compute alone, Overall and the effective overlap. One matmul count
+   for every mode (the compute alone lasts at least the slowest mode's Pure Comm), modes interleaved per
+   repeat. Run twice, without MPS (the ranks' contexts time-slice the GPU) and under a private MPS daemon
+   (their kernels share the SMs), side by side. Correctness and overlap only (not a multi-GPU bandwidth).
+5. ``comm``: ``benchmarks/comm_apps_device.py`` (hpdl.comm ``auto`` against gloo from 8 B to 4 MiB, CG, GPT
+   with ``BucketAllReduce``; 8 ranks) into ``OUT/comm``; its goal lines are copied to the end.
 
-    NCCL_NVLS_ENABLE=0 PYTHONPATH=src python3 benchmarks/offload_device.py --out $OUT/offload
-    ... --parts fft,gpu      # only some parts (jacobi, fft, osu, gpu); the goal lines of the others say NOT RUN
-    PYTHONPATH=src python3 benchmarks/offload_device.py --smoke --out /tmp/offload   # CPU plumbing check
+    NCCL_NVLS_ENABLE=0 PYTHONPATH=src python3 benchmarks/offload_device.py --out $OUT/offload --repeats 5
+        # every part, about 3-4 minutes on the 1 x H200 machine; at most 5 files under $OUT/offload
+    ... --parts fft,gpu      # only some parts (jacobi, fft, osu, gpu, comm); the goal lines of the others say NOT RUN
+    ... --gpu-mps off        # the GPU part without MPS only (on: only under MPS)
+    PYTHONPATH=src python3 benchmarks/offload_device.py --smoke --out /tmp/offload   # CPU plumbing check (~1 min)
 """
 
 from __future__ import annotations
@@ -224,12 +232,27 @@ def _fft(ctx, shape, repeats, iters, chunks, timeout):
     return times, int(w.item()), native
 
 
+GPU_MODES = ("agent", "graph", "graph-ce", "agent-ce")
+# HPDL_OFFLOAD_CUDA_COPY per mode: graph-ce pulls and agent-ce's agent copies on the copy engines
+_COPY = {"agent": "kernel", "graph": "kernel", "graph-ce": "ce", "agent-ce": "ce"}
+
+
 def gpu_rank(ctx, cfg):
-    """4 ranks on one GPU (``ranks_per_gpu``): a persistent Alltoall on device buffers, run by the agent
-    (``agent``: CUDA IPC, device-to-device copies, host-side completion) and by the copy engines themselves
-    (``graph``: each rank's CUDA graph pulls its rows, start/wait as stream events), while each rank's stream
-    runs matmuls. OSU's numbers per repeat with the compute timed alone; #wrong against gloo on host copies.
-    A mode that fails is reported with its error; the other stands."""
+    """4 ranks on one GPU (``ranks_per_gpu``): a persistent Alltoall on device buffers, while each rank's stream
+    runs matmuls, run by
+
+    - ``agent``: the agent process (CUDA IPC, ``cudaMemcpyAsync`` in its own context, host-side completion);
+    - ``graph``: each rank's CUDA graph of captured ``cudaMemcpyAsync`` pulls (start/wait as stream events);
+    - ``graph-ce``: the same pulls issued as one ``cudaMemcpyBatchAsync`` preferring the copy engines;
+    - ``agent-ce``: a second agent, started with ``HPDL_OFFLOAD_CUDA_COPY=ce`` (measured after the others with
+      the same compute: an agent reads the variable when it starts).
+
+    OSU's numbers per repeat with the compute timed alone; #wrong against gloo on host copies. A mode that
+    fails is reported with its error; the others stand. One matmul count for every mode, sized so that the
+    compute alone lasts at least the slowest mode's Pure Comm (OSU's rule), and the first three modes are
+    interleaved inside each repeat, so ``alone`` is one computation measured for each mode."""
+    import math
+
     import torch.distributed as dist
 
     import hpdl.offload as ho
@@ -239,14 +262,13 @@ def gpu_rank(ctx, cfg):
     torch.cuda.set_device(dev)
     P, r = ctx.world_size, ctx.rank
     count = cfg["gpu_count"]
-    out_all = {}
 
-    def avg_max(v):
+    def all_max(v):
         t = torch.tensor([v], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t)
 
-    a = torch.randn(1024, 1024, device=dev)
+    a = torch.randn(cfg["gpu_matmul"], cfg["gpu_matmul"], device=dev)
     c = torch.empty_like(a)
 
     def kernel(n):
@@ -259,55 +281,108 @@ def gpu_rank(ctx, cfg):
         t0 = time.perf_counter()
         fn()
         torch.cuda.synchronize()
-        return avg_max(time.perf_counter() - t0) * 1e6
+        return all_max(time.perf_counter() - t0) * 1e6
 
+    def pure_of(req):
+        def pure():
+            req.start()
+            req.wait()
+        return pure
+
+    def both_of(req, n):
+        def both():
+            req.start()
+            kernel(n)
+            req.wait()
+        return both
+
+    res, reqs = {}, {}
+
+    def build(mode):
+        """Compile and check ``mode``'s request (collective; a failure anywhere is this mode's result)."""
+        err = None
+        try:
+            inp = (torch.arange(P * count, dtype=torch.float32, device=dev) % 4093 + 10000 * r).view(P, count)
+            out = torch.zeros_like(inp)
+            req = ho.alltoall_init(inp, out, progress="graph" if mode.startswith("graph") else "agent",
+                                   timeout=cfg["timeout"])
+            reqs[mode] = req
+            req.start()
+            req.wait()
+            want = torch.empty(P * count)
+            dist.all_to_all_single(want, inp.view(-1).cpu())
+            res[mode] = {"pure_us": [], "alone_us": [], "overall_us": [], "overlap_pct": [],
+                         "wrong": int((out.view(-1).cpu() != want).sum())}
+        except Exception as exc:  # noqa: BLE001 - reported in the goal line
+            err = f"failed: {type(exc).__name__}: {str(exc)[:300]}"
+        ok = [None] * P
+        dist.all_gather_object(ok, err)
+        bad = next((e for e in ok if e), None)
+        if bad:
+            res[mode] = err or f"failed on another rank: {bad}"
+            if mode in reqs:
+                try:
+                    reqs.pop(mode).free()
+                except Exception:  # noqa: BLE001 - an active request after a failed wait: dropped
+                    pass
+        dist.barrier()
+        if mode in reqs:
+            for _ in range(3):
+                pure_of(reqs[mode])()
+
+    def measure(modes, n):
+        for _ in range(cfg["repeats"]):
+            for m in modes:
+                q = reqs[m]
+                p = statistics.median([timed(pure_of(q)) for _ in range(cfg["iters"])])
+                al = statistics.median([timed(lambda: kernel(n)) for _ in range(cfg["iters"])])
+                ov = statistics.median([timed(both_of(q, n)) for _ in range(cfg["iters"])])
+                res[m]["pure_us"].append(p)
+                res[m]["alone_us"].append(al)
+                res[m]["overall_us"].append(ov)
+                res[m]["overlap_pct"].append(overlap_pct(ov, al, p))
+        for m in modes:
+            res[m]["kernel_iters"] = n
+            res[m]["matmul_us"] = one
+            reqs.pop(m).free()
+
+    kernel(3)
+    torch.cuda.synchronize()
+    one = statistics.median([timed(lambda: kernel(20)) for _ in range(3)]) / 20
+    first = [m for m in GPU_MODES if m != "agent-ce"]
     with ho.Agent(threads=1, timeout=cfg["timeout"], reserve_cores=True):
-        for mode in ("agent", "graph"):
-            res = {"pure_us": [], "alone_us": [], "overall_us": [], "overlap_pct": [], "wrong": 0}
-            try:
-                inp = (torch.arange(P * count, dtype=torch.float32, device=dev) % 4093 + 10000 * r).view(P, count)
-                out = torch.zeros_like(inp)
-                req = ho.alltoall_init(inp, out, progress=mode, timeout=cfg["timeout"])
-                req.start()
-                req.wait()
-                want = torch.empty(P * count)
-                dist.all_to_all_single(want, inp.view(-1).cpu())
-                res["wrong"] = int((out.view(-1).cpu() != want).sum())
-
-                def pure():
-                    req.start()
-                    req.wait()
-
-                for _ in range(3):
-                    pure()
-                pure_us = statistics.median([timed(pure) for _ in range(5)])
-                one = statistics.median([timed(lambda: kernel(10)) for _ in range(3)]) / 10
-                n = max(1, int(pure_us / max(one, 1e-3)) + 1)
-
-                def both():
-                    req.start()
-                    kernel(n)
-                    req.wait()
-
-                for _ in range(cfg["repeats"]):
-                    p = statistics.median([timed(pure) for _ in range(cfg["iters"])])
-                    al = statistics.median([timed(lambda: kernel(n)) for _ in range(cfg["iters"])])
-                    ov = statistics.median([timed(both) for _ in range(cfg["iters"])])
-                    res["pure_us"].append(p)
-                    res["alone_us"].append(al)
-                    res["overall_us"].append(ov)
-                    res["overlap_pct"].append(overlap_pct(ov, al, p))
-                res["kernel_iters"] = n
-                req.free()
-            except Exception as exc:  # noqa: BLE001 - reported in the goal line
-                res = f"failed: {type(exc).__name__}: {str(exc)[:300]}"
-            ok = [None] * P
-            dist.all_gather_object(ok, isinstance(res, dict))
-            if not all(ok) and isinstance(res, dict):
-                res = "failed on another rank"
-            out_all[mode] = res
+        for mode in first:
+            os.environ["HPDL_OFFLOAD_CUDA_COPY"] = _COPY[mode]
+            build(mode)
+        live = [m for m in first if m in reqs]
+        pure0 = [statistics.median([timed(pure_of(reqs[m])) for _ in range(5)]) for m in live]
+        n = max(1, math.ceil(max(pure0, default=one) / max(one, 1e-3)))
+        measure(live, n)
+        dist.barrier()
+    os.environ["HPDL_OFFLOAD_CUDA_COPY"] = "ce"  # the second agent inherits it
+    try:
+        with ho.Agent(threads=1, timeout=cfg["timeout"], reserve_cores=True):
+            build("agent-ce")
+            if "agent-ce" in reqs:
+                p0 = statistics.median([timed(pure_of(reqs["agent-ce"])) for _ in range(5)])
+                measure(["agent-ce"], max(n, math.ceil(p0 / max(one, 1e-3))))  # compute >= its Pure Comm too
             dist.barrier()
-    return out_all
+    except Exception as exc:  # noqa: BLE001 - the agent did not start: the other modes stand
+        res["agent-ce"] = f"failed: {type(exc).__name__}: {str(exc)[:300]}"
+    finally:
+        os.environ["HPDL_OFFLOAD_CUDA_COPY"] = "kernel"
+    return res
+
+
+def _gpu_run(cfg, mps: bool):
+    """gpu_rank's results under one MPS setting, or why there are none."""
+    from hpdl.runtime.launch import spawn
+
+    try:  # the CPU results stand whatever happens here
+        return spawn(gpu_rank, 4, args=(cfg,), device="cuda", ranks_per_gpu=4, mps=mps,
+                     timeout=min(cfg["timeout"], 100.0))[0]  # a hung mode must leave time for the rest
+    except Exception as exc:  # noqa: BLE001 - reported in the goal line and the JSON
+        return f"failed: {type(exc).__name__}: {str(exc)[:400]}"
 
 
 def rank_main(ctx, cfg):
@@ -422,29 +497,55 @@ def report(res, cfg) -> tuple[list[str], dict]:
         lines.append("GOAL OSU: NOT RUN (--parts)")
     g = res.get("gpu")
     gpu_ok = []
-    for mode in ("agent", "graph"):
-        m = g.get(mode) if isinstance(g, dict) else g
-        if not isinstance(m, dict):
-            lines.append(f"# GPU {mode}: NOT MEASURED ({m})")
-            continue
-        ovl = statistics.median(m["overlap_pct"])
-        gpu_ok.append((mode, ovl, m["wrong"]))
-        lines.append(f"# GPU {mode}: 4 ranks on one GPU, Alltoall {cfg['gpu_count'] * 4} B per peer on device "
-                     f"buffers vs matmuls: Pure {_spread(m['pure_us'])} us, alone {_spread(m['alone_us'])} us, "
-                     f"Overall {_spread(m['overall_us'])} us, effective overlap {ovl:.1f}% "
-                     f"({min(m['overlap_pct']):.1f}-{max(m['overlap_pct']):.1f}), #wrong {m['wrong']}")
-    goals["gpu"] = any(o >= 80.0 and w == 0 for _, o, w in gpu_ok)
-    lines.append("GOAL 4 ranks on one GPU, device-buffer plan overlapping a kernel >= 80%: "
-                 + (("MET" if goals["gpu"] else "MISSED") + " (" + ", ".join(f"{md} {o:.1f}%" for md, o, _ in gpu_ok)
-                    + ")" if gpu_ok else f"NOT MEASURED ({g if not isinstance(g, dict) else 'both modes failed'})"))
-    wrong = sum(m["wrong"] for m in (res["gpu"].values() if isinstance(res.get("gpu"), dict) else ())
+    settings = g if isinstance(g, dict) else {}
+    for setting, sres in settings.items():
+        for mode in GPU_MODES:
+            m = sres.get(mode) if isinstance(sres, dict) else sres
+            if not isinstance(m, dict):
+                lines.append(f"# GPU {setting:>6} {mode:>8}: NOT MEASURED ({m})")
+                continue
+            ovl = statistics.median(m["overlap_pct"])
+            gpu_ok.append((setting, mode, ovl, m["wrong"]))
+            lines.append(f"# GPU {setting:>6} {mode:>8}: Pure {_spread(m['pure_us']):>26} us, alone "
+                         f"{_spread(m['alone_us']):>26} us ({m['kernel_iters']} x {m['matmul_us']:.0f} us matmuls), "
+                         f"Overall {_spread(m['overall_us']):>26} us, effective overlap {ovl:.1f}% "
+                         f"({min(m['overlap_pct']):.1f}-{max(m['overlap_pct']):.1f}), #wrong {m['wrong']}")
+    goals["gpu"] = any(o >= GOAL_EFFECTIVE and w == 0 for _, _, o, w in gpu_ok)
+    head = (f"4 ranks on one GPU, Alltoall {cfg['gpu_count'] * 4} B per peer on device buffers vs "
+            f"{cfg['gpu_matmul']}^2 fp32 matmuls, effective overlap >= {GOAL_EFFECTIVE:.0f}%: ")
+    if gpu_ok:
+        lines.append("GOAL " + head + ("MET" if goals["gpu"] else "MISSED") + " ("
+                     + ", ".join(f"{st} {md} {o:.1f}%" for st, md, o, _ in gpu_ok) + ")")
+    else:
+        lines.append("GOAL " + head + f"NOT MEASURED ({g if not settings else settings})")
+    wrong = sum(m["wrong"] for sres in settings.values() if isinstance(sres, dict) for m in sres.values()
                 if isinstance(m, dict)) + \
         sum(r["wrong"] for r in res.get("fft", {}).values()) + \
         sum(sum(r["wrong"].values()) for r in res["jacobi"].values()) + \
         sum(sum(r["wrong"].values()) for r in res["osu"].values())
     lines.append(f"# #wrong total: {wrong}")
     goals["wrong"] = wrong
-    return lines, goals
+    # the tables first, the goal lines last
+    return [x for x in lines if not x.startswith("GOAL")] + [x for x in lines if x.startswith("GOAL")], goals
+
+
+def _comm_part(out: Path, smoke: bool, timeout: float) -> list[str]:
+    """Run benchmarks/comm_apps_device.py (its own spawn of 8 ranks, ~60-100 s) into ``out``; its goal lines,
+    prefixed, or why there are none."""
+    import subprocess
+
+    script = Path(__file__).resolve().parent / "comm_apps_device.py"
+    cmd = [sys.executable, str(script), "--out", str(out)] + (["--smoke"] if smoke else [])
+    t0 = time.perf_counter()
+    try:
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=max(timeout, 240.0))
+    except subprocess.TimeoutExpired:
+        return [f"GOAL comm: NOT MEASURED (comm_apps_device.py ran past {max(timeout, 240.0):.0f} s)"]
+    got = [f"GOAL comm: {x[5:]}" for x in run.stdout.splitlines() if x.startswith("GOAL ")]
+    print(f"# comm: comm_apps_device.py exit {run.returncode}, {time.perf_counter() - t0:.1f}s, see {out}", flush=True)
+    if run.returncode or not got:
+        got.append(f"GOAL comm: comm_apps_device.py exit {run.returncode}: {run.stderr.strip()[-300:]}")
+    return got
 
 
 def main(argv=None) -> int:
@@ -462,13 +563,18 @@ def main(argv=None) -> int:
     p.add_argument("--fft-iters", type=int, default=5, help="timed FFTs per repeat")
     p.add_argument("--fft-chunks", type=int, default=4, help="slabs of the pipelined transposes")
     p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--gpu-mps", choices=("both", "on", "off"), default="both",
+                   help="gpu part: without MPS, under a private MPS daemon, or both side by side (default)")
+    p.add_argument("--gpu-matmul", type=int, default=1024, help="gpu part: the compute's square fp32 matmul size")
     p.add_argument("--smoke", action="store_true", help="tiny CPU plumbing check (2 ranks, small blocks)")
-    p.add_argument("--parts", default="jacobi,fft,osu,gpu",
-                   help="comma-separated parts to run: jacobi, fft, osu (8 CPU ranks), gpu (4 ranks on one GPU)")
+    p.add_argument("--parts", default="jacobi,fft,osu,gpu,comm",
+                   help="comma-separated parts to run: jacobi, fft, osu (8 CPU ranks), gpu (4 ranks on one GPU, "
+                        "with and without MPS), comm (benchmarks/comm_apps_device.py: hpdl.comm auto against native, "
+                        "CG, GPT; into OUT/comm)")
     args = p.parse_args(argv)
     parts = {x.strip() for x in args.parts.split(",") if x.strip()}
-    if not parts or parts - {"jacobi", "fft", "osu", "gpu"}:
-        p.error(f"--parts takes a comma-separated subset of jacobi,fft,osu,gpu, got {args.parts!r}")
+    if not parts or parts - {"jacobi", "fft", "osu", "gpu", "comm"}:
+        p.error(f"--parts takes a comma-separated subset of jacobi,fft,osu,gpu,comm, got {args.parts!r}")
     sizes = [(4, 256, 256), (6, 256, 256), (8, 256, 256)]
     osu_sizes = [64 << 10, 256 << 10, 1 << 20]
     fft_shapes = [(128, 128, 128)]
@@ -480,7 +586,8 @@ def main(argv=None) -> int:
     built = native.load() is not None
     cfg = {"np": args.np, "repeats": args.repeats, "steps": args.steps, "iters": args.iters,
            "agent_threads": args.agent_threads, "timeout": args.timeout, "sizes": sizes, "osu_sizes": osu_sizes,
-           "fft_shapes": fft_shapes, "gpu_count": 1 << 20, "fft_iters": args.fft_iters, "fft_chunks": args.fft_chunks,
+           "fft_shapes": fft_shapes, "gpu_count": 1 << 20, "gpu_matmul": args.gpu_matmul,
+           "fft_iters": args.fft_iters, "fft_chunks": args.fft_chunks,
            "smoke": args.smoke, "parts": sorted(parts)}
     t0 = time.perf_counter()
     if parts & {"jacobi", "fft", "osu"}:
@@ -491,12 +598,14 @@ def main(argv=None) -> int:
         res["gpu"] = "not run (--parts)"
     elif not torch.cuda.is_available():
         res["gpu"] = "no CUDA GPU here"
-    else:
-        try:  # the CPU results stand whatever happens here
-            res["gpu"] = spawn(gpu_rank, 4, args=(cfg,), device="cuda", ranks_per_gpu=4, timeout=args.timeout)[0]
-        except Exception as exc:  # noqa: BLE001 - reported in the goal line and the JSON
-            res["gpu"] = f"failed: {type(exc).__name__}: {str(exc)[:400]}"
+    else:  # side by side: the ranks' contexts time-sliced (no MPS) and sharing the SMs (a private MPS daemon)
+        res["gpu"] = {name: _gpu_run(cfg, on) for name, on in (("no-MPS", False), ("MPS", True))
+                      if args.gpu_mps in ("both", "on" if on else "off")}
+    comm_goals = (_comm_part(out / "comm", args.smoke, args.timeout) if "comm" in parts
+                  else ["GOAL comm: NOT RUN (--parts)"])
     lines, goals = report(res, cfg)
+    lines += comm_goals
+    goals["comm"] = comm_goals
     meta = {"command": "benchmarks/offload_device.py " + " ".join(sys.argv[1:]), "np": args.np,
             "native_built": built, "torch": torch.__version__, "cpus": os.cpu_count(),
             "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "commit": source_commit(),

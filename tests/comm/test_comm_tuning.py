@@ -7,7 +7,10 @@ from hpdl.comm.ops import normalize_op, shard_bounds
 def test_default_table_picks_by_size_and_device():
     t = tuning.default_table()
     assert t.select(8, 4, "cpu")[0] == "native"     # CG's 8-byte dot products: gloo's C++ all-reduce (issue 41)
-    assert t.select(8, 8, "cpu")[0] == "native" and t.select(48 << 10, 8, "cpu")[0] == "native"
+    assert t.select(8, 8, "cpu")[0] == "native" and t.select(48 << 10, 6, "cpu")[0] == "native"
+    # 8 ranks: the 16-core host's measured table (docs/benchmarks/data/apps/2026-12-04_1729_comm_apps)
+    assert [t.select(n, 8, "cpu")[0] for n in (64, 4 << 10, 32 << 10)] == ["recursive_doubling"] * 3
+    assert [t.select(n, 8, "cpu")[0] for n in (48 << 10, 1 << 20, 4 << 20)] == ["direct", "direct", "native"]
     assert t.select(256 << 10, 4, "cpu")[0] == "direct"
     assert t.select(64 << 20, 4, "cpu")[0] == "native"
     assert t.select(8, 1, "cpu")[0] == "native"

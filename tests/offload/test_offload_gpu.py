@@ -11,10 +11,14 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def _gpu_plans(ctx, mode):
+    import os
+
     import torch.distributed as dist
 
     import hpdl.offload as ho
 
+    if mode == "agent-ce":  # the agent (started below, inheriting it) copies contiguous boxes on the copy engines
+        os.environ["HPDL_OFFLOAD_CUDA_COPY"], mode = "ce", "agent"
     dev = torch.device("cuda", 0)
     agent = ho.Agent(timeout=60).start() if mode == "agent" else None
     try:
@@ -42,7 +46,7 @@ def _gpu_plans(ctx, mode):
             agent.stop()
 
 
-@pytest.mark.parametrize("mode", ["agent", "thread"])
+@pytest.mark.parametrize("mode", ["agent", "thread", "agent-ce"])
 def test_cuda_buffers_exact(mode):
     assert spawn(_gpu_plans, 2, args=(mode,), timeout=120) == [0, 0]
 
@@ -87,16 +91,19 @@ def test_start_queues_an_event_instead_of_synchronising_the_stream(mode):
         assert wrong == 0 and start_s < 0.02, (wrong, start_s)
 
 
-def _graph_plans(ctx):
+def _graph_plans(ctx, copy="kernel"):
     """progress='graph': the copy engines pull every receive box from the peers' buffers (CUDA IPC) in a
     replayed CUDA graph; start/wait are stream events. Alltoall (buffers are views at storage offsets) and a
     halo exchange, many starts, exact; the peers' mappings live as long as the requests (the first device run
     died here with an illegal memory access: they were closed right after capture)."""
     import torch.distributed as dist
 
+    import os
+
     import hpdl.offload as ho
     from hpdl.offload import plans
 
+    os.environ["HPDL_OFFLOAD_CUDA_COPY"] = copy  # ce: contiguous pulls on the copy engines (one batch call)
     dev = torch.device("cuda", 0)
     P, r = ctx.world_size, ctx.rank
     # views with storage offsets, different on every rank (the pulls must add the peer's offsets)
@@ -129,6 +136,6 @@ def _graph_plans(ctx):
     return wrong
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_graph_progress_exact(world):
-    assert spawn(_graph_plans, world, timeout=120) == [0] * world
+@pytest.mark.parametrize("world,copy", [(2, "kernel"), (4, "kernel"), (4, "ce")])
+def test_graph_progress_exact(world, copy):
+    assert spawn(_graph_plans, world, args=(copy,), timeout=120) == [0] * world

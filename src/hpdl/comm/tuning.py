@@ -159,6 +159,11 @@ class TuningTable:
 # the apps' also paid an NVML query per call, since removed.) Direct 1.2-1.8x native from 64 KiB to 512 KiB
 # (4 ranks) and 1 MiB (8 ranks) on that 32-core host; above that gloo's own chunked C++ all-reduce is faster,
 # so auto uses it. benchmarks/comm_apps_device.py measures every CPU rule on the 16-core host against native.
+# 8 ranks, its table (2026-12-04 17:29 UTC, docs/benchmarks/data/apps/2026-12-04_1729_comm_apps, 5 interleaved
+# rounds; a schedule only where it beat native by >= 5% at the median and in every round): native at 8 B
+# (recursive doubling 1.09x), recursive doubling from 64 B to 32 KiB (0.18-0.25x native, the old rule left
+# native there), direct to 1 MiB (0.71-0.77x), native at 4 MiB (direct 3.4x). Other world sizes keep the rules
+# below until they are measured on that host.
 # CUDA, one node: peer-memory kernels (docs/benchmarks/comm.md, 2 x H200: one-shot up to 1 MiB, then
 # two-shot; NCCL never faster from 8 B to 1 GiB). Above 2 GPUs the one-shot limits follow vLLM's custom
 # all-reduce and are not yet measured here. Calls the kernels cannot take (float64, uint8, more ranks than
@@ -171,6 +176,10 @@ DEFAULT_RULES = [
     Rule("cuda", 256 << 10, "one_shot", min_world=5, max_world=8),
     Rule("cuda", INF, "two_shot", min_world=5, max_world=8),
     Rule("cpu", INF, "native", min_world=1, max_world=1),
+    Rule("cpu", 8, "native", min_world=8, max_world=8),
+    Rule("cpu", 32 << 10, "recursive_doubling", min_world=8, max_world=8),
+    Rule("cpu", 1 << 20, "direct", min_world=8, max_world=8),
+    Rule("cpu", INF, "native", min_world=8, max_world=8),
     Rule("cpu", 48 << 10, "native"),
     Rule("cpu", 768 << 10, "direct", window=4, max_world=4),
     Rule("cpu", 1536 << 10, "direct", window=4, min_world=5),

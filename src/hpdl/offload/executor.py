@@ -144,8 +144,48 @@ def _reshaped(src: torch.Tensor, shape) -> Callable[[], torch.Tensor]:
         return lambda: src.reshape(shape)
 
 
+_SIDE: dict[int, "torch.cuda.Stream"] = {}  # device index -> the stream of this process's copy-engine copies
+
+
+def _ce_copy(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None] | None:
+    """With ``HPDL_OFFLOAD_CUDA_COPY=ce``, a copy between contiguous boxes of one GPU as a
+    ``cudaMemcpyBatchAsync`` preferring the copy engines (:mod:`hpdl.offload.cecopy`), on a stream of its own
+    that waits for the request's ready event (:meth:`Executor._begin`); ``_finish`` synchronises the device.
+    None for any other copy or mode.
+
+    Raises:
+        OffloadError: a value other than kernel/ce, or ``ce`` where the runtime has no batch copy.
+    """
+    from hpdl.runtime import env
+
+    if not (dst.is_cuda and src.is_cuda):
+        return None
+    mode = env.get("HPDL_OFFLOAD_CUDA_COPY").strip().lower()
+    if mode not in ("kernel", "ce"):
+        raise OffloadError(f"HPDL_OFFLOAD_CUDA_COPY must be kernel or ce, got {mode!r}")
+    if mode != "ce" or dst.device != src.device or not dst.numel() or not dst.is_contiguous() \
+            or not src.is_contiguous():
+        return None
+    from hpdl.offload.cecopy import BatchCopy
+
+    idx = dst.device.index
+    batch = BatchCopy([dst.data_ptr()], [src.data_ptr()], [dst.numel() * dst.element_size()])
+    if idx not in _SIDE:  # made at registration: the first start's ready event must already reach it
+        _SIDE[idx] = torch.cuda.Stream(dst.device, priority=-1)
+    stream = _SIDE[idx]
+
+    def fn():
+        with torch.cuda.device(idx):
+            batch.issue(stream.cuda_stream)
+    return fn
+
+
 def _copy_fn(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None]:
     """``dst.copy_(src)`` in dst's shape; its ``pair`` attribute is :func:`_copy_pair`'s (for batches)."""
+    ce = _ce_copy(dst, src)
+    if ce is not None:
+        ce.pair = None
+        return ce
     get = _reshaped(src, dst.shape)
     fn = lambda: dst.copy_(get())  # noqa: E731 - a function object that carries .pair
     fn.pair = _copy_pair(dst, src)
@@ -624,6 +664,8 @@ class Executor:
         if inst.ready_event is not None:  # copies of this start wait (on the GPU) for what the application queued
             for d in inst.devices:
                 torch.cuda.current_stream(d).wait_event(inst.ready_event)
+                if d in _SIDE:
+                    _SIDE[d].wait_event(inst.ready_event)
         for o in inst.ops:
             o.state = ""
         if not inst.ops:

@@ -34,6 +34,7 @@ from hpdl.offload import native, shm
 from hpdl.offload.compiler import CompiledPlan
 from hpdl.offload.errors import OffloadError, OffloadTimeoutError, PlanError
 
+COPY_MODES = ("kernel", "ce")  # how the pulls run: captured cudaMemcpyAsync (SM copies) or the copy engines
 START, ENQUEUED = 0, 1  # int64 words of a rank's flag block (shared memory); futexes on their low halves
 
 
@@ -195,9 +196,12 @@ class GraphRequest:
     progress = "graph"
 
     def __init__(self, plans: list[CompiledPlan], rank: int, tensors: dict[str, torch.Tensor], group,
-                 timeout: float):
+                 timeout: float, copy: str | None = None):
         from torch.multiprocessing.reductions import reduce_tensor
 
+        from hpdl.runtime import env
+
+        self.copy = (copy or env.get("HPDL_OFFLOAD_CUDA_COPY")).strip().lower()
         self.plan = plans[rank]
         self.buffers = tensors
         self.timeout = timeout
@@ -206,9 +210,16 @@ class GraphRequest:
         self._t_start = 0.0
         devs = {t.device for t in tensors.values()}
         err = None
-        if len(devs) != 1 or next(iter(devs)).type != "cuda":
+        if self.copy not in COPY_MODES:
+            err = f"rank {rank}: HPDL_OFFLOAD_CUDA_COPY must be one of {COPY_MODES}, got {self.copy!r}"
+        elif self.copy == "ce":
+            from hpdl.offload.cecopy import unavailable_reason
+
+            if torch.cuda.is_available() and unavailable_reason():
+                err = f"rank {rank}: HPDL_OFFLOAD_CUDA_COPY=ce: {unavailable_reason()}"
+        if err is None and (len(devs) != 1 or next(iter(devs)).type != "cuda"):
             err = f"rank {rank}: progress='graph' needs every buffer on one CUDA device, got {sorted(map(str, devs))}"
-        else:
+        elif err is None:
             try:
                 check_single_phase(plans)
             except PlanError as exc:
@@ -248,8 +259,11 @@ class GraphRequest:
             if q in pullers:  # _order waits for the pulls of our buffers by every puller
                 self._peer_pulled[q] = torch.cuda.Event.from_ipc_handle(self.device, info["pulled"])
         self.sources, self.pullers = sources, pullers
-        self._stream = torch.cuda.Stream(self.device)
+        # high priority: where the pulls run on SMs (copy="kernel"), their blocks are scheduled before the
+        # application's next ones instead of queueing behind a whole matmul
+        self._stream = torch.cuda.Stream(self.device, priority=-1)
         self._graph = None
+        self._batch = None
         self._pulls: list[Pull] = []
         self._go = threading.Event()
         self._stop = False
@@ -269,6 +283,16 @@ class GraphRequest:
                                            f"says {want}")
             self._pulls = plan_pulls(plans, rank, layouts)
             views = [self._views(p, tensors) for p in self._pulls]
+            if self.copy == "ce":  # contiguous pulls go to the copy engines in one batch; strided ones stay below
+                ce = [p.src_span == p.nbytes == p.dst_span and d.is_contiguous() and s_.is_contiguous()
+                      for (d, s_), p in zip(views, self._pulls)]
+                flat = [v for v, c in zip(views, ce) if c]
+                views = [v for v, c in zip(views, ce) if not c]
+                if flat:
+                    from hpdl.offload.cecopy import BatchCopy
+
+                    self._batch = BatchCopy([d.data_ptr() for d, _ in flat], [s_.data_ptr() for _, s_ in flat],
+                                            [d.numel() * d.element_size() for d, _ in flat])
             if views:
                 self._graph = torch.cuda.CUDAGraph()
                 # thread_local: other requests' launcher threads may touch CUDA while this one captures
@@ -281,7 +305,7 @@ class GraphRequest:
         self._npulls = len(self._pulls)
         errs = [e for e in _gather(err, group) if e]  # every rank learns of any rank's failure, none hangs
         if errs:
-            self._graph, self._peer_bufs = None, {}
+            self._graph, self._batch, self._peer_bufs = None, None, {}
             raise (PlanError if errs[0][1] else OffloadError)(errs[0][0])
         self._thread = threading.Thread(target=self._launcher, name=f"hpdl-offload-graph-{rank}", daemon=True)
         self._thread.start()
@@ -326,6 +350,8 @@ class GraphRequest:
                     for q in self.sources:
                         self._stream.wait_event(self._peer_ready[q])
                     self._stream.wait_event(self.ready)
+                    if self._batch is not None:
+                        self._batch.issue(self._stream.cuda_stream)
                     if self._graph is not None:
                         with torch.cuda.stream(self._stream):
                             self._graph.replay()
@@ -407,7 +433,7 @@ class GraphRequest:
         self._thread.join(timeout=5)
         # the last replay may still be reading the peers' memory: let it finish before their mappings close
         self._stream.synchronize()
-        self._graph = None
+        self._graph = self._batch = None
         self._peer_bufs = {}
 
     def __enter__(self) -> "GraphRequest":

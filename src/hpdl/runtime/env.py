@@ -94,6 +94,11 @@ _declare("HPDL_OFFLOAD_NATIVE", str, "auto",
 _declare("HPDL_OFFLOAD_CORES", str, "",
          "Comma-separated cores an offload agent's native executor pins its threads to (default: the last "
          "`threads` cores of the process's affinity when as many are left for the ranks, else not pinned).")
+_declare("HPDL_OFFLOAD_CUDA_COPY", str, "kernel",
+         "How hpdl.offload copies between buffers of one GPU (progress='graph' pulls; an agent's copies, read when "
+         "the agent starts): `kernel` (cudaMemcpyAsync, captured in a CUDA graph for 'graph', which the driver may "
+         "run as copy kernels on the SMs) or `ce` (contiguous boxes by cudaMemcpyBatchAsync preferring the copy "
+         "engines, CUDA >= 12.8; strided boxes stay as they were).")
 _declare("HPDL_OFFLOAD_SHM_DIR", str, "", "Directory of hpdl.offload's shared-memory files (default /dev/shm).")
 _declare("HPDL_MOE_ILP_TIME_LIMIT", float, 60.0,
          "Seconds HiGHS may spend on one hpdl.moe placement (shared by the sub-programs of a bisection) when "

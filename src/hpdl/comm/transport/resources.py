@@ -176,15 +176,22 @@ class GroupResources:
         """Free every algorithm's buffers (shared memory of the two-level algorithms) and forget the peer-memory
         registrations, stop the worker (queued calls that did not start fail); no communication."""
         worker = getattr(self, "_worker", None)   # absent on resources built without __init__ (tests' fakes)
-        if worker is not None:
-            worker.close()
+
+        def free():   # what exists when no call runs any more (a running call may still build an algorithm)
+            for algo in self._algos.values():
+                algo.close()
+            self._algos.clear()
+            for reg in self.registered.values():
+                reg.forget()
+            self.registered.clear()
+
+        if worker is None:
+            free()
+        else:
+            # an async call still running on the worker uses these algorithms and buffers: they are freed when
+            # it returns (on the worker), not under it (forget_group during a call freed them mid-schedule)
             self._worker = None
-        for algo in self._algos.values():
-            algo.close()
-        self._algos.clear()
-        for reg in self.registered.values():
-            reg.forget()
-        self.registered.clear()
+            worker.close(then=free)
 
 
 _GROUPS: dict[object, GroupResources] = {}   # group as callers spell it (None, dist.group.WORLD, a group) -> its

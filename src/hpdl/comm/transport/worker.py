@@ -90,12 +90,21 @@ class Job:
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the job finished (``timeout`` seconds at most, None = as long as its own waits take);
-        re-raise its error. Interruptible (Ctrl-C) in the main thread.
+        re-raise its error. Interruptible (Ctrl-C) in the main thread, wherever the signal lands.
 
         Raises:
             CollectiveTimeoutError: still running (or queued) after ``timeout`` seconds.
         """
-        if not self._done.wait(timeout):
+        # In slices: Python runs signal handlers on the main thread only, and a SIGINT the kernel delivers to
+        # another thread (the worker inside gloo's recv) does not wake a main thread blocked on a lock; an
+        # unbounded wait then held the KeyboardInterrupt until the call ended, forever for a hung peer.
+        end = None if timeout is None else time.monotonic() + timeout
+        while not self._done.is_set():
+            left = _SLICE_S if end is None else min(_SLICE_S, end - time.monotonic())
+            if left <= 0:
+                break
+            self._done.wait(left)
+        if not self._done.is_set():
             raise CollectiveTimeoutError(f"{self.what} (async, on the group's worker) did not complete within "
                                          f"{timeout:.0f}s")
         if self.error is not None:
@@ -111,6 +120,9 @@ class Job:
                 return fut
         self._settle(fut)
         return fut
+
+
+_SLICE_S = 0.05   # longest a waiting thread sleeps before a pending signal's handler can run
 
 
 class WorkerClosedError(HpdlError):
@@ -135,6 +147,7 @@ class GroupWorker:
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._after_close: list[Callable[[], object]] = []
         self.outstanding = 0
         _LIVE.add(self)
 
@@ -153,19 +166,28 @@ class GroupWorker:
         return job
 
     def _loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self._queue and not self._closed:
-                    self._cv.wait()
-                if not self._queue:
-                    return
-                job = self._queue.popleft()
-            try:
-                job.run()
-            finally:
+        try:
+            while True:
                 with self._cv:
-                    self.outstanding -= 1
-                    self._cv.notify_all()
+                    while not self._queue and not self._closed:
+                        self._cv.wait()
+                    if not self._queue:
+                        return
+                    job = self._queue.popleft()
+                try:
+                    job.run()
+                finally:
+                    with self._cv:
+                        self.outstanding -= 1
+                        self._cv.notify_all()
+        finally:
+            self._run_after_close()
+
+    def _run_after_close(self) -> None:
+        with self._cv:
+            fns, self._after_close = self._after_close, []
+        for fn in fns:
+            fn()
 
     def is_current(self) -> bool:
         """True when called on this worker's thread."""
@@ -190,9 +212,15 @@ class GroupWorker:
                                                  f"did not finish within {timeout:.0f}s")
                 self._cv.wait(left)
 
-    def close(self, join_s: float = 1.0) -> None:
-        """Fail the jobs not yet started, stop the thread after the running job; no communication."""
+    def close(self, join_s: float = 1.0, then: Callable[[], object] | None = None) -> None:
+        """Fail the jobs not yet started, stop the thread after the running job; no communication.
+
+        ``then`` runs once no job runs any more: here when the thread ended within ``join_s`` (or never
+        started), else on the worker thread right after its running job returns (what that job uses, such as
+        the group's algorithms and buffers, must not be freed under it)."""
         with self._cv:
+            if then is not None:
+                self._after_close.append(then)
             self._closed = True
             dropped = list(self._queue)
             self._queue.clear()
@@ -203,6 +231,8 @@ class GroupWorker:
             job.fail(WorkerClosedError(f"{job.what}: not started; the group's worker was closed"))
         if thread is not None and thread is not threading.current_thread():
             thread.join(join_s)
+        if thread is None or not thread.is_alive():
+            self._run_after_close()  # (else the thread runs it as it ends; whoever pops the list runs it once)
         _LIVE.discard(self)
 
 
