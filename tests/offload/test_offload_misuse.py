@@ -141,7 +141,7 @@ def test_an_agent_refuses_an_address_a_live_agent_serves(tmp_path):
         assert f"pid {first.pid}" in second.stderr and "serves it already" in second.stderr, second.stderr
         assert os.path.exists(address) and os.path.exists(address + ".key")  # the live agent's files stay
         c = ho.AgentClient(address, label="test")  # and it still serves
-        assert c.request(ho.protocol.Query(0)) is None
+        assert c.request(ho.control.Query(0)) is None
         c.close()
     finally:
         first.terminate()
@@ -150,7 +150,7 @@ def test_an_agent_refuses_an_address_a_live_agent_serves(tmp_path):
 
 def test_a_late_reply_is_not_taken_for_the_next_ones(tmp_path):
     """The client's first request times out; the agent's late answer to it must not answer the second."""
-    from hpdl.offload import protocol as P
+    from hpdl.offload import control as P
     from hpdl.offload.client import AgentClient
 
     address, key = str(tmp_path / "fake.sock"), b"k" * 16

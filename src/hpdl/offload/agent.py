@@ -130,7 +130,7 @@ class _Server:
 
     def _client(self, conn) -> None:
         from hpdl.offload import native as native_mod
-        from hpdl.offload import protocol as P
+        from hpdl.offload import control as P
         from hpdl.offload import shm
         from hpdl.offload.executor import Instance
 

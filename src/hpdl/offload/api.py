@@ -25,7 +25,7 @@ import torch
 
 from hpdl.offload import client as client_mod
 from hpdl.offload import native
-from hpdl.offload import protocol as P
+from hpdl.offload import control as P
 from hpdl.offload import shm
 from hpdl.offload.compiler import CompiledPlan, check_plan, compile_group
 from hpdl.offload.errors import AgentError, OffloadError, OffloadPeerError, OffloadTimeoutError, PlanError

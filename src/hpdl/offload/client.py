@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from hpdl.offload import agent as agent_mod
-from hpdl.offload import protocol as P
+from hpdl.offload import control as P
 from hpdl.offload import shm
 from hpdl.offload.errors import AgentError
 from hpdl.runtime import env
