@@ -17,7 +17,9 @@ Epilogues and prologue fused into the GEMM (each reproduces the eager model's ro
     ``x`` whole (``M x K`` from L2) for the row's scale. Cheap at a few rows, costly at hundreds (every program
     re-reads all its rows), so the caller chooses by row count (``hpdl.serve.fused``).
 
-Configs: ``BLOCK_M = 1`` uses a multiply-and-sum GEMV (no tensor cores, no padding); larger buckets use
+Configs: ``BLOCK_M = 1`` uses a multiply-and-sum GEMV (no tensor cores, no padding; products accumulate in a
+``[BLOCK_N, BLOCK_K]`` float32 tile, summed over K once at the end; most of its configs do not split K, since
+N / BLOCK_N alone gives hundreds of programs on every decode shape); larger buckets use
 ``tl.dot`` (``input_precision="ieee"`` for float32: TF32 would change float32 greedy tokens). Every candidate is
 fitted to the device's shared memory before it is ever launched (``fit_shared_memory``: fewer stages, then a
 shorter ``BLOCK_K``; float32's 16-row configs asked for 265216 B of the H200's 232448). Candidates per M bucket
@@ -152,8 +154,8 @@ if triton is not None:
         mm = rm < M
         nm = rn < N
         xrow = x_ptr + rm[:, None].to(tl.int64) * stride_xm
-        if EVEN:  # N % BLOCK_N == 0 and K % (SPLIT_K * BLOCK_K) == 0 (the host checks): no weight masks, so
-            # every weight load is a 16-byte vector load (a mask on K defeats Triton's vectorisation)
+        if EVEN:  # N % BLOCK_N == 0 and K % (SPLIT_K * BLOCK_K) == 0 (the host checks): no weight masks (no
+            # predicate math per load; the sm_90 PTX has 16-byte loads either way when N, K are multiples of 16)
             k_per = K // SPLIT_K
         else:
             k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
@@ -250,19 +252,22 @@ def m_bucket(m: int) -> int:
 
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, programs per SM for the split count; 0: no split) per M
-# bucket; a small set, so tuning on the device (compile + time each) stays within seconds per shape. Why the
-# first stream GEMM lost to cuBLAS (H200, 2026-12-04, every shape): its weight loads were masked along K (the
-# split bounds are runtime values), which Triton compiles to 2-byte loads; its GEMV summed across threads every
-# K step; and every M = 1 config split K (partials, a counter atomic and a reduction even where N alone gives
-# hundreds of programs). Now the weight loads are unmasked 16-byte loads wherever the shape allows (``is_even``:
-# the split counts prefer divisors of K / BLOCK_K), the GEMV accumulates a [BLOCK_N, BLOCK_K] tile and sums once,
-# and most configs do not split. The GEMV configs (BLOCK_M = 1) are not pipelined by Triton (no tl.dot) but load
-# the next weight tile into registers before using the current one.
+# bucket; a small set, so tuning on the device (compile + time each) stays within seconds per shape. What the
+# first version lacked (H200, 2026-12-04: slower than cuBLAS at every shape): its GEMV reduced its [BLOCK_N,
+# BLOCK_K] products across threads at every K step; every M = 1 config split K (partials, a counter atomic and
+# a reduction, even where N alone gives hundreds of programs) into splits of 1-2 steps; each program had one
+# weight tile in flight behind one x load per step; and the 17:30 run timed untuned first candidates (the
+# benchmark's float32 part had switched TUNE off for the parts after it). Now the GEMV accumulates a [BLOCK_N,
+# BLOCK_K] tile and sums once, most configs do not split, some read a program's whole K range in one or two
+# steps of 1024-2048 columns (few rows per program, many programs: the loads are issued at once), the split
+# counts prefer divisors of K / BLOCK_K (no weight masks: ``is_even``), and the tuner picks per shape. The GEMV
+# configs (BLOCK_M = 1) are not pipelined by Triton (no tl.dot) but load the next weight tile into registers
+# before using the current one.
 _CANDIDATES = {
-    1: [(1, 8, 512, 4, 1, 0), (1, 16, 256, 4, 1, 0), (1, 4, 512, 4, 1, 0), (1, 16, 512, 8, 1, 0),
-        (1, 8, 256, 4, 1, 4), (1, 16, 256, 4, 1, 2), (1, 32, 256, 8, 1, 2)],
+    1: [(1, 8, 512, 4, 1, 0), (1, 4, 2048, 8, 1, 0), (1, 8, 1024, 8, 1, 0), (1, 16, 256, 4, 1, 0),
+        (1, 4, 1024, 4, 1, 0), (1, 8, 256, 4, 1, 4), (1, 16, 256, 4, 1, 2), (1, 4, 512, 4, 1, 2)],
     16: [(16, 32, 256, 4, 3, 2), (16, 16, 256, 4, 3, 0), (16, 32, 128, 4, 4, 0), (16, 64, 128, 4, 4, 2),
-         (16, 16, 512, 4, 3, 2)],
+         (16, 32, 128, 4, 4, 2)],
     32: [(32, 32, 256, 4, 3, 2), (32, 64, 128, 4, 4, 2), (16, 64, 256, 4, 3, 2), (32, 32, 128, 4, 4, 0)],
     64: [(64, 32, 256, 4, 3, 2), (64, 64, 128, 4, 4, 2), (32, 64, 128, 4, 4, 2), (64, 64, 128, 4, 4, 0)],
     128: [(64, 64, 128, 4, 4, 2), (128, 64, 64, 4, 4, 2), (128, 32, 128, 4, 3, 2), (128, 64, 64, 4, 4, 0)],
@@ -291,15 +296,16 @@ SHARED_MEMORY_H200 = 232448  # bytes a block may opt into on an H200 (sm_90), al
 
 def shared_memory_bytes(cfg: dict, itemsize: int, epi: int = 0, norm: bool = False) -> int:
     """An upper bound of the shared memory one program of ``cfg`` takes (bytes). The tl.dot path's pipeliner
-    keeps ``num_stages - 1`` buffers of the x tile and the weight tile(s); the normalised x tile of the prologue
-    needs one more (float32 size, as a bound). The GEMV path (``BLOCK_M == 1``) is not pipelined through shared
-    memory, only its reductions use some. Checked against ``triton.compile``'s ``shared`` for sm_90 (the tests;
-    e.g. 16 x 32 x 256, 4 stages, SiLU-mul, prologue, float32: 265216 B compiled, 270336 B here)."""
+    keeps up to ``num_stages + 1`` buffers of the x tile and the weight tile(s) (Triton 3.8's sm_90 compiles:
+    64 x 32 x 256, 3 stages, SiLU-mul, bf16: 262144 B = 4 x 65536, the config that failed on the H200 at 64
+    rows; 64 x 64 x 128, 4 stages: 163840 B = 5 x 32768); the normalised x tile of the prologue needs one more
+    (float32 size, as a bound). The GEMV path (``BLOCK_M == 1``) is not pipelined through shared memory, only its
+    reductions use some. Checked against ``triton.compile``'s ``shared`` for sm_90 in the tests."""
     if cfg["BLOCK_M"] == 1:
-        return 4096 + 4 * cfg["BLOCK_N"] * cfg["num_warps"]
+        return 8192 + 32 * cfg["BLOCK_N"] * cfg["num_warps"]  # the final cross-warp sums (8192 B compiled at 8 x 8)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     tiles = (bm * bk + (2 if epi == 2 else 1) * bn * bk) * itemsize
-    return max(cfg["num_stages"], 1) * tiles + (bm * bk * 4 + 4096 if norm else 0) + 4096
+    return (cfg["num_stages"] + 1) * tiles + (bm * bk * 4 + 4096 if norm else 0) + 4096
 
 
 def shared_memory_limit(device: torch.device) -> int:
@@ -334,6 +340,8 @@ def candidates(m: int, n: int, k: int, sms: int, itemsize: int = 2, epi: int = 0
     mb = m_bucket(m)
     for bm, bn, bk, warps, stages, per_sm in _CANDIDATES[mb]:
         bk = min(bk, max(16, triton.next_power_of_2(k)) if triton is not None else bk)
+        while bk > 16 and k % 16 == 0 and k % bk:  # a divisor of K where one exists: no masks (``is_even``)
+            bk //= 2
         cfg = fit_shared_memory(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages),
                                 itemsize, epi, norm, smem_limit)
         if cfg is None:
@@ -374,7 +382,7 @@ def launch_split(k: int, block_k: int, split: int) -> int:
 
 def is_even(n: int, k: int, cfg: dict) -> bool:
     """Whether a launch of ``cfg`` needs no weight masks: ``n % BLOCK_N == 0`` and ``k % (SPLIT_K * BLOCK_K) == 0``
-    (then its weight loads compile to 16-byte vector loads)."""
+    (the kernel's ``EVEN``: no predicate per weight load)."""
     return n % cfg["BLOCK_N"] == 0 and k % (cfg["SPLIT_K"] * cfg["BLOCK_K"]) == 0
 
 
