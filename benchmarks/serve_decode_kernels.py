@@ -1,37 +1,40 @@
 """Issue 38: hpdl's weight-streaming decode GEMMs (``hpdl.serve.stream_gemm``) against cuBLAS, and the decode step
 built on them against the current fused step (cuBLAS GEMMs) and the eager step, in one device run (1 x H200).
 
-    python3 benchmarks/serve_decode_kernels.py --out $OUT/serve          # device, about 3-4 minutes
-    python3 benchmarks/serve_decode_kernels.py --quick --parts compile,greedy,step,gemm --out $OUT/serve
-                                                                         # device, about 2 minutes: rows 1, 64
-    python3 benchmarks/serve_decode_kernels.py --smoke --out /tmp/sdk    # CPU plumbing check: tiny shapes, torch
-                                                                         # fallback (TRITON_INTERPRET=1: the kernels)
-    python3 benchmarks/serve_decode_kernels.py --plot DIR                # the PNG from DIR/decode_kernels.json
+    timeout 300 python3 benchmarks/serve_decode_kernels.py --out $OUT/serve   # device, about 4 minutes
+    python3 benchmarks/serve_decode_kernels.py --quick --out $OUT/serve       # device, about 2 minutes: rows 1, 64
+    python3 benchmarks/serve_decode_kernels.py --full --out $OUT/serve        # device, rows up to 256 (> 4 min)
+    python3 benchmarks/serve_decode_kernels.py --smoke --out /tmp/sdk         # CPU plumbing check: tiny shapes, torch
+                                                                              # fallback (TRITON_INTERPRET=1: kernels)
+    python3 benchmarks/serve_decode_kernels.py --plot DIR                     # the PNG from DIR/decode_kernels.json
 
 Writes 3 files into --out: decode_kernels.json (saved after every part, so a timeout keeps what finished),
-decode_kernels.png and log.txt. Parts, in order; one that would start past the time budget is skipped and says so:
-0. compile: every stream_gemm variant the parts below launch, compiled in a process pool into Triton's on-disk
+decode_kernels.png and log.txt; the table printed last is also the log's end. Parts (by default run in the order
+compile, step, greedy, gemm: the issue's goal first; the gemm part's rows are skipped one by one when time runs
+out); one that would start past the time budget is skipped and says so:
+0. compile: every stream_gemm candidate the parts below launch, compiled in a process pool into Triton's on-disk
    cache (the main process then loads instead of compiling, one kernel after another).
 1. copy bandwidth (``hpdl.serve.bench.hbm_bandwidth``, the reference of every "% of copy" below).
-2. step (b; first, as the issue's goal): one decode step of ``llama-1b`` (bf16, random weights) at 1, 64 and 256
-   rows, 264 cached positions each, CUDA graph: eager model, current fused step (cuBLAS), new step (stream GEMMs)
-   with the RMSNorm in the GEMM prologue and without; TPOT = step time, tok/s = rows / step time, and the
-   roofline (bytes the step must move, ``fused.step_bytes``, over its time, against the copy bandwidth); kernels
-   per step (torch.profiler: count, summed durations, the longest 8) and the new step's logits against the eager
-   step's (max abs, argmax agreement).
-3. gemm (a + c): the 1.1B model's decode GEMMs (qkv, o, gate_up, down, lm_head) at M = 1, 16, 64, 256 rows:
-   cuBLAS (``F.linear``), stream_gemm, and stream_gemm with the epilogue/prologue the new step uses. Each time is
-   one GEMM of a CUDA graph that runs it over 22 distinct weight copies (lm_head: 4), as a decode step does, so
-   weights come from HBM, not L2; GB/s counts weight + input + output bytes. Max abs error against torch on the
-   device (bf16) for each, and the torch reference's own error against float32 for scale.
+2. gemm: the 1.1B model's decode GEMMs (qkv, o, gate_up, down, lm_head) at M = 1, 16, 64 rows: cuBLAS
+   (``F.linear``), stream_gemm (tuned on the device at its first call: ``stream_gemm.time_config`` over every
+   candidate), stream_gemm with the epilogue/prologue the new step uses, and stream_gemm with PDL (rows in
+   PDL_ROWS). Each is one CUDA graph running the GEMM over 22 distinct weight copies (lm_head: 4), as a decode
+   step does, so weights come from HBM, not L2; the graphs are replayed in ROUNDS rounds of REPS replays with the
+   implementations interleaved in every round: median, min and max per GEMM. GB/s counts weight + input + output
+   bytes. Max abs error against torch on the device (bf16), and the torch reference's own error against float32.
+   ``gemm_step_total``: the step's 89 GEMMs (22 layers x 4 + lm_head) summed from the medians.
+3. step: one decode step of ``llama-1b`` (bf16, random weights) at 1, 16 and 64 rows, 264 cached positions each,
+   CUDA graph, the paths interleaved over rounds as above: eager model, current fused step (cuBLAS), stream
+   step, stream step with PDL; TPOT = step time, tok/s = rows / step time, the roofline (bytes the step must move,
+   ``fused.step_bytes``, over its time, against the copy bandwidth), kernels per step (torch.profiler at 1 and 64
+   rows) and each path's logits against the eager step's (max abs, argmax agreement).
 4. greedy_float32: 8 requests x 48 greedy tokens through ``LLMEngine`` (float32 llama-1b, CUDA graphs), stream
-   step (and with PDL) vs eager step: identical tokens? (stream_gemm.TUNE off: one compile per variant.)
+   step (and with PDL) vs eager step: identical tokens? (stream_gemm.TUNE off for this part only: one compile
+   per variant; the 17:30 run of 2026-12-04 left it off for the parts after it, so its stream numbers were
+   untuned.)
 
-"stream_pdl" (step path, GEMM column, greedy runner) is the stream path with ``stream_gemm.PDL = True``
-(Programmatic Dependent Launch), for the rows in PDL_ROWS; ``tuned_us`` is the tuner's own time for the plain
-stream GEMM's chosen config, to compare with the table's ``stream_us``. ``--parts`` runs compile first, the rest
-in the order given; ``--quick`` (rows 1 and 64; eager, cuBLAS fused, stream and stream_pdl steps; PDL at 1 row;
-greedy with PDL only) fits a 150 s command.
+``tuned_us`` is the tuner's own time for the plain stream GEMM's chosen config (``stream_config``), to compare with
+the table's ``stream_us``. ``--parts`` runs compile first, the rest in the order given.
 """
 
 from __future__ import annotations
@@ -150,17 +153,29 @@ def compile_all(device) -> None:
     if JOBS <= 0 or not (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
         return _save("compile", "skipped (CPU without TRITON_INTERPRET=1)")
     t = time.perf_counter()
-    jobs = []
-    for name, (nw, K, fused) in gemm_shapes().items():
-        for M in sorted(set(ROWS) | set(STEP_ROWS)):
+    jobs, seen = [], set()
+
+    def add(job):
+        """Queue ``job`` unless one with the same binaries was queued: kernels depend on K, the row bucket, the
+        epilogue, the prologue, the dtype and PDL (N only through the runtime split count)."""
+        nw, K, M, fused, norm_rows, _, dtype, first_only, pdl = job
+        key = (K, M, bool(fused.get("silu")), bool(fused.get("res")), bool(fused.get("norm")) and M <= norm_rows,
+               dtype, first_only, pdl)
+        if key not in seen:
+            seen.add(key)
+            jobs.append(job)
+    for M in sorted(set(ROWS) | set(STEP_ROWS)):  # row counts in order: the M = 1 kernels compile first
+        for name, (nw, K, fused) in gemm_shapes().items():
             pdl = PDL_ON and M in PDL_ROWS
-            jobs.append((nw, K, M, {}, 0, str(device), DTYPE, False, pdl))
-            jobs.append((nw, K, M, fused, 1 << 30, str(device), DTYPE, False, pdl))  # with the norm prologue
-            if fused.get("norm") and ("stream_norm_kernel" in STEP_PATHS or M > NORM_PROLOGUE_ROWS):
-                jobs.append((nw, K, M, fused, 0, str(device), DTYPE, False, pdl))    # the step without it
-        if "greedy" in PARTS:  # the float32 engine's variants (TUNE off: the first candidate), 8 and 1 rows
+            add((nw, K, M, fused, NORM_PROLOGUE_ROWS, str(device), DTYPE, False, pdl))  # the stream step's
+            add((nw, K, M, {}, 0, str(device), DTYPE, False, pdl))  # the plain GEMM
+            add((nw, K, M, fused, 1 << 30, str(device), DTYPE, False, pdl))  # with the norm prologue (gemm part)
+            if fused.get("norm") and "stream_norm_kernel" in STEP_PATHS:
+                add((nw, K, M, fused, 0, str(device), DTYPE, False, pdl))  # the step without it
+    if "greedy" in PARTS:  # the float32 engine's variants (TUNE off: the first candidate), 8 and 1 rows
+        for name, (nw, K, fused) in gemm_shapes().items():
             for M in (1, 8):
-                jobs.append((nw, K, M, fused, 1 << 30, str(device), "float32", True, "stream_pdl" in GREEDY))
+                add((nw, K, M, fused, 1 << 30, str(device), "float32", True, "stream_pdl" in GREEDY))
     # ProcessPoolExecutor, not Pool: a worker that dies raises BrokenProcessPool instead of hanging the map
     ex = ProcessPoolExecutor(min(JOBS, len(jobs)), mp_context=mp.get_context("spawn"))
     futs = [ex.submit(_compile_job, j) for j in jobs]
@@ -567,7 +582,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot", type=Path, help="only make the PNG from DIR/decode_kernels.json")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (plumbing check)")
-    ap.add_argument("--parts", default="compile,gemm,step,greedy", help="comma-separated subset of compile, step, "
+    ap.add_argument("--parts", default="compile,step,greedy,gemm", help="comma-separated subset of compile, step, "
                     "gemm, greedy; compile runs first, the others in the order given")
     ap.add_argument("--quick", action="store_true", help="the ~2-minute device check: rows 1 and 64, fewer paths")
     ap.add_argument("--full", action="store_true", help="rows up to 256, both RMSNorm placements (over 4 minutes)")
