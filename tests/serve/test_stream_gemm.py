@@ -94,7 +94,7 @@ def _interpreted_check() -> None:
     torch.manual_seed(0)
     cases = [(1, 40, 96), (3, 33, 200), (17, 70, 130)]  # N, K not multiples of the 16 x 32 blocks below
     cases += [(1, 32, 128), (5, 32, 128)]  # multiples: the unmasked (EVEN) weight loads
-    for dt, (M, N, K) in [(torch.float32, c) for c in cases] + [(torch.bfloat16, c) for c in cases[1:]]:
+    for dt, (M, N, K) in [(torch.float32, c) for c in cases] + [(torch.bfloat16, c) for c in cases[1:4]]:
         tol = dict(rtol=1e-5, atol=1e-5) if dt == torch.float32 else dict(rtol=0.02, atol=0.05)
         for silu, res, norm in itertools.product((False, True), repeat=3):
             if silu and res:
