@@ -55,13 +55,14 @@ GEMM_LEFT_S = 60.0  # the gemm part starts no (GEMM, rows) row with less time le
 NORM_PROLOGUE_ROWS = 16  # hpdl.serve.fused.NORM_PROLOGUE_ROWS (checked in main)
 PDL_ROWS, PARTS = [1, 16], ""  # rows whose stream GEMMs are also measured with PDL; --parts
 PDL_ON, GREEDY = True, "stream,stream_pdl"
-STEP_PATHS = "eager,fused_cublas,stream,stream_pdl"
+STEP_PATHS = "eager,fused_cublas,stream,stream_auto,stream_pdl"
 # --full: the 2026-12-04 sweep (rows up to 256, both RMSNorm placements); more than 4 minutes with tuning
 FULL = dict(ROWS=[1, 16, 64, 256], STEP_ROWS=[1, 64, 256], PDL_ROWS=[1, 8, 16, 64, 256],
-            STEP_PATHS="eager,fused_cublas,stream,stream_norm_in_gemm,stream_norm_kernel,stream_pdl")
+            STEP_PATHS="eager,fused_cublas,stream,stream_auto,stream_norm_in_gemm,stream_norm_kernel,stream_pdl")
 # --quick: rows 1 and 64 only (~2 minutes)
 QUICK = dict(ROWS=[1, 64], STEP_ROWS=[1, 64], COPIES=16, ROUNDS=3, BUDGET_S=128.0, COMPILE_S=40.0, JOBS=14,
-             GEMM_LEFT_S=30.0, STEP_PATHS="eager,fused_cublas,stream,stream_pdl", GREEDY="stream_pdl", PDL_ROWS=[1])
+             GEMM_LEFT_S=30.0, STEP_PATHS="eager,fused_cublas,stream,stream_auto,stream_pdl", GREEDY="stream_pdl",
+             PDL_ROWS=[1])
 SMOKE = dict(MODEL="llama-tiny", DTYPE="float32", ROWS=[1, 4], STEP_ROWS=[1, 4], CTX=20, KV_LEN=32, SLOTS=4,
              MAX_LEN=64, COPIES=2, LM_COPIES=1, REPS=2, ROUNDS=2, JOBS=2, PDL_ROWS=[1])
 _T0 = time.perf_counter()
@@ -271,6 +272,17 @@ def gemms(device, copy_bw: float) -> None:
     dt = getattr(torch, DTYPE)
     torch.manual_seed(0)
     rows, total = [], {}
+    with_cublas = sg.CUBLAS_CANDIDATE
+    sg.CUBLAS_CANDIDATE = False  # "stream*": the Triton kernels alone; "auto_fused": with the cuBLAS candidate
+    try:
+        _gemms(device, copy_bw, sg, F, dt, rows, total)
+    finally:
+        sg.CUBLAS_CANDIDATE = with_cublas
+
+
+def _gemms(device, copy_bw, sg, F, dt, rows, total) -> None:
+    import torch
+
     for name, (nw, K, fused) in gemm_shapes().items():
         copies = LM_COPIES if name == "lm_head" else COPIES
         ws = [torch.randn(nw, K, device=device, dtype=dt) * 0.02 for _ in range(copies)]
@@ -294,19 +306,22 @@ def gemms(device, copy_bw: float) -> None:
             wbytes = nw * K * dt.itemsize
             impls = {"cublas": lambda: [F.linear(x, w) for w in ws],
                      "stream": lambda: [sg.stream_gemm(x, w) for w in ws],
-                     "stream_fused": lambda: [sg.stream_gemm(x, w, **kw) for w in ws]}
+                     "stream_fused": lambda: [sg.stream_gemm(x, w, **kw) for w in ws],
+                     "cublas_fused": lambda: [sg.stream_gemm(x, w, **kw, config=sg.CUBLAS_CONFIG) for w in ws],
+                     "auto_fused": lambda: [sg.stream_gemm(x, w, **kw) for w in ws]}
             if PDL_ON and sg.pdl_supported(device) and M in PDL_ROWS:
                 impls["stream_pdl"] = lambda: [sg.stream_gemm(x, w) for w in ws]
 
             def pre(impl):
                 sg.PDL = impl == "stream_pdl"
+                sg.CUBLAS_CANDIDATE = impl == "auto_fused"
             times, errors = _interleaved(impls, device, pre)
             for impl, exc in errors.items():
                 r[f"{impl}_error"] = exc
             for impl, ms_rounds in times.items():
                 st = _stats([ms / copies for ms in ms_rounds])
                 ms = st["median"]
-                io = (M * K + M * (nout if impl == "stream_fused" else nw)) * dt.itemsize
+                io = (M * K + M * (nout if impl.endswith("_fused") else nw)) * dt.itemsize
                 r[f"{impl}_us"] = round(ms * 1e3, 2)
                 r[f"{impl}_us_min_max"] = [round(st["min"] * 1e3, 2), round(st["max"] * 1e3, 2)]
                 r[f"{impl}_GBps"] = round((wbytes + io) / ms / 1e6, 1)
@@ -314,7 +329,11 @@ def gemms(device, copy_bw: float) -> None:
                 per_step = 1 if name == "lm_head" else _n_layers()
                 total.setdefault(f"{impl}_M{M}_ms", 0.0)
                 total[f"{impl}_M{M}_ms"] += ms * per_step
-            r["stream_config"] = sg.tuned_configs().get(f"{sg.m_bucket(M)}x{nw}x{K} epi0 norm0 {DTYPE}")
+            tuned = sg.tuned_configs()
+            r["stream_config"] = tuned.get(sg.tuned_key(sg.m_bucket(M), nw, K, 0, False, DTYPE))
+            fe = 2 if fused.get("silu") else (1 if fused.get("res") else 0)
+            r["auto_fused_config"] = tuned.get(sg.tuned_key(sg.m_bucket(M), nout, K, fe, bool(fused.get("norm")),
+                                                            DTYPE, True))
             # the tuner's own time for the plain stream GEMM's chosen config, against the table's (sanity check)
             r["tuned_us"] = (r["stream_config"] or {}).get("us")
             if "stream_pdl_us" in r:  # the PDL launch gives the same numbers
@@ -391,7 +410,9 @@ def steps(device, copy_bw: float) -> None:
              "stream_norm_in_gemm": dict(gemm="stream", norm_prologue_rows=big),
              "stream_norm_kernel": dict(gemm="stream", norm_prologue_rows=0),
              "stream": dict(gemm="stream"),  # the RMSNorm in the GEMMs up to fused.NORM_PROLOGUE_ROWS rows
-             "stream_pdl": dict(gemm="stream")}  # the same with stream_gemm.PDL on
+             "stream_auto": dict(gemm="stream"),  # the same, cuBLAS among each shape's tuned candidates
+             "stream_pdl": dict(gemm="stream")}  # "stream" with stream_gemm.PDL on
+    with_cublas = sg.CUBLAS_CANDIDATE
     want = STEP_PATHS.split(",")
     paths = {k: v for k, v in paths.items() if k in want and (k != "stream_pdl" or sg.pdl_supported(device))}
     res = []
@@ -417,8 +438,9 @@ def steps(device, copy_bw: float) -> None:
                 box["out"] = fn()
             fns[name] = run
 
-        def pre(name):
+        def pre(name):  # the flags matter at the warm call (tuning) and the capture
             sg.PDL = name == "stream_pdl"
+            sg.CUBLAS_CANDIDATE = name == "stream_auto" or (name is None and with_cublas)
         with torch.inference_mode():
             times, errors = _interleaved(fns, device, pre)
         for name, exc in errors.items():
@@ -507,25 +529,29 @@ def table() -> str:
     lines = []
     if RES.get("gemm"):
         lines.append("gemm     M | cublas us [min-max]      GB/s | stream us [min-max]      GB/s | pdl us | "
-                     "fused us | stream cfg (BN,BK,warps,split) | err str/fused")
+                     "fused: cublas+epi / stream / auto us | stream cfg (BN,BK,warps,split) | auto pick | err")
         for r in RES["gemm"]:
             cfg = r.get("stream_config") or {}
             c = f"{cfg.get('BLOCK_N')},{cfg.get('BLOCK_K')},{cfg.get('num_warps')},{cfg.get('SPLIT_K')}" if cfg else "-"
+            a = r.get("auto_fused_config") or {}
+            pick = "cublas" if a.get("BACKEND") == "cublas" else ("triton" if a else "-")
             cell = {}
             for impl in ("cublas", "stream"):
                 lo, hi = r.get(f"{impl}_us_min_max", [nan, nan])
                 cell[impl] = (f"{r.get(f'{impl}_us', nan):7.2f} [{lo:6.2f}-{hi:6.2f}] "
                               f"{r.get(f'{impl}_GBps', nan):7.0f}")
             lines.append(f"{r['gemm']:8s} {r['M']:3d} | {cell['cublas']} | {cell['stream']} | "
-                         f"{r.get('stream_pdl_us', nan):6.2f} | {r.get('stream_fused_us', nan):8.2f} | {c:30s} | "
-                         f"{r['err_stream']:.2g}/{r['err_stream_fused']:.2g}")
+                         f"{r.get('stream_pdl_us', nan):6.2f} | {r.get('cublas_fused_us', nan):7.2f} / "
+                         f"{r.get('stream_fused_us', nan):7.2f} / {r.get('auto_fused_us', nan):7.2f} | {c:30s} | "
+                         f"{pick:6s} | {r['err_stream']:.2g}/{r['err_stream_fused']:.2g}")
     tot = RES.get("gemm_step_total")
     if isinstance(tot, dict):
         for M in ROWS:
             if f"cublas_M{M}_ms" in tot:
                 lines.append(f"89 GEMMs of a step, M={M}: " + ", ".join(
                     f"{impl} {tot[f'{impl}_M{M}_ms']:.3f} ms ({tot[f'{impl}_M{M}_frac_copy']:.2f} of copy)"
-                    for impl in ("cublas", "stream", "stream_fused", "stream_pdl") if f"{impl}_M{M}_ms" in tot))
+                    for impl in ("cublas", "stream", "stream_pdl", "cublas_fused", "stream_fused", "auto_fused")
+                    if f"{impl}_M{M}_ms" in tot))
     if RES.get("step"):
         lines.append("step rows path              ms [min-max]             tok/s  frac_copy kernels")
         best: dict = {}
@@ -559,8 +585,10 @@ def plot(d: Path) -> None:
     g = res.get("gemm", [])
     labels = [f"{r['gemm']}\nM={r['M']}" for r in g]
     xs = range(len(g))
-    for off, impl in ((-0.27, "cublas"), (0, "stream"), (0.27, "stream_fused")):
-        axs[0].bar([x + off for x in xs], [r.get(f"{impl}_frac_copy", 0) for r in g], width=0.27, label=impl)
+    impls = ("cublas", "stream", "cublas_fused", "stream_fused", "auto_fused")
+    for i, impl in enumerate(impls):
+        axs[0].bar([x + (i - 2) * 0.16 for x in xs], [r.get(f"{impl}_frac_copy", 0) for r in g], width=0.16,
+                   label=impl)
     axs[0].set_xticks(list(xs), labels, fontsize=6)
     axs[0].set(ylabel="fraction of copy bandwidth", title="decode GEMMs (graph of weight copies)")
     axs[0].legend(fontsize=7)

@@ -114,6 +114,11 @@ def _interpreted_check() -> None:
                                            f"res={res} norm={norm} {cfg}: {m}")
                 if sk > 1 and silu:  # the split-K partials reduce in split order: bitwise the same on a re-run
                     assert torch.equal(sg.stream_gemm(x, w, r, nw, 1e-5, silu, config=cfg), got)
+            if dt == torch.float32:  # the cuBLAS candidate: F.linear between the fused step's own kernels
+                got = sg.stream_gemm(x, w, r, nw, 1e-5, silu, config=sg.CUBLAS_CONFIG)
+                torch.testing.assert_close(got, ref, **tol)
+                if not norm and not silu:  # no Triton RMSNorm / SiLU kernel: exactly the eager ops
+                    assert torch.equal(got, ref), (M, N, K, silu, res)
     assert int(sg.counters(torch.device("cpu")).abs().sum()) == 0, "split-K counters must be left at 0"
     x, w = torch.randn(5, 64), torch.randn(48, 64)  # the default candidate (no config) runs too
     torch.testing.assert_close(sg.stream_gemm(x, w), x @ w.T, rtol=1e-5, atol=1e-5)

@@ -29,6 +29,12 @@ and the fastest is kept (``tuned_configs``). ``triton.autotune`` is not used bec
 workspace depend on the shape and must be known before launch. During CUDA-graph capture an untuned shape uses
 its first candidate (no timing is possible there); ``ModelRunner`` runs each shape twice before capturing.
 
+``CUBLAS_CANDIDATE = True`` (the default) adds cuBLAS to every tuned shape's candidates: ``F.linear`` with the
+same prologue and epilogue as separate kernels (the cuBLAS fused step's RMSNorm and SiLU-mul kernels, the
+residual add), timed the same way, so the tuner picks, shape by shape, whichever it measures faster on the device
+(a shape where cuBLAS wins costs the ``gemm="stream"`` step what it costs the cuBLAS fused step). Its kernels
+are the cuBLAS fused step's, whose float32 greedy tokens equal the eager step's.
+
 ``PDL = True`` launches with Programmatic Dependent Launch (sm_90+): each program asks for the next kernel's launch
 at its start (``griddepcontrol.launch_dependents``) and loads its first weight tile, which no earlier kernel
 writes, before waiting for the previous kernel (``griddepcontrol.wait``); only then does it read ``x``, the
@@ -450,15 +456,17 @@ def time_config(run, w: torch.Tensor, reps: int = 5) -> float:
     return us
 
 
-def _tune(key, cands, run, w) -> dict:
+def _tune(key, cands, run, w, known: list[float] | None = None) -> dict:
+    """The tuned config of ``key``: every candidate timed by ``time_config`` (the first ``len(known)`` take their
+    times from ``known``, e.g. the same shape tuned without the cuBLAS candidate), the fastest kept."""
     cfg = _TUNED.get(key)
     if cfg is not None:
         return cfg
     if (not TUNE or len(cands) == 1 or not torch.cuda.is_available() or not w.is_cuda
             or torch.cuda.is_current_stream_capturing()):
         return cands[0]  # nothing to time here (CPU interpreter, or inside a graph capture)
-    times = []
-    for c in cands:
+    times = list(known or [])[:len(cands)]
+    for c in cands[len(times):]:
         try:
             times.append(time_config(lambda wi, c=c: run(c, wi), w))
         except Exception as exc:  # noqa: BLE001 - a config this device cannot compile is skipped
@@ -468,13 +476,38 @@ def _tune(key, cands, run, w) -> dict:
     best = min(range(len(cands)), key=times.__getitem__)
     if times[best] == float("inf"):
         raise RuntimeError(f"stream_gemm: no config of {cands} runs for shape key {key}")
-    _TUNED[key] = dict(cands[best], us=round(times[best], 2))
+    # every candidate's time (us, candidate order; inf: failed to run) is kept for the benchmark's record
+    _TUNED[key] = dict(cands[best], us=round(times[best], 2), all_us=[round(t, 2) for t in times])
     return _TUNED[key]
 
 
 def tuned_configs() -> dict[str, dict]:
-    """Every tuned shape so far: ``"M-bucket x N x K epi/norm dtype" -> config`` (with its time ``us``)."""
-    return {f"{k[0]}x{k[1]}x{k[2]} epi{k[3]} norm{int(k[4])} {k[5]}": v for k, v in _TUNED.items()}
+    """Every tuned shape so far: ``"M-bucket x N x K epi/norm dtype"`` (`` +cublas`` where ``CUBLAS_CANDIDATE``
+    was on) ``-> config`` (with its time ``us`` and every candidate's, ``all_us``)."""
+    return {tuned_key(*k): v for k, v in _TUNED.items()}
+
+
+def tuned_key(bucket: int, n: int, k: int, epi: int, norm: bool, dtype: str, with_cublas: bool = False) -> str:
+    """The ``tuned_configs`` key of one tuned shape."""
+    return f"{bucket}x{n}x{k} epi{epi} norm{int(norm)} {dtype}" + (" +cublas" if with_cublas else "")
+
+
+CUBLAS_CANDIDATE = True  # the tuner also times cuBLAS (F.linear) with the same prologue/epilogue as own kernels
+CUBLAS_CONFIG = {"BACKEND": "cublas"}
+
+
+def _cublas_launch(x, w, res, nw, eps, epi: int) -> torch.Tensor:
+    """The ``CUBLAS_CONFIG`` candidate: the cuBLAS fused step's kernels for one fused GEMM: the RMSNorm kernel
+    (``hpdl.serve.fused.add_rmsnorm``), ``F.linear``, then the SiLU-mul kernel or the residual add, each
+    rounding to the model dtype as eager does (without those two Triton kernels: ``stream_gemm_ref`` exactly)."""
+    from hpdl.serve.fused import add_rmsnorm, silu_mul
+
+    if nw is not None:
+        x = add_rmsnorm(x, None, nw, eps)[1]
+    y = F.linear(x, w)
+    if epi == 2:
+        return silu_mul(y)
+    return y + res if epi == 1 else y
 
 
 def stream_gemm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
@@ -488,8 +521,9 @@ def stream_gemm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None 
         residual: ``[M, N]``, added to the product (the product rounded to the dtype first, as eager does).
         norm_weight: ``[K]``: ``x`` is RMS-normalised (``eps``, float32 statistics) and scaled by it first.
         silu_mul: return ``silu(x @ gate.T) * (x @ up.T)`` ``[M, N]`` (not with ``residual``).
-        config: a fixed config (keys of ``candidates``); None = the tuned one on CUDA, the first candidate
-            elsewhere. The tests use it to cover every code path under TRITON_INTERPRET=1.
+        config: a fixed config (keys of ``candidates``, or ``CUBLAS_CONFIG``); None = the tuned one on CUDA
+            (with ``CUBLAS_CANDIDATE``, cuBLAS is one of the candidates), the first candidate elsewhere. The tests
+            use it to cover every code path under TRITON_INTERPRET=1.
     Returns:
         ``[M, N]`` in ``x``'s dtype, a new tensor. Off CUDA and without the interpreter: ``stream_gemm_ref``.
     Raises:
@@ -515,18 +549,28 @@ def stream_gemm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None 
         return stream_gemm_ref(x, w, residual, norm_weight, eps, silu_mul)
     if x.stride(1) != 1 or w.stride(1) != 1 or (residual is not None and residual.stride(1) != 1):
         raise ValueError("x, w and residual need unit stride along their last dimension")
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     epi = 2 if silu_mul else (1 if residual is not None else 0)
     if config is None:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-        key = (m_bucket(M), N, K, epi, norm_weight is not None, str(x.dtype).split(".")[-1])
+        with_cublas = CUBLAS_CANDIDATE and x.is_cuda
+        key = (m_bucket(M), N, K, epi, norm_weight is not None, str(x.dtype).split(".")[-1], with_cublas)
         cands = candidates(M, N, K, sms, x.element_size(), epi, norm_weight is not None,
-                           shared_memory_limit(x.device))
-        config = _tune(key, cands, lambda c, wi: _launch(x, wi, out, residual, norm_weight, eps, epi, c), w)
-    _launch(x, w, out, residual, norm_weight, eps, epi, config)
+                           shared_memory_limit(x.device)) + ([CUBLAS_CONFIG] if with_cublas else [])
+        base = _TUNED.get(key[:-1] + (False,)) if with_cublas else None  # its Triton times, if tuned
+        known = base["all_us"] if base is not None and len(base["all_us"]) == len(cands) - 1 else None
+        config = _tune(key, cands, lambda c, wi: _run(x, wi, residual, norm_weight, eps, epi, c), w, known)
+    return _run(x, w, residual, norm_weight, eps, epi, config)
+
+
+def _run(x, w, res, nw, eps, epi: int, cfg: dict) -> torch.Tensor:
+    """One fused GEMM with ``cfg`` (a Triton config or ``CUBLAS_CONFIG``); returns the new ``[M, N]`` tensor."""
+    if cfg.get("BACKEND") == "cublas":
+        return _cublas_launch(x, w, res, nw, eps, epi)
+    out = torch.empty(x.shape[0], w.shape[0] // 2 if epi == 2 else w.shape[0], dtype=x.dtype, device=x.device)
+    _launch(x, w, out, res, nw, eps, epi, cfg)
     return out
 
 
-__all__ = ["PDL", "TUNE", "candidates", "counters", "fit_shared_memory", "m_bucket", "pdl_supported",
-           "shared_memory_bytes", "shared_memory_limit", "split_k", "stream_gemm", "stream_gemm_ref", "time_config",
-           "tuned_configs"]
+__all__ = ["CUBLAS_CANDIDATE", "CUBLAS_CONFIG", "PDL", "TUNE", "candidates", "counters", "fit_shared_memory",
+           "m_bucket", "pdl_supported", "shared_memory_bytes", "shared_memory_limit", "split_k", "stream_gemm", "stream_gemm_ref", "time_config",
+           "tuned_configs", "tuned_key"]
