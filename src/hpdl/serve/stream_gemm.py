@@ -161,7 +161,7 @@ if triton is not None:
         nm = rn < N
         xrow = x_ptr + rm[:, None].to(tl.int64) * stride_xm
         if EVEN:  # N % BLOCK_N == 0 and K % (SPLIT_K * BLOCK_K) == 0 (the host checks): no weight masks (no
-            # predicate math per load; the sm_90 PTX has 16-byte loads either way when N, K are multiples of 16)
+            # predicate math per load; Triton 3.8's sm_90 PTX has 16-byte loads either way for N, K multiples of 16)
             k_per = K // SPLIT_K
         else:
             k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
@@ -202,7 +202,7 @@ if triton is not None:
                                  EPI, NORM, DOT, PREC, UPCAST, EVEN)
         else:
             # GEMV (one row): products accumulate elementwise in a [BLOCK_N, BLOCK_K] float32 tile and are summed
-            # over K once after the loop (a cross-thread reduction per K step cost more than the loads); the
+            # over K once after the loop (not a cross-thread reduction at every K step); the
             # next weight tile is loaded into registers before the current one is used (Triton does not pipeline
             # loads that feed no tl.dot), so two tiles per program are in flight
             acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -260,15 +260,14 @@ def m_bucket(m: int) -> int:
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, programs per SM for the split count; 0: no split) per M
 # bucket; a small set, so tuning on the device (compile + time each) stays within seconds per shape. What the
 # first version lacked (H200, 2026-12-04: slower than cuBLAS at every shape): its GEMV reduced its [BLOCK_N,
-# BLOCK_K] products across threads at every K step; every M = 1 config split K (partials, a counter atomic and
-# a reduction, even where N alone gives hundreds of programs) into splits of 1-2 steps; each program had one
-# weight tile in flight behind one x load per step; and the 17:30 run timed untuned first candidates (the
-# benchmark's float32 part had switched TUNE off for the parts after it). Now the GEMV accumulates a [BLOCK_N,
-# BLOCK_K] tile and sums once, most configs do not split, some read a program's whole K range in one or two
-# steps of 1024-2048 columns (few rows per program, many programs: the loads are issued at once), the split
-# counts prefer divisors of K / BLOCK_K (no weight masks: ``is_even``), and the tuner picks per shape. The GEMV
-# configs (BLOCK_M = 1) are not pipelined by Triton (no tl.dot) but load the next weight tile into registers
-# before using the current one.
+# BLOCK_K] products across threads at every K step; its M = 1 configs split K (partials, a counter atomic and a
+# reduction) wherever N / BLOCK_N gave fewer than 2-8 programs per SM, into splits of 1-2 steps; and the 17:30
+# run timed untuned first candidates (the benchmark's float32 part had switched TUNE off for the parts after
+# it). Now the GEMV accumulates a [BLOCK_N, BLOCK_K] tile and sums once, most configs do not split, some read a
+# program's whole K range in one or two steps of 1024-2048 columns (few rows per program, many programs: the
+# loads are issued at once), the split counts prefer divisors of K / BLOCK_K (no weight masks: ``is_even``), and
+# the tuner picks per shape, cuBLAS included (``CUBLAS_CANDIDATE``). The GEMV configs (BLOCK_M = 1) are not
+# pipelined by Triton (no tl.dot) but load the next weight tile into registers before using the current one.
 _CANDIDATES = {
     1: [(1, 8, 512, 4, 1, 0), (1, 4, 2048, 8, 1, 0), (1, 8, 1024, 8, 1, 0), (1, 16, 256, 4, 1, 0),
         (1, 4, 1024, 4, 1, 0), (1, 8, 256, 4, 1, 4), (1, 16, 256, 4, 1, 2), (1, 4, 512, 4, 1, 2),
