@@ -15,20 +15,21 @@ out); one that would start past the time budget is skipped and says so:
 0. compile: every stream_gemm candidate the parts below launch, compiled in a process pool into Triton's on-disk
    cache (the main process then loads instead of compiling, one kernel after another).
 1. copy bandwidth (``hpdl.serve.bench.hbm_bandwidth``, the reference of every "% of copy" below).
-2. gemm: the 1.1B model's decode GEMMs (qkv, o, gate_up, down, lm_head) at M = 1, 16, 64 rows: cuBLAS
-   (``F.linear``), stream_gemm's Triton kernel (tuned on the device at its first call: ``stream_gemm.time_config``
-   over every candidate), the same with PDL (rows in PDL_ROWS), and with the prologue/epilogue the new step
-   fuses: ``cublas_fused`` (cuBLAS between the fused step's own RMSNorm / SiLU-mul kernels or with the residual
-   add: ``stream_gemm.CUBLAS_CONFIG``), ``stream_fused`` (Triton) and ``auto_fused`` (the tuner's pick of the two
-   per shape, ``stream_gemm.CUBLAS_CANDIDATE``; ``auto_fused_config`` says which). Each is one CUDA graph running the GEMM over 22 distinct weight copies (lm_head: 4), as a decode
-   step does, so weights come from HBM, not L2; the graphs are replayed in ROUNDS rounds of REPS replays with the
-   implementations interleaved in every round: median, min and max per GEMM. GB/s counts weight + input + output
-   bytes. Max abs error against torch on the device (bf16), and the torch reference's own error against float32.
-   ``gemm_step_total``: the step's 89 GEMMs (22 layers x 4 + lm_head) summed from the medians.
-3. step: one decode step of ``llama-1b`` (bf16, random weights) at 1, 16 and 64 rows, 264 cached positions each,
-   CUDA graph, the paths interleaved over rounds as above: eager model, current fused step (cuBLAS), stream
-   step with Triton GEMMs only, ``stream_auto`` (cuBLAS among each shape's candidates: what ``--fused-gemm
-   stream`` runs), and the Triton-only step with PDL; TPOT = step time, tok/s = rows / step time, the roofline (bytes the step must move,
+2. gemm: the 1.1B model's decode GEMMs (qkv, o, gate_up, down, lm_head) at M = 1, 16, 64 rows: cuBLAS (``F.linear``),
+   stream_gemm's Triton kernel (tuned on the device at its first call: ``stream_gemm.time_config`` over every
+   candidate), the same with PDL (rows in PDL_ROWS), and with the prologue/epilogue the new step fuses:
+   ``cublas_fused`` (cuBLAS between the fused step's own RMSNorm / SiLU-mul kernels or with the residual add:
+   ``stream_gemm.CUBLAS_CONFIG``), ``stream_fused`` (Triton) and ``auto_fused`` (the tuner's pick of the two per
+   shape, ``stream_gemm.CUBLAS_CANDIDATE``; ``auto_fused_config`` says which). Each is one CUDA graph running the
+   GEMM over 22 distinct weight copies (lm_head: 4), as a decode step does, so weights come from HBM, not L2; the
+   graphs are replayed in ROUNDS rounds of REPS replays with the implementations interleaved in every round: median,
+   min and max per GEMM. GB/s counts weight + input + output bytes. Max abs error against torch on the device (bf16),
+   and the torch reference's own error against float32. ``gemm_step_total``: the step's 89 GEMMs (22 layers x 4 +
+   lm_head) summed from the medians.
+3. step: one decode step of ``llama-1b`` (bf16, random weights) at 1, 16 and 64 rows, 264 cached positions each, CUDA
+   graph, the paths interleaved over rounds as above: eager model, current fused step (cuBLAS), stream step with
+   Triton GEMMs only, ``stream_auto`` (cuBLAS among each shape's candidates: what ``--fused-gemm stream`` runs), and
+   the Triton-only step with PDL; TPOT = step time, tok/s = rows / step time, the roofline (bytes the step must move,
    ``fused.step_bytes``, over its time, against the copy bandwidth), kernels per step (torch.profiler at 1 and 64
    rows) and each path's logits against the eager step's (max abs, argmax agreement).
 4. greedy_float32: 8 requests x 48 greedy tokens through ``LLMEngine`` (float32 llama-1b, CUDA graphs), stream

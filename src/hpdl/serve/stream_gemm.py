@@ -572,5 +572,5 @@ def _run(x, w, res, nw, eps, epi: int, cfg: dict) -> torch.Tensor:
 
 
 __all__ = ["CUBLAS_CANDIDATE", "CUBLAS_CONFIG", "PDL", "TUNE", "candidates", "counters", "fit_shared_memory",
-           "m_bucket", "pdl_supported", "shared_memory_bytes", "shared_memory_limit", "split_k", "stream_gemm", "stream_gemm_ref", "time_config",
-           "tuned_configs", "tuned_key"]
+           "is_even", "launch_split", "m_bucket", "norm_chunk", "pdl_supported", "shared_memory_bytes", "shared_memory_limit", "split_k", "stream_gemm",
+           "stream_gemm_ref", "time_config", "tuned_configs", "tuned_key"]
