@@ -1,37 +1,44 @@
 """Issue 38: hpdl's weight-streaming decode GEMMs (``hpdl.serve.stream_gemm``) against cuBLAS, and the decode step
 built on them against the current fused step (cuBLAS GEMMs) and the eager step, in one device run (1 x H200).
 
-    python3 benchmarks/serve_decode_kernels.py --out $OUT/serve          # device, about 3-4 minutes
-    python3 benchmarks/serve_decode_kernels.py --quick --parts compile,greedy,step,gemm --out $OUT/serve
-                                                                         # device, about 2 minutes: rows 1, 64
-    python3 benchmarks/serve_decode_kernels.py --smoke --out /tmp/sdk    # CPU plumbing check: tiny shapes, torch
-                                                                         # fallback (TRITON_INTERPRET=1: the kernels)
-    python3 benchmarks/serve_decode_kernels.py --plot DIR                # the PNG from DIR/decode_kernels.json
+    timeout 300 python3 benchmarks/serve_decode_kernels.py --out $OUT/serve   # device, about 4 minutes
+    python3 benchmarks/serve_decode_kernels.py --quick --out $OUT/serve       # device, about 2 minutes: rows 1, 64
+    python3 benchmarks/serve_decode_kernels.py --full --out $OUT/serve        # device, rows up to 256 (> 4 min)
+    python3 benchmarks/serve_decode_kernels.py --smoke --out /tmp/sdk         # CPU plumbing check: tiny shapes, torch
+                                                                              # fallback (TRITON_INTERPRET=1: kernels)
+    python3 benchmarks/serve_decode_kernels.py --plot DIR                     # the PNG from DIR/decode_kernels.json
 
 Writes 3 files into --out: decode_kernels.json (saved after every part, so a timeout keeps what finished),
-decode_kernels.png and log.txt. Parts, in order; one that would start past the time budget is skipped and says so:
-0. compile: every stream_gemm variant the parts below launch, compiled in a process pool into Triton's on-disk
+decode_kernels.png and log.txt; the table printed last is also the log's end. Parts (by default run in the order
+compile, step, greedy, gemm: the issue's goal first; the gemm part's rows are skipped one by one when time runs
+out); one that would start past the time budget is skipped and says so:
+0. compile: every stream_gemm candidate the parts below launch, compiled in a process pool into Triton's on-disk
    cache (the main process then loads instead of compiling, one kernel after another).
 1. copy bandwidth (``hpdl.serve.bench.hbm_bandwidth``, the reference of every "% of copy" below).
-2. step (b; first, as the issue's goal): one decode step of ``llama-1b`` (bf16, random weights) at 1, 64 and 256
-   rows, 264 cached positions each, CUDA graph: eager model, current fused step (cuBLAS), new step (stream GEMMs)
-   with the RMSNorm in the GEMM prologue and without; TPOT = step time, tok/s = rows / step time, and the
-   roofline (bytes the step must move, ``fused.step_bytes``, over its time, against the copy bandwidth); kernels
-   per step (torch.profiler: count, summed durations, the longest 8) and the new step's logits against the eager
-   step's (max abs, argmax agreement).
-3. gemm (a + c): the 1.1B model's decode GEMMs (qkv, o, gate_up, down, lm_head) at M = 1, 16, 64, 256 rows:
-   cuBLAS (``F.linear``), stream_gemm, and stream_gemm with the epilogue/prologue the new step uses. Each time is
-   one GEMM of a CUDA graph that runs it over 22 distinct weight copies (lm_head: 4), as a decode step does, so
-   weights come from HBM, not L2; GB/s counts weight + input + output bytes. Max abs error against torch on the
-   device (bf16) for each, and the torch reference's own error against float32 for scale.
+2. gemm: the 1.1B model's decode GEMMs (qkv, o, gate_up, down, lm_head) at M = 1, 16, 64 rows: cuBLAS (``F.linear``),
+   stream_gemm's Triton kernel (tuned on the device at its first call: ``stream_gemm.time_config`` over every
+   candidate), the same with PDL (rows in PDL_ROWS), and with the prologue/epilogue the new step fuses:
+   ``cublas_fused`` (cuBLAS between the fused step's own RMSNorm / SiLU-mul kernels or with the residual add:
+   ``stream_gemm.CUBLAS_CONFIG``), ``stream_fused`` (Triton) and ``auto_fused`` (the tuner's pick of the two per
+   shape, ``stream_gemm.CUBLAS_CANDIDATE``; ``auto_fused_config`` says which). Each is one CUDA graph running the
+   GEMM over 22 distinct weight copies (lm_head: 4), as a decode step does, so weights come from HBM, not L2; the
+   graphs are replayed in ROUNDS rounds of REPS replays with the implementations interleaved in every round: median,
+   min and max per GEMM. GB/s counts weight + input + output bytes. Max abs error against torch on the device (bf16),
+   and the torch reference's own error against float32. ``gemm_step_total``: the step's 89 GEMMs (22 layers x 4 +
+   lm_head) summed from the medians.
+3. step: one decode step of ``llama-1b`` (bf16, random weights) at 1, 16 and 64 rows, 264 cached positions each, CUDA
+   graph, the paths interleaved over rounds as above: eager model, current fused step (cuBLAS), stream step with
+   Triton GEMMs only, ``stream_auto`` (cuBLAS among each shape's candidates: what ``--fused-gemm stream`` runs), and
+   the Triton-only step with PDL; TPOT = step time, tok/s = rows / step time, the roofline (bytes the step must move,
+   ``fused.step_bytes``, over its time, against the copy bandwidth), kernels per step (torch.profiler at 1 and 64
+   rows) and each path's logits against the eager step's (max abs, argmax agreement).
 4. greedy_float32: 8 requests x 48 greedy tokens through ``LLMEngine`` (float32 llama-1b, CUDA graphs), stream
-   step (and with PDL) vs eager step: identical tokens? (stream_gemm.TUNE off: one compile per variant.)
+   step (and with PDL) vs eager step: identical tokens? (stream_gemm.TUNE off for this part only: one compile
+   per variant; the 17:30 run of 2026-12-04 left it off for the parts after it, so its stream numbers were
+   untuned.)
 
-"stream_pdl" (step path, GEMM column, greedy runner) is the stream path with ``stream_gemm.PDL = True``
-(Programmatic Dependent Launch), for the rows in PDL_ROWS; ``tuned_us`` is the tuner's own time for the plain
-stream GEMM's chosen config, to compare with the table's ``stream_us``. ``--parts`` runs compile first, the rest
-in the order given; ``--quick`` (rows 1 and 64; eager, cuBLAS fused, stream and stream_pdl steps; PDL at 1 row;
-greedy with PDL only) fits a 150 s command.
+``tuned_us`` is the tuner's own time for the plain stream GEMM's chosen config (``stream_config``), to compare with
+the table's ``stream_us``. ``--parts`` runs compile first, the rest in the order given.
 """
 
 from __future__ import annotations
@@ -45,20 +52,23 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-MODEL, DTYPE, ROWS, STEP_ROWS, CTX, KV_LEN, SLOTS, MAX_LEN = "llama-1b", "bfloat16", [1, 16, 64, 256], [1, 64, 256], \
+MODEL, DTYPE, ROWS, STEP_ROWS, CTX, KV_LEN, SLOTS, MAX_LEN = "llama-1b", "bfloat16", [1, 16, 64], [1, 16, 64], \
     264, 384, 256, 640
-COPIES, LM_COPIES, REPS, BUDGET_S, JOBS, COMPILE_S = 22, 4, 30, 225.0, 12, 75.0
-GEMM_LEFT_S = 50.0  # the gemm part starts no (GEMM, rows) row with less time left
+COPIES, LM_COPIES, REPS, ROUNDS, BUDGET_S, JOBS, COMPILE_S = 22, 4, 10, 5, 225.0, 14, 70.0
+GEMM_LEFT_S = 60.0  # the gemm part starts no (GEMM, rows) row with less time left (the step part needs ~50 s)
 NORM_PROLOGUE_ROWS = 16  # hpdl.serve.fused.NORM_PROLOGUE_ROWS (checked in main)
-PDL_ROWS, PARTS = [1, 8, 16, 64, 256], ""  # rows whose stream GEMMs are also measured with PDL; --parts
+PDL_ROWS, PARTS = [1, 16], ""  # rows whose stream GEMMs are also measured with PDL; --parts
 PDL_ON, GREEDY = True, "stream,stream_pdl"
-STEP_PATHS = "eager,fused_cublas,stream,stream_norm_in_gemm,stream_norm_kernel,stream_pdl"
-# --quick: the one-command device check after the fixes of 2026-12-04 (fits ~120 s of a 150 s command)
-QUICK = dict(ROWS=[1, 64], STEP_ROWS=[1, 64], COPIES=16, REPS=20, BUDGET_S=128.0, COMPILE_S=40.0, JOBS=14,
-             GEMM_LEFT_S=8.0,
-             STEP_PATHS="eager,fused_cublas,stream,stream_pdl", GREEDY="stream_pdl", PDL_ROWS=[1, 8])
+STEP_PATHS = "eager,fused_cublas,stream,stream_auto,stream_pdl"
+# --full: the 2026-12-04 sweep (rows up to 256, both RMSNorm placements); more than 4 minutes with tuning
+FULL = dict(ROWS=[1, 16, 64, 256], STEP_ROWS=[1, 64, 256], PDL_ROWS=[1, 8, 16, 64, 256],
+            STEP_PATHS="eager,fused_cublas,stream,stream_auto,stream_norm_in_gemm,stream_norm_kernel,stream_pdl")
+# --quick: rows 1 and 64 only (~2 minutes)
+QUICK = dict(ROWS=[1, 64], STEP_ROWS=[1, 64], COPIES=16, ROUNDS=3, BUDGET_S=128.0, COMPILE_S=40.0, JOBS=14,
+             GEMM_LEFT_S=30.0, STEP_PATHS="eager,fused_cublas,stream,stream_auto,stream_pdl", GREEDY="stream_pdl",
+             PDL_ROWS=[1])
 SMOKE = dict(MODEL="llama-tiny", DTYPE="float32", ROWS=[1, 4], STEP_ROWS=[1, 4], CTX=20, KV_LEN=32, SLOTS=4,
-             MAX_LEN=64, COPIES=2, LM_COPIES=1, REPS=3, JOBS=2)  # the pool runs under TRITON_INTERPRET=1 only
+             MAX_LEN=64, COPIES=2, LM_COPIES=1, REPS=2, ROUNDS=2, JOBS=2, PDL_ROWS=[1])
 _T0 = time.perf_counter()
 RES: dict = {}
 OUT: Path = Path(".")
@@ -129,13 +139,18 @@ def _compile_job(job) -> str:
     out = torch.empty(M, n, device=dev, dtype=dt)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
     cands = sg.candidates(M, n, K, sms, x.element_size(), epi, "norm_weight" in kw, sg.shared_memory_limit(dev))
+    failed = []
     for cfg in cands[:1] if first_only else cands:
-        sg._launch(x, w, out, kw.get("residual"), kw.get("norm_weight"), kw.get("eps", 1e-6), epi, cfg)
-        if pdl_too and sg.pdl_supported(dev):  # its PDL variant (PDL is a constexpr: another compile)
-            sg._launch(x, w, out, kw.get("residual"), kw.get("norm_weight"), kw.get("eps", 1e-6), epi, cfg,
-                       pdl=True)
+        for pdl in (False, True) if pdl_too and sg.pdl_supported(dev) else (False,):  # PDL is a constexpr
+            try:  # one config that fails (e.g. out of resources) does not stop the others compiling
+                sg._launch(x, w, out, kw.get("residual"), kw.get("norm_weight"), kw.get("eps", 1e-6), epi, cfg,
+                           pdl=pdl)
+            except Exception as exc:  # noqa: BLE001 - the tuner skips it on the device too
+                failed.append(f"{cfg} pdl={pdl}: {exc!r}"[:200])
     if dev.type == "cuda":
         torch.cuda.synchronize()
+    if failed:
+        raise RuntimeError("; ".join(failed))
     return f"{nw}x{K} M={M} {fused}"
 
 
@@ -148,17 +163,29 @@ def compile_all(device) -> None:
     if JOBS <= 0 or not (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
         return _save("compile", "skipped (CPU without TRITON_INTERPRET=1)")
     t = time.perf_counter()
-    jobs = []
-    for name, (nw, K, fused) in gemm_shapes().items():
-        for M in sorted(set(ROWS) | set(STEP_ROWS)):
+    jobs, seen = [], set()
+
+    def add(job):
+        """Queue ``job`` unless one with the same binaries was queued: kernels depend on K, the row bucket, the
+        epilogue, the prologue, the dtype and PDL (N only through the runtime split count)."""
+        nw, K, M, fused, norm_rows, _, dtype, first_only, pdl = job
+        key = (K, M, bool(fused.get("silu")), bool(fused.get("res")), bool(fused.get("norm")) and M <= norm_rows,
+               dtype, first_only, pdl)
+        if key not in seen:
+            seen.add(key)
+            jobs.append(job)
+    for M in sorted(set(ROWS) | set(STEP_ROWS)):  # row counts in order: the M = 1 kernels compile first
+        for name, (nw, K, fused) in gemm_shapes().items():
             pdl = PDL_ON and M in PDL_ROWS
-            jobs.append((nw, K, M, {}, 0, str(device), DTYPE, False, pdl))
-            jobs.append((nw, K, M, fused, 1 << 30, str(device), DTYPE, False, pdl))  # with the norm prologue
-            if fused.get("norm") and ("stream_norm_kernel" in STEP_PATHS or M > NORM_PROLOGUE_ROWS):
-                jobs.append((nw, K, M, fused, 0, str(device), DTYPE, False, pdl))    # the step without it
-        if "greedy" in PARTS:  # the float32 engine's variants (TUNE off: the first candidate), 8 and 1 rows
+            add((nw, K, M, fused, NORM_PROLOGUE_ROWS, str(device), DTYPE, False, pdl))  # the stream step's
+            add((nw, K, M, {}, 0, str(device), DTYPE, False, pdl))  # the plain GEMM
+            add((nw, K, M, fused, 1 << 30, str(device), DTYPE, False, pdl))  # with the norm prologue (gemm part)
+            if fused.get("norm") and "stream_norm_kernel" in STEP_PATHS:
+                add((nw, K, M, fused, 0, str(device), DTYPE, False, pdl))  # the step without it
+    if "greedy" in PARTS:  # the float32 engine's variants (TUNE off: the first candidate), 8 and 1 rows
+        for name, (nw, K, fused) in gemm_shapes().items():
             for M in (1, 8):
-                jobs.append((nw, K, M, fused, 1 << 30, str(device), "float32", True, "stream_pdl" in GREEDY))
+                add((nw, K, M, fused, 1 << 30, str(device), "float32", True, "stream_pdl" in GREEDY))
     # ProcessPoolExecutor, not Pool: a worker that dies raises BrokenProcessPool instead of hanging the map
     ex = ProcessPoolExecutor(min(JOBS, len(jobs)), mp_context=mp.get_context("spawn"))
     futs = [ex.submit(_compile_job, j) for j in jobs]
@@ -175,16 +202,13 @@ def compile_all(device) -> None:
 
 
 # --- 2. per-GEMM table -----------------------------------------------------------------------------------------
-def _graph_ms(fn, reps: int, device) -> float:
-    """Milliseconds per call of ``fn`` replayed from a CUDA graph (on CPU: plain calls)."""
+def _capture(fn, device):
+    """``fn`` after one warm call (compiles, tunes), captured into a CUDA graph; returns the replay (CPU: ``fn``)."""
     import torch
 
     fn()
     if device.type != "cuda":
-        t = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        return (time.perf_counter() - t) / reps * 1e3
+        return fn
     torch.cuda.synchronize()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -196,13 +220,56 @@ def _graph_ms(fn, reps: int, device) -> float:
         fn()
     g.replay()
     torch.cuda.synchronize()
+    return g.replay
+
+
+def _time_ms(replay, reps: int, device) -> float:
+    """Milliseconds per ``replay()`` over ``reps`` back-to-back calls (CUDA events; CPU: wall clock)."""
+    import torch
+
+    if device.type != "cuda":
+        t = time.perf_counter()
+        for _ in range(reps):
+            replay()
+        return (time.perf_counter() - t) / reps * 1e3
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
     for _ in range(reps):
-        g.replay()
+        replay()
     b.record()
-    torch.cuda.synchronize()
+    b.synchronize()
     return a.elapsed_time(b) / reps
+
+
+def _interleaved(fns: dict, device, pre=None) -> tuple[dict, dict]:
+    """Capture every ``fns[name]`` (``pre(name)`` runs before its warm call and capture, e.g. to set a flag;
+    ``pre(None)`` after), then time them in ``ROUNDS`` rounds of ``REPS`` replays each, the implementations
+    interleaved within every round (a clock or thermal drift hits all alike). Returns ``({name: [ms per call,
+    one per round]}, {name: error})``; an implementation that fails to run or capture is in the second only."""
+    replays, errors = {}, {}
+    for name, fn in fns.items():
+        if pre is not None:
+            pre(name)
+        try:
+            replays[name] = _capture(fn, device)
+        except Exception as exc:  # noqa: BLE001 - one implementation's failure keeps the others
+            errors[name] = repr(exc)[:400]
+        finally:
+            if pre is not None:
+                pre(None)
+    times = {name: [] for name in replays}
+    for _ in range(ROUNDS):
+        for name, replay in replays.items():
+            times[name].append(_time_ms(replay, REPS, device))
+    return times, errors
+
+
+def _stats(ms: list[float]) -> dict:
+    """Median, min and max of per-round times, and the spread (max - min) / median."""
+    import statistics
+
+    med = statistics.median(ms)
+    return {"median": med, "min": min(ms), "max": max(ms), "spread": (max(ms) - min(ms)) / med if med else 0.0}
 
 
 def gemms(device, copy_bw: float) -> None:
@@ -214,6 +281,17 @@ def gemms(device, copy_bw: float) -> None:
     dt = getattr(torch, DTYPE)
     torch.manual_seed(0)
     rows, total = [], {}
+    with_cublas = sg.CUBLAS_CANDIDATE
+    sg.CUBLAS_CANDIDATE = False  # "stream*": the Triton kernels alone; "auto_fused": with the cuBLAS candidate
+    try:
+        _gemms(device, copy_bw, sg, F, dt, rows, total)
+    finally:
+        sg.CUBLAS_CANDIDATE = with_cublas
+
+
+def _gemms(device, copy_bw, sg, F, dt, rows, total) -> None:
+    import torch
+
     for name, (nw, K, fused) in gemm_shapes().items():
         copies = LM_COPIES if name == "lm_head" else COPIES
         ws = [torch.randn(nw, K, device=device, dtype=dt) * 0.02 for _ in range(copies)]
@@ -233,31 +311,40 @@ def gemms(device, copy_bw: float) -> None:
             fref = sg.stream_gemm_ref(x, ws[0], kw.get("residual"), kw.get("norm_weight"), kw.get("eps", 1e-6),
                                       kw.get("silu_mul", False))
             r["err_stream_fused"] = (sg.stream_gemm(x, ws[0], **kw).float() - fref.float()).abs().max().item()
-            # (a) times: one GEMM of a graph over every copy
+            # (a) times: one GEMM of a graph over every copy; rounds interleave the implementations
             wbytes = nw * K * dt.itemsize
-            impls = [("cublas", lambda: [F.linear(x, w) for w in ws]),
-                     ("stream", lambda: [sg.stream_gemm(x, w) for w in ws]),
-                     ("stream_fused", lambda: [sg.stream_gemm(x, w, **kw) for w in ws])]
+            impls = {"cublas": lambda: [F.linear(x, w) for w in ws],
+                     "stream": lambda: [sg.stream_gemm(x, w) for w in ws],
+                     "stream_fused": lambda: [sg.stream_gemm(x, w, **kw) for w in ws],
+                     "cublas_fused": lambda: [sg.stream_gemm(x, w, **kw, config=sg.CUBLAS_CONFIG) for w in ws],
+                     "auto_fused": lambda: [sg.stream_gemm(x, w, **kw) for w in ws]}
             if PDL_ON and sg.pdl_supported(device) and M in PDL_ROWS:
-                impls.append(("stream_pdl", lambda: [sg.stream_gemm(x, w) for w in ws]))
-            for impl, fn in impls:
+                impls["stream_pdl"] = lambda: [sg.stream_gemm(x, w) for w in ws]
+
+            def pre(impl):
                 sg.PDL = impl == "stream_pdl"
-                try:
-                    ms = _graph_ms(fn, REPS, device) / copies
-                except Exception as exc:  # noqa: BLE001 - e.g. a PDL launch that graph capture refuses
-                    r[f"{impl}_error"] = repr(exc)[:300]
-                    continue
-                finally:
-                    sg.PDL = False
-                io = (M * K + M * (nout if impl == "stream_fused" else nw)) * dt.itemsize
+                sg.CUBLAS_CANDIDATE = impl == "auto_fused"
+            times, errors = _interleaved(impls, device, pre)
+            for impl, exc in errors.items():
+                r[f"{impl}_error"] = exc
+            for impl, ms_rounds in times.items():
+                st = _stats([ms / copies for ms in ms_rounds])
+                ms = st["median"]
+                io = (M * K + M * (nout if impl.endswith("_fused") else nw)) * dt.itemsize
                 r[f"{impl}_us"] = round(ms * 1e3, 2)
+                r[f"{impl}_us_min_max"] = [round(st["min"] * 1e3, 2), round(st["max"] * 1e3, 2)]
                 r[f"{impl}_GBps"] = round((wbytes + io) / ms / 1e6, 1)
                 r[f"{impl}_frac_copy"] = round((wbytes + io) / (ms * 1e-3) / copy_bw, 3)
                 per_step = 1 if name == "lm_head" else _n_layers()
                 total.setdefault(f"{impl}_M{M}_ms", 0.0)
                 total[f"{impl}_M{M}_ms"] += ms * per_step
+            tuned = sg.tuned_configs()
+            r["stream_config"] = tuned.get(sg.tuned_key(sg.m_bucket(M), nw, K, 0, False, DTYPE))
+            fe = 2 if fused.get("silu") else (1 if fused.get("res") else 0)
+            r["auto_fused_config"] = tuned.get(sg.tuned_key(sg.m_bucket(M), nout, K, fe, bool(fused.get("norm")),
+                                                            DTYPE, True))
             # the tuner's own time for the plain stream GEMM's chosen config, against the table's (sanity check)
-            r["tuned_us"] = sg.tuned_configs().get(f"{sg.m_bucket(M)}x{nw}x{K} epi0 norm0 {DTYPE}", {}).get("us")
+            r["tuned_us"] = (r["stream_config"] or {}).get("us")
             if "stream_pdl_us" in r:  # the PDL launch gives the same numbers
                 sg.PDL = True
                 try:
@@ -332,18 +419,20 @@ def steps(device, copy_bw: float) -> None:
              "stream_norm_in_gemm": dict(gemm="stream", norm_prologue_rows=big),
              "stream_norm_kernel": dict(gemm="stream", norm_prologue_rows=0),
              "stream": dict(gemm="stream"),  # the RMSNorm in the GEMMs up to fused.NORM_PROLOGUE_ROWS rows
-             "stream_pdl": dict(gemm="stream")}  # the same with stream_gemm.PDL on
+             "stream_auto": dict(gemm="stream"),  # the same, cuBLAS among each shape's tuned candidates
+             "stream_pdl": dict(gemm="stream")}  # "stream" with stream_gemm.PDL on
+    with_cublas = sg.CUBLAS_CANDIDATE
     want = STEP_PATHS.split(",")
     paths = {k: v for k, v in paths.items() if k in want and (k != "stream_pdl" or sg.pdl_supported(device))}
     res = []
     for n in STEP_ROWS:
+        if _left() < 25:
+            _save(f"step_skipped_{n}", "time budget")
+            continue
         toks = torch.randint(0, cfg.vocab_size, (n,), device=device)
         pos = torch.full((n,), CTX, device=device)
-        outs = {}
+        fns, boxes = {}, {}
         for name, kw in paths.items():
-            if _left() < 25:
-                _save(f"step_skipped_{n}_{name}", "time budget")
-                continue
             if name == "stream_pdl" and n not in PDL_ROWS:
                 continue
             if kw is None:
@@ -352,46 +441,64 @@ def steps(device, copy_bw: float) -> None:
             else:
                 def fn(toks=toks, pos=pos, kw=kw):
                     return fz.fused_decode(model, cache, toks, pos, 0, KV_LEN, **kw)[0]
-            box = {}
+            box = boxes[name] = {}
 
             def run(fn=fn, box=box):
                 box["out"] = fn()
+            fns[name] = run
+
+        def pre(name):  # the flags matter at the warm call (tuning) and the capture
             sg.PDL = name == "stream_pdl"
-            try:
-                with torch.inference_mode():
-                    ms = _graph_ms(run, REPS, device)
-                    outs[name] = box["out"].float().clone()
-                    kern = _kernels(run, device) if n in (1, 64) else None
-            except Exception as exc:  # noqa: BLE001 - one path's failure (a PDL capture) keeps the others
-                res.append({"rows": n, "path": name, "error": repr(exc)[:400]})
-                _save("step", res)
-                continue
-            finally:
-                sg.PDL = False
-            need = fz.step_bytes(model, cache, n, CTX)
-            r = {"rows": n, "path": name, "step_ms": round(ms, 4), "tok_per_s": round(n / ms * 1e3, 1),
-                 "min_bytes": need, "GBps": round(need / ms / 1e6, 1),
-                 "frac_copy": round(need / (ms * 1e-3) / copy_bw, 3),
-                 "kernels": kern}
+            sg.CUBLAS_CANDIDATE = name == "stream_auto" or (name is None and with_cublas)
+        with torch.inference_mode():
+            times, errors = _interleaved(fns, device, pre)
+        for name, exc in errors.items():
+            res.append({"rows": n, "path": name, "error": exc})
+        outs = {name: boxes[name]["out"].float().clone() for name in times}
+        need = fz.step_bytes(model, cache, n, CTX)
+        for name, ms_rounds in times.items():
+            st = _stats(ms_rounds)
+            ms = st["median"]
+            kern = None
+            if n in (1, 64):
+                pre(name)
+                try:
+                    with torch.inference_mode():
+                        kern = _kernels(fns[name], device)
+                finally:
+                    pre(None)
+            r = {"rows": n, "path": name, "step_ms": round(ms, 4),
+                 "step_ms_min_max": [round(st["min"], 4), round(st["max"], 4)],
+                 "tok_per_s": round(n / ms * 1e3, 1), "min_bytes": need, "GBps": round(need / ms / 1e6, 1),
+                 "frac_copy": round(need / (ms * 1e-3) / copy_bw, 3), "kernels": kern}
             if "eager" in outs and name != "eager":
                 d = (outs[name] - outs["eager"]).abs()
                 r["max_abs_logit_diff_vs_eager"] = d.max().item()
                 r["argmax_equal_vs_eager"] = int((outs[name].argmax(-1) == outs["eager"].argmax(-1)).sum())
             res.append(r)
-            _save("step", res)
+        _save("step", res)
     _save("step_tuned_configs", __import__("hpdl.serve.stream_gemm", fromlist=["x"]).tuned_configs())
 
 
 # --- 4. float32 greedy tokens through the engine -----------------------------------------------------------
 def greedy_float32(device) -> None:
-    import random
-
-    from hpdl.serve import EngineConfig, LLMEngine, ModelSpec, SamplingParams
     from hpdl.serve import stream_gemm as sg
 
     if _left() < 45:
         return _save("greedy_float32", "skipped: time budget")
-    sg.TUNE = False
+    tune = sg.TUNE
+    sg.TUNE = False  # the first candidate for float32 (one compile per variant); restored below for later parts
+    try:
+        _greedy(device, sg)
+    finally:
+        sg.TUNE = tune
+
+
+def _greedy(device, sg) -> None:
+    import random
+
+    from hpdl.serve import EngineConfig, LLMEngine, ModelSpec, SamplingParams
+
     rng = random.Random(0)
     vocab = 32000 if MODEL == "llama-1b" else 256
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(8, 60))] for _ in range(8)]
@@ -427,28 +534,44 @@ def greedy_float32(device) -> None:
 
 # --- report --------------------------------------------------------------------------------------------------
 def table() -> str:
+    nan = float("nan")
     lines = []
     if RES.get("gemm"):
-        lines.append("gemm     M  cublas us (frac)  stream us (frac)  pdl us   fused us (frac)  tuner us  "
-                     "err str/fused")
+        lines.append("gemm     M | cublas us [min-max]      GB/s | stream us [min-max]      GB/s | pdl us | "
+                     "fused: cublas+epi / stream / auto us | stream cfg (BN,BK,warps,split) | auto pick | err")
         for r in RES["gemm"]:
-            pdl = r.get("stream_pdl_us")
-            lines.append(f"{r['gemm']:8s} {r['M']:3d}  {r['cublas_us']:7.2f} ({r['cublas_frac_copy']:.2f})  "
-                         f"{r.get('stream_us', float('nan')):7.2f} ({r.get('stream_frac_copy', 0):.2f})  "
-                         f"{pdl if pdl is not None else float('nan'):7.2f}  "
-                         f"{r.get('stream_fused_us', float('nan')):7.2f} "
-                         f"({r.get('stream_fused_frac_copy', 0):.2f})  {r.get('tuned_us')}  "
-                         f"{r['err_stream']:.2g}/{r['err_stream_fused']:.2g}")
+            cfg = r.get("stream_config") or {}
+            c = f"{cfg.get('BLOCK_N')},{cfg.get('BLOCK_K')},{cfg.get('num_warps')},{cfg.get('SPLIT_K')}" if cfg else "-"
+            a = r.get("auto_fused_config") or {}
+            pick = "cublas" if a.get("BACKEND") == "cublas" else ("triton" if a else "-")
+            cell = {}
+            for impl in ("cublas", "stream"):
+                lo, hi = r.get(f"{impl}_us_min_max", [nan, nan])
+                cell[impl] = (f"{r.get(f'{impl}_us', nan):7.2f} [{lo:6.2f}-{hi:6.2f}] "
+                              f"{r.get(f'{impl}_GBps', nan):7.0f}")
+            lines.append(f"{r['gemm']:8s} {r['M']:3d} | {cell['cublas']} | {cell['stream']} | "
+                         f"{r.get('stream_pdl_us', nan):6.2f} | {r.get('cublas_fused_us', nan):7.2f} / "
+                         f"{r.get('stream_fused_us', nan):7.2f} / {r.get('auto_fused_us', nan):7.2f} | {c:30s} | "
+                         f"{pick:6s} | {r['err_stream']:.2g}/{r['err_stream_fused']:.2g}")
+    tot = RES.get("gemm_step_total")
+    if isinstance(tot, dict):
+        for M in ROWS:
+            if f"cublas_M{M}_ms" in tot:
+                lines.append(f"89 GEMMs of a step, M={M}: " + ", ".join(
+                    f"{impl} {tot[f'{impl}_M{M}_ms']:.3f} ms ({tot[f'{impl}_M{M}_frac_copy']:.2f} of copy)"
+                    for impl in ("cublas", "stream", "stream_pdl", "cublas_fused", "stream_fused", "auto_fused")
+                    if f"{impl}_M{M}_ms" in tot))
     if RES.get("step"):
-        lines.append("step rows path                  ms      tok/s   frac_copy kernels")
+        lines.append("step rows path              ms [min-max]             tok/s  frac_copy kernels")
         best: dict = {}
         for r in RES["step"]:
             if "error" in r:
-                lines.append(f"     {r['rows']:4d} {r['path']:20s} ERROR {r['error'][:80]}")
+                lines.append(f"     {r['rows']:4d} {r['path']:16s} ERROR {r['error'][:80]}")
                 continue
             k = r.get("kernels") or {}
-            lines.append(f"     {r['rows']:4d} {r['path']:20s} {r['step_ms']:7.3f} {r['tok_per_s']:10.0f} "
-                         f"{r['frac_copy']:6.2f} {k.get('count')} ({k.get('sum_us')} us of kernels)")
+            lo, hi = r.get("step_ms_min_max", [nan, nan])
+            lines.append(f"     {r['rows']:4d} {r['path']:16s} {r['step_ms']:7.3f} [{lo:.3f}-{hi:.3f}] "
+                         f"{r['tok_per_s']:10.0f} {r['frac_copy']:6.2f} {k.get('count')} ({k.get('sum_us')} us)")
             if r["path"] != "eager" and r["step_ms"] < best.get(r["rows"], ("", 1e9))[1]:
                 best[r["rows"]] = (r["path"], r["step_ms"])
         lines.append("fastest fused step: " + ", ".join(f"{n} rows {p} {ms:.3f} ms" for n, (p, ms) in best.items()))
@@ -471,16 +594,18 @@ def plot(d: Path) -> None:
     g = res.get("gemm", [])
     labels = [f"{r['gemm']}\nM={r['M']}" for r in g]
     xs = range(len(g))
-    for off, impl in ((-0.27, "cublas"), (0, "stream"), (0.27, "stream_fused")):
-        axs[0].bar([x + off for x in xs], [r[f"{impl}_frac_copy"] for r in g], width=0.27, label=impl)
+    impls = ("cublas", "stream", "cublas_fused", "stream_fused", "auto_fused")
+    for i, impl in enumerate(impls):
+        axs[0].bar([x + (i - 2) * 0.16 for x in xs], [r.get(f"{impl}_frac_copy", 0) for r in g], width=0.16,
+                   label=impl)
     axs[0].set_xticks(list(xs), labels, fontsize=6)
     axs[0].set(ylabel="fraction of copy bandwidth", title="decode GEMMs (graph of weight copies)")
     axs[0].legend(fontsize=7)
-    st = res.get("step", [])
+    st = [r for r in res.get("step", []) if "step_ms" in r]
     for path in dict.fromkeys(r["path"] for r in st):
         pts = [(r["rows"], r["step_ms"]) for r in st if r["path"] == path]
         axs[1].plot(*zip(*pts), "o-", label=path)
-    axs[1].set(xscale="log", yscale="log", xlabel="rows", ylabel="decode step ms (CUDA graph)",
+    axs[1].set(xscale="log", yscale="log", xlabel="rows", ylabel="decode step ms (CUDA graph, median of rounds)",
                title=f"{res.get('versions', {}).get('model')} decode step")
     axs[1].legend(fontsize=7)
     fig.tight_layout()
@@ -494,14 +619,17 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot", type=Path, help="only make the PNG from DIR/decode_kernels.json")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (plumbing check)")
-    ap.add_argument("--parts", default="compile,gemm,step,greedy", help="comma-separated subset of compile, step, "
+    ap.add_argument("--parts", default="compile,step,greedy,gemm", help="comma-separated subset of compile, step, "
                     "gemm, greedy; compile runs first, the others in the order given")
     ap.add_argument("--quick", action="store_true", help="the ~2-minute device check: rows 1 and 64, fewer paths")
+    ap.add_argument("--full", action="store_true", help="rows up to 256, both RMSNorm placements (over 4 minutes)")
     args = ap.parse_args()
     if args.plot:
         return plot(args.plot)
     if args.out is None:
         ap.error("--out DIR is required")
+    if args.full:
+        globals().update(FULL)
     if args.quick:
         globals().update(QUICK)
     if args.smoke:
