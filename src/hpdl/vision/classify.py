@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from hpdl.models.soft import MODEL_CONFIGS, SoftConfig, SoftViT, create
 from hpdl.runtime.errors import CLIUsageError
 from hpdl.runtime.limits import count, real
+from hpdl.runtime.options import option
+from hpdl.vision.options import EvaluateRun, TrainRun
 
 MODELS = tuple(MODEL_CONFIGS)
 OFFLINE_IMAGE_SIZE = 64
@@ -345,28 +347,34 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> tuple[SoftVi
 
 # ---------------------------------------------------------------- CLI (the task-module contract of vision/cli.py)
 
-def add_arguments(group, evaluate: bool) -> None:
-    """Classification options of ``hpdl vision train/evaluate`` (the shared ones are in hpdl.vision.cli)."""
-    if evaluate:
-        return
-    group.add_argument("--attention", choices=["soft", "sdpa"], default="soft",
-                       help="SOFT models: their Gaussian-kernel attention, or softmax SDPA over the same Q/K "
-                            "(a baseline) (default: soft)")
-    group.add_argument("--label-smoothing", type=real(0, 1), default=0.1, help="(default: 0.1)")
-    group.add_argument("--drop-path", type=real(0, 1), default=None,
-                       help="stochastic depth rate (default: 0.1 for ImageFolder data, 0 for the offline set)")
-    group.add_argument("--augment", choices=["basic", "deit"], default="basic",
-                       help="basic: random resized crop + flip; deit: RandAugment, random erasing, Mixup/CutMix "
-                            "(the official SOFT recipe) (default: basic)")
-    group.add_argument("--amp-dtype", choices=["bf16", "fp16"], default="bf16",
-                       help="autocast dtype when --amp is on; fp16 adds a gradient scaler (default: bf16)")
+@dataclass(kw_only=True)
+class TrainOptions(TrainRun):
+    """``hpdl vision train`` of a classifier: the shared schedule and the classification recipe."""
+
+    attention: str = option("soft", choices=("soft", "sdpa"),
+                            help="SOFT models: their Gaussian-kernel attention, or softmax SDPA over the same Q/K "
+                                 "(a baseline) (default: soft)")
+    label_smoothing: float = option(0.1, type=real(0, 1), help="(default: 0.1)")
+    drop_path: float | None = option(None, type=real(0, 1),
+                                     help="stochastic depth rate (default: 0.1 for ImageFolder data, 0 for the "
+                                          "offline set)")
+    augment: str = option("basic", choices=("basic", "deit"),
+                          help="basic: random resized crop + flip; deit: RandAugment, random erasing, Mixup/CutMix "
+                               "(the official SOFT recipe) (default: basic)")
+    amp_dtype: str = option("bf16", choices=("bf16", "fp16"),
+                            help="autocast dtype when --amp is on; fp16 adds a gradient scaler (default: bf16)")
 
 
-def _split(args, split: str, image_size: int, augment: str = "basic"):
-    """The ImageFolder ``split`` of --data (default: the offline shapes set) with its transforms."""
+@dataclass(kw_only=True)
+class EvaluateOptions(EvaluateRun):
+    """``hpdl vision evaluate`` of a classifier (no options beyond the shared ones)."""
+
+
+def _split(data: str | None, split: str, image_size: int, augment: str = "basic"):
+    """The ImageFolder ``split`` of ``data`` (default: the offline shapes set) with its transforms."""
     from hpdl.vision.datasets import classification_transforms, image_folder, write_shapes
 
-    root = Path(args.data) if args.data else write_shapes()
+    root = Path(data) if data else write_shapes()
     try:
         return image_folder(root, split, classification_transforms(image_size, split == "train", augment))
     except FileNotFoundError as exc:
@@ -383,15 +391,20 @@ def _init_distributed(device: torch.device) -> None:
         init_from_env(device.type)
 
 
-def train(args) -> int:
+def train(options: TrainOptions) -> int:
+    """``hpdl vision train --model soft_*``: train a classifier, checkpoint each epoch, print the final metrics.
+
+    Raises:
+        CLIUsageError: a bad device, image size, dataset folder or class layout (named).
+    """
     try:
-        device = resolve_device(args.device)
+        device = resolve_device(options.device)
     except ValueError as exc:
         raise CLIUsageError(str(exc)) from None
     _init_distributed(device)
     rank, world = _dist()
-    offline = args.data is None
-    image_size = args.image_size or (OFFLINE_IMAGE_SIZE if offline else 224)
+    offline = options.data is None
+    image_size = options.image_size or (OFFLINE_IMAGE_SIZE if offline else 224)
     if image_size % 32:
         raise CLIUsageError(f"--image-size must be a multiple of 32 for SOFT models, got {image_size}")
     if offline and rank == 0:
@@ -402,29 +415,32 @@ def train(args) -> int:
         import torch.distributed as dist
 
         dist.barrier()
-    train_set, val_set = _split(args, "train", image_size, args.augment), _split(args, "val", image_size)
+    train_set = _split(options.data, "train", image_size, options.augment)
+    val_set = _split(options.data, "val", image_size)
     root = Path(train_set.root).parent
     if train_set.classes != val_set.classes:
         raise CLIUsageError(f"--data {root}: train/ and val/ hold different class folders")
-    drop_path = args.drop_path if args.drop_path is not None else (0.0 if offline else 0.1)
-    model = create(args.model, num_classes=len(train_set.classes), img_size=image_size, attention=args.attention,
+    drop_path = options.drop_path if options.drop_path is not None else (0.0 if offline else 0.1)
+    model = create(options.model, num_classes=len(train_set.classes), img_size=image_size, attention=options.attention,
                    drop_path_rate=drop_path)
-    cfg = TrainConfig(epochs=args.epochs or (15 if offline else 300),
-                      batch_size=args.batch_size or (64 if offline else 128), lr=args.lr or 1e-3,
-                      weight_decay=args.weight_decay if args.weight_decay is not None else 0.05,
-                      warmup_epochs=args.warmup_epochs if args.warmup_epochs is not None else (1 if offline else 10),
-                      clip_grad=args.clip_grad if args.clip_grad is not None else 1.0,
-                      label_smoothing=args.label_smoothing, mixup=args.augment == "deit", max_steps=args.max_steps,
-                      device=str(device), amp=args.amp, amp_dtype=args.amp_dtype, workers=args.workers,
-                      seed=args.seed, out=args.out)
+    cfg = TrainConfig(epochs=options.epochs or (15 if offline else 300),
+                      batch_size=options.batch_size or (64 if offline else 128), lr=options.lr or 1e-3,
+                      weight_decay=options.weight_decay if options.weight_decay is not None else 0.05,
+                      warmup_epochs=(options.warmup_epochs if options.warmup_epochs is not None
+                                     else (1 if offline else 10)),
+                      clip_grad=options.clip_grad if options.clip_grad is not None else 1.0,
+                      label_smoothing=options.label_smoothing, mixup=options.augment == "deit",
+                      max_steps=options.max_steps,
+                      device=str(device), amp=options.amp, amp_dtype=options.amp_dtype, workers=options.workers,
+                      seed=options.seed, out=options.out)
     if rank == 0:
-        print(f"# {args.model}: {model.num_params() / 1e6:.2f}M parameters, {len(train_set.classes)} classes, "
+        print(f"# {options.model}: {model.num_params() / 1e6:.2f}M parameters, {len(train_set.classes)} classes, "
               f"{len(train_set)} train / {len(val_set)} val images from {root}, {image_size}px, {world} x {device}",
               flush=True)
-    ckpt = Path(args.out) / "checkpoint.pt"
+    ckpt = Path(options.out) / "checkpoint.pt"
 
     def save(record):
-        save_checkpoint(ckpt, model, args.model, train_set.classes,
+        save_checkpoint(ckpt, model, options.model, train_set.classes,
                         {"epoch": record["epoch"], "step": record["step"], "image_size": image_size,
                          "metrics": record})
 
@@ -436,24 +452,29 @@ def train(args) -> int:
     return 0
 
 
-def evaluate(args) -> int:
+def evaluate(options: EvaluateOptions) -> int:
+    """``hpdl vision evaluate --model soft_* --checkpoint CKPT``: top-1/top-5 and loss on the val split, as JSON.
+
+    Raises:
+        CLIUsageError: a bad device or checkpoint, another model's checkpoint, or other classes (named).
+    """
     try:
-        device = resolve_device(args.device)
-        model, ckpt = load_checkpoint(args.checkpoint)
+        device = resolve_device(options.device)
+        model, ckpt = load_checkpoint(options.checkpoint)
     except (ValueError, FileNotFoundError) as exc:
         raise CLIUsageError(str(exc)) from None
     _init_distributed(device)
-    if ckpt.get("model") != args.model:
-        raise CLIUsageError(f"--model {args.model!r} but {args.checkpoint} holds {ckpt.get('model')!r}")
-    image_size = args.image_size or ckpt.get("image_size", 224)
-    val_set = _split(args, "val", image_size)
+    if ckpt.get("model") != options.model:
+        raise CLIUsageError(f"--model {options.model!r} but {options.checkpoint} holds {ckpt.get('model')!r}")
+    image_size = options.image_size or ckpt.get("image_size", 224)
+    val_set = _split(options.data, "val", image_size)
     root = Path(val_set.root).parent
     if val_set.classes != ckpt["classes"]:
         raise CLIUsageError(f"--data {root}: its classes differ from the checkpoint's ({len(ckpt['classes'])})")
-    res = evaluate_model(model.to(device), val_set, batch_size=args.batch_size or 128, device=device, amp=args.amp,
-                         workers=args.workers)
+    res = evaluate_model(model.to(device), val_set, batch_size=options.batch_size or 128, device=device,
+                         amp=options.amp, workers=options.workers)
     if _dist()[0] == 0:
-        print(json.dumps({"model": args.model, "checkpoint": str(args.checkpoint), "data": str(root),
+        print(json.dumps({"model": options.model, "checkpoint": str(options.checkpoint), "data": str(root),
                           "image_size": image_size, **res}))
     return 0
 

@@ -19,12 +19,15 @@ import os
 import pickle
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from hpdl.runtime.errors import HpdlError
-from hpdl.vision.cli import _count
+from hpdl.runtime.limits import count
+from hpdl.runtime.options import option
+from hpdl.vision.options import EvaluateRun, TrainRun
 
 MODELS = ("sprnet", "maskrcnn", "retinanet")
 MIN_IMAGE_SIZE = 32   # the pyramid's P7 is 1/128 of the input: below 32 px a 1x1 batch-norm input fails in training
@@ -511,31 +514,40 @@ def format_metrics(rows: dict[str, dict]) -> str:
 
 # ---------------------------------------------------------------- CLI (contract: hpdl.vision.cli)
 
-def add_arguments(group, evaluate: bool = False) -> None:
-    """Options of the detection models (the shared ones are declared in :mod:`hpdl.vision.cli`)."""
-    group.add_argument("--val-split", default=None,
-                       help="COCO split to evaluate on (default: val, or the checkpoint's when evaluating)")
-    group.add_argument("--pictures", type=_count(0, 10_000), default=8,
-                       help="images in the predicted-mask picture, 0: no picture (default: 8)")
-    if not evaluate:   # the rest is the model's; evaluate reads it from the checkpoint
-        group.add_argument("--backbone", default="resnet50", choices=("resnet10", "resnet18", "resnet34", "resnet50", "resnet101"),
+@dataclass(kw_only=True)
+class _DetectionOptions:
+    val_split: str | None = option(None, help="COCO split to evaluate on (default: val, or the checkpoint's when "
+                                              "evaluating)")
+    pictures: int = option(8, type=count(0, 10_000),
+                           help="images in the predicted-mask picture, 0: no picture (default: 8)")
+
+
+@dataclass(kw_only=True)
+class EvaluateOptions(EvaluateRun, _DetectionOptions):
+    """``hpdl vision evaluate`` of a detection model (its architecture comes from the checkpoint)."""
+
+
+@dataclass(kw_only=True)
+class TrainOptions(TrainRun, _DetectionOptions):
+    """``hpdl vision train`` of SPRNet, RetinaNet or Mask R-CNN."""
+
+    backbone: str = option("resnet50", choices=("resnet10", "resnet18", "resnet34", "resnet50", "resnet101"),
                            help="detection backbone (default: resnet50, the paper's; resnet18 for quick CPU runs)")
-        group.add_argument("--train-split", default="train", help="COCO split to train on (default: train)")
-        group.add_argument("--backbone-weights", default=None,
-                           help="local torchvision ResNet state dict for the detection backbone "
-                                "(default: random init; nothing is downloaded)")
-        group.add_argument("--fpn", default="gated", choices=("gated", "sum"),
-                           help="SPRNet pyramid: gated (GFPN, the paper's) or sum (default: gated)")
-        group.add_argument("--fpn-channels", type=_count(1, 8192), default=256, help="FPN width (default: 256)")
+    train_split: str = option("train", help="COCO split to train on (default: train)")
+    backbone_weights: str | None = option(None, help="local torchvision ResNet state dict for the detection "
+                                                     "backbone (default: random init; nothing is downloaded)")
+    fpn: str = option("gated", choices=("gated", "sum"),
+                      help="SPRNet pyramid: gated (GFPN, the paper's) or sum (default: gated)")
+    fpn_channels: int = option(256, type=count(1, 8192), help="FPN width (default: 256)")
 
 
-def _shapes_root(args) -> Path:
+def _shapes_root(out: str, seed: int) -> Path:
     from hpdl.vision.shapes import ShapesConfig, make_shapes
 
-    root = Path(args.out) / "shapes"
+    root = Path(out) / "shapes"
     if not (root / "annotations" / "instances_val.json").is_file():
         print(f"making the shapes dataset in {root} (`hpdl vision make-shapes` makes others)", file=sys.stderr)
-        make_shapes(root, ShapesConfig(**SHAPES_DEFAULT, seed=args.seed), overwrite=True)   # hpdl's own folder
+        make_shapes(root, ShapesConfig(**SHAPES_DEFAULT, seed=seed), overwrite=True)   # hpdl's own folder
     return root
 
 
@@ -560,89 +572,90 @@ def _print_metrics(name: str, metrics: dict) -> None:
     print(format_metrics({name: metrics}))
 
 
-def train(args) -> int:
+def train(options: TrainOptions) -> int:
     """``hpdl vision train --model sprnet|maskrcnn|retinanet``: train, save, evaluate, draw."""
     from torch.utils.data import DataLoader
 
     from hpdl.vision.coco import CocoInstances, collate
 
-    if args.image_size is not None and args.image_size < MIN_IMAGE_SIZE:   # before any data is made or read
-        raise HpdlError(f"--image-size {args.image_size}: detection models need >= {MIN_IMAGE_SIZE} pixels")
-    torch.manual_seed(args.seed)
-    device = resolve_device(args.device)
-    out = _writable_folder(Path(args.out))
-    data = Path(args.data) if args.data else _shapes_root(args)
-    amp = device.type == "cuda" if args.amp is None else args.amp
-    image_size = args.image_size or DEFAULTS["image_size"]
-    batch_size = args.batch_size or DEFAULTS["batch_size"]
-    train_ds = CocoInstances(data, args.train_split, train=True)
+    if options.image_size is not None and options.image_size < MIN_IMAGE_SIZE:   # before any data is made or read
+        raise HpdlError(f"--image-size {options.image_size}: detection models need >= {MIN_IMAGE_SIZE} pixels")
+    torch.manual_seed(options.seed)
+    device = resolve_device(options.device)
+    out = _writable_folder(Path(options.out))
+    data = Path(options.data) if options.data else _shapes_root(options.out, options.seed)
+    amp = device.type == "cuda" if options.amp is None else options.amp
+    image_size = options.image_size or DEFAULTS["image_size"]
+    batch_size = options.batch_size or DEFAULTS["batch_size"]
+    train_ds = CocoInstances(data, options.train_split, train=True)
     if len(train_ds) == 0:
-        raise HpdlError(f"data={str(data)!r} split {args.train_split!r} has no image with a non-crowd instance to "
+        raise HpdlError(f"data={str(data)!r} split {options.train_split!r} has no image with a non-crowd instance to "
                         "train on")
-    val_split = args.val_split or "val"
+    val_split = options.val_split or "val"
     val_ds = CocoInstances(data, val_split)
     if len(val_ds) == 0:   # found before training: the evaluation reported AP -100 and no mask AP
         raise HpdlError(f"data={str(data)!r} split {val_split!r} has no image to evaluate on")
     if train_ds.cat_ids != val_ds.cat_ids:
-        raise HpdlError(f"splits {args.train_split!r} and {val_split!r} have different categories")
-    model = build_model(args.model, train_ds.num_classes, backbone=args.backbone,
-                        image_size=image_size, fpn_channels=args.fpn_channels, backbone_weights=args.backbone_weights,
-                        fpn=args.fpn)
-    loader = DataLoader(train_ds, batch_size=batch_size, shuffle=True, num_workers=args.workers,
+        raise HpdlError(f"splits {options.train_split!r} and {val_split!r} have different categories")
+    model = build_model(options.model, train_ds.num_classes, backbone=options.backbone,
+                        image_size=image_size, fpn_channels=options.fpn_channels,
+                        backbone_weights=options.backbone_weights,
+                        fpn=options.fpn)
+    loader = DataLoader(train_ds, batch_size=batch_size, shuffle=True, num_workers=options.workers,
                         collate_fn=collate, drop_last=len(train_ds) >= batch_size,
-                        persistent_workers=args.workers > 0, pin_memory=device.type == "cuda")
-    steps = args.max_steps or (args.epochs or DEFAULTS["epochs"]) * max(1, len(loader))
-    wd = getattr(args, "weight_decay", None)
-    clip = getattr(args, "clip_grad", None)
-    warm_epochs = getattr(args, "warmup_epochs", None)
-    stats = fit(model, loader, steps=steps, lr=args.lr or DEFAULTS["lr"], device=device, amp=amp,
+                        persistent_workers=options.workers > 0, pin_memory=device.type == "cuda")
+    steps = options.max_steps or (options.epochs or DEFAULTS["epochs"]) * max(1, len(loader))
+    wd = options.weight_decay
+    clip = options.clip_grad
+    warm_epochs = options.warmup_epochs
+    stats = fit(model, loader, steps=steps, lr=options.lr or DEFAULTS["lr"], device=device, amp=amp,
                 weight_decay=DEFAULTS["weight_decay"] if wd is None else wd,
                 clip=DEFAULTS["clip"] if clip is None else clip,
                 warmup_steps=(DEFAULTS["warmup_steps"] if warm_epochs is None
                               else int(round(warm_epochs * max(1, len(loader))))),
-                label=f"train {args.model}")
+                label=f"train {options.model}")
     meta = {"categories": train_ds.categories, "data": str(data.resolve()), "val_split": val_split,
             "train": {k: v for k, v in stats.items() if k not in ("history", "curves")}}
-    ckpt = out / f"{args.model}.pt"
+    ckpt = out / f"{options.model}.pt"
     save_checkpoint(ckpt, model, meta)
-    metrics = evaluate_model(model, val_ds, batch_size=batch_size, device=device, amp=amp, workers=args.workers)
+    metrics = evaluate_model(model, val_ds, batch_size=batch_size, device=device, amp=amp, workers=options.workers)
     preds = metrics.pop("predictions")
-    (out / f"{args.model}_metrics.json").write_text(json.dumps({"metrics": metrics, **meta}, indent=1))
-    picture = out / f"{args.model}_predictions.png"
+    (out / f"{options.model}_metrics.json").write_text(json.dumps({"metrics": metrics, **meta}, indent=1))
+    picture = out / f"{options.model}_predictions.png"
     print(f"checkpoint {ckpt}; {stats['steps']} steps in {stats['seconds']:.0f} s" +
-          (f"; picture {picture}" if args.pictures and len(val_ds) else ""))
-    _print_metrics(args.model, metrics)   # before the picture: a failure there must not hide the metrics
-    if args.pictures and len(val_ds):
-        draw_predictions(val_ds, preds, picture, num_images=args.pictures,
-                         title=f"{args.model} on {data.name}/{val_split}")
+          (f"; picture {picture}" if options.pictures and len(val_ds) else ""))
+    _print_metrics(options.model, metrics)   # before the picture: a failure there must not hide the metrics
+    if options.pictures and len(val_ds):
+        draw_predictions(val_ds, preds, picture, num_images=options.pictures,
+                         title=f"{options.model} on {data.name}/{val_split}")
     return 0
 
 
-def evaluate(args) -> int:
+def evaluate(options: EvaluateOptions) -> int:
     """``hpdl vision evaluate --model NAME --checkpoint CKPT``: box and mask AP on the val split, a picture."""
     from hpdl.vision.coco import CocoInstances
 
-    model, meta = load_checkpoint(args.checkpoint)
-    if model.hpdl_spec["name"] != args.model:
-        raise HpdlError(f"--model {args.model!r} but checkpoint={args.checkpoint!r} holds a "
+    model, meta = load_checkpoint(options.checkpoint)
+    if model.hpdl_spec["name"] != options.model:
+        raise HpdlError(f"--model {options.model!r} but checkpoint={options.checkpoint!r} holds a "
                         f"{model.hpdl_spec['name']!r} model")
-    data = args.data or meta.get("data")
-    split = args.val_split or meta.get("val_split") or "val"
+    data = options.data or meta.get("data")
+    split = options.val_split or meta.get("val_split") or "val"
     val_ds = CocoInstances(data, split)
     if len(val_ds) == 0:
         raise HpdlError(f"data={data!r} split {split!r} has no image to evaluate on")
     if [c["id"] for c in meta["categories"]] != val_ds.cat_ids:
         raise HpdlError(f"data={data!r} split {split!r} has categories {val_ds.cat_ids}, the checkpoint "
                         f"{[c['id'] for c in meta['categories']]}")
-    device = resolve_device(args.device)
-    amp = device.type == "cuda" if args.amp is None else args.amp
-    metrics = evaluate_model(model, val_ds, batch_size=args.batch_size or DEFAULTS["batch_size"], device=device,
-                             amp=amp, workers=args.workers)
+    device = resolve_device(options.device)
+    amp = device.type == "cuda" if options.amp is None else options.amp
+    metrics = evaluate_model(model, val_ds, batch_size=options.batch_size or DEFAULTS["batch_size"], device=device,
+                             amp=amp, workers=options.workers)
     preds = metrics.pop("predictions")
-    _print_metrics(args.model, metrics)   # before the picture: a failure there must not hide the metrics
-    if args.pictures and len(val_ds):
-        picture = Path(args.checkpoint).with_name(f"{args.model}_evaluate.png")
-        draw_predictions(val_ds, preds, picture, num_images=args.pictures, title=f"{args.model} on {split}")
+    _print_metrics(options.model, metrics)   # before the picture: a failure there must not hide the metrics
+    if options.pictures and len(val_ds):
+        picture = Path(options.checkpoint).with_name(f"{options.model}_evaluate.png")
+        draw_predictions(val_ds, preds, picture, num_images=options.pictures, title=f"{options.model} on {split}")
         print(f"picture {picture}")
     return 0
 
@@ -652,14 +665,14 @@ def _add_make_shapes(p) -> None:
 
     d = ShapesConfig()
     p.add_argument("--root", required=True, help="output folder (COCO layout: train/, val/, annotations/)")
-    p.add_argument("--train", type=_count(0, 1 << 24), default=d.num_train, help=f"training images (default: {d.num_train})")
-    p.add_argument("--val", type=_count(0, 1 << 24), default=d.num_val, help=f"validation images (default: {d.num_val})")
-    p.add_argument("--image-size", type=_count(16, 8192), default=d.image_size,
+    p.add_argument("--train", type=count(0, 1 << 24), default=d.num_train, help=f"training images (default: {d.num_train})")
+    p.add_argument("--val", type=count(0, 1 << 24), default=d.num_val, help=f"validation images (default: {d.num_val})")
+    p.add_argument("--image-size", type=count(16, 8192), default=d.image_size,
                    help=f"side in pixels, >= 16 (default: {d.image_size})")
-    p.add_argument("--max-instances", type=_count(1, 1000), default=d.max_instances,
+    p.add_argument("--max-instances", type=count(1, 1000), default=d.max_instances,
                    help=f"instances an image, at most (default: {d.max_instances})")
-    p.add_argument("--seed", type=_count(0, 2**32 - 1), default=d.seed, help=f"random seed, >= 0 (default: {d.seed})")
-    p.add_argument("--workers", type=_count(0, 256), default=0, help="rendering processes (default: 0, this one)")
+    p.add_argument("--seed", type=count(0, 2**32 - 1), default=d.seed, help=f"random seed, >= 0 (default: {d.seed})")
+    p.add_argument("--workers", type=count(0, 256), default=0, help="rendering processes (default: 0, this one)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a different shapes set (or other files) already in --root")
 

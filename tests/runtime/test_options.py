@@ -1,0 +1,54 @@
+"""hpdl.runtime.options: a dataclass's fields become flags, and parsed flags become the dataclass."""
+
+import argparse
+from dataclasses import dataclass
+
+import pytest
+
+from hpdl.runtime.limits import count
+from hpdl.runtime.options import add_arguments, from_namespace, option
+
+
+@dataclass(kw_only=True)
+class Base:
+    model: str = option(help="model name")
+    batch_size: int | None = option(None, type=count(1, 64), help="rows per step")
+    amp: bool | None = option(None, tristate=True, help="mixed precision")
+    verbose: bool = option(False, help="say more")
+
+
+@dataclass(kw_only=True)
+class Task(Base):
+    mode: str = option("a", choices=("a", "b"), help="which")
+    internal: int = 3   # not an option: no flag
+
+
+def parse(cls, argv, exclude=()):
+    p = argparse.ArgumentParser(exit_on_error=False)
+    add_arguments(p, cls, exclude=exclude)
+    return p, p.parse_args(argv)
+
+
+def test_fields_become_flags_and_back():
+    _, ns = parse(Task, ["--model", "m", "--batch-size", "8", "--no-amp", "--verbose", "--mode", "b"])
+    t = from_namespace(Task, ns)
+    assert t == Task(model="m", batch_size=8, amp=False, verbose=True, mode="b")
+    _, ns = parse(Task, ["--model", "m"])
+    assert from_namespace(Task, ns) == Task(model="m")   # defaults: None, None, False, "a"
+    assert not hasattr(ns, "internal")
+
+
+def test_bad_values_are_usage_errors_naming_the_flag():
+    p = argparse.ArgumentParser(prog="x")
+    add_arguments(p, Task)
+    with pytest.raises(SystemExit):
+        p.parse_args([])   # --model is required
+    for argv in (["--model", "m", "--batch-size", "0"], ["--model", "m", "--mode", "c"]):
+        with pytest.raises(SystemExit):
+            p.parse_args(argv)
+
+
+def test_exclude_leaves_the_shared_fields_to_another_parser():
+    p, _ = parse(Task, ["--mode", "a"], exclude=(Base,))
+    flags = {a.dest for a in p._actions} - {"help"}
+    assert flags == {"mode"}
