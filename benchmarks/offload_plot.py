@@ -68,7 +68,8 @@ def plot(doc: dict, path: str | Path, goal: float = 80.0) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
     for i, (mode, s) in enumerate(osu.items()):
         color = f"C{i}"
-        for key, style, label in (("eff", "-", "effective (vs compute alone)"), ("osu", ":", "OSU (vs compute in loop)")):
+        for key, style, label in (("eff", "-", "effective (vs compute alone)"),
+                                  ("osu", ":", "OSU (vs compute in loop)")):
             med = [x[0] for x in s[key]]
             err = [[x[0] - x[1] for x in s[key]], [x[2] - x[0] for x in s[key]]]
             ax1.errorbar(s["sizes"], med, yerr=err, color=color, ls=style, marker="o", ms=4, capsize=3,
@@ -80,7 +81,8 @@ def plot(doc: dict, path: str | Path, goal: float = 80.0) -> None:
     ax1.set_ylim(0, 105)
     ax1.grid(True, which="both", alpha=0.3)
     ax1.legend(fontsize=7, loc="lower right")
-    ax1.set_title(f"OSU ialltoall, {doc['config']['np']} CPU ranks (from median times; bars: per-repeat min-max)", fontsize=9)
+    ax1.set_title(f"OSU ialltoall, {doc['config']['np']} CPU ranks (from median times; bars: per-repeat min-max)",
+                  fontsize=9)
 
     modes = list(dict.fromkeys(m for s in gpu.values() for m in s))
     width = 0.8 / max(1, len(gpu))
