@@ -9,29 +9,13 @@ exact result, summed over ranks; ``vs native`` is native's time over this row's,
 from __future__ import annotations
 
 import json
-import subprocess
 from itertools import groupby
 from pathlib import Path
 from typing import Sequence
 
+from hpdl.bench.common import source_commit  # noqa: F401 (its old home; hpdl.bench.common owns it)
 from hpdl.bench.harness import NOISE, REPEATS, Row, algo_label, speedup_text
 from hpdl.comm.tuning import INF, Rule, TuningTable, default_table
-
-def source_commit() -> str:
-    """The commit benchmark results record: ``HPDL_COMMIT`` when set, else the checkout's ``HEAD`` (with
-    ``+dirty`` when tracked files differ), else ``"unknown"`` (no git, or not a checkout)."""
-    from hpdl.runtime import env
-
-    if env.get("HPDL_COMMIT"):
-        return env.get("HPDL_COMMIT")
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], capture_output=True, text=True,
-                               timeout=10).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    return (sha + ("+dirty" if dirty else "")) if sha else "unknown"
-
 
 _COLUMNS = ("size(B)", "count", "type", "redop", "algorithm", "avg(us)", "min(us)", "max(us)", "algbw(GB/s)",
             "busbw(GB/s)", "#wrong", "vs native")
