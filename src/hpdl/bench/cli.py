@@ -238,13 +238,15 @@ class CollectiveBenchmark(Benchmark):
 
 
 # Benchmarks owned by other subsystems, under `hpdl bench` too: name -> ("module:Class", help, extra). The class
-# has add_arguments(parser) and run(args) -> int; only the one being run is imported, so a missing optional
+# has add_arguments(parser) and run(args) -> int (hpdl.bench.common.command(plug-in) makes one from a Benchmark); only the one being run is imported, so a missing optional
 # dependency breaks that command alone, with an install hint.
 PLUGINS: dict[str, tuple[str, str, str | None]] = {
     "serve": ("hpdl.serve.cli:ServeBenchCommand",
               "serving benchmark (alias of `hpdl serve bench`): TTFT, TPOT, ITL, throughput vs baselines", "serve"),
     "overlap": ("hpdl.offload.bench:OverlapBenchCommand", "OSU-style overlap: torch.distributed async, hpdl.offload thread, agent", None),
     "attention": ("hpdl.vision.bench:AttentionBenchCommand", "SOFT vs SDPA/Nystrom attention, SOFT vs ViT/PVT", "vision"),
+    "apps": ("hpdl.apps.bench:AppsBenchCommand", "CG, pencil 3-D FFT and nanoGPT training: hpdl.comm vs native "
+             "collectives (gloo ranks)", None),
 }
 
 

@@ -31,6 +31,8 @@ def format_table(rows: Sequence[Row], title: str = "") -> str:
     lines = [f"# {title}"] if title else []
     lines.append("#" + " ".join(c.rjust(w) for c, w in zip(_COLUMNS, widths))[1:])
     lines += [" ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
+    if any(r.speedup is not None for r in rows):
+        lines.append("# vs native: speed-up (native's time / this row's), higher is better")
     if any(r.noisy for r in rows):
         lines.append(f"# vs native as lo-hi: the {REPEATS} timed repeats of that row or of native spread by more "
                      f"than {NOISE:.0%}, so the speed-up lies anywhere in that range on this machine (a loaded host; "
