@@ -247,6 +247,8 @@ PLUGINS: dict[str, tuple[str, str, str | None]] = {
     "attention": ("hpdl.vision.bench:AttentionBenchCommand", "SOFT vs SDPA/Nystrom attention, SOFT vs ViT/PVT", "vision"),
     "apps": ("hpdl.apps.bench:AppsBenchCommand", "CG, pencil 3-D FFT and nanoGPT training: hpdl.comm vs native "
              "collectives (gloo ranks)", None),
+    "moe": ("hpdl.moe.bench:MoEBenchCommand", "ExFlow MoE inference vs the 2-Alltoall baseline (alias of "
+            "`hpdl moe bench`): tokens/s, Alltoall bytes per layer", None),
 }
 
 

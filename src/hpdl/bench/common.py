@@ -507,7 +507,9 @@ def main(bench: Benchmark, args) -> int:
     JSON, ``--json``, ``--out``, ``--plot``) and return the exit status (0 ok, 1 :meth:`Benchmark.failed`)."""
     bench.validate(args)
     check_outputs(args, getattr(args, "_extra_outputs", ()))
-    ctx = RunContext(args, run_metadata(device=getattr(args, "device", None), **bench.metadata(args)), bench)
+    extra = bench.metadata(args)
+    device = extra.pop("device", getattr(args, "device", None))
+    ctx = RunContext(args, run_metadata(device=device, **extra), bench)
     t0 = time.perf_counter()
     rows = bench.run(ctx)
     if rows is None:  # a rank that does not report

@@ -450,10 +450,9 @@ def draw_predictions(dataset, predictions: list[tuple[int, dict]], path: str | P
     Raises:
         ValueError: ``num_images`` < 1 or an empty dataset (nothing to draw).
     """
-    import matplotlib
+    from hpdl.bench.common import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     import numpy as np
 
     if num_images < 1 or len(dataset) == 0:
