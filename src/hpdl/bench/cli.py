@@ -135,7 +135,7 @@ class BenchCommand:
             p.add_argument("--timeout", type=real(0, 7 * 86400, strict=True), default=None,
                            help="seconds a collective may wait for a peer before the run fails (default: "
                                 "HPDL_TIMEOUT)")
-        from hpdl.comm.model import add_model_arguments
+        from hpdl.bench.model import add_model_arguments
 
         add_model_arguments(sub.add_parser("model", help="alpha-beta-gamma cost model: calibrate on bench JSON, "
                                            "predict 2..4096 ranks (labelled predictions)"))
@@ -143,7 +143,7 @@ class BenchCommand:
 
     def run(self, args) -> int:
         if args.collective == "model":
-            from hpdl.comm.model import run_model_command
+            from hpdl.bench.model import run_model_command
 
             try:
                 return run_model_command(args, parse_size(args.size))
