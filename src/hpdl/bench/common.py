@@ -352,15 +352,14 @@ def add_output_arguments(parser: argparse.ArgumentParser, outputs: Iterable[str]
     """Declare the output flags, spelled and meant alike in every benchmark: ``--format table|json`` (stdout),
     ``--json FILE`` (rows and metadata), ``--out DIR`` (a folder for ``STEM.json`` and the figures),
     ``--plot PNG``. ``outputs`` picks which; the values land in ``format``, ``json_path``, ``out_dir``,
-    ``plot_path``."""
+    ``plot_path`` (the harness reads an undeclared one as None)."""
     outputs = tuple(outputs)
     bad = [o for o in outputs if o not in OUTPUTS]
     if bad:
         raise ValueError(f"outputs must be some of {OUTPUTS}, got {bad}")
-    parser.set_defaults(format="table", json_path=None, out_dir=None, plot_path=None)
     if "format" in outputs:
         parser.add_argument("--format", choices=["table", "json"], default="table",
-                            help="stdout: a table, or the JSON document (metadata and rows)")
+                            help="what stdout shows: a table, or JSON (default: table)")
     if "json" in outputs:
         parser.add_argument("--json", dest="json_path", default=None, metavar="FILE",
                             help="write rows and metadata as JSON to FILE")
