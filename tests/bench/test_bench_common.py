@@ -85,6 +85,14 @@ def test_progress_lines_off_a_terminal_and_silent_when_disabled():
     p.advance("second")
     p.close()
     assert stream.getvalue().splitlines() == ["# start", "[1/2] first", "# phase two", "[2/2] second"]
+    few = io.StringIO()
+    p = C.Progress(100, stream=few, lines=4)
+    for i in range(1, 101):
+        p.update(i, f"step {i}")
+    p.resize(200)
+    p.update(200, "end")
+    assert few.getvalue().splitlines() == ["[25/100] step 25", "[50/100] step 50", "[75/100] step 75",
+                                           "[100/100] step 100", "[200/200] end"]
     quiet = io.StringIO()
     C.Progress(2, stream=quiet, enabled=False).advance("x")
     assert quiet.getvalue() == ""

@@ -285,10 +285,11 @@ def plot_rows(rows: Sequence[Any], spec: PlotSpec, path: str | Path, title: str 
 class Progress:
     """Progress of ``total`` steps on ``stream`` (stderr): a rich bar on a terminal, else one flushed plain line
     per step (``[3/24] allreduce 32 B: ...``), so that a redirected run shows it is alive; ``mode="off"`` (or
-    ``enabled=False``, e.g. ranks other than 0) prints nothing. ``header`` is printed first in line mode."""
+    ``enabled=False``, e.g. ranks other than 0) prints nothing. ``header`` is printed first in line mode;
+    ``lines`` caps the plain lines of a long run (about that many, and the last step)."""
 
     def __init__(self, total: int, description: str = "", *, enabled: bool = True, mode: str = "auto",
-                 stream=None, header: str | None = None):
+                 stream=None, header: str | None = None, lines: int | None = None):
         if mode not in ("auto", "bar", "lines", "off"):
             raise ValueError(f"mode must be 'auto', 'bar', 'lines' or 'off', got {mode!r}")
         self._stream = stream if stream is not None else sys.stderr
@@ -297,6 +298,8 @@ class Progress:
         if mode == "auto":
             mode = "bar" if self._stream.isatty() else "lines"
         self.mode, self.total, self.done, self._t0 = mode, total, 0, time.perf_counter()
+        self._lines = lines
+        self._every = max(1, total // lines) if lines else 1   # line mode: about `lines` lines, and the last
         self._bar = None
         if mode == "bar":
             from rich.console import Console
@@ -317,11 +320,22 @@ class Progress:
 
     def advance(self, text: str, steps: int = 1) -> None:
         """``steps`` more steps done; ``text`` says which (the bar's description, or the line after ``[i/n]``)."""
-        self.done += steps
+        self.update(self.done + steps, text)
+
+    def update(self, done: int, text: str = "") -> None:
+        """``done`` steps done in all (see :meth:`advance`); with ``lines``, a line only every total/lines steps."""
+        self.done = done
         if self._bar is not None:
-            self._bar.update(self._task, advance=steps, description=text)
-        elif self.mode == "lines":
+            self._bar.update(self._task, completed=done, description=text)
+        elif self.mode == "lines" and (done % self._every == 0 or done == self.total):
             print(f"[{self.done}/{self.total}] {text}", file=self._stream, flush=True)
+
+    def resize(self, total: int) -> None:
+        """The run now has ``total`` steps (a re-planned schedule)."""
+        self.total = total
+        self._every = max(1, total // self._lines) if self._lines else 1
+        if self._bar is not None:
+            self._bar.update(self._task, total=total)
 
     def note(self, text: str) -> None:
         """A line that is not a step (a phase starting), printed above the bar or as ``# text``."""
