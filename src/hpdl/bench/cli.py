@@ -192,7 +192,9 @@ class CollectiveBenchmark(Benchmark):
             raise CLIUsageError("--tune needs 'native' among --algorithms (auto must never lose to it)")
         _check_ranks_per_gpu(args)
         _validate(self.cfg, args)
-        args._extra_outputs = [("--tune", args.tune_path)]
+
+    def output_files(self, args) -> list:
+        return [("--tune", args.tune_path)]
 
     def metadata(self, args) -> dict:
         cfg = self.cfg

@@ -246,17 +246,16 @@ def plot_rows(rows: Sequence[Any], spec: PlotSpec, path: str | Path, title: str 
     data = [as_row(r) for r in rows]
     data = [d for d in data if spec.keep is None or spec.keep(d)]
     facets = sorted({d[spec.facet] for d in data}) if spec.facet else [None]
-    fig, axes = plt.subplots(len(spec.panels), max(1, len(facets)), squeeze=False,
-                             figsize=(4.5 * max(1, len(facets)) + (1.5 if len(facets) == 1 else 0),
-                                      3.4 * len(spec.panels)))
-    if len(spec.panels) == 2 and len(facets) == 1:  # two panels side by side read better than stacked
-        plt.close(fig)
-        fig, row_axes = plt.subplots(1, 2, figsize=(12, 4.5))
-        axes = [[row_axes[0]], [row_axes[1]]]
+    side = len(spec.panels) == 2 and len(facets) == 1   # two panels read better side by side than stacked
+    if side:
+        fig, grid = plt.subplots(1, 2, squeeze=False, figsize=(12, 4.5))
+    else:
+        fig, grid = plt.subplots(len(spec.panels), len(facets), squeeze=False,
+                                 figsize=(4.5 * len(facets) + (1.5 if len(facets) == 1 else 0), 3.4 * len(spec.panels)))
     for c, facet in enumerate(facets):
         part = [d for d in data if facet is None or d[spec.facet] == facet]
         for p, panel in enumerate(spec.panels):
-            ax = axes[p][c]
+            ax = grid[0][p] if side else grid[p][c]
             for name in dict.fromkeys(str(_value(spec.series, d)) for d in part):
                 pts = sorted((d for d in part if str(_value(spec.series, d)) == name), key=lambda d: d[spec.x])
                 pts = [d for d in pts if _value(panel.y, d) is not None]
@@ -485,6 +484,10 @@ class Benchmark:
         """Settings recorded in the run's metadata besides the harness's own (:func:`run_metadata`)."""
         return {}
 
+    def output_files(self, args) -> list[tuple[str, str | None]]:
+        """``(flag, path)`` of files the plug-in writes itself (e.g. ``--tune``), checked with the harness's."""
+        return []
+
     def run(self, ctx: RunContext) -> list | None:
         raise NotImplementedError
 
@@ -519,7 +522,7 @@ def main(bench: Benchmark, args) -> int:
     """Run ``bench`` with the parsed ``args``: validate, check output paths, run, then report (stdout table or
     JSON, ``--json``, ``--out``, ``--plot``) and return the exit status (0 ok, 1 :meth:`Benchmark.failed`)."""
     bench.validate(args)
-    check_outputs(args, getattr(args, "_extra_outputs", ()))
+    check_outputs(args, bench.output_files(args))
     extra = bench.metadata(args)
     device = extra.pop("device", getattr(args, "device", None))
     ctx = RunContext(args, run_metadata(device=device, **extra), bench)
