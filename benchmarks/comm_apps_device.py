@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -245,10 +244,9 @@ def table(summary: list[dict]) -> str:
 
 
 def plot(summary: list[dict], path: str, title: str) -> None:
-    import matplotlib
+    from hpdl.bench.common import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     ax = axes[0]
@@ -302,12 +300,10 @@ def main() -> int:
     rows, wrong = spawn(job, plan.np, args=(plan,), timeout=100)[0]
     wall = time.perf_counter() - t0
     summary = summarize(rows, {"allreduce": "native", "cg": "native", "gpt": "native DDP"})
-    from datetime import datetime, timezone
+    from hpdl.bench.common import run_metadata
 
-    meta = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "host": platform.node(),
-            "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-            "command": "python3 benchmarks/comm_apps_device.py " + " ".join(sys.argv[1:]), "wall_s": round(wall, 1),
-            "plan": asdict(plan), "wrong": wrong, "slower_beyond_noise": SLOWER_BEYOND_NOISE}
+    meta = run_metadata(device="cuda", wall_s=round(wall, 1), plan=asdict(plan), wrong=wrong,
+                        slower_beyond_noise=SLOWER_BEYOND_NOISE)
     goals = goal_lines(summary, plan.np)
     bad = wrong or any(s.get("max_rel_diff", 0.0) > 1e-4 for s in summary)
     report = (f"# comm_apps_device: {plan.np} ranks, {meta['cores']} cores, torch {meta['torch']}, {meta['date']}, "

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import time
 from dataclasses import asdict
 
@@ -188,20 +187,17 @@ def main() -> None:
                     help="mixed: the 01:35 UTC run's space; launch: a launch-bound head with the same heavy tail")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    import optuna
     import torch
 
-    from hpdl.bench.report import source_commit
+    from hpdl.bench.common import run_metadata
     from hpdl.hpo.scheduler import mps_active
 
     t0 = time.monotonic()
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
-            "optuna": optuna.__version__, "python": platform.python_version(),
-            "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())], "smoke": args.smoke,
-            "cpus": os.cpu_count(), "n_trials": args.n_trials, "space": SPACES[args.space][0],
-            "fixed": SPACES[args.space][1], "space_name": args.space,
-            "mps": mps_active(), "command": " ".join(["benchmarks/hpo_device.py"] + __import__("sys").argv[1:]),
-            "commit": source_commit(), "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
+    meta = run_metadata(versions=("optuna",),
+                        gpus=[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+                        smoke=args.smoke, cpus=os.cpu_count(), n_trials=args.n_trials, space=SPACES[args.space][0],
+                        fixed=SPACES[args.space][1], space_name=args.space, mps=mps_active(),
+                        alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
     meta["worker_server_start_s"] = _start_worker_server()
     print(f"worker forkserver started in {meta['worker_server_start_s']:.1f} s", flush=True)
     runs = []

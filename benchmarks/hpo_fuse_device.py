@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -310,10 +309,9 @@ def run_one(tag: str, n_trials: int, scratch: str, fixed: dict, timeout_s: float
 
 
 def plot(runs: list[dict], path: str, title: str) -> None:
-    import matplotlib
+    from hpdl.bench.common import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     ok = [r for r in runs if "counted_in_s" in r]
     if not ok:
@@ -428,15 +426,10 @@ def main() -> None:
 
     shutil.rmtree(args.scratch, ignore_errors=True)  # a study name runs once per store
     os.makedirs(args.scratch)
-    import optuna
-    import torch
+    from hpdl.bench.common import run_metadata
 
-    from hpdl.bench.report import source_commit
-
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
-            "optuna": optuna.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
-            "smoke": args.smoke, "n_trials": args.n_trials, "space": SPACE,
-            "command": " ".join(["benchmarks/hpo_fuse_device.py"] + sys.argv[1:]), "commit": source_commit()}
+    meta = run_metadata(versions=("optuna",), cpus=os.cpu_count(), smoke=args.smoke, n_trials=args.n_trials,
+                        space=SPACE)
     # the equality check in its own process: this one never touches CUDA (each run starts its own MPS daemon)
     dev = "cpu" if args.smoke else "cuda:0"
     eq: dict = {}

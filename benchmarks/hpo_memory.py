@@ -114,12 +114,10 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from hpdl.bench.report import source_commit
+    from hpdl.bench.common import run_metadata
 
     total = torch.cuda.get_device_properties(0).total_memory
-    doc = {"device": torch.cuda.get_device_name(0), "total_bytes": total, "torch": torch.__version__,
-           "commit": source_commit(),
-           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "solo": [], "stacked": []}
+    doc = run_metadata(device="cuda", total_bytes=total, solo=[], stacked=[])
     if args.capped:
         doc["capped"] = []
         for cfg in [c for c in CONFIGS if c[2] == 16384]:

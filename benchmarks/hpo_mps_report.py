@@ -103,10 +103,9 @@ def _f(v: float, digits: int) -> str:
 
 
 def plot(label: str, rs: list[dict], path: str) -> None:
-    import matplotlib
+    from hpdl.bench.common import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     names = [r["policy"] for r in rs]

@@ -100,11 +100,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         return _child(args)
-    import platform
+    from hpdl.bench.common import run_metadata
 
-    doc = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "python": sys.version.split()[0],
-           "cpus": os.cpu_count(), "host": platform.node(), "workers": args.workers, "workload": args.workload,
-           "pool": args.cuda or "fake cpu", "command": " ".join(sys.argv), "runs": {}}
+    doc = run_metadata(cpus=os.cpu_count(), workers=args.workers, workload=args.workload,
+                       pool=args.cuda or "fake cpu", runs={})
     for v in args.variants.split(","):
         env = {**os.environ, "OMP_NUM_THREADS": "1",
                "HPDL_HPO_START_METHOD": "spawn" if v == "spawn" else "forkserver"}

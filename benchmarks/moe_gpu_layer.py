@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -40,6 +39,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from hpdl.bench.common import run_metadata, utc_now
 from hpdl.comm import model as cm
 from hpdl.models.gpt_moe import MoEConfig, MoEDecoder
 from hpdl.moe import grouped
@@ -258,10 +258,9 @@ def log_prediction(res, log):
 
 
 def plot(res, path):
-    import matplotlib
+    from hpdl.bench.common import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
     rows = [r for r in res["rows"] if r["top_k"] == res["top_k"]]
@@ -293,7 +292,7 @@ def repredict(a) -> int:
     res = json.loads(Path(a.predict_from).read_text())
     add_prediction(res, a, cm.PRESETS[a.machine])
     res["predicted_from"] = {"file": Path(a.predict_from).name, "measured": res.get("date"),
-                             "predicted": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+                             "predicted": utc_now()}
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "moe_gpu_layer.json").write_text(json.dumps(res, indent=1))
@@ -347,9 +346,8 @@ def main(argv=None) -> int:
     tokens = [int(x) for x in a.tokens.split(",")]
     heads, kvh = (32, 8) if a.hidden >= 1024 else (4, 2)
     t0 = time.time()
-    res = {"device": torch.cuda.get_device_name() if cuda else platform.processor(), "torch": torch.__version__,
-           "dtype": a.dtype, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "hidden": a.hidden,
-           "ffn": a.ffn, "experts": a.experts, "top_k": a.top_k, "exflow_cross": a.exflow_cross, "rows": []}
+    res = run_metadata(device="cuda" if cuda else "cpu", dtype=a.dtype, hidden=a.hidden, ffn=a.ffn,
+                       experts=a.experts, top_k=a.top_k, exflow_cross=a.exflow_cross, rows=[])
     for k in sorted({a.top_k, 1}, reverse=True):
         m = build(a.hidden, a.ffn, a.experts, k, dtype, dev, heads, kvh)
         eng, rows = layer_rows(m, k, tokens, a, dev, dtype, cuda, log)

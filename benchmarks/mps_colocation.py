@@ -24,7 +24,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -88,8 +87,6 @@ def main() -> None:
     ap.add_argument("--out", default="out/mps_colocation.json")
     ap.add_argument("--window-s", type=float, default=3.0)
     args = ap.parse_args()
-    import torch
-
     from hpdl.hpo.mps import MpsDaemon
 
     rows, solo = [], {}
@@ -113,9 +110,9 @@ def main() -> None:
         finally:
             if daemon:
                 daemon.stop()
-    meta = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "python": platform.python_version(),
-            "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "window_s": args.window_s, "heavy": HEAVY, "light": LIGHT}
+    from hpdl.bench.common import run_metadata
+
+    meta = run_metadata(device="cuda", cpus=os.cpu_count(), window_s=args.window_s, heavy=HEAVY, light=LIGHT)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)

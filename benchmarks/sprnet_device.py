@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -106,7 +105,7 @@ def log(msg: str) -> None:
 def main() -> int:
     from torch.utils.data import DataLoader
 
-    from hpdl.bench.report import source_commit
+    from hpdl.bench.common import run_metadata
     from hpdl.vision import detect
     from hpdl.vision.coco import CocoInstances, collate
     from hpdl.vision.shapes import ShapesConfig, make_shapes
@@ -127,12 +126,7 @@ def main() -> int:
     # re-tune nearly every step (the first device run: SPRNet 1.86 s a step, Mask R-CNN 0.71 s, RetinaNet 0.11 s)
     torch.backends.cudnn.benchmark = s.cudnn_benchmark
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    result = {"settings": asdict(s), "device": torch.cuda.get_device_name() if device.type == "cuda" else
-              platform.processor() or "cpu", "torch": torch.__version__, "commit": source_commit(),
-              "date": time.strftime("%Y-%m-%d %H:%M"), "phases_s": {}}
-    import torchvision
-
-    result["torchvision"] = torchvision.__version__
+    result = run_metadata(device=device.type, versions=("torchvision",), settings=asdict(s), phases_s={})
 
     # ---- data
     tmp = None
@@ -323,7 +317,7 @@ def main() -> int:
     if tmp is not None:
         tmp.cleanup()
 
-    lines = [f"SPRNet device run: {result['device']}, torch {result['torch']}, {s.backbone}, input {s.image_size} px, "
+    lines = [f"SPRNet device run: {result.get('gpu', result['device'])}, torch {result['torch']}, {s.backbone}, input {s.image_size} px, "
              f"{steps} steps x batch {s.batch_size} for every model, {result['phases_s']['total']:.0f} s total"]
     cell = lambda v, fmt: f"{v:{fmt}}" if v is not None and v > -100 else f"{'-':>7}"   # noqa: E731
     lines.append(f"{'AP points':<22}" + "".join(f"{k:>7}" for k in AP_COLUMNS))
@@ -347,10 +341,9 @@ def main() -> int:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
+    from hpdl.bench.common import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = list(result["metrics"])
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
@@ -370,7 +363,7 @@ def plot(result: dict, path: Path) -> None:
     ax2.bar_label(bars, fmt="%.0f", fontsize=7)
     ax2.set_yticks(range(len(keys)), keys, fontsize=7)
     ax2.set_xlabel("images/s (end to end, name@batch)")
-    ax2.set_title(f"inference at {result['settings']['image_size']} px, {result['device']}", fontsize=9)
+    ax2.set_title(f"inference at {result['settings']['image_size']} px, {result.get('gpu', result['device'])}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -43,7 +43,9 @@ def test_bench_attention_all_suites_on_cpu(tmp_path, capsys):
                "--baselines", "deit_tiny_patch16_224", "--image-size", "64", "--infer-batch", "1",
                "--train-batch", "2", "--warmup", "0", "--reps", "1", "--out", str(tmp_path)])
     assert rc == 0
-    res = json.loads((tmp_path / "soft_bench.json").read_text())
+    doc = json.loads((tmp_path / "soft_bench.json").read_text())
+    assert doc["meta"]["date"].endswith("UTC") and doc["meta"]["shape"].startswith("B=1 H=2 d=16")
+    res = {suite: [r for r in doc["rows"] if r["suite"] == suite] for suite in ("tokens", "model", "throughput")}
     assert {(r["tokens"], r["method"]) for r in res["tokens"]} == {(n, m) for n in (64, 128)
                                                                    for m in ("soft", "soft_autograd", "nystrom", "sdpa", "softmax")}
     assert all(r["status"] == "ok" and r["fwd_bwd_ms"] > 0 for r in res["tokens"])
@@ -55,6 +57,7 @@ def test_bench_attention_all_suites_on_cpu(tmp_path, capsys):
                                                     "throughput.png"}
     assert "soft faster than sdpa" in capsys.readouterr().out
     assert main(["bench", "attention", "--suite", "tokens,speed"]) == 1
+    assert main(["bench", "attention", "-b", "512", "-e", "256"]) == 1   # nccl-tests' -b/-e, here in tokens
     assert main(["bench", "attention", "--suite", "model", "--model-attentions", "soft,fast"]) == 1
 
 

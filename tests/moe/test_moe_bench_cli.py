@@ -3,10 +3,12 @@ import json
 from dataclasses import asdict
 
 import numpy as np
+import pytest
 
 from hpdl.cli import main
 from hpdl.moe.bench import BenchSpec, bench_rank, prepare, summarise
 from hpdl.moe.trace import Trace
+from hpdl.runtime.errors import CLIUsageError
 from hpdl.testing import get_pool
 
 
@@ -181,3 +183,27 @@ def test_train_too_big_for_the_host_is_refused_before_allocating(tmp_path, capsy
     assert main(["moe", "train", "--hidden", "65536", "--experts", "4096", "--out", str(tmp_path / "m")]) == 1
     err = capsys.readouterr().err
     assert "--hidden" in err and "free" in err
+
+
+def test_bench_out_is_a_folder_and_the_older_json_spelling_still_works(tmp_path):
+    """`--out` means a folder in every `hpdl bench` plug-in; `--out X.json` (README's spelling) still names the
+    JSON file with the figure beside it, and with no output flag the files land here as before."""
+    import argparse
+
+    from hpdl.moe.bench import MoEBenchCommand, MoEBenchmark
+
+    def parsed(*argv):
+        p = argparse.ArgumentParser()
+        MoEBenchCommand.add_arguments(p)
+        args = p.parse_args(["--world-size", "2", "--experts", "2", *argv])
+        MoEBenchmark().validate(args)
+        return args
+
+    a = parsed("--out", str(tmp_path / "r.json"))
+    assert (a.json_path, a.plot_path, a.out_dir) == (str(tmp_path / "r.json"), str(tmp_path / "r.png"), None)
+    a = parsed("--out", str(tmp_path / "d"))
+    assert (a.json_path, a.plot_path, a.out_dir) == (None, None, str(tmp_path / "d"))
+    a = parsed()
+    assert (a.json_path, a.plot_path) == ("moe_bench.json", "moe_bench.png")
+    with pytest.raises(CLIUsageError, match="--experts"):
+        parsed("--batches", "1,x")

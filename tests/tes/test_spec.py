@@ -25,7 +25,10 @@ def test_impedance_loads_cover_the_range():
 def test_markdown_escapes_pipes_and_marks_info_rows():
     rows = [spec.SpecRow("a", "|V| <= 13 V", "|V| = 1", True), spec.SpecRow("b", "-", "x", None),
             spec.SpecRow("c", "-", "y", False)]
-    md = _markdown(rows, "x.png", "x.json", 1.0, "hpdl tes spec --quick")
+    from hpdl.bench.common import run_metadata
+
+    md = _markdown(rows, "x.png", "x.json", 1.0, run_metadata(command="hpdl tes spec --quick", versions=("numpy",)))
+    assert "UTC by `hpdl tes spec --quick`" in md
     assert "\\|V\\| <= 13 V" in md and "| info |" in md and "| FAIL |" in md and "`hpdl tes spec --quick`" in md and "`x.json`" in md
 
 

@@ -2,21 +2,22 @@
 
 One job per process count runs every case on the same ranks, repeating the variants in interleaved rounds
 (native, hpdl, ..., native, hpdl, ...) so that machine noise hits them alike; each round checks its numbers
-against the round's native variant (CG residuals, FFT output bit for bit, GPT loss curve). ``benchmarks/
-apps_cpu.py`` is the command line; :func:`summarize` and :func:`plot` make the table and the figure.
+against the round's native variant (CG residuals, FFT output bit for bit, GPT loss curve). :class:`AppsBenchmark`
+is the harness plug-in (``hpdl bench apps``; ``benchmarks/apps_cpu.py`` is its launch recipe): the table is
+:func:`summarize`'s, one row per case and variant, and :func:`plot` the figure.
 """
 
 from __future__ import annotations
 
-import platform
 import statistics
-import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from hpdl.apps import cg, fft3d
 from hpdl.apps.comm import TorchComm
+from hpdl.bench.common import Benchmark, Column, command, format_table as _format_table, pyplot
+from hpdl.runtime.errors import CLIUsageError
 
 
 @dataclass
@@ -66,15 +67,17 @@ def _gpt_config(plan: Plan, variant: str):
 
 
 def job(ctx, plan: Plan, log: bool = True) -> list[dict] | None:
-    """Run the plan on this job's ranks; rank 0 returns the rows (one per case, variant and round)."""
+    """Run the plan on this job's ranks; rank 0 returns the rows (one per case, variant and round) and, with
+    ``log``, shows a step of progress per case on stderr."""
     from hpdl.apps.train import train
+    from hpdl.bench.common import Progress
 
     rows: list[dict] = []
-    t_start = time.perf_counter()
+    steps = len(plan.cg_sizes) + len(plan.fft_shapes) + plan.rounds
+    bar = Progress(steps, f"apps np={ctx.world_size}", enabled=log and ctx.rank == 0)
 
     def say(msg):
-        if log and ctx.rank == 0:
-            print(f"[apps np={ctx.world_size} {time.perf_counter() - t_start:6.1f}s] {msg}", flush=True)
+        bar.advance(f"apps np={ctx.world_size} ({bar.elapsed:.0f} s): {msg}")
 
     comms = {}  # one communicator per variant, reused by every round
 
@@ -122,6 +125,7 @@ def job(ctx, plan: Plan, log: bool = True) -> list[dict] | None:
                          "tokens_per_s": out["tokens_per_s"], "buckets": out["buckets"], "losses": out["losses"],
                          "max_rel_diff": float(((losses - ref).abs() / ref).max())})
         say(f"gpt round {rnd + 1}/{plan.rounds} done")
+    bar.close()
     return rows if ctx.rank == 0 else None
 
 
@@ -149,27 +153,34 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
+_UNITS = {"cg": ("us/iter", 1e6), "fft3d": ("ms/FFT", 1e3), "gpt": ("ms/step", 1e3)}
+
+
+def _scaled(key):
+    return lambda s: s[key] * _UNITS[s["app"]][1]
+
+
+def _check(s: dict) -> str:
+    return (f"#wrong {s['wrong']}" if "wrong" in s else f"rel {s['max_rel_diff']:.1e}" if "max_rel_diff" in s
+            else "")
+
+
+COLUMNS = (Column("app", "app"), Column("np", "np"), Column("case", "case"), Column("variant", "variant"),
+           Column(_scaled("median_s"), "median", fmt=".1f"), Column(_scaled("min_s"), "min", fmt=".1f"),
+           Column(_scaled("max_s"), "max", fmt=".1f"), Column(lambda s: _UNITS[s["app"]][0], "unit"),
+           Column("vs_native", "vs native", fmt=".2f", ratio="time ratio"), Column(_check, "check"))
+
+
 def format_table(summary: list[dict]) -> str:
-    unit = {"cg": ("us/iter", 1e6), "fft3d": ("ms/FFT", 1e3), "gpt": ("ms/step", 1e3)}
-    lines = [f"{'app':6} {'np':>3} {'case':>14} {'variant':>16} {'median':>10} {'min':>10} {'max':>10} "
-             f"{'unit':>8} {'vs native':>9} {'check':>12}"]
-    for s in summary:
-        u, k = unit[s["app"]]
-        check = (f"#wrong {s['wrong']}" if "wrong" in s else
-                 f"rel {s['max_rel_diff']:.1e}" if "max_rel_diff" in s else "")
-        ratio = f"{s['vs_native']:.2f}x" if s["vs_native"] is not None else "-"
-        lines.append(f"{s['app']:6} {s['np']:>3} {s['case']:>14} {s['variant']:>16} {s['median_s'] * k:>10.1f} "
-                     f"{s['min_s'] * k:>10.1f} {s['max_s'] * k:>10.1f} {u:>8} {ratio:>9} {check:>12}")
-    return "\n".join(lines)
+    """:func:`summarize`'s rows as a table: times in each app's unit (the ``unit`` column), ``vs native`` the
+    time ratio to native's (lower is better), ``check`` the FFT's #wrong or the largest relative difference of
+    the CG residuals / GPT losses from native's."""
+    return _format_table(summary, COLUMNS)
 
 
 def plot(summary: list[dict], rows: list[dict], path: str, title: str) -> None:
     """Time relative to native per case (bars, one panel per app) and the GPT loss curves."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
     for ax, app, label in zip(axes, ("cg", "fft3d", "gpt"), ("CG time / iteration", "3-D FFT time / transform",
                                                              "GPT step time")):
@@ -204,13 +215,64 @@ def plot(summary: list[dict], rows: list[dict], path: str, title: str) -> None:
     plt.close(fig)
 
 
-def meta(plan: Plan, nps: list[int], command: str) -> dict:
-    import os
-    from datetime import datetime, timezone
+class AppsBenchmark(Benchmark):
+    """``hpdl bench apps``: CG, pencil 3-D FFT and nanoGPT training, hpdl.comm against the native collectives,
+    one spawned gloo job per process count; exit status 1 when a check fails (FFT output not bit-identical to
+    native's, or a CG / GPT curve off native's by more than 1e-4)."""
 
-    from hpdl.bench.report import source_commit
+    name, stem = "apps", "apps_cpu"
+    title = "hpdl apps vs native (gloo)"
+    columns = COLUMNS
 
-    return {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "host": platform.node(),
-            "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "torch": torch.__version__,
-            "python": platform.python_version(), "commit": source_commit(), "nps": nps, "command": command,
-            "plan": asdict(plan)}
+    @classmethod
+    def add_arguments(cls, parser) -> None:
+        parser.add_argument("--np", default="4,8", help="comma-separated process counts (default: 4,8)")
+        parser.add_argument("--rounds", type=int, default=None, help="interleaved repetitions (default 3; quick 2)")
+        size = parser.add_mutually_exclusive_group()
+        size.add_argument("--small", action="store_true", help="smaller cases for a 2-core machine")
+        size.add_argument("--quick", action="store_true", help="tiny sizes: checks the logic in seconds per job")
+
+    def validate(self, args) -> None:
+        try:
+            self.nps = [int(x) for x in args.np.split(",") if x.strip()]
+        except ValueError:
+            raise CLIUsageError(f"--np must be comma-separated process counts such as 4,8, got {args.np!r}") from None
+        if not self.nps or min(self.nps) < 1:
+            raise CLIUsageError(f"--np must name process counts >= 1, got {args.np!r}")
+        if args.rounds is not None and args.rounds < 1:
+            raise CLIUsageError(f"--rounds must be >= 1, got {args.rounds}")
+        self.plan = Plan.quick() if args.quick else Plan.small() if args.small else Plan()
+        if args.rounds is not None:
+            self.plan.rounds = args.rounds
+
+    def metadata(self, args) -> dict:
+        return {"nps": self.nps, "plan": asdict(self.plan)}
+
+    def run(self, ctx) -> list[dict]:
+        from hpdl.runtime import spawn
+
+        rows: list[dict] = []
+        for n in self.nps:
+            rows += spawn(job, n, args=(self.plan,), timeout=300)[0]
+        ctx.extra["rounds"] = rows   # every round's row; the table's rows are their summary
+        return summarize(rows)
+
+    def table(self, rows, ctx) -> str:
+        m = ctx.meta
+        return (f"# hpdl bench apps: np {self.nps}, {m['cores']} cores, torch {m['torch']}, {m['date']}, "
+                f"{m.get('seconds', 0):.0f} s\n" + format_table(rows))
+
+    def plot(self, rows, path, ctx) -> list[str]:
+        from pathlib import Path
+
+        target = Path(path) / f"{self.stem}.png" if Path(path).is_dir() else Path(path)
+        m = ctx.meta
+        plot(rows, ctx.extra["rounds"], str(target),
+             f"{self.title}, {m['cores']} cores, torch {m['torch']}, {m['date']}")
+        return [str(target)]
+
+    def failed(self, rows, ctx) -> bool:
+        return any(s.get("wrong") or s.get("max_rel_diff", 0.0) > 1e-4 for s in rows)
+
+
+AppsBenchCommand = command(AppsBenchmark)

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import os
 import sys
-from datetime import datetime, timezone
 
 import torch
 
+from hpdl.bench.common import Benchmark, Panel, PlotSpec, add_output_arguments, main
 from hpdl.bench.harness import BenchConfig, run_sweep
 from hpdl.bench.specs import SPECS
 from hpdl.runtime.commands import attach
@@ -129,19 +127,15 @@ class BenchCommand:
                            help="emulate nodes of G ranks (what two-level algorithms see: "
                                 + {"allreduce": "two_level", "alltoall": "push, pull"}.get(name, "the topology")
                                 + ")")
-            p.add_argument("--json", dest="json_path", default=None, metavar="JSON",
-                           help="write rows and metadata as JSON")
-            p.add_argument("--plot", dest="plot_path", default=None, metavar="PNG",
-                           help="write latency/busbw plot (PNG)")
             if name == "allreduce":
                 p.add_argument("--tune", dest="tune_path", default=None, metavar="JSON",
                                help="write a tuning table for algorithm='auto' from this sweep (JSON; activate it "
                                     "with HPDL_TUNING_FILE)")
-            p.add_argument("--format", choices=["table", "json"], default="table", help="output on stdout")
+            add_output_arguments(p, stem=name)
             p.add_argument("--timeout", type=real(0, 7 * 86400, strict=True), default=None,
                            help="seconds a collective may wait for a peer before the run fails (default: "
                                 "HPDL_TIMEOUT)")
-        from hpdl.comm.model import add_model_arguments
+        from hpdl.bench.model import add_model_arguments
 
         add_model_arguments(sub.add_parser("model", help="alpha-beta-gamma cost model: calibrate on bench JSON, "
                                            "predict 2..4096 ranks (labelled predictions)"))
@@ -149,7 +143,7 @@ class BenchCommand:
 
     def run(self, args) -> int:
         if args.collective == "model":
-            from hpdl.comm.model import run_model_command
+            from hpdl.bench.model import run_model_command
 
             try:
                 return run_model_command(args, parse_size(args.size))
@@ -166,57 +160,97 @@ class BenchCommand:
             if getattr(args, "_plugin_missing", None):
                 raise CLIUsageError(args._plugin_missing)
             return int(args._plugin_cls().run(args) or 0)
+        return main(CollectiveBenchmark(args.collective), args)
+
+
+class CollectiveBenchmark(Benchmark):
+    """One collective's sweep as a harness plug-in (nccl-tests' ``<collective>_perf``): every size x algorithm
+    on spawned ranks (or a launcher's), checked exactly, timed; nccl-tests' table; latency/busbw plot."""
+
+    plot_spec = PlotSpec(x="size", xlabel="size (bytes)", xscale="log2", series="algorithm",
+                         panels=(Panel("avg_us", "latency (us)", "log"), Panel("busbw", "busbw (GB/s)")),
+                         keep=lambda r: r["size"] > 0)
+
+    def __init__(self, collective: str):
+        self.name = self.stem = collective
+        super().__init__()
+
+    def validate(self, args) -> None:
         if args.np < 1:
             raise CLIUsageError(f"--np must be >= 1, got {args.np}")
         try:
-            cfg = BenchConfig(collective=_COLLECTIVES[args.collective],
-                              sizes=sizes_between(args.min_size, args.max_size, args.factor),
-                              algorithms=[a.strip() for a in args.algorithms.split(",") if a.strip()],
-                              dtype=args.dtype, op=args.op, iters=args.iters, warmup=args.warmup,
-                              window=args.window, time_per_point=args.time_per_point,
-                              progress="bar" if sys.stderr.isatty() else "lines", graph=args.graph,
-                              graph_calls=args.graph_calls)
+            self.cfg = BenchConfig(collective=_COLLECTIVES[args.collective],
+                                   sizes=sizes_between(args.min_size, args.max_size, args.factor),
+                                   algorithms=[a.strip() for a in args.algorithms.split(",") if a.strip()],
+                                   dtype=args.dtype, op=args.op, iters=args.iters, warmup=args.warmup,
+                                   window=args.window, time_per_point=args.time_per_point,
+                                   progress="bar" if sys.stderr.isatty() else "lines", graph=args.graph,
+                                   graph_calls=args.graph_calls)
         except ValueError as exc:
             raise CLIUsageError(str(exc)) from None
-        if args.tune_path and "native" not in cfg.algorithms:
+        if args.tune_path and "native" not in self.cfg.algorithms:
             raise CLIUsageError("--tune needs 'native' among --algorithms (auto must never lose to it)")
         _check_ranks_per_gpu(args)
-        _validate(cfg, args)
-        _check_outputs(args)
-        rows, world = _launch(cfg, args)
-        meta = _meta(cfg, args, world)
-        _print(rows, meta, args)
-        if args.json_path:
-            from hpdl.bench.report import write_json
+        _validate(self.cfg, args)
 
-            write_json(rows, args.json_path, meta)
-        if args.plot_path:
-            from hpdl.bench.report import plot
+    def output_files(self, args) -> list:
+        return [("--tune", args.tune_path)]
 
-            plot(rows, args.plot_path, f"{cfg.collective} {cfg.dtype}" + (f" {cfg.op}" if cfg.collective in _REDUCES
-                 else "") + f", {world} ranks, {args.device}" + (", CUDA graph" if cfg.graph else ""))
-        if args.tune_path:
-            from hpdl.bench.report import NoisySweepError, tuned_table
+    def metadata(self, args) -> dict:
+        cfg = self.cfg
+        return {"collective": cfg.collective, "dtype": cfg.dtype, "op": cfg.op, "ranks_per_node": args.ranks_per_node,
+                "timing": "cuda-graph" if cfg.graph else "eager", "ranks_per_gpu": args.ranks_per_gpu}
 
-            try:
-                table = tuned_table(rows, world, args.device)
-            except NoisySweepError as exc:   # the footer above called it noisy: refuse, leave any old file
-                print(f"# --tune: no tuning table written to {args.tune_path}: {exc}", file=sys.stderr)
-                return 1
-            with open(args.tune_path, "w") as fh:
-                fh.write(table.to_json())
-            print(f"# tuning table written to {args.tune_path}; use it with HPDL_TUNING_FILE={args.tune_path}")
-        return 1 if any(r.wrong for r in rows) else 0
+    def run(self, ctx):
+        rows, world = _launch(self.cfg, ctx.args)
+        ctx.meta["world_size"] = world
+        return rows
+
+    def table(self, rows, ctx) -> str:
+        from hpdl.bench.report import format_table
+
+        meta = ctx.meta
+        lines = [f"# hpdl bench {meta['collective']}: {meta['world_size']} ranks, device {meta['device']}, "
+                 f"torch {meta['torch']}, {meta['timing']} timing, {meta['date']}"]
+        if meta.get("ranks_per_gpu", 1) > 1:
+            lines.append(f"# NOTE: {meta['ranks_per_gpu']} ranks share each GPU: these timings check correctness "
+                         "and are NOT multi-GPU performance (no NCCL; native runs over gloo through host memory)")
+        return "\n".join([*lines, format_table(rows)])
+
+    def plot_title(self, ctx) -> str:
+        cfg, meta = self.cfg, ctx.meta
+        return (f"{cfg.collective} {cfg.dtype}" + (f" {cfg.op}" if cfg.collective in _REDUCES else "")
+                + f", {meta['world_size']} ranks, {meta['device']}" + (", CUDA graph" if cfg.graph else ""))
+
+    def finish(self, rows, ctx) -> int:
+        path = ctx.args.tune_path
+        if not path:
+            return 0
+        from hpdl.bench.report import NoisySweepError, tuned_table
+
+        try:
+            table = tuned_table(rows, ctx.meta["world_size"], ctx.args.device)
+        except NoisySweepError as exc:   # the footer above called it noisy: refuse, leave any old file
+            print(f"# --tune: no tuning table written to {path}: {exc}", file=sys.stderr)
+            return 1
+        with open(path, "w") as fh:
+            fh.write(table.to_json())
+        print(f"# tuning table written to {path}; use it with HPDL_TUNING_FILE={path}")
+        return 0
 
 
 # Benchmarks owned by other subsystems, under `hpdl bench` too: name -> ("module:Class", help, extra). The class
-# has add_arguments(parser) and run(args) -> int; only the one being run is imported, so a missing optional
+# has add_arguments(parser) and run(args) -> int (hpdl.bench.common.command(plug-in) makes one from a Benchmark); only the one being run is imported, so a missing optional
 # dependency breaks that command alone, with an install hint.
 PLUGINS: dict[str, tuple[str, str, str | None]] = {
     "serve": ("hpdl.serve.cli:ServeBenchCommand",
               "serving benchmark (alias of `hpdl serve bench`): TTFT, TPOT, ITL, throughput vs baselines", "serve"),
     "overlap": ("hpdl.offload.bench:OverlapBenchCommand", "OSU-style overlap: torch.distributed async, hpdl.offload thread, agent", None),
     "attention": ("hpdl.vision.bench:AttentionBenchCommand", "SOFT vs SDPA/Nystrom attention, SOFT vs ViT/PVT", "vision"),
+    "apps": ("hpdl.apps.bench:AppsBenchCommand", "CG, pencil 3-D FFT and nanoGPT training: hpdl.comm vs native "
+             "collectives (gloo ranks)", None),
+    "moe": ("hpdl.moe.bench:MoEBenchCommand", "ExFlow MoE inference vs the 2-Alltoall baseline (alias of "
+            "`hpdl moe bench`): tokens/s, Alltoall bytes per layer", None),
 }
 
 
@@ -225,30 +259,6 @@ def _add_plugins(sub) -> None:
         p = sub.add_parser(name, help=help_, description=help_)
         p.set_defaults(_parser=p)
         attach(p, path, f"hpdl bench {name}", extra, "_plugin_missing", "_plugin_cls")
-
-
-def _check_outputs(args) -> None:
-    """Make the folders of --json, --plot and --tune before the sweep, so that a path in a missing folder does
-    not end a sweep of minutes in a FileNotFoundError after it ran.
-
-    Raises:
-        CLIUsageError: a path is a folder, or its folder cannot be made or written, naming the flag.
-    """
-    from pathlib import Path
-
-
-    for flag, path in (("--json", args.json_path), ("--plot", args.plot_path), ("--tune", args.tune_path)):
-        if not path:
-            continue
-        p = Path(path)
-        if p.is_dir():
-            raise CLIUsageError(f"{flag} {path}: is a folder, expected a file path")
-        try:
-            p.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise CLIUsageError(f"{flag} {path}: cannot make its folder ({exc.strerror or exc})") from None
-        if not os.access(p.parent, os.W_OK):
-            raise CLIUsageError(f"{flag} {path}: its folder {str(p.parent)!r} is not writable")
 
 
 def _validate(cfg: BenchConfig, args) -> None:
@@ -386,30 +396,3 @@ def _launch(cfg: BenchConfig, args):
     results = spawn(_bench_worker, args.np, args=(cfg,), device=args.device, ranks_per_node=args.ranks_per_node,
                     timeout=args.timeout, ranks_per_gpu=args.ranks_per_gpu)
     return results[0], args.np
-
-
-def _meta(cfg: BenchConfig, args, world: int) -> dict:
-    meta = {"collective": cfg.collective, "world_size": world, "device": args.device, "dtype": cfg.dtype,
-            "ranks_per_node": args.ranks_per_node, "timing": "cuda-graph" if cfg.graph else "eager",
-            "op": cfg.op, "torch": torch.__version__, "python": platform.python_version(),
-            "host": platform.node(), "cpu": platform.processor() or platform.machine(),
-            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "command": "hpdl " + " ".join(sys.argv[1:]), "ranks_per_gpu": args.ranks_per_gpu}
-    if args.device == "cuda" and torch.cuda.is_available():
-        meta["gpu"] = torch.cuda.get_device_name(0)
-        meta["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-    return meta
-
-
-def _print(rows, meta, args) -> None:
-    from hpdl.bench.report import format_table
-
-    if args.format == "json":
-        print(json.dumps({"meta": meta, "rows": [r.as_dict() for r in rows]}, indent=1))
-        return
-    print(f"# hpdl bench {meta['collective']}: {meta['world_size']} ranks, device {meta['device']}, "
-          f"torch {meta['torch']}, {meta['timing']} timing, {meta['date']}")
-    if meta.get("ranks_per_gpu", 1) > 1:
-        print(f"# NOTE: {meta['ranks_per_gpu']} ranks share each GPU: these timings check correctness and are NOT "
-              "multi-GPU performance (no NCCL; native runs over gloo through host memory)")
-    print(format_table(rows))

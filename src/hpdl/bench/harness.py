@@ -12,7 +12,6 @@ nccl-tests' ``-G`` mode. In graph mode ``#wrong`` also covers a replay: a one-ca
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -322,50 +321,34 @@ def _graph_time(ctx: Context, spec, cfg: BenchConfig, algorithm: str, count: int
 
 
 class _progress:
-    """Progress on rank 0's stderr: a rich bar on a terminal, else one flushed plain line per size (so a
-    redirected run shows it is alive: ``[3/24] allreduce 32 B (12 s): native 25.1 us, direct 9.8 us 2.56x``)."""
+    """The sweep's progress (:class:`hpdl.bench.common.Progress`, one step per size) on rank 0's stderr: a rich
+    bar on a terminal, else one flushed line per size (``[3/24] allreduce 32 B (12 s): native 25.1 us, direct
+    9.8 us 2.56x``)."""
 
     def __init__(self, enabled: bool, cfg: BenchConfig, stream=None):
-        self._stream = stream if stream is not None else sys.stderr
-        mode = cfg.progress if enabled else "off"
-        if mode == "auto":
-            mode = "bar" if self._stream.isatty() else "lines"
-        self.mode, self._cfg, self._done, self._t0 = mode, cfg, 0, time.perf_counter()
-        self._bar = None
-        total = len(cfg.sizes) * len(cfg.algorithms)
-        if mode == "bar":
-            from rich.console import Console
-            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+        from hpdl.bench.common import Progress
 
-            self._bar = Progress(TextColumn("{task.description:<40}"), BarColumn(), TextColumn("{task.completed}/"
-                                 "{task.total}"), TimeElapsedColumn(), console=Console(file=self._stream),
-                                 transient=True)
-            self._bar.start()
-            self._task = self._bar.add_task(cfg.collective, total=total)
-        elif mode == "lines":
-            print(f"# hpdl bench {cfg.collective}: {len(cfg.sizes)} sizes x {len(cfg.algorithms)} algorithms "
-                  f"({', '.join(cfg.algorithms)}){', CUDA-graph timing' if cfg.graph else ''}", file=self._stream,
-                  flush=True)
+        self._cfg = cfg
+        self._p = Progress(len(cfg.sizes), cfg.collective, enabled=enabled, mode=cfg.progress, stream=stream,
+                           header=f"# hpdl bench {cfg.collective}: {len(cfg.sizes)} sizes x {len(cfg.algorithms)} "
+                                  f"algorithms ({', '.join(cfg.algorithms)})"
+                                  f"{', CUDA-graph timing' if cfg.graph else ''}")
+        self.mode = self._p.mode
 
     def size_done(self, size: int, rows: list[Row], skipped: bool = False) -> None:
-        self._done += 1
-        if self._bar is not None:
-            self._bar.update(self._task, advance=len(self._cfg.algorithms),
-                             description=f"{self._cfg.collective} {size} B" + (" skipped" if skipped else ""))
-        elif self.mode == "lines":
-            head = f"[{self._done}/{len(self._cfg.sizes)}] {self._cfg.collective} {size} B " \
-                   f"({time.perf_counter() - self._t0:.0f} s)"
-            if skipped:
-                body = f"skipped (fewer than one {self._cfg.dtype} element per rank)"
-            else:
-                body = ", ".join(f"{algo_label(r)} {r.avg_us:.1f} us" + (f" {speedup_text(r)}" if r.speedup and
-                                 canonical(r.algorithm) != "native" else "") + (f" WRONG {r.wrong}" if r.wrong else "")
-                                 for r in rows)
-            print(f"{head}: {body}", file=self._stream, flush=True)
+        if self.mode == "bar":
+            self._p.advance(f"{self._cfg.collective} {size} B" + (" skipped" if skipped else ""))
+            return
+        if skipped:
+            body = f"skipped (fewer than one {self._cfg.dtype} element per rank)"
+        else:
+            body = ", ".join(f"{algo_label(r)} {r.avg_us:.1f} us" + (f" {speedup_text(r)}" if r.speedup and
+                             canonical(r.algorithm) != "native" else "") + (f" WRONG {r.wrong}" if r.wrong else "")
+                             for r in rows)
+        self._p.advance(f"{self._cfg.collective} {size} B ({self._p.elapsed:.0f} s): {body}")
 
     def close(self) -> None:
-        if self._bar is not None:
-            self._bar.stop()
+        self._p.close()
 
 
 def algo_label(r: Row) -> str:

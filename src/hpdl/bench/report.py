@@ -1,4 +1,5 @@
-"""Tables (nccl-tests / OSU columns), JSON, plots and tuning tables from benchmark rows.
+"""The collective benchmark's tables (nccl-tests / OSU columns), markdown and tuning tables from its rows (JSON,
+plots and the rest are the harness's, :mod:`hpdl.bench.common`).
 
 Columns: size (B) and count of the largest buffer; algbw = size / time; busbw = algbw x the collective's
 factor (all-reduce 2(p-1)/p, reduce-scatter and all-gather (p-1)/p: NVIDIA/nccl-tests doc/PERFORMANCE.md), so
@@ -8,30 +9,12 @@ exact result, summed over ranks; ``vs native`` is native's time over this row's,
 
 from __future__ import annotations
 
-import json
-import subprocess
 from itertools import groupby
-from pathlib import Path
 from typing import Sequence
 
+from hpdl.bench.common import source_commit  # noqa: F401 (its old home; hpdl.bench.common owns it)
 from hpdl.bench.harness import NOISE, REPEATS, Row, algo_label, speedup_text
 from hpdl.comm.tuning import INF, Rule, TuningTable, default_table
-
-def source_commit() -> str:
-    """The commit benchmark results record: ``HPDL_COMMIT`` when set, else the checkout's ``HEAD`` (with
-    ``+dirty`` when tracked files differ), else ``"unknown"`` (no git, or not a checkout)."""
-    from hpdl.runtime import env
-
-    if env.get("HPDL_COMMIT"):
-        return env.get("HPDL_COMMIT")
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], capture_output=True, text=True,
-                               timeout=10).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    return (sha + ("+dirty" if dirty else "")) if sha else "unknown"
-
 
 _COLUMNS = ("size(B)", "count", "type", "redop", "algorithm", "avg(us)", "min(us)", "max(us)", "algbw(GB/s)",
             "busbw(GB/s)", "#wrong", "vs native")
@@ -48,6 +31,8 @@ def format_table(rows: Sequence[Row], title: str = "") -> str:
     lines = [f"# {title}"] if title else []
     lines.append("#" + " ".join(c.rjust(w) for c, w in zip(_COLUMNS, widths))[1:])
     lines += [" ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
+    if any(r.speedup is not None for r in rows):
+        lines.append("# vs native: speed-up (native's time / this row's), higher is better")
     if any(r.noisy for r in rows):
         lines.append(f"# vs native as lo-hi: the {REPEATS} timed repeats of that row or of native spread by more "
                      f"than {NOISE:.0%}, so the speed-up lies anywhere in that range on this machine (a loaded host; "
@@ -56,35 +41,6 @@ def format_table(rows: Sequence[Row], title: str = "") -> str:
         lines.append("# times are CUDA-graph replays (launch overhead excluded), per call")
     lines.append(f"# Out of bounds values : {sum(r.wrong for r in rows)} {'OK' if not any(r.wrong for r in rows) else 'FAILED'}")
     return "\n".join(lines)
-
-
-def write_json(rows: Sequence[Row], path: str | Path, meta: dict) -> None:
-    Path(path).write_text(json.dumps({"meta": meta, "rows": [r.as_dict() for r in rows]}, indent=1))
-
-
-def plot(rows: Sequence[Row], path: str | Path, title: str) -> None:
-    """Latency and busbw against size, one line per algorithm (PNG)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for algo, group in groupby(sorted(rows, key=lambda r: (r.algorithm, r.size)), key=lambda r: r.algorithm):
-        pts = [r for r in group if r.size > 0]
-        ax1.plot([r.size for r in pts], [r.avg_us for r in pts], marker="o", ms=3, label=algo)
-        ax2.plot([r.size for r in pts], [r.busbw for r in pts], marker="o", ms=3, label=algo)
-    for ax, ylabel in ((ax1, "latency (us)"), (ax2, "busbw (GB/s)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("size (bytes)")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.3)
-    ax1.set_yscale("log")
-    ax1.legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 class NoisySweepError(ValueError):

@@ -29,17 +29,16 @@ rows by least squares on log time (scipy), so predicted-vs-measured error is pri
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable, Sequence
 
 MIN_CHUNK_BYTES = 64 << 10  # as hpdl.comm.algorithms.two_level (not imported: the model needs no torch)
 ALLREDUCE = ("ring", "ring_all_rails", "direct", "two_level")
 ALLTOALL = ("pairwise", "direct", "push", "pull")
-_FIT = ("alpha_intra", "beta_intra", "alpha_inter", "beta_inter", "gamma")
+FIT = ("alpha_intra", "beta_intra", "alpha_inter", "beta_inter", "gamma")
 
 
 @dataclass(frozen=True)
@@ -182,21 +181,21 @@ def calibrate(samples: Sequence[Sample], base: Machine | None = None) -> Machine
     import numpy as np
     from scipy.optimize import least_squares
 
-    if len(samples) < len(_FIT):
-        raise ValueError(f"need at least {len(_FIT)} measured rows to calibrate, got {len(samples)}")
+    if len(samples) < len(FIT):
+        raise ValueError(f"need at least {len(FIT)} measured rows to calibrate, got {len(samples)}")
     g = samples[0].g
     base = base or Machine("cpu-calibrated", g, g, 1e-5, 1e-9, 1e-4, 1e-9, 1e-9, copy_in=True)
     base = replace(base, gpus_per_node=g, rails=g)
 
     def machine(x) -> Machine:
-        return replace(base, **{k: float(math.exp(v)) for k, v in zip(_FIT, x)})
+        return replace(base, **{k: float(math.exp(v)) for k, v in zip(FIT, x)})
 
     def residuals(x):
         m = machine(x)
         return [math.log(max(predict(m, s.collective, s.algorithm, s.p, s.n, s.g, s.g), 1e-12) / s.seconds)
                 for s in samples]
 
-    x0 = np.log([getattr(base, k) for k in _FIT])
+    x0 = np.log([getattr(base, k) for k in FIT])
     fit = least_squares(residuals, x0, bounds=(x0 - 12, x0 + 12), loss="soft_l1")
     return replace(machine(fit.x), source=f"least squares on {len(samples)} measured rows (log time, soft L1)")
 
@@ -245,7 +244,7 @@ def predict_table(m: Machine, worlds: Sequence[int]) -> list[dict]:
 
     def rng(collective, fast, slow, p):
         r = win_range(m, collective, fast, slow, p)
-        return "never" if r is None else f"{_fmt_bytes(r[0])} .. {_fmt_bytes(r[1])}"
+        return "never" if r is None else f"{fmt_bytes(r[0])} .. {fmt_bytes(r[1])}"
 
     for p in worlds:
         if p % g or p < 2:
@@ -259,99 +258,11 @@ def predict_table(m: Machine, worlds: Sequence[int]) -> list[dict]:
     return rows
 
 
-# ------------------------------------------------------------------------------------------ CLI glue
-WORLDS = [2 ** k for k in range(1, 13)]  # 2 .. 4096
-
-
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """Arguments of ``hpdl bench model``."""
-    p.add_argument("--calibrate", nargs="*", default=[], metavar="JSON",
-                   help="hpdl bench --json files to fit and compare against (CPU, emulated nodes)")
-    p.add_argument("--machine", choices=sorted(PRESETS), default="h100-ndr", help="preset for the predictions")
-    p.add_argument("--gpus-per-node", type=int, default=None, help="override the preset's GPUs per node")
-    p.add_argument("--rails", type=int, default=None, help="override the preset's rails (NICs) per node")
-    p.add_argument("--size", default="1G", help="message size of the speed-up table (e.g. 1G, 4M)")
-    p.add_argument("--plot", dest="plot_path", default=None, help="PNG of the predicted speed-up against ranks")
-    p.add_argument("--format", choices=["table", "json"], default="table")
-
-
-def _fmt_bytes(n) -> str:
+def fmt_bytes(n) -> str:
+    """``1 GiB``, ``4 MiB``, ``12 B``; ``never`` for None (a crossover that does not happen)."""
     if n is None:
         return "never"
     for unit, k in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if n >= 1 << k:
             return f"{n / (1 << k):g} {unit}"
     return f"{n} B"
-
-
-def _table(rows: list[dict], title: str) -> str:
-    if not rows:
-        return f"# {title}\n# (no rows)"
-    keys = list(rows[0])
-    cells = [[(f"{v:.3g}" if isinstance(v, float) else _fmt_bytes(v) if k == "bytes" else str(v))
-              for k, v in r.items()] for r in rows]
-    widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
-    lines = [f"# {title}", "  ".join(k.rjust(w) for k, w in zip(keys, widths))]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
-    return "\n".join(lines)
-
-
-def run_model_command(args, size: int) -> int:
-    """``hpdl bench model``: measured vs model (calibrated), then predictions, each section labelled.
-
-    ``args`` from :func:`add_model_arguments`; ``size`` (bytes) is ``--size`` as parsed by the caller
-    (``hpdl bench``'s size parser: comm does not import bench)."""
-    out: dict = {}
-    if args.calibrate:
-        samples = load_samples(args.calibrate)
-        fitted = calibrate(samples)
-        out["calibrated_machine"] = asdict(fitted)
-        out["measured_vs_model"] = compare_table(fitted, samples)
-    m = PRESETS[args.machine]
-    m = replace(m, gpus_per_node=args.gpus_per_node or m.gpus_per_node, rails=args.rails or m.rails)
-    configs = sorted({(m.gpus_per_node, m.rails), (4, 4), (8, 4), (8, 8)})
-    out["prediction_machine"] = asdict(m)
-    out["prediction_speedup"] = speedup_table(m, [size], [32, 256, 1024], configs)
-    out["prediction_crossovers"] = predict_table(m, WORLDS)
-    if args.plot_path:
-        _plot(m, size, configs, args.plot_path)
-    if args.format == "json":
-        print(json.dumps(out, indent=1))
-        return 0
-    if args.calibrate:
-        errs = [abs(r["error_pct"]) for r in out["measured_vs_model"]]
-        print(f"# MEASURED vs MODEL: {len(errs)} rows from {', '.join(args.calibrate)}; fitted "
-              + ", ".join(f"{k}={out['calibrated_machine'][k]:.3g}" for k in _FIT)
-              + f"; median |error| {sorted(errs)[len(errs) // 2]:.0f}%")
-        print(_table(out["measured_vs_model"], "measured on this host (emulated nodes) vs calibrated model"))
-        print()
-    print(f"# PREDICTION (not measured): machine {m.name}: {m.source}")
-    print(_table(out["prediction_speedup"], f"PREDICTION: two_level Allreduce speed-up at {_fmt_bytes(size)} "
-                 "(seed 2 abstract reports 2.8x at 1 GB on 32 NVIDIA GPUs)"))
-    print()
-    print(_table(out["prediction_crossovers"], f"PREDICTION: where two-level wins (crossovers), {m.gpus_per_node} "
-                 f"GPUs and {m.rails} rails per node"))
-    return 0
-
-
-def _plot(m: Machine, size: int, configs, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for g, rails in configs:
-        ws = [p for p in WORLDS if p % g == 0 and p > g]
-        for base, style in (("ring", "-"), ("ring_all_rails", "--")):
-            ax.plot(ws, [allreduce_time(m, base, p, size, g, rails) / allreduce_time(m, "two_level", p, size, g, rails)
-                         for p in ws], style, marker="o", ms=3, label=f"g={g} rails={rails} vs {base}")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("ranks (GPUs)")
-    ax.set_ylabel("predicted speed-up of two_level")
-    ax.set_title(f"PREDICTION ({m.name}, {_fmt_bytes(size)} Allreduce)")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

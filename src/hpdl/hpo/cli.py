@@ -16,6 +16,7 @@ import threading
 import time
 from importlib import resources
 
+from hpdl.bench.common import add_output_arguments
 from hpdl.runtime.errors import CLIUsageError
 
 
@@ -109,8 +110,7 @@ class HpoCommand:
                                              "default: the study file's, hpo-runs/<study> if it names none)")
             p.add_argument("--no-progress", action="store_true", help="no live table (default: a live table on stderr)")
             p.add_argument("--out", help="write the result as JSON to this file (default: none)")
-            p.add_argument("--format", choices=("table", "json"), default="table",
-                           help="output format (default: %(default)s)")
+            add_output_arguments(p, ("format",))
             if name == "run":
                 p.add_argument("--overwrite", action="store_true",
                                help="delete a stored study of the same name (its trials and checkpoints) and "
@@ -123,8 +123,7 @@ class HpoCommand:
                                          "is read; default: the study file's)")
         p.add_argument("--storage", help="SQLAlchemy URL of the study store (default: the study file's)")
         p.add_argument("--study", help="study name (default: the study file's)")
-        p.add_argument("--format", choices=("table", "json"), default="table",
-                       help="output format (default: %(default)s)")
+        add_output_arguments(p, ("format",))
         h = "replay profiled trial costs on a simulated pool (simulation)"
         p = sub.add_parser("simulate", help=h, description=h)
         p.add_argument("--pool", default="12xA100,4xH100",
@@ -155,8 +154,7 @@ class HpoCommand:
         p.add_argument("--fuse", type=int, default=16,
                        help="trials per fused model for policies named <policy>+fuse, e.g. pack+fuse (default: "
                             "%(default)s)")
-        p.add_argument("--format", choices=("table", "json"), default="table",
-                       help="output format (default: %(default)s)")
+        add_output_arguments(p, ("format",))
 
     def run(self, args) -> int:
         cmd = getattr(args, "hpo_cmd", None)

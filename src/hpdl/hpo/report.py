@@ -93,10 +93,9 @@ def plot_best_vs_time(curves: dict[str, Sequence[tuple[float, float]]], path: st
 def best_vs_time_figure(curves: dict[str, Sequence[tuple[float, float]]], title: str, ylabel: str = "best value",
                         ends: dict[str, float] | None = None):
     """The figure of :func:`plot_best_vs_time` (a ``matplotlib.figure.Figure``, Agg backend)."""
-    import matplotlib
+    from hpdl.bench.common import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     ends = ends or {}

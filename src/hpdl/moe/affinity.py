@@ -87,10 +87,9 @@ def summary(experts: np.ndarray, n_experts: int, seed: int = 0) -> dict:
 
 def plot_heatmaps(C: np.ndarray, path, title: str = "") -> None:
     """Heat maps of ``P(j at l+1 | i at l)`` for every transition, one panel each, saved to ``path`` (PNG)."""
-    import matplotlib
+    from hpdl.bench.common import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     P = conditional(C)
     n = len(P)

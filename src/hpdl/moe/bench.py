@@ -22,15 +22,16 @@ fails if they differ.
 
 from __future__ import annotations
 
-import json
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from hpdl.bench.common import Benchmark, Column, Panel, PlotSpec, command
 from hpdl.moe.errors import MoEError
+from hpdl.runtime.errors import CLIUsageError
+from hpdl.runtime.limits import count
 
 
 @dataclass
@@ -195,32 +196,31 @@ def bench_rank(ctx, spec_d: dict, E: int, prep: dict) -> list[dict]:
     return rows
 
 
-def run(spec: BenchSpec, out: str | Path | None = None, plot: str | Path | None = None, progress=print) -> dict:
-    """The whole sweep; one spawned job of ``world_size`` gloo ranks per expert count. Returns the JSON dict."""
-    import platform
-
-    import torch
-
+def run(spec: BenchSpec, ctx=None, progress=None) -> list[dict]:
+    """The whole sweep; one spawned job of ``world_size`` gloo ranks per expert count; returns the merged rows
+    (:func:`summarise`). With a harness ``ctx`` (:class:`hpdl.bench.common.RunContext`) the placements and
+    model configs go to ``ctx.extra`` and the JSON is saved after every expert count, so a sweep stopped by a
+    time limit keeps what it measured; ``progress`` (a :class:`hpdl.bench.common.Progress`) gets a step per E."""
     from hpdl.runtime.launch import spawn
 
     check_spec(spec)
-    result = {"spec": asdict(spec), "torch": torch.__version__, "host": platform.node(),
-              "cpus": __import__("os").cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "rows": [], "placements": {}, "models": {}}
+    rows: list[dict] = []
+    extra = ctx.extra if ctx is not None else {}
+    extra.setdefault("placements", {})
+    extra.setdefault("models", {})
     for E in spec.experts:
-        if progress:
-            progress(f"E={E}: profiling and placing ({spec.world_size} ranks)")
+        if progress is not None:
+            progress.note(f"E={E}: profiling and placing ({spec.world_size} ranks)")
         prep = prepare(spec, E)
-        result["placements"][E] = prep["placement"]
-        result["models"][E] = prep["model_config"]   # what ran (a --model checkpoint overrides the spec's shape)
+        extra["placements"][E] = prep["placement"]
+        extra["models"][E] = prep["model_config"]   # what ran (a --model checkpoint overrides the spec's shape)
         per_rank = spawn(bench_rank, spec.world_size, args=(asdict(spec), E, prep))
-        result["rows"].extend(summarise(per_rank))
-        if out:  # after every expert count, so a sweep stopped by a time limit keeps what it measured
-            Path(out).parent.mkdir(parents=True, exist_ok=True)
-            Path(out).write_text(json.dumps(result, indent=1))
-    if plot:
-        plot_result(result, plot)
-    return result
+        rows.extend(summarise(per_rank))
+        if progress is not None:
+            progress.advance(f"E={E} done ({progress.elapsed:.0f} s)")
+        if ctx is not None:
+            ctx.save(rows)
+    return rows
 
 
 def summarise(per_rank: list[list[dict]]) -> list[dict]:
@@ -257,29 +257,82 @@ def summarise(per_rank: list[list[dict]]) -> list[dict]:
     return merged
 
 
-def plot_result(result: dict, path) -> None:
-    """tokens/s vs batch (one panel per E) and Alltoall KiB per layer per forward."""
-    import matplotlib
+def _kib_per_layer(r: dict) -> float:
+    return float(np.mean(r["a2a_bytes_per_layer"])) / 1024
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    Es = sorted({r["experts"] for r in result["rows"]})
-    fig, axes = plt.subplots(2, len(Es), figsize=(4 * len(Es), 6.5), squeeze=False)
-    for c, E in enumerate(Es):
-        for mode, style in (("baseline", "o-"), ("exflow_contiguous", "s--"), ("exflow", "^-"),
-                            ("baseline_padded", "o:"), ("exflow_padded", "^:")):
-            rs = [r for r in result["rows"] if r["experts"] == E and r["mode"] == mode]
-            bs = [r["batch_per_rank"] for r in rs]
-            axes[0, c].plot(bs, [r["tokens_per_s"] for r in rs], style, label=mode)
-            axes[1, c].plot(bs, [np.mean(r["a2a_bytes_per_layer"]) / 1024 for r in rs], style, label=mode)
-        axes[0, c].set_title(f"{E} experts, {result['spec']['world_size']} gloo ranks")
-        for a in axes[:, c]:
-            a.set_xscale("log", base=2)
-            a.set_xlabel("requests per rank")
-        axes[0, c].set_ylabel("tokens/s")
-        axes[1, c].set_ylabel("Alltoall KiB / layer / forward")
-    axes[0, 0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+def _pad_cell(r: dict) -> str | None:
+    if "decode_speedup_vs_baseline_padded" not in r:
+        return None
+    lo, hi = r["decode_speedup_vs_baseline_padded_iqr"]
+    return f"{r['decode_speedup_vs_baseline_padded']:.2f}x [{lo:.2f},{hi:.2f}]"
+
+
+class MoEBenchmark(Benchmark):
+    """``hpdl moe bench`` (also ``hpdl bench moe``): the sweep of :func:`run` on the harness. ``--out`` is a
+    folder (``moe_bench.json`` and ``moe_bench.png``); ``--out FILE.json``, the older spelling, still names
+    the JSON file, with the figure beside it (``FILE.png``). With neither ``--out`` nor ``--json`` the files
+    are ``moe_bench.json`` / ``moe_bench.png`` here."""
+
+    name, stem = "moe", "moe_bench"
+    title = "ExFlow vs the 2-Alltoall baseline (gloo ranks)"
+    columns = (Column("experts", "E"), Column("batch_per_rank", "batch/rank"), Column("mode", "mode"),
+               Column("tokens_per_s", "throughput", "tok/s", ".0f"),
+               Column("speedup_vs_baseline", "vs baseline", fmt=".2f", ratio="speed-up"),
+               Column(_pad_cell, "decode vs padded baseline [IQR]", fmt=str, ratio="speed-up"),
+               Column(_kib_per_layer, "Alltoall", "KiB/layer", ".1f"),
+               Column("cross_share_decode", "cross-rank share (decode)", fmt=".2f"))
+    plot_spec = PlotSpec(x="batch_per_rank", xlabel="requests per rank", xscale="log2", series="mode",
+                         facet="experts", panels=(Panel("tokens_per_s", "tokens/s"),
+                                                  Panel(_kib_per_layer, "Alltoall KiB / layer / forward")))
+
+    @classmethod
+    def add_arguments(cls, b) -> None:
+        b.add_argument("--world-size", type=count(1, 64), default=4, help="gloo ranks (processes) spawned; must "
+                       "divide every expert count")
+        b.add_argument("--experts", default="8,16,32", help="comma-separated expert counts E, one model each")
+        b.add_argument("--batches", default="1,4,16,64", help="comma-separated requests per rank (each >= 1)")
+        b.add_argument("--hidden", type=count(8, 1 << 16), default=256, help="hidden size (8 query / 2 KV heads)")
+        b.add_argument("--layers", type=count(1, 1024), default=8, help="decoder layers, every one MoE")
+        b.add_argument("--expert-size", type=count(1, 1 << 18), default=512, help="hidden units of each expert's "
+                       "SwiGLU")
+        b.add_argument("--prompt-len", type=count(1, 1 << 16), default=16, help="prompt length in tokens (bytes of "
+                       "stdlib text)")
+        b.add_argument("--new-tokens", type=count(1, 1 << 16), default=16, help="greedy tokens generated per "
+                       "request (>= 1)")
+        b.add_argument("--repeats", type=count(1, 10_000), default=10, help="timed runs per point after one "
+                       "warm-up, modes interleaved (median and IQR)")
+        b.add_argument("--model", default=None, help="checkpoint dir instead of random init; top-1, and --experts "
+                       "must be its expert count")
+
+    def validate(self, args) -> None:
+        if args.out_dir and args.out_dir.endswith(".json") and not args.json_path:   # the older spelling
+            args.json_path, args.out_dir = args.out_dir, None
+        if not args.out_dir and not args.json_path:
+            args.json_path = f"{self.stem}.json"
+        if args.json_path and not args.plot_path and not args.out_dir:
+            args.plot_path = str(Path(args.json_path).with_suffix(".png"))
+        try:
+            experts = [int(x) for x in args.experts.split(",")]
+            batches = [int(x) for x in args.batches.split(",")]
+        except ValueError:
+            raise CLIUsageError(f"--experts and --batches are comma-separated integers, got {args.experts!r} and "
+                                f"{args.batches!r}") from None
+        self.spec = BenchSpec(world_size=args.world_size, experts=experts, batches=batches, hidden_size=args.hidden,
+                              n_layers=args.layers, expert_size=args.expert_size, prompt_len=args.prompt_len,
+                              new_tokens=args.new_tokens, repeats=args.repeats, model=args.model)
+        check_spec(self.spec)
+
+    def metadata(self, args) -> dict:
+        return {"device": "cpu", "spec": asdict(self.spec)}
+
+    def run(self, ctx) -> list[dict]:
+        with ctx.progress(len(self.spec.experts), header=f"# hpdl moe bench: E in {self.spec.experts}, "
+                          f"{self.spec.world_size} gloo ranks") as bar:
+            return run(self.spec, ctx, bar)
+
+    def plot_title(self, ctx) -> str:
+        return f"{self.title}: {self.spec.world_size} ranks, torch {ctx.meta['torch']}, {ctx.meta['date']}"
+
+
+MoEBenchCommand = command(MoEBenchmark)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from hpdl.runtime.errors import CLIUsageError
@@ -81,20 +80,9 @@ class MoECommand:
                        "in sorted path order; the last 1%% + trace tokens are held out)")
         r.add_argument("--out", required=True, help="directory: hpdl_moe.pt, history.json, affinity.png")
         b = sub.add_parser("bench", formatter_class=F, help="tokens/s ExFlow vs 2-Alltoall baseline (gloo ranks)")
-        b.add_argument("--world-size", type=count(1, 64), default=4, help="gloo ranks (processes) spawned; must divide "
-                       "every expert count")
-        b.add_argument("--experts", default="8,16,32", help="comma-separated expert counts E, one model each")
-        b.add_argument("--batches", default="1,4,16,64", help="comma-separated requests per rank (each >= 1)")
-        b.add_argument("--hidden", type=count(8, 1 << 16), default=256, help="hidden size (8 query / 2 KV heads)")
-        b.add_argument("--layers", type=count(1, 1024), default=8, help="decoder layers, every one MoE")
-        b.add_argument("--expert-size", type=count(1, 1 << 18), default=512, help="hidden units of each expert's SwiGLU")
-        b.add_argument("--prompt-len", type=count(1, 1 << 16), default=16, help="prompt length in tokens (bytes of stdlib text)")
-        b.add_argument("--new-tokens", type=count(1, 1 << 16), default=16, help="greedy tokens generated per request (>= 1)")
-        b.add_argument("--repeats", type=count(1, 10_000), default=10, help="timed runs per point after one warm-up, modes interleaved (median and IQR)")
-        b.add_argument("--model", default=None, help="checkpoint dir instead of random init; top-1, and --experts "
-                       "must be its expert count")
-        b.add_argument("--out", default="moe_bench.json", help="JSON of every row")
-        b.add_argument("--plot", default=None, help="PNG (default: --out with .png)")
+        from hpdl.moe.bench import MoEBenchCommand
+
+        MoEBenchCommand.add_arguments(b)
 
     def run(self, args) -> int:
         fn = {"trace": _trace, "affinity": _affinity, "place": _place, "train": _train, "bench": _bench}
@@ -213,24 +201,6 @@ def _train(args) -> int:
 
 
 def _bench(args) -> int:
-    from hpdl.moe.bench import BenchSpec, run
+    from hpdl.moe.bench import MoEBenchCommand
 
-    spec = BenchSpec(world_size=args.world_size, experts=[int(x) for x in args.experts.split(",")],
-                     batches=[int(x) for x in args.batches.split(",")], hidden_size=args.hidden,
-                     n_layers=args.layers, expert_size=args.expert_size, prompt_len=args.prompt_len,
-                     new_tokens=args.new_tokens, repeats=args.repeats, model=args.model)
-    plot = args.plot or str(Path(args.out).with_suffix(".png"))
-    res = run(spec, out=args.out, plot=plot, progress=lambda s: print(s, flush=True))
-    print(f"{'E':>3} {'batch':>5} {'mode':>18} {'tok/s':>8} {'x base':>7} {'dec x pad':>15} {'KiB/layer':>9} "
-          f"{'cross(dec)':>10}", file=sys.stdout)
-    for r in res["rows"]:
-        import numpy as np
-
-        pad = (f"{r['decode_speedup_vs_baseline_padded']:.2f} [{r['decode_speedup_vs_baseline_padded_iqr'][0]:.2f},"
-               f"{r['decode_speedup_vs_baseline_padded_iqr'][1]:.2f}]" if "decode_speedup_vs_baseline_padded" in r
-               else "")
-        print(f"{r['experts']:>3} {r['batch_per_rank']:>5} {r['mode']:>18} {r['tokens_per_s']:8.0f} "
-              f"{r['speedup_vs_baseline']:7.2f} {pad:>15} {np.mean(r['a2a_bytes_per_layer']) / 1024:9.1f} "
-              f"{r['cross_share_decode']:10.2f}")
-    print(f"-> {args.out}, {plot}")
-    return 0
+    return MoEBenchCommand().run(args)

@@ -159,10 +159,9 @@ def train(cfg: MoEConfig | None = None, steps: int = 300, batch: int = 16, seq: 
 
 def plot_history(history: dict, path) -> None:
     """Affinity (mean max-conditional, trace vs shuffled vs uniform) and MI against training step (PNG)."""
-    import matplotlib
+    from hpdl.bench.common import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     ck = history["checkpoints"]
     steps = [c["step"] for c in ck]

@@ -11,7 +11,6 @@ field).
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import os
 import platform
@@ -19,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from hpdl.bench.common import add_output_arguments, run_metadata
 from hpdl.runtime.errors import CLIUsageError
 
 
@@ -54,12 +54,10 @@ class TesCommand:
         p.add_argument("--out", default="tes_out", help="output folder (default: ./tes_out)")
         p.add_argument("--seed", type=int, default=None,
                        help="override the protocol's mismatch/noise seed (default: the protocol's `seed`)")
-        p.add_argument("--format", choices=("table", "json"), default="table",
-                       help="stdout format (default: table)")
+        add_output_arguments(p, ("format",))
         p = sub.add_parser("check", help="static safety check of a protocol (no simulation)")
         p.add_argument("protocol", nargs="?", default=None, help="protocol YAML (default: packaged example)")
-        p.add_argument("--format", choices=("table", "json"), default="table",
-                       help="stdout format (default: table)")
+        add_output_arguments(p, ("format",))
         p = sub.add_parser("spec", help="model vs the abstract's figures; impedance-error plot")
         p.add_argument("--out", default="tes_spec",
                        help="folder for tes_spec.json and tes_spec_impedance.png (default: ./tes_spec)")
@@ -68,8 +66,7 @@ class TesCommand:
                             "section already in that file is kept (default: OUT/tes_spec.md)")
         p.add_argument("--quick", action="store_true",
                        help="one chip in the impedance sweep instead of three (default: three)")
-        p.add_argument("--format", choices=("table", "json"), default="table",
-                       help="stdout format (default: table)")
+        add_output_arguments(p, ("format",))
 
     def run(self, args) -> int:
         cmd = getattr(args, "tes_cmd", None)
@@ -168,8 +165,6 @@ class TesCommand:
         elapsed = time.time() - t0
         png = out / "tes_spec_impedance.png"
         spec.plot_impedance(points, png)
-        data = {"rows": [r.__dict__ for r in rows], "impedance_points": points, "elapsed_s": elapsed}
-        (out / "tes_spec.json").write_text(json.dumps(data, indent=1, default=float))
         page = Path(args.page) if args.page else out / "tes_spec.md"
         page.parent.mkdir(parents=True, exist_ok=True)
         history = ""
@@ -178,8 +173,11 @@ class TesCommand:
             history = "\n## History" + history
         cmd = "hpdl tes spec" + (f" --out {args.out}" if args.out != "tes_spec" else "") + \
             (f" --page {args.page}" if args.page else "") + (" --quick" if args.quick else "")
+        meta = run_metadata(command=cmd, versions=("numpy", "scipy"))
+        data = {"meta": meta, "rows": [r.__dict__ for r in rows], "impedance_points": points, "elapsed_s": elapsed}
+        (out / "tes_spec.json").write_text(json.dumps(data, indent=1, default=float))
         md = _markdown(rows, os.path.relpath(png, page.parent), os.path.relpath(out / "tes_spec.json", page.parent),
-                       elapsed, cmd) + history
+                       elapsed, meta) + history
         page.write_text(md)
         if args.format == "json":
             print(json.dumps({"rows": [{k: v for k, v in r.__dict__.items() if k != "detail"} for r in rows]},
@@ -205,16 +203,13 @@ def _verdict(row) -> str:
     return "info" if row.ok is None else ("PASS" if row.ok else "FAIL")
 
 
-def _markdown(rows, png_name: str, json_name: str, elapsed: float, cmd: str) -> str:
-    import numpy
-    import scipy
-
+def _markdown(rows, png_name: str, json_name: str, elapsed: float, meta: dict) -> str:
     lines = [
         "# hpdl.tes: chip specification vs behavioural model",
         "",
-        f"Generated {_dt.date.today().isoformat()} by `{cmd}` in {elapsed:.1f} s on "
-        f"{_cpu_name()} ({os.cpu_count()} logical CPUs, single process), Python {sys.version.split()[0]}, "
-        f"numpy {numpy.__version__}, scipy {scipy.__version__}. Model parameters are the defaults documented in "
+        f"Generated {meta['date']} by `{meta['command']}` in {elapsed:.1f} s on "
+        f"{_cpu_name()} ({meta['cores']} logical CPUs, single process), Python {meta['python']}, "
+        f"numpy {meta.get('numpy')}, scipy {meta.get('scipy')}. Model parameters are the defaults documented in "
         f"docs/tes.md (values the abstract does not give are assumptions). Data: `{json_name}`.",
         "",
         "| item | spec (abstract) | modelled | result |",

@@ -58,10 +58,9 @@ def write_outputs(res: SimResult, safety: dict, out_dir: str | Path) -> dict[str
 def plot_safety(safety: dict, path: Path) -> Path:
     """Bar charts of the safety report against its limits (red bars fail): per-channel peak current,
     compliance headroom and per-period charge imbalance, per-electrode current density."""
-    import matplotlib
+    from hpdl.bench.common import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     limit = {c["name"]: c["limit"] for c in safety["checks"]}
     ch = safety["channels"]
@@ -92,10 +91,9 @@ def plot_safety(safety: dict, path: Path) -> Path:
 
 def plot(res: SimResult, out_dir: Path) -> dict[str, Path]:
     """Waveforms (current, voltage, common mode), TI envelope and impedance log as PNG files."""
-    import matplotlib
+    from hpdl.bench.common import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     sc = res.scenario
     names = [e.name for e in sc.electrodes]

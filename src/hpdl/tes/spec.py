@@ -255,10 +255,9 @@ def run_all(progress=None, impedance_seeds=(0, 1, 2)) -> tuple[list[SpecRow], li
 
 def plot_impedance(points: list[dict], path) -> None:
     """Impedance error (%) vs true |Z| per frequency, with the +-5 % spec band; PNG at ``path``."""
-    import matplotlib
+    from hpdl.bench.common import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for k, f in enumerate(sorted({p["freq_hz"] for p in points})):

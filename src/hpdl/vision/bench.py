@@ -32,17 +32,16 @@ is ``torch.cuda.max_memory_allocated`` above what was allocated before the call 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
-import sys
-import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from hpdl.bench.common import (Benchmark, Column, Panel, PlotSpec, check_outputs, command, format_table, main,
+                               plot_rows, pyplot, run_metadata)
 
 from hpdl.models.soft_ops import nystrom_attention, soft_attention
 from hpdl.runtime.errors import CLIUsageError
@@ -257,97 +256,70 @@ def run_throughput(args, device, dtype) -> list[dict]:
 
 # ------------------------------------------------------------------------------------------------- reporting
 
-def _fmt(v, spec=".2f"):
-    return "-" if v is None else format(v, spec)
+def _ok(r: dict) -> bool:
+    return r["status"] == "ok"
 
 
-def format_tables(result: dict) -> str:
-    lines = []
-    if "tokens" in result:
-        lines.append("# attention layer, fwd+bwd (fwd) ms and peak MiB; " + result["meta"]["shape"])
-        lines.append(f"{'tokens':>8} {'method':>10} {'fwd ms':>9} {'fwd+bwd ms':>11} {'peak MiB':>9}  status")
-        for r in result["tokens"]:
-            lines.append(f"{r['tokens']:>8} {r['method']:>10} {_fmt(r.get('fwd_ms')):>9} "
-                         f"{_fmt(r.get('fwd_bwd_ms')):>11} {_fmt(r.get('fwd_bwd_peak_mib'), '.0f'):>9}  "
-                         f"{r['status']}{' (' + r['why'] + ')' if r.get('why') else ''}")
-        lines.append(f"# soft faster than sdpa (fwd+bwd) from {result['crossover_soft_vs_sdpa']} tokens on "
-                     f"(None: never in this sweep)")
-    if "model" in result:
-        lines.append("# model fwd+bwd: " + str(result["model"][0]["model"] if result["model"] else ""))
-        lines.append(f"{'size':>6} {'tokens1':>8} {'attention':>9} {'ms':>9} {'img/s':>9} {'peak MiB':>9}")
-        for r in result["model"]:
-            lines.append(f"{r['image_size']:>6} {r['stage1_tokens']:>8} {r['attention']:>9} "
-                         f"{_fmt(r.get('fwd_bwd_ms')):>9} {_fmt(r.get('images_per_s'), '.1f'):>9} "
-                         f"{_fmt(r.get('peak_mib'), '.0f'):>9}  {r['status']}")
-    if "throughput" in result:
-        lines.append("# throughput at " + str(result["meta"].get("throughput_image_size")) + " px")
-        lines.append(f"{'model':>24} {'params M':>8} {'GMACs':>6} {'infer img/s':>11} {'train img/s':>11}  pair")
-        for r in result["throughput"]:
-            lines.append(f"{r['model']:>24} {_fmt(r.get('params_m'), '.1f'):>8} {_fmt(r.get('gmacs')):>6} "
-                         f"{_fmt(r.get('infer_images_per_s'), '.0f'):>11} "
-                         f"{_fmt(r.get('train_images_per_s'), '.0f'):>11}  "
-                         f"{r.get('pair', '') if r['status'] == 'ok' else r['status']}")
-    return "\n".join(lines)
+def _status(r: dict) -> str:
+    return r["status"] + (f" ({r['why']})" if r.get("why") else "")
 
 
-def plot(result: dict, out: Path) -> list[str]:
-    import matplotlib
+def _pair(r: dict) -> str:
+    return r.get("pair", "") if r["status"] == "ok" else r["status"]
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
+TOKENS_COLUMNS = (Column("tokens", "tokens"), Column("method", "method"), Column("fwd_ms", "fwd", "ms", ".2f"),
+                  Column("fwd_bwd_ms", "fwd+bwd", "ms", ".2f"), Column("fwd_bwd_peak_mib", "peak", "MiB", ".0f"),
+                  Column(_status, "status"))
+MODEL_COLUMNS = (Column("image_size", "size", "px"), Column("stage1_tokens", "stage-1 tokens"),
+                 Column("attention", "attention"), Column("fwd_bwd_ms", "fwd+bwd", "ms", ".2f"),
+                 Column("images_per_s", "throughput", "img/s", ".1f"), Column("peak_mib", "peak", "MiB", ".0f"),
+                 Column("status", "status"))
+THROUGHPUT_COLUMNS = (Column("model", "model"), Column("params_m", "params", "M", ".1f"),
+                      Column("gmacs", "MACs", "G", ".2f"), Column("infer_images_per_s", "infer", "img/s", ".0f"),
+                      Column("train_images_per_s", "train", "img/s", ".0f"), Column(_pair, "pair"))
+TOKENS_PLOT = PlotSpec(x="tokens", xlabel="tokens", xscale="log2", series="method", keep=_ok,
+                       panels=(Panel("fwd_bwd_ms", "fwd+bwd ms", "log"), Panel("fwd_bwd_peak_mib", "fwd+bwd peak MiB",
+                                                                               "log")))
+MODEL_PLOT = PlotSpec(x="stage1_tokens", xlabel="stage-1 tokens ((image size / 4)^2)", xscale="log2",
+                      series="attention", keep=_ok,
+                      panels=(Panel("fwd_bwd_ms", "fwd+bwd ms per batch", "log"), Panel("peak_mib", "peak MiB", "log")))
+
+
+def _suite(rows, name: str) -> list[dict]:
+    return [r for r in rows if r.get("suite") == name]
+
+
+def format_tables(rows: list[dict], meta: dict, crossover_n=None) -> str:
+    """One table per suite that ran (``rows`` carry their ``suite``)."""
+    parts = []
+    if _suite(rows, "tokens"):
+        parts.append(format_table(_suite(rows, "tokens"), TOKENS_COLUMNS,
+                                  "attention layer, fwd+bwd (fwd) ms and peak MiB; " + meta["shape"]))
+        parts.append(f"# soft faster than sdpa (fwd+bwd) from {crossover_n} tokens on (None: never in this sweep)")
+    if _suite(rows, "model"):
+        parts.append(format_table(_suite(rows, "model"), MODEL_COLUMNS,
+                                  "model fwd+bwd: " + _suite(rows, "model")[0]["model"]))
+    if _suite(rows, "throughput"):
+        parts.append(format_table(_suite(rows, "throughput"), THROUGHPUT_COLUMNS,
+                                  f"throughput at {meta.get('throughput_image_size')} px"))
+    return "\n".join(parts)
+
+
+def plot(rows: list[dict], meta: dict, out: Path) -> list[str]:
+    """One PNG per suite that ran, into the folder ``out``: attention_tokens.png, soft_model.png, throughput.png."""
     written = []
-    title = f"{result['meta']['device_name']}, {result['meta']['dtype']}"
-    if result.get("tokens"):
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-        for method in dict.fromkeys(r["method"] for r in result["tokens"]):
-            ok = [r for r in result["tokens"] if r["method"] == method and r["status"] == "ok"]
-            if not ok:
-                continue
-            axes[0].plot([r["tokens"] for r in ok], [r["fwd_bwd_ms"] for r in ok], "o-", label=method)
-            if ok[0]["fwd_bwd_peak_mib"] is not None:
-                axes[1].plot([r["tokens"] for r in ok], [r["fwd_bwd_peak_mib"] for r in ok], "o-", label=method)
-        for ax, ylabel in zip(axes, ("fwd+bwd ms", "fwd+bwd peak MiB")):
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_xlabel("tokens")
-            ax.set_ylabel(ylabel)
-            ax.grid(True, which="both", alpha=0.3)
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend()
-            else:
-                ax.text(0.5, 0.5, "peak memory: CUDA only", ha="center", transform=ax.transAxes)
-        fig.suptitle(f"attention layer, {result['meta']['shape']}; {title}")
-        fig.tight_layout()
-        fig.savefig(out / "attention_tokens.png", dpi=120)
-        plt.close(fig)
-        written.append("attention_tokens.png")
-    if result.get("model"):
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-        for attn in MODEL_ATTENTIONS:
-            ok = [r for r in result["model"] if r["attention"] == attn and r["status"] == "ok"]
-            if ok:
-                axes[0].plot([r["stage1_tokens"] for r in ok], [r["fwd_bwd_ms"] for r in ok], "o-", label=attn)
-                if ok[0]["peak_mib"] is not None:
-                    axes[1].plot([r["stage1_tokens"] for r in ok], [r["peak_mib"] for r in ok], "o-", label=attn)
-        for ax, ylabel in zip(axes, ("fwd+bwd ms per batch", "peak MiB")):
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_xlabel("stage-1 tokens ((image size / 4)^2)")
-            ax.set_ylabel(ylabel)
-            ax.grid(True, which="both", alpha=0.3)
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend()
-            else:
-                ax.text(0.5, 0.5, "peak memory: CUDA only", ha="center", transform=ax.transAxes)
-        fig.suptitle(f"{result['model'][0]['model']} batch {result['model'][0]['batch']}: SOFT vs softmax SDPA "
-                     f"attention; {title}")
-        fig.tight_layout()
-        fig.savefig(out / "soft_model.png", dpi=120)
-        plt.close(fig)
-        written.append("soft_model.png")
-    if result.get("throughput"):
-        ok = [r for r in result["throughput"] if r["status"] == "ok"]
+    title = f"{meta['device_name']}, {meta['dtype']}"
+    if _suite(rows, "tokens"):
+        written.append(plot_rows(_suite(rows, "tokens"), TOKENS_PLOT, out / "attention_tokens.png",
+                                 f"attention layer, {meta['shape']}; {title}"))
+    model = _suite(rows, "model")
+    if model:
+        written.append(plot_rows(model, MODEL_PLOT, out / "soft_model.png", f"{model[0]['model']} batch "
+                                 f"{model[0]['batch']}: SOFT vs softmax SDPA attention; {title}"))
+    ok = [r for r in _suite(rows, "throughput") if r["status"] == "ok"]
+    if _suite(rows, "throughput"):
+        plt = pyplot()
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
         for ax, key in zip(axes, ("infer_images_per_s", "train_images_per_s")):
             for r in ok:
@@ -357,12 +329,11 @@ def plot(result: dict, out: Path) -> list[str]:
             ax.set_xlabel("GMACs per image")
             ax.set_ylabel(key.replace("_", " "))
             ax.grid(True, alpha=0.3)
-        fig.suptitle(f"throughput at {result['meta']['throughput_image_size']} px (SOFT: circles, timm: squares); "
-                     f"{title}")
+        fig.suptitle(f"throughput at {meta['throughput_image_size']} px (SOFT: circles, timm: squares); {title}")
         fig.tight_layout()
         fig.savefig(out / "throughput.png", dpi=120)
         plt.close(fig)
-        written.append("throughput.png")
+        written.append(str(out / "throughput.png"))
     return written
 
 
@@ -372,11 +343,17 @@ def _csv(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
-class AttentionBenchCommand:
-    """``hpdl bench attention`` (registered in hpdl.bench.cli's PLUGINS)."""
+class AttentionBenchmark(Benchmark):
+    """``hpdl bench attention`` on the harness: the rows of every suite that ran (each with its ``suite``),
+    a table per suite, a figure per suite in ``--out`` (default ``$OUT`` or ``.``); exit status 1 when an
+    output was not finite. ``--suite goal`` runs :func:`hpdl.vision.soft_goal.run_goal` instead."""
 
-    @staticmethod
-    def add_arguments(p: argparse.ArgumentParser) -> None:
+    name, stem = "attention", "soft_bench"
+    title = "SOFT vs softmax attention"
+    outputs = ("format", "json", "out")
+
+    @classmethod
+    def add_arguments(cls, p: argparse.ArgumentParser) -> None:
         p.add_argument("--suite", default="tokens", help="comma-separated from tokens, model, throughput, or all; "
                                                          "goal alone: kernel check + goal tables (default: tokens)")
         p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="(default: cpu)")
@@ -384,8 +361,11 @@ class AttentionBenchCommand:
                        help="inputs (tokens) / autocast (model, throughput) (default: bfloat16 on CUDA, float32 CPU)")
         p.add_argument("--methods", default="soft,soft_norm,nystrom,sdpa",
                        help=f"tokens suite, from {','.join(METHODS)} (default: soft,soft_norm,nystrom,sdpa)")
-        p.add_argument("--min-tokens", type=count(1, 1 << 24), default=256, help="(default: 256)")
-        p.add_argument("--max-tokens", type=count(1, 1 << 24), default=None, help="(default: 65536 on CUDA, 4096 on CPU)")
+        # -b/-e as nccl-tests' smallest and largest size (here in tokens, doubling)
+        p.add_argument("-b", "--min-tokens", type=count(1, 1 << 24), default=256, help="tokens suite: fewest tokens "
+                       "(default: 256)")
+        p.add_argument("-e", "--max-tokens", type=count(1, 1 << 24), default=None, help="tokens suite: most tokens "
+                       "(default: 65536 on CUDA, 4096 on CPU)")
         p.add_argument("--batch", type=count(1, 1 << 16), default=1, help="tokens suite batch (default: 1)")
         p.add_argument("--heads", type=count(1, 1024), default=6, help="(default: 6)")
         p.add_argument("--head-dim", type=count(1, 4096), default=64, help="(default: 64)")
@@ -405,7 +385,6 @@ class AttentionBenchCommand:
         p.add_argument("--train-batch", type=count(1, 1 << 16), default=None, help="(default: 128 on CUDA, 2 on CPU)")
         p.add_argument("--warmup", type=count(0, 10_000), default=3, help="untimed calls per point (default: 3)")
         p.add_argument("--reps", type=count(1, 10_000), default=10, help="timed calls per point, median reported (default: 10)")
-        p.add_argument("--out", default=None, help="folder for soft_bench.json and the PNGs (default: $OUT or .)")
         p.add_argument("--smoke", action="store_true", help="goal suite: tiny shapes (a CPU check of the code; "
                                                             "CPU needs TRITON_INTERPRET=1 for the kernel check)")
         p.add_argument("--goal-parts", default=None,
@@ -418,7 +397,8 @@ class AttentionBenchCommand:
         p.add_argument("--time-budget", type=real(0, 86400, strict=True), default=270.0,
                        help="goal suite: seconds after which remaining model runs are skipped (default: 270)")
 
-    def run(self, args) -> int:
+
+    def validate(self, args) -> None:
         cuda = args.device == "cuda"
         if cuda and not torch.cuda.is_available():
             raise CLIUsageError("--device cuda needs a visible GPU")
@@ -458,9 +438,13 @@ class AttentionBenchCommand:
             raise CLIUsageError(f"--model-attentions {bad} unknown; expected some of {list(MODEL_ATTENTIONS)}")
         if args.landmarks < 1 or args.min_tokens < 1:
             raise CLIUsageError("--landmarks and --min-tokens must be >= 1")
-        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
+        self.suites = suites
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        self.dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
         args.max_tokens = args.max_tokens or (65536 if cuda else 4096)
+        if "tokens" in suites and args.min_tokens > args.max_tokens:
+            raise CLIUsageError(f"-b/--min-tokens ({args.min_tokens}) must not exceed -e/--max-tokens "
+                                f"({args.max_tokens})")
         args.time_limit = args.time_limit or (2.0 if cuda else 5.0)
         args.image_sizes = [int(s) for s in _csv(args.image_sizes or ("224,384,512,768" if cuda else "64,128"))]
         if any(s % 32 for s in args.image_sizes):
@@ -470,40 +454,57 @@ class AttentionBenchCommand:
         args.image_size = args.image_size or (224 if cuda else 64)
         args.infer_batch = args.infer_batch or (256 if cuda else 4)
         args.train_batch = args.train_batch or (128 if cuda else 2)
-        out = Path(args.out or os.environ.get("OUT") or ".")
-        out.mkdir(parents=True, exist_ok=True)
-        meta = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "torch": torch.__version__,
-                "python": platform.python_version(), "device": str(device),
-                "device_name": torch.cuda.get_device_name(device) if cuda else (platform.processor() or "cpu"),
-                "dtype": str(dtype).replace("torch.", ""), "command": "hpdl " + " ".join(sys.argv[1:]),
+        if not args.out_dir and not args.json_path:
+            args.out_dir = os.environ.get("OUT") or "."
+
+    def metadata(self, args) -> dict:
+        cuda = self.device.type == "cuda"
+        return {"device": str(self.device),
+                "device_name": torch.cuda.get_device_name(self.device) if cuda else (platform.processor() or "cpu"),
+                "dtype": str(self.dtype).replace("torch.", ""),
                 "shape": f"B={args.batch} H={args.heads} d={args.head_dim}, {args.landmarks} landmarks",
-                "warmup": args.warmup, "reps": args.reps, "throughput_image_size": args.image_size}
-        try:
-            import timm
+                "warmup": args.warmup, "reps": args.reps, "throughput_image_size": args.image_size,
+                "versions": ("timm",)}
 
-            meta["timm"] = timm.__version__
-        except ImportError:
-            pass
-        if suites == ["goal"]:
-            from hpdl.vision.soft_goal import run_goal
+    def run(self, ctx) -> list[dict]:
+        args, device, dtype = ctx.args, self.device, self.dtype
+        rows: list[dict] = []
+        with ctx.progress(len(self.suites), "attention suites") as bar:
+            for suite, fn in (("tokens", run_tokens), ("model", run_model), ("throughput", run_throughput)):
+                if suite not in self.suites:
+                    continue
+                part = fn(args, device, dtype)
+                rows += [{"suite": suite, **r} for r in part]
+                if suite == "tokens":
+                    ctx.extra["crossover_soft_vs_sdpa"] = crossover(part)
+                bar.advance(f"{suite} suite done ({bar.elapsed:.0f} s)")
+        return rows
 
-            meta["dtype"] = "bfloat16" if cuda else "float32"
-            return run_goal(args, device, meta, out)
-        result: dict = {"meta": meta}
-        t0 = time.perf_counter()
-        if "tokens" in suites:
-            result["tokens"] = run_tokens(args, device, dtype)
-            result["crossover_soft_vs_sdpa"] = crossover(result["tokens"])
-            print(f"# tokens suite done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
-        if "model" in suites:
-            result["model"] = run_model(args, device, dtype)
-            print(f"# model suite done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
-        if "throughput" in suites:
-            result["throughput"] = run_throughput(args, device, dtype)
-        meta["seconds"] = time.perf_counter() - t0
-        (out / "soft_bench.json").write_text(json.dumps(result, indent=1))
-        pngs = plot(result, out)
-        print(format_tables(result))
-        print(f"# wrote {out / 'soft_bench.json'} {' '.join(str(out / p) for p in pngs)} in {meta['seconds']:.0f} s")
-        bad_rows = [r for s in SUITES for r in result.get(s, []) if r["status"] == "non-finite"]
-        return 1 if bad_rows else 0
+    def table(self, rows, ctx) -> str:
+        m = ctx.meta
+        return (f"# hpdl bench attention: {m['device_name']}, {m['dtype']}, torch {m['torch']}, {m['date']}\n"
+                + format_tables(rows, m, ctx.extra.get("crossover_soft_vs_sdpa")))
+
+    def plot(self, rows, path, ctx) -> list[str]:
+        return plot(rows, ctx.meta, Path(path))
+
+    def failed(self, rows, ctx) -> bool:
+        return any(r["status"] == "non-finite" for r in rows)
+
+
+class AttentionBenchCommand(command(AttentionBenchmark)):
+    """``hpdl bench attention`` (registered in hpdl.bench.cli's PLUGINS); ``--suite goal`` is issue 34's goal run
+    (:mod:`hpdl.vision.soft_goal`), its own report, with the harness's metadata."""
+
+    def run(self, args) -> int:
+        bench = AttentionBenchmark()
+        if _csv(args.suite) != ["goal"]:
+            return main(bench, args)
+        bench.validate(args)
+        from hpdl.vision.soft_goal import run_goal
+
+        out = Path(args.out_dir or os.environ.get("OUT") or ".")
+        check_outputs(args)
+        meta = run_metadata(**bench.metadata(args))
+        meta["dtype"] = "bfloat16" if bench.device.type == "cuda" else "float32"
+        return run_goal(args, bench.device, meta, out)

@@ -190,33 +190,26 @@ def _autocast(device: torch.device, amp: bool):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp)
 
 
-class _Progress:
-    """A rich progress bar on a terminal, plain lines (about 20 a run) when stderr is not one."""
+def _Progress(total: int, label: str, enabled: bool = True):
+    """Progress of ``total`` steps on stderr (:class:`hpdl.bench.common.Progress`): a rich bar on a terminal,
+    about 20 plain lines a run otherwise; ``update(done, text)`` and ``close()``."""
+    from hpdl.bench.common import Progress
 
-    def __init__(self, total: int, label: str, enabled: bool = True):
-        self.total, self.label, self.enabled = total, label, enabled
-        self.tty = enabled and sys.stderr.isatty()
-        self.every = max(1, total // 20)
-        self.t0 = time.monotonic()
-        if self.tty:
-            from rich.progress import Progress
+    return _Labelled(Progress(total, label, enabled=enabled, lines=20), label)
 
-            self.bar = Progress(transient=False)
-            self.bar.start()
-            self.task = self.bar.add_task(label, total=total)
+
+class _Labelled:
+    def __init__(self, progress, label: str):
+        self._p, self._label = progress, label
 
     def update(self, done: int, text: str = "") -> None:
-        if not self.enabled:
-            return
-        if self.tty:
-            self.bar.update(self.task, completed=done, description=f"{self.label} {text}")
-        elif done % self.every == 0 or done == self.total:
-            print(f"{self.label} {done}/{self.total} {text} {time.monotonic() - self.t0:.0f}s",
-                  file=sys.stderr, flush=True)
+        self._p.update(done, f"{self._label} {text} ({self._p.elapsed:.0f} s)")
+
+    def resize(self, total: int) -> None:
+        self._p.resize(total)
 
     def close(self) -> None:
-        if self.tty:
-            self.bar.stop()
+        self._p.close()
 
 
 def _to(targets: list[dict], device) -> list[dict]:
@@ -273,9 +266,8 @@ class Trainer:
 
     def set_steps(self, steps: int) -> None:
         """End the schedule (the cosine, and :attr:`done`) at ``steps`` instead (>= the steps taken)."""
-        self.steps = self.bar.total = max(steps, self.step_count)
-        if self.bar.tty:
-            self.bar.bar.update(self.bar.task, total=self.steps)
+        self.steps = max(steps, self.step_count)
+        self.bar.resize(self.steps)
 
     def step(self, batch: tuple[list, list] | None = None) -> float:
         """One optimizer step (batches whose loss is not finite are skipped, up to 20 in a row): the loss.
@@ -453,10 +445,9 @@ def draw_predictions(dataset, predictions: list[tuple[int, dict]], path: str | P
     Raises:
         ValueError: ``num_images`` < 1 or an empty dataset (nothing to draw).
     """
-    import matplotlib
+    from hpdl.bench.common import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     import numpy as np
 
     if num_images < 1 or len(dataset) == 0:

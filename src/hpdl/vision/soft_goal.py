@@ -533,10 +533,9 @@ def format_goal(result: dict) -> str:
 
 
 def plot_goal(result: dict, out: Path) -> str:
-    import matplotlib
+    from hpdl.bench.common import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     models = [r for r in result.get("models") or [] if r["status"] == "ok"]
     # no model rows (e.g. --goal-parts layer): two panels, not an empty third one
