@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from hpdl.models.gpt_moe import KVCache, MoEConfig, MoEConfigError, MoEDecoder, load_pretrained
+from hpdl.models.gpt import KVCache
+from hpdl.models.gpt_moe import MoEConfig, MoEConfigError, MoEDecoder, load_pretrained
 
 transformers = pytest.importorskip("transformers")
 

@@ -256,9 +256,14 @@ class Block(nn.Module):
 
 
 class KVCache:
-    """Pre-allocated slot KV cache: ``k, v: [n_layers, num_slots, n_kv_heads_local, max_seq_len, head_dim]``."""
+    """Pre-allocated slot KV cache: ``k, v: [n_layers, num_slots, n_kv_heads_local, max_seq_len, head_dim]``.
 
-    def __init__(self, cfg: DecoderConfig, num_slots: int, max_seq_len: int, dtype, device, tp_world: int = 1):
+    Shared by every decoder in hpdl (this one, :mod:`hpdl.models.gpt_moe`, and the engines of hpdl.serve and
+    hpdl.moe): ``cfg`` needs ``n_layers``, ``n_kv_heads``, ``head_dim`` and ``max_position``.
+    """
+
+    def __init__(self, cfg: DecoderConfig, num_slots: int, max_seq_len: int, dtype=torch.float32, device="cpu",
+                 tp_world: int = 1):
         if max_seq_len > cfg.max_position:
             raise ValueError(f"max_seq_len={max_seq_len} exceeds the model's max_position={cfg.max_position}: pass a "
                              f"max_seq_len <= {cfg.max_position} (hpdl serve: --max-seq-len)")

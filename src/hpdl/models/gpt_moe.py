@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hpdl.models.gpt import KVCache
 from hpdl.models.layers import RMSNorm, rotate_half
 from hpdl.runtime.errors import HpdlError
 
@@ -287,18 +288,20 @@ class Block(nn.Module):
     def attention(self, h: torch.Tensor, req: torch.Tensor, pos: torch.Tensor, cache: "KVCache") -> torch.Tensor:
         """Residual attention of tokens ``h [N, H]`` of requests ``req [N]`` at positions ``pos [N]`` (int64).
 
-        Writes each token's K/V into ``cache`` at (layer, req, pos) first, then attends to positions ``<= pos``
+        Writes each token's K/V into ``cache`` (:class:`hpdl.models.gpt.KVCache`, slot = request) at (layer, req,
+        pos) first, then attends to positions ``<= pos``
         of its own request: the same call serves packed (padding-free) prefill and decode. Returns ``[N, H]``.
         """
         if h.shape[0] == 0:  # an expert-parallel rank may hold no token at this layer
             return h
         x = self.input_layernorm(h)
         q, k, v = self.qkv(x, pos)
-        cache.k[self.layer, req, pos] = k
-        cache.v[self.layer, req, pos] = v
+        cache.k[self.layer, req, :, pos] = k   # the slot cache's layout: [L, slots, n_kv_heads, S, d]
+        cache.v[self.layer, req, :, pos] = v
         S = int(pos.max()) + 1
         mask = torch.arange(S, device=h.device)[None, :] <= pos[:, None]  # [N, S]
-        o = self.attend(q[:, None], cache.k[self.layer, req, :S], cache.v[self.layer, req, :S], mask[:, None])
+        o = self.attend(q[:, None], cache.k[self.layer, req, :, :S].transpose(1, 2),
+                        cache.v[self.layer, req, :, :S].transpose(1, 2), mask[:, None])
         return h + o[:, 0]
 
     def forward(self, h: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor):
@@ -312,15 +315,6 @@ class Block(nn.Module):
             return h + self.mlp(x), None, None
         out, logits, idx = self.mlp(x.reshape(-1, x.shape[-1]))
         return h + out.view_as(h), logits, idx
-
-
-class KVCache:
-    """Dense per-request cache ``k, v: [n_layers, n_requests, max_len, n_kv_heads, head_dim]``."""
-
-    def __init__(self, cfg: MoEConfig, n_requests: int, max_len: int, dtype=torch.float32, device="cpu"):
-        shape = (cfg.n_layers, n_requests, max_len, cfg.n_kv_heads, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
 
 
 class MoEDecoder(nn.Module):

@@ -44,7 +44,8 @@ import torch
 import torch.distributed as dist
 
 import hpdl.comm as hc
-from hpdl.models.gpt_moe import KVCache, MoEDecoder
+from hpdl.models.gpt import KVCache
+from hpdl.models.gpt_moe import MoEDecoder
 from hpdl.moe import dispatch, grouped
 from hpdl.moe.errors import MoEError
 from hpdl.moe.placement import contiguous, validate
@@ -406,11 +407,12 @@ class MoEEngine:
             return h, e, e
         x = blk.input_layernorm(h)
         q, k, v = blk.qkv(x, pos)
-        self.cache.k[l, slot, pos] = k
-        self.cache.v[l, slot, pos] = v
-        S = self.cache.k.shape[2]
+        self.cache.k[l, slot, :, pos] = k   # [L, slots, n_kv_heads, S, d]
+        self.cache.v[l, slot, :, pos] = v
+        S = self.cache.max_seq_len
         mask = torch.arange(S, device=h.device)[None, :] <= pos[:, None]
-        o = blk.attend(q[:, None], self.cache.k[l, slot], self.cache.v[l, slot], mask[:, None])
+        o = blk.attend(q[:, None], self.cache.k[l, slot].transpose(1, 2), self.cache.v[l, slot].transpose(1, 2),
+                       mask[:, None])
         return h + o[:, 0], k, v
 
     def _forward(self, ids, req, pos, valid, stay: bool, C: int, kv_rows: int | None):
@@ -464,8 +466,8 @@ class MoEEngine:
         s = torch.where(ok, meta[:, 1].long(), self._dummy)
         p = torch.where(ok, meta[:, 2].long(), 0)
         shape = (len(kv), self.cfg.n_kv_heads, self.cfg.head_dim)
-        self.cache.k[l, s, p] = kv[:, :kvd].reshape(shape)
-        self.cache.v[l, s, p] = kv[:, kvd:].reshape(shape)
+        self.cache.k[l, s, :, p] = kv[:, :kvd].reshape(shape)
+        self.cache.v[l, s, :, p] = kv[:, kvd:].reshape(shape)
 
     # --- start-of-generate agreement ----------------------------------------------------------------------
     def _header(self, prompts, max_new_tokens) -> list[int]:
