@@ -272,6 +272,19 @@ def _interpreted_packed_prefill(model) -> None:
         for c in (c_exact, c_pad):  # the same K/V, and nothing written by padding rows
             torch.testing.assert_close(c.k, ref_c.k, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(c.v, ref_c.v, rtol=1e-5, atol=1e-6)
+    # through the engine: chunks of at most 9 tokens beside decode rows, each batch padded to a token bucket (the
+    # CUDA-graph layout), give the padded prefill's greedy tokens
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (23, 4, 11, 1)]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    toks = {}
+    for mode in ("padded", "chunked"):
+        eng = LLMEngine(ModelSpec(config="llama-tiny"), EngineConfig(num_slots=3, max_seq_len=40, prefill=mode,
+                                                                     max_prefill_tokens=9 if mode == "chunked" else 99))
+        runner = eng.executor.runner
+        runner._packed_prefill = pf.PackedPrefill(runner.model, runner.cache, 3, buckets=(4, 8, 16), pad=True)
+        toks[mode] = [o.token_ids for o in eng.generate(prompts, params)]
+        assert mode == "padded" or eng.num_steps["mixed"] > 0
+    assert toks["chunked"] == toks["padded"]
 
 
 if __name__ == "__main__":
