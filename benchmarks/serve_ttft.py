@@ -130,6 +130,10 @@ def kernel(out: Path, device: str) -> None:
         err = (pf.varlen_attention(q, kc, vc, seqs).float() - pf.varlen_attention_ref(q, kc, vc, seqs).float())
         res[str(dt).split(".")[-1] + "_max_abs_diff"] = err.abs().max().item()
     _save(out, "kernel", res)
+    try:
+        _save(out, "packed_prefill", packed_prefill_check(device))
+    except Exception:  # noqa: BLE001 - keep the engine checks
+        _save(out, "packed_prefill_error", traceback.format_exc()[-3000:])
     rng = random.Random(0)
     vocab = 32000 if CHECK["model"].startswith("llama-1b") else 256
     prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in CHECK["lens"]]
@@ -148,6 +152,59 @@ def kernel(out: Path, device: str) -> None:
         res[f"first_diff_{mode}"] = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
                                      for a, b in zip(toks["padded"], toks[mode])]
     _save(out, "greedy_float32", res)
+
+
+def packed_prefill_check(device: str) -> dict:
+    """PackedPrefill (CUDA graphs per token bucket) against the eager ``packed_forward`` in the model dtype: logits
+    and K/V written, for whole prompts and chunks over a cached prefix; then the time of one prefill forward
+    (host call to device done, median of 10) at 16, 512 and 2048 tokens, PackedPrefill (graphs on CUDA) vs the
+    eager ``packed_forward`` (the first run's path)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from hpdl.models.gpt import KVCache
+    from hpdl.serve import ModelSpec
+    from hpdl.serve import prefill as pf
+    from hpdl.serve.worker import DTYPES, build_model
+
+    dt = DTYPES[DTYPE]
+    model = build_model(ModelSpec(config=CHECK["model"], dtype=DTYPE), device)
+    L = min(model.cfg.max_position, 2048)
+    c0, c1 = (KVCache(model.cfg, 8, L, dt, device) for _ in range(2))
+    pp = pf.PackedPrefill(model, c1, 8, cuda_graph=device == "cuda")
+    rng = random.Random(1)
+    res = {}
+    for name, seqs in (("prompts", pf.PackedSeqs([2, 0, 3, 1], [0, 0, 0, 0], [300, 17, 1, 64])),
+                       ("chunks", pf.PackedSeqs([2, 1, 0], [300, 64, 17], [20, 5, 100]))):
+        toks = [rng.randrange(3, model.cfg.vocab_size) for _ in range(seqs.num_tokens)]
+        ref = pf.packed_forward(model, c0, torch.tensor(toks, device=device), seqs).float()
+        got = pp.forward(toks, seqs).float()
+        res[name] = {"tokens": seqs.num_tokens, "logits_max_abs_diff": (got - ref).abs().max().item(),
+                     "argmax_agree": int((got.argmax(-1) == ref.argmax(-1)).sum()), "rows": len(seqs.lens),
+                     "kv_max_abs_diff": max((c1.k - c0.k).abs().max().item(), (c1.v - c0.v).abs().max().item())}
+    res["graph"] = {"cuda_graph": pp.cuda_graph, "graphs": sorted(pp.graphs), "graph_error": pp.graph_error}
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    times = {}
+    for n in (16, 512, min(2048, L)):
+        seqs = pf.PackedSeqs([0], [0], [n])
+        toks = [rng.randrange(3, model.cfg.vocab_size) for _ in range(n)]
+        tt = torch.tensor(toks, device=device)
+        for label, fn in (("PackedPrefill", lambda: pp.forward(toks, seqs)),
+                          ("packed_forward", lambda: pf.packed_forward(model, c0, tt, seqs))):
+            ts = []
+            for i in range(12):
+                sync()
+                t = time.perf_counter()
+                fn()
+                sync()
+                if i >= 2:
+                    ts.append((time.perf_counter() - t) * 1e3)
+            times[f"{label}_{n}_ms"] = float(np.median(ts))
+    res["forward_ms"] = times
+    del model, c0, c1, pp
+    return res
 
 
 def _prefill_state(eng) -> dict | None:
@@ -300,7 +357,7 @@ def table(out: Path) -> None:
         for label, get in lrows:
             lines.append(f"{'long':10s} {label:16s}" + "".join(
                 f"{get(RES[f'long_{n}']):13.2f}" if f"long_{n}" in RES else f"{'-':>13s}" for n in lnames))
-    for k in ("kernel", "greedy_float32"):
+    for k in ("kernel", "packed_prefill", "greedy_float32"):
         if k in RES:
             lines.append(f"{k}: {json.dumps({a: b for a, b in RES[k].items() if not a.startswith('first_diff')})}")
     for k in sorted(k for k in RES if k.endswith("_error")):

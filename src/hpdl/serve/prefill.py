@@ -135,18 +135,18 @@ if triton is not None:
         # extra programs store nothing
         b = tl.program_id(0)
         head = tl.program_id(1)
-        live = b < tl.load(meta_ptr)
-        s = tl.load(meta_ptr + 3 + b)
-        m0 = tl.load(meta_ptr + 3 + MB + b)
+        live = b < tl.load(meta_ptr).to(tl.int32)
+        s = tl.load(meta_ptr + 3 + b).to(tl.int32)
+        m0 = tl.load(meta_ptr + 3 + MB + b).to(tl.int32)
         base = 3 + 2 * MB
-        q0 = tl.load(meta_ptr + base + s)
-        qlen = tl.where(live, tl.load(meta_ptr + base + s + 1) - q0, 0)
-        slot = tl.load(meta_ptr + base + MS + 1 + s)
-        ctx = tl.load(meta_ptr + base + 2 * MS + 1 + s)
+        q0 = tl.load(meta_ptr + base + s).to(tl.int32)
+        qlen = tl.where(live, tl.load(meta_ptr + base + s + 1).to(tl.int32) - q0, 0)
+        slot = tl.load(meta_ptr + base + MS + 1 + s)  # int64: slot * s_ks can pass 2**31
+        ctx = tl.load(meta_ptr + base + 2 * MS + 1 + s).to(tl.int32)
         offs_m = m0 + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, D)
         mmask = offs_m < qlen
-        rows = q0 + offs_m
+        rows = (q0 + offs_m).to(tl.int64)
         q = tl.load(q_ptr + rows[:, None] * s_qn + head * s_qh + offs_d[None, :], mask=mmask[:, None], other=0.0)
         qpos = ctx + offs_m
         kvh = head // GROUP
@@ -187,14 +187,17 @@ if triton is not None:
         dt = qkv_ptr.dtype.element_ty
         x1 = tl.load(base + half)
         x2 = tl.load(base + D // 2 + half)
-        if ROPE and head < H + HKV:
-            c = tl.load(cos_ptr + p * D + half).to(dt)
-            s = tl.load(sin_ptr + p * D + half).to(dt)
-            o1 = ((x1 * c).to(dt).to(tl.float32) + (-x2 * s).to(dt).to(tl.float32)).to(dt)
-            o2 = ((x2 * c).to(dt).to(tl.float32) + (x1 * s).to(dt).to(tl.float32)).to(dt)
-        else:
-            o1 = x1
-            o2 = x2
+        o1 = x1
+        o2 = x2
+        if ROPE:
+            if head < H + HKV:
+                # products of two model-dtype values are exact in float32: rounding each once is the eager op
+                c = tl.load(cos_ptr + p * D + half).to(dt).to(tl.float32)
+                s = tl.load(sin_ptr + p * D + half).to(dt).to(tl.float32)
+                a1 = x1.to(tl.float32)
+                a2 = x2.to(tl.float32)
+                o1 = ((a1 * c).to(dt).to(tl.float32) + (-(a2 * s)).to(dt).to(tl.float32)).to(dt)
+                o2 = ((a2 * c).to(dt).to(tl.float32) + (a1 * s).to(dt).to(tl.float32)).to(dt)
         if head < H:
             dst = q_ptr + (row.to(tl.int64) * H + head) * D
         else:
