@@ -203,7 +203,6 @@ def packed_prefill_check(device: str) -> dict:
                     ts.append((time.perf_counter() - t) * 1e3)
             times[f"{label}_{n}_ms"] = float(np.median(ts))
     res["forward_ms"] = times
-    del model, c0, c1, pp
     return res
 
 

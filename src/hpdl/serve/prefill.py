@@ -362,16 +362,16 @@ def token_bucket(n: int, buckets: tuple[int, ...] = GRAPH_BUCKETS) -> int | None
 class PackedPrefill:
     """The engine's packed prefill (``packed_forward``'s logits) at a fixed host cost per step.
 
-    An eager packed forward of a 1.1B LLaMA launches ~25 ops a layer, ~550 in all: on the H200 host that is
-    ~12 ms of CPU whatever the chunk size (1 x H200, 2026-12-04: a mixed step with a 16-token chunk took 14.9 ms,
-    one with 2,032 tokens 16.5 ms), so small chunks ran at the launch rate, not the GPU's. Here a batch's metadata
-    (token ids, positions, slots, the last row of each sequence and the attention kernel's block table) is built
-    on the host once and sent in one non-blocking copy; RoPE and the K/V store are one Triton kernel a layer; no
-    op waits for the device. With ``cuda_graph`` (CUDA, one device), a batch of up to ``buckets[-1]`` tokens is
-    padded to its bucket and replays the CUDA graph captured for that bucket (captured on first use, or by
-    ``capture``): padding rows are computed but store no K/V and are never sampled, and the attention grid covers
-    the bucket's most blocks (``max_blocks``), programs past the batch's storing nothing. Larger batches, where
-    the GPU time hides the launches, run the same ops eagerly, unpadded.
+    An eager packed forward of a 1.1B LLaMA dispatches 30 torch ops a layer (660 in all, 225 of them views) plus a
+    Triton launch. On the H200 a mixed step cost ~13 ms whatever its chunk (2026-12-04: 14.9 ms with a 16-token
+    chunk, 16.5 ms with 2,032 tokens), the signature of host launch cost rather than GPU work, so small chunks ran
+    at the launch rate. Here a batch's metadata (token ids, positions, slots, the last row of each sequence and the
+    attention kernel's block table) is built on the host once and sent in one non-blocking copy; RoPE and the K/V
+    store are one Triton kernel a layer; no op waits for the device. With ``cuda_graph`` (CUDA, one device), a batch
+    of up to ``buckets[-1]`` tokens is padded to its bucket and replays the CUDA graph captured for that bucket
+    (captured on first use, or by ``capture``): padding rows are computed but store no K/V and are never sampled,
+    and the attention grid covers the bucket's most blocks (``max_blocks``), programs past the batch's storing
+    nothing. Larger batches, where the GPU time hides the launches, run the same ops eagerly, unpadded.
 
     Args:
         model, cache: the runner's model and KV cache.
