@@ -179,6 +179,36 @@ def test_http_server_with_chunked_prefill(hf_dir, tmp_path):
             srv.close()
 
 
+def test_row_by_row_retry_keeps_each_rows_logits_when_forwards_share_an_output_buffer(monkeypatch):
+    """A CUDA-graph forward returns a view of the graph's output; the engine's row-by-row retry (after a failed
+    batch forward) ran the same graph once per row, so without a copy every row read the last row's logits. The
+    executor here returns views of one reused buffer, as a graph does, and the first packed prefill of several
+    prompts raises: every request must still get the tokens of a clean run."""
+    prompts = [[(7 * i + j) % 256 for j in range(3 + 5 * i)] for i in range(4)]
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+
+    def engine():
+        return LLMEngine(ModelSpec(config="llama-tiny"), EngineConfig(num_slots=4, max_seq_len=64, prefill="packed"))
+
+    ref = [o.token_ids for o in engine().generate(prompts, params)]
+    eng = engine()
+    execute, buf, failed = eng.executor.execute, torch.empty(0), []
+
+    def graph_like(plan):
+        nonlocal buf
+        if len(plan.prefill_slots) > 1 and not failed:
+            failed.append(plan)
+            raise RuntimeError("injected batch fault")
+        out = execute(plan)
+        if buf.shape != out.shape:
+            buf = torch.empty_like(out)
+        return buf.copy_(out)
+
+    monkeypatch.setattr(eng.executor, "execute", graph_like)
+    assert [o.token_ids for o in eng.generate(prompts, params)] == ref
+    assert failed
+
+
 def test_varlen_kernel_compiles_one_variant_for_any_batch():
     """Triton compiles a kernel per specialisation key (an int argument equal to 1, or divisible by 16, changes it).
     The first device run passed the batch's block and sequence counts as specialised ints: batches of 1, 16 or 17
