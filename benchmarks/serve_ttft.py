@@ -1,27 +1,34 @@
-"""Issue 38, prefill part: today's padded prefill against packed + chunked prefill, side by side (1 x H200).
+"""Issue 38, prefill part: the padded prefill against packed and chunked prefill, side by side (1 x H200).
 
-    python3 benchmarks/serve_ttft.py --out $OUT                # device, about 2-3 minutes: JSON + log + PNG
-    python3 benchmarks/serve_ttft.py --smoke --out /tmp/ttft   # CPU plumbing check, llama-tiny, about 1 minute
+    python3 benchmarks/serve_ttft.py --out $OUT                # device, about 3-4 minutes: JSON + log + PNG
+    python3 benchmarks/serve_ttft.py --smoke --out /tmp/ttft   # CPU plumbing check, llama-tiny, about 2 minutes
     python3 benchmarks/serve_ttft.py --plot DIR                # the PNG again from a fetched DIR/serve_ttft.json
 
-Two engines per case, identical but for the prefill path: ``padded`` (today: prompts right-padded to the longest,
-one padded prefill forward, then the decode, every step) and ``chunked`` (``EngineConfig(prefill="chunked")``:
-prompts packed without padding, one varlen attention launch per layer, split into chunks that run in the same
-step as the running requests' decode, under a token budget). Both decode with the fused step from CUDA graphs.
-``llama-1b`` random weights, bfloat16, greedy, EOS ignored; each engine's graphs are captured and its prefill
-shapes run once before anything is timed. Parts, each saved to serve_ttft.json as soon as it is done:
+Four engines per case, identical but for the prefill path (``PATHS``): ``padded`` (prompts right-padded to the
+longest, one padded eager prefill forward, then the decode, every step; budget 32768 = 256 x 128), ``packed``
+(``EngineConfig(prefill="packed")``: the same batches without padding, one varlen attention launch per layer:
+the padding saving alone), ``chunked8192`` and ``chunked512`` (``prefill="chunked"``: packed, split into chunks
+that run in the same step as the running requests' decode, under a token budget: 8192 is vLLM's serving default,
+512 a latency setting). Packed and chunked run ``hpdl.serve.prefill.PackedPrefill``: batches of up to 2048 tokens
+replay a CUDA graph per token bucket. All decode with the fused step from CUDA graphs. ``llama-1b`` random
+weights, bfloat16, greedy, EOS ignored; each engine's graphs are captured and its prefill shapes run once before
+anything is timed. Parts, each saved to serve_ttft.json as soon as it is done:
 
 1. ``kernel``: the varlen attention kernel against its torch reference on the device (float32, bfloat16),
-   and float32 greedy tokens of 8 requests (prompts 5..300 tokens) through the engine, chunked vs padded.
-2. ``poisson``: 200 requests arriving Poisson at 16 requests/s (seeded; the same arrivals for both paths),
+   and float32 greedy tokens of 8 requests (prompts 5..300 tokens) through the engine, packed and chunked
+   (budget 96, graphs) vs padded.
+2. ``poisson``: 200 requests arriving Poisson at 16 requests/s (seeded; the same arrivals for every path),
    128-token prompts, outputs uniform in 32..512: TTFT p50/p99, TPOT p50/p99, output tokens/s.
 3. ``offline``: 64 and 256 requests at t = 0 (same lengths): output tokens/s, TTFT p50/p99; and 64 requests
    with prompts uniform in 16..512 and outputs in 32..128 (``varlen64``), where padding costs: the padded
    path computes every prompt to the longest of its batch (``prefill_padding_tokens``).
 4. ``long``: 32 running requests (128-token prompts, 400 outputs) when a 4096-token prompt arrives at 0.15 s
    (``llama-1b-8k``: the same weights' shape with an 8k context): the running requests' inter-token latency
-   (max, p99) and TPOT, and the long request's TTFT; padded vs chunked at budgets 512 and 2048. Each path runs
-   the scenario once untimed first (graph captures, kernel compiles).
+   (max, p99, the mean step while the prompt is prefilled) and the long request's TTFT; padded, packed and
+   chunked at budgets 8192, 2048 and 512. Each path runs the scenario once untimed first (graph captures,
+   kernel compiles).
+
+The last lines printed are one table: a row per (case, metric), a column per path.
 """
 
 from __future__ import annotations
@@ -38,14 +45,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 MODEL, LONG_MODEL, DTYPE = "llama-1b", "llama-1b-8k", "bfloat16"
 SLOTS, MAX_LEN, PROMPT, OUT_LEN = 256, 640, 128, (32, 512)
-RATE, N_POISSON, OFFLINE, BUDGET = 16.0, 200, [64, 256], 2048
+RATE, N_POISSON, OFFLINE = 16.0, 200, [64, 256]
+# (prefill mode, token budget): padded and packed hold a whole batch of prompts (256 x 128) in one forward, so
+# packed differs from padded only by the padding; chunked at 8192 (vLLM's default for serving: throughput) and
+# at 512 (latency: the smallest chunk a step carries beside 256 decode rows)
+PATHS = [("padded", 32768), ("packed", 32768), ("chunked", 8192), ("chunked", 512)]
 VARLEN = dict(n=64, prompt=(16, 512), out=(32, 128))  # mixed prompt lengths: where padding costs
-LONG = dict(running=32, run_out=400, prompt=4096, out=16, arrival=0.15, slots=64, max_len=4224, budgets=[512, 2048])
+LONG = dict(running=32, run_out=400, prompt=4096, out=16, arrival=0.15, slots=64, max_len=4224,
+            budgets=[8192, 2048, 512])
 CHECK = dict(model="llama-1b", lens=[5, 300, 17, 64, 129, 1, 250, 40], tokens=32, budget=96)
 SMOKE = dict(MODEL="llama-tiny", LONG_MODEL="llama-tiny", DTYPE="float32", SLOTS=8, MAX_LEN=160, PROMPT=16,
-             OUT_LEN=(4, 24), RATE=50.0, N_POISSON=12, OFFLINE=[4, 8], BUDGET=40,
+             OUT_LEN=(4, 24), RATE=50.0, N_POISSON=12, OFFLINE=[4, 8],
+             PATHS=[("padded", 2048), ("packed", 2048), ("chunked", 64), ("chunked", 12)],
              VARLEN=dict(n=6, prompt=(2, 100), out=(2, 8)),
-             LONG=dict(running=4, run_out=40, prompt=300, out=4, arrival=0.01, slots=8, max_len=400, budgets=[24, 64]),
+             LONG=dict(running=4, run_out=40, prompt=300, out=4, arrival=0.01, slots=8, max_len=400,
+                       budgets=[128, 64, 24]),
              CHECK=dict(model="llama-tiny", lens=[5, 60, 17, 1], tokens=8, budget=12))
 _T0 = time.perf_counter()
 RES: dict = {}
@@ -63,6 +77,10 @@ def _save(out: Path, key: str, val) -> None:
     RES[key] = val
     (out / "serve_ttft.json").write_text(json.dumps(RES, indent=1, default=str))
     _say(out, f"{key}: {json.dumps(val, default=str)[:400]}")
+
+
+def _name(mode: str, budget: int) -> str:
+    return f"chunked{budget}" if mode == "chunked" else mode
 
 
 def _engine(device, prefill, budget, model=None, dtype=None, slots=None, max_len=None):
@@ -112,21 +130,88 @@ def kernel(out: Path, device: str) -> None:
         err = (pf.varlen_attention(q, kc, vc, seqs).float() - pf.varlen_attention_ref(q, kc, vc, seqs).float())
         res[str(dt).split(".")[-1] + "_max_abs_diff"] = err.abs().max().item()
     _save(out, "kernel", res)
+    try:
+        _save(out, "packed_prefill", packed_prefill_check(device))
+    except Exception:  # noqa: BLE001 - keep the engine checks
+        _save(out, "packed_prefill_error", traceback.format_exc()[-3000:])
     rng = random.Random(0)
     vocab = 32000 if CHECK["model"].startswith("llama-1b") else 256
     prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in CHECK["lens"]]
     params = SamplingParams(max_tokens=CHECK["tokens"], ignore_eos=True, detokenize=False)
-    toks, steps = {}, {}
-    for mode, budget in (("padded", 8192), ("chunked", CHECK["budget"])):
+    toks, steps, graphs = {}, {}, {}
+    for mode, budget in (("padded", 8192), ("packed", 8192), ("chunked", CHECK["budget"])):
         eng = _engine(device, mode, budget, model=CHECK["model"], dtype="float32", slots=4, max_len=384)
         toks[mode] = [o.token_ids for o in eng.generate(prompts, params)]
         steps[mode] = dict(eng.num_steps)
+        graphs[mode] = _prefill_state(eng)
         _free(eng)
-    same = sum(a == b for a, b in zip(toks["padded"], toks["chunked"]))
-    _save(out, "greedy_float32", {"requests": len(prompts), "tokens_each": CHECK["tokens"], "identical": same,
-                                  "chunk_budget": CHECK["budget"], "steps": steps,
-                                  "first_diff": [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-                                                 for a, b in zip(toks["padded"], toks["chunked"])]})
+    res = {"requests": len(prompts), "tokens_each": CHECK["tokens"], "chunk_budget": CHECK["budget"],
+           "steps": steps, "prefill_graphs": graphs}
+    for mode in ("packed", "chunked"):  # against padded (the eager model's prefill)
+        res[f"identical_{mode}"] = sum(a == b for a, b in zip(toks["padded"], toks[mode]))
+        res[f"first_diff_{mode}"] = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                                     for a, b in zip(toks["padded"], toks[mode])]
+    _save(out, "greedy_float32", res)
+
+
+def packed_prefill_check(device: str) -> dict:
+    """PackedPrefill (CUDA graphs per token bucket) against the eager ``packed_forward`` in the model dtype: logits
+    and K/V written, for whole prompts and chunks over a cached prefix; then the time of one prefill forward
+    (host call to device done, median of 10) at 16, 512 and 2048 tokens, PackedPrefill (graphs on CUDA) vs the
+    eager ``packed_forward`` (the first run's path)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from hpdl.models.gpt import KVCache
+    from hpdl.serve import ModelSpec
+    from hpdl.serve import prefill as pf
+    from hpdl.serve.worker import DTYPES, build_model
+
+    dt = DTYPES[DTYPE]
+    model = build_model(ModelSpec(config=CHECK["model"], dtype=DTYPE), device)
+    L = min(model.cfg.max_position, 2048)
+    c0, c1 = (KVCache(model.cfg, 8, L, dt, device) for _ in range(2))
+    pp = pf.PackedPrefill(model, c1, 8, cuda_graph=device == "cuda")
+    rng = random.Random(1)
+    res = {}
+    for name, seqs in (("prompts", pf.PackedSeqs([2, 0, 3, 1], [0, 0, 0, 0], [300, 17, 1, 64])),
+                       ("chunks", pf.PackedSeqs([2, 1, 0], [300, 64, 17], [20, 5, 100]))):
+        toks = [rng.randrange(3, model.cfg.vocab_size) for _ in range(seqs.num_tokens)]
+        ref = pf.packed_forward(model, c0, torch.tensor(toks, device=device), seqs).float()
+        got = pp.forward(toks, seqs).float()
+        res[name] = {"tokens": seqs.num_tokens, "logits_max_abs_diff": (got - ref).abs().max().item(),
+                     "argmax_agree": int((got.argmax(-1) == ref.argmax(-1)).sum()), "rows": len(seqs.lens),
+                     "kv_max_abs_diff": max((c1.k - c0.k).abs().max().item(), (c1.v - c0.v).abs().max().item())}
+    res["graph"] = {"cuda_graph": pp.cuda_graph, "graphs": sorted(pp.graphs), "graph_error": pp.graph_error}
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    times = {}
+    for n in (16, 512, min(2048, L)):
+        seqs = pf.PackedSeqs([0], [0], [n])
+        toks = [rng.randrange(3, model.cfg.vocab_size) for _ in range(n)]
+        tt = torch.tensor(toks, device=device)
+        for label, fn in (("PackedPrefill", lambda: pp.forward(toks, seqs)),
+                          ("packed_forward", lambda: pf.packed_forward(model, c0, tt, seqs))):
+            ts = []
+            for i in range(12):
+                sync()
+                t = time.perf_counter()
+                fn()
+                sync()
+                if i >= 2:
+                    ts.append((time.perf_counter() - t) * 1e3)
+            times[f"{label}_{n}_ms"] = float(np.median(ts))
+    res["forward_ms"] = times
+    return res
+
+
+def _prefill_state(eng) -> dict | None:
+    """The packed prefill's CUDA graphs (buckets captured) and, if capture failed, why."""
+    pp = eng.executor.runner._packed_prefill
+    if pp is None:
+        return None
+    return {"cuda_graph": pp.cuda_graph, "graphs": sorted(pp.graphs), "graph_error": pp.graph_error}
 
 
 def _summ(recs, stats: dict | None = None) -> dict:
@@ -148,31 +233,33 @@ def serving(out: Path, device: str) -> None:
 
     vocab = NAMED_CONFIGS[MODEL].vocab_size
     poisson = bench.make_workload(N_POISSON, (PROMPT, PROMPT), OUT_LEN, RATE, vocab_size=vocab, seed=0)
-    for mode, budget in (("padded", PROMPT * SLOTS), ("chunked", BUDGET)):
+    for mode, budget in PATHS:
         t = time.perf_counter()
+        name = _name(mode, budget)
         eng = _engine(device, mode, budget)
         r = eng.executor.runner
-        graphs = r.warm_up()
+        graphs = r.warm_up(prefill_tokens=budget if mode != "padded" else None)
         for n in [1, 2] + OFFLINE:  # every prefill shape below once (cuBLAS heuristics, Triton compiles)
             bench.run_engine(eng, bench.make_workload(n, (PROMPT, PROMPT), (2, 2), math.inf, vocab_size=vocab, seed=9))
         bench.run_engine(eng, bench.make_workload(VARLEN["n"], VARLEN["prompt"], (2, 2), math.inf, vocab_size=vocab,
                                                   seed=0))
-        _save(out, f"{mode}_setup", {"graphs": graphs, "seconds": time.perf_counter() - t, "fused": r.fused,
+        _save(out, f"{name}_setup", {"graphs": graphs, "seconds": time.perf_counter() - t, "fused": r.fused,
                                      "cuda_graph": r.cuda_graph, "budget": budget})
         base = eng.stats()
         recs = bench.run_engine(eng, poisson)
         st = {k: eng.stats()[k] - base[k] for k in ("prefill_tokens", "prefill_positions_computed")}
-        _save(out, f"poisson_{mode}", _summ(recs, st) | {"rate": RATE,
+        _save(out, f"poisson_{name}", _summ(recs, st) | {"rate": RATE,
                                                           "ttft_ms": [round(x.ttft * 1e3, 3) for x in recs]})
         for n in OFFLINE:
             wl = bench.make_workload(n, (PROMPT, PROMPT), OUT_LEN, math.inf, vocab_size=vocab, seed=0)
-            _save(out, f"offline{n}_{mode}", _summ(bench.run_engine(eng, wl)))
+            _save(out, f"offline{n}_{name}", _summ(bench.run_engine(eng, wl)))
         wl = bench.make_workload(VARLEN["n"], VARLEN["prompt"], VARLEN["out"], math.inf, vocab_size=vocab, seed=0)
         base = eng.stats()
         recs = bench.run_engine(eng, wl)
         st = {k: eng.stats()[k] - base[k] for k in ("prefill_tokens", "prefill_positions_computed")}
-        _save(out, f"varlen{VARLEN['n']}_{mode}", _summ(recs, st) | {"prompt_tokens": st["prefill_tokens"]})
-        RES[f"{mode}_final_state"] = {"cuda_graph": r.cuda_graph, "graph_error": r.graph_error}
+        _save(out, f"varlen{VARLEN['n']}_{name}", _summ(recs, st) | {"prompt_tokens": st["prefill_tokens"]})
+        RES[f"{name}_final_state"] = {"cuda_graph": r.cuda_graph, "graph_error": r.graph_error,
+                                      "prefill": _prefill_state(eng), "steps": dict(eng.num_steps)}
         _free(eng)
 
 
@@ -187,8 +274,9 @@ def long_prompt(out: Path, device: str) -> None:
     wl += bench.make_workload(1, (LONG["prompt"], LONG["prompt"]), (LONG["out"], LONG["out"]), math.inf,
                               vocab_size=vocab, seed=2)
     wl[-1].arrival = LONG["arrival"]
-    for mode, budget in [("padded", LONG["prompt"] + LONG["slots"])] + [("chunked", b) for b in LONG["budgets"]]:
-        name = mode if mode == "padded" else f"chunked{budget}"
+    whole = LONG["prompt"] + LONG["slots"]
+    for mode, budget in [("padded", whole), ("packed", whole)] + [("chunked", b) for b in LONG["budgets"]]:
+        name = _name(mode, budget)
         eng = _engine(device, mode, budget, model=LONG_MODEL, slots=LONG["slots"], max_len=LONG["max_len"])
         bench.run_engine(eng, wl)  # untimed: captures the graphs and compiles what this scenario needs
         recs = bench.run_engine(eng, wl)
@@ -219,11 +307,11 @@ def plot(d: Path) -> None:
 
     res = json.loads((d / "serve_ttft.json").read_text())
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
-    for mode, style in (("padded", "-"), ("chunked", "--")):
-        r = res.get(f"poisson_{mode}")
+    for key in sorted(k for k in res if k.startswith("poisson_")):
+        mode, r = key[len("poisson_"):], res[key]
         if r:
             xs = np.sort(r["ttft_ms"])
-            ax[0].plot(xs, np.arange(1, len(xs) + 1) / len(xs), style,
+            ax[0].plot(xs, np.arange(1, len(xs) + 1) / len(xs),
                        label=f"{mode}: p50 {r['median_ttft_ms']:.1f} ms, p99 {r['p99_ttft_ms']:.1f} ms")
     ax[0].set(xscale="log", xlabel="TTFT (ms)", ylabel="fraction of requests",
               title=f"TTFT, Poisson {res.get('meta', {}).get('rate', RATE)} req/s")
@@ -242,23 +330,38 @@ def plot(d: Path) -> None:
 
 
 def table(out: Path) -> None:
-    rows = []
-    for case in ["poisson"] + [f"offline{n}" for n in OFFLINE] + [f"varlen{VARLEN['n']}"]:
-        for mode in ("padded", "chunked"):
-            r = RES.get(f"{case}_{mode}")
-            if r:
-                rows.append(f"{case:10s} {mode:9s} tok/s {r['output_throughput']:9.0f}  TTFT p50 "
-                            f"{r['median_ttft_ms']:8.2f} p99 {r['p99_ttft_ms']:8.2f} ms  TPOT p50 "
-                            f"{r.get('median_tpot_ms', math.nan):6.3f} p99 {r.get('p99_tpot_ms', math.nan):6.3f} ms"
-                            + (f"  padding {r['prefill_padding_tokens']}" if "prefill_padding_tokens" in r else ""))
-    for key in sorted(k for k in RES if k.startswith("long_")):
-        r = RES[key]
-        rows.append(f"{key:20s} running ITL max {r['running_max_itl_ms']:8.2f} p99 {r['running_p99_itl_ms']:6.2f} "
-                    f"ms, TPOT {r['running_mean_tpot_ms']:6.3f} ms; long prompt TTFT {r['long_ttft_ms']:8.2f} ms")
-    for k in ("kernel", "greedy_float32"):
+    """One compact side-by-side table: a row per (case, metric), a column per prefill path."""
+    names = [_name(m, b) for m, b in PATHS]
+    rows = [("poisson", "output tok/s", "output_throughput", 0), ("poisson", "TTFT p50 ms", "median_ttft_ms", 1),
+            ("poisson", "TTFT p99 ms", "p99_ttft_ms", 1), ("poisson", "TPOT p99 ms", "p99_tpot_ms", 2)]
+    for n in OFFLINE:
+        rows += [(f"offline{n}", "output tok/s", "output_throughput", 0), (f"offline{n}", "TTFT p50 ms",
+                                                                            "median_ttft_ms", 1),
+                 (f"offline{n}", "TPOT p99 ms", "p99_tpot_ms", 2)]
+    v = f"varlen{VARLEN['n']}"
+    rows += [(v, "output tok/s", "output_throughput", 0), (v, "TTFT p50 ms", "median_ttft_ms", 1),
+             (v, "padding tokens", "prefill_padding_tokens", 0)]
+    lines = [f"{'case':10s} {'metric':16s}" + "".join(f"{n:>13s}" for n in names)]
+    for case, label, key, nd in rows:
+        vals = [RES.get(f"{case}_{n}", {}).get(key) for n in names]
+        if any(x is not None for x in vals):
+            lines.append(f"{case:10s} {label:16s}" + "".join(f"{x:13.{nd}f}" if x is not None else f"{'-':>13s}"
+                                                              for x in vals))
+    lnames = ["padded", "packed"] + [f"chunked{b}" for b in LONG["budgets"]]
+    lrows = [("long TTFT ms", lambda r: r["long_ttft_ms"]), ("ITL max ms", lambda r: r["running_max_itl_ms"]),
+             ("ITL p99 ms", lambda r: r["running_p99_itl_ms"]),
+             ("step in prefill", lambda r: r["running_itl_during_prefill_ms"]["mean"])]
+    if any(f"long_{n}" in RES for n in lnames):
+        lines.append(f"{'long':10s} {'(running ITL)':16s}" + "".join(f"{n:>13s}" for n in lnames))
+        for label, get in lrows:
+            lines.append(f"{'long':10s} {label:16s}" + "".join(
+                f"{get(RES[f'long_{n}']):13.2f}" if f"long_{n}" in RES else f"{'-':>13s}" for n in lnames))
+    for k in ("kernel", "packed_prefill", "greedy_float32"):
         if k in RES:
-            rows.append(f"{k}: {json.dumps({a: b for a, b in RES[k].items() if a != 'first_diff'})}")
-    for line in rows:
+            lines.append(f"{k}: {json.dumps({a: b for a, b in RES[k].items() if not a.startswith('first_diff')})}")
+    for k in sorted(k for k in RES if k.endswith("_error")):
+        lines.append(f"{k}: {str(RES[k])[-300:]}")
+    for line in lines:
         _say(out, line)
 
 
@@ -295,7 +398,7 @@ def main() -> None:
                              "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
                              "triton": _version("triton"),
                              "model": MODEL, "dtype": DTYPE, "slots": SLOTS, "max_seq_len": MAX_LEN, "rate": RATE,
-                             "requests": N_POISSON, "chunk_budget": BUDGET, "long": LONG})
+                             "requests": N_POISSON, "paths": PATHS, "long": LONG})
     for part, fn in (("kernel", kernel), ("serving", serving), ("long", long_prompt)):
         if part in args.parts.split(","):
             try:

@@ -179,6 +179,57 @@ def test_http_server_with_chunked_prefill(hf_dir, tmp_path):
             srv.close()
 
 
+def test_row_by_row_retry_keeps_each_rows_logits_when_forwards_share_an_output_buffer(monkeypatch):
+    """A CUDA-graph forward returns a view of the graph's output; the engine's row-by-row retry (after a failed
+    batch forward) ran the same graph once per row, so without a copy every row read the last row's logits. The
+    executor here returns views of one reused buffer, as a graph does, and the first packed prefill of several
+    prompts raises: every request must still get the tokens of a clean run."""
+    prompts = [[(7 * i + j) % 256 for j in range(3 + 5 * i)] for i in range(4)]
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+
+    def engine():
+        return LLMEngine(ModelSpec(config="llama-tiny"), EngineConfig(num_slots=4, max_seq_len=64, prefill="packed"))
+
+    ref = [o.token_ids for o in engine().generate(prompts, params)]
+    eng = engine()
+    execute, buf, failed = eng.executor.execute, torch.empty(0), []
+
+    def graph_like(plan):
+        nonlocal buf
+        if len(plan.prefill_slots) > 1 and not failed:
+            failed.append(plan)
+            raise RuntimeError("injected batch fault")
+        out = execute(plan)
+        if buf.shape != out.shape:
+            buf = torch.empty_like(out)
+        return buf.copy_(out)
+
+    monkeypatch.setattr(eng.executor, "execute", graph_like)
+    assert [o.token_ids for o in eng.generate(prompts, params)] == ref
+    assert failed
+
+
+def test_varlen_kernel_compiles_one_variant_for_any_batch():
+    """Triton compiles a kernel per specialisation key (an int argument equal to 1, or divisible by 16, changes it).
+    The first device run passed the batch's block and sequence counts as specialised ints: batches of 1, 16 or 17
+    sequences each compiled a new variant while serving. Every batch must map to one key."""
+    pytest.importorskip("triton")
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import create_function_from_signature
+
+    kern = pf._varlen_attn_kernel
+    bind = create_function_from_signature(kern.signature, kern.params, BaseBackend)
+    q, kc = torch.zeros(64, 4, 16), torch.zeros(40, 2, 128, 16)
+    keys = set()
+    for n_seqs in (1, 2, 16, 17, 32):
+        for n in (1, 5, 64, 65, 128):
+            seqs = pf.PackedSeqs(list(range(n_seqs)), [0] * n_seqs, [n] * n_seqs)
+            nb = len(seqs.blocks()[0])
+            keys.add(str(bind(q, kc, kc, q, pf.kernel_meta(seqs, "cpu"), nb, n_seqs, 0.25, 2, 64, 16, 4096, 2048,
+                              16, 64, 16, BLOCK_M=64, BLOCK_N=64, D=16, PREC="ieee")[1]))
+    assert len(keys) == 1, keys
+
+
 def test_triton_kernel_interpreted_matches_reference():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(sys.path))
@@ -208,7 +259,62 @@ def _interpreted_check() -> None:
     got = pf.packed_forward(model, c2, torch.tensor(sum(prompts, [])),
                             pf.PackedSeqs([1, 3, 0], [0, 0, 0], [len(p) for p in prompts]))
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    _interpreted_packed_prefill(model)
     print("ok")
+
+
+def _interpreted_packed_prefill(model) -> None:
+    """PackedPrefill (the engine's path: Triton RoPE + K/V store, one metadata table) equals packed_forward,
+    exact and padded to token buckets (the CUDA-graph layout: a fixed grid, padding rows, a table left over from a
+    larger batch), and launches nothing that needs host data once the forward has started."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    rng = random.Random(1)
+    ref_c, c_exact, c_pad = (KVCache(model.cfg, 4, 96, torch.float32, "cpu") for _ in range(3))
+    g = torch.Generator().manual_seed(2)
+    k0, v0 = torch.randn(ref_c.k.shape, generator=g), torch.randn(ref_c.v.shape, generator=g)
+    for c in (ref_c, c_exact, c_pad):  # a cached prefix for the chunks below
+        c.k.copy_(k0)
+        c.v.copy_(v0)
+    exact = pf.PackedPrefill(model, c_exact, 4)
+    padded = pf.PackedPrefill(model, c_pad, 4, buckets=(16, 64, 128), pad=True)
+    # 77 tokens (bucket 128: 5 blocks in a grid of 6), then 11 (bucket 16) over the bigger batch's table
+    for seqs in (pf.PackedSeqs([2, 0, 3, 1], [0, 9, 0, 40], [66, 3, 1, 7]), pf.PackedSeqs([1, 0], [47, 12], [10, 1])):
+        toks = [rng.randrange(256) for _ in range(seqs.num_tokens)]
+        ref = pf.packed_forward(model, ref_c, torch.tensor(toks), seqs)
+        for runner in (exact, padded):
+            with Ops() as rec:
+                got = runner.forward(toks, seqs)
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+            # every host tensor is made before the embedding lookup, and nothing reads a device value back: the
+            # forward can be captured in a CUDA graph and never waits for the device
+            body = rec.ops[rec.ops.index("aten.embedding"):]
+            assert not {"aten.lift_fresh", "aten._local_scalar_dense", "aten.nonzero"} & set(body), body
+        for c in (c_exact, c_pad):  # the same K/V, and nothing written by padding rows
+            torch.testing.assert_close(c.k, ref_c.k, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(c.v, ref_c.v, rtol=1e-5, atol=1e-6)
+    # through the engine: chunks of at most 9 tokens beside decode rows, each batch padded to a token bucket (the
+    # CUDA-graph layout), give the padded prefill's greedy tokens
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (23, 4, 11, 1)]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    toks = {}
+    for mode in ("padded", "chunked"):
+        eng = LLMEngine(ModelSpec(config="llama-tiny"), EngineConfig(num_slots=3, max_seq_len=40, prefill=mode,
+                                                                     max_prefill_tokens=9 if mode == "chunked" else 99))
+        runner = eng.executor.runner
+        runner._packed_prefill = pf.PackedPrefill(runner.model, runner.cache, 3, buckets=(4, 8, 16), pad=True)
+        toks[mode] = [o.token_ids for o in eng.generate(prompts, params)]
+        assert mode == "padded" or eng.num_steps["mixed"] > 0
+    assert toks["chunked"] == toks["padded"]
 
 
 if __name__ == "__main__":

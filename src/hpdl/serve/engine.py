@@ -268,7 +268,9 @@ class LLMEngine:
                 got.append(None)
                 continue
             try:
-                got.append(self.executor.execute(plan.single(i))[0])
+                # a copy: a CUDA-graph forward returns a view of the graph's output, which the next row's
+                # replay of the same graph would overwrite
+                got.append(self.executor.execute(plan.single(i))[0].clone())
             except Exception as exc:
                 if is_engine_fault(exc):
                     raise

@@ -121,6 +121,7 @@ class ModelRunner:
         self.cache = KVCache(model.cfg, num_slots, max_seq_len, self.dtype, self.device, tp_world)
         self.cuda_graph = cuda_graph and self.device.type == "cuda"
         self._graphs: dict[tuple[int, int], tuple] = {}
+        self._packed_prefill = None
         self._pool = None
         self.graph_error: str | None = None
         self.fused_reason = fz.supports(model)
@@ -179,11 +180,12 @@ class ModelRunner:
 
         seqs = PackedSeqs(list(plan.prefill_slots), list(plan.prefill_starts) or [0] * len(plan.prefill_slots),
                           [len(t) for t in plan.prefill_tokens])
-        toks = torch.tensor([t for seq in plan.prefill_tokens for t in seq], dtype=torch.long)
+        flat = [t for seq in plan.prefill_tokens for t in seq]
+        if not plan.prompt_logprobs:  # the serving path: one metadata copy, no host sync, graphs on CUDA
+            return self.packed_prefill.forward(flat, seqs)
+        toks = torch.tensor(flat, dtype=torch.long)
         logits = packed_forward(self.model, self.cache, toks.to(self.device, non_blocking=True), seqs,
-                                all_positions=plan.prompt_logprobs)
-        if not plan.prompt_logprobs:
-            return logits
+                                all_positions=True)
         cu, T = seqs.cu, max(seqs.lens)
         out = logits.new_zeros(len(seqs.lens), T, logits.shape[-1])
         for i, n in enumerate(seqs.lens):
@@ -204,26 +206,40 @@ class ModelRunner:
         pos = torch.tensor(plan.decode_positions, device=dev)[:, None]
         return with_argmax(*self._decode(toks, pos, plan.start, kv_len))
 
+    @property
+    def packed_prefill(self):
+        """The packed prefill (``hpdl.serve.prefill.PackedPrefill``: CUDA graphs per token bucket when this runner
+        uses graphs), made on first use."""
+        if self._packed_prefill is None:
+            from hpdl.serve.prefill import PackedPrefill
+
+            self._packed_prefill = PackedPrefill(self.model, self.cache, self.cache.num_slots, self.cuda_graph)
+        return self._packed_prefill
+
     @torch.inference_mode()
-    def warm_up(self, max_batch: int | None = None) -> int:
+    def warm_up(self, max_batch: int | None = None, prefill_tokens: int | None = None) -> int:
         """Capture every CUDA graph a decode of up to ``max_batch`` rows can need (each batch bucket x KV bucket),
-        so no request waits for a capture (or the Triton compiles of the fused step) later. Call it before
-        serving: it writes K/V into slots ``[0, max_batch)``. Returns the number of graphs; 0 without graphs."""
+        and with ``prefill_tokens`` the packed prefill's graphs of batches up to that many tokens, so no request
+        waits for a capture (or the Triton compiles of the fused step) later. Call it before serving: it writes
+        K/V into slots from 0. Returns the number of graphs; 0 without graphs."""
         if not self.cuda_graph:
             return 0
+        if prefill_tokens:
+            self.packed_prefill.capture(prefill_tokens)
         top = min(max_batch or self.cache.num_slots, self.cache.num_slots)
         sizes = sorted({min(b, top) for b in self.BATCH_BUCKETS if b <= top} | {top})
         for nb in sizes:
             for kb in range(self.KV_BUCKET, self.cache.max_seq_len + self.KV_BUCKET, self.KV_BUCKET):
                 kb = min(kb, self.cache.max_seq_len)
                 self.execute(StepPlan(start=0, n=nb, decode_tokens=[0] * nb, decode_positions=[kb - 1] * nb))
-        return len(self._graphs)
+        return len(self._graphs) + (len(self._packed_prefill.graphs) if self._packed_prefill is not None else 0)
 
     def close(self) -> None:
         """Drop the captured CUDA graphs and wait for the device: a graph that holds NCCL kernels keeps its
         communicator busy, and destroying the process group then waits for it (seen on the H200 pair)."""
         self._graphs.clear()
         self._pool = None
+        self._packed_prefill = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if self.all_reduce == "hpdl":  # hpdl.comm's cache would keep the destroyed group (and its sockets) alive
