@@ -184,3 +184,23 @@ def test_auto_gemm_config_where_the_fused_step_does_not_run():
         assert not r.fused and r.fused_gemm == "auto"
     with pytest.raises(ValueError, match="'cublas', 'stream' or 'auto'"):
         EngineConfig(fused_gemm="fastest")
+
+
+def test_auto_gemm_keeps_serving_when_one_path_cannot_capture(monkeypatch):
+    def capture(self, nb, kb, path):
+        if path == "stream_pdl":
+            raise _LaunchFailure("out of resources")
+        return _fake_capture_path(self, nb, kb, path)
+
+    def no_timing(self, caps, nb, kb):
+        raise AssertionError("one path left: nothing to time")
+    monkeypatch.setattr(ModelRunner, "_capture_path", capture)
+    monkeypatch.setattr(ModelRunner, "_time_captures", no_timing)
+    monkeypatch.setattr(ModelRunner, "captured", [], raising=False)
+    eng = LLMEngine(ModelSpec(config="llama-tiny"), EngineConfig(num_slots=2, max_seq_len=64, cuda_graph=True,
+                                                                 fused_decode=True, fused_gemm="auto"))
+    r = eng.executor.runner
+    r.cuda_graph = True
+    assert r.warm_up() == 2
+    assert r.gemm_choice[1]["path"] == "cublas" and "out of resources" in r.gemm_choice[1]["errors"]["stream_pdl"]
+    assert r.cuda_graph and r.graph_error is None

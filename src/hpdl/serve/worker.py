@@ -297,10 +297,20 @@ class ModelRunner:
         if self._cublas_from is not None and nb >= self._cublas_from:
             self.gemm_choice[nb] = {"path": "cublas", "by": f"threshold: cuBLAS won at {self._cublas_from} rows"}
             return self._capture_path(nb, kb, "cublas")
-        caps = {name: self._capture_path(nb, kb, name) for name in self.AUTO_PATHS}
-        ms = self._time_captures(caps, nb, kb)
+        caps, errors = {}, {}
+        for name in self.AUTO_PATHS:  # a path that cannot capture here (e.g. a kernel that cannot launch) loses
+            try:
+                caps[name] = self._capture_path(nb, kb, name)
+            except Exception as exc:  # noqa: BLE001 - the other path still serves; all failing raises below
+                if isinstance(exc, KeyboardInterrupt) or len(errors) == len(self.AUTO_PATHS) - 1:
+                    raise
+                errors[name] = repr(exc)[:300]
+                log.warning("fused_gemm auto: the %s path failed to capture at %d rows: %r", name, nb, exc)
+        ms = self._time_captures(caps, nb, kb) if len(caps) > 1 else {name: float("nan") for name in caps}
         best = min(ms, key=ms.get)
         self.gemm_choice[nb] = {"path": best, "ms": {k: round(v, 4) for k, v in ms.items()}, "kv_len": kb}
+        if errors:
+            self.gemm_choice[nb]["errors"] = errors
         if best == "cublas":
             self._cublas_from = nb if self._cublas_from is None else min(self._cublas_from, nb)
         log.info("fused_gemm auto: %d rows -> %s (%s)", nb, best, self.gemm_choice[nb]["ms"])
