@@ -4,6 +4,8 @@ built on them against the current fused step (cuBLAS GEMMs) and the eager step, 
     timeout 300 python3 benchmarks/serve_decode_kernels.py --out $OUT/serve   # device, about 4 minutes
     python3 benchmarks/serve_decode_kernels.py --quick --out $OUT/serve       # device, about 2 minutes: rows 1, 64
     python3 benchmarks/serve_decode_kernels.py --full --out $OUT/serve        # device, rows up to 256 (> 4 min)
+    timeout 290 python3 benchmarks/serve_decode_kernels.py --auto --out $OUT/serve  # device, ~4 min: the
+        # --fused-gemm auto decision (parts compile, step, greedy, engine; 5. below), no gemm part
     python3 benchmarks/serve_decode_kernels.py --smoke --out /tmp/sdk         # CPU plumbing check: tiny shapes, torch
                                                                               # fallback (TRITON_INTERPRET=1: kernels)
     python3 benchmarks/serve_decode_kernels.py --plot DIR                     # the PNG from DIR/decode_kernels.json
@@ -36,6 +38,15 @@ out); one that would start past the time budget is skipped and says so:
    step (and with PDL) vs eager step: identical tokens? (stream_gemm.TUNE off for this part only: one compile
    per variant; the 17:30 run of 2026-12-04 left it off for the parts after it, so its stream numbers were
    untuned.)
+
+5. engine (``--auto``): ``LLMEngine`` for eager, fused cuBLAS and ``fused_gemm="auto"`` (llama-1b bf16, 256 slots x
+   640, CUDA graphs, ``warm_up``), batch-1 TPOT (128-token prompt, 256 new tokens) and 64 / 256 offline requests
+   (128-token prompts, outputs 32..512), the paths interleaved over 2 rounds. With ``--auto`` the step part runs
+   at 1/16/64/256 rows for eager, fused_cublas, ``auto`` (a ``ModelRunner(fused_gemm="auto")``'s own graph),
+   stream_pdl and the 19:32 arrangements with the separate rope_kv kernel (``*_rope_kernel``), the greedy part
+   compares fused_cublas, stream_pdl and auto with eager, and ``auto_default_decision`` says whether ``auto`` is
+   never slower than cuBLAS beyond noise (step: auto's fastest round slower than cuBLAS's slowest and the median
+   > 1% slower; engine: > 2% and no overlap of rounds) and where the default is set.
 
 ``tuned_us`` is the tuner's own time for the plain stream GEMM's chosen config (``stream_config``), to compare with
 the table's ``stream_us``. ``--parts`` runs compile first, the rest in the order given.
@@ -70,12 +81,14 @@ QUICK = dict(ROWS=[1, 64], STEP_ROWS=[1, 64], COPIES=16, ROUNDS=3, BUDGET_S=128.
 # --auto: the --fused-gemm auto decision run (issue 38): step level eager / fused_cublas / auto (+ stream_pdl and
 # the 19:32 arrangements with the separate rope_kv kernel) at 1/16/64/256 rows, then the engine (batch-1 TPOT,
 # 64 and 256 requests) for eager / fused_cublas / auto interleaved, then float32 greedy through the engine
-AUTO = dict(STEP_ROWS=[1, 16, 64, 256], ROWS=[1, 16], PDL_ROWS=[1, 16], PARTS_DEFAULT="compile,step,engine,greedy",
+AUTO = dict(STEP_ROWS=[1, 16, 64, 256], ROWS=[1, 16], PDL_ROWS=[1, 16], PARTS_DEFAULT="compile,step,greedy,engine",
+            COMPILE_ROWS=[1, 16],  # the rows whose stream kernels run (above them auto measures cuBLAS the faster)
             STEP_PATHS="eager,fused_cublas,fused_cublas_rope_kernel,stream_pdl,stream_pdl_rope_kernel,auto",
             GREEDY="fused_cublas,stream_pdl,auto", BUDGET_S=235.0, COMPILE_S=45.0)
 ENGINE_PATHS, ENGINE_ROUNDS, ENGINE_REQS, PROMPT, OUT_LEN, B1_TOKENS = "eager,fused_cublas,auto", 2, [64, 256], 128, \
     (32, 512), 256
 PARTS_DEFAULT = "compile,step,greedy,gemm"
+COMPILE_ROWS = None  # rows whose stream_gemm candidates the compile pool builds; None: ROWS and STEP_ROWS
 SMOKE = dict(MODEL="llama-tiny", DTYPE="float32", ROWS=[1, 4], STEP_ROWS=[1, 4], CTX=20, KV_LEN=32, SLOTS=4,
              MAX_LEN=64, COPIES=2, LM_COPIES=1, REPS=2, ROUNDS=2, JOBS=2, PDL_ROWS=[1], ENGINE_REQS=[3, 4],
              PROMPT=8, OUT_LEN=(2, 12), B1_TOKENS=8, ENGINE_ROUNDS=1)
@@ -184,7 +197,7 @@ def compile_all(device) -> None:
         if key not in seen:
             seen.add(key)
             jobs.append(job)
-    for M in sorted(set(ROWS) | set(STEP_ROWS)):  # row counts in order: the M = 1 kernels compile first
+    for M in sorted(COMPILE_ROWS or set(ROWS) | set(STEP_ROWS)):  # in order: the M = 1 kernels compile first
         for name, (nw, K, fused) in gemm_shapes().items():
             pdl = PDL_ON and M in PDL_ROWS
             add((nw, K, M, fused, NORM_PROLOGUE_ROWS, str(device), DTYPE, False, pdl))  # the stream step's
@@ -447,7 +460,8 @@ def steps(device, copy_bw: float) -> None:
              "auto": "runner"}  # ModelRunner(fused_gemm="auto")'s own graph for the rows' bucket
     with_cublas = sg.CUBLAS_CANDIDATE
     want = STEP_PATHS.split(",")
-    paths = {k: v for k, v in paths.items() if k in want and (not k.startswith("stream_pdl") or sg.pdl_supported(device))}
+    paths = {k: v for k, v in paths.items()
+             if k in want and (not k.startswith("stream_pdl") or sg.pdl_supported(device))}
     runner = None
     if "auto" in paths:
         from hpdl.serve.worker import ModelRunner
@@ -760,9 +774,11 @@ def table() -> str:
         roof = [r for r in RES["step"] if "step_ms" in r and r["rows"] in (1, 64, 256)
                 and r["path"] in ("eager", "fused_cublas", "auto")]
         if roof:
-            lines.append(f"roofline (bytes a step must move / step time vs copy {RES.get('copy_bandwidth_GBps')} GB/s):")
+            lines.append(f"roofline (bytes a step must move / step time vs copy "
+                         f"{RES.get('copy_bandwidth_GBps')} GB/s):")
             for r in roof:
-                lines.append(f"     {r['rows']:4d} {r['path']:12s} {r['min_bytes'] / 1e9:6.3f} GB / {r['step_ms']:.3f} ms "
+                lines.append(f"     {r['rows']:4d} {r['path']:12s} {r['min_bytes'] / 1e9:6.3f} GB / "
+                             f"{r['step_ms']:.3f} ms "
                              f"= {r['GBps']:6.0f} GB/s = {r['frac_copy']:.2f} of copy")
     ch = RES.get("step_auto_choice")
     if isinstance(ch, dict) and ch:

@@ -511,6 +511,6 @@ def step_bytes(model: DecoderLM, cache: KVCache, n: int, mean_len: float) -> flo
     return float(weights + embed + kv)
 
 
-__all__ = ["GEMMS", "NORM_PROLOGUE_ROWS", "ROPE_IN_ATTENTION", "add_rmsnorm", "add_rmsnorm_ref", "attention_splits", "decode_attention",
-           "decode_attention_ref", "fused_decode", "rope_decode_attention", "rope_kv", "rope_kv_ref", "silu_mul", "silu_mul_ref", "step_bytes",
-           "supports", "use_triton"]
+__all__ = ["GEMMS", "NORM_PROLOGUE_ROWS", "ROPE_IN_ATTENTION", "add_rmsnorm", "add_rmsnorm_ref", "attention_splits",
+           "decode_attention", "decode_attention_ref", "fused_decode", "rope_decode_attention", "rope_kv", "rope_kv_ref",
+           "silu_mul", "silu_mul_ref", "step_bytes", "supports", "use_triton"]
