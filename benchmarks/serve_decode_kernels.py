@@ -847,15 +847,16 @@ def plot(d: Path) -> None:
         axs[0].axhline(1.0, color="k", lw=0.5)
         axs[0].set(ylabel="speed relative to fused cuBLAS (higher: faster)", title="engine (CUDA graphs)")
         axs[0].legend(fontsize=7)
-    labels = [f"{r['gemm']}\nM={r['M']}" for r in g]
-    xs = range(len(g))
-    impls = ("cublas", "stream", "cublas_fused", "stream_fused", "auto_fused")
-    for i, impl in enumerate(impls):
-        axs[0].bar([x + (i - 2) * 0.16 for x in xs], [r.get(f"{impl}_frac_copy", 0) for r in g], width=0.16,
-                   label=impl)
-    axs[0].set_xticks(list(xs), labels, fontsize=6)
-    axs[0].set(ylabel="fraction of copy bandwidth", title="decode GEMMs (graph of weight copies)")
-    axs[0].legend(fontsize=7)
+    else:
+        labels = [f"{r['gemm']}\nM={r['M']}" for r in g]
+        xs = range(len(g))
+        impls = ("cublas", "stream", "cublas_fused", "stream_fused", "auto_fused")
+        for i, impl in enumerate(impls):
+            axs[0].bar([x + (i - 2) * 0.16 for x in xs], [r.get(f"{impl}_frac_copy", 0) for r in g], width=0.16,
+                       label=impl)
+        axs[0].set_xticks(list(xs), labels, fontsize=6)
+        axs[0].set(ylabel="fraction of copy bandwidth", title="decode GEMMs (graph of weight copies)")
+        axs[0].legend(fontsize=7)
     st = [r for r in res.get("step", []) if "step_ms" in r]
     for path in dict.fromkeys(r["path"] for r in st):
         pts = [(r["rows"], r["step_ms"]) for r in st if r["path"] == path]
