@@ -184,6 +184,13 @@ def _interpreted_check() -> None:
     assert int(counters(q.device).abs().sum()) == 0
     gu = torch.randn(n, 400)
     torch.testing.assert_close(fz.silu_mul(gu), fz.silu_mul_ref(gu))
+    for dt in (torch.float32, torch.bfloat16):  # the step's greedy argmax: ties to the first index, as torch
+        lg = torch.randn(4, 320).to(dt)
+        lg[1, 7] = lg[1, 200] = 50.0
+        lg[2] = -3e38
+        lg[3, 299] = 99.0
+        for t in (lg, lg[:, :300]):  # contiguous, and a row-strided view (a padded vocabulary)
+            assert torch.equal(fz.argmax_rows(t), t.argmax(-1)), dt
     for kw in STREAM[:3]:  # whole steps (RoPE in the attention kernel; rope_kv's path is bit-equal, above): cuBLAS-path kernels, then the stream GEMMs without and with the norm prologue
         model, cache, lens = _prefilled()
         le, lf, ce = _decode_both(model, cache, lens.clone(), steps=3 if not kw else 2, **kw)

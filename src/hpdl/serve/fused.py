@@ -258,6 +258,13 @@ if triton is not None:
         tl.store(out_ptr + oh * D + dd, o.to(out_ptr.dtype.element_ty))
 
     @triton.jit
+    def _argmax_kernel(x_ptr, out_ptr, V, stride, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row.to(tl.int64) * stride + offs, mask=offs < V, other=float("-inf"))
+        tl.store(out_ptr + row, tl.argmax(x, axis=0, tie_break_left=True).to(tl.int64))
+
+    @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, I, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -381,6 +388,23 @@ def silu_mul(gu):
     return out
 
 
+ARGMAX_MAX_BLOCK = 65536  # the widest row one program loads at once; wider vocabularies use torch's argmax
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)`` for ``[n, V]`` logits (unit column stride) as one program per row that loads the
+    whole row at once (one memory round trip; torch's reduction took 11.6 us for one 32000-wide bf16 row on the
+    H200, 2026-12-04 19:32, 1.3% of the batch-1 step). Ties go to the first index, as torch's; NaN is not
+    handled (torch would return its index). Returns int64 ``[n]``."""
+    n, V = logits.shape
+    if not use_triton(logits) or logits.stride(1) != 1 or triton.next_power_of_2(V) > ARGMAX_MAX_BLOCK:
+        return logits.argmax(dim=-1)
+    out = torch.empty(n, dtype=torch.int64, device=logits.device)
+    block = triton.next_power_of_2(V)
+    _argmax_kernel[(n,)](logits, out, V, logits.stride(0), BLOCK=block, num_warps=16 if block >= 16384 else 4)
+    return out
+
+
 # --- the fused decode step --------------------------------------------------------------------------
 def supports(model: DecoderLM) -> str | None:
     """None if ``fused_decode`` can run ``model``, else why not (GPT-2, tensor parallelism, head_dim)."""
@@ -458,7 +482,7 @@ def fused_decode(model: DecoderLM, cache: KVCache, tokens: torch.Tensor, pos: to
         nxt = model.layers[i + 1].ln_1.weight if i + 1 < len(model.layers) else model.norm.weight
         res, y = add_rmsnorm(d, res, nxt, cfg.norm_eps)
     logits = F.linear(y, model.lm_head.weight)[:, : cfg.vocab_size]
-    return logits, (logits.argmax(dim=-1) if greedy else None)
+    return logits, (argmax_rows(logits) if greedy else None)
 
 
 def _stream_decode(model: DecoderLM, cache: KVCache, tokens, pos, start: int, kv_len: int, greedy: bool,
@@ -496,7 +520,7 @@ def _stream_decode(model: DecoderLM, cache: KVCache, tokens, pos, start: int, kv
         act = normed(res, mlp.up_proj.weight, layer.ln_2.weight, silu_mul=True)
         res = stream_gemm(act, mlp.down_proj.weight, residual=res, **gk)
     logits = normed(res, model.lm_head.weight, model.norm.weight)[:, : cfg.vocab_size]
-    return logits, (logits.argmax(dim=-1) if greedy else None)
+    return logits, (argmax_rows(logits) if greedy else None)
 
 
 def step_bytes(model: DecoderLM, cache: KVCache, n: int, mean_len: float) -> float:
@@ -511,6 +535,6 @@ def step_bytes(model: DecoderLM, cache: KVCache, n: int, mean_len: float) -> flo
     return float(weights + embed + kv)
 
 
-__all__ = ["GEMMS", "NORM_PROLOGUE_ROWS", "ROPE_IN_ATTENTION", "add_rmsnorm", "add_rmsnorm_ref", "attention_splits",
+__all__ = ["GEMMS", "NORM_PROLOGUE_ROWS", "ROPE_IN_ATTENTION", "add_rmsnorm", "add_rmsnorm_ref", "argmax_rows", "attention_splits",
            "decode_attention", "decode_attention_ref", "fused_decode", "rope_decode_attention", "rope_kv", "rope_kv_ref",
            "silu_mul", "silu_mul_ref", "step_bytes", "supports", "use_triton"]
