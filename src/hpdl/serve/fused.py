@@ -261,8 +261,8 @@ if triton is not None:
     def _argmax_kernel(x_ptr, out_ptr, V, stride, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row.to(tl.int64) * stride + offs, mask=offs < V, other=float("-inf"))
-        tl.store(out_ptr + row, tl.argmax(x, axis=0, tie_break_left=True).to(tl.int64))
+        x = tl.load(x_ptr + row.to(tl.int64) * stride + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        tl.store(out_ptr + row, tl.argmax(x, axis=0, tie_break_left=True).to(tl.int64))  # float32: exact, same order
 
     @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, I, BLOCK: tl.constexpr):
