@@ -162,7 +162,8 @@ def _interpreted_check() -> None:
     ref = fz.decode_attention_ref(q, kc, vc, pos, 2)
     for splits in (1, 2, 3):  # one pass, and split-K with empty chunks for the short rows
         torch.testing.assert_close(fz.decode_attention(q, kc, vc, pos, 2, 151, splits=splits, block_n=16), ref)
-        for _ in range(2):  # the chunks combined by the last program; counters left at 0 for the second call
+        for one_shot in (True, False, True):  # the chunks combined by the last program, every split's partials
+            fz.COMBINE_ONE_SHOT = one_shot  # loaded at once or split by split; counters left at 0 for the next call
             torch.testing.assert_close(fz.decode_attention(q, kc, vc, pos, 2, 151, splits=splits, block_n=16,
                                                            fuse_combine=True), ref)
     # RoPE + K/V write inside the attention kernel: bit-equal to rope_kv then decode_attention (same arithmetic,
@@ -191,7 +192,9 @@ def _interpreted_check() -> None:
         lg[3, 299] = 99.0
         for t in (lg, lg[:, :300]):  # contiguous, and a row-strided view (a padded vocabulary)
             assert torch.equal(fz.argmax_rows(t), t.argmax(-1)), dt
-    for kw in STREAM[:3]:  # whole steps (RoPE in the attention kernel; rope_kv's path is bit-equal, above): cuBLAS-path kernels, then the stream GEMMs without and with the norm prologue
+    # whole steps with RoPE in the attention kernel (rope_kv's path is bit-equal, above): cuBLAS-path kernels,
+    # then the stream GEMMs without and with the norm prologue
+    for kw in STREAM[:3]:
         model, cache, lens = _prefilled()
         le, lf, ce = _decode_both(model, cache, lens.clone(), steps=3 if not kw else 2, **kw)
         for a, b in zip(le, lf):

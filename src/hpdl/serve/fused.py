@@ -155,7 +155,8 @@ if triton is not None:
                             scale, s_slot, s_head, s_pos, H, HKV, CHUNK,
                             G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                             SPLIT: tl.constexpr, PREC: tl.constexpr, COMBINE: tl.constexpr = False,
-                            PDL: tl.constexpr = False, ROPE: tl.constexpr = False, cos_ptr=None, sin_ptr=None):
+                            PDL: tl.constexpr = False, ROPE: tl.constexpr = False, cos_ptr=None, sin_ptr=None,
+                            SP: tl.constexpr = 0):
         if PDL:  # launched with PDL: wait for the previous kernel (rope_kv, or the qkv GEMM with ROPE), then let
             gdc_wait()  # the o GEMM launch and load its weights
             gdc_launch_dependents()
@@ -220,25 +221,42 @@ if triton is not None:
             if COMBINE:  # the last program of this (row, kv head) combines the splits (no second kernel)
                 tl.debug_barrier()  # every thread's partial is written before the release below
                 done = tl.atomic_add(cnt_ptr + row * HKV + kvh, 1, sem="acq_rel")
-                if done == nsplit - 1:
-                    mx = tl.full([GP], float("-inf"), tl.float32)
-                    for sp in range(0, nsplit):  # split 0 always holds position 0, so mx ends finite
-                        mx = tl.maximum(mx, tl.load(part_ml_ptr + (oh * nsplit + sp) * 2, mask=gm,
-                                                    other=float("-inf"), cache_modifier=".cg"))
-                    num = tl.zeros([GP, D], tl.float32)
-                    den = tl.zeros([GP], tl.float32)
-                    for sp in range(0, nsplit):  # split order, as _combine_kernel sums
-                        pi = oh * nsplit + sp
-                        w = tl.exp(tl.load(part_ml_ptr + pi * 2, mask=gm, other=float("-inf"),
-                                           cache_modifier=".cg") - mx)
-                        w = tl.where(gm, w, 0.0)
-                        den += tl.load(part_ml_ptr + pi * 2 + 1, mask=gm, other=0.0, cache_modifier=".cg") * w
-                        num += tl.load(part_acc_ptr + pi[:, None] * D + dd[None, :], mask=gm[:, None], other=0.0,
-                                       cache_modifier=".cg") * w[:, None]
-                    o = num / tl.where(gm, den, 1.0)[:, None]
-                    tl.store(out_ptr + oh[:, None] * D + dd[None, :], o.to(out_ptr.dtype.element_ty),
-                             mask=gm[:, None])
-                    tl.atomic_xchg(cnt_ptr + row * HKV + kvh, 0)  # ready for the next launch
+                if SP > 0:  # every split's partials in one load each ([GP, SP] and [GP, SP, D])
+                    if done == nsplit - 1:
+                        sp = tl.arange(0, SP)
+                        pi = oh[:, None] * nsplit + sp[None, :]
+                        pm = gm[:, None] & (sp < nsplit)[None, :]
+                        m = tl.load(part_ml_ptr + pi * 2, mask=pm, other=float("-inf"), cache_modifier=".cg")
+                        lv = tl.load(part_ml_ptr + pi * 2 + 1, mask=pm, other=0.0, cache_modifier=".cg")
+                        mx = tl.max(m, axis=1)  # split 0 always holds position 0: finite for the real heads
+                        w = tl.where(pm, tl.exp(m - mx[:, None]), 0.0)
+                        den = tl.sum(lv * w, axis=1)
+                        pa = tl.load(part_acc_ptr + pi[:, :, None] * D + dd[None, None, :], mask=pm[:, :, None],
+                                     other=0.0, cache_modifier=".cg")
+                        o = tl.sum(pa * w[:, :, None], axis=1) / tl.where(gm, den, 1.0)[:, None]
+                        tl.store(out_ptr + oh[:, None] * D + dd[None, :], o.to(out_ptr.dtype.element_ty),
+                                 mask=gm[:, None])
+                        tl.atomic_xchg(cnt_ptr + row * HKV + kvh, 0)  # ready for the next launch
+                else:  # one split after another (COMBINE_ONE_SHOT off): two L2 round trips per split
+                    if done == nsplit - 1:
+                        mx = tl.full([GP], float("-inf"), tl.float32)
+                        for sp in range(0, nsplit):  # split 0 always holds position 0, so mx ends finite
+                            mx = tl.maximum(mx, tl.load(part_ml_ptr + (oh * nsplit + sp) * 2, mask=gm,
+                                                        other=float("-inf"), cache_modifier=".cg"))
+                        num = tl.zeros([GP, D], tl.float32)
+                        den = tl.zeros([GP], tl.float32)
+                        for sp in range(0, nsplit):  # split order, as _combine_kernel sums
+                            pi = oh * nsplit + sp
+                            w = tl.exp(tl.load(part_ml_ptr + pi * 2, mask=gm, other=float("-inf"),
+                                               cache_modifier=".cg") - mx)
+                            w = tl.where(gm, w, 0.0)
+                            den += tl.load(part_ml_ptr + pi * 2 + 1, mask=gm, other=0.0, cache_modifier=".cg") * w
+                            num += tl.load(part_acc_ptr + pi[:, None] * D + dd[None, :], mask=gm[:, None], other=0.0,
+                                           cache_modifier=".cg") * w[:, None]
+                        o = num / tl.where(gm, den, 1.0)[:, None]
+                        tl.store(out_ptr + oh[:, None] * D + dd[None, :], o.to(out_ptr.dtype.element_ty),
+                                 mask=gm[:, None])
+                        tl.atomic_xchg(cnt_ptr + row * HKV + kvh, 0)  # ready for the next launch
         else:
             o = acc / l_i[:, None]
             tl.store(out_ptr + oh[:, None] * D + dd[None, :], o.to(out_ptr.dtype.element_ty), mask=gm[:, None])
@@ -316,6 +334,12 @@ def attention_splits(n: int, hkv: int, kv_len: int, block_n: int = 64, target: i
     return max(1, min(want, -(-kv_len // block_n)))
 
 
+COMBINE_ONE_SHOT = True  # fuse_combine loads every split's partials at once (where they fit COMBINE_MAX_ELEMS);
+# False: a loop over the splits, two L2 round trips per split (5.9 us per attention at 1 row on the H200,
+# 2026-12-04 19:32, against 2.6 us for the split kernel alone)
+COMBINE_MAX_ELEMS = 16384  # float32 partials one program loads at once (GP x SP x D)
+
+
 def decode_attention(q, kc, vc, pos, start: int, kv_len: int, splits: int | None = None, block_n: int = 64,
                      fuse_combine: bool = False, pdl: bool = False):
     """Triton ``decode_attention_ref``: each program reads one (row, kv head, KV chunk) and serves all
@@ -370,9 +394,12 @@ def _attend(src, rope, kc, vc, pos, start, kv_len, h, splits, block_n, fuse_comb
         if n * hkv > counters(src.device).numel():
             raise ValueError(f"fuse_combine: {n} rows x {hkv} kv heads exceed the counter buffer")
     cnt = counters(src.device) if fuse_combine else out
+    sp = triton.next_power_of_2(splits)
+    one_shot = fuse_combine and COMBINE_ONE_SHOT and args["GP"] * sp * d <= COMBINE_MAX_ELEMS
     _decode_attn_kernel[(n, hkv, splits)](src, kc, vc, pos, out, acc, ml, cnt, start, d ** -0.5, kc.stride(0),
                                           kc.stride(1), kc.stride(2), h, hkv, chunk, SPLIT=True,
-                                          COMBINE=fuse_combine, **args, **_pdl_args(pdl and fuse_combine))
+                                          COMBINE=fuse_combine, SP=sp if one_shot else 0, **args,
+                                          **_pdl_args(pdl and fuse_combine))
     if not fuse_combine:
         _combine_kernel[(n * h,)](acc, ml, out, splits, SP=triton.next_power_of_2(splits), D=d)
     return out
@@ -388,6 +415,7 @@ def silu_mul(gu):
     return out
 
 
+TRITON_ARGMAX = True  # False: torch's argmax in the step (as until 2026-12-04 19:32)
 ARGMAX_MAX_BLOCK = 65536  # the widest row one program loads at once; wider vocabularies use torch's argmax
 
 
@@ -397,7 +425,8 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     H200, 2026-12-04 19:32, 1.3% of the batch-1 step). Ties go to the first index, as torch's; NaN is not
     handled (torch would return its index). Returns int64 ``[n]``."""
     n, V = logits.shape
-    if not use_triton(logits) or logits.stride(1) != 1 or triton.next_power_of_2(V) > ARGMAX_MAX_BLOCK:
+    if (not TRITON_ARGMAX or not use_triton(logits) or logits.stride(1) != 1
+            or triton.next_power_of_2(V) > ARGMAX_MAX_BLOCK):
         return logits.argmax(dim=-1)
     out = torch.empty(n, dtype=torch.int64, device=logits.device)
     block = triton.next_power_of_2(V)
@@ -535,6 +564,7 @@ def step_bytes(model: DecoderLM, cache: KVCache, n: int, mean_len: float) -> flo
     return float(weights + embed + kv)
 
 
-__all__ = ["GEMMS", "NORM_PROLOGUE_ROWS", "ROPE_IN_ATTENTION", "add_rmsnorm", "add_rmsnorm_ref", "argmax_rows", "attention_splits",
-           "decode_attention", "decode_attention_ref", "fused_decode", "rope_decode_attention", "rope_kv", "rope_kv_ref",
-           "silu_mul", "silu_mul_ref", "step_bytes", "supports", "use_triton"]
+__all__ = ["COMBINE_ONE_SHOT", "GEMMS", "NORM_PROLOGUE_ROWS", "ROPE_IN_ATTENTION", "TRITON_ARGMAX", "add_rmsnorm",
+           "add_rmsnorm_ref", "argmax_rows", "attention_splits", "decode_attention", "decode_attention_ref",
+           "fused_decode", "rope_decode_attention", "rope_kv", "rope_kv_ref", "silu_mul", "silu_mul_ref", "step_bytes",
+           "supports", "use_triton"]
