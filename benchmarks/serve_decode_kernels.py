@@ -43,7 +43,8 @@ out); one that would start past the time budget is skipped and says so:
    640, CUDA graphs, ``warm_up``), batch-1 TPOT (128-token prompt, 256 new tokens) and 64 / 256 offline requests
    (128-token prompts, outputs 32..512), the paths interleaved over 2 rounds. With ``--auto`` the step part runs
    at 1/16/64/256 rows for eager, fused_cublas, ``auto`` (a ``ModelRunner(fused_gemm="auto")``'s own graph),
-   stream_pdl and the 19:32 arrangements with the separate rope_kv kernel (``*_rope_kernel``), the greedy part
+   stream_pdl and the 19:32 arrangements (``*_1932``: the separate rope_kv kernel, the attention's split-by-split
+   combine, torch's argmax), the greedy part
    compares fused_cublas, stream_pdl and auto with eager, and ``auto_default_decision`` says whether ``auto`` is
    never slower than cuBLAS beyond noise (step: auto's fastest round slower than cuBLAS's slowest and the median
    > 1% slower; engine: > 2% and no overlap of rounds) and where the default is set.
@@ -83,7 +84,7 @@ QUICK = dict(ROWS=[1, 64], STEP_ROWS=[1, 64], COPIES=16, ROUNDS=3, BUDGET_S=128.
 # 64 and 256 requests) for eager / fused_cublas / auto interleaved, then float32 greedy through the engine
 AUTO = dict(STEP_ROWS=[1, 16, 64, 256], ROWS=[1, 16], PDL_ROWS=[1, 16], PARTS_DEFAULT="compile,step,greedy,engine",
             COMPILE_ROWS=[1, 16],  # the rows whose stream kernels run (above them auto measures cuBLAS the faster)
-            STEP_PATHS="eager,fused_cublas,fused_cublas_rope_kernel,stream_pdl,stream_pdl_rope_kernel,auto",
+            STEP_PATHS="eager,fused_cublas,fused_cublas_1932,stream_pdl,stream_pdl_1932,auto",
             GREEDY="fused_cublas,stream_pdl,auto", BUDGET_S=235.0, COMPILE_S=45.0)
 ENGINE_PATHS, ENGINE_ROUNDS, ENGINE_REQS, PROMPT, OUT_LEN, B1_TOKENS = "eager,fused_cublas,auto", 2, [64, 256], 128, \
     (32, 512), 256
@@ -454,9 +455,10 @@ def steps(device, copy_bw: float) -> None:
              "stream": dict(gemm="stream"),  # the RMSNorm in the GEMMs up to fused.NORM_PROLOGUE_ROWS rows
              "stream_auto": dict(gemm="stream"),  # the same, cuBLAS among each shape's tuned candidates
              "stream_pdl": dict(gemm="stream", pdl=True, cublas_candidate=False),  # PDL, Triton GEMMs only
-             # the 19:32 arrangement (rope_kv its own kernel), to measure RoPE inside the attention kernel
-             "fused_cublas_rope_kernel": dict(gemm="cublas", rope_in_attention=False),
-             "stream_pdl_rope_kernel": dict(gemm="stream", pdl=True, cublas_candidate=False, rope_in_attention=False),
+             # the 19:32 arrangements (rope_kv its own kernel, the split combine loop, torch's argmax; ``pre``
+             # sets the flags), to measure what changed since
+             "fused_cublas_1932": dict(gemm="cublas", rope_in_attention=False),
+             "stream_pdl_1932": dict(gemm="stream", pdl=True, cublas_candidate=False, rope_in_attention=False),
              "auto": "runner"}  # ModelRunner(fused_gemm="auto")'s own graph for the rows' bucket
     with_cublas = sg.CUBLAS_CANDIDATE
     want = STEP_PATHS.split(",")
@@ -495,6 +497,7 @@ def steps(device, copy_bw: float) -> None:
             fns[name] = run
 
         def pre(name):  # the flags matter at the warm call (tuning) and the capture
+            fz.COMBINE_ONE_SHOT = fz.TRITON_ARGMAX = not (name or "").endswith("_1932")
             sg.PDL = name == "stream_pdl"
             sg.CUBLAS_CANDIDATE = name == "stream_auto" or (name is None and with_cublas)
         with torch.inference_mode():
