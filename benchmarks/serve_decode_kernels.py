@@ -4,6 +4,8 @@ built on them against the current fused step (cuBLAS GEMMs) and the eager step, 
     timeout 300 python3 benchmarks/serve_decode_kernels.py --out $OUT/serve   # device, about 4 minutes
     python3 benchmarks/serve_decode_kernels.py --quick --out $OUT/serve       # device, about 2 minutes: rows 1, 64
     python3 benchmarks/serve_decode_kernels.py --full --out $OUT/serve        # device, rows up to 256 (> 4 min)
+    timeout 290 python3 benchmarks/serve_decode_kernels.py --auto --out $OUT/serve  # device, ~4 min: the
+        # --fused-gemm auto decision (parts compile, step, greedy, engine; 5. below), no gemm part
     python3 benchmarks/serve_decode_kernels.py --smoke --out /tmp/sdk         # CPU plumbing check: tiny shapes, torch
                                                                               # fallback (TRITON_INTERPRET=1: kernels)
     python3 benchmarks/serve_decode_kernels.py --plot DIR                     # the PNG from DIR/decode_kernels.json
@@ -37,6 +39,16 @@ out); one that would start past the time budget is skipped and says so:
    per variant; the 17:30 run of 2026-12-04 left it off for the parts after it, so its stream numbers were
    untuned.)
 
+5. engine (``--auto``): ``LLMEngine`` for eager, fused cuBLAS and ``fused_gemm="auto"`` (llama-1b bf16, 256 slots x
+   640, CUDA graphs, ``warm_up``), batch-1 TPOT (128-token prompt, 256 new tokens) and 64 / 256 offline requests
+   (128-token prompts, outputs 32..512), the paths interleaved over 2 rounds. With ``--auto`` the step part runs
+   at 1/16/64/256 rows for eager, fused_cublas, ``auto`` (a ``ModelRunner(fused_gemm="auto")``'s own graph),
+   stream_pdl and the 19:32 arrangements (``*_1932``: the separate rope_kv kernel, the attention's split-by-split
+   combine, torch's argmax), the greedy part
+   compares fused_cublas, stream_pdl and auto with eager, and ``auto_default_decision`` says whether ``auto`` is
+   never slower than cuBLAS beyond noise (step: auto's fastest round slower than cuBLAS's slowest and the median
+   > 1% slower; engine: > 2% and no overlap of rounds) and where the default is set.
+
 ``tuned_us`` is the tuner's own time for the plain stream GEMM's chosen config (``stream_config``), to compare with
 the table's ``stream_us``. ``--parts`` runs compile first, the rest in the order given.
 """
@@ -67,8 +79,20 @@ FULL = dict(ROWS=[1, 16, 64, 256], STEP_ROWS=[1, 64, 256], PDL_ROWS=[1, 8, 16, 6
 QUICK = dict(ROWS=[1, 64], STEP_ROWS=[1, 64], COPIES=16, ROUNDS=3, BUDGET_S=128.0, COMPILE_S=40.0, JOBS=14,
              GEMM_LEFT_S=30.0, STEP_PATHS="eager,fused_cublas,stream,stream_auto,stream_pdl", GREEDY="stream_pdl",
              PDL_ROWS=[1])
+# --auto: the --fused-gemm auto decision run (issue 38): step level eager / fused_cublas / auto (+ stream_pdl and
+# the 19:32 arrangements with the separate rope_kv kernel) at 1/16/64/256 rows, then the engine (batch-1 TPOT,
+# 64 and 256 requests) for eager / fused_cublas / auto interleaved, then float32 greedy through the engine
+AUTO = dict(STEP_ROWS=[1, 16, 64, 256], ROWS=[1, 16], PDL_ROWS=[1, 16], PARTS_DEFAULT="compile,step,greedy,engine",
+            COMPILE_ROWS=[1, 16],  # the rows whose stream kernels run (above them auto measures cuBLAS the faster)
+            STEP_PATHS="eager,fused_cublas,fused_cublas_1932,stream_pdl,stream_pdl_1932,auto",
+            GREEDY="fused_cublas,stream_pdl,auto", BUDGET_S=235.0, COMPILE_S=45.0)
+ENGINE_PATHS, ENGINE_ROUNDS, ENGINE_REQS, PROMPT, OUT_LEN, B1_TOKENS = "eager,fused_cublas,auto", 2, [64, 256], 128, \
+    (32, 512), 256
+PARTS_DEFAULT = "compile,step,greedy,gemm"
+COMPILE_ROWS = None  # rows whose stream_gemm candidates the compile pool builds; None: ROWS and STEP_ROWS
 SMOKE = dict(MODEL="llama-tiny", DTYPE="float32", ROWS=[1, 4], STEP_ROWS=[1, 4], CTX=20, KV_LEN=32, SLOTS=4,
-             MAX_LEN=64, COPIES=2, LM_COPIES=1, REPS=2, ROUNDS=2, JOBS=2, PDL_ROWS=[1])
+             MAX_LEN=64, COPIES=2, LM_COPIES=1, REPS=2, ROUNDS=2, JOBS=2, PDL_ROWS=[1], ENGINE_REQS=[3, 4],
+             PROMPT=8, OUT_LEN=(2, 12), B1_TOKENS=8, ENGINE_ROUNDS=1)
 _T0 = time.perf_counter()
 RES: dict = {}
 OUT: Path = Path(".")
@@ -174,7 +198,7 @@ def compile_all(device) -> None:
         if key not in seen:
             seen.add(key)
             jobs.append(job)
-    for M in sorted(set(ROWS) | set(STEP_ROWS)):  # row counts in order: the M = 1 kernels compile first
+    for M in sorted(COMPILE_ROWS or set(ROWS) | set(STEP_ROWS)):  # in order: the M = 1 kernels compile first
         for name, (nw, K, fused) in gemm_shapes().items():
             pdl = PDL_ON and M in PDL_ROWS
             add((nw, K, M, fused, NORM_PROLOGUE_ROWS, str(device), DTYPE, False, pdl))  # the stream step's
@@ -241,6 +265,16 @@ def _time_ms(replay, reps: int, device) -> float:
     return a.elapsed_time(b) / reps
 
 
+class _Replay:
+    """A function that already replays a CUDA graph (the engine's own): ``_interleaved`` times it as it is."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self):
+        return self.fn()
+
+
 def _interleaved(fns: dict, device, pre=None) -> tuple[dict, dict]:
     """Capture every ``fns[name]`` (``pre(name)`` runs before its warm call and capture, e.g. to set a flag;
     ``pre(None)`` after), then time them in ``ROUNDS`` rounds of ``REPS`` replays each, the implementations
@@ -251,7 +285,7 @@ def _interleaved(fns: dict, device, pre=None) -> tuple[dict, dict]:
         if pre is not None:
             pre(name)
         try:
-            replays[name] = _capture(fn, device)
+            replays[name] = fn.fn if isinstance(fn, _Replay) and device.type == "cuda" else _capture(fn, device)
         except Exception as exc:  # noqa: BLE001 - one implementation's failure keeps the others
             errors[name] = repr(exc)[:400]
         finally:
@@ -420,10 +454,22 @@ def steps(device, copy_bw: float) -> None:
              "stream_norm_kernel": dict(gemm="stream", norm_prologue_rows=0),
              "stream": dict(gemm="stream"),  # the RMSNorm in the GEMMs up to fused.NORM_PROLOGUE_ROWS rows
              "stream_auto": dict(gemm="stream"),  # the same, cuBLAS among each shape's tuned candidates
-             "stream_pdl": dict(gemm="stream")}  # "stream" with stream_gemm.PDL on
+             "stream_pdl": dict(gemm="stream", pdl=True, cublas_candidate=False),  # PDL, Triton GEMMs only
+             # the 19:32 arrangements (rope_kv its own kernel, the split combine loop, torch's argmax; ``pre``
+             # sets the flags), to measure what changed since
+             "fused_cublas_1932": dict(gemm="cublas", rope_in_attention=False),
+             "stream_pdl_1932": dict(gemm="stream", pdl=True, cublas_candidate=False, rope_in_attention=False),
+             "auto": "runner"}  # ModelRunner(fused_gemm="auto")'s own graph for the rows' bucket
     with_cublas = sg.CUBLAS_CANDIDATE
     want = STEP_PATHS.split(",")
-    paths = {k: v for k, v in paths.items() if k in want and (k != "stream_pdl" or sg.pdl_supported(device))}
+    paths = {k: v for k, v in paths.items()
+             if k in want and (not k.startswith("stream_pdl") or sg.pdl_supported(device))}
+    runner = None
+    if "auto" in paths:
+        from hpdl.serve.worker import ModelRunner
+
+        runner = ModelRunner(model, 1, 1, cuda_graph=device.type == "cuda", fused=True, fused_gemm="auto")
+        runner.cache = cache  # the step part's cache (same slots, lengths and contents)
     res = []
     for n in STEP_ROWS:
         if _left() < 25:
@@ -433,7 +479,11 @@ def steps(device, copy_bw: float) -> None:
         pos = torch.full((n,), CTX, device=device)
         fns, boxes = {}, {}
         for name, kw in paths.items():
-            if name == "stream_pdl" and n not in PDL_ROWS:
+            if name.startswith("stream_pdl") and n not in PDL_ROWS:
+                continue
+            box = boxes[name] = {}
+            if kw == "runner":
+                fns[name] = _runner_replay(runner, n, toks, box, device)
                 continue
             if kw is None:
                 def fn(toks=toks, pos=pos):
@@ -441,13 +491,13 @@ def steps(device, copy_bw: float) -> None:
             else:
                 def fn(toks=toks, pos=pos, kw=kw):
                     return fz.fused_decode(model, cache, toks, pos, 0, KV_LEN, **kw)[0]
-            box = boxes[name] = {}
 
             def run(fn=fn, box=box):
                 box["out"] = fn()
             fns[name] = run
 
         def pre(name):  # the flags matter at the warm call (tuning) and the capture
+            fz.COMBINE_ONE_SHOT = fz.TRITON_ARGMAX = not (name or "").endswith("_1932")
             sg.PDL = name == "stream_pdl"
             sg.CUBLAS_CANDIDATE = name == "stream_auto" or (name is None and with_cublas)
         with torch.inference_mode():
@@ -477,7 +527,153 @@ def steps(device, copy_bw: float) -> None:
                 r["argmax_equal_vs_eager"] = int((outs[name].argmax(-1) == outs["eager"].argmax(-1)).sum())
             res.append(r)
         _save("step", res)
+    if runner is not None:
+        _save("step_auto_choice", runner.gemm_choice)
+        runner.close()
     _save("step_tuned_configs", __import__("hpdl.serve.stream_gemm", fromlist=["x"]).tuned_configs())
+
+
+def _runner_replay(runner, n: int, toks, box: dict, device):
+    """The "auto" step: ``runner.execute`` of an n-row decode at CTX (captures the bucket's graph, measuring the
+    paths at its first capture), then a ``_Replay`` of that graph (CPU: the runner's eager decode)."""
+    import torch
+
+    from hpdl.serve.scheduler import StepPlan
+
+    plan = StepPlan(start=0, n=n, decode_tokens=toks.tolist(), decode_positions=[CTX] * n)
+    with torch.inference_mode():
+        runner.execute(plan)
+    if not runner.cuda_graph:
+        def eager():
+            with torch.inference_mode():
+                box["out"] = runner.execute(plan)
+        return eager
+    kb = min(-(-(CTX + 1) // runner.KV_BUCKET) * runner.KV_BUCKET, runner.cache.max_seq_len)
+    graph, _, _, out, _ = runner._graphs[(runner._bucket(n), kb)]  # its toks/pos hold the plan's (execute)
+
+    def replay():
+        graph.replay()
+        box["out"] = out[:n]
+    return _Replay(replay)
+
+
+# --- 5. the engine: batch-1 TPOT and offline throughput, paths interleaved ---------------------------------
+def engine_part(device) -> None:
+    """``LLMEngine`` per path of ENGINE_PATHS (eager step, fused cuBLAS step, ``fused_gemm="auto"``), all alive at
+    once, CUDA graphs captured first (``warm_up``) and every prefill shape run once; then batch-1 TPOT
+    (PROMPT-token prompt, B1_TOKENS new tokens) and ENGINE_REQS offline requests (PROMPT-token prompts, outputs
+    uniform in OUT_LEN, EOS ignored), the paths interleaved in ENGINE_ROUNDS rounds per workload."""
+    import gc
+    import math
+
+    import torch
+
+    from hpdl.serve import EngineConfig, LLMEngine, ModelSpec, bench
+    from hpdl.serve.worker import NAMED_CONFIGS
+
+    if _left() < 60:
+        return _save("engine", "skipped: time budget")
+    vocab = NAMED_CONFIGS[MODEL].vocab_size
+    kinds = {"eager": dict(fused_decode=False), "fused_cublas": dict(fused_decode=True, fused_gemm="cublas"),
+             "auto": dict(fused_decode=True, fused_gemm="auto")}
+    engines, setup = {}, {}
+    try:
+        for name in ENGINE_PATHS.split(","):
+            t = time.perf_counter()
+            eng = LLMEngine(ModelSpec(config=MODEL, dtype=DTYPE),
+                            EngineConfig(num_slots=SLOTS, max_seq_len=MAX_LEN, device=str(device),
+                                         cuda_graph=device.type == "cuda", max_prefill_tokens=PROMPT * SLOTS,
+                                         **kinds[name]))
+            engines[name] = eng
+            r = eng.executor.runner
+            graphs = r.warm_up()
+            for n in [1] + ENGINE_REQS:  # every prefill shape measured below, once
+                bench.run_engine(eng, bench.make_workload(n, (PROMPT, PROMPT), (2, 2), math.inf, vocab_size=vocab,
+                                                          seed=9))
+            setup[name] = {"graphs": graphs, "seconds": round(time.perf_counter() - t, 1), "fused": r.fused,
+                           "fused_gemm": r.fused_gemm, "cuda_graph": r.cuda_graph, "graph_error": r.graph_error,
+                           "gemm_choice": r.gemm_choice}
+            _save("engine_setup", setup)
+        loads = [("b1", bench.make_workload(1, (PROMPT, PROMPT), (B1_TOKENS, B1_TOKENS), math.inf,
+                                            vocab_size=vocab, seed=0))]
+        loads += [(str(n), bench.make_workload(n, (PROMPT, PROMPT), OUT_LEN, math.inf, vocab_size=vocab, seed=0))
+                  for n in ENGINE_REQS]
+        res: dict = {"workloads": {w: {"requests": len(wl), "output_tokens": sum(x.output_len for x in wl)}
+                                   for w, wl in loads}}
+        for wname, wl in loads:
+            for _ in range(ENGINE_ROUNDS):
+                for name, eng in engines.items():
+                    if _left() < 8:
+                        res.setdefault("skipped", []).append(f"{wname} {name}")
+                        continue
+                    recs = bench.run_engine(eng, wl)
+                    key = "tpot_ms" if wname == "b1" else "output_tok_s"
+                    val = recs[0].tpot * 1e3 if wname == "b1" else bench.summarize(recs)["output_throughput"]
+                    res.setdefault(name, {}).setdefault(wname, {"metric": key, "rounds": []})["rounds"].append(
+                        round(val, 4))
+            _save("engine", res)
+        for name, eng in engines.items():
+            setup[name]["final"] = {"cuda_graph": eng.executor.runner.cuda_graph,
+                                    "graph_error": eng.executor.runner.graph_error}
+        _save("engine_setup", setup)
+    finally:
+        for eng in engines.values():
+            eng.shutdown()
+            eng.executor.runner.close()
+        engines.clear()
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+# --- the default decision --------------------------------------------------------------------------------------
+def auto_decision() -> dict:
+    """Is ``fused_gemm="auto"`` never slower than "cublas" beyond noise? Step level: slower where auto's fastest
+    round is slower than cublas's slowest and its median more than 1% slower; engine: where auto's best round is
+    worse than cublas's worst and its median more than 2% worse (TPOT higher, tok/s lower)."""
+    import statistics
+
+    out: dict = {"checks": [], "slower": []}
+    step = {(r["rows"], r["path"]): r for r in RES.get("step", []) if isinstance(r, dict) and "step_ms" in r}
+    for n in STEP_ROWS:
+        a, c = step.get((n, "auto")), step.get((n, "fused_cublas"))
+        if a is None or c is None:
+            out["checks"].append(f"step {n} rows: missing")
+            continue
+        ratio = a["step_ms"] / c["step_ms"]
+        slower = a["step_ms_min_max"][0] > c["step_ms_min_max"][1] and ratio > 1.01
+        out["checks"].append(f"step {n} rows: auto/cublas {ratio:.3f}" + (" SLOWER" if slower else ""))
+        if slower:
+            out["slower"].append(f"step {n}")
+    eng = RES.get("engine") if isinstance(RES.get("engine"), dict) else {}
+    for w in ["b1"] + [str(n) for n in ENGINE_REQS]:
+        a, c = eng.get("auto", {}).get(w), eng.get("fused_cublas", {}).get(w)
+        if not a or not c:
+            out["checks"].append(f"engine {w}: missing")
+            continue
+        am, cm = statistics.median(a["rounds"]), statistics.median(c["rounds"])
+        if w == "b1":  # TPOT: lower is better
+            ratio, slower = am / cm, min(a["rounds"]) > max(c["rounds"]) and am / cm > 1.02
+        else:
+            ratio, slower = cm / am, max(a["rounds"]) < min(c["rounds"]) and cm / am > 1.02
+        out["checks"].append(f"engine {w}: cublas/auto cost ratio {ratio:.3f}" + (" SLOWER" if slower else ""))
+        if slower:
+            out["slower"].append(f"engine {w}")
+    complete = not any("missing" in c for c in out["checks"])
+    out["make_auto_default"] = complete and not out["slower"]
+    out["flip"] = _default_lines()
+    return out
+
+
+def _default_lines() -> list[str]:
+    """Where the default "cublas" is set (file:line), for the lead to flip to "auto"."""
+    root = Path(__file__).resolve().parents[1] / "src" / "hpdl" / "serve"
+    hits = []
+    for f, needle in (("engine.py", 'fused_gemm: str = "cublas"'), ("cli.py", '"--fused-gemm", default="cublas"')):
+        for i, line in enumerate((root / f).read_text().splitlines(), 1):
+            if needle in line:
+                hits.append(f"src/hpdl/serve/{f}:{i}")
+    return hits
 
 
 # --- 4. float32 greedy tokens through the engine -----------------------------------------------------------
@@ -507,6 +703,7 @@ def _greedy(device, sg) -> None:
     names = [g if g != "stream_pdl" or sg.pdl_supported(device) else "stream" for g in GREEDY.split(",")]
     runs = [(g, dict(fused_decode=True, fused_gemm="stream")) for g in dict.fromkeys(names) if g.startswith("stream")]
     runs += [("fused_cublas", dict(fused_decode=True, fused_gemm="cublas"))] if "fused_cublas" in GREEDY else []
+    runs += [("auto", dict(fused_decode=True, fused_gemm="auto"))] if "auto" in GREEDY.split(",") else []
     for name, kw in [("eager", dict(fused_decode=False))] + runs:
         if name != "eager" and _left() < 20:
             state[name] = "skipped: time budget"
@@ -517,7 +714,8 @@ def _greedy(device, sg) -> None:
                                      cuda_graph=device.type == "cuda", **kw))
         toks[name] = [o.token_ids for o in eng.generate(prompts, params)]
         r = eng.executor.runner
-        state[name] = {"fused": r.fused, "gemm": r.fused_gemm, "cuda_graph": r.cuda_graph, "graph_error": r.graph_error}
+        state[name] = {"fused": r.fused, "gemm": r.fused_gemm, "cuda_graph": r.cuda_graph, "graph_error": r.graph_error,
+                       "gemm_choice": r.gemm_choice}
         eng.shutdown()
         eng.executor.runner.close()
         sg.PDL = False
@@ -562,7 +760,7 @@ def table() -> str:
                     for impl in ("cublas", "stream", "stream_pdl", "cublas_fused", "stream_fused", "auto_fused")
                     if f"{impl}_M{M}_ms" in tot))
     if RES.get("step"):
-        lines.append("step rows path              ms [min-max]             tok/s  frac_copy kernels")
+        lines.append("step rows path                      ms [min-max]             tok/s   GB/s frac_copy kernels")
         best: dict = {}
         for r in RES["step"]:
             if "error" in r:
@@ -570,16 +768,56 @@ def table() -> str:
                 continue
             k = r.get("kernels") or {}
             lo, hi = r.get("step_ms_min_max", [nan, nan])
-            lines.append(f"     {r['rows']:4d} {r['path']:16s} {r['step_ms']:7.3f} [{lo:.3f}-{hi:.3f}] "
-                         f"{r['tok_per_s']:10.0f} {r['frac_copy']:6.2f} {k.get('count')} ({k.get('sum_us')} us)")
+            lines.append(f"     {r['rows']:4d} {r['path']:24s} {r['step_ms']:7.3f} [{lo:.3f}-{hi:.3f}] "
+                         f"{r['tok_per_s']:10.0f} {r['GBps']:6.0f} {r['frac_copy']:6.2f} {k.get('count')} "
+                         f"({k.get('sum_us')} us)")
             if r["path"] != "eager" and r["step_ms"] < best.get(r["rows"], ("", 1e9))[1]:
                 best[r["rows"]] = (r["path"], r["step_ms"])
         lines.append("fastest fused step: " + ", ".join(f"{n} rows {p} {ms:.3f} ms" for n, (p, ms) in best.items()))
+        roof = [r for r in RES["step"] if "step_ms" in r and r["rows"] in (1, 64, 256)
+                and r["path"] in ("eager", "fused_cublas", "auto")]
+        if roof:
+            lines.append(f"roofline (bytes a step must move / step time vs copy "
+                         f"{RES.get('copy_bandwidth_GBps')} GB/s):")
+            for r in roof:
+                lines.append(f"     {r['rows']:4d} {r['path']:12s} {r['min_bytes'] / 1e9:6.3f} GB / "
+                             f"{r['step_ms']:.3f} ms "
+                             f"= {r['GBps']:6.0f} GB/s = {r['frac_copy']:.2f} of copy")
+    ch = RES.get("step_auto_choice")
+    if isinstance(ch, dict) and ch:
+        lines.append("auto picks (step part): " + ", ".join(f"{n}: {c['path']} {c.get('ms', c.get('by'))}"
+                                                            for n, c in ch.items()))
+    es = RES.get("engine_setup")
+    if isinstance(es, dict) and isinstance(es.get("auto"), dict):
+        lines.append("auto picks (engine warm-up): " + ", ".join(
+            f"{n}: {c['path']}" + (f" {c['ms']}" if "ms" in c else "") for n, c in es["auto"]["gemm_choice"].items()))
+    e = RES.get("engine")
+    if isinstance(e, dict):
+        import statistics
+
+        lines.append("engine       " + "".join(f"{w:>26s}" for w in e.get("workloads", {})))
+        for name in ENGINE_PATHS.split(","):
+            cells = []
+            for w in e.get("workloads", {}):
+                c = e.get(name, {}).get(w)
+                if not c:
+                    cells.append(f"{'-':>26s}")
+                    continue
+                unit = "ms TPOT" if c["metric"] == "tpot_ms" else "tok/s"
+                cells.append(f"{statistics.median(c['rounds']):>12.4g} {unit:7s} ({len(c['rounds'])}r)")
+            lines.append(f"{name:12s} " + "".join(f"{x:>26s}" for x in cells))
     g = RES.get("greedy_float32")
     if isinstance(g, dict):
         lines.append("greedy float32 identical to eager: " + ", ".join(
             f"{k.replace('_identical_requests', '')} {v}/{g['requests']}" for k, v in g.items()
             if k.endswith("_identical_requests")))
+    d = RES.get("auto_default_decision")
+    if isinstance(d, dict):
+        lines.append("auto vs cublas: " + "; ".join(d["checks"]))
+        lines.append(("MAKE AUTO THE DEFAULT: yes (never slower than cublas beyond noise): set \"auto\" at "
+                      if d["make_auto_default"] else "MAKE AUTO THE DEFAULT: no (slower or incomplete: "
+                      + ", ".join(d["slower"] or ["missing measurements"]) + "); the default \"cublas\" is at ")
+                     + " and ".join(d["flip"]))
     return "\n".join(lines)
 
 
@@ -592,15 +830,36 @@ def plot(d: Path) -> None:
     res = json.loads((d / "decode_kernels.json").read_text())
     fig, axs = plt.subplots(1, 2, figsize=(11, 4))
     g = res.get("gemm", [])
-    labels = [f"{r['gemm']}\nM={r['M']}" for r in g]
-    xs = range(len(g))
-    impls = ("cublas", "stream", "cublas_fused", "stream_fused", "auto_fused")
-    for i, impl in enumerate(impls):
-        axs[0].bar([x + (i - 2) * 0.16 for x in xs], [r.get(f"{impl}_frac_copy", 0) for r in g], width=0.16,
-                   label=impl)
-    axs[0].set_xticks(list(xs), labels, fontsize=6)
-    axs[0].set(ylabel="fraction of copy bandwidth", title="decode GEMMs (graph of weight copies)")
-    axs[0].legend(fontsize=7)
+    e = res.get("engine")
+    if not g and isinstance(e, dict):  # the --auto run: the engine's numbers, relative to the fused cuBLAS path
+        import statistics
+
+        loads = list(e.get("workloads", {}))
+        names = [n for n in ("eager", "fused_cublas", "auto") if n in e]
+        for i, name in enumerate(names):
+            vals = []
+            for w in loads:
+                mine, ref = e[name].get(w), e.get("fused_cublas", {}).get(w)
+                if not mine or not ref:
+                    vals.append(0.0)
+                    continue
+                m, r = statistics.median(mine["rounds"]), statistics.median(ref["rounds"])
+                vals.append(r / m if mine["metric"] == "tpot_ms" else m / r)  # > 1: faster than fused cuBLAS
+            axs[0].bar([x + (i - 1) * 0.25 for x in range(len(loads))], vals, width=0.25, label=name)
+        axs[0].set_xticks(range(len(loads)), [("batch-1 TPOT" if w == "b1" else f"{w} requests") for w in loads])
+        axs[0].axhline(1.0, color="k", lw=0.5)
+        axs[0].set(ylabel="speed relative to fused cuBLAS (higher: faster)", title="engine (CUDA graphs)")
+        axs[0].legend(fontsize=7)
+    else:
+        labels = [f"{r['gemm']}\nM={r['M']}" for r in g]
+        xs = range(len(g))
+        impls = ("cublas", "stream", "cublas_fused", "stream_fused", "auto_fused")
+        for i, impl in enumerate(impls):
+            axs[0].bar([x + (i - 2) * 0.16 for x in xs], [r.get(f"{impl}_frac_copy", 0) for r in g], width=0.16,
+                       label=impl)
+        axs[0].set_xticks(list(xs), labels, fontsize=6)
+        axs[0].set(ylabel="fraction of copy bandwidth", title="decode GEMMs (graph of weight copies)")
+        axs[0].legend(fontsize=7)
     st = [r for r in res.get("step", []) if "step_ms" in r]
     for path in dict.fromkeys(r["path"] for r in st):
         pts = [(r["rows"], r["step_ms"]) for r in st if r["path"] == path]
@@ -619,10 +878,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot", type=Path, help="only make the PNG from DIR/decode_kernels.json")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (plumbing check)")
-    ap.add_argument("--parts", default="compile,step,greedy,gemm", help="comma-separated subset of compile, step, "
+    ap.add_argument("--parts", default=None, help="comma-separated subset of compile, step, engine, "
                     "gemm, greedy; compile runs first, the others in the order given")
     ap.add_argument("--quick", action="store_true", help="the ~2-minute device check: rows 1 and 64, fewer paths")
     ap.add_argument("--full", action="store_true", help="rows up to 256, both RMSNorm placements (over 4 minutes)")
+    ap.add_argument("--auto", action="store_true", help="the --fused-gemm auto decision run: steps at 1/16/64/256 "
+                    "rows, the engine (TPOT, 64 and 256 requests) and float32 greedy; eager / fused_cublas / auto")
     args = ap.parse_args()
     if args.plot:
         return plot(args.plot)
@@ -632,6 +893,8 @@ def main() -> None:
         globals().update(FULL)
     if args.quick:
         globals().update(QUICK)
+    if args.auto:
+        globals().update(AUTO)
     if args.smoke:
         globals().update(SMOKE)
     OUT = args.out
@@ -647,7 +910,7 @@ def main() -> None:
                        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                        "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else None,
                        "ctx": CTX, "kv_len": KV_LEN, "budget_s": BUDGET_S})
-    parts = args.parts.split(",")
+    parts = (args.parts or PARTS_DEFAULT).split(",")
     globals()["PARTS"] = parts
     from hpdl.serve import fused as fz
 
@@ -661,6 +924,7 @@ def main() -> None:
     copy_bw = hbm_bandwidth(device)
     _save("copy_bandwidth_GBps", round(copy_bw / 1e9, 1))
     fns = {"step": lambda: steps(device, copy_bw), "gemm": lambda: gemms(device, copy_bw),
+           "engine": lambda: engine_part(device),
            "greedy": lambda: greedy_float32(device)}
     for part in parts:
         fn = fns.get(part)
@@ -672,6 +936,8 @@ def main() -> None:
             _save(f"{part}_error", traceback.format_exc()[-3000:])
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    if "engine" in parts or "auto" in STEP_PATHS.split(","):
+        _save("auto_default_decision", auto_decision())
     try:
         plot(OUT)
     except Exception:  # noqa: BLE001

@@ -51,10 +51,12 @@ def _decode_both(model, cache, pos, steps=4, **kw):
     return le, lf, ce
 
 
-STREAM = [{}, dict(gemm="stream", norm_prologue_rows=0), dict(gemm="stream", norm_prologue_rows=256)]
+STREAM = [{}, dict(gemm="stream", norm_prologue_rows=0), dict(gemm="stream", norm_prologue_rows=256),
+          dict(rope_in_attention=False), dict(gemm="stream", rope_in_attention=False)]
+IDS = ["cublas", "stream", "stream-norm-prologue", "cublas-rope-kernel", "stream-rope-kernel"]
 
 
-@pytest.mark.parametrize("kw", STREAM, ids=["cublas", "stream", "stream-norm-prologue"])
+@pytest.mark.parametrize("kw", STREAM, ids=IDS)
 def test_references_match_eager_decode_float32(kw):
     model, cache, lens = _prefilled()
     le, lf, ce = _decode_both(model, cache, lens.clone(), **kw)
@@ -65,7 +67,7 @@ def test_references_match_eager_decode_float32(kw):
     torch.testing.assert_close(cache.v, ce.v, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("kw", STREAM, ids=["cublas", "stream", "stream-norm-prologue"])
+@pytest.mark.parametrize("kw", STREAM, ids=IDS)
 def test_references_match_eager_decode_bfloat16(kw):
     model, cache, lens = _prefilled(dtype=torch.bfloat16)
     le, lf, _ = _decode_both(model, cache, lens.clone(), steps=1, **kw)
@@ -160,14 +162,39 @@ def _interpreted_check() -> None:
     ref = fz.decode_attention_ref(q, kc, vc, pos, 2)
     for splits in (1, 2, 3):  # one pass, and split-K with empty chunks for the short rows
         torch.testing.assert_close(fz.decode_attention(q, kc, vc, pos, 2, 151, splits=splits, block_n=16), ref)
-        for _ in range(2):  # the chunks combined by the last program; counters left at 0 for the second call
+        for one_shot in (True, False, True):  # the chunks combined by the last program, every split's partials
+            fz.COMBINE_ONE_SHOT = one_shot  # loaded at once or split by split; counters left at 0 for the next call
             torch.testing.assert_close(fz.decode_attention(q, kc, vc, pos, 2, 151, splits=splits, block_n=16,
                                                            fuse_combine=True), ref)
+    # RoPE + K/V write inside the attention kernel: bit-equal to rope_kv then decode_attention (same arithmetic,
+    # also bfloat16, whose interpreted tl.dot is not the reference's), and close to the references in float32
+    for dt in (torch.float32, torch.bfloat16):
+        qkv_t, kc0, vc0 = qkv.to(dt), kc.to(dt), vc.to(dt)
+        for splits, fc in ((1, False), (2, False), (3, True)):
+            k1, v1, k2, v2 = kc0.clone(), vc0.clone(), kc0.clone(), vc0.clone()
+            q1 = fz.rope_kv(qkv_t, cos, sin, pos, k1, v1, 2, h, hkv)
+            a = fz.decode_attention(q1, k1, v1, pos, 2, 151, splits=splits, block_n=16, fuse_combine=fc)
+            b = fz.rope_decode_attention(qkv_t, cos, sin, pos, k2, v2, 2, h, hkv, 151, splits=splits, block_n=16,
+                                         fuse_combine=fc)
+            assert torch.equal(a, b) and torch.equal(k1, k2) and torch.equal(v1, v2), (dt, splits, fc)
+            if dt == torch.float32:
+                k3, v3 = kc0.clone(), vc0.clone()
+                r = fz.decode_attention_ref(fz.rope_kv_ref(qkv_t, cos, sin, pos, k3, v3, 2, h, hkv), k3, v3, pos, 2)
+                torch.testing.assert_close(b, r), torch.testing.assert_close(k2, k3)
     from hpdl.serve.stream_gemm import counters
     assert int(counters(q.device).abs().sum()) == 0
     gu = torch.randn(n, 400)
     torch.testing.assert_close(fz.silu_mul(gu), fz.silu_mul_ref(gu))
-    for kw in STREAM:  # whole steps: cuBLAS-path kernels, then the stream GEMMs without and with the norm prologue
+    for dt in (torch.float32, torch.bfloat16):  # the step's greedy argmax: ties to the first index, as torch
+        lg = torch.randn(4, 320).to(dt)
+        lg[1, 7] = lg[1, 200] = 50.0
+        lg[2] = -3e38
+        lg[3, 299] = 99.0
+        for t in (lg, lg[:, :300]):  # contiguous, and a row-strided view (a padded vocabulary)
+            assert torch.equal(fz.argmax_rows(t), t.argmax(-1)), dt
+    # whole steps with RoPE in the attention kernel (rope_kv's path is bit-equal, above): cuBLAS-path kernels,
+    # then the stream GEMMs without and with the norm prologue
+    for kw in STREAM[:3]:
         model, cache, lens = _prefilled()
         le, lf, ce = _decode_both(model, cache, lens.clone(), steps=3 if not kw else 2, **kw)
         for a, b in zip(le, lf):

@@ -123,3 +123,84 @@ def test_failed_capture_keeps_live_kv_and_tokens(monkeypatch):
             r.cache.k[:, :2, :, 0] = 7.0
             raise _LaunchFailure("x")
     assert torch.equal(r.cache.k[:, :2, :, 0], k0)
+
+
+def _fake_capture_path(self, nb, kb, path):
+    """``_fake_capture`` that decodes with the given fused path and records it."""
+    toks = torch.zeros(nb, 1, dtype=torch.long)
+    pos = torch.zeros(nb, 1, dtype=torch.long)
+    out = torch.empty(nb, self.model.cfg.vocab_size)
+    top = torch.empty(nb, dtype=torch.long) if self.fused else None
+    self.captured.append((nb, kb, path))
+
+    def run():
+        logits, am = self._decode(toks, pos, 0, kb, path)
+        out.copy_(logits)
+        if top is not None:
+            top.copy_(am)
+    g = _EagerGraph(run)
+    g.path = path
+    return g, toks, pos, out, top
+
+
+def test_auto_gemm_picks_the_faster_path_per_bucket_then_cublas_above_the_threshold(monkeypatch):
+    """--fused-gemm auto: each batch bucket's first capture times both paths and keeps the faster graph; once
+    cuBLAS wins, larger buckets take it unmeasured; later KV buckets reuse the decision; tokens stay eager's."""
+    timed = []
+
+    def fake_time(self, caps, nb, kb):  # the device's verdict, scripted: stream faster up to 2 rows
+        timed.append((nb, kb, sorted(caps)))
+        return {"stream_pdl": 0.9 if nb <= 2 else 1.5, "cublas": 1.0 if nb != 4 else 1.4}
+    monkeypatch.setattr(ModelRunner, "_capture_path", _fake_capture_path)
+    monkeypatch.setattr(ModelRunner, "_time_captures", fake_time)
+    monkeypatch.setattr(ModelRunner, "captured", [], raising=False)
+    spec = ModelSpec(config="llama-tiny")
+    eng = LLMEngine(spec, EngineConfig(num_slots=6, max_seq_len=160, cuda_graph=True, fused_decode=True,
+                                       fused_gemm="auto"))
+    r = eng.executor.runner
+    assert r._path(1) == "cublas"  # nothing measured yet (no graphs): cuBLAS
+    r.cuda_graph = True  # CPU: force the graph path
+    assert r.warm_up() == 4 * 2
+    assert timed == [(1, 128, ["cublas", "stream_pdl"]), (2, 128, ["cublas", "stream_pdl"]),
+                     (4, 128, ["cublas", "stream_pdl"])]  # bucket 6 is above the threshold: not measured
+    assert {nb: c["path"] for nb, c in r.gemm_choice.items()} == {1: "stream_pdl", 2: "stream_pdl", 4: "cublas",
+                                                                  6: "cublas"}
+    assert r.gemm_choice[1]["ms"] == {"stream_pdl": 0.9, "cublas": 1.0} and "threshold" in r.gemm_choice[6]["by"]
+    kept = {key: g[0].path for key, g in r._graphs.items()}
+    assert kept == {(nb, kb): ("stream_pdl" if nb <= 2 else "cublas") for nb in (1, 2, 4, 6) for kb in (128, 160)}
+    assert r._path(2) == "stream_pdl" and r._path(3) == "cublas" and r._path(5) == "cublas"
+    rng = random.Random(2)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(1, 40))] for _ in range(7)]
+    params = [SamplingParams(max_tokens=rng.randint(1, 60), ignore_eos=True) for _ in prompts]
+    ref = LLMEngine(spec, EngineConfig(num_slots=6, max_seq_len=160, reorder="prefix")).generate(prompts, params)
+    assert [o.token_ids for o in eng.generate(prompts, params)] == [o.token_ids for o in ref]
+
+
+def test_auto_gemm_config_where_the_fused_step_does_not_run():
+    # "auto" may become the default: it must not refuse engines that run the eager step (CPU, GPT-2)
+    for spec in ("llama-tiny", "gpt2-tiny"):
+        r = LLMEngine(ModelSpec(config=spec), EngineConfig(num_slots=2, max_seq_len=32,
+                                                           fused_gemm="auto")).executor.runner
+        assert not r.fused and r.fused_gemm == "auto"
+    with pytest.raises(ValueError, match="'cublas', 'stream' or 'auto'"):
+        EngineConfig(fused_gemm="fastest")
+
+
+def test_auto_gemm_keeps_serving_when_one_path_cannot_capture(monkeypatch):
+    def capture(self, nb, kb, path):
+        if path == "stream_pdl":
+            raise _LaunchFailure("out of resources")
+        return _fake_capture_path(self, nb, kb, path)
+
+    def no_timing(self, caps, nb, kb):
+        raise AssertionError("one path left: nothing to time")
+    monkeypatch.setattr(ModelRunner, "_capture_path", capture)
+    monkeypatch.setattr(ModelRunner, "_time_captures", no_timing)
+    monkeypatch.setattr(ModelRunner, "captured", [], raising=False)
+    eng = LLMEngine(ModelSpec(config="llama-tiny"), EngineConfig(num_slots=2, max_seq_len=64, cuda_graph=True,
+                                                                 fused_decode=True, fused_gemm="auto"))
+    r = eng.executor.runner
+    r.cuda_graph = True
+    assert r.warm_up() == 2
+    assert r.gemm_choice[1]["path"] == "cublas" and "out of resources" in r.gemm_choice[1]["errors"]["stream_pdl"]
+    assert r.cuda_graph and r.graph_error is None

@@ -86,9 +86,10 @@ def _model_args(p: argparse.ArgumentParser, bench: bool = False) -> None:
     g.add_argument("--cuda-graph", action="store_true", help="replay decode steps from CUDA graphs")
     g.add_argument("--eager-decode", action="store_true",
                    help="decode with the eager model, not the fused Triton step (the default on CUDA for LLaMA)")
-    g.add_argument("--fused-gemm", default="cublas", choices=["cublas", "stream"],
-                   help="GEMMs of the fused decode step: cuBLAS, or hpdl's weight-streaming Triton GEMMs with the "
-                        "residual add, SiLU-mul and RMSNorm fused in (hpdl.serve.stream_gemm)")
+    g.add_argument("--fused-gemm", default="cublas", choices=["cublas", "stream", "auto"],
+                   help="GEMMs of the fused decode step: cuBLAS, hpdl's weight-streaming Triton GEMMs with the "
+                        "residual add, SiLU-mul and RMSNorm fused in (hpdl.serve.stream_gemm), or auto: per decode "
+                        "batch bucket the one measured faster on the device at CUDA-graph capture")
     g.add_argument("--seed", type=count(0, 2**63 - 1), default=0, help="random-weight seed (and workload seed for bench)")
     if bench:
         g.add_argument("--prefill", type=_prefill_modes, default="padded",

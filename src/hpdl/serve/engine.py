@@ -46,7 +46,9 @@ class EngineConfig:
     fused_gemm: the fused step's GEMMs: "cublas" or "stream" (``hpdl.serve.stream_gemm``, weight-streaming
         Triton GEMMs with the residual adds, SiLU-mul and RMSNorms fused in; ``hpdl.serve.fused.fused_decode``).
         "stream" where the fused step does not run (fused_decode False, or None resolving to eager) is a
-        ValueError rather than silently eager.
+        ValueError rather than silently eager. "auto": per decode batch bucket, whichever of the stream GEMMs
+        (with PDL) and cuBLAS the device measures faster at the bucket's first CUDA-graph capture
+        (``ModelRunner``'s ``gemm_choice``); ignored where the fused step does not run.
     ranks_per_gpu: tensor-parallel ranks that share one GPU (None: ``HPDL_RANKS_PER_GPU``, 1), e.g. TP = 4 on
         one GPU with 4: the code path of a 4-GPU node (gloo instead of NCCL), for correctness, not speed.
     """
@@ -70,8 +72,8 @@ class EngineConfig:
         if isinstance(self.num_slots, bool) or not isinstance(self.num_slots, int) or self.num_slots < 1:
             raise ValueError(f"num_slots must be an int >= 1, got {self.num_slots!r}")
         check_prefill(self.prefill, self.max_prefill_tokens, self.num_slots)
-        if self.fused_gemm not in ("cublas", "stream"):
-            raise ValueError(f"fused_gemm must be 'cublas' or 'stream', got {self.fused_gemm!r}")
+        if self.fused_gemm not in ("cublas", "stream", "auto"):
+            raise ValueError(f"fused_gemm must be 'cublas', 'stream' or 'auto', got {self.fused_gemm!r}")
         if self.fused_gemm == "stream" and self.fused_decode is False:
             raise ValueError("fused_gemm='stream' selects the fused decode step's GEMMs, but fused_decode=False "
                              "runs the eager step; use fused_gemm='cublas' or fused_decode=None/True")

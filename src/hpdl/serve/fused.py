@@ -19,6 +19,9 @@ the SiLU-mul and (for few rows) the RMSNorms fused into the GEMMs:
     GEMM qkv (RMSNorm prologue) -> rope_kv -> decode_attention (chunks combined in-kernel) -> GEMM o (+ residual)
     -> GEMM gate|up (RMSNorm prologue, SiLU-mul epilogue) -> GEMM down (+ residual)
 
+With ``ROPE_IN_ATTENTION`` (the default, both GEMM choices) rope_kv is folded into the attention kernel
+(``rope_decode_attention``): 5 kernels a layer on the stream path at few rows, 8 on the cuBLAS path.
+
 Each kernel has a torch reference (``*_ref``) with the eager model's arithmetic; on CPU the references run
 (the Triton kernels also run on CPU tensors under ``TRITON_INTERPRET=1``, which the tests use). Decode
 attention reads only each row's written positions ``0..pos`` (the eager path reads the whole KV bucket).
@@ -152,23 +155,44 @@ if triton is not None:
                             scale, s_slot, s_head, s_pos, H, HKV, CHUNK,
                             G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                             SPLIT: tl.constexpr, PREC: tl.constexpr, COMBINE: tl.constexpr = False,
-                            PDL: tl.constexpr = False):
-        if PDL:  # launched with PDL: wait for rope_kv, then let the o GEMM launch and load its weights
-            gdc_wait()
+                            PDL: tl.constexpr = False, ROPE: tl.constexpr = False, cos_ptr=None, sin_ptr=None,
+                            SP: tl.constexpr = 0):
+        if PDL:  # launched with PDL: wait for the previous kernel (rope_kv, or the qkv GEMM with ROPE), then let
+            gdc_wait()  # the o GEMM launch and load its weights
             gdc_launch_dependents()
         row = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
         nsplit = tl.num_programs(2)
-        length = (tl.load(pos_ptr + row) + 1).to(tl.int32)
+        p = tl.load(pos_ptr + row).to(tl.int32)
+        length = p + 1
         lo = split * CHUNK
         hi = tl.minimum(lo + CHUNK, length)
         g = tl.arange(0, GP)
         dd = tl.arange(0, D)
         gm = g < G
-        q = tl.load(q_ptr + (row * H + kvh * G + g)[:, None] * D + dd[None, :], mask=gm[:, None], other=0.0)
         kbase = kc_ptr + (start + row).to(tl.int64) * s_slot + kvh * s_head  # int64: 7B caches pass 2^31
         vbase = vc_ptr + (start + row).to(tl.int64) * s_slot + kvh * s_head
+        if ROPE:  # q_ptr is the qkv GEMM's output [n, (H + 2 HKV) D]: RoPE here, as _rope_kv_kernel computes it
+            dt = q_ptr.dtype.element_ty
+            rowb = q_ptr + row.to(tl.int64) * (H + 2 * HKV) * D
+            partner = (dd + D // 2) % D  # rotate-half: -x2 in the first half, x1 in the second
+            sgn = tl.where(dd < D // 2, -1.0, 1.0)
+            c = tl.load(cos_ptr + p * D + dd % (D // 2)).to(dt).to(tl.float32)  # the table in the model dtype
+            s_ = tl.load(sin_ptr + p * D + dd % (D // 2)).to(dt).to(tl.float32)  # (first half: halves repeat)
+            qh = kvh * G + g
+            xq = tl.load(rowb + qh[:, None] * D + dd[None, :], mask=gm[:, None], other=0.0).to(tl.float32)
+            xr = tl.load(rowb + qh[:, None] * D + partner[None, :], mask=gm[:, None], other=0.0).to(tl.float32)
+            q = (xq * c[None, :] + (sgn[None, :] * xr) * s_[None, :]).to(dt)
+            xk = tl.load(rowb + (H + kvh) * D + dd).to(tl.float32)
+            xkr = tl.load(rowb + (H + kvh) * D + partner).to(tl.float32)
+            k_new = (xk * c + (sgn * xkr) * s_).to(dt)
+            v_new = tl.load(rowb + (H + HKV + kvh) * D + dd)
+            own = (dd >= 0) & (p >= lo) & (p < hi)  # the one split whose chunk holds position p writes K/V there
+            tl.store(kbase + p * s_pos + dd, k_new.to(kc_ptr.dtype.element_ty), mask=own)
+            tl.store(vbase + p * s_pos + dd, v_new.to(vc_ptr.dtype.element_ty), mask=own)
+        else:
+            q = tl.load(q_ptr + (row * H + kvh * G + g)[:, None] * D + dd[None, :], mask=gm[:, None], other=0.0)
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
@@ -176,14 +200,17 @@ if triton is not None:
             nn = n0 + tl.arange(0, BLOCK_N)
             nm = nn < hi
             k = tl.load(kbase + nn[:, None] * s_pos + dd[None, :], mask=nm[:, None], other=0.0)
+            v = tl.load(vbase + nn[:, None] * s_pos + dd[None, :], mask=nm[:, None], other=0.0)
+            if ROPE:  # position p from registers: no read-after-write through memory within this program
+                k = tl.where((nn == p)[:, None], k_new[None, :].to(k.dtype), k)
+                v = tl.where((nn == p)[:, None], v_new[None, :].to(v.dtype), v)
             s = tl.dot(q, tl.trans(k), input_precision=PREC).to(tl.float32) * scale
             s = tl.where(nm[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(vbase + nn[:, None] * s_pos + dd[None, :], mask=nm[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC).to(tl.float32)
+            pr = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(pr, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision=PREC).to(tl.float32)
             m_i = m_new
         oh = row * H + kvh * G + g  # output head index
         if SPLIT:  # partial results, combined by _combine_kernel; an empty split leaves m = -inf, l = 0
@@ -194,25 +221,42 @@ if triton is not None:
             if COMBINE:  # the last program of this (row, kv head) combines the splits (no second kernel)
                 tl.debug_barrier()  # every thread's partial is written before the release below
                 done = tl.atomic_add(cnt_ptr + row * HKV + kvh, 1, sem="acq_rel")
-                if done == nsplit - 1:
-                    mx = tl.full([GP], float("-inf"), tl.float32)
-                    for sp in range(0, nsplit):  # split 0 always holds position 0, so mx ends finite
-                        mx = tl.maximum(mx, tl.load(part_ml_ptr + (oh * nsplit + sp) * 2, mask=gm,
-                                                    other=float("-inf"), cache_modifier=".cg"))
-                    num = tl.zeros([GP, D], tl.float32)
-                    den = tl.zeros([GP], tl.float32)
-                    for sp in range(0, nsplit):  # split order, as _combine_kernel sums
-                        pi = oh * nsplit + sp
-                        w = tl.exp(tl.load(part_ml_ptr + pi * 2, mask=gm, other=float("-inf"),
-                                           cache_modifier=".cg") - mx)
-                        w = tl.where(gm, w, 0.0)
-                        den += tl.load(part_ml_ptr + pi * 2 + 1, mask=gm, other=0.0, cache_modifier=".cg") * w
-                        num += tl.load(part_acc_ptr + pi[:, None] * D + dd[None, :], mask=gm[:, None], other=0.0,
-                                       cache_modifier=".cg") * w[:, None]
-                    o = num / tl.where(gm, den, 1.0)[:, None]
-                    tl.store(out_ptr + oh[:, None] * D + dd[None, :], o.to(out_ptr.dtype.element_ty),
-                             mask=gm[:, None])
-                    tl.atomic_xchg(cnt_ptr + row * HKV + kvh, 0)  # ready for the next launch
+                if SP > 0:  # every split's partials in one load each ([GP, SP] and [GP, SP, D])
+                    if done == nsplit - 1:
+                        sp = tl.arange(0, SP)
+                        pi = oh[:, None] * nsplit + sp[None, :]
+                        pm = gm[:, None] & (sp < nsplit)[None, :]
+                        m = tl.load(part_ml_ptr + pi * 2, mask=pm, other=float("-inf"), cache_modifier=".cg")
+                        lv = tl.load(part_ml_ptr + pi * 2 + 1, mask=pm, other=0.0, cache_modifier=".cg")
+                        mx = tl.max(m, axis=1)  # split 0 always holds position 0: finite for the real heads
+                        w = tl.where(pm, tl.exp(m - mx[:, None]), 0.0)
+                        den = tl.sum(lv * w, axis=1)
+                        pa = tl.load(part_acc_ptr + pi[:, :, None] * D + dd[None, None, :], mask=pm[:, :, None],
+                                     other=0.0, cache_modifier=".cg")
+                        o = tl.sum(pa * w[:, :, None], axis=1) / tl.where(gm, den, 1.0)[:, None]
+                        tl.store(out_ptr + oh[:, None] * D + dd[None, :], o.to(out_ptr.dtype.element_ty),
+                                 mask=gm[:, None])
+                        tl.atomic_xchg(cnt_ptr + row * HKV + kvh, 0)  # ready for the next launch
+                else:  # one split after another (COMBINE_ONE_SHOT off): two L2 round trips per split
+                    if done == nsplit - 1:
+                        mx = tl.full([GP], float("-inf"), tl.float32)
+                        for sp in range(0, nsplit):  # split 0 always holds position 0, so mx ends finite
+                            mx = tl.maximum(mx, tl.load(part_ml_ptr + (oh * nsplit + sp) * 2, mask=gm,
+                                                        other=float("-inf"), cache_modifier=".cg"))
+                        num = tl.zeros([GP, D], tl.float32)
+                        den = tl.zeros([GP], tl.float32)
+                        for sp in range(0, nsplit):  # split order, as _combine_kernel sums
+                            pi = oh * nsplit + sp
+                            w = tl.exp(tl.load(part_ml_ptr + pi * 2, mask=gm, other=float("-inf"),
+                                               cache_modifier=".cg") - mx)
+                            w = tl.where(gm, w, 0.0)
+                            den += tl.load(part_ml_ptr + pi * 2 + 1, mask=gm, other=0.0, cache_modifier=".cg") * w
+                            num += tl.load(part_acc_ptr + pi[:, None] * D + dd[None, :], mask=gm[:, None], other=0.0,
+                                           cache_modifier=".cg") * w[:, None]
+                        o = num / tl.where(gm, den, 1.0)[:, None]
+                        tl.store(out_ptr + oh[:, None] * D + dd[None, :], o.to(out_ptr.dtype.element_ty),
+                                 mask=gm[:, None])
+                        tl.atomic_xchg(cnt_ptr + row * HKV + kvh, 0)  # ready for the next launch
         else:
             o = acc / l_i[:, None]
             tl.store(out_ptr + oh[:, None] * D + dd[None, :], o.to(out_ptr.dtype.element_ty), mask=gm[:, None])
@@ -230,6 +274,13 @@ if triton is not None:
         acc = tl.load(part_acc_ptr + (oh * NSPLIT + sp)[:, None] * D + dd[None, :], mask=sm[:, None], other=0.0)
         o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
         tl.store(out_ptr + oh * D + dd, o.to(out_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _argmax_kernel(x_ptr, out_ptr, V, stride, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row.to(tl.int64) * stride + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        tl.store(out_ptr + row, tl.argmax(x, axis=0, tie_break_left=True).to(tl.int64))  # float32: exact, same order
 
     @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, I, BLOCK: tl.constexpr):
@@ -283,6 +334,12 @@ def attention_splits(n: int, hkv: int, kv_len: int, block_n: int = 64, target: i
     return max(1, min(want, -(-kv_len // block_n)))
 
 
+COMBINE_ONE_SHOT = True  # fuse_combine loads every split's partials at once (where they fit COMBINE_MAX_ELEMS);
+# False: a loop over the splits, two L2 round trips per split (5.9 us per attention at 1 row on the H200,
+# 2026-12-04 19:32, against 2.6 us for the split kernel alone)
+COMBINE_MAX_ELEMS = 16384  # float32 partials one program loads at once (GP x SP x D)
+
+
 def decode_attention(q, kc, vc, pos, start: int, kv_len: int, splits: int | None = None, block_n: int = 64,
                      fuse_combine: bool = False, pdl: bool = False):
     """Triton ``decode_attention_ref``: each program reads one (row, kv head, KV chunk) and serves all
@@ -294,31 +351,55 @@ def decode_attention(q, kc, vc, pos, start: int, kv_len: int, splits: int | None
     overlap it; callers check ``stream_gemm.pdl_supported``)."""
     if not use_triton(q):
         return decode_attention_ref(q, kc, vc, pos, start)
-    n, h, d = q.shape
+    return _attend(q, None, kc, vc, pos, start, kv_len, q.shape[1], splits, block_n, fuse_combine, pdl)
+
+
+def rope_decode_attention(qkv, cos, sin, pos, kc, vc, start: int, h: int, hkv: int, kv_len: int,
+                          splits: int | None = None, block_n: int = 64, fuse_combine: bool = False,
+                          pdl: bool = False):
+    """``rope_kv`` and ``decode_attention`` in one kernel (one launch a layer fewer): qkv ``[n, (h + 2 hkv) d]``
+    (the qkv GEMM's output) -> attention output ``[n, h, d]``; the rotated k and v of each row's position
+    ``pos[i]`` are stored into ``kc/vc[start + i, :, pos[i]]`` by the program whose KV chunk holds that position
+    (and used from registers there). Every program rotates its own group of q heads (``h / hkv`` rows of ``d``,
+    from L2). Same arithmetic as the two kernels (tests: bit-equal under the interpreter); reference
+    ``decode_attention_ref(rope_kv_ref(...))``. cos/sin as ``rope_kv``; other arguments as ``decode_attention``."""
+    if not use_triton(qkv):
+        return decode_attention_ref(rope_kv_ref(qkv, cos, sin, pos, kc, vc, start, h, hkv), kc, vc, pos, start)
+    return _attend(qkv, (cos, sin), kc, vc, pos, start, kv_len, h, splits, block_n, fuse_combine, pdl)
+
+
+def _attend(src, rope, kc, vc, pos, start, kv_len, h, splits, block_n, fuse_combine, pdl):
+    """Launch ``_decode_attn_kernel``: ``src`` is q ``[n, h, d]``, or with ``rope = (cos, sin)`` the qkv rows."""
+    n, d = src.shape[0], kc.shape[-1]
     hkv = kc.shape[1]
     G = h // hkv
     splits = splits or attention_splits(n, hkv, kv_len, block_n)
     chunk = -(-kv_len // splits)
     chunk = -(-chunk // block_n) * block_n
-    out = torch.empty_like(q)
+    out = torch.empty(n, h, d, dtype=src.dtype, device=src.device)
     # float32 is exact float32 (no TF32), so the fused step gives the eager step's greedy tokens there
     args = dict(G=G, GP=max(16, triton.next_power_of_2(G)), D=d, BLOCK_N=block_n,
-                PREC="ieee" if q.dtype == torch.float32 else "tf32")
+                PREC="ieee" if src.dtype == torch.float32 else "tf32", ROPE=rope is not None,
+                cos_ptr=rope[0] if rope else src, sin_ptr=rope[1] if rope else src)
     if splits == 1:
-        _decode_attn_kernel[(n, hkv, 1)](q, kc, vc, pos, out, out, out, out, start, d ** -0.5, kc.stride(0),
-                                         kc.stride(1), kc.stride(2), h, hkv, chunk, SPLIT=False, **args)
+        _decode_attn_kernel[(n, hkv, 1)](src, kc, vc, pos, out, out, out, out, start, d ** -0.5, kc.stride(0),
+                                         kc.stride(1), kc.stride(2), h, hkv, chunk, SPLIT=False, **args,
+                                         **_pdl_args(pdl))
         return out
-    acc = torch.empty(n * h * splits, d, dtype=torch.float32, device=q.device)
-    ml = torch.empty(n * h * splits, 2, dtype=torch.float32, device=q.device)
+    acc = torch.empty(n * h * splits, d, dtype=torch.float32, device=src.device)
+    ml = torch.empty(n * h * splits, 2, dtype=torch.float32, device=src.device)
     if fuse_combine:
         from hpdl.serve.stream_gemm import counters
 
-        if n * hkv > counters(q.device).numel():
+        if n * hkv > counters(src.device).numel():
             raise ValueError(f"fuse_combine: {n} rows x {hkv} kv heads exceed the counter buffer")
-    cnt = counters(q.device) if fuse_combine else out
-    _decode_attn_kernel[(n, hkv, splits)](q, kc, vc, pos, out, acc, ml, cnt, start, d ** -0.5, kc.stride(0),
+    cnt = counters(src.device) if fuse_combine else out
+    sp = triton.next_power_of_2(splits)
+    one_shot = fuse_combine and COMBINE_ONE_SHOT and args["GP"] * sp * d <= COMBINE_MAX_ELEMS
+    _decode_attn_kernel[(n, hkv, splits)](src, kc, vc, pos, out, acc, ml, cnt, start, d ** -0.5, kc.stride(0),
                                           kc.stride(1), kc.stride(2), h, hkv, chunk, SPLIT=True,
-                                          COMBINE=fuse_combine, **args, **_pdl_args(pdl and fuse_combine))
+                                          COMBINE=fuse_combine, SP=sp if one_shot else 0, **args,
+                                          **_pdl_args(pdl and fuse_combine))
     if not fuse_combine:
         _combine_kernel[(n * h,)](acc, ml, out, splits, SP=triton.next_power_of_2(splits), D=d)
     return out
@@ -331,6 +412,25 @@ def silu_mul(gu):
     n, I2 = gu.shape
     out = torch.empty(n, I2 // 2, dtype=gu.dtype, device=gu.device)
     _silu_mul_kernel[(n, triton.cdiv(I2 // 2, 1024))](gu, out, I2 // 2, BLOCK=1024)
+    return out
+
+
+TRITON_ARGMAX = True  # False: torch's argmax in the step (as until 2026-12-04 19:32)
+ARGMAX_MAX_BLOCK = 65536  # the widest row one program loads at once; wider vocabularies use torch's argmax
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)`` for ``[n, V]`` logits (unit column stride) as one program per row that loads the
+    whole row at once (one memory round trip; torch's reduction took 11.6 us for one 32000-wide bf16 row on the
+    H200, 2026-12-04 19:32, 1.3% of the batch-1 step). Ties go to the first index, as torch's; NaN is not
+    handled (torch would return its index). Returns int64 ``[n]``."""
+    n, V = logits.shape
+    if (not TRITON_ARGMAX or not use_triton(logits) or logits.stride(1) != 1
+            or triton.next_power_of_2(V) > ARGMAX_MAX_BLOCK):
+        return logits.argmax(dim=-1)
+    out = torch.empty(n, dtype=torch.int64, device=logits.device)
+    block = triton.next_power_of_2(V)
+    _argmax_kernel[(n,)](logits, out, V, logits.stride(0), BLOCK=block, num_warps=16 if block >= 16384 else 4)
     return out
 
 
@@ -349,11 +449,14 @@ def supports(model: DecoderLM) -> str | None:
 
 GEMMS = ("cublas", "stream")
 NORM_PROLOGUE_ROWS = 16  # provisional: benchmarks/serve_decode_kernels.py measures both sides of it
+ROPE_IN_ATTENTION = True  # RoPE and the K/V write inside the attention kernel (rope_decode_attention): one launch
+# a layer fewer; False: the separate rope_kv kernel (the arrangement measured on the H200 until 2026-12-04 19:32)
 
 
 @torch.inference_mode()
 def fused_decode(model: DecoderLM, cache: KVCache, tokens: torch.Tensor, pos: torch.Tensor, start: int,
-                 kv_len: int, greedy: bool = True, gemm: str = "cublas", norm_prologue_rows: int | None = None):
+                 kv_len: int, greedy: bool = True, gemm: str = "cublas", norm_prologue_rows: int | None = None,
+                 pdl: bool | None = None, cublas_candidate: bool | None = None, rope_in_attention: bool | None = None):
     """One decode step of a LLaMA ``DecoderLM`` with the fused kernels; same contract as
     ``model(tokens[:, None], cache, Batch(positions=pos[:, None], start=start, kv_len=kv_len))``.
 
@@ -367,6 +470,12 @@ def fused_decode(model: DecoderLM, cache: KVCache, tokens: torch.Tensor, pos: to
             combine in the attention kernel: 6 kernels a layer, 8 above ``norm_prologue_rows``).
         norm_prologue_rows: with "stream", the most rows for which the next RMSNorm runs inside the GEMM
             (each GEMM program re-reads its rows); above it one RMSNorm kernel runs first. None: the default.
+        pdl: with "stream", launch every kernel with Programmatic Dependent Launch (where
+            ``stream_gemm.pdl_supported``); None = ``stream_gemm.PDL``.
+        cublas_candidate: with "stream", whether each GEMM shape's tuner may pick cuBLAS; None =
+            ``stream_gemm.CUBLAS_CANDIDATE``. With ``pdl`` pass False (a cuBLAS kernel breaks the PDL chain).
+        rope_in_attention: RoPE and the K/V write inside the attention kernel (``rope_decode_attention``); None =
+            ``ROPE_IN_ATTENTION``.
     Returns:
         logits ``[n, vocab]`` in the model dtype, and the argmax ``[n]`` int64 (None unless ``greedy``).
     Raises:
@@ -377,9 +486,11 @@ def fused_decode(model: DecoderLM, cache: KVCache, tokens: torch.Tensor, pos: to
         raise ValueError(f"fused decode cannot run this model: {why}")
     if gemm not in GEMMS:
         raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
+    rope = ROPE_IN_ATTENTION if rope_in_attention is None else rope_in_attention
     if gemm == "stream":
         rows = NORM_PROLOGUE_ROWS if norm_prologue_rows is None else norm_prologue_rows
-        return _stream_decode(model, cache, tokens, pos, start, kv_len, greedy, tokens.shape[0] <= rows)
+        return _stream_decode(model, cache, tokens, pos, start, kv_len, greedy, tokens.shape[0] <= rows, pdl,
+                              cublas_candidate, rope)
     cfg = model.cfg
     h, hkv = cfg.n_heads, cfg.n_kv_heads
     x = model.embed_tokens(tokens)  # [n, C]
@@ -388,8 +499,11 @@ def fused_decode(model: DecoderLM, cache: KVCache, tokens: torch.Tensor, pos: to
     for i, layer in enumerate(model.layers):
         a = layer.attn
         qkv = F.linear(y, a.qkv_proj.weight)
-        q = rope_kv(qkv, model.cos, model.sin, pos, cache.k[i], cache.v[i], start, h, hkv)
-        o = decode_attention(q, cache.k[i], cache.v[i], pos, start, kv_len)
+        if rope:
+            o = rope_decode_attention(qkv, model.cos, model.sin, pos, cache.k[i], cache.v[i], start, h, hkv, kv_len)
+        else:
+            q = rope_kv(qkv, model.cos, model.sin, pos, cache.k[i], cache.v[i], start, h, hkv)
+            o = decode_attention(q, cache.k[i], cache.v[i], pos, start, kv_len)
         o = F.linear(o.view(o.shape[0], h * cfg.head_dim), a.o_proj.weight)
         res, y = add_rmsnorm(o, res, layer.ln_2.weight, cfg.norm_eps)
         mlp = layer.mlp
@@ -397,11 +511,11 @@ def fused_decode(model: DecoderLM, cache: KVCache, tokens: torch.Tensor, pos: to
         nxt = model.layers[i + 1].ln_1.weight if i + 1 < len(model.layers) else model.norm.weight
         res, y = add_rmsnorm(d, res, nxt, cfg.norm_eps)
     logits = F.linear(y, model.lm_head.weight)[:, : cfg.vocab_size]
-    return logits, (logits.argmax(dim=-1) if greedy else None)
+    return logits, (argmax_rows(logits) if greedy else None)
 
 
 def _stream_decode(model: DecoderLM, cache: KVCache, tokens, pos, start: int, kv_len: int, greedy: bool,
-                   norm_in_gemm: bool):
+                   norm_in_gemm: bool, pdl: bool | None, cublas_candidate: bool | None, rope: bool):
     """``fused_decode`` with ``hpdl.serve.stream_gemm``: per layer qkv (+ RMSNorm prologue), rope_kv,
     attention (split chunks combined by the last program), o (+ residual), gate|up (+ RMSNorm prologue,
     SiLU-mul epilogue), down (+ residual). Without ``norm_in_gemm`` the RMSNorms run as their own kernel before
@@ -413,24 +527,29 @@ def _stream_decode(model: DecoderLM, cache: KVCache, tokens, pos, start: int, kv
     h, hkv, eps = cfg.n_heads, cfg.n_kv_heads, cfg.norm_eps
     # with stream_gemm.PDL, rope_kv and the attention launch with PDL too: every kernel of a layer then overlaps
     # the previous one's tail (the o GEMM loads its weights while the attention runs)
-    pdl = sg.PDL and sg.pdl_supported(tokens.device)
+    pdl = (sg.PDL if pdl is None else pdl) and sg.pdl_supported(tokens.device)
+    gk = dict(pdl=pdl, cublas_candidate=cublas_candidate)
 
     def normed(x, w, weight, **kw):
         if norm_in_gemm:
-            return stream_gemm(x, w, norm_weight=weight, eps=eps, **kw)
-        return stream_gemm(add_rmsnorm(x, None, weight, eps)[1], w, **kw)
+            return stream_gemm(x, w, norm_weight=weight, eps=eps, **gk, **kw)
+        return stream_gemm(add_rmsnorm(x, None, weight, eps)[1], w, **gk, **kw)
 
     res = model.embed_tokens(tokens)  # [n, C]; every GEMM writes a new tensor, so the table is never touched
     for i, layer in enumerate(model.layers):
         a, mlp = layer.attn, layer.mlp
         qkv = normed(res, a.qkv_proj.weight, layer.ln_1.weight)
-        q = rope_kv(qkv, model.cos, model.sin, pos, cache.k[i], cache.v[i], start, h, hkv, pdl=pdl)
-        o = decode_attention(q, cache.k[i], cache.v[i], pos, start, kv_len, fuse_combine=True, pdl=pdl)
-        res = stream_gemm(o.view(o.shape[0], h * cfg.head_dim), a.o_proj.weight, residual=res)
+        if rope:
+            o = rope_decode_attention(qkv, model.cos, model.sin, pos, cache.k[i], cache.v[i], start, h, hkv, kv_len,
+                                      fuse_combine=True, pdl=pdl)
+        else:
+            q = rope_kv(qkv, model.cos, model.sin, pos, cache.k[i], cache.v[i], start, h, hkv, pdl=pdl)
+            o = decode_attention(q, cache.k[i], cache.v[i], pos, start, kv_len, fuse_combine=True, pdl=pdl)
+        res = stream_gemm(o.view(o.shape[0], h * cfg.head_dim), a.o_proj.weight, residual=res, **gk)
         act = normed(res, mlp.up_proj.weight, layer.ln_2.weight, silu_mul=True)
-        res = stream_gemm(act, mlp.down_proj.weight, residual=res)
+        res = stream_gemm(act, mlp.down_proj.weight, residual=res, **gk)
     logits = normed(res, model.lm_head.weight, model.norm.weight)[:, : cfg.vocab_size]
-    return logits, (logits.argmax(dim=-1) if greedy else None)
+    return logits, (argmax_rows(logits) if greedy else None)
 
 
 def step_bytes(model: DecoderLM, cache: KVCache, n: int, mean_len: float) -> float:
@@ -445,6 +564,7 @@ def step_bytes(model: DecoderLM, cache: KVCache, n: int, mean_len: float) -> flo
     return float(weights + embed + kv)
 
 
-__all__ = ["GEMMS", "NORM_PROLOGUE_ROWS", "add_rmsnorm", "add_rmsnorm_ref", "attention_splits", "decode_attention",
-           "decode_attention_ref", "fused_decode", "rope_kv", "rope_kv_ref", "silu_mul", "silu_mul_ref", "step_bytes",
+__all__ = ["COMBINE_ONE_SHOT", "GEMMS", "NORM_PROLOGUE_ROWS", "ROPE_IN_ATTENTION", "TRITON_ARGMAX", "add_rmsnorm",
+           "add_rmsnorm_ref", "argmax_rows", "attention_splits", "decode_attention", "decode_attention_ref",
+           "fused_decode", "rope_decode_attention", "rope_kv", "rope_kv_ref", "silu_mul", "silu_mul_ref", "step_bytes",
            "supports", "use_triton"]

@@ -512,7 +512,8 @@ def _cublas_launch(x, w, res, nw, eps, epi: int) -> torch.Tensor:
 
 def stream_gemm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
                 norm_weight: torch.Tensor | None = None, eps: float = 1e-6, silu_mul: bool = False,
-                config: dict | None = None) -> torch.Tensor:
+                config: dict | None = None, pdl: bool | None = None,
+                cublas_candidate: bool | None = None) -> torch.Tensor:
     """``y = x @ w.T`` for decode-sized ``x``, with optional fused prologue and epilogues.
 
     Args:
@@ -524,6 +525,10 @@ def stream_gemm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None 
         config: a fixed config (keys of ``candidates``, or ``CUBLAS_CONFIG``); None = the tuned one on CUDA
             (with ``CUBLAS_CANDIDATE``, cuBLAS is one of the candidates), the first candidate elsewhere. The tests
             use it to cover every code path under TRITON_INTERPRET=1.
+        pdl: launch with Programmatic Dependent Launch where ``pdl_supported``; None = the module's ``PDL``.
+        cublas_candidate: whether the tuner also times cuBLAS for this shape; None = ``CUBLAS_CANDIDATE``. A
+            caller that chains PDL launches passes False: a cuBLAS kernel between two stream GEMMs breaks the
+            overlap, which the per-shape timing does not see.
     Returns:
         ``[M, N]`` in ``x``'s dtype, a new tensor. Off CUDA and without the interpreter: ``stream_gemm_ref``.
     Raises:
@@ -552,22 +557,22 @@ def stream_gemm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None 
     epi = 2 if silu_mul else (1 if residual is not None else 0)
     if config is None:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-        with_cublas = CUBLAS_CANDIDATE and x.is_cuda
+        with_cublas = (CUBLAS_CANDIDATE if cublas_candidate is None else cublas_candidate) and x.is_cuda
         key = (m_bucket(M), N, K, epi, norm_weight is not None, str(x.dtype).split(".")[-1], with_cublas)
         cands = candidates(M, N, K, sms, x.element_size(), epi, norm_weight is not None,
                            shared_memory_limit(x.device)) + ([CUBLAS_CONFIG] if with_cublas else [])
         base = _TUNED.get(key[:-1] + (False,)) if with_cublas else None  # its Triton times, if tuned
         known = base["all_us"] if base is not None and len(base["all_us"]) == len(cands) - 1 else None
-        config = _tune(key, cands, lambda c, wi: _run(x, wi, residual, norm_weight, eps, epi, c), w, known)
-    return _run(x, w, residual, norm_weight, eps, epi, config)
+        config = _tune(key, cands, lambda c, wi: _run(x, wi, residual, norm_weight, eps, epi, c, pdl), w, known)
+    return _run(x, w, residual, norm_weight, eps, epi, config, pdl)
 
 
-def _run(x, w, res, nw, eps, epi: int, cfg: dict) -> torch.Tensor:
+def _run(x, w, res, nw, eps, epi: int, cfg: dict, pdl: bool | None = None) -> torch.Tensor:
     """One fused GEMM with ``cfg`` (a Triton config or ``CUBLAS_CONFIG``); returns the new ``[M, N]`` tensor."""
     if cfg.get("BACKEND") == "cublas":
         return _cublas_launch(x, w, res, nw, eps, epi)
     out = torch.empty(x.shape[0], w.shape[0] // 2 if epi == 2 else w.shape[0], dtype=x.dtype, device=x.device)
-    _launch(x, w, out, res, nw, eps, epi, cfg)
+    _launch(x, w, out, res, nw, eps, epi, cfg, pdl)
     return out
 
 

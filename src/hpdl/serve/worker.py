@@ -97,7 +97,13 @@ class ModelRunner:
         fused: decode with ``hpdl.serve.fused`` (Triton kernels, ~9 per layer instead of ~25); None = on CUDA
             for the models it supports (``fused.supports``), eager elsewhere. ``self.fused`` says which runs
             and ``self.fused_reason`` why not.
-        fused_gemm: the fused step's GEMMs, "cublas" or "stream" (``hpdl.serve.fused.fused_decode``'s ``gemm``).
+        fused_gemm: the fused step's GEMMs, "cublas" or "stream" (``hpdl.serve.fused.fused_decode``'s ``gemm``),
+            or "auto": each decode batch bucket runs the path measured fastest for its rows on this device
+            (``AUTO_PATHS``: hpdl's stream GEMMs with PDL, or cuBLAS). The first CUDA-graph capture of a bucket
+            captures both, times them interleaved (``AUTO_ROUNDS`` x ``AUTO_REPS`` replays at the bucket's
+            longest KV length) and keeps the faster; once cuBLAS wins at a bucket, every larger bucket takes
+            cuBLAS unmeasured (the row threshold). ``self.gemm_choice`` holds the decisions and their times.
+            Buckets never captured (no CUDA graphs) run cuBLAS. Where the fused step does not run it is ignored.
         tp_all_reduce: "nccl"; "symm" (torch symmetric-memory one-shot all-reduce for decode); or "hpdl"
             (hpdl.comm's all-reduce: on CUDA the peer-memory kernels, one launch per call at every size; on CPU
             hpdl's tuned algorithms over gloo). "symm" and "hpdl" fall back to the process group's own
@@ -128,9 +134,9 @@ class ModelRunner:
         if fused and self.fused_reason is not None:
             raise ValueError(f"fused=True but the fused decode cannot run this model: {self.fused_reason}")
         self.fused = bool(fused if fused is not None else self.device.type == "cuda" and self.fused_reason is None)
-        if fused_gemm not in fz.GEMMS:
-            raise ValueError(f"fused_gemm must be one of {fz.GEMMS}, got {fused_gemm!r}")
-        if fused_gemm != "cublas" and not self.fused:
+        if fused_gemm not in fz.GEMMS + ("auto",):
+            raise ValueError(f"fused_gemm must be one of {fz.GEMMS + ('auto',)}, got {fused_gemm!r}")
+        if fused_gemm == "stream" and not self.fused:
             # the GEMM choice only exists inside the fused step: ignoring it would report eager numbers as stream's
             why = (self.fused_reason if self.fused_reason is not None else
                    "fused_decode=False (--eager-decode)" if fused is False else
@@ -139,13 +145,36 @@ class ModelRunner:
                              f"which this engine does not run: {why}; set fused_decode=True (LLaMA on one device) "
                              f"or leave fused_gemm='cublas'")
         self.fused_gemm = fused_gemm
+        # "auto": batch bucket -> {"path", "ms": {path: median ms}, "kv_len"} (measured) or {"path", "by":
+        # "threshold"}; the smallest bucket where cuBLAS won (larger ones take it unmeasured)
+        self.gemm_choice: dict[int, dict] = {}
+        self._cublas_from: int | None = None
 
-    def _decode(self, toks: torch.Tensor, pos: torch.Tensor, start: int, kv_len: int):
-        """Logits ``[n, vocab]`` of one decode step and, on the fused path, the greedy argmax ``[n]``."""
+    # the "auto" candidates: fused_decode keyword arguments per path name
+    AUTO_PATHS = {"stream_pdl": dict(gemm="stream", pdl=True, cublas_candidate=False), "cublas": dict(gemm="cublas")}
+    AUTO_ROUNDS, AUTO_REPS = 5, 5
+
+    def _path(self, n: int) -> str:
+        """The fused step's path (a key of ``AUTO_PATHS``, or "stream") for a decode of ``n`` rows."""
+        if self.fused_gemm != "auto":
+            return self.fused_gemm
+        choice = self.gemm_choice.get(self._bucket(n))
+        return choice["path"] if choice is not None else "cublas"
+
+    def _bucket(self, n: int) -> int:
+        """The batch bucket (graph rows) of a decode of ``n`` rows."""
+        nb = self.BATCH_BUCKETS[bisect.bisect_left(self.BATCH_BUCKETS, n)] if n <= self.BATCH_BUCKETS[-1] else n
+        return min(nb, self.cache.num_slots) if n <= self.cache.num_slots else n
+
+    def _decode(self, toks: torch.Tensor, pos: torch.Tensor, start: int, kv_len: int, path: str | None = None):
+        """Logits ``[n, vocab]`` of one decode step and, on the fused path, the greedy argmax ``[n]``.
+        ``path``: the fused step's path (``AUTO_PATHS`` key or "stream"); None = ``_path(n)``."""
         if self.fused:
             from hpdl.serve.fused import fused_decode
 
-            return fused_decode(self.model, self.cache, toks[:, 0], pos[:, 0], start, kv_len, gemm=self.fused_gemm)
+            path = path or self._path(toks.shape[0])
+            kw = self.AUTO_PATHS.get(path, dict(gemm=path))
+            return fused_decode(self.model, self.cache, toks[:, 0], pos[:, 0], start, kv_len, **kw)
         return self.model(toks, self.cache, Batch(positions=pos, start=start, kv_len=kv_len)), None
 
     @torch.inference_mode()
@@ -250,9 +279,7 @@ class ModelRunner:
     def _replay(self, plan: StepPlan, kv_len: int) -> torch.Tensor:
         if plan.start != 0:
             raise ValueError("CUDA-graph decode needs the slot range anchored at 0: use reorder='prefix'")
-        nb = self.BATCH_BUCKETS[bisect.bisect_left(self.BATCH_BUCKETS, plan.n)] \
-            if plan.n <= self.BATCH_BUCKETS[-1] else plan.n
-        nb = min(nb, self.cache.num_slots) if plan.n <= self.cache.num_slots else plan.n
+        nb = self._bucket(plan.n)
         kb = min(-(-kv_len // self.KV_BUCKET) * self.KV_BUCKET, self.cache.max_seq_len)
         key = (nb, kb)
         if key not in self._graphs:
@@ -267,16 +294,68 @@ class ModelRunner:
         return with_argmax(out[: plan.n], top[: plan.n] if top is not None else None)
 
     @contextlib.contextmanager
-    def _position0_kept(self, nb: int):
-        """Save position 0 of the K/V of slots ``[0, nb)`` and put it back on exit, also on an exception (on
-        the current stream: the saved copy is taken before, and restored after, whatever runs inside)."""
-        saved = (self.cache.k[:, :nb, :, 0].clone(), self.cache.v[:, :nb, :, 0].clone())
+    def _position0_kept(self, nb: int, other: int = 0):
+        """Save positions 0 and ``other`` of the K/V of slots ``[0, nb)`` and put them back on exit, also on an
+        exception (on the current stream: the saved copy is taken before, and restored after, whatever runs
+        inside)."""
+        at = sorted({0, other})
+        saved = (self.cache.k[:, :nb, :, at].clone(), self.cache.v[:, :nb, :, at].clone())
         try:
             yield
         finally:
-            self.cache.k[:, :nb, :, 0], self.cache.v[:, :nb, :, 0] = saved
+            self.cache.k[:, :nb, :, at], self.cache.v[:, :nb, :, at] = saved
 
     def _capture(self, nb: int, kb: int):
+        """The CUDA graph of bucket ``(nb, kb)``; with "auto", the first capture of a bucket below the cuBLAS
+        threshold captures every ``AUTO_PATHS`` path, times them (``_time_captures``) and keeps the fastest."""
+        if self.fused_gemm != "auto" or not self.fused or nb in self.gemm_choice:
+            return self._capture_path(nb, kb, self._path(nb))
+        if self._cublas_from is not None and nb >= self._cublas_from:
+            self.gemm_choice[nb] = {"path": "cublas", "by": f"threshold: cuBLAS won at {self._cublas_from} rows"}
+            return self._capture_path(nb, kb, "cublas")
+        caps, errors = {}, {}
+        for name in self.AUTO_PATHS:  # a path that cannot capture here (e.g. a kernel that cannot launch) loses
+            try:
+                caps[name] = self._capture_path(nb, kb, name)
+            except Exception as exc:  # noqa: BLE001 - the other path still serves; all failing raises below
+                if isinstance(exc, KeyboardInterrupt) or len(errors) == len(self.AUTO_PATHS) - 1:
+                    raise
+                errors[name] = repr(exc)[:300]
+                log.warning("fused_gemm auto: the %s path failed to capture at %d rows: %r", name, nb, exc)
+        ms = self._time_captures(caps, nb, kb) if len(caps) > 1 else {name: float("nan") for name in caps}
+        best = min(ms, key=ms.get)
+        self.gemm_choice[nb] = {"path": best, "ms": {k: round(v, 4) for k, v in ms.items()}, "kv_len": kb}
+        if errors:
+            self.gemm_choice[nb]["errors"] = errors
+        if best == "cublas":
+            self._cublas_from = nb if self._cublas_from is None else min(self._cublas_from, nb)
+        log.info("fused_gemm auto: %d rows -> %s (%s)", nb, best, self.gemm_choice[nb]["ms"])
+        return caps[best]
+
+    def _time_captures(self, caps: dict, nb: int, kb: int) -> dict[str, float]:
+        """Median milliseconds of one replay of each captured graph, all at position ``kb - 1`` (the bucket's
+        longest attention), in ``AUTO_ROUNDS`` rounds of ``AUTO_REPS`` replays with the paths interleaved in each
+        round. The replays write K/V at positions ``kb - 1`` of slots ``[0, nb)``, restored afterwards."""
+        import statistics
+
+        times: dict[str, list[float]] = {name: [] for name in caps}
+        with self._position0_kept(nb, kb - 1):
+            for _, _, pos, _, _ in caps.values():
+                pos.fill_(kb - 1)
+            for name, (graph, *_) in caps.items():  # one warm replay each
+                graph.replay()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            for _ in range(self.AUTO_ROUNDS):
+                for name, (graph, *_) in caps.items():
+                    a.record()
+                    for _ in range(self.AUTO_REPS):
+                        graph.replay()
+                    b.record()
+                    b.synchronize()
+                    times[name].append(a.elapsed_time(b) / self.AUTO_REPS)
+        return {name: statistics.median(t) for name, t in times.items()}
+
+    def _capture_path(self, nb: int, kb: int, path: str):
         toks = torch.zeros(nb, 1, dtype=torch.long, device=self.device)
         pos = torch.zeros(nb, 1, dtype=torch.long, device=self.device)
         # warm-up outside the graph (allocator, cuBLAS handles); it writes position 0 of slots [0, nb), which
@@ -288,14 +367,14 @@ class ModelRunner:
             try:
                 with torch.cuda.stream(s):
                     for _ in range(2):  # also compiles and tunes the Triton kernels for these shapes
-                        self._decode(toks, pos, 0, kb)
+                        self._decode(toks, pos, 0, kb, path)
             finally:
                 torch.cuda.current_stream().wait_stream(s)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self._pool):
-            out, top = self._decode(toks, pos, 0, kb)
+            out, top = self._decode(toks, pos, 0, kb, path)
         return g, toks, pos, out, top
 
 
