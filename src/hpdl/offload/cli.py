@@ -34,19 +34,19 @@ class OffloadCommand:
         a.add_argument("--spin-us", type=real(0, 1e7), default=None, help="poll this long after activity before "
                        "sleeping on the doorbell (default HPDL_OFFLOAD_SPIN_US)")
         a.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
-        from hpdl.offload.jacobi import add_arguments as jacobi_args
+        from hpdl.offload.jacobi import JacobiCommand
 
-        jacobi_help = "application comparison: 3-D Jacobi step time with offloaded vs blocking halo exchange"
-        jacobi_args(sub.add_parser("jacobi", help=jacobi_help, description=jacobi_help,
-                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+        jacobi_help = "application comparison: 3-D Jacobi step time with offloaded vs blocking halo exchange " \
+                      "(also `hpdl bench jacobi`)"
+        JacobiCommand.add_arguments(sub.add_parser("jacobi", help=jacobi_help, description=jacobi_help))
 
     def run(self, args) -> int:
         if args.offload_cmd == "agent":
             return _agent(args)
         if args.offload_cmd == "jacobi":
-            from hpdl.offload.jacobi import run_command
+            from hpdl.offload.jacobi import JacobiCommand
 
-            return run_command(args)
+            return JacobiCommand().run(args)
         raise CLIUsageError("choose a sub-command: agent or jacobi")
 
 
