@@ -10,6 +10,8 @@ The application never calls ``test()`` during the compute (OSU's test_time is 0 
 shows up is progress made without it. Modes: ``native`` (torch.distributed's non-blocking collective with
 ``async_op=True``, the host busy computing), ``thread`` (hpdl.offload's in-process progress thread) and
 ``agent`` (the progress agent). Every point is checked once against torch.distributed (``#wrong``).
+:class:`OverlapBenchmark` is the harness plug-in (:mod:`hpdl.bench.common`); :class:`Dummy`, :func:`_setup` and
+:func:`overlap_pct` are also ``benchmarks/offload_device.py``'s.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ Modes (one step each):
 - ``thread``: the same overlap with the in-process progress thread.
 
 Every mode computes bit-identical fields (same operations in the same order per point; ``#wrong`` counts
-differences from ``blocking``).
+differences from ``blocking``). :class:`JacobiBenchmark` is the harness plug-in (``hpdl offload jacobi``, also
+``hpdl bench jacobi``); the kernels (:func:`stencil`, :func:`boxes`) are also ``benchmarks/offload_device.py``'s.
 """
 
 from __future__ import annotations
