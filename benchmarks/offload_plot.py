@@ -58,11 +58,9 @@ def gpu_series(doc: dict) -> tuple[dict, list[str]]:
 
 
 def plot(doc: dict, path: str | Path, goal: float = 80.0) -> None:
-    import matplotlib
+    from hpdl.bench.common import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     osu = osu_series(doc)
     gpu, missing = gpu_series(doc)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
