@@ -549,7 +549,7 @@ def _comm_part(out: Path, smoke: bool, timeout: float) -> list[str]:
 
 
 def main(argv=None) -> int:
-    from hpdl.bench.report import source_commit
+    from hpdl.bench.common import run_metadata
     from hpdl.offload import native
     from hpdl.runtime.launch import spawn
 
@@ -606,13 +606,11 @@ def main(argv=None) -> int:
     lines, goals = report(res, cfg)
     lines += comm_goals
     goals["comm"] = comm_goals
-    meta = {"command": "benchmarks/offload_device.py " + " ".join(sys.argv[1:]), "np": args.np,
-            "native_built": built, "torch": torch.__version__, "cpus": os.cpu_count(),
-            "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "commit": source_commit(),
-            "seconds": round(time.perf_counter() - t0, 1), "loadavg_after": list(os.getloadavg())}
+    meta = run_metadata(device="cuda" if torch.cuda.is_available() else "cpu", np=args.np, native_built=built,
+                        seconds=round(time.perf_counter() - t0, 1), loadavg_after=list(os.getloadavg()))
     (out / "offload.json").write_text(json.dumps({"meta": meta, "config": cfg, "results": res, "goals": goals},
                                                  indent=1, default=str))
-    head = f"# offload_device: {meta['date_utc']} UTC, commit {meta['commit']}, {meta['cpus']} cpus, " \
+    head = f"# offload_device: {meta['date']}, commit {meta['commit']}, {meta['cores']} cpus, " \
            f"native executor built: {built}, agent cores {res.get('agent_cores') or 'not pinned'}, {meta['seconds']}s"
     (out / "offload.log").write_text("\n".join([head, *lines]) + "\n")
     print(head)

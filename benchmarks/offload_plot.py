@@ -58,11 +58,9 @@ def gpu_series(doc: dict) -> tuple[dict, list[str]]:
 
 
 def plot(doc: dict, path: str | Path, goal: float = 80.0) -> None:
-    import matplotlib
+    from hpdl.bench.common import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     osu = osu_series(doc)
     gpu, missing = gpu_series(doc)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
@@ -105,7 +103,9 @@ def plot(doc: dict, path: str | Path, goal: float = 80.0) -> None:
     title = "4 ranks on one GPU, 4 MiB/peer alltoall vs fp32 matmuls (mm: matmuls per overlapped step)"
     ax2.set_title(title + (f"\nnot measured: {'; '.join(missing)}" if missing else ""), fontsize=9)
     meta = doc.get("meta", {})
-    fig.suptitle(f"hpdl.offload, {meta.get('date_utc', '?')} UTC, {meta.get('cpus', '?')} cpus, "
+    # runs before the harness's metadata said date_utc (no " UTC") and cpus
+    date = meta.get("date") or f"{meta.get('date_utc', '?')} UTC"
+    fig.suptitle(f"hpdl.offload, {date}, {meta.get('cores', meta.get('cpus', '?'))} cpus, "
                  f"torch {meta.get('torch', '?')}; dashed: the {goal:.0f}% goal", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

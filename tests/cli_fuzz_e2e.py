@@ -44,7 +44,7 @@ def bases(tmp: Path) -> dict[str, list[str]]:
                             "--time-per-point", "0.001", "--algorithms", "native,ring"],
         "bench alltoall": ["--np", "2", "-b", "8", "-e", "64", "--iters", "3", "--warmup", "0",
                            "--time-per-point", "0.001", "--algorithms", "native,pairwise"],
-        "bench overlap": ["--np", "2", "--min", "1K", "--max", "1K", "--iters", "3", "--time-per-point", "0.01",
+        "bench overlap": ["--np", "2", "-b", "1K", "-e", "1K", "--iters", "3", "--time-per-point", "0.01",
                           "--modes", "native"],
         "bench attention": ["--device", "cpu", "--suite", "tokens", "--min-tokens", "64", "--max-tokens", "64",
                             "--methods", "soft", "--reps", "1", "--warmup", "0", "--out", str(tmp / "att-@CASE@")],

@@ -35,6 +35,11 @@ def test_interior_and_shell_cover_the_block_once_and_compute_the_same_bits(shape
     (["bench", "overlap", "--modes", "mpi"], "--modes must be from"),
     (["bench", "overlap", "--np", "1"], "--np must be >= 2"),
     (["offload", "agent", "--agents", "2"], "--rendezvous HOST:PORT is needed"),
+    (["bench", "overlap", "-b", "2K", "-e", "1K"], "-b/--min-bytes (2048) must not exceed -e/--max-bytes (1024)"),
+    (["bench", "overlap", "--np", "2", "-e", "1024G"], "-e/--max-bytes/--np"),
+    (["bench", "jacobi", "--sizes", ","], "--sizes must name at least one block shape"),
+    (["offload", "jacobi", "--sizes", "4xAx4"], "--sizes/--grid"),
+    (["offload", "jacobi", "--json", "/proc/x/y.json"], "--json /proc/x/y.json"),
 ])
 def test_command_usage_errors(argv, msg, capsys):
     assert main(argv) == 1
@@ -52,5 +57,37 @@ def test_overlap_table_reports_effective_overlap_against_compute_alone():
     assert overlap_pct(1200.0, 1000.0, 500.0) == 60.0
     assert overlap_pct(1.0, 1.0, 0.0) == 0.0
     text = format_table([row])
-    assert "Eff.ovl(%)" in text.splitlines()[0]
-    assert text.splitlines()[1].split()[-2] == "0.0"  # the effective column, before #wrong
+    header, rule, line = text.splitlines()[:3]
+    assert "Eff.ovl (%)" in header and set(rule) == {"-"}
+    assert line.split()[-2] == "0.0"  # the effective column, before #wrong
+
+
+def test_overlap_sizes_take_nccl_tests_flags_and_the_old_ones():
+    """-b/-e/-f as nccl-tests (the docs' spelling); --min/--max, this command's first spelling, still parse."""
+    from hpdl.cli import build_parser
+
+    parser = build_parser("bench")
+    new = parser.parse_args(["bench", "overlap", "-b", "4K", "-e", "1M", "-f", "2"])
+    old = parser.parse_args(["bench", "overlap", "--min", "4K", "--max", "1M", "--factor", "2"])
+    assert (new.min_size, new.max_size, new.factor) == (old.min_size, old.max_size, old.factor) == (4096, 1 << 20, 2)
+
+
+def test_jacobi_table_labels_its_ratio_as_a_time_ratio():
+    """``vs blocking`` is this mode's step time over blocking's: the header and the note say lower is better."""
+    import argparse
+
+    from hpdl.bench.common import RunContext, run_metadata
+    from hpdl.offload.jacobi import JacobiBenchmark
+
+    bench = JacobiBenchmark()
+    args = argparse.Namespace(np=2, sizes="2x8x8", grid=None, modes="blocking,agent", dtype="float32")
+    bench.validate(args)
+    rows = [{"shape": "2x8x8", "cells": 128, "mode": "blocking", "step_ms": 2.0, "comm_ms": 1.0, "wrong": 0,
+             "executor": "torch.distributed", "vs_blocking": 1.0, "comm_fraction": 0.5},
+            {"shape": "2x8x8", "cells": 128, "mode": "agent", "step_ms": 1.0, "comm_ms": 0.2, "wrong": 0,
+             "executor": "native", "vs_blocking": 0.5, "comm_fraction": None}]
+    text = bench.table(rows, RunContext(args, run_metadata(), bench))
+    assert "vs blocking (lower is better)" in text
+    assert "# vs blocking: time ratio (this row's time / the reference's): lower is better" in text
+    agent = next(line for line in text.splitlines() if " agent " in line)
+    assert agent.split()[2:6] == ["1.000", "0.200", "-", "0.50x"]

@@ -141,5 +141,8 @@ def test_jacobi_says_which_executor_ran_each_mode(tmp_path, capsys):
     rows = json.loads((tmp_path / "jacobi.json").read_text())["rows"]
     assert {r["mode"]: r["executor"] for r in rows} == {"blocking": "torch.distributed", "agent-blocking": "native",
                                                         "agent": "native", "thread": "thread"}
-    table = capsys.readouterr().out
-    assert table.splitlines()[-len(rows) - 2].split()[-1] == "executor"
+    lines = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["block", "mode"])
+    assert lines[header].split()[-1] == "executor"
+    assert [line.split()[-1] for line in lines[header + 2:header + 2 + len(rows)]] == \
+        ["torch.distributed", "native", "native", "thread"]

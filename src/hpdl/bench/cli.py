@@ -246,6 +246,8 @@ PLUGINS: dict[str, tuple[str, str, str | None]] = {
     "serve": ("hpdl.serve.cli:ServeBenchCommand",
               "serving benchmark (alias of `hpdl serve bench`): TTFT, TPOT, ITL, throughput vs baselines", "serve"),
     "overlap": ("hpdl.offload.bench:OverlapBenchCommand", "OSU-style overlap: torch.distributed async, hpdl.offload thread, agent", None),
+    "jacobi": ("hpdl.offload.jacobi:JacobiCommand", "3-D Jacobi step time, offloaded vs blocking halo exchange "
+               "(alias of `hpdl offload jacobi`)", None),
     "attention": ("hpdl.vision.bench:AttentionBenchCommand", "SOFT vs SDPA/Nystrom attention, SOFT vs ViT/PVT", "vision"),
     "apps": ("hpdl.apps.bench:AppsBenchCommand", "CG, pencil 3-D FFT and nanoGPT training: hpdl.comm vs native "
              "collectives (gloo ranks)", None),

@@ -17,6 +17,7 @@ import time
 from importlib import resources
 
 from hpdl.bench.common import add_output_arguments
+from hpdl.runtime.commands import CommandGroup
 from hpdl.runtime.errors import CLIUsageError
 
 
@@ -92,13 +93,14 @@ def _example() -> str:
     return str(resources.files("hpdl.hpo").joinpath("examples/quick.yaml"))
 
 
-class HpoCommand:
-    name = "hpo"
-    help = "resource-aware hyperparameter optimisation (HyperSack): pack trials onto GPUs"
+class HpoCommand(CommandGroup):
+    """``hpdl hpo {run,resume,status,simulate}``."""
 
-    @staticmethod
-    def add_arguments(parser) -> None:
-        sub = parser.add_subparsers(dest="hpo_cmd", metavar="{run,resume,status,simulate}")
+    dest, subcommands = "hpo_cmd", ("run", "resume", "status", "simulate")
+
+    @classmethod
+    def add_arguments(cls, parser) -> None:
+        sub = cls.subparsers(parser)
         for name, h in (("run", "start a study from a YAML study file"),
                         ("resume", "continue a study after the driver stopped or was killed")):
             p = sub.add_parser(name, help=h, description=h)
@@ -155,12 +157,6 @@ class HpoCommand:
                        help="trials per fused model for policies named <policy>+fuse, e.g. pack+fuse (default: "
                             "%(default)s)")
         add_output_arguments(p, ("format",))
-
-    def run(self, args) -> int:
-        cmd = getattr(args, "hpo_cmd", None)
-        if cmd is None:
-            raise CLIUsageError("choose one of run, resume, status, simulate")
-        return getattr(self, "_" + cmd)(args)
 
     def _spec(self, args):
         from hpdl.hpo.spec import StudySpec

@@ -10,20 +10,20 @@ The application never calls ``test()`` during the compute (OSU's test_time is 0 
 shows up is progress made without it. Modes: ``native`` (torch.distributed's non-blocking collective with
 ``async_op=True``, the host busy computing), ``thread`` (hpdl.offload's in-process progress thread) and
 ``agent`` (the progress agent). Every point is checked once against torch.distributed (``#wrong``).
+:class:`OverlapBenchmark` is the harness plug-in (:mod:`hpdl.bench.common`); :class:`Dummy`, :func:`_setup` and
+:func:`overlap_pct` are also ``benchmarks/offload_device.py``'s.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import sys
 import time
-from pathlib import Path
 
 import torch
 
+from hpdl.bench.common import Benchmark, Column, Panel, PlotSpec, command, format_table as _format_table
 from hpdl.runtime.errors import CLIUsageError
 from hpdl.runtime.limits import check_fits, count, real
 
@@ -114,9 +114,12 @@ def overlap_rank(ctx, cfg: dict) -> list[dict]:
 
     import hpdl.offload as ho
 
+    from hpdl.bench.common import Progress
+
     torch.set_num_threads(1)
     dummy = Dummy()
     rows = []
+    bar = Progress(len(cfg["modes"]) * len(cfg["sizes"]), "overlap", enabled=ctx.rank == 0 and cfg["progress"])
 
     def avg(v: float) -> float:
         t = torch.tensor([v], dtype=torch.float64)
@@ -178,9 +181,9 @@ def overlap_rank(ctx, cfg: dict) -> list[dict]:
                              "wrong": wrong})
                 if req is not None:
                     req.free()
-                if ctx.rank == 0 and cfg["progress"]:
-                    print(f"  {mode:>7} {size:>9} B  overlap {overlap:5.1f}%", file=sys.stderr, flush=True)
+                bar.advance(f"{mode} {size} B: overlap {overlap:.1f}%")
     finally:
+        bar.close()
         if agent is not None:
             agent.stop()
     return rows
@@ -203,117 +206,99 @@ def _median(xs):
     return xs[len(xs) // 2]
 
 
+def _effective(r: dict) -> float:
+    """A row's effective overlap (rows written before it was recorded get it from their times)."""
+    eff = r.get("effective_overlap_pct")
+    return overlap_pct(r["overall_us"], r["compute_alone_us"], r["pure_comm_us"]) if eff is None else eff
+
+
+COLUMNS = (Column("size", "size", "B"), Column("mode", "mode"), Column("overall_us", "Overall", "us", ".1f"),
+           Column("compute_us", "Compute", "us", ".1f"), Column("pure_comm_us", "Pure Comm", "us", ".1f"),
+           Column("overlap_pct", "Overlap", "%", ".1f"), Column("compute_alone_us", "alone", "us", ".1f"),
+           Column(_effective, "Eff.ovl", "%", ".1f"), Column("wrong", "#wrong"))
+
+NOTES = ("# alone: the same compute without communication (Compute above it = slowed down by progress)",
+         "# Eff.ovl: overlap against the compute alone, 100 - 100 (Overall - alone) / Pure Comm (OSU's Overlap "
+         "credits a slowed compute)")
+
+
 def format_table(rows) -> str:
-    lines = [f"# {'Size(B)':>10} {'mode':>7} {'Overall(us)':>12} {'Compute(us)':>12} {'Pure Comm(us)':>14} "
-             f"{'Overlap(%)':>11} {'alone(us)':>10} {'Eff.ovl(%)':>11} {'#wrong':>7}"]
-    for r in rows:
-        eff = r.get("effective_overlap_pct")
-        eff = overlap_pct(r["overall_us"], r["compute_alone_us"], r["pure_comm_us"]) if eff is None else eff
-        lines.append(f"  {r['size']:>10} {r['mode']:>7} {r['overall_us']:>12.1f} {r['compute_us']:>12.1f} "
-                     f"{r['pure_comm_us']:>14.1f} {r['overlap_pct']:>11.1f} {r['compute_alone_us']:>10.1f} "
-                     f"{eff:>11.1f} {r['wrong']:>7}")
-    lines.append("# alone: the same compute without communication (Compute above it = slowed down by progress)")
-    lines.append("# Eff.ovl: overlap against the compute alone, 100 - 100 (Overall - alone) / Pure Comm (OSU's "
-                 "Overlap credits a slowed compute)")
-    return "\n".join(lines)
+    """The overlap table (OSU's columns, then the compute alone and the effective overlap), with its notes."""
+    return "\n".join([_format_table(rows, COLUMNS), *NOTES])
 
 
-def plot(rows, path: str, title: str) -> None:
-    import matplotlib
+class OverlapBenchmark(Benchmark):
+    """``hpdl bench overlap``: OSU-style overlap of native non-blocking ops, the progress thread and the agent,
+    one spawned gloo job of ``--np`` ranks; exit status 1 when a point's result differs from
+    torch.distributed's (``#wrong``)."""
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    name = "overlap"
+    title = "OSU-style overlap"
+    columns = COLUMNS
+    plot_spec = PlotSpec(x="size", xlabel="message size (bytes)", xscale="log2", series="mode",
+                         panels=(Panel("overlap_pct", "overlap (%)"),
+                                 Panel(_effective, "effective overlap (%)"),
+                                 Panel("pure_comm_us", "pure comm (us)", "log")))
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for mode in dict.fromkeys(r["mode"] for r in rows):
-        pts = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["size"])
-        ax1.plot([r["size"] for r in pts], [r["overlap_pct"] for r in pts], marker="o", ms=4, label=mode)
-        ax2.plot([r["size"] for r in pts], [r["pure_comm_us"] for r in pts], marker="o", ms=4, label=mode)
-    ax1.axhline(90, color="grey", ls="--", lw=0.8)
-    ax1.set_ylim(0, 105)
-    ax1.set_ylabel("overlap (%)")
-    ax2.set_ylabel("pure comm (us)")
-    ax2.set_yscale("log")
-    for ax in (ax1, ax2):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("message size (bytes)")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    @classmethod
+    def add_arguments(cls, p: argparse.ArgumentParser) -> None:
+        from hpdl.bench.cli import _HelpFormatter, parse_size
 
-
-class OverlapBenchCommand:
-    """`hpdl bench overlap`: OSU-style overlap of native non-blocking ops, the progress thread and the agent."""
-
-    @staticmethod
-    def add_arguments(p: argparse.ArgumentParser) -> None:
-        from hpdl.bench.cli import parse_size
-
-        p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+        p.formatter_class = _HelpFormatter
         p.add_argument("--np", type=count(1, 1024), default=4, help="ranks to spawn")
         p.add_argument("--pattern", default="alltoall", choices=PATTERNS,
                        help="alltoall (size = bytes per peer, as osu_ialltoall) or allreduce (bytes of the buffer)")
         p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated from {', '.join(MODES)}")
-        p.add_argument("--min", dest="min_size", type=parse_size, default=1 << 10, help="smallest size (bytes)")
-        p.add_argument("--max", dest="max_size", type=parse_size, default=1 << 20, help="largest size (bytes)")
-        p.add_argument("--factor", type=count(2, 1 << 40), default=4, help="size step factor")
+        # -b/-e/-f as nccl-tests (and hpdl bench allreduce); --min/--max are this command's older spellings
+        p.add_argument("-b", "--min-bytes", "--min", dest="min_size", type=parse_size, default=1 << 10,
+                       metavar="SIZE", help="smallest size in bytes (suffixes K, M, G)")
+        p.add_argument("-e", "--max-bytes", "--max", dest="max_size", type=parse_size, default=1 << 20,
+                       metavar="SIZE", help="largest size in bytes (suffixes K, M, G)")
+        p.add_argument("-f", "--factor", type=count(2, 1 << 40), default=4, help="size step factor")
         p.add_argument("--iters", type=count(1, 1 << 24), default=50, help="most timed iterations per loop")
         p.add_argument("--time-per-point", type=real(0, 600), default=0.6, help="seconds aimed at per point")
         p.add_argument("--compute-factor", type=real(0, 1000, strict=True), default=1.0, help="compute = this x Pure Comm")
         p.add_argument("--agent-threads", type=count(1, 1024), default=4, help="copy threads of the agent (its cores)")
         p.add_argument("--timeout", type=real(0, 7 * 86400, strict=True), default=120.0, help="seconds any wait may take")
-        p.add_argument("--out", default=None, help="folder for overlap.json and overlap.png")
-        p.add_argument("--json", dest="json_path", default=None, help="write rows and metadata as JSON")
-        p.add_argument("--plot", dest="plot_path", default=None, help="write the overlap plot (PNG)")
-        p.add_argument("--format", choices=["table", "json"], default="table")
 
-    def run(self, args) -> int:
+    def validate(self, args) -> None:
         from hpdl.bench.cli import sizes_between
-        from hpdl.bench.report import source_commit
-        from hpdl.runtime.launch import spawn
 
-        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-        bad = [m for m in modes if m not in MODES]
-        if bad or not modes:
-            raise CLIUsageError(f"--modes must be from {MODES}, got {bad or modes}")
+        self.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+        bad = [m for m in self.modes if m not in MODES]
+        if bad or not self.modes:
+            raise CLIUsageError(f"--modes must be from {MODES}, got {bad or self.modes}")
         if args.np < 2:
             raise CLIUsageError(f"--np must be >= 2, got {args.np}")
         try:
-            sizes = sizes_between(args.min_size, args.max_size, args.factor, names=("--min", "--max"))
+            self.sizes = sizes_between(args.min_size, args.max_size, args.factor)
         except ValueError as exc:
             raise CLIUsageError(str(exc)) from None
         try:   # each rank's send and receive buffers and the agent's shared segments for them, before spawning
-            check_fits(args.np * (4 * max(sizes) + (300 << 20)), "--max/--np",
-                       what=f"{args.np} ranks with buffers of the largest size {max(sizes)} B")
+            check_fits(args.np * (4 * max(self.sizes) + (300 << 20)), "-e/--max-bytes/--np",
+                       what=f"{args.np} ranks with buffers of the largest size {max(self.sizes)} B")
         except MemoryError as exc:
             raise CLIUsageError(str(exc)) from None
-        cfg = {"pattern": args.pattern, "modes": modes, "sizes": sizes, "iters": args.iters,
-               "time_per_point": args.time_per_point, "compute_factor": args.compute_factor,
-               "agent_threads": args.agent_threads, "timeout": args.timeout, "progress": True}
-        t0 = time.perf_counter()
-        rows = spawn(overlap_rank, args.np, args=(cfg,), timeout=args.timeout)[0]
-        meta = {"benchmark": "hpdl bench overlap", "np": args.np, "pattern": args.pattern,
-                "compute_factor": args.compute_factor, "agent_threads": args.agent_threads,
-                "torch": torch.__version__, "cpus": os.cpu_count(),
-                "loadavg_after": [round(x, 2) for x in os.getloadavg()], "date": time.strftime("%Y-%m-%d %H:%M"),
-                "commit": source_commit(), "seconds": round(time.perf_counter() - t0, 1),
-                "command": "hpdl bench overlap " + " ".join(sys.argv[3:])}
-        if args.format == "json":
-            print(json.dumps({"meta": meta, "rows": rows}, indent=1))
-        else:
-            print(f"# hpdl bench overlap: {args.pattern}, {args.np} ranks, torch {meta['torch']}, {meta['date']}, "
-                  f"{meta['seconds']}s")
-            print(format_table(rows))
-        json_path, plot_path = args.json_path, args.plot_path
-        if args.out:
-            Path(args.out).mkdir(parents=True, exist_ok=True)
-            json_path = json_path or str(Path(args.out) / "overlap.json")
-            plot_path = plot_path or str(Path(args.out) / "overlap.png")
-        if json_path:
-            Path(json_path).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-        if plot_path:
-            plot(rows, plot_path, f"overlap, {args.pattern}, {args.np} ranks (OSU method)")
-        return 1 if any(r["wrong"] for r in rows) else 0
+        self.title = f"OSU-style overlap, {args.pattern}, {args.np} ranks"
+
+    def metadata(self, args) -> dict:
+        return {"np": args.np, "pattern": args.pattern, "modes": self.modes, "sizes": self.sizes,
+                "compute_factor": args.compute_factor, "agent_threads": args.agent_threads, "iters": args.iters,
+                "time_per_point": args.time_per_point}
+
+    def run(self, ctx) -> list[dict]:
+        from hpdl.runtime.launch import spawn
+
+        a = ctx.args
+        cfg = {"pattern": a.pattern, "modes": self.modes, "sizes": self.sizes, "iters": a.iters,
+               "time_per_point": a.time_per_point, "compute_factor": a.compute_factor,
+               "agent_threads": a.agent_threads, "timeout": a.timeout, "progress": True}
+        rows = spawn(overlap_rank, a.np, args=(cfg,), timeout=a.timeout)[0]
+        ctx.meta["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]   # a shared host's load, for the reader
+        return rows
+
+    def table(self, rows, ctx) -> str:
+        return super().table(rows, ctx) + "\n" + "\n".join(NOTES)
+
+
+OverlapBenchCommand = command(OverlapBenchmark)

@@ -6,16 +6,19 @@ import argparse
 import os
 import tempfile
 
+from hpdl.runtime.commands import CommandGroup
 from hpdl.runtime.errors import CLIUsageError
 from hpdl.runtime.limits import count, real
 
 
-class OffloadCommand:
+class OffloadCommand(CommandGroup):
     """`hpdl offload {agent,jacobi}`."""
 
-    @staticmethod
-    def add_arguments(parser: argparse.ArgumentParser) -> None:
-        sub = parser.add_subparsers(dest="offload_cmd", metavar="{agent,jacobi}")
+    dest, subcommands = "offload_cmd", ("agent", "jacobi")
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        sub = cls.subparsers(parser)
         a = sub.add_parser("agent", help="run this node's progress agent until stopped (one per node)",
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                            description="Run a progress agent. One per node: under srun/mpirun with one task per "
@@ -34,20 +37,21 @@ class OffloadCommand:
         a.add_argument("--spin-us", type=real(0, 1e7), default=None, help="poll this long after activity before "
                        "sleeping on the doorbell (default HPDL_OFFLOAD_SPIN_US)")
         a.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
-        from hpdl.offload.jacobi import add_arguments as jacobi_args
+        from hpdl.offload.jacobi import JacobiCommand
 
-        jacobi_help = "application comparison: 3-D Jacobi step time with offloaded vs blocking halo exchange"
-        jacobi_args(sub.add_parser("jacobi", help=jacobi_help, description=jacobi_help,
-                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+        jacobi_help = "application comparison: 3-D Jacobi step time with offloaded vs blocking halo exchange " \
+                      "(also `hpdl bench jacobi`)"
+        JacobiCommand.add_arguments(sub.add_parser("jacobi", help=jacobi_help, description=jacobi_help))
 
-    def run(self, args) -> int:
-        if args.offload_cmd == "agent":
-            return _agent(args)
-        if args.offload_cmd == "jacobi":
-            from hpdl.offload.jacobi import run_command
+    @staticmethod
+    def _agent(args) -> int:
+        return _agent(args)
 
-            return run_command(args)
-        raise CLIUsageError("choose a sub-command: agent or jacobi")
+    @staticmethod
+    def _jacobi(args) -> int:
+        from hpdl.offload.jacobi import JacobiCommand
+
+        return JacobiCommand().run(args)
 
 
 def default_address() -> str:

@@ -13,39 +13,24 @@ Modes (one step each):
 - ``thread``: the same overlap with the in-process progress thread.
 
 Every mode computes bit-identical fields (same operations in the same order per point; ``#wrong`` counts
-differences from ``blocking``).
+differences from ``blocking``). :class:`JacobiBenchmark` is the harness plug-in (``hpdl offload jacobi``, also
+``hpdl bench jacobi``); the kernels (:func:`stencil`, :func:`boxes`) are also ``benchmarks/offload_device.py``'s.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
+import os
 import time
-from pathlib import Path
 
 import torch
 
+from hpdl.bench.common import Benchmark, Column, Panel, PlotSpec, command
 from hpdl.runtime.errors import CLIUsageError
 from hpdl.runtime.limits import count, real
 
 MODES = ("blocking", "agent-blocking", "agent", "thread")
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--np", type=count(1, 1024), default=4, help="ranks to spawn")
-    p.add_argument("--sizes", default="4x256x256,6x256x256,8x256x256",
-                   help="comma-separated owned block shapes ZxYxX per rank")
-    p.add_argument("--grid", default=None, help="process grid PZxPYxPX (default NPx1x1: slabs along z)")
-    p.add_argument("--steps", type=count(1, 1 << 24), default=30, help="timed steps per repeat")
-    p.add_argument("--repeats", type=count(1, 10_000), default=3, help="timed repeats per mode (median reported)")
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated from {', '.join(MODES)}")
-    p.add_argument("--agent-threads", type=count(1, 1024), default=4, help="copy threads of the agent (its cores)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
-    p.add_argument("--out", default=None, help="folder for jacobi.json and jacobi.png")
-    p.add_argument("--json", dest="json_path", default=None, help="write results as JSON here")
-    p.add_argument("--plot", dest="plot_path", default=None, help="write the step-time plot (PNG) here")
-    p.add_argument("--timeout", type=real(0, 7 * 86400, strict=True), default=120.0, help="seconds any wait may take")
 
 
 def parse_shape(text: str, n: int = 3) -> tuple[int, ...]:
@@ -119,7 +104,10 @@ def run_rank(ctx, shapes, grid, modes, steps, repeats, dtype_name, agent_threads
     """One rank's measurement of every mode at every block shape: ``{shape: {mode: timings and checks}}``."""
     import hpdl.offload as ho
 
+    from hpdl.bench.common import Progress
+
     torch.set_num_threads(1)
+    bar = Progress(len(shapes), "jacobi", enabled=ctx.rank == 0)
     agent = ho.Agent(threads=agent_threads, timeout=timeout).start() if any(m.startswith("agent") for m in modes) \
         else None
     try:
@@ -127,10 +115,10 @@ def run_rank(ctx, shapes, grid, modes, steps, repeats, dtype_name, agent_threads
         for shape in shapes:
             t0 = time.perf_counter()
             out[shape] = _measure(ctx, shape, grid, modes, steps, repeats, getattr(torch, dtype_name), timeout)
-            if ctx.rank == 0:
-                print(f"# {'x'.join(map(str, shape))}: {time.perf_counter() - t0:.1f}s", flush=True)
+            bar.advance(f"jacobi {'x'.join(map(str, shape))}: {time.perf_counter() - t0:.1f} s")
         return out
     finally:
+        bar.close()
         if agent is not None:
             agent.stop()
 
@@ -215,91 +203,84 @@ def _measure(ctx, shape, grid, modes, steps, repeats, dtype, timeout):
     return results
 
 
-def run_command(args) -> int:
-    from hpdl.bench.report import source_commit
-    from hpdl.runtime.launch import spawn
+class JacobiBenchmark(Benchmark):
+    """``hpdl offload jacobi`` (also ``hpdl bench jacobi``): step time of a 3-D Jacobi solver per halo-exchange
+    mode and block shape, one spawned gloo job of ``--np`` ranks; exit status 1 when a mode's field differs
+    from the first mode's (``#wrong``). ``vs <first mode>`` is a time ratio: lower is better."""
 
-    try:
-        sizes = [parse_shape(s) for s in args.sizes.split(",") if s.strip()]
-        grid = parse_shape(args.grid) if args.grid else (args.np, 1, 1)
-    except ValueError as exc:
-        raise CLIUsageError(str(exc)) from None
-    if math.prod(grid) != args.np:
-        raise CLIUsageError(f"--grid {grid} has {math.prod(grid)} ranks but --np is {args.np}")
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
-    if bad or not modes:
-        raise CLIUsageError(f"--modes must be from {MODES}, got {bad or modes}")
-    if args.steps < 1 or args.repeats < 1:
-        raise CLIUsageError("--steps and --repeats must be >= 1")
-    rows = []
-    t0 = time.perf_counter()
-    allres = spawn(run_rank, args.np, args=(sizes, grid, modes, args.steps, args.repeats, args.dtype,
-                                           args.agent_threads, args.timeout), timeout=args.timeout)[0]
-    for shape in sizes:
-        res = allres[shape]
-        base = res[modes[0]]
-        for m in modes:
-            rows.append({"shape": "x".join(map(str, shape)), "mode": m, **res[m],
-                         "vs_" + modes[0]: res[m]["step_ms"] / base["step_ms"],
-                         "comm_fraction": res[m]["comm_ms"] / res[m]["step_ms"] if m.endswith("blocking") else None})
-    meta = {"benchmark": "hpdl offload jacobi", "np": args.np, "grid": grid, "steps": args.steps,
-            "repeats": args.repeats, "dtype": args.dtype, "agent_threads": args.agent_threads,
-            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M"), "commit": source_commit(),
-            "cpus": __import__("os").cpu_count(),
-            "loadavg_after": [round(x, 2) for x in __import__("os").getloadavg()],
-            "seconds": round(time.perf_counter() - t0, 1),
-            "command": "hpdl offload jacobi " + _argv(args)}
-    print(format_table(rows, modes[0]))
-    json_path, plot_path = args.json_path, args.plot_path
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        json_path = json_path or str(Path(args.out) / "jacobi.json")
-        plot_path = plot_path or str(Path(args.out) / "jacobi.png")
-    if json_path:
-        Path(json_path).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    if plot_path:
-        plot(rows, plot_path, f"3-D Jacobi, {args.np} ranks, grid {'x'.join(map(str, grid))}, {args.dtype}")
-    return 1 if any(r["wrong"] for r in rows) else 0
+    name = "jacobi"
+    title = "3-D Jacobi step time"
+    plot_spec = PlotSpec(x="cells", xlabel="owned cells per rank", series="mode",
+                         panels=(Panel("step_ms", "step time (ms), median of repeats"),
+                                 Panel("comm_ms", "exchange time per step (ms)")))
+
+    @classmethod
+    def add_arguments(cls, p: argparse.ArgumentParser) -> None:
+        from hpdl.bench.cli import _HelpFormatter
+
+        p.formatter_class = _HelpFormatter
+        p.add_argument("--np", type=count(1, 1024), default=4, help="ranks to spawn")
+        p.add_argument("--sizes", default="4x256x256,6x256x256,8x256x256",
+                       help="comma-separated owned block shapes ZxYxX per rank")
+        p.add_argument("--grid", default=None, help="process grid PZxPYxPX (default NPx1x1: slabs along z)")
+        p.add_argument("--steps", type=count(1, 1 << 24), default=30, help="timed steps per repeat")
+        p.add_argument("--repeats", type=count(1, 10_000), default=3, help="timed repeats per mode (median reported)")
+        p.add_argument("--modes", default=",".join(MODES),
+                       help=f"comma-separated from {', '.join(MODES)}; the first is the reference of the ratio")
+        p.add_argument("--agent-threads", type=count(1, 1024), default=4, help="copy threads of the agent (its cores)")
+        p.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="element type")
+        p.add_argument("--timeout", type=real(0, 7 * 86400, strict=True), default=120.0,
+                       help="seconds any wait may take")
+
+    def validate(self, args) -> None:
+        try:
+            self.shapes = [parse_shape(s) for s in args.sizes.split(",") if s.strip()]
+            self.grid = parse_shape(args.grid) if args.grid else (args.np, 1, 1)
+        except ValueError as exc:
+            raise CLIUsageError(f"--sizes/--grid: {exc}") from None
+        if not self.shapes:
+            raise CLIUsageError(f"--sizes must name at least one block shape ZxYxX, got {args.sizes!r}")
+        if math.prod(self.grid) != args.np:
+            raise CLIUsageError(f"--grid {self.grid} has {math.prod(self.grid)} ranks but --np is {args.np}")
+        self.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+        bad = [m for m in self.modes if m not in MODES]
+        if bad or not self.modes:
+            raise CLIUsageError(f"--modes must be from {MODES}, got {bad or self.modes}")
+        base = self.modes[0]
+        self.title = f"3-D Jacobi step time, {args.np} ranks, grid {'x'.join(map(str, self.grid))}, {args.dtype}"
+        self.columns = (
+            Column("shape", "block"), Column("mode", "mode"), Column("step_ms", "step", "ms", ".3f"),
+            Column("comm_ms", "comm", "ms", ".3f"),
+            Column(lambda r: None if r["comm_fraction"] is None else 100 * r["comm_fraction"], "comm", "%", ".0f"),
+            Column("vs_" + base, "vs " + base, fmt=".2f", ratio="time ratio"), Column("wrong", "#wrong"),
+            Column("executor", "executor"))
+
+    def metadata(self, args) -> dict:
+        return {"np": args.np, "grid": self.grid, "modes": self.modes, "steps": args.steps,
+                "repeats": args.repeats, "dtype": args.dtype, "agent_threads": args.agent_threads}
+
+    def run(self, ctx) -> list[dict]:
+        from hpdl.runtime.launch import spawn
+
+        a, modes = ctx.args, self.modes
+        res_all = spawn(run_rank, a.np, args=(self.shapes, self.grid, modes, a.steps, a.repeats, a.dtype,
+                                              a.agent_threads, a.timeout), timeout=a.timeout)[0]
+        ctx.meta["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]   # a shared host's load, for the reader
+        rows = []
+        for shape in self.shapes:
+            res, base = res_all[shape], res_all[shape][modes[0]]
+            for m in modes:
+                rows.append({"shape": "x".join(map(str, shape)), "cells": math.prod(shape), "mode": m, **res[m],
+                             "vs_" + modes[0]: res[m]["step_ms"] / base["step_ms"],
+                             "comm_fraction": res[m]["comm_ms"] / res[m]["step_ms"] if m.endswith("blocking")
+                             else None})
+        return rows
+
+    def table(self, rows, ctx) -> str:
+        return super().table(rows, ctx) + "\n" + COMM_NOTE
 
 
-def _argv(args) -> str:
-    import sys
+COMM_NOTE = ("# comm: exchange time per step (blocking modes: all of it, and its % of the step; overlapped modes: "
+             "the exposed part left after the interior update)")
 
-    return " ".join(sys.argv[3:]) if len(sys.argv) > 3 else ""
-
-
-def format_table(rows, base: str) -> str:
-    lines = [f"# {'block':>12} {'mode':>15} {'step(ms)':>10} {'comm(ms)':>10} {'comm %':>7} "
-             f"{'vs ' + base:>12} {'#wrong':>7}  executor"]
-    for r in rows:
-        frac = f"{100 * r['comm_fraction']:.0f}" if r["comm_fraction"] is not None else "-"
-        lines.append(f"  {r['shape']:>12} {r['mode']:>15} {r['step_ms']:>10.3f} {r['comm_ms']:>10.3f} {frac:>7} "
-                     f"{r['vs_' + base]:>11.2f}x {r['wrong']:>7}  {r.get('executor', '-')}")
-    lines.append("# comm: exchange time per step (blocking modes: all of it; overlapped modes: the exposed part "
-                 "left after the interior update)")
-    return "\n".join(lines)
-
-
-def plot(rows, path: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    shapes = list(dict.fromkeys(r["shape"] for r in rows))
-    modes = list(dict.fromkeys(r["mode"] for r in rows))
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    w = 0.8 / len(modes)
-    for i, m in enumerate(modes):
-        vals = [next(r["step_ms"] for r in rows if r["shape"] == s and r["mode"] == m) for s in shapes]
-        ax.bar([k + i * w for k in range(len(shapes))], vals, w, label=m)
-    ax.set_xticks([k + 0.4 - w / 2 for k in range(len(shapes))], shapes)
-    ax.set_xlabel("owned block per rank (z x y x x)")
-    ax.set_ylabel("step time (ms), median of repeats")
-    ax.set_title(title)
-    ax.legend(fontsize=8)
-    ax.grid(True, axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+JacobiCommand = command(JacobiBenchmark)

@@ -23,3 +23,31 @@ def attach(parser: argparse.ArgumentParser, path: str, command: str, extra: str 
         return
     cls.add_arguments(parser)
     parser.set_defaults(**{cls_key: cls})
+
+
+class CommandGroup:
+    """A command group with sub-commands (``hpdl GROUP SUB ...``, argparse sub-parsers), the frame every group
+    shares: :meth:`subparsers` declares them (``dest`` names the parsed attribute, ``subcommands`` the names in
+    help order) and :meth:`run` calls the method ``_SUB`` of the one parsed (dashes read as underscores).
+
+    Raises (from :meth:`run`):
+        CLIUsageError: no sub-command was given, naming the choices.
+    """
+
+    dest: str = "cmd"
+    subcommands: tuple[str, ...] = ()
+
+    @classmethod
+    def subparsers(cls, parser: argparse.ArgumentParser):
+        """The sub-parsers action to add each sub-command's parser to."""
+        return parser.add_subparsers(dest=cls.dest, metavar="{" + ",".join(cls.subcommands) + "}")
+
+    def run(self, args) -> int:
+        from hpdl.runtime.errors import CLIUsageError
+
+        cmd = getattr(args, self.dest, None)
+        if cmd is None:
+            *first, last = self.subcommands
+            raise CLIUsageError(f"choose a sub-command: {', '.join(first)} or {last}" if first
+                                else f"choose the sub-command {last}")
+        return getattr(self, "_" + cmd.replace("-", "_"))(args)

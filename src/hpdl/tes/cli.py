@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from hpdl.bench.common import add_output_arguments, run_metadata
-from hpdl.runtime.errors import CLIUsageError
+from hpdl.runtime.commands import CommandGroup
 
 
 def _table(title: str, columns: list[str], rows: list[list], fmt: str) -> None:
@@ -40,15 +40,14 @@ def _checks_rows(checks):
     return [[c["name"], c["value"], c["limit"], c["unit"], "PASS" if c["ok"] else "FAIL"] for c in checks]
 
 
-class TesCommand:
+class TesCommand(CommandGroup):
     """CLI group ``tes`` (see module docstring)."""
 
-    name = "tes"
-    help = "HD-TES stimulator SoC model: simulate protocols, check safety, reproduce the chip spec"
+    dest, subcommands = "tes_cmd", ("simulate", "check", "spec")
 
-    @staticmethod
-    def add_arguments(parser) -> None:
-        sub = parser.add_subparsers(dest="tes_cmd", metavar="{simulate,check,spec}")
+    @classmethod
+    def add_arguments(cls, parser) -> None:
+        sub = cls.subparsers(parser)
         p = sub.add_parser("simulate", help="run a protocol through the chip model; write JSON, NPZ and PNG")
         p.add_argument("protocol", nargs="?", default=None, help="protocol YAML (default: packaged example)")
         p.add_argument("--out", default="tes_out", help="output folder (default: ./tes_out)")
@@ -69,13 +68,11 @@ class TesCommand:
         add_output_arguments(p, ("format",))
 
     def run(self, args) -> int:
-        cmd = getattr(args, "tes_cmd", None)
-        if cmd is None:
-            raise CLIUsageError("choose a sub-command: simulate, check or spec")
         from hpdl.tes.protocol import ProtocolError
 
+        cmd = getattr(args, self.dest, None)
         try:
-            return {"simulate": self._simulate, "check": self._check, "spec": self._spec}[cmd](args)
+            return super().run(args)
         except (ProtocolError, FileNotFoundError, IsADirectoryError) as exc:
             # 2, not 1: "could not check" must not read as "checked and failed"
             what = f"protocol file not found: {exc.filename}" if isinstance(exc, FileNotFoundError) else str(exc)
