@@ -192,7 +192,7 @@ def main() -> None:
     import torch
 
     from hpdl.bench.report import source_commit
-    from hpdl.hpo.scheduler import mps_active
+    from hpdl.hpo.policies import mps_active
 
     t0 = time.monotonic()
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,

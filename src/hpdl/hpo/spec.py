@@ -248,7 +248,7 @@ class StudySpec(BaseModel):
             raise ValueError(f"parameters {sorted(overlap)} are both in space and fixed")
         w.resolve({**{k: None for k in self.space}, **self.fixed})  # unknown names raise here
         self.distributions()  # Optuna's own checks (low <= high, ...)
-        from hpdl.hpo.scheduler import get_policy
+        from hpdl.hpo.policies import get_policy
         get_policy(self.policy["name"], **{k: v for k, v in self.policy.items() if k != "name"})
         import warnings
         with warnings.catch_warnings():  # the driver builds them again; warn there, once
