@@ -190,7 +190,7 @@ def main() -> None:
     import torch
 
     from hpdl.bench.common import run_metadata
-    from hpdl.hpo.scheduler import mps_active
+    from hpdl.hpo.policies import mps_active
 
     t0 = time.monotonic()
     meta = run_metadata(versions=("optuna",),

@@ -18,7 +18,7 @@ from dataclasses import asdict
 
 from hpdl.hpo.profiler import static_profile
 from hpdl.hpo.report import plot_best_vs_time
-from hpdl.hpo.scheduler import GIB
+from hpdl.hpo.policies import GIB
 from hpdl.hpo.simulator import SimTrial, pool_from_spec, resample, simulate
 from hpdl.hpo.workloads import get_workload
 

@@ -1,5 +1,5 @@
 """How co-located training processes slow each other on one GPU, with and without MPS: the measurement
-behind ``pack``'s co-location rules under MPS (hpdl.hpo.scheduler.Pack) and a check of the simulator's
+behind ``pack``'s co-location rules under MPS (hpdl.hpo.policies.Pack) and a check of the simulator's
 MPS model (hpdl.hpo.simulator).
 
 Each mix starts its processes (small CNNs of hpdl.hpo.workloads on synthetic 32x32 images), builds and

@@ -15,7 +15,7 @@ import yaml
 from hpdl.hpo.cli import HpoCommand
 from hpdl.hpo.driver import run_study
 from hpdl.hpo.errors import HpoError
-from hpdl.hpo.protocol import Done, PeakMemory, ProfileReport
+from hpdl.hpo.messages import Done, PeakMemory, ProfileReport
 from hpdl.hpo.report import study_status
 from hpdl.hpo.spec import StudySpec, make_storage
 from hpdl.hpo.workloads import get_workload
@@ -305,21 +305,22 @@ def test_trials_asked_while_the_pool_started_are_released_when_it_fails(tmp_path
 def test_first_trials_start_before_every_static_estimate_is_done(tmp_path, monkeypatch):
     """A deep lookahead of new structures must not delay the first dispatch: estimates beyond the per-tick
     budget wait for the next tick."""
-    import hpdl.hpo.placement as drv_mod
+    import hpdl.hpo.asking as asking
+    import hpdl.hpo.placement as placement
     from hpdl.hpo.driver import Driver
 
     space = {"width": {"type": "categorical", "choices": [4, 5, 6, 7, 8, 9, 10, 11]}}
     drv = Driver(StudySpec.from_dict(spec_dict(tmp_path, n_trials=8, space=space, lookahead=8)))
-    monkeypatch.setattr(drv_mod, "_SAMPLE_BUDGET_S", 60.0)
+    monkeypatch.setattr(asking, "_SAMPLE_BUDGET_S", 60.0)
     drv._sample(set(), set())
     assert len(drv.pending) == 8
-    monkeypatch.setattr(drv_mod, "_ESTIMATE_BUDGET_S", 0.0)   # one estimate per tick at most
+    monkeypatch.setattr(placement, "_ESTIMATE_BUDGET_S", 0.0)   # one estimate per tick at most
     structures = lambda demands: {t.skey for t in drv.pending if t.number in demands}  # noqa: E731
     assert len({t.skey for t in drv.pending}) >= 3
-    assert len(structures(drv._demands(drv.pool.devices()))) == 1
-    assert len(structures(drv._demands(drv.pool.devices()))) == 2   # the cached one plus one new
-    monkeypatch.setattr(drv_mod, "_ESTIMATE_BUDGET_S", 60.0)
-    assert len(drv._demands(drv.pool.devices())) == 8
+    assert len(structures(drv.placement.demands(drv.pool.devices()))) == 1
+    assert len(structures(drv.placement.demands(drv.pool.devices()))) == 2   # the cached one plus one new
+    monkeypatch.setattr(placement, "_ESTIMATE_BUDGET_S", 60.0)
+    assert len(drv.placement.demands(drv.pool.devices())) == 8
     drv.shutdown()
 
 
@@ -327,21 +328,21 @@ def test_first_trials_start_before_every_static_estimate_is_done(tmp_path, monke
 def test_sampling_stops_after_its_budget_once_a_trial_is_pending(tmp_path, monkeypatch):
     """The first trials start before the whole lookahead is asked for (each ask is several storage commits):
     past the per-tick budget the rest waits for the next tick, which does not wait for a message."""
-    import hpdl.hpo.placement as drv_mod
+    import hpdl.hpo.asking as asking
     from hpdl.hpo.driver import Driver
 
     drv = Driver(StudySpec.from_dict(spec_dict(tmp_path, n_trials=8, lookahead=8)))
-    monkeypatch.setattr(drv_mod, "_SAMPLE_BUDGET_S", 0.0)
+    monkeypatch.setattr(asking, "_SAMPLE_BUDGET_S", 0.0)
     drv._sample(set(), set())
-    assert len(drv.pending) == 1 and drv._short
+    assert len(drv.pending) == 1 and drv.asker.short
     drv._sample(*drv.ledger.lineages())
-    assert len(drv.pending) == 2 and drv._short
-    monkeypatch.setattr(drv_mod, "_SAMPLE_BUDGET_S", 60.0)
+    assert len(drv.pending) == 2 and drv.asker.short
+    monkeypatch.setattr(asking, "_SAMPLE_BUDGET_S", 60.0)
     drv._sample(*drv.ledger.lineages())
-    assert len(drv.pending) == 8 and drv._short  # what this tick sampled is placed without waiting
+    assert len(drv.pending) == 8 and drv.asker.short  # what this tick sampled is placed without waiting
     assert drv.ledger.lineages()[1] == {t.number for t in drv.pending}
     drv._sample(*drv.ledger.lineages())
-    assert len(drv.pending) == 8 and not drv._short  # nothing new: the next tick waits for messages
+    assert len(drv.pending) == 8 and not drv.asker.short  # nothing new: the next tick waits for messages
     drv.shutdown()
 
 
@@ -349,10 +350,10 @@ def test_sampling_stops_after_its_budget_once_a_trial_is_pending(tmp_path, monke
 def test_configurations_a_user_enqueued_use_the_budget_and_stop_the_asks(tmp_path, monkeypatch):
     """Optuna's ask pops enqueued trials first; a user's enqueued configuration is a lineage of its own,
     and once the budget is used no new configuration is asked, whatever the lookahead."""
-    import hpdl.hpo.placement as drv_mod
+    import hpdl.hpo.asking as asking
     from hpdl.hpo.driver import Driver
 
-    monkeypatch.setattr(drv_mod, "_SAMPLE_BUDGET_S", 60.0)
+    monkeypatch.setattr(asking, "_SAMPLE_BUDGET_S", 60.0)
     drv = Driver(StudySpec.from_dict(spec_dict(tmp_path, n_trials=2, lookahead=8)))
     drv.study.enqueue_trial({"width": 4, "lr": 0.05})
     drv.study.enqueue_trial({"width": 8, "lr": 0.05})
@@ -365,11 +366,11 @@ def test_configurations_a_user_enqueued_use_the_budget_and_stop_the_asks(tmp_pat
 def test_drivers_sharing_one_storage_never_ask_past_the_budget(tmp_path, monkeypatch):
     """Many nodes: two drivers on one store and study. A driver whose budget limits its asks counts the
     other driver's configurations from the storage, however recent."""
-    import hpdl.hpo.placement as drv_mod
+    import hpdl.hpo.asking as asking
     from hpdl.hpo.driver import Driver
 
-    monkeypatch.setattr(drv_mod, "_SAMPLE_BUDGET_S", 60.0)
-    monkeypatch.setattr(drv_mod, "_BUDGET_READ_S", 0.0)  # this test's steps may take less than 50 ms
+    monkeypatch.setattr(asking, "_SAMPLE_BUDGET_S", 60.0)
+    monkeypatch.setattr(asking, "_BUDGET_READ_S", 0.0)  # this test's steps may take less than 50 ms
     d = spec_dict(tmp_path, n_trials=4, lookahead=2, storage=f"sqlite:///{tmp_path}/shared.db")
     a = Driver(StudySpec.from_dict(d))
     b = Driver(StudySpec.from_dict({**d, "run_dir": str(tmp_path / "node-b")}), resume=True)  # another node
@@ -391,11 +392,11 @@ def test_drivers_sharing_one_storage_never_ask_past_the_budget(tmp_path, monkeyp
 def test_a_driver_that_sees_another_reads_the_store_before_each_ask(tmp_path, monkeypatch):
     """A resumed driver (or one whose read found configurations it did not ask for) counts from the store
     before it asks, even when its lookahead, not the budget, limits the asks."""
-    import hpdl.hpo.placement as drv_mod
+    import hpdl.hpo.asking as asking
     from hpdl.hpo.driver import Driver
 
-    monkeypatch.setattr(drv_mod, "_SAMPLE_BUDGET_S", 60.0)
-    monkeypatch.setattr(drv_mod, "_BUDGET_READ_S", 0.0)
+    monkeypatch.setattr(asking, "_SAMPLE_BUDGET_S", 60.0)
+    monkeypatch.setattr(asking, "_BUDGET_READ_S", 0.0)
     d = spec_dict(tmp_path, n_trials=5, lookahead=2, storage=f"sqlite:///{tmp_path}/shared.db")
     a = Driver(StudySpec.from_dict(d))
     b = Driver(StudySpec.from_dict({**d, "run_dir": str(tmp_path / "node-b")}), resume=True)  # another node
@@ -439,10 +440,11 @@ def test_nan_objective_fails_its_configuration_once_and_the_study_finishes(tmp_p
 def test_study_finishes_when_estimates_and_asks_trickle_in_one_per_tick(tmp_path, monkeypatch):
     """The loop places trials whose demand is known while others still wait for their estimate or their
     ask; the result splits the driver's time by phase."""
-    import hpdl.hpo.placement as drv_mod
+    import hpdl.hpo.asking as asking
+    import hpdl.hpo.placement as placement
 
-    monkeypatch.setattr(drv_mod, "_ESTIMATE_BUDGET_S", 0.0)
-    monkeypatch.setattr(drv_mod, "_SAMPLE_BUDGET_S", 0.0)
+    monkeypatch.setattr(placement, "_ESTIMATE_BUDGET_S", 0.0)
+    monkeypatch.setattr(asking, "_SAMPLE_BUDGET_S", 0.0)
     space = {"width": {"type": "categorical", "choices": [4, 5, 6, 7]}}
     res = run_study(StudySpec.from_dict(spec_dict(tmp_path, n_trials=4, space=space, lookahead=4)))
     assert res.complete == 4 and not res.failures
@@ -459,16 +461,16 @@ def test_tasks_carry_the_memory_cap_and_whole_run_peaks_raise_profiles(tmp_path)
 
     from hpdl.hpo.driver import Driver
     from hpdl.hpo.profiler import TrialProfile
-    from hpdl.hpo.scheduler import GIB, TrialDemand
+    from hpdl.hpo.policies import GIB, TrialDemand
 
     drv = Driver(StudySpec.from_dict(spec_dict(tmp_path, n_trials=2, pool={"fake": 1, "memory_gb": 40})))
     try:
         drv._sample(set(), set())
         t, dev = drv.pending[0], drv.pool.devices()[0]
         t.demand = TrialDemand(t.number, 5 * GIB, 0.5, 1.0, profiled=True)
-        assert drv._task(t, dev).memory_cap == 5 * GIB
+        assert drv.placement.task(t, dev).memory_cap == 5 * GIB
         t.demand = TrialDemand(t.number, GIB, 0.5, 1.0, profiled=True)
-        assert drv._task(t, dev).memory_cap is None  # small trials stay uncapped
+        assert drv.placement.task(t, dev).memory_cap is None  # small trials stay uncapped
         w = SimpleNamespace(trial=t)
         drv.profiles.put(t.skey, TrialProfile("H200", GIB))  # static only: not a measurement to raise
         drv._on_message(w, PeakMemory(trial_id=t.trial_id, kind="H200", bytes=3 * GIB))
@@ -489,7 +491,7 @@ def test_tasks_carry_the_memory_cap_and_whole_run_peaks_raise_profiles(tmp_path)
         drv._on_message(w, ProfileReport(trial_id=t.trial_id, profile={"kind": "cpu", "memory_bytes": GIB, "step_time_s": 0.02,
                                                     "compute": 0.5, "source": "cpu", "flops": 1e9}))
         assert (0.02, 1e9) in drv.policy._step_times and t.demand.steps > 0
-        assert all(d.steps > 0 for d in drv._demands(drv.pool.devices()).values())
+        assert all(d.steps > 0 for d in drv.placement.demands(drv.pool.devices()).values())
     finally:
         drv.shutdown()
 

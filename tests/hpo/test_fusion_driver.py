@@ -156,29 +156,23 @@ def test_spec_fuse_key(tmp_path):
 
 
 def test_group_demand_scaled_from_the_nearest_profiled_size():
-    from hpdl.hpo.placement import PlacementMixin, _Group, _Trial
+    from hpdl.hpo.placement import group_profiles
     from hpdl.hpo.profiler import CONTEXT_BYTES, ProfileCache, TrialProfile
 
-    class P(PlacementMixin):
-        _cuda = True
-
-        def __init__(self):
-            self.profiles = ProfileCache()
-
-    d, gib = P(), 1 << 30
-    g = _Group(0, 0, 0, {}, group_skey("cnn:w=8", 8), 0.0, members=[_Trial(i, i, i, {}, "cnn:w=8", 0.0)
-                                                                    for i in range(8)])
-    assert d._group_profiles(g, {"H200"}) == []  # nothing measured: the static bound is used
-    d.profiles.put("cnn:w=8", TrialProfile("H200", CONTEXT_BYTES + gib // 8, 0.010, 0.1, 1e9, "cuda"))
-    (one,) = d._group_profiles(g, {"H200"})  # from a lone trial: 8 x its memory beyond the context
+    profiles, gib = ProfileCache(), 1 << 30
+    skey = group_skey("cnn:w=8", 8)
+    measured = lambda: group_profiles(profiles, skey, {"H200"}, CONTEXT_BYTES)  # noqa: E731
+    assert measured() == []  # nothing measured: the static bound is used
+    profiles.put("cnn:w=8", TrialProfile("H200", CONTEXT_BYTES + gib // 8, 0.010, 0.1, 1e9, "cuda"))
+    (one,) = measured()  # from a lone trial: 8 x its memory beyond the context
     assert one.memory_bytes == CONTEXT_BYTES + gib and one.step_time_s == pytest.approx(0.010)
     assert one.compute == pytest.approx(0.8) and one.flops == pytest.approx(8e9)
-    d.profiles.put(group_skey("cnn:w=8", 4), TrialProfile("H200", CONTEXT_BYTES + gib, 0.012, 0.5, 4e9, "cuda"))
-    (four,) = d._group_profiles(g, {"H200"})  # the nearest size, 4, wins over 1
+    profiles.put(group_skey("cnn:w=8", 4), TrialProfile("H200", CONTEXT_BYTES + gib, 0.012, 0.5, 4e9, "cuda"))
+    (four,) = measured()  # the nearest size, 4, wins over 1
     assert four.memory_bytes == CONTEXT_BYTES + 2 * gib and four.compute == pytest.approx(1.0)
     own = TrialProfile("H200", 3 * gib, 0.02, 0.9, 8e9, "cuda")
-    d.profiles.put(g.skey, own)
-    assert d._group_profiles(g, {"H200"}) == [own]  # measured for its own size: as it is
+    profiles.put(skey, own)
+    assert measured() == [own]  # measured for its own size: as it is
 
 
 def test_simulator_fusion_model():

@@ -1,5 +1,7 @@
 """Study file, factories and pool configuration: bad input gives a clear error naming the field."""
 
+import re
+
 import optuna
 import pytest
 import yaml
@@ -156,3 +158,61 @@ def test_timeout_nan_is_refused():
     # nan >= 0 is False, so a nan timeout never fired: the study ran with no limit
     with pytest.raises(HpoConfigError, match="timeout_s=nan"):
         StudySpec.from_dict({**BASE, "timeout_s": float("nan")})
+
+
+@pytest.mark.parametrize("over, message", [
+    ({"study": ""}, "study='', expected a non-empty name"),
+    ({"study": 3}, "study=3, expected a non-empty name"),
+    ({"n_trials": True}, "n_trials=True, expected an int >= 1"),  # YAML's true is no count
+    ({"checkpoint_every": -1}, "checkpoint_every=-1, expected an int >= 0"),
+    ({"lookahead": "3"}, "lookahead='3', expected an int >= 0"),
+    ({"timeout_s": True}, "timeout_s=True, expected seconds >= 0"),
+    ({"warm_workers": -1}, "warm_workers=-1, expected 'auto' or an int >= 0"),
+    ({"run_dir": 5}, "run_dir=5, expected a folder"),
+    ({"sampler": "tpe"}, "sampler='tpe', expected a mapping like {name: tpe, seed: 0}"),
+    ({"space": [1]}, "space=[1], expected a mapping of name: {type: ...}"),
+    ({"space": {"lr": 0.1}}, "space.lr: expected a mapping with 'type'"),
+    ({"space": {"lr": {"type": "float", "low": "abc", "high": 1}}}, "space.lr.low='abc', expected a number"),
+    ({"space": {"lr": {"type": "float", "low": 1, "high": 0.1}}}, "space.lr: ValueError: `low <= high`"),
+    ({"policy": "pack"}, "policy='pack', expected a mapping with 'name'"),
+    ({"policy": {"max_compute": 2}}, "policy: missing 'name', expected a mapping with 'name'"),
+    ({"policy": {"name": "fixed_fraction", "fraction": True}}, "policy fraction=True, expected a number"),
+    ({"policy": {"name": "pack", "starve_after_s": "10"}}, "policy starve_after_s='10', expected a number"),
+    ({"backend": {"name": "slurm"}}, "backend={'name': 'slurm'}, expected {name: local} or {name: ray"),
+    ({"backend": "ray"}, "backend='ray', expected {name: local}"),
+    ({"pool": {"ray": "all"}}, "a {ray: all | N} pool goes with backend {name: ray}"),
+    ({"backend": {"name": "ray"}}, "backend ray needs a ray pool"),
+    ({"fuse": "yes"}, "fuse='yes', expected false, true or {max_trials: N"),
+    ({"workload": "test_hpo_spec:StructuralFuse", "fuse": True}, "fuse_vary ['width'] are structural"),
+    ({"n_trials": 0, "max_retries": -1}, "n_trials=0, expected an int >= 1 (and 1 more)"),
+])
+def test_every_check_names_the_field_and_the_expected_value(over, message):
+    d = {"study": "s", "space": {"lr": {"type": "float", "low": 0.01, "high": 0.1}}, "pool": {"fake": 1}, **over}
+    with pytest.raises(HpoConfigError, match=re.escape(message)):
+        StudySpec.from_dict(d)
+
+
+class StructuralFuse(__import__("hpdl.hpo.workloads", fromlist=["VisionCNN"]).VisionCNN):
+    name = "structural_fuse"
+    fuse_vary = ("lr", "width")
+
+
+def test_missing_study_and_a_top_level_that_is_no_mapping():
+    with pytest.raises(HpoConfigError, match="study file: missing 'study'"):
+        StudySpec.from_dict({"n_trials": 2})
+    with pytest.raises(HpoConfigError, match="expected a mapping at the top level, got list"):
+        StudySpec.from_dict([("study", "s")])
+
+
+def test_json_input_and_types_kept_as_given(tmp_path):
+    """A study given as JSON (what ``optimize`` and stored specs use) validates like YAML; nested mappings
+    stay plain dicts with the values' own types (an int bound stays an int), and ``to_dict`` round-trips."""
+    import json
+
+    d = json.loads(json.dumps({**BASE, "run_dir": str(tmp_path), "policy": {"name": "pack", "max_compute": 2},
+                               "backend": {"name": "local"}, "timeout_s": 5, "warm_workers": 0, "mps": False}))
+    s = StudySpec.from_dict(d)
+    assert s.space == BASE["space"] and type(s.space["depth"]["low"]) is int
+    assert s.policy == {"name": "pack", "max_compute": 2} and type(s.policy["max_compute"]) is int
+    assert s.backend == {"name": "local"} and s.timeout_s == 5 and s.warm_workers == 0 and s.mps is False
+    assert StudySpec.from_dict(json.loads(json.dumps(s.to_dict()))).to_dict() == s.to_dict()

@@ -11,7 +11,7 @@ import pytest
 from hpdl.hpo.driver import run_study
 from hpdl.hpo.errors import HpoError
 from hpdl.hpo.launch import START_METHOD_ENV, worker_context
-from hpdl.hpo.protocol import Ready, RunTask, Task
+from hpdl.hpo.messages import Ready, RunTask, Task
 from hpdl.hpo.spec import StudySpec
 from hpdl.runtime.procs import pid_alive
 from hpo_fixture_workloads import start_driver
@@ -133,7 +133,7 @@ def test_a_task_queued_on_a_starting_worker_moves_to_a_warm_worker_that_frees_fi
     """A trial placed while every warm worker was busy waits for a new worker's cold start (2.5-3.5 s on an
     H200 under MPS); a warm worker that finishes first must take it, and the new worker must not get it too
     (2026-11-30: 8 warm workers idle for 2 s on 1 x H200 while their replacements started)."""
-    from hpdl.hpo.driver import _Trial
+    from hpdl.hpo.runs import TrialRun
     from hpdl.hpo.launch import WorkerHandle
 
     drv = _late_driver(tmp_path)
@@ -143,20 +143,20 @@ def test_a_task_queued_on_a_starting_worker_moves_to_a_warm_worker_that_frees_fi
     other = WorkerHandle(_Proc(), pipes[2][0], "fake:elsewhere", ready=True)  # another device: never used
     capped = WorkerHandle(_Proc(), pipes[3][0], dev.id, sm_percent=50, ready=True)  # another MPS cap: never used
     launcher.workers[:] = [warm, other, capped]
-    busy = _Trial(0, 0, 0, {}, "k", time.monotonic(), dev.id, warm)
+    busy = TrialRun(0, 0, 0, {}, "k", time.monotonic(), dev.id, warm)
     warm.trial = busy
     cold = WorkerHandle(_Proc(), pipes[1][0], dev.id)  # still starting
     launcher._spawn = lambda device, sm_percent=100: launcher.workers.append(cold) or cold
     task = Task(1, 1, 1, {})
     assert launcher.start(dev, task) is cold and cold.queued == task
-    t = _Trial(1, 1, 1, {}, "k", time.monotonic(), dev.id, cold)
+    t = TrialRun(1, 1, 1, {}, "k", time.monotonic(), dev.id, cold)
     cold.trial, drv.running[1] = t, t
     assert not pipes[1][1].poll()  # nothing sent before the worker is ready
 
-    drv._rebind()  # the warm worker is still busy: nothing moves
+    drv.placement.rebind()  # the warm worker is still busy: nothing moves
     assert cold.trial is t and cold.queued == task and not pipes[0][1].poll()
     warm.trial = None  # it finished its trial
-    drv._rebind()
+    drv.placement.rebind()
     assert warm.trial is t and t.worker is warm and pipes[0][1].recv() == RunTask(task=task)
     assert cold.trial is None and cold.queued is None and not pipes[2][1].poll() and not pipes[3][1].poll()
     launcher.on_ready(cold)  # the cold worker comes up with nothing to do
@@ -164,9 +164,9 @@ def test_a_task_queued_on_a_starting_worker_moves_to_a_warm_worker_that_frees_fi
 
     # a queued trial asked to move (device removed, migration) returns to pending without a message
     cold2 = WorkerHandle(_Proc(), pipes[1][0], dev.id, queued=Task(2, 2, 2, {}), trial=None)
-    t2 = _Trial(2, 2, 2, {}, "k", time.monotonic(), dev.id, cold2)
+    t2 = TrialRun(2, 2, 2, {}, "k", time.monotonic(), dev.id, cold2)
     cold2.trial, drv.running[2] = t2, t2
-    drv._preempt(t2)
+    drv.placement.preempt(t2)
     assert drv.pending[0] is t2 and 2 not in drv.running and cold2.trial is None and cold2.queued is None
     assert t2.worker is None and not t2.preempt_at and not pipes[1][1].poll()
     for a, b in pipes:
@@ -180,7 +180,7 @@ def test_a_worker_dying_before_ready_returns_its_queued_trial_and_repeated_death
     attempt is used. Three such deaths in a row on a device leave that device out (not an endless respawn);
     a ready worker in between resets the count, a worker told to stop does not count, and the study fails
     only when no device is left."""
-    from hpdl.hpo.driver import _Trial
+    from hpdl.hpo.runs import TrialRun
     from hpdl.hpo.launch import WorkerHandle
 
     drv = _late_driver(tmp_path, fake=2)
@@ -189,7 +189,7 @@ def test_a_worker_dying_before_ready_returns_its_queued_trial_and_repeated_death
     def die(n: int, device: str, stopping: bool = False) -> None:
         dead = WorkerHandle(_Proc(alive=False), a, device, closed=True, stopping=stopping)
         if not stopping:  # a stopped worker is an idle one; this one had a trial queued
-            dead.queued, dead.trial = Task(n, n, n, {}), _Trial(n, n, n, {}, "k", time.monotonic(), device, dead)
+            dead.queued, dead.trial = Task(n, n, n, {}), TrialRun(n, n, n, {}, "k", time.monotonic(), device, dead)
             drv.running[n] = dead.trial
         drv.launcher.workers[:] = [dead]
         drv._reap()
@@ -205,9 +205,9 @@ def test_a_worker_dying_before_ready_returns_its_queued_trial_and_repeated_death
         die(3, "fake:0")
         die(4, "fake:0", stopping=True)  # stopped on purpose (e.g. its device was removed): not counted
         die(5, "fake:0")
-        assert not drv._broken
+        assert not drv.faults.broken
         die(6, "fake:0")
-        assert drv._broken == {"fake:0"}  # left out; fake:1 goes on
+        assert drv.faults.broken == {"fake:0"}  # left out; fake:1 goes on
         for n in (7, 8):
             die(n, "fake:1")
         with pytest.raises(HpoError, match="every device's workers die during start-up"):
@@ -220,7 +220,7 @@ def test_a_worker_dying_before_ready_returns_its_queued_trial_and_repeated_death
 
 @pytest.mark.timeout(60)
 def test_a_rebind_to_a_spare_that_just_died_keeps_the_trial_queued(tmp_path):
-    from hpdl.hpo.driver import _Trial
+    from hpdl.hpo.runs import TrialRun
     from hpdl.hpo.launch import WorkerHandle
 
     drv = _late_driver(tmp_path)
@@ -230,10 +230,10 @@ def test_a_rebind_to_a_spare_that_just_died_keeps_the_trial_queued(tmp_path):
     try:
         spare = WorkerHandle(_Proc(), c, dev.id, ready=True)
         cold = WorkerHandle(_Proc(), a, dev.id, queued=Task(1, 1, 1, {}))
-        t = _Trial(1, 1, 1, {}, "k", time.monotonic(), dev.id, cold)
+        t = TrialRun(1, 1, 1, {}, "k", time.monotonic(), dev.id, cold)
         cold.trial, drv.running[1] = t, t
         drv.launcher.workers[:] = [spare, cold]
-        drv._rebind()
+        drv.placement.rebind()
         assert cold.trial is t and cold.queued == Task(1, 1, 1, {}) and t.worker is cold and spare.trial is None
     finally:
         for p in (a, b, c):
@@ -244,14 +244,14 @@ def test_a_rebind_to_a_spare_that_just_died_keeps_the_trial_queued(tmp_path):
 def test_a_trial_queued_on_a_starting_worker_is_released_when_the_driver_stops(tmp_path):
     """It never started, like a pending one: back to WAITING as the same trial (issue 37: never FAIL plus a
     clone), not left RUNNING."""
-    from hpdl.hpo.driver import _Trial
+    from hpdl.hpo.runs import TrialRun
     from hpdl.hpo.launch import WorkerHandle
 
     drv = _late_driver(tmp_path)
     asked = drv.study.ask(drv.dists)
     cold = WorkerHandle(_Proc(), None, "fake:0", queued=Task(asked._trial_id, asked.number, asked.number, {}))
-    t = _Trial(asked.number, asked._trial_id, asked.number, dict(asked.params), "k", time.monotonic(), "fake:0", cold)
+    t = TrialRun(asked.number, asked._trial_id, asked.number, dict(asked.params), "k", time.monotonic(), "fake:0", cold)
     cold.trial, drv.running[t.number] = t, t
-    drv._release_pending()
+    drv.faults.release_pending()
     states = sorted(x.state.name for x in drv.study.get_trials(deepcopy=False))
     assert states == ["WAITING"] and not drv.ledger.failures

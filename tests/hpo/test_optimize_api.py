@@ -24,6 +24,13 @@ def test_dir_lists_the_public_api_without_importing_torch():
     assert torch_loaded == "False"
 
 
+def test_every_public_name_resolves():
+    # a lazy export names its module as a string: a renamed module (scheduler.py -> policies.py) breaks it
+    # silently until first use
+    for name in hpdl.hpo.__all__:
+        assert getattr(hpdl.hpo, name) is not None, name
+
+
 @pytest.mark.timeout(240)
 def test_optimize_runs_an_objective_in_workers_and_continues_a_stored_study(tmp_path):
     run = str(tmp_path / "run")

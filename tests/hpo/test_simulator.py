@@ -7,7 +7,7 @@ import pytest
 
 from hpdl.hpo.cli import HpoCommand
 from hpdl.hpo.errors import HpoConfigError
-from hpdl.hpo.scheduler import GIB
+from hpdl.hpo.policies import GIB
 from hpdl.hpo.simulator import SimTrial, pool_from_spec, simulate, synthetic_trials
 
 
@@ -87,7 +87,7 @@ def test_mps_model_serves_busy_work_side_by_side_up_to_its_capacity():
 def test_simulator_gives_policies_what_the_driver_gives():
     """Unprofiled trials reach the policy with their steps and the driver's placeholder run time (10 ms a
     step), not their true run time; each first profile reports its step time to ``observe``."""
-    from hpdl.hpo.scheduler import Pack
+    from hpdl.hpo.policies import Pack
 
     seen, observed = [], []
 

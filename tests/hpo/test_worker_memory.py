@@ -8,7 +8,7 @@ import torch
 
 import hpdl.hpo.trial as trial
 from hpdl.hpo.profiler import TrialProfile
-from hpdl.hpo.protocol import ProfileReport, Task
+from hpdl.hpo.messages import ProfileReport, Task
 
 GIB = 1 << 30
 

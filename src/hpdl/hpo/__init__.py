@@ -15,9 +15,9 @@ An Optuna objective gets the same machinery with :func:`optimize` (see :mod:`hpd
 # Every name loads on first use: importing hpdl.hpo (e.g. hpdl.hpo._prestart, which the CLI runs before
 # anything else) must not import torch, which hpdl.runtime imports.
 _LAZY = {"HpoConfigError": "errors", "HpoError": "errors", "HpoInterrupted": "errors", "Preempted": "errors",
-         "Assignment": "scheduler", "Device": "scheduler", "DeviceState": "scheduler", "FixedFraction": "scheduler",
-         "OnePerGpu": "scheduler", "Pack": "scheduler", "PackHetero": "scheduler",
-         "SchedulingPolicy": "scheduler", "TrialDemand": "scheduler", "get_policy": "scheduler",
+         "Assignment": "policies", "Device": "policies", "DeviceState": "policies", "FixedFraction": "policies",
+         "OnePerGpu": "policies", "Pack": "policies", "PackHetero": "policies",
+         "SchedulingPolicy": "policies", "TrialDemand": "policies", "get_policy": "policies",
          "StudySpec": "spec", "run_study": "driver", "StudyResult": "driver", "study_status": "report",
          "simulate": "simulator", "optimize": "api", "Workload": "workloads", "ObjectiveWorkload": "workloads",
          "TrialContext": "trial", "LocalTrial": "trial"}

@@ -15,22 +15,26 @@ only a trial's own failures count. A
 sampler that calls ``study.stop()`` ends it early: no new configuration is asked, and the study finishes
 with what runs (``sampler: grid`` needs ``n_trials`` <= its points, so it never gets there).
 
-One job per module: this one runs the loop and owns the study's set-up and summary;
-:mod:`hpdl.hpo.placement` decides what each pending trial needs and starts, moves and re-queues trials;
-:mod:`hpdl.hpo.faults` handles worker messages, dead workers, failures and stopping on a signal;
-:mod:`hpdl.hpo.ledger` counts configurations and retries in the store; :mod:`hpdl.hpo.lock` keeps one live
-driver per study; :mod:`hpdl.hpo.checkpoint` ties checkpoints to their study; :mod:`hpdl.hpo.protocol`
-defines the driver-worker messages.
-
-Processes come from a launcher (:mod:`hpdl.hpo.launch`): local worker processes with a warm pool per GPU,
-or Ray tasks (:mod:`hpdl.hpo.ray_backend`). Wall time counts from the moment the warm pool is ready.
+The driver owns the study's set-up, the loop and the summary, and wires objects that each do one job
+behind a few methods, sharing only the trial queue (:class:`hpdl.hpo.runs.TrialQueue`), which each is
+given: :class:`hpdl.hpo.asking.Asker` asks the sampler for trials; :class:`hpdl.hpo.placement.Placement`
+decides what each pending trial needs and where it runs (through a policy of :mod:`hpdl.hpo.policies`)
+and starts and moves trials; :class:`hpdl.hpo.faults.FaultHandler` ends trials, retries failures,
+reaps dead workers and stops the workers on a signal (:class:`hpdl.hpo.faults.StopSignals`); a launcher
+(:mod:`hpdl.hpo.launch`: local worker processes with a warm pool per GPU, or Ray tasks,
+:mod:`hpdl.hpo.ray_backend`) owns the processes. The driver routes each worker message
+(:mod:`hpdl.hpo.messages`) to the one that handles it. :mod:`hpdl.hpo.ledger` counts configurations and
+retries in the store; :mod:`hpdl.hpo.lock` keeps one live driver per study; :mod:`hpdl.hpo.checkpoint`
+ties checkpoints to their study. Wall time counts from the moment the warm pool is ready.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
+import signal
 import socket
 import statistics
 import threading
@@ -41,22 +45,23 @@ from multiprocessing.connection import wait as mp_wait
 from pathlib import Path
 from typing import Any
 
+from hpdl.hpo import messages
 from hpdl.hpo._prestart import start_forkserver
+from hpdl.hpo.asking import Asker
 from hpdl.hpo.checkpoint import check_writable, checkpoint_dir
-from hpdl.hpo.errors import HpoError
+from hpdl.hpo.errors import HpoError, HpoInterrupted
+from hpdl.hpo.faults import OUTCOMES, FaultHandler, StopSignals
+from hpdl.hpo.grouping import FuseOptions
 from hpdl.hpo.launch import WARM_TIMEOUT_S, LocalLauncher, WorkerHandle
 from hpdl.hpo.ledger import Ledger
 from hpdl.hpo.lock import StudyLock
+from hpdl.hpo.placement import Placement
+from hpdl.hpo.policies import DeviceState, get_policy, mps_active
 from hpdl.hpo.pool import PoolSource
-from hpdl.hpo.profiler import ProfileCache
-from hpdl.hpo.scheduler import get_policy, mps_active
+from hpdl.hpo.profiler import CONTEXT_BYTES, ProfileCache
+from hpdl.hpo.runs import FusedGroup, TrialQueue
 from hpdl.hpo.spec import StudySpec, make_pruner, make_sampler, make_storage, sqlite_path
 from hpdl.hpo.workloads import get_workload
-
-from hpdl.hpo.faults import FaultsMixin
-from hpdl.hpo.placement import PlacementMixin, _Trial  # noqa: F401 - _Trial: the driver's view of a trial
-
-
 
 
 @dataclass
@@ -113,7 +118,7 @@ class StudyResult:
     setup_phases: dict[str, float] = field(default_factory=dict)
 
 
-class Driver(PlacementMixin, FaultsMixin):
+class Driver:
     """Runs one study (see module docstring). Not thread-safe; use from one thread.
 
     Args:
@@ -217,19 +222,8 @@ class Driver(PlacementMixin, FaultsMixin):
         self._spec_dict.update(study_uid=uid, checkpoint_dir=str(self.checkpoint_dir.resolve()))
         self.progress = progress
         self.host = socket.gethostname()
-        self.pending: list[_Trial] = []
-        self.running: dict[int, _Trial] = {}
-        self._short = False  # the last tick asked for trials: the next one places them without waiting
-        self._start_failures: dict[tuple[str, int], int] = {}  # (device id, MPS cap) -> deaths before ready in a row
-        self._broken: set[str] = set()  # devices left out after _START_FAILURES_MAX such deaths
         self._phase_s: dict[str, float] = {}
-        self.preempted = 0
-        self._stopping = False  # the driver stops: a worker's "preempted" re-queues its trial
-        self._fatal: HpoError | None = None  # set by a message that must stop the study (faults.py)
-        self._signal, self._t_signal = None, 0.0
-        self._watchdog: threading.Timer | None = None
-        self.migrated = 0
-        self._last_migrate = 0.0
+        self.signals = StopSignals(self.exit_deadline_s, self._force_exit)
         self.history: list[tuple[float, float]] = []
         self._t0 = time.monotonic()
         self._t_done, self._teardown_s, self._started_at = 0.0, 0.0, time.time()
@@ -252,6 +246,17 @@ class Driver(PlacementMixin, FaultsMixin):
         self.ledger = Ledger(self.study, spec.max_retries, self.host, storage=self.storage)
         if resume:
             self.ledger.recover()  # safe: this driver holds the study's lock, no live driver runs its trials
+        fuse = FuseOptions.parse(spec.fuse)
+        self.queue = TrialQueue()
+        self.asker = Asker(self.study, self.dists, self.ledger, self.queue, self.workload, spec.fixed, spec.n_trials,
+                           spec.lookahead, fuse)
+        self.placement = Placement(
+            self.policy, self.profiles, self.workload, spec.fixed, self.queue, self.launcher, self.ledger, self.study,
+            spec.direction, {"host": self.host, "study_uid": uid, "checkpoint_dir": self._spec_dict["checkpoint_dir"]},
+            self.storage, CONTEXT_BYTES if self._cuda else 0, fuse, ray=self.backend is not None)
+        self.faults = FaultHandler(self.queue, self.ledger, self.launcher, self.placement, self._on_message,
+                                   self._improve, lambda: {d.id for d in self.pool.devices()}, spec.study,
+                                   self.checkpoint_dir)
 
     def _finished(self, spec: StudySpec) -> str:
         """``"k/n configurations finished"`` of the stored study ``spec.study`` (for messages)."""
@@ -286,6 +291,20 @@ class Driver(PlacementMixin, FaultsMixin):
     def workers(self) -> list[WorkerHandle]:
         return self.launcher.workers
 
+    @property
+    def pending(self) -> list:
+        """Trials asked and waiting for a device (:class:`hpdl.hpo.runs.TrialRun`), in asking order."""
+        return self.queue.pending
+
+    @property
+    def running(self) -> dict:
+        """Trial number -> the trial (or fused group) running on a worker."""
+        return self.queue.running
+
+    def _device_states(self, devices) -> list[DeviceState]:
+        """What the policy sees of ``devices`` (the live view, :mod:`hpdl.hpo.progress`, shows it)."""
+        return self.placement.device_states(devices)
+
     def best_so_far(self) -> float | None:
         """The study's best value: this driver's last improvement, or what the store held when it opened
         the study (a resumed study's earlier trials), whichever is better."""
@@ -304,12 +323,12 @@ class Driver(PlacementMixin, FaultsMixin):
 
         view = None
         self._t_run = time.time()
-        previous = self._catch_signals()
+        self.signals.catch()
         try:
             self._by_id = {d.id: d for d in self.pool.devices()}
             t = time.monotonic()
             self._start_mps()  # waits for the daemon started beside the study's set-up; counts as the pool's
-            self.launcher.stop_requested = lambda: self._signal is not None
+            self.launcher.stop_requested = lambda: self.signals.signum is not None
             self._spawn_pool_and_estimate()
             self.launcher.warm_up(self.pool.devices(), min(WARM_TIMEOUT_S, self.spec.timeout_s or WARM_TIMEOUT_S),
                                   idle=self._prepare)
@@ -318,18 +337,18 @@ class Driver(PlacementMixin, FaultsMixin):
             self._t0 = time.monotonic()  # wall time counts from a ready pool, for every policy alike
             self._started_at = self._t_ready = time.time()
             view = Progress(self) if self.progress else None
-            while self._signal is None:
+            while self.signals.signum is None:
                 tick = time.monotonic()
                 self.lock.beat()
-                devices = [d for d in self.pool.devices() if d.id not in self._broken]
+                devices = [d for d in self.pool.devices() if d.id not in self.faults.broken]
                 self._by_id = {d.id: d for d in devices}
-                self._elastic(devices)
+                self.placement.elastic(devices)
                 self.launcher.replenish(devices)
-                self._migrate(devices)
+                self.placement.migrate(devices)
                 self.launcher.connect()
                 conns = [w.conn for w in self.workers if w.conn is not None and not w.closed]
                 tick = self._lap("other", tick)
-                ready = mp_wait(conns, timeout=0.0 if self._short else 0.05) if conns else []
+                ready = mp_wait(conns, timeout=0.0 if self.asker.short else 0.05) if conns else []
                 tick = self._lap("wait", tick)
                 for conn in ready:
                     w = next(x for x in self.workers if x.conn is conn)
@@ -339,9 +358,9 @@ class Driver(PlacementMixin, FaultsMixin):
                     except (EOFError, OSError):
                         w.closed = True
                         w.proc.join(1)
-                self._rebind()
-                if self._fatal is not None:  # e.g. the checkpoint folder became unwritable
-                    raise self._fatal
+                self.placement.rebind()
+                if self.faults.fatal is not None:  # e.g. the checkpoint folder became unwritable
+                    raise self.faults.fatal
                 tick = self._lap("messages", tick)
                 self._reap()
                 finished, active = self.ledger.lineages()
@@ -353,11 +372,11 @@ class Driver(PlacementMixin, FaultsMixin):
                 if self.spec.timeout_s and time.monotonic() - self._t0 > self.spec.timeout_s:
                     raise HpoError(f"study {self.spec.study!r} ran past timeout_s={self.spec.timeout_s}")
                 if self.pending and devices:  # before sampling: what is already sampled starts now
-                    self._place(devices)
+                    self.placement.place(devices, filling=self.asker.short)
                 tick = self._lap("place", tick)
                 self._sample(finished, active)
                 tick = self._lap("sample", tick)
-                if not conns and not self._short:
+                if not conns and not self.asker.short:
                     time.sleep(0.02)
                     tick = self._lap("wait", tick)
                 if view:
@@ -368,14 +387,14 @@ class Driver(PlacementMixin, FaultsMixin):
                 view.update(force=True)  # the last frame shows the final counts and best value
                 view.close()
             t = time.monotonic()
-            stopped = self._stop_workers() if self.running else 0
-            self._release_pending()
+            stopped = self.faults.stop_workers() if self.running else 0
+            self.faults.release_pending()
             self.shutdown()
             self._teardown_s = time.monotonic() - t
             self._t_end = time.time()
-            self._restore_signals(previous)
-        if self._signal is not None:
-            raise self._interrupted(stopped, time.monotonic() - self._t_signal)
+            self.signals.restore()
+        if self.signals.signum is not None:
+            raise self._interrupted(stopped, time.monotonic() - self.signals.since)
         return self.result()
 
     def _prepare(self) -> bool:
@@ -386,13 +405,42 @@ class Driver(PlacementMixin, FaultsMixin):
         0.5-1.4 s of that work: compare policies with the pool's start-up included."""
         t = time.monotonic()
         self.lock.beat()
-        if self._signal is not None:
+        if self.signals.signum is not None:
             return False
         finished, active = self.ledger.lineages()
         self._sample(finished, active)
-        estimated = self._demands(self.pool.devices()) if self.pending else {}
+        estimated = self.placement.demands(self.pool.devices()) if self.pending else {}
         self._lap("prepare", t)
-        return self._short or len(estimated) < len(self.pending)
+        return self.asker.short or len(estimated) < len(self.pending)
+
+    def _sample(self, finished: set[int], active: set[int]) -> None:
+        """Ask for trials (:meth:`hpdl.hpo.asking.Asker.ask`) up to the lookahead: enough to fill every
+        device of the pool up to the policy's concurrency."""
+        self.asker.ask(finished, active, self.asker.want(self.policy.max_concurrency(), len(self.pool.devices())))
+
+    def _reap(self) -> None:
+        """Dead workers (:meth:`hpdl.hpo.faults.FaultHandler.reap`); idle ones beyond the warm pools stop."""
+        self.faults.reap(self._by_id)
+
+    def _on_message(self, w: WorkerHandle, msg: messages.Message) -> None:
+        """Route one record from ``w`` (:mod:`hpdl.hpo.messages`): ``ready`` to the launcher, profiles and
+        peaks to placement, outcomes to the fault handler. A record about a trial other than the one ``w``
+        runs now (a late one) is ignored."""
+        messages.check(msg)
+        t = w.trial
+        if isinstance(msg, messages.Ready):
+            self.faults.worker_ready(w)
+            self.launcher.on_ready(w)
+        elif isinstance(t, FusedGroup) and isinstance(msg, OUTCOMES):
+            self.faults.member_outcome(w, t, msg)
+        elif t is None or not isinstance(msg, messages.TrialMessage) or msg.trial_id != t.trial_id:
+            return
+        elif isinstance(msg, messages.PeakMemory):  # the whole run's peak (evaluations included): plan with it
+            self.placement.observe_peak(t, msg.kind, msg.bytes)
+        elif isinstance(msg, messages.ProfileReport):
+            self.placement.observe_profile(t, msg.profile)
+        else:
+            self.faults.outcome(w, t, msg)
 
     def _lap(self, phase: str, since: float) -> float:
         """Add the seconds since ``since`` to the driver's time in ``phase``; return now."""
@@ -410,7 +458,7 @@ class Driver(PlacementMixin, FaultsMixin):
         under ``forkserver`` blocks until the server has imported its preload, so the processes are started
         from a thread (it waits on a pipe, without the GIL) while this one traces."""
         devices = self.pool.devices()
-        threaded = self.backend is None and self.launcher.ctx.get_start_method() == "forkserver"
+        threaded = self.launcher.start_blocks()
         errors: list[BaseException] = []
 
         def spawn() -> None:
@@ -422,7 +470,7 @@ class Driver(PlacementMixin, FaultsMixin):
         starter = threading.Thread(target=spawn, name="hpdl-hpo-pool-start", daemon=True) if threaded else None
         if starter is not None:
             starter.start()
-        if self.policy.uses_profiles:  # the baselines place blind (placement._demand): nothing to warm up
+        if self.policy.uses_profiles:  # the baselines place blind (Placement.demand): nothing to warm up
             try:  # inside warmup_s, as before in no phase of driver_s (it is no trial's estimate)
                 self.workload.estimate(dict(self.spec.fixed))
             except Exception:  # noqa: BLE001 - warm-up only; a workload that cannot build fails in its trials
@@ -491,6 +539,31 @@ class Driver(PlacementMixin, FaultsMixin):
         finally:
             self.lock.release()
 
+    def _interrupted(self, stopped: int, took_s: float) -> HpoInterrupted:
+        signum = self.signals.signum
+        finished, _ = self.ledger.lineages(0.0)
+        best = self.result().best_value
+        return HpoInterrupted(
+            f"interrupted by {signal.Signals(signum).name}: study {self.spec.study!r}: stopped {stopped} running "
+            f"trials in {took_s:.1f} s (checkpointed and back to WAITING, no attempt spent), "
+            f"{len(finished)}/{self.spec.n_trials} configurations finished, best {best}; `hpdl hpo resume` "
+            "continues", signum)
+
+    def _force_exit(self, signum: int) -> None:
+        """The stop did not finish by ``exit_deadline_s`` after signal ``signum`` (the main thread is inside a
+        blocking call): kill the workers, release the lock and end the process with the signal's status."""
+        import sys
+
+        for w in list(self.workers):
+            with contextlib.suppress(Exception):
+                w.proc.kill()
+        self.lock.release()
+        print(f"hpdl hpo: interrupted by {signal.Signals(signum).name}: study {self.spec.study!r}: the "
+              f"driver did not stop within {self.exit_deadline_s:.1f} s; its workers were killed and "
+              f"{len(self.running) + len(self.pending)} trials left for a resume to re-queue (no attempt spent); "
+              "`hpdl hpo resume` continues", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
+
     def result(self) -> StudyResult:
         from optuna.trial import TrialState
 
@@ -504,7 +577,7 @@ class Driver(PlacementMixin, FaultsMixin):
                            (self._t_done or time.monotonic()) - self._t0,
                            len(done), sum(t.state == TrialState.PRUNED for t in trials), dict(self.ledger.failures),
                            best.value if best else None, dict(best.params) if best else None, list(self.history),
-                           self.preempted, self.warmup_s, self._teardown_s, self._started_at,
+                           self.faults.preempted, self.warmup_s, self._teardown_s, self._started_at,
                            self.warmup_phases, {k: round(v, 4) for k, v in self._phase_s.items()},
                            **self.clocks())
 

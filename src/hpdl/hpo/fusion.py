@@ -608,14 +608,14 @@ def _evaluate(model: FusedModel, ms: list[_Member], keys: list, rows: list[int],
 
 # ------------------------------------------------------------------------------------- worker side
 def run_group(env, conn, task, parent_pid: int | None) -> bool:
-    """Worker body for a fused group (``task.fused``: one :class:`hpdl.hpo.protocol.Task` per trial; ``task``
+    """Worker body for a fused group (``task.fused``: one :class:`hpdl.hpo.messages.Task` per trial; ``task``
     itself carries the group's profiling request and memory cap). Sends one outcome per trial as it leaves
     (``Done``, ``Pruned``, ``Failed``; ``Halted`` for every trial still training when the driver preempts or
     stops the group), each after a ``PeakMemory`` of the group. Returns False when the process should exit
     (the fused step failed: CUDA state may be unusable)."""
     import optuna
 
-    from hpdl.hpo import protocol
+    from hpdl.hpo import messages
     from hpdl.hpo.checkpoint import CheckpointWriteError
     from hpdl.hpo.errors import Preempted
     from hpdl.hpo.profiler import StepProfiler, TrialProfile
@@ -627,7 +627,7 @@ def run_group(env, conn, task, parent_pid: int | None) -> bool:
 
     def peak() -> None:
         if dev.type == "cuda":
-            conn.send(protocol.PeakMemory(trial_id=task.trial_id, kind=env.device["kind"],
+            conn.send(messages.PeakMemory(trial_id=task.trial_id, kind=env.device["kind"],
                                           bytes=int(torch.cuda.max_memory_reserved(dev)) + int(task.context_bytes)))
 
     def outcome(ctx, kind: str, payload) -> None:
@@ -637,11 +637,11 @@ def run_group(env, conn, task, parent_pid: int | None) -> bool:
         sent.add(tid)
         peak()
         if kind == "done":
-            conn.send(protocol.Done(trial_id=tid, value=float(payload)))
+            conn.send(messages.Done(trial_id=tid, value=float(payload)))
         elif kind == "pruned":
-            conn.send(protocol.Pruned(trial_id=tid))
+            conn.send(messages.Pruned(trial_id=tid))
         else:
-            conn.send(protocol.Failed(trial_id=tid, kind=payload[0], message=str(payload[1])[-2000:]))
+            conn.send(messages.Failed(trial_id=tid, kind=payload[0], message=str(payload[1])[-2000:]))
 
     try:
         for m in task.fused:
@@ -666,7 +666,7 @@ def run_group(env, conn, task, parent_pid: int | None) -> bool:
         for ctx in ctxs:
             if ctx._task.trial_id not in sent:
                 sent.add(ctx._task.trial_id)
-                conn.send(protocol.Halted(trial_id=ctx._task.trial_id))
+                conn.send(messages.Halted(trial_id=ctx._task.trial_id))
         return not exc.stop
     except CheckpointWriteError as exc:
         _fail_rest(conn, ctxs, sent, task, "checkpoint_write", str(exc))
@@ -686,12 +686,12 @@ def run_group(env, conn, task, parent_pid: int | None) -> bool:
 
 
 def _fail_rest(conn, ctxs, sent: set, task, kind: str, message: str) -> None:
-    from hpdl.hpo import protocol
+    from hpdl.hpo import messages
 
     for m in task.fused:  # contexts not yet made count too
         if m.trial_id not in sent:
             sent.add(m.trial_id)
-            conn.send(protocol.Failed(trial_id=m.trial_id, kind=kind, message=message))
+            conn.send(messages.Failed(trial_id=m.trial_id, kind=kind, message=message))
 
 
 class _GroupStep:
@@ -712,19 +712,19 @@ class _GroupStep:
 
     @contextlib.contextmanager
     def step(self, i: int):
-        from hpdl.hpo import protocol
+        from hpdl.hpo import messages
         from hpdl.hpo.errors import Preempted
         from hpdl.hpo.trial import cap_memory
 
         if self.parent is not None and os.getppid() != self.parent:
             os._exit(3)  # the driver died: never leave trials running
         if self.conn is not None and self.conn.poll():
-            msg = protocol.check(self.conn.recv())
-            if isinstance(msg, (protocol.Preempt, protocol.Stop)):
+            msg = messages.check(self.conn.recv())
+            if isinstance(msg, (messages.Preempt, messages.Stop)):
                 if self.save_all is not None:
                     self.save_all(i)
                 raise Preempted(f"fused group of trial {self.task.number} preempted at step {i}",
-                                stop=isinstance(msg, protocol.Stop))
+                                stop=isinstance(msg, messages.Stop))
         if self.profiler is not None:
             self.profiler.before(i)
         yield
@@ -734,7 +734,7 @@ class _GroupStep:
                 from dataclasses import asdict
 
                 res = self.profiler.result
-                self.conn.send(protocol.ProfileReport(trial_id=self.task.trial_id, profile=asdict(res)))
+                self.conn.send(messages.ProfileReport(trial_id=self.task.trial_id, profile=asdict(res)))
                 if self.task.memory_cap and self.device.type == "cuda":
                     cap_memory(self.device, min(int(self.task.memory_cap), res.memory_bytes),
                                int(self.task.context_bytes))

@@ -6,7 +6,7 @@ A group is formed from the trials the sampler asked (in asking order) whose ``Wo
 up to ``max_trials`` at a time and no more than fit on the largest device. A group smaller than
 ``max_trials`` is held back while the sampler is still asking in this tick and its oldest trial waited less
 than ``wait_s`` (the next asks may complete it); a lone trial runs unfused. The placement policy then sees a
-group as one trial (one :class:`hpdl.hpo.scheduler.TrialDemand`) and places it like one.
+group as one trial (one :class:`hpdl.hpo.policies.TrialDemand`) and places it like one.
 
 Profiles: a group of K is profiled in place like a trial (structural key ``fused<K>|<structure>``); before
 that its demand is scaled from the nearest profiled group size of the same structure, or from the profile of

@@ -22,7 +22,7 @@ from multiprocessing.connection import wait as mp_wait
 from typing import Any
 
 from hpdl.hpo.errors import HpoError
-from hpdl.hpo.protocol import Message, Ready, RunTask, Stop, Task, check
+from hpdl.hpo.messages import Message, Ready, RunTask, Stop, Task, check
 
 START_METHOD_ENV = "HPDL_HPO_START_METHOD"  # declared in hpdl.runtime.env
 IDLE_WORKER_S = 10.0   # a worker beyond the warm pool stops after this long idle
@@ -107,6 +107,11 @@ class Launcher:
         """Workers kept alive on ``device`` while idle (0: none)."""
         return 0
 
+    def start_blocks(self) -> bool:
+        """True when starting a process blocks the caller until a server has imported its preload
+        (``forkserver``): the driver then starts the warm pool from a thread while it works."""
+        return False
+
     def warm_up(self, devices, limit_s: float, idle=None) -> float:
         """Prepare workers before the clock starts; return the seconds it took. ``idle()`` is called while
         waiting (the driver samples and estimates its first trials meanwhile) until it returns False
@@ -181,6 +186,9 @@ class LocalLauncher(Launcher):
         if self.warm_workers == "auto":
             return min(WARM_AUTO_MAX, self.concurrency) if device.torch_device.startswith("cuda") else 0
         return int(self.warm_workers)
+
+    def start_blocks(self) -> bool:
+        return self.ctx.get_start_method() == "forkserver"
 
     def _spawn(self, device, sm_percent: int = 100) -> WorkerHandle:
         from hpdl.hpo.worker import worker_main

@@ -21,7 +21,7 @@ from pathlib import Path
 import yaml
 
 from hpdl.hpo.errors import HpoConfigError
-from hpdl.hpo.scheduler import GIB, Device
+from hpdl.hpo.policies import GIB, Device
 
 
 def gpu_kind(name: str) -> str:

@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from hpdl.hpo.scheduler import GIB
+from hpdl.hpo.policies import GIB
 
 
 class Progress:

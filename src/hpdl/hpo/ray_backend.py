@@ -10,7 +10,7 @@ process that trains a trial changes. With this backend:
   in CI; trials on it train on the CPU).
 - **Placement.** The study's policy places a trial on a device exactly as for the local backend; the trial
   then runs as a Ray task in that device's bundle with ``num_gpus`` = the policy's
-  :meth:`~hpdl.hpo.scheduler.SchedulingPolicy.gpu_fraction`: the trial's share of the GPU's memory for
+  :meth:`~hpdl.hpo.policies.SchedulingPolicy.gpu_fraction`: the trial's share of the GPU's memory for
   ``pack``/``pack_hetero`` (so Ray's own accounting agrees with the packing), 1 for ``one_per_gpu``, and the
   fixed fraction for ``fixed_fraction`` (which is then exactly Ray Tune's ``{"gpu": 0.125}``).
 - **Messages.** The task connects back to the driver over TCP (``multiprocessing.connection``, random
@@ -39,8 +39,8 @@ from typing import Any
 
 from hpdl.hpo.errors import HpoConfigError, HpoError
 from hpdl.hpo.launch import Launcher, WorkerHandle
-from hpdl.hpo.protocol import Hello, check
-from hpdl.hpo.scheduler import GIB, Device
+from hpdl.hpo.messages import Hello, check
+from hpdl.hpo.policies import GIB, Device
 
 _READY_TIMEOUT_S = 120.0  # placement group and probes must be ready within this
 

@@ -12,7 +12,7 @@ a GPU that serves a summed busy fraction of ``mps_capacity`` before anyone slows
 memory; if the true memory on the device then exceeds its capacity the newest trial fails with an
 out-of-memory error at the end of its start-up and is retried later. Until one trial of a configuration
 has started, the scheduler sees its static memory bound and no compute share (as the real driver does).
-The same :mod:`hpdl.hpo.scheduler` policy objects as the driver make every placement.
+The same :mod:`hpdl.hpo.policies` policy objects as the driver make every placement.
 
 Fusion (``fuse=K``, :mod:`hpdl.hpo.fusion`): trials of one structure (``skey``) are fused K at a time, in
 sampling order, into one trial of the simulation (:func:`fuse_trials`): the host time of a step stays (one
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from hpdl.hpo.errors import HpoConfigError
-from hpdl.hpo.scheduler import GIB, SMALL_BYTES, Device, DeviceState, SchedulingPolicy, TrialDemand, get_policy
+from hpdl.hpo.policies import GIB, SMALL_BYTES, Device, DeviceState, SchedulingPolicy, TrialDemand, get_policy
 
 # Bounds of a replay, so that every argument value ends in a result or an error within seconds to minutes
 MAX_SIM_DEVICES = 4096       # simulated devices in a pool

@@ -9,7 +9,7 @@ import os
 import warnings
 from pathlib import Path
 
-from hpdl.hpo import checkpoint, protocol
+from hpdl.hpo import checkpoint, messages
 from hpdl.hpo.errors import Preempted
 
 
@@ -60,12 +60,12 @@ class TrialContext:
         if self._parent is not None and os.getppid() != self._parent:
             os._exit(3)  # the driver died: never leave a trial running
         if self._conn is not None and self._conn.poll():
-            msg = protocol.check(self._conn.recv())
-            if isinstance(msg, (protocol.Preempt, protocol.Stop)):
+            msg = messages.check(self._conn.recv())
+            if isinstance(msg, (messages.Preempt, messages.Stop)):
                 if self.state_fn is not None and self.checkpoint_every:
                     self.save_checkpoint(self.state_fn(step))  # nothing is lost: continue from this step
                 raise Preempted(f"trial {self.number} preempted at step {step}",
-                                stop=isinstance(msg, protocol.Stop))
+                                stop=isinstance(msg, messages.Stop))
         if self._profiler is not None:
             self._profiler.before(step)
         yield
@@ -74,7 +74,7 @@ class TrialContext:
             if self._profiler.done:
                 from dataclasses import asdict
                 res = self._profiler.result
-                self._conn.send(protocol.ProfileReport(trial_id=self._task.trial_id, profile=asdict(res)))
+                self._conn.send(messages.ProfileReport(trial_id=self._task.trial_id, profile=asdict(res)))
                 if self._task.memory_cap and self.device.type == "cuda":
                     # the driver plans with the measured peak from now on: hold the trial to it
                     cap_memory(self.device, min(int(self._task.memory_cap), res.memory_bytes),

@@ -4,7 +4,7 @@ A worker imports torch, loads the study and (on a GPU) creates its CUDA context 
 handles before it says ``ready``, so the driver can start a pool of warm workers per GPU ahead of the
 study and no trial pays that start-up (:func:`warm_cuda`).
 
-Protocol: the typed records of :mod:`hpdl.hpo.protocol` (``RunTask`` / ``Preempt`` / ``Stop`` in,
+Protocol: the typed records of :mod:`hpdl.hpo.messages` (``RunTask`` / ``Preempt`` / ``Stop`` in,
 ``Ready``, ``ProfileReport``, ``PeakMemory`` and one outcome per trial out: ``Done``, ``Pruned``, ``Halted``,
 ``Failed``). The worker records ``hpdl_host``, ``hpdl_pid``, ``hpdl_started_at`` and ``hpdl_device`` on the
 trial before it trains, off the driver's critical path. After a failure the worker exits (its CUDA state
@@ -29,7 +29,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from hpdl.hpo import protocol
+from hpdl.hpo import messages
 from hpdl.hpo.checkpoint import CheckpointMismatch, CheckpointWriteError
 from hpdl.hpo.errors import Preempted
 from hpdl.hpo.trial import TrialContext, cap_memory
@@ -170,7 +170,7 @@ class _Env:
         self.startup["ready"] = time.monotonic() - t_start
 
 
-def run_task(env: _Env, conn, task: protocol.Task, parent_pid: int | None) -> bool:
+def run_task(env: _Env, conn, task: messages.Task, parent_pid: int | None) -> bool:
     """Train one trial and send its outcome on ``conn``; return False when the process should exit (after a
     failure its CUDA state may be unusable)."""
     import optuna
@@ -200,26 +200,26 @@ def run_task(env: _Env, conn, task: protocol.Task, parent_pid: int | None) -> bo
                            int(env.spec.get("checkpoint_every", 1)), prof, parent_pid)
         value = env.workload.train(ctx)
         _send_peak(env, conn, task)
-        conn.send(protocol.Done(trial_id=tid, value=float(value)))
+        conn.send(messages.Done(trial_id=tid, value=float(value)))
     except optuna.TrialPruned:
         _send_peak(env, conn, task)
-        conn.send(protocol.Pruned(trial_id=tid))
+        conn.send(messages.Pruned(trial_id=tid))
     except Preempted as exc:
-        conn.send(protocol.Halted(trial_id=tid))
+        conn.send(messages.Halted(trial_id=tid))
         return not exc.stop  # the driver stops: exit now, do not wait for a second stop message
     except CheckpointMismatch as exc:  # someone else's training: never continue from it, never retry
-        conn.send(protocol.Failed(trial_id=tid, kind="checkpoint", message=str(exc)))
+        conn.send(messages.Failed(trial_id=tid, kind="checkpoint", message=str(exc)))
         return False
     except CheckpointWriteError as exc:  # the run folder's fault: the driver re-queues it and stops the study
-        conn.send(protocol.Failed(trial_id=tid, kind="checkpoint_write", message=str(exc)))
+        conn.send(messages.Failed(trial_id=tid, kind="checkpoint_write", message=str(exc)))
         return False
     except torch.cuda.OutOfMemoryError as exc:
-        conn.send(protocol.Failed(trial_id=tid, kind="oom", message=str(exc).splitlines()[0][:300]))
+        conn.send(messages.Failed(trial_id=tid, kind="oom", message=str(exc).splitlines()[0][:300]))
         return False
     except Exception as exc:  # noqa: BLE001 - any error of user code fails this trial, with its traceback
         # cuDNN/cuBLAS workspace failures are out-of-memory errors that are not OutOfMemoryError
         oom = any(m in str(exc) for m in ("out of memory", "ALLOC_FAILED"))
-        conn.send(protocol.Failed(trial_id=tid, kind="oom" if oom else "error", message=traceback.format_exc()[-2000:]))
+        conn.send(messages.Failed(trial_id=tid, kind="oom" if oom else "error", message=traceback.format_exc()[-2000:]))
         return False
     finally:
         if dev.type == "cuda":
@@ -228,13 +228,13 @@ def run_task(env: _Env, conn, task: protocol.Task, parent_pid: int | None) -> bo
     return True
 
 
-def _send_peak(env: _Env, conn, task: protocol.Task) -> None:
+def _send_peak(env: _Env, conn, task: messages.Task) -> None:
     """Tell the driver the trial's peak reserved bytes plus its context since the task started (CUDA only)."""
     if env.dev.type == "cuda":
         import torch
 
         peak = int(torch.cuda.max_memory_reserved(env.dev)) + int(task.context_bytes)
-        conn.send(protocol.PeakMemory(trial_id=task.trial_id, kind=env.device["kind"], bytes=peak))
+        conn.send(messages.PeakMemory(trial_id=task.trial_id, kind=env.device["kind"], bytes=peak))
 
 
 def worker_main(conn, device: dict, spec: dict, sm_percent: int = 100, spawned_at: float | None = None,
@@ -267,17 +267,17 @@ def worker_main(conn, device: dict, spec: dict, sm_percent: int = 100, spawned_a
         torch_device = "cuda:0"
     env = _Env(device, spec, torch_device)
     try:
-        conn.send(protocol.Ready(pid=os.getpid(), startup={**({"spawn": boot} if boot is not None else {}),
+        conn.send(messages.Ready(pid=os.getpid(), startup={**({"spawn": boot} if boot is not None else {}),
                                                            **env.startup}))
         while True:
             if not conn.poll(1.0):
                 if os.getppid() != parent_pid:
                     return
                 continue
-            msg = protocol.check(conn.recv())
-            if isinstance(msg, protocol.Stop):
+            msg = messages.check(conn.recv())
+            if isinstance(msg, messages.Stop):
                 return
-            if not isinstance(msg, protocol.RunTask):
+            if not isinstance(msg, messages.RunTask):
                 continue  # a late preempt for a trial that already ended
             if not run_task(env, conn, msg.task, parent_pid):
                 return
@@ -289,10 +289,10 @@ _RAY_ENVS: dict[tuple, _Env] = {}  # per Ray worker process: reused by later tri
 
 
 def ray_trial(address: tuple[str, int], authkey: bytes, token: int, device: dict, spec: dict,
-              task: protocol.Task) -> str:
+              task: messages.Task) -> str:
     """Body of one trial as a Ray task (see :mod:`hpdl.hpo.ray_backend`): connect back to the driver
     (``multiprocessing.connection`` over TCP, the same message protocol as a local worker), say
-    :class:`~hpdl.hpo.protocol.Hello`, train the trial on the GPU Ray assigned to this task (or the CPU for a
+    :class:`~hpdl.hpo.messages.Hello`, train the trial on the GPU Ray assigned to this task (or the CPU for a
     logical GPU without a CUDA device), and return. Ray keeps its worker processes, so the imports, the
     CUDA context and the loaded study are reused by later trials that land in the same process.
 
@@ -309,7 +309,7 @@ def ray_trial(address: tuple[str, int], authkey: bytes, token: int, device: dict
         _RAY_ENVS[key] = _Env(device, spec, torch_device)
     conn = Client(address, authkey=authkey)
     try:
-        conn.send(protocol.Hello(token=token, pid=os.getpid()))
+        conn.send(messages.Hello(token=token, pid=os.getpid()))
         return "ok" if run_task(_RAY_ENVS[key], _EofSafe(conn), task, None) else "exit"
     finally:
         conn.close()
@@ -337,9 +337,9 @@ class _EofSafe:
 
     def recv(self):
         if self._gone:
-            return protocol.Stop()
+            return messages.Stop()
         try:
             return self._conn.recv()
         except (OSError, EOFError):
             self._gone = True
-            return protocol.Stop()
+            return messages.Stop()

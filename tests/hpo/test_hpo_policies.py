@@ -5,7 +5,7 @@ import random
 import pytest
 
 from hpdl.hpo.errors import HpoConfigError
-from hpdl.hpo.scheduler import (GIB, Device, DeviceState, FixedFraction, OnePerGpu, Pack, PackHetero,
+from hpdl.hpo.policies import (GIB, Device, DeviceState, FixedFraction, OnePerGpu, Pack, PackHetero,
                                 TrialDemand, check_placement, get_policy)
 
 
@@ -220,7 +220,7 @@ def test_mps_detection_needs_a_live_daemon_not_just_its_pipe(tmp_path):
     import subprocess
     import sys
 
-    from hpdl.hpo.scheduler import mps_active
+    from hpdl.hpo.policies import mps_active
     assert not mps_active(str(tmp_path))
     (tmp_path / "control").touch()
     assert not mps_active(str(tmp_path))        # a pipe left by a killed daemon
@@ -262,7 +262,7 @@ def test_heavy_trials_share_with_light_ones_only_under_mps(mps):
 def test_before_any_profile_only_small_trials_fill_a_gpu_and_only_under_mps(mps):
     """Static bounds of at most SMALL_BYTES cannot exhaust a GPU when wrong, so under MPS such trials need not
     wait for the first profile; one byte more and they get one GPU's worth (0.25 each), as without MPS."""
-    from hpdl.hpo.scheduler import SMALL_BYTES
+    from hpdl.hpo.policies import SMALL_BYTES
 
     fresh = [DeviceState(d) for d in pool(1, mem_gb=80)]
     small = [TrialDemand(k, SMALL_BYTES, 1.0, profiled=False) for k in range(20)]
