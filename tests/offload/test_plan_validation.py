@@ -274,3 +274,22 @@ def test_a_plan_whose_wire_tags_a_live_plan_holds_is_refused():
     ex.register(inst(6, 2, t, boxes))  # another key is fine
     ex.free(a)
     ex.register(b)  # once the first is freed
+
+
+def test_allreduce_builder_checks_op_and_window_up_front():
+    """plans.allreduce (and so allreduce_init) names a bad ``op``/``window`` argument, at every world size,
+    instead of an IndexError or a compile error about an internal 'rs_reduce0' operation; c10d's ReduceOp and
+    hpdl.comm's 'product' spelling are accepted (users port them from torch.distributed / hpdl.comm)."""
+    for P in (1, 4):
+        with pytest.raises(ValueError, match=r"op must be one of .*got 'avg'"):
+            plans.allreduce(0, P, 8, torch.float32, op="avg")
+    for window in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="window must be an int >= 1 or None"):
+            plans.allreduce(0, 4, 8, torch.float32, algorithm="direct", window=window)
+    import torch.distributed as dist
+    xs = [torch.arange(5, dtype=torch.float32) + r + 1 for r in range(3)]
+    for op, alias, want in (("sum", dist.ReduceOp.SUM, sum(xs)), ("prod", "product", xs[0] * xs[1] * xs[2]),
+                            ("max", dist.ReduceOp.MAX, xs[2])):
+        ps = [plans.allreduce(r, 3, 5, torch.float32, op=alias) for r in range(3)]
+        out = ho.simulate(ps, [{"data": x.clone()} for x in xs])
+        assert all(torch.equal(o["data"], want) for o in out), op
