@@ -293,3 +293,15 @@ def test_allreduce_builder_checks_op_and_window_up_front():
         ps = [plans.allreduce(r, 3, 5, torch.float32, op=alias) for r in range(3)]
         out = ho.simulate(ps, [{"data": x.clone()} for x in xs])
         assert all(torch.equal(o["data"], want) for o in out), op
+
+
+def test_agent_and_compile_outside_a_distributed_job_say_how_to_join_one():
+    """A new user's first try in a plain interpreter: both name the fix (torch.distributed's own message for
+    Agent() was 'Default process group has not been initialized')."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        pytest.skip("this process is already in a job")
+    for fn in (lambda: ho.Agent().start(), lambda: ho.compile(plans.alltoall(0, 1, 1, torch.float32))):
+        with pytest.raises(RuntimeError, match=r"torch.distributed is not initialised: call "
+                                               r"hpdl.runtime.init_from_env\(\)"):
+            fn()

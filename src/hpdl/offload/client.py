@@ -180,6 +180,7 @@ class Agent:
 
     Raises:
         AgentError: an agent did not start (its log's last lines are in the message) or cannot be reached.
+        RuntimeError: torch.distributed is not initialised (no job to be collective over).
     """
 
     def __init__(self, group=None, *, ranks_per_node: int | Sequence[int] | None = None, threads: int = 1,
@@ -213,6 +214,10 @@ class Agent:
         from hpdl.runtime.launch import free_port
         from hpdl.runtime.topology import discover
 
+        if not dist.is_initialized():  # as compile(): say how to join a job, not torch's "default process group"
+            raise RuntimeError("torch.distributed is not initialised: call hpdl.runtime.init_from_env() (torchrun, "
+                               "mpirun, srun) or run under hpdl.runtime.spawn() before starting an Agent; it is "
+                               "collective over the group")
         g = self.group
         rank = dist.get_rank(g)
         topo = discover(g, self.ranks_per_node)
