@@ -305,3 +305,12 @@ def test_agent_and_compile_outside_a_distributed_job_say_how_to_join_one():
         with pytest.raises(RuntimeError, match=r"torch.distributed is not initialised: call "
                                                r"hpdl.runtime.init_from_env\(\)"):
             fn()
+
+
+@pytest.mark.parametrize("kw, name", [({"threads": 0}, "threads"), ({"threads": -1}, "threads"),
+                                      ({"threads": 1.5}, "threads"), ({"spin_us": -1}, "spin_us"),
+                                      ({"timeout": 0}, "timeout"), ({"start_timeout": -5}, "start_timeout")])
+def test_agent_arguments_are_checked_where_they_are_given(kw, name):
+    """Agent(threads=0) was an AgentError carrying the agent subprocess's argparse usage, after spawning it."""
+    with pytest.raises(ValueError, match=f"^{name} must be"):
+        ho.Agent(**kw)
