@@ -314,3 +314,15 @@ def test_agent_arguments_are_checked_where_they_are_given(kw, name):
     """Agent(threads=0) was an AgentError carrying the agent subprocess's argparse usage, after spawning it."""
     with pytest.raises(ValueError, match=f"^{name} must be"):
         ho.Agent(**kw)
+
+
+def test_a_bad_progress_from_the_environment_names_the_variable(monkeypatch):
+    """HPDL_OFFLOAD_PROGRESS=agnet was reported as "progress must be one of ..., got None"."""
+    from hpdl.offload.api import _resolve_progress
+    monkeypatch.setenv("HPDL_OFFLOAD_PROGRESS", "agnet")
+    with pytest.raises(ho.PlanError, match=r"HPDL_OFFLOAD_PROGRESS must be one of .*got 'agnet'"):
+        _resolve_progress(None)
+    with pytest.raises(ho.PlanError, match=r"^progress must be one of .*got 'bogus'"):
+        _resolve_progress("bogus")
+    monkeypatch.setenv("HPDL_OFFLOAD_PROGRESS", "graph")  # a documented value of the variable
+    assert _resolve_progress(None) == ("graph", None)

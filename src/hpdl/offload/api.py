@@ -252,8 +252,9 @@ def _bind(specs: Sequence[BufferSpec], buffers: dict | None, mode: str) -> dict[
 
 def _resolve_progress(progress: str | None) -> tuple[str, client_mod.AgentClient | None]:
     mode = (progress or env.get("HPDL_OFFLOAD_PROGRESS")).strip().lower()
-    if mode not in PROGRESS:
-        raise PlanError(f"progress must be one of {PROGRESS}, got {progress!r}")
+    if mode not in PROGRESS:  # progress=None came from the environment: name the variable that holds it
+        raise PlanError(f"progress must be one of {PROGRESS}, got {progress!r}" if progress is not None else
+                        f"HPDL_OFFLOAD_PROGRESS must be one of {PROGRESS}, got {mode!r}")
     if mode == "graph":  # the GPU's copy engines, driven by the ranks themselves (hpdl.offload.graph)
         return "graph", None
     c = client_mod.current() if mode in ("auto", "agent") else None
