@@ -326,3 +326,13 @@ def test_a_bad_progress_from_the_environment_names_the_variable(monkeypatch):
         _resolve_progress("bogus")
     monkeypatch.setenv("HPDL_OFFLOAD_PROGRESS", "graph")  # a documented value of the variable
     assert _resolve_progress(None) == ("graph", None)
+
+
+def test_simulate_on_the_native_engine_says_what_it_cannot_run():
+    """simulate(engine="native") of a float16 Allreduce was a bare KeyError: 'float16'."""
+    from hpdl.offload import native
+    if native.load() is None:
+        pytest.skip("no native executor here")
+    ps = [plans.allreduce(r, 2, 4, torch.float16) for r in range(2)]
+    with pytest.raises(native.NativeUnavailable, match=r"rank 0: reduction of float16.*engine='python'"):
+        ho.simulate(ps, [{"data": torch.ones(4, dtype=torch.float16)} for _ in range(2)], engine="native")
