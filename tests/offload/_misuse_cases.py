@@ -292,3 +292,15 @@ def graph_needs_cuda(ctx):
     """progress='graph' on CPU buffers: a PlanError on every rank, at once."""
     P = ctx.world_size
     return _err(lambda: ho.alltoall_init(torch.zeros(P, 2), torch.zeros(P, 2), progress="graph"))[:2]
+
+
+def plan_for_another_grid(ctx):
+    """A plan built for another world size or rank (a grid whose product is not the group size, a rank
+    mix-up): the error says so, not that some operation's peer is out of range."""
+    from hpdl.offload import plans
+    P, r = ctx.world_size, ctx.rank
+    out = {"world": _err(lambda: ho.compile(plans.halo3d((2, 2, 2), (2 * P, 1, 1), r, torch.float32),
+                                            progress="thread")),
+           "rank": _err(lambda: ho.compile(plans.alltoall((r + 1) % P, P, 2, torch.float32), progress="thread"))}
+    dist.barrier()
+    return out

@@ -211,6 +211,14 @@ def test_compile_on_a_rank_outside_the_group_is_a_value_error():
     assert kind == "ValueError" and "global rank 3 is not a member" in msg, msg
 
 
+def test_a_plan_for_another_world_size_or_rank_says_so():
+    for q, res in enumerate(pool().run(M.plan_for_another_grid)):
+        kind, msg, _ = res["world"]
+        assert kind == "PlanError" and "was built for world_size 8 but the group has 4 ranks" in msg, msg
+        kind, msg, _ = res["rank"]
+        assert kind == "PlanError" and "was built for rank 1 but is compiled on rank 0" in msg, msg
+
+
 def test_a_start_after_a_same_node_peer_freed_fails_at_once():
     kind, msg, elapsed = pool().run(M.peer_freed_before_start)[0]
     assert kind == "OffloadError" and "rank 1" in msg and "freed its request" in msg, msg

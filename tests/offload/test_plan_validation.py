@@ -274,3 +274,65 @@ def test_a_plan_whose_wire_tags_a_live_plan_holds_is_refused():
     ex.register(inst(6, 2, t, boxes))  # another key is fine
     ex.free(a)
     ex.register(b)  # once the first is freed
+
+
+def test_allreduce_builder_checks_op_and_window_up_front():
+    """plans.allreduce (and so allreduce_init) names a bad ``op``/``window`` argument, at every world size,
+    instead of an IndexError or a compile error about an internal 'rs_reduce0' operation; c10d's ReduceOp and
+    hpdl.comm's 'product' spelling are accepted (users port them from torch.distributed / hpdl.comm)."""
+    for P in (1, 4):
+        with pytest.raises(ValueError, match=r"op must be one of .*got 'avg'"):
+            plans.allreduce(0, P, 8, torch.float32, op="avg")
+    for window in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="window must be an int >= 1 or None"):
+            plans.allreduce(0, 4, 8, torch.float32, algorithm="direct", window=window)
+    import torch.distributed as dist
+    xs = [torch.arange(5, dtype=torch.float32) + r + 1 for r in range(3)]
+    for op, alias, want in (("sum", dist.ReduceOp.SUM, sum(xs)), ("prod", "product", xs[0] * xs[1] * xs[2]),
+                            ("max", dist.ReduceOp.MAX, xs[2])):
+        ps = [plans.allreduce(r, 3, 5, torch.float32, op=alias) for r in range(3)]
+        out = ho.simulate(ps, [{"data": x.clone()} for x in xs])
+        assert all(torch.equal(o["data"], want) for o in out), op
+
+
+def test_agent_and_compile_outside_a_distributed_job_say_how_to_join_one():
+    """A new user's first try in a plain interpreter: both name the fix (torch.distributed's own message for
+    Agent() was 'Default process group has not been initialized')."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        pytest.skip("this process is already in a job")
+    for fn in (lambda: ho.Agent().start(), lambda: ho.compile(plans.alltoall(0, 1, 1, torch.float32))):
+        with pytest.raises(RuntimeError, match=r"torch.distributed is not initialised: call "
+                                               r"hpdl.runtime.init_from_env\(\)"):
+            fn()
+
+
+@pytest.mark.parametrize("kw, name", [({"threads": 0}, "threads"), ({"threads": -1}, "threads"),
+                                      ({"threads": 1.5}, "threads"), ({"spin_us": -1}, "spin_us"),
+                                      ({"timeout": 0}, "timeout"), ({"start_timeout": -5}, "start_timeout")])
+def test_agent_arguments_are_checked_where_they_are_given(kw, name):
+    """Agent(threads=0) was an AgentError carrying the agent subprocess's argparse usage, after spawning it."""
+    with pytest.raises(ValueError, match=f"^{name} must be"):
+        ho.Agent(**kw)
+
+
+def test_a_bad_progress_from_the_environment_names_the_variable(monkeypatch):
+    """HPDL_OFFLOAD_PROGRESS=agnet was reported as "progress must be one of ..., got None"."""
+    from hpdl.offload.api import _resolve_progress
+    monkeypatch.setenv("HPDL_OFFLOAD_PROGRESS", "agnet")
+    with pytest.raises(ho.PlanError, match=r"HPDL_OFFLOAD_PROGRESS must be one of .*got 'agnet'"):
+        _resolve_progress(None)
+    with pytest.raises(ho.PlanError, match=r"^progress must be one of .*got 'bogus'"):
+        _resolve_progress("bogus")
+    monkeypatch.setenv("HPDL_OFFLOAD_PROGRESS", "graph")  # a documented value of the variable
+    assert _resolve_progress(None) == ("graph", None)
+
+
+def test_simulate_on_the_native_engine_says_what_it_cannot_run():
+    """simulate(engine="native") of a float16 Allreduce was a bare KeyError: 'float16'."""
+    from hpdl.offload import native
+    if native.load() is None:
+        pytest.skip("no native executor here")
+    ps = [plans.allreduce(r, 2, 4, torch.float16) for r in range(2)]
+    with pytest.raises(native.NativeUnavailable, match=r"rank 0: reduction of float16.*engine='python'"):
+        ho.simulate(ps, [{"data": torch.ones(4, dtype=torch.float16)} for _ in range(2)], engine="native")

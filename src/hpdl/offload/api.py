@@ -252,8 +252,9 @@ def _bind(specs: Sequence[BufferSpec], buffers: dict | None, mode: str) -> dict[
 
 def _resolve_progress(progress: str | None) -> tuple[str, client_mod.AgentClient | None]:
     mode = (progress or env.get("HPDL_OFFLOAD_PROGRESS")).strip().lower()
-    if mode not in PROGRESS:
-        raise PlanError(f"progress must be one of {PROGRESS}, got {progress!r}")
+    if mode not in PROGRESS:  # progress=None came from the environment: name the variable that holds it
+        raise PlanError(f"progress must be one of {PROGRESS}, got {progress!r}" if progress is not None else
+                        f"HPDL_OFFLOAD_PROGRESS must be one of {PROGRESS}, got {mode!r}")
     if mode == "graph":  # the GPU's copy engines, driven by the ranks themselves (hpdl.offload.graph)
         return "graph", None
     c = client_mod.current() if mode in ("auto", "agent") else None
@@ -695,7 +696,9 @@ def simulate(plans: Sequence[Plan | PlanData], buffers: Sequence[dict[str, torch
 
     Raises:
         PlanError: as :func:`compile`. OffloadTimeoutError: not done within ``timeout`` (a bug in a plan
-        that passed validation, or in the executor), listing the outstanding operations.
+        that passed validation, or in the executor), listing the outstanding operations. NativeUnavailable:
+        ``engine="native"`` where it cannot be built, or for a plan it cannot run (a reduction of a dtype
+        other than float32/float64/int32/int64), naming why.
     """
     if engine not in ("python", "native"):
         raise ValueError(f"engine must be 'python' or 'native', got {engine!r}")
@@ -741,6 +744,11 @@ def _simulate_native(insts, boxes, name, starts, timeout, threads, stats) -> Non
     lib = native.load()
     if lib is None:
         raise native.NativeUnavailable("the native executor is unavailable here (see the log line above)")
+    for q, inst in enumerate(insts):  # what an agent would send to its Python executor instead
+        why = native.eligible(inst.plan, inst.tensors)
+        if why is not None:
+            raise native.NativeUnavailable(f"the native executor cannot run plan {name!r} (rank {q}: {why}); "
+                                           "simulate it with engine='python'")
     bell = np.zeros(2, dtype=np.uint32)
     eng = native.NativeEngine(lib, bell.ctypes.data, threads=threads, parallel_min_bytes=0 if threads > 1 else 1 << 62)
     try:

@@ -180,11 +180,20 @@ class Agent:
 
     Raises:
         AgentError: an agent did not start (its log's last lines are in the message) or cannot be reached.
+        RuntimeError: torch.distributed is not initialised (no job to be collective over).
+        ValueError: at construction, a bad ``threads``, ``spin_us``, ``timeout`` or ``start_timeout``, named.
     """
 
     def __init__(self, group=None, *, ranks_per_node: int | Sequence[int] | None = None, threads: int = 1,
                  spin_us: float | None = None, timeout: float | None = None, start_timeout: float = 120.0,
                  reserve_cores: bool = False):
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be an int >= 1 (the agent's copy threads), got {threads!r}")
+        for name, value, need in (("spin_us", spin_us, ">= 0 (microseconds)"), ("timeout", timeout, "> 0 (seconds)"),
+                                  ("start_timeout", start_timeout, "> 0 (seconds)")):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or value < 0 or (value == 0 and name != "spin_us")):
+                raise ValueError(f"{name} must be a number {need}, got {value!r}")
         self.group, self.ranks_per_node, self.threads = group, ranks_per_node, threads
         self.reserve_cores = reserve_cores
         self._affinity: set[int] | None = None  # this rank's CPU affinity before reserve_cores took cores out
@@ -213,6 +222,10 @@ class Agent:
         from hpdl.runtime.launch import free_port
         from hpdl.runtime.topology import discover
 
+        if not dist.is_initialized():  # as compile(): say how to join a job, not torch's "default process group"
+            raise RuntimeError("torch.distributed is not initialised: call hpdl.runtime.init_from_env() (torchrun, "
+                               "mpirun, srun) or run under hpdl.runtime.spawn() before starting an Agent; it is "
+                               "collective over the group")
         g = self.group
         rank = dist.get_rank(g)
         topo = discover(g, self.ranks_per_node)

@@ -96,13 +96,20 @@ def _overlap(a: Region, b: Region) -> bool:
 def check_plan(plan: PlanData, world_size: int | None = None, rank: int | None = None) -> list[tuple[int, ...]]:
     """Validate one rank's plan on its own; returns the resolved dependency indices of every op.
 
-    Checks: buffer names and shapes; every op's kind, regions (registered buffer, dimensions, in range), peer
+    Checks: first, that a plan written for a rank or world size (``Plan(rank=, world_size=)``) is checked for
+    that one; buffer names and shapes; every op's kind, regions (registered buffer, dimensions, in range), peer
     (``0 <= peer < world_size``) and tag; copy and reduce dtypes and element counts; dependencies (known
     names, no op depending on itself, no cycle).
 
     Raises:
         PlanError: naming the operation (and ``rank`` when given).
     """
+    # before the ops: a grid whose product is not the group size otherwise reads as "peer out of range"
+    if rank is not None and plan.rank is not None and plan.rank != rank:
+        _fail(f"plan {plan.name!r} was built for rank {plan.rank} but is compiled on rank {rank}", None, rank)
+    if world_size is not None and plan.world_size is not None and plan.world_size != world_size:
+        _fail(f"plan {plan.name!r} was built for world_size {plan.world_size} but the group has {world_size} "
+              "ranks", None, rank)
     world_size = plan.world_size if world_size is None else world_size
     specs: dict[str, BufferSpec] = {}
     for b in plan.buffers:

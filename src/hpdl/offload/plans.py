@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from hpdl.comm.ops import shard_bounds
+from hpdl.comm.ops import normalize_op, shard_bounds
 from hpdl.offload.plan import Plan, dtype_name
 
 
@@ -48,7 +48,9 @@ def allreduce(rank: int, world_size: int, count: int, dtype, *, op: str = "sum",
     """Allreduce of a ``count``-element buffer ``data``, in place (``MPI_Allreduce`` with ``MPI_IN_PLACE``).
 
     Args:
-        op: sum, prod, min or max.
+        op: sum, prod, min or max (also hpdl.comm's "product" and ``torch.distributed.ReduceOp`` SUM, PRODUCT,
+            MIN, MAX; not avg, which a plan cannot divide).
+        window: ``direct`` only: at most this many (>= 1) peers in flight (None: all).
         algorithm: ``ring`` (reduce-scatter then all-gather around the ring, 2(p-1) dependent steps;
             Thakur, Rabenseifner and Gropp, IJHPCA 2005) or ``direct`` (Direct Sendrecv: every rank sends block
             q to rank q, which reduces the p-1 blocks it receives in rank order, then sends its block to all;
@@ -57,10 +59,26 @@ def allreduce(rank: int, world_size: int, count: int, dtype, *, op: str = "sum",
     Buffers: ``data`` ``(count,)`` and a scratch buffer ``scratch`` (allocated by compile unless bound).
     Blocks: :func:`blocks` (count need not be divisible by world_size). Each block is reduced by one rank and
     copied to the others, so every rank ends with bitwise-identical data.
+
+    Raises:
+        ValueError: a bad ``rank``, ``op``, ``algorithm`` or ``window``, naming it (before any plan is built, so
+            a one-rank plan, which has no reduce operation for compile to check, rejects a bad op too).
     """
     _check_rank(rank, world_size)
     if algorithm not in ("ring", "direct"):
         raise ValueError(f"algorithm must be 'ring' or 'direct', got {algorithm!r}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be an int >= 1 or None, got {window!r}")
+    ops = ("sum", "prod", "min", "max")
+    try:  # hpdl.comm's spellings (c10d's ReduceOp, "product") map onto the plan's MPI names
+        name = normalize_op(op)
+    except ValueError:
+        name = None
+    name = "prod" if name == "product" else name
+    if name not in ops:
+        raise ValueError(f"op must be one of {ops} (or torch.distributed.ReduceOp SUM, PRODUCT, MIN, MAX), "
+                         f"got {op!r}")
+    op = name
     p = Plan(f"allreduce_{algorithm}", rank=rank, world_size=world_size)
     P, r = world_size, rank
     blk = shard_bounds(count, P)  # the first count % P blocks one longer (MPI_Reduce_scatter_block style)

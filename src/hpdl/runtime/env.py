@@ -82,7 +82,8 @@ _declare("HPDL_HPO_START_METHOD", _start_method, "forkserver",
 _declare("HPDL_HPO_CPU_THREADS", int, 1, "Intra-op CPU threads of each hpdl.hpo trial worker.")
 _declare("HPDL_OFFLOAD_PROGRESS", str, "auto",
          "Who runs started hpdl.offload plans: `agent` (the node's progress agent), `thread` (an in-process "
-         "progress thread) or `auto` (the agent when this process is connected to one, else the thread).")
+         "progress thread), `graph` (CUDA graphs of the ranks' own copies: CUDA buffers of one host, single-phase "
+         "plans) or `auto` (the agent when this process is connected to one, else the thread).")
 _declare("HPDL_OFFLOAD_AGENT", str, "", "Unix socket of a running `hpdl offload agent` that hpdl.offload.compile "
          "connects to (empty: only agents started with hpdl.offload.Agent).")
 _declare("HPDL_OFFLOAD_SPIN_US", float, 50.0,
