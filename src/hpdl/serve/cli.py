@@ -92,14 +92,14 @@ def _model_args(p: argparse.ArgumentParser, bench: bool = False) -> None:
                         "batch bucket the one measured faster on the device at CUDA-graph capture")
     g.add_argument("--seed", type=count(0, 2**63 - 1), default=0, help="random-weight seed (and workload seed for bench)")
     if bench:
-        g.add_argument("--prefill", type=_prefill_modes, default="padded",
+        g.add_argument("--prefill", type=_prefill_modes, default="packed",
                        help="prefill path, or a comma list run one after another and reported side by side "
-                            "(flover/MODE): padded (prompts padded to the longest), packed (no padding, one varlen "
-                            "attention launch per layer), chunked (packed, split into chunks mixed into decode steps)")
+                            "(flover/MODE): padded (prompts padded to the longest), packed (the default: no padding, one "
+                            "varlen attention launch per layer), chunked (packed, split into chunks mixed into decode steps)")
     else:
-        g.add_argument("--prefill", default="padded", choices=["padded", "packed", "chunked"],
-                       help="padded (prompts padded to the longest), packed (no padding, one varlen attention launch "
-                            "per layer), chunked (packed, split into chunks mixed into decode steps under "
+        g.add_argument("--prefill", default="packed", choices=["padded", "packed", "chunked"],
+                       help="padded (prompts padded to the longest), packed (the default: no padding, one varlen "
+                            "attention launch per layer), chunked (packed, split into chunks mixed into decode steps under "
                             "--max-num-batched-tokens)")
     g.add_argument("--max-num-batched-tokens", type=count(1, 1 << 24), default=8192,
                    help="prefill token budget: padded tokens of a prefill batch (padded), prompt tokens (packed), or "

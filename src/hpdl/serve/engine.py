@@ -64,7 +64,7 @@ class EngineConfig:
     fused_decode: bool | None = None
     ranks_per_gpu: int | None = None
     fused_gemm: str = "cublas"
-    prefill: str = "padded"
+    prefill: str = "packed"
 
     def __post_init__(self):
         from hpdl.serve.scheduler import check_prefill
