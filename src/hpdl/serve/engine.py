@@ -34,8 +34,8 @@ class EngineConfig:
     max_prefill_tokens: the prefill token budget [max_num_batched_tokens]: padded tokens per batched prefill
         (``prefill="padded"``), prompt tokens per packed prefill ("packed"), or decode rows plus prompt-chunk
         tokens per step ("chunked"; must exceed num_slots).
-    prefill: "padded" (prompts right-padded to the longest, the eager model's batch), "packed" (no padding,
-        ``hpdl.serve.prefill``: one varlen attention launch per layer) or "chunked" (packed, and split into
+    prefill: "padded" (prompts right-padded to the longest, the eager model's batch), "packed" (the default: no
+        padding, ``hpdl.serve.prefill``: one varlen attention launch per layer) or "chunked" (packed, and split into
         chunks mixed into every decode step under the budget, so running requests keep decoding while a long
         prompt is prefilled; ``Scheduler.schedule_mixed``).
     reorder: "window" (Flover), "prefix" (anchored at slot 0; forced with CUDA graphs) or "none".
