@@ -206,10 +206,11 @@ class GroupWorker:
         end = None if timeout is None else time.monotonic() + timeout
         with self._cv:
             while self.outstanding:
-                left = None if end is None else end - time.monotonic()
-                if left is not None and left <= 0:
+                left = _SLICE_S if end is None else min(_SLICE_S, end - time.monotonic())
+                if left <= 0:
                     raise CollectiveTimeoutError(f"{self.outstanding} earlier async call(s) on group {self.name} "
                                                  f"did not finish within {timeout:.0f}s")
+                # in slices, as Job.wait: a SIGINT delivered to the worker thread must still end this wait
                 self._cv.wait(left)
 
     def close(self, join_s: float = 1.0, then: Callable[[], object] | None = None) -> None:
