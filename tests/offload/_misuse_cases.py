@@ -292,3 +292,26 @@ def graph_needs_cuda(ctx):
     """progress='graph' on CPU buffers: a PlanError on every rank, at once."""
     P = ctx.world_size
     return _err(lambda: ho.alltoall_init(torch.zeros(P, 2), torch.zeros(P, 2), progress="graph"))[:2]
+
+
+def zero_size_buffers(ctx):
+    """Zero-element shared buffers bound in agent mode (a rank with nothing to exchange this run): the
+    requests run; zero-size views had no shared-memory address (torch's data_ptr 0) and compile refused
+    them as 'outside shared memory', advising the very hpdl.offload.empty call that made them."""
+    C.ensure_agent(ctx)
+    out = {}
+    inp, o = ho.empty((ctx.world_size, 0), torch.float32), ho.empty((ctx.world_size, 0), torch.float32)
+    out["alltoall"] = _err(lambda: _start_wait_free(ho.alltoall_init(inp, o, progress="agent", timeout=30)))
+    full = ho.empty((8,), torch.float64)
+    out["allreduce_view"] = _err(lambda: _start_wait_free(ho.allreduce_init(full[8:], progress="agent",
+                                                                            timeout=30)))
+    dist.barrier()
+    return {k: v[:2] for k, v in out.items()}
+
+
+def _start_wait_free(req):
+    for _ in range(2):
+        req.start()
+        req.wait(timeout=30)
+    req.free()
+

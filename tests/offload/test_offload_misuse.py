@@ -314,3 +314,9 @@ def test_a_rank_that_dies_on_another_node_is_named_not_its_agent(tmp_path):
 def test_graph_progress_on_cpu_buffers_is_a_plan_error_on_every_rank():
     for kind, msg in pool().run(M.graph_needs_cuda):
         assert kind == "PlanError" and "progress='graph' needs every buffer on one CUDA device" in msg, msg
+
+
+def test_zero_size_shared_buffers_run_on_the_agent():
+    for res in pool().run(M.zero_size_buffers):
+        assert res == {"alltoall": (None, None), "allreduce_view": (None, None)}, res
+
