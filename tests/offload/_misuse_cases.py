@@ -315,3 +315,30 @@ def _start_wait_free(req):
         req.wait(timeout=30)
     req.free()
 
+
+def native_on_some_ranks_only(ctx):
+    """Pairs of ranks of one node (one agent), where only the receiving rank's plan has a reduction the native
+    executor lacks (float16): every rank of the pair runs on one executor and the message arrives. Before,
+    the sender went to the native executor, the receiver to the Python one, and both failed at once with
+    'the request of a matching half is not registered (freed?)'."""
+    C.ensure_agent(ctx)
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    g = pairs[ctx.rank // 2]
+    r = dist.get_rank(g)
+    p = ho.Plan("mixed", rank=r, world_size=2)
+    x, y = p.buffer("x", (4,), torch.float32), p.buffer("y", (4,), torch.float32)
+    h = p.buffer("h", (4,), torch.float16)
+    if r == 0:
+        p.send(x[0:4], 1)
+    else:
+        p.recv(y[0:4], 0)
+        p.reduce(h[0:2], h[2:4], op="sum")
+    xs = ho.empty((4,), torch.float32)
+    xs.fill_(7 + ctx.rank)
+    req = ho.compile(p, {"x": xs}, group=g, progress="agent", timeout=30)
+    got = _err(lambda: (req.start(), req.wait(timeout=30)))
+    ys = req.buffers["y"].tolist()
+    if got[0] is None:
+        req.free()
+    dist.barrier()
+    return got[:2], req.executor, ys

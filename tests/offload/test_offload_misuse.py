@@ -320,3 +320,9 @@ def test_zero_size_shared_buffers_run_on_the_agent():
     for res in pool().run(M.zero_size_buffers):
         assert res == {"alltoall": (None, None), "allreduce_view": (None, None)}, res
 
+
+def test_a_plan_the_native_executor_takes_on_some_ranks_only_runs_on_one_executor():
+    res = pool().run(M.native_on_some_ranks_only)
+    assert [r[0] for r in res] == [(None, None)] * 4, res
+    assert len({r[1] for r in res}) == 1, res   # the same executor for every rank
+    assert res[1][2] == [7.0] * 4 and res[3][2] == [9.0] * 4, res

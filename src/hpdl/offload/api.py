@@ -66,7 +66,8 @@ class _ThreadBackend:
         self.state[1] += 1  # compile is collective on the group: the counter moves in step on every rank
         return self.state[1]
 
-    def register(self, plan: CompiledPlan, tensors: dict, slot: int, done: threading.Event, event=None):
+    def register(self, plan: CompiledPlan, tensors: dict, slot: int, done: threading.Event, event=None,
+                 native: bool = False):
         inst = Instance(plan, tensors, self.mailboxes.array, slot, self.transport, id(self.state), f"rank {self.rank}")
         inst.on_done = done.set
         inst.ready_event = event
@@ -124,7 +125,9 @@ class _AgentBackend:
     def new_key(self) -> int:
         return int(self.client.request(P.NewKey()))
 
-    def register(self, plan: CompiledPlan, tensors: dict, slot: int, done, event=None):
+    def register(self, plan: CompiledPlan, tensors: dict, slot: int, done, event=None, native: bool = True):
+        """``native``: the agent may run it on its native executor (every rank's plan of the group can go there:
+        halves of one message must meet in one executor)."""
         handles = {}
         for name, t in tensors.items():
             handles[name] = t if t.is_cuda else shm.handle_of(t)
@@ -133,7 +136,7 @@ class _AgentBackend:
             dev = next(t.device.index for t in tensors.values() if t.is_cuda)
             with torch.cuda.device(dev):  # the event is created on the buffers' GPU
                 ready = (dev, event.ipc_handle())
-        if self.client.request(P.Register(slot, plan, handles, ready)) == "native":
+        if self.client.request(P.Register(slot, plan, handles, ready, native)) == "native":
             self.native.add(slot)
         return slot
 
@@ -351,8 +354,9 @@ def _compile(plan, buffers, group, progress, timeout, pre_error: str | None) -> 
             key = backend.new_key()
         except OffloadError as exc:  # e.g. the agent went away: every rank must hear of it
             error = error or OffloadError(str(exc))
+    cpu = tensors is not None and all(t.device.type == "cpu" for t in tensors.values())
     infos = _gather({"data": data, "endpoint": backend.endpoint if backend is not None else 0, "key": key,
-                     "error": None if error is None else (str(error), getattr(error, "op", None),
+                     "cpu": cpu, "error": None if error is None else (str(error), getattr(error, "op", None),
                                                           type(error).__name__)}, group)
     for q, info in enumerate(infos):
         if info["error"] is not None:
@@ -366,7 +370,12 @@ def _compile(plan, buffers, group, progress, timeout, pre_error: str | None) -> 
 
         every = compile_group([i["data"] for i in infos], 0, [0] * len(infos))
         return GraphRequest(every, rank, tensors, group, wait_s)
-    compiled = compile_group([i["data"] for i in infos], infos[0]["key"], [i["endpoint"] for i in infos])[rank]
+    every = compile_group([i["data"] for i in infos], infos[0]["key"], [i["endpoint"] for i in infos])
+    compiled = every[rank]
+    # the agent's native executor only if it can take every rank's plan: the two halves of a message meet in
+    # one executor (a plan with a float16 reduction on one rank only ran that rank on the Python executor
+    # and its peers on the native one, and their messages never matched)
+    native_ok = all(i["cpu"] for i in infos) and all(native.eligible(c, {}) is None for c in every)
     done = threading.Event()
     error, handle, slot = None, None, None
     cuda = next((t.device for t in tensors.values() if t.is_cuda), None) if tensors else None
@@ -374,7 +383,7 @@ def _compile(plan, buffers, group, progress, timeout, pre_error: str | None) -> 
     event = torch.cuda.Event(interprocess=mode == "agent") if cuda is not None else None
     try:
         slot = backend.mailboxes.take()
-        handle = backend.register(compiled, tensors, slot, done, event)
+        handle = backend.register(compiled, tensors, slot, done, event, native=native_ok)
     except (OffloadError, ValueError) as exc:
         error = f"rank {rank}: {exc}"
     errors = [e for e in _gather(error, group) if e]
