@@ -342,3 +342,24 @@ def native_on_some_ranks_only(ctx):
         req.free()
     dist.barrier()
     return got[:2], req.executor, ys
+
+
+def native_peer_freed_before_start(ctx):
+    """On the native executor (pairs of ranks of one agent): the odd rank frees its request, then the even
+    one starts; its error names the rank that freed and why, as the Python executor's does (it said
+    'the request of a matching half is not registered (freed?)', naming nobody)."""
+    C.ensure_agent(ctx)
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    g = pairs[ctx.rank // 2]
+    inp, out = ho.empty((2, 8), torch.float32), ho.empty((2, 8), torch.float32)
+    req = ho.alltoall_init(inp, out, group=g, progress="agent", timeout=30)
+    executor = req.executor
+    res = None
+    if ctx.rank % 2:
+        req.free()
+    dist.barrier()
+    if ctx.rank % 2 == 0:
+        res = _err(lambda: (req.start(), req.wait()))
+        req.free()
+    dist.barrier()
+    return executor, res

@@ -326,3 +326,12 @@ def test_a_plan_the_native_executor_takes_on_some_ranks_only_runs_on_one_executo
     assert [r[0] for r in res] == [(None, None)] * 4, res
     assert len({r[1] for r in res}) == 1, res   # the same executor for every rank
     assert res[1][2] == [7.0] * 4 and res[3][2] == [9.0] * 4, res
+
+
+def test_the_native_executor_names_the_rank_that_freed_the_other_half():
+    res = pool().run(M.native_peer_freed_before_start)
+    assert [r[0] for r in res] == ["native"] * 4, res
+    for rank in (0, 2):
+        kind, msg, elapsed = res[rank][1]
+        assert kind == "OffloadError" and f"rank {rank + 1}" in msg and "freed its request" in msg, msg
+        assert "will never come" in msg and elapsed < 10, (msg, elapsed)
