@@ -101,3 +101,29 @@ def test_forget_without_a_running_call_frees_at_once():
     res._worker.submit(Job(lambda: None, "x")).wait(30)
     res.close()
     assert algo.closed.is_set()
+
+
+def test_waiting_on_the_worker_for_a_later_call_raises_instead_of_deadlocking():
+    # a future's callback (or an earlier job) runs on the worker thread; waiting there for a call queued after
+    # it waited for itself: before the fix the worker hung for good, and with it every later call on the group
+    # (and a synchronous call's drain, which has no timeout)
+    w = GroupWorker("t4")
+    gate = threading.Event()
+    later = Job(lambda: None, "all_reduce #2")
+
+    def first_call():
+        gate.wait(30)
+        later.wait()
+
+    first = w.submit(Job(first_call, "all_reduce #1"))
+    w.submit(later)
+    gate.set()
+    try:
+        first.wait(30)
+    except RuntimeError as exc:
+        assert "all_reduce #2" in str(exc) and "worker thread" in str(exc), exc
+    else:
+        raise AssertionError("waiting for a later call on the worker did not raise")
+    later.wait(30)
+    w.drain(30)   # the worker goes on
+    w.close()
