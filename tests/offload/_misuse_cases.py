@@ -363,3 +363,25 @@ def native_peer_freed_before_start(ctx):
         req.free()
     dist.barrier()
     return executor, res
+
+
+def bad_arguments_everywhere(ctx):
+    """Arguments compile accepted or crashed on, each wrong on one rank only: every rank raises a PlanError
+    naming that rank and argument, at once. Before: a list raised AttributeError on its rank alone (the others
+    waited in compile); a negative timeout was taken (every wait() timed out at once); a sparse tensor was
+    called non-contiguous; meta tensors were sent by gloo from address 0 ('writev: Bad address') and broke
+    the group's transport."""
+    g = dist.new_group(list(range(ctx.world_size)))  # a transport of its own: a broken one stays here
+    r, P = ctx.rank, ctx.world_size
+    z = lambda: torch.zeros(P)  # noqa: E731
+    out = {"list": _err(lambda: ho.alltoall_init([0.0] * P if r == 1 else z(), z(), group=g, progress="thread",
+                                                 timeout=20)),
+           "none": _err(lambda: ho.allreduce_init(None if r == 2 else z(), group=g, progress="thread", timeout=20)),
+           "timeout": _err(lambda: ho.alltoall_init(z(), z(), group=g, progress="thread",
+                                                    timeout=-1.0 if r == 3 else 20)),
+           "sparse": _err(lambda: ho.alltoall_init(z().to_sparse() if r == 0 else z(), z(), group=g,
+                                                   progress="thread", timeout=20)),
+           "meta": _err(lambda: ho.alltoall_init(torch.zeros(P, device="meta" if r == 1 else "cpu"), z(), group=g,
+                                                 progress="thread", timeout=20))}
+    dist.barrier()
+    return {k: (v[0], v[1], v[2] < 15) for k, v in out.items()}

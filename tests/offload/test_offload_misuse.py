@@ -335,3 +335,15 @@ def test_the_native_executor_names_the_rank_that_freed_the_other_half():
         kind, msg, elapsed = res[rank][1]
         assert kind == "OffloadError" and f"rank {rank + 1}" in msg and "freed its request" in msg, msg
         assert "will never come" in msg and elapsed < 10, (msg, elapsed)
+
+
+def test_bad_arguments_on_one_rank_are_plan_errors_on_every_rank():
+    want = {"list": (1, "input must be a torch.Tensor, got list"),
+            "none": (2, "tensor must be a torch.Tensor, got NoneType"),
+            "timeout": (3, "timeout must be a finite number of seconds > 0"),
+            "sparse": (0, "must be a dense (strided) tensor"),
+            "meta": (1, "is on meta; bind CPU or CUDA tensors")}
+    for res in pool().run(M.bad_arguments_everywhere):
+        for k, (rank, text) in want.items():
+            kind, msg, quick = res[k]
+            assert kind == "PlanError" and msg.startswith(f"rank {rank}: ") and text in msg and quick, (k, res[k])

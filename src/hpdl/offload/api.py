@@ -14,6 +14,7 @@ or ``"auto"`` (``HPDL_OFFLOAD_PROGRESS``; agent when one is connected, else thre
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -216,6 +217,19 @@ def _await_arrivals(group, rank: int, world: int, timeout: float) -> None:
                               missing_ranks=missing)
 
 
+def _check_timeout(timeout) -> tuple[float | None, str | None]:
+    """``(seconds or None, error)``: None is ``HPDL_TIMEOUT``; a timedelta is taken in seconds. A timeout of
+    zero or less made every ``wait()`` raise OffloadTimeoutError at once (the request could never be waited)."""
+    if timeout is None:
+        return None, None
+    if isinstance(timeout, timedelta):
+        timeout = timeout.total_seconds()
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
+            or timeout <= 0:
+        return None, f"timeout must be a finite number of seconds > 0 (or a timedelta), got {timeout!r}"
+    return float(timeout), None
+
+
 def _bind(specs: Sequence[BufferSpec], buffers: dict | None, mode: str) -> dict[str, torch.Tensor]:
     """Tensors for every registered buffer: the caller's (checked, viewed to the registered shape) or new ones
     (in shared memory for a CPU agent; on the caller's device otherwise)."""
@@ -236,12 +250,16 @@ def _bind(specs: Sequence[BufferSpec], buffers: dict | None, mode: str) -> dict[
         else:
             if not isinstance(t, torch.Tensor):
                 raise PlanError(f"buffer {s.name!r}: expected a torch.Tensor, got {type(t).__name__}")
+            if t.layout != torch.strided:
+                raise PlanError(f"buffer {s.name!r} must be a dense (strided) tensor, got layout={t.layout}")
             if str(t.dtype).removeprefix("torch.") != s.dtype:
                 raise PlanError(f"buffer {s.name!r} is registered as {s.dtype} but bound to a {t.dtype} tensor")
             if t.numel() != s.numel or not t.is_contiguous():
                 raise PlanError(f"buffer {s.name!r} is registered with shape {s.shape} but bound to a tensor of "
                                 f"shape {tuple(t.shape)} (contiguous={t.is_contiguous()}); bind a contiguous tensor "
                                 f"of {s.numel} elements")
+            if t.device.type not in ("cpu", "cuda"):  # a meta tensor has no bytes: gloo sent from address 0
+                raise PlanError(f"buffer {s.name!r} is on {t.device}; bind CPU or CUDA tensors")
             if t.device != device:
                 raise PlanError(f"buffer {s.name!r} is on {t.device}, the others on {device}")
             if mode == "agent" and t.device.type == "cpu" and shm.handle_of(t) is None:
@@ -288,7 +306,8 @@ def compile(plan: Plan | PlanData, buffers: dict[str, torch.Tensor] | None = Non
     Raises:
         PlanError: on every rank, naming the rank and operation: anything
             :func:`~hpdl.offload.compiler.compile_group` rejects (cycles, unmatched or mismatched send/recv,
-            out-of-range boxes, deadlocks), a bad buffer binding, or a bad ``progress``.
+            out-of-range boxes, deadlocks), a bad buffer binding, a bad ``progress``, or a ``timeout`` that is
+            not a finite number of seconds > 0.
         AgentError: ``progress='agent'`` without an agent, an agent that died, or one that refused the
             registration.
         OffloadError: no request mailbox left on some rank (free requests you no longer need).
@@ -310,6 +329,8 @@ def _compile(plan, buffers, group, progress, timeout, pre_error: str | None) -> 
         raise ValueError(f"global rank {dist.get_rank()} is not a member of the group passed to compile()")
     error = pre_error
     data = None
+    timeout, timeout_error = _check_timeout(timeout)
+    error = error or timeout_error
     if error is None:
         data = plan.data() if isinstance(plan, Plan) else plan
         if not isinstance(data, PlanData):
@@ -653,8 +674,10 @@ def alltoall_init(input: torch.Tensor, output: torch.Tensor, *, group=None, wind
     from hpdl.offload import plans
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    plan, error = None, None
-    if input.numel() != output.numel() or input.numel() % max(world, 1):
+    plan, error = None, _not_tensors("alltoall_init", input=input, output=output)
+    if error is not None:
+        input = output = None
+    elif input.numel() != output.numel() or input.numel() % max(world, 1):
         error = (f"alltoall_init: input and output need the same numel, divisible by the group size {world}; "
                  f"got {input.numel()} and {output.numel()}")
     else:
@@ -664,6 +687,13 @@ def alltoall_init(input: torch.Tensor, output: torch.Tensor, *, group=None, wind
             error = f"alltoall_init: {exc}"
     return _compile(plan, {"input": input, "output": output}, group, kw.pop("progress", None),
                     kw.pop("timeout", None), error, **kw)
+
+
+def _not_tensors(what: str, **args) -> str | None:
+    """The error for arguments that are not tensors (reported on every rank by compile, not raised here)."""
+    bad = [f"{k} must be a torch.Tensor, got {type(v).__name__}" for k, v in args.items()
+           if not isinstance(v, torch.Tensor)]
+    return f"{what}: " + "; ".join(bad) if bad else None
 
 
 def allreduce_init(tensor: torch.Tensor, op: str = "sum", *, group=None, algorithm: str = "ring",
@@ -681,9 +711,10 @@ def allreduce_init(tensor: torch.Tensor, op: str = "sum", *, group=None, algorit
     from hpdl.offload import plans
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    plan, error = None, None
+    plan, error = None, _not_tensors("allreduce_init", tensor=tensor)
     try:
-        plan = plans.allreduce(rank, world, tensor.numel(), tensor.dtype, op=op, algorithm=algorithm, window=window)
+        if error is None:
+            plan = plans.allreduce(rank, world, tensor.numel(), tensor.dtype, op=op, algorithm=algorithm, window=window)
     except (PlanError, ValueError) as exc:
         error = f"allreduce_init: {exc}"
     return _compile(plan, {"data": tensor}, group, kw.pop("progress", None), kw.pop("timeout", None), error, **kw)
