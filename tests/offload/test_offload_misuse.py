@@ -347,3 +347,53 @@ def test_bad_arguments_on_one_rank_are_plan_errors_on_every_rank():
         for k, (rank, text) in want.items():
             kind, msg, quick = res[k]
             assert kind == "PlanError" and msg.startswith(f"rank {rank}: ") and text in msg and quick, (k, res[k])
+
+
+def test_two_threads_starting_one_request_start_it_once():
+    # the second thread enters start() while the first is between its 'active?' check and setting it: before
+    # the fix both started it (two generations rung: the executor could run the plan twice for one start of
+    # the peers, pairing this rank's second run with their next iteration); now the second one is refused
+    import types
+
+    import numpy as np
+
+    from hpdl.offload.api import PersistentRequest
+
+    inside, release = threading.Event(), threading.Event()
+    rings = []
+
+    class Backend:
+        kind = "thread"
+        mailboxes = types.SimpleNamespace(array=np.zeros((1, 8), dtype=np.int64))
+
+        @property
+        def closed(self):
+            inside.set()
+            release.wait(10)
+            return False
+
+        def ring(self, handle=None):
+            rings.append(handle)
+
+    plan = types.SimpleNamespace(name="p", rank=0)
+    req = PersistentRequest(plan, {"x": torch.zeros(1)}, Backend(), 0, 0, threading.Event(), 30)
+    errors = []
+
+    def start():
+        try:
+            req.start()
+        except ho.OffloadError as exc:
+            errors.append(str(exc))
+
+    first = threading.Thread(target=start)
+    first.start()
+    assert inside.wait(10)
+    inside.clear()
+    second = threading.Thread(target=start)
+    second.start()
+    inside.wait(0.5)   # before the fix the second thread reaches 'closed' too; after it, it waits for the lock
+    release.set()
+    first.join(10)
+    second.join(10)
+    assert len(rings) == 1 and req._mb[0] == 1, (rings, req._mb[0])
+    assert len(errors) == 1 and "start() of an active request" in errors[0], errors

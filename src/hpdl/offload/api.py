@@ -451,6 +451,7 @@ class PersistentRequest:
         self.timeout = float(env.get("HPDL_TIMEOUT") if timeout is None else timeout)
         self.progress = backend.kind
         self._t_start = self._next_check = 0.0
+        self._start_lock = threading.Lock()  # start/free from two threads: one at a time (one start wins)
 
     def __repr__(self) -> str:
         state = "freed" if self.freed else "active" if self.active else "inactive"
@@ -462,6 +463,10 @@ class PersistentRequest:
         Raises:
             OffloadError: the request is active (wait first), freed, or failed earlier.
         """
+        with self._start_lock:
+            self._start()
+
+    def _start(self) -> None:
         if self.freed:
             raise OffloadError(f"plan {self.plan.name!r}: start() of a freed request")
         if self.active:
@@ -616,6 +621,10 @@ class PersistentRequest:
         Raises:
             OffloadError: the request is active and has not timed out (wait for it first).
         """
+        with self._start_lock:  # not between another thread's checks in start() and its ring
+            self._free()
+
+    def _free(self) -> None:
         if self.freed:
             return
         if self.active and not self._timed_out and not self._poll():
