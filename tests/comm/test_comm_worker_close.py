@@ -1,5 +1,6 @@
 """The group's worker under Ctrl-C and forget_group (issue 41's review): a SIGINT that the kernel delivers to a
-thread other than the main one still interrupts the main thread's wait on an async call; forget_group while an
+thread other than the main one still interrupts the main thread's wait on an async call (and a synchronous
+call's wait for the queued ones); forget_group while an
 async call runs frees the group's algorithms only after that call returned."""
 
 import subprocess
@@ -7,6 +8,8 @@ import sys
 import textwrap
 import threading
 from pathlib import Path
+
+import pytest
 
 from hpdl.comm.transport.resources import GroupResources
 from hpdl.comm.transport.worker import GroupWorker, Job
@@ -47,10 +50,14 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_sigint_on_another_thread_interrupts_the_wait():
+@pytest.mark.parametrize("where", ["wait", "drain"])
+def test_sigint_on_another_thread_interrupts_the_wait(where):
     # before the fix the main thread slept in one unbounded lock wait: the KeyboardInterrupt waited for the
-    # call's end (60 s here, forever for a hung peer) and this run hit the 30 s limit
-    out = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=30,
+    # call's end (60 s here, forever for a hung peer) and this run hit the 30 s limit. "drain" is what a
+    # synchronous hpdl call on the group does first (it waits for the queued async calls): the same defect
+    script = _SCRIPT if where == "wait" else _SCRIPT.replace("job.wait()", "w.drain()").replace(
+        'f.f_code.co_name == "wait"', 'f.f_code.co_name == "drain"')
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30,
                          env={"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin"})
     assert out.stdout.strip() == "interrupted", (out.stdout, out.stderr[-2000:])
 
@@ -94,3 +101,29 @@ def test_forget_without_a_running_call_frees_at_once():
     res._worker.submit(Job(lambda: None, "x")).wait(30)
     res.close()
     assert algo.closed.is_set()
+
+
+def test_waiting_on_the_worker_for_a_later_call_raises_instead_of_deadlocking():
+    # a future's callback (or an earlier job) runs on the worker thread; waiting there for a call queued after
+    # it waited for itself: before the fix the worker hung for good, and with it every later call on the group
+    # (and a synchronous call's drain, which has no timeout)
+    w = GroupWorker("t4")
+    gate = threading.Event()
+    later = Job(lambda: None, "all_reduce #2")
+
+    def first_call():
+        gate.wait(30)
+        later.wait()
+
+    first = w.submit(Job(first_call, "all_reduce #1"))
+    w.submit(later)
+    gate.set()
+    try:
+        first.wait(30)
+    except RuntimeError as exc:
+        assert "all_reduce #2" in str(exc) and "worker thread" in str(exc), exc
+    else:
+        raise AssertionError("waiting for a later call on the worker did not raise")
+    later.wait(30)
+    w.drain(30)   # the worker goes on
+    w.close()

@@ -304,3 +304,96 @@ def plan_for_another_grid(ctx):
            "rank": _err(lambda: ho.compile(plans.alltoall((r + 1) % P, P, 2, torch.float32), progress="thread"))}
     dist.barrier()
     return out
+
+
+def zero_size_buffers(ctx):
+    """Zero-element shared buffers bound in agent mode (a rank with nothing to exchange this run): the
+    requests run; zero-size views had no shared-memory address (torch's data_ptr 0) and compile refused
+    them as 'outside shared memory', advising the very hpdl.offload.empty call that made them."""
+    C.ensure_agent(ctx)
+    out = {}
+    inp, o = ho.empty((ctx.world_size, 0), torch.float32), ho.empty((ctx.world_size, 0), torch.float32)
+    out["alltoall"] = _err(lambda: _start_wait_free(ho.alltoall_init(inp, o, progress="agent", timeout=30)))
+    full = ho.empty((8,), torch.float64)
+    out["allreduce_view"] = _err(lambda: _start_wait_free(ho.allreduce_init(full[8:], progress="agent",
+                                                                            timeout=30)))
+    dist.barrier()
+    return {k: v[:2] for k, v in out.items()}
+
+
+def _start_wait_free(req):
+    for _ in range(2):
+        req.start()
+        req.wait(timeout=30)
+    req.free()
+
+
+def native_on_some_ranks_only(ctx):
+    """Pairs of ranks of one node (one agent), where only the receiving rank's plan has a reduction the native
+    executor lacks (float16): every rank of the pair runs on one executor and the message arrives. Before,
+    the sender went to the native executor, the receiver to the Python one, and both failed at once with
+    'the request of a matching half is not registered (freed?)'."""
+    C.ensure_agent(ctx)
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    g = pairs[ctx.rank // 2]
+    r = dist.get_rank(g)
+    p = ho.Plan("mixed", rank=r, world_size=2)
+    x, y = p.buffer("x", (4,), torch.float32), p.buffer("y", (4,), torch.float32)
+    h = p.buffer("h", (4,), torch.float16)
+    if r == 0:
+        p.send(x[0:4], 1)
+    else:
+        p.recv(y[0:4], 0)
+        p.reduce(h[0:2], h[2:4], op="sum")
+    xs = ho.empty((4,), torch.float32)
+    xs.fill_(7 + ctx.rank)
+    req = ho.compile(p, {"x": xs}, group=g, progress="agent", timeout=30)
+    got = _err(lambda: (req.start(), req.wait(timeout=30)))
+    ys = req.buffers["y"].tolist()
+    if got[0] is None:
+        req.free()
+    dist.barrier()
+    return got[:2], req.executor, ys
+
+
+def native_peer_freed_before_start(ctx):
+    """On the native executor (pairs of ranks of one agent): the odd rank frees its request, then the even
+    one starts; its error names the rank that freed and why, as the Python executor's does (it said
+    'the request of a matching half is not registered (freed?)', naming nobody)."""
+    C.ensure_agent(ctx)
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    g = pairs[ctx.rank // 2]
+    inp, out = ho.empty((2, 8), torch.float32), ho.empty((2, 8), torch.float32)
+    req = ho.alltoall_init(inp, out, group=g, progress="agent", timeout=30)
+    executor = req.executor
+    res = None
+    if ctx.rank % 2:
+        req.free()
+    dist.barrier()
+    if ctx.rank % 2 == 0:
+        res = _err(lambda: (req.start(), req.wait()))
+        req.free()
+    dist.barrier()
+    return executor, res
+
+
+def bad_arguments_everywhere(ctx):
+    """Arguments compile accepted or crashed on, each wrong on one rank only: every rank raises a PlanError
+    naming that rank and argument, at once. Before: a list raised AttributeError on its rank alone (the others
+    waited in compile); a negative timeout was taken (every wait() timed out at once); a sparse tensor was
+    called non-contiguous; meta tensors were sent by gloo from address 0 ('writev: Bad address') and broke
+    the group's transport."""
+    g = dist.new_group(list(range(ctx.world_size)))  # a transport of its own: a broken one stays here
+    r, P = ctx.rank, ctx.world_size
+    z = lambda: torch.zeros(P)  # noqa: E731
+    out = {"list": _err(lambda: ho.alltoall_init([0.0] * P if r == 1 else z(), z(), group=g, progress="thread",
+                                                 timeout=20)),
+           "none": _err(lambda: ho.allreduce_init(None if r == 2 else z(), group=g, progress="thread", timeout=20)),
+           "timeout": _err(lambda: ho.alltoall_init(z(), z(), group=g, progress="thread",
+                                                    timeout=-1.0 if r == 3 else 20)),
+           "sparse": _err(lambda: ho.alltoall_init(z().to_sparse() if r == 0 else z(), z(), group=g,
+                                                   progress="thread", timeout=20)),
+           "meta": _err(lambda: ho.alltoall_init(torch.zeros(P, device="meta" if r == 1 else "cpu"), z(), group=g,
+                                                 progress="thread", timeout=20))}
+    dist.barrier()
+    return {k: (v[0], v[1], v[2] < 15) for k, v in out.items()}

@@ -100,3 +100,17 @@ def test_cpu_copies_ignore_the_cuda_copy_mode(monkeypatch):
         fn = _copy_fn(dst, src)
         fn()
         assert fn.pair is not None and dst.view(-1).tolist() == src.tolist()
+
+
+def test_a_library_without_the_runtime_api_is_a_reason_not_a_crash(monkeypatch):
+    # whatever libcudart.so path is found (here: libc, which has no cudaRuntimeGetVersion) must end as the
+    # reason why copy-engine copies are unavailable; before, ctypes' AttributeError escaped runtime()
+    import ctypes.util
+
+    from hpdl.offload import cecopy
+
+    libc = ctypes.util.find_library("c")
+    monkeypatch.setattr(cecopy, "_LIB", [])
+    monkeypatch.setattr(cecopy, "_loaded_cudart", lambda: libc)
+    lib, version, reason = cecopy.runtime()
+    assert lib is None and version == 0 and "cudaRuntimeGetVersion" in reason, reason

@@ -322,3 +322,86 @@ def test_a_rank_that_dies_on_another_node_is_named_not_its_agent(tmp_path):
 def test_graph_progress_on_cpu_buffers_is_a_plan_error_on_every_rank():
     for kind, msg in pool().run(M.graph_needs_cuda):
         assert kind == "PlanError" and "progress='graph' needs every buffer on one CUDA device" in msg, msg
+
+
+def test_zero_size_shared_buffers_run_on_the_agent():
+    for res in pool().run(M.zero_size_buffers):
+        assert res == {"alltoall": (None, None), "allreduce_view": (None, None)}, res
+
+
+def test_a_plan_the_native_executor_takes_on_some_ranks_only_runs_on_one_executor():
+    res = pool().run(M.native_on_some_ranks_only)
+    assert [r[0] for r in res] == [(None, None)] * 4, res
+    assert len({r[1] for r in res}) == 1, res   # the same executor for every rank
+    assert res[1][2] == [7.0] * 4 and res[3][2] == [9.0] * 4, res
+
+
+def test_the_native_executor_names_the_rank_that_freed_the_other_half():
+    res = pool().run(M.native_peer_freed_before_start)
+    assert [r[0] for r in res] == ["native"] * 4, res
+    for rank in (0, 2):
+        kind, msg, elapsed = res[rank][1]
+        assert kind == "OffloadError" and f"rank {rank + 1}" in msg and "freed its request" in msg, msg
+        assert "will never come" in msg and elapsed < 10, (msg, elapsed)
+
+
+def test_bad_arguments_on_one_rank_are_plan_errors_on_every_rank():
+    want = {"list": (1, "input must be a torch.Tensor, got list"),
+            "none": (2, "tensor must be a torch.Tensor, got NoneType"),
+            "timeout": (3, "timeout must be a finite number of seconds > 0"),
+            "sparse": (0, "must be a dense (strided) tensor"),
+            "meta": (1, "is on meta; bind CPU or CUDA tensors")}
+    for res in pool().run(M.bad_arguments_everywhere):
+        for k, (rank, text) in want.items():
+            kind, msg, quick = res[k]
+            assert kind == "PlanError" and msg.startswith(f"rank {rank}: ") and text in msg and quick, (k, res[k])
+
+
+def test_two_threads_starting_one_request_start_it_once():
+    # the second thread enters start() while the first is between its 'active?' check and setting it: before
+    # the fix both started it (two generations rung: the executor could run the plan twice for one start of
+    # the peers, pairing this rank's second run with their next iteration); now the second one is refused
+    import types
+
+    import numpy as np
+
+    from hpdl.offload.api import PersistentRequest
+
+    inside, release = threading.Event(), threading.Event()
+    rings = []
+
+    class Backend:
+        kind = "thread"
+        mailboxes = types.SimpleNamespace(array=np.zeros((1, 8), dtype=np.int64))
+
+        @property
+        def closed(self):
+            inside.set()
+            release.wait(10)
+            return False
+
+        def ring(self, handle=None):
+            rings.append(handle)
+
+    plan = types.SimpleNamespace(name="p", rank=0)
+    req = PersistentRequest(plan, {"x": torch.zeros(1)}, Backend(), 0, 0, threading.Event(), 30)
+    errors = []
+
+    def start():
+        try:
+            req.start()
+        except ho.OffloadError as exc:
+            errors.append(str(exc))
+
+    first = threading.Thread(target=start)
+    first.start()
+    assert inside.wait(10)
+    inside.clear()
+    second = threading.Thread(target=start)
+    second.start()
+    inside.wait(0.5)   # before the fix the second thread reaches 'closed' too; after it, it waits for the lock
+    release.set()
+    first.join(10)
+    second.join(10)
+    assert len(rings) == 1 and req._mb[0] == 1, (rings, req._mb[0])
+    assert len(errors) == 1 and "start() of an active request" in errors[0], errors

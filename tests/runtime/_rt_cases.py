@@ -62,3 +62,9 @@ def raise_on_rank(ctx, bad):
     if ctx.rank == bad:
         raise ValueError(f"boom on {ctx.rank}")
     return ctx.rank
+
+
+def unpicklable_result(ctx):
+    """A result the parent cannot receive (a lambda): multiprocessing's feeder thread failed to pickle it,
+    printed the error in the rank and dropped the message, and the parent waited for it until its timeout."""
+    return lambda: ctx.rank

@@ -45,3 +45,10 @@ def test_init_from_env_standalone_is_a_world_of_one(monkeypatch):
         init_from_env("cpu")
     with mp.get_context("spawn").Pool(1) as pool:
         assert pool.apply(R.standalone_world) == (0, 1, 1)
+
+
+def test_a_result_that_cannot_be_pickled_fails_the_call_at_once():
+    with WorkerGroup(2, timeout=60) as g:
+        with pytest.raises(WorkerFailedError, match="cannot be sent to the parent"):
+            g.run(R.unpicklable_result, timeout=120)
+        assert g.run(R.pid_and_sum, 1)   # the ranks live on

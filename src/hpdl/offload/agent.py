@@ -169,7 +169,8 @@ class _Server:
                                 dev, handle = msg.ready_event
                                 inst.ready_event = torch.cuda.Event.from_ipc_handle(torch.device("cuda", dev),
                                                                                     handle)
-                            if self.native is not None and native_mod.eligible(msg.plan, tensors) is None:
+                            if (self.native is not None and msg.native
+                                    and native_mod.eligible(msg.plan, tensors) is None):
                                 inst = ("native", self.native.register(inst))
                                 value = "native"
                             else:

@@ -14,6 +14,7 @@ or ``"auto"`` (``HPDL_OFFLOAD_PROGRESS``; agent when one is connected, else thre
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -66,7 +67,8 @@ class _ThreadBackend:
         self.state[1] += 1  # compile is collective on the group: the counter moves in step on every rank
         return self.state[1]
 
-    def register(self, plan: CompiledPlan, tensors: dict, slot: int, done: threading.Event, event=None):
+    def register(self, plan: CompiledPlan, tensors: dict, slot: int, done: threading.Event, event=None,
+                 native: bool = False):
         inst = Instance(plan, tensors, self.mailboxes.array, slot, self.transport, id(self.state), f"rank {self.rank}")
         inst.on_done = done.set
         inst.ready_event = event
@@ -124,7 +126,9 @@ class _AgentBackend:
     def new_key(self) -> int:
         return int(self.client.request(P.NewKey()))
 
-    def register(self, plan: CompiledPlan, tensors: dict, slot: int, done, event=None):
+    def register(self, plan: CompiledPlan, tensors: dict, slot: int, done, event=None, native: bool = True):
+        """``native``: the agent may run it on its native executor (every rank's plan of the group can go there:
+        halves of one message must meet in one executor)."""
         handles = {}
         for name, t in tensors.items():
             handles[name] = t if t.is_cuda else shm.handle_of(t)
@@ -133,7 +137,7 @@ class _AgentBackend:
             dev = next(t.device.index for t in tensors.values() if t.is_cuda)
             with torch.cuda.device(dev):  # the event is created on the buffers' GPU
                 ready = (dev, event.ipc_handle())
-        if self.client.request(P.Register(slot, plan, handles, ready)) == "native":
+        if self.client.request(P.Register(slot, plan, handles, ready, native)) == "native":
             self.native.add(slot)
         return slot
 
@@ -213,6 +217,19 @@ def _await_arrivals(group, rank: int, world: int, timeout: float) -> None:
                               missing_ranks=missing)
 
 
+def _check_timeout(timeout) -> tuple[float | None, str | None]:
+    """``(seconds or None, error)``: None is ``HPDL_TIMEOUT``; a timedelta is taken in seconds. A timeout of
+    zero or less made every ``wait()`` raise OffloadTimeoutError at once (the request could never be waited)."""
+    if timeout is None:
+        return None, None
+    if isinstance(timeout, timedelta):
+        timeout = timeout.total_seconds()
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
+            or timeout <= 0:
+        return None, f"timeout must be a finite number of seconds > 0 (or a timedelta), got {timeout!r}"
+    return float(timeout), None
+
+
 def _bind(specs: Sequence[BufferSpec], buffers: dict | None, mode: str) -> dict[str, torch.Tensor]:
     """Tensors for every registered buffer: the caller's (checked, viewed to the registered shape) or new ones
     (in shared memory for a CPU agent; on the caller's device otherwise)."""
@@ -233,12 +250,16 @@ def _bind(specs: Sequence[BufferSpec], buffers: dict | None, mode: str) -> dict[
         else:
             if not isinstance(t, torch.Tensor):
                 raise PlanError(f"buffer {s.name!r}: expected a torch.Tensor, got {type(t).__name__}")
+            if t.layout != torch.strided:
+                raise PlanError(f"buffer {s.name!r} must be a dense (strided) tensor, got layout={t.layout}")
             if str(t.dtype).removeprefix("torch.") != s.dtype:
                 raise PlanError(f"buffer {s.name!r} is registered as {s.dtype} but bound to a {t.dtype} tensor")
             if t.numel() != s.numel or not t.is_contiguous():
                 raise PlanError(f"buffer {s.name!r} is registered with shape {s.shape} but bound to a tensor of "
                                 f"shape {tuple(t.shape)} (contiguous={t.is_contiguous()}); bind a contiguous tensor "
                                 f"of {s.numel} elements")
+            if t.device.type not in ("cpu", "cuda"):  # a meta tensor has no bytes: gloo sent from address 0
+                raise PlanError(f"buffer {s.name!r} is on {t.device}; bind CPU or CUDA tensors")
             if t.device != device:
                 raise PlanError(f"buffer {s.name!r} is on {t.device}, the others on {device}")
             if mode == "agent" and t.device.type == "cpu" and shm.handle_of(t) is None:
@@ -286,7 +307,8 @@ def compile(plan: Plan | PlanData, buffers: dict[str, torch.Tensor] | None = Non
     Raises:
         PlanError: on every rank, naming the rank and operation: anything
             :func:`~hpdl.offload.compiler.compile_group` rejects (cycles, unmatched or mismatched send/recv,
-            out-of-range boxes, deadlocks), a bad buffer binding, or a bad ``progress``.
+            out-of-range boxes, deadlocks), a bad buffer binding, a bad ``progress``, or a ``timeout`` that is
+            not a finite number of seconds > 0.
         AgentError: ``progress='agent'`` without an agent, an agent that died, or one that refused the
             registration.
         OffloadError: no request mailbox left on some rank (free requests you no longer need).
@@ -308,6 +330,8 @@ def _compile(plan, buffers, group, progress, timeout, pre_error: str | None) -> 
         raise ValueError(f"global rank {dist.get_rank()} is not a member of the group passed to compile()")
     error = pre_error
     data = None
+    timeout, timeout_error = _check_timeout(timeout)
+    error = error or timeout_error
     if error is None:
         data = plan.data() if isinstance(plan, Plan) else plan
         if not isinstance(data, PlanData):
@@ -352,8 +376,9 @@ def _compile(plan, buffers, group, progress, timeout, pre_error: str | None) -> 
             key = backend.new_key()
         except OffloadError as exc:  # e.g. the agent went away: every rank must hear of it
             error = error or OffloadError(str(exc))
+    cpu = tensors is not None and all(t.device.type == "cpu" for t in tensors.values())
     infos = _gather({"data": data, "endpoint": backend.endpoint if backend is not None else 0, "key": key,
-                     "error": None if error is None else (str(error), getattr(error, "op", None),
+                     "cpu": cpu, "error": None if error is None else (str(error), getattr(error, "op", None),
                                                           type(error).__name__)}, group)
     for q, info in enumerate(infos):
         if info["error"] is not None:
@@ -367,7 +392,12 @@ def _compile(plan, buffers, group, progress, timeout, pre_error: str | None) -> 
 
         every = compile_group([i["data"] for i in infos], 0, [0] * len(infos))
         return GraphRequest(every, rank, tensors, group, wait_s)
-    compiled = compile_group([i["data"] for i in infos], infos[0]["key"], [i["endpoint"] for i in infos])[rank]
+    every = compile_group([i["data"] for i in infos], infos[0]["key"], [i["endpoint"] for i in infos])
+    compiled = every[rank]
+    # the agent's native executor only if it can take every rank's plan: the two halves of a message meet in
+    # one executor (a plan with a float16 reduction on one rank only ran that rank on the Python executor
+    # and its peers on the native one, and their messages never matched)
+    native_ok = all(i["cpu"] for i in infos) and all(native.eligible(c, {}) is None for c in every)
     done = threading.Event()
     error, handle, slot = None, None, None
     cuda = next((t.device for t in tensors.values() if t.is_cuda), None) if tensors else None
@@ -375,7 +405,7 @@ def _compile(plan, buffers, group, progress, timeout, pre_error: str | None) -> 
     event = torch.cuda.Event(interprocess=mode == "agent") if cuda is not None else None
     try:
         slot = backend.mailboxes.take()
-        handle = backend.register(compiled, tensors, slot, done, event)
+        handle = backend.register(compiled, tensors, slot, done, event, native=native_ok)
     except (OffloadError, ValueError) as exc:
         error = f"rank {rank}: {exc}"
     errors = [e for e in _gather(error, group) if e]
@@ -422,6 +452,7 @@ class PersistentRequest:
         self.timeout = float(env.get("HPDL_TIMEOUT") if timeout is None else timeout)
         self.progress = backend.kind
         self._t_start = self._next_check = 0.0
+        self._start_lock = threading.Lock()  # start/free from two threads: one at a time (one start wins)
 
     def __repr__(self) -> str:
         state = "freed" if self.freed else "active" if self.active else "inactive"
@@ -433,6 +464,10 @@ class PersistentRequest:
         Raises:
             OffloadError: the request is active (wait first), freed, or failed earlier.
         """
+        with self._start_lock:
+            self._start()
+
+    def _start(self) -> None:
         if self.freed:
             raise OffloadError(f"plan {self.plan.name!r}: start() of a freed request")
         if self.active:
@@ -587,6 +622,10 @@ class PersistentRequest:
         Raises:
             OffloadError: the request is active and has not timed out (wait for it first).
         """
+        with self._start_lock:  # not between another thread's checks in start() and its ring
+            self._free()
+
+    def _free(self) -> None:
         if self.freed:
             return
         if self.active and not self._timed_out and not self._poll():
@@ -645,8 +684,10 @@ def alltoall_init(input: torch.Tensor, output: torch.Tensor, *, group=None, wind
     from hpdl.offload import plans
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    plan, error = None, None
-    if input.numel() != output.numel() or input.numel() % max(world, 1):
+    plan, error = None, _not_tensors("alltoall_init", input=input, output=output)
+    if error is not None:
+        input = output = None
+    elif input.numel() != output.numel() or input.numel() % max(world, 1):
         error = (f"alltoall_init: input and output need the same numel, divisible by the group size {world}; "
                  f"got {input.numel()} and {output.numel()}")
     else:
@@ -656,6 +697,13 @@ def alltoall_init(input: torch.Tensor, output: torch.Tensor, *, group=None, wind
             error = f"alltoall_init: {exc}"
     return _compile(plan, {"input": input, "output": output}, group, kw.pop("progress", None),
                     kw.pop("timeout", None), error, **kw)
+
+
+def _not_tensors(what: str, **args) -> str | None:
+    """The error for arguments that are not tensors (reported on every rank by compile, not raised here)."""
+    bad = [f"{k} must be a torch.Tensor, got {type(v).__name__}" for k, v in args.items()
+           if not isinstance(v, torch.Tensor)]
+    return f"{what}: " + "; ".join(bad) if bad else None
 
 
 def allreduce_init(tensor: torch.Tensor, op: str = "sum", *, group=None, algorithm: str = "ring",
@@ -673,9 +721,10 @@ def allreduce_init(tensor: torch.Tensor, op: str = "sum", *, group=None, algorit
     from hpdl.offload import plans
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    plan, error = None, None
+    plan, error = None, _not_tensors("allreduce_init", tensor=tensor)
     try:
-        plan = plans.allreduce(rank, world, tensor.numel(), tensor.dtype, op=op, algorithm=algorithm, window=window)
+        if error is None:
+            plan = plans.allreduce(rank, world, tensor.numel(), tensor.dtype, op=op, algorithm=algorithm, window=window)
     except (PlanError, ValueError) as exc:
         error = f"allreduce_init: {exc}"
     return _compile(plan, {"data": tensor}, group, kw.pop("progress", None), kw.pop("timeout", None), error, **kw)

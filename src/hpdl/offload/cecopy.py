@@ -70,7 +70,7 @@ def runtime():
                 reason = f"CUDA runtime {version} has no cudaMemcpyBatchAsync (needs >= {MIN_RUNTIME}, CUDA 12.8)"
             elif not hasattr(lib, "cudaMemcpyBatchAsync"):
                 reason = f"{path} exports no cudaMemcpyBatchAsync"
-        except OSError as exc:
+        except (OSError, AttributeError) as exc:  # AttributeError: a library without the runtime's symbols
             reason = f"cannot load {path}: {exc}"
         if reason:
             lib = None

@@ -46,6 +46,7 @@ class Register:
     plan: CompiledPlan
     buffers: dict[str, Any] = field(default_factory=dict)
     ready_event: tuple[int, bytes] | None = None  # (device, CUDA IPC handle) of the event start() records
+    native: bool = True  # the native executor may run it (the group's every plan is eligible: see api._compile)
 
 
 @dataclass(frozen=True)

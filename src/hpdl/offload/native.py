@@ -281,7 +281,7 @@ class NativeEngine:
         self._lock = threading.Lock()
         self._natives: dict[int, _Native] = {}          # engine id -> record
         self._halves: dict[tuple, dict[str, tuple]] = {}  # (scope, key, message) -> {"send"/"recv": (id, op)}
-        self._gone: dict[tuple, str] = {}
+        self._gone: dict[tuple, str] = {}  # message key -> who unregistered its half, and why (for the other's error)
 
     def ring(self) -> None:
         if self.handle:
@@ -355,8 +355,11 @@ class NativeEngine:
                 halves = self._halves.get(k, {})
                 for side in [s for s, v in halves.items() if v[0] == id_]:
                     del halves[side]
-                if not halves:
+                if halves:  # the other half stays: its request's error names this rank (it may start later)
+                    self._gone[k] = f"{rec.inst.label} {reason}"
+                else:
                     self._halves.pop(k, None)
+                    self._gone.pop(k, None)
             for j in range(min(n, 256)):
                 other = self._natives.get(orphans[j])
                 if other is not None and other.error is None:
@@ -374,10 +377,12 @@ class NativeEngine:
             states = np.zeros(max(1, n), dtype=np.int8)
             counts = np.zeros(max(1, n), dtype=np.int32)
             flags = self.lib.hpe_query(self.handle, id_, states.ctypes.data, counts.ctypes.data)
+            gone = next((self._gone[k] for k in rec.keys if k in self._gone), None)
         error = rec.error
         if flags & 2 and error is None:
-            error = (f"{rec.inst.label} plan {rec.inst.plan.name!r}: the request of a matching half is not "
-                     "registered (freed?); its half of a message will never come")
+            error = (f"{rec.inst.label} plan {rec.inst.plan.name!r} cannot complete: "
+                     f"{gone or 'the request of a matching half is not registered'}; its half of a message "
+                     "will never come")
         pending = []
         if flags & 1:
             for o in rec.inst.ops:

@@ -201,11 +201,29 @@ def handle_of(t: torch.Tensor) -> ShmHandle | None:
     if t.device.type != "cpu" or not t.is_contiguous():
         return None
     start, n = t.data_ptr(), t.numel() * t.element_size()
+    if n == 0:  # nothing to share, and torch gives empty tensors no address inside their storage (data_ptr 0)
+        return ShmHandle(_empty_segment(), 0, tuple(t.shape), dtype_name(t.dtype))
     with _LOCK:
         for path, (addr, size) in _SEGMENTS.items():
             if addr <= start and start + n <= addr + size:
                 return ShmHandle(path, start - addr, tuple(t.shape), dtype_name(t.dtype))
     return None
+
+
+_EMPTY: dict[int, torch.Tensor] = {}  # pid -> a one-byte segment that zero-size buffers name
+
+
+def _empty_segment() -> str:
+    """The path of this process's segment for zero-size buffers (made at first use, kept to exit)."""
+    with _LOCK:
+        t = _EMPTY.get(os.getpid())
+    if t is None:
+        t = empty((1,), torch.uint8)
+        with _LOCK:
+            t = _EMPTY.setdefault(os.getpid(), t)
+    start = t.data_ptr()
+    with _LOCK:
+        return next(p for p, (addr, _) in _SEGMENTS.items() if addr == start)
 
 
 class Mapper:

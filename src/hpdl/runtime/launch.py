@@ -22,11 +22,13 @@ import itertools
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import queue as queue_mod
 import socket
 import sys
 import time
 import traceback
+from multiprocessing.reduction import ForkingPickler
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Sequence
@@ -270,9 +272,17 @@ def _rank_main(rank, world, port, device, ranks_per_node, timeout, ranks_per_gpu
                 break
             task_id, fn, args = item
             try:
-                results.put((task_id, rank, "ok", fn(ctx, *args)))
+                value = fn(ctx, *args)
             except BaseException:  # noqa: BLE001 - every failure goes back to the parent with its traceback
                 results.put((task_id, rank, "error", traceback.format_exc()))
+                continue
+            try:  # the queue pickles in a feeder thread, which prints a failure here and drops the message
+                _check_picklable(value)
+            except Exception as exc:  # noqa: BLE001 - the parent would wait for the result until its timeout
+                results.put((task_id, rank, "error", f"the result of {getattr(fn, '__name__', fn)} cannot be sent "
+                             f"to the parent ({type(exc).__name__}: {exc}); return picklable values"))
+                continue
+            results.put((task_id, rank, "ok", value))
     finally:
         comm = sys.modules.get("hpdl.comm")
         if comm is not None:   # hpdl.comm's cached groups and peer buffers go before the process group
@@ -281,6 +291,16 @@ def _rank_main(rank, world, port, device, ranks_per_node, timeout, ranks_per_gpu
 
 
 _READY = -1
+
+
+def _check_picklable(value) -> None:
+    """Raise what pickling ``value`` for the result queue would raise. Plain pickle first: the queue's
+    ForkingPickler shares tensors by file descriptors, and a trial dump would leave each one registered with
+    multiprocessing's resource sharer; only what plain pickle refuses is tried with it."""
+    try:
+        pickle.dumps(value)
+    except Exception:  # noqa: BLE001 - e.g. objects that only the ForkingPickler reduces
+        ForkingPickler.dumps(value)
 
 
 class WorkerGroup:

@@ -40,6 +40,7 @@ class Job:
         self._lock = threading.Lock()
         self._finish: list[Callable[[], object]] = []
         self._futures: list = []
+        self.worker: "GroupWorker | None" = None  # set when queued
 
     def run(self) -> None:
         try:
@@ -94,7 +95,14 @@ class Job:
 
         Raises:
             CollectiveTimeoutError: still running (or queued) after ``timeout`` seconds.
+            RuntimeError: called on its own worker's thread (a future's callback, or an earlier job) before it
+                ran: it could never run there (the worker would wait for itself forever).
         """
+        w = self.worker
+        if not self._done.is_set() and w is not None and w.is_current():
+            raise RuntimeError(f"{self.what}: wait() on the group's worker thread (in a future's callback or an "
+                               "earlier async call) for a call queued after it would never return; wait for it "
+                               "outside the callback")
         # In slices: Python runs signal handlers on the main thread only, and a SIGINT the kernel delivers to
         # another thread (the worker inside gloo's recv) does not wake a main thread blocked on a lock; an
         # unbounded wait then held the KeyboardInterrupt until the call ended, forever for a hung peer.
@@ -157,6 +165,7 @@ class GroupWorker:
                 job.fail(WorkerClosedError(f"{job.what}: the group's worker is closed (hpdl.comm.forget_group / "
                                            "reset was called, or the process is exiting)"))
                 return job
+            job.worker = self
             self._queue.append(job)
             self.outstanding += 1
             if self._thread is None:
@@ -206,10 +215,11 @@ class GroupWorker:
         end = None if timeout is None else time.monotonic() + timeout
         with self._cv:
             while self.outstanding:
-                left = None if end is None else end - time.monotonic()
-                if left is not None and left <= 0:
+                left = _SLICE_S if end is None else min(_SLICE_S, end - time.monotonic())
+                if left <= 0:
                     raise CollectiveTimeoutError(f"{self.outstanding} earlier async call(s) on group {self.name} "
                                                  f"did not finish within {timeout:.0f}s")
+                # in slices, as Job.wait: a SIGINT delivered to the worker thread must still end this wait
                 self._cv.wait(left)
 
     def close(self, join_s: float = 1.0, then: Callable[[], object] | None = None) -> None:
