@@ -260,10 +260,14 @@ def _print(results: dict[str, dict], fmt: str) -> None:
     cols = ["requests", "output_throughput", "request_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
             "median_tpot_ms", "mean_tpot_ms",
             "p99_tpot_ms", "p99_itl_ms", "median_e2el_ms", "p99_e2el_ms", "goodput", "makespan_s", "prefill_padding"]
+    # this engine's columns (one per prefill path) first, then the baselines
+    results = dict(sorted(results.items(), key=lambda kv: not kv[0].startswith("flover")))
     t = Table(title="hpdl serve bench")  # one column per system: narrow enough for a terminal
-    t.add_column("metric")
+    # "flover/MODE" on two lines, and fold, never "…": cut to fit 80 columns, flover/padded and flover/packed
+    # both read "flover/pa…"
+    t.add_column("metric", no_wrap=True)
     for name, r in results.items():
-        t.add_column(name + (" *" if "note" in r else ""), justify="right")
+        t.add_column(name.replace("/", "/\n") + (" *" if "note" in r else ""), justify="right", overflow="fold")
     for c in cols:
         t.add_row(c, *[(f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, "-")))
                        for r in results.values()])
