@@ -173,3 +173,13 @@ def test_bench_table_names_every_prefill_path_in_80_columns(capsys, monkeypatch)
     # this engine's paths first, each named in full (on two lines: "flover/" above the mode), then the baselines
     assert [w for w in header.replace("┃", " ").split()] == ["metric", "padded", "packed", "chunked",
                                                              "sequential", "*", "static", "*"]
+
+
+def test_bench_takes_the_servers_own_served_model_name_flag():
+    """``hpdl serve --served-model-name X`` and vLLM's bench spell it so; ``--served-model-name`` was unrecognized."""
+    from hpdl.cli import build_parser
+
+    p = build_parser()
+    for flag in ("--served-model", "--served-model-name"):
+        args = p.parse_args(["serve", "bench", "--url", "http://127.0.0.1:1", flag, "m"])
+        assert args.served_model == "m"

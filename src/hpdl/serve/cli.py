@@ -166,7 +166,9 @@ class ServeBenchCommand:
     def add_arguments(p: argparse.ArgumentParser) -> None:
         _model_args(p, bench=True)
         p.add_argument("--url", help="benchmark a running server at this base URL instead of in-process")
-        p.add_argument("--served-model", default=None, help="model name to send with --url")
+        p.add_argument("--served-model", "--served-model-name", dest="served_model", default=None,
+                       help="model name to send with --url (the server's --served-model-name; vLLM's bench spells "
+                            "it --served-model-name too)")
         p.add_argument("--num-requests", type=count(1, 1 << 20), default=64, help="requests in the workload")
         p.add_argument("--request-rate", type=_rate, default=math.inf, help="requests/s (inf = all at t=0)")
         p.add_argument("--burstiness", type=real(0, 1e6, strict=True), default=1.0, help="gamma shape; 1 = Poisson, < 1 burstier")
