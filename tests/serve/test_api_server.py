@@ -110,3 +110,27 @@ def test_benchmark_client_over_http(server):
     assert all(r.finish is not None and r.token_times and r.ttft >= 0 for r in recs)
     s = summarize(recs, slo_ttft_ms=10_000)
     assert s["requests"] == 6 and s["goodput"] > 0 and s["p99_e2el_ms"] >= s["median_e2el_ms"]
+
+
+def test_usage_counts_each_prompt_once_whatever_n(server):
+    """OpenAI and vLLM count a prompt's tokens once per prompt, not once per choice (``n``, ``best_of``)."""
+    url = server.url
+    base = {"max_tokens": 3, "min_tokens": 3, "ignore_eos": True, "seed": 1}
+    one = httpx.post(f"{url}/v1/completions", json=base | {"prompt": "abcd"}, timeout=60).json()["usage"]
+    assert one == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+    for extra, done in (({"n": 3}, 9), ({"n": 2, "best_of": 3}, 9)):
+        u = httpx.post(f"{url}/v1/completions", json=base | {"prompt": "abcd"} | extra, timeout=60).json()["usage"]
+        assert u == {"prompt_tokens": 4, "completion_tokens": done, "total_tokens": 4 + done}, extra
+    u = httpx.post(f"{url}/v1/completions", json=base | {"prompt": ["abcd", "abcd", "xy"], "n": 2},
+                   timeout=60).json()["usage"]
+    assert u["prompt_tokens"] == 10 and u["completion_tokens"] == 18  # a repeated prompt is a prompt of its own
+    s = httpx.post(f"{url}/v1/completions", json=base | {"prompt": "abcd", "n": 2, "stream": True,
+                                                        "stream_options": {"include_usage": True}}, timeout=60)
+    assert _sse(s.text)[-1]["usage"] == {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10}
+    chat = base | {"messages": [{"role": "user", "content": "hi"}]}
+    solo = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60).json()["usage"]["prompt_tokens"]
+    u = httpx.post(f"{url}/v1/chat/completions", json=chat | {"n": 3}, timeout=60).json()["usage"]
+    assert u["prompt_tokens"] == solo and u["completion_tokens"] == 9
+    s = httpx.post(f"{url}/v1/chat/completions", json=chat | {"n": 2, "stream": True,
+                                                              "stream_options": {"include_usage": True}}, timeout=60)
+    assert _sse(s.text)[-1]["usage"]["prompt_tokens"] == solo

@@ -156,3 +156,30 @@ def test_bench_prefill_paths_side_by_side_and_their_usage_errors(capsys):
         main(base + ["--prefill", "paged"])
     assert "expected a comma list of distinct modes among padded, packed, chunked, got 'paged'" in \
         capsys.readouterr().err
+
+
+def test_bench_table_names_every_prefill_path_in_80_columns(capsys, monkeypatch):
+    """Cut to 80 columns, the table once showed flover/padded and flover/packed both as "flover/pa…"."""
+    from hpdl.serve.cli import _print
+
+    monkeypatch.setenv("COLUMNS", "80")
+    r = {"requests": 8, "output_throughput": 148.9, "request_throughput": 13.69, "p99_ttft_ms": 3.101,
+         "prefill_padding": 12345}
+    _print({"flover/padded": r, "sequential": r | {"note": "simulated"}, "static": r | {"note": "simulated"},
+            "flover/packed": r, "flover/chunked": r}, "table")
+    out = capsys.readouterr().out
+    assert "…" not in out and "request_throughput" in out and "12345" in out
+    header = [ln for ln in out.splitlines() if "metric" in ln][0]
+    # this engine's paths first, each named in full (on two lines: "flover/" above the mode), then the baselines
+    assert [w for w in header.replace("┃", " ").split()] == ["metric", "padded", "packed", "chunked",
+                                                             "sequential", "*", "static", "*"]
+
+
+def test_bench_takes_the_servers_own_served_model_name_flag():
+    """``hpdl serve --served-model-name X`` and vLLM's bench spell it so; ``--served-model-name`` was unrecognized."""
+    from hpdl.cli import build_parser
+
+    p = build_parser()
+    for flag in ("--served-model", "--served-model-name"):
+        args = p.parse_args(["serve", "bench", "--url", "http://127.0.0.1:1", flag, "m"])
+        assert args.served_model == "m"

@@ -166,7 +166,9 @@ class ServeBenchCommand:
     def add_arguments(p: argparse.ArgumentParser) -> None:
         _model_args(p, bench=True)
         p.add_argument("--url", help="benchmark a running server at this base URL instead of in-process")
-        p.add_argument("--served-model", default=None, help="model name to send with --url")
+        p.add_argument("--served-model", "--served-model-name", dest="served_model", default=None,
+                       help="model name to send with --url (the server's --served-model-name; vLLM's bench spells "
+                            "it --served-model-name too)")
         p.add_argument("--num-requests", type=count(1, 1 << 20), default=64, help="requests in the workload")
         p.add_argument("--request-rate", type=_rate, default=math.inf, help="requests/s (inf = all at t=0)")
         p.add_argument("--burstiness", type=real(0, 1e6, strict=True), default=1.0, help="gamma shape; 1 = Poisson, < 1 burstier")
@@ -260,10 +262,14 @@ def _print(results: dict[str, dict], fmt: str) -> None:
     cols = ["requests", "output_throughput", "request_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
             "median_tpot_ms", "mean_tpot_ms",
             "p99_tpot_ms", "p99_itl_ms", "median_e2el_ms", "p99_e2el_ms", "goodput", "makespan_s", "prefill_padding"]
+    # this engine's columns (one per prefill path) first, then the baselines
+    results = dict(sorted(results.items(), key=lambda kv: not kv[0].startswith("flover")))
     t = Table(title="hpdl serve bench")  # one column per system: narrow enough for a terminal
-    t.add_column("metric")
+    # "flover/MODE" on two lines, and fold, never "…": cut to fit 80 columns, flover/padded and flover/packed
+    # both read "flover/pa…"
+    t.add_column("metric", no_wrap=True)
     for name, r in results.items():
-        t.add_column(name + (" *" if "note" in r else ""), justify="right")
+        t.add_column(name.replace("/", "/\n") + (" *" if "note" in r else ""), justify="right", overflow="fold")
     for c in cols:
         t.add_row(c, *[(f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, "-")))
                        for r in results.values()])

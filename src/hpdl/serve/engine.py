@@ -1,7 +1,8 @@
 """The Flover engine: one loop of schedule -> execute -> sample -> update (vLLM v1's ``EngineCore.step``).
 
-Each ``step()`` first prefills newly admitted requests as one padded batch (Flover's pre-processing stage),
-then runs ONE fused decode forward over every running request (temporal fusion). Requests join between
+Each ``step()`` first prefills newly admitted requests as one batch (Flover's pre-processing stage; packed
+without padding by default, ``EngineConfig.prefill``), then runs ONE fused decode forward over every running
+request (temporal fusion; with ``prefill="chunked"`` one mixed plan of both). Requests join between
 steps and leave the moment they finish; their slots are reclaimed by buffer reordering before the next
 forward. Not thread-safe: ``AsyncEngine`` drives it from a single thread.
 """

@@ -172,7 +172,7 @@ class OpenAIServing:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _stream(self, choices: list[_Choice], queues: list, raw, head: dict, include_usage: bool,
-                      chunk_of, first_chunks: list[dict] = ()) -> AsyncIterator[str]:
+                      chunk_of, per_prompt: int, first_chunks: list[dict] = ()) -> AsyncIterator[str]:
         """SSE: ``first_chunks``, then ``chunk_of(index, choice, output)`` per output (None: skip), an error event
         if a request fails or the engine dies, the usage chunk if asked, then ``[DONE]``."""
         watch = self._watch_disconnect(raw, choices)
@@ -188,7 +188,7 @@ class OpenAIServing:
                 if chunk is not None:
                     yield _sse(chunk)
             if include_usage:
-                yield _sse({**head, "choices": [], "usage": self._usage(choices)})
+                yield _sse({**head, "choices": [], "usage": self._usage(choices, per_prompt)})
         except APIError as exc:
             yield _sse(exc.body())
         except EngineDeadError as exc:
@@ -200,11 +200,12 @@ class OpenAIServing:
         yield "data: [DONE]\n\n"
 
     @staticmethod
-    def _usage(choices: list[_Choice]) -> dict:
-        prompts = {id(c.req.prompt_ids): len(c.req.prompt_ids) for c in choices}  # one prompt, many choices
+    def _usage(choices: list[_Choice], per_prompt: int) -> dict:
+        """OpenAI's usage: each prompt's tokens once, however many choices (``n``, ``best_of``) it has; every
+        choice's tokens, candidates included. ``choices`` holds ``per_prompt`` consecutive choices per prompt."""
+        prompt = sum(len(c.req.prompt_ids) for c in choices[::per_prompt])
         done = sum(len(c.token_ids) for c in choices)
-        return {"prompt_tokens": sum(prompts.values()), "completion_tokens": done,
-                "total_tokens": sum(prompts.values()) + done}
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
     def _text(self, token_id: int) -> str:
         s = self._token_text.get(token_id)
@@ -265,7 +266,7 @@ class OpenAIServing:
                 return {**head, "choices": [{"index": i, "text": text, "finish_reason": o.finish_reason if o.finished
                                              else None, "logprobs": self._completion_logprobs(c, pairs) if want_lp
                                              else None}]}
-            return self._stream(choices, queues, raw, head, req.include_usage, chunk_of)
+            return self._stream(choices, queues, raw, head, req.include_usage, chunk_of, k)
         await self._collect(choices, queues, raw)
         out = []
         for i in range(len(req.prompt)):
@@ -279,7 +280,7 @@ class OpenAIServing:
                     text, pairs = echo_text + text, echo_pairs + pairs
                 out.append({"index": i * n + j, "text": text, "finish_reason": c.finish_reason,
                             "logprobs": self._completion_logprobs(c, pairs) if want_lp else None})
-        return {**head, "choices": out, "usage": self._usage(choices)}
+        return {**head, "choices": out, "usage": self._usage(choices, k)}
 
     # --- /v1/chat/completions ---------------------------------------------------------------------
     def _chat_logprobs(self, lps: list[TokenLogprob]) -> dict:
@@ -316,8 +317,8 @@ class OpenAIServing:
                 return {**head, "choices": [{"index": i, "delta": {"content": o.delta} if o.delta else {},
                                              "logprobs": self._chat_logprobs(lps) if req.logprobs else None,
                                              "finish_reason": o.finish_reason if o.finished else None}]}
-            return self._stream(choices, queues, raw, head, req.include_usage, chunk_of, first)
+            return self._stream(choices, queues, raw, head, req.include_usage, chunk_of, n, first)
         await self._collect(choices, queues, raw)
         out = [{"index": j, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason,
                 "logprobs": self._chat_logprobs(c.logprobs) if req.logprobs else None} for j, c in enumerate(choices)]
-        return {**head, "choices": out, "usage": self._usage(choices)}
+        return {**head, "choices": out, "usage": self._usage(choices, n)}
