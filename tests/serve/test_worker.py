@@ -86,6 +86,26 @@ def test_warm_up_captures_every_bucket(monkeypatch):
     assert set(ModelRunner.captured) == {(nb, kb) for nb in (1, 2, 4, 6) for kb in (128, 160)}
 
 
+def test_engine_warm_up_captures_before_serving_and_tokens_stay_exact(monkeypatch):
+    """LLMEngine.warm_up (what `hpdl serve --cuda-graph` runs at start-up) captures every decode bucket before the
+    first request, refuses a busy engine, and the requests served after it get the tokens of an engine without
+    graphs (the warm-up's K/V writes do not leak into them)."""
+    monkeypatch.setattr(ModelRunner, "_capture", _fake_capture)
+    monkeypatch.setattr(ModelRunner, "captured", [], raising=False)
+    spec = ModelSpec(config="llama-tiny")
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9]]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    ref = LLMEngine(spec, EngineConfig(num_slots=4, max_seq_len=64, reorder="prefix")).generate(prompts, params)
+    eng = LLMEngine(spec, EngineConfig(num_slots=4, max_seq_len=64, cuda_graph=True))
+    assert eng.warm_up() == 0   # CPU: the runner takes no graphs
+    eng.executor.runner.cuda_graph = True   # CPU: force the graph path
+    assert eng.warm_up() == 3 and set(ModelRunner.captured) == {(1, 64), (2, 64), (4, 64)}
+    assert [o.token_ids for o in eng.generate(prompts, params)] == [o.token_ids for o in ref]
+    eng.add_request(prompts[0], params)
+    with pytest.raises(RuntimeError, match="idle engine"):
+        eng.warm_up()
+
+
 class _LaunchFailure(Exception):
     """Stands for Triton's OutOfResources: not a RuntimeError, so the engine retries each row alone."""
 

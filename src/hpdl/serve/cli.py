@@ -7,6 +7,8 @@ import asyncio
 import json
 import math
 import os
+import sys
+import time
 
 from hpdl.runtime.errors import CLIUsageError
 from hpdl.runtime.limits import count, real
@@ -131,7 +133,12 @@ def _engine(args, prefill: str | None = None):
                        cuda_graph=args.cuda_graph, tp_all_reduce=args.tp_all_reduce,
                        fused_decode=False if args.eager_decode else None, fused_gemm=args.fused_gemm,
                        prefill=prefill, max_prefill_tokens=args.max_num_batched_tokens)
-    return spec, LLMEngine(spec, cfg)
+    engine = LLMEngine(spec, cfg)
+    if args.cuda_graph:   # capture before serving: the first requests must not pay it in their TTFT
+        t0 = time.monotonic()
+        n = engine.warm_up()
+        print(f"# captured {n} CUDA graphs in {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
+    return spec, engine
 
 
 def _check_memory(spec, args) -> None:

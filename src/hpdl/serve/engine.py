@@ -386,5 +386,19 @@ class LLMEngine:
                 "live_rows": s.live_rows, "prefill_tokens": s.prefill_tokens,
                 "prefill_positions_computed": s.padded_prefill_tokens}
 
+    def warm_up(self) -> int:
+        """Capture, before any request, every CUDA graph the decode (and the packed prefill's token buckets up to
+        ``max_prefill_tokens``) can need, with the Triton compiles and the ``fused_gemm="auto"`` choice they
+        bring, as vLLM captures at start-up: otherwise the first requests pay them in their TTFT. Call it on an
+        idle engine (it writes K/V from slot 0). Returns the number of graphs; 0 without ``cuda_graph`` or with
+        tensor parallelism (its ranks capture on first use)."""
+        runner = getattr(self.executor, "runner", None)
+        if not self.config.cuda_graph or self.config.tensor_parallel_size > 1 or runner is None:
+            return 0
+        if self.scheduler.running or self.scheduler.waiting:
+            raise RuntimeError("warm_up() needs an idle engine: it writes K/V into the slots")
+        tokens = self.config.max_prefill_tokens if self.config.prefill != "padded" else None
+        return runner.warm_up(prefill_tokens=tokens)
+
     def shutdown(self) -> None:
         self.executor.shutdown()
