@@ -658,10 +658,23 @@ def startall(requests: Sequence[PersistentRequest]) -> None:
 
 
 def waitall(requests: Sequence[PersistentRequest], timeout: float | None = None) -> None:
-    """``MPI_Waitall``: wait for every request (``timeout`` seconds in all)."""
+    """``MPI_Waitall``: wait for every request (``timeout`` seconds in all), also past one that fails, so none is
+    left active; then raise the first failure (``MPI_ERR_IN_STATUS``), the others named in its notes (Python
+    3.11+)."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    for r in requests:
-        r.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    errors: list[tuple[int, Exception]] = []
+    for i, r in enumerate(requests):
+        try:
+            r.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        except Exception as exc:  # noqa: BLE001 - every request is waited for; the first failure is raised
+            errors.append((i, exc))
+    if errors:
+        i, first = errors[0]
+        note = getattr(first, "add_note", None)
+        if note is not None:
+            note(f"waitall: request {i} of {len(requests)} failed first; also failed: "
+                 f"{[(j, type(e).__name__) for j, e in errors[1:]] or 'none'}")
+        raise first
 
 
 def testall(requests: Sequence[PersistentRequest]) -> bool:
