@@ -165,7 +165,11 @@ class LLMEngine:
         self.executor = UniprocExecutor(spec, args) if config.tensor_parallel_size == 1 else \
             TPExecutor(spec, args, config.tensor_parallel_size)
         self.model_config = self.executor.config
-        self.tokenizer = tokenizer or load_tokenizer(spec.model)
+        try:
+            self.tokenizer = tokenizer or load_tokenizer(spec.model)
+        except BaseException:  # the executor's ranks and process group would outlive this failed engine
+            self.executor.shutdown()
+            raise
         eos = self.model_config.eos_token_id
         self.eos_token_id = eos if eos is not None else getattr(self.tokenizer, "eos_token_id", None)
         self.scheduler = Scheduler(config.num_slots, config.max_seq_len, config.max_prefill_tokens, config.reorder,
