@@ -120,3 +120,18 @@ def test_bad_prefill_config_names_the_argument(kw, message):
         EngineConfig(**kw)
     with pytest.raises(ValueError, match=message):
         Scheduler(kw.get("num_slots", 4), 64, kw.get("max_prefill_tokens", 8192), prefill=kw.get("prefill", "padded"))
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(max_seq_len=0), "max_seq_len must be an int >= 2, got 0"),  # no room for a 1-token prompt and 1 token
+    (dict(max_seq_len=1), "max_seq_len must be an int >= 2, got 1"),
+    (dict(max_seq_len=-3), "max_seq_len must be an int >= 2, got -3"),
+    (dict(max_seq_len=1.5), "max_seq_len must be an int >= 2, got 1.5"),
+    (dict(max_seq_len=True), "max_seq_len must be an int >= 2, got True"),
+    (dict(tensor_parallel_size=1.0), "tensor_parallel_size must be an int >= 1, got 1.0"),
+    (dict(tensor_parallel_size=True), "tensor_parallel_size must be an int >= 1, got True"),
+    (dict(reorder="bogus"), "reorder must be one of"),  # before any tensor-parallel rank is started
+])
+def test_bad_engine_geometry_names_the_argument(kw, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kw)

@@ -27,3 +27,42 @@ def test_tp2_matches_hf(hf_dir, all_reduce):
         eng.shutdown()
     for p, m, o in zip(prompts, maxt, outs):
         assert o.token_ids == hf_greedy(hf, p, m)
+
+
+@pytest.mark.timeout(180)
+def test_a_failed_tp_start_leaves_no_process_group_and_no_workers():
+    """A TP engine whose start fails (here rank 0's runner rejects fused_decode=True, which is single-device)
+    raises that error, ends its worker and destroys the process group: a second TP engine in the same process
+    starts and serves (it failed with "trying to initialize the default process group twice")."""
+    import multiprocessing
+
+    import torch.distributed as dist
+
+    before = set(multiprocessing.active_children())
+    with pytest.raises(ValueError, match="fused=True but the fused decode cannot run this model"):
+        LLMEngine(ModelSpec(config="llama-tiny"), EngineConfig(num_slots=2, max_seq_len=32, tensor_parallel_size=2,
+                                                               fused_decode=True))
+    assert not dist.is_initialized()
+    assert not set(multiprocessing.active_children()) - before  # the worker rank was ended
+    eng = LLMEngine(ModelSpec(config="llama-tiny"), EngineConfig(num_slots=2, max_seq_len=32, tensor_parallel_size=2,
+                                                                 prefill="chunked", max_prefill_tokens=5))
+    try:
+        (out,) = eng.generate([[3, 1, 4, 1, 5, 9, 2, 6]], SamplingParams(max_tokens=3))
+    finally:
+        eng.shutdown()
+    assert out.finish_reason == "length" and len(out.token_ids) == 3
+
+
+@pytest.mark.timeout(180)
+def test_an_engine_that_fails_after_its_tp_executor_started_shuts_it_down(monkeypatch):
+    import torch.distributed as dist
+
+    import hpdl.serve.engine as engine_mod
+
+    def broken(_):
+        raise OSError("tokenizer files unreadable")
+
+    monkeypatch.setattr(engine_mod, "load_tokenizer", broken)
+    with pytest.raises(OSError, match="tokenizer files unreadable"):
+        LLMEngine(ModelSpec(config="llama-tiny"), EngineConfig(num_slots=2, max_seq_len=32, tensor_parallel_size=2))
+    assert not dist.is_initialized()

@@ -68,10 +68,17 @@ class EngineConfig:
     prefill: str = "packed"
 
     def __post_init__(self):
-        from hpdl.serve.scheduler import check_prefill
+        from hpdl.serve.scheduler import REORDER_MODES, check_prefill
 
         if isinstance(self.num_slots, bool) or not isinstance(self.num_slots, int) or self.num_slots < 1:
             raise ValueError(f"num_slots must be an int >= 1, got {self.num_slots!r}")
+        # checked here, before any tensor-parallel rank starts or a cache is allocated (a 0 or float length
+        # otherwise built an engine that refused every request, or failed inside torch.zeros)
+        if isinstance(self.max_seq_len, bool) or not isinstance(self.max_seq_len, int) or self.max_seq_len < 2:
+            raise ValueError(f"max_seq_len must be an int >= 2, got {self.max_seq_len!r} (each request needs a "
+                             f"prompt token and an output token)")
+        if self.reorder not in REORDER_MODES:
+            raise ValueError(f"reorder must be one of {REORDER_MODES}, got {self.reorder!r}")
         check_prefill(self.prefill, self.max_prefill_tokens, self.num_slots)
         if self.fused_gemm not in ("cublas", "stream", "auto"):
             raise ValueError(f"fused_gemm must be 'cublas', 'stream' or 'auto', got {self.fused_gemm!r}")
@@ -80,8 +87,9 @@ class EngineConfig:
                              "runs the eager step; use fused_gemm='cublas' or fused_decode=None/True")
         if self.tp_all_reduce not in ("nccl", "symm", "hpdl"):
             raise ValueError(f"tp_all_reduce must be 'nccl', 'symm' or 'hpdl', got {self.tp_all_reduce!r}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
         if self.cuda_graph:
             self.reorder = "prefix"
         if self.tensor_parallel_size > 1 or self.ranks_per_gpu is not None:
@@ -158,7 +166,11 @@ class LLMEngine:
         self.executor = UniprocExecutor(spec, args) if config.tensor_parallel_size == 1 else \
             TPExecutor(spec, args, config.tensor_parallel_size)
         self.model_config = self.executor.config
-        self.tokenizer = tokenizer or load_tokenizer(spec.model)
+        try:
+            self.tokenizer = tokenizer or load_tokenizer(spec.model)
+        except BaseException:  # the executor's ranks and process group would outlive this failed engine
+            self.executor.shutdown()
+            raise
         eos = self.model_config.eos_token_id
         self.eos_token_id = eos if eos is not None else getattr(self.tokenizer, "eos_token_id", None)
         self.scheduler = Scheduler(config.num_slots, config.max_seq_len, config.max_prefill_tokens, config.reorder,

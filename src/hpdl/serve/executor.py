@@ -134,10 +134,20 @@ class TPExecutor:
                       for r in range(1, world)]
         for p in self.procs:
             p.start()
+        try:
+            self._start(spec, args, world, port)
+        except BaseException:
+            # a failed start (a bad config ModelRunner rejects, a worker that died) must not leave the default
+            # process group initialised, or every later TP engine in this process fails with "trying to
+            # initialize the default process group twice", nor the workers running
+            self._abandon()
+            raise
+
+    def _start(self, spec: ModelSpec, args: RunnerArgs, world: int, port: int) -> None:
         device = _init_rank(0, world, port, args.device, args.ranks_per_gpu)
         model = build_model(spec, device, dist.group.WORLD)
         self.runner = ModelRunner(model, args.num_slots, args.max_seq_len, world, args.cuda_graph, args.tp_all_reduce,
-                             fused=args.fused_decode, fused_gemm=args.fused_gemm)
+                                  fused=args.fused_decode, fused_gemm=args.fused_gemm)
         self.config = model.cfg
         ready = set()
         while len(ready) < world - 1:
@@ -148,6 +158,20 @@ class TPExecutor:
             if err is not None:
                 raise WorkerFailedError(f"TP rank {rank} failed:\n{err}")
             ready.add(rank)
+
+    def _abandon(self) -> None:
+        """Tear down a start that failed: the workers are ended (they may be waiting in a collective rank 0 will
+        never join) and this process's group destroyed, bounded as in ``shutdown``."""
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        if dist.is_initialized():
+            _destroy_bounded(10.0)
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
         wire = dataclasses.replace(plan, requests=[])  # workers need tensors' inputs only
