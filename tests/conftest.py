@@ -6,7 +6,7 @@ import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# The fast tier (`pytest -m "not slow"`): tests that took >= SLOW_SECONDS in a measured run of the whole suite
+# The fast tier (`pytest -m "not slow"`): tests that took at least the list's "seconds" in a measured run of the suite
 # on 2 cores are marked slow here, as PyTorch's CI marks its slow tests from measured durations. Regenerate the
 # list with `python3 tests/slow_tests.py DURATIONS.txt` (the output of `pytest --durations=0`).
 _SLOW = json.loads((Path(__file__).parent / "slow_tests.json").read_text())["tests"]
