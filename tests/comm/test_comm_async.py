@@ -157,9 +157,13 @@ def test_ctrl_c_in_wait_is_not_the_calls_error():
     release = threading.Event()
     result = torch.zeros(2)
     work = Work(result, job=w.submit(Job(lambda: (release.wait(30), result.fill_(7.0)), "blocked", result)))
-    threading.Timer(0.3, lambda: signal.raise_signal(signal.SIGINT)).start()
-    with pytest.raises(KeyboardInterrupt):
-        work.wait()
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)   # whatever an earlier test left
+    try:
+        threading.Timer(0.3, lambda: signal.raise_signal(signal.SIGINT)).start()
+        with pytest.raises(KeyboardInterrupt):
+            work.wait()
+    finally:
+        signal.signal(signal.SIGINT, previous)
     release.set()
     assert work.wait(10) is True and result.tolist() == [7.0, 7.0]
     w.close()

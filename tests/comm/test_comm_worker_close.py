@@ -20,6 +20,10 @@ _SCRIPT = textwrap.dedent("""
     import signal, sys, threading, time
     from hpdl.comm.transport.worker import GroupWorker, Job
 
+    # what a terminal's Ctrl-C finds in a plain script, whatever disposition the test process passed on (an
+    # ignored SIGINT survives exec; in one CI run a pytest worker had it ignored and both cases timed out)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
     w = GroupWorker("t")
     job = w.submit(Job(lambda: time.sleep(60), "all_reduce (a peer that never comes)"))  # GIL released, like gloo
     main = threading.main_thread().ident

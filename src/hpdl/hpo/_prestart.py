@@ -84,6 +84,7 @@ def children_ignore_sigint():
     try:
         yield
     finally:
-        if old is not None:
-            signal.signal(signal.SIGINT, old)
+        # None: the previous handler was not set from Python (an embedding or a test runner set it in C);
+        # leaving SIG_IGN would make this process ignore Ctrl-C for good, and every process it starts later
+        signal.signal(signal.SIGINT, old if old is not None else signal.default_int_handler)
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
