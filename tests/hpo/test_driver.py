@@ -57,8 +57,9 @@ def test_end_to_end_two_workers_elastic_pool_matches_serial_training(tmp_path, c
     """A real study: one device at first, a second one added, then the first removed while it trains."""
     pool_file = tmp_path / "pool.yaml"
     write_pool(pool_file, ["fake:0"])
+    # 1200 steps: the trials outlast the 0.2 s polls below (400 could end between two on an idle machine)
     spec = StudySpec.from_dict(spec_dict(tmp_path, pool={"file": str(pool_file)},
-                                         fixed={**FIXED, "steps": 400, "eval_every": 50}))
+                                         fixed={**FIXED, "steps": 1200, "eval_every": 50}))
     make_storage(spec.storage)  # create the schema before two processes race to do it
     events = []
 
@@ -97,7 +98,7 @@ def test_end_to_end_two_workers_elastic_pool_matches_serial_training(tmp_path, c
     from test_workloads import Ctx
     torch.set_num_threads(1)
     for t in trials:
-        direct = get_workload("cnn").train(Ctx({**FIXED, "steps": 400, "eval_every": 50, **t.params}))
+        direct = get_workload("cnn").train(Ctx({**FIXED, "steps": 1200, "eval_every": 50, **t.params}))
         assert t.value == pytest.approx(direct, abs=1e-6)
     assert (tmp_path / "run" / "profiles.json").exists()
     with pytest.raises(HpoError, match="already exists"):
@@ -163,7 +164,9 @@ def test_killed_trial_process_is_failed_retried_and_resumes_from_checkpoint(tmp_
 def test_scheduler_killed_then_resumed_loses_nothing_and_leaves_nothing_running(tmp_path):
     """With max_retries 0 a kill -9 of the driver gives up no configuration: its death is not the trials'
     failure (before: the killed trials' configurations were given up and `resume` reported done)."""
-    d = spec_dict(tmp_path, n_trials=3, max_retries=0, fixed={**FIXED, "steps": 120, "eval_every": 10})
+    # long enough that a trial is still running when the poll below looks (120 steps took ~0.1 s on an idle
+    # machine: the whole study could end between two polls, 2 of 5 runs at 5c2d8b6)
+    d = spec_dict(tmp_path, n_trials=3, max_retries=0, fixed={**FIXED, "steps": 1500, "eval_every": 10})
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump(d))
     spec = StudySpec.from_dict(d)
@@ -172,7 +175,7 @@ def test_scheduler_killed_then_resumed_loses_nothing_and_leaves_nothing_running(
     try:
         running = []
         while proc.poll() is None:  # however loaded the machine, until a trial runs or the driver ends
-            time.sleep(0.5)
+            time.sleep(0.1)
             try:
                 trials = trials_of(spec)
             except Exception:  # noqa: BLE001 - the study may not exist yet

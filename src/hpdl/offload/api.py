@@ -102,13 +102,17 @@ def _private_gloo(group, rank: int, world: int, timeout: float) -> GlooTransport
 
     import torch.distributed as dist
 
-    from hpdl.runtime.launch import free_port
-
-    where = [None] * world
-    host = socket.gethostname()
-    dist.all_gather_object(where, (host, free_port() if rank == 0 else 0), group=group)
-    addr = "127.0.0.1" if all(h == host for h, _ in where) else where[0][0]
-    store = dist.TCPStore(addr, where[0][1], world, is_master=(rank == 0), timeout=timedelta(seconds=timeout))
+    hosts = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    addr = "127.0.0.1" if all(h == hosts[0] for h in hosts) else hosts[0]
+    # group rank 0 listens on a port the OS picks and then names it: a port found free and bound later could be
+    # taken in between (EADDRINUSE seen in CI with many jobs on one host)
+    store = dist.TCPStore(addr, 0, world, is_master=True, timeout=timedelta(seconds=timeout),
+                          wait_for_workers=False) if rank == 0 else None
+    port = [store.port if store is not None else None]
+    dist.broadcast_object_list(port, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    if store is None:
+        store = dist.TCPStore(addr, port[0], world, is_master=False, timeout=timedelta(seconds=timeout))
     t = GlooTransport.create(store, rank, world, timeout)
     t.store = store  # group rank 0 hosts it: keep it alive with the transport
     return t
