@@ -124,3 +124,16 @@ def tiny_server(step_delay: float = 0.0, step_timeout: float | None = None, **en
         yield srv
     finally:
         srv.close()
+
+
+def run_interpreted(path: str, timeout: float = 170) -> None:
+    """Run test file ``path`` as a script under ``TRITON_INTERPRET=1`` (the interpreter must be chosen before
+    Triton is imported, so in a fresh process) and check that it printed ``ok``."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run([sys.executable, path], env=env, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "ok" in r.stdout

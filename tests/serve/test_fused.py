@@ -3,14 +3,11 @@ kernels on CPU under TRITON_INTERPRET=1 in a subprocess (the interpreter is chos
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from serve_testutil import hf_greedy
+from serve_testutil import hf_greedy, run_interpreted
 from hpdl.models.gpt import Batch, DecoderConfig, DecoderLM, KVCache, _rope_tables
 from hpdl.serve import EngineConfig, LLMEngine, ModelSpec, SamplingParams
 from hpdl.serve import fused as fz
@@ -134,11 +131,7 @@ def test_engine_fused_greedy_equals_hf(hf_dir, gemm):
 
 
 def test_triton_kernels_interpreted_match_references():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(sys.path))
-    r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=170)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "ok" in r.stdout
+    run_interpreted(__file__)
 
 
 def _interpreted_check() -> None:

@@ -8,15 +8,12 @@ are defined). Its bfloat16 case runs on the device only: Triton 3.8's interprete
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from serve_testutil import hf_greedy
+from serve_testutil import hf_greedy, run_interpreted
 from hpdl.models.gpt import Batch, KVCache
 from hpdl.serve import EngineConfig, LLMEngine, ModelSpec, SamplingParams
 from hpdl.serve import prefill as pf
@@ -231,11 +228,7 @@ def test_varlen_kernel_compiles_one_variant_for_any_batch():
 
 
 def test_triton_kernel_interpreted_matches_reference():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(sys.path))
-    r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=170)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "ok" in r.stdout
+    run_interpreted(__file__)
 
 
 def _interpreted_check() -> None:

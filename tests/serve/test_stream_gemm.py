@@ -5,13 +5,11 @@ subprocess: the interpreter is chosen when kernels are defined) against its torc
 from __future__ import annotations
 
 import itertools
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from serve_testutil import run_interpreted
 from hpdl.serve import stream_gemm as sg
 
 
@@ -82,11 +80,7 @@ def test_candidates_fit_shared_memory():
 
 
 def test_triton_kernel_interpreted_matches_reference():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(sys.path))
-    r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=170)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "ok" in r.stdout
+    run_interpreted(__file__)
 
 
 def _interpreted_check() -> None:

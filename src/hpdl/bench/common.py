@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from abc import ABC, abstractmethod
 import io
 import json
 import os
@@ -450,7 +451,7 @@ class RunContext:
             path.write_text(text)
 
 
-class Benchmark:
+class Benchmark(ABC):
     """A benchmark plug-in (nccl-tests' ``testColl``); subclasses set the class attributes and ``run``.
 
     Attributes:
@@ -488,8 +489,9 @@ class Benchmark:
         """``(flag, path)`` of files the plug-in writes itself (e.g. ``--tune``), checked with the harness's."""
         return []
 
+    @abstractmethod
     def run(self, ctx: RunContext) -> list | None:
-        raise NotImplementedError
+        """Measure and return the rows (dicts keyed by :attr:`columns`' keys), or None when nothing ran."""
 
     def table(self, rows: Sequence[Any], ctx: RunContext) -> str:
         """The text printed last: a heading line and :func:`format_table` of :attr:`columns`."""
