@@ -56,3 +56,22 @@ def pencil_global(global_shape, dtype=torch.float32):
 
 def pencil(G, global_shape, grid, rank, which):
     return G[tuple(slice(a, b) for a, b in plans.pencil_box(global_shape, grid, rank, which))].contiguous()
+
+
+def check_pencil_transposes(global_shape, grid, **simulate_kwargs):
+    """Run the four pencil transposes (x->y->z->y->x) of every rank through ``hpdl.offload.simulate`` and
+    compare each result with the pencil cut from the global array, exactly."""
+    import hpdl.offload as ho
+
+    P = grid[0] * grid[1]
+    G = pencil_global(global_shape)
+    shapes = plans.pencil_shapes(global_shape, grid)
+    bufs = [{"x": pencil(G, global_shape, grid, r, "x"), "y": torch.zeros(shapes["y"]),
+             "z": torch.zeros(shapes["z"])} for r in range(P)]
+    per_rank = [plans.pencil_transposes(global_shape, grid, r, torch.float32) for r in range(P)]
+    for name, which in (("x_to_y", "y"), ("y_to_z", "z"), ("z_to_y", "y"), ("y_to_x", "x")):
+        for b in bufs:
+            b[which].zero_()
+        ho.simulate([pr[name] for pr in per_rank], bufs, **simulate_kwargs)
+        for r in range(P):
+            assert torch.equal(bufs[r][which], pencil(G, global_shape, grid, r, which)), (name, r)

@@ -60,18 +60,7 @@ def test_halo_strided_boxes_on_copy_threads_exact(corners):
 
 def test_pencil_transposes_on_copy_threads_exact():
     global_shape, grid = (4, 6, 6), (2, 3)
-    P = 6
-    G = O.pencil_global(global_shape)
-    shapes = plans.pencil_shapes(global_shape, grid)
-    bufs = [{"x": O.pencil(G, global_shape, grid, r, "x"), "y": torch.zeros(shapes["y"]),
-             "z": torch.zeros(shapes["z"])} for r in range(P)]
-    per_rank = [plans.pencil_transposes(global_shape, grid, r, torch.float32) for r in range(P)]
-    for name, which in (("x_to_y", "y"), ("y_to_z", "z"), ("z_to_y", "y"), ("y_to_x", "x")):
-        for b in bufs:
-            b[which].zero_()
-        ho.simulate([pr[name] for pr in per_rank], bufs, **POOLED)
-        for r in range(P):
-            assert torch.equal(bufs[r][which], O.pencil(G, global_shape, grid, r, which)), (name, r)
+    O.check_pencil_transposes(global_shape, grid, **POOLED)
 
 
 def test_failed_foreach_falls_back_to_single_copies(monkeypatch):
