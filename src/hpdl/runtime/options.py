@@ -3,8 +3,9 @@
 A field declared with :func:`option` carries its help text and argparse type; :func:`add_arguments` turns the
 fields into ``--flags`` (``batch_size`` -> ``--batch-size``; no default -> required; ``tristate`` ->
 ``--x/--no-x``; a ``False`` bool -> ``store_true``; ``positional`` -> a positional argument; ``required`` -> a
-flag the command line must give although the library has a default, e.g. an output path it may leave None), and :func:`from_namespace` builds the dataclass from the
-parsed arguments. So the library never sees an ``argparse.Namespace`` and the CLI never re-declares a field::
+flag the command line must give although the library has a default, e.g. an output path it may leave None),
+and :func:`from_namespace` builds the dataclass from the parsed arguments. So the library never sees an
+``argparse.Namespace`` and the CLI never re-declares a field::
 
     @dataclass(kw_only=True)
     class TrainOptions:
