@@ -55,12 +55,10 @@ def _parser(command: str) -> tuple[argparse.ArgumentParser, list[str]]:
     """The parser that parses ``command``'s own options, and the argv prefix that reaches it."""
     if command.startswith("examples/"):
         from hpdl.apps import cli as apps
-        from hpdl.apps.train import TRAIN_COMMS, TrainConfig
 
         name = command.split("/")[1].removesuffix(".py")
-        if name == "train_gpt":
-            return apps.parser_for(TrainConfig, name, "", {"comm": TRAIN_COMMS}), []
-        return apps.parser_for(apps.CGArgs if name == "cg" else apps.FFTArgs, name, ""), []
+        cls = {"train_gpt": apps.TrainArgs, "cg": apps.CGArgs, "fft3d": apps.FFTArgs}[name]
+        return apps.parser_for(cls, name, ""), []
     from hpdl.cli import build_parser
 
     words = command.split()

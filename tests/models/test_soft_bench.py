@@ -177,3 +177,19 @@ def test_goal_graphed_layer_table():
     line4k = next(ln for ln in text.splitlines() if ln.strip().startswith("4096") and "(0.50x)" in ln)
     assert "4.00x" in line4k and "0.50" in line4k, line4k     # graphed 2.0 / 0.5 = 4x; eager 2 / 4 = 0.5x
     assert "graph soft at 16384 tokens: RuntimeError: capture" in text
+
+
+def test_suites_and_goal_take_typed_options():
+    """Issue 40: the suites' library functions take typed options, not the command line's Namespace."""
+    from hpdl.vision.bench import TokensSuite, run_tokens
+    from hpdl.vision.soft_goal import GoalOptions
+
+    rows = run_tokens(TokensSuite(methods=["soft", "sdpa"], min_tokens=64, max_tokens=128, landmarks=16, warmup=0,
+                                  reps=1), torch.device("cpu"), torch.float32)
+    assert [(r["tokens"], r["method"], r["status"]) for r in rows] == [
+        (64, "soft", "ok"), (64, "sdpa", "ok"), (128, "soft", "ok"), (128, "sdpa", "ok")]
+    assert GoalOptions().pairs == ["tiny", "small"]
+    for bad, words in ((dict(pairs=["small", "small"]), "pairs"), (dict(pairs=[]), "pairs"),
+                       (dict(parts=["models"]), "parts"), (dict(time_budget=0), "time_budget")):
+        with pytest.raises(ValueError, match=words):
+            GoalOptions(**bad)

@@ -207,3 +207,35 @@ def test_bench_out_is_a_folder_and_the_older_json_spelling_still_works(tmp_path)
     assert (a.json_path, a.plot_path) == ("moe_bench.json", "moe_bench.png")
     with pytest.raises(CLIUsageError, match="--experts"):
         parsed("--batches", "1,x")
+
+
+def test_study_entry_points_take_options_without_a_command_line(tmp_path):
+    """Issue 40: the library steps take typed options (no argparse Namespace); the flags come from their fields."""
+    import argparse
+    import dataclasses
+
+    from hpdl.moe.cli import MoECommand
+    from hpdl.moe.study import AffinityOptions, PlaceOptions, TraceOptions, affinity, place
+    from hpdl.moe.train import TrainOptions
+
+    rng = np.random.default_rng(0)
+    Trace(rng.integers(0, 4, size=(400, 3, 1)), {"n_experts": 4}).save(tmp_path / "t.npz")
+    s = affinity(AffinityOptions(trace=str(tmp_path / "t.npz"), json=str(tmp_path / "a.json")))
+    assert s["n_experts"] == 4 and json.loads((tmp_path / "a.json").read_text())["n_tokens"] == s["n_tokens"]
+    res, heldout = place(PlaceOptions(trace=str(tmp_path / "t.npz"), world_size=2, method="greedy"))
+    assert sorted(np.bincount(res.ranks.ravel())) == [6, 6] and 0 <= heldout["placement"] <= 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "t.npz"]   # out=None: no placement written
+    with pytest.raises(CLIUsageError, match="--hidden must be a multiple of 8"):
+        TrainOptions(hidden=20)
+    with pytest.raises(CLIUsageError, match="--top-k must be <= --experts=2"):
+        TrainOptions(experts=2, top_k=3)
+    cfg = TrainOptions(hidden=64, layers=3, experts=4, seq=512).model_config()
+    assert (cfg.hidden_size, cfg.n_layers, cfg.n_experts, cfg.expert_size, cfg.max_position) == (64, 3, 4, 128, 512)
+    # every option field is a flag of its sub-command, and nothing else is
+    parser = argparse.ArgumentParser()
+    MoECommand.add_arguments(parser)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, cls in (("trace", TraceOptions), ("affinity", AffinityOptions), ("place", PlaceOptions),
+                      ("train", TrainOptions)):
+        dests = {a.dest for a in sub.choices[name]._actions} - {"help"}
+        assert dests == {f.name for f in dataclasses.fields(cls) if "help" in f.metadata}, name

@@ -52,3 +52,29 @@ def test_exclude_leaves_the_shared_fields_to_another_parser():
     p, _ = parse(Task, ["--mode", "a"], exclude=(Base,))
     flags = {a.dest for a in p._actions} - {"help"}
     assert flags == {"mode"}
+
+
+@dataclass(kw_only=True)
+class Place:
+    trace: str = option(help="input file", positional=True)
+    plot: str = option("p.png", positional=True, help="optional positional")
+    out: str | None = option(None, required=True, help="output (the library may leave it None)")
+
+
+def test_positional_and_required_flags():
+    p = argparse.ArgumentParser(prog="x")
+    add_arguments(p, Place)
+    ns = p.parse_args(["t.npz", "--out", "o.json"])
+    assert from_namespace(Place, ns) == Place(trace="t.npz", out="o.json")   # the optional positional's default
+    assert from_namespace(Place, p.parse_args(["t.npz", "q.png", "--out", "o"])).plot == "q.png"
+    assert Place(trace="t").out is None   # a library caller keeps the default
+    for argv in ([], ["t.npz"]):          # the positional, then --out, are required on the command line
+        with pytest.raises(SystemExit):
+            p.parse_args(argv)
+
+
+def test_bad_option_declarations_are_refused():
+    with pytest.raises(ValueError, match="tristate"):
+        option(None, tristate=True, type=int, help="x")
+    with pytest.raises(ValueError, match="positional"):
+        option(positional=True, required=True, help="x")

@@ -1,6 +1,7 @@
 """Command lines of the three applications (``examples/*.py`` call these ``main`` functions).
 
-Options come from dataclasses (defaults in one visible block, nanoGPT-style, no ``exec``); the job comes
+Options are dataclasses whose fields carry their default, help and checked type (defaults in one visible block,
+nanoGPT-style, no ``exec``; :mod:`hpdl.runtime.options` generates the flags); the job comes
 from torchrun / mpirun / srun variables, or is one process when none are set. Rank 0 prints one line per
 result and, with ``--json PATH``, writes the result.
 """
@@ -16,99 +17,67 @@ from dataclasses import dataclass
 import torch
 
 from hpdl.apps.comm import COMMS, comm_label
-from hpdl.runtime.limits import count, real
-
-
-@dataclass
-class CGArgs:
-    comm: str = "hpdl"           # hpdl | nccl | mpi
-    device: str = "cpu"
-    size: int = 32               # interior points per dimension: the global grid is size^3
-    iters: int = 200             # timed iterations (fixed: no early exit)
-    warmup: int = 20
-    dtype: str = "float64"       # float64 | float32 (hpdl's CUDA peer kernels reduce float32, not float64)
-    algorithm: str = "auto"      # hpdl.comm.all_reduce algorithm (comm=hpdl)
-    window: int = 0              # direct algorithm's throttle (0 = tuned)
-    json: str = ""
-
-
-@dataclass
-class FFTArgs:
-    comm: str = "hpdl"
-    device: str = "cpu"
-    shape: str = "64,64,64"      # global N0,N1,N2
-    grid: str = ""               # P0,P1 (default: the most square)
-    iters: int = 10
-    warmup: int = 2
-    dtype: str = "complex64"     # complex64 | complex128
-    algorithm: str = "auto"      # hpdl.comm.all_to_all_single algorithm (comm=hpdl): auto, pairwise, direct, ...
-    window: int = 0
-    json: str = ""
+from hpdl.apps.train import TrainConfig
+from hpdl.runtime.limits import count
+from hpdl.runtime.options import add_arguments, from_namespace, option
 
 
 _COMM = ("hpdl: hpdl.comm's collectives (--algorithm); nccl: torch.distributed on the process group's own "
-         "backend, which is NCCL with --device cuda and gloo with --device cpu (the output says which ran)")
-HELP: dict[str, str] = {   # one line per option of the three scripts (shown by --help with its default)
-    "comm": _COMM + "; mpi: mpi4py (mpirun -n N; needs hpdl[mpi])",
-    "device": "cpu or cuda (one GPU per rank: LOCAL_RANK)",
-    "size": "interior grid points per dimension: the global grid is size^3",
-    "iters": "timed iterations (fixed count: no early exit)",
-    "warmup": "untimed iterations before the timed ones",
-    "dtype": "element type of the data",
-    "algorithm": "hpdl.comm algorithm with --comm hpdl (auto, direct, ring, ...; docs/comm.md)",
-    "window": "direct algorithm's throttle window in messages (0: from the tuning table)",
-    "json": "write the result here as JSON (rank 0)",
-    "shape": "global grid N0,N1,N2",
-    "grid": "process grid P0,P1 with P0*P1 = ranks (empty: the most square)",
-    # train_gpt.py (hpdl.apps.train.TrainConfig)
-    "steps": "optimizer steps",
-    "batch_size": "sequences per rank per micro-step",
-    "grad_accum": "micro-steps per optimizer step (gradients are communicated on the last only)",
-    "block_size": "context length in bytes (tokens)",
-    "n_layer": "transformer blocks",
-    "n_head": "attention heads per block",
-    "n_embd": "embedding width (a multiple of --n-head)",
-    "learning_rate": "peak AdamW learning rate",
-    "min_lr": "learning rate at the last step (cosine decay)",
-    "warmup_steps": "linear learning-rate warm-up steps",
-    "weight_decay": "AdamW weight decay (matrices only)",
-    "grad_clip": "clip the gradient norm to this (0: off)",
-    "bucket_mb": "gradient bucket cap in MiB (DDP's default 25)",
-    "first_bucket_mb": "first (last-layer) bucket cap in MiB, so communication starts early",
-    "seed": "seed of the weights and of the batches",
-    "data": "a text file or a directory of *.py / *.txt (empty: the Python standard library's source)",
-    "log_interval": "print a loss line every this many steps",
-    "timing_warmup": "first steps left out of the step-time statistics",
-}
-
-
-# The range of every numeric option (argparse types: a value outside is a usage error naming the option), so no
+         "backend, which is NCCL with --device cuda and gloo with --device cpu (the output says which ran)"
+         "; mpi: mpi4py (mpirun -n N; needs hpdl[mpi])")
+_DEVICE = "cpu or cuda (one GPU per rank: LOCAL_RANK)"
+_ALGORITHM = "hpdl.comm algorithm with --comm hpdl (auto, direct, ring, ...; docs/comm.md)"
+_WINDOW = "direct algorithm's throttle window in messages (0: from the tuning table)"
+# Every numeric option has a range (argparse types: a value outside is a usage error naming the option), so no
 # 0, negative or huge value can start a run that fails late or never ends (issue 37).
-TYPES: dict[str, object] = {
-    "size": count(2, 4096), "iters": count(1, 1 << 24), "warmup": count(0, 1 << 20), "window": count(0, 1 << 20),
-    "steps": count(1, 1 << 24), "batch_size": count(1, 1 << 16), "grad_accum": count(1, 1 << 16),
-    "block_size": count(1, 1 << 20), "n_layer": count(1, 1024), "n_head": count(1, 1024),
-    "n_embd": count(1, 1 << 16), "learning_rate": real(0, 10, strict=True), "min_lr": real(0, 10),
-    "warmup_steps": count(0, 1 << 24), "weight_decay": real(0, 10), "grad_clip": real(0, 1e6),
-    "bucket_mb": real(0, 1 << 20, strict=True), "first_bucket_mb": real(0, 1 << 20, strict=True),
-    "seed": count(0, 2**63 - 1), "log_interval": count(1, 1 << 24), "timing_warmup": count(0, 1 << 24),
-}
 
 
-def parser_for(cls, prog: str, description: str, choices: dict | None = None,
-               helps: dict | None = None) -> argparse.ArgumentParser:
-    """``--field`` for every dataclass field, typed by :data:`TYPES` (else by its default), with a help line
-    (``helps``, else :data:`HELP`) and its default; bools take true/false."""
+@dataclass(kw_only=True)
+class CGArgs:
+    """``examples/cg.py``: distributed CG on the 3-D Poisson problem."""
+
+    comm: str = option("hpdl", choices=COMMS, help=_COMM)
+    device: str = option("cpu", choices=("cpu", "cuda"), help=_DEVICE)
+    size: int = option(32, type=count(2, 4096), help="interior grid points per dimension: the global grid is size^3")
+    iters: int = option(200, type=count(1, 1 << 24), help="timed iterations (fixed count: no early exit)")
+    warmup: int = option(20, type=count(0, 1 << 20), help="untimed iterations before the timed ones")
+    dtype: str = option("float64", choices=("float64", "float32"), help="element type of the data (hpdl's CUDA "
+                        "peer kernels reduce float32, not float64)")
+    algorithm: str = option("auto", help=_ALGORITHM)
+    window: int = option(0, type=count(0, 1 << 20), help=_WINDOW)
+    json: str = option("", help="write the result here as JSON (rank 0)")
+
+
+@dataclass(kw_only=True)
+class FFTArgs:
+    """``examples/fft3d.py``: the pencil-decomposed 3-D FFT."""
+
+    comm: str = option("hpdl", choices=COMMS, help=_COMM)
+    device: str = option("cpu", choices=("cpu", "cuda"), help=_DEVICE)
+    shape: str = option("64,64,64", help="global grid N0,N1,N2")
+    grid: str = option("", help="process grid P0,P1 with P0*P1 = ranks (empty: the most square)")
+    iters: int = option(10, type=count(1, 1 << 24), help="timed iterations (fixed count: no early exit)")
+    warmup: int = option(2, type=count(0, 1 << 20), help="untimed iterations before the timed ones")
+    dtype: str = option("complex64", choices=("complex64", "complex128"), help="element type of the data")
+    algorithm: str = option("auto", help="hpdl.comm all-to-all algorithm with --comm hpdl (auto, pairwise, "
+                            "direct, ...; docs/comm.md)")
+    window: int = option(0, type=count(0, 1 << 20), help=_WINDOW)
+    json: str = option("", help="write the result here as JSON (rank 0)")
+
+
+@dataclass(kw_only=True)
+class TrainArgs(TrainConfig):
+    """``examples/train_gpt.py``: :class:`hpdl.apps.train.TrainConfig` and where the result goes."""
+
+    json: str = option("", help="write losses and step times (rank 0)")
+
+
+def parser_for(cls, prog: str, description: str) -> argparse.ArgumentParser:
+    """The parser of a script: a ``--flag`` for every option field of dataclass ``cls``
+    (:func:`hpdl.runtime.options.add_arguments`), each help line with its default."""
     p = argparse.ArgumentParser(prog=prog, description=description,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    helps = {**HELP, **(helps or {})}
-    for f in dataclasses.fields(cls):
-        default = f.default
-        kind = TYPES.get(f.name, type(default))
-        if kind is bool:
-            kind = lambda v: v.lower() in ("1", "true", "yes")  # noqa: E731
-        p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=default,
-                       choices=(choices or {}).get(f.name), help=helps.get(f.name, " "))
+    add_arguments(p, cls)
     return p
 
 
@@ -135,8 +104,7 @@ def main_cg(argv=None) -> int:
     from hpdl.apps import cg
     from hpdl.apps.comm import launch
 
-    a = parser_for(CGArgs, "cg.py", "distributed CG on the 3-D Poisson problem",
-                   {"comm": COMMS, "device": ("cpu", "cuda"), "dtype": ("float64", "float32")}).parse_args(argv)
+    a = parser_for(CGArgs, "cg.py", "distributed CG on the 3-D Poisson problem").parse_args(argv)
     comm = launch(a.comm, a.device, algorithm=a.algorithm, window=a.window or None)
     _fits(6 * a.size ** 3 * getattr(torch, a.dtype).itemsize // comm.size, "--size", a.device,
           f"CG's 6 vectors of a {a.size}^3 grid over {comm.size} rank(s)")   # x, b, r, p, Ap + halo planes
@@ -155,8 +123,7 @@ def main_fft(argv=None) -> int:
     from hpdl.apps import fft3d
     from hpdl.apps.comm import launch
 
-    p = parser_for(FFTArgs, "fft3d.py", "pencil-decomposed 3-D FFT",
-                   {"comm": COMMS, "device": ("cpu", "cuda"), "dtype": ("complex64", "complex128")})
+    p = parser_for(FFTArgs, "fft3d.py", "pencil-decomposed 3-D FFT")
     a = p.parse_args(argv)
 
     def extents(flag: str, text: str, n: int) -> tuple[int, ...]:
@@ -187,19 +154,13 @@ def main_fft(argv=None) -> int:
 
 def main_train(argv=None) -> int:
     from hpdl.apps.comm import launch
-    from hpdl.apps.train import TRAIN_COMMS, TrainConfig, train
+    from hpdl.apps.train import train
 
-    p = parser_for(TrainConfig, "train_gpt.py", "nanoGPT-style data-parallel training on hpdl.comm",
-                   {"comm": TRAIN_COMMS, "device": ("cpu", "cuda"), "dtype": ("float32", "bfloat16")},
-                   {"comm": _COMM + "; hpdl-ddp: DistributedDataParallel with hpdl's communication hook (no mpi: "
-                            "training runs on torch.distributed; cg.py and fft3d.py take --comm mpi)",
-                    "algorithm": "hpdl.comm all-reduce algorithm of the gradient buckets (--comm hpdl, hpdl-ddp)",
-                    "dtype": "float32, or bfloat16 under autocast"})
-    p.add_argument("--json", default="", help="write losses and step times (rank 0)")
+    p = parser_for(TrainArgs, "train_gpt.py", "nanoGPT-style data-parallel training on hpdl.comm")
     a = p.parse_args(argv)
-    path = a.__dict__.pop("json")
+    path = a.json
     try:
-        cfg = TrainConfig(**vars(a))
+        cfg = from_namespace(TrainConfig, a)
     except ValueError as exc:
         p.error(str(exc))
     comm = launch("nccl" if cfg.comm == "nccl" else "hpdl", cfg.device)

@@ -29,36 +29,49 @@ import torch.distributed as dist
 
 from hpdl.apps.comm import comm_label, synchronize
 from hpdl.models.nanogpt import GPT, GPTConfig
+from hpdl.runtime.limits import count, real
+from hpdl.runtime.options import option
 
 TRAIN_COMMS = ("hpdl", "hpdl-ddp", "nccl")
 
 
-@dataclass
-class TrainConfig:
-    """Every knob of a run (``examples/train_gpt.py`` exposes each as ``--name``)."""
+_COMM_HELP = ("hpdl: hpdl.comm's collectives (--algorithm); nccl: torch.distributed on the process group's own "
+              "backend, which is NCCL with --device cuda and gloo with --device cpu (the output says which ran)")
 
-    comm: str = "hpdl"           # hpdl | hpdl-ddp | nccl (see the module docstring)
-    device: str = "cpu"
-    algorithm: str = "auto"      # hpdl.comm.all_reduce algorithm of the gradient buckets
-    steps: int = 50
-    batch_size: int = 8          # sequences per rank per micro-step
-    grad_accum: int = 1          # micro-steps per step (communication only on the last)
-    block_size: int = 128
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    learning_rate: float = 1e-3
-    min_lr: float = 1e-4
-    warmup_steps: int = 10       # linear warm-up, then cosine decay to min_lr at the last step
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0       # 0 = off
-    bucket_mb: float = 25.0      # gradient bucket cap (DDP's default), MiB
-    first_bucket_mb: float = 1.0
-    dtype: str = "float32"       # float32 | bfloat16 (autocast)
-    seed: int = 1337
-    data: str = ""               # a text file or a directory of *.py / *.txt; "" = the Python standard library
-    log_interval: int = 10
-    timing_warmup: int = 3       # first steps left out of the step-time statistics
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Every knob of a run (``examples/train_gpt.py`` generates its ``--flags`` from these fields)."""
+
+    comm: str = option("hpdl", choices=TRAIN_COMMS, help=_COMM_HELP + "; hpdl-ddp: DistributedDataParallel with "
+                       "hpdl's communication hook (no mpi: training runs on torch.distributed; cg.py and fft3d.py "
+                       "take --comm mpi)")
+    device: str = option("cpu", choices=("cpu", "cuda"), help="cpu or cuda (one GPU per rank: LOCAL_RANK)")
+    algorithm: str = option("auto", help="hpdl.comm all-reduce algorithm of the gradient buckets (--comm hpdl, "
+                            "hpdl-ddp)")
+    steps: int = option(50, type=count(1, 1 << 24), help="optimizer steps")
+    batch_size: int = option(8, type=count(1, 1 << 16), help="sequences per rank per micro-step")
+    grad_accum: int = option(1, type=count(1, 1 << 16),
+                             help="micro-steps per optimizer step (gradients are communicated on the last only)")
+    block_size: int = option(128, type=count(1, 1 << 20), help="context length in bytes (tokens)")
+    n_layer: int = option(4, type=count(1, 1024), help="transformer blocks")
+    n_head: int = option(4, type=count(1, 1024), help="attention heads per block")
+    n_embd: int = option(128, type=count(1, 1 << 16), help="embedding width (a multiple of --n-head)")
+    learning_rate: float = option(1e-3, type=real(0, 10, strict=True), help="peak AdamW learning rate")
+    min_lr: float = option(1e-4, type=real(0, 10), help="learning rate at the last step (cosine decay)")
+    warmup_steps: int = option(10, type=count(0, 1 << 24), help="linear learning-rate warm-up steps")
+    weight_decay: float = option(0.1, type=real(0, 10), help="AdamW weight decay (matrices only)")
+    grad_clip: float = option(1.0, type=real(0, 1e6), help="clip the gradient norm to this (0: off)")
+    bucket_mb: float = option(25.0, type=real(0, 1 << 20, strict=True),
+                              help="gradient bucket cap in MiB (DDP's default 25)")
+    first_bucket_mb: float = option(1.0, type=real(0, 1 << 20, strict=True),
+                                    help="first (last-layer) bucket cap in MiB, so communication starts early")
+    dtype: str = option("float32", choices=("float32", "bfloat16"), help="float32, or bfloat16 under autocast")
+    seed: int = option(1337, type=count(0, 2**63 - 1), help="seed of the weights and of the batches")
+    data: str = option("", help="a text file or a directory of *.py / *.txt (empty: the Python standard "
+                       "library's source)")
+    log_interval: int = option(10, type=count(1, 1 << 24), help="print a loss line every this many steps")
+    timing_warmup: int = option(3, type=count(0, 1 << 24), help="first steps left out of the step-time statistics")
 
     def __post_init__(self):
         if self.comm not in TRAIN_COMMS:

@@ -16,6 +16,7 @@ import math
 import os
 import sysconfig
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -27,6 +28,55 @@ from hpdl.models.gpt_moe import MoEConfig, MoEDecoder, save_checkpoint
 from hpdl.moe import affinity
 from hpdl.moe.errors import MoEError
 from hpdl.moe.trace import collect_trace
+from hpdl.runtime.errors import CLIUsageError
+from hpdl.runtime.limits import check_fits, count, real
+from hpdl.runtime.options import option
+
+
+@dataclass(kw_only=True)
+class TrainOptions:
+    """A run of :func:`train` (``hpdl moe train`` generates its flags from the fields with help).
+
+    The model is a byte-level :class:`~hpdl.models.gpt_moe.MoEDecoder` with every layer MoE, 4 query and 4 KV
+    heads and experts of ``2 * hidden`` units (:meth:`model_config`).
+
+    Raises:
+        CLIUsageError: ``hidden`` not a multiple of 8, or ``top_k > experts`` (named by their flags).
+    """
+
+    steps: int = option(1500, type=count(0), help="optimizer steps (AdamW)")
+    batch: int = option(16, type=count(1, 1 << 16), help="sequences per step")
+    seq: int = option(128, type=count(2, 1 << 16), help="sequence length in bytes (tokens)")
+    layers: int = option(4, type=count(2, 1024),
+                         help="decoder layers, every one MoE (>= 2: affinity is between layers)")
+    experts: int = option(8, type=count(1, 4096), help="routed experts per MoE layer")
+    hidden: int = option(96, type=count(8, 1 << 16),
+                         help="hidden size (4 heads; a multiple of 8); experts have 2x hidden units")
+    top_k: int = option(1, type=count(1, 4096), help="experts per token (ExFlow mode needs 1)")
+    checkpoints: int = option(11, type=count(1, 10_000), help="evenly spaced steps (0 and the last included) at "
+                              "which affinity of held-out text is recorded")
+    lr: float = option(3e-3, type=real(0, 10, strict=True), help="AdamW learning rate")
+    max_bytes: int = option(6_000_000, type=count(1, 1 << 34), help="bytes of the stdlib source read (head in "
+                            "sorted path order; the last 1%% + trace tokens are held out)")
+    # None (a library caller's default): nothing is written
+    out: str | None = option(None, required=True, help="directory: hpdl_moe.pt, history.json, affinity.png")
+    aux_coef: float = 0.01           # weight of the Switch load-balancing loss
+    trace_tokens: int = 4096         # held-out tokens traced at every checkpoint
+    seed: int = 0
+    threads: int | None = None       # torch.set_num_threads (None: torch's default)
+
+    def __post_init__(self):
+        if self.hidden % 8:   # 4 heads of an even head_dim (rotary embedding rotates pairs)
+            raise CLIUsageError(f"--hidden must be a multiple of 8 (4 attention heads, each of an even size), got "
+                                f"{self.hidden}")
+        if self.top_k > self.experts:
+            raise CLIUsageError(f"--top-k must be <= --experts={self.experts}, got {self.top_k}")
+
+    def model_config(self) -> MoEConfig:
+        """The byte-level model these options train."""
+        return MoEConfig(vocab_size=256, hidden_size=self.hidden, n_layers=self.layers, n_heads=4, n_kv_heads=4,
+                         n_experts=self.experts, top_k=self.top_k, expert_size=2 * self.hidden,
+                         max_position=max(256, self.seq))
 
 
 def stdlib_corpus(max_bytes: int = 4_000_000, root: str | Path | None = None,
@@ -87,35 +137,43 @@ def heldout_windows(data: np.ndarray, n_tokens: int, seq: int) -> np.ndarray:
     return tail.reshape(n, seq).astype(np.int64)
 
 
-def train(cfg: MoEConfig | None = None, steps: int = 300, batch: int = 16, seq: int = 64, lr: float = 3e-3,
-          aux_coef: float = 0.01, checkpoints: int = 6, trace_tokens: int = 4096, max_bytes: int = 4_000_000,
-          out_dir: str | Path | None = None, seed: int = 0, threads: int | None = None,
-          progress: Callable[[str], None] | None = print) -> tuple[MoEDecoder, dict]:
-    """Train a byte-level MoE on the stdlib corpus; record affinity at ``checkpoints`` evenly spaced steps
-    (step 0 = initialisation included). The last ``trace_tokens + 1%`` of the corpus is held out.
+def train(options: TrainOptions, progress: Callable[[str], None] | None = print) -> tuple[MoEDecoder, dict]:
+    """Train a byte-level MoE (:meth:`TrainOptions.model_config`) on the stdlib corpus; record affinity at
+    ``options.checkpoints`` evenly spaced steps (step 0 = initialisation included). The last
+    ``trace_tokens + 1%`` of the corpus is held out.
 
-    Returns ``(model, history)``; history is plain data: config, corpus, per-checkpoint step, loss and
-    :func:`hpdl.moe.affinity.summary` of a held-out trace. With ``out_dir`` the final model is saved there
-    (``hpdl_moe.pt``) with ``history.json``.
+    Returns ``(model, history)``; history is plain data: config, options, corpus, per-checkpoint step, loss and
+    :func:`hpdl.moe.affinity.summary` of a held-out trace. With ``options.out`` the final model is saved there
+    (``hpdl_moe.pt``) with ``history.json`` and its plot (``affinity.png``, :func:`plot_history`).
+
+    Raises:
+        InsufficientMemoryError: the model, its AdamW state and a batch's activations cannot fit in host memory
+            (checked before anything is allocated).
+        MoEError: ``max_bytes`` too small for the held-out text.
     """
-    if threads:
-        torch.set_num_threads(threads)
-    cfg = cfg or MoEConfig(vocab_size=256, hidden_size=64, n_layers=4, n_heads=4, n_kv_heads=4, n_experts=8,
-                           top_k=1, expert_size=128, max_position=max(256, seq))
-    if cfg.vocab_size < 256:
-        raise MoEError(f"cfg.vocab_size must be >= 256 for byte-level text, got {cfg.vocab_size}")
+    o = options
+    steps, batch, seq, checkpoints, seed = o.steps, o.batch, o.seq, o.checkpoints, o.seed
+    cfg = o.model_config()
+    # weights + AdamW's two moments + gradients (fp32), the experts' SwiGLU dominating; activations of a batch
+    h = o.hidden
+    params = o.layers * (4 * h * h + o.experts * 3 * h * 2 * h) + 2 * 256 * h
+    acts = batch * seq * h * o.layers * 16
+    check_fits(4 * (4 * params + acts), "--hidden/--experts/--layers/--batch/--seq",
+               what=f"a {params / 1e6:.0f}M-parameter MoE trained at batch {batch} x {seq}")
+    if o.threads:
+        torch.set_num_threads(o.threads)
     torch.manual_seed(seed)
-    data, source = stdlib_corpus(max_bytes)
-    hold = trace_tokens + len(data) // 100
+    data, source = stdlib_corpus(o.max_bytes)
+    hold = o.trace_tokens + len(data) // 100
     if len(data) < hold + 10 * seq:
-        raise MoEError(f"max_bytes={max_bytes} is too small for trace_tokens={trace_tokens}")
+        raise MoEError(f"max_bytes={o.max_bytes} is too small for trace_tokens={o.trace_tokens}")
     train_data, held = data[:-hold], data[-hold:]
-    windows = heldout_windows(held, trace_tokens, seq)
+    windows = heldout_windows(held, o.trace_tokens, seq)
     model = MoEDecoder(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, weight_decay=0.0)
     at = sorted({0, steps} | {round(steps * c / max(1, checkpoints - 1)) for c in range(checkpoints)})
-    history = {"config": cfg.__dict__ | {}, "corpus": source, "steps": steps, "batch": batch, "seq": seq,
-               "checkpoints": []}
+    history = {"config": cfg.__dict__ | {}, "options": asdict(o), "corpus": source, "steps": steps, "batch": batch,
+               "seq": seq, "checkpoints": []}
     it = batches(train_data, batch, seq, seed)
     loss_ema = float("nan")
     t0 = time.perf_counter()
@@ -140,7 +198,7 @@ def train(cfg: MoEConfig | None = None, steps: int = 300, batch: int = 16, seq: 
         xy = next(it)
         logits, lg, idx = model(xy[:, :-1], return_routing=True)
         ce = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), xy[:, 1:].reshape(-1))
-        loss = ce + aux_coef * load_balance_loss(lg, idx, cfg.n_experts)
+        loss = ce + o.aux_coef * load_balance_loss(lg, idx, cfg.n_experts)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -149,11 +207,12 @@ def train(cfg: MoEConfig | None = None, steps: int = 300, batch: int = 16, seq: 
         loss_ema = ce_v if math.isnan(loss_ema) else 0.9 * loss_ema + 0.1 * ce_v
     model.eval()
     history["seconds"] = time.perf_counter() - t0
-    if out_dir is not None:
+    if o.out is not None:
         import json
 
-        save_checkpoint(model, out_dir, extra={"corpus": source})
-        (Path(out_dir) / "history.json").write_text(json.dumps(history, indent=1))
+        save_checkpoint(model, o.out, extra={"corpus": source})
+        (Path(o.out) / "history.json").write_text(json.dumps(history, indent=1))
+        plot_history(history, Path(o.out) / "affinity.png")
     return model, history
 
 

@@ -35,6 +35,7 @@ import argparse
 import math
 import os
 import platform
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -46,6 +47,7 @@ from hpdl.bench.common import (Benchmark, Column, Panel, PlotSpec, check_outputs
 from hpdl.models.soft_ops import nystrom_attention, soft_attention
 from hpdl.runtime.errors import CLIUsageError
 from hpdl.runtime.limits import count, real
+from hpdl.runtime.options import from_namespace
 from hpdl.vision.timing import _free, _sdpa_context, measure
 
 METHODS = ("soft", "soft_norm", "soft_inverse", "soft_exact", "soft_autograd", "nystrom", "sdpa", "softmax")
@@ -53,6 +55,54 @@ _SOFT = {"soft": ("soft", "inverse"), "soft_norm": ("norm", "inverse"), "soft_in
          "soft_exact": ("soft", "exact"), "soft_autograd": ("soft", "autograd")}  # method -> (variant, NR backward)
 SUITES = ("tokens", "model", "throughput")
 DEFAULT_BASELINES = "deit_tiny_patch16_224,pvt_v2_b1,pvt_v2_b2,deit_small_patch16_224"
+
+
+# ----------------------------------------------------------------------------------------------------- options
+# What each suite measures (defaults: the CPU run; ``hpdl bench attention`` fills in the CUDA sizes). Timing of
+# every point: ``warmup`` untimed calls, then the median of ``reps`` timed calls.
+
+@dataclass(kw_only=True)
+class TokensSuite:
+    """:func:`run_tokens`: one attention layer, ``[batch, heads, N, head_dim]`` inputs, N doubling from
+    ``min_tokens`` to ``max_tokens``."""
+
+    methods: list[str] = field(default_factory=lambda: ["soft", "soft_norm", "nystrom", "sdpa"])  # of METHODS
+    min_tokens: int = 256
+    max_tokens: int = 4096
+    batch: int = 1
+    heads: int = 6
+    head_dim: int = 64
+    landmarks: int = 64          # SOFT and Nystrom landmarks; N not a multiple of it is skipped
+    time_limit: float = 5.0      # seconds per call after which a method stops growing
+    warmup: int = 3
+    reps: int = 10
+
+
+@dataclass(kw_only=True)
+class ModelSuite:
+    """:func:`run_model`: ``model`` forward+backward at each of ``image_sizes`` (pixels, multiples of 32) with
+    each of ``model_attentions`` (keys of ``MODEL_ATTENTIONS``), ``model_batch`` images a step."""
+
+    model: str = "soft_tiny"
+    image_sizes: list[int] = field(default_factory=lambda: [64, 128])
+    model_batch: int = 2
+    model_attentions: list[str] = field(default_factory=lambda: ["soft", "soft_inverse", "sdpa"])
+    warmup: int = 3
+    reps: int = 10
+
+
+@dataclass(kw_only=True)
+class ThroughputSuite:
+    """:func:`run_throughput`: images/s of ``models`` (SOFT names) and ``baselines`` (timm names) at
+    ``image_size`` pixels, inference at ``infer_batch`` and training at ``train_batch``."""
+
+    models: list[str] = field(default_factory=lambda: ["soft_tiny", "soft_small"])
+    baselines: list[str] = field(default_factory=lambda: DEFAULT_BASELINES.split(","))
+    image_size: int = 64
+    infer_batch: int = 4
+    train_batch: int = 2
+    warmup: int = 3
+    reps: int = 10
 
 
 # ------------------------------------------------------------------------------------------------- tokens suite
@@ -74,47 +124,49 @@ def attention(method: str, q, k, v, landmarks: int):
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")
 
 
-def run_tokens(args, device, dtype) -> list[dict]:
+def run_tokens(options: TokensSuite, device, dtype) -> list[dict]:
+    """One row per (tokens, method): fwd and fwd+bwd ms and peak MiB, or why it was skipped (``status``)."""
+    o = options
     rows, stopped = [], {}
     ctx, sdpa_label = _sdpa_context(device, dtype)
-    n = args.min_tokens
-    while n <= args.max_tokens:
-        for method in args.methods:
+    n = o.min_tokens
+    while n <= o.max_tokens:
+        for method in o.methods:
             landmarked = method in _SOFT or method == "nystrom"
-            row = {"tokens": n, "method": method, "landmarks": args.landmarks if landmarked else None}
+            row = {"tokens": n, "method": method, "landmarks": o.landmarks if landmarked else None}
             if method == "sdpa":
                 row["backend"] = sdpa_label
             if method in stopped:
                 rows.append({**row, "status": "skipped", "why": stopped[method]})
                 continue
-            if landmarked and n % args.landmarks:
-                rows.append({**row, "status": "skipped", "why": f"tokens not a multiple of {args.landmarks}"})
+            if landmarked and n % o.landmarks:
+                rows.append({**row, "status": "skipped", "why": f"tokens not a multiple of {o.landmarks}"})
                 continue
             g = torch.Generator(device=device).manual_seed(n)
-            q, k, v = (torch.randn(args.batch, args.heads, n, args.head_dim, device=device, dtype=dtype,
+            q, k, v = (torch.randn(o.batch, o.heads, n, o.head_dim, device=device, dtype=dtype,
                                    generator=g).requires_grad_() for _ in range(3))
-            grad = torch.randn(args.batch, args.heads, n, args.head_dim, device=device, dtype=dtype, generator=g)
+            grad = torch.randn(o.batch, o.heads, n, o.head_dim, device=device, dtype=dtype, generator=g)
 
             def fwd():
                 with torch.no_grad(), ctx():
-                    return attention(method, q, k, v, args.landmarks)
+                    return attention(method, q, k, v, o.landmarks)
 
             def fwd_bwd():
                 for t in (q, k, v):
                     t.grad = None
                 with ctx():
-                    out = attention(method, q, k, v, args.landmarks)
+                    out = attention(method, q, k, v, o.landmarks)
                 out.backward(grad)
 
             try:
                 with ctx():
                     finite = bool(torch.isfinite(fwd()).all())
-                f = measure(fwd, device, args.warmup, args.reps)
-                fb = measure(fwd_bwd, device, args.warmup, args.reps)
+                f = measure(fwd, device, o.warmup, o.reps)
+                fb = measure(fwd_bwd, device, o.warmup, o.reps)
                 rows.append({**row, "status": "ok" if finite else "non-finite", "fwd_ms": f["ms"],
                              "fwd_peak_mib": f["peak_mib"], "fwd_bwd_ms": fb["ms"], "fwd_bwd_ms_min": fb["ms_min"],
                              "fwd_bwd_peak_mib": fb["peak_mib"]})
-                if fb["ms"] > 1e3 * args.time_limit:
+                if fb["ms"] > 1e3 * o.time_limit:
                     stopped[method] = f"{fb['ms'] / 1e3:.1f} s per call at {n} tokens > --time-limit"
             except torch.cuda.OutOfMemoryError:
                 rows.append({**row, "status": "oom"})
@@ -151,19 +203,21 @@ MODEL_ATTENTIONS = {"soft": {}, "soft_inverse": {"nr_backward": "inverse"}, "sof
                     "sdpa": {"attention": "sdpa"}}
 
 
-def run_model(args, device, dtype) -> list[dict]:
+def run_model(options: ModelSuite, device, dtype) -> list[dict]:
+    """One row per (image size, attention): fwd+bwd ms, images/s and peak MiB, or ``status`` oom."""
     from hpdl.models.soft import create
 
+    o = options
     rows = []
-    for size in args.image_sizes:
-        for attn in args.model_attentions:
-            row = {"model": args.model, "attention": attn, "image_size": size, "batch": args.model_batch,
+    for size in o.image_sizes:
+        for attn in o.model_attentions:
+            row = {"model": o.model, "attention": attn, "image_size": size, "batch": o.model_batch,
                    "stage1_tokens": (size // 4) ** 2, "stage1_landmarks": (size // 4 // 8) ** 2
                    if attn.startswith("soft") else None}
             try:
                 torch.manual_seed(0)
-                model = create(args.model, **MODEL_ATTENTIONS[attn]).to(device)
-                x = torch.randn(args.model_batch, 3, size, size, device=device)
+                model = create(o.model, **MODEL_ATTENTIONS[attn]).to(device)
+                x = torch.randn(o.model_batch, 3, size, size, device=device)
                 ctx, _ = _sdpa_context(device, dtype)
 
                 def step():
@@ -173,8 +227,8 @@ def run_model(args, device, dtype) -> list[dict]:
                         loss = model(x).float().logsumexp(-1).mean()
                     loss.backward()
 
-                m = measure(step, device, args.warmup, args.reps)
-                rows.append({**row, "status": "ok", "fwd_bwd_ms": m["ms"], "images_per_s": args.model_batch / m["ms"]
+                m = measure(step, device, o.warmup, o.reps)
+                rows.append({**row, "status": "ok", "fwd_bwd_ms": m["ms"], "images_per_s": o.model_batch / m["ms"]
                              * 1e3, "peak_mib": m["peak_mib"]})
             except torch.cuda.OutOfMemoryError:
                 rows.append({**row, "status": "oom"})
@@ -211,25 +265,28 @@ def macs(model, size: int, device) -> float:
     return counter.get_total_flops() / 2
 
 
-def run_throughput(args, device, dtype) -> list[dict]:
+def run_throughput(options: ThroughputSuite, device, dtype) -> list[dict]:
+    """One row per model: parameters, GMACs, inference and training images/s; a SOFT row names the baseline of
+    nearest multiply-adds (``pair``)."""
+    o = options
     rows = []
-    for name in [*args.models, *args.baselines]:
+    for name in [*o.models, *o.baselines]:
         try:
             torch.manual_seed(0)
-            model = _build(name, args.image_size, device)
+            model = _build(name, o.image_size, device)
             row = {"model": name, "family": "soft" if name.startswith("soft_") else "timm",
                    "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
-                   "gmacs": macs(model, args.image_size, device) / 1e9, "image_size": args.image_size}
+                   "gmacs": macs(model, o.image_size, device) / 1e9, "image_size": o.image_size}
             model.eval()
-            xi = torch.randn(args.infer_batch, 3, args.image_size, args.image_size, device=device)
+            xi = torch.randn(o.infer_batch, 3, o.image_size, o.image_size, device=device)
 
             def infer():
                 with torch.no_grad(), _autocast(device, dtype):
                     model(xi)
 
-            mi = measure(infer, device, args.warmup, args.reps)
+            mi = measure(infer, device, o.warmup, o.reps)
             model.train()
-            xt = torch.randn(args.train_batch, 3, args.image_size, args.image_size, device=device)
+            xt = torch.randn(o.train_batch, 3, o.image_size, o.image_size, device=device)
 
             def train_step():
                 for p in model.parameters():
@@ -238,9 +295,9 @@ def run_throughput(args, device, dtype) -> list[dict]:
                     loss = model(xt).float().logsumexp(-1).mean()
                 loss.backward()
 
-            mt = measure(train_step, device, args.warmup, args.reps)
-            rows.append({**row, "status": "ok", "infer_images_per_s": args.infer_batch / mi["ms"] * 1e3,
-                         "train_images_per_s": args.train_batch / mt["ms"] * 1e3, "train_peak_mib": mt["peak_mib"]})
+            mt = measure(train_step, device, o.warmup, o.reps)
+            rows.append({**row, "status": "ok", "infer_images_per_s": o.infer_batch / mi["ms"] * 1e3,
+                         "train_images_per_s": o.train_batch / mt["ms"] * 1e3, "train_peak_mib": mt["peak_mib"]})
         except torch.cuda.OutOfMemoryError:
             rows.append({"model": name, "status": "oom"})
         finally:
@@ -456,6 +513,13 @@ class AttentionBenchmark(Benchmark):
         args.train_batch = args.train_batch or (128 if cuda else 2)
         if not args.out_dir and not args.json_path:
             args.out_dir = os.environ.get("OUT") or "."
+        self.options = {"tokens": from_namespace(TokensSuite, args), "model": from_namespace(ModelSuite, args),
+                        "throughput": from_namespace(ThroughputSuite, args)}
+        if suites == ["goal"]:
+            from hpdl.vision.soft_goal import GoalOptions
+
+            self.goal = GoalOptions(parts=args.goal_parts, pairs=args.goal_pairs, warmup=args.warmup,
+                                    reps=args.reps, time_budget=args.time_budget, smoke=args.smoke)
 
     def metadata(self, args) -> dict:
         cuda = self.device.type == "cuda"
@@ -467,13 +531,13 @@ class AttentionBenchmark(Benchmark):
                 "versions": ("timm",)}
 
     def run(self, ctx) -> list[dict]:
-        args, device, dtype = ctx.args, self.device, self.dtype
+        device, dtype = self.device, self.dtype
         rows: list[dict] = []
         with ctx.progress(len(self.suites), "attention suites") as bar:
             for suite, fn in (("tokens", run_tokens), ("model", run_model), ("throughput", run_throughput)):
                 if suite not in self.suites:
                     continue
-                part = fn(args, device, dtype)
+                part = fn(self.options[suite], device, dtype)
                 rows += [{"suite": suite, **r} for r in part]
                 if suite == "tokens":
                     ctx.extra["crossover_soft_vs_sdpa"] = crossover(part)
@@ -507,4 +571,4 @@ class AttentionBenchCommand(command(AttentionBenchmark)):
         check_outputs(args)
         meta = run_metadata(**bench.metadata(args))
         meta["dtype"] = "bfloat16" if bench.device.type == "cuda" else "float32"
-        return run_goal(args, bench.device, meta, out)
+        return run_goal(bench.goal, bench.device, meta, out)

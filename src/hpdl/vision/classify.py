@@ -15,7 +15,6 @@ Python API: :func:`fit` (any ``nn.Module`` classifier and datasets) and :func:`e
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -479,23 +478,32 @@ def evaluate(options: EvaluateOptions) -> int:
     return 0
 
 
-def _make_shapes_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default=None, help="folder to write (default: $HPDL_DATA_DIR/shapes-v1, i.e. the "
-                                               "offline default of `hpdl vision train`)")
-    p.add_argument("--train-per-class", type=count(1, 1 << 20), default=300, help="(default: 300)")
-    p.add_argument("--val-per-class", type=count(1, 1 << 20), default=60, help="(default: 60)")
-    p.add_argument("--image-size", type=count(8, 8192), default=OFFLINE_IMAGE_SIZE, help=f"(default: {OFFLINE_IMAGE_SIZE})")
-    p.add_argument("--num-classes", type=count(2, 10), default=10, help="2..10 (default: 10)")
-    p.add_argument("--seed", type=count(0, 2**32 - 1), default=0)
-    p.add_argument("--overwrite", action="store_true", help="replace a different dataset in --out")
+@dataclass(kw_only=True)
+class MakeClassesOptions:
+    """``hpdl vision make-classes``: the offline classification set (:func:`hpdl.vision.datasets.write_shapes`)."""
+
+    out: str | None = option(None, help="folder to write (default: $HPDL_DATA_DIR/shapes-v1, i.e. the offline "
+                             "default of `hpdl vision train`)")
+    train_per_class: int = option(300, type=count(1, 1 << 20), help="(default: 300)")
+    val_per_class: int = option(60, type=count(1, 1 << 20), help="(default: 60)")
+    image_size: int = option(OFFLINE_IMAGE_SIZE, type=count(8, 8192), help=f"(default: {OFFLINE_IMAGE_SIZE})")
+    num_classes: int = option(10, type=count(2, 10), help="2..10 (default: 10)")
+    seed: int = option(0, type=count(0, 2**32 - 1), help="random seed, >= 0 (default: 0)")
+    overwrite: bool = option(False, help="replace a different dataset in --out")
 
 
-def _make_shapes(args) -> int:
+def make_classes(options: MakeClassesOptions) -> int:
+    """Write the set and print its folder.
+
+    Raises:
+        CLIUsageError: bad sizes, or a different dataset already in ``out`` without ``overwrite``.
+    """
     from hpdl.vision.datasets import write_shapes
 
+    o = options
     try:
-        root = write_shapes(args.out, args.train_per_class, args.val_per_class, args.image_size, args.num_classes,
-                            args.seed, args.overwrite)
+        root = write_shapes(o.out, o.train_per_class, o.val_per_class, o.image_size, o.num_classes, o.seed,
+                            o.overwrite)
     except (ValueError, FileExistsError) as exc:
         raise CLIUsageError(str(exc)) from None
     print(root)
@@ -503,4 +511,4 @@ def _make_shapes(args) -> int:
 
 
 COMMANDS = {"make-classes": ("write the offline classification set (procedural shapes, ImageFolder layout)",
-                            _make_shapes_args, _make_shapes)}
+                            MakeClassesOptions, make_classes)}

@@ -7,7 +7,7 @@
 A model name belongs to one task module (``hpdl.vision.classify`` or ``hpdl.vision.detect``); each module
 exposes ``MODELS`` (the names it trains), ``TrainOptions`` / ``EvaluateOptions`` (typed dataclasses extending
 :mod:`hpdl.vision.options`, from which the flags are generated), ``train(options)``, ``evaluate(options)`` and
-``COMMANDS`` (extra sub-commands: name -> (help, add_arguments, run)). The options every task shares are
+``COMMANDS`` (extra sub-commands: name -> (help, options dataclass, run(options))). The options every task shares are
 declared once, in :mod:`hpdl.vision.options`; a task fills in its own defaults where they are left as None.
 """
 
@@ -49,8 +49,8 @@ class VisionCommand:
                 add_arguments(p.add_argument_group(mod.__name__.rsplit(".", 1)[-1]),
                               mod.EvaluateOptions if evaluate else mod.TrainOptions, exclude=(shared,))
         for mod in mods:
-            for name, (text, add, _run) in mod.COMMANDS.items():
-                add(sub.add_parser(name, help=text, description=text))
+            for name, (text, cls, _run) in mod.COMMANDS.items():
+                add_arguments(sub.add_parser(name, help=text, description=text), cls)
 
     def run(self, args) -> int:
         cmd = getattr(args, "vision_cmd", None)
@@ -66,5 +66,6 @@ class VisionCommand:
             raise CLIUsageError(f"--model {args.model!r} is not a vision model; expected one of {known}")
         for mod in mods:
             if cmd in mod.COMMANDS:
-                return int(mod.COMMANDS[cmd][2](args) or 0)
+                _text, cls, run = mod.COMMANDS[cmd]
+                return int(run(from_namespace(cls, args)) or 0)
         raise CLIUsageError(f"unknown vision command {cmd!r}")

@@ -28,6 +28,7 @@ from hpdl.runtime.errors import HpdlError
 from hpdl.runtime.limits import count
 from hpdl.runtime.options import option
 from hpdl.vision.options import EvaluateRun, TrainRun
+from hpdl.vision.shapes import ShapesConfig
 
 MODELS = ("sprnet", "maskrcnn", "retinanet")
 MIN_IMAGE_SIZE = 32   # the pyramid's P7 is 1/128 of the input: below 32 px a 1x1 batch-norm input fails in training
@@ -533,7 +534,7 @@ class TrainOptions(TrainRun, _DetectionOptions):
 
 
 def _shapes_root(out: str, seed: int) -> Path:
-    from hpdl.vision.shapes import ShapesConfig, make_shapes
+    from hpdl.vision.shapes import make_shapes
 
     root = Path(out) / "shapes"
     if not (root / "annotations" / "instances_val.json").is_file():
@@ -651,30 +652,35 @@ def evaluate(options: EvaluateOptions) -> int:
     return 0
 
 
-def _add_make_shapes(p) -> None:
-    from hpdl.vision.shapes import ShapesConfig
-
-    d = ShapesConfig()
-    p.add_argument("--root", required=True, help="output folder (COCO layout: train/, val/, annotations/)")
-    p.add_argument("--train", type=count(0, 1 << 24), default=d.num_train, help=f"training images (default: {d.num_train})")
-    p.add_argument("--val", type=count(0, 1 << 24), default=d.num_val, help=f"validation images (default: {d.num_val})")
-    p.add_argument("--image-size", type=count(16, 8192), default=d.image_size,
-                   help=f"side in pixels, >= 16 (default: {d.image_size})")
-    p.add_argument("--max-instances", type=count(1, 1000), default=d.max_instances,
-                   help=f"instances an image, at most (default: {d.max_instances})")
-    p.add_argument("--seed", type=count(0, 2**32 - 1), default=d.seed, help=f"random seed, >= 0 (default: {d.seed})")
-    p.add_argument("--workers", type=count(0, 256), default=0, help="rendering processes (default: 0, this one)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace a different shapes set (or other files) already in --root")
+_SHAPES = ShapesConfig()
 
 
-def _make_shapes(args) -> int:
-    from hpdl.vision.shapes import ShapesConfig, make_shapes
+@dataclass(kw_only=True)
+class MakeShapesOptions:
+    """``hpdl vision make-shapes``: the synthetic COCO-format shapes set (:func:`hpdl.vision.shapes.make_shapes`)."""
 
-    cfg = ShapesConfig(num_train=args.train, num_val=args.val, image_size=args.image_size,
-                       max_instances=args.max_instances, seed=args.seed)
+    root: str = option(help="output folder (COCO layout: train/, val/, annotations/)")
+    train: int = option(_SHAPES.num_train, type=count(0, 1 << 24),
+                        help=f"training images (default: {_SHAPES.num_train})")
+    val: int = option(_SHAPES.num_val, type=count(0, 1 << 24), help=f"validation images (default: {_SHAPES.num_val})")
+    image_size: int = option(_SHAPES.image_size, type=count(16, 8192),
+                             help=f"side in pixels, >= 16 (default: {_SHAPES.image_size})")
+    max_instances: int = option(_SHAPES.max_instances, type=count(1, 1000),
+                                help=f"instances an image, at most (default: {_SHAPES.max_instances})")
+    seed: int = option(_SHAPES.seed, type=count(0, 2**32 - 1), help=f"random seed, >= 0 (default: {_SHAPES.seed})")
+    workers: int = option(0, type=count(0, 256), help="rendering processes (default: 0, this one)")
+    overwrite: bool = option(False, help="replace a different shapes set (or other files) already in --root")
+
+
+def make_shapes_set(options: MakeShapesOptions) -> int:
+    """Render the set with a progress bar and print its files as JSON."""
+    from hpdl.vision.shapes import make_shapes
+
+    o = options
+    cfg = ShapesConfig(num_train=o.train, num_val=o.val, image_size=o.image_size, max_instances=o.max_instances,
+                       seed=o.seed)
     bar = _Progress(cfg.num_train + cfg.num_val, "make-shapes")
-    files = make_shapes(args.root, cfg, workers=args.workers, overwrite=args.overwrite,
+    files = make_shapes(o.root, cfg, workers=o.workers, overwrite=o.overwrite,
                         progress=lambda done, total: bar.update(done))
     bar.close()
     print(json.dumps({k: str(v) for k, v in files.items()}))
@@ -682,7 +688,7 @@ def _make_shapes(args) -> int:
 
 
 COMMANDS = {"make-shapes": ("write the synthetic COCO-format shapes dataset (overlapping shapes, exact masks)",
-                            _add_make_shapes, _make_shapes)}
+                            MakeShapesOptions, make_shapes_set)}
 
 __all__ = ["MODELS", "build_model", "default_anchor_sizes", "draw_predictions", "evaluate_model", "fit",
            "format_metrics", "load_checkpoint", "predict", "save_checkpoint", "throughput"]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -581,30 +582,53 @@ def _finish_plot(fig, plt, result: dict, out: Path) -> str:
     return "soft_goal.png"
 
 
-def run_goal(args, device, meta: dict, out: Path) -> int:
+@dataclass(kw_only=True)
+class GoalOptions:
+    """What :func:`run_goal` runs after the kernel check (``hpdl bench attention --suite goal`` builds it from
+    ``--goal-parts``, ``--goal-pairs``, ``--warmup``, ``--reps``, ``--time-budget`` and ``--smoke``)."""
+
+    parts: list[str] = field(default_factory=lambda: ["layer", "eager"])  # of layer, eager, compiled, in order
+    pairs: list[str] = field(default_factory=lambda: ["tiny", "small"])   # names of PAIRS_BY_NAME, in order
+    warmup: int = 3            # untimed calls per point
+    reps: int = 10             # timed calls per point (median)
+    time_budget: float = 270.0  # seconds after which remaining model runs are skipped
+    smoke: bool = False        # tiny shapes: a check of the code
+
+    def __post_init__(self):
+        names = dict(PAIRS_BY_NAME)
+        bad = [p for p in self.parts if p not in ("layer", "eager", "compiled")]
+        if bad:
+            raise ValueError(f"parts must be some of layer, eager, compiled, got {self.parts}")
+        if not self.pairs or any(p not in names for p in self.pairs) or len(set(self.pairs)) != len(self.pairs):
+            raise ValueError(f"pairs must list {list(names)} at most once each, got {self.pairs}")
+        if not self.time_budget > 0:
+            raise ValueError(f"time_budget must be > 0 seconds, got {self.time_budget}")
+
+
+def run_goal(options: GoalOptions, device, meta: dict, out: Path) -> int:
     """The whole goal run; returns the exit status (1 if a gating kernel check fails or a row is non-finite)."""
     t0 = time.perf_counter()
-    smoke = bool(getattr(args, "smoke", False))
+    smoke = options.smoke
     result: dict = {"meta": {**meta, "suite": "goal", "smoke": smoke}}
     result["check"] = run_check(device, smoke)
     failed = [r for r in result["check"] if r["gate"] and not r["ok"]]
     print(f"# check done ({time.perf_counter() - t0:.0f} s), {len(failed)} gating failures", flush=True)
-    parts = list(args.goal_parts)
+    parts = list(options.parts)
     if not failed:
         if "layer" in parts:
             # graphed rows only where the check's capture of the layer worked (a failed capture mid-run can leave
             # the process's CUDA state unusable for the rows after it)
             cap = [r for r in result["check"] if r["check"] == "CUDA graph capture of the layer"]
             graphs = device.type == "cuda" and bool(cap) and cap[-1]["ok"]
-            result["layer"] = run_layer(device, smoke, args.warmup, args.reps, graphs=graphs)
+            result["layer"] = run_layer(device, smoke, options.warmup, options.reps, graphs=graphs)
             if device.type == "cuda" and not graphs:
                 result["meta"]["graphs"] = "skipped: the check's CUDA-graph capture of the layer failed"
             print(f"# layer done ({time.perf_counter() - t0:.0f} s)", flush=True)
         modes = [m for m in parts if m in ("eager", "compiled")]   # in the order asked
         if modes:
-            pairs = [dict(PAIRS_BY_NAME)[p] for p in getattr(args, "goal_pairs", None) or ("tiny", "small")]
-            result["models"] = run_models(device, smoke, args.warmup, args.reps, modes, t0 + args.time_budget,
-                                          pairs)
+            pairs = [dict(PAIRS_BY_NAME)[p] for p in options.pairs]
+            result["models"] = run_models(device, smoke, options.warmup, options.reps, modes,
+                                          t0 + options.time_budget, pairs)
     result["meta"]["seconds"] = time.perf_counter() - t0
     (out / "soft_goal.json").write_text(json.dumps(result, indent=1))
     png = plot_goal(result, out)
