@@ -124,3 +124,13 @@ def test_a_normal_exit_leaves_nothing(tmp_path):
             f"segs = [shm.create('test', 64, directory={str(tmp_path)!r}) for _ in range(2)]\n")
     subprocess.run([sys.executable, "-c", code], check=True, env=ENV, timeout=120)
     assert os.listdir(tmp_path) == []
+
+
+def test_names_are_checked_and_empty_segments_map(tmp_path):
+    with pytest.raises(ValueError, match=r"kind='a/b': expected letters, digits and dashes"):
+        shm.create("a/b", 8, directory=str(tmp_path))
+    with pytest.raises(ValueError, match=r"tail='x_y': expected letters, digits and dashes"):
+        shm.create("test", 8, tail="x_y", directory=str(tmp_path))
+    seg = shm.create("test", 0, directory=str(tmp_path))
+    assert seg.tensor().numel() == 0 and seg.array().size == 0 and os.path.getsize(seg.path) == 1
+    seg.unlink()

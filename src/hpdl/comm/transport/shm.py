@@ -30,6 +30,7 @@ import fcntl
 import itertools
 import mmap
 import os
+import re
 import secrets
 import tempfile
 import threading
@@ -47,6 +48,7 @@ OWNER_PREFIX = "hpdl-owner-"
 # owner files of hpdl versions whose offload kept its own scheme (same lock, same segment naming): swept too
 _LEGACY_OWNER_PREFIXES = ("hpdl-offload-owner-",)
 MIN_DATA_BYTES = 1 << 20
+_NAME_PART = re.compile(r"[A-Za-z0-9-]+")
 
 _LOCK = threading.Lock()
 _COUNTER = itertools.count()
@@ -184,11 +186,11 @@ class Segment:
     def tensor(self, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         """The first ``nbytes`` bytes as a 1-D CPU tensor of ``dtype`` (``nbytes`` must be a multiple of its
         size); the tensor keeps the mapping alive."""
-        return torch.frombuffer(self.buf, dtype=torch.uint8, count=self.nbytes).view(dtype)
+        return torch.frombuffer(self.buf, dtype=torch.uint8, count=len(self.buf))[:self.nbytes].view(dtype)
 
     def array(self, dtype=np.uint8) -> np.ndarray:
         """The first ``nbytes`` bytes as a writable 1-D numpy array of ``dtype``; it keeps the mapping alive."""
-        return np.frombuffer(self.buf, dtype=np.uint8, count=self.nbytes).view(dtype)
+        return np.frombuffer(self.buf, dtype=np.uint8)[:self.nbytes].view(dtype)
 
     def unlink(self) -> None:
         """Remove the segment's name if this process created it (see :func:`unlink`)."""
@@ -208,17 +210,20 @@ def create(kind: str, nbytes: int, *, tail: str | None = None, directory: str | 
     Args:
         kind: what it holds (letters, digits and dashes), e.g. ``"comm"``, ``"offload-buf"``.
         nbytes: size in bytes (>= 0; an empty segment still maps one byte).
-        tail: the rest of the name, for names peers derive (:func:`segment_path`); default a counter unique
-            in this process.
+        tail: the rest of the name (letters, digits and dashes), for names peers derive (:func:`segment_path`);
+            default a counter unique in this process.
         directory: default :func:`default_dir`.
 
     Raises:
-        ValueError: ``nbytes < 0``.
+        ValueError: ``nbytes < 0``, or ``kind`` / ``tail`` holds another character.
         FileExistsError: the name exists.
         NoSpaceError: the directory has no room for ``nbytes`` (the message names the size and directory).
     """
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    for arg, value in (("kind", kind), ("tail", tail)):
+        if value is not None and not _NAME_PART.fullmatch(value):
+            raise ValueError(f"{arg}={value!r}: expected letters, digits and dashes")
     d = os.path.abspath(directory or default_dir())
     path = segment_path(kind, owner_token(d), str(next(_COUNTER)) if tail is None else tail, d)
     size = max(int(nbytes), 1)
@@ -357,9 +362,10 @@ class NodeSharedBuffer:
 
     Ordering: data are written with plain stores (torch copies) before the arrival counter; x86-64 keeps
     stores in program order (TSO), so a peer that sees the counter also sees the data. Waits poll with
-    ``os.sched_yield`` then short sleeps, check that the awaited peers are alive (by pid: the local ranks of
-    one node share a pid namespace), and raise :class:`~hpdl.runtime.CollectiveTimeoutError` naming them
-    after ``timeout`` seconds (or at once when a peer process has died).
+    ``os.sched_yield`` then short sleeps, check that the awaited peers are alive (by pid, so the local ranks
+    must share a pid namespace; the sweep does not need that), and raise
+    :class:`~hpdl.runtime.CollectiveTimeoutError` naming them after ``timeout`` seconds (or at once when a peer
+    process has died).
 
     Args:
         token: id common to the group (see :func:`new_token`), so that groups and jobs never collide.
