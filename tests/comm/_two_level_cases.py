@@ -214,7 +214,7 @@ def dies_mid_call(ctx, ranks_per_node, victim, timeout):
     p, r = ctx.world_size, ctx.rank
     x = torch.arange(4 * p, dtype=torch.float32)
     hc.all_to_all_single(torch.empty_like(x), x, algorithm="push", timeout=timeout)  # buffers exist now
-    names = sorted(n for n in os.listdir("/dev/shm") if n.startswith("hpdl_"))
+    names = sorted(n for n in os.listdir("/dev/shm") if n.startswith("hpdl-comm-"))
     if r == victim:
         orig = A._TwoLevelAlltoall._exchange
 

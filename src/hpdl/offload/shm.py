@@ -1,28 +1,20 @@
-"""Host memory both the application and the agent map: buffers (``empty``/``zeros``), request mailboxes, the
-agent's status block, and doorbells. All are files in ``HPDL_OFFLOAD_SHM_DIR`` (POSIX shared memory,
-``/dev/shm``, by default) mapped ``MAP_SHARED``: the agent reads and writes the application's buffers in place.
+"""Host memory both the application and the agent map: buffers (``empty``/``zeros``), request mailboxes, and
+doorbells. Buffers and mailboxes are segments of hpdl's one shared-memory module
+(:mod:`hpdl.comm.transport.shm`) in ``HPDL_OFFLOAD_SHM_DIR`` (POSIX shared memory, ``/dev/shm``, by default):
+files mapped ``MAP_SHARED``, which the agent reads and writes in place.
 
 A file's path is its memory key (the role of an exported memory key on a DPU): the creator registers it,
 sends the path to the agent, and unlinks it when its tensor is freed or the process exits.
 
-Files of processes that were killed (SIGKILL, ``os._exit``, an OOM kill) would stay in ``/dev/shm`` and hold
-its memory until reboot. Each creating process therefore holds an exclusive ``flock`` on an *owner* file
-``hpdl-offload-owner-<token>`` for its lifetime, and names its files with the same token; :func:`sweep`
-(run once by every process that creates such files, and by an agent when a client leaves) removes the
-files of owners whose lock can be taken, i.e. whose process is gone. A lock, unlike a pid, is right across
-pid namespaces (containers sharing ``/dev/shm``) and is never held by a recycled pid.
+Crash safety is that module's: names carry the creating process's owner token, whose ``flock`` it holds for
+its lifetime, and :func:`sweep` (run when a process first allocates in the directory, and by an agent when a
+client leaves) removes the files of owners whose lock is free, i.e. whose process is gone (SIGKILL,
+``os._exit``, an OOM kill), right across pid namespaces and never fooled by a recycled pid.
 """
 
 from __future__ import annotations
 
-import atexit
-import errno
-import fcntl
-import itertools
-import mmap
 import os
-import secrets
-import tempfile
 import threading
 import weakref
 from dataclasses import dataclass
@@ -30,119 +22,43 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from hpdl.comm.transport import shm as _shm
 from hpdl.offload.errors import OffloadError
 from hpdl.offload.plan import dtype_name, torch_dtype
 from hpdl.runtime import env
 
 _SEGMENTS: dict[str, tuple[int, int]] = {}  # path -> (address, nbytes) of buffers this process created
 _LOCK = threading.Lock()
-_COUNTER = itertools.count()
 
 
 def shm_dir() -> str:
-    d = env.get("HPDL_OFFLOAD_SHM_DIR")
-    if d:
-        return d
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-
-
-_OWNER: dict = {"pid": None, "dirs": {}}  # this process's owner token per directory (re-made after a fork)
-OWNER_PREFIX = "hpdl-offload-owner-"
-
-
-def _owner(d: str) -> str:
-    """This process's owner token in directory ``d``, creating (and locking) its owner file the first time."""
-    pid = os.getpid()
-    with _LOCK:
-        if _OWNER["pid"] != pid:  # first call, or a forked child: the parent's tokens are the parent's
-            _OWNER["pid"], _OWNER["dirs"] = pid, {}
-        token = _OWNER["dirs"].get(d)
-        if token is not None:
-            return token
-        token = f"{pid}x{secrets.token_hex(4)}"
-        tmp = os.path.join(d, f".hpdl-offload-tmp-{token}")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX)  # locked before it gets the name sweep() looks for; held until exit
-        os.rename(tmp, os.path.join(d, OWNER_PREFIX + token))
-        _OWNER["dirs"][d] = token
-        _OWNER.setdefault("fds", []).append(fd)
-    sweep(d)
-    return token
-
-
-def new_path(kind: str) -> str:
-    d = shm_dir()
-    return os.path.join(d, f"hpdl-offload-{kind}-{_owner(d)}-{next(_COUNTER)}")
+    """The directory of offload's shared memory: ``HPDL_OFFLOAD_SHM_DIR``, else ``/dev/shm`` (else the temporary
+    directory)."""
+    return env.get("HPDL_OFFLOAD_SHM_DIR") or _shm.default_dir()
 
 
 def sweep(directory: str | None = None) -> list[str]:
-    """Remove the shared-memory files of hpdl processes that are gone (their owner lock is free).
+    """Remove the shared-memory files of hpdl processes that are gone (their owner lock is free), in
+    ``directory`` (default :func:`shm_dir`): :func:`hpdl.comm.transport.shm.sweep`.
 
     Safe to call at any time from any process: files of a live owner are never touched. Returns the paths
     removed.
     """
-    d = directory or shm_dir()
+    return _shm.sweep(directory or shm_dir())
+
+
+def _create(kind: str, nbytes: int) -> _shm.Segment:
+    d = shm_dir()
     try:
-        names = os.listdir(d)
-    except OSError:
-        return []
-    removed = []
-    for name in names:
-        if not name.startswith(OWNER_PREFIX):
-            continue
-        token = name[len(OWNER_PREFIX):]
-        if _OWNER["pid"] == os.getpid() and token in _OWNER["dirs"].values():
-            continue
-        path = os.path.join(d, name)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                continue  # its owner lives
-            tail = f"-{token}-"
-            for other in names:
-                if other.startswith("hpdl-offload-") and tail in other:
-                    try:
-                        os.unlink(os.path.join(d, other))
-                        removed.append(os.path.join(d, other))
-                    except OSError:
-                        pass
-            try:
-                os.unlink(path)
-                removed.append(path)
-            except OSError:
-                pass
-        finally:
-            os.close(fd)
-    return removed
+        return _shm.create(f"offload-{kind}", nbytes, directory=d)
+    except _shm.NoSpaceError as exc:
+        raise OffloadError(f"{exc.strerror}; free space there or set HPDL_OFFLOAD_SHM_DIR to a larger tmpfs") from None
 
 
 def _unlink(path: str) -> None:
-    if _OWNER["pid"] != os.getpid():
-        return  # a forked child exiting: the files are its parent's
     with _LOCK:
         _SEGMENTS.pop(path, None)
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-@atexit.register
-def _unlink_all() -> None:
-    if _OWNER["pid"] != os.getpid():
-        return
-    for path in list(_SEGMENTS):
-        _unlink(path)
-    for d, token in _OWNER["dirs"].items():
-        try:
-            os.unlink(os.path.join(d, OWNER_PREFIX + token))
-        except OSError:
-            pass
+    _shm.unlink(path)  # a forked child's call leaves its parent's file alone
 
 
 def empty(shape, dtype=torch.float32) -> torch.Tensor:
@@ -157,29 +73,12 @@ def empty(shape, dtype=torch.float32) -> torch.Tensor:
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     dt = torch_dtype(dtype_name(dtype))
     nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dt).element_size()
-    path = new_path("buf")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        try:  # reserve the pages now: a full /dev/shm fails here, not as SIGBUS on first touch
-            os.posix_fallocate(fd, 0, max(nbytes, 1))
-        except OSError as exc:
-            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                os.close(fd)
-                fd = -1
-                os.unlink(path)
-                raise OffloadError(f"cannot allocate {nbytes} bytes of shared memory in {os.path.dirname(path)} "
-                                   f"({exc.strerror}); free space there or set HPDL_OFFLOAD_SHM_DIR to a larger "
-                                   "tmpfs") from None
-            os.ftruncate(fd, max(nbytes, 1))
-        mm = mmap.mmap(fd, max(nbytes, 1))
-    finally:
-        if fd >= 0:
-            os.close(fd)
-    # frombuffer keeps ``mm`` alive for as long as any view of the storage lives; then the file goes
-    raw = torch.frombuffer(mm, dtype=torch.uint8, count=max(nbytes, 1))
+    seg = _create("buf", nbytes)
+    # the tensor keeps the mapping alive for as long as any view of its storage lives; then the file goes
+    raw = torch.frombuffer(seg.buf, dtype=torch.uint8, count=max(nbytes, 1))
     with _LOCK:
-        _SEGMENTS[path] = (raw.data_ptr(), nbytes)
-    weakref.finalize(mm, _unlink, path)
+        _SEGMENTS[seg.path] = (raw.data_ptr(), nbytes)
+    weakref.finalize(seg.buf, _unlink, seg.path)
     return raw[:nbytes].view(dt).view(shape)
 
 
@@ -241,8 +140,7 @@ class Mapper:
         with self._lock:
             raw = self._files.get(h.path)
             if raw is None:
-                size = os.path.getsize(h.path)
-                raw = self._files[h.path] = torch.from_file(h.path, shared=True, size=size, dtype=torch.uint8)
+                raw = self._files[h.path] = _shm.attach(h.path).tensor()
             self._refs[h.path] = self._refs.get(h.path, 0) + 1
         dt = torch_dtype(h.dtype)
         n = int(np.prod(h.shape, dtype=np.int64)) * torch.empty((), dtype=dt).element_size()
@@ -280,13 +178,12 @@ class Mailboxes:
         self.slots = slots
         if path is not None:  # the agent maps a client's mailboxes
             self.path = path
-            self.array = np.memmap(path, dtype=np.int64, mode="r+", shape=(slots, SLOT_WORDS))
+            self.array = _shm.attach(path, slots * SLOT_WORDS * 8).array(np.int64).reshape(slots, SLOT_WORDS)
         elif shared:
-            self.path = new_path("mbox")
-            with open(self.path, "wb") as fh:
-                fh.truncate(slots * SLOT_WORDS * 8)
-            self.array = np.memmap(self.path, dtype=np.int64, mode="r+", shape=(slots, SLOT_WORDS))
-            weakref.finalize(self, _unlink_file, self.path)
+            seg = _create("mbox", slots * SLOT_WORDS * 8)
+            self.path = seg.path
+            self.array = seg.array(np.int64).reshape(slots, SLOT_WORDS)
+            weakref.finalize(self, _shm.unlink, self.path)
         else:
             self.path = None
             self.array = np.zeros((slots, SLOT_WORDS), dtype=np.int64)
@@ -302,15 +199,6 @@ class Mailboxes:
 
     def give_back(self, i: int) -> None:
         self._free.append(i)
-
-
-def _unlink_file(path: str) -> None:
-    if _OWNER["pid"] != os.getpid():
-        return  # a forked child exiting: the file is its parent's
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 class Bell:
