@@ -257,7 +257,8 @@ def launch(comm: str, device: str = "cpu", *, algorithm: str = "auto", alltoall_
 
     ``comm="mpi"`` uses mpi4py's COMM_WORLD (no torch.distributed); ``"hpdl"`` and ``"nccl"`` join the
     launcher's job through :func:`hpdl.runtime.init_from_env`, or form a one-rank group when no launcher
-    variables are set. Raises ValueError for an unknown ``comm`` or ``device``, or ``cuda`` without CUDA.
+    variables are set. ``timeout`` (seconds; None = ``HPDL_TIMEOUT``) bounds the rendezvous and each halo wait.
+    Raises ValueError for an unknown ``comm`` or ``device``, or ``cuda`` without CUDA.
     """
     if comm not in COMMS:
         raise ValueError(f"comm must be one of {COMMS}, got {comm!r}")
