@@ -1,5 +1,6 @@
 """GlooTransport (hpdl.comm.transport.gloo): the private Gloo group hpdl.offload moves messages with, as a
-Transport. Two ranks run as two threads of this process on one HashStore (Gloo connects them over loopback)."""
+Transport. Two ranks run as two threads of this process on one HashStore (Gloo connects them over loopback):
+the Transport conformance cases (_transport_cases.py), then its own hooks, deadline and argument checks."""
 
 import threading
 
@@ -7,39 +8,19 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hpdl.comm.algorithms.base import get_class
+from _transport_cases import CASES
 from hpdl.comm.transport.base import Transport
 from hpdl.comm.transport.gloo import TRANSFER_WAIT_S, GlooTransport
 from hpdl.runtime.errors import CollectiveTimeoutError
 
 
-def pair(**kwargs) -> list[GlooTransport]:
-    """Two connected transports (creation is collective: both ranks at once)."""
-    store, out, errs = dist.HashStore(), [None, None], []
-
-    def make(r):
-        try:
-            out[r] = GlooTransport.create(store, r, 2, 30.0, **kwargs)
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errs.append(exc)
-
-    threads = [threading.Thread(target=make, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    if errs:
-        raise errs[0]
-    return out
-
-
-def on_both(ts, fn):
-    """``fn(transport)`` on each rank's thread; returns the two results (an exception is re-raised)."""
+def on_both(fn) -> list:
+    """``fn(rank)`` for ranks 0 and 1 on two threads at once; returns both results (re-raises an exception)."""
     res, errs = [None, None], []
 
     def run(r):
         try:
-            res[r] = fn(ts[r])
+            res[r] = fn(r)
         except BaseException as exc:  # noqa: BLE001 - re-raised below
             errs.append(exc)
 
@@ -54,48 +35,22 @@ def on_both(ts, fn):
     return res
 
 
-def test_per_message_tags_posting_order_and_defaults():
+def pair(**kwargs) -> list[GlooTransport]:
+    """Two connected transports (creation is collective: both ranks at once)."""
+    store = dist.HashStore()
+    return on_both(lambda r: GlooTransport.create(store, r, 2, 30.0, **kwargs))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_conformance(name):
+    ts = pair()
+    on_both(lambda r: CASES[name](ts[r]))
+
+
+def test_defaults():
     ts = pair()
     assert isinstance(ts[0], Transport) and ts[0].timeout == TRANSFER_WAIT_S
     assert [(t.rank, t.world_size, t.device.type) for t in ts] == [(0, 2, "cpu"), (1, 2, "cpu")]
-
-    def body(t):
-        if t.rank == 0:
-            reqs = [t.isend(torch.full((4,), v), 1, tag) for v, tag in ((1.0, 7), (2.0, 8), (3.0, 9), (4.0, 9))]
-            for r in reqs:
-                r.wait()
-            t.send(torch.arange(3), 1, 10)
-            return None
-        a, b, c, d = (torch.empty(4) for _ in range(4))
-        rb, ra = t.irecv(b, 0, 8), t.irecv(a, 0, 7)   # tags match, whatever the posting order
-        rc, rd = t.irecv(c, 0, 9), t.irecv(d, 0, 9)   # one tag: posting order
-        for r in (rd, rc, ra, rb):
-            r.wait()
-            assert r.is_completed()
-        e = torch.empty(3, dtype=torch.int64)
-        t.recv(e, 0, 10)
-        return [a[0].item(), b[0].item(), c[0].item(), d[0].item()], e.tolist()
-
-    assert on_both(ts, body)[1] == ([1.0, 2.0, 3.0, 4.0], [0, 1, 2])
-    rows = on_both(ts, lambda t: t.exchange_all(torch.tensor([10 * t.rank + 1, 10 * t.rank + 2]), tag=13))
-    assert [[r.tolist() for r in rs] for rs in rows] == [[[1, 2], [11, 12]]] * 2
-
-
-def test_hpdl_algorithms_run_over_it_exactly():
-    ts = pair(prefix="algos")
-    xs = [torch.randint(-1000, 1000, (1001,), generator=torch.Generator().manual_seed(r)).float() for r in range(2)]
-    want = xs[0] + xs[1]   # integers: exact in float32 whatever the order of the sum
-
-    def body(t):
-        outs = []
-        for name in ("ring", "direct", "recursive_doubling"):
-            buf = xs[t.rank].clone()
-            get_class(name)(None).all_reduce(buf, "sum", t)
-            outs.append(buf)
-        return outs
-
-    for outs in on_both(ts, body):
-        assert all(torch.equal(o, want) for o in outs)
 
 
 def test_a_wait_past_its_deadline_names_the_peer_as_described():
