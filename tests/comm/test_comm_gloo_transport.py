@@ -11,6 +11,7 @@ import torch.distributed as dist
 from _transport_cases import CASES
 from hpdl.comm.transport.base import Transport
 from hpdl.comm.transport.gloo import TRANSFER_WAIT_S, GlooTransport
+from hpdl.comm.transport.sub import SubTransport
 from hpdl.runtime.errors import CollectiveTimeoutError
 
 
@@ -45,6 +46,15 @@ def pair(**kwargs) -> list[GlooTransport]:
 def test_conformance(name):
     ts = pair()
     on_both(lambda r: CASES[name](ts[r]))
+
+
+def test_the_cases_pass_on_a_sub_transport_view_that_swaps_the_ranks_and_it_forwards_the_hooks():
+    ts = pair(prefix="sub", describe=lambda e: f"agent {e}", explain=lambda e: f"rank {e} died")
+    subs = [SubTransport(t, [1, 0], tag_offset=100) for t in ts]
+    assert [s.rank for s in subs] == [1, 0]
+    assert (subs[0].describe(0), subs[0].explain(1)) == ("agent 1", "rank 0 died")
+    for name in sorted(CASES):
+        on_both(lambda r: CASES[name](subs[r]))
 
 
 def test_defaults():
