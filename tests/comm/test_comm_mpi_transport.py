@@ -1,7 +1,8 @@
 """MpiTransport (hpdl.comm.transport.mpi) under ``mpiexec -n 2``: the Transport conformance cases (every dtype,
 tags, hpdl.comm's algorithms over it), then its own: the deadline that names the peer, argument checks, the
-algorithms against MPI's own Allreduce bit for bit, and the apps' MpiComm halos. One mpiexec run serves every case (_mpi_transport_cases.py); skipped where mpi4py or
-mpiexec is missing (``pip install mpi4py mpich``: the dev extra has both)."""
+algorithms against MPI's own Allreduce bit for bit, and the apps' MpiComm halos. One mpiexec run serves every
+case (_mpi_transport_cases.py); skipped where mpi4py or mpiexec is missing (``pip install mpi4py mpich``: the dev
+extra has both)."""
 
 import ast
 import functools
