@@ -70,6 +70,7 @@ def _jacobi_modes(ctx, shape, steps, repeats, timeout):
 
     import hpdl.offload as ho
     from hpdl.offload import plans
+    from hpdl.comm.transport.torch_p2p import TorchTransport
     from hpdl.offload.jacobi import _blocking_exchange, _initial, boxes, stencil
 
     P, r = ctx.world_size, ctx.rank
@@ -82,6 +83,7 @@ def _jacobi_modes(ctx, shape, steps, repeats, timeout):
     u0, b = _initial(shape, grid, r, dtype)
     padded = tuple(n + 2 for n in shape)
     tmp = {op.name: torch.empty(op.dst.numel, dtype=dtype) for op in plan.ops if op.kind == "recv"}
+    comm = TorchTransport(None, timeout)
     modes = ("blocking", "agent-blocking", "agent")
     fields = {m: [ho.empty(padded, dtype), ho.empty(padded, dtype)] for m in modes}
     reqs = {m: [ho.compile(plan, {"u": t}, progress="agent", timeout=timeout) for t in fields[m]]
@@ -99,7 +101,7 @@ def _jacobi_modes(ctx, shape, steps, repeats, timeout):
         for k in range(steps):
             cur, nxt = us[k % 2], us[(k + 1) % 2]
             if mode == "blocking":
-                _blocking_exchange(cur, plan.data(), list(range(P)), tmp)
+                _blocking_exchange(cur, plan.data(), comm, tmp)
                 stencil(cur, nxt, b, full)
             elif mode == "agent-blocking":
                 q = reqs[mode][k % 2]

@@ -252,7 +252,10 @@ def test_more_messages_between_two_endpoints_than_wire_tags_is_rejected(monkeypa
 
 def test_a_plan_whose_wire_tags_a_live_plan_holds_is_refused():
     from hpdl.offload import shm
-    from hpdl.offload.executor import Executor, Instance, Transport
+    import torch.distributed as dist
+
+    from hpdl.comm.transport.gloo import GlooTransport
+    from hpdl.offload.executor import Executor, Instance
 
     def inst(key, slot, t, boxes):
         p = ho.Plan("p", rank=0, world_size=2)
@@ -266,7 +269,8 @@ def test_a_plan_whose_wire_tags_a_live_plan_holds_is_refused():
         c = ho.compile_group([p.data(), q.data()], key=key, endpoints=[0, 1])[0]
         return Instance(c, {"x": torch.zeros(4)}, boxes.array, slot, t, "s", "rank 0")
 
-    ex, t, boxes = Executor(), Transport(), shm.Mailboxes(4, shared=False)
+    t = GlooTransport.create(dist.HashStore(), 0, 1, 10.0)  # registration only: nothing is sent
+    ex, boxes = Executor(), shm.Mailboxes(4, shared=False)
     a, b = inst(5, 0, t, boxes), inst(5 + 32768, 1, t, boxes)
     ex.register(a)
     with pytest.raises(ho.OffloadError, match=r"key 32773\) would share wire tags with live plan 'p' \(key 5\)"):

@@ -2,10 +2,12 @@
 group's own collectives: NCCL on CUDA, gloo on CPU) and ``mpi`` (mpi4py), behind one small interface.
 
 An application only needs four things from a communicator: an in-place sum all-reduce, an all-to-all with
-split sizes, non-blocking point-to-point halo exchanges, and sub-communicators. ``hpdl`` and ``nccl`` differ
-in the collectives only: both exchange halos with torch.distributed point-to-point calls on a process group of
-their own (so halo messages never interleave with hpdl's tagged schedules), which keeps the comparison about
-the collectives.
+split sizes, non-blocking point-to-point halo exchanges, and sub-communicators. Halos go through hpdl.comm's
+transport interface: ``hpdl`` and ``nccl`` over a :class:`~hpdl.comm.transport.torch_p2p.TorchTransport` on a
+process group of their own (so halo messages never interleave with hpdl's tagged schedules), ``mpi`` over an
+:class:`~hpdl.comm.transport.mpi.MpiTransport` on its communicator. ``hpdl`` and ``nccl`` therefore differ in the
+collectives only, which keeps the comparison about the collectives; ``mpi`` keeps MPI's own ``Allreduce`` and
+``Alltoallv``, the MPI baseline.
 """
 
 from __future__ import annotations
@@ -16,7 +18,13 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from hpdl.comm.transport.mpi import MpiTransport
+from hpdl.comm.transport.torch_p2p import TorchTransport
+
 COMMS = ("hpdl", "nccl", "mpi")
+# halo messages' tag: a split TorchComm shares its group with hpdl's schedules, whose tags are all below 2000;
+# under 32767, the least TAG_UB an MPI may have
+HALO_TAG = 30000
 
 
 def synchronize(device: torch.device) -> None:
@@ -85,6 +93,8 @@ class TorchComm(Comm):
             :func:`hpdl.comm.all_to_all_single` (keyword arguments only) instead of torch.distributed.
         group: the process group (None = world); ``ranks``: its global ranks (None = all).
         algorithm, alltoall_algorithm, window: hpdl's ``algorithm=`` and ``window=`` for each collective.
+        timeout: seconds a halo wait may block before it raises :class:`hpdl.runtime.CollectiveTimeoutError`
+            naming the peer (gloo; NCCL's own watchdog bounds its waits); None = ``HPDL_TIMEOUT``.
 
     hpdl's per-call argument check (``HPDL_CHECK``) runs on the first call of each collective only: an
     application loop repeats the same call on every rank, so later checks would only add latency.
@@ -92,7 +102,7 @@ class TorchComm(Comm):
 
     def __init__(self, use_hpdl: bool, device: torch.device | str = "cpu", group=None,
                  ranks: Sequence[int] | None = None, algorithm: str = "auto", alltoall_algorithm: str = "auto",
-                 window: int | None = None):
+                 window: int | None = None, timeout: float | None = None):
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: use hpdl.apps.comm.launch() or "
                                "hpdl.runtime.init_from_env() first")
@@ -103,10 +113,15 @@ class TorchComm(Comm):
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.ranks = list(ranks) if ranks is not None else list(range(self.size))
         self._checked: set[str] = set()
-        self._halo_group = group
+        self.timeout = timeout
+        halo_group = group
         if group is None and self.size > 1:  # collective: every rank builds its communicator here
-            self._halo_group = dist.new_group(self.ranks)
-            dist.all_reduce(torch.zeros(1, device=self.device), group=self._halo_group)  # NCCL: create it now
+            halo_group = dist.new_group(self.ranks)
+            dist.all_reduce(torch.zeros(1, device=self.device), group=halo_group)  # NCCL: create it now
+        from hpdl.runtime import env
+
+        self.halo = TorchTransport(halo_group, float(env.get("HPDL_TIMEOUT") if timeout is None else timeout),
+                                   device=self.device)
 
     def _check(self, what: str):
         if what in self._checked and self.device.type == "cpu":
@@ -141,10 +156,8 @@ class TorchComm(Comm):
     def start_halo(self, sends, recvs):
         if not sends and not recvs:
             return _Done()
-        g = self._halo_group
-        ops = [dist.P2POp(dist.irecv, buf, self.ranks[peer], g) for peer, buf in recvs]
-        ops += [dist.P2POp(dist.isend, t, self.ranks[peer], g) for peer, t in sends]
-        return _Reqs(dist.batch_isend_irecv(ops))
+        s, r = self.halo.post([(t, peer) for peer, t in sends], [(buf, peer) for peer, buf in recvs], HALO_TAG)
+        return _Reqs(r + s)
 
     def split(self, colors):
         if self.group is not None:
@@ -159,7 +172,7 @@ class TorchComm(Comm):
             if colors[self.rank] == color:
                 mine = (g, members)
         sub = TorchComm(self.use_hpdl, self.device, group=mine[0], ranks=mine[1], algorithm=self.algorithm,
-                        alltoall_algorithm=self.alltoall_algorithm, window=self.window)
+                        alltoall_algorithm=self.alltoall_algorithm, window=self.window, timeout=self.timeout)
         return sub
 
     def barrier(self) -> None:
@@ -168,13 +181,20 @@ class TorchComm(Comm):
 
 
 class MpiComm(Comm):
-    """mpi4py communicator (``pip install 'hpdl[mpi]'`` plus an MPI library). CUDA tensors are passed through
-    ``__cuda_array_interface__`` after a device synchronisation (MPI ignores CUDA streams) and need a
-    CUDA-aware MPI; CPU tensors as NumPy views (no copy)."""
+    """mpi4py communicator (``pip install 'hpdl[mpi]'`` plus an MPI library): MPI's own ``Allreduce`` and
+    ``Alltoallv`` (the MPI baseline), halos over an :class:`~hpdl.comm.transport.mpi.MpiTransport` (``Isend`` /
+    ``Irecv``, waits that time out naming the peer). CUDA tensors are passed through ``__cuda_array_interface__``
+    after a device synchronisation (MPI ignores CUDA streams) and need a CUDA-aware MPI; CPU tensors as NumPy
+    views (no copy).
+
+    Args:
+        comm: the mpi4py communicator (default ``COMM_WORLD``).
+        timeout: seconds a halo wait may block; None = ``HPDL_TIMEOUT``.
+    """
 
     name = "mpi"
 
-    def __init__(self, device: torch.device | str = "cpu", comm=None):
+    def __init__(self, device: torch.device | str = "cpu", comm=None, timeout: float | None = None):
         try:
             from mpi4py import MPI
         except ImportError as exc:
@@ -184,6 +204,8 @@ class MpiComm(Comm):
         self.MPI = MPI
         self.comm = comm if comm is not None else MPI.COMM_WORLD
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self.timeout = timeout
+        self.transport = MpiTransport(self.comm, timeout, self.device)
 
     def _buf(self, t: torch.Tensor):
         if t.is_cuda:
@@ -207,18 +229,12 @@ class MpiComm(Comm):
                             [self._buf(out), (list(out_splits), displs(out_splits))])
 
     def start_halo(self, sends, recvs):
-        reqs = [self.comm.Irecv(self._buf(buf), source=peer, tag=1) for peer, buf in recvs]
-        reqs += [self.comm.Isend(self._buf(t), dest=peer, tag=1) for peer, t in sends]
-        mpi = self.MPI
-
-        class _Wait:
-            def wait(self):
-                mpi.Request.Waitall(reqs)
-
-        return _Wait()
+        s, r = self.transport.post([(t, peer) for peer, t in sends], [(buf, peer) for peer, buf in recvs],
+                                   HALO_TAG)
+        return _Reqs(r + s)
 
     def split(self, colors):
-        return MpiComm(self.device, self.comm.Split(colors[self.rank], self.rank))
+        return MpiComm(self.device, self.comm.Split(colors[self.rank], self.rank), self.timeout)
 
     def barrier(self) -> None:
         self.comm.Barrier()
@@ -241,7 +257,8 @@ def launch(comm: str, device: str = "cpu", *, algorithm: str = "auto", alltoall_
 
     ``comm="mpi"`` uses mpi4py's COMM_WORLD (no torch.distributed); ``"hpdl"`` and ``"nccl"`` join the
     launcher's job through :func:`hpdl.runtime.init_from_env`, or form a one-rank group when no launcher
-    variables are set. Raises ValueError for an unknown ``comm`` or ``device``, or ``cuda`` without CUDA.
+    variables are set. ``timeout`` (seconds; None = ``HPDL_TIMEOUT``) bounds the rendezvous and each halo wait.
+    Raises ValueError for an unknown ``comm`` or ``device``, or ``cuda`` without CUDA.
     """
     if comm not in COMMS:
         raise ValueError(f"comm must be one of {COMMS}, got {comm!r}")
@@ -250,13 +267,13 @@ def launch(comm: str, device: str = "cpu", *, algorithm: str = "auto", alltoall_
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but torch sees no CUDA device here; use --device cpu")
     if comm == "mpi":
-        c = MpiComm("cpu")
+        c = MpiComm("cpu", timeout=timeout)
         dev = torch.device("cpu")
         if device == "cuda":
             local = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", os.environ.get("MPI_LOCALRANKID", c.rank)))
             dev = torch.device("cuda", local % torch.cuda.device_count())
             torch.cuda.set_device(dev)
-        c.device = dev
+        c.device = c.transport.device = dev
         return c
     from hpdl.runtime import init_from_env
 
@@ -266,4 +283,5 @@ def launch(comm: str, device: str = "cpu", *, algorithm: str = "auto", alltoall_
 
     local = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
     dev = device_for(device, local, job_ranks_per_gpu(device, None))[0]   # shared GPUs too
-    return TorchComm(comm == "hpdl", dev, algorithm=algorithm, alltoall_algorithm=alltoall_algorithm, window=window)
+    return TorchComm(comm == "hpdl", dev, algorithm=algorithm, alltoall_algorithm=alltoall_algorithm, window=window,
+                     timeout=timeout)

@@ -3,7 +3,7 @@
 It maps the registered buffers of every rank of its node (POSIX shared memory; CUDA IPC for GPU tensors),
 runs their started plans on one :class:`~hpdl.offload.executor.Executor` (messages between ranks of the node
 are single copies from the sender's buffer into the receiver's), moves data between nodes over a Gloo group
-of all agents, and signals completion through the ranks' mailboxes.
+of all agents (:class:`hpdl.comm.transport.gloo.GlooTransport`), and signals completion through the ranks' mailboxes.
 
 Started by :class:`hpdl.offload.Agent` (one per node of a group) or by ``hpdl offload agent`` (one per node
 of a job). Files next to its Unix socket ``PATH``: ``PATH.status`` (pid, heartbeat, state), ``PATH.bell``
@@ -325,7 +325,7 @@ def run_agent(*, index: int, agents: int, rendezvous: str, address: str, authkey
     """
     import torch.distributed as dist
 
-    from hpdl.offload.executor import GlooTransport
+    from hpdl.comm.transport.gloo import GlooTransport
 
     _refuse_live(address, index)
     cleanup(address)
@@ -349,7 +349,7 @@ def run_agent(*, index: int, agents: int, rendezvous: str, address: str, authkey
                               timeout=timedelta(seconds=timeout), wait_for_workers=True)
         store.set(f"hpdl_offload_agent{index}", f"{os.getpid()} {socket.gethostname()}")
         peers = [store.get(f"hpdl_offload_agent{e}").decode().split(" ", 1) for e in range(agents)]
-        transport = GlooTransport.create(store, index, agents, timeout,
+        transport = GlooTransport.create(store, index, agents, timeout, prefix="hpdl-offload",
                                          describe=lambda e: f"{describe(e, peers[e][0])} on {peers[e][1]}",
                                          explain=lambda e: store.get(exit_key(e)).decode()
                                          if store.check([exit_key(e)]) else None)

@@ -24,13 +24,14 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from hpdl.comm.transport.gloo import GlooTransport
 from hpdl.offload import client as client_mod
 from hpdl.offload import native
 from hpdl.offload import control as P
 from hpdl.offload import shm
 from hpdl.offload.compiler import CompiledPlan, check_plan, compile_group
 from hpdl.offload.errors import AgentError, OffloadError, OffloadPeerError, OffloadTimeoutError, PlanError
-from hpdl.offload.executor import Executor, GlooTransport, Instance, Status
+from hpdl.offload.executor import Executor, Instance, Status
 from hpdl.offload.plan import BufferSpec, Plan, PlanData, torch_dtype
 from hpdl.runtime import env
 
@@ -113,7 +114,7 @@ def _private_gloo(group, rank: int, world: int, timeout: float) -> GlooTransport
     dist.broadcast_object_list(port, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     if store is None:
         store = dist.TCPStore(addr, port[0], world, is_master=False, timeout=timedelta(seconds=timeout))
-    t = GlooTransport.create(store, rank, world, timeout)
+    t = GlooTransport.create(store, rank, world, timeout, prefix="hpdl-offload")
     t.store = store  # group rank 0 hosts it: keep it alive with the transport
     return t
 

@@ -4,8 +4,17 @@ One executor serves many ranks and plans at once: the progress agent runs one fo
 the in-process fallback one per process. It issues an operation as soon as its dependencies are done (the
 schedule of MPICH's gentran DAGs: a vertex is issued when its dependency count reaches zero), copies messages
 between ranks it serves directly from the sender's buffer into the receiver's (no staging), and hands
-messages to other endpoints to a :class:`Transport`, whose blocking calls run on I/O threads (torch's Gloo
-point-to-point work cannot be polled: its ``is_completed()`` stays False until ``wait()``).
+messages to other endpoints to a :class:`hpdl.comm.transport.base.Transport` (in practice
+:class:`~hpdl.comm.transport.gloo.GlooTransport`), whose waits run on I/O threads (torch's Gloo point-to-point
+work cannot be polled: its ``is_completed()`` stays False until ``wait()``).
+
+What the executor needs of its transport: ``isend``/``irecv`` post one message and return at once with a request
+whose ``wait()`` blocks until it is done (called on the I/O threads). The dispatcher posts every message as soon
+as its operation is ready, in issue order, so a message never waits for a free I/O thread to be *posted*: a plan
+with more messages in flight than there are I/O threads still completes (a blocking ``send`` taken up by a pool
+thread would wait for a ``recv`` queued behind it: a deadlock). Tensors are contiguous and on the CPU; a tag is a
+31-bit int unique per message between two endpoints among the live plans. ``describe(endpoint)`` and
+``explain(endpoint)`` word its errors.
 
 Requests talk to it through mailboxes (:mod:`hpdl.offload.shm`): a ``start()`` writes the generation number
 and rings a doorbell; the executor writes back when it took it up and when it finished. Progress never
@@ -28,109 +37,13 @@ from typing import Callable
 import numpy as np
 import torch
 
+from hpdl.comm.transport.base import Transport
 from hpdl.offload import native, shm
 from hpdl.offload.status import Pending, Status
 from hpdl.offload.compiler import CompiledPlan
 from hpdl.offload.errors import OffloadError
 
 log = logging.getLogger("hpdl.offload")
-
-
-class Transport:
-    """Moves messages to and from other endpoints.
-
-    ``isend``/``irecv`` post one message and return at once with an object whose ``wait()`` blocks until it
-    is done (called on the executor's I/O threads). The dispatcher posts every message as soon as its
-    operation is ready, in issue order, so a message never waits for a free I/O thread to be *posted*:
-    a plan with more messages in flight than there are I/O threads still completes (a blocking ``send``
-    taken up by a pool thread would wait for a ``recv`` queued behind it: a deadlock). ``tensor`` is
-    contiguous and on the CPU; ``tag`` a 31-bit int unique per message between two endpoints among the
-    live plans.
-    """
-
-    def isend(self, tensor: torch.Tensor, endpoint: int, tag: int):
-        raise NotImplementedError
-
-    def irecv(self, tensor: torch.Tensor, endpoint: int, tag: int):
-        raise NotImplementedError
-
-    def send(self, tensor: torch.Tensor, endpoint: int, tag: int) -> None:
-        self.isend(tensor, endpoint, tag).wait()
-
-    def recv(self, tensor: torch.Tensor, endpoint: int, tag: int) -> None:
-        self.irecv(tensor, endpoint, tag).wait()
-
-    def describe(self, endpoint: int) -> str:
-        return f"endpoint {endpoint}"
-
-    def explain(self, endpoint: int) -> str | None:
-        """Why ``endpoint`` went away, when it said so before going (e.g. "rank 3 (pid 42) on node-b died"):
-        a failure is then blamed on that rank rather than on the endpoint; None when unknown."""
-        return None
-
-
-# How long a posted transfer may wait for its peer. Not HPDL_TIMEOUT: a persistent request's peer may start
-# it much later (load imbalance), and a Gloo wait that times out closes the pair for good, breaking every
-# later plan between the two endpoints. Failures are found otherwise: a dead peer closes its connections
-# (Gloo fails the transfer at once), and wait()/test() time out on the application's side, naming the ranks.
-TRANSFER_WAIT_S = 30 * 24 * 3600.0
-
-
-class _GlooWork:
-    __slots__ = ("work",)
-
-    def __init__(self, work):
-        self.work = work
-
-    def wait(self) -> None:
-        from datetime import timedelta
-
-        self.work.wait(timedelta(seconds=TRANSFER_WAIT_S))
-
-
-class GlooTransport(Transport):
-    """Point-to-point over a private Gloo process group whose ranks are the endpoints.
-
-    The group is built directly on a store (``torch.distributed.ProcessGroupGloo``) rather than with
-    ``new_group``: no other rank of the job has to take part, and the application's own groups and calls
-    never share its tags. ``timeout`` bounds the group's connection set-up only; transfers wait
-    :data:`TRANSFER_WAIT_S`.
-    """
-
-    def __init__(self, pg, describe: Callable[[int], str] | None = None,
-                 explain: Callable[[int], str | None] | None = None):
-        self.pg = pg
-        self._describe = describe
-        self._explain = explain
-
-    @classmethod
-    def create(cls, store, rank: int, size: int, timeout: float, prefix: str = "hpdl-offload",
-               describe: Callable[[int], str] | None = None,
-               explain: Callable[[int], str | None] | None = None) -> "GlooTransport":
-        """Collective over the ``size`` processes that share ``store``."""
-        from datetime import timedelta
-
-        import torch.distributed as dist
-
-        pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, timedelta(seconds=timeout))
-        return cls(pg, describe, explain)
-
-    def isend(self, tensor, endpoint, tag):
-        return _GlooWork(self.pg.send([tensor], endpoint, tag))
-
-    def irecv(self, tensor, endpoint, tag):
-        return _GlooWork(self.pg.recv([tensor], endpoint, tag))
-
-    def describe(self, endpoint):
-        return self._describe(endpoint) if self._describe else f"rank {endpoint}"
-
-    def explain(self, endpoint):
-        if self._explain is None:
-            return None
-        try:
-            return self._explain(endpoint)
-        except Exception:  # noqa: BLE001 - the store may have gone with the endpoint: no explanation
-            return None
 
 
 def _reshaped(src: torch.Tensor, shape) -> Callable[[], torch.Tensor]:

@@ -4,8 +4,8 @@ Each rank owns a block of a ``(pz*nz, py*ny, px*nx)`` grid (periodic across rank
 zero Dirichlet halos in the others) and iterates the 7-point update ``u' = (sum of 6 neighbours + b) / 6``.
 
 Modes (one step each):
-- ``blocking``: torch.distributed ``isend``/``irecv`` of every face, wait for all, update the whole block
-  (what an MPI code without overlap does).
+- ``blocking``: torch.distributed ``isend``/``irecv`` of every face (through hpdl.comm's ``TorchTransport``),
+  wait for all, update the whole block (what an MPI code without overlap does).
 - ``agent-blocking``: the offloaded exchange started and waited at once, then the whole update (the agent's
   communication time, with no overlap).
 - ``agent``: start the offloaded exchange, update the interior (which needs no halo), wait, update the
@@ -27,6 +27,7 @@ import time
 import torch
 
 from hpdl.bench.common import Benchmark, Column, Panel, PlotSpec, command
+from hpdl.comm.transport.torch_p2p import TorchTransport
 from hpdl.runtime.errors import CLIUsageError
 from hpdl.runtime.limits import count, real
 
@@ -81,18 +82,18 @@ def _initial(shape, grid, rank, dtype):
     return u.to(dtype), b.to(dtype)
 
 
-def _blocking_exchange(u, plan_data, group_ranks, tmp):
-    import torch.distributed as dist
-
+def _blocking_exchange(u, plan_data, comm, tmp):
+    """The blocking baseline's halo exchange: every face posted on ``comm`` (a
+    :class:`~hpdl.comm.transport.torch_p2p.TorchTransport` of the plan's group), waited, unpacked."""
     works, unpack, sent = [], [], []
     for op in plan_data.ops:
         view = u[op.src.slices()] if op.kind == "send" else u[op.dst.slices()]
         if op.kind == "send":
             sent.append(view.contiguous())  # alive until its wait
-            works.append(dist.isend(sent[-1], group_ranks[op.peer], tag=op.tag))
+            works.append(comm.isend(sent[-1], op.peer, op.tag))
         else:
             buf = tmp[op.name]
-            works.append(dist.irecv(buf, group_ranks[op.peer], tag=op.tag))
+            works.append(comm.irecv(buf, op.peer, op.tag))
             unpack.append((view, buf))
     for w in works:
         w.wait()
@@ -129,13 +130,13 @@ def _measure(ctx, shape, grid, modes, steps, repeats, dtype, timeout):
     import hpdl.offload as ho
     from hpdl.offload import plans
 
-    P, r = ctx.world_size, ctx.rank
+    r = ctx.rank
     periodic = tuple(g > 1 for g in grid)
     plan = plans.halo3d(shape, grid, r, dtype, periodic=periodic)
     inner, shell = boxes(shape, periodic)
     u0, b = _initial(shape, grid, r, dtype)
     padded = tuple(n + 2 for n in shape)
-    ranks = list(range(P))
+    comm = TorchTransport(None, timeout)
     tmp = {op.name: torch.empty(op.dst.numel, dtype=dtype) for op in plan.ops if op.kind == "recv"}
     results, reference = {}, None
     for mode in modes:
@@ -155,7 +156,7 @@ def _measure(ctx, shape, grid, modes, steps, repeats, dtype, timeout):
             cur, nxt = us[k % 2], us[(k + 1) % 2]
             if mode == "blocking":
                 t0 = time.perf_counter()
-                _blocking_exchange(cur, plan.data(), ranks, tmp)
+                _blocking_exchange(cur, plan.data(), comm, tmp)
                 comm_t[0] += time.perf_counter() - t0
                 stencil(cur, nxt, b, tuple(slice(1, n + 1) for n in shape))
             elif mode == "agent-blocking":

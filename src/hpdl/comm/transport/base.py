@@ -1,7 +1,14 @@
 """The transport interface every algorithm is written against: post sends and receives, wait with a timeout.
 
 An algorithm sees ranks 0..world_size-1 of its group; the transport maps them to the engine's ranks. The
-same algorithm code therefore runs over gloo on CPU, NCCL on GPU or MPI, whichever transport it is given.
+same algorithm code therefore runs over gloo on CPU, NCCL on GPU or MPI, whichever transport it is given:
+:class:`~hpdl.comm.transport.torch_p2p.TorchTransport` (a torch.distributed group),
+:class:`~hpdl.comm.transport.gloo.GlooTransport` (a private Gloo group built on a store: hpdl.offload's),
+:class:`~hpdl.comm.transport.mpi.MpiTransport` (an mpi4py communicator), and
+:class:`~hpdl.comm.transport.sub.SubTransport` (a subset of another transport's ranks).
+
+Backends implement :meth:`Transport.post`; per-message ``isend``/``irecv`` (what hpdl.offload's executor
+posts, one tag per message) and the ``describe``/``explain`` hooks its error messages use have defaults here.
 """
 
 from __future__ import annotations
@@ -47,6 +54,31 @@ class Transport(ABC):
         Tensors must be contiguous and stay untouched until their request completes. Messages between one
         pair of ranks with one tag match in the order they were posted.
         """
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Request:
+        """Post one send of ``tensor`` to ``dst``; its request's ``wait()`` blocks until it is done."""
+        return self.post([(tensor, dst)], [], tag)[0][0]
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Request:
+        """Post one receive into ``tensor`` from ``src``; its request's ``wait()`` blocks until it landed."""
+        return self.post([], [(tensor, src)], tag)[1][0]
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+        """Blocking :meth:`isend`."""
+        self.isend(tensor, dst, tag).wait()
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None:
+        """Blocking :meth:`irecv`."""
+        self.irecv(tensor, src, tag).wait()
+
+    def describe(self, peer: int) -> str:
+        """Who ``peer`` is, for error messages ("rank 3"; hpdl.offload's agents name their process and host)."""
+        return f"rank {peer}"
+
+    def explain(self, peer: int) -> str | None:
+        """Why ``peer`` went away, when it said so before going (e.g. "rank 3 (pid 42) on node-b died"), so that
+        a failure is blamed on that rank rather than on the peer that relayed it; None when unknown."""
+        return None
 
     def exchange(self, send: torch.Tensor | None, dst: int, recv: torch.Tensor | None, src: int,
                  tag: int = 0) -> None:

@@ -45,3 +45,9 @@ class SubTransport(Transport):
              tag: int = 0) -> tuple[list[Request], list[Request]]:
         m = self.members
         return self.parent.post([(t, m[q]) for t, q in sends], [(t, m[q]) for t, q in recvs], tag + self.tag_offset)
+
+    def describe(self, peer: int) -> str:
+        return self.parent.describe(self.members[peer])
+
+    def explain(self, peer: int) -> str | None:
+        return self.parent.explain(self.members[peer])

@@ -18,6 +18,8 @@ from hpdl.runtime.errors import CollectiveTimeoutError
 
 
 class _TorchRequest(Request):
+    """A c10d ``Work`` of one send or receive (also :class:`~hpdl.comm.transport.gloo.GlooTransport`'s)."""
+
     def __init__(self, work, transport: "TorchTransport", peer: int, kind: str, landing=None):
         self._work, self._t, self._peer, self._kind = work, transport, peer, kind
         self._landing = landing   # (CUDA destination, host staging tensor) of a staged receive
@@ -40,7 +42,7 @@ class _TorchRequest(Request):
             if "imeout" in msg or "timed out" in msg.lower():
                 raise CollectiveTimeoutError(
                     f"rank {self._t.rank} waited {self._t.timeout:.0f}s for the {self._kind} "
-                    f"{'from' if self._kind == 'recv' else 'to'} rank {self._peer}, which did not answer",
+                    f"{'from' if self._kind == 'recv' else 'to'} {self._t.describe(self._peer)}, which did not answer",
                     missing_ranks=[self._peer]) from None
             raise
 
