@@ -71,7 +71,7 @@ def _jacobi_modes(ctx, shape, steps, repeats, timeout):
     import hpdl.offload as ho
     from hpdl.offload import plans
     from hpdl.comm.transport.torch_p2p import TorchTransport
-    from hpdl.offload.jacobi import _blocking_exchange, _initial, boxes, stencil
+    from hpdl.offload.jacobi import blocking_exchange, initial_field, boxes, stencil
 
     P, r = ctx.world_size, ctx.rank
     grid = (P, 1, 1)
@@ -80,7 +80,7 @@ def _jacobi_modes(ctx, shape, steps, repeats, timeout):
     plan = plans.halo3d(shape, grid, r, dtype, periodic=periodic)
     inner, shell = boxes(shape, periodic)
     full = tuple(slice(1, n + 1) for n in shape)
-    u0, b = _initial(shape, grid, r, dtype)
+    u0, b = initial_field(shape, grid, r, dtype)
     padded = tuple(n + 2 for n in shape)
     tmp = {op.name: torch.empty(op.dst.numel, dtype=dtype) for op in plan.ops if op.kind == "recv"}
     comm = TorchTransport(None, timeout)
@@ -101,7 +101,7 @@ def _jacobi_modes(ctx, shape, steps, repeats, timeout):
         for k in range(steps):
             cur, nxt = us[k % 2], us[(k + 1) % 2]
             if mode == "blocking":
-                _blocking_exchange(cur, plan.data(), comm, tmp)
+                blocking_exchange(cur, plan.data(), comm, tmp)
                 stencil(cur, nxt, b, full)
             elif mode == "agent-blocking":
                 q = reqs[mode][k % 2]
@@ -141,7 +141,7 @@ def _osu(ctx, size, repeats, iters, timeout):
     """{mode: {pure, overall, compute, alone: [us per repeat]}} for one size, modes interleaved per repeat."""
     import torch.distributed as dist
 
-    from hpdl.offload.bench import Dummy, _setup
+    from hpdl.offload.bench import Dummy, setup_point
 
     def avg(v):
         t = torch.tensor([v], dtype=torch.float64)
@@ -153,7 +153,7 @@ def _osu(ctx, size, repeats, iters, timeout):
 
     dummy = Dummy()
     modes = ("native", "agent")
-    setups = {m: _setup("alltoall", m, size, ctx, timeout) for m in modes}
+    setups = {m: setup_point("alltoall", m, size, ctx, timeout) for m in modes}
     wrong = {m: int(avg(setups[m][2]()) * ctx.world_size) for m in modes}
     out = {m: {"pure": [], "overall": [], "compute": [], "alone": []} for m in modes}
     n_compute = {}

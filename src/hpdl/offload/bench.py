@@ -10,7 +10,7 @@ The application never calls ``test()`` during the compute (OSU's test_time is 0 
 shows up is progress made without it. Modes: ``native`` (torch.distributed's non-blocking collective with
 ``async_op=True``, the host busy computing), ``thread`` (hpdl.offload's in-process progress thread) and
 ``agent`` (the progress agent). Every point is checked once against torch.distributed (``#wrong``).
-:class:`OverlapBenchmark` is the harness plug-in (:mod:`hpdl.bench.common`); :class:`Dummy`, :func:`_setup` and
+:class:`OverlapBenchmark` is the harness plug-in (:mod:`hpdl.bench.common`); :class:`Dummy`, :func:`setup_point` and
 :func:`overlap_pct` are also ``benchmarks/offload_device.py``'s.
 """
 
@@ -57,7 +57,7 @@ class Dummy:
             torch.mm(a, b, out=c)
 
 
-def _setup(pattern: str, mode: str, size: int, ctx, timeout: float):
+def setup_point(pattern: str, mode: str, size: int, ctx, timeout: float):
     """(start, wait, check) for one point: check() runs once on exact data and returns #wrong on this rank."""
     import torch.distributed as dist
 
@@ -138,7 +138,7 @@ def overlap_rank(ctx, cfg: dict) -> list[dict]:
     try:
         for mode in cfg["modes"]:
             for size in cfg["sizes"]:
-                start, wait, check, req = _setup(cfg["pattern"], mode, size, ctx, cfg["timeout"])
+                start, wait, check, req = setup_point(cfg["pattern"], mode, size, ctx, cfg["timeout"])
                 wrong = int(avg(check()) * ctx.world_size)
                 for _ in range(3):
                     start()

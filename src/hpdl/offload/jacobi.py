@@ -72,7 +72,9 @@ def stencil(u: torch.Tensor, out: torch.Tensor, b: torch.Tensor, box: tuple[slic
     o.add_(b[z.start - 1:z.stop - 1, y.start - 1:y.stop - 1, x.start - 1:x.stop - 1]).mul_(1.0 / 6.0)
 
 
-def _initial(shape, grid, rank, dtype):
+def initial_field(shape, grid, rank, dtype):
+    """This rank's ``shape`` block of the Jacobi problem on process ``grid``: the initial field ``u`` (smooth
+    sines of the global coordinates) and the constant right-hand side ``b`` = 0.01, both as ``dtype``."""
     from hpdl.offload.plans import grid_coords
 
     c = grid_coords(rank, grid)
@@ -82,7 +84,7 @@ def _initial(shape, grid, rank, dtype):
     return u.to(dtype), b.to(dtype)
 
 
-def _blocking_exchange(u, plan_data, comm, tmp):
+def blocking_exchange(u, plan_data, comm, tmp):
     """The blocking baseline's halo exchange: every face posted on ``comm`` (a
     :class:`~hpdl.comm.transport.torch_p2p.TorchTransport` of the plan's group), waited, unpacked."""
     works, unpack, sent = [], [], []
@@ -134,7 +136,7 @@ def _measure(ctx, shape, grid, modes, steps, repeats, dtype, timeout):
     periodic = tuple(g > 1 for g in grid)
     plan = plans.halo3d(shape, grid, r, dtype, periodic=periodic)
     inner, shell = boxes(shape, periodic)
-    u0, b = _initial(shape, grid, r, dtype)
+    u0, b = initial_field(shape, grid, r, dtype)
     padded = tuple(n + 2 for n in shape)
     comm = TorchTransport(None, timeout)
     tmp = {op.name: torch.empty(op.dst.numel, dtype=dtype) for op in plan.ops if op.kind == "recv"}
@@ -156,7 +158,7 @@ def _measure(ctx, shape, grid, modes, steps, repeats, dtype, timeout):
             cur, nxt = us[k % 2], us[(k + 1) % 2]
             if mode == "blocking":
                 t0 = time.perf_counter()
-                _blocking_exchange(cur, plan.data(), comm, tmp)
+                blocking_exchange(cur, plan.data(), comm, tmp)
                 comm_t[0] += time.perf_counter() - t0
                 stencil(cur, nxt, b, tuple(slice(1, n + 1) for n in shape))
             elif mode == "agent-blocking":
