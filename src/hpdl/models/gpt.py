@@ -205,7 +205,7 @@ class Attention(nn.Module):
     """Multi-head attention with GQA, RoPE and the slot KV cache; the one attention of every hpdl decoder.
 
     Pieces (shapes for a tensor-parallel rank: ``h``, ``hkv`` local heads of ``d`` dims): :meth:`qkv` (fused
-    projection, optional q/k RMSNorm, RoPE), :meth:`attend` (SDPA + output projection), and three ways to use the
+    projection, optional q/k RMSNorm, RoPE), :meth:`attend` (SDPA + output projection), and two ways to use the
     cache: :meth:`forward` (hpdl.serve: slot prefill or contiguous decode, see :class:`Batch`) and :meth:`cached`
     (packed tokens of any slots and positions: hpdl.models.gpt_moe and hpdl.moe's engine).
     """

@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hpdl.models import gpt
-from hpdl.models.gpt import MLP, DecoderConfig, KVCache  # noqa: F401  (KVCache: the cache these models use)
+from hpdl.models.gpt import MLP, DecoderConfig
 from hpdl.models.layers import RMSNorm
 from hpdl.runtime.errors import HpdlError
 
