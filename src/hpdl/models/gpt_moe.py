@@ -248,7 +248,7 @@ class Block(gpt.Block):
 
 
 class MoEDecoder(nn.Module):
-    """Decoder-only MoE language model. ``forward(ids)`` -> logits; ``route_trace`` records the experts."""
+    """Decoder-only MoE language model: ``forward(ids)`` -> logits (with ``return_routing``, the routing too)."""
 
     def __init__(self, cfg: MoEConfig):
         super().__init__()
