@@ -131,7 +131,7 @@ def layer_rows(m, k, tokens, a, dev, dtype, cuda, log):
         eng._counters = torch.zeros(2, 1, 4, dtype=torch.int64, device=dev)
         eng._phase = 1
         with torch.no_grad():
-            x = blk.post_attention_layernorm(h)
+            x = blk.ln_2(h)
             _, idx, _ = blk.mlp.route(x)
             e = idx.reshape(-1)
             order = torch.sort(e, stable=True).indices

@@ -53,10 +53,14 @@ def test_greedy_matches_hf_generate():
         hsd["model.norm.weight"].copy_(sd["norm.weight"])
         hsd["lm_head.weight"].copy_(sd["lm_head.weight"])
         for i in range(cfg.n_layers):
-            for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                hsd[f"model.layers.{i}.self_attn.{n}.weight"].copy_(sd[f"layers.{i}.{n}.weight"])
-            for n in ("input_layernorm", "post_attention_layernorm"):
-                hsd[f"model.layers.{i}.{n}.weight"].copy_(sd[f"layers.{i}.{n}.weight"])
+            qkv = sd[f"layers.{i}.attn.qkv_proj.weight"].split([cfg.n_heads * cfg.head_dim,
+                                                                 cfg.n_kv_heads * cfg.head_dim,
+                                                                 cfg.n_kv_heads * cfg.head_dim])  # fused q|k|v
+            for n, w in zip(("q_proj", "k_proj", "v_proj"), qkv):
+                hsd[f"model.layers.{i}.self_attn.{n}.weight"].copy_(w)
+            hsd[f"model.layers.{i}.self_attn.o_proj.weight"].copy_(sd[f"layers.{i}.attn.o_proj.weight"])
+            for n, mine in (("input_layernorm", "ln_1"), ("post_attention_layernorm", "ln_2")):
+                hsd[f"model.layers.{i}.{n}.weight"].copy_(sd[f"layers.{i}.{mine}.weight"])
             mlp = [k for k in hsd if k.startswith(f"model.layers.{i}.mlp.") or
                    k.startswith(f"model.layers.{i}.block_sparse_moe.")]
             gate = next(k for k in mlp if k.endswith("gate.weight"))
@@ -84,9 +88,8 @@ def test_cache_attention_equals_full_forward_and_padding():
         h = m.embed(ids[0])
         req, pos = torch.zeros(9, dtype=torch.long), torch.arange(9)
         for blk in m.layers:
-            h = blk.attention(h, req, pos, cache)
-            x = blk.post_attention_layernorm(h)
-            h = h + (blk.mlp(x)[0] if blk.is_moe else blk.mlp(x))
+            h = h + blk.attn.cached(blk.ln_1(h), m.rope(pos), cache, req, pos)[0]
+            h = h + blk.mlp(blk.ln_2(h))
         torch.testing.assert_close(m.head(h), full[0], rtol=1e-5, atol=1e-5)
         # right padding does not change the real rows
         padded = torch.cat([ids, torch.zeros(1, 4, dtype=torch.long)], 1)
@@ -154,3 +157,35 @@ def test_sharded_checkpoint_follows_the_index(tmp_path):
     (tmp_path / missing).unlink()
     with pytest.raises(FileNotFoundError, match=missing):
         load_pretrained(tmp_path)
+
+
+def test_old_layout_checkpoint_loads_with_its_logits(tmp_path):
+    """data/moe_v1/hpdl_moe.pt was written by save_checkpoint at 765c418, before the MoE decoder became gpt's
+    Block (its own q/k/v/o projections, input_layernorm, SwiGLU gate/up/down, config key dense_size), with that
+    code's logits and router logits in ``extra``. Every feature is on: a dense layer, a shared expert, qkv bias,
+    qk-norm, GQA."""
+    from pathlib import Path
+
+    from hpdl.models.gpt_moe import load_model, save_checkpoint, upgrade_state_dict
+
+    path = Path(__file__).parent / "data" / "moe_v1"
+    blob = torch.load(path / "hpdl_moe.pt", weights_only=True)
+    assert "layers.0.q_proj.weight" in blob["state_dict"] and "dense_size" in blob["config"]
+    m = load_model(path)
+    assert m.cfg.intermediate_size == blob["config"]["dense_size"] == 12
+    # the config hash in traces and placements fitted before the change still matches
+    assert m.cfg.identity() == "6c7ba8f770b38169" and MoEConfig().identity() == "6c0ff8f34d155081"
+    ex = blob["extra"]
+    with torch.no_grad():
+        logits, router, _ = m(ex["ids"], return_routing=True)
+    torch.testing.assert_close(logits, ex["logits"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(router[0], ex["router_logits"], rtol=1e-5, atol=1e-5)
+    # current-layout dicts pass through; a re-saved checkpoint loads the same model
+    sd = m.state_dict()
+    assert upgrade_state_dict(m.cfg, sd) is sd
+    save_checkpoint(m, tmp_path)
+    assert "dense_size" not in torch.load(tmp_path / "hpdl_moe.pt", weights_only=True)["config"]
+    with torch.no_grad():
+        torch.testing.assert_close(load_model(tmp_path)(ex["ids"]), logits, rtol=0, atol=0)
+    with pytest.raises(MoEConfigError, match="layers.1.q_proj.weight"):
+        upgrade_state_dict(m.cfg, {k: v for k, v in blob["state_dict"].items() if k != "layers.1.q_proj.weight"})

@@ -3,6 +3,10 @@
 One readable file in the nanoGPT manner: config, tensor-parallel linear layers, norms, attention, MLP,
 block, model, then loading of Hugging Face format checkpoints (``config.json`` + ``*.safetensors``).
 
+This is hpdl's one decoder: :mod:`hpdl.models.gpt_moe` is the same :class:`Block` (norms, :class:`Attention`,
+RoPE, KV-cache writes) with a mixture-of-experts block in place of the :class:`MLP` on its MoE layers, and
+:class:`MoEConfig <hpdl.models.gpt_moe.MoEConfig>` extends :class:`DecoderConfig`.
+
 KV-cache layout (Flover, arXiv 2305.13484, section 3): the cache is pre-allocated as ``num_slots``
 fixed-size slots, ``k, v: [n_layers, num_slots, n_kv_heads_local, max_seq_len, head_dim]``. A request owns one
 slot for its lifetime. The fused decode step reads the contiguous slot range ``[start, start + n)`` as a
@@ -19,19 +23,26 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hpdl.models.layers import RMSNorm, rotate_half
+from hpdl.models.layers import RMSNorm, apply_rope
 
 
 @dataclass
 class DecoderConfig:
-    """Architecture of a decoder-only model; ``arch`` is ``"gpt2"`` or ``"llama"``."""
+    """Architecture of a decoder-only model; ``arch`` is ``"gpt2"`` or ``"llama"``.
 
+    Every arch but ``"gpt2"`` is a LLaMA-style block (RMSNorm, RoPE, SwiGLU, no biases but optional q/k/v ones).
+    ``attention_bias``: biases on the q/k/v projections (Qwen2); GPT-2 has biases everywhere regardless.
+    ``qk_norm``: RMSNorm over all q and all k features before RoPE (OLMoE; needs tensor-parallel world 1).
+    """
+
+    ARCHS: ClassVar[tuple[str, ...]] = ("gpt2", "llama")
     arch: str = "llama"
     vocab_size: int = 32000
     hidden_size: int = 2048
@@ -46,12 +57,18 @@ class DecoderConfig:
     bos_token_id: int | None = 1
     eos_token_id: int | None = 2
     head_dim_: int | None = field(default=None, repr=False)
+    attention_bias: bool = False
+    qk_norm: bool = False
 
     def __post_init__(self):
-        if self.arch not in ("gpt2", "llama"):
-            raise ValueError(f"arch must be 'gpt2' or 'llama', got {self.arch!r}")
+        if self.arch not in self.ARCHS:
+            raise ValueError(f"arch must be one of {self.ARCHS}, got {self.arch!r}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.head_dim_ is None and self.hidden_size % self.n_heads:
+            raise ValueError(f"hidden_size={self.hidden_size} must be a multiple of n_heads={self.n_heads}")
+        if self.arch != "gpt2" and self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even (rotary embedding rotates pairs)")
 
     @property
     def head_dim(self) -> int:
@@ -90,6 +107,8 @@ class DecoderConfig:
                                            n_head=self.n_heads, n_inner=self.intermediate_size,
                                            n_positions=self.max_position, layer_norm_epsilon=self.norm_eps,
                                            bos_token_id=self.bos_token_id, eos_token_id=self.eos_token_id)
+        if self.attention_bias or self.qk_norm:  # HF Llama's attention_bias also biases o_proj; no qk-norm
+            raise ValueError("a Llama config has attention_bias=False and qk_norm=False")
         return transformers.LlamaConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
                                         num_hidden_layers=self.n_layers, num_attention_heads=self.n_heads,
                                         num_key_value_heads=self.n_kv_heads, intermediate_size=self.intermediate_size,
@@ -183,58 +202,111 @@ class Batch:
 
 
 class Attention(nn.Module):
+    """Multi-head attention with GQA, RoPE and the slot KV cache; the one attention of every hpdl decoder.
+
+    Pieces (shapes for a tensor-parallel rank: ``h``, ``hkv`` local heads of ``d`` dims): :meth:`qkv` (fused
+    projection, optional q/k RMSNorm, RoPE), :meth:`attend` (SDPA + output projection), and two ways to use the
+    cache: :meth:`forward` (hpdl.serve: slot prefill or contiguous decode, see :class:`Batch`) and :meth:`cached`
+    (packed tokens of any slots and positions: hpdl.models.gpt_moe and hpdl.moe's engine).
+    """
+
     def __init__(self, cfg: DecoderConfig, layer: int, group=None):
         super().__init__()
         rank, ws = _tp(group)
         if cfg.n_heads % ws or cfg.n_kv_heads % ws:
             raise ValueError(f"n_heads={cfg.n_heads} and n_kv_heads={cfg.n_kv_heads} must divide by tp world {ws}")
+        if cfg.qk_norm and ws > 1:  # the norm spans every head: it would need an all-reduce
+            raise ValueError(f"qk_norm=True needs tensor-parallel world 1, got {ws}")
         self.layer, self.d = layer, cfg.head_dim
         self.h, self.hkv = cfg.n_heads // ws, cfg.n_kv_heads // ws
-        bias = cfg.arch == "gpt2"
+        gpt2 = cfg.arch == "gpt2"
         kvd = cfg.n_kv_heads * self.d
-        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.n_heads * self.d, kvd, kvd], bias, group)
-        self.o_proj = RowParallelLinear(cfg.n_heads * self.d, cfg.hidden_size, bias, group)
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.n_heads * self.d, kvd, kvd],
+                                             gpt2 or cfg.attention_bias, group)
+        self.o_proj = RowParallelLinear(cfg.n_heads * self.d, cfg.hidden_size, gpt2, group)
+        self.q_norm = RMSNorm(cfg.n_heads * self.d, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(kvd, cfg.norm_eps) if cfg.qk_norm else None
+
+    def qkv(self, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Normed ``x [..., C]`` -> q ``[..., h, d]``, k and v ``[..., hkv, d]``; with ``rope = (cos, sin)``
+        (``[..., 1, d]``, see :func:`rope_at`) q and k are rotated. One GEMM for q, k and v."""
+        y = self.qkv_proj(x)
+        if self.q_norm is not None:  # OLMoE: RMSNorm over all q (all k) features, before RoPE
+            q, k, v = y.split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], -1)
+            y = torch.cat([self.q_norm(q), self.k_norm(k), v], -1)
+        y = y.view(*x.shape[:-1], self.h + 2 * self.hkv, self.d)
+        qk, v = y[..., : self.h + self.hkv, :], y[..., self.h + self.hkv:, :]
+        if rope is not None:  # rotate q and k together
+            qk = apply_rope(qk, *rope)
+        return qk[..., : self.h, :], qk[..., self.h:, :], v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None):
+        """``q [B, T, h, d]``, ``k, v [B, S, hkv, d]``, boolean ``mask [B, T, S]`` (True = attend; None = causal,
+        ``S = T``) -> ``o_proj`` output ``[B, T, C]``. SDPA with K/V repeated per query group."""
+        B, T = q.shape[:2]
+        rep = self.h // self.hkv
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(rep, 1),
+                                           v.transpose(1, 2).repeat_interleave(rep, 1),
+                                           attn_mask=None if mask is None else mask[:, None], is_causal=mask is None)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.h * self.d))  # (B, h, T, d) -> (B, T, C)
+
+    def _store(self, cache, rows: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write one position per token: ``k, v [N, hkv, d]`` at cache (layer, ``rows [N]``, ``pos [N]``)."""
+        cache.k[self.layer, rows, :, pos] = k  # the slot layout: [L, slots, hkv, S, d]
+        cache.v[self.layer, rows, :, pos] = v
 
     def forward(self, x, rope, cache, b: Batch):
         B, T, _ = x.shape
-        qkv = self.qkv_proj(x).view(B, T, self.h + 2 * self.hkv, self.d)  # one GEMM for q, k and v
-        qk, v = qkv[:, :, : self.h + self.hkv], qkv[:, :, self.h + self.hkv:]
-        if rope is not None:  # rotate q and k together: (B, T, h + hkv, d)
-            cos, sin = rope  # (B, T, 1, d)
-            qk = qk * cos + rotate_half(qk) * sin
-        q = qk[:, :, : self.h].transpose(1, 2)  # (B, h, T, d)
-        k = qk[:, :, self.h:].transpose(1, 2)  # (B, hkv, T, d)
-        v = v.transpose(1, 2)
+        q, k, v = self.qkv(x, rope)  # (B, T, h | hkv, d)
         kc, vc = cache.k[self.layer], cache.v[self.layer]  # (S, hkv, L, d)
         if b.slots is not None:  # prefill: attend within the prompt, then store K/V into the slots
-            kc[b.slots, :, :T] = k
-            vc[b.slots, :, :T] = v
-            rep = self.h // self.hkv
-            y = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
-                                               is_causal=True)  # right padding + causal = no pad mask needed
-        else:  # decode: write one position per row, read the contiguous slot range as a view
-            n, pos = B, b.positions[:, 0]
-            rows = torch.arange(b.start, b.start + n, device=x.device)
-            kc[rows, :, pos] = k[:, :, 0]
-            vc[rows, :, pos] = v[:, :, 0]
-            K = kc[b.start:b.start + n, :, :b.kv_len]  # (n, hkv, kv_len, d)
-            V = vc[b.start:b.start + n, :, :b.kv_len]
-            qg = q.view(n, self.hkv, self.h // self.hkv, self.d)  # GQA without repeating K/V: (n, hkv, g, d)
-            s = torch.matmul(qg, K.transpose(-1, -2)) * (self.d ** -0.5)  # (n, hkv, g, kv_len)
-            s = s.masked_fill(b.mask, float("-inf"))  # b.mask (n, 1, 1, kv_len): True = not yet written
-            p = torch.softmax(s, dim=-1, dtype=torch.float32).to(V.dtype)
-            y = torch.matmul(p, V).view(n, self.h, 1, self.d)
+            kc[b.slots, :, :T] = k.transpose(1, 2)
+            vc[b.slots, :, :T] = v.transpose(1, 2)
+            return self.attend(q, k, v)  # right padding + causal = no pad mask needed
+        # decode: write one position per row, read the contiguous slot range as a view
+        n, pos = B, b.positions[:, 0]
+        self._store(cache, torch.arange(b.start, b.start + n, device=x.device), pos, k[:, 0], v[:, 0])
+        K = kc[b.start:b.start + n, :, :b.kv_len]  # (n, hkv, kv_len, d)
+        V = vc[b.start:b.start + n, :, :b.kv_len]
+        qg = q.view(n, self.hkv, self.h // self.hkv, self.d)  # GQA without repeating K/V: (n, hkv, g, d)
+        s = torch.matmul(qg, K.transpose(-1, -2)) * (self.d ** -0.5)  # (n, hkv, g, kv_len)
+        s = s.masked_fill(b.mask, float("-inf"))  # b.mask (n, 1, 1, kv_len): True = not yet written
+        p = torch.softmax(s, dim=-1, dtype=torch.float32).to(V.dtype)
+        y = torch.matmul(p, V).view(n, self.h, 1, self.d)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.h * self.d))
+
+    def cached(self, x: torch.Tensor, rope, cache, slots: torch.Tensor, pos: torch.Tensor,
+               kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Packed tokens: normed ``x [N, C]`` of cache ``slots [N]`` at positions ``pos [N]`` (int64), ``rope``
+        ``[N, 1, d]`` or None. Writes every token's K/V at (layer, slot, pos) first, then each token attends to
+        positions ``0..pos`` of its own slot within the first ``kv_len`` (default ``max(pos) + 1``, a host read;
+        pass the cache length for a sync-free step): one call serves packed prefill and decode.
+
+        Returns ``(o [N, C], k [N, hkv, d], v [N, hkv, d])`` (``o`` after ``o_proj``; k rotated).
+        """
+        q, k, v = self.qkv(x, rope)
+        self._store(cache, slots, pos, k, v)
+        S = int(pos.max()) + 1 if kv_len is None else kv_len
+        mask = torch.arange(S, device=x.device)[None, :] <= pos[:, None]  # [N, S]
+        kc, vc = cache.k[self.layer], cache.v[self.layer]
+        o = self.attend(q[:, None], kc[slots, :, :S].transpose(1, 2), vc[slots, :, :S].transpose(1, 2), mask[:, None])
+        return o[:, 0], k, v
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: DecoderConfig, group=None):
+    """SwiGLU (LLaMA-style archs; gate|up fused in one GEMM, ``up_proj [2I, C]``) or GPT-2's gelu MLP.
+
+    ``size``: the hidden width ``I``, by default ``cfg.intermediate_size`` (MoE models: a shared expert's).
+    """
+
+    def __init__(self, cfg: DecoderConfig, group=None, size: int | None = None):
         super().__init__()
-        self.llama = cfg.arch == "llama"
+        size = cfg.intermediate_size if size is None else size
+        self.llama = cfg.arch != "gpt2"
         bias = not self.llama
-        n_up = 2 if self.llama else 1  # LLaMA: gate|up fused in one GEMM
-        self.up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * n_up, bias, group)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias, group)
+        n_up = 2 if self.llama else 1
+        self.up_proj = ColumnParallelLinear(cfg.hidden_size, [size] * n_up, bias, group)
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, bias, group)
 
     def forward(self, x):
         if self.llama:  # SwiGLU
@@ -244,11 +316,15 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: DecoderConfig, layer: int, group=None):
+    """Pre-norm decoder block: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``. ``mlp`` replaces the dense
+    :class:`MLP` (hpdl.models.gpt_moe passes its MoE block); it maps ``[..., C]`` to ``[..., C]``."""
+
+    def __init__(self, cfg: DecoderConfig, layer: int, group=None, mlp: nn.Module | None = None):
         super().__init__()
-        norm = (lambda: RMSNorm(cfg.hidden_size, cfg.norm_eps)) if cfg.arch == "llama" else \
+        norm = (lambda: RMSNorm(cfg.hidden_size, cfg.norm_eps)) if cfg.arch != "gpt2" else \
             (lambda: nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps))
-        self.ln_1, self.attn, self.ln_2, self.mlp = norm(), Attention(cfg, layer, group), norm(), MLP(cfg, group)
+        self.ln_1, self.attn, self.ln_2 = norm(), Attention(cfg, layer, group), norm()
+        self.mlp = MLP(cfg, group) if mlp is None else mlp
 
     def forward(self, x, rope, cache, b):
         x = x + self.attn(self.ln_1(x), rope, cache, b)
@@ -292,13 +368,11 @@ class DecoderLM(nn.Module):
         if cfg.arch == "gpt2":
             self.wpe = nn.Embedding(cfg.max_position, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i, group) for i in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps) if cfg.arch == "llama" else \
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps) if cfg.arch != "gpt2" else \
             nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.lm_head = ColumnParallelLinear(cfg.hidden_size, [cfg.vocab_size], False, group, gather=True)
-        if cfg.arch == "llama":
-            cos, sin = _rope_tables(cfg)
-            self.register_buffer("cos", cos, persistent=False)
-            self.register_buffer("sin", sin, persistent=False)
+        if cfg.arch != "gpt2":
+            register_rope(self, cfg)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -311,7 +385,7 @@ class DecoderLM(nn.Module):
         if self.cfg.arch == "gpt2":
             x = x + self.wpe(b.positions)
         else:
-            rope = (self.cos[b.positions].to(x.dtype)[:, :, None], self.sin[b.positions].to(x.dtype)[:, :, None])
+            rope = rope_at(self, b.positions, x.dtype)
         if b.slots is None:  # decode: one mask for every layer; position p attends to 0..p
             b.mask = (torch.arange(b.kv_len, device=x.device)[None, :] > b.positions[:, :1])[:, None, None, :]
         for layer in self.layers:
@@ -343,12 +417,28 @@ class DecoderLM(nn.Module):
         return self
 
 
-def _rope_tables(cfg: DecoderConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(cfg: DecoderConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin ``[max_position, head_dim]`` float32 in HF's rotate_half convention (RoFormer, arXiv 2104.09864)."""
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
     freqs = torch.outer(torch.arange(cfg.max_position).float(), inv)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
+
+
+_rope_tables = rope_tables  # the name hpdl.serve's tests and benchmarks import
+
+
+def register_rope(model: nn.Module, cfg: DecoderConfig) -> None:
+    """Give ``model`` the :func:`rope_tables` as non-persistent buffers ``cos``, ``sin`` (they follow ``.to()``)."""
+    cos, sin = rope_tables(cfg)
+    model.register_buffer("cos", cos, persistent=False)
+    model.register_buffer("sin", sin, persistent=False)
+
+
+def rope_at(model: nn.Module, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` of ``model``'s tables at integer ``positions [...]``: ``[..., 1, head_dim]`` in ``dtype``
+    (broadcast over heads), cast before use as HF does. The ``rope`` argument of :class:`Attention`."""
+    return model.cos[positions].to(dtype)[..., None, :], model.sin[positions].to(dtype)[..., None, :]
 
 
 def _copy_shard(p: torch.Tensor, full: torch.Tensor, tp_dim, rank: int) -> None:
@@ -412,7 +502,7 @@ def load_pretrained(path: str | Path, group=None, dtype=torch.float32, device="c
         model = DecoderLM(cfg, group)
     model = model.to_empty(device="cpu").to(torch.float32)
     if cfg.arch == "llama":  # to_empty left the RoPE tables uninitialised
-        model.cos, model.sin = _rope_tables(cfg)
+        model.cos, model.sin = rope_tables(cfg)
     rank, _ = _tp(group)
     params = dict(model.named_parameters())
     with torch.no_grad():

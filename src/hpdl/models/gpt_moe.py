@@ -1,33 +1,39 @@
 """GPT-style mixture-of-experts decoder (Mixtral / Qwen2-MoE / OLMoE family) and a loader for their checkpoints.
 
-One file in the nanoGPT manner: config, RMSNorm, rotary attention over a per-request KV cache, the sparse MoE
-block (router + SwiGLU experts, optional shared expert), the model, then loading of Hugging Face checkpoint
-directories (``config.json`` + ``*.safetensors``, per-expert or fused expert tensors).
+The decoder of :mod:`hpdl.models.gpt` with an MoE MLP: :class:`MoEConfig` extends
+:class:`~hpdl.models.gpt.DecoderConfig`, every layer is gpt's :class:`~hpdl.models.gpt.Block` (RMSNorm, the one
+:class:`~hpdl.models.gpt.Attention` with RoPE and the slot KV cache, GQA) whose MLP is the sparse
+:class:`MoEBlock` (router + SwiGLU experts, optional shared expert) on MoE layers and gpt's SwiGLU
+:class:`~hpdl.models.gpt.MLP` elsewhere. Then loading of Hugging Face checkpoint directories (``config.json`` +
+``*.safetensors``, per-expert or fused expert tensors) and hpdl checkpoints (``hpdl_moe.pt``, old layouts too).
 
-The pieces an expert-parallel engine needs are public methods, so :mod:`hpdl.moe.engine` can run the layer loop
-itself and place the expert computation on other ranks: :meth:`MoEDecoder.embed`, :meth:`Block.attention`,
-:meth:`MoEBlock.route`, :meth:`MoEBlock.expert`, :meth:`MoEBlock.shared`, :meth:`MoEDecoder.head`.
+The pieces an expert-parallel engine needs are public, so :mod:`hpdl.moe.engine` can run the layer loop itself and
+place the expert computation on other ranks: :meth:`MoEDecoder.embed`, :meth:`MoEDecoder.rope`,
+:meth:`Attention.cached <hpdl.models.gpt.Attention.cached>`, :meth:`MoEBlock.route`, :meth:`MoEBlock.expert`,
+:meth:`MoEBlock.shared`, :meth:`MoEDecoder.head`.
 
 Routing (Switch Transformer, arXiv 2101.03961, for top-1; Mixtral, arXiv 2401.04088, for top-2): router logits
 ``x W_r^T`` -> softmax in fp32 -> top-k; with ``norm_topk_prob`` the k weights are renormalised to sum to 1
 (Mixtral), otherwise they stay softmax probabilities (Qwen2-MoE, OLMoE, Switch). Dropless: no capacity limit.
 A layer ``i`` is MoE when ``(i + 1) % moe_every == 0`` and ``i`` is not in ``dense_layers`` (Qwen2-MoE's
-``decoder_sparse_step`` / ``mlp_only_layers``); other layers have a dense SwiGLU MLP.
+``decoder_sparse_step`` / ``mlp_only_layers``); other layers have a dense SwiGLU MLP of ``intermediate_size``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import InitVar, asdict, dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hpdl.models.gpt import KVCache
-from hpdl.models.layers import RMSNorm, rotate_half
+from hpdl.models import gpt
+from hpdl.models.gpt import MLP, DecoderConfig
+from hpdl.models.layers import RMSNorm
 from hpdl.runtime.errors import HpdlError
 
 
@@ -39,46 +45,42 @@ ARCHS = ("mixtral", "qwen2_moe", "olmoe")
 
 
 @dataclass
-class MoEConfig:
-    """Architecture of a MoE decoder. ``arch`` only selects the Hugging Face class for :meth:`to_hf`.
+class MoEConfig(DecoderConfig):
+    """Architecture of a MoE decoder: :class:`~hpdl.models.gpt.DecoderConfig` (``arch`` only selects the Hugging
+    Face class for :meth:`to_hf`; ``intermediate_size`` is the dense layers' MLP width) plus the experts.
 
     ``n_experts`` routed experts of ``expert_size`` hidden units each, ``top_k`` of them per token;
-    ``shared_expert_size`` > 0 adds Qwen2-MoE's always-on shared expert with a sigmoid gate.
+    ``shared_expert_size`` > 0 adds Qwen2-MoE's always-on shared expert with a sigmoid gate. ``dense_size`` is
+    the earlier name of ``intermediate_size`` (hpdl_moe.pt files before issue 40 carry it); when given it wins.
+    The decoder fields' defaults here describe a tiny model (tests, :mod:`hpdl.moe.train`'s byte-level demo).
     """
 
+    ARCHS: ClassVar[tuple[str, ...]] = ARCHS
     arch: str = "mixtral"
     vocab_size: int = 256
     hidden_size: int = 64
     n_layers: int = 4
     n_heads: int = 4
     n_kv_heads: int = 4
+    intermediate_size: int = 128
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
     n_experts: int = 8
     top_k: int = 1
     expert_size: int = 128
-    dense_size: int = 128
     moe_every: int = 1
     dense_layers: list[int] = field(default_factory=list)
     shared_expert_size: int = 0
     norm_topk_prob: bool = False
-    attention_bias: bool = False
-    qk_norm: bool = False
-    max_position: int = 2048
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    tie_word_embeddings: bool = False
-    bos_token_id: int | None = None
-    eos_token_id: int | None = None
-    head_dim_: int | None = None
+    dense_size: InitVar[int | None] = None
 
-    def __post_init__(self):
-        if self.arch not in ARCHS:
-            raise MoEConfigError(f"arch must be one of {ARCHS}, got {self.arch!r}")
-        if self.n_heads % self.n_kv_heads:
-            raise MoEConfigError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
-        if self.head_dim_ is None and self.hidden_size % self.n_heads:
-            raise MoEConfigError(f"hidden_size={self.hidden_size} must be a multiple of n_heads={self.n_heads}")
-        if self.head_dim % 2:
-            raise MoEConfigError(f"head_dim={self.head_dim} must be even (rotary embedding rotates pairs)")
+    def __post_init__(self, dense_size: int | None = None):
+        if dense_size is not None:
+            self.intermediate_size = dense_size
+        try:
+            super().__post_init__()
+        except ValueError as e:  # the decoder's checks, as this module's error type
+            raise MoEConfigError(str(e)) from None
         if not 1 <= self.top_k <= self.n_experts:
             raise MoEConfigError(f"top_k must be in [1, n_experts={self.n_experts}], got {self.top_k}")
         if self.moe_every < 1:
@@ -88,17 +90,15 @@ class MoEConfig:
                                  f"dense_layers={self.dense_layers}")
 
     @property
-    def head_dim(self) -> int:
-        return self.head_dim_ or self.hidden_size // self.n_heads
-
-    @property
     def moe_layers(self) -> list[int]:
         """Indices of the decoder layers whose MLP is a MoE block, in order."""
         return [i for i in range(self.n_layers) if (i + 1) % self.moe_every == 0 and i not in self.dense_layers]
 
     def identity(self) -> str:
         """Short stable hash of the architecture (stored in traces and placements)."""
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+        d = asdict(self)
+        d["dense_size"] = d.pop("intermediate_size")  # hashed under its first name: saved placements still match
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "MoEConfig":
@@ -129,15 +129,15 @@ class MoEConfig:
                       bos_token_id=cfg.get("bos_token_id"), eos_token_id=eos, head_dim_=cfg.get("head_dim"))
         if mt == "mixtral":
             return cls(**common, n_experts=cfg["num_local_experts"], expert_size=cfg["intermediate_size"],
-                       dense_size=cfg["intermediate_size"], norm_topk_prob=True)
+                       intermediate_size=cfg["intermediate_size"], norm_topk_prob=True)
         if mt == "qwen2_moe":
             return cls(**common, n_experts=cfg["num_experts"], expert_size=cfg["moe_intermediate_size"],
-                       dense_size=cfg["intermediate_size"], moe_every=cfg.get("decoder_sparse_step", 1),
+                       intermediate_size=cfg["intermediate_size"], moe_every=cfg.get("decoder_sparse_step", 1),
                        dense_layers=list(cfg.get("mlp_only_layers") or []),
                        shared_expert_size=cfg.get("shared_expert_intermediate_size", 0),
                        norm_topk_prob=cfg.get("norm_topk_prob", False), attention_bias=cfg.get("qkv_bias", True))
         return cls(**common, n_experts=cfg["num_experts"], expert_size=cfg["intermediate_size"],
-                   dense_size=cfg["intermediate_size"], norm_topk_prob=cfg.get("norm_topk_prob", False),
+                   intermediate_size=cfg["intermediate_size"], norm_topk_prob=cfg.get("norm_topk_prob", False),
                    attention_bias=cfg.get("attention_bias", False), qk_norm=True)
 
     def to_hf(self):
@@ -158,7 +158,8 @@ class MoEConfig:
         if self.arch == "qwen2_moe":
             return transformers.Qwen2MoeConfig(**common, num_experts=self.n_experts,
                                                moe_intermediate_size=self.expert_size,
-                                               intermediate_size=self.dense_size, decoder_sparse_step=self.moe_every,
+                                               intermediate_size=self.intermediate_size,
+                                               decoder_sparse_step=self.moe_every,
                                                mlp_only_layers=list(self.dense_layers),
                                                shared_expert_intermediate_size=self.shared_expert_size,
                                                norm_topk_prob=self.norm_topk_prob, qkv_bias=self.attention_bias,
@@ -167,26 +168,6 @@ class MoEConfig:
             raise MoEConfigError("an OLMoE config needs MoE in every layer, qk_norm=True, no shared expert")
         return transformers.OlmoeConfig(**common, num_experts=self.n_experts, intermediate_size=self.expert_size,
                                         norm_topk_prob=self.norm_topk_prob, attention_bias=self.attention_bias)
-
-
-def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding (half-split, as Llama/Mixtral): ``x [..., N, heads, d]`` at integer positions ``pos [..., N]``."""
-    d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=x.device).float() / d))
-    ang = pos.float()[..., None] * inv  # [..., N, d/2]
-    emb = torch.cat((ang, ang), dim=-1)[..., None, :]  # broadcast over heads
-    return (x.float() * emb.cos() + rotate_half(x.float()) * emb.sin()).to(x.dtype)
-
-
-class SwiGLU(nn.Module):
-    def __init__(self, hidden: int, inner: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inner, bias=False)
-        self.up_proj = nn.Linear(hidden, inner, bias=False)
-        self.down_proj = nn.Linear(inner, hidden, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,7 +185,9 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch
 
 class MoEBlock(nn.Module):
     """Router + ``E`` SwiGLU experts stored fused (``w_gate_up [E, 2F, H]``, ``w_down [E, H, F]``) + optional
-    shared expert. ``forward`` is the dropless single-process reference; the engine uses the pieces."""
+    shared expert (gpt's :class:`~hpdl.models.gpt.MLP`). The MLP of a MoE layer's :class:`Block`: ``forward``
+    maps ``[..., H]`` to ``[..., H]`` (dropless single-process reference), :meth:`routed` also returns the
+    routing; the engine uses the pieces."""
 
     def __init__(self, cfg: MoEConfig):
         super().__init__()
@@ -213,7 +196,7 @@ class MoEBlock(nn.Module):
         self.gate = nn.Linear(H, E, bias=False)
         self.w_gate_up = nn.Parameter(torch.randn(E, 2 * Fe, H) * 0.02)
         self.w_down = nn.Parameter(torch.randn(E, H, Fe) * 0.02)
-        self.shared_expert = SwiGLU(H, cfg.shared_expert_size) if cfg.shared_expert_size else None
+        self.shared_expert = MLP(cfg, size=cfg.shared_expert_size) if cfg.shared_expert_size else None
         self.shared_expert_gate = nn.Linear(H, 1, bias=False) if cfg.shared_expert_size else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -241,84 +224,31 @@ class MoEBlock(nn.Module):
             out.index_add_(0, tok, self.expert(e, x[tok]) * w[tok, slot, None].to(x.dtype))
         return out
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def routed(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x [N, H]`` -> (output [N, H], router logits [N, E], experts [N, k])."""
         logits, idx, w = self.route(x)
         out = self.combine(x, idx, w)
         s = self.shared(x)
         return (out if s is None else out + s), logits, idx
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., H]`` -> ``[..., H]``."""
+        return self.routed(x.reshape(-1, x.shape[-1]))[0].view_as(x)
 
-class Block(nn.Module):
+
+class Block(gpt.Block):
+    """gpt's decoder block with a :class:`MoEBlock` as MLP on MoE layers (``is_moe``), gpt's SwiGLU MLP of
+    ``intermediate_size`` elsewhere. Parameters: ``ln_1``, ``attn.{qkv_proj, o_proj, q_norm, k_norm}``, ``ln_2``,
+    ``mlp``."""
+
     def __init__(self, cfg: MoEConfig, layer: int):
-        super().__init__()
-        H, hd = cfg.hidden_size, cfg.head_dim
-        self.cfg, self.layer = cfg, layer
-        self.input_layernorm = RMSNorm(H, cfg.norm_eps)
-        self.post_attention_layernorm = RMSNorm(H, cfg.norm_eps)
-        self.q_proj = nn.Linear(H, cfg.n_heads * hd, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(H, cfg.n_kv_heads * hd, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(H, cfg.n_kv_heads * hd, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.n_heads * hd, H, bias=False)
-        self.q_norm = RMSNorm(cfg.n_heads * hd, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.n_kv_heads * hd, cfg.norm_eps) if cfg.qk_norm else None
-        self.is_moe = layer in cfg.moe_layers
-        self.mlp = MoEBlock(cfg) if self.is_moe else SwiGLU(H, cfg.dense_size)
-
-    def qkv(self, x: torch.Tensor, pos: torch.Tensor):
-        """Normed ``x [..., N, H]`` at ``pos [..., N]`` -> q ``[..., N, nh, d]``, k, v ``[..., N, nkv, d]`` (rotated)."""
-        c = self.cfg
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q.view(*x.shape[:-1], c.n_heads, c.head_dim)
-        k = k.view(*x.shape[:-1], c.n_kv_heads, c.head_dim)
-        v = v.view(*x.shape[:-1], c.n_kv_heads, c.head_dim)
-        return rope(q, pos, c.rope_theta), rope(k, pos, c.rope_theta), v
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """``q [B, T, nh, d]``, ``k, v [B, S, nkv, d]``, boolean ``mask [B, T, S]`` (True = attend) -> ``[B, T, H]``."""
-        rep = self.cfg.n_heads // self.cfg.n_kv_heads
-        qh = q.transpose(1, 2)
-        kh = k.transpose(1, 2).repeat_interleave(rep, dim=1)
-        vh = v.transpose(1, 2).repeat_interleave(rep, dim=1)
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask[:, None])
-        return self.o_proj(o.transpose(1, 2).reshape(q.shape[0], q.shape[1], -1))
-
-    def attention(self, h: torch.Tensor, req: torch.Tensor, pos: torch.Tensor, cache: "KVCache") -> torch.Tensor:
-        """Residual attention of tokens ``h [N, H]`` of requests ``req [N]`` at positions ``pos [N]`` (int64).
-
-        Writes each token's K/V into ``cache`` (:class:`hpdl.models.gpt.KVCache`, slot = request) at (layer, req,
-        pos) first, then attends to positions ``<= pos``
-        of its own request: the same call serves packed (padding-free) prefill and decode. Returns ``[N, H]``.
-        """
-        if h.shape[0] == 0:  # an expert-parallel rank may hold no token at this layer
-            return h
-        x = self.input_layernorm(h)
-        q, k, v = self.qkv(x, pos)
-        cache.k[self.layer, req, :, pos] = k   # the slot cache's layout: [L, slots, n_kv_heads, S, d]
-        cache.v[self.layer, req, :, pos] = v
-        S = int(pos.max()) + 1
-        mask = torch.arange(S, device=h.device)[None, :] <= pos[:, None]  # [N, S]
-        o = self.attend(q[:, None], cache.k[self.layer, req, :, :S].transpose(1, 2),
-                        cache.v[self.layer, req, :, :S].transpose(1, 2), mask[:, None])
-        return h + o[:, 0]
-
-    def forward(self, h: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor):
-        """Full-sequence reference: ``h [B, T, H]``, ``mask [B, T, T]`` -> (h, router logits [B*T, E] or None,
-        experts [B*T, k] or None)."""
-        x = self.input_layernorm(h)
-        q, k, v = self.qkv(x, pos)
-        h = h + self.attend(q, k, v, mask)
-        x = self.post_attention_layernorm(h)
-        if not self.is_moe:
-            return h + self.mlp(x), None, None
-        out, logits, idx = self.mlp(x.reshape(-1, x.shape[-1]))
-        return h + out.view_as(h), logits, idx
+        is_moe = layer in cfg.moe_layers
+        super().__init__(cfg, layer, mlp=MoEBlock(cfg) if is_moe else None)
+        self.layer, self.is_moe = layer, is_moe
 
 
 class MoEDecoder(nn.Module):
-    """Decoder-only MoE language model. ``forward(ids)`` -> logits; ``route_trace`` records the experts."""
+    """Decoder-only MoE language model: ``forward(ids)`` -> logits (with ``return_routing``, the routing too)."""
 
     def __init__(self, cfg: MoEConfig):
         super().__init__()
@@ -329,6 +259,7 @@ class MoEDecoder(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        gpt.register_rope(self, cfg)
         self.apply(self._init)
 
     @staticmethod
@@ -341,6 +272,11 @@ class MoEDecoder(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(ids)
 
+    def rope(self, pos: torch.Tensor, dtype: torch.dtype | None = None):
+        """RoPE ``(cos, sin)`` ``[..., 1, head_dim]`` at positions ``pos [...]`` (int64 in ``[0, max_position)``)
+        in ``dtype`` (default: the model's), the ``rope`` argument of :class:`~hpdl.models.gpt.Attention`."""
+        return gpt.rope_at(self, pos, self.embed_tokens.weight.dtype if dtype is None else dtype)
+
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head: ``h [..., H]`` -> logits ``[..., V]``."""
         return self.lm_head(self.norm(h))
@@ -348,20 +284,33 @@ class MoEDecoder(nn.Module):
     def forward(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None, return_routing: bool = False):
         """``ids [B, T]`` int64 (right padding marked 0 in ``attention_mask [B, T]``) -> logits ``[B, T, V]``,
         plus, with ``return_routing``, lists over MoE layers of router logits ``[B*T, E]`` and experts
-        ``[B*T, k]``. Positions count real tokens only, so a right-padded row equals the unpadded one."""
+        ``[B*T, k]``. Positions count real tokens only, so a right-padded row equals the unpadded one.
+
+        Raises:
+            MoEConfigError: ``T`` exceeds ``max_position`` (the RoPE tables' length).
+        """
         B, T = ids.shape
+        if T > self.cfg.max_position:
+            raise MoEConfigError(f"ids has {T} positions, more than max_position={self.cfg.max_position}")
         am = torch.ones(B, T, dtype=torch.bool, device=ids.device) if attention_mask is None else attention_mask.bool()
         pos = (am.long().cumsum(-1) - 1).clamp_min(0)
         causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
         mask = causal[None] & am[:, None, :]
         mask = mask | torch.eye(T, dtype=torch.bool, device=ids.device)[None]  # pad rows attend to themselves
         h = self.embed(ids)
+        rope = self.rope(pos, h.dtype)
         logits_l, idx_l = [], []
         for blk in self.layers:
-            h, lg, idx = blk(h, pos, mask)
-            if lg is not None:
-                logits_l.append(lg)
-                idx_l.append(idx)
+            q, k, v = blk.attn.qkv(blk.ln_1(h), rope)
+            h = h + blk.attn.attend(q, k, v, mask)
+            x = blk.ln_2(h)
+            if not blk.is_moe:
+                h = h + blk.mlp(x)
+                continue
+            out, lg, idx = blk.mlp.routed(x.reshape(-1, x.shape[-1]))
+            h = h + out.view_as(h)
+            logits_l.append(lg)
+            idx_l.append(idx)
         logits = self.head(h)
         return (logits, logits_l, idx_l) if return_routing else logits
 
@@ -388,11 +337,67 @@ def _expert_names(arch: str, prefix: str, e: int) -> tuple[str, str, str]:
     return f"{b}.gate_proj.weight", f"{b}.up_proj.weight", f"{b}.down_proj.weight"
 
 
+def _fused_names(cfg: MoEConfig, i: int, layer: str, attn: str, mlp: str, shared: str) -> dict[str, list[str]]:
+    """Our layer-``i`` norm, attention and dense-MLP parameters -> the source tensors each is made of,
+    concatenated along dim 0 in this order (q|k|v, gate|up). ``layer``/``attn``/``mlp``/``shared``: the source's
+    module prefixes (HF and the first hpdl layout both name the tensors ``input_layernorm``,
+    ``post_attention_layernorm``, ``{q,k,v,o}_proj``, ``{q,k}_norm``, ``{gate,up,down}_proj``)."""
+    q, p = f"layers.{i}", f"{attn}."
+    g, u, d = "gate_proj", "up_proj", "down_proj"
+    m = {f"{q}.ln_1.weight": [f"{layer}.input_layernorm.weight"],
+         f"{q}.ln_2.weight": [f"{layer}.post_attention_layernorm.weight"],
+         f"{q}.attn.qkv_proj.weight": [p + f"{n}_proj.weight" for n in "qkv"],
+         f"{q}.attn.o_proj.weight": [p + "o_proj.weight"]}
+    if cfg.attention_bias:
+        m[f"{q}.attn.qkv_proj.bias"] = [p + f"{n}_proj.bias" for n in "qkv"]
+    if cfg.qk_norm:
+        m[f"{q}.attn.q_norm.weight"], m[f"{q}.attn.k_norm.weight"] = [p + "q_norm.weight"], [p + "k_norm.weight"]
+    if i not in cfg.moe_layers:
+        m[f"{q}.mlp.up_proj.weight"] = [f"{mlp}.{g}.weight", f"{mlp}.{u}.weight"]
+        m[f"{q}.mlp.down_proj.weight"] = [f"{mlp}.{d}.weight"]
+    elif cfg.shared_expert_size:
+        m[f"{q}.mlp.shared_expert.up_proj.weight"] = [f"{shared}.{g}.weight", f"{shared}.{u}.weight"]
+        m[f"{q}.mlp.shared_expert.down_proj.weight"] = [f"{shared}.{d}.weight"]
+    return m
+
+
+def _take_fused(out: dict, names: dict[str, list[str]], take) -> None:
+    """``out[ours] = cat(take(t) for t in theirs)`` for every entry of ``names`` (see :func:`_fused_names`)."""
+    for ours, theirs in names.items():
+        ts = [take(t) for t in theirs]
+        out[ours] = ts[0] if len(ts) == 1 else torch.cat(ts, 0)
+
+
+def upgrade_state_dict(cfg: MoEConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Map a state dict of the MoE decoder's first layout (its own attention: ``layers.{i}.input_layernorm``,
+    ``q_proj``/``k_proj``/``v_proj``/``o_proj``, ``q_norm``, ``post_attention_layernorm``, SwiGLU
+    ``gate_proj``/``up_proj``/``down_proj``) onto the shared :class:`~hpdl.models.gpt.Block`'s names (``ln_1``,
+    ``attn.qkv_proj`` = q|k|v, ``ln_2``, ``mlp.up_proj`` = gate|up). A dict already in the current layout is
+    returned unchanged. Raises MoEConfigError naming a missing tensor."""
+    if "layers.0.input_layernorm.weight" not in sd:
+        return sd
+    src = dict(sd)
+
+    def take(name):
+        if name not in src:
+            raise MoEConfigError(f"old-layout state dict has no tensor {name!r}")
+        return src.pop(name)
+
+    out = {}
+    for i in range(cfg.n_layers):
+        q = f"layers.{i}"
+        _take_fused(out, _fused_names(cfg, i, q, q, f"{q}.mlp", f"{q}.mlp.shared_expert"), take)
+    out.update(src)  # embeddings, final norm, head, routers, experts, shared-expert gates: same names
+    return out
+
+
 def convert_hf_state_dict(cfg: MoEConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Map a Hugging Face Mixtral / Qwen2-MoE / OLMoE state dict onto :class:`MoEDecoder`'s names.
 
     Accepts per-expert tensors (``experts.{e}.w1/w3/w2`` or ``gate_proj/up_proj/down_proj``, what
-    ``save_pretrained`` writes) and fused ones (``experts.gate_up_proj [E, 2F, H]``, ``experts.down_proj``).
+    ``save_pretrained`` writes) and fused ones (``experts.gate_up_proj [E, 2F, H]``, ``experts.down_proj``);
+    q/k/v and gate/up are fused into one matrix each, as :class:`~hpdl.models.gpt.Attention` and
+    :class:`~hpdl.models.gpt.MLP` hold them.
 
     Raises:
         MoEConfigError: a tensor is missing (named) or has the wrong shape.
@@ -407,20 +412,10 @@ def convert_hf_state_dict(cfg: MoEConfig, sd: dict[str, torch.Tensor]) -> dict[s
         out["lm_head.weight"] = take("lm_head.weight")
     for i in range(cfg.n_layers):
         p, q = f"model.layers.{i}", f"layers.{i}"
-        for n in ("input_layernorm", "post_attention_layernorm"):
-            out[f"{q}.{n}.weight"] = take(f"{p}.{n}.weight")
-        for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            out[f"{q}.{n}.weight"] = take(f"{p}.self_attn.{n}.weight")
-            if cfg.attention_bias and n != "o_proj":
-                out[f"{q}.{n}.bias"] = take(f"{p}.self_attn.{n}.bias")
-        if cfg.qk_norm:
-            out[f"{q}.q_norm.weight"] = take(f"{p}.self_attn.q_norm.weight")
-            out[f"{q}.k_norm.weight"] = take(f"{p}.self_attn.k_norm.weight")
-        if i not in cfg.moe_layers:
-            for n in ("gate_proj", "up_proj", "down_proj"):
-                out[f"{q}.mlp.{n}.weight"] = take(f"{p}.mlp.{n}.weight")
-            continue
         moe = f"{p}.block_sparse_moe" if cfg.arch == "mixtral" else f"{p}.mlp"
+        _take_fused(out, _fused_names(cfg, i, p, f"{p}.self_attn", f"{p}.mlp", f"{moe}.shared_expert"), take)
+        if i not in cfg.moe_layers:
+            continue
         out[f"{q}.mlp.gate.weight"] = take(f"{moe}.gate.weight")
         if f"{moe}.experts.gate_up_proj" in sd:
             out[f"{q}.mlp.w_gate_up"] = sd[f"{moe}.experts.gate_up_proj"]
@@ -433,8 +428,6 @@ def convert_hf_state_dict(cfg: MoEConfig, sd: dict[str, torch.Tensor]) -> dict[s
                 dn.append(d)
             out[f"{q}.mlp.w_gate_up"], out[f"{q}.mlp.w_down"] = torch.stack(gu), torch.stack(dn)
         if cfg.shared_expert_size:
-            for n in ("gate_proj", "up_proj", "down_proj"):
-                out[f"{q}.mlp.shared_expert.{n}.weight"] = take(f"{moe}.shared_expert.{n}.weight")
             out[f"{q}.mlp.shared_expert_gate.weight"] = take(f"{moe}.shared_expert_gate.weight")
     return out
 
@@ -510,7 +503,8 @@ def save_checkpoint(model: MoEDecoder, path: str | Path, extra: dict | None = No
 
 
 def load_model(path: str | Path) -> MoEDecoder:
-    """Load an hpdl checkpoint directory (``hpdl_moe.pt``) or a Hugging Face one (``config.json``).
+    """Load an hpdl checkpoint directory (``hpdl_moe.pt``, any layout :func:`upgrade_state_dict` knows) or a
+    Hugging Face one (``config.json``).
 
     Raises:
         FileNotFoundError: no such directory, or neither file in it.
@@ -521,8 +515,9 @@ def load_model(path: str | Path) -> MoEDecoder:
     if f.is_file():
         try:
             blob = torch.load(f, map_location="cpu", weights_only=True)
-            m = MoEDecoder(MoEConfig(**blob["config"]))
-            m.load_state_dict(blob["state_dict"])
+            cfg = MoEConfig(**blob["config"])
+            m = MoEDecoder(cfg)
+            m.load_state_dict(upgrade_state_dict(cfg, blob["state_dict"]))
         except MoEConfigError as e:
             raise MoEConfigError(f"{f}: {e}") from None
         except Exception as e:  # noqa: BLE001 - unpickling, a missing key or a shape mismatch: name the file

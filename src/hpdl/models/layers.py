@@ -26,3 +26,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """``[x1, x2] -> [-x2, x1]`` over the last dim (half-split rotary embedding, as Llama and Mixtral)."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (RoFormer, arXiv 2104.09864; half-split as HF Llama): ``x [..., heads, d]`` rotated by
+    ``cos, sin`` broadcast to it (``[..., 1, d]``, in x's dtype, as HF computes it). The one RoPE of hpdl's
+    decoders."""
+    return x * cos + rotate_half(x) * sin

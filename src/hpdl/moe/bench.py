@@ -33,6 +33,8 @@ from hpdl.moe.errors import MoEError
 from hpdl.runtime.errors import CLIUsageError
 from hpdl.runtime.limits import count
 
+PROFILE_SEQ = 64  # tokens per routing-profile window (the model's max_position must cover it)
+
 
 @dataclass
 class BenchSpec:
@@ -98,7 +100,7 @@ def _model(spec: BenchSpec, E: int):
     torch.manual_seed(spec.seed)
     cfg = MoEConfig(vocab_size=256, hidden_size=spec.hidden_size, n_layers=spec.n_layers, n_heads=spec.n_heads,
                     n_kv_heads=spec.n_kv_heads, n_experts=E, top_k=1, expert_size=spec.expert_size,
-                    max_position=spec.prompt_len + spec.new_tokens + 8)
+                    max_position=max(PROFILE_SEQ, spec.prompt_len + spec.new_tokens + 8))
     return MoEDecoder(cfg).eval()
 
 
@@ -112,7 +114,7 @@ def prepare(spec: BenchSpec, E: int) -> dict:
     if model.cfg.n_experts != E:
         raise MoEError(f"model has n_experts={model.cfg.n_experts}, the sweep asks for E={E}")
     data, source = stdlib_corpus(2_000_000, part="tail")  # never the text `hpdl moe train` reads
-    prof = heldout_windows(data[: len(data) // 2], spec.profile_tokens, 64)
+    prof = heldout_windows(data[: len(data) // 2], spec.profile_tokens, PROFILE_SEQ)
     tr = collect_trace(model, prof, source=source)
     C = affinity.transition_counts(tr.experts, E)
     res = placement.place(C, spec.world_size, time_limit=spec.time_limit)

@@ -347,7 +347,7 @@ class MoEEngine:
 
     def _moe_combine(self, li, blk, h, req, pos, valid, C):
         """Baseline: dispatch copies to expert ranks, compute, combine back to this rank."""
-        x = blk.post_attention_layernorm(h)
+        x = blk.ln_2(h)
         _, idx, w = blk.mlp.route(x)
         self._record(li, req, pos, idx, valid)
         n, k = idx.shape
@@ -366,7 +366,7 @@ class MoEEngine:
     def _moe_stay(self, li, blk, h, req, pos, valid, C):
         """ExFlow: dispatch the residual stream to the expert's rank; the token stays there. Returns the
         received tokens compacted into this rank's fixed ``[nmax]`` token buffer (pads flagged)."""
-        x = blk.post_attention_layernorm(h)
+        x = blk.ln_2(h)
         _, idx, w = blk.mlp.route(x)
         self._record(li, req, pos, idx, valid)
         dest = self.ranks_dev[li][idx[:, 0]]
@@ -376,7 +376,7 @@ class MoEEngine:
         H = h.shape[1]
         h_r, m_r = _unpack(recv, H, 5)
         v_r = m_r[:, 4] == 1
-        x_r = blk.post_attention_layernorm(h_r)
+        x_r = blk.ln_2(h_r)
         y = self._experts(li, x_r, m_r[:, 1].long(), m_r[:, 0].view(torch.float32), v_r)
         s = blk.mlp.shared(x_r)
         h_r = h_r + (y if s is None else y + s)
@@ -401,19 +401,12 @@ class MoEEngine:
     def _attention(self, blk, h, slot, pos):
         """Residual attention of ``h [n, H]`` at (cache slot, position); K/V written to the cache first, then
         attention over the fixed cache length with a causal mask (no host value: ``S`` is the cache length)."""
-        l = blk.layer
         if h.shape[0] == 0:  # a rank may hold no token (a shape, not a device value)
             e = h.new_zeros(0, self.cfg.n_kv_heads, self.cfg.head_dim)
             return h, e, e
-        x = blk.input_layernorm(h)
-        q, k, v = blk.qkv(x, pos)
-        self.cache.k[l, slot, :, pos] = k   # [L, slots, n_kv_heads, S, d]
-        self.cache.v[l, slot, :, pos] = v
-        S = self.cache.max_seq_len
-        mask = torch.arange(S, device=h.device)[None, :] <= pos[:, None]
-        o = blk.attend(q[:, None], self.cache.k[l, slot].transpose(1, 2), self.cache.v[l, slot].transpose(1, 2),
-                       mask[:, None])
-        return h + o[:, 0], k, v
+        o, k, v = blk.attn.cached(blk.ln_1(h), self.net.rope(pos, h.dtype), self.cache, slot, pos,
+                                  self.cache.max_seq_len)
+        return h + o, k, v
 
     def _forward(self, ids, req, pos, valid, stay: bool, C: int, kv_rows: int | None):
         """Tokens ``ids [n]`` of requests ``req`` at ``pos`` (``valid`` flags real rows) through every layer.
@@ -439,7 +432,7 @@ class MoEEngine:
                 fn = self._moe_stay if stay else self._moe_combine
                 h, req, pos, valid = fn(self.moe_index[blk.layer], blk, h, req, pos, valid, C)
             else:
-                h = h + blk.mlp(blk.post_attention_layernorm(h))
+                h = h + blk.mlp(blk.ln_2(h))
         if rows:
             pending.append(self._gather(torch.cat(rows, 0), "K/V all-gather"))
         for out, work in pending:
