@@ -25,6 +25,8 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from hpdl.bench.common import pyplot, run_metadata  # noqa: E402
+from hpdl.serve.bench import release_engine  # noqa: E402
 
 MODEL, DTYPE, SLOTS, MAX_LEN, PROMPT, OUT_LEN = "llama-1b", "bfloat16", 256, 640, 128, (32, 512)
 CONCURRENCY, B1_TOKENS, ROOF_ROWS = [16, 64, 256], 256, [1, 64, 256]
@@ -51,24 +53,11 @@ def _engine(device, fused, dtype=None, slots=None, max_len=None, model=None):
                                   fused_gemm=FUSED_GEMM if fused else "cublas"))
 
 
-def _free(eng) -> None:
-    import gc
-
-    import torch
-
-    eng.shutdown()
-    eng.executor.runner.close()
-    del eng
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def kernels(out: Path, device: str) -> None:
     """Each Triton kernel against its torch reference on the device, float32 and bfloat16 (max abs diff)."""
     import torch
 
-    from hpdl.models.gpt import DecoderConfig, _rope_tables
+    from hpdl.models.gpt import DecoderConfig, rope_tables
     from hpdl.serve import fused as fz
 
     torch.manual_seed(0)
@@ -80,7 +69,7 @@ def kernels(out: Path, device: str) -> None:
         r1, y1 = fz.add_rmsnorm_ref(x, r.clone(), w, 1e-5)
         r2, y2 = fz.add_rmsnorm(x, r.clone(), w, 1e-5)
         e = {"add_rmsnorm": max((y1 - y2).abs().max().item(), (r1 - r2).abs().max().item())}
-        cos, sin = (t.to(device) for t in _rope_tables(DecoderConfig(max_position=L)))
+        cos, sin = (t.to(device) for t in rope_tables(DecoderConfig(max_position=L)))
         pos = torch.tensor([3, 0, 639, 200, 64], device=device)
         qkv = torch.randn(n, (h + 2 * hkv) * d, device=device, dtype=dt)
         c1, v1, c2, v2 = (torch.zeros(S, hkv, L, d, device=device, dtype=dt) for _ in range(4))
@@ -118,7 +107,7 @@ def correctness(out: Path, device: str) -> None:
         toks[fused] = [o.token_ids for o in eng.generate(prompts, params)]
         r = eng.executor.runner
         ok = (r.fused == fused, r.cuda_graph or device == "cpu", r.graph_error)
-        _free(eng)
+        release_engine(eng)
     same = sum(a == b for a, b in zip(toks[True], toks[False]))
     first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
                   for a, b in zip(toks[True], toks[False])]
@@ -142,12 +131,10 @@ def correctness(out: Path, device: str) -> None:
         _save(out, f"logits_{dtype}", {"max_abs_diff": d.max().item(), "mean_abs_diff": d.mean().item(),
                                        "ref_std": ref.float().std().item(),
                                        "argmax_equal": int((top == ref.argmax(-1)).sum()), "rows": n})
-        _free(eng)
+        release_engine(eng)
 
 
 def throughput(out: Path, device: str, fused: bool) -> None:
-    import torch
-
     from hpdl.serve import bench
     from hpdl.serve.worker import NAMED_CONFIGS
 
@@ -189,7 +176,7 @@ def throughput(out: Path, device: str, fused: bool) -> None:
         res["kernels_error"] = traceback.format_exc()[-1500:]
     res["final_state"] = {"fused": r.fused, "cuda_graph": r.cuda_graph, "graph_error": r.graph_error}
     _save(out, name, res)
-    _free(eng)
+    release_engine(eng)
 
 
 def kernel_count(runner, n: int, ctx: int) -> int | None:
@@ -211,11 +198,7 @@ def kernel_count(runner, n: int, ctx: int) -> int | None:
 
 
 def plot(d: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     res = json.loads((d / "fused.json").read_text())
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, style in (("fused", "o-"), ("eager", "s--")):
@@ -252,14 +235,8 @@ def main() -> None:
 
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     args.out.mkdir(parents=True, exist_ok=True)
-    import transformers
-
-    _save(args.out, "versions", {"torch": torch.__version__, "transformers": transformers.__version__,
-                                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                                 "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
-                                 "triton": __import__("triton").__version__ if device == "cuda" else None,
-                                 "model": MODEL, "dtype": DTYPE, "slots": SLOTS, "max_seq_len": MAX_LEN,
-                                 "fused_gemm": FUSED_GEMM})
+    _save(args.out, "versions", run_metadata(device=device, versions=("transformers", "triton"), model=MODEL,
+                                             dtype=DTYPE, slots=SLOTS, max_seq_len=MAX_LEN, fused_gemm=FUSED_GEMM))
     for part in args.parts.split(","):
         try:
             if part == "kernels":

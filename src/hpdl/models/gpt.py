@@ -296,7 +296,7 @@ class DecoderLM(nn.Module):
             nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.lm_head = ColumnParallelLinear(cfg.hidden_size, [cfg.vocab_size], False, group, gather=True)
         if cfg.arch == "llama":
-            cos, sin = _rope_tables(cfg)
+            cos, sin = rope_tables(cfg)
             self.register_buffer("cos", cos, persistent=False)
             self.register_buffer("sin", sin, persistent=False)
 
@@ -343,7 +343,7 @@ class DecoderLM(nn.Module):
         return self
 
 
-def _rope_tables(cfg: DecoderConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(cfg: DecoderConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin ``[max_position, head_dim]`` float32 in HF's rotate_half convention (RoFormer, arXiv 2104.09864)."""
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
     freqs = torch.outer(torch.arange(cfg.max_position).float(), inv)
@@ -412,7 +412,7 @@ def load_pretrained(path: str | Path, group=None, dtype=torch.float32, device="c
         model = DecoderLM(cfg, group)
     model = model.to_empty(device="cpu").to(torch.float32)
     if cfg.arch == "llama":  # to_empty left the RoPE tables uninitialised
-        model.cos, model.sin = _rope_tables(cfg)
+        model.cos, model.sin = rope_tables(cfg)
     rank, _ = _tp(group)
     params = dict(model.named_parameters())
     with torch.no_grad():

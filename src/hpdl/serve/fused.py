@@ -251,7 +251,7 @@ def _pdl_args(pdl: bool) -> dict:
 
 def rope_kv(qkv, cos, sin, pos, kc, vc, start: int, h: int, hkv: int, pdl: bool = False):
     """Triton ``rope_kv_ref`` (one kernel: q rotated, k rotated and stored, v stored). It reads the first half
-    of each cos/sin row only: the tables must repeat their halves (``hpdl.models.gpt._rope_tables`` does).
+    of each cos/sin row only: the tables must repeat their halves (``hpdl.models.gpt.rope_tables`` does).
     ``pdl``: launch with Programmatic Dependent Launch (callers check ``stream_gemm.pdl_supported``)."""
     if not use_triton(qkv):
         return rope_kv_ref(qkv, cos, sin, pos, kc, vc, start, h, hkv)
