@@ -8,6 +8,8 @@ built on them against the current fused step (cuBLAS GEMMs) and the eager step, 
         # --fused-gemm auto decision (parts compile, step, greedy, engine; 5. below), no gemm part
     python3 benchmarks/serve_decode_kernels.py --smoke --out /tmp/sdk         # CPU plumbing check: tiny shapes, torch
                                                                               # fallback (TRITON_INTERPRET=1: kernels)
+    python3 benchmarks/serve_decode_kernels.py --tiny --out $OUT/sdk          # device, about 1 minute: the smoke
+                                                                              # shapes on the GPU (a quick check)
     python3 benchmarks/serve_decode_kernels.py --plot DIR                     # the PNG from DIR/decode_kernels.json
 
 Writes 3 files into --out: decode_kernels.json (saved after every part, so a timeout keeps what finished),
@@ -95,6 +97,7 @@ COMPILE_ROWS = None  # rows whose stream_gemm candidates the compile pool builds
 SMOKE = dict(MODEL="llama-tiny", DTYPE="float32", ROWS=[1, 4], STEP_ROWS=[1, 4], CTX=20, KV_LEN=32, SLOTS=4,
              MAX_LEN=64, COPIES=2, LM_COPIES=1, REPS=2, ROUNDS=2, JOBS=2, PDL_ROWS=[1], ENGINE_REQS=[3, 4],
              PROMPT=8, OUT_LEN=(2, 12), B1_TOKENS=8, ENGINE_ROUNDS=1)
+TINY = dict(BUDGET_S=60.0, COMPILE_S=30.0, GEMM_LEFT_S=10.0, JOBS=8)  # --tiny: SMOKE's shapes on the GPU, in a minute
 _T0 = time.perf_counter()
 RES: dict = {}
 OUT: Path = Path(".")
@@ -885,6 +888,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot", type=Path, help="only make the PNG from DIR/decode_kernels.json")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (plumbing check)")
+    ap.add_argument("--tiny", action="store_true", help="--smoke's tiny shapes on the device (CUDA when present): "
+                    "the one-minute GPU check")
     ap.add_argument("--parts", default=None, help="comma-separated subset of compile, step, engine, "
                     "gemm, greedy; compile runs first, the others in the order given")
     ap.add_argument("--quick", action="store_true", help="the ~2-minute device check: rows 1 and 64, fewer paths")
@@ -902,8 +907,10 @@ def main() -> None:
         globals().update(QUICK)
     if args.auto:
         globals().update(AUTO)
-    if args.smoke:
+    if args.smoke or args.tiny:
         globals().update(SMOKE)
+    if args.tiny:
+        globals().update(TINY)
     OUT = args.out
     OUT.mkdir(parents=True, exist_ok=True)
     import torch

@@ -3,6 +3,7 @@
     python3 benchmarks/serve_fused_bench.py --out $OUT            # device: JSON (+ PNG) into $OUT
     python3 benchmarks/serve_fused_bench.py --plot DIR            # here: the PNG from a fetched fused.json
     python3 benchmarks/serve_fused_bench.py --smoke --out /tmp/x  # CPU plumbing check, llama-tiny
+    python3 benchmarks/serve_fused_bench.py --tiny --out $OUT/x   # the same shapes on the GPU: a quick check
     python3 benchmarks/serve_fused_bench.py --fused-gemm stream --parts fused --out $OUT  # the stream GEMM step
 
 Parts, each saved into fused.json as soon as it is done (a timeout keeps what finished):
@@ -221,7 +222,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot", type=Path, help="only make the PNG from DIR/fused.json")
-    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="CPU plumbing check with llama-tiny")
+    ap.add_argument("--tiny", action="store_true", help="--smoke's llama-tiny shapes on the device (CUDA when "
+                    "present): the quick GPU check")
     ap.add_argument("--parts", default="kernels,correctness,fused,eager")
     ap.add_argument("--fused-gemm", default="cublas", choices=["cublas", "stream"],
                     help="GEMMs of the fused path (stream: hpdl.serve.stream_gemm, issue 38)")
@@ -229,7 +232,7 @@ def main() -> None:
     globals()["FUSED_GEMM"] = args.fused_gemm
     if args.plot:
         return plot(args.plot)
-    if args.smoke:
+    if args.smoke or args.tiny:
         globals().update(SMOKE)
     import torch
 

@@ -2,6 +2,7 @@
 
     python3 benchmarks/serve_ttft.py --out $OUT                # device, about 3-4 minutes: JSON + log + PNG
     python3 benchmarks/serve_ttft.py --smoke --out /tmp/ttft   # CPU plumbing check, llama-tiny, about 2 minutes
+    python3 benchmarks/serve_ttft.py --tiny --out $OUT/ttft    # the same shapes on the GPU: a quick check
     python3 benchmarks/serve_ttft.py --plot DIR                # the PNG again from a fetched DIR/serve_ttft.json
 
 Four engines per case, identical but for the prefill path (``PATHS``): ``padded`` (prompts right-padded to the
@@ -357,6 +358,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot", type=Path, help="only make the PNG from DIR/serve_ttft.json")
     ap.add_argument("--smoke", action="store_true", help="CPU plumbing check with llama-tiny")
+    ap.add_argument("--tiny", action="store_true", help="--smoke's llama-tiny shapes on the device (CUDA when "
+                    "present): the quick GPU check")
     ap.add_argument("--parts", default="kernel,serving,long", help="comma list of kernel, serving, long")
     args = ap.parse_args()
     if args.plot:
@@ -366,7 +369,7 @@ def main() -> None:
     bad = set(args.parts.split(",")) - {"kernel", "serving", "long"}
     if bad:
         ap.error(f"--parts: unknown {sorted(bad)}; expected a comma list of kernel, serving, long")
-    if args.smoke:
+    if args.smoke or args.tiny:
         globals().update(SMOKE)
     import torch
 

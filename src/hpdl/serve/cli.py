@@ -42,7 +42,8 @@ class _HelpWithDefaults(argparse.HelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if "%(default)" in text or not action.option_strings or action.default in (None, False, argparse.SUPPRESS):
+        if ("%(default)" in text or "(default:" in text or not action.option_strings
+                or action.default in (None, False, argparse.SUPPRESS)):
             return text
         return text + " (default: %(default)s)"
 
