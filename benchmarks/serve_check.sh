@@ -42,7 +42,7 @@ run serve_decode_kernels 70 python3 benchmarks/serve_decode_kernels.py $MODE --o
 run serve_bench_flover 30 python3 benchmarks/serve_bench.py --phase flover --smoke --device "$DEV" \
     --out "$W/serve_bench"
 run serve_bench_hf 25 python3 benchmarks/serve_bench.py --phase hf --smoke --device "$DEV" --out "$W/serve_bench"
-run serve_report 15 python3 benchmarks/serve_bench.py --phase report --smoke --out "$W/serve_bench" \
+run serve_report 30 python3 benchmarks/serve_bench.py --phase report --smoke --out "$W/serve_bench" \
     --docs "$W/serve_bench/report"
 
 cp "$W/status" "$OUT/status.txt"
