@@ -21,6 +21,10 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from hpdl.bench.common import run_metadata  # noqa: E402
+from hpdl.serve.bench import release_engine  # noqa: E402
+
 # ---- defaults: the issue's setup ------------------------------------------------------------------
 MODEL, DTYPE = "llama-1b", "bfloat16"  # TinyLlama-1.1B shape, random weights
 N_OFFLINE, PROMPT_LEN, OUTPUT_LEN = 64, 128, (32, 512)
@@ -42,15 +46,12 @@ def _save(out: Path, name: str, data: dict) -> None:
     print(f"[{time.perf_counter() - _T0:6.1f}s] {name}: saved {', '.join(data)}", flush=True)
 
 
-def _versions() -> dict:
+def _versions(device: str | None = None) -> dict:
+    """The harness's run metadata (UTC date, host, torch, transformers, commit, command; GPU name with a CUDA
+    device) and how many GPUs this process sees."""
     import torch
-    import transformers
 
-    d = {"torch": torch.__version__, "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d")}
-    if torch.cuda.is_available():
-        d["gpu"] = torch.cuda.get_device_name(0)
-        d["gpus"] = torch.cuda.device_count()
-    return d
+    return run_metadata(device=device, versions=("transformers",), gpus=torch.cuda.device_count())
 
 
 def _workload(n, rate=math.inf, seed=0):
@@ -76,7 +77,7 @@ def phase_flover(out: Path, device: str) -> None:
 
     from hpdl.serve.bench import run_engine, summarize
 
-    res = {"versions": _versions(), "device": device}
+    res = {"versions": _versions(device), "device": device}
     res["correctness"] = _gpu_correctness(device)
     _save(out, "flover", res)
     wl = _workload(N_OFFLINE)
@@ -100,7 +101,7 @@ def phase_flover(out: Path, device: str) -> None:
         recs = run_engine(eng, wl_on)  # virtual clock: idle gaps skipped, busy time real
         res["online"][str(rate)] = summarize(recs, SLO_TTFT_MS, SLO_TPOT_MS)
         _save(out, "flover", res)
-    eng.shutdown()
+    release_engine(eng)
     del eng
     res["reorder"] = {}
     for mode in ("window", "prefix", "none"):  # eager decode, so the three layouts run the same kernels
@@ -112,6 +113,7 @@ def phase_flover(out: Path, device: str) -> None:
         res["reorder"][mode] = {"output_throughput": r["output_throughput"], "moves": st["reorder_moves"],
                                 "decode_rows": st["decode_rows"], "live_rows": st["live_rows"]}
         _save(out, "flover", res)
+        release_engine(e)
         del e
 
 
@@ -154,13 +156,12 @@ def phase_hf(out: Path, device: str) -> None:
 
     from hpdl.serve import baselines as B
     from hpdl.serve.bench import summarize
-    from hpdl.serve.cli import _hf_model
     from hpdl.serve.worker import NAMED_CONFIGS, ModelSpec
 
     torch.cuda.set_device(device) if device.startswith("cuda") else None
-    hf = _hf_model(ModelSpec(config=MODEL, dtype=DTYPE), NAMED_CONFIGS[MODEL], device)
+    hf = B.hf_model(ModelSpec(config=MODEL, dtype=DTYPE), NAMED_CONFIGS[MODEL], device)
     wl = _workload(N_OFFLINE)
-    res = {"versions": _versions(), "device": device, "attn": hf.config._attn_implementation}
+    res = {"versions": _versions(device), "device": device, "attn": hf.config._attn_implementation}
     from hpdl.serve.bench import WorkloadRequest
 
     B.static_batches(hf, [WorkloadRequest(0.0, w.prompt, 8) for w in wl[:2]], 2)  # warm-up
@@ -187,7 +188,7 @@ def phase_tp(out: Path, device: str) -> None:
     from hpdl.serve import SamplingParams
     from hpdl.serve.bench import run_engine, summarize
 
-    res = {"versions": _versions()}
+    res = {"versions": _versions(device)}
     prompts = [w.prompt for w in _workload(8)]
     p = SamplingParams(max_tokens=64 if MODEL != "llama-tiny" else 8, ignore_eos=True, detokenize=False)
     one = _workload(1)
@@ -196,7 +197,7 @@ def phase_tp(out: Path, device: str) -> None:
         e = _engine(device, tp=tp, dtype="float32", cuda_graph=False, reorder="window", slots=8)
         res[f"tokens_tp{tp}"] = [o.token_ids for o in e.generate(prompts, p)]
         res[f"all_reduce_fp32_tp{tp}"] = e.executor.runner.all_reduce
-        e.shutdown()
+        release_engine(e)
         del e
     res["tp_tokens_identical"] = res["tokens_tp1"] == res["tokens_tp2"]
     _save(out, "tp", res)
@@ -210,7 +211,7 @@ def phase_tp(out: Path, device: str) -> None:
             e = _engine(device, tp=tp, model=BIG_MODEL, slots=8)
             run_engine(e, one)
             res[f"batch1_{BIG_MODEL}_{key}"] = summarize(run_engine(e, one))
-            e.shutdown()
+            release_engine(e)
             del e
             _save(out, "tp", res)
             continue
@@ -221,7 +222,7 @@ def phase_tp(out: Path, device: str) -> None:
         res[f"batch1_{key}"] = summarize(run_engine(e, one))
         run_engine(e, _workload(N_OFFLINE))  # warm-up (graph capture)
         res[f"offline_{key}"] = summarize(run_engine(e, _workload(N_OFFLINE)))
-        e.shutdown()
+        release_engine(e)
         del e
         _save(out, "tp", res)
     t = {k: res.get(f"tokens_bf16_{k}") for k in ("tp1", "tp2_nccl", "tp2_symm")}
@@ -258,13 +259,13 @@ def phase_tpcase(out: Path, device: str, case: str) -> None:
     one[0].output_len = min(256, OUTPUT_LEN[1])
     e = _engine(device, tp=tp, all_reduce=ar, cuda_graph=graph, reorder="prefix" if graph else "window",
                 model=BIG_MODEL if model == "BIG" else None, slots=8)
-    res = {"case": case, "all_reduce": e.executor.runner.all_reduce, "versions": _versions()}
+    res = {"case": case, "all_reduce": e.executor.runner.all_reduce, "versions": _versions(device)}
     res["tokens"] = e.generate([one[0].prompt], SamplingParams(max_tokens=one[0].output_len, ignore_eos=True,
                                                                detokenize=False))[0].token_ids
     res["batch1"] = summarize(run_engine(e, one))
     res["graph_error"] = e.executor.runner.graph_error
     _save(out, f"tp_{case}", res)
-    e.shutdown()
+    release_engine(e)
 
 
 def phase_tp2(out: Path, smoke: bool) -> None:

@@ -8,6 +8,8 @@ built on them against the current fused step (cuBLAS GEMMs) and the eager step, 
         # --fused-gemm auto decision (parts compile, step, greedy, engine; 5. below), no gemm part
     python3 benchmarks/serve_decode_kernels.py --smoke --out /tmp/sdk         # CPU plumbing check: tiny shapes, torch
                                                                               # fallback (TRITON_INTERPRET=1: kernels)
+    python3 benchmarks/serve_decode_kernels.py --tiny --out $OUT/sdk          # device, about 1 minute: the smoke
+                                                                              # shapes on the GPU (a quick check)
     python3 benchmarks/serve_decode_kernels.py --plot DIR                     # the PNG from DIR/decode_kernels.json
 
 Writes 3 files into --out: decode_kernels.json (saved after every part, so a timeout keeps what finished),
@@ -63,6 +65,8 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from hpdl.bench.common import Column, format_table, pyplot, run_metadata  # noqa: E402
+from hpdl.serve.bench import release_engine  # noqa: E402
 
 MODEL, DTYPE, ROWS, STEP_ROWS, CTX, KV_LEN, SLOTS, MAX_LEN = "llama-1b", "bfloat16", [1, 16, 64], [1, 16, 64], \
     264, 384, 256, 640
@@ -93,6 +97,7 @@ COMPILE_ROWS = None  # rows whose stream_gemm candidates the compile pool builds
 SMOKE = dict(MODEL="llama-tiny", DTYPE="float32", ROWS=[1, 4], STEP_ROWS=[1, 4], CTX=20, KV_LEN=32, SLOTS=4,
              MAX_LEN=64, COPIES=2, LM_COPIES=1, REPS=2, ROUNDS=2, JOBS=2, PDL_ROWS=[1], ENGINE_REQS=[3, 4],
              PROMPT=8, OUT_LEN=(2, 12), B1_TOKENS=8, ENGINE_ROUNDS=1)
+TINY = dict(BUDGET_S=60.0, COMPILE_S=30.0, GEMM_LEFT_S=10.0, JOBS=8)  # --tiny: SMOKE's shapes on the GPU, in a minute
 _T0 = time.perf_counter()
 RES: dict = {}
 OUT: Path = Path(".")
@@ -618,10 +623,9 @@ def engine_part(device) -> None:
         _save("engine_setup", setup)
     finally:
         for eng in engines.values():
-            eng.shutdown()
-            eng.executor.runner.close()
+            release_engine(eng)
         engines.clear()
-        gc.collect()
+        gc.collect()   # the engines' weights, now that no name holds them
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -642,7 +646,8 @@ def auto_decision() -> dict:
             continue
         ratio = a["step_ms"] / c["step_ms"]
         slower = a["step_ms_min_max"][0] > c["step_ms_min_max"][1] and ratio > 1.01
-        out["checks"].append(f"step {n} rows: auto/cublas {ratio:.3f}" + (" SLOWER" if slower else ""))
+        out["checks"].append(f"step {n} rows: auto time ratio {ratio:.3f} (auto / cublas: lower is better)"
+                             + (" SLOWER" if slower else ""))
         if slower:
             out["slower"].append(f"step {n}")
     eng = RES.get("engine") if isinstance(RES.get("engine"), dict) else {}
@@ -656,7 +661,8 @@ def auto_decision() -> dict:
             ratio, slower = am / cm, min(a["rounds"]) > max(c["rounds"]) and am / cm > 1.02
         else:
             ratio, slower = cm / am, max(a["rounds"]) < min(c["rounds"]) and cm / am > 1.02
-        out["checks"].append(f"engine {w}: cublas/auto cost ratio {ratio:.3f}" + (" SLOWER" if slower else ""))
+        out["checks"].append(f"engine {w}: auto time ratio {ratio:.3f} (auto / cublas, per token: lower is better)"
+                             + (" SLOWER" if slower else ""))
         if slower:
             out["slower"].append(f"engine {w}")
     complete = not any("missing" in c for c in out["checks"])
@@ -716,8 +722,7 @@ def _greedy(device, sg) -> None:
         r = eng.executor.runner
         state[name] = {"fused": r.fused, "gemm": r.fused_gemm, "cuda_graph": r.cuda_graph, "graph_error": r.graph_error,
                        "gemm_choice": r.gemm_choice}
-        eng.shutdown()
-        eng.executor.runner.close()
+        release_engine(eng)
         sg.PDL = False
         del eng
     out = {"requests": len(prompts), "tokens_each": 48, "runners": state}
@@ -735,22 +740,30 @@ def table() -> str:
     nan = float("nan")
     lines = []
     if RES.get("gemm"):
-        lines.append("gemm     M | cublas us [min-max]      GB/s | stream us [min-max]      GB/s | pdl us | "
-                     "fused: cublas+epi / stream / auto us | stream cfg (BN,BK,warps,split) | auto pick | err")
+        rows = []
         for r in RES["gemm"]:
             cfg = r.get("stream_config") or {}
-            c = f"{cfg.get('BLOCK_N')},{cfg.get('BLOCK_K')},{cfg.get('num_warps')},{cfg.get('SPLIT_K')}" if cfg else "-"
             a = r.get("auto_fused_config") or {}
-            pick = "cublas" if a.get("BACKEND") == "cublas" else ("triton" if a else "-")
-            cell = {}
+            row = {"gemm": r["gemm"], "M": r["M"], "pdl_us": r.get("stream_pdl_us"),
+                   "cublas_fused_us": r.get("cublas_fused_us"), "stream_fused_us": r.get("stream_fused_us"),
+                   "auto_fused_us": r.get("auto_fused_us"),
+                   "cfg": f"{cfg.get('BLOCK_N')},{cfg.get('BLOCK_K')},{cfg.get('num_warps')},{cfg.get('SPLIT_K')}"
+                   if cfg else "-", "pick": "cublas" if a.get("BACKEND") == "cublas" else ("triton" if a else "-"),
+                   "err": f"{r['err_stream']:.2g}/{r['err_stream_fused']:.2g}"}
             for impl in ("cublas", "stream"):
                 lo, hi = r.get(f"{impl}_us_min_max", [nan, nan])
-                cell[impl] = (f"{r.get(f'{impl}_us', nan):7.2f} [{lo:6.2f}-{hi:6.2f}] "
-                              f"{r.get(f'{impl}_GBps', nan):7.0f}")
-            lines.append(f"{r['gemm']:8s} {r['M']:3d} | {cell['cublas']} | {cell['stream']} | "
-                         f"{r.get('stream_pdl_us', nan):6.2f} | {r.get('cublas_fused_us', nan):7.2f} / "
-                         f"{r.get('stream_fused_us', nan):7.2f} / {r.get('auto_fused_us', nan):7.2f} | {c:30s} | "
-                         f"{pick:6s} | {r['err_stream']:.2g}/{r['err_stream_fused']:.2g}")
+                row |= {f"{impl}_us": r.get(f"{impl}_us"), f"{impl}_range": f"{lo:.2f}-{hi:.2f}",
+                        f"{impl}_GBps": r.get(f"{impl}_GBps")}
+            rows.append(row)
+        cols = [Column("gemm", "gemm"), Column("M", "M")]
+        for impl in ("cublas", "stream"):
+            cols += [Column(f"{impl}_us", impl, "us", ".2f"), Column(f"{impl}_range", f"{impl} min-max", "us"),
+                     Column(f"{impl}_GBps", impl, "GB/s", ".0f")]
+        cols += [Column("pdl_us", "stream PDL", "us", ".2f"), Column("cublas_fused_us", "fused cublas+epi", "us", ".2f"),
+                 Column("stream_fused_us", "fused stream", "us", ".2f"), Column("auto_fused_us", "fused auto", "us", ".2f"),
+                 Column("cfg", "stream cfg (BN,BK,warps,split)"), Column("pick", "auto pick"),
+                 Column("err", "max abs err stream/fused")]
+        lines += format_table(rows, cols).splitlines()
     tot = RES.get("gemm_step_total")
     if isinstance(tot, dict):
         for M in ROWS:
@@ -760,29 +773,32 @@ def table() -> str:
                     for impl in ("cublas", "stream", "stream_pdl", "cublas_fused", "stream_fused", "auto_fused")
                     if f"{impl}_M{M}_ms" in tot))
     if RES.get("step"):
-        lines.append("step rows path                      ms [min-max]             tok/s   GB/s frac_copy kernels")
-        best: dict = {}
+        rows, best = [], {}
         for r in RES["step"]:
             if "error" in r:
-                lines.append(f"     {r['rows']:4d} {r['path']:16s} ERROR {r['error'][:80]}")
+                lines.append(f"step {r['rows']} rows {r['path']}: ERROR {r['error'][:80]}")
                 continue
             k = r.get("kernels") or {}
             lo, hi = r.get("step_ms_min_max", [nan, nan])
-            lines.append(f"     {r['rows']:4d} {r['path']:24s} {r['step_ms']:7.3f} [{lo:.3f}-{hi:.3f}] "
-                         f"{r['tok_per_s']:10.0f} {r['GBps']:6.0f} {r['frac_copy']:6.2f} {k.get('count')} "
-                         f"({k.get('sum_us')} us)")
+            rows.append(r | {"range": f"{lo:.3f}-{hi:.3f}", "kernels": k.get("count"), "kernel_us": k.get("sum_us")})
             if r["path"] != "eager" and r["step_ms"] < best.get(r["rows"], ("", 1e9))[1]:
                 best[r["rows"]] = (r["path"], r["step_ms"])
+        lines += format_table(rows, [Column("rows", "rows"), Column("path", "path"),
+                                     Column("step_ms", "step", "ms", ".3f"), Column("range", "min-max", "ms"),
+                                     Column("tok_per_s", "throughput", "tok/s", ".0f"),
+                                     Column("GBps", "bytes moved", "GB/s", ".0f"),
+                                     Column("frac_copy", "of copy bandwidth", fmt=".2f"),
+                                     Column("kernels", "kernels"), Column("kernel_us", "kernel time", "us")]).splitlines()
         lines.append("fastest fused step: " + ", ".join(f"{n} rows {p} {ms:.3f} ms" for n, (p, ms) in best.items()))
         roof = [r for r in RES["step"] if "step_ms" in r and r["rows"] in (1, 64, 256)
                 and r["path"] in ("eager", "fused_cublas", "auto")]
         if roof:
-            lines.append(f"roofline (bytes a step must move / step time vs copy "
-                         f"{RES.get('copy_bandwidth_GBps')} GB/s):")
-            for r in roof:
-                lines.append(f"     {r['rows']:4d} {r['path']:12s} {r['min_bytes'] / 1e9:6.3f} GB / "
-                             f"{r['step_ms']:.3f} ms "
-                             f"= {r['GBps']:6.0f} GB/s = {r['frac_copy']:.2f} of copy")
+            lines += format_table(roof, [Column("rows", "rows"), Column("path", "path"),
+                                         Column(lambda r: r["min_bytes"] / 1e9, "bytes a step must move", "GB",
+                                                ".3f"), Column("step_ms", "step", "ms", ".3f"),
+                                         Column("GBps", "achieved", "GB/s", ".0f"),
+                                         Column("frac_copy", "of copy bandwidth", fmt=".2f")],
+                                  title=f"roofline: vs copy {RES.get('copy_bandwidth_GBps')} GB/s").splitlines()
     ch = RES.get("step_auto_choice")
     if isinstance(ch, dict) and ch:
         lines.append("auto picks (step part): " + ", ".join(f"{n}: {c['path']} {c.get('ms', c.get('by'))}"
@@ -795,17 +811,15 @@ def table() -> str:
     if isinstance(e, dict):
         import statistics
 
-        lines.append("engine       " + "".join(f"{w:>26s}" for w in e.get("workloads", {})))
-        for name in ENGINE_PATHS.split(","):
-            cells = []
-            for w in e.get("workloads", {}):
-                c = e.get(name, {}).get(w)
-                if not c:
-                    cells.append(f"{'-':>26s}")
-                    continue
-                unit = "ms TPOT" if c["metric"] == "tpot_ms" else "tok/s"
-                cells.append(f"{statistics.median(c['rounds']):>12.4g} {unit:7s} ({len(c['rounds'])}r)")
-            lines.append(f"{name:12s} " + "".join(f"{x:>26s}" for x in cells))
+        loads = list(e.get("workloads", {}))
+        rows = [{"path": name} | {w: statistics.median(e[name][w]["rounds"]) for w in loads if e.get(name, {}).get(w)}
+                for name in ENGINE_PATHS.split(",")]
+        rounds = max((len(c["rounds"]) for name in ENGINE_PATHS.split(",") for c in e.get(name, {}).values()
+                      if isinstance(c, dict) and "rounds" in c), default=0)
+        cols = [Column("path", "engine path")] + [
+            Column(w, "batch-1 TPOT" if w == "b1" else f"{w} requests", "ms" if w == "b1" else "tok/s", ".4g")
+            for w in loads]
+        lines += format_table(rows, cols, title=f"engine: median of {rounds} rounds").splitlines()
     g = RES.get("greedy_float32")
     if isinstance(g, dict):
         lines.append("greedy float32 identical to eager: " + ", ".join(
@@ -822,11 +836,7 @@ def table() -> str:
 
 
 def plot(d: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     res = json.loads((d / "decode_kernels.json").read_text())
     fig, axs = plt.subplots(1, 2, figsize=(11, 4))
     g = res.get("gemm", [])
@@ -878,6 +888,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot", type=Path, help="only make the PNG from DIR/decode_kernels.json")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (plumbing check)")
+    ap.add_argument("--tiny", action="store_true", help="--smoke's tiny shapes on the device (CUDA when present): "
+                    "the one-minute GPU check")
     ap.add_argument("--parts", default=None, help="comma-separated subset of compile, step, engine, "
                     "gemm, greedy; compile runs first, the others in the order given")
     ap.add_argument("--quick", action="store_true", help="the ~2-minute device check: rows 1 and 64, fewer paths")
@@ -895,8 +907,10 @@ def main() -> None:
         globals().update(QUICK)
     if args.auto:
         globals().update(AUTO)
-    if args.smoke:
+    if args.smoke or args.tiny:
         globals().update(SMOKE)
+    if args.tiny:
+        globals().update(TINY)
     OUT = args.out
     OUT.mkdir(parents=True, exist_ok=True)
     import torch
@@ -904,12 +918,8 @@ def main() -> None:
     from hpdl.serve.bench import hbm_bandwidth
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-    import triton
-
-    _save("versions", {"torch": torch.__version__, "triton": triton.__version__, "model": MODEL, "dtype": DTYPE,
-                       "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                       "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else None,
-                       "ctx": CTX, "kv_len": KV_LEN, "budget_s": BUDGET_S})
+    _save("versions", run_metadata(device=str(device), versions=("triton",), model=MODEL, dtype=DTYPE, ctx=CTX,
+                                   kv_len=KV_LEN, budget_s=BUDGET_S))
     parts = (args.parts or PARTS_DEFAULT).split(",")
     globals()["PARTS"] = parts
     from hpdl.serve import fused as fz

@@ -3,6 +3,7 @@
     python3 benchmarks/serve_fused_bench.py --out $OUT            # device: JSON (+ PNG) into $OUT
     python3 benchmarks/serve_fused_bench.py --plot DIR            # here: the PNG from a fetched fused.json
     python3 benchmarks/serve_fused_bench.py --smoke --out /tmp/x  # CPU plumbing check, llama-tiny
+    python3 benchmarks/serve_fused_bench.py --tiny --out $OUT/x   # the same shapes on the GPU: a quick check
     python3 benchmarks/serve_fused_bench.py --fused-gemm stream --parts fused --out $OUT  # the stream GEMM step
 
 Parts, each saved into fused.json as soon as it is done (a timeout keeps what finished):
@@ -25,6 +26,8 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from hpdl.bench.common import pyplot, run_metadata  # noqa: E402
+from hpdl.serve.bench import release_engine  # noqa: E402
 
 MODEL, DTYPE, SLOTS, MAX_LEN, PROMPT, OUT_LEN = "llama-1b", "bfloat16", 256, 640, 128, (32, 512)
 CONCURRENCY, B1_TOKENS, ROOF_ROWS = [16, 64, 256], 256, [1, 64, 256]
@@ -51,24 +54,11 @@ def _engine(device, fused, dtype=None, slots=None, max_len=None, model=None):
                                   fused_gemm=FUSED_GEMM if fused else "cublas"))
 
 
-def _free(eng) -> None:
-    import gc
-
-    import torch
-
-    eng.shutdown()
-    eng.executor.runner.close()
-    del eng
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def kernels(out: Path, device: str) -> None:
     """Each Triton kernel against its torch reference on the device, float32 and bfloat16 (max abs diff)."""
     import torch
 
-    from hpdl.models.gpt import DecoderConfig, _rope_tables
+    from hpdl.models.gpt import DecoderConfig, rope_tables
     from hpdl.serve import fused as fz
 
     torch.manual_seed(0)
@@ -80,7 +70,7 @@ def kernels(out: Path, device: str) -> None:
         r1, y1 = fz.add_rmsnorm_ref(x, r.clone(), w, 1e-5)
         r2, y2 = fz.add_rmsnorm(x, r.clone(), w, 1e-5)
         e = {"add_rmsnorm": max((y1 - y2).abs().max().item(), (r1 - r2).abs().max().item())}
-        cos, sin = (t.to(device) for t in _rope_tables(DecoderConfig(max_position=L)))
+        cos, sin = (t.to(device) for t in rope_tables(DecoderConfig(max_position=L)))
         pos = torch.tensor([3, 0, 639, 200, 64], device=device)
         qkv = torch.randn(n, (h + 2 * hkv) * d, device=device, dtype=dt)
         c1, v1, c2, v2 = (torch.zeros(S, hkv, L, d, device=device, dtype=dt) for _ in range(4))
@@ -118,7 +108,7 @@ def correctness(out: Path, device: str) -> None:
         toks[fused] = [o.token_ids for o in eng.generate(prompts, params)]
         r = eng.executor.runner
         ok = (r.fused == fused, r.cuda_graph or device == "cpu", r.graph_error)
-        _free(eng)
+        release_engine(eng)
     same = sum(a == b for a, b in zip(toks[True], toks[False]))
     first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
                   for a, b in zip(toks[True], toks[False])]
@@ -142,12 +132,10 @@ def correctness(out: Path, device: str) -> None:
         _save(out, f"logits_{dtype}", {"max_abs_diff": d.max().item(), "mean_abs_diff": d.mean().item(),
                                        "ref_std": ref.float().std().item(),
                                        "argmax_equal": int((top == ref.argmax(-1)).sum()), "rows": n})
-        _free(eng)
+        release_engine(eng)
 
 
 def throughput(out: Path, device: str, fused: bool) -> None:
-    import torch
-
     from hpdl.serve import bench
     from hpdl.serve.worker import NAMED_CONFIGS
 
@@ -189,7 +177,7 @@ def throughput(out: Path, device: str, fused: bool) -> None:
         res["kernels_error"] = traceback.format_exc()[-1500:]
     res["final_state"] = {"fused": r.fused, "cuda_graph": r.cuda_graph, "graph_error": r.graph_error}
     _save(out, name, res)
-    _free(eng)
+    release_engine(eng)
 
 
 def kernel_count(runner, n: int, ctx: int) -> int | None:
@@ -211,11 +199,7 @@ def kernel_count(runner, n: int, ctx: int) -> int | None:
 
 
 def plot(d: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     res = json.loads((d / "fused.json").read_text())
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, style in (("fused", "o-"), ("eager", "s--")):
@@ -238,7 +222,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot", type=Path, help="only make the PNG from DIR/fused.json")
-    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="CPU plumbing check with llama-tiny")
+    ap.add_argument("--tiny", action="store_true", help="--smoke's llama-tiny shapes on the device (CUDA when "
+                    "present): the quick GPU check")
     ap.add_argument("--parts", default="kernels,correctness,fused,eager")
     ap.add_argument("--fused-gemm", default="cublas", choices=["cublas", "stream"],
                     help="GEMMs of the fused path (stream: hpdl.serve.stream_gemm, issue 38)")
@@ -246,20 +232,14 @@ def main() -> None:
     globals()["FUSED_GEMM"] = args.fused_gemm
     if args.plot:
         return plot(args.plot)
-    if args.smoke:
+    if args.smoke or args.tiny:
         globals().update(SMOKE)
     import torch
 
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     args.out.mkdir(parents=True, exist_ok=True)
-    import transformers
-
-    _save(args.out, "versions", {"torch": torch.__version__, "transformers": transformers.__version__,
-                                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                                 "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
-                                 "triton": __import__("triton").__version__ if device == "cuda" else None,
-                                 "model": MODEL, "dtype": DTYPE, "slots": SLOTS, "max_seq_len": MAX_LEN,
-                                 "fused_gemm": FUSED_GEMM})
+    _save(args.out, "versions", run_metadata(device=device, versions=("transformers", "triton"), model=MODEL,
+                                             dtype=DTYPE, slots=SLOTS, max_seq_len=MAX_LEN, fused_gemm=FUSED_GEMM))
     for part in args.parts.split(","):
         try:
             if part == "kernels":

@@ -1,4 +1,4 @@
-"""Turn serve_bench.py's JSON into full tables (``tables.md``) and PNG plots (matplotlib, Agg) in one folder,
+"""Turn serve_bench.py's JSON into full tables (``tables.md``) and PNG plots (the harness's matplotlib) in one folder,
 by default docs/benchmarks/data/serve/; the results page docs/benchmarks/serve.md cites them (it is written by
 hand: current table first, then history, so a report never overwrites it).
 
@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from hpdl.bench.common import pyplot  # noqa: E402
 
 
 def _load(d: Path, name: str) -> dict:
@@ -61,7 +60,7 @@ def report(src: Path, docs: Path, cfg: dict) -> None:
         rows.append(("transformers continuous batching (generate_batch)", hf["cb"]["output_throughput"],
                      f"{hf['cb']['requests']} requests, every one to the longest output "
                      f"({hf['cb']['tokens'] // hf['cb']['requests']} tokens)"))
-    L += ["## Offline: all requests at t = 0", "", "| system | output tokens/s | Flover speed-up | measured on |",
+    L += ["## Offline: all requests at t = 0", "", "| system | output tokens/s | Flover speed-up (Flover's tok/s / this row's; higher is better) | measured on |",
           "|---|---:|---:|---|"]
     base = off.get("output_throughput")
     for name, thr, note in rows:
@@ -124,7 +123,7 @@ def report(src: Path, docs: Path, cfg: dict) -> None:
         seq = plot.get("one at a time (sim)")
         if seq:
             L += ["", "Makespan (first arrival to last finish), Flover vs one request at a time on the same trace:", "",
-                  "| rate (req/s) | requests | Flover (s) | one at a time (s) | ratio |", "|---|---:|---:|---:|---:|"]
+                  "| rate (req/s) | requests | Flover (s) | one at a time (s) | Flover speed-up (one at a time / Flover; higher is better) |", "|---|---:|---:|---:|---:|"]
             for (rate, f), (_, q) in zip(plot["Flover"], seq):
                 L.append(f"| {rate:g} | {f['requests']} | {f['makespan_s']:.1f} | {q['makespan_s']:.1f} | "
                          f"{q['makespan_s'] / f['makespan_s']:.1f}x |")
@@ -152,7 +151,7 @@ def report(src: Path, docs: Path, cfg: dict) -> None:
         if big and tp.get(f"batch1_{big}_tp1"):
             t1, t2 = tp[f"batch1_{big}_tp1"]["mean_tpot_ms"], tp.get(f"batch1_{big}_tp2_nccl", {}).get("mean_tpot_ms")
             L += ["", f"`{big}` (random weights, bfloat16, CUDA graphs), TPOT at batch 1: TP=1 {_f(t1, 3)} ms, "
-                  f"TP=2 (NCCL) {_f(t2, 3)} ms" + (f" ({t1 / t2:.2f}x)." if t2 else ".")]
+                  f"TP=2 (NCCL) {_f(t2, 3)} ms" + (f" (TP=2 speed-up {t1 / t2:.2f}x, TP=1 time / TP=2 time: higher is better)." if t2 else ".")]
         cases = {c: _load(src, f"tp_{c}") for c in ("1b_tp1_eager", "1b_tp2_eager_nccl", "1b_tp2_graph_nccl",
                                                   "7b_tp1_graph", "7b_tp2_graph_nccl", "1b_tp2_graph_symm")}
         cases = {c: d for c, d in cases.items() if d}
@@ -176,6 +175,7 @@ def _bar(path: Path, rows) -> None:
     rows = [r for r in rows if r[1]]
     if not rows:
         return
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 3))
     ax.barh([r[0] for r in rows][::-1], [r[1] for r in rows][::-1], color="tab:blue")
     ax.set_xscale("log")
@@ -187,6 +187,7 @@ def _bar(path: Path, rows) -> None:
 
 
 def _online_plot(path: Path, plot: dict) -> None:
+    plt = pyplot()
     fig, axes = plt.subplots(1, 4, figsize=(17, 3.6))
     for name, pts in plot.items():
         xs = [r if math.isfinite(r) else 2 * max(p[0] for p in pts if math.isfinite(p[0])) for r, _ in pts]

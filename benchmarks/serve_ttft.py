@@ -2,6 +2,7 @@
 
     python3 benchmarks/serve_ttft.py --out $OUT                # device, about 3-4 minutes: JSON + log + PNG
     python3 benchmarks/serve_ttft.py --smoke --out /tmp/ttft   # CPU plumbing check, llama-tiny, about 2 minutes
+    python3 benchmarks/serve_ttft.py --tiny --out $OUT/ttft    # the same shapes on the GPU: a quick check
     python3 benchmarks/serve_ttft.py --plot DIR                # the PNG again from a fetched DIR/serve_ttft.json
 
 Four engines per case, identical but for the prefill path (``PATHS``): ``padded`` (prompts right-padded to the
@@ -42,6 +43,8 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from hpdl.bench.common import Column, format_table, pyplot, run_metadata  # noqa: E402
+from hpdl.serve.bench import release_engine  # noqa: E402
 
 MODEL, LONG_MODEL, DTYPE = "llama-1b", "llama-1b-8k", "bfloat16"
 SLOTS, MAX_LEN, PROMPT, OUT_LEN = 256, 640, 128, (32, 512)
@@ -91,19 +94,6 @@ def _engine(device, prefill, budget, model=None, dtype=None, slots=None, max_len
                                   cuda_graph=True, prefill=prefill, max_prefill_tokens=budget))
 
 
-def _free(eng) -> None:
-    import gc
-
-    import torch
-
-    eng.shutdown()
-    eng.executor.runner.close()
-    del eng
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def _pct(xs, q):
     import numpy as np
 
@@ -144,7 +134,7 @@ def kernel(out: Path, device: str) -> None:
         toks[mode] = [o.token_ids for o in eng.generate(prompts, params)]
         steps[mode] = dict(eng.num_steps)
         graphs[mode] = _prefill_state(eng)
-        _free(eng)
+        release_engine(eng)
     res = {"requests": len(prompts), "tokens_each": CHECK["tokens"], "chunk_budget": CHECK["budget"],
            "steps": steps, "prefill_graphs": graphs}
     for mode in ("packed", "chunked"):  # against padded (the eager model's prefill)
@@ -260,7 +250,7 @@ def serving(out: Path, device: str) -> None:
         _save(out, f"varlen{VARLEN['n']}_{name}", _summ(recs, st) | {"prompt_tokens": st["prefill_tokens"]})
         RES[f"{name}_final_state"] = {"cuda_graph": r.cuda_graph, "graph_error": r.graph_error,
                                       "prefill": _prefill_state(eng), "steps": dict(eng.num_steps)}
-        _free(eng)
+        release_engine(eng)
 
 
 def long_prompt(out: Path, device: str) -> None:
@@ -295,16 +285,13 @@ def long_prompt(out: Path, device: str) -> None:
             "steps": dict(eng.num_steps),
             "itl_trace_ms": [round((b - a) * 1e3, 3) for a, b in zip(trace, trace[1:])],
             "trace_t0_s": trace[0], "long_arrival_s": lo})
-        _free(eng)
+        release_engine(eng)
 
 
 def plot(d: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
 
+    plt = pyplot()
     res = json.loads((d / "serve_ttft.json").read_text())
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
     for key in sorted(k for k in res if k.startswith("poisson_")):
@@ -330,32 +317,33 @@ def plot(d: Path) -> None:
 
 
 def table(out: Path) -> None:
-    """One compact side-by-side table: a row per (case, metric), a column per prefill path."""
+    """Two compact side-by-side tables (the harness's): a row per (case, metric), a column per prefill path; then
+    the long-prompt case, a row per running-request metric, a column per path."""
     names = [_name(m, b) for m, b in PATHS]
-    rows = [("poisson", "output tok/s", "output_throughput", 0), ("poisson", "TTFT p50 ms", "median_ttft_ms", 1),
-            ("poisson", "TTFT p99 ms", "p99_ttft_ms", 1), ("poisson", "TPOT p99 ms", "p99_tpot_ms", 2)]
-    for n in OFFLINE:
-        rows += [(f"offline{n}", "output tok/s", "output_throughput", 0), (f"offline{n}", "TTFT p50 ms",
-                                                                            "median_ttft_ms", 1),
-                 (f"offline{n}", "TPOT p99 ms", "p99_tpot_ms", 2)]
-    v = f"varlen{VARLEN['n']}"
-    rows += [(v, "output tok/s", "output_throughput", 0), (v, "TTFT p50 ms", "median_ttft_ms", 1),
-             (v, "padding tokens", "prefill_padding_tokens", 0)]
-    lines = [f"{'case':10s} {'metric':16s}" + "".join(f"{n:>13s}" for n in names)]
-    for case, label, key, nd in rows:
-        vals = [RES.get(f"{case}_{n}", {}).get(key) for n in names]
-        if any(x is not None for x in vals):
-            lines.append(f"{case:10s} {label:16s}" + "".join(f"{x:13.{nd}f}" if x is not None else f"{'-':>13s}"
-                                                              for x in vals))
+    metrics = [("output throughput", "tok/s", "output_throughput", 0), ("TTFT p50", "ms", "median_ttft_ms", 1),
+               ("TTFT p99", "ms", "p99_ttft_ms", 1), ("TPOT p99", "ms", "p99_tpot_ms", 2)]
+    cases = [("poisson", metrics)]
+    cases += [(f"offline{n}", [metrics[0], metrics[1], metrics[3]]) for n in OFFLINE]
+    cases += [(f"varlen{VARLEN['n']}", [metrics[0], metrics[1], ("padding", "tokens", "prefill_padding_tokens", 0)])]
+    rows = []
+    for case, ms in cases:
+        for label, unit, key, nd in ms:
+            vals = {n: RES.get(f"{case}_{n}", {}).get(key) for n in names}
+            if any(x is not None for x in vals.values()):
+                rows.append({"case": case, "metric": f"{label} ({unit})",
+                             **{n: None if x is None else f"{x:.{nd}f}" for n, x in vals.items()}})
+    cols = [Column("case", "case", fmt=str), Column("metric", "metric", fmt=str)]
+    text = [format_table(rows, cols + [Column(n, n, fmt=str) for n in names])] if rows else []
     lnames = ["padded", "packed"] + [f"chunked{b}" for b in LONG["budgets"]]
-    lrows = [("long TTFT ms", lambda r: r["long_ttft_ms"]), ("ITL max ms", lambda r: r["running_max_itl_ms"]),
-             ("ITL p99 ms", lambda r: r["running_p99_itl_ms"]),
-             ("step in prefill", lambda r: r["running_itl_during_prefill_ms"]["mean"])]
+    lrows = [("long prompt's TTFT (ms)", lambda r: r["long_ttft_ms"]),
+             ("ITL max (ms)", lambda r: r["running_max_itl_ms"]), ("ITL p99 (ms)", lambda r: r["running_p99_itl_ms"]),
+             ("ITL of a step with prefill, mean (ms)", lambda r: r["running_itl_during_prefill_ms"]["mean"])]
     if any(f"long_{n}" in RES for n in lnames):
-        lines.append(f"{'long':10s} {'(running ITL)':16s}" + "".join(f"{n:>13s}" for n in lnames))
-        for label, get in lrows:
-            lines.append(f"{'long':10s} {label:16s}" + "".join(
-                f"{get(RES[f'long_{n}']):13.2f}" if f"long_{n}" in RES else f"{'-':>13s}" for n in lnames))
+        long_rows = [{"metric": label, **{n: get(RES[f"long_{n}"]) for n in lnames if f"long_{n}" in RES}}
+                     for label, get in lrows]
+        text.append(format_table(long_rows, [Column("metric", "long prompt arriving: running request", fmt=str)]
+                                 + [Column(n, n, fmt=".2f") for n in lnames]))
+    lines = "\n".join(text).splitlines()
     for k in ("kernel", "packed_prefill", "greedy_float32"):
         if k in RES:
             lines.append(f"{k}: {json.dumps({a: b for a, b in RES[k].items() if not a.startswith('first_diff')})}")
@@ -365,20 +353,13 @@ def table(out: Path) -> None:
         _say(out, line)
 
 
-def _version(dist: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(dist)
-    except PackageNotFoundError:
-        return None
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot", type=Path, help="only make the PNG from DIR/serve_ttft.json")
     ap.add_argument("--smoke", action="store_true", help="CPU plumbing check with llama-tiny")
+    ap.add_argument("--tiny", action="store_true", help="--smoke's llama-tiny shapes on the device (CUDA when "
+                    "present): the quick GPU check")
     ap.add_argument("--parts", default="kernel,serving,long", help="comma list of kernel, serving, long")
     args = ap.parse_args()
     if args.plot:
@@ -388,17 +369,14 @@ def main() -> None:
     bad = set(args.parts.split(",")) - {"kernel", "serving", "long"}
     if bad:
         ap.error(f"--parts: unknown {sorted(bad)}; expected a comma list of kernel, serving, long")
-    if args.smoke:
+    if args.smoke or args.tiny:
         globals().update(SMOKE)
     import torch
 
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     args.out.mkdir(parents=True, exist_ok=True)
-    _save(args.out, "meta", {"torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                             "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
-                             "triton": _version("triton"),
-                             "model": MODEL, "dtype": DTYPE, "slots": SLOTS, "max_seq_len": MAX_LEN, "rate": RATE,
-                             "requests": N_POISSON, "paths": PATHS, "long": LONG})
+    _save(args.out, "meta", run_metadata(device=device, versions=("triton",), model=MODEL, dtype=DTYPE, slots=SLOTS,
+                                         max_seq_len=MAX_LEN, rate=RATE, requests=N_POISSON, paths=PATHS, long=LONG))
     for part, fn in (("kernel", kernel), ("serving", serving), ("long", long_prompt)):
         if part in args.parts.split(","):
             try:

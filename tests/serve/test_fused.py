@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from serve_testutil import hf_greedy, run_interpreted
-from hpdl.models.gpt import Batch, DecoderConfig, DecoderLM, KVCache, _rope_tables
+from hpdl.models.gpt import Batch, DecoderConfig, DecoderLM, KVCache, rope_tables
 from hpdl.serve import EngineConfig, LLMEngine, ModelSpec, SamplingParams
 from hpdl.serve import fused as fz
 
@@ -144,7 +144,7 @@ def _interpreted_check() -> None:
         r1, y1 = fz.add_rmsnorm_ref(x, None if res is None else res.clone(), w, 1e-5)
         r2, y2 = fz.add_rmsnorm(x, None if res is None else res.clone(), w, 1e-5)
         torch.testing.assert_close(y2, y1), torch.testing.assert_close(r2, r1)
-    cos, sin = _rope_tables(CFG)
+    cos, sin = rope_tables(CFG)
     pos = torch.tensor([3, 0, 150])
     qkv = torch.randn(n, (h + 2 * hkv) * d)
     c1, v1, c2, v2 = (torch.zeros(S, hkv, L, d) for _ in range(4))

@@ -58,10 +58,13 @@ def test_cli_bench_json(capsys):
                          "--output-len", "2:6", "--max-seq-len", "32", "--num-slots", "4",
                          "--systems", "flover,static", "--static-batch-size", "2", "--format", "json"])
     assert ServeCommand().run(args) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert out["flover"]["requests"] == 6 and out["static"]["requests"] == 6
+    doc = json.loads(capsys.readouterr().out)   # the harness's document: meta, roofline, one row per system
+    out = {r["system"]: r for r in doc["rows"]}
+    assert list(out) == ["flover", "static"] and out["flover"]["requests"] == 6 and out["static"]["requests"] == 6
     assert math.isfinite(out["flover"]["output_throughput"])
-    roof = out["roofline"]  # the decode step against the measured bandwidth, 4 rows (= slots)
+    assert doc["meta"]["device"] == "cpu" and doc["meta"]["date"].endswith("UTC")
+    assert doc["meta"]["engine"]["config"] == "llama-tiny" and doc["meta"]["workload"]["num_requests"] == 6
+    roof = doc["roofline"]  # the decode step against the measured bandwidth, 4 rows (= slots)
     assert roof["rows"] == 4 and roof["step_ms"] > 0 and 0 < roof["fraction"] == pytest.approx(
         roof["min_bytes"] / (roof["step_ms"] / 1e3) / roof["hbm_bytes_per_s"])
 
@@ -147,7 +150,7 @@ def test_bench_prefill_paths_side_by_side_and_their_usage_errors(capsys):
             "--output-len", "2:6", "--max-seq-len", "64", "--num-slots", "4", "--systems", "flover",
             "--request-rate", "200", "--format", "json"]
     assert main(base + ["--prefill", "padded,chunked", "--max-num-batched-tokens", "12"]) == 0
-    out = json.loads(capsys.readouterr().out)
+    out = {r["system"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
     assert out["flover/padded"]["requests"] == out["flover/chunked"]["requests"] == 6
     assert out["flover/chunked"]["prefill_padding"] == 0 and "p99_ttft_ms" in out["flover/chunked"]
     assert main(base + ["--prefill", "chunked", "--max-num-batched-tokens", "4"]) != 0
@@ -158,21 +161,38 @@ def test_bench_prefill_paths_side_by_side_and_their_usage_errors(capsys):
         capsys.readouterr().err
 
 
-def test_bench_table_names_every_prefill_path_in_80_columns(capsys, monkeypatch):
-    """Cut to 80 columns, the table once showed flover/padded and flover/packed both as "flover/pa…"."""
-    from hpdl.serve.cli import _print
+def test_bench_table_units_notes_order_and_files(capsys, tmp_path):
+    """On the harness: every measured column has its unit in the header, this engine's rows (one per prefill path,
+    named in full) come first, a row with a note is starred and explained under the table, and --out/--json/--plot
+    write the document and the figure."""
+    from hpdl.cli import main
 
-    monkeypatch.setenv("COLUMNS", "80")
-    r = {"requests": 8, "output_throughput": 148.9, "request_throughput": 13.69, "p99_ttft_ms": 3.101,
-         "prefill_padding": 12345}
-    _print({"flover/padded": r, "sequential": r | {"note": "simulated"}, "static": r | {"note": "simulated"},
-            "flover/packed": r, "flover/chunked": r}, "table")
+    argv = ["serve", "bench", "--config", "llama-tiny", "--num-requests", "4", "--prompt-len", "2:6",
+            "--output-len", "2:4", "--max-seq-len", "32", "--num-slots", "4", "--systems", "flover,sequential",
+            "--request-rate", "400", "--prefill", "padded,packed", "--out", str(tmp_path / "o"),
+            "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "p.png")]
+    assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "…" not in out and "request_throughput" in out and "12345" in out
-    header = [ln for ln in out.splitlines() if "metric" in ln][0]
-    # this engine's paths first, each named in full (on two lines: "flover/" above the mode), then the baselines
-    assert [w for w in header.replace("┃", " ").split()] == ["metric", "padded", "packed", "chunked",
-                                                             "sequential", "*", "static", "*"]
+    lines = out.splitlines()
+    header = lines[1]
+    for label in ("output throughput (tok/s)", "request throughput (req/s)", "TTFT p99 (ms)", "TPOT median (ms)",
+                  "goodput (req/s)", "makespan (s)", "prefill padding (tokens)"):
+        assert label in header, header
+    systems = [ln.split()[0] for ln in lines[3:6]]
+    assert systems == ["flover/padded", "flover/packed", "sequential"], out
+    assert "sequential *" in out and "* sequential: simulated from calibrated step times" in out
+    assert "roofline: decode step of" in out and "…" not in out
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc == json.loads((tmp_path / "o" / "serve_bench.json").read_text())
+    assert [r["system"] for r in doc["rows"]] == systems and doc["meta"]["engine"]["prefill"] == ["padded", "packed"]
+    assert (tmp_path / "p.png").stat().st_size > 0 and (tmp_path / "o" / "serve_bench.png").stat().st_size > 0
+
+
+def test_bench_unknown_system_is_a_usage_error_naming_the_flag(capsys):
+    from hpdl.cli import main
+
+    assert main(["serve", "bench", "--config", "llama-tiny", "--systems", "flover,vllm"]) != 0
+    assert "--systems: a comma list among flover, sequential, static, cb, got 'flover,vllm'" in capsys.readouterr().err
 
 
 def test_bench_takes_the_servers_own_served_model_name_flag():

@@ -425,7 +425,6 @@ def rope_tables(cfg: DecoderConfig) -> tuple[torch.Tensor, torch.Tensor]:
     return emb.cos(), emb.sin()
 
 
-_rope_tables = rope_tables  # the name hpdl.serve's tests and benchmarks import
 
 
 def register_rope(model: nn.Module, cfg: DecoderConfig) -> None:

@@ -19,6 +19,32 @@ import torch
 from hpdl.serve.bench import RequestRecord, WorkloadRequest
 
 
+def hf_model(spec, cfg, device):
+    """The Hugging Face ``transformers`` model the baselines run: ``spec.model``'s checkpoint (``from_pretrained``)
+    or, for a named random-weight config, the same architecture (``cfg.to_hf()``) with HF's own random init seeded
+    by ``spec.seed`` (throughput does not depend on the weights' values).
+
+    Args:
+        spec: the engine's :class:`hpdl.serve.worker.ModelSpec` (``model`` dir or named ``config``, ``dtype``,
+            ``seed``).
+        cfg: the engine's model config (``engine.model_config``, or ``NAMED_CONFIGS[name]``).
+        device: where the model lives (``"cpu"``, ``"cuda:0"``).
+
+    Returns:
+        an ``AutoModelForCausalLM`` in eval mode, weights in ``spec.dtype``, on ``device``.
+    """
+    import transformers
+
+    from hpdl.serve.worker import DTYPES
+
+    dtype = DTYPES[spec.dtype]
+    if spec.model is not None:
+        return transformers.AutoModelForCausalLM.from_pretrained(spec.model, dtype=dtype).to(device).eval()
+    torch.manual_seed(spec.seed)
+    with torch.device(device):
+        return transformers.AutoModelForCausalLM.from_config(cfg.to_hf(), dtype=dtype).eval()
+
+
 def _clock_processor():
     from transformers import LogitsProcessor
 

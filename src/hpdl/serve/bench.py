@@ -198,6 +198,30 @@ async def run_http(url: str, model: str, workload: list[WorkloadRequest], max_co
     return records
 
 
+def release_engine(engine) -> None:
+    """Tear ``engine`` (an :class:`hpdl.serve.LLMEngine`) down between the engines of one benchmark process:
+    ``shutdown()`` (tensor-parallel workers stopped, their process group destroyed), the in-process runner's CUDA
+    graphs dropped and the device synchronised (``ModelRunner.close``; repeating it after a tensor-parallel
+    shutdown is harmless), then a garbage collection and, on CUDA, the caching allocator's free blocks returned
+    (``torch.cuda.empty_cache``) so that the next engine's memory and graph capture start from a clean pool.
+
+    The engine must not be used afterwards; its weights are freed once the caller drops its last reference
+    (``del engine``, or rebinding the name to the next engine).
+    """
+    import gc
+
+    import torch
+
+    engine.shutdown()
+    runner = getattr(engine.executor, "runner", None)
+    if runner is not None:
+        runner.close()
+    del engine, runner
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 # --- roofline: how far a decode step is from the memory-bandwidth limit ----------------------------------
 def hbm_bandwidth(device, nbytes: int = 1 << 30, iters: int = 10) -> float:
     """Measured copy bandwidth of ``device`` in bytes/s (read + write of an ``nbytes`` buffer, best of ``iters``):

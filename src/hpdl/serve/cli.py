@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
 import sys
 import time
 
+from hpdl.bench.common import Benchmark, Column, command
 from hpdl.runtime.errors import CLIUsageError
 from hpdl.runtime.limits import count, real
 
@@ -42,7 +42,8 @@ class _HelpWithDefaults(argparse.HelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if "%(default)" in text or not action.option_strings or action.default in (None, False, argparse.SUPPRESS):
+        if ("%(default)" in text or "(default:" in text or not action.option_strings
+                or action.default in (None, False, argparse.SUPPRESS)):
             return text
         return text + " (default: %(default)s)"
 
@@ -163,14 +164,37 @@ def _check_memory(spec, args) -> None:
         raise CLIUsageError(str(exc)) from None
 
 
-class ServeBenchCommand:
-    """`hpdl serve bench` (alias `hpdl bench serve`): Flover against HF baselines, or an HTTP server."""
+# the rows' columns, in the order the table prints them: (key, header, unit)
+_METRICS = (("requests", "requests", ""), ("output_throughput", "output throughput", "tok/s"),
+            ("request_throughput", "request throughput", "req/s"), ("mean_ttft_ms", "TTFT mean", "ms"),
+            ("median_ttft_ms", "TTFT median", "ms"), ("p99_ttft_ms", "TTFT p99", "ms"),
+            ("median_tpot_ms", "TPOT median", "ms"), ("mean_tpot_ms", "TPOT mean", "ms"),
+            ("p99_tpot_ms", "TPOT p99", "ms"), ("p99_itl_ms", "ITL p99", "ms"),
+            ("median_e2el_ms", "E2EL median", "ms"), ("p99_e2el_ms", "E2EL p99", "ms"),
+            ("goodput", "goodput", "req/s"), ("makespan_s", "makespan", "s"),
+            ("prefill_padding", "prefill padding", "tokens"))
 
-    name = "bench"
+
+def _system_cell(row: dict) -> str:
+    return row["system"] + (" *" if row.get("note") else "")
+
+
+class ServeBenchmark(Benchmark):
+    """``hpdl serve bench`` (also ``hpdl bench serve``) on the harness: one row per system (``flover``, or
+    ``flover/MODE`` per ``--prefill`` path, then the baselines ``sequential``, ``static``, ``cb``; ``server`` with
+    ``--url``) with :func:`hpdl.serve.bench.summarize`'s metrics; in-process, the JSON's ``roofline`` section and
+    the line under the table compare a decode step with the measured copy bandwidth
+    (:func:`hpdl.serve.bench.decode_roofline`)."""
+
+    name, stem = "serve", "serve_bench"
+    title = "serving: TTFT/TPOT/ITL/E2EL, throughput, goodput"
     help = "serving benchmark: TTFT/TPOT/ITL/E2EL, throughput, goodput; vs HF generate/static/continuous batching"
+    columns = (Column(_system_cell, "system", fmt=str),
+               *(Column(k, h, u, fmt=(str if k in ("requests", "prefill_padding") else ".4g"))
+                 for k, h, u in _METRICS))
 
-    @staticmethod
-    def add_arguments(p: argparse.ArgumentParser) -> None:
+    @classmethod
+    def add_arguments(cls, p: argparse.ArgumentParser) -> None:
         _model_args(p, bench=True)
         p.add_argument("--url", help="benchmark a running server at this base URL instead of in-process")
         p.add_argument("--served-model", "--served-model-name", dest="served_model", default=None,
@@ -188,11 +212,37 @@ class ServeBenchCommand:
         p.add_argument("--max-concurrency", type=count(1, 1 << 20), default=None, help="--url only: cap on in-flight requests")
         p.add_argument("--slo-ttft-ms", type=real(0, strict=True), default=None, help="goodput: TTFT bound (none if unset)")
         p.add_argument("--slo-tpot-ms", type=real(0, strict=True), default=None, help="goodput: TPOT bound (none if unset)")
-        p.add_argument("--format", default="table", choices=["table", "json"], help="output format")
 
-    def run(self, args) -> int:
+    def validate(self, args) -> None:
+        self.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+        known = ("flover", "sequential", "static", "cb")
+        bad = [s for s in self.systems if s not in known]
+        if bad or not self.systems:
+            raise CLIUsageError(f"--systems: a comma list among {', '.join(known)}, got {args.systems!r}")
+        if not args.url:
+            # before the engine is built: the engine would reject the first too-long request at run time
+            longest = args.prompt_len[1] + args.output_len[1]
+            if longest > args.max_seq_len:
+                raise CLIUsageError(f"--prompt-len up to {args.prompt_len[1]} + --output-len up to "
+                                    f"{args.output_len[1]} = {longest} positions exceed --max-seq-len "
+                                    f"{args.max_seq_len}")
+
+    def metadata(self, args) -> dict:
+        workload = {k: getattr(args, k) for k in ("num_requests", "request_rate", "burstiness", "prompt_len",
+                                                   "output_len", "corpus", "seed")}
+        workload["request_rate"] = str(args.request_rate)   # inf is not JSON
+        if args.url:
+            return {"device": None, "url": args.url, "served_model": args.served_model, "workload": workload}
+        engine = {k: getattr(args, k) for k in ("model", "config", "dtype", "num_slots", "max_seq_len",
+                                                 "tensor_parallel_size", "reorder", "tp_all_reduce", "cuda_graph",
+                                                 "eager_decode", "fused_gemm", "prefill", "max_num_batched_tokens")}
+        return {"device": args.device, "engine": engine, "workload": workload, "systems": self.systems,
+                "static_batch_size": args.static_batch_size, "versions": ("transformers",)}
+
+    def run(self, ctx) -> list[dict]:
         from hpdl.serve import bench
 
+        args = ctx.args
         corpus = None
         if args.corpus:
             from hpdl.serve.tokenizer import load_tokenizer
@@ -203,89 +253,79 @@ class ServeBenchCommand:
             wl = bench.make_workload(args.num_requests, args.prompt_len, args.output_len, args.request_rate,
                                      args.burstiness, vocab_size=256, corpus_ids=corpus, seed=args.seed)
             recs = asyncio.run(bench.run_http(args.url.rstrip("/"), args.served_model, wl, args.max_concurrency))
-            results = {"server": bench.summarize(recs, args.slo_ttft_ms, args.slo_tpot_ms)}
-        else:
-            from hpdl.serve.baselines import compare
+            return [{"system": "server", **bench.summarize(recs, args.slo_ttft_ms, args.slo_tpot_ms)}]
+        from hpdl.serve.baselines import compare, hf_model
 
-            # before the engine is built: the engine would reject the first too-long request at run time
-            longest = args.prompt_len[1] + args.output_len[1]
-            if longest > args.max_seq_len:
-                raise CLIUsageError(f"--prompt-len up to {args.prompt_len[1]} + --output-len up to "
-                                    f"{args.output_len[1]} = {longest} positions exceed --max-seq-len "
-                                    f"{args.max_seq_len}")
-            systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-            modes = args.prefill if isinstance(args.prefill, list) else [args.prefill]
-            results = {}
+        modes = args.prefill if isinstance(args.prefill, list) else [args.prefill]
+        results: dict[str, dict] = {}
+        runs = len(modes) if "flover" in self.systems else 0
+        with ctx.progress(runs * args.num_requests, "flover requests") as bar:
             for k, mode in enumerate(modes):  # one engine per prefill path, on the same workload
                 spec, engine = _engine(args, mode)
                 try:
                     wl = bench.make_workload(args.num_requests, args.prompt_len, args.output_len, args.request_rate,
                                              args.burstiness, engine.model_config.vocab_size, corpus, args.seed)
-                    run = systems if k == 0 else [s for s in systems if s == "flover"]
-                    hf = _hf_model(spec, engine.model_config, args.device) if set(run) - {"flover"} else None
-                    res = compare(engine, hf, wl, run, args.static_batch_size, args.slo_ttft_ms, args.slo_tpot_ms)
+                    run = self.systems if k == 0 else [s for s in self.systems if s == "flover"]
+                    hf = hf_model(spec, engine.model_config, args.device) if set(run) - {"flover"} else None
+                    res = compare(engine, hf, wl, run, args.static_batch_size, args.slo_ttft_ms, args.slo_tpot_ms,
+                                  progress=lambda: bar.advance(f"flover ({mode}): requests done"))
                     if "flover" in res:
                         st = engine.stats()
                         res["flover"]["prefill_padding"] = st["prefill_positions_computed"] - st["prefill_tokens"]
                         if len(modes) > 1:
                             res = {(f"flover/{mode}" if name == "flover" else name): r for name, r in res.items()}
                     results |= res
-                    if "flover" in systems and "roofline" not in results:  # how far decode is from bandwidth
-                        ctx = int(sum(len(w.prompt) + w.output_len / 2 for w in wl) / len(wl))
-                        roof = bench.decode_roofline(engine, min(len(wl), args.num_slots), ctx)
+                    if "flover" in self.systems and "roofline" not in ctx.extra:  # decode against bandwidth
+                        kv = int(sum(len(w.prompt) + w.output_len / 2 for w in wl) / len(wl))
+                        roof = bench.decode_roofline(engine, min(len(wl), args.num_slots), kv)
                         if roof is not None:
-                            results["roofline"] = roof
+                            ctx.extra["roofline"] = roof
                 finally:
                     engine.shutdown()
-        _print(results, args.format)
-        return 0
+        # this engine's rows (one per prefill path) first, then the baselines
+        order = sorted(results, key=lambda name: not name.startswith("flover"))
+        return [{"system": name, **results[name]} for name in order]
+
+    def table(self, rows, ctx) -> str:
+        """The harness's table, then a ``* system: note`` line per row with a note and the roofline line."""
+        from hpdl.serve.bench import roofline_line
+
+        text = super().table(rows, ctx)
+        notes = [f"* {r['system']}: {r['note']}" for r in rows if r.get("note")]
+        roof = ctx.extra.get("roofline")
+        return "\n".join([text, *notes] + ([roofline_line(roof)] if roof else []))
+
+    def plot(self, rows, path, ctx) -> list[str]:
+        """Bars per system: output throughput (tok/s) and TTFT (median and p99, ms)."""
+        from pathlib import Path
+
+        from hpdl.bench.common import pyplot
+
+        target = Path(path) / f"{self.stem}.png" if Path(path).is_dir() else Path(path)
+        plt = pyplot()
+        names = [r["system"] for r in rows]
+        fig, (a, b) = plt.subplots(1, 2, figsize=(max(8.0, 1.6 * len(rows) + 4), 4))
+        a.bar(names, [r["output_throughput"] for r in rows], color="C0")
+        a.set_ylabel("output throughput (tok/s)")
+        x = range(len(rows))
+        b.bar([i - 0.2 for i in x], [r.get("median_ttft_ms", 0) for r in rows], 0.4, label="median")
+        b.bar([i + 0.2 for i in x], [r.get("p99_ttft_ms", 0) for r in rows], 0.4, label="p99")
+        b.set_xticks(list(x), names)
+        b.set_ylabel("TTFT (ms)")
+        b.legend(fontsize=8)
+        for ax in (a, b):
+            ax.tick_params(axis="x", labelrotation=20)
+            ax.grid(True, axis="y", alpha=0.3)
+        fig.suptitle(self.plot_title(ctx), fontsize=10)
+        fig.tight_layout()
+        fig.savefig(target, dpi=120)
+        plt.close(fig)
+        return [str(target)]
 
 
-def _hf_model(spec, cfg, device):
-    import torch
-    import transformers
-
-    from hpdl.serve.worker import DTYPES
-
-    dtype = DTYPES[spec.dtype]
-    if spec.model is not None:
-        return transformers.AutoModelForCausalLM.from_pretrained(spec.model, dtype=dtype).to(device).eval()
-    torch.manual_seed(spec.seed)  # same architecture, HF's own random init: throughput does not depend on values
-    with torch.device(device):
-        return transformers.AutoModelForCausalLM.from_config(cfg.to_hf(), dtype=dtype).eval()
-
-
-def _print(results: dict[str, dict], fmt: str) -> None:
-    if fmt == "json":
-        print(json.dumps(results, indent=2))
-        return
-    from hpdl.serve.bench import roofline_line
-
-    results = dict(results)
-    roof = results.pop("roofline", None)
-    from rich.console import Console
-    from rich.table import Table
-
-    cols = ["requests", "output_throughput", "request_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
-            "median_tpot_ms", "mean_tpot_ms",
-            "p99_tpot_ms", "p99_itl_ms", "median_e2el_ms", "p99_e2el_ms", "goodput", "makespan_s", "prefill_padding"]
-    # this engine's columns (one per prefill path) first, then the baselines
-    results = dict(sorted(results.items(), key=lambda kv: not kv[0].startswith("flover")))
-    t = Table(title="hpdl serve bench")  # one column per system: narrow enough for a terminal
-    # "flover/MODE" on two lines, and fold, never "…": cut to fit 80 columns, flover/padded and flover/packed
-    # both read "flover/pa…"
-    t.add_column("metric", no_wrap=True)
-    for name, r in results.items():
-        t.add_column(name.replace("/", "/\n") + (" *" if "note" in r else ""), justify="right", overflow="fold")
-    for c in cols:
-        t.add_row(c, *[(f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, "-")))
-                       for r in results.values()])
-    Console().print(t)
-    for name, r in results.items():
-        if "note" in r:
-            print(f"* {name}: {r['note']}")
-    if roof is not None:
-        print(roofline_line(roof))
+ServeBenchCommand = command(ServeBenchmark)
+ServeBenchCommand.help = ServeBenchmark.help
+ServeBenchCommand.__doc__ = "`hpdl serve bench` (alias `hpdl bench serve`): :class:`ServeBenchmark` on the harness."
 
 
 class ServeCommand:

@@ -33,6 +33,9 @@ import torch
 import torch.nn.functional as F
 
 from hpdl.models.gpt import DecoderLM, KVCache
+from hpdl.serve import stream_gemm as sg
+from hpdl.serve.epilogue import add_rmsnorm, add_rmsnorm_ref, silu_mul, silu_mul_ref, use_triton  # noqa: F401
+from hpdl.serve.stream_gemm import counters, stream_gemm
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs use the torch references
     import triton
@@ -45,27 +48,7 @@ except ImportError:  # pragma: no cover - depends on the install
     gdc_launch_dependents = gdc_wait = None
 
 
-def _interpret() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def use_triton(t: torch.Tensor) -> bool:
-    """Whether the Triton kernels run for tensors like ``t``: on CUDA, or anywhere under TRITON_INTERPRET=1."""
-    return triton is not None and (t.is_cuda or _interpret())
-
-
 # --- torch references (the eager model's arithmetic, op for op) -------------------------------------
-def add_rmsnorm_ref(x: torch.Tensor, res: torch.Tensor | None, w: torch.Tensor, eps: float):
-    """``res = x + res`` (in the model dtype, as the eager residual add); returns ``(res, rmsnorm(res) * w)``.
-    ``res`` None: no add, ``res = x``. Shapes ``[n, C]``; the norm is computed in float32 (HF Llama)."""
-    r = x if res is None else x + res
-    h = r.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return r, w * h.to(r.dtype)
-
-
 def rope_kv_ref(qkv, cos, sin, pos, kc, vc, start: int, h: int, hkv: int):
     """qkv ``[n, (h + 2 hkv) d]`` -> q ``[n, h, d]`` rotated; rotated k and v stored at ``kc/vc[start + i, :,
     pos[i]]`` (kc, vc ``[S, hkv, L, d]``); cos/sin ``[max_pos, d]`` float32 (rotate-half convention)."""
@@ -96,30 +79,8 @@ def decode_attention_ref(q, kc, vc, pos, start: int):
     return torch.matmul(p, V).view(n, h, d)
 
 
-def silu_mul_ref(gu: torch.Tensor) -> torch.Tensor:
-    """gu ``[n, 2I]`` (gate | up) -> ``silu(gate) * up`` ``[n, I]``."""
-    g, u = gu.chunk(2, dim=-1)
-    return F.silu(g) * u
-
-
 # --- Triton kernels ----------------------------------------------------------------------------------
 if triton is not None:
-    @triton.jit
-    def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, C, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        offs = tl.arange(0, BLOCK)
-        m = offs < C
-        x = tl.load(x_ptr + row * C + offs, mask=m, other=0.0)
-        if HAS_RES:  # the residual add rounds to the model dtype, as eager does, before the norm reads it
-            x = (x.to(tl.float32) + tl.load(res_ptr + row * C + offs, mask=m, other=0.0).to(tl.float32)).to(
-                x.dtype)
-            tl.store(res_ptr + row * C + offs, x, mask=m)
-        h = x.to(tl.float32)
-        r = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / C + eps)
-        w = tl.load(w_ptr + offs, mask=m, other=0.0)
-        y = w.to(tl.float32) * (h * r).to(x.dtype).to(tl.float32)
-        tl.store(y_ptr + row * C + offs, y.to(x.dtype), mask=m)
-
     @triton.jit
     def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, start,
                         s_slot, s_head, s_pos, H, HKV, D: tl.constexpr, PDL: tl.constexpr = False):
@@ -282,32 +243,6 @@ if triton is not None:
         x = tl.load(x_ptr + row.to(tl.int64) * stride + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
         tl.store(out_ptr + row, tl.argmax(x, axis=0, tie_break_left=True).to(tl.int64))  # float32: exact, same order
 
-    @triton.jit
-    def _silu_mul_kernel(gu_ptr, out_ptr, I, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        m = offs < I
-        g = tl.load(gu_ptr + row * 2 * I + offs, mask=m, other=0.0).to(tl.float32)
-        u = tl.load(gu_ptr + row * 2 * I + I + offs, mask=m, other=0.0)
-        y = (g / (1.0 + tl.exp(-g))).to(u.dtype).to(tl.float32) * u.to(tl.float32)  # silu rounds, as F.silu
-        tl.store(out_ptr + row * I + offs, y.to(u.dtype), mask=m)
-
-
-def add_rmsnorm(x, res, w, eps, out=None):
-    """Triton ``add_rmsnorm_ref``: ``res`` is updated in place (``res += x``); returns ``(res, y)``."""
-    if not use_triton(x):
-        r, y = add_rmsnorm_ref(x, res, w, eps)
-        if res is not None:
-            res.copy_(r)
-            r = res
-        return r, y
-    n, C = x.shape
-    y = torch.empty_like(x) if out is None else out
-    _add_rmsnorm_kernel[(n,)](x, res if res is not None else x, w, y, C, eps, HAS_RES=res is not None,
-                              BLOCK=triton.next_power_of_2(C))
-    return (res if res is not None else x), y
-
-
 def _pdl_args(pdl: bool) -> dict:
     """Launch keywords for a kernel with a ``PDL`` constexpr: Programmatic Dependent Launch where
     ``hpdl.serve.stream_gemm.pdl_supported`` (see ``stream_gemm.PDL``), nothing otherwise."""
@@ -316,7 +251,7 @@ def _pdl_args(pdl: bool) -> dict:
 
 def rope_kv(qkv, cos, sin, pos, kc, vc, start: int, h: int, hkv: int, pdl: bool = False):
     """Triton ``rope_kv_ref`` (one kernel: q rotated, k rotated and stored, v stored). It reads the first half
-    of each cos/sin row only: the tables must repeat their halves (``hpdl.models.gpt._rope_tables`` does).
+    of each cos/sin row only: the tables must repeat their halves (``hpdl.models.gpt.rope_tables`` does).
     ``pdl``: launch with Programmatic Dependent Launch (callers check ``stream_gemm.pdl_supported``)."""
     if not use_triton(qkv):
         return rope_kv_ref(qkv, cos, sin, pos, kc, vc, start, h, hkv)
@@ -389,8 +324,6 @@ def _attend(src, rope, kc, vc, pos, start, kv_len, h, splits, block_n, fuse_comb
     acc = torch.empty(n * h * splits, d, dtype=torch.float32, device=src.device)
     ml = torch.empty(n * h * splits, 2, dtype=torch.float32, device=src.device)
     if fuse_combine:
-        from hpdl.serve.stream_gemm import counters
-
         if n * hkv > counters(src.device).numel():
             raise ValueError(f"fuse_combine: {n} rows x {hkv} kv heads exceed the counter buffer")
     cnt = counters(src.device) if fuse_combine else out
@@ -402,16 +335,6 @@ def _attend(src, rope, kc, vc, pos, start, kv_len, h, splits, block_n, fuse_comb
                                           **_pdl_args(pdl and fuse_combine))
     if not fuse_combine:
         _combine_kernel[(n * h,)](acc, ml, out, splits, SP=triton.next_power_of_2(splits), D=d)
-    return out
-
-
-def silu_mul(gu):
-    """Triton ``silu_mul_ref``."""
-    if not use_triton(gu):
-        return silu_mul_ref(gu)
-    n, I2 = gu.shape
-    out = torch.empty(n, I2 // 2, dtype=gu.dtype, device=gu.device)
-    _silu_mul_kernel[(n, triton.cdiv(I2 // 2, 1024))](gu, out, I2 // 2, BLOCK=1024)
     return out
 
 
@@ -520,9 +443,6 @@ def _stream_decode(model: DecoderLM, cache: KVCache, tokens, pos, start: int, kv
     attention (split chunks combined by the last program), o (+ residual), gate|up (+ RMSNorm prologue,
     SiLU-mul epilogue), down (+ residual). Without ``norm_in_gemm`` the RMSNorms run as their own kernel before
     qkv and gate|up."""
-    from hpdl.serve import stream_gemm as sg
-    from hpdl.serve.stream_gemm import stream_gemm
-
     cfg = model.cfg
     h, hkv, eps = cfg.n_heads, cfg.n_kv_heads, cfg.norm_eps
     # with stream_gemm.PDL, rope_kv and the attention launch with PDL too: every kernel of a layer then overlaps

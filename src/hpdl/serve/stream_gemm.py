@@ -49,6 +49,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hpdl.serve.epilogue import add_rmsnorm, silu_mul as _silu_mul, use_triton as _use_triton
+
 try:
     import triton
     import triton.language as tl
@@ -62,12 +64,6 @@ except ImportError:  # pragma: no cover - depends on the install
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _MAX_TILES = 1 << 16
 _TUNED: dict[tuple, dict] = {}
-
-
-def _use_triton(t: torch.Tensor) -> bool:
-    import os
-
-    return triton is not None and (t.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 def stream_gemm_ref(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
@@ -498,15 +494,13 @@ CUBLAS_CONFIG = {"BACKEND": "cublas"}
 
 def _cublas_launch(x, w, res, nw, eps, epi: int) -> torch.Tensor:
     """The ``CUBLAS_CONFIG`` candidate: the cuBLAS fused step's kernels for one fused GEMM: the RMSNorm kernel
-    (``hpdl.serve.fused.add_rmsnorm``), ``F.linear``, then the SiLU-mul kernel or the residual add, each
+    (``hpdl.serve.epilogue.add_rmsnorm``), ``F.linear``, then the SiLU-mul kernel or the residual add, each
     rounding to the model dtype as eager does (without those two Triton kernels: ``stream_gemm_ref`` exactly)."""
-    from hpdl.serve.fused import add_rmsnorm, silu_mul
-
     if nw is not None:
         x = add_rmsnorm(x, None, nw, eps)[1]
     y = F.linear(x, w)
     if epi == 2:
-        return silu_mul(y)
+        return _silu_mul(y)
     return y + res if epi == 1 else y
 
 
