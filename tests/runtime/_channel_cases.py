@@ -50,3 +50,16 @@ class SumWithDriver:
         t = torch.tensor([float(value)])
         dist.all_reduce(t)
         return t.item()
+
+
+class Sleeper:
+    """A service whose calls touch ``ready`` and then sleep (a rank busy in a long step)."""
+
+    def __init__(self, ctx, ready):
+        self.ready = ready
+
+    def __call__(self, payload):
+        import time
+
+        open(self.ready, "w").close()
+        time.sleep(600)

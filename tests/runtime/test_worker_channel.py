@@ -115,3 +115,35 @@ def test_driver_mode_makes_this_process_rank_0_and_close_destroys_its_group():
         with pytest.raises(RuntimeError, match="already initialised here"):
             WorkerGroup(2, driver=True)
     assert not dist.is_initialized()
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_while_waiting_on_a_service_tears_everything_down(tmp_path):
+    """Serve's TP shape (this process rank 0) interrupted while its ranks are busy: KeyboardInterrupt reaches the
+    caller, the ranks are killed and this process's group is destroyed (a later engine can start)."""
+    import multiprocessing as mp
+    import os
+    import signal
+    import threading
+    import time
+
+    ready = tmp_path / "ready"
+
+    def interrupt():
+        while not ready.exists():
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        g = WorkerGroup(2, timeout=60, driver=True)
+        procs = list(g._procs)
+        svc = g.start_service(C.Sleeper, str(ready))
+        svc.wait_started()
+        threading.Thread(target=interrupt, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            svc.request(None)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert g.broken and not any(p.is_alive() for p in procs) and not set(mp.active_children()) & set(procs)
+    assert not dist.is_initialized()

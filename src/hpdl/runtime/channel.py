@@ -127,13 +127,13 @@ def decode(frame: bytes, sender: str):
     Raises:
         ProtocolError: not an hpdl frame, another protocol version (both are named), or an unknown type.
     """
-    from hpdl import __version__
-
     if len(frame) < _HEADER.size or frame[:4] != _MAGIC:
         raise ProtocolError(f"{sender} sent {len(frame)} bytes that are not an hpdl channel frame "
                             f"(starting {bytes(frame[:8])!r})")
     _, version, n = _HEADER.unpack_from(frame)
     if version != PROTOCOL_VERSION:
+        from hpdl import __version__
+
         raise ProtocolError(f"{sender} speaks hpdl channel protocol {version}, this process protocol "
                             f"{PROTOCOL_VERSION} (hpdl {__version__}): a stale worker or a different hpdl version on "
                             f"the other side; start both sides from one hpdl installation")

@@ -20,15 +20,16 @@ import atexit
 import contextlib
 import itertools
 import logging
+import math
 import multiprocessing as mp
 import os
+import select
 import signal
 import socket
 import sys
 import threading
 import time
 import traceback
-from multiprocessing import connection as mp_connection
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Sequence
@@ -288,9 +289,9 @@ def _rank_main(rank, world, port, device, ranks_per_node, timeout, ranks_per_gpu
 
     signal.signal(signal.SIGINT, _sigint_to_parent)
     os.environ.update(environ)
-    torch.set_num_threads(threads)
     ep = ch.Endpoint(conn, "the parent")
     try:
+        torch.set_num_threads(threads)
         dev, backend = join_local(rank, world, port, device, ranks_per_gpu, timeout)
         ctx = _make_context(rank, world, rank, dev, backend, ranks_per_node, ranks_per_gpu)
         ep.send(ch.Ready(rank, os.getpid(), __version__))
@@ -410,7 +411,8 @@ class Service:
         """
         if not self.started:
             g = self.group
-            g._collect(self._start_id, g.timeout if timeout is None else timeout, 0.0, f"start of {self.name}")
+            with g._torn_down_unless_answered():
+                g._collect(self._start_id, g.timeout if timeout is None else timeout, 0.0, f"start of {self.name}")
             self.started = True
 
     def post(self, payload: Any) -> None:
@@ -424,7 +426,9 @@ class Service:
         """
         g = self.group
         self._check()
-        g._send_all(ch.encode(ch.Call(next(g._ids), payload, False)))
+        frame = ch.encode(ch.Call(next(g._ids), payload, False))
+        with g._torn_down_unless_answered():
+            g._send_all(frame)
 
     def request(self, payload: Any, timeout: float | None = None, grace: float = 3.0) -> list[Any]:
         """``[service(payload) on rank r for r in group.ranks]``: a round trip.
@@ -435,9 +439,11 @@ class Service:
         g = self.group
         self._check()
         msg_id = next(g._ids)
-        g._replies[msg_id] = {}
-        g._send_all(ch.encode(ch.Call(msg_id, payload, True)))
-        return g._collect(msg_id, float("inf") if timeout is None else timeout, grace, f"{self.name} request")
+        frame = ch.encode(ch.Call(msg_id, payload, True))
+        with g._torn_down_unless_answered():
+            g._replies[msg_id] = {}
+            g._send_all(frame)
+            return g._collect(msg_id, float("inf") if timeout is None else timeout, grace, f"{self.name} request")
 
     def failure(self, wait: float = 0.0) -> WorkerFailedError | None:
         """The failure of a rank that failed or died, waiting up to ``wait`` seconds for one; None if none did.
@@ -466,8 +472,9 @@ class Service:
         g._service = None
         msg_id = next(g._ids)
         g._replies[msg_id] = {}
-        g._send_all(ch.encode(ch.StopService(msg_id)))
-        g._collect(msg_id, g.timeout if timeout is None else timeout, 0.0, f"stop of {self.name}")
+        with g._torn_down_unless_answered():
+            g._send_all(ch.encode(ch.StopService(msg_id)))
+            g._collect(msg_id, g.timeout if timeout is None else timeout, 0.0, f"stop of {self.name}")
 
     def _check(self) -> None:
         if self.stopped:
@@ -533,6 +540,8 @@ class WorkerGroup:
         self.driver = driver
         self.ranks = list(range(1 if driver else 0, world_size))
         self.context: Context | None = None
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"threads must be an int >= 1 or None (this host's cores shared evenly), got {threads!r}")
         threads = max(1, (os.cpu_count() or 1) // world_size) if threads is None else threads
         self.broken = True   # until every rank is up (close() is safe on a half-built group)
         self._procs: list = []
@@ -541,6 +550,7 @@ class WorkerGroup:
         self._replies: dict[int, dict[int, tuple[bool, Any]]] = {_START: {}}  # id -> rank -> (ok, value/error)
         self._gone: dict[int, str] = {}   # rank -> why it is gone (its fatal failure, or its exit), in order
         self._service: Service | None = None
+        self._poll, self._fds = None, {}
         self._owns_group = False
         self._mps = _maybe_mps(use_mps)
         environ = rank_environment(device, self.ranks_per_gpu, self.timeout, self._mps.__enter__())
@@ -622,12 +632,9 @@ class WorkerGroup:
         frame = ch.encode(ch.Task(task_id, fn, args))
         self._replies[task_id] = {}
         try:
-            self._send_all(frame)
-            return self._collect(task_id, float("inf") if timeout is None else timeout, grace, "run")
-        except BaseException as exc:
-            if not isinstance(exc, WorkerFailedError):   # Ctrl-C, a timeout: the ranks get no more time
-                self.close(abort=True)
-            raise
+            with self._torn_down_unless_answered():
+                self._send_all(frame)
+                return self._collect(task_id, float("inf") if timeout is None else timeout, grace, "run")
         finally:
             self._replies.pop(task_id, None)
 
@@ -650,6 +657,18 @@ class WorkerGroup:
         return self._service
 
     # -- the parent's side of the channel ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _torn_down_unless_answered(self):
+        """Around a send and its wait: Ctrl-C, a timeout or any error other than the ranks' own answer
+        (WorkerFailedError, which tears down itself when a rank is gone) tears the group down: the ranks get no
+        more time, and no later call can trust where they stopped."""
+        try:
+            yield
+        except BaseException as exc:
+            if not isinstance(exc, WorkerFailedError):
+                self.close(abort=True)
+            raise
+
     def _check_healthy(self) -> None:
         """Raise if the group is unusable: closed, or a rank failed fatally or died (read without waiting)."""
         if self.broken:
@@ -664,7 +683,7 @@ class WorkerGroup:
                 ep.send_frame(frame)
             except (BrokenPipeError, ConnectionError, OSError) as exc:
                 self._drain(self.ranks.index(r))   # its last words, if it left any
-                self._gone.setdefault(r, f"rank {r} is gone (its pipe: {exc!r})")
+                self._mark_gone(r, f"rank {r} is gone (its pipe: {exc!r})")
                 self._raise_gone("before this message")
 
     def _raise_gone(self, what: str) -> None:
@@ -680,53 +699,72 @@ class WorkerGroup:
                                      f"still running: {missing}; the worker group was torn down",
                                      missing_ranks=missing)
 
+    def _mark_gone(self, r: int, why: str) -> None:
+        """Rank ``r`` is gone (a fatal failure or its exit): every awaited reply of it fails with ``why``."""
+        if r not in self._gone:
+            self._gone[r] = why
+            self._poll = None   # its pipe reads as end-of-file for ever: not watched again
+            for got in self._replies.values():
+                got.setdefault(r, (False, why))
+
+    def _poller(self):
+        """A ``select.poll`` over the pipes and process sentinels of the ranks not gone (kept between calls: one
+        system call per look, where ``multiprocessing.connection.wait`` builds a selector each time)."""
+        if self._poll is None:
+            self._poll, self._fds = select.poll(), {}
+            for i, r in enumerate(self.ranks if self._eps else ()):   # nothing to watch once closed
+                if r not in self._gone:
+                    for fd, exit_fd in ((self._eps[i].fileno(), False), (self._procs[i].sentinel, True)):
+                        self._poll.register(fd, select.POLLIN)
+                        self._fds[fd] = (i, exit_fd)
+        return self._poll
+
     def _receive(self, timeout: float | None) -> None:
         """Wait up to ``timeout`` seconds (None: no limit) for frames or rank exits, and file what came: replies
         under their id (only ids still awaited), fatal failures and exits in ``_gone``."""
-        watch: dict[Any, int] = {}
-        for i, r in enumerate(self.ranks if self._eps else ()):   # nothing to watch once closed
-            if r not in self._gone:   # a gone rank's pipe reads as end-of-file for ever: never watched again
-                watch[self._eps[i].conn] = i
-                watch[self._procs[i].sentinel] = i
-        if not watch:
+        poller = self._poller()
+        if not self._fds:
+            if timeout:
+                time.sleep(timeout)
             return
-        ready = mp_connection.wait(list(watch), timeout)
-        for i in sorted({watch[obj] for obj in ready}):
-            self._drain(i)
-            p, r = self._procs[i], self.ranks[i]
-            if not p.is_alive() and r not in self._gone:
-                p.join(1.0)
-                self._gone[r] = f"rank {r} died: exited with code {p.exitcode} without a result"
-                for got in self._replies.values():
-                    got.setdefault(r, (False, self._gone[r]))
+        events = poller.poll(None if timeout is None else math.ceil(max(timeout, 0.0) * 1000))
+        ready = [self._fds[fd] for fd, _ in events if fd in self._fds]
+        exited = {i for i, exit_fd in ready if exit_fd}   # (its pipe may have no event: checked before reading)
+        for i in sorted({i for i, _ in ready}):
+            if self._drain(i, ready=i not in exited) or i in exited:   # end of file, or its sentinel: it exited
+                p, r = self._procs[i], self.ranks[i]
+                p.join(5.0)
+                self._mark_gone(r, f"rank {r} died: exited with code {p.exitcode} without a result")
 
-    def _drain(self, i: int) -> None:
-        """Read every frame rank ``self.ranks[i]`` has written (a dying rank's last words come before its exit)."""
+    def _drain(self, i: int, ready: bool = False) -> bool:
+        """Read every frame rank ``self.ranks[i]`` has written (a dying rank's last words come before its exit);
+        ``ready``: poll said its pipe is readable. True when its pipe reached end of file (it exited)."""
         ep, r = self._eps[i], self.ranks[i]
-        while True:
+        fd = ep.fileno()
+        while ready or select.select([fd], [], [], 0)[0]:
+            ready = False
             try:
-                if not ep.conn.poll(0):
-                    return
                 msg = ep.recv()
             except (EOFError, OSError):
-                return
+                return True
             except ch.ProtocolError:
                 self.close(abort=True)
                 raise
             kind = type(msg)
-            if kind is ch.Ready:
-                self._replies[_START][r] = (True, msg.pid)
-            elif kind is ch.Result:
+            if kind is ch.Result:
                 if msg.id in self._replies:   # else a straggler of a call that failed earlier
                     self._replies[msg.id][r] = (True, msg.value)
             elif kind is ch.Failure:
                 if msg.id in self._replies:
                     self._replies[msg.id][r] = (False, msg.error)
                 if msg.fatal:
-                    self._gone.setdefault(r, msg.error)
+                    self._mark_gone(r, msg.error)
+            elif kind is ch.Ready:
+                self._replies[_START][r] = (True, msg.pid)
             else:
                 self.close(abort=True)
                 raise ch.ProtocolError(f"rank {r} sent a {kind.__name__} message, which only the parent sends")
+        return False
 
     def _collect(self, msg_id: int, timeout: float, grace: float, what: str, shown: float | None = None
                  ) -> list[Any]:
@@ -787,7 +825,7 @@ class WorkerGroup:
                 p.join()
         for ep in self._eps:
             ep.close()
-        self._eps = []
+        self._eps, self._poll, self._fds = [], None, {}
         mps, self._mps = self._mps, None
         if mps is not None:
             mps.__exit__(None, None, None)
