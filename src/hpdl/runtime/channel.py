@@ -95,6 +95,7 @@ class Failure:
 MESSAGES: dict[str, type] = {c.__name__: c for c in (Ready, Task, StartService, Call, StopService, Stop, Result,
                                                      Failure)}
 _FIELDS = {name: tuple(f.name for f in fields(cls)) for name, cls in MESSAGES.items()}
+_BY_TAG = {name.encode(): cls for name, cls in MESSAGES.items()}
 
 
 def encode_frame(type_name: str, values: tuple, version: int | None = None) -> bytes:
@@ -137,11 +138,11 @@ def decode(frame: bytes, sender: str):
         raise ProtocolError(f"{sender} speaks hpdl channel protocol {version}, this process protocol "
                             f"{PROTOCOL_VERSION} (hpdl {__version__}): a stale worker or a different hpdl version on "
                             f"the other side; start both sides from one hpdl installation")
-    name = bytes(frame[_HEADER.size:_HEADER.size + n]).decode(errors="replace")
-    cls = MESSAGES.get(name)
+    tag = bytes(frame[_HEADER.size:_HEADER.size + n])
+    cls = _BY_TAG.get(tag)
     if cls is None:
-        raise ProtocolError(f"{sender} sent an unknown message type {name!r} (channel protocol {version}); "
-                            f"known: {sorted(MESSAGES)}")
+        raise ProtocolError(f"{sender} sent an unknown message type {tag.decode(errors='replace')!r} (channel "
+                            f"protocol {version}); known: {sorted(MESSAGES)}")
     return cls(*pickle.loads(memoryview(frame)[_HEADER.size + n:]))
 
 

@@ -437,7 +437,7 @@ class Service:
             WorkerFailedError, CollectiveTimeoutError: as :meth:`WorkerGroup.run`.
         """
         g = self.group
-        self._check()
+        self._check(look=False)   # a rank gone before is found while waiting for the replies
         msg_id = next(g._ids)
         frame = ch.encode(ch.Call(msg_id, payload, True))
         with g._torn_down_unless_answered():
@@ -476,10 +476,10 @@ class Service:
             g._send_all(ch.encode(ch.StopService(msg_id)))
             g._collect(msg_id, g.timeout if timeout is None else timeout, 0.0, f"stop of {self.name}")
 
-    def _check(self) -> None:
+    def _check(self, look: bool = True) -> None:
         if self.stopped:
             raise RuntimeError(f"the service {self.name} was stopped; start a new one")
-        self.group._check_healthy()
+        self.group._check_healthy(look)
 
 
 class WorkerGroup:
@@ -627,7 +627,7 @@ class WorkerGroup:
             RuntimeError: the group was torn down or closed before.
             what pickling ``fn`` or ``args`` raises (nothing was sent; the group stays usable).
         """
-        self._check_healthy()
+        self._check_healthy(look=False)   # a rank gone before is found while waiting for the results
         task_id = next(self._ids)
         frame = ch.encode(ch.Task(task_id, fn, args))
         self._replies[task_id] = {}
@@ -669,11 +669,13 @@ class WorkerGroup:
                 self.close(abort=True)
             raise
 
-    def _check_healthy(self) -> None:
-        """Raise if the group is unusable: closed, or a rank failed fatally or died (read without waiting)."""
+    def _check_healthy(self, look: bool = True) -> None:
+        """Raise if the group is unusable: closed, or a rank failed fatally or died (with ``look``, also what the
+        pipes and sentinels say now, without waiting: a one-way message has no reply that would tell)."""
         if self.broken:
             raise RuntimeError("this WorkerGroup was torn down after a failure or closed; start a new one")
-        self._receive(0.0)
+        if look:
+            self._receive(0.0)
         if self._gone:
             self._raise_gone("since the last message")
 
@@ -682,8 +684,12 @@ class WorkerGroup:
             try:
                 ep.send_frame(frame)
             except (BrokenPipeError, ConnectionError, OSError) as exc:
-                self._drain(self.ranks.index(r))   # its last words, if it left any
-                self._mark_gone(r, f"rank {r} is gone (its pipe: {exc!r})")
+                i = self.ranks.index(r)
+                self._drain(i)   # its last words, if it left any
+                p = self._procs[i]
+                p.join(1.0)
+                self._mark_gone(r, f"rank {r} died: exited with code {p.exitcode}" if p.exitcode is not None else
+                                f"rank {r} is gone (its pipe: {exc!r})")
                 self._raise_gone("before this message")
 
     def _raise_gone(self, what: str) -> None:
