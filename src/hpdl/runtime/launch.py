@@ -279,7 +279,7 @@ def _sigint_to_parent(signum, frame) -> None:
     and tears its ranks down; a Python handler, unlike SIG_IGN, is not inherited by the programs a rank starts."""
 
 
-_START = -1   # the id under which ranks report start-up (Ready) and service start-up
+_START = -1   # the id under which ranks report their start-up (Ready, or the Failure that ended it)
 
 
 def _rank_main(rank, world, port, device, ranks_per_node, timeout, ranks_per_gpu, environ, threads, conn) -> None:
