@@ -29,6 +29,8 @@ def test_bad_world_size_and_device_are_named():
         WorkerGroup(0)
     with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda'"):
         WorkerGroup(2, device="tpu")
+    with pytest.raises(ValueError, match="threads must be an int >= 1 or None"):
+        WorkerGroup(2, threads=0)
 
 
 def test_a_rank_stuck_in_a_collective_breaks_the_group():

@@ -66,3 +66,30 @@ def test_an_engine_that_fails_after_its_tp_executor_started_shuts_it_down(monkey
     with pytest.raises(OSError, match="tokenizer files unreadable"):
         LLMEngine(ModelSpec(config="llama-tiny"), EngineConfig(num_slots=2, max_seq_len=32, tensor_parallel_size=2))
     assert not dist.is_initialized()
+
+
+@pytest.mark.timeout(180)
+def test_a_tp_rank_that_dies_fails_the_engine_naming_it_and_shutdown_frees_everything():
+    """A worker rank killed between steps: the next step raises WorkerFailedError naming it (never a hang in
+    rank 0's collective), and shutdown leaves no process and no process group."""
+    import multiprocessing
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    from hpdl.runtime import WorkerFailedError
+
+    eng = LLMEngine(ModelSpec(config="llama-tiny"), EngineConfig(num_slots=2, max_seq_len=32, tensor_parallel_size=2))
+    try:
+        (out,) = eng.generate([[3, 1, 4]], SamplingParams(max_tokens=2))
+        assert len(out.token_ids) == 2
+        (proc,) = eng.executor.group._procs
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(60)
+        with pytest.raises(WorkerFailedError, match=r"rank 1 failed[\s\S]*rank 1 died: exited with code -9"):
+            eng.generate([[2, 7]], SamplingParams(max_tokens=2))
+    finally:
+        eng.shutdown()
+    assert not dist.is_initialized()
+    assert proc not in multiprocessing.active_children()

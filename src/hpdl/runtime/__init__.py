@@ -11,17 +11,17 @@ from typing import TYPE_CHECKING
 
 _WHERE = {
     "CLIUsageError": "errors", "CollectiveMismatchError": "errors", "CollectiveTimeoutError": "errors",
-    "HpdlError": "errors", "PeerFailedError": "errors", "WorkerFailedError": "errors",
+    "HpdlError": "errors", "PeerFailedError": "errors", "ProtocolError": "errors", "WorkerFailedError": "errors",
     "Context": "launch", "detect_launcher": "launch", "free_port": "launch", "init_from_env": "launch",
-    "spawn": "launch", "WorkerGroup": "launch", "Topology": "topology", "discover": "topology",
+    "spawn": "launch", "WorkerGroup": "launch", "Service": "launch", "Topology": "topology", "discover": "topology",
 }
 
 __all__ = sorted(_WHERE)
 
 if TYPE_CHECKING:
     from hpdl.runtime.errors import (CLIUsageError, CollectiveMismatchError, CollectiveTimeoutError, HpdlError,
-                                     PeerFailedError, WorkerFailedError)
-    from hpdl.runtime.launch import Context, WorkerGroup, detect_launcher, free_port, init_from_env, spawn
+                                     PeerFailedError, ProtocolError, WorkerFailedError)
+    from hpdl.runtime.launch import Context, Service, WorkerGroup, detect_launcher, free_port, init_from_env, spawn
     from hpdl.runtime.topology import Topology, discover
 
 

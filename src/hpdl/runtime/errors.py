@@ -30,6 +30,11 @@ class WorkerFailedError(HpdlError):
     """A spawned rank raised or died; the message carries its rank and traceback."""
 
 
+class ProtocolError(WorkerFailedError):
+    """A peer on a worker group's channel speaks another protocol version or sent an unknown message type (a stale
+    rank, a different hpdl installation on the other side); the message names the sender and both versions."""
+
+
 class CLIUsageError(ValueError):
     """Bad command-line usage: the ``hpdl`` command prints the sub-command's usage and this message, exit 1.
 

@@ -20,15 +20,16 @@ import atexit
 import contextlib
 import itertools
 import logging
+import math
 import multiprocessing as mp
 import os
-import pickle
-import queue as queue_mod
+import select
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
-from multiprocessing.reduction import ForkingPickler
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Sequence
@@ -36,6 +37,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from hpdl.runtime import channel as ch
 from hpdl.runtime import env
 from hpdl.runtime.errors import CollectiveTimeoutError, WorkerFailedError
 from hpdl.runtime.topology import Topology, discover
@@ -246,121 +248,331 @@ def join_local(rank: int, world: int, port: int, device: str, ranks_per_gpu: int
     Returns ``(device, backend)``. Raises RuntimeError (no such GPU) and what ``init_process_group`` raises.
     """
     dev, backend = _resolve_device(device, rank, ranks_per_gpu)
-    kwargs = {"device_id": dev} if backend == "nccl" else {}   # an eager NCCL communicator
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=_timeout(timeout)), **kwargs)
+    _init_local_group(rank, world, port, dev, backend, timeout)
     return dev, backend
 
 
-def _rank_main(rank, world, port, device, ranks_per_node, timeout, ranks_per_gpu, environ, threads, tasks,
-               results) -> None:
-    """A :class:`WorkerGroup` rank: bootstrap, say ready, then run ``(task_id, fn, args)`` items until ``None``."""
+def _init_local_group(rank: int, world: int, port: int, dev: torch.device, backend: str,
+                      timeout: float | None) -> None:
+    kwargs = {"device_id": dev} if backend == "nccl" else {}   # an eager NCCL communicator
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=_timeout(timeout)), **kwargs)
+
+
+def _destroy_bounded(timeout: float) -> bool:
+    """``destroy_process_group`` (after hpdl.comm's cached groups and peer buffers), given up after ``timeout``
+    seconds: NCCL's teardown waits for every rank, and a process that gives up exits with the communicator
+    still open, which its peers tolerate. True when it finished (or there was no group)."""
+    comm = sys.modules.get("hpdl.comm")
+    if comm is not None:
+        comm.reset()
+    if not dist.is_initialized():
+        return True
+    t = threading.Thread(target=_destroy_at_exit, name="hpdl-destroy-group", daemon=True)
+    t.start()
+    t.join(timeout=timeout)
+    return not t.is_alive()
+
+
+def _sigint_to_parent(signum, frame) -> None:
+    """A rank's SIGINT handler: nothing. The parent owns Ctrl-C (a terminal sends it to every process of the job)
+    and tears its ranks down; a Python handler, unlike SIG_IGN, is not inherited by the programs a rank starts."""
+
+
+_START = -1   # the id under which ranks report their start-up (Ready, or the Failure that ended it)
+
+
+def _rank_main(rank, world, port, device, ranks_per_node, timeout, ranks_per_gpu, environ, threads, conn) -> None:
+    """A :class:`WorkerGroup` rank: bootstrap, send :class:`~hpdl.runtime.channel.Ready`, then answer the
+    parent's messages (:func:`_serve`) until it sends Stop or goes away."""
+    from hpdl import __version__
+
+    signal.signal(signal.SIGINT, _sigint_to_parent)
     os.environ.update(environ)
-    torch.set_num_threads(threads)
+    ep = ch.Endpoint(conn, "the parent")
     try:
+        torch.set_num_threads(threads)
         dev, backend = join_local(rank, world, port, device, ranks_per_gpu, timeout)
         ctx = _make_context(rank, world, rank, dev, backend, ranks_per_node, ranks_per_gpu)
-        results.put((_READY, rank, "ok", None))
+        ep.send(ch.Ready(rank, os.getpid(), __version__))
     except BaseException:  # noqa: BLE001 - report a start-up failure to the parent with its traceback
-        results.put((_READY, rank, "error", traceback.format_exc()))
-        _destroy_at_exit()
+        _send_quietly(ep, ch.Failure(_START, rank, traceback.format_exc(), True))
+        _destroy_bounded(5.0)
         return
     try:
-        while True:
-            item = tasks.get()
-            if item is None:
-                break
-            task_id, fn, args = item
-            try:
-                value = fn(ctx, *args)
-            except BaseException:  # noqa: BLE001 - every failure goes back to the parent with its traceback
-                results.put((task_id, rank, "error", traceback.format_exc()))
-                continue
-            try:  # the queue pickles in a feeder thread, which prints a failure here and drops the message
-                _check_picklable(value)
-            except Exception as exc:  # noqa: BLE001 - the parent would wait for the result until its timeout
-                results.put((task_id, rank, "error", f"the result of {getattr(fn, '__name__', fn)} cannot be sent "
-                             f"to the parent ({type(exc).__name__}: {exc}); return picklable values"))
-                continue
-            results.put((task_id, rank, "ok", value))
+        _serve(ep, ctx, rank)
+    except (EOFError, OSError):   # the parent went away (killed): nobody to answer
+        pass
     finally:
-        comm = sys.modules.get("hpdl.comm")
-        if comm is not None:   # hpdl.comm's cached groups and peer buffers go before the process group
-            comm.reset()
-        _destroy_at_exit()
+        _destroy_bounded(10.0)
 
 
-_READY = -1
-
-
-def _check_picklable(value) -> None:
-    """Raise what pickling ``value`` for the result queue would raise. Plain pickle first: the queue's
-    ForkingPickler shares tensors by file descriptors, and a trial dump would leave each one registered with
-    multiprocessing's resource sharer; only what plain pickle refuses is tried with it."""
+def _send_quietly(ep: "ch.Endpoint", msg) -> None:
     try:
-        pickle.dumps(value)
-    except Exception:  # noqa: BLE001 - e.g. objects that only the ForkingPickler reduces
-        ForkingPickler.dumps(value)
+        ep.send(msg)
+    except (OSError, EOFError):   # the parent is gone
+        pass
+
+
+def _answer(ep: "ch.Endpoint", msg_id: int, rank: int, value, what) -> None:
+    """Send ``Result(value)``, or a Failure that says why ``value`` cannot travel (pickled here, synchronously:
+    the error reaches the parent instead of a wait)."""
+    try:
+        frame = ch.encode(ch.Result(msg_id, rank, value))
+    except Exception as exc:  # noqa: BLE001 - any pickling error
+        frame = ch.encode(ch.Failure(msg_id, rank, f"the result of {getattr(what, '__name__', what)} cannot be "
+                                     f"sent to the parent ({type(exc).__name__}: {exc}); return picklable values",
+                                     False))
+    ep.send_frame(frame)
+
+
+def _serve(ep: "ch.Endpoint", ctx: Context, rank: int) -> None:
+    """The rank's message loop. A task that raises is reported and the rank lives on (every rank answered, so
+    no peer waits for it); a service that raises (start, call or close) ends the rank after reporting it: it is
+    stateful and its peers may wait for it inside a collective, which fails at once when it exits (gloo) rather
+    than after ``HPDL_TIMEOUT``."""
+    service = None
+    try:
+        while True:
+            try:
+                msg = ep.recv()
+            except ch.ProtocolError as exc:
+                ep.send(ch.Failure(_START, rank, f"rank {rank} cannot read the parent's message: {exc}", True))
+                return
+            kind = type(msg)
+            if kind is ch.Call:
+                if service is None:
+                    ep.send(ch.Failure(msg.id, rank, "Call without a service: start_service() first", False))
+                    continue
+                try:
+                    value = service(msg.payload)
+                except BaseException:  # noqa: BLE001 - reported, then the rank ends (see above)
+                    ep.send(ch.Failure(msg.id, rank, traceback.format_exc(), True))
+                    return
+                if msg.reply:
+                    _answer(ep, msg.id, rank, value, type(service).__name__)
+            elif kind is ch.Task:
+                try:
+                    value = msg.fn(ctx, *msg.args)
+                except BaseException:  # noqa: BLE001 - every failure goes back to the parent with its traceback
+                    ep.send(ch.Failure(msg.id, rank, traceback.format_exc(), False))
+                    continue
+                _answer(ep, msg.id, rank, value, msg.fn)
+            elif kind is ch.StartService:
+                try:
+                    service = msg.factory(ctx, *msg.args)
+                except BaseException:  # noqa: BLE001 - as a failed call
+                    ep.send(ch.Failure(msg.id, rank, traceback.format_exc(), True))
+                    return
+                ep.send(ch.Result(msg.id, rank, None))
+            elif kind is ch.StopService:
+                closing, service = service, None
+                try:
+                    getattr(closing, "close", lambda: None)()
+                except BaseException:  # noqa: BLE001 - as a failed call
+                    ep.send(ch.Failure(msg.id, rank, traceback.format_exc(), True))
+                    return
+                ep.send(ch.Result(msg.id, rank, None))
+            elif kind is ch.Stop:
+                break
+            else:
+                ep.send(ch.Failure(_START, rank, f"rank {rank} got a {kind.__name__} message, which only a rank "
+                                   "sends", True))
+                return
+    finally:
+        if service is not None:   # Stop (or a failure) with a service running: it releases what it holds first
+            try:
+                getattr(service, "close", lambda: None)()
+            except Exception:  # noqa: BLE001 - the rank is ending anyway
+                log.exception("rank %d: closing its service failed", rank)
+
+
+class Service:
+    """A long-running object on every spawned rank of a :class:`WorkerGroup`, made by
+    :meth:`WorkerGroup.start_service`: messages reach it without a new process or task per message.
+
+    On each rank ``service = factory(ctx, *args)``; each :meth:`post` or :meth:`request` calls
+    ``service(payload)`` there; :meth:`stop` (or closing the group) calls ``service.close()`` when it has one. A
+    service that raises (in ``factory``, a call or ``close``) reports its traceback and its rank exits (see
+    :func:`_serve`); the next :meth:`post`, :meth:`request` or :meth:`failure` names that rank.
+    """
+
+    def __init__(self, group: "WorkerGroup", start_id: int, name: str):
+        self.group, self.name, self._start_id = group, name, start_id
+        self.started = self.stopped = False
+
+    def wait_started(self, timeout: float | None = None) -> None:
+        """Wait until ``factory`` returned on every rank (call it after this process's own part of the start, when
+        the ranks' start needs collectives with it).
+
+        Raises:
+            WorkerFailedError: a rank's ``factory`` raised (its traceback) or the rank died; the group is torn down.
+            CollectiveTimeoutError: ranks did not answer within ``timeout`` (default: the group's); they are named.
+        """
+        if not self.started:
+            g = self.group
+            with g._torn_down_unless_answered():
+                g._collect(self._start_id, g.timeout if timeout is None else timeout, 0.0, f"start of {self.name}")
+            self.started = True
+
+    def post(self, payload: Any) -> None:
+        """Call ``service(payload)`` on every rank and return at once (one-way: no reply; a failure is reported by
+        the next call). The frame is pickled once and written to each rank's pipe by this thread.
+
+        Raises:
+            WorkerFailedError: a rank failed or died since the last message (named, with its traceback); the group
+                is torn down.
+            RuntimeError: the service was stopped or the group closed.
+        """
+        g = self.group
+        self._check()
+        frame = ch.encode(ch.Call(next(g._ids), payload, False))
+        with g._torn_down_unless_answered():
+            g._send_all(frame)
+
+    def request(self, payload: Any, timeout: float | None = None, grace: float = 3.0) -> list[Any]:
+        """``[service(payload) on rank r for r in group.ranks]``: a round trip.
+
+        Raises:
+            WorkerFailedError, CollectiveTimeoutError: as :meth:`WorkerGroup.run`.
+        """
+        g = self.group
+        self._check(look=False)   # a rank gone before is found while waiting for the replies
+        msg_id = next(g._ids)
+        frame = ch.encode(ch.Call(msg_id, payload, True))
+        with g._torn_down_unless_answered():
+            g._replies[msg_id] = {}
+            g._send_all(frame)
+            return g._collect(msg_id, float("inf") if timeout is None else timeout, grace, f"{self.name} request")
+
+    def failure(self, wait: float = 0.0) -> WorkerFailedError | None:
+        """The failure of a rank that failed or died, waiting up to ``wait`` seconds for one; None if none did.
+        For a caller whose own part of a step raised (was a rank the cause?). Tears nothing down."""
+        g = self.group
+        end = time.monotonic() + wait
+        while True:
+            g._receive(max(0.0, end - time.monotonic()))
+            if g._gone:
+                rank, why = next(iter(g._gone.items()))
+                return WorkerFailedError(f"rank {rank} failed (failed ranks: {sorted(g._gone)}):\n{why}")
+            if time.monotonic() >= end:
+                return None
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Call ``service.close()`` on every rank and wait for them; the ranks live on for other work.
+
+        Raises:
+            WorkerFailedError, CollectiveTimeoutError: as :meth:`WorkerGroup.run`.
+        """
+        g = self.group
+        if self.stopped:
+            return
+        self._check()
+        self.stopped = True
+        g._service = None
+        msg_id = next(g._ids)
+        g._replies[msg_id] = {}
+        with g._torn_down_unless_answered():
+            g._send_all(ch.encode(ch.StopService(msg_id)))
+            g._collect(msg_id, g.timeout if timeout is None else timeout, 0.0, f"stop of {self.name}")
+
+    def _check(self, look: bool = True) -> None:
+        if self.stopped:
+            raise RuntimeError(f"the service {self.name} was stopped; start a new one")
+        self.group._check_healthy(look)
 
 
 class WorkerGroup:
     """``world_size`` local ranks, spawned once, each in one process group, running functions on request.
 
-    The one place hpdl starts local ranks: :func:`spawn` (one function, then teardown) and the test suite's rank
-    pool (many functions on live ranks, :mod:`hpdl.testing.pool`) are both this class. Each rank bootstraps as
-    :func:`spawn` documents (device, backend, ``HPDL_*`` environment, an optional private MPS daemon owned by the
-    group), then waits for work; :meth:`run` sends ``fn(ctx, *args)`` to every rank and collects the results by
-    rank, naming the ranks that failed, died or did not answer.
+    The one place hpdl starts local ranks: :func:`spawn` (one function, then teardown), the test suite's rank
+    pool (many functions on live ranks, :mod:`hpdl.testing.pool`) and serve's tensor-parallel executor (a
+    :class:`Service` per rank, this process as rank 0) are all this class. Each rank bootstraps as :func:`spawn`
+    documents (device, backend, ``HPDL_*`` environment, an optional private MPS daemon owned by the group), then
+    answers messages on a typed, versioned channel (:mod:`hpdl.runtime.channel`): :meth:`run` sends
+    ``fn(ctx, *args)`` to every rank and collects the results by rank, naming the ranks that failed, died or did
+    not answer; :meth:`start_service` starts a long-running per-rank object that :meth:`Service.post` and
+    :meth:`Service.request` reach without a new task per message. A rank's death is seen at once (its process
+    sentinel), not by polling.
 
     Args:
-        world_size: ranks to start (>= 1).
+        world_size: ranks in the job (>= 1), this process included with ``driver``.
         device, ranks_per_gpu, ranks_per_node, mps: as :func:`spawn`.
         timeout: seconds any one collective may wait inside the ranks (default ``HPDL_TIMEOUT``).
         start_timeout: seconds the ranks may take to start and meet (default ``timeout``).
         threads: torch intra-op threads per rank (default: this host's cores shared evenly).
+        driver: this process is rank 0 (vLLM's driver worker): the group spawns ranks 1..world_size-1, this
+            process joins the process group with them (its :class:`Context` is :attr:`context`, the group is
+            destroyed by :meth:`close`), and :meth:`run` and services run on the spawned ranks only; this
+            process does its own part itself. Needs no process group in this process yet.
+
+    Attributes:
+        ranks: the spawned ranks (``range(world_size)``, or from 1 with ``driver``).
+        context: this process's :class:`Context` with ``driver``, else None.
+        broken: True once torn down (after a failure, a timeout or :meth:`close`).
 
     Use as a context manager, or call :meth:`close`; Ctrl-C during start-up or a call leaves no rank (and no MPS
-    daemon) behind.
+    daemon) behind. The ranks ignore SIGINT: the parent tears them down.
 
     Raises:
-        ValueError, RuntimeError: as :func:`spawn`, before any rank starts.
+        ValueError, RuntimeError: as :func:`spawn`, before any rank starts; RuntimeError: ``driver`` with a
+            process group already initialised here.
         WorkerFailedError: a rank failed to start (its traceback in the message).
         CollectiveTimeoutError: ranks did not start within ``start_timeout``; they are named.
     """
 
     def __init__(self, world_size: int, *, device: str = "cpu", ranks_per_gpu: int | None = None,
                  ranks_per_node: int | Sequence[int] | None = None, timeout: float | None = None,
-                 mps: bool | None = None, threads: int | None = None, start_timeout: float | None = None):
+                 mps: bool | None = None, threads: int | None = None, start_timeout: float | None = None,
+                 driver: bool = False):
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        if driver and dist.is_initialized():
+            raise RuntimeError("driver=True makes this process rank 0 of a new process group, but one is already "
+                               "initialised here; destroy it first")
         self.world_size, self.device, self.ranks_per_node = world_size, device, ranks_per_node
         self.ranks_per_gpu = job_ranks_per_gpu(device, ranks_per_gpu)
         check_gpus_for(device, world_size, self.ranks_per_gpu)
         use_mps = use_mps_for(mps, self.ranks_per_gpu)
         self.timeout = _timeout(timeout)
+        self.driver = driver
+        self.ranks = list(range(1 if driver else 0, world_size))
+        self.context: Context | None = None
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"threads must be an int >= 1 or None (this host's cores shared evenly), got {threads!r}")
         threads = max(1, (os.cpu_count() or 1) // world_size) if threads is None else threads
         self.broken = True   # until every rank is up (close() is safe on a half-built group)
         self._procs: list = []
-        self._tasks: list = []
+        self._eps: list[ch.Endpoint] = []
         self._ids = itertools.count()
+        self._replies: dict[int, dict[int, tuple[bool, Any]]] = {_START: {}}  # id -> rank -> (ok, value/error)
+        self._gone: dict[int, str] = {}   # rank -> why it is gone (its fatal failure, or its exit), in order
+        self._service: Service | None = None
+        self._poll, self._fds = None, {}
+        self._owns_group = False
         self._mps = _maybe_mps(use_mps)
         environ = rank_environment(device, self.ranks_per_gpu, self.timeout, self._mps.__enter__())
         try:
             ctx = mp.get_context("spawn")
-            self._tasks = [ctx.Queue() for _ in range(world_size)]
-            self._results = ctx.Queue()
             port = free_port()
+            pipes = [ctx.Pipe(duplex=True) for _ in self.ranks]
+            self._eps = [ch.Endpoint(mine, f"rank {r}") for r, (mine, _) in zip(self.ranks, pipes)]
             self._procs = [ctx.Process(target=_rank_main, name=f"hpdl-rank{r}", daemon=True,
                                        args=(r, world_size, port, device, ranks_per_node, self.timeout,
-                                             self.ranks_per_gpu, environ, threads, self._tasks[r], self._results))
-                           for r in range(world_size)]
+                                             self.ranks_per_gpu, environ, threads, theirs))
+                           for r, (_, theirs) in zip(self.ranks, pipes)]
             for p in self._procs:
                 p.start()
+            for _, theirs in pipes:   # the ranks hold these ends: a rank's exit then reads as end-of-file here
+                theirs.close()
             self.broken = False
-            self._collect(_READY, self.timeout if start_timeout is None else start_timeout, grace=0.0,
-                          what="start")
+            self._start_timeout = self.timeout if start_timeout is None else start_timeout
+            deadline = time.monotonic() + self._start_timeout
+            if driver:
+                self._join_as_driver(port, deadline)
+            self._collect(_START, max(0.0, deadline - time.monotonic()), 0.0, "start", self._start_timeout)
         except BaseException:
             self.close(abort=True)
             raise
@@ -371,9 +583,37 @@ class WorkerGroup:
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close(abort=exc_type is not None)
 
+    def _join_as_driver(self, port: int, deadline: float) -> None:
+        """Join the process group as rank 0 while watching the ranks: one that fails or dies before it joins is
+        reported at once (the join itself would wait ``timeout`` for it). The join runs on a helper thread (the
+        device is selected on this one); the failed join's thread is left to time out."""
+        dev, backend = _resolve_device(self.device, 0, self.ranks_per_gpu)
+        os.environ["HPDL_RANKS_PER_GPU"] = str(self.ranks_per_gpu)   # as init_from_env: hpdl.comm reads it
+        box: dict[str, BaseException] = {}
+
+        def join() -> None:
+            try:
+                _init_local_group(0, self.world_size, port, dev, backend, self.timeout)
+            except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+                box["error"] = exc
+
+        t = threading.Thread(target=join, name="hpdl-driver-join", daemon=True)
+        t.start()
+        while t.is_alive():
+            self._receive(0.1)
+            if self._gone:
+                self._raise_gone("during start-up")
+            if time.monotonic() > deadline:
+                self._timed_out("start", self.ranks, self._start_timeout)
+            t.join(0.0)
+        if "error" in box:
+            raise box["error"]
+        self._owns_group = True
+        self.context = _make_context(0, self.world_size, 0, dev, backend, self.ranks_per_node, self.ranks_per_gpu)
+
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, grace: float = 3.0
             ) -> list[Any]:
-        """``[fn(ctx, *args) on rank r for r in range(world_size)]``; ``fn`` must be a module-level function.
+        """``[fn(ctx, *args) on rank r for r in ranks]``; ``fn`` must be a module-level function.
 
         Args:
             timeout: seconds the whole call may take (default: no limit beyond the ranks' collective timeouts).
@@ -385,74 +625,203 @@ class WorkerGroup:
             CollectiveTimeoutError: ranks did not answer within ``timeout``; they are named; the group is torn
                 down (a rank stuck in a collective cannot be trusted again).
             RuntimeError: the group was torn down or closed before.
+            what pickling ``fn`` or ``args`` raises (nothing was sent; the group stays usable).
         """
-        if self.broken:
-            raise RuntimeError("this WorkerGroup was torn down after a failure or closed; start a new one")
+        self._check_healthy(look=False)   # a rank gone before is found while waiting for the results
         task_id = next(self._ids)
+        frame = ch.encode(ch.Task(task_id, fn, args))
+        self._replies[task_id] = {}
         try:
-            for q in self._tasks:
-                q.put((task_id, fn, args))
-            return self._collect(task_id, float("inf") if timeout is None else timeout, grace, "run")
+            with self._torn_down_unless_answered():
+                self._send_all(frame)
+                return self._collect(task_id, float("inf") if timeout is None else timeout, grace, "run")
+        finally:
+            self._replies.pop(task_id, None)
+
+    def start_service(self, factory: Callable[..., Any], *args: Any, name: str | None = None) -> Service:
+        """Start ``factory(ctx, *args)`` on every spawned rank and return its :class:`Service` at once (the ranks
+        build it meanwhile; :meth:`Service.wait_started` waits for them). One service at a time.
+
+        Raises:
+            RuntimeError: a service is running, or the group was torn down.
+            what pickling ``factory`` or ``args`` raises.
+        """
+        self._check_healthy()
+        if self._service is not None:
+            raise RuntimeError(f"the service {self._service.name} is running; stop() it first")
+        msg_id = next(self._ids)
+        frame = ch.encode(ch.StartService(msg_id, factory, args))
+        self._replies[msg_id] = {}
+        self._service = Service(self, msg_id, name or getattr(factory, "__name__", repr(factory)))
+        self._send_all(frame)
+        return self._service
+
+    # -- the parent's side of the channel ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _torn_down_unless_answered(self):
+        """Around a send and its wait: Ctrl-C, a timeout or any error other than the ranks' own answer
+        (WorkerFailedError, which tears down itself when a rank is gone) tears the group down: the ranks get no
+        more time, and no later call can trust where they stopped."""
+        try:
+            yield
         except BaseException as exc:
-            if not isinstance(exc, WorkerFailedError):   # Ctrl-C, a timeout: the ranks get no more time
+            if not isinstance(exc, WorkerFailedError):
                 self.close(abort=True)
             raise
 
-    def _collect(self, task_id: int, timeout: float, grace: float, what: str) -> list[Any]:
-        out: dict[int, Any] = {}
-        errors: dict[int, str] = {}
+    def _check_healthy(self, look: bool = True) -> None:
+        """Raise if the group is unusable: closed, or a rank failed fatally or died (with ``look``, also what the
+        pipes and sentinels say now, without waiting: a one-way message has no reply that would tell)."""
+        if self.broken:
+            raise RuntimeError("this WorkerGroup was torn down after a failure or closed; start a new one")
+        if look:
+            self._receive(0.0)
+        if self._gone:
+            self._raise_gone("since the last message")
+
+    def _send_all(self, frame: bytes) -> None:
+        for r, ep in zip(self.ranks, self._eps):
+            try:
+                ep.send_frame(frame)
+            except (BrokenPipeError, ConnectionError, OSError) as exc:
+                i = self.ranks.index(r)
+                self._drain(i)   # its last words, if it left any
+                p = self._procs[i]
+                p.join(1.0)
+                self._mark_gone(r, f"rank {r} died: exited with code {p.exitcode}" if p.exitcode is not None else
+                                f"rank {r} is gone (its pipe: {exc!r})")
+                self._raise_gone("before this message")
+
+    def _raise_gone(self, what: str) -> None:
+        gone = dict(self._gone)
+        self.close(abort=True)
+        rank, why = next(iter(gone.items()))
+        raise WorkerFailedError(f"rank {rank} failed (failed ranks: {sorted(gone)}) {what}; the worker group was "
+                                f"torn down:\n{why}")
+
+    def _timed_out(self, what: str, missing: list[int], timeout: float) -> None:
+        self.close(abort=True)
+        raise CollectiveTimeoutError(f"{what} timed out after {timeout:.0f}s (world_size={self.world_size}); ranks "
+                                     f"still running: {missing}; the worker group was torn down",
+                                     missing_ranks=missing)
+
+    def _mark_gone(self, r: int, why: str) -> None:
+        """Rank ``r`` is gone (a fatal failure or its exit): every awaited reply of it fails with ``why``."""
+        if r not in self._gone:
+            self._gone[r] = why
+            self._poll = None   # its pipe reads as end-of-file for ever: not watched again
+            for got in self._replies.values():
+                got.setdefault(r, (False, why))
+
+    def _poller(self):
+        """A ``select.poll`` over the pipes and process sentinels of the ranks not gone (kept between calls: one
+        system call per look, where ``multiprocessing.connection.wait`` builds a selector each time)."""
+        if self._poll is None:
+            self._poll, self._fds = select.poll(), {}
+            for i, r in enumerate(self.ranks if self._eps else ()):   # nothing to watch once closed
+                if r not in self._gone:
+                    for fd, exit_fd in ((self._eps[i].fileno(), False), (self._procs[i].sentinel, True)):
+                        self._poll.register(fd, select.POLLIN)
+                        self._fds[fd] = (i, exit_fd)
+        return self._poll
+
+    def _receive(self, timeout: float | None) -> None:
+        """Wait up to ``timeout`` seconds (None: no limit) for frames or rank exits, and file what came: replies
+        under their id (only ids still awaited), fatal failures and exits in ``_gone``."""
+        poller = self._poller()
+        if not self._fds:
+            if timeout:
+                time.sleep(timeout)
+            return
+        events = poller.poll(None if timeout is None else math.ceil(max(timeout, 0.0) * 1000))
+        ready = [self._fds[fd] for fd, _ in events if fd in self._fds]
+        exited = {i for i, exit_fd in ready if exit_fd}   # (its pipe may have no event: checked before reading)
+        for i in sorted({i for i, _ in ready}):
+            if self._drain(i, ready=i not in exited) or i in exited:   # end of file, or its sentinel: it exited
+                p, r = self._procs[i], self.ranks[i]
+                p.join(5.0)
+                self._mark_gone(r, f"rank {r} died: exited with code {p.exitcode} without a result")
+
+    def _drain(self, i: int, ready: bool = False) -> bool:
+        """Read every frame rank ``self.ranks[i]`` has written (a dying rank's last words come before its exit);
+        ``ready``: poll said its pipe is readable. True when its pipe reached end of file (it exited)."""
+        ep, r = self._eps[i], self.ranks[i]
+        fd = ep.fileno()
+        while ready or select.select([fd], [], [], 0)[0]:
+            ready = False
+            try:
+                msg = ep.recv()
+            except (EOFError, OSError):
+                return True
+            except ch.ProtocolError:
+                self.close(abort=True)
+                raise
+            kind = type(msg)
+            if kind is ch.Result:
+                if msg.id in self._replies:   # else a straggler of a call that failed earlier
+                    self._replies[msg.id][r] = (True, msg.value)
+            elif kind is ch.Failure:
+                if msg.id in self._replies:
+                    self._replies[msg.id][r] = (False, msg.error)
+                if msg.fatal:
+                    self._mark_gone(r, msg.error)
+            elif kind is ch.Ready:
+                self._replies[_START][r] = (True, msg.pid)
+            else:
+                self.close(abort=True)
+                raise ch.ProtocolError(f"rank {r} sent a {kind.__name__} message, which only the parent sends")
+        return False
+
+    def _collect(self, msg_id: int, timeout: float, grace: float, what: str, shown: float | None = None
+                 ) -> list[Any]:
+        """The replies to message ``msg_id`` by rank, waiting ``timeout`` seconds (``shown``: the timeout the
+        error names), and ``grace`` seconds for the others once one rank failed."""
+        got = self._replies.setdefault(msg_id, {})
         deadline = time.monotonic() + timeout
         first_error_at: float | None = None
-        while len(out) + len(errors) < self.world_size:
-            now = time.monotonic()
-            if first_error_at is not None and now > first_error_at + grace:
-                break
-            if now > deadline:
-                missing = [r for r in range(self.world_size) if r not in out and r not in errors]
-                self.close(abort=True)
-                raise CollectiveTimeoutError(
-                    f"{what} timed out after {timeout:.0f}s (world_size={self.world_size}); ranks still running: "
-                    f"{missing}; the worker group was torn down", missing_ranks=missing)
-            try:
-                tid, rank, status, payload = self._results.get(timeout=min(0.2, max(deadline - now, 0.001)))
-            except queue_mod.Empty:
-                for r, p in enumerate(self._procs):
-                    if not p.is_alive() and r not in out and r not in errors:
-                        # its queue feeder may still be flushing a result: a moment before calling it dead
-                        try:
-                            tid, rank, status, payload = self._results.get(timeout=1.0)
-                        except queue_mod.Empty:
-                            errors[r] = f"rank {r} died: exited with code {p.exitcode} without a result"
-                            first_error_at = first_error_at or time.monotonic()
-                            continue
-                        if tid == task_id:
-                            (out if status == "ok" else errors)[rank] = payload
-                            if status != "ok":
-                                first_error_at = first_error_at or time.monotonic()
-                        break
-                continue
-            if tid != task_id:
-                continue   # a straggler from an earlier, failed call
-            (out if status == "ok" else errors)[rank] = payload
-            if status != "ok":
-                first_error_at = first_error_at or time.monotonic()
+        try:
+            while True:
+                for r in self.ranks:   # gone before this call was sent, or while it ran
+                    if r in self._gone and r not in got:
+                        got[r] = (False, self._gone[r])
+                pending = [r for r in self.ranks if r not in got]
+                if first_error_at is None and any(not ok for ok, _ in got.values()):
+                    first_error_at = time.monotonic()
+                if not pending:
+                    break
+                now = time.monotonic()
+                if first_error_at is not None and now >= first_error_at + grace:
+                    break
+                if now >= deadline:
+                    self._timed_out(what, pending, timeout if shown is None else shown)
+                until = min(deadline, float("inf") if first_error_at is None else first_error_at + grace)
+                self._receive(None if until == float("inf") else until - now)
+        finally:
+            self._replies.pop(msg_id, None)
+        errors = {r: v for r, (ok, v) in got.items() if not ok}
         if errors:
-            if len(out) + len(errors) < self.world_size or any(not p.is_alive() for p in self._procs):
+            if len(got) < len(self.ranks) or self._gone or any(not p.is_alive() for p in self._procs):
                 self.close(abort=True)   # a rank died or is left inside a collective: no later call can trust it
             first = next(iter(errors))  # the first failure reported is the cause; the others usually follow
             raise WorkerFailedError(f"rank {first} failed (failed ranks: {sorted(errors)}):\n{errors[first]}")
-        return [out[r] for r in range(self.world_size)]
+        return [got[r][1] for r in self.ranks]
 
-    def close(self, abort: bool = False) -> None:
-        """Stop every rank (their process groups destroyed) and the MPS daemon; idempotent. Ranks get 5 s to
-        finish (0.5 s with ``abort``), one deadline for all, then they are killed."""
+    def close(self, abort: bool = False, timeout: float | None = None) -> None:
+        """Stop every rank (its service closed, its process group destroyed), with ``driver`` this process's
+        process group, and the MPS daemon; idempotent. Ranks get ``timeout`` seconds to finish (default 5 s;
+        0.5 s with ``abort``), one deadline for all, then they are killed."""
         self.broken = True
-        for q in self._tasks:
+        stop = ch.encode(ch.Stop())
+        for ep in self._eps:
             try:
-                q.put(None)
+                os.set_blocking(ep.fileno(), False)   # a rank that stopped reading must not block the teardown
+                ep.send_frame(stop)
             except (OSError, ValueError):
                 pass
-        end = time.monotonic() + (0.5 if abort else 5.0)
+        if self._owns_group:   # with the ranks: NCCL's teardown waits for every rank
+            self._owns_group = False
+            _destroy_bounded(2.0 if abort else 10.0)
+        end = time.monotonic() + (0.5 if abort else 5.0 if timeout is None else timeout)
         for p in self._procs:
             if p.pid is not None:   # never started (start-up was interrupted): join() would raise
                 p.join(timeout=max(0.0, end - time.monotonic()))
@@ -460,6 +829,9 @@ class WorkerGroup:
             if p.pid is not None and p.is_alive():
                 p.kill()
                 p.join()
+        for ep in self._eps:
+            ep.close()
+        self._eps, self._poll, self._fds = [], None, {}
         mps, self._mps = self._mps, None
         if mps is not None:
             mps.__exit__(None, None, None)
