@@ -1,6 +1,8 @@
 """Every ready-made plan, for many world sizes and shapes, run by one in-process executor serving all ranks
 (hpdl.offload.simulate: the agent's copy path, no processes) against brute-force results, exactly."""
 
+import os
+
 import pytest
 import torch
 
@@ -99,3 +101,17 @@ def test_started_many_times():
     ho.simulate(ps, bufs, starts=20)  # each start sums the previous results: 3**20
     for b in bufs:
         assert torch.equal(b["data"], torch.full((count,), 3.0 ** 20, dtype=torch.float64))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files through /proc")
+def test_simulate_closes_its_doorbells():
+    """Each simulate() made an executor whose two doorbell pipes (4 fds) stayed open: a long-lived process
+    (a pytest worker ran out of fds below 1024 for select()) leaked 4 fds a call."""
+    P, xs = 4, [torch.arange(8.0) for _ in range(4)]
+    run = lambda: ho.simulate([plans.allreduce(r, P, 8, torch.float32) for r in range(P)],
+                              [{"data": x.clone()} for x in xs])
+    run()
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(10):
+        run()
+    assert len(os.listdir("/proc/self/fd")) - before < 20   # a leak: 40

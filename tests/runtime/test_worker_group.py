@@ -54,3 +54,25 @@ def test_a_result_that_cannot_be_pickled_fails_the_call_at_once():
         with pytest.raises(WorkerFailedError, match="cannot be sent to the parent"):
             g.run(R.unpicklable_result, timeout=120)
         assert g.run(R.pid_and_sum, 1)   # the ranks live on
+
+
+def test_a_group_works_in_a_process_with_more_than_1024_open_files():
+    """A long-lived process (a pytest worker, a server) holds many fds: the group's pipes then get numbers
+    >= 1024, which select.select() refuses (every WorkerGroup call failed so in the full test suite)."""
+    import os
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1400:
+        pytest.skip(f"RLIMIT_NOFILE hard limit {hard} < 1400")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1400), hard))
+    fds = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        with WorkerGroup(2, timeout=60) as group:
+            assert [s for _, s, _ in group.run(R.pid_and_sum, 2)] == [4.0, 4.0]
+            with pytest.raises(WorkerFailedError, match=r"rank 1 failed"):
+                group.run(R.raise_on_rank, 1, grace=2)
+    finally:
+        for fd in fds:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -797,7 +797,7 @@ def simulate(plans: Sequence[Plan | PlanData], buffers: Sequence[dict[str, torch
                 if failed:
                     raise OffloadError(failed[0])
     finally:
-        ex.stop()
+        ex.close()
         if stats is not None:
             stats.update(ex.stats)
     return tensors

@@ -27,6 +27,7 @@ work through :meth:`Executor.call` and the completion queue.
 from __future__ import annotations
 
 import logging
+import math
 import select
 import threading
 import time
@@ -286,8 +287,10 @@ class Executor:
     def __init__(self, *, bell: shm.Bell | None = None, spin_us: float = 50.0, idle_s: float = 0.01,
                  io_threads: int = 512, copy_threads: int = 1, copy_min_bytes: int = 65536,
                  name: str = "hpdl-offload"):
+        self._own_bell = bell is None   # made here, so closed here (close())
         self.bell = bell or shm.Bell()
         self._io_bell = shm.Bell()
+        self._bell_poll = None   # select.poll over both doorbells, made on first sleep()
         self.spin_s, self.idle_s, self.name = spin_us * 1e-6, idle_s, name
         self._io = _CountedPool(ThreadPoolExecutor(io_threads, thread_name_prefix=f"{name}-io"), self)
         self._copy = ThreadPoolExecutor(copy_threads, thread_name_prefix=f"{name}-copy") if copy_threads > 1 \
@@ -359,6 +362,18 @@ class Executor:
         if self._copy is not None:
             self._copy.shutdown(wait=False, cancel_futures=True)
 
+    def close(self) -> None:
+        """:meth:`stop`, then close the doorbells this executor made (two pipes: without this every executor
+        left four fds open). For an executor nobody rings any more; a dispatcher thread that did not end keeps
+        them."""
+        self.stop()
+        if self._runner is not None and self._runner.is_alive():
+            return
+        self._bell_poll = None
+        self._io_bell.close()
+        if self._own_bell:
+            self.bell.close()
+
     @property
     def running(self) -> bool:
         return self._runner is not None and self._runner.is_alive()
@@ -392,7 +407,11 @@ class Executor:
         """Block (GIL released) until a doorbell rings (a start, a command, a finished copy or transfer task)
         or ``timeout`` seconds pass; for whoever drives :meth:`progress` by hand, between idle passes."""
         try:
-            select.select([self.bell.fileno(), self._io_bell.fileno()], [], [], timeout)
+            if self._bell_poll is None:   # poll, not select: select() refuses fds >= 1024 (a busy process has them)
+                self._bell_poll = select.poll()
+                for fd in (self.bell.fileno(), self._io_bell.fileno()):
+                    self._bell_poll.register(fd, select.POLLIN)
+            self._bell_poll.poll(max(0, math.ceil(timeout * 1000)))
         except (OSError, ValueError):
             time.sleep(timeout)
         self.stats["wakeups"] += 1

@@ -171,6 +171,11 @@ class Endpoint:
         """The next message. Raises EOFError (the other side is gone) and :class:`ProtocolError`."""
         return decode(self.conn.recv_bytes(), self.peer)
 
+    def poll(self, timeout: float = 0.0) -> bool:
+        """True when a message (or end of file) is waiting; ``timeout`` seconds at most. Unlike ``select()``,
+        works for fds >= 1024 (a long-lived process has them)."""
+        return self.conn.poll(timeout)
+
     def fileno(self) -> int:
         return self.conn.fileno()
 

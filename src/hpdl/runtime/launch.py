@@ -746,8 +746,7 @@ class WorkerGroup:
         """Read every frame rank ``self.ranks[i]`` has written (a dying rank's last words come before its exit);
         ``ready``: poll said its pipe is readable. True when its pipe reached end of file (it exited)."""
         ep, r = self._eps[i], self.ranks[i]
-        fd = ep.fileno()
-        while ready or select.select([fd], [], [], 0)[0]:
+        while ready or ep.poll(0):   # (not select(): it fails on fds >= 1024)
             ready = False
             try:
                 msg = ep.recv()
