@@ -21,7 +21,7 @@ def test_sigint_stops_fused_groups_and_resume_continues_each_trial_from_its_chec
          "space": {"lr": {"type": "float", "low": 0.02, "high": 0.2, "log": True}},
          "fixed": {**FIXED, "steps": 100, "eval_every": 10, "sleep_s": 0.04}, "pool": {"fake": 2, "memory_gb": 2},
          "lookahead": 4, "policy": {"name": "pack", "max_trials_per_device": 1},
-         "fuse": {"max_trials": 2, "wait_s": 5.0}}
+         "fuse": {"max_trials": 2, "wait_s": 60.0}}
     spec = StudySpec.from_dict(d)
     make_storage(spec.storage)  # the schema before two processes race to create it
     proc = start_driver(f"StudySpec.from_dict({d!r})")

@@ -14,6 +14,7 @@ The driver owns trial states; a launcher only starts, feeds and stops processes.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 import multiprocessing as mp
 import os
 import time
@@ -96,7 +97,7 @@ def send(w: WorkerHandle, msg: Message) -> bool:
         return False
 
 
-class Launcher:
+class Launcher(ABC):
     """Common worker bookkeeping. Subclasses implement ``start`` and may override the pool hooks."""
 
     def __init__(self):
@@ -136,9 +137,9 @@ class Launcher:
         :meth:`LocalLauncher.idle_ready`); None by default (a Ray task is not reused this way)."""
         return None
 
+    @abstractmethod
     def start(self, device, task: Task, sm_percent: int, fraction: float) -> WorkerHandle:
         """Run ``task`` on ``device``; ``sm_percent`` is the MPS cap, ``fraction`` the policy's GPU share."""
-        raise NotImplementedError
 
     def stop_idle(self, devices_by_id: dict) -> None:
         """Stop workers beyond their device's warm pool that have been idle for 10 s."""

@@ -6,20 +6,22 @@ trapezoidal on/off ramp (``ramp_up_s``, ``ramp_down_s``) over the protocol's dur
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import numpy as np
 
 
 @dataclass(frozen=True)
-class Waveform:
+class Waveform(ABC):
     """Base: on/off ramps (s) shared by every shape. Subclasses implement :meth:`shape`."""
 
     ramp_up_s: float = 0.0
     ramp_down_s: float = 0.0
 
-    def shape(self, t_s: np.ndarray) -> np.ndarray:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abstractmethod
+    def shape(self, t_s: np.ndarray) -> np.ndarray:
+        """Target current in A at chip times ``t_s`` (K,), before the ramps; (K,) float64."""
 
     def __call__(self, t_s: np.ndarray, duration_s: float) -> np.ndarray:
         """Target current in A at chip times ``t_s`` (K,) for a protocol of ``duration_s``; (K,) float64."""
@@ -42,9 +44,9 @@ class Waveform:
         return None
 
     @property
+    @abstractmethod
     def peak_a(self) -> float:
         """Largest |target| the shape can reach, A."""
-        raise NotImplementedError  # pragma: no cover
 
 
 @dataclass(frozen=True)
