@@ -66,8 +66,9 @@ def test_killed_peer_is_named(tmp_path, algorithm):
         assert missing == [victim] and f"[{victim}]" in msg, (rank, msg)
         # ranks that exchange with the victim see it die at once; a rank blocked on a live peer that already gave
         # up can only notice at its own timeout (a gloo receive cannot be polled or interrupted)
-        assert elapsed < timeout + 3.0, (rank, elapsed)
-    assert min(e for *_, e in got.values()) < timeout / 2
+        # (margins wide enough for a loaded 2-core machine: 3 s over the timeout failed there once)
+        assert elapsed < 1.5 * timeout, (rank, elapsed)
+    assert min(e for *_, e in got.values()) < timeout   # seen by its death, before any timeout could fire
 
 
 @pytest.mark.timeout(240)
