@@ -113,6 +113,13 @@ class _Progress:
         else:
             print(f"{self.label} step {i}/{self.steps} {info}", flush=True)
 
+    def note(self, text: str):
+        """A one-off line (e.g. the validation pass after an epoch, minutes on a CPU)."""
+        if self.bar is not None:
+            self.bar.update(self.task, info=text)
+        else:
+            print(f"{self.label} {text}", flush=True)
+
     def close(self):
         if self.bar is not None:
             self.bar.stop()
@@ -279,6 +286,8 @@ def fit(model: nn.Module, train_set, val_set=None, cfg: TrainConfig | None = Non
                       "train_top1": None if mix is not None else 100 * correct / count,
                       "train_images_per_s": count / seconds, "lr": sched.get_last_lr()[0], "seconds": seconds}
             if val_set is not None:
+                if rank == 0:
+                    progress.note(f"validating on {len(val_set)} images")
                 final = evaluate_model(model, val_set, batch_size=cfg.batch_size, device=device, amp=cfg.amp,
                                        amp_dtype=cfg.amp_dtype, workers=cfg.workers)
                 record.update({f"val_{k}": v for k, v in final.items() if k in ("loss", "top1", "top5")})
