@@ -55,7 +55,23 @@ def test_batches_schedule_and_corpus():
     assert lr_at(cfg.steps - 1, cfg) == pytest.approx(cfg.min_lr)
     files = corpus_files()
     assert files and not any("site-packages" in f for f in files)
-    with pytest.raises(ValueError, match="comm must be one of"):
+    with pytest.raises(ValueError, match=r"comm \(--comm\) must be one of"):
         TrainConfig(comm="gloo")
-    with pytest.raises(ValueError, match="grad_accum must be >= 1"):
+    with pytest.raises(ValueError, match=r"grad_accum \(--grad-accum\) must be an integer in \[1, "):
         TrainConfig(grad_accum=0)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"n_embd": 130, "n_head": 4}, r"n_embd \(--n-embd\) must be a multiple of n_head"),
+    ({"learning_rate": -1}, r"learning_rate \(--learning-rate\) must be a finite number > 0"),
+    ({"grad_clip": -3}, r"grad_clip \(--grad-clip\) must be a finite number >= 0"),
+    ({"steps": "5"}, r"steps \(--steps\) must be an integer, got the str '5'"),
+    ({"device": "tpu"}, r"device \(--device\) must be one of 'cpu', 'cuda', got 'tpu'")])
+def test_config_from_python_is_checked_as_its_flags(kwargs, message):
+    from hpdl.apps.cli import CGArgs
+    from hpdl.runtime.errors import CLIUsageError
+
+    with pytest.raises(CLIUsageError, match=message):
+        TrainConfig(**kwargs)
+    with pytest.raises(CLIUsageError, match=r"size \(--size\) must be an integer in \[2, 4096\], got 1"):
+        CGArgs(size=1)

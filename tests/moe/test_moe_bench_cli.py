@@ -239,3 +239,18 @@ def test_study_entry_points_take_options_without_a_command_line(tmp_path):
                       ("train", TrainOptions)):
         dests = {a.dest for a in sub.choices[name]._actions} - {"help"}
         assert dests == {f.name for f in dataclasses.fields(cls) if "help" in f.metadata}, name
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"batch": 0}, "batch"), ({"lr": -1.0}, "lr"), ({"seq": 1}, "seq"), ({"steps": -3}, "steps"),
+    ({"checkpoints": 0}, "checkpoints"), ({"hidden": "96"}, "hidden"), ({"top_k": 1.5}, "top_k")])
+def test_train_options_from_python_are_checked_as_their_flags(kwargs, field):
+    from hpdl.moe.study import PlaceOptions
+    from hpdl.moe.train import TrainOptions
+
+    with pytest.raises(CLIUsageError, match=rf"^{field} \(--{field.replace('_', '-')}\) must be "):
+        TrainOptions(**kwargs)
+    with pytest.raises(CLIUsageError, match=r"^world_size \(--world-size\) must be an integer in \[1, 4096\]"):
+        PlaceOptions(trace="t.npz", world_size=0)
+    with pytest.raises(CLIUsageError, match=r"^method \(--method\) must be one of"):
+        PlaceOptions(trace="t.npz", world_size=2, method="magic")

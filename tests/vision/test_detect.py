@@ -273,8 +273,11 @@ def test_unusable_out_device_and_checkpoint_files_are_named_before_any_work(tmp_
     assert "--out" in capsys.readouterr().err
     assert main([*base, "--device", "cpu", "--out", str(blocker / "sub")]) == 1
     assert "is not a writable folder" in capsys.readouterr().err
-    assert main([*base, "--device", "tpu", "--out", str(tmp_path / "o")]) == 1
-    assert "device='tpu' is not a device" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:   # a usage error of argparse now (the --device checker)
+        main([*base, "--device", "tpu", "--out", str(tmp_path / "o")])
+    assert exc.value.code == 2 and "--device: must be auto, cpu, cuda or cuda:N, got 'tpu'" in capsys.readouterr().err
+    with pytest.raises(HpdlError, match="device='tpu' is not a device"):   # the library's own check stays
+        detect.resolve_device("tpu")
     text = tmp_path / "notes.pt"
     text.write_text("not a checkpoint")
     with pytest.raises(HpdlError, match="notes.pt' cannot be read"):

@@ -66,3 +66,28 @@ def test_evaluate_names_the_model_a_checkpoint_of_the_other_task_holds(tmp_path,
     assert main(["vision", "evaluate", "--model", "sprnet", "--checkpoint", str(cls), "--device", "cpu"]) == 1
     err = capsys.readouterr().err
     assert "'soft_tiny'" in err and "--model soft_tiny" in err
+
+
+@pytest.mark.parametrize("kwargs, field", [({"device": "tpu"}, "device"), ({"workers": -1}, "workers"),
+                                           ({"epochs": 0}, "epochs"), ({"lr": -5}, "lr"),
+                                           ({"batch_size": "8"}, "batch_size"), ({"augment": "heavy"}, "augment")])
+def test_options_from_python_are_checked_as_their_flags(kwargs, field):
+    """These reached the training loop when given from Python (only argparse checked them)."""
+    from hpdl.runtime.errors import CLIUsageError
+    from hpdl.vision import classify, detect
+
+    flag = "--" + field.replace("_", "-")
+    with pytest.raises(CLIUsageError, match=rf"^{field} \({flag}\) must be "):
+        classify.TrainOptions(model="soft_tiny", **kwargs)
+    if field != "augment":
+        with pytest.raises(CLIUsageError, match=rf"^{field} \({flag}\) must be "):
+            detect.TrainOptions(model="sprnet", **kwargs)
+    assert classify.TrainOptions(model="soft_tiny", device="cuda:1", lr=1).lr == 1.0
+
+
+def test_bad_device_flag_is_a_usage_error(capsys):
+    from hpdl.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["vision", "train", "--model", "soft_tiny", "--device", "tpu"])
+    assert exc.value.code == 2 and "--device" in capsys.readouterr().err

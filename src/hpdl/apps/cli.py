@@ -19,7 +19,7 @@ import torch
 from hpdl.apps.comm import COMMS, comm_label
 from hpdl.apps.train import TrainConfig
 from hpdl.runtime.limits import count
-from hpdl.runtime.options import add_arguments, from_namespace, option
+from hpdl.runtime.options import Options, add_arguments, from_namespace, option
 
 
 _COMM = ("hpdl: hpdl.comm's collectives (--algorithm); nccl: torch.distributed on the process group's own "
@@ -33,7 +33,7 @@ _WINDOW = "direct algorithm's throttle window in messages (0: from the tuning ta
 
 
 @dataclass(kw_only=True)
-class CGArgs:
+class CGArgs(Options):
     """``examples/cg.py``: distributed CG on the 3-D Poisson problem."""
 
     comm: str = option("hpdl", choices=COMMS, help=_COMM)
@@ -49,7 +49,7 @@ class CGArgs:
 
 
 @dataclass(kw_only=True)
-class FFTArgs:
+class FFTArgs(Options):
     """``examples/fft3d.py``: the pencil-decomposed 3-D FFT."""
 
     comm: str = option("hpdl", choices=COMMS, help=_COMM)

@@ -29,8 +29,9 @@ import torch.distributed as dist
 
 from hpdl.apps.comm import comm_label, synchronize
 from hpdl.models.nanogpt import GPT, GPTConfig
+from hpdl.runtime.errors import CLIUsageError
 from hpdl.runtime.limits import count, real
-from hpdl.runtime.options import option
+from hpdl.runtime.options import Options, option
 
 TRAIN_COMMS = ("hpdl", "hpdl-ddp", "nccl")
 
@@ -40,7 +41,7 @@ _COMM_HELP = ("hpdl: hpdl.comm's collectives (--algorithm); nccl: torch.distribu
 
 
 @dataclass(kw_only=True)
-class TrainConfig:
+class TrainConfig(Options):
     """Every knob of a run (``examples/train_gpt.py`` generates its ``--flags`` from these fields)."""
 
     comm: str = option("hpdl", choices=TRAIN_COMMS, help=_COMM_HELP + "; hpdl-ddp: DistributedDataParallel with "
@@ -83,6 +84,9 @@ class TrainConfig:
         for name in ("steps", "batch_size", "grad_accum", "block_size", "log_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.n_embd % self.n_head:   # the heads split the embedding evenly
+            raise CLIUsageError(f"n_embd (--n-embd) must be a multiple of n_head (--n-head)={self.n_head}, got "
+                                f"{self.n_embd}")
 
 
 _CORPUS: dict[str, torch.Tensor] = {}

@@ -24,11 +24,11 @@ from hpdl.moe.errors import MoEError
 from hpdl.moe.trace import Trace, collect_trace
 from hpdl.moe.train import stdlib_corpus
 from hpdl.runtime.limits import count, real
-from hpdl.runtime.options import option
+from hpdl.runtime.options import Options, option
 
 
 @dataclass(kw_only=True)
-class TraceOptions:
+class TraceOptions(Options):
     """:func:`trace`: record every token's experts per MoE layer."""
 
     model: str = option(help="hpdl checkpoint dir (hpdl moe train --out) or a local HF Mixtral/Qwen2-MoE/OLMoE dir "
@@ -41,7 +41,7 @@ class TraceOptions:
 
 
 @dataclass(kw_only=True)
-class AffinityOptions:
+class AffinityOptions(Options):
     """:func:`affinity`: affinity statistics of a trace against its shuffled-token baseline."""
 
     trace: str = option(help=".npz from `hpdl moe trace`", positional=True)
@@ -53,7 +53,7 @@ PLACE_METHODS = ("auto", "ilp", "bisect", "two_stage", "greedy", "contiguous", "
 
 
 @dataclass(kw_only=True)
-class PlaceOptions:
+class PlaceOptions(Options):
     """:func:`place`: ILP expert placement fitted on the head of a trace, evaluated on the rest."""
 
     trace: str = option(help=".npz from `hpdl moe trace`", positional=True)

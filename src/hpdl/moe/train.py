@@ -30,11 +30,11 @@ from hpdl.moe.errors import MoEError
 from hpdl.moe.trace import collect_trace
 from hpdl.runtime.errors import CLIUsageError
 from hpdl.runtime.limits import check_fits, count, real
-from hpdl.runtime.options import option
+from hpdl.runtime.options import Options, option
 
 
 @dataclass(kw_only=True)
-class TrainOptions:
+class TrainOptions(Options):
     """A run of :func:`train` (``hpdl moe train`` generates its flags from the fields with help).
 
     The model is a byte-level :class:`~hpdl.models.gpt_moe.MoEDecoder` with every layer MoE, 4 query and 4 KV

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import numbers
 
 # An iteration/step count above this is a typo, not a run: 2**31 steps of the fastest loop we have (~10 us)
 # would take 6 hours. Counts are refused above it so that no flag can start a run that never ends.
@@ -21,28 +22,43 @@ class InsufficientMemoryError(MemoryError):
 
 
 def count(minimum: int = 1, maximum: int = MAX_COUNT, name: str = "int"):
-    """argparse type: an integer in ``[minimum, maximum]``; anything else is a usage error quoting the value."""
-    def parse(text: str) -> int:
-        try:
+    """A checker of an integer in ``[minimum, maximum]``: an argparse ``type`` (it parses the flag's string) and
+    the check of an already-typed value (:func:`hpdl.runtime.options.check_options` passes the int a Python caller
+    gave; a bool or a float is refused, not truncated). Anything else raises ``argparse.ArgumentTypeError``
+    quoting the value (argparse makes it a usage error naming the flag)."""
+    def parse(text) -> int:
+        if isinstance(text, str):
+            try:
+                value = int(text)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        elif isinstance(text, numbers.Integral) and not isinstance(text, bool):
             value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        else:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r} ({type(text).__name__})")
         if not minimum <= value <= maximum:
             raise argparse.ArgumentTypeError(f"must be an integer in [{minimum}, {maximum}], got {value}")
         return value
 
     parse.__name__ = name
+    parse.value_type = int   # what a Python caller must pass (check_options refuses a str for it)
     return parse
 
 
 def real(minimum: float = 0.0, maximum: float = math.inf, strict: bool = False, name: str = "float"):
-    """argparse type: a finite float in ``[minimum, maximum]`` (``> minimum`` when ``strict``); NaN and inf are
-    refused."""
-    def parse(text: str) -> float:
-        try:
+    """A checker of a finite float in ``[minimum, maximum]`` (``> minimum`` when ``strict``; NaN and inf are
+    refused): an argparse ``type`` (it parses the flag's string) and the check of an already-typed int or float
+    (a bool is refused); returns a float, else raises ``argparse.ArgumentTypeError`` quoting the value."""
+    def parse(text) -> float:
+        if isinstance(text, str):
+            try:
+                value = float(text)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        elif isinstance(text, numbers.Real) and not isinstance(text, bool):
             value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        else:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r} ({type(text).__name__})")
         if not math.isfinite(value) or value < minimum or value > maximum or (strict and value == minimum):
             lo = f"> {minimum:g}" if strict else f">= {minimum:g}"
             hi = f" and <= {maximum:g}" if math.isfinite(maximum) else ""
@@ -50,6 +66,7 @@ def real(minimum: float = 0.0, maximum: float = math.inf, strict: bool = False, 
         return value
 
     parse.__name__ = name
+    parse.value_type = float   # what a Python caller must pass (an int is taken too; a str is refused)
     return parse
 
 

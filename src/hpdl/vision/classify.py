@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from hpdl.models.soft import MODEL_CONFIGS, SoftConfig, SoftViT, create
 from hpdl.runtime.errors import CLIUsageError
 from hpdl.runtime.limits import count, real
-from hpdl.runtime.options import option
+from hpdl.runtime.options import Options, option
 from hpdl.vision.options import EvaluateRun, TrainRun
 
 MODELS = tuple(MODEL_CONFIGS)
@@ -488,7 +488,7 @@ def evaluate(options: EvaluateOptions) -> int:
 
 
 @dataclass(kw_only=True)
-class MakeClassesOptions:
+class MakeClassesOptions(Options):
     """``hpdl vision make-classes``: the offline classification set (:func:`hpdl.vision.datasets.write_shapes`)."""
 
     out: str | None = option(None, help="folder to write (default: $HPDL_DATA_DIR/shapes-v1, i.e. the offline "

@@ -26,7 +26,7 @@ import torch
 
 from hpdl.runtime.errors import HpdlError
 from hpdl.runtime.limits import count
-from hpdl.runtime.options import option
+from hpdl.runtime.options import Options, option
 from hpdl.vision.options import EvaluateRun, TrainRun
 from hpdl.vision.shapes import ShapesConfig
 
@@ -507,7 +507,7 @@ def format_metrics(rows: dict[str, dict]) -> str:
 # ---------------------------------------------------------------- CLI (contract: hpdl.vision.cli)
 
 @dataclass(kw_only=True)
-class _DetectionOptions:
+class _DetectionOptions(Options):
     val_split: str | None = option(None, help="COCO split to evaluate on (default: val, or the checkpoint's when "
                                               "evaluating)")
     pictures: int = option(8, type=count(0, 10_000),
@@ -656,7 +656,7 @@ _SHAPES = ShapesConfig()
 
 
 @dataclass(kw_only=True)
-class MakeShapesOptions:
+class MakeShapesOptions(Options):
     """``hpdl vision make-shapes``: the synthetic COCO-format shapes set (:func:`hpdl.vision.shapes.make_shapes`)."""
 
     root: str = option(help="output folder (COCO layout: train/, val/, annotations/)")

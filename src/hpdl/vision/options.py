@@ -4,19 +4,29 @@ flags from them; a task module extends them with its own fields: ``classify.Trai
 
 from __future__ import annotations
 
+import argparse
+import re
 from dataclasses import dataclass
 
 from hpdl.runtime.limits import count, real
-from hpdl.runtime.options import option
+from hpdl.runtime.options import Options, option
+
+
+def device_name(text: str) -> str:
+    """Checker of ``--device``: ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (an argparse type and the check of a
+    Python caller's value); raises ``argparse.ArgumentTypeError`` otherwise."""
+    if not isinstance(text, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"must be auto, cpu, cuda or cuda:N, got {text!r}")
+    return text
 
 
 @dataclass(kw_only=True)
-class RunOptions:
+class RunOptions(Options):
     """What ``train`` and ``evaluate`` of every task take."""
 
     model: str = option(help="model name, e.g. soft_tiny or sprnet")
     data: str | None = option(None, help="dataset folder (default: the task's offline set, made if absent)")
-    device: str = option("auto", help="cpu, cuda or auto (cuda when available) (default: auto)")
+    device: str = option("auto", type=device_name, help="cpu, cuda or auto (cuda when available) (default: auto)")
     batch_size: int | None = option(None, type=count(1, 1 << 16), help="images per step (default: the task's)")
     workers: int = option(2, type=count(0, 256), help="data-loader worker processes (default: 2)")
     image_size: int | None = option(None, type=count(1, 8192), help="input side in pixels (default: the task's)")
