@@ -65,3 +65,16 @@ def test_config_validation_and_random_init_is_tp_invariant():
     assert a.num_params() == sum(p.numel() for p in a.parameters())
     with pytest.raises(ValueError, match="max_seq_len"):
         KVCache(cfg, 2, 32, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"n_kv_heads": 0}, "n_kv_heads must be an integer >= 1, got 0"), ({"n_heads": 0}, "n_heads must be"),
+    ({"hidden_size": -8}, "hidden_size must be"), ({"intermediate_size": 0}, "intermediate_size must be"),
+    ({"vocab_size": 0}, "vocab_size must be"), ({"max_position": 0}, "max_position must be"),
+    ({"n_layers": 2.0}, "n_layers must be an integer >= 1, got 2.0"), ({"head_dim_": 0}, "head_dim_ must be"),
+    ({"eos_token_id": -1}, "eos_token_id must be an integer >= 0"),
+    ({"norm_eps": 0.0}, "norm_eps must be a finite number > 0"),
+    ({"rope_theta": float("inf")}, "rope_theta must be a finite number > 0")])
+def test_decoder_config_fields_are_checked(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        DecoderConfig(**kwargs)

@@ -110,6 +110,26 @@ def test_config_errors_name_the_field():
         MoEConfig(hidden_size=12, n_heads=4, n_kv_heads=4)
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    ({"n_kv_heads": 0}, r"n_kv_heads must be an integer >= 1, got 0"),        # was a ZeroDivisionError
+    ({"n_heads": 0}, r"n_heads must be an integer >= 1, got 0"),              # likewise
+    ({"expert_size": -4}, r"expert_size must be an integer >= 1, got -4"),    # these three: raw torch errors
+    ({"hidden_size": -64}, r"hidden_size must be an integer >= 1, got -64"),
+    ({"shared_expert_size": -3}, r"shared_expert_size must be an integer >= 0, got -3"),
+    ({"expert_size": 0}, r"expert_size must be an integer >= 1, got 0"),      # these: accepted before
+    ({"vocab_size": 0}, r"vocab_size must be an integer >= 1, got 0"),
+    ({"max_position": 0}, r"max_position must be an integer >= 1, got 0"),
+    ({"norm_eps": -1}, r"norm_eps must be a finite number > 0, got -1"),
+    ({"top_k": 1.5}, r"top_k must be an integer >= 1, got 1.5"),
+    ({"n_experts": True}, r"n_experts must be an integer >= 1, got True"),
+    ({"dense_layers": [99]}, r"dense_layers must hold layer indices in \[0, n_layers=4\), got \[99\]"),
+    ({"dense_layers": [-1]}, r"dense_layers must hold layer indices"),
+])
+def test_config_fields_are_checked(kwargs, message):
+    with pytest.raises(MoEConfigError, match=message):
+        MoEConfig(**kwargs)
+
+
 def test_malformed_checkpoint_dirs_name_the_file_or_key(tmp_path):
     import json
 
@@ -189,3 +209,35 @@ def test_old_layout_checkpoint_loads_with_its_logits(tmp_path):
         torch.testing.assert_close(load_model(tmp_path)(ex["ids"]), logits, rtol=0, atol=0)
     with pytest.raises(MoEConfigError, match="layers.1.q_proj.weight"):
         upgrade_state_dict(m.cfg, {k: v for k, v in blob["state_dict"].items() if k != "layers.1.q_proj.weight"})
+
+
+def test_old_layout_checkpoint_runs_past_its_max_position(tmp_path):
+    """The first layout computed RoPE at any position, so its max_position=32 was never a limit: a 40-token
+    forward ran before the upgrade and must still run (it raised "ids has 33 positions" after it), with the
+    logits of the same weights under a config whose tables reach 64, and the config identity unchanged. A
+    re-saved copy keeps that; a model of the current layout still refuses positions past its max_position."""
+    import dataclasses
+    from pathlib import Path
+
+    from hpdl.models.gpt_moe import load_model, save_checkpoint
+
+    m = load_model(Path(__file__).parent / "data" / "moe_v1")
+    assert m.cfg.max_position == 32 and m.rope_grows and m.position_limit is None
+    ids = torch.randint(0, m.cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    wide = MoEDecoder(dataclasses.replace(m.cfg, max_position=64)).eval()
+    wide.load_state_dict(m.state_dict())
+    with torch.no_grad():
+        got = m(ids)
+        torch.testing.assert_close(got, wide(ids), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(m(ids[:, :32]), got[:, :32], rtol=1e-5, atol=1e-5)   # causal: a prefix
+    assert m.cfg.identity() == "6c7ba8f770b38169" and m.cfg.max_position == 32
+    save_checkpoint(m, tmp_path / "again")
+    again = load_model(tmp_path / "again")
+    assert again.rope_grows
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids), got, rtol=0, atol=0)
+    save_checkpoint(wide, tmp_path / "new")
+    new = load_model(tmp_path / "new")
+    assert not new.rope_grows and new.position_limit == 64
+    with pytest.raises(MoEConfigError, match="ids has 65 positions, more than max_position=64"):
+        new(torch.zeros(1, 65, dtype=torch.long))

@@ -33,6 +33,13 @@ import torch.nn.functional as F
 from hpdl.models.layers import RMSNorm, apply_rope
 
 
+def check_int(cfg, name: str, minimum: int) -> None:
+    """Raise ValueError unless ``cfg.<name>`` is an int (not a bool) ``>= minimum``, naming the field."""
+    value = getattr(cfg, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
 @dataclass
 class DecoderConfig:
     """Architecture of a decoder-only model; ``arch`` is ``"gpt2"`` or ``"llama"``.
@@ -61,8 +68,22 @@ class DecoderConfig:
     qk_norm: bool = False
 
     def __post_init__(self):
+        """Raises:
+            ValueError: a field of the wrong type or range (named, with the expected value), or sizes that do
+                not divide (heads by KV heads, hidden size by heads), or an odd RoPE head size.
+        """
         if self.arch not in self.ARCHS:
             raise ValueError(f"arch must be one of {self.ARCHS}, got {self.arch!r}")
+        for name in ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "intermediate_size",
+                     "max_position"):
+            check_int(self, name, 1)
+        for name in ("head_dim_", "bos_token_id", "eos_token_id"):
+            if getattr(self, name) is not None:
+                check_int(self, name, 1 if name == "head_dim_" else 0)
+        for name in ("norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
         if self.head_dim_ is None and self.hidden_size % self.n_heads:
@@ -417,10 +438,12 @@ class DecoderLM(nn.Module):
         return self
 
 
-def rope_tables(cfg: DecoderConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin ``[max_position, head_dim]`` float32 in HF's rotate_half convention (RoFormer, arXiv 2104.09864)."""
+def rope_tables(cfg: DecoderConfig, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``[length, head_dim]`` float32 (``length`` default: ``cfg.max_position``) in HF's rotate_half
+    convention (RoFormer, arXiv 2104.09864). A row depends only on its position, so a longer table extends a
+    shorter one."""
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
-    freqs = torch.outer(torch.arange(cfg.max_position).float(), inv)
+    freqs = torch.outer(torch.arange(cfg.max_position if length is None else length).float(), inv)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
 

@@ -79,12 +79,18 @@ class MoEConfig(DecoderConfig):
             self.intermediate_size = dense_size
         try:
             super().__post_init__()
+            for name, minimum in (("n_experts", 1), ("top_k", 1), ("expert_size", 1), ("moe_every", 1),
+                                  ("shared_expert_size", 0)):
+                gpt.check_int(self, name, minimum)
         except ValueError as e:  # the decoder's checks, as this module's error type
             raise MoEConfigError(str(e)) from None
         if not 1 <= self.top_k <= self.n_experts:
             raise MoEConfigError(f"top_k must be in [1, n_experts={self.n_experts}], got {self.top_k}")
-        if self.moe_every < 1:
-            raise MoEConfigError(f"moe_every must be >= 1, got {self.moe_every}")
+        bad = [i for i in self.dense_layers if isinstance(i, bool) or not isinstance(i, int)
+               or not 0 <= i < self.n_layers]
+        if bad:
+            raise MoEConfigError(f"dense_layers must hold layer indices in [0, n_layers={self.n_layers}), got "
+                                 f"{self.dense_layers}")
         if not self.moe_layers:
             raise MoEConfigError(f"no MoE layer: n_layers={self.n_layers}, moe_every={self.moe_every}, "
                                  f"dense_layers={self.dense_layers}")
@@ -260,6 +266,9 @@ class MoEDecoder(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         gpt.register_rope(self, cfg)
+        # True for a model loaded from the first hpdl_moe.pt layout, whose code computed RoPE at any position:
+        # its max_position was never a limit, so forward grows the tables instead of refusing (see load_model)
+        self.rope_grows = False
         self.apply(self._init)
 
     @staticmethod
@@ -277,6 +286,18 @@ class MoEDecoder(nn.Module):
         in ``dtype`` (default: the model's), the ``rope`` argument of :class:`~hpdl.models.gpt.Attention`."""
         return gpt.rope_at(self, pos, self.embed_tokens.weight.dtype if dtype is None else dtype)
 
+    @property
+    def position_limit(self) -> int | None:
+        """Most positions :meth:`forward` takes: ``cfg.max_position``, or None (no limit) when ``rope_grows``."""
+        return None if self.rope_grows else self.cfg.max_position
+
+    def _grow_rope(self, length: int) -> None:
+        """Extend the RoPE tables to at least ``length`` positions (doubling, so a growing input recomputes them
+        O(log T) times); the buffers keep their device."""
+        n = max(length, 2 * self.cos.shape[0])
+        cos, sin = gpt.rope_tables(self.cfg, n)
+        self.cos, self.sin = cos.to(self.cos.device), sin.to(self.sin.device)
+
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head: ``h [..., H]`` -> logits ``[..., V]``."""
         return self.lm_head(self.norm(h))
@@ -287,11 +308,14 @@ class MoEDecoder(nn.Module):
         ``[B*T, k]``. Positions count real tokens only, so a right-padded row equals the unpadded one.
 
         Raises:
-            MoEConfigError: ``T`` exceeds ``max_position`` (the RoPE tables' length).
+            MoEConfigError: ``T`` exceeds ``max_position`` (the RoPE tables' length), unless ``rope_grows`` (a
+                model of the first checkpoint layout: the tables are extended).
         """
         B, T = ids.shape
-        if T > self.cfg.max_position:
-            raise MoEConfigError(f"ids has {T} positions, more than max_position={self.cfg.max_position}")
+        if T > self.cos.shape[0]:
+            if not self.rope_grows:
+                raise MoEConfigError(f"ids has {T} positions, more than max_position={self.cfg.max_position}")
+            self._grow_rope(T)
         am = torch.ones(B, T, dtype=torch.bool, device=ids.device) if attention_mask is None else attention_mask.bool()
         pos = (am.long().cumsum(-1) - 1).clamp_min(0)
         causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
@@ -368,13 +392,16 @@ def _take_fused(out: dict, names: dict[str, list[str]], take) -> None:
         out[ours] = ts[0] if len(ts) == 1 else torch.cat(ts, 0)
 
 
+_FIRST_LAYOUT_KEY = "layers.0.input_layernorm.weight"   # a tensor only the first hpdl_moe.pt layout has
+
+
 def upgrade_state_dict(cfg: MoEConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Map a state dict of the MoE decoder's first layout (its own attention: ``layers.{i}.input_layernorm``,
     ``q_proj``/``k_proj``/``v_proj``/``o_proj``, ``q_norm``, ``post_attention_layernorm``, SwiGLU
     ``gate_proj``/``up_proj``/``down_proj``) onto the shared :class:`~hpdl.models.gpt.Block`'s names (``ln_1``,
     ``attn.qkv_proj`` = q|k|v, ``ln_2``, ``mlp.up_proj`` = gate|up). A dict already in the current layout is
     returned unchanged. Raises MoEConfigError naming a missing tensor."""
-    if "layers.0.input_layernorm.weight" not in sd:
+    if _FIRST_LAYOUT_KEY not in sd:
         return sd
     src = dict(sd)
 
@@ -498,8 +525,10 @@ def save_checkpoint(model: MoEDecoder, path: str | Path, extra: dict | None = No
     """Save ``model`` as ``hpdl_moe.pt`` (config + state dict) in directory ``path``."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    torch.save({"config": asdict(model.cfg), "state_dict": model.state_dict(), "extra": extra or {}},
-               path / "hpdl_moe.pt")
+    blob = {"config": asdict(model.cfg), "state_dict": model.state_dict(), "extra": extra or {}}
+    if getattr(model, "rope_grows", False):   # a re-saved first-layout model keeps its unlimited positions
+        blob["rope_grows"] = True
+    torch.save(blob, path / "hpdl_moe.pt")
 
 
 def load_model(path: str | Path) -> MoEDecoder:
@@ -518,6 +547,9 @@ def load_model(path: str | Path) -> MoEDecoder:
             cfg = MoEConfig(**blob["config"])
             m = MoEDecoder(cfg)
             m.load_state_dict(upgrade_state_dict(cfg, blob["state_dict"]))
+            # the first layout computed RoPE on the fly at any position: its max_position (often small, e.g. 32)
+            # was never enforced, so such a model keeps working past it (the config, and its identity, unchanged)
+            m.rope_grows = bool(blob.get("rope_grows") or _FIRST_LAYOUT_KEY in blob["state_dict"])
         except MoEConfigError as e:
             raise MoEConfigError(f"{f}: {e}") from None
         except Exception as e:  # noqa: BLE001 - unpickling, a missing key or a shape mismatch: name the file

@@ -106,7 +106,7 @@ def trace(options: TraceOptions) -> tuple[Trace, Path]:
         ids, source = text_ids(o.text, o.tokens + o.seq)
     if o.seq < 1 or o.tokens < 1:
         raise MoEError(f"--tokens and --seq must be >= 1, got --tokens={o.tokens} --seq={o.seq}")
-    if o.seq > model.cfg.max_position:
+    if model.position_limit is not None and o.seq > model.position_limit:
         raise MoEError(f"--seq={o.seq} exceeds the model's max_position={model.cfg.max_position}")
     n = min(len(ids), o.tokens) // o.seq
     if n == 0:
