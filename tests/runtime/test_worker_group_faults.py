@@ -141,9 +141,9 @@ def test_bad_constructor_arguments_are_refused_before_any_rank_starts(monkeypatc
 
 @pytest.mark.timeout(180)
 def test_arguments_a_rank_cannot_unpickle_fail_that_call_only(group):
-    with pytest.raises(WorkerFailedError, match=r"rank 0 failed \(failed ranks: \[0, 1\]\):\nrank 0 cannot unpickle "
-                                                r"the arguments of the parent's Task message \d+ \(ValueError: boom "
-                                                r"while unpickling\)"):
+    with pytest.raises(WorkerFailedError, match=r"rank (\d) failed \(failed ranks: \[0, 1\]\):\nrank \1 cannot "
+                                                r"unpickle the arguments of the parent's Task message \d+ "
+                                                r"\(ValueError: boom while unpickling\)"):
         group.run(C.rank_of, C.Unpicklable(), timeout=60)
     _usable(group)
     svc = group.start_service(C.Echo)
@@ -158,8 +158,9 @@ def test_arguments_a_rank_cannot_unpickle_fail_that_call_only(group):
 
 @pytest.mark.timeout(180)
 def test_a_result_this_process_cannot_unpickle_names_the_rank(group):
-    with pytest.raises(WorkerFailedError, match=r"rank 0 failed \(failed ranks: \[0, 1\]\):\nrank 0's result cannot "
-                                                r"be unpickled in this process \(ValueError: boom while unpickling"):
+    with pytest.raises(WorkerFailedError, match=r"rank (\d) failed \(failed ranks: \[0, 1\]\):\nrank \1's result "
+                                                r"cannot be unpickled in this process \(ValueError: boom while "
+                                                r"unpickling"):
         group.run(C.unpicklable_here, timeout=60)
     _usable(group)
 
