@@ -107,6 +107,30 @@ def test_two_threads_may_call_one_group_at_once(group):
     _usable(group)
 
 
+@pytest.mark.timeout(120)
+def test_close_from_another_thread_ends_a_call_in_progress(tmp_path):
+    """A watchdog closing a group whose call hangs: the call fails at once, the ranks are gone, close returns."""
+    pidfile = tmp_path / "rank.pid"
+    with WorkerGroup(1, timeout=60, start_timeout=120) as g:
+        procs, outcome = list(g._procs), []
+
+        def call():
+            try:
+                g.run(C.write_pid_and_sleep, str(pidfile))
+            except BaseException as exc:  # noqa: BLE001 - checked below
+                outcome.append(exc)
+
+        t = threading.Thread(target=call)
+        t.start()
+        while not pidfile.exists():
+            assert t.is_alive(), outcome
+            time.sleep(0.05)
+        g.close()
+        t.join(60)
+        assert not t.is_alive() and len(outcome) == 1 and isinstance(outcome[0], WorkerFailedError), outcome
+    assert g.broken and not any(p.is_alive() for p in procs)
+
+
 @pytest.mark.timeout(180)
 def test_a_bad_timeout_is_refused_and_the_group_stays_usable(group):
     for bad in ("5", math.nan, -1, True):
