@@ -235,3 +235,14 @@ def test_ctrl_c_just_after_the_driver_joined_leaves_no_process_group():
         signal.signal(signal.SIGINT, previous)
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kwargs, name", [({"job_timeout": 0}, "job_timeout"), ({"grace": math.nan}, "grace"),
+                                          ({"timeout": "5"}, "timeout")])
+def test_spawn_names_its_own_bad_arguments_before_any_rank_starts(monkeypatch, kwargs, name):
+    def no_spawning(*args, **kw):
+        raise AssertionError("a rank was started before the arguments were checked")
+
+    monkeypatch.setattr(launch, "mp", types.SimpleNamespace(get_context=no_spawning))
+    with pytest.raises(ValueError, match=rf"^{name} must be"):
+        launch.spawn(C.rank_of, 2, **kwargs)

@@ -1061,8 +1061,8 @@ def spawn(fn: Callable[..., Any], nprocs: int, *, args: tuple = (), device: str 
         grace: seconds the other ranks get to finish after one rank fails, before they are killed.
 
     Raises:
-        ValueError: bad ``nprocs``, ``device`` or ``ranks_per_gpu`` (also > 1 with ``device="cpu"``), or ``mps``
-            without shared GPUs.
+        ValueError: bad ``nprocs``, ``device``, ``ranks_per_gpu`` (also > 1 with ``device="cpu"``),
+            ``timeout``, ``job_timeout``, ``grace`` or ``ranks_per_node``, or ``mps`` without shared GPUs.
         RuntimeError: the visible GPUs cannot hold ``nprocs`` ranks at ``ranks_per_gpu`` each (before any starts).
         WorkerFailedError: a rank raised (its traceback is in the message) or died without a result.
         CollectiveTimeoutError: the job ran past ``job_timeout``; the message names the ranks still running.
@@ -1070,6 +1070,8 @@ def spawn(fn: Callable[..., Any], nprocs: int, *, args: tuple = (), device: str 
     """
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs must be an int >= 1, got {nprocs!r}")
+    _check_seconds("job_timeout", job_timeout, positive=True)   # (named here: the group calls it start_timeout)
+    _check_seconds("grace", grace, none=False)
     started = time.monotonic()
     with WorkerGroup(nprocs, device=device, ranks_per_gpu=ranks_per_gpu, ranks_per_node=ranks_per_node,
                      timeout=timeout, mps=mps, start_timeout=job_timeout) as group:
