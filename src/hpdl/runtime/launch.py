@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import itertools
 import logging
 import math
@@ -94,6 +95,32 @@ def detect_launcher() -> tuple[str, int, int, int] | None:
             local = int(os.environ.get(lr, rank))
             return name, rank, size, local
     return None
+
+
+def _check_seconds(name: str, value, *, none: bool = True, positive: bool = False) -> None:
+    """Refuse a bad duration argument before anything is sent or started.
+
+    Raises:
+        ValueError: ``value`` is not a real number of seconds (a bool, a string, NaN), is negative (or 0 with
+            ``positive``), or is None where ``none`` is False; the message names ``name``.
+    """
+    if value is None and none:
+        return
+    ok = (not isinstance(value, bool) and isinstance(value, (int, float)) and not math.isnan(value)
+          and (value > 0 if positive else value >= 0))
+    if not ok:
+        want = "> 0" if positive else ">= 0"
+        raise ValueError(f"{name} must be a number of seconds {want}{' or None' if none else ''}, got {value!r}")
+
+
+def _locked(method):
+    """Run ``method`` holding its group's lock: one call (send and replies) at a time per group."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        group = self.group if isinstance(self, Service) else self
+        with group._lock:
+            return method(self, *args, **kwargs)
+    return call
 
 
 def _timeout(timeout: float | None) -> float:
@@ -233,7 +260,9 @@ def rank_environment(device: str, ranks_per_gpu: int, timeout: float, mps_env: d
                      ) -> dict[str, str]:
     """Environment variables a spawned rank sets before it touches CUDA: the job's timeout (hpdl.comm's
     default), ``HPDL_RANKS_PER_GPU`` (the job's value, 1 on the CPU: a value the parent inherited must not
-    reach hpdl.comm in the ranks), and an MPS daemon's pipe/log folders."""
+    reach hpdl.comm in the ranks), and an MPS daemon's pipe/log folders. Every rank also clears the
+    launcher's identity variables it inherited (:func:`launcher_identity`: torchrun's RANK/WORLD_SIZE/MASTER_*,
+    TORCHELASTIC_*, PMI_*/PMIX_*, OMPI_COMM_WORLD_*, SLURM_PROCID/...): it is not the launcher's process."""
     out = {"HPDL_TIMEOUT": str(timeout), "HPDL_RANKS_PER_GPU": str(ranks_per_gpu if device == "cuda" else 1)}
     out.update(mps_env or {})
     return out
@@ -279,6 +308,54 @@ def _sigint_to_parent(signum, frame) -> None:
     and tears its ranks down; a Python handler, unlike SIG_IGN, is not inherited by the programs a rank starts."""
 
 
+# Variables by which a launcher tells a process who it is. A spawned rank inherits them from its parent but is not
+# that process: they are cleared in it (under `mpiexec -n 1`, a rank importing mpi4py would join the launcher's PMI
+# wire-up as the parent's rank and abort; torchrun's RANK would be misread by init_from_env).
+_IDENTITY_VARS = frozenset({
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+    "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "MPI_LOCALRANKID", "MPI_LOCALNRANKS",
+    "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS", "SLURM_NPROCS", "SLURM_STEP_NUM_TASKS",
+    "SLURM_STEPID", "SLURM_STEP_ID", "SLURM_TASK_PID", "SLURM_GTIDS"})
+_IDENTITY_PREFIXES = ("TORCHELASTIC_", "PMI_", "PMIX_", "OMPI_COMM_WORLD_", "OMPI_MCA_ess_", "OMPI_MCA_orte_",
+                      "OMPI_MCA_pmix", "MV2_COMM_WORLD_", "HYDRA_", "HYDI_")
+
+
+def launcher_identity(environ) -> list[str]:
+    """The names in ``environ`` by which a launcher (torchrun, mpirun/mpiexec, srun) identified the process that
+    has them: a rank spawned by :class:`WorkerGroup` clears them (see :func:`rank_environment`)."""
+    return sorted(k for k in environ if k in _IDENTITY_VARS or k.startswith(_IDENTITY_PREFIXES))
+
+
+def _die_with_parent() -> None:
+    """Make this spawned rank end when its parent process does (SIGKILLed, a crash): nobody would stop it, and a
+    rank busy in a task would run on, orphaned. A daemon thread waits on a pidfd of the parent (Linux >= 5.3) or,
+    where there is none, looks at ``os.getppid()`` every half second, then SIGKILLs this process. Not
+    ``PR_SET_PDEATHSIG``: it fires when the parent's *thread* that started the rank ends (a group started on a
+    worker thread would lose its ranks with that thread)."""
+    parent = mp.parent_process()
+    if parent is None or parent.pid is None:
+        return
+    ppid = parent.pid
+    pidfd = None
+    with contextlib.suppress(AttributeError, OSError):
+        pidfd = os.pidfd_open(ppid)
+    if os.getppid() != ppid:   # the parent died before we looked (or before the pidfd): its pid may be reused
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def watch() -> None:
+        if pidfd is not None:
+            p = select.poll()
+            p.register(pidfd, select.POLLIN)
+            while not p.poll(None):
+                pass
+        else:
+            while os.getppid() == ppid:
+                time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="hpdl-parent-watch", daemon=True).start()
+
+
 _START = -1   # the id under which ranks report their start-up (Ready, or the Failure that ended it)
 
 
@@ -287,7 +364,10 @@ def _rank_main(rank, world, port, device, ranks_per_node, timeout, ranks_per_gpu
     parent's messages (:func:`_serve`) until it sends Stop or goes away."""
     from hpdl import __version__
 
+    _die_with_parent()
     signal.signal(signal.SIGINT, _sigint_to_parent)
+    for name in launcher_identity(os.environ):   # this rank is not the launcher's process (mpi4py would think so)
+        del os.environ[name]
     os.environ.update(environ)
     ep = ch.Endpoint(conn, "the parent")
     try:
@@ -336,6 +416,10 @@ def _serve(ep: "ch.Endpoint", ctx: Context, rank: int) -> None:
         while True:
             try:
                 msg = ep.recv()
+            except ch.BodyError as exc:
+                if _undecodable(ep, exc, rank):
+                    return
+                continue
             except ch.ProtocolError as exc:
                 ep.send(ch.Failure(_START, rank, f"rank {rank} cannot read the parent's message: {exc}", True))
                 return
@@ -387,6 +471,23 @@ def _serve(ep: "ch.Endpoint", ctx: Context, rank: int) -> None:
                 log.exception("rank %d: closing its service failed", rank)
 
 
+def _undecodable(ep: "ch.Endpoint", exc: "ch.BodyError", rank: int) -> bool:
+    """Answer a message whose arguments or payload this rank cannot unpickle (``exc``) with a Failure naming it
+    and the error. A task's or a request's failure is not fatal (the rank never started it, and lives on); a
+    post's (no reply is awaited: only a fatal failure is reported, by the next call) and a service start's are,
+    as when the service itself raises. Returns True when the rank must exit."""
+    kind, msg_id = exc.cls.__name__, exc.head.get("id", _START)
+    if exc.cls not in (ch.Task, ch.StartService, ch.Call):
+        ep.send(ch.Failure(_START, rank, f"rank {rank} got a {kind} message, which only a rank sends", True))
+        return True
+    fatal = exc.cls is ch.StartService or (exc.cls is ch.Call and not exc.head.get("reply", False))
+    what = {"Task": "arguments", "StartService": "factory or arguments", "Call": "payload"}[kind]
+    ep.send(ch.Failure(msg_id, rank, f"rank {rank} cannot unpickle the {what} of the parent's {kind} message "
+                       f"{msg_id} ({type(exc.cause).__name__}: {exc.cause}); send values a rank can import and "
+                       f"rebuild:\n{''.join(traceback.format_exception(exc.cause))}", fatal))
+    return fatal
+
+
 class Service:
     """A long-running object on every spawned rank of a :class:`WorkerGroup`, made by
     :meth:`WorkerGroup.start_service`: messages reach it without a new process or task per message.
@@ -401,6 +502,7 @@ class Service:
         self.group, self.name, self._start_id = group, name, start_id
         self.started = self.stopped = False
 
+    @_locked
     def wait_started(self, timeout: float | None = None) -> None:
         """Wait until ``factory`` returned on every rank (call it after this process's own part of the start, when
         the ranks' start needs collectives with it).
@@ -409,12 +511,14 @@ class Service:
             WorkerFailedError: a rank's ``factory`` raised (its traceback) or the rank died; the group is torn down.
             CollectiveTimeoutError: ranks did not answer within ``timeout`` (default: the group's); they are named.
         """
+        _check_seconds("timeout", timeout)
         if not self.started:
             g = self.group
             with g._torn_down_unless_answered():
                 g._collect(self._start_id, g.timeout if timeout is None else timeout, 0.0, f"start of {self.name}")
             self.started = True
 
+    @_locked
     def post(self, payload: Any) -> None:
         """Call ``service(payload)`` on every rank and return at once (one-way: no reply; a failure is reported by
         the next call). The frame is pickled once and written to each rank's pipe by this thread.
@@ -422,32 +526,39 @@ class Service:
         Raises:
             WorkerFailedError: a rank failed or died since the last message (named, with its traceback); the group
                 is torn down.
+            CollectiveTimeoutError: a rank's pipe stayed full (the rank stopped reading, busy in a call) for the
+                group's ``timeout``; the rank is named and the group torn down.
             RuntimeError: the service was stopped or the group closed.
         """
         g = self.group
         self._check()
         frame = ch.encode(ch.Call(next(g._ids), payload, False))
         with g._torn_down_unless_answered():
-            g._send_all(frame)
+            g._send_all(frame, g.timeout, f"{self.name} post")
 
+    @_locked
     def request(self, payload: Any, timeout: float | None = None, grace: float = 3.0) -> list[Any]:
         """``[service(payload) on rank r for r in group.ranks]``: a round trip.
 
         Raises:
-            WorkerFailedError, CollectiveTimeoutError: as :meth:`WorkerGroup.run`.
+            WorkerFailedError, CollectiveTimeoutError, ValueError: as :meth:`WorkerGroup.run`.
         """
         g = self.group
+        _check_seconds("timeout", timeout)
+        _check_seconds("grace", grace, none=False)
         self._check(look=False)   # a rank gone before is found while waiting for the replies
         msg_id = next(g._ids)
         frame = ch.encode(ch.Call(msg_id, payload, True))
+        what = f"{self.name} request"
         with g._torn_down_unless_answered():
             g._replies[msg_id] = {}
-            g._send_all(frame)
-            return g._collect(msg_id, float("inf") if timeout is None else timeout, grace, f"{self.name} request")
+            return g._send_and_collect(frame, msg_id, timeout, grace, what)
 
+    @_locked
     def failure(self, wait: float = 0.0) -> WorkerFailedError | None:
         """The failure of a rank that failed or died, waiting up to ``wait`` seconds for one; None if none did.
         For a caller whose own part of a step raised (was a rank the cause?). Tears nothing down."""
+        _check_seconds("wait", wait, none=False)
         g = self.group
         end = time.monotonic() + wait
         while True:
@@ -458,12 +569,14 @@ class Service:
             if time.monotonic() >= end:
                 return None
 
+    @_locked
     def stop(self, timeout: float | None = None) -> None:
         """Call ``service.close()`` on every rank and wait for them; the ranks live on for other work.
 
         Raises:
             WorkerFailedError, CollectiveTimeoutError: as :meth:`WorkerGroup.run`.
         """
+        _check_seconds("timeout", timeout)
         g = self.group
         if self.stopped:
             return
@@ -473,13 +586,33 @@ class Service:
         msg_id = next(g._ids)
         g._replies[msg_id] = {}
         with g._torn_down_unless_answered():
-            g._send_all(ch.encode(ch.StopService(msg_id)))
-            g._collect(msg_id, g.timeout if timeout is None else timeout, 0.0, f"stop of {self.name}")
+            g._send_and_collect(ch.encode(ch.StopService(msg_id)), msg_id, g.timeout if timeout is None else timeout,
+                                0.0, f"stop of {self.name}")
 
     def _check(self, look: bool = True) -> None:
         if self.stopped:
             raise RuntimeError(f"the service {self.name} was stopped; start a new one")
         self.group._check_healthy(look)
+
+
+def _check_ranks_per_node(ranks_per_node, world_size: int) -> None:
+    """Refuse a ``ranks_per_node`` that :meth:`Topology.emulate` would refuse in every rank, before any starts.
+
+    Raises:
+        ValueError: not None, an int >= 1, or a sequence of ints >= 1 summing to ``world_size`` (named).
+    """
+    if ranks_per_node is None:
+        return
+    if isinstance(ranks_per_node, int) and not isinstance(ranks_per_node, bool):
+        if ranks_per_node >= 1:
+            return
+    elif isinstance(ranks_per_node, Sequence) and not isinstance(ranks_per_node, (str, bytes)):
+        sizes = list(ranks_per_node)
+        if (all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes)
+                and sum(sizes) == world_size):
+            return
+    raise ValueError(f"ranks_per_node must be None, an int >= 1 or a list of ints >= 1 summing to world_size="
+                     f"{world_size}, got {ranks_per_node!r}")
 
 
 class WorkerGroup:
@@ -512,7 +645,10 @@ class WorkerGroup:
         broken: True once torn down (after a failure, a timeout or :meth:`close`).
 
     Use as a context manager, or call :meth:`close`; Ctrl-C during start-up or a call leaves no rank (and no MPS
-    daemon) behind. The ranks ignore SIGINT: the parent tears them down.
+    daemon) behind. The ranks ignore SIGINT: the parent tears them down, and end themselves when the parent dies
+    (SIGKILLed, crashed). Thread-safe: calls from several threads (of the group and its service) run one at a
+    time under a lock; every send has a deadline (the call's ``timeout``, else the group's), so a rank that
+    stops reading raises :class:`CollectiveTimeoutError` naming it instead of blocking the caller.
 
     Raises:
         ValueError, RuntimeError: as :func:`spawn`, before any rank starts; RuntimeError: ``driver`` with a
@@ -529,9 +665,16 @@ class WorkerGroup:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        _check_seconds("timeout", timeout, positive=True)
+        _check_seconds("start_timeout", start_timeout, positive=True)
+        _check_ranks_per_node(ranks_per_node, world_size)
         if driver and dist.is_initialized():
             raise RuntimeError("driver=True makes this process rank 0 of a new process group, but one is already "
                                "initialised here; destroy it first")
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"threads must be an int >= 1 or None (this host's cores shared evenly), got {threads!r}")
+        if not isinstance(driver, bool):
+            raise ValueError(f"driver must be True or False, got {driver!r}")
         self.world_size, self.device, self.ranks_per_node = world_size, device, ranks_per_node
         self.ranks_per_gpu = job_ranks_per_gpu(device, ranks_per_gpu)
         check_gpus_for(device, world_size, self.ranks_per_gpu)
@@ -540,10 +683,10 @@ class WorkerGroup:
         self.driver = driver
         self.ranks = list(range(1 if driver else 0, world_size))
         self.context: Context | None = None
-        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-            raise ValueError(f"threads must be an int >= 1 or None (this host's cores shared evenly), got {threads!r}")
         threads = max(1, (os.cpu_count() or 1) // world_size) if threads is None else threads
         self.broken = True   # until every rank is up (close() is safe on a half-built group)
+        self._lock = threading.RLock()   # one call at a time (see _locked)
+        self._join_lock, self._closing = threading.Lock(), False
         self._procs: list = []
         self._eps: list[ch.Endpoint] = []
         self._ids = itertools.count()
@@ -596,6 +739,12 @@ class WorkerGroup:
                 _init_local_group(0, self.world_size, port, dev, backend, self.timeout)
             except BaseException as exc:  # noqa: BLE001 - handed to the main thread
                 box["error"] = exc
+                return
+            with self._join_lock:   # owned from now: close() destroys it on every failure path
+                closed = self._closing
+                self._owns_group = not closed
+            if closed:   # the start failed (Ctrl-C, a rank died) while this thread joined: nobody else will
+                _destroy_bounded(10.0)
 
         t = threading.Thread(target=join, name="hpdl-driver-join", daemon=True)
         t.start()
@@ -608,9 +757,9 @@ class WorkerGroup:
             t.join(0.0)
         if "error" in box:
             raise box["error"]
-        self._owns_group = True
         self.context = _make_context(0, self.world_size, 0, dev, backend, self.ranks_per_node, self.ranks_per_gpu)
 
+    @_locked
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, grace: float = 3.0
             ) -> list[Any]:
         """``[fn(ctx, *args) on rank r for r in ranks]``; ``fn`` must be a module-level function.
@@ -625,19 +774,23 @@ class WorkerGroup:
             CollectiveTimeoutError: ranks did not answer within ``timeout``; they are named; the group is torn
                 down (a rank stuck in a collective cannot be trusted again).
             RuntimeError: the group was torn down or closed before.
+            ValueError: ``timeout`` or ``grace`` is not a number of seconds >= 0 (nothing was sent; the group
+                stays usable).
             what pickling ``fn`` or ``args`` raises (nothing was sent; the group stays usable).
         """
+        _check_seconds("timeout", timeout)
+        _check_seconds("grace", grace, none=False)
         self._check_healthy(look=False)   # a rank gone before is found while waiting for the results
         task_id = next(self._ids)
         frame = ch.encode(ch.Task(task_id, fn, args))
         self._replies[task_id] = {}
         try:
             with self._torn_down_unless_answered():
-                self._send_all(frame)
-                return self._collect(task_id, float("inf") if timeout is None else timeout, grace, "run")
+                return self._send_and_collect(frame, task_id, timeout, grace, "run")
         finally:
             self._replies.pop(task_id, None)
 
+    @_locked
     def start_service(self, factory: Callable[..., Any], *args: Any, name: str | None = None) -> Service:
         """Start ``factory(ctx, *args)`` on every spawned rank and return its :class:`Service` at once (the ranks
         build it meanwhile; :meth:`Service.wait_started` waits for them). One service at a time.
@@ -653,7 +806,8 @@ class WorkerGroup:
         frame = ch.encode(ch.StartService(msg_id, factory, args))
         self._replies[msg_id] = {}
         self._service = Service(self, msg_id, name or getattr(factory, "__name__", repr(factory)))
-        self._send_all(frame)
+        with self._torn_down_unless_answered():
+            self._send_all(frame, self.timeout, f"start of {self._service.name}")
         return self._service
 
     # -- the parent's side of the channel ------------------------------------------------------------------------
@@ -679,10 +833,18 @@ class WorkerGroup:
         if self._gone:
             self._raise_gone("since the last message")
 
-    def _send_all(self, frame: bytes) -> None:
+    def _send_all(self, frame: bytes, timeout: float, what: str) -> None:
+        """Write ``frame`` to every rank's pipe within ``timeout`` seconds for all (a rank that stopped reading,
+        busy in a long call, fills its pipe: the write then waits for it, never longer).
+
+        Raises:
+            CollectiveTimeoutError: a rank's pipe stayed full past the deadline (the rank is named); torn down.
+            WorkerFailedError: a rank is gone; torn down.
+        """
+        deadline = time.monotonic() + timeout if math.isfinite(timeout) else None
         for r, ep in zip(self.ranks, self._eps):
             try:
-                ep.send_frame(frame)
+                sent = ep.send_frame(frame, deadline)
             except (BrokenPipeError, ConnectionError, OSError) as exc:
                 i = self.ranks.index(r)
                 self._drain(i)   # its last words, if it left any
@@ -691,6 +853,17 @@ class WorkerGroup:
                 self._mark_gone(r, f"rank {r} died: exited with code {p.exitcode}" if p.exitcode is not None else
                                 f"rank {r} is gone (its pipe: {exc!r})")
                 self._raise_gone("before this message")
+            if not sent:   # (out of the try: CollectiveTimeoutError is a TimeoutError, an OSError)
+                self._timed_out(f"{what}: sending to rank {r} (it stopped reading its messages)", [r], timeout)
+
+    def _send_and_collect(self, frame: bytes, msg_id: int, timeout: float | None, grace: float, what: str
+                          ) -> list[Any]:
+        """Send ``frame`` to every rank and collect the replies to ``msg_id``: ``timeout`` seconds for both
+        together (None: the send gets the group's timeout, the wait no limit)."""
+        start = time.monotonic()
+        self._send_all(frame, self.timeout if timeout is None else timeout, what)
+        left = float("inf") if timeout is None else max(0.0, timeout - (time.monotonic() - start))
+        return self._collect(msg_id, left, grace, what, timeout)
 
     def _raise_gone(self, what: str) -> None:
         gone = dict(self._gone)
@@ -701,7 +874,7 @@ class WorkerGroup:
 
     def _timed_out(self, what: str, missing: list[int], timeout: float) -> None:
         self.close(abort=True)
-        raise CollectiveTimeoutError(f"{what} timed out after {timeout:.0f}s (world_size={self.world_size}); ranks "
+        raise CollectiveTimeoutError(f"{what} timed out after {timeout:.3g}s (world_size={self.world_size}); ranks "
                                      f"still running: {missing}; the worker group was torn down",
                                      missing_ranks=missing)
 
@@ -752,6 +925,18 @@ class WorkerGroup:
                 msg = ep.recv()
             except (EOFError, OSError):
                 return True
+            except ch.BodyError as exc:   # a result this process cannot unpickle: that call fails, naming the rank
+                msg_id = exc.head.get("id")
+                if exc.cls is ch.Result and msg_id in self._replies:
+                    self._replies[msg_id][r] = (False, f"rank {r}'s result cannot be unpickled in this process "
+                                                f"({type(exc.cause).__name__}: {exc.cause}); return values this "
+                                                f"process can import and rebuild:\n"
+                                                f"{''.join(traceback.format_exception(exc.cause))}")
+                elif exc.cls is not ch.Result:
+                    self.close(abort=True)
+                    raise ch.ProtocolError(f"rank {r} sent a {exc.cls.__name__} message, which only the parent "
+                                           "sends") from exc
+                continue
             except ch.ProtocolError:
                 self.close(abort=True)
                 raise
@@ -808,17 +993,36 @@ class WorkerGroup:
     def close(self, abort: bool = False, timeout: float | None = None) -> None:
         """Stop every rank (its service closed, its process group destroyed), with ``driver`` this process's
         process group, and the MPS daemon; idempotent. Ranks get ``timeout`` seconds to finish (default 5 s;
-        0.5 s with ``abort``), one deadline for all, then they are killed."""
+        0.5 s with ``abort``), one deadline for all, then they are killed. Called while another thread is inside
+        a call of this group (a watchdog ending a hung step), it kills the ranks at once: that call then fails
+        (WorkerFailedError) and this one finishes the teardown.
+
+        Raises:
+            ValueError: ``timeout`` is not a number of seconds >= 0 or None.
+        """
+        _check_seconds("timeout", timeout)
+        if not self._lock.acquire(blocking=False):
+            self.broken = True
+            for p in self._procs:   # the call in progress sees their exits at once and gives the lock back
+                if p.pid is not None and p.is_alive():
+                    p.kill()
+            self._lock.acquire()
+        try:
+            self._close(abort, timeout)
+        finally:
+            self._lock.release()
+
+    def _close(self, abort: bool, timeout: float | None) -> None:
         self.broken = True
         stop = ch.encode(ch.Stop())
         for ep in self._eps:
-            try:
-                os.set_blocking(ep.fileno(), False)   # a rank that stopped reading must not block the teardown
-                ep.send_frame(stop)
+            try:   # a rank that stopped reading must not block the teardown: no wait (it is killed later)
+                ep.send_frame(stop, deadline=0.0)
             except (OSError, ValueError):
                 pass
-        if self._owns_group:   # with the ranks: NCCL's teardown waits for every rank
-            self._owns_group = False
+        with self._join_lock:   # (a driver's join still running on its thread sees this and undoes itself)
+            owns, self._owns_group, self._closing = self._owns_group, False, True
+        if owns:   # with the ranks: NCCL's teardown waits for every rank
             _destroy_bounded(2.0 if abort else 10.0)
         end = time.monotonic() + (0.5 if abort else 5.0 if timeout is None else timeout)
         for p in self._procs:
@@ -857,8 +1061,8 @@ def spawn(fn: Callable[..., Any], nprocs: int, *, args: tuple = (), device: str 
         grace: seconds the other ranks get to finish after one rank fails, before they are killed.
 
     Raises:
-        ValueError: bad ``nprocs``, ``device`` or ``ranks_per_gpu`` (also > 1 with ``device="cpu"``), or ``mps``
-            without shared GPUs.
+        ValueError: bad ``nprocs``, ``device``, ``ranks_per_gpu`` (also > 1 with ``device="cpu"``),
+            ``timeout``, ``job_timeout``, ``grace`` or ``ranks_per_node``, or ``mps`` without shared GPUs.
         RuntimeError: the visible GPUs cannot hold ``nprocs`` ranks at ``ranks_per_gpu`` each (before any starts).
         WorkerFailedError: a rank raised (its traceback is in the message) or died without a result.
         CollectiveTimeoutError: the job ran past ``job_timeout``; the message names the ranks still running.
@@ -866,6 +1070,8 @@ def spawn(fn: Callable[..., Any], nprocs: int, *, args: tuple = (), device: str 
     """
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs must be an int >= 1, got {nprocs!r}")
+    _check_seconds("job_timeout", job_timeout, positive=True)   # (named here: the group calls it start_timeout)
+    _check_seconds("grace", grace, none=False)
     started = time.monotonic()
     with WorkerGroup(nprocs, device=device, ranks_per_gpu=ranks_per_gpu, ranks_per_node=ranks_per_node,
                      timeout=timeout, mps=mps, start_timeout=job_timeout) as group:
