@@ -86,7 +86,7 @@ def test_describe_and_explain_hooks_and_their_defaults():
 
 def test_bad_arguments_are_named():
     t = pair(prefix="bad")[0]
-    with pytest.raises(ValueError, match=r"send peer must be another rank in \[0, 2\), got 2"):
+    with pytest.raises(ValueError, match=r"send peer must be another rank than this one \(0\) in \[0, 2\), got 2"):
         t.isend(torch.zeros(2), 2, 0)
     with pytest.raises(ValueError, match="recv peer must be another rank"):
         t.irecv(torch.zeros(2), 0, 0)   # itself
@@ -94,7 +94,21 @@ def test_bad_arguments_are_named():
         t.post([(torch.empty(2, device="meta"), 1)], [])
     with pytest.raises(ValueError, match="non-contiguous"):
         t.post([], [(torch.zeros(3, 3).t(), 1)])
-    with pytest.raises(ValueError, match=r"tag must be in \[0, 2\*\*31\), got -1"):
+    with pytest.raises(ValueError, match=r"tag must be in \[0, 2147483647\], got -1"):
         t.isend(torch.zeros(2), 1, -1)
     with pytest.raises(ValueError, match=r"rank must be in \[0, size=2\), got 2"):
         GlooTransport.create(dist.HashStore(), 2, 2, 1.0)
+    with pytest.raises(TypeError, match=r"send tensor must be a torch.Tensor, got str"):
+        t.isend("abc", 1, 0)
+    with pytest.raises(TypeError, match=r"tag must be an int \(in \[0, 2147483647\]\), got 1.5 \(float\)"):
+        t.irecv(torch.zeros(2), 1, 1.5)
+
+
+@pytest.mark.parametrize("timeout, exc, msg", [(-1, ValueError, r"timeout must be a finite number of seconds > 0, "
+                                                                r"got -1.0"),
+                                               (0, ValueError, "got 0.0"), (float("inf"), ValueError, "got inf"),
+                                               (float("nan"), ValueError, "got nan"),
+                                               ("5", TypeError, r"timeout must be a number of seconds > 0, got '5'")])
+def test_a_bad_timeout_is_named(timeout, exc, msg):
+    with pytest.raises(exc, match=msg):
+        GlooTransport.create(dist.HashStore(), 0, 1, 5.0, transfer_timeout=timeout)
