@@ -154,3 +154,23 @@ def hpdl_algorithms_run_over_it_exactly(t: Transport):
         if t.rank == root:
             assert r.tolist() == [3.0] * 4
     get_class("dissemination")(None).barrier(t)
+
+
+def on_torch_transport(ctx) -> dict:
+    """Rank body for hpdl.testing's pool: every case over a TorchTransport on the pool's gloo world; returns
+    case name -> "ok" or the failure's traceback (a barrier after each: a failed case leaves no rank behind)."""
+    import traceback
+
+    import torch.distributed as dist
+
+    from hpdl.comm.transport.torch_p2p import TorchTransport
+
+    t, out = TorchTransport(None, 60.0), {}
+    for name, fn in CASES.items():
+        try:
+            fn(t)
+            out[name] = "ok"
+        except Exception:  # noqa: BLE001 - reported per case to the test
+            out[name] = traceback.format_exc()
+        dist.barrier()
+    return out

@@ -1,6 +1,7 @@
 """GlooTransport (hpdl.comm.transport.gloo): the private Gloo group hpdl.offload moves messages with, as a
 Transport. Two ranks run as two threads of this process on one HashStore (Gloo connects them over loopback):
-the Transport conformance cases (_transport_cases.py), then its own hooks, deadline and argument checks."""
+the Transport conformance cases (_transport_cases.py), then its own hooks, deadline and argument checks. The
+same cases also run over TorchTransport on a torch.distributed gloo world (hpdl.testing's rank pool)."""
 
 import threading
 
@@ -8,11 +9,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import _transport_cases
 from _transport_cases import CASES
 from hpdl.comm.transport.base import Transport
 from hpdl.comm.transport.gloo import TRANSFER_WAIT_S, GlooTransport
 from hpdl.comm.transport.sub import SubTransport
 from hpdl.runtime.errors import CollectiveTimeoutError
+from hpdl.testing import get_pool
 
 
 def on_both(fn) -> list:
@@ -112,3 +115,11 @@ def test_bad_arguments_are_named():
 def test_a_bad_timeout_is_named(timeout, exc, msg):
     with pytest.raises(exc, match=msg):
         GlooTransport.create(dist.HashStore(), 0, 1, 5.0, transfer_timeout=timeout)
+
+
+@pytest.mark.timeout(120)
+def test_the_cases_pass_on_torch_transport_over_a_gloo_world():
+    for rank, res in enumerate(get_pool(2).run(_transport_cases.on_torch_transport)):
+        assert set(res) == set(CASES)
+        for name, verdict in res.items():
+            assert verdict == "ok", f"rank {rank}, case {name}:\n{verdict}"
