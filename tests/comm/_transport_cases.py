@@ -94,8 +94,19 @@ def exchange_all_of_mismatched_tensors_raises_on_every_rank(t: Transport):
            torch.zeros(4, dtype=torch.float32 if t.rank == 0 else torch.int32), tag=15)
     raises(CollectiveMismatchError, "differ in size, shape or dtype", t.exchange_all,
            torch.zeros((2, 3) if t.rank == 0 else (3, 2)), tag=15)
+    raises(CollectiveMismatchError, "rank 0: 8000 bytes, rank 1: 8008 bytes", t.exchange_all,
+           torch.zeros(1000 + t.rank, dtype=torch.float64), tag=15)   # past the inline part: caught by the header
     rows = t.exchange_all(torch.tensor([t.rank + 20]), tag=15)   # the tag carries nothing left over
     assert [r.tolist() for r in rows] == [[20], [21]]
+
+
+@case
+def exchange_all_moves_every_dtype_and_size_inline_or_not(t: Transport):
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.bool, torch.int8, torch.complex128):
+        for shape in ((), (0,), (3, 0), (5,), (2, 3), (63,), (126,), (127,), (1000,)):   # 126 x 8 B fill it exactly
+            rows = t.exchange_all(value(t.rank, shape, dtype), tag=17)
+            assert len(rows) == 2 and all(same_bytes(rows[q], value(q, shape, dtype)) for q in range(2)), \
+                (dtype, shape)
 
 
 @case

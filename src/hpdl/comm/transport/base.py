@@ -25,6 +25,7 @@ import torch
 from hpdl.runtime.errors import CollectiveMismatchError
 
 TAG_MAX = 2 ** 31 - 1   # the largest tag every backend takes (Gloo's tags are 31-bit; MPI guarantees >= 32767)
+EXCHANGE_MSG_BYTES = 1024   # Transport.exchange_all's message: a 16-byte header and up to 1008 bytes inline
 
 
 def check_timeout(timeout) -> float:
@@ -193,12 +194,18 @@ class Transport(ABC):
     def exchange_all(self, mine: torch.Tensor, tag: int = 0) -> list[torch.Tensor]:
         """Every rank's copy of a small tensor (same shape and dtype everywhere), sent directly peer to peer.
 
-        Used for metadata (argument signatures, split sizes, segment names). Each rank first sends every peer a
-        header of two int64 (the tensor's byte count and a checksum of its shape and dtype), then the tensor
-        itself, so that ranks that passed different sizes get an error rather than garbage or a torn message
-        (Gloo aborts the process on a message larger than its buffer): one more small message per pair.
+        Used for metadata (argument signatures, split sizes, segment names). Each rank sends every peer one
+        message of :data:`EXCHANGE_MSG_BYTES`: a header of two int64 (the tensor's byte count and a checksum of its
+        shape and dtype) and, when it fits, the tensor's bytes; a larger tensor follows in a second message once
+        every rank has seen every header. Every message has a size known to all, so ranks that passed different
+        tensors get an error rather than garbage or a torn message (Gloo aborts the process when a message is
+        larger than its buffer), at no extra round trip for small tensors.
+
+        Returns:
+            ``world_size`` tensors of ``mine``'s shape, dtype and device; row ``rank`` is ``mine`` itself.
 
         Raises:
+            TypeError: ``mine`` not a tensor.
             CollectiveMismatchError: on every rank, when the ranks' tensors differ in size, shape or dtype (the
                 message names each rank's byte count).
             CollectiveTimeoutError: a peer did not answer (the error names it).
@@ -206,20 +213,29 @@ class Transport(ABC):
         if not isinstance(mine, torch.Tensor):
             raise TypeError(f"mine must be a torch.Tensor, got {type(mine).__name__}")
         peers = [q for q in range(self.world_size) if q != self.rank]
+        nbytes = mine.numel() * mine.element_size()
+        inline = nbytes <= EXCHANGE_MSG_BYTES - 16
         sig = zlib.crc32(f"{mine.dtype}{tuple(mine.shape)}".encode())   # deterministic, unlike hash()
-        head = torch.tensor([mine.numel() * mine.element_size(), sig], dtype=torch.int64, device=mine.device)
-        heads = [torch.empty_like(head) for _ in range(self.world_size)]
-        heads[self.rank] = head
-        self._post_and_wait([(head, q) for q in peers], [(heads[q], q) for q in peers], tag)
-        got = [tuple(int(v) for v in h.tolist()) for h in heads]
+        msg = torch.zeros(EXCHANGE_MSG_BYTES, dtype=torch.uint8, device=mine.device)
+        msg[:16].view(torch.int64).copy_(torch.tensor([nbytes, sig], dtype=torch.int64))
+        if inline and nbytes:
+            msg[16:16 + nbytes] = mine.detach().reshape(-1).view(torch.uint8)
+        inbox = {q: torch.empty_like(msg) for q in peers}
+        self._post_and_wait([(msg, q) for q in peers], [(inbox[q], q) for q in peers], tag)
+        got = [tuple((msg if q == self.rank else inbox[q])[:16].view(torch.int64).tolist())
+               for q in range(self.world_size)]
         if len(set(got)) > 1:
             sizes = ", ".join(f"rank {r}: {n} bytes" for r, (n, _) in enumerate(got))
             raise CollectiveMismatchError(
                 f"exchange_all (tag {tag}): the ranks' tensors differ in size, shape or dtype ({sizes}; this rank's "
                 f"is {mine.dtype} {tuple(mine.shape)}); every rank must pass the same shape and dtype")
-        rows = [torch.empty_like(mine) for _ in range(self.world_size)]
-        rows[self.rank] = mine
-        self._post_and_wait([(mine, q) for q in peers], [(rows[q], q) for q in peers], tag)
+        if inline:
+            rows = [mine if q == self.rank else inbox[q][16:16 + nbytes].view(mine.dtype).view(mine.shape).clone()
+                    for q in range(self.world_size)]
+        else:
+            rows = [torch.empty_like(mine) for _ in range(self.world_size)]
+            rows[self.rank] = mine
+            self._post_and_wait([(mine, q) for q in peers], [(rows[q], q) for q in peers], tag)
         return rows
 
     def _post_and_wait(self, sends, recvs, tag: int) -> None:
