@@ -14,7 +14,7 @@ from mpi4py import MPI
 
 from _transport_cases import CASES, case, same_bytes   # this script's folder is on sys.path
 from hpdl.comm.transport.mpi import MpiTransport
-from hpdl.runtime.errors import CollectiveTimeoutError
+from hpdl.runtime.errors import CollectiveMismatchError, CollectiveTimeoutError
 
 WORLD = MPI.COMM_WORLD
 
@@ -76,16 +76,51 @@ def bad_arguments_are_named_before_anything_is_posted(t: MpiTransport):
             assert msg in str(exc), str(exc)
         else:
             raise AssertionError(msg)
-    try:
-        MpiTransport(timeout=0)
-    except ValueError as exc:
-        assert "timeout must be > 0" in str(exc)
-    else:
-        raise AssertionError("timeout=0 accepted")
+    for timeout, exc_type, msg in ((0, ValueError, "timeout must be a finite number of seconds > 0, got 0.0"),
+                                   (-1, ValueError, "got -1.0"), (float("inf"), ValueError, "got inf"),
+                                   ("5", TypeError, "timeout must be a number of seconds > 0, got '5'")):
+        try:
+            MpiTransport(timeout=timeout)
+        except exc_type as exc:
+            assert msg in str(exc), str(exc)
+        else:
+            raise AssertionError(f"timeout={timeout!r} accepted")
+    for device, msg in (("meta", "device must be a CPU or CUDA device, got meta"),
+                        *((("cuda", "device=cuda: torch sees no CUDA GPU on this host"),)
+                          if not torch.cuda.is_available() else ())):
+        try:
+            MpiTransport(device=device)
+        except ValueError as exc:
+            assert msg in str(exc), str(exc)
+        else:
+            raise AssertionError(f"device={device!r} accepted")
     # nothing was posted above: the next message on tag 14 is the first
     y = torch.empty(1)
     t.exchange(torch.tensor([float(t.rank + 40)]), 1 - t.rank, y, 1 - t.rank, tag=14)
     assert y.item() == float(1 - t.rank + 40)
+
+
+@case
+def a_receive_of_another_size_than_its_message_names_the_peer_and_both_sizes(t: MpiTransport):
+    """A larger buffer (MPI completes it, counting fewer bytes) and a smaller one (MPI's "Message truncated")
+    both raise CollectiveMismatchError on the receiver, naming the sender and the sizes; never garbage."""
+    named = _Named(timeout=30.0)
+    if t.rank == 1:
+        for n, text in ((8, "rank 1 received 16 bytes from agent 0 on node-0 into a 32-byte buffer (tag 21)"),
+                        (2, "rank 1's recv from agent 0 on node-0 got a message larger than its 8-byte buffer")):
+            try:
+                named.recv(torch.zeros(n), 0, 21)
+            except CollectiveMismatchError as exc:
+                assert text in str(exc), str(exc)
+            else:
+                raise AssertionError(f"a {n}-float buffer took a 4-float message")
+    else:
+        for _ in range(2):
+            t.send(torch.full((4,), 1.0), 1, 21)
+    WORLD.Barrier()
+    y = torch.empty(1)   # the tag still carries messages
+    t.exchange(torch.tensor([float(t.rank)]), 1 - t.rank, y, 1 - t.rank, tag=21)
+    assert y.item() == float(1 - t.rank)
 
 
 @case

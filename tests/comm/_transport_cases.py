@@ -8,6 +8,7 @@ import torch
 
 from hpdl.comm.algorithms.base import get_class
 from hpdl.comm.transport.base import Transport
+from hpdl.runtime.errors import CollectiveMismatchError
 
 CASES = {}
 
@@ -73,6 +74,63 @@ def exchange_all_gives_every_rank_every_row(t: Transport):
     assert [r.tolist() for r in rows] == [[1, 2], [11, 12]]
 
 
+def raises(exc_type, text: str, fn, *args, **kwargs):
+    try:
+        fn(*args, **kwargs)
+    except exc_type as exc:
+        assert text in str(exc), f"{text!r} not in {str(exc)!r}"
+    else:
+        raise AssertionError(f"no {exc_type.__name__} ({text!r})")
+
+
+@case
+def exchange_all_of_mismatched_tensors_raises_on_every_rank(t: Transport):
+    """A rank passing another size (or, at one size, another dtype or shape) is an error on every rank, never
+    garbage or a torn message (MPI: "Message truncated" on one rank; Gloo aborted the process)."""
+    big = 4 if t.rank == 0 else 8
+    raises(CollectiveMismatchError, "rank 0: 16 bytes, rank 1: 32 bytes", t.exchange_all, torch.full((big,), 1.0),
+           tag=15)
+    raises(CollectiveMismatchError, "differ in size, shape or dtype", t.exchange_all,
+           torch.zeros(4, dtype=torch.float32 if t.rank == 0 else torch.int32), tag=15)
+    raises(CollectiveMismatchError, "differ in size, shape or dtype", t.exchange_all,
+           torch.zeros((2, 3) if t.rank == 0 else (3, 2)), tag=15)
+    raises(CollectiveMismatchError, "rank 0: 8000 bytes, rank 1: 8008 bytes", t.exchange_all,
+           torch.zeros(1000 + t.rank, dtype=torch.float64), tag=15)   # past the inline part: caught by the header
+    rows = t.exchange_all(torch.tensor([t.rank + 20]), tag=15)   # the tag carries nothing left over
+    assert [r.tolist() for r in rows] == [[20], [21]]
+
+
+@case
+def exchange_all_moves_every_dtype_and_size_inline_or_not(t: Transport):
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.bool, torch.int8, torch.complex128):
+        for shape in ((), (0,), (3, 0), (5,), (2, 3), (63,), (126,), (127,), (1000,)):   # 126 x 8 B fill it exactly
+            rows = t.exchange_all(value(t.rank, shape, dtype), tag=17)
+            assert len(rows) == 2 and all(same_bytes(rows[q], value(q, shape, dtype)) for q in range(2)), \
+                (dtype, shape)
+
+
+@case
+def bad_arguments_raise_the_shared_checks_before_anything_is_posted(t: Transport):
+    x, peer = torch.zeros(4), 1 - t.rank
+    raises(TypeError, "tag must be an int (in [0, ", t.post, [(x, peer)], [], tag=1.5)
+    raises(ValueError, "tag must be in [0, ", t.post, [(x, peer)], [], tag=-1)
+    raises(TypeError, "send peer must be an int", t.post, [(x, float(peer))], [], tag=16)
+    raises(TypeError, "recv peer must be an int", t.post, [], [(x, True)], tag=16)
+    raises(TypeError, "send tensor must be a torch.Tensor, got list", t.post, [([1.0, 2.0], peer)], [], tag=16)
+    raises(TypeError, "recv tensor must be a torch.Tensor, got ndarray", t.post, [], [(x.numpy(), peer)], tag=16)
+    raises(ValueError, "got a sparse_coo (not dense) cpu tensor", t.post, [(x.to_sparse(), peer)], [], tag=16)
+    raises(ValueError, "lazy conjugate/negative view", t.post,
+           [(torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64).conj(), peer)], [], tag=16)
+    raises(ValueError, "got a non-contiguous cpu tensor", t.post, [], [(torch.zeros(3, 3).t(), peer)], tag=16)
+    raises(ValueError, "got a meta tensor", t.post, [(torch.empty(2, device="meta"), peer)], [], tag=16)
+    raises(ValueError, "send peer must be", t.post, [(x, 2)], [], tag=16)
+    # nothing was posted above: the next message on tag 16 is the first (a resolved conjugate view travels)
+    z = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64).conj().resolve_conj()
+    y = torch.empty(2, dtype=torch.complex64)
+    t.exchange(z, peer, y, peer, tag=16)
+    assert same_bytes(y, z)
+
+
 @case
 def hpdl_algorithms_run_over_it_exactly(t: Transport):
     """hpdl.comm's algorithm classes on a bare transport (``resources=None``): all-reduce, all-to-all, the
@@ -107,3 +165,23 @@ def hpdl_algorithms_run_over_it_exactly(t: Transport):
         if t.rank == root:
             assert r.tolist() == [3.0] * 4
     get_class("dissemination")(None).barrier(t)
+
+
+def on_torch_transport(ctx) -> dict:
+    """Rank body for hpdl.testing's pool: every case over a TorchTransport on the pool's gloo world; returns
+    case name -> "ok" or the failure's traceback (a barrier after each: a failed case leaves no rank behind)."""
+    import traceback
+
+    import torch.distributed as dist
+
+    from hpdl.comm.transport.torch_p2p import TorchTransport
+
+    t, out = TorchTransport(None, 60.0), {}
+    for name, fn in CASES.items():
+        try:
+            fn(t)
+            out[name] = "ok"
+        except Exception:  # noqa: BLE001 - reported per case to the test
+            out[name] = traceback.format_exc()
+        dist.barrier()
+    return out

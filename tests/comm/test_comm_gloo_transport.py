@@ -1,6 +1,7 @@
 """GlooTransport (hpdl.comm.transport.gloo): the private Gloo group hpdl.offload moves messages with, as a
 Transport. Two ranks run as two threads of this process on one HashStore (Gloo connects them over loopback):
-the Transport conformance cases (_transport_cases.py), then its own hooks, deadline and argument checks."""
+the Transport conformance cases (_transport_cases.py), then its own hooks, deadline and argument checks. The
+same cases also run over TorchTransport on a torch.distributed gloo world (hpdl.testing's rank pool)."""
 
 import threading
 
@@ -8,11 +9,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import _transport_cases
 from _transport_cases import CASES
 from hpdl.comm.transport.base import Transport
 from hpdl.comm.transport.gloo import TRANSFER_WAIT_S, GlooTransport
 from hpdl.comm.transport.sub import SubTransport
 from hpdl.runtime.errors import CollectiveTimeoutError
+from hpdl.testing import get_pool
 
 
 def on_both(fn) -> list:
@@ -86,7 +89,7 @@ def test_describe_and_explain_hooks_and_their_defaults():
 
 def test_bad_arguments_are_named():
     t = pair(prefix="bad")[0]
-    with pytest.raises(ValueError, match=r"send peer must be another rank in \[0, 2\), got 2"):
+    with pytest.raises(ValueError, match=r"send peer must be another rank than this one \(0\) in \[0, 2\), got 2"):
         t.isend(torch.zeros(2), 2, 0)
     with pytest.raises(ValueError, match="recv peer must be another rank"):
         t.irecv(torch.zeros(2), 0, 0)   # itself
@@ -94,7 +97,29 @@ def test_bad_arguments_are_named():
         t.post([(torch.empty(2, device="meta"), 1)], [])
     with pytest.raises(ValueError, match="non-contiguous"):
         t.post([], [(torch.zeros(3, 3).t(), 1)])
-    with pytest.raises(ValueError, match=r"tag must be in \[0, 2\*\*31\), got -1"):
+    with pytest.raises(ValueError, match=r"tag must be in \[0, 2147483647\], got -1"):
         t.isend(torch.zeros(2), 1, -1)
     with pytest.raises(ValueError, match=r"rank must be in \[0, size=2\), got 2"):
         GlooTransport.create(dist.HashStore(), 2, 2, 1.0)
+    with pytest.raises(TypeError, match=r"send tensor must be a torch.Tensor, got str"):
+        t.isend("abc", 1, 0)
+    with pytest.raises(TypeError, match=r"tag must be an int \(in \[0, 2147483647\]\), got 1.5 \(float\)"):
+        t.irecv(torch.zeros(2), 1, 1.5)
+
+
+@pytest.mark.parametrize("timeout, exc, msg", [(-1, ValueError, r"timeout must be a finite number of seconds > 0, "
+                                                                r"got -1.0"),
+                                               (0, ValueError, "got 0.0"), (float("inf"), ValueError, "got inf"),
+                                               (float("nan"), ValueError, "got nan"),
+                                               ("5", TypeError, r"timeout must be a number of seconds > 0, got '5'")])
+def test_a_bad_timeout_is_named(timeout, exc, msg):
+    with pytest.raises(exc, match=msg):
+        GlooTransport.create(dist.HashStore(), 0, 1, 5.0, transfer_timeout=timeout)
+
+
+@pytest.mark.timeout(120)
+def test_the_cases_pass_on_torch_transport_over_a_gloo_world():
+    for rank, res in enumerate(get_pool(2).run(_transport_cases.on_torch_transport)):
+        assert set(res) == set(CASES)
+        for name, verdict in res.items():
+            assert verdict == "ok", f"rank {rank}, case {name}:\n{verdict}"

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -53,7 +54,7 @@ def test_create_attach_unlink_round_trip(tmp_path):
     other = tmp_path / "hpdl-test-someone-else"
     other.write_bytes(b"x")
     assert not shm.unlink(str(other)) and other.exists()  # only the creator removes a name
-    with pytest.raises(ValueError, match="nbytes must be >= 0, got -1"):
+    with pytest.raises(ValueError, match=r"nbytes must be an int >= 0 \(bytes\), got -1"):
         shm.create("test", -1, directory=str(tmp_path))
     with pytest.raises(shm.NoSpaceError, match=f"cannot allocate {1 << 50} bytes of shared memory in {tmp_path}"):
         shm.create("test", 1 << 50, directory=str(tmp_path))
@@ -134,3 +135,20 @@ def test_names_are_checked_and_empty_segments_map(tmp_path):
     seg = shm.create("test", 0, directory=str(tmp_path))
     assert seg.tensor().numel() == 0 and seg.array().size == 0 and os.path.getsize(seg.path) == 1
     seg.unlink()
+
+
+def test_sizes_must_be_ints_and_a_missing_directory_is_named(tmp_path):
+    # a float was truncated (3.7 -> 3 bytes), a string a raw TypeError, a negative attach size a Segment of -5 bytes
+    for bad, exc in (("5", TypeError), (3.7, TypeError), (True, TypeError), (-2, ValueError)):
+        with pytest.raises(exc, match=f"nbytes must be an int >= 0 \\(bytes\\), got {bad!r}"):
+            shm.create("test", bad, directory=str(tmp_path))
+    seg = shm.create("test", 8, directory=str(tmp_path))
+    for bad, exc in ((-5, ValueError), (2.0, TypeError)):
+        with pytest.raises(exc, match=f"nbytes must be an int >= 0 \\(bytes\\), got {bad!r}"):
+            shm.attach(seg.path, bad)
+    assert shm.attach(seg.path, np.int64(4)).nbytes == 4   # numpy ints are ints
+    seg.unlink()
+    missing = tmp_path / "missing"
+    with pytest.raises(FileNotFoundError, match=f"shared-memory directory {missing} does not exist"):
+        shm.create("test", 8, directory=str(missing))
+    assert not missing.exists()

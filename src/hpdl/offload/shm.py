@@ -14,6 +14,7 @@ client leaves) removes the files of owners whose lock is free, i.e. whose proces
 
 from __future__ import annotations
 
+import operator
 import os
 import threading
 import weakref
@@ -49,6 +50,11 @@ def sweep(directory: str | None = None) -> list[str]:
 
 def _create(kind: str, nbytes: int) -> _shm.Segment:
     d = shm_dir()
+    if not os.path.isdir(d):   # else the error would name a temporary file in it
+        where = (f"HPDL_OFFLOAD_SHM_DIR={env.get('HPDL_OFFLOAD_SHM_DIR')}" if env.get("HPDL_OFFLOAD_SHM_DIR")
+                 else f"the default directory {d}")
+        raise OffloadError(f"offload's shared-memory directory does not exist: {where} is not a directory; create "
+                           "it, or point HPDL_OFFLOAD_SHM_DIR at an existing tmpfs such as /dev/shm")
     try:
         return _shm.create(f"offload-{kind}", nbytes, directory=d)
     except _shm.NoSpaceError as exc:
@@ -61,16 +67,46 @@ def _unlink(path: str) -> None:
     _shm.unlink(path)  # a forked child's call leaves its parent's file alone
 
 
+def _shape(shape) -> tuple[int, ...]:
+    """``shape`` (an int or a sequence of ints >= 0) as a tuple of ints."""
+    if isinstance(shape, torch.Size):
+        dims = tuple(shape)
+    else:
+        try:
+            dims = (operator.index(shape),) if not isinstance(shape, bool) else None
+        except TypeError:
+            try:
+                dims = tuple(shape)
+            except TypeError:
+                dims = None
+    try:
+        if dims is None or any(isinstance(s, bool) for s in dims):
+            raise TypeError
+        dims = tuple(operator.index(s) for s in dims)
+    except TypeError:
+        raise TypeError(f"shape must be an int or a sequence of ints >= 0, got {shape!r}") from None
+    if any(s < 0 for s in dims):
+        raise ValueError(f"shape must be an int or a sequence of ints >= 0, got {shape!r}")
+    return dims
+
+
 def empty(shape, dtype=torch.float32) -> torch.Tensor:
     """A CPU tensor in shared memory that an offload agent can read and write in place (like
     ``MPI_Alloc_mem`` / ``MPI_Win_allocate_shared``). Contents are zero (a fresh file), as with :func:`zeros`.
 
     The file is unlinked when the tensor (and every view of it) is freed, or at exit.
 
+    Args:
+        shape: an int or a sequence of ints >= 0.
+        dtype: a torch dtype offload can move (:func:`hpdl.offload.plan.dtype_name`).
+
     Raises:
-        OffloadError: the shared-memory directory has no room for it (the message names the directory).
+        TypeError: ``shape`` not an int or a sequence of ints (a float is refused, not truncated).
+        ValueError: a negative size in ``shape``.
+        OffloadError: the shared-memory directory (``HPDL_OFFLOAD_SHM_DIR``) does not exist or has no room for it
+            (the message names the directory).
     """
-    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    shape = _shape(shape)
     dt = torch_dtype(dtype_name(dtype))
     nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dt).element_size()
     seg = _create("buf", nbytes)

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from hpdl.comm.transport.base import Request, Transport
+from hpdl.comm.transport.base import Request, Transport, check_post, check_timeout
 from hpdl.comm.transport.torch_p2p import _TorchRequest
 
 # How long a posted transfer may wait for its peer by default. Not HPDL_TIMEOUT: one of hpdl.offload's persistent
@@ -40,7 +40,12 @@ class GlooTransport(Transport):
             Gloo wait that times out leaves the pair of ranks unusable).
 
     Tensors are contiguous CPU tensors (Gloo's send/recv take no CUDA tensors: stage them through the host).
-    Tags are non-negative 31-bit ints.
+    Tags are non-negative 31-bit ints. A receive's tensor must have its message's size: Gloo fills a larger one's
+    first bytes and reports success, and aborts the process on a smaller one (see :meth:`Transport.post`).
+
+    Raises:
+        TypeError, ValueError: ``timeout`` not a finite number > 0; a bad tensor, peer or tag in a call
+            (:func:`~hpdl.comm.transport.base.check_post`).
     """
 
     backend = "gloo"
@@ -50,7 +55,7 @@ class GlooTransport(Transport):
         self.pg = pg
         self.rank, self.world_size = pg.rank(), pg.size()
         self.device = torch.device("cpu")
-        self.timeout = float(timeout)
+        self.timeout = check_timeout(timeout)
         self._describe, self._explain = describe, explain
 
     @classmethod
@@ -74,27 +79,20 @@ class GlooTransport(Transport):
         pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, timedelta(seconds=timeout))
         return cls(pg, describe, explain, transfer_timeout)
 
-    def _check(self, tensor: torch.Tensor, peer: int, tag: int, what: str) -> None:
-        if not 0 <= peer < self.world_size or peer == self.rank:
-            raise ValueError(f"{what} peer must be another rank in [0, {self.world_size}), got {peer}")
-        if tensor.device.type != "cpu" or not tensor.is_contiguous():
-            raise ValueError(f"{what} tensor must be a contiguous CPU tensor (GlooTransport), got a "
-                             f"{'non-contiguous ' if not tensor.is_contiguous() else ''}{tensor.device} tensor")
-        if not 0 <= tag < 2 ** 31:
-            raise ValueError(f"tag must be in [0, 2**31), got {tag}")
+    def _check(self, sends, recvs, tag: int):
+        return check_post(self, sends, recvs, tag, devices=("cpu",), to_self=False)
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Request:
-        self._check(tensor, dst, tag, "send")
-        return _TorchRequest(self.pg.send([tensor], dst, tag), self, dst, "send")
+        return self.post([(tensor, dst)], [], tag)[0][0]
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Request:
-        self._check(tensor, src, tag, "recv")
-        return _TorchRequest(self.pg.recv([tensor], src, tag), self, src, "recv")
+        return self.post([], [(tensor, src)], tag)[1][0]
 
     def post(self, sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]],
              tag: int = 0) -> tuple[list[Request], list[Request]]:
-        rreqs = [self.irecv(t, p, tag) for t, p in recvs]
-        return [self.isend(t, p, tag) for t, p in sends], rreqs
+        sends, recvs, tag = self._check(sends, recvs, tag)   # every check before anything is posted
+        rreqs = [_TorchRequest(self.pg.recv([t], p, tag), self, p, "recv") for t, p in recvs]
+        return [_TorchRequest(self.pg.send([t], p, tag), self, p, "send") for t, p in sends], rreqs
 
     def describe(self, peer: int) -> str:
         return self._describe(peer) if self._describe else f"rank {peer}"

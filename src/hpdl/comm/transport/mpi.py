@@ -17,9 +17,9 @@ from typing import Sequence
 
 import torch
 
-from hpdl.comm.transport.base import Request, Transport
+from hpdl.comm.transport.base import Request, Transport, check_post, check_timeout
 from hpdl.runtime import env
-from hpdl.runtime.errors import CollectiveTimeoutError
+from hpdl.runtime.errors import CollectiveMismatchError, CollectiveTimeoutError, HpdlError
 
 _SPIN_S = 50e-6       # poll without sleeping this long first: a reply within it costs no sleep's latency
 _MAX_SLEEP_S = 1e-3   # then sleep between polls, doubling from 10 us up to this
@@ -37,15 +37,39 @@ class _CudaBuffer:
 
 
 class _MpiRequest(Request):
-    __slots__ = ("_req", "_t", "_peer", "_kind", "_done")
+    __slots__ = ("_req", "_t", "_peer", "_kind", "_done", "_nbytes", "_status")
 
-    def __init__(self, req, transport: "MpiTransport", peer: int, kind: str):
+    def __init__(self, req, transport: "MpiTransport", peer: int, kind: str, nbytes: int):
         self._req, self._t, self._peer, self._kind, self._done = req, transport, peer, kind, False
+        self._nbytes = nbytes   # the buffer's size: a receive's message must fill it exactly
+        self._status = transport._MPI.Status() if kind == "recv" else None
 
     def is_completed(self) -> bool:
         if not self._done:
-            self._done = bool(self._req.Test())
+            try:
+                done = bool(self._req.Test(self._status))
+            except self._t._MPI.Exception as exc:   # completed with an error (e.g. a truncated message)
+                self._done = True
+                self._raise(exc)
+            self._done = done
+            if done and self._status is not None:
+                got = self._status.Get_count(self._t._MPI.BYTE)
+                if got != self._nbytes:
+                    t = self._t
+                    raise CollectiveMismatchError(
+                        f"rank {t.rank} received {got} bytes from {t.describe(self._peer)} into a {self._nbytes}-byte "
+                        f"buffer (tag {self._status.Get_tag()}); a send and its receive must have the same size")
         return self._done
+
+    def _raise(self, exc) -> None:
+        t, peer = self._t, self._peer
+        where = f"{'from' if self._kind == 'recv' else 'to'} {t.describe(peer)}"
+        if exc.Get_error_class() == t._MPI.ERR_TRUNCATE:
+            raise CollectiveMismatchError(
+                f"rank {t.rank}'s recv {where} got a message larger than its {self._nbytes}-byte buffer (MPI: "
+                f"{exc.Get_error_string().strip()}); a send and its receive must have the same size") from None
+        raise HpdlError(f"rank {t.rank}'s {self._kind} {where} failed in MPI: {exc.Get_error_string().strip()}") \
+            from exc
 
     def wait(self) -> None:
         if self.is_completed():
@@ -93,7 +117,11 @@ class MpiTransport(Transport):
 
     Raises:
         ImportError: mpi4py (or the MPI library it loads) is missing.
-        ValueError: ``timeout`` not positive.
+        ValueError: ``timeout`` not > 0 and finite, ``device`` neither CPU nor CUDA, or CUDA without a GPU here.
+        TypeError: ``timeout`` not a number.
+
+    A receive whose message has another size than its tensor raises
+    :class:`hpdl.runtime.CollectiveMismatchError` from ``wait()``, naming the peer and both sizes.
 
     Example (under ``mpiexec -n 2``)::
 
@@ -114,33 +142,30 @@ class MpiTransport(Transport):
                               f"mpiexec ({exc})") from exc
         self.comm = comm if comm is not None else MPI.COMM_WORLD
         self.rank, self.world_size = self.comm.Get_rank(), self.comm.Get_size()
-        self.timeout = float(env.get("HPDL_TIMEOUT") if timeout is None else timeout)
-        if not self.timeout > 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        self._MPI = MPI
+        self.timeout = check_timeout(env.get("HPDL_TIMEOUT") if timeout is None else timeout)
         self.device = torch.device(device if device is not None else "cpu")
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be a CPU or CUDA device, got {self.device}")
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device}: torch sees no CUDA GPU on this host; pass device='cpu'")
         self._tag_ub = int(self.comm.Get_attr(MPI.TAG_UB))
 
-    def _message(self, t: torch.Tensor, peer: int, what: str):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{what} tensor must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_contiguous() or t.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"{what} tensor must be a contiguous CPU or CUDA tensor, got a {t.device} tensor "
-                             f"(contiguous={t.is_contiguous()})")
-        if not 0 <= peer < self.world_size:
-            raise ValueError(f"{what} peer must be a rank in [0, {self.world_size}), got {peer}")
+    @staticmethod
+    def _buffer(t: torch.Tensor):
         flat = t.detach().reshape(-1).view(torch.uint8)  # bytes: every dtype, same storage
         return _CudaBuffer(flat) if t.is_cuda else flat.numpy()
 
     def post(self, sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]],
              tag: int = 0) -> tuple[list[Request], list[Request]]:
-        if not 0 <= tag <= self._tag_ub:
-            raise ValueError(f"tag must be in [0, {self._tag_ub}] (this MPI's TAG_UB), got {tag}")
-        rmsgs = [(self._message(t, p, "recv"), p) for t, p in recvs]  # every check before anything is posted
-        smsgs = [(self._message(t, p, "send"), p) for t, p in sends]
+        sends, recvs, tag = check_post(self, sends, recvs, tag, devices=("cpu", "cuda"), tag_max=self._tag_ub,
+                                       tag_note=" (this MPI's TAG_UB)")  # every check before anything is posted
         # MPI ignores CUDA streams: the work queued on the buffers (writes to sends, reads of receives) first
         for d in {t.device for t, _ in list(sends) + list(recvs) if t.is_cuda}:
             torch.cuda.current_stream(d).synchronize()
         # receives first: a message then finds its buffer posted (no unexpected-message copy)
-        rreqs = [_MpiRequest(self.comm.Irecv(m, source=p, tag=tag), self, p, "recv") for m, p in rmsgs]
-        sreqs = [_MpiRequest(self.comm.Isend(m, dest=p, tag=tag), self, p, "send") for m, p in smsgs]
+        rreqs = [_MpiRequest(self.comm.Irecv(self._buffer(t), source=p, tag=tag), self, p, "recv", t.nbytes)
+                 for t, p in recvs]
+        sreqs = [_MpiRequest(self.comm.Isend(self._buffer(t), dest=p, tag=tag), self, p, "send", t.nbytes)
+                 for t, p in sends]
         return sreqs, rreqs

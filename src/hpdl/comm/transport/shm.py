@@ -29,6 +29,7 @@ import errno
 import fcntl
 import itertools
 import mmap
+import operator
 import os
 import re
 import secrets
@@ -95,7 +96,8 @@ def owner_token(directory: str | None = None) -> str:
     process ends) and then sweeps the directory (:func:`sweep`).
 
     Raises:
-        OSError: the directory does not exist or is not writable.
+        FileNotFoundError: the directory does not exist (the message names it).
+        OSError: the directory is not writable.
     """
     d = os.path.abspath(directory or default_dir())
     with _LOCK:
@@ -103,6 +105,9 @@ def owner_token(directory: str | None = None) -> str:
         token = st["owners"].get(d)
         if token is not None:
             return token
+        if not os.path.isdir(d):   # else the error would name a temporary file in it
+            raise FileNotFoundError(errno.ENOENT, f"shared-memory directory {d} does not exist (or is not a "
+                                                  "directory)", d)
         token = f"{os.getpid()}x{secrets.token_hex(4)}"
         tmp = os.path.join(d, f".{OWNER_PREFIX}tmp-{token}")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -215,18 +220,19 @@ def create(kind: str, nbytes: int, *, tail: str | None = None, directory: str | 
         directory: default :func:`default_dir`.
 
     Raises:
+        TypeError: ``nbytes`` not an int (a float is refused, not truncated).
         ValueError: ``nbytes < 0``, or ``kind`` / ``tail`` holds another character.
         FileExistsError: the name exists.
+        FileNotFoundError: the directory does not exist.
         NoSpaceError: the directory has no room for ``nbytes`` (the message names the size and directory).
     """
-    if nbytes < 0:
-        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    nbytes = _nbytes(nbytes)
     for arg, value in (("kind", kind), ("tail", tail)):
         if value is not None and not _NAME_PART.fullmatch(value):
             raise ValueError(f"{arg}={value!r}: expected letters, digits and dashes")
     d = os.path.abspath(directory or default_dir())
     path = segment_path(kind, owner_token(d), str(next(_COUNTER)) if tail is None else tail, d)
-    size = max(int(nbytes), 1)
+    size = max(nbytes, 1)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         try:  # reserve the pages now: a full tmpfs fails here, not as SIGBUS on first touch
@@ -242,7 +248,20 @@ def create(kind: str, nbytes: int, *, tail: str | None = None, directory: str | 
         os.close(fd)
     with _LOCK:
         _current()["created"].add(path)
-    return Segment(path, int(nbytes), buf, True)
+    return Segment(path, nbytes, buf, True)
+
+
+def _nbytes(value, name: str = "nbytes") -> int:
+    """``value`` as an int >= 0 (a bool or a float is refused, not truncated)."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        n = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int >= 0 (bytes), got {value!r} ({type(value).__name__})") from None
+    if n < 0:
+        raise ValueError(f"{name} must be an int >= 0 (bytes), got {n}")
+    return n
 
 
 def attach(path: str, nbytes: int | None = None) -> Segment:
@@ -253,12 +272,16 @@ def attach(path: str, nbytes: int | None = None) -> Segment:
 
     Raises:
         FileNotFoundError: no such segment.
-        ValueError: the file is smaller than ``nbytes`` (e.g. its creator has not sized it yet) or empty.
+        TypeError: ``nbytes`` not an int.
+        ValueError: ``nbytes < 0``, or the file is smaller than ``nbytes`` (e.g. its creator has not sized it yet)
+            or empty.
     """
+    if nbytes is not None:
+        nbytes = _nbytes(nbytes)
     fd = os.open(path, os.O_RDWR)
     try:
         size = os.fstat(fd).st_size
-        want = size if nbytes is None else int(nbytes)
+        want = size if nbytes is None else nbytes
         if size < max(want, 1):
             raise ValueError(f"segment {path} has {size} bytes, expected at least {max(want, 1)}")
         buf = mmap.mmap(fd, max(want, 1))

@@ -10,7 +10,7 @@ from typing import Sequence
 
 import torch
 
-from hpdl.comm.transport.base import Request, Transport
+from hpdl.comm.transport.base import TAG_MAX, Request, Transport, check_int
 
 
 class SubTransport(Transport):
@@ -44,6 +44,10 @@ class SubTransport(Transport):
     def post(self, sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]],
              tag: int = 0) -> tuple[list[Request], list[Request]]:
         m = self.members
+        # sub-ranks and the tag before its offset checked here (the parent checks tensors and the sum)
+        tag = check_int("tag", tag, 0, TAG_MAX)
+        sends = [(t, check_int("send peer", q, 0, len(m) - 1, f"a rank in [0, {len(m)})")) for t, q in sends]
+        recvs = [(t, check_int("recv peer", q, 0, len(m) - 1, f"a rank in [0, {len(m)})")) for t, q in recvs]
         return self.parent.post([(t, m[q]) for t, q in sends], [(t, m[q]) for t, q in recvs], tag + self.tag_offset)
 
     def describe(self, peer: int) -> str:

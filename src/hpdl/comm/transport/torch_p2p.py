@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from hpdl.comm.transport.base import Request, Transport
+from hpdl.comm.transport.base import Request, Transport, check_post, check_timeout
 from hpdl.runtime.errors import CollectiveTimeoutError
 
 
@@ -56,6 +56,10 @@ class TorchTransport(Transport):
     Args:
         group: process group whose ranks the algorithm addresses as 0..world_size-1.
         timeout: seconds each wait may block (gloo); NCCL waits are bounded by the group's own timeout.
+
+    Raises:
+        TypeError, ValueError: ``timeout`` not a finite number > 0; a bad tensor, peer or tag in a call
+            (:func:`~hpdl.comm.transport.base.check_post`: CUDA tensors on NCCL, CPU or CUDA on gloo).
     """
 
     def __init__(self, group=None, timeout: float = 300.0, device: torch.device | None = None):
@@ -63,13 +67,15 @@ class TorchTransport(Transport):
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.backend = str(dist.get_backend(group))
-        self.timeout = float(timeout)
+        self.timeout = check_timeout(timeout)
         self.device = device or (torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl"
                                  else torch.device("cpu"))
         self._global = [dist.get_global_rank(group, r) if group is not None else r for r in range(self.world_size)]
 
     def post(self, sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]],
              tag: int = 0) -> tuple[list[Request], list[Request]]:
+        devices = ("cuda",) if self.backend == "nccl" else ("cpu", "cuda")
+        sends, recvs, tag = check_post(self, sends, recvs, tag, devices=devices)  # before anything is posted
         if self.backend == "nccl":
             ops = [dist.P2POp(dist.isend, t, self._global[p], self.group) for t, p in sends]
             ops += [dist.P2POp(dist.irecv, t, self._global[p], self.group) for t, p in recvs]
