@@ -235,7 +235,9 @@ class CollectiveBenchmark(Benchmark):
             return 1
         with open(path, "w") as fh:
             fh.write(table.to_json())
-        print(f"# tuning table written to {path}; use it with HPDL_TUNING_FILE={path}")
+        # stdout holds only the JSON document with --format json
+        print(f"# tuning table written to {path}; use it with HPDL_TUNING_FILE={path}",
+              file=sys.stderr if ctx.args.format == "json" else sys.stdout)
         return 0
 
 

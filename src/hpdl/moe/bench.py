@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hpdl.bench.common import Benchmark, Column, Panel, PlotSpec, command
+from hpdl.bench.common import Benchmark, Column, Panel, PlotSpec, Progress, command
 from hpdl.moe.errors import MoEError
 from hpdl.runtime.errors import CLIUsageError
 from hpdl.runtime.limits import count
@@ -128,8 +128,9 @@ def prepare(spec: BenchSpec, E: int) -> dict:
             "prompts": prompts, "model_config": asdict(model.cfg)}
 
 
-def bench_rank(ctx, spec_d: dict, E: int, prep: dict) -> list[dict]:
-    """Per-rank body (run by ``hpdl.runtime.launch.spawn`` or a test pool): every mode x batch size.
+def bench_rank(ctx, spec_d: dict, E: int, prep: dict, show: bool = False) -> list[dict]:
+    """Per-rank body (run by ``hpdl.runtime.launch.spawn`` or a test pool): every mode x batch size. With
+    ``show``, rank 0 prints a progress line per point on stderr (stdout holds only the table or the JSON).
 
     Modes are interleaved: each repeat runs every mode once, in an order rotated per repeat, so drift of the
     machine over the sweep (other jobs, frequency, caches) falls on all modes alike instead of on whichever mode
@@ -149,6 +150,8 @@ def bench_rank(ctx, spec_d: dict, E: int, prep: dict) -> list[dict]:
              "exflow_padded": ("exflow", ilp, "worst_case")}
     names = list(modes)
     rows = []
+    # a spawned process cannot draw on the parent's bar: flushed lines on stderr (the harness's line mode)
+    steps = Progress(len(spec.batches) * len(names), f"E={E}", enabled=show and ctx.rank == 0, mode="lines")
     for b in spec.batches:
         prompts = prep["prompts"][ctx.rank][:b]
         tokens, times, stats = {}, {n: [] for n in names}, {}
@@ -188,11 +191,11 @@ def bench_rank(ctx, spec_d: dict, E: int, prep: dict) -> list[dict]:
                          "rows_cross": sum(st["rows_cross"].values()),
                          "rows_dispatched_decode": sum(st["rows_dispatched_decode"].values()),
                          "rows_cross_decode": sum(st["rows_cross_decode"].values())})
-            if ctx.rank == 0:
+            if steps.mode != "off":
                 r = rows[-1]
-                print(f"E={E} batch/rank={b} {name}: {r['tokens_per_s']:.0f} tok/s (decode "
-                      f"{r['decode_tokens_per_s']:.0f}), rank 0's a2a {np.mean(r['a2a_bytes_per_layer']) / 1024:.1f} "
-                      f"KiB per layer", flush=True)
+                steps.advance(f"E={E} batch/rank={b} {name}: {r['tokens_per_s']:.0f} tok/s (decode "
+                              f"{r['decode_tokens_per_s']:.0f}), rank 0's a2a "
+                              f"{np.mean(r['a2a_bytes_per_layer']) / 1024:.1f} KiB per layer")
         if any(t != tokens["baseline"] for t in tokens.values()):
             raise MoEError(f"rank {ctx.rank}: E={E} batch={b}: ExFlow tokens differ from the baseline's")
     return rows
@@ -216,7 +219,8 @@ def run(spec: BenchSpec, ctx=None, progress=None) -> list[dict]:
         prep = prepare(spec, E)
         extra["placements"][E] = prep["placement"]
         extra["models"][E] = prep["model_config"]   # what ran (a --model checkpoint overrides the spec's shape)
-        per_rank = spawn(bench_rank, spec.world_size, args=(asdict(spec), E, prep))
+        show = progress is not None and progress.mode != "off"
+        per_rank = spawn(bench_rank, spec.world_size, args=(asdict(spec), E, prep, show))
         rows.extend(summarise(per_rank))
         if progress is not None:
             progress.advance(f"E={E} done ({progress.elapsed:.0f} s)")
