@@ -65,6 +65,8 @@ def test_tuned_table_prefers_native_within_noise_and_skips_wrong():
 def test_table_has_the_known_columns():
     text = format_table([_row(8, "native", 10.0)])
     assert "size(B)" in text and "busbw(GB/s)" in text and "#wrong" in text and "Out of bounds values : 0 OK" in text
+    # the ratio's direction is in the header, not only in a note under the table
+    assert text.splitlines()[0].endswith("vs native (speed-up, higher is better)")
 
 
 def _readme_main_command() -> str:

@@ -69,7 +69,7 @@ def test_table_has_units_and_says_which_way_a_ratio_is_better():
     text = C.format_table([{"n": 1, "method": "a-very-long-method-name", "ms": 1.234, "speedup": 2.0, "wrong": 0},
                            {"n": 2, "method": "b", "ms": None, "speedup": None, "wrong": 0}], Squares.columns, "t")
     lines = text.splitlines()
-    assert lines[0] == "# t" and "time (ms)" in lines[1] and "vs mul (higher is better)" in lines[1]
+    assert lines[0] == "# t" and "time (ms)" in lines[1] and "vs mul (speed-up, higher is better)" in lines[1]
     assert "a-very-long-method-name" in text and "2.00x" in text and " - " in text + " "
     assert lines[-1] == "# vs mul: speed-up (the reference's time / this row's): higher is better"
     with pytest.raises(ValueError, match="ratio"):

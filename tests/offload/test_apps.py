@@ -87,7 +87,7 @@ def test_jacobi_table_labels_its_ratio_as_a_time_ratio():
             {"shape": "2x8x8", "cells": 128, "mode": "agent", "step_ms": 1.0, "comm_ms": 0.2, "wrong": 0,
              "executor": "native", "vs_blocking": 0.5, "comm_fraction": None}]
     text = bench.table(rows, RunContext(args, run_metadata(), bench))
-    assert "vs blocking (lower is better)" in text
+    assert "vs blocking (time ratio, lower is better)" in text
     assert "# vs blocking: time ratio (this row's time / the reference's): lower is better" in text
     agent = next(line for line in text.splitlines() if " agent " in line)
     assert agent.split()[2:6] == ["1.000", "0.200", "-", "0.50x"]

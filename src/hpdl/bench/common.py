@@ -38,8 +38,8 @@ from typing import Any, Callable, Iterable, Sequence
 from hpdl.runtime.errors import CLIUsageError
 
 __all__ = ["Benchmark", "Column", "Panel", "PlotSpec", "Progress", "RunContext", "add_output_arguments",
-           "as_row", "check_outputs", "command", "format_table", "main", "plot_rows", "pyplot", "run_metadata",
-           "source_commit", "utc_now"]
+           "as_row", "check_outputs", "command", "format_table", "main", "plot_rows", "pyplot", "ratio_direction",
+           "run_metadata", "source_commit", "utc_now"]
 
 
 # ----------------------------------------------------------------------------------------------- metadata
@@ -112,6 +112,17 @@ RATIOS = {"speed-up": "speed-up (the reference's time / this row's): higher is b
           "time ratio": "time ratio (this row's time / the reference's): lower is better"}
 
 
+def ratio_direction(ratio: str) -> str:
+    """``"speed-up, higher is better"`` or ``"time ratio, lower is better"``: what a ratio column's header says.
+
+    Raises:
+        ValueError: ``ratio`` is not a key of :data:`RATIOS`.
+    """
+    if ratio not in RATIOS:
+        raise ValueError(f"ratio must be one of {sorted(RATIOS)}, got {ratio!r}")
+    return f"{ratio}, {'higher' if ratio == 'speed-up' else 'lower'} is better"
+
+
 @dataclass(frozen=True)
 class Column:
     """One column of a result table.
@@ -119,7 +130,8 @@ class Column:
     ``key`` is a row's field (or a function of the row); ``unit`` is printed in the header (``"us"`` gives
     ``avg (us)``); ``fmt`` is a format spec (``".1f"``) or a function returning the cell's text; a missing or
     None value prints ``-``. ``ratio`` marks a ratio column: ``"speed-up"`` (higher is better) or ``"time
-    ratio"`` (lower is better); its cells end in ``x`` and a note under the table says which way is better.
+    ratio"`` (lower is better); its header says so (:attr:`label`: ``vs native (speed-up, higher is better)``),
+    its cells end in ``x`` and a note under the table says what the ratio divides.
     """
 
     key: str | Callable[[dict], Any]
@@ -134,8 +146,11 @@ class Column:
 
     @property
     def label(self) -> str:
+        """The header as printed: ``avg (us)``; a ratio column always with its kind and direction, ``vs native
+        (speed-up, higher is better)`` or ``vs blocking (time ratio, lower is better)`` (made here, so that no
+        table can leave the direction out)."""
         if self.ratio:
-            return f"{self.header} ({'higher' if self.ratio == 'speed-up' else 'lower'} is better)"
+            return f"{self.header} ({ratio_direction(self.ratio)})"
         return f"{self.header} ({self.unit})" if self.unit else self.header
 
     def cell(self, row: dict) -> str:
