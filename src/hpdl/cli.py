@@ -99,7 +99,7 @@ def _main(argv: list[str], group: str | None, program: bool = False) -> int:
         sub = _subcommand_parser(args._parser, argv)  # `hpdl hpo simulate`'s usage, not `hpdl hpo`'s
         sub.print_usage(sys.stderr)
         print(f"{sub.prog}: error: {exc} (see {sub.prog} --help)", file=sys.stderr)
-        return 1
+        return exc.exit_status
     except ModuleNotFoundError as exc:  # an optional dependency imported late, inside the command
         if args.debug:
             raise

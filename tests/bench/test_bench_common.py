@@ -132,12 +132,13 @@ def test_pyplot_is_agg():
 
 
 def test_subsystem_benches_are_plugins_under_hpdl_bench(capsys):
-    """apps and moe run under `hpdl bench` through the harness: their checks fail before any rank starts."""
+    """apps and moe run under `hpdl bench` through the harness: their checks fail before any rank starts, with
+    argparse's usage status 2 (1 is for a wrong row), naming the flags."""
     from hpdl.cli import main
 
-    assert main(["bench", "apps", "--np", "2,x"]) == 1
+    assert main(["bench", "apps", "--np", "2,x"]) == 2
     assert "--np must be comma-separated process counts" in capsys.readouterr().err
-    assert main(["bench", "moe", "--world-size", "3", "--experts", "8"]) == 1
-    assert "world_size=3 must divide every expert count" in capsys.readouterr().err
-    assert main(["bench", "attention", "-b", "9", "-e", "8"]) == 1
+    assert main(["bench", "moe", "--world-size", "3", "--experts", "8"]) == 2
+    assert "--world-size 3 must divide every expert count" in capsys.readouterr().err
+    assert main(["bench", "attention", "-b", "9", "-e", "8"]) == 2
     assert "-b/--min-tokens (9) must not exceed -e/--max-tokens (8)" in capsys.readouterr().err

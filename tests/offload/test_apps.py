@@ -42,7 +42,8 @@ def test_interior_and_shell_cover_the_block_once_and_compute_the_same_bits(shape
     (["offload", "jacobi", "--json", "/proc/x/y.json"], "--json /proc/x/y.json"),
 ])
 def test_command_usage_errors(argv, msg, capsys):
-    assert main(argv) == 1
+    # the benchmarks' checks run in the bench harness before the run: argparse's usage status, 2
+    assert main(argv) == (1 if argv[:2] == ["offload", "agent"] else 2)
     assert msg in capsys.readouterr().err
 
 

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from hpdl.bench.common import Benchmark, Panel, PlotSpec, add_output_arguments, main
+from hpdl.bench.common import EXIT_USAGE, Benchmark, Panel, PlotSpec, add_output_arguments, main
 from hpdl.bench.harness import BenchConfig, run_sweep
 from hpdl.bench.specs import SPECS
 from hpdl.runtime.commands import attach
@@ -154,8 +154,10 @@ class BenchCommand:
                                     "is not installed: pip install 'hpdl[comm]' (or pip install scipy)") from None
         args.collective = _CANONICAL.get(args.collective, args.collective)
         if args.collective is None:
-            raise CLIUsageError("choose a collective: " + ", ".join(_COLLECTIVES)
+            exc = CLIUsageError("choose a collective: " + ", ".join(_COLLECTIVES)
                                 + " (or " + ", ".join(["model", *PLUGINS]) + ")")
+            exc.exit_status = EXIT_USAGE   # as argparse's missing argument
+            raise exc
         if args.collective in PLUGINS:
             if getattr(args, "_plugin_missing", None):
                 raise CLIUsageError(args._plugin_missing)

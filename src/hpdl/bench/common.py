@@ -12,7 +12,8 @@ clock, host, versions, commit, command), the output flags (:func:`add_output_arg
 table|json``, ``--json FILE``, ``--out DIR``, ``--plot PNG``, checked before the run by :func:`check_outputs`),
 progress on stderr (:class:`Progress`: a rich bar on a terminal, a flushed line per step otherwise), tables
 (:func:`format_table`, rich), plots (:func:`pyplot` selects matplotlib's Agg backend once; :func:`plot_rows`)
-and the exit status (1 when :meth:`Benchmark.failed`, e.g. a non-zero ``#wrong``).
+and the exit status (1 when :meth:`Benchmark.failed`, e.g. a non-zero ``#wrong``; 2 for a usage error found
+before the run, as argparse's).
 
 :func:`command` turns a plug-in into the ``add_arguments(parser)`` / ``run(args) -> int`` class that ``hpdl``'s
 command registries load by ``"module:Class"`` path. This module imports nothing of hpdl's subsystems.
@@ -37,9 +38,9 @@ from typing import Any, Callable, Iterable, Sequence
 
 from hpdl.runtime.errors import CLIUsageError
 
-__all__ = ["Benchmark", "Column", "Panel", "PlotSpec", "Progress", "RunContext", "add_output_arguments",
-           "as_row", "check_outputs", "command", "format_table", "main", "plot_rows", "pyplot", "ratio_direction",
-           "run_metadata", "source_commit", "utc_now"]
+__all__ = ["EXIT_USAGE", "Benchmark", "Column", "Panel", "PlotSpec", "Progress", "RunContext",
+           "add_output_arguments", "as_row", "check_outputs", "command", "format_table", "main", "plot_rows",
+           "pyplot", "ratio_direction", "run_metadata", "source_commit", "usage_checks", "utc_now"]
 
 
 # ----------------------------------------------------------------------------------------------- metadata
@@ -535,11 +536,29 @@ class Benchmark(ABC):
         return 0
 
 
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2   # EXIT_USAGE is argparse's status for bad usage
+
+
+def usage_checks(bench: Benchmark, args) -> None:
+    """Everything checked before a run: :meth:`Benchmark.validate`, then the output paths (:func:`check_outputs`).
+
+    Raises:
+        CLIUsageError: with ``exit_status`` :data:`EXIT_USAGE` (2, as argparse's own errors), so that the
+            ``hpdl`` command's 1 means only that a run failed or a row is wrong.
+    """
+    try:
+        bench.validate(args)
+        check_outputs(args, bench.output_files(args))
+    except CLIUsageError as exc:
+        exc.exit_status = EXIT_USAGE
+        raise
+
+
 def main(bench: Benchmark, args) -> int:
-    """Run ``bench`` with the parsed ``args``: validate, check output paths, run, then report (stdout table or
-    JSON, ``--json``, ``--out``, ``--plot``) and return the exit status (0 ok, 1 :meth:`Benchmark.failed`)."""
-    bench.validate(args)
-    check_outputs(args, bench.output_files(args))
+    """Run ``bench`` with the parsed ``args``: check usage (:func:`usage_checks`), run, then report (stdout table
+    or JSON, ``--json``, ``--out``, ``--plot``) and return the exit status (0 ok, 1 :meth:`Benchmark.failed`;
+    a usage error raises :class:`CLIUsageError`, which the ``hpdl`` command turns into exit status 2)."""
+    usage_checks(bench, args)
     extra = bench.metadata(args)
     device = extra.pop("device", getattr(args, "device", None))
     ctx = RunContext(args, run_metadata(device=device, **extra), bench)

@@ -7,9 +7,11 @@ import argparse
 import json
 from dataclasses import asdict, replace
 
-from hpdl.bench.common import Column, add_output_arguments, check_outputs, format_table, pyplot, run_metadata
+from hpdl.bench.common import (EXIT_USAGE, Column, add_output_arguments, check_outputs, format_table, pyplot,
+                               run_metadata)
 from hpdl.comm.model import (FIT, PRESETS, Machine, allreduce_time, calibrate, compare_table, fmt_bytes,
                              load_samples, predict_table, speedup_table)
+from hpdl.runtime.errors import CLIUsageError
 
 WORLDS = [2 ** k for k in range(1, 13)]  # 2 .. 4096
 
@@ -55,7 +57,11 @@ def run_model_command(args, size: int) -> int:
     """``hpdl bench model``: measured vs model (calibrated), then predictions, each section labelled.
 
     ``args`` from :func:`add_model_arguments`; ``size`` (bytes) is ``--size`` parsed by ``hpdl bench``."""
-    check_outputs(args)
+    try:
+        check_outputs(args)
+    except CLIUsageError as exc:
+        exc.exit_status = EXIT_USAGE   # a usage error before the run, as in every harness benchmark
+        raise
     out: dict = {"meta": run_metadata()}
     if args.calibrate:
         samples = load_samples(args.calibrate)

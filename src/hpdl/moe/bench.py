@@ -22,6 +22,7 @@ fails if they differ.
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -327,7 +328,15 @@ class MoEBenchmark(Benchmark):
         self.spec = BenchSpec(world_size=args.world_size, experts=experts, batches=batches, hidden_size=args.hidden,
                               n_layers=args.layers, expert_size=args.expert_size, prompt_len=args.prompt_len,
                               new_tokens=args.new_tokens, repeats=args.repeats, model=args.model)
-        check_spec(self.spec)
+        try:
+            check_spec(self.spec)
+        except MoEError as exc:   # say it with the flags' names (the spec's world_size is --world-size)
+            flags = {"world_size": "--world-size", "experts": "--experts", "batches": "--batches", "model": "--model",
+                     "hidden_size": "--hidden", "n_layers": "--layers", "expert_size": "--expert-size",
+                     "prompt_len": "--prompt-len", "new_tokens": "--new-tokens", "repeats": "--repeats"}
+            text = re.sub(r"\b(" + "|".join(flags) + r")\b=?", lambda m: flags[m[1]] + (" " if m[0][-1] == "=" else ""),
+                          str(exc))
+            raise CLIUsageError(text) from None
 
     def metadata(self, args) -> dict:
         return {"device": "cpu", "spec": asdict(self.spec)}

@@ -41,8 +41,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from hpdl.bench.common import (Benchmark, Column, Panel, PlotSpec, check_outputs, command, format_table, main,
-                               plot_rows, pyplot, run_metadata)
+from hpdl.bench.common import (Benchmark, Column, Panel, PlotSpec, command, format_table, main,
+                               plot_rows, pyplot, run_metadata, usage_checks)
 
 from hpdl.models.soft_ops import nystrom_attention, soft_attention
 from hpdl.runtime.errors import CLIUsageError
@@ -564,11 +564,10 @@ class AttentionBenchCommand(command(AttentionBenchmark)):
         bench = AttentionBenchmark()
         if _csv(args.suite) != ["goal"]:
             return main(bench, args)
-        bench.validate(args)
+        usage_checks(bench, args)
         from hpdl.vision.soft_goal import run_goal
 
         out = Path(args.out_dir or os.environ.get("OUT") or ".")
-        check_outputs(args)
         meta = run_metadata(**bench.metadata(args))
         meta["dtype"] = "bfloat16" if bench.device.type == "cuda" else "float32"
         return run_goal(bench.goal, bench.device, meta, out)
