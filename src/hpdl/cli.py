@@ -85,6 +85,7 @@ def _main(argv: list[str], group: str | None, program: bool = False) -> int:
     parser = build_parser(group if group in GROUPS else None)
     args = parser.parse_args(argv)
     args._program = program
+    args._command = " ".join(["hpdl", *argv])   # as typed; what benchmark results record (meta["command"])
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     if args.group is None:

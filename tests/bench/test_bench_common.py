@@ -65,6 +65,15 @@ def test_metadata_is_utc_and_names_the_run():
     assert "no_such_module" not in meta and "gpu" not in meta
 
 
+def test_invocation_is_the_command_as_typed():
+    """Alias commands head their tables with what was typed (`hpdl moe bench` printed `# hpdl bench moe`)."""
+    assert C.invocation({"command": "hpdl moe bench --world-size 2"}, "hpdl bench moe") == "hpdl moe bench"
+    assert C.invocation({"command": "hpdl --debug bench all_reduce --np 2"}, "x") == "hpdl bench all_reduce"
+    assert C.invocation({"command": "hpdl offload jacobi"}, "x") == "hpdl offload jacobi"
+    assert C.invocation({"command": "python3 benchmarks/apps_cpu.py OUT"}, "hpdl bench apps") == "hpdl bench apps"
+    assert C.invocation({}, "hpdl bench x") == "hpdl bench x"
+
+
 def test_table_has_units_and_says_which_way_a_ratio_is_better():
     text = C.format_table([{"n": 1, "method": "a-very-long-method-name", "ms": 1.234, "speedup": 2.0, "wrong": 0},
                            {"n": 2, "method": "b", "ms": None, "speedup": None, "wrong": 0}], Squares.columns, "t")

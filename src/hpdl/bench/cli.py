@@ -212,7 +212,7 @@ class CollectiveBenchmark(Benchmark):
         from hpdl.bench.report import format_table
 
         meta = ctx.meta
-        lines = [f"# hpdl bench {meta['collective']}: {meta['world_size']} ranks, device {meta['device']}, "
+        lines = [f"# {self.invocation(ctx)}: {meta['world_size']} ranks, device {meta['device']}, "
                  f"torch {meta['torch']}, {meta['timing']} timing, {meta['date']}"]
         if meta.get("ranks_per_gpu", 1) > 1:
             lines.append(f"# NOTE: {meta['ranks_per_gpu']} ranks share each GPU: these timings check correctness "

@@ -39,8 +39,8 @@ from typing import Any, Callable, Iterable, Sequence
 from hpdl.runtime.errors import CLIUsageError
 
 __all__ = ["EXIT_USAGE", "Benchmark", "Column", "Panel", "PlotSpec", "Progress", "RunContext",
-           "add_output_arguments", "as_row", "check_outputs", "command", "format_table", "main", "plot_rows",
-           "pyplot", "ratio_direction", "run_metadata", "source_commit", "usage_checks", "utc_now"]
+           "add_output_arguments", "as_row", "check_outputs", "command", "format_table", "invocation", "main",
+           "plot_rows", "pyplot", "ratio_direction", "run_metadata", "source_commit", "usage_checks", "utc_now"]
 
 
 # ----------------------------------------------------------------------------------------------- metadata
@@ -74,6 +74,21 @@ def command_line() -> str:
     if name in ("hpdl", "cli.py", "__main__.py", "-m", "-c", ""):
         return " ".join(["hpdl", *sys.argv[1:]])
     return " ".join(["python3", argv0, *sys.argv[1:]])
+
+
+def invocation(meta: dict, default: str) -> str:
+    """The ``hpdl`` sub-command of ``meta["command"]`` as typed, its words before the first option (``hpdl moe
+    bench`` for ``hpdl moe bench --world-size 2``; ``hpdl``'s own ``--debug`` skipped); ``default`` when the
+    command is not ``hpdl``'s (a script)."""
+    words = [w for w in str(meta.get("command", "")).split() if w != "--debug"]
+    if not words or words[0] != "hpdl":
+        return default
+    head = []
+    for w in words[:3]:   # hpdl GROUP COMMAND at most: a positional argument after them is no part of the name
+        if w.startswith("-"):
+            break
+        head.append(w)
+    return " ".join(head) if len(head) > 1 else default
 
 
 def run_metadata(device: str | None = None, command: str | None = None, versions: Iterable[str] = (),
@@ -509,10 +524,17 @@ class Benchmark(ABC):
     def run(self, ctx: RunContext) -> list | None:
         """Measure and return the rows (dicts keyed by :attr:`columns`' keys), or None when nothing ran."""
 
+    def invocation(self, ctx: RunContext) -> str:
+        """The command as the user typed it, without its options (``hpdl moe bench``, ``hpdl bench moe``,
+        ``hpdl bench all_reduce``), from ``meta["command"]``; ``hpdl bench NAME`` when not run by ``hpdl``."""
+        return invocation(ctx.meta, f"hpdl bench {self.name}")
+
     def table(self, rows: Sequence[Any], ctx: RunContext) -> str:
-        """The text printed last: a heading line and :func:`format_table` of :attr:`columns`."""
+        """The text printed last: a heading line (the command as typed, :meth:`invocation`) and
+        :func:`format_table` of :attr:`columns`."""
         meta = ctx.meta
-        head = f"# hpdl bench {self.name}: {self.title}; " if self.title else f"# hpdl bench {self.name}: "
+        cmd = self.invocation(ctx)
+        head = f"# {cmd}: {self.title}; " if self.title else f"# {cmd}: "
         head += f"device {meta.get('device', 'cpu')}, torch {meta['torch']}, {meta['date']}"
         return head + "\n" + format_table(rows, self.columns)
 
@@ -561,7 +583,8 @@ def main(bench: Benchmark, args) -> int:
     usage_checks(bench, args)
     extra = bench.metadata(args)
     device = extra.pop("device", getattr(args, "device", None))
-    ctx = RunContext(args, run_metadata(device=device, **extra), bench)
+    # the command as typed: `hpdl ...` passes its argv (also when main(argv) is called in-process)
+    ctx = RunContext(args, run_metadata(device=device, command=getattr(args, "_command", None), **extra), bench)
     t0 = time.perf_counter()
     rows = bench.run(ctx)
     if rows is None:  # a rank that does not report

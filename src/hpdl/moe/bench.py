@@ -342,7 +342,7 @@ class MoEBenchmark(Benchmark):
         return {"device": "cpu", "spec": asdict(self.spec)}
 
     def run(self, ctx) -> list[dict]:
-        with ctx.progress(len(self.spec.experts), header=f"# hpdl moe bench: E in {self.spec.experts}, "
+        with ctx.progress(len(self.spec.experts), header=f"# {self.invocation(ctx)}: E in {self.spec.experts}, "
                           f"{self.spec.world_size} gloo ranks") as bar:
             return run(self.spec, ctx, bar)
 

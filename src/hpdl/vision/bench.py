@@ -546,7 +546,7 @@ class AttentionBenchmark(Benchmark):
 
     def table(self, rows, ctx) -> str:
         m = ctx.meta
-        return (f"# hpdl bench attention: {m['device_name']}, {m['dtype']}, torch {m['torch']}, {m['date']}\n"
+        return (f"# {self.invocation(ctx)}: {m['device_name']}, {m['dtype']}, torch {m['torch']}, {m['date']}\n"
                 + format_tables(rows, m, ctx.extra.get("crossover_soft_vs_sdpa")))
 
     def plot(self, rows, path, ctx) -> list[str]:
