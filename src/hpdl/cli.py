@@ -20,7 +20,8 @@ __all__ = ["CLIUsageError", "GROUPS", "build_parser", "main"]
 # is imported, so a missing optional dependency breaks that group alone, with an install hint.
 GROUPS: dict[str, tuple[str, str, str | None]] = {
     "bench": ("hpdl.bench.cli:BenchCommand",
-              "benchmark collectives (nccl-tests / OSU columns, exact #wrong, speed-up over native)", None),
+              "every benchmark, on one harness: collectives (nccl-tests columns, exact #wrong, speed-up over "
+              "native), the cost model, and each subsystem's (serve, moe, apps, jacobi, overlap, attention)", None),
     "tes": ("hpdl.tes.cli:TesCommand",
             "HD-TES stimulator SoC model: simulate protocols, check safety, reproduce the chip spec", "tes"),
     "serve": ("hpdl.serve.cli:ServeCommand",

@@ -78,7 +78,8 @@ _GRAPH = ("allreduce", "alltoall")  # collectives with --graph (the README's GPU
 
 class BenchCommand:
     name = "bench"
-    help = "benchmark collectives (nccl-tests / OSU columns, exact #wrong, speed-up over native)"
+    help = ("every benchmark, on one harness: collectives (nccl-tests columns, exact #wrong, speed-up over native), "
+            "the cost model, and each subsystem's (serve, moe, apps, jacobi, overlap, attention)")
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:

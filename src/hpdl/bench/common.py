@@ -393,24 +393,26 @@ OUTPUTS = ("format", "json", "out", "plot")
 
 
 def add_output_arguments(parser: argparse.ArgumentParser, outputs: Iterable[str] = OUTPUTS, *,
-                         stem: str = "results") -> None:
+                         stem: str = "results", out_help: str | None = None, out_metavar: str = "DIR") -> None:
     """Declare the output flags, spelled and meant alike in every benchmark: ``--format table|json`` (stdout),
     ``--json FILE`` (rows and metadata), ``--out DIR`` (a folder for ``STEM.json`` and the figures),
     ``--plot PNG``. ``outputs`` picks which; the values land in ``format``, ``json_path``, ``out_dir``,
-    ``plot_path`` (the harness reads an undeclared one as None)."""
+    ``plot_path`` (the harness reads an undeclared one as None). ``out_help`` / ``out_metavar`` describe an
+    ``--out`` that takes more than a folder (:attr:`Benchmark.out_help`)."""
     outputs = tuple(outputs)
     bad = [o for o in outputs if o not in OUTPUTS]
     if bad:
         raise ValueError(f"outputs must be some of {OUTPUTS}, got {bad}")
     if "format" in outputs:
         parser.add_argument("--format", choices=["table", "json"], default="table",
-                            help="what stdout shows: a table, or JSON (default: table)")
+                            # %(default)s: a defaults-showing formatter then does not add it a second time
+                            help="what stdout shows: a table, or JSON (default: %(default)s)")
     if "json" in outputs:
         parser.add_argument("--json", dest="json_path", default=None, metavar="FILE",
                             help="write rows and metadata as JSON to FILE")
     if "out" in outputs:
-        parser.add_argument("--out", dest="out_dir", default=None, metavar="DIR",
-                            help=f"folder for {stem}.json and the figures (made if missing)")
+        parser.add_argument("--out", dest="out_dir", default=None, metavar=out_metavar,
+                            help=out_help or f"folder for {stem}.json and the figures (made if missing)")
     if "plot" in outputs:
         parser.add_argument("--plot", dest="plot_path", default=None, metavar="PNG", help="write the plot (PNG)")
 
@@ -499,6 +501,8 @@ class Benchmark(ABC):
     columns: tuple[Column, ...] = ()
     plot_spec: PlotSpec | None = None
     outputs: tuple[str, ...] = OUTPUTS
+    out_help: str | None = None   # --out's help when it takes more than a folder (and its metavar, out_metavar)
+    out_metavar: str = "DIR"
 
     def __init__(self) -> None:
         if self.stem is None:
@@ -622,7 +626,8 @@ def command(bench_cls: type[Benchmark]) -> type:
         @staticmethod
         def add_arguments(parser: argparse.ArgumentParser) -> None:
             bench_cls.add_arguments(parser)
-            add_output_arguments(parser, bench_cls.outputs, stem=bench_cls.stem or bench_cls.name)
+            add_output_arguments(parser, bench_cls.outputs, stem=bench_cls.stem or bench_cls.name,
+                                 out_help=bench_cls.out_help, out_metavar=bench_cls.out_metavar)
 
         def run(self, args) -> int:
             return main(bench_cls(), args)

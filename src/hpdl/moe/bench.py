@@ -282,6 +282,9 @@ class MoEBenchmark(Benchmark):
     are ``moe_bench.json`` / ``moe_bench.png`` here."""
 
     name, stem = "moe", "moe_bench"
+    out_metavar = "DIR|FILE.json"
+    out_help = ("a folder for moe_bench.json and moe_bench.png (made if missing), or a FILE.json: the JSON file, "
+                "with the figure FILE.png beside it (default: both in the current folder)")
     title = "ExFlow vs the 2-Alltoall baseline (gloo ranks)"
     columns = (Column("experts", "E"), Column("batch_per_rank", "batch/rank"), Column("mode", "mode"),
                Column("tokens_per_s", "throughput", "tok/s", ".0f"),
