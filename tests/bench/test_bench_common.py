@@ -151,3 +151,15 @@ def test_subsystem_benches_are_plugins_under_hpdl_bench(capsys):
     assert "--world-size 3 must divide every expert count" in capsys.readouterr().err
     assert main(["bench", "attention", "-b", "9", "-e", "8"]) == 2
     assert "-b/--min-tokens (9) must not exceed -e/--max-tokens (8)" in capsys.readouterr().err
+
+
+def test_shared_flag_spellings_are_aliases_where_a_bench_had_its_own():
+    """--np (ranks) and --repeats take the same meaning in every bench; the older spellings still parse."""
+    from hpdl.cli import build_parser
+
+    moe = build_parser("moe")
+    assert moe.parse_args(["moe", "bench", "--np", "2"]).world_size == 2
+    assert moe.parse_args(["moe", "bench", "--world-size", "2"]).world_size == 2
+    bench = build_parser("bench")
+    assert bench.parse_args(["bench", "attention", "--repeats", "3"]).reps == 3
+    assert bench.parse_args(["bench", "attention", "--reps", "3"]).reps == 3

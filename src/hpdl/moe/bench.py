@@ -298,8 +298,8 @@ class MoEBenchmark(Benchmark):
 
     @classmethod
     def add_arguments(cls, b) -> None:
-        b.add_argument("--world-size", type=count(1, 64), default=4, help="gloo ranks (processes) spawned; must "
-                       "divide every expert count")
+        b.add_argument("--world-size", "--np", type=count(1, 64), default=4, help="gloo ranks (processes) spawned "
+                       "(--np, as in every other bench); must divide every expert count")
         b.add_argument("--experts", default="8,16,32", help="comma-separated expert counts E, one model each")
         b.add_argument("--batches", default="1,4,16,64", help="comma-separated requests per rank (each >= 1)")
         b.add_argument("--hidden", type=count(8, 1 << 16), default=256, help="hidden size (8 query / 2 KV heads)")

@@ -441,7 +441,7 @@ class AttentionBenchmark(Benchmark):
         p.add_argument("--infer-batch", type=count(1, 1 << 16), default=None, help="(default: 256 on CUDA, 4 on CPU)")
         p.add_argument("--train-batch", type=count(1, 1 << 16), default=None, help="(default: 128 on CUDA, 2 on CPU)")
         p.add_argument("--warmup", type=count(0, 10_000), default=3, help="untimed calls per point (default: 3)")
-        p.add_argument("--reps", type=count(1, 10_000), default=10, help="timed calls per point, median reported (default: 10)")
+        p.add_argument("--reps", "--repeats", type=count(1, 10_000), default=10, help="timed calls per point, median reported (default: 10)")
         p.add_argument("--smoke", action="store_true", help="goal suite: tiny shapes (a CPU check of the code; "
                                                             "CPU needs TRITON_INTERPRET=1 for the kernel check)")
         p.add_argument("--goal-parts", default=None,
