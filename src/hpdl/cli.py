@@ -20,7 +20,8 @@ __all__ = ["CLIUsageError", "GROUPS", "build_parser", "main"]
 # is imported, so a missing optional dependency breaks that group alone, with an install hint.
 GROUPS: dict[str, tuple[str, str, str | None]] = {
     "bench": ("hpdl.bench.cli:BenchCommand",
-              "benchmark collectives (nccl-tests / OSU columns, exact #wrong, speed-up over native)", None),
+              "every benchmark, on one harness: collectives (nccl-tests columns, exact #wrong, speed-up over "
+              "native), the cost model, and each subsystem's (serve, moe, apps, jacobi, overlap, attention)", None),
     "tes": ("hpdl.tes.cli:TesCommand",
             "HD-TES stimulator SoC model: simulate protocols, check safety, reproduce the chip spec", "tes"),
     "serve": ("hpdl.serve.cli:ServeCommand",
@@ -85,6 +86,7 @@ def _main(argv: list[str], group: str | None, program: bool = False) -> int:
     parser = build_parser(group if group in GROUPS else None)
     args = parser.parse_args(argv)
     args._program = program
+    args._command = " ".join(["hpdl", *argv])   # as typed; what benchmark results record (meta["command"])
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     if args.group is None:
@@ -99,7 +101,7 @@ def _main(argv: list[str], group: str | None, program: bool = False) -> int:
         sub = _subcommand_parser(args._parser, argv)  # `hpdl hpo simulate`'s usage, not `hpdl hpo`'s
         sub.print_usage(sys.stderr)
         print(f"{sub.prog}: error: {exc} (see {sub.prog} --help)", file=sys.stderr)
-        return 1
+        return exc.exit_status
     except ModuleNotFoundError as exc:  # an optional dependency imported late, inside the command
         if args.debug:
             raise

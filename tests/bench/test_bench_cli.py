@@ -218,7 +218,7 @@ def test_alltoall_help_offers_only_what_alltoall_takes():
 # ------------------------------------------------------------------ 6. --graph
 def test_graph_on_cpu_is_a_clear_usage_error():
     r = _bench("allreduce", "--graph", "--np", "2", timeout=120)
-    assert r.returncode == 1 and "--graph" in r.stderr and "--device cuda" in r.stderr
+    assert r.returncode == 2 and "--graph" in r.stderr and "--device cuda" in r.stderr
     assert "Traceback" not in r.stderr
     r = _bench("reduce_scatter", "--graph", timeout=120)  # not offered where it is not implemented
     assert r.returncode != 0 and "unrecognized arguments: --graph" in r.stderr
@@ -304,7 +304,7 @@ def test_sizes_too_big_for_the_host_are_refused_before_spawning(argv, flag, monk
     real_vm = psutil.virtual_memory
     monkeypatch.setattr(psutil, "virtual_memory", lambda: real_vm()._replace(available=16 << 30))
     monkeypatch.setattr(bench_cli, "_launch", lambda cfg, args: pytest.fail("a rank was started"))
-    assert main(["bench", "allreduce", *argv]) == 1
+    assert main(["bench", "allreduce", *argv]) == 2
     err = capsys.readouterr().err
     assert f"choose a smaller {flag}" in err and "free" in err
 
@@ -332,10 +332,10 @@ def test_output_paths_are_checked_and_their_folders_made_before_the_sweep(tmp_pa
     blocker = tmp_path / "file"
     blocker.write_text("x")
     for flag in ("--json", "--plot", "--tune"):
-        assert main(["bench", "allreduce", "--np", "1", "-b", "8", "-e", "8", flag, str(blocker / "r.out")]) == 1
+        assert main(["bench", "allreduce", "--np", "1", "-b", "8", "-e", "8", flag, str(blocker / "r.out")]) == 2
         err = capsys.readouterr().err
         assert flag in err and "cannot make its folder" in err and "Traceback" not in err
-    assert main(["bench", "allreduce", "--np", "1", "-b", "8", "-e", "8", "--json", str(tmp_path)]) == 1
+    assert main(["bench", "allreduce", "--np", "1", "-b", "8", "-e", "8", "--json", str(tmp_path)]) == 2
     assert "is a folder" in capsys.readouterr().err
     # a missing folder is made, then the sweep runs (here: the stand-in that refuses)
     main(["bench", "allreduce", "--np", "1", "-b", "8", "-e", "8", "--json", str(tmp_path / "new" / "a.json")])

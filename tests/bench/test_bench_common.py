@@ -65,11 +65,20 @@ def test_metadata_is_utc_and_names_the_run():
     assert "no_such_module" not in meta and "gpu" not in meta
 
 
+def test_invocation_is_the_command_as_typed():
+    """Alias commands head their tables with what was typed (`hpdl moe bench` printed `# hpdl bench moe`)."""
+    assert C.invocation({"command": "hpdl moe bench --world-size 2"}, "hpdl bench moe") == "hpdl moe bench"
+    assert C.invocation({"command": "hpdl --debug bench all_reduce --np 2"}, "x") == "hpdl bench all_reduce"
+    assert C.invocation({"command": "hpdl offload jacobi"}, "x") == "hpdl offload jacobi"
+    assert C.invocation({"command": "python3 benchmarks/apps_cpu.py OUT"}, "hpdl bench apps") == "hpdl bench apps"
+    assert C.invocation({}, "hpdl bench x") == "hpdl bench x"
+
+
 def test_table_has_units_and_says_which_way_a_ratio_is_better():
     text = C.format_table([{"n": 1, "method": "a-very-long-method-name", "ms": 1.234, "speedup": 2.0, "wrong": 0},
                            {"n": 2, "method": "b", "ms": None, "speedup": None, "wrong": 0}], Squares.columns, "t")
     lines = text.splitlines()
-    assert lines[0] == "# t" and "time (ms)" in lines[1] and "vs mul (higher is better)" in lines[1]
+    assert lines[0] == "# t" and "time (ms)" in lines[1] and "vs mul (speed-up, higher is better)" in lines[1]
     assert "a-very-long-method-name" in text and "2.00x" in text and " - " in text + " "
     assert lines[-1] == "# vs mul: speed-up (the reference's time / this row's): higher is better"
     with pytest.raises(ValueError, match="ratio"):
@@ -132,12 +141,25 @@ def test_pyplot_is_agg():
 
 
 def test_subsystem_benches_are_plugins_under_hpdl_bench(capsys):
-    """apps and moe run under `hpdl bench` through the harness: their checks fail before any rank starts."""
+    """apps and moe run under `hpdl bench` through the harness: their checks fail before any rank starts, with
+    argparse's usage status 2 (1 is for a wrong row), naming the flags."""
     from hpdl.cli import main
 
-    assert main(["bench", "apps", "--np", "2,x"]) == 1
+    assert main(["bench", "apps", "--np", "2,x"]) == 2
     assert "--np must be comma-separated process counts" in capsys.readouterr().err
-    assert main(["bench", "moe", "--world-size", "3", "--experts", "8"]) == 1
-    assert "world_size=3 must divide every expert count" in capsys.readouterr().err
-    assert main(["bench", "attention", "-b", "9", "-e", "8"]) == 1
+    assert main(["bench", "moe", "--world-size", "3", "--experts", "8"]) == 2
+    assert "--world-size 3 must divide every expert count" in capsys.readouterr().err
+    assert main(["bench", "attention", "-b", "9", "-e", "8"]) == 2
     assert "-b/--min-tokens (9) must not exceed -e/--max-tokens (8)" in capsys.readouterr().err
+
+
+def test_shared_flag_spellings_are_aliases_where_a_bench_had_its_own():
+    """--np (ranks) and --repeats take the same meaning in every bench; the older spellings still parse."""
+    from hpdl.cli import build_parser
+
+    moe = build_parser("moe")
+    assert moe.parse_args(["moe", "bench", "--np", "2"]).world_size == 2
+    assert moe.parse_args(["moe", "bench", "--world-size", "2"]).world_size == 2
+    bench = build_parser("bench")
+    assert bench.parse_args(["bench", "attention", "--repeats", "3"]).reps == 3
+    assert bench.parse_args(["bench", "attention", "--reps", "3"]).reps == 3

@@ -74,6 +74,9 @@ def test_cli_prints_labelled_predictions_and_calibration(tmp_path, capsys):
     assert main(["bench", "model", "--calibrate", str(path), "--plot", str(tmp_path / "m.png")]) == 0
     out = capsys.readouterr().out
     assert "MEASURED vs MODEL" in out and "PREDICTION (not measured)" in out and "2.8x" in out
+    # the predicted speed-ups are labelled ratio columns, not raw field names
+    assert "vs ring 1 rail (speed-up, higher is better)" in out and "vs_ring_1_rail" not in out
+    assert "vs ring all rails (speed-up, higher is better)" in out and "two_level (us)" in out
     assert (tmp_path / "m.png").stat().st_size > 0
     assert main(["bench", "model", "--format", "json", "--machine", "gh200-ss11"]) == 0
     data = json.loads(capsys.readouterr().out)

@@ -42,7 +42,8 @@ def test_interior_and_shell_cover_the_block_once_and_compute_the_same_bits(shape
     (["offload", "jacobi", "--json", "/proc/x/y.json"], "--json /proc/x/y.json"),
 ])
 def test_command_usage_errors(argv, msg, capsys):
-    assert main(argv) == 1
+    # the benchmarks' checks run in the bench harness before the run: argparse's usage status, 2
+    assert main(argv) == (1 if argv[:2] == ["offload", "agent"] else 2)
     assert msg in capsys.readouterr().err
 
 
@@ -87,7 +88,7 @@ def test_jacobi_table_labels_its_ratio_as_a_time_ratio():
             {"shape": "2x8x8", "cells": 128, "mode": "agent", "step_ms": 1.0, "comm_ms": 0.2, "wrong": 0,
              "executor": "native", "vs_blocking": 0.5, "comm_fraction": None}]
     text = bench.table(rows, RunContext(args, run_metadata(), bench))
-    assert "vs blocking (lower is better)" in text
+    assert "vs blocking (time ratio, lower is better)" in text
     assert "# vs blocking: time ratio (this row's time / the reference's): lower is better" in text
     agent = next(line for line in text.splitlines() if " agent " in line)
     assert agent.split()[2:6] == ["1.000", "0.200", "-", "0.50x"]

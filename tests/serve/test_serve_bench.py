@@ -174,6 +174,7 @@ def test_bench_table_units_notes_order_and_files(capsys, tmp_path):
     assert main(argv) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
+    assert lines[0].startswith("# hpdl serve bench: ")   # the command as typed, not its alias `hpdl bench serve`
     header = lines[1]
     for label in ("output throughput (tok/s)", "request throughput (req/s)", "TTFT p99 (ms)", "TPOT median (ms)",
                   "goodput (req/s)", "makespan (s)", "prefill padding (tokens)"):

@@ -259,7 +259,7 @@ class AppsBenchmark(Benchmark):
 
     def table(self, rows, ctx) -> str:
         m = ctx.meta
-        return (f"# hpdl bench apps: np {self.nps}, {m['cores']} cores, torch {m['torch']}, {m['date']}, "
+        return (f"# {self.invocation(ctx)}: np {self.nps}, {m['cores']} cores, torch {m['torch']}, {m['date']}, "
                 f"{m.get('seconds', 0):.0f} s\n" + format_table(rows))
 
     def plot(self, rows, path, ctx) -> list[str]:

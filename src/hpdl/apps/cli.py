@@ -112,6 +112,12 @@ def main_cg(argv=None) -> int:
     parts = "" if res.allreduce_s is None else \
         f" (dot all-reduces {res.allreduce_s * 1e6:.1f} us, halo waits {res.halo_s * 1e6:.1f} us)"
     label = comm_label(a.comm, a.algorithm)
+    if a.comm == "hpdl" and a.algorithm == "auto" and a.device == "cpu" and comm.size > 1:
+        # what auto ran for CG's one-element dot all-reduces (on CPU the table's pick is the whole answer)
+        from hpdl.comm import resolve
+
+        dt = getattr(torch, a.dtype)
+        label = f"hpdl(auto->{resolve('all_reduce', dt.itemsize, comm.size, 'cpu', dtype=dt)[0]})"
     _emit(comm, f"cg {a.size}^3 ranks={comm.size} comm={label} {a.device} {a.dtype}: "
                 f"{res.time_s * 1e6:.1f} us/iter{parts}; |r| {res.residuals[0]:.3e} -> {res.residuals[-1]:.3e} "
                 f"after {a.warmup + a.iters} iterations",

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from hpdl.bench.common import Benchmark, Panel, PlotSpec, add_output_arguments, main
+from hpdl.bench.common import EXIT_USAGE, Benchmark, Panel, PlotSpec, add_output_arguments, main
 from hpdl.bench.harness import BenchConfig, run_sweep
 from hpdl.bench.specs import SPECS
 from hpdl.runtime.commands import attach
@@ -78,7 +78,8 @@ _GRAPH = ("allreduce", "alltoall")  # collectives with --graph (the README's GPU
 
 class BenchCommand:
     name = "bench"
-    help = "benchmark collectives (nccl-tests / OSU columns, exact #wrong, speed-up over native)"
+    help = ("every benchmark, on one harness: collectives (nccl-tests columns, exact #wrong, speed-up over native), "
+            "the cost model, and each subsystem's (serve, moe, apps, jacobi, overlap, attention)")
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -154,8 +155,10 @@ class BenchCommand:
                                     "is not installed: pip install 'hpdl[comm]' (or pip install scipy)") from None
         args.collective = _CANONICAL.get(args.collective, args.collective)
         if args.collective is None:
-            raise CLIUsageError("choose a collective: " + ", ".join(_COLLECTIVES)
+            exc = CLIUsageError("choose a collective: " + ", ".join(_COLLECTIVES)
                                 + " (or " + ", ".join(["model", *PLUGINS]) + ")")
+            exc.exit_status = EXIT_USAGE   # as argparse's missing argument
+            raise exc
         if args.collective in PLUGINS:
             if getattr(args, "_plugin_missing", None):
                 raise CLIUsageError(args._plugin_missing)
@@ -210,7 +213,7 @@ class CollectiveBenchmark(Benchmark):
         from hpdl.bench.report import format_table
 
         meta = ctx.meta
-        lines = [f"# hpdl bench {meta['collective']}: {meta['world_size']} ranks, device {meta['device']}, "
+        lines = [f"# {self.invocation(ctx)}: {meta['world_size']} ranks, device {meta['device']}, "
                  f"torch {meta['torch']}, {meta['timing']} timing, {meta['date']}"]
         if meta.get("ranks_per_gpu", 1) > 1:
             lines.append(f"# NOTE: {meta['ranks_per_gpu']} ranks share each GPU: these timings check correctness "
@@ -235,7 +238,9 @@ class CollectiveBenchmark(Benchmark):
             return 1
         with open(path, "w") as fh:
             fh.write(table.to_json())
-        print(f"# tuning table written to {path}; use it with HPDL_TUNING_FILE={path}")
+        # stdout holds only the JSON document with --format json
+        print(f"# tuning table written to {path}; use it with HPDL_TUNING_FILE={path}",
+              file=sys.stderr if ctx.args.format == "json" else sys.stdout)
         return 0
 
 

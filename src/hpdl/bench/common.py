@@ -12,7 +12,8 @@ clock, host, versions, commit, command), the output flags (:func:`add_output_arg
 table|json``, ``--json FILE``, ``--out DIR``, ``--plot PNG``, checked before the run by :func:`check_outputs`),
 progress on stderr (:class:`Progress`: a rich bar on a terminal, a flushed line per step otherwise), tables
 (:func:`format_table`, rich), plots (:func:`pyplot` selects matplotlib's Agg backend once; :func:`plot_rows`)
-and the exit status (1 when :meth:`Benchmark.failed`, e.g. a non-zero ``#wrong``).
+and the exit status (1 when :meth:`Benchmark.failed`, e.g. a non-zero ``#wrong``; 2 for a usage error found
+before the run, as argparse's).
 
 :func:`command` turns a plug-in into the ``add_arguments(parser)`` / ``run(args) -> int`` class that ``hpdl``'s
 command registries load by ``"module:Class"`` path. This module imports nothing of hpdl's subsystems.
@@ -37,9 +38,9 @@ from typing import Any, Callable, Iterable, Sequence
 
 from hpdl.runtime.errors import CLIUsageError
 
-__all__ = ["Benchmark", "Column", "Panel", "PlotSpec", "Progress", "RunContext", "add_output_arguments",
-           "as_row", "check_outputs", "command", "format_table", "main", "plot_rows", "pyplot", "run_metadata",
-           "source_commit", "utc_now"]
+__all__ = ["EXIT_USAGE", "Benchmark", "Column", "Panel", "PlotSpec", "Progress", "RunContext",
+           "add_output_arguments", "as_row", "check_outputs", "command", "format_table", "invocation", "main",
+           "plot_rows", "pyplot", "ratio_direction", "run_metadata", "source_commit", "usage_checks", "utc_now"]
 
 
 # ----------------------------------------------------------------------------------------------- metadata
@@ -73,6 +74,21 @@ def command_line() -> str:
     if name in ("hpdl", "cli.py", "__main__.py", "-m", "-c", ""):
         return " ".join(["hpdl", *sys.argv[1:]])
     return " ".join(["python3", argv0, *sys.argv[1:]])
+
+
+def invocation(meta: dict, default: str) -> str:
+    """The ``hpdl`` sub-command of ``meta["command"]`` as typed, its words before the first option (``hpdl moe
+    bench`` for ``hpdl moe bench --world-size 2``; ``hpdl``'s own ``--debug`` skipped); ``default`` when the
+    command is not ``hpdl``'s (a script)."""
+    words = [w for w in str(meta.get("command", "")).split() if w != "--debug"]
+    if not words or words[0] != "hpdl":
+        return default
+    head = []
+    for w in words[:3]:   # hpdl GROUP COMMAND at most: a positional argument after them is no part of the name
+        if w.startswith("-"):
+            break
+        head.append(w)
+    return " ".join(head) if len(head) > 1 else default
 
 
 def run_metadata(device: str | None = None, command: str | None = None, versions: Iterable[str] = (),
@@ -112,6 +128,17 @@ RATIOS = {"speed-up": "speed-up (the reference's time / this row's): higher is b
           "time ratio": "time ratio (this row's time / the reference's): lower is better"}
 
 
+def ratio_direction(ratio: str) -> str:
+    """``"speed-up, higher is better"`` or ``"time ratio, lower is better"``: what a ratio column's header says.
+
+    Raises:
+        ValueError: ``ratio`` is not a key of :data:`RATIOS`.
+    """
+    if ratio not in RATIOS:
+        raise ValueError(f"ratio must be one of {sorted(RATIOS)}, got {ratio!r}")
+    return f"{ratio}, {'higher' if ratio == 'speed-up' else 'lower'} is better"
+
+
 @dataclass(frozen=True)
 class Column:
     """One column of a result table.
@@ -119,7 +146,8 @@ class Column:
     ``key`` is a row's field (or a function of the row); ``unit`` is printed in the header (``"us"`` gives
     ``avg (us)``); ``fmt`` is a format spec (``".1f"``) or a function returning the cell's text; a missing or
     None value prints ``-``. ``ratio`` marks a ratio column: ``"speed-up"`` (higher is better) or ``"time
-    ratio"`` (lower is better); its cells end in ``x`` and a note under the table says which way is better.
+    ratio"`` (lower is better); its header says so (:attr:`label`: ``vs native (speed-up, higher is better)``),
+    its cells end in ``x`` and a note under the table says what the ratio divides.
     """
 
     key: str | Callable[[dict], Any]
@@ -134,8 +162,11 @@ class Column:
 
     @property
     def label(self) -> str:
+        """The header as printed: ``avg (us)``; a ratio column always with its kind and direction, ``vs native
+        (speed-up, higher is better)`` or ``vs blocking (time ratio, lower is better)`` (made here, so that no
+        table can leave the direction out)."""
         if self.ratio:
-            return f"{self.header} ({'higher' if self.ratio == 'speed-up' else 'lower'} is better)"
+            return f"{self.header} ({ratio_direction(self.ratio)})"
         return f"{self.header} ({self.unit})" if self.unit else self.header
 
     def cell(self, row: dict) -> str:
@@ -362,24 +393,26 @@ OUTPUTS = ("format", "json", "out", "plot")
 
 
 def add_output_arguments(parser: argparse.ArgumentParser, outputs: Iterable[str] = OUTPUTS, *,
-                         stem: str = "results") -> None:
+                         stem: str = "results", out_help: str | None = None, out_metavar: str = "DIR") -> None:
     """Declare the output flags, spelled and meant alike in every benchmark: ``--format table|json`` (stdout),
     ``--json FILE`` (rows and metadata), ``--out DIR`` (a folder for ``STEM.json`` and the figures),
     ``--plot PNG``. ``outputs`` picks which; the values land in ``format``, ``json_path``, ``out_dir``,
-    ``plot_path`` (the harness reads an undeclared one as None)."""
+    ``plot_path`` (the harness reads an undeclared one as None). ``out_help`` / ``out_metavar`` describe an
+    ``--out`` that takes more than a folder (:attr:`Benchmark.out_help`)."""
     outputs = tuple(outputs)
     bad = [o for o in outputs if o not in OUTPUTS]
     if bad:
         raise ValueError(f"outputs must be some of {OUTPUTS}, got {bad}")
     if "format" in outputs:
         parser.add_argument("--format", choices=["table", "json"], default="table",
-                            help="what stdout shows: a table, or JSON (default: table)")
+                            # %(default)s: a defaults-showing formatter then does not add it a second time
+                            help="what stdout shows: a table, or JSON (default: %(default)s)")
     if "json" in outputs:
         parser.add_argument("--json", dest="json_path", default=None, metavar="FILE",
                             help="write rows and metadata as JSON to FILE")
     if "out" in outputs:
-        parser.add_argument("--out", dest="out_dir", default=None, metavar="DIR",
-                            help=f"folder for {stem}.json and the figures (made if missing)")
+        parser.add_argument("--out", dest="out_dir", default=None, metavar=out_metavar,
+                            help=out_help or f"folder for {stem}.json and the figures (made if missing)")
     if "plot" in outputs:
         parser.add_argument("--plot", dest="plot_path", default=None, metavar="PNG", help="write the plot (PNG)")
 
@@ -468,6 +501,8 @@ class Benchmark(ABC):
     columns: tuple[Column, ...] = ()
     plot_spec: PlotSpec | None = None
     outputs: tuple[str, ...] = OUTPUTS
+    out_help: str | None = None   # --out's help when it takes more than a folder (and its metavar, out_metavar)
+    out_metavar: str = "DIR"
 
     def __init__(self) -> None:
         if self.stem is None:
@@ -493,10 +528,17 @@ class Benchmark(ABC):
     def run(self, ctx: RunContext) -> list | None:
         """Measure and return the rows (dicts keyed by :attr:`columns`' keys), or None when nothing ran."""
 
+    def invocation(self, ctx: RunContext) -> str:
+        """The command as the user typed it, without its options (``hpdl moe bench``, ``hpdl bench moe``,
+        ``hpdl bench all_reduce``), from ``meta["command"]``; ``hpdl bench NAME`` when not run by ``hpdl``."""
+        return invocation(ctx.meta, f"hpdl bench {self.name}")
+
     def table(self, rows: Sequence[Any], ctx: RunContext) -> str:
-        """The text printed last: a heading line and :func:`format_table` of :attr:`columns`."""
+        """The text printed last: a heading line (the command as typed, :meth:`invocation`) and
+        :func:`format_table` of :attr:`columns`."""
         meta = ctx.meta
-        head = f"# hpdl bench {self.name}: {self.title}; " if self.title else f"# hpdl bench {self.name}: "
+        cmd = self.invocation(ctx)
+        head = f"# {cmd}: {self.title}; " if self.title else f"# {cmd}: "
         head += f"device {meta.get('device', 'cpu')}, torch {meta['torch']}, {meta['date']}"
         return head + "\n" + format_table(rows, self.columns)
 
@@ -520,14 +562,33 @@ class Benchmark(ABC):
         return 0
 
 
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2   # EXIT_USAGE is argparse's status for bad usage
+
+
+def usage_checks(bench: Benchmark, args) -> None:
+    """Everything checked before a run: :meth:`Benchmark.validate`, then the output paths (:func:`check_outputs`).
+
+    Raises:
+        CLIUsageError: with ``exit_status`` :data:`EXIT_USAGE` (2, as argparse's own errors), so that the
+            ``hpdl`` command's 1 means only that a run failed or a row is wrong.
+    """
+    try:
+        bench.validate(args)
+        check_outputs(args, bench.output_files(args))
+    except CLIUsageError as exc:
+        exc.exit_status = EXIT_USAGE
+        raise
+
+
 def main(bench: Benchmark, args) -> int:
-    """Run ``bench`` with the parsed ``args``: validate, check output paths, run, then report (stdout table or
-    JSON, ``--json``, ``--out``, ``--plot``) and return the exit status (0 ok, 1 :meth:`Benchmark.failed`)."""
-    bench.validate(args)
-    check_outputs(args, bench.output_files(args))
+    """Run ``bench`` with the parsed ``args``: check usage (:func:`usage_checks`), run, then report (stdout table
+    or JSON, ``--json``, ``--out``, ``--plot``) and return the exit status (0 ok, 1 :meth:`Benchmark.failed`;
+    a usage error raises :class:`CLIUsageError`, which the ``hpdl`` command turns into exit status 2)."""
+    usage_checks(bench, args)
     extra = bench.metadata(args)
     device = extra.pop("device", getattr(args, "device", None))
-    ctx = RunContext(args, run_metadata(device=device, **extra), bench)
+    # the command as typed: `hpdl ...` passes its argv (also when main(argv) is called in-process)
+    ctx = RunContext(args, run_metadata(device=device, command=getattr(args, "_command", None), **extra), bench)
     t0 = time.perf_counter()
     rows = bench.run(ctx)
     if rows is None:  # a rank that does not report
@@ -565,7 +626,8 @@ def command(bench_cls: type[Benchmark]) -> type:
         @staticmethod
         def add_arguments(parser: argparse.ArgumentParser) -> None:
             bench_cls.add_arguments(parser)
-            add_output_arguments(parser, bench_cls.outputs, stem=bench_cls.stem or bench_cls.name)
+            add_output_arguments(parser, bench_cls.outputs, stem=bench_cls.stem or bench_cls.name,
+                                 out_help=bench_cls.out_help, out_metavar=bench_cls.out_metavar)
 
         def run(self, args) -> int:
             return main(bench_cls(), args)

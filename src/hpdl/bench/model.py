@@ -7,9 +7,11 @@ import argparse
 import json
 from dataclasses import asdict, replace
 
-from hpdl.bench.common import Column, add_output_arguments, check_outputs, format_table, pyplot, run_metadata
+from hpdl.bench.common import (EXIT_USAGE, Column, add_output_arguments, check_outputs, format_table, pyplot,
+                               run_metadata)
 from hpdl.comm.model import (FIT, PRESETS, Machine, allreduce_time, calibrate, compare_table, fmt_bytes,
                              load_samples, predict_table, speedup_table)
+from hpdl.runtime.errors import CLIUsageError
 
 WORLDS = [2 ** k for k in range(1, 13)]  # 2 .. 4096
 
@@ -31,17 +33,35 @@ def _cell(key: str):
     return text
 
 
+# the model's fields that are ratios or carry a unit, as labelled columns (the JSON keeps the field names)
+_LABELLED = {"two_level_us": Column("two_level_us", "two_level", "us", ".3g"),
+             "vs_ring_1_rail": Column("vs_ring_1_rail", "vs ring 1 rail", fmt=".3g", ratio="speed-up"),
+             "vs_ring_all_rails": Column("vs_ring_all_rails", "vs ring all rails", fmt=".3g",
+                                         ratio="speed-up"),
+             "two_level_beats_ring_1_rail": Column("two_level_beats_ring_1_rail", "two_level beats ring, 1 rail, at",
+                                                   fmt=str),
+             "two_level_beats_ring_all_rails": Column("two_level_beats_ring_all_rails",
+                                                      "two_level beats ring, all rails, at", fmt=str),
+             "push_beats_pairwise": Column("push_beats_pairwise", "push beats pairwise at", fmt=str),
+             "push_speedup_4MiB": Column("push_speedup_4MiB", "push vs pairwise at 4 MiB", fmt=".3g",
+                                         ratio="speed-up")}
+
+
 def _table(rows: list[dict], title: str) -> str:
     if not rows:
         return f"# {title}\n# (no rows)"
-    return format_table(rows, [Column(k, k, fmt=_cell(k)) for k in rows[0]], title)
+    return format_table(rows, [_LABELLED.get(k) or Column(k, k, fmt=_cell(k)) for k in rows[0]], title)
 
 
 def run_model_command(args, size: int) -> int:
     """``hpdl bench model``: measured vs model (calibrated), then predictions, each section labelled.
 
     ``args`` from :func:`add_model_arguments`; ``size`` (bytes) is ``--size`` parsed by ``hpdl bench``."""
-    check_outputs(args)
+    try:
+        check_outputs(args)
+    except CLIUsageError as exc:
+        exc.exit_status = EXIT_USAGE   # a usage error before the run, as in every harness benchmark
+        raise
     out: dict = {"meta": run_metadata()}
     if args.calibrate:
         samples = load_samples(args.calibrate)
@@ -70,7 +90,7 @@ def run_model_command(args, size: int) -> int:
         print(_table(out["measured_vs_model"], "measured on this host (emulated nodes) vs calibrated model"))
         print()
     print(f"# PREDICTION (not measured): machine {m.name}: {m.source}")
-    print(_table(out["prediction_speedup"], f"PREDICTION: two_level Allreduce speed-up (higher is better) at "
+    print(_table(out["prediction_speedup"], f"PREDICTION: two_level Allreduce speed-up at "
                  f"{fmt_bytes(size)} (seed 2 abstract reports 2.8x at 1 GB on 32 NVIDIA GPUs)"))
     print()
     print(_table(out["prediction_crossovers"], f"PREDICTION: where two-level wins (crossovers), {m.gpus_per_node} "

@@ -12,12 +12,14 @@ from __future__ import annotations
 from itertools import groupby
 from typing import Sequence
 
-from hpdl.bench.common import source_commit  # noqa: F401 (its old home; hpdl.bench.common owns it)
+from hpdl.bench.common import Column, source_commit  # noqa: F401 (source_commit: its old home; common owns it)
 from hpdl.bench.harness import NOISE, REPEATS, Row, algo_label, speedup_text
 from hpdl.comm.tuning import INF, Rule, TuningTable, default_table
 
+# nccl-tests' header, then the speed-up over native, its direction in the header as in every harness table
+VS_NATIVE = Column("speedup", "vs native", ratio="speed-up")
 _COLUMNS = ("size(B)", "count", "type", "redop", "algorithm", "avg(us)", "min(us)", "max(us)", "algbw(GB/s)",
-            "busbw(GB/s)", "#wrong", "vs native")
+            "busbw(GB/s)", "#wrong", VS_NATIVE.label)
 
 
 def format_table(rows: Sequence[Row], title: str = "") -> str:

@@ -22,13 +22,14 @@ fails if they differ.
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from hpdl.bench.common import Benchmark, Column, Panel, PlotSpec, command
+from hpdl.bench.common import Benchmark, Column, Panel, PlotSpec, Progress, command
 from hpdl.moe.errors import MoEError
 from hpdl.runtime.errors import CLIUsageError
 from hpdl.runtime.limits import count
@@ -128,8 +129,9 @@ def prepare(spec: BenchSpec, E: int) -> dict:
             "prompts": prompts, "model_config": asdict(model.cfg)}
 
 
-def bench_rank(ctx, spec_d: dict, E: int, prep: dict) -> list[dict]:
-    """Per-rank body (run by ``hpdl.runtime.launch.spawn`` or a test pool): every mode x batch size.
+def bench_rank(ctx, spec_d: dict, E: int, prep: dict, show: bool = False) -> list[dict]:
+    """Per-rank body (run by ``hpdl.runtime.launch.spawn`` or a test pool): every mode x batch size. With
+    ``show``, rank 0 prints a progress line per point on stderr (stdout holds only the table or the JSON).
 
     Modes are interleaved: each repeat runs every mode once, in an order rotated per repeat, so drift of the
     machine over the sweep (other jobs, frequency, caches) falls on all modes alike instead of on whichever mode
@@ -149,6 +151,8 @@ def bench_rank(ctx, spec_d: dict, E: int, prep: dict) -> list[dict]:
              "exflow_padded": ("exflow", ilp, "worst_case")}
     names = list(modes)
     rows = []
+    # a spawned process cannot draw on the parent's bar: flushed lines on stderr (the harness's line mode)
+    steps = Progress(len(spec.batches) * len(names), f"E={E}", enabled=show and ctx.rank == 0, mode="lines")
     for b in spec.batches:
         prompts = prep["prompts"][ctx.rank][:b]
         tokens, times, stats = {}, {n: [] for n in names}, {}
@@ -188,11 +192,11 @@ def bench_rank(ctx, spec_d: dict, E: int, prep: dict) -> list[dict]:
                          "rows_cross": sum(st["rows_cross"].values()),
                          "rows_dispatched_decode": sum(st["rows_dispatched_decode"].values()),
                          "rows_cross_decode": sum(st["rows_cross_decode"].values())})
-            if ctx.rank == 0:
+            if steps.mode != "off":
                 r = rows[-1]
-                print(f"E={E} batch/rank={b} {name}: {r['tokens_per_s']:.0f} tok/s (decode "
-                      f"{r['decode_tokens_per_s']:.0f}), rank 0's a2a {np.mean(r['a2a_bytes_per_layer']) / 1024:.1f} "
-                      f"KiB per layer", flush=True)
+                steps.advance(f"E={E} batch/rank={b} {name}: {r['tokens_per_s']:.0f} tok/s (decode "
+                              f"{r['decode_tokens_per_s']:.0f}), rank 0's a2a "
+                              f"{np.mean(r['a2a_bytes_per_layer']) / 1024:.1f} KiB per layer")
         if any(t != tokens["baseline"] for t in tokens.values()):
             raise MoEError(f"rank {ctx.rank}: E={E} batch={b}: ExFlow tokens differ from the baseline's")
     return rows
@@ -216,7 +220,8 @@ def run(spec: BenchSpec, ctx=None, progress=None) -> list[dict]:
         prep = prepare(spec, E)
         extra["placements"][E] = prep["placement"]
         extra["models"][E] = prep["model_config"]   # what ran (a --model checkpoint overrides the spec's shape)
-        per_rank = spawn(bench_rank, spec.world_size, args=(asdict(spec), E, prep))
+        show = progress is not None and progress.mode != "off"
+        per_rank = spawn(bench_rank, spec.world_size, args=(asdict(spec), E, prep, show))
         rows.extend(summarise(per_rank))
         if progress is not None:
             progress.advance(f"E={E} done ({progress.elapsed:.0f} s)")
@@ -277,6 +282,9 @@ class MoEBenchmark(Benchmark):
     are ``moe_bench.json`` / ``moe_bench.png`` here."""
 
     name, stem = "moe", "moe_bench"
+    out_metavar = "DIR|FILE.json"
+    out_help = ("a folder for moe_bench.json and moe_bench.png (made if missing), or a FILE.json: the JSON file, "
+                "with the figure FILE.png beside it (default: both in the current folder)")
     title = "ExFlow vs the 2-Alltoall baseline (gloo ranks)"
     columns = (Column("experts", "E"), Column("batch_per_rank", "batch/rank"), Column("mode", "mode"),
                Column("tokens_per_s", "throughput", "tok/s", ".0f"),
@@ -290,8 +298,8 @@ class MoEBenchmark(Benchmark):
 
     @classmethod
     def add_arguments(cls, b) -> None:
-        b.add_argument("--world-size", type=count(1, 64), default=4, help="gloo ranks (processes) spawned; must "
-                       "divide every expert count")
+        b.add_argument("--world-size", "--np", type=count(1, 64), default=4, help="gloo ranks (processes) spawned "
+                       "(--np, as in every other bench); must divide every expert count")
         b.add_argument("--experts", default="8,16,32", help="comma-separated expert counts E, one model each")
         b.add_argument("--batches", default="1,4,16,64", help="comma-separated requests per rank (each >= 1)")
         b.add_argument("--hidden", type=count(8, 1 << 16), default=256, help="hidden size (8 query / 2 KV heads)")
@@ -323,13 +331,21 @@ class MoEBenchmark(Benchmark):
         self.spec = BenchSpec(world_size=args.world_size, experts=experts, batches=batches, hidden_size=args.hidden,
                               n_layers=args.layers, expert_size=args.expert_size, prompt_len=args.prompt_len,
                               new_tokens=args.new_tokens, repeats=args.repeats, model=args.model)
-        check_spec(self.spec)
+        try:
+            check_spec(self.spec)
+        except MoEError as exc:   # say it with the flags' names (the spec's world_size is --world-size)
+            flags = {"world_size": "--world-size", "experts": "--experts", "batches": "--batches", "model": "--model",
+                     "hidden_size": "--hidden", "n_layers": "--layers", "expert_size": "--expert-size",
+                     "prompt_len": "--prompt-len", "new_tokens": "--new-tokens", "repeats": "--repeats"}
+            text = re.sub(r"\b(" + "|".join(flags) + r")\b=?", lambda m: flags[m[1]] + (" " if m[0][-1] == "=" else ""),
+                          str(exc))
+            raise CLIUsageError(text) from None
 
     def metadata(self, args) -> dict:
         return {"device": "cpu", "spec": asdict(self.spec)}
 
     def run(self, ctx) -> list[dict]:
-        with ctx.progress(len(self.spec.experts), header=f"# hpdl moe bench: E in {self.spec.experts}, "
+        with ctx.progress(len(self.spec.experts), header=f"# {self.invocation(ctx)}: E in {self.spec.experts}, "
                           f"{self.spec.world_size} gloo ranks") as bar:
             return run(self.spec, ctx, bar)
 

@@ -36,7 +36,11 @@ class ProtocolError(WorkerFailedError):
 
 
 class CLIUsageError(ValueError):
-    """Bad command-line usage: the ``hpdl`` command prints the sub-command's usage and this message, exit 1.
+    """Bad command-line usage: the ``hpdl`` command prints the sub-command's usage and this message, and exits
+    with :attr:`exit_status` (1; the benchmark harness, :mod:`hpdl.bench.common`, gives the errors it finds before
+    a run argparse's 2, so that 1 there means only "a row is wrong").
 
     Raised by library code that checks values a command line gave (it lives here, not in :mod:`hpdl.cli`, so
     that no library module imports the CLI)."""
+
+    exit_status: int = 1

@@ -41,8 +41,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from hpdl.bench.common import (Benchmark, Column, Panel, PlotSpec, check_outputs, command, format_table, main,
-                               plot_rows, pyplot, run_metadata)
+from hpdl.bench.common import (Benchmark, Column, Panel, PlotSpec, command, format_table, main,
+                               plot_rows, pyplot, run_metadata, usage_checks)
 
 from hpdl.models.soft_ops import nystrom_attention, soft_attention
 from hpdl.runtime.errors import CLIUsageError
@@ -441,7 +441,7 @@ class AttentionBenchmark(Benchmark):
         p.add_argument("--infer-batch", type=count(1, 1 << 16), default=None, help="(default: 256 on CUDA, 4 on CPU)")
         p.add_argument("--train-batch", type=count(1, 1 << 16), default=None, help="(default: 128 on CUDA, 2 on CPU)")
         p.add_argument("--warmup", type=count(0, 10_000), default=3, help="untimed calls per point (default: 3)")
-        p.add_argument("--reps", type=count(1, 10_000), default=10, help="timed calls per point, median reported (default: 10)")
+        p.add_argument("--reps", "--repeats", type=count(1, 10_000), default=10, help="timed calls per point, median reported (default: 10)")
         p.add_argument("--smoke", action="store_true", help="goal suite: tiny shapes (a CPU check of the code; "
                                                             "CPU needs TRITON_INTERPRET=1 for the kernel check)")
         p.add_argument("--goal-parts", default=None,
@@ -546,7 +546,7 @@ class AttentionBenchmark(Benchmark):
 
     def table(self, rows, ctx) -> str:
         m = ctx.meta
-        return (f"# hpdl bench attention: {m['device_name']}, {m['dtype']}, torch {m['torch']}, {m['date']}\n"
+        return (f"# {self.invocation(ctx)}: {m['device_name']}, {m['dtype']}, torch {m['torch']}, {m['date']}\n"
                 + format_tables(rows, m, ctx.extra.get("crossover_soft_vs_sdpa")))
 
     def plot(self, rows, path, ctx) -> list[str]:
@@ -564,11 +564,10 @@ class AttentionBenchCommand(command(AttentionBenchmark)):
         bench = AttentionBenchmark()
         if _csv(args.suite) != ["goal"]:
             return main(bench, args)
-        bench.validate(args)
+        usage_checks(bench, args)
         from hpdl.vision.soft_goal import run_goal
 
         out = Path(args.out_dir or os.environ.get("OUT") or ".")
-        check_outputs(args)
         meta = run_metadata(**bench.metadata(args))
         meta["dtype"] = "bfloat16" if bench.device.type == "cuda" else "float32"
         return run_goal(bench.goal, bench.device, meta, out)
