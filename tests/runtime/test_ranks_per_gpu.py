@@ -227,10 +227,11 @@ def test_mps_missing_names_the_program(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("argv, code, message", [
-    (["--device", "cpu", "--ranks-per-gpu", "2"], 1, "--ranks-per-gpu needs --device cuda"),
+    # usage errors exit 2, from the parser or from the harness's checks before the run (docs/bench.md)
+    (["--device", "cpu", "--ranks-per-gpu", "2"], 2, "--ranks-per-gpu needs --device cuda"),
     (["--device", "cuda", "--ranks-per-gpu", "0"], 2, "--ranks-per-gpu"),           # refused by the parser
-    (["--device", "cuda", "--ranks-per-gpu", "4", "--tune", "t.json"], 1, "no tuning table is written"),
-    (["--device", "cuda", "--ranks-per-gpu", "2", "--graph"], 1, "['native', 'direct', 'ring'] run over gloo"),
+    (["--device", "cuda", "--ranks-per-gpu", "4", "--tune", "t.json"], 2, "no tuning table is written"),
+    (["--device", "cuda", "--ranks-per-gpu", "2", "--graph"], 2, "['native', 'direct', 'ring'] run over gloo"),
 ])
 def test_bench_ranks_per_gpu_flags(argv, code, message, tmp_path):
     out = subprocess.run([sys.executable, "-m", "hpdl.cli", "bench", "allreduce", "--np", "4", *argv],
