@@ -110,6 +110,16 @@ def exchange_all_moves_every_dtype_and_size_inline_or_not(t: Transport):
 
 
 @case
+def exchange_all_takes_a_non_contiguous_tensor_on_some_ranks_only(t: Transport):
+    # 300 x 400 float32 (over the inline limit): rank 1's is a transposed view; its send was refused on that rank
+    # alone while rank 0 waited for the bytes until its timeout
+    base = value(0, (300, 400), torch.float32)
+    mine = base if t.rank == 0 else base.t().contiguous().t()
+    rows = t.exchange_all(mine, tag=18)
+    assert all(same_bytes(r, base) for r in rows)
+
+
+@case
 def bad_arguments_raise_the_shared_checks_before_anything_is_posted(t: Transport):
     x, peer = torch.zeros(4), 1 - t.rank
     raises(TypeError, "tag must be an int (in [0, ", t.post, [(x, peer)], [], tag=1.5)

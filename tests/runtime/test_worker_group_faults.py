@@ -144,11 +144,15 @@ def test_a_bad_timeout_is_refused_and_the_group_stays_usable(group):
         with pytest.raises(ValueError, match=r"timeout must be a number of seconds >= 0"):
             svc.request(1, timeout=bad)
     assert svc.request(7, timeout=60) == [(0, 7), (1, 7)]
+    for long in (1e7, 1e300):   # past poll()'s 2**31 ms: an OverflowError tore the group down
+        assert svc.request(8, timeout=long) == [(0, 8), (1, 8)]
+        assert group.run(C.rank_of, timeout=long) is not None
     svc.stop()
     _usable(group)
 
 
 @pytest.mark.parametrize("kwargs, name", [
+    ({"timeout": math.inf}, "timeout"), ({"timeout": 1e308}, "timeout"),   # a process group's timedelta overflowed
     ({"timeout": -1}, "timeout"), ({"timeout": 0}, "timeout"), ({"timeout": "x"}, "timeout"),
     ({"timeout": math.nan}, "timeout"), ({"start_timeout": -1}, "start_timeout"),
     ({"ranks_per_node": 0}, "ranks_per_node"), ({"ranks_per_node": [1]}, "ranks_per_node"),

@@ -39,6 +39,15 @@ from typing import Any, Callable
 from hpdl.runtime.errors import ProtocolError
 
 PROTOCOL_VERSION = 2   # 2: head and body pickled apart
+POLL_MS_MAX = 2**31 - 1   # poll()'s limit (about 24.8 days): a longer wait is made of several
+
+
+def poll_ms(seconds: float) -> int:
+    """``seconds`` as a ``poll()`` timeout in ms: at least 1, at most :data:`POLL_MS_MAX` (a caller that waits longer
+    polls again until its deadline; a larger value raised OverflowError)."""
+    return int(min(POLL_MS_MAX, max(1, math.ceil(seconds * 1000)))) if seconds < POLL_MS_MAX else POLL_MS_MAX
+
+
 _MAGIC = b"HPDL"
 _HEADER = struct.Struct("!4sHB")   # magic, protocol version, length of the type name
 
@@ -220,7 +229,7 @@ def write_frame(fd: int, frame: bytes, deadline: float | None) -> bool:
                 if poller is None:
                     poller = select.poll()
                     poller.register(fd, select.POLLOUT)
-                poller.poll(None if left is None else max(1, math.ceil(left * 1000)))
+                poller.poll(None if left is None else poll_ms(left))
         return True
     finally:
         if was_blocking:

@@ -97,19 +97,23 @@ def detect_launcher() -> tuple[str, int, int, int] | None:
     return None
 
 
-def _check_seconds(name: str, value, *, none: bool = True, positive: bool = False) -> None:
+GROUP_TIMEOUT_MAX_S = 1e8   # a process group's timeout becomes a timedelta (about 3 years here; inf overflows it)
+
+
+def _check_seconds(name: str, value, *, none: bool = True, positive: bool = False,
+                   limit: float = float("inf")) -> None:
     """Refuse a bad duration argument before anything is sent or started.
 
     Raises:
         ValueError: ``value`` is not a real number of seconds (a bool, a string, NaN), is negative (or 0 with
-            ``positive``), or is None where ``none`` is False; the message names ``name``.
+            ``positive``), above ``limit``, or is None where ``none`` is False; the message names ``name``.
     """
     if value is None and none:
         return
     ok = (not isinstance(value, bool) and isinstance(value, (int, float)) and not math.isnan(value)
-          and (value > 0 if positive else value >= 0))
+          and (value > 0 if positive else value >= 0) and value <= limit)
     if not ok:
-        want = "> 0" if positive else ">= 0"
+        want = ("> 0" if positive else ">= 0") + (f" and <= {limit:g}" if limit != float("inf") else "")
         raise ValueError(f"{name} must be a number of seconds {want}{' or None' if none else ''}, got {value!r}")
 
 
@@ -665,8 +669,8 @@ class WorkerGroup:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-        _check_seconds("timeout", timeout, positive=True)
-        _check_seconds("start_timeout", start_timeout, positive=True)
+        _check_seconds("timeout", timeout, positive=True, limit=GROUP_TIMEOUT_MAX_S)
+        _check_seconds("start_timeout", start_timeout, positive=True, limit=GROUP_TIMEOUT_MAX_S)
         _check_ranks_per_node(ranks_per_node, world_size)
         if driver and dist.is_initialized():
             raise RuntimeError("driver=True makes this process rank 0 of a new process group, but one is already "
@@ -904,9 +908,9 @@ class WorkerGroup:
         poller = self._poller()
         if not self._fds:
             if timeout:
-                time.sleep(timeout)
+                time.sleep(min(timeout, 1.0))   # nothing to watch: the caller loops to its deadline
             return
-        events = poller.poll(None if timeout is None else math.ceil(max(timeout, 0.0) * 1000))
+        events = poller.poll(None if timeout is None else (0 if timeout <= 0 else ch.poll_ms(timeout)))
         ready = [self._fds[fd] for fd, _ in events if fd in self._fds]
         exited = {i for i, exit_fd in ready if exit_fd}   # (its pipe may have no event: checked before reading)
         for i in sorted({i for i, _ in ready}):

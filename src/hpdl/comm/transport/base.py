@@ -212,6 +212,9 @@ class Transport(ABC):
         """
         if not isinstance(mine, torch.Tensor):
             raise TypeError(f"mine must be a torch.Tensor, got {type(mine).__name__}")
+        # one layout on every rank: a non-contiguous tensor on some ranks only would pass the header round and then be
+        # refused by the send check on those ranks alone, leaving the others waiting for its bytes
+        mine = mine.contiguous()
         peers = [q for q in range(self.world_size) if q != self.rank]
         nbytes = mine.numel() * mine.element_size()
         inline = nbytes <= EXCHANGE_MSG_BYTES - 16
