@@ -80,9 +80,8 @@ def check_post(transport: "Transport", sends: Sequence[tuple[torch.Tensor, int]]
         ValueError: anything else out of the above, naming the argument and what was expected.
     """
     tag = check_int("tag", tag, 0, tag_max, f"in [0, {tag_max}]{tag_note}")
-    kinds = " or ".join(d.upper() for d in devices)
-    who = type(transport).__name__
-    out = []
+    p = transport.world_size
+    out = []   # (every collective step posts through here: messages are built only on an error)
     for what, pairs in (("send", sends), ("recv", recvs)):
         checked = []
         for t, peer in pairs:
@@ -99,13 +98,14 @@ def check_post(transport: "Transport", sends: Sequence[tuple[torch.Tensor, int]]
             else:
                 bad = None
             if bad is not None:
-                raise ValueError(f"{what} tensor must be a contiguous {kinds} tensor ({who}), got a {bad}"
-                                 f"{t.device} tensor")
-            p = transport.world_size
-            rank = "a rank" if to_self else f"another rank than this one ({transport.rank})"
-            peer = check_int(f"{what} peer", peer, 0, p - 1, f"{rank} in [0, {p})")
-            if not to_self and peer == transport.rank:
-                raise ValueError(f"{what} peer must be {rank} in [0, {p}), got {peer}")
+                kinds = " or ".join(d.upper() for d in devices)
+                raise ValueError(f"{what} tensor must be a contiguous {kinds} tensor ({type(transport).__name__}), "
+                                 f"got a {bad}{t.device} tensor")
+            if type(peer) is not int or not 0 <= peer < p or (not to_self and peer == transport.rank):
+                rank = "a rank" if to_self else f"another rank than this one ({transport.rank})"
+                peer = check_int(f"{what} peer", peer, 0, p - 1, f"{rank} in [0, {p})")
+                if not to_self and peer == transport.rank:
+                    raise ValueError(f"{what} peer must be {rank} in [0, {p}), got {peer}")
             checked.append((t, peer))
         out.append(checked)
     return out[0], out[1], tag
